@@ -1,0 +1,15 @@
+"""Communication in minipar: recorded point-to-point calls, collectives built from them
+(ring, tree, halving-doubling), and the backend's own collectives, recorded.
+
+Everything here writes ``comm`` events to :mod:`minipar.trace`.
+"""
+from .native import all_gather, all_reduce, reduce_scatter
+from .p2p import (Handle, exchange, global_rank, group_rank, group_size, irecv, isend, recv,
+                  send)
+from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .tree import broadcast, halving_doubling_all_reduce
+
+__all__ = ["send", "recv", "isend", "irecv", "exchange", "Handle", "group_rank", "group_size",
+           "global_rank", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
+           "broadcast", "halving_doubling_all_reduce", "all_reduce", "reduce_scatter",
+           "all_gather"]

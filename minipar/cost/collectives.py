@@ -1,0 +1,80 @@
+"""Cost of collectives: bytes per rank and the α-β time model.
+
+Bytes each rank **sends** under the ring algorithm for a message of N bytes on n ranks
+(Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations", 2009; Thakur, Rabenseifner & Gropp, "Optimization of Collective
+Communication Operations in MPICH", 2005):
+
+    all_reduce       2 (n-1)/n · N      (reduce-scatter, then all-gather)
+    reduce_scatter     (n-1)/n · N      (N = size of the full input)
+    all_gather         (n-1)/n · N      (N = size of the full output)
+    broadcast          (n-1)/n · N      (on average: (n-1)·N in total, shared by the senders)
+
+The α-β (latency-bandwidth, "Hockney") model charges α seconds per message step and β
+seconds per byte: T = steps·α + bytes·β, with steps = 2(n-1) for the ring all-reduce and
+n-1 for the others.
+"""
+from __future__ import annotations
+
+import math
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+def _check(op: str, world_size: int) -> None:
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+
+
+def collective_bytes(op: str, nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends for ``op`` on a message of ``nbytes`` over ``world_size`` ranks."""
+    _check(op, world_size)
+    n = world_size
+    factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+    return factor * nbytes
+
+
+def collective_steps(op: str, world_size: int, algorithm: str = "ring") -> int:
+    """Sequential message steps: ring 2(n-1) for all-reduce and n-1 otherwise;
+    ``"tree"``/``"halving_doubling"`` ⌈log2 n⌉ per phase."""
+    _check(op, world_size)
+    n = world_size
+    if n == 1:
+        return 0
+    per_phase = n - 1 if algorithm == "ring" else math.ceil(math.log2(n))
+    return 2 * per_phase if op == "all_reduce" else per_phase
+
+
+def alpha_beta_time(op: str, nbytes: float, world_size: int, alpha: float, beta: float,
+                    algorithm: str = "ring") -> float:
+    """Predicted seconds: ``steps·alpha + bytes_sent·beta`` (β in seconds per byte)."""
+    return (collective_steps(op, world_size, algorithm) * alpha
+            + collective_bytes(op, nbytes, world_size) * beta)
+
+
+def fit_alpha_beta(op: str, sizes: list[float], seconds: list[float], world_size: int,
+                   algorithm: str = "ring") -> tuple[float, float]:
+    """Least-squares (α, β) from measured times of ``op`` at several message sizes."""
+    xs = [(collective_steps(op, world_size, algorithm), collective_bytes(op, s, world_size))
+          for s in sizes]
+    # normal equations for t = a·x0 + b·x1
+    s00 = sum(a * a for a, _ in xs)
+    s01 = sum(a * b for a, b in xs)
+    s11 = sum(b * b for _, b in xs)
+    t0 = sum(a * t for (a, _), t in zip(xs, seconds))
+    t1 = sum(b * t for (_, b), t in zip(xs, seconds))
+    det = s00 * s11 - s01 * s01
+    if det == 0:
+        raise ValueError("need at least two different message sizes to fit alpha and beta")
+    return (t0 * s11 - t1 * s01) / det, (s00 * t1 - s01 * t0) / det
+
+
+def bus_bandwidth(op: str, nbytes: float, world_size: int, seconds: float) -> float:
+    """Bytes per second each rank's link carried ("bus bandwidth", as nccl-tests reports).
+
+    It is ``collective_bytes / seconds``, comparable across ranks and operations: the
+    peak a link can do, whatever the collective.
+    """
+    return collective_bytes(op, nbytes, world_size) / seconds if seconds > 0 else float("inf")

@@ -1,0 +1,146 @@
+"""A small GPT (decoder-only transformer), the model most chapters train.
+
+The architecture of GPT-2 (Radford et al. 2019) as written in nanoGPT: token and position
+embeddings, ``n_layer`` pre-norm blocks ``x + attn(ln(x))``, ``x + mlp(ln(x))``, a final
+layer norm and a linear head to the vocabulary. Attention is written out (no fused
+kernel) so that tensor parallelism can split it by heads.
+
+The model is three parts, in order, so that pipeline parallelism can cut it anywhere:
+``embed`` (tokens -> hidden states), ``blocks`` (hidden -> hidden), ``head`` (hidden ->
+logits). ``model.layers()`` lists them flat. Initialisation is deterministic given
+``seed`` and does not disturb the global random state.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 65
+    block_size: int = 32      # longest sequence
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 32          # hidden size h
+    tie_weights: bool = False  # share the embedding matrix with the output head
+    dropout: float = 0.0
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        if c.n_embd % c.n_head:
+            raise ValueError(f"n_embd={c.n_embd} is not divisible by n_head={c.n_head}")
+        self.n_head, self.head_dim = c.n_head, c.n_embd // c.n_head
+        self.qkv = nn.Linear(c.n_embd, 3 * c.n_embd)
+        self.proj = nn.Linear(c.n_embd, c.n_embd)
+        self.drop = nn.Dropout(c.dropout)
+
+    def attend(self, q, k, v):
+        """softmax(q kᵀ / √d + causal mask) v, per head; (B, heads, T, d) tensors."""
+        T = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        att = self.drop(att.masked_fill(~mask, float("-inf")).softmax(dim=-1))
+        return att @ v
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = self.attend(q, k, v).transpose(1, 2).reshape(B, T, C)
+        return self.drop(self.proj(y))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(c.n_embd, 4 * c.n_embd)
+        self.proj = nn.Linear(4 * c.n_embd, c.n_embd)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x):
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(c.n_embd), CausalSelfAttention(c)
+        self.ln2, self.mlp = nn.LayerNorm(c.n_embd), FeedForward(c)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.wte = nn.Embedding(c.vocab_size, c.n_embd)
+        self.wpe = nn.Embedding(c.block_size, c.n_embd)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class Head(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(c.n_embd)
+        self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(self.ln_f(x))
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """GPT-2 initialisation: N(0, 0.02) weights, zero biases, unit layer norms."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig | None = None, seed: int = 0, **overrides):
+        super().__init__()
+        self.config = c = config or GPTConfig(**overrides)
+        if config is not None and overrides:
+            raise ValueError("pass either a GPTConfig or keyword overrides, not both")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.embed = Embedding(c)
+            self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+            self.head = Head(c)
+            init_weights(self)
+        if c.tie_weights:
+            self.head.lm_head.weight = self.embed.wte.weight
+
+    def layers(self) -> list[nn.Module]:
+        """``[embed, block_0, ..., block_{L-1}, head]``: applied in order, tokens -> logits."""
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, idx, targets=None):
+        """Logits ``(B, T, vocab)``; with ``targets``, the mean cross-entropy loss instead."""
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return logits if targets is None else lm_loss(logits, targets)
+
+
+def lm_loss(logits, targets):
+    """Mean next-token cross-entropy over all B·T positions."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,109 @@
+"""Plotly figures the chapters share: rank timelines, bandwidth, memory, loss curves.
+
+Every function returns a ``plotly.graph_objects.Figure`` (plain figures render in
+JupyterLab, Colab and headless runs alike; no widget needed).
+"""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from .trace import Trace
+
+COLORS = {"compute": "#4C78A8", "comm": "#F58518", "idle": "#E6E6E6"}
+_PALETTE = ["#4C78A8", "#72B7B2", "#54A24B", "#EECA3B", "#B279A2", "#FF9DA6", "#9D755D",
+            "#BAB0AC", "#E45756", "#F58518"]
+
+
+def _label(e: dict) -> str:
+    lab = ", ".join(f"{k}={v}" for k, v in e["labels"].items())
+    b = f"<br>sent {e['bytes_sent']:,} B, received {e['bytes_recv']:,} B" if e["kind"] == "comm" else ""
+    return f"{e['name']} ({e['kind']})<br>{lab}<br>{1e3 * (e['end'] - e['start']):.2f} ms{b}"
+
+
+def timeline(trace: Trace, title: str = "What each rank did", color_by: str = "kind",
+             unit: str = "ms", height: int | None = None) -> go.Figure:
+    """One row per rank; bars for compute and communication, grey gaps for idle time.
+
+    ``color_by="kind"`` colours compute blue and communication orange; ``color_by="name"``
+    (or a label such as ``"microbatch"``) gives each value its own colour. Hover a bar for
+    its labels, duration and bytes.
+    """
+    scale = {"ms": 1e3, "s": 1.0}[unit]
+    fig = go.Figure()
+    rows = [f"rank {r}" for r in range(trace.world_size)]
+    summary = trace.summary()
+    t0 = min((e["start"] for e in trace.events()), default=0.0)
+    t1 = max((e["end"] for e in trace.events()), default=0.0)
+    fig.add_bar(y=rows, x=[(t1 - t0) * scale] * len(rows), base=[0] * len(rows), orientation="h",
+                marker_color=COLORS["idle"], name="idle", hoverinfo="skip",
+                customdata=[s["idle"] for s in summary])
+    groups: dict[str, list[dict]] = {}
+    for e in trace.events():
+        key = e["kind"] if color_by == "kind" else str(e["labels"].get(color_by, e["name"])
+                                                        if color_by != "name" else e["name"])
+        groups.setdefault(key, []).append(e)
+    for i, (key, evs) in enumerate(sorted(groups.items())):
+        color = COLORS.get(key) if color_by == "kind" else _PALETTE[i % len(_PALETTE)]
+        fig.add_bar(y=[f"rank {e['rank']}" for e in evs],
+                    x=[(e["end"] - e["start"]) * scale for e in evs],
+                    base=[(e["start"] - t0) * scale for e in evs], orientation="h",
+                    marker_color=color, marker_line_width=0.5, marker_line_color="white",
+                    name=key, hovertext=[_label(e) for e in evs], hoverinfo="text")
+    fig.update_layout(barmode="overlay", title=title, xaxis_title=f"time ({unit})",
+                      yaxis=dict(autorange="reversed"), bargap=0.3,
+                      height=height or 120 + 45 * trace.world_size, legend_title=color_by)
+    return fig
+
+
+def summary_bars(trace: Trace, title: str = "Where the time went") -> go.Figure:
+    """Stacked bars per rank: compute, communication not hidden by compute, idle."""
+    s = trace.summary()
+    ranks = [f"rank {r['rank']}" for r in s]
+    fig = go.Figure()
+    fig.add_bar(x=ranks, y=[r["compute"] * 1e3 for r in s], name="compute", marker_color=COLORS["compute"])
+    fig.add_bar(x=ranks, y=[(r["comm"] - r["overlap"]) * 1e3 for r in s], name="comm (exposed)",
+                marker_color=COLORS["comm"])
+    fig.add_bar(x=ranks, y=[r["idle"] * 1e3 for r in s], name="idle", marker_color="#BBBBBB")
+    fig.update_layout(barmode="stack", title=title, yaxis_title="ms")
+    return fig
+
+
+def bandwidth(sizes: list[float], series: dict[str, list[float]], title: str = "Bandwidth",
+              model: dict[str, list[float]] | None = None, ylabel: str = "time (ms)") -> go.Figure:
+    """Measured curves (markers) and model curves (dashed) against message size, log-log."""
+    fig = go.Figure()
+    for name, ys in series.items():
+        fig.add_scatter(x=sizes, y=ys, mode="lines+markers", name=name)
+    for name, ys in (model or {}).items():
+        fig.add_scatter(x=sizes, y=ys, mode="lines", line_dash="dash", name=name)
+    fig.update_layout(title=title, xaxis_title="message size (bytes)", yaxis_title=ylabel,
+                      xaxis_type="log", yaxis_type="log")
+    return fig
+
+
+def memory(per_rank: list[dict[str, float]], title: str = "Memory per rank",
+           theory: list[float] | None = None, unit: str = "MiB") -> go.Figure:
+    """Stacked bars per rank, one colour per component (``{"params": bytes, ...}``);
+    ``theory`` (bytes per rank) is drawn as a marker to compare with."""
+    div = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    ranks = [f"rank {r}" for r in range(len(per_rank))]
+    fig = go.Figure()
+    keys = list(dict.fromkeys(k for d in per_rank for k in d))
+    for k in keys:
+        fig.add_bar(x=ranks, y=[d.get(k, 0) / div for d in per_rank], name=k)
+    if theory is not None:
+        fig.add_scatter(x=ranks, y=[t / div for t in theory], mode="markers", name="theory",
+                        marker=dict(symbol="line-ew-open", size=40, color="black", line_width=3))
+    fig.update_layout(barmode="stack", title=title, yaxis_title=unit)
+    return fig
+
+
+def loss_curves(curves: dict[str, list[float]], title: str = "Training loss",
+                x: dict[str, list[float]] | None = None, xlabel: str = "step") -> go.Figure:
+    """Loss against step (or against ``x[name]``, e.g. wall time) for each named run."""
+    fig = go.Figure()
+    for name, ys in curves.items():
+        xs = (x or {}).get(name, list(range(len(ys))))
+        fig.add_scatter(x=xs, y=ys, mode="lines", name=name)
+    fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title="loss")
+    return fig

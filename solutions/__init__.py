@@ -1,0 +1,1 @@
+"""Completed versions of the files in ``exercises/`` (the same names and signatures)."""

@@ -72,3 +72,17 @@ def current_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")
+
+
+def describe_machine(world_sizes=(2, 4)) -> list[tuple[str, str]]:
+    """Rows (what, value) describing this machine and the backend each world size gets."""
+    import platform
+
+    import torch.distributed as dist
+    rows = [("python", platform.python_version()), ("torch", torch.__version__),
+            ("CPU cores", str(os.cpu_count())), ("CUDA GPUs", str(gpu_count())),
+            ("Gloo available", str(dist.is_gloo_available())),
+            ("NCCL available", str(dist.is_nccl_available()))]
+    for n in world_sizes:
+        rows.append((f"backend for {n} ranks", pick_backend("auto", n)[1]))
+    return rows

@@ -24,13 +24,16 @@ How it works, and why:
 from __future__ import annotations
 
 import atexit
+import io
+import linecache
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from datetime import timedelta
 from multiprocessing.connection import wait
 
@@ -47,13 +50,20 @@ _IN_RANK = "MINIPAR_IN_RANK"
 class RankError(RuntimeError):
     """A rank raised (or died); ``.rank`` is the first to fail, ``.remote_traceback`` its trace."""
 
-    def __init__(self, rank: int, world_size: int, remote_traceback: str, others: dict | None = None):
+    def __init__(self, rank: int, world_size: int, remote_traceback: str, others: dict | None = None,
+                 printed: str = ""):
         self.rank, self.remote_traceback, self.others = rank, remote_traceback, others or {}
         last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else "?"
-        msg = [f"rank {rank} of {world_size} failed: {last}", "",
-               f"--- traceback from rank {rank} ---", remote_traceback.rstrip()]
+        msg = [f"rank {rank} of {world_size} failed: {last}", ""]
+        if printed:
+            msg += [f"--- rank {rank} printed ---", printed.rstrip()]
+        msg += [f"--- traceback from rank {rank} ---", remote_traceback.rstrip()]
+        lost = [r for r, tb in sorted(self.others.items()) if _is_peer_error(tb)]
         for r, tb in sorted(self.others.items()):
-            msg.append(f"(rank {r} also failed: {tb.strip().splitlines()[-1]})")
+            if r not in lost:
+                msg.append(f"(rank {r} also failed: {tb.strip().splitlines()[-1][:160]})")
+        if lost:
+            msg.append(f"(rank(s) {lost} then failed too: they lost their connection to rank {rank})")
         msg.append("The other ranks were stopped.")
         super().__init__("\n".join(msg))
 
@@ -81,6 +91,13 @@ class Results(list):
 def _loopback() -> str:
     names = [n for _, n in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
     return "lo" if "lo" in names else ("lo0" if "lo0" in names else "")
+
+
+def _cell_sources() -> dict:
+    """linecache entries of code that exists only in memory (notebook cells), so tracebacks
+    from the ranks can quote the learner's lines."""
+    return {f: v for f, v in list(linecache.cache.items())
+            if len(v) == 4 and v[1] is None and not os.path.exists(f)}
 
 
 def _to_cpu(obj):
@@ -113,6 +130,8 @@ def _run_job(job: dict, rank: int, seed: int, conn) -> None:
     torch.set_num_threads(job["threads"])
     torch.manual_seed(seed)  # a reused worker starts like a fresh process
     _trace.enable(True)
+    out = io.StringIO()  # what the rank prints comes back to the driver
+    linecache.cache.update(job["sources"])  # notebook cells' source, for readable tracebacks
     try:
         fn, args, kwargs = cloudpickle.loads(job["payload"])
         if job["backend"] == "nccl":
@@ -122,11 +141,14 @@ def _run_job(job: dict, rank: int, seed: int, conn) -> None:
         dist.init_process_group(job["backend"], store=store, rank=rank,
                                 world_size=job["world_size"], timeout=pg_timeout)
         _trace.start(rank)
-        result = cloudpickle.dumps(_to_cpu(fn(*args, **kwargs)))
-        reply = ("ok", result, _trace.events(), _user_files())
-    except BaseException:  # noqa: BLE001 - everything goes back to the caller
-        reply = ("error", traceback.format_exc(), None, None)
-    conn.send(reply)
+        with redirect_stdout(out), redirect_stderr(out):
+            value = fn(*args, **kwargs)
+        reply = ("ok", cloudpickle.dumps(_to_cpu(value)), _trace.events(), _user_files())
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
+        # drop this function's own frame: the learner's code starts at the next one
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+        reply = ("error", tb, None, None)
+    conn.send(reply + (out.getvalue(),))
     if reply[0] == "ok":
         conn.recv()  # "release": every rank has finished
     if dist.is_initialized():
@@ -137,6 +159,7 @@ def _worker(conn, rank: int) -> None:
     """Body of a pool process: run jobs until told to stop or the parent goes away."""
     seed = torch.initial_seed()
     os.environ[_IN_RANK] = "1"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C/interrupt is the driver's to handle
     while True:
         try:
             job = conn.recv()
@@ -245,6 +268,13 @@ def _kill_pool() -> None:
 
 
 # ------------------------------------------------------------------------- launch
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for launchers that need a number)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch(fn, world_size: int, *, backend: str = "auto", args=(), kwargs=None,
            timeout: float = 120.0, threads: int = 1, reuse: bool = True,
            grace: float = 1.0) -> Results:
@@ -266,6 +296,7 @@ def launch(fn, world_size: int, *, backend: str = "auto", args=(), kwargs=None,
         _announced.add((chosen, why))
         print(f"minipar.launch: {why}")
     payload = cloudpickle.dumps((fn, tuple(args), kwargs or {}))
+    sources = _cell_sources()
     pool = _get_pool(world_size, reuse)
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -279,7 +310,8 @@ def launch(fn, world_size: int, *, backend: str = "auto", args=(), kwargs=None,
     if _loopback():
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = _loopback()
     job = {"payload": payload, "port": port, "backend": chosen, "world_size": world_size,
-           "timeout": timeout, "threads": threads, "sys_path": list(sys.path), "env": env}
+           "timeout": timeout, "threads": threads, "sys_path": list(sys.path), "env": env,
+           "sources": sources}
     t_start = time.perf_counter()
     try:
         replies = _collect(pool, job, world_size, timeout, grace)
@@ -288,6 +320,7 @@ def launch(fn, world_size: int, *, backend: str = "auto", args=(), kwargs=None,
         raise
     finally:
         del store  # closes the listening socket
+    _show_output([r[4] for r in replies])
     results = Results(cloudpickle.loads(r[1]) for r in replies)
     results.trace = _trace.Trace([r[2] for r in replies])
     results.backend, results.seconds = chosen, time.perf_counter() - t_start
@@ -301,7 +334,7 @@ def launch(fn, world_size: int, *, backend: str = "auto", args=(), kwargs=None,
 def _collect(pool: _Pool, job: dict, n: int, timeout: float, grace: float) -> list:
     for conn in pool.conns[:n]:
         conn.send(job)
-    replies, errors = [None] * n, {}
+    replies, errors, printed = [None] * n, {}, {}
     pending = set(range(n))
     deadline = time.monotonic() + timeout
     err_deadline = None
@@ -328,29 +361,45 @@ def _collect(pool: _Pool, job: dict, n: int, timeout: float, grace: float) -> li
                 code = pool.procs[r].exitcode
                 msg = ("error", f"rank {r} died without a result (exit code {code}; a negative "
                                 f"code is the signal that killed it, e.g. -9 out of memory)\n",
-                       None, None)
+                       None, None, "")
             pending.discard(r)
             if msg[0] == "ok":
                 replies[r] = msg
             else:
-                errors[r] = msg[1]
+                errors[r], printed[r] = msg[1], msg[4]
                 err_deadline = err_deadline or time.monotonic() + grace
     if errors:
         first = _root_cause(errors)
-        raise RankError(first, n, errors.pop(first), errors)
+        raise RankError(first, n, errors.pop(first), errors, printed.get(first, ""))
     for conn in pool.conns[:n]:
         conn.send("release")
     return replies
 
 
+def _show_output(texts: list[str]) -> None:
+    """Print what the ranks printed, each line prefixed with its rank, in rank order."""
+    for r, text in enumerate(texts):
+        for line in text.splitlines():
+            print(f"[rank {r}] {line}")
+
+
+_PEER_ERRORS = ("Connection closed by peer", "Connection reset", "Read error", "Broken pipe",
+                "Timed out", "pair.cc", "communicator was aborted")
+
+
+def _is_peer_error(tb: str) -> bool:
+    """An error that only says a peer went away (Gloo/NCCL transport messages)."""
+    return any(s in tb for s in _PEER_ERRORS)
+
+
 def _root_cause(errors: dict[int, str]) -> int:
-    """The failing rank to report: one whose error is not a peer hanging up, else the lowest."""
-    secondary = ("Connection closed by peer", "Connection reset", "died without a result",
-                 "Broken pipe", "Timed out")
-    for r in sorted(errors):
-        if not any(s in errors[r] for s in secondary):
-            return r
-    return min(errors)
+    """The failing rank to report: a rank's own exception first, then a rank that died,
+    and only then a rank that merely lost its connection to a failed peer."""
+    def kind(tb: str) -> int:
+        if "died without a result" in tb:
+            return 1
+        return 2 if _is_peer_error(tb) else 0
+    return min(errors, key=lambda r: (kind(errors[r]), r))
 
 
 def _launch_in_place(fn, world_size, backend, args, kwargs) -> Results:

@@ -107,3 +107,47 @@ def loss_curves(curves: dict[str, list[float]], title: str = "Training loss",
         fig.add_scatter(x=xs, y=ys, mode="lines", name=name)
     fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title="loss")
     return fig
+
+
+def collective_diagram(op: str, n: int = 4) -> go.Figure:
+    """Before/after picture of a collective on ``n`` ranks: rank rows, chunk columns.
+
+    Each cell names what a rank holds in that chunk: ``a2`` is rank a's chunk 2, ``Σ2`` the
+    sum of everyone's chunk 2; blank cells hold nothing that matters.
+    """
+    from plotly.subplots import make_subplots
+    letters = "abcdefgh"[:n]
+    before = [[f"{letters[r]}{c}" for c in range(n)] for r in range(n)]
+    if op == "broadcast":
+        before = [[f"a{c}" if r == 0 else "" for c in range(n)] for r in range(n)]
+        after = [[f"a{c}" for c in range(n)] for _ in range(n)]
+    elif op == "reduce":
+        after = [[f"Σ{c}" if r == 0 else "" for c in range(n)] for r in range(n)]
+    elif op == "all_reduce":
+        after = [[f"Σ{c}" for c in range(n)] for _ in range(n)]
+    elif op == "reduce_scatter":
+        after = [[f"Σ{c}" if c == r else "" for c in range(n)] for r in range(n)]
+    elif op == "all_gather":
+        before = [[f"{letters[r]}{c}" if c == r else "" for c in range(n)] for r in range(n)]
+        after = [[f"{letters[c]}{c}" for c in range(n)] for _ in range(n)]
+    elif op == "scatter":
+        before = [[f"a{c}" if r == 0 else "" for c in range(n)] for r in range(n)]
+        after = [[f"a{c}" if c == r else "" for c in range(n)] for r in range(n)]
+    elif op == "gather":
+        before = [[f"{letters[r]}{c}" if c == r else "" for c in range(n)] for r in range(n)]
+        after = [[f"{letters[c]}{c}" if r == 0 else "" for c in range(n)] for r in range(n)]
+    else:
+        raise ValueError(f"unknown collective {op!r}")
+
+    def shade(cells):
+        return [[0 if not v else (2 if v.startswith("Σ") else 1 + 0.1 * "abcdefgh".index(v[0]))
+                 for v in row] for row in cells]
+    fig = make_subplots(1, 2, subplot_titles=("before", "after"), horizontal_spacing=0.08)
+    for i, cells in enumerate((before, after), start=1):
+        fig.add_heatmap(z=shade(cells), text=cells, texttemplate="%{text}", showscale=False,
+                        colorscale=[[0, "#F2F2F2"], [0.5, "#9ECAE9"], [1, "#F58518"]], zmin=0, zmax=2,
+                        x=[f"chunk {c}" for c in range(n)], y=[f"rank {r}" for r in range(n)],
+                        xgap=3, ygap=3, hoverinfo="skip", row=1, col=i)
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(title=f"{op}: what each rank holds", height=110 + 45 * n, width=760)
+    return fig

@@ -1,0 +1,74 @@
+"""All-reduce from scratch against the backend's own: ``python -m minipar.bench collectives``.
+
+On ``--ranks`` ranks, for message sizes from 1 KiB upwards, times minipar's ring
+all-reduce (and, for a power-of-two number of ranks, recursive halving-doubling) against
+``torch.distributed.all_reduce`` on the same backend (Gloo on CPU), calls interleaved.
+Reports the median time per size, the bus bandwidth (2(n-1)/n·N / t), the α-β fit of
+each, and as ``ratio`` minipar's ring time over the backend's at the largest size.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import comm, cost
+from ..launch import launch
+from .common import median, parser, report
+
+
+def measure(sizes: list[int], repeats: int) -> dict:
+    """Run inside each rank: median seconds per size for each implementation."""
+    n = dist.get_world_size()
+    impls = {"ring": comm.ring_all_reduce, "gloo": dist.all_reduce}
+    if n & (n - 1) == 0:
+        impls["halving_doubling"] = comm.halving_doubling_all_reduce
+    out = {k: [] for k in impls}
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        times = {k: [] for k in impls}
+        for rep in range(repeats + 1):  # round 0 warms up
+            for k, f in impls.items():  # interleaved: ring, gloo, ring, gloo, ...
+                dist.barrier()
+                t = time.perf_counter()
+                f(x)
+                if rep:
+                    times[k].append(time.perf_counter() - t)
+        for k in impls:
+            out[k].append(median(times[k]))
+    return out
+
+
+def main(argv=None) -> dict:
+    p = parser("collectives", __doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4)
+    a = p.parse_args(argv)
+    n = a.ranks
+    top = 22 if a.quick else 24
+    sizes = [2 ** k for k in range(10, top + 1, 2)]
+    res = launch(measure, n, args=(sizes, 5 if a.quick else 10), timeout=600)
+    times = {k: [max(r[k][i] for r in res) for i in range(len(sizes))] for k in res[0]}
+    fits = {k: cost.fit_alpha_beta("all_reduce", sizes, ts, n,
+                                   "ring" if k != "halving_doubling" else "halving_doubling")
+            for k, ts in times.items()}
+    rows = []
+    for i, s in enumerate(sizes):
+        row = {"bytes": s}
+        for k, ts in times.items():
+            row[f"{k} ms"] = 1e3 * ts[i]
+            row[f"{k} MB/s"] = cost.bus_bandwidth("all_reduce", s, n, ts[i]) / 1e6
+        row["ring/gloo"] = times["ring"][i] / times["gloo"][i]
+        rows.append(row)
+    result = {"benchmark": "collectives", "ranks": n, "backend": res.backend, "baseline": "gloo all_reduce",
+              "sizes": sizes, "seconds": times, "ratio": times["ring"][-1] / times["gloo"][-1],
+              "alpha_beta": {k: {"alpha_s": a_, "beta_s_per_byte": b_,
+                                 "bandwidth_MBps": (1 / b_ / 1e6) if b_ > 0 else None}
+                             for k, (a_, b_) in fits.items()},
+              "rows": rows}
+    cols = ["bytes"] + [c for k in times for c in (f"{k} ms", f"{k} MB/s")] + ["ring/gloo"]
+    report(result, a, cols)
+    if not a.json:
+        for k, (a_, b_) in fits.items():
+            print(f"α-β fit {k}: α = {a_ * 1e6:.0f} µs per step, 1/β = {1 / b_ / 1e6 if b_ > 0 else float('inf'):.0f} MB/s")
+    return result

@@ -1,0 +1,72 @@
+"""Launch cost: ``minipar.launch`` against ``torch.multiprocessing.spawn``.
+
+Each measurement runs in a fresh Python process that has already imported torch (as a
+notebook kernel has): the time of minipar's first launch (cold: forkserver and pool
+start), of its next launch (warm: the pool is reused), and of ``mp.spawn`` starting the
+same number of ranks, each initialising a Gloo process group and passing a barrier.
+Runs alternate between the two so both see the same machine load.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from .common import interleaved, median, parser, report
+
+_MINIPAR = """
+import json, time, torch, torch.distributed as dist, minipar
+def f():
+    dist.barrier()
+t = time.perf_counter(); minipar.launch(f, {n}); cold = time.perf_counter() - t
+warm = []
+for _ in range(5):
+    t = time.perf_counter(); minipar.launch(f, {n}); warm.append(time.perf_counter() - t)
+print(json.dumps({{"cold": cold, "warm": sorted(warm)[2]}}))
+"""
+
+_SPAWN = """
+import json, os, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+from minipar.bench.launch import _spawn_rank
+if __name__ == "__main__":
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str({port}))
+    t = time.perf_counter(); mp.spawn(_spawn_rank, args=({n},), nprocs={n}); dt = time.perf_counter() - t
+    print(json.dumps({{"spawn": dt}}))
+"""
+
+
+def _spawn_rank(rank: int, n: int) -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(code: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> dict:
+    p = parser("launch", __doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args(argv)
+    n, reps = a.ranks, (1 if a.quick else a.repeats)
+    got: dict[str, list] = {"minipar": [], "spawn": []}
+    from ..launch import _free_port  # noqa: PLC0415
+    interleaved({"minipar": lambda: got["minipar"].append(_run(_MINIPAR.format(n=n))),
+                 "spawn": lambda: got["spawn"].append(
+                     _run(_SPAWN.format(n=n, port=_free_port())))}, repeats=reps, warmup=0)
+    cold = median([g["cold"] for g in got["minipar"]])
+    warm = median([g["warm"] for g in got["minipar"]])
+    spawn = median([g["spawn"] for g in got["spawn"]])
+    rows = [{"launcher": "minipar.launch, first (cold)", "ranks": n, "seconds": cold, "vs spawn": cold / spawn},
+            {"launcher": "minipar.launch, again (warm)", "ranks": n, "seconds": warm, "vs spawn": warm / spawn},
+            {"launcher": "torch.multiprocessing.spawn", "ranks": n, "seconds": spawn, "vs spawn": 1.0}]
+    result = {"benchmark": "launch", "ranks": n, "baseline": "torch.multiprocessing.spawn",
+              "minipar_cold_s": cold, "minipar_warm_s": warm, "spawn_s": spawn,
+              "ratio": cold / spawn, "warm_ratio": warm / spawn, "rows": rows}
+    return report(result, a, ["launcher", "ranks", "seconds", "vs spawn"])

@@ -1,0 +1,113 @@
+"""Collectives from scratch against torch.distributed, and their recorded bytes against
+the cost model. One launch per world size checks every operation and size."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import minipar
+from minipar import comm, cost, trace
+
+SIZES = [1, 7, 64, 1001, 4096]  # smaller than, not divisible by, and divisible by n
+
+
+def _check_all(sizes):
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {"ok": {}, "bytes": {}}
+
+    def bytes_of(fn):
+        trace.start(r)
+        fn()
+        return sum(e["bytes_sent"] for e in trace.events())
+
+    for N in sizes:
+        x = torch.randn(N, generator=torch.Generator().manual_seed(1000 * r + N))
+        total = x.clone()
+        dist.all_reduce(total)
+        y = x.clone()
+        out["bytes"][("ring_all_reduce", N)] = bytes_of(lambda: comm.ring_all_reduce(y))
+        out["ok"][("ring_all_reduce", N)] = torch.allclose(y, total, atol=1e-5)
+        ya = x.clone()
+        comm.ring_all_reduce(ya, op="avg")
+        out["ok"][("ring_all_reduce avg", N)] = torch.allclose(ya, total / n, atol=1e-5)
+        box = {}
+        out["bytes"][("ring_reduce_scatter", N)] = bytes_of(
+            lambda: box.setdefault("rs", comm.ring_reduce_scatter(x)))
+        out["ok"][("ring_reduce_scatter", N)] = torch.allclose(box["rs"], total.tensor_split(n)[r], atol=1e-5)
+        mine = total.tensor_split(n)[r]
+        sizes_n = [c.numel() for c in total.tensor_split(n)]
+        out["bytes"][("ring_all_gather", N)] = bytes_of(
+            lambda: box.setdefault("ag", comm.ring_all_gather(mine, sizes=sizes_n)))
+        out["ok"][("ring_all_gather", N)] = torch.equal(box["ag"], total)
+        for algo in ("tree", "ring"):
+            for src in {0, n - 1}:
+                b = x.clone()
+                out["bytes"][(f"broadcast {algo} src={src}", N)] = bytes_of(
+                    lambda: comm.broadcast(b, src=src, algorithm=algo))
+                ref = x.clone()
+                dist.broadcast(ref, src)
+                out["ok"][(f"broadcast {algo} src={src}", N)] = torch.equal(b, ref)
+        if n & (n - 1) == 0:
+            h = x.clone()
+            out["bytes"][("halving_doubling_all_reduce", N)] = bytes_of(lambda: comm.halving_doubling_all_reduce(h))
+            out["ok"][("halving_doubling_all_reduce", N)] = torch.allclose(h, total, atol=1e-5)
+        # the backend's collectives, recorded with the ring's bytes
+        z = x.clone()
+        out["bytes"][("all_reduce", N)] = bytes_of(lambda: comm.all_reduce(z, op="avg"))
+        out["ok"][("all_reduce", N)] = torch.allclose(z, total / n, atol=1e-5)
+    k = 6
+    full = torch.arange(n * k, dtype=torch.float32) * (r + 1)
+    part = torch.empty(k)
+    comm.reduce_scatter(part, full)
+    out["ok"][("reduce_scatter", k)] = torch.equal(part, torch.arange(n * k, dtype=torch.float32)[r * k:(r + 1) * k] * n * (n + 1) / 2)
+    gathered = torch.empty(n * k)
+    h = comm.all_gather(gathered, torch.full((k,), float(r)), async_op=True)
+    h.wait()
+    out["ok"][("all_gather async", k)] = torch.equal(gathered, torch.arange(n).repeat_interleave(k).float())
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_collectives_match_torch_and_bytes_match_the_model(n):
+    results = minipar.launch(_check_all, n, args=(SIZES,), timeout=120)
+    for rank, res in enumerate(results):
+        bad = [k for k, ok in res["ok"].items() if not ok]
+        assert not bad, f"rank {rank}: wrong result for {bad}"
+    for N in SIZES:
+        nbytes = 4 * N
+        # summed over ranks the ring sends exactly n·formula; per rank exactly when n divides N
+        for op, model_op in [("ring_all_reduce", "all_reduce"), ("ring_reduce_scatter", "reduce_scatter"),
+                             ("ring_all_gather", "all_gather"), ("halving_doubling_all_reduce", "all_reduce")]:
+            if (op, N) not in results[0]["bytes"]:
+                continue
+            sent = [res["bytes"][(op, N)] for res in results]
+            assert sum(sent) == pytest.approx(n * cost.collective_bytes(model_op, nbytes, n)), (op, N, sent)
+            if N % n == 0:
+                assert sent == [cost.collective_bytes(model_op, nbytes, n)] * n, (op, N, sent)
+        for algo in ("tree", "ring"):
+            sent = [res["bytes"][(f"broadcast {algo} src=0", N)] for res in results]
+            assert sum(sent) == (n - 1) * nbytes  # every rank but the root receives N once
+        assert results[0]["bytes"][("all_reduce", N)] == round(cost.collective_bytes("all_reduce", nbytes, n))
+
+
+def _halving_on_three():
+    comm.halving_doubling_all_reduce(torch.ones(4))
+
+
+def test_halving_doubling_needs_a_power_of_two():
+    with pytest.raises(minipar.RankError, match="power-of-two"):
+        minipar.launch(_halving_on_three, 3)
+
+
+def _in_subgroups():
+    r = dist.get_rank()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    g = groups[r % 2]
+    x = torch.tensor([float(r)] * 5)
+    comm.ring_all_reduce(x, group=g)
+    y = torch.tensor([float(r)])
+    comm.broadcast(y, src=1, group=g)  # group rank 1 = global rank 2 or 3
+    return x[0].item(), y.item()
+
+
+def test_collectives_work_on_subgroups():
+    assert list(minipar.launch(_in_subgroups, 4)) == [(2.0, 2.0), (4.0, 3.0), (2.0, 2.0), (4.0, 3.0)]

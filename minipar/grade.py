@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,12 +44,19 @@ class Report:
             title = t["doc"].splitlines()[0] if t["doc"] else t["name"]
             lines.append(f"  {'PASS' if ok else 'FAIL'}  {t['name']}: {title}")
             if not ok:
-                err = (t["error"] or t["outcome"]).strip().splitlines()
-                lines.append(textwrap.indent(textwrap.shorten(" ".join(err[:3]), 300), "        "))
+                lines.append("        " + _short_error(t["error"] or t["outcome"]))
                 hint = [ln.strip() for ln in t["doc"].splitlines() if ln.strip().startswith("Hint:")]
                 lines += [f"        {h}" for h in hint]
         lines.append(f"score: {self.passed}/{len(self.tests)} ({100 * self.score:.0f}%)")
         return "\n".join(lines)
+
+
+def _short_error(err: str) -> str:
+    """The line a learner needs: a rank's own exception rather than the launcher's wrapper."""
+    err = err.strip()
+    if "RankError: " in err:
+        err = err.split("RankError: ", 1)[1].split("--- ", 1)[0]
+    return textwrap.shorten(" ".join(err.splitlines()[:3]), 240)
 
 
 def exercises() -> list[str]:
@@ -96,6 +104,16 @@ def main(argv=None) -> int:
     reports = [grade(n, "solution" if a.solution else "exercise") for n in names]
     return 0 if all(r.score == 1.0 for r in reports) else 1
 
+
+class _CallableModule(types.ModuleType):
+    """Lets ``minipar.grade("ex01")`` call :func:`grade` while ``python -m minipar.grade``
+    runs this module: the module and the function share one name."""
+
+    def __call__(self, exercise: str, target: str = "exercise", verbose: bool = True) -> Report:
+        return grade(exercise, target=target, verbose=verbose)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

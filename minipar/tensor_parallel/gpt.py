@@ -1,0 +1,233 @@
+"""The tensor-parallel GPT, and conversion to and from the single-device GPT.
+
+:class:`TensorParallelGPT` is :class:`minipar.models.GPT` with every block split over the
+ranks of a tensor-parallel ``group`` (Megatron-LM), optionally with sequence parallelism.
+Parameter names are those of the single-device model, each holding this rank's shard:
+
+    embed.wte.weight        rows (vocabulary)            VocabParallelEmbedding
+    embed.wpe.weight        replicated
+    blocks.i.ln1/ln2.*      replicated
+    blocks.i.attn.qkv.*     this rank's heads' rows of q, of k and of v (the fused weight
+                            is (3h, h) = [q; k; v], so the shard takes three slices)
+    blocks.i.attn.proj.w    columns (input features); its bias replicated
+    blocks.i.mlp.fc.*       rows (output features)
+    blocks.i.mlp.proj.w     columns; its bias replicated
+    head.ln_f.*             replicated
+    head.lm_head.weight     rows (vocabulary), shared with embed.wte when tied
+
+:func:`shard_state_dict` and :func:`unshard_state_dict` are that table as code (pure
+functions); :func:`from_gpt`, :func:`full_state_dict` and :func:`to_gpt` move weights
+between the two forms, so checkpoints and equivalence tests cross over exactly.
+
+Like the single-device GPT the model is ``layers() = [embed, block_0, ..., head]``, so
+pipeline parallelism can place tensor-parallel layers on its stages; the head returns
+this rank's vocabulary slice of the logits and :meth:`TensorParallelGPT.loss` is the
+vocabulary-parallel cross-entropy for the last stage.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import comm
+from ..models.gpt import GPT, GPTConfig
+from .block import ParallelBlock
+from .cross_entropy import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding
+from .layers import ColumnParallelLinear
+from .ops import gather, size_and_rank, sync_grad
+from .sequence import LayerNorm, check_seq_len
+
+
+def check_config(config: GPTConfig, t: int, sequence_parallel: bool = False,
+                 seq_len: int | None = None) -> None:
+    """Raise a plain ``ValueError`` if ``config`` cannot be split over ``t`` ranks (call it
+    before launching). With sequence parallelism the sequence length (default
+    ``block_size``) must be divisible by t too."""
+    if not isinstance(t, int) or t < 1:
+        raise ValueError(f"the tensor-parallel size t must be a positive int, got {t!r}")
+    c, problems = config, []
+    for name, value in (("n_head", c.n_head), ("n_embd", c.n_embd), ("vocab_size", c.vocab_size)):
+        if value % t:
+            problems.append(f"{name}={value} is not divisible by t={t}")
+    if c.vocab_size % t:
+        problems.append("pad the vocabulary to a multiple of t (Megatron-LM pads it)")
+    if sequence_parallel and (seq_len or c.block_size) % t:
+        problems.append(f"sequence length {seq_len or c.block_size} is not divisible by t={t} "
+                        "(sequence parallelism splits it)")
+    if c.dropout:
+        problems.append(f"dropout={c.dropout} is not supported (it needs a random state shared "
+                        "by the tensor-parallel group); use dropout=0")
+    if problems:
+        raise ValueError(f"cannot split this GPT over t={t} ranks: " + "; ".join(problems))
+
+
+# ------------------------------------------------------------------ weight layout
+def _layout(name: str):
+    """How parameter ``name`` is split: ``("rows"|"cols"|"qkv")`` or ``None`` (replicated)."""
+    if name.endswith(("wte.weight", "lm_head.weight", "mlp.fc.weight", "mlp.fc.bias")):
+        return "rows"
+    if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+        return "qkv"
+    if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+        return "cols"
+    return None
+
+
+def shard(name: str, full: torch.Tensor, t: int, r: int) -> torch.Tensor:
+    """Rank ``r``'s shard (of ``t``) of the single-device tensor ``full`` called ``name``."""
+    kind = _layout(name)
+    if kind == "rows":
+        return full.chunk(t, 0)[r].clone()
+    if kind == "cols":
+        return full.chunk(t, 1)[r].clone()
+    if kind == "qkv":  # (3h, ...) = [q; k; v]: this rank's heads in each of q, k and v
+        three = full.reshape(3, full.shape[0] // 3, *full.shape[1:])
+        return three.chunk(t, 1)[r].reshape(-1, *full.shape[1:]).clone()
+    return full.clone()
+
+
+def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The single-device tensor ``name`` from every rank's shard, in rank order."""
+    kind = _layout(name)
+    if kind == "rows":
+        return torch.cat(shards, 0)
+    if kind == "cols":
+        return torch.cat(shards, 1)
+    if kind == "qkv":
+        s = shards[0]
+        parts = [x.reshape(3, s.shape[0] // 3, *s.shape[1:]) for x in shards]
+        return torch.cat(parts, 1).reshape(-1, *s.shape[1:])
+    return shards[0].clone()
+
+
+def shard_state_dict(state_dict: dict, t: int, r: int) -> dict:
+    """Rank ``r``'s state dict of the tensor-parallel model from a single-device one."""
+    return {k: shard(k, v, t, r) for k, v in state_dict.items()}
+
+
+def unshard_state_dict(shards: list[dict]) -> dict:
+    """The single-device state dict from every rank's state dict (rank order)."""
+    return {k: unshard(k, [s[k] for s in shards]) for k in shards[0]}
+
+
+# ------------------------------------------------------------------ the model
+class ParallelEmbedding(nn.Module):
+    """Vocabulary-parallel token embedding plus (replicated) position embedding."""
+
+    def __init__(self, c: GPTConfig, group=None, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.wte = VocabParallelEmbedding(c.vocab_size, c.n_embd, group, sequence_parallel)
+        self.wpe = nn.Embedding(c.block_size, c.n_embd)
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        pos, wpe = torch.arange(T, device=idx.device), self.wpe.weight
+        if self.sequence_parallel:  # this rank's tokens; wpe's gradient is then partial
+            Ts, r = check_seq_len(T, self.group), size_and_rank(self.group)[1]
+            pos, wpe = pos[r * Ts:(r + 1) * Ts], sync_grad(wpe, self.group)
+        return self.wte(idx) + F.embedding(pos, wpe)
+
+
+class ParallelHead(nn.Module):
+    """Final layer norm and the column-parallel output layer: this rank's vocabulary slice
+    of the logits, (B, T, V/t), for all T positions."""
+
+    def __init__(self, c: GPTConfig, group=None, sequence_parallel: bool = False):
+        super().__init__()
+        self.ln_f = LayerNorm(c.n_embd, group, sequence_parallel)
+        self.lm_head = ColumnParallelLinear(c.n_embd, c.vocab_size, bias=False, group=group,
+                                            sequence_parallel=sequence_parallel)
+
+    def forward(self, x):
+        return self.lm_head(self.ln_f(x))
+
+
+class TensorParallelGPT(nn.Module):
+    """:class:`minipar.models.GPT` split over the ranks of ``group`` (``None``: the world).
+
+    Initialised exactly as ``GPT(config, seed=seed)`` and sharded; ``seed=None`` leaves
+    the weights to be loaded (:func:`from_gpt` does)."""
+
+    def __init__(self, config: GPTConfig, group=None, sequence_parallel: bool = False,
+                 seed: int | None = 0):
+        super().__init__()
+        t, _ = size_and_rank(group)
+        check_config(config, t)
+        self.config, self.group, self.sequence_parallel = config, group, sequence_parallel
+        kw = dict(group=group, sequence_parallel=sequence_parallel)
+        self.embed = ParallelEmbedding(config, **kw)
+        self.blocks = nn.ModuleList(ParallelBlock(config, **kw) for _ in range(config.n_layer))
+        self.head = ParallelHead(config, **kw)
+        if config.tie_weights:
+            self.head.lm_head.weight = self.embed.wte.weight
+        if seed is not None:
+            self.load_full_state_dict(GPT(config, seed=seed).state_dict())
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Load this rank's shards of a single-device GPT's ``state_dict``."""
+        t, r = size_and_rank(self.group)
+        self.load_state_dict(shard_state_dict(state_dict, t, r))
+
+    def layers(self) -> list[nn.Module]:
+        """``[embed, block_0, ..., block_{L-1}, head]``, as :meth:`GPT.layers`."""
+        return [self.embed, *self.blocks, self.head]
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of this rank's vocabulary slice of the logits (no gather)."""
+        return vocab_parallel_cross_entropy(logits, targets, self.group)
+
+    def forward(self, idx, targets=None):
+        """The mean loss with ``targets``; without, the full logits (B, T, V), all-gathered."""
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return gather(logits, -1, self.group) if targets is None else self.loss(logits, targets)
+
+
+def from_gpt(model: GPT, group=None, sequence_parallel: bool = False) -> TensorParallelGPT:
+    """This rank's part of ``model`` (call on every rank of ``group`` with the same model)."""
+    tp = TensorParallelGPT(model.config, group, sequence_parallel, seed=None)
+    tp.load_full_state_dict(model.state_dict())
+    return tp
+
+
+def _all_shards(model: nn.Module, tensors: dict, group) -> list[dict]:
+    """Every rank's ``tensors`` (same names and shapes on every rank), one flat all-gather."""
+    t, _ = size_and_rank(group)
+    names = list(tensors)
+    flat = torch.cat([tensors[k].detach().reshape(-1).float() for k in names])
+    out = torch.empty(t * flat.numel())
+    comm.all_gather(out, flat, group=group, name="gather_state")
+    sizes = [tensors[k].numel() for k in names]
+    return [{k: x.view_as(tensors[k]).to(tensors[k].dtype) for k, x in zip(names, row.split(sizes))}
+            for row in out.view(t, -1)]
+
+
+def full_state_dict(model: TensorParallelGPT, grads: bool = False) -> dict:
+    """The single-device state dict (or, with ``grads=True``, the gradients by parameter
+    name) assembled from every rank's shards; a collective, every rank gets it."""
+    if grads:
+        tensors = {k: (p.grad if p.grad is not None else torch.zeros_like(p))
+                   for k, p in model.named_parameters()}
+    else:
+        tensors = model.state_dict()
+    return unshard_state_dict(_all_shards(model, tensors, model.group))
+
+
+def replica_drift(model: TensorParallelGPT) -> float:
+    """Largest difference between the ranks' copies of a replicated parameter (0 when the
+    group keeps them in step); a collective."""
+    reps = {k: p for k, p in model.named_parameters() if _layout(k) is None}
+    shards = _all_shards(model, reps, model.group)
+    return max((float((s[k] - shards[0][k]).abs().max()) for s in shards[1:] for k in reps), default=0.0)
+
+
+def to_gpt(model: TensorParallelGPT) -> GPT:
+    """A single-device :class:`GPT` with the tensor-parallel model's weights (a collective)."""
+    gpt = GPT(model.config)
+    gpt.load_state_dict(full_state_dict(model))
+    return gpt

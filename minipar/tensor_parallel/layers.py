@@ -1,0 +1,140 @@
+"""Column- and row-parallel linear layers (Shoeybi et al. 2019, Section 3, Equations 2-3).
+
+A linear layer computes ``Y = X A`` (PyTorch stores ``Aᵀ`` as ``weight``, shape
+(out, in)). With t ranks, A can be split two ways:
+
+* **by columns** ``A = [A_1, ..., A_t]`` (output features): ``Y = [X A_1, ..., X A_t]``.
+  Every rank needs all of X and produces its own slice of the output features, no
+  communication in forward. In backward each rank's ``dL/dX = dL/dY_i A_iᵀ`` is only a
+  part of the sum, hence f (all-reduce in backward) in front of the layer. A bias splits
+  with the columns.
+* **by rows** ``A = [A_1; ...; A_t]`` (input features): ``Y = X_1 A_1 + ... + X_t A_t``.
+  Each rank needs only its slice X_i of the input (exactly what a column-parallel layer
+  produced) and computes a partial sum, which g all-reduces. The bias is replicated and
+  added once, after the sum.
+
+Column then row, ``Z = g(GeLU(f(X) A_i) B_i)``, is the transformer MLP with a single
+all-reduce in forward and a single one in backward: GeLU is elementwise, so it applies
+to the column slices without any communication in between.
+
+The functional forms :func:`column_parallel_linear` and :func:`row_parallel_linear` are
+what the layers call (and what exercise 05 asks you to write).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .ops import divide, f, g, gather, size_and_rank, split
+from .sequence import gather_linear, linear_reduce_scatter
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                           gather_output: bool = False, group=None) -> torch.Tensor:
+    """``f(x) A_iᵀ + b_i`` with this rank's rows of the weight (its output features).
+
+    ``weight`` is (out/t, in), ``bias`` (out/t,). Returns this rank's output features, or
+    all of them (all-gathered along the last dimension) with ``gather_output=True``."""
+    y = F.linear(f(x, group), weight, bias)
+    return gather(y, -1, group) if gather_output else y
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        group=None) -> torch.Tensor:
+    """``g(x_i A_iᵀ) + b``: this rank's input features ``x_i`` times its columns of the
+    weight (out, in/t), summed over the group; the full bias (out,) is added once."""
+    y = g(F.linear(x, weight), group)
+    return y if bias is None else y + bias
+
+
+def _full_linear(in_features: int, out_features: int, bias: bool, seed: int) -> nn.Linear:
+    """The single-device layer every rank initialises identically before taking its shard."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Linear(in_features, out_features, bias=bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``nn.Linear(in_features, out_features)`` with the output features split over ``group``.
+
+    ``gather_output``: return all output features (else this rank's ``out/t``).
+    ``sequence_parallel``: the input is this rank's sequence shard; it is all-gathered
+    (sequence parallelism's g) instead of passing through f.
+    Initialised as the single-device layer with ``seed`` would be, then sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 gather_output: bool = False, group=None, sequence_parallel: bool = False,
+                 seed: int = 0):
+        super().__init__()
+        t, r = size_and_rank(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = divide(out_features, t, "out_features")
+        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        full = _full_linear(in_features, out_features, bias, seed)
+        self.weight = nn.Parameter(full.weight.detach().chunk(t, 0)[r].clone())
+        self.bias = nn.Parameter(full.bias.detach().chunk(t, 0)[r].clone()) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
+        """This rank's shard of an existing single-device ``nn.Linear``."""
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+        t, r = size_and_rank(m.group)
+        with torch.no_grad():
+            m.weight.copy_(linear.weight.chunk(t, 0)[r])
+            if m.bias is not None:
+                m.bias.copy_(linear.bias.chunk(t, 0)[r])
+        return m
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            y = gather_linear(x, self.weight, self.bias, self.group)
+            return gather(y, -1, self.group) if self.gather_output else y
+        return column_parallel_linear(x, self.weight, self.bias, self.gather_output, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} ({self.out_per_rank} per rank), "
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear(in_features, out_features)`` with the input features split over ``group``.
+
+    ``input_is_parallel``: the input already is this rank's slice of the features (the
+    output of a ColumnParallelLinear); else the full input is split first.
+    ``sequence_parallel``: the partial sums are reduce-scattered along the sequence (ḡ)
+    instead of all-reduced (g), leaving this rank's sequence shard."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 input_is_parallel: bool = True, group=None, sequence_parallel: bool = False,
+                 seed: int = 0):
+        super().__init__()
+        t, r = size_and_rank(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.in_per_rank = divide(in_features, t, "in_features")
+        self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
+        full = _full_linear(in_features, out_features, bias, seed)
+        self.weight = nn.Parameter(full.weight.detach().chunk(t, 1)[r].clone())
+        self.bias = nn.Parameter(full.bias.detach().clone()) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":
+        """This rank's shard of an existing single-device ``nn.Linear``."""
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+        t, r = size_and_rank(m.group)
+        with torch.no_grad():
+            m.weight.copy_(linear.weight.chunk(t, 1)[r])
+            if m.bias is not None:
+                m.bias.copy_(linear.bias)
+        return m
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = split(x, -1, self.group)
+        if self.sequence_parallel:
+            return linear_reduce_scatter(x, self.weight, self.bias, self.group)
+        return row_parallel_linear(x, self.weight, self.bias, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} ({self.in_per_rank} per rank), out={self.out_features}, "
+                f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")

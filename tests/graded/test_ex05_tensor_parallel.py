@@ -1,0 +1,226 @@
+"""Graded tests for exercise 05: f and g, column- and row-parallel linear layers, and the
+vocabulary-parallel cross-entropy.
+
+Run against the library and the solution in CI, and against your file by
+``python -m minipar.grade ex05``. Every check compares with the single-device computation
+(fp32, tolerance ``TOL``) on the same numbers.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import minipar
+from minipar import cost, trace
+
+EXERCISE = "ex05_tensor_parallel"
+LIBRARY = "minipar.tensor_parallel"
+TIMEOUT = 30
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _comm_bytes(n0):
+    return sum(e["bytes_sent"] for e in trace.events()[n0:] if e["kind"] == "comm")
+
+
+def _close(got, want, what):
+    torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{what}: {m}")
+
+
+# ----------------------------------------------------------------------------- f and g
+def _f_case(f):
+    r = dist.get_rank()
+    x = _randn(4, 3, seed=0).requires_grad_()        # the same x on every rank
+    w = _randn(4, 3, seed=10 + r)                      # a different upstream gradient per rank
+    y = f(x)
+    n0 = len(trace.events())
+    (y * w).sum().backward()
+    return {"y": y.detach(), "x": x.detach(), "grad": x.grad, "w": w, "bytes": _comm_bytes(n0)}
+
+
+def _g_case(g):
+    r = dist.get_rank()
+    x = _randn(4, 3, seed=20 + r).requires_grad_()    # a different partial result per rank
+    w = _randn(4, 3, seed=10)                          # the same upstream gradient everywhere
+    before = x.detach().clone()
+    n0 = len(trace.events())
+    z = g(x)
+    sent = _comm_bytes(n0)
+    (z * w).sum().backward()
+    return {"z": z.detach(), "x": before, "x_after": x.detach(), "grad": x.grad, "w": w, "bytes": sent}
+
+
+def test_f_identity_forward_all_reduce_backward(impl):
+    """f returns x unchanged and sums the ranks' gradients in backward (2 ranks).
+    Hint: forward returns x.view_as(x); backward all-reduces a clone of grad with minipar.comm.all_reduce and returns (that, None)."""
+    results = minipar.launch(_f_case, 2, args=(impl.f,), timeout=TIMEOUT)
+    total = sum(fo["w"] for fo in results)
+    for rank, fo in enumerate(results):
+        _close(fo["y"], fo["x"], f"rank {rank}: f's forward")
+        _close(fo["grad"], total, f"rank {rank}: f's gradient (the sum of the ranks' gradients)")
+        assert fo["bytes"] == cost.collective_bytes("all_reduce", 4 * 12, 2), \
+            f"rank {rank} sent {fo['bytes']} bytes in backward, one all-reduce of 12 floats sends 48"
+
+
+def test_g_all_reduce_forward_identity_backward(impl):
+    """g sums the ranks' inputs in forward, leaves its input alone, and passes the gradient unchanged.
+    Hint: forward all-reduces a clone of x (not x itself); backward returns (grad, None)."""
+    results = minipar.launch(_g_case, 2, args=(impl.g,), timeout=TIMEOUT)
+    total = sum(go["x"] for go in results)
+    for rank, go in enumerate(results):
+        _close(go["z"], total, f"rank {rank}: g's forward (the sum over ranks)")
+        _close(go["x_after"], go["x"], f"rank {rank}: g modified its input")
+        _close(go["grad"], go["w"], f"rank {rank}: g's gradient (identity)")
+        assert go["bytes"] == cost.collective_bytes("all_reduce", 4 * 12, 2), \
+            f"rank {rank} sent {go['bytes']} bytes in forward, one all-reduce of 12 floats sends 48"
+
+
+# ----------------------------------------------------------------------------- linear layers
+def _column(column_parallel_linear, t):
+    """Two groups of t ranks ({0..t-1}, {t..2t-1}), each splitting its own layer."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group(list(range(i, i + t))) for i in range(0, world, t)]
+    k, group = rank // t, groups[rank // t]
+    r = dist.get_rank(group)
+    x_full, w, b = _randn(5, 6, seed=k), _randn(8, 6, seed=10 + k), _randn(8, seed=20 + k)
+    up = _randn(5, 8, seed=30 + k)                        # upstream gradient of the full output
+    out = {}
+    for gather_output in (False, True):
+        x = x_full.clone().requires_grad_()
+        wr, br = (w.chunk(t, 0)[r].clone().requires_grad_(), b.chunk(t, 0)[r].clone().requires_grad_())
+        y = column_parallel_linear(x, wr, br, gather_output=gather_output, group=group)
+        (y * (up if gather_output else up.chunk(t, 1)[r])).sum().backward()
+        out[gather_output] = (y.detach(), x.grad, wr.grad, br.grad)
+    return k, r, out
+
+
+def _full_linear(x, w, b, up):
+    x, w, b = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    y = F.linear(x, w, b)
+    (y * up).sum().backward()
+    return y.detach(), x.grad, w.grad, b.grad
+
+
+def test_column_parallel_linear(impl):
+    """Each rank computes its output features (or all of them, gathered); the input gradient is whole.
+    Hint: F.linear(f(x, group), weight, bias), then gather(y, -1, group) if gather_output; pass group everywhere (4 ranks, two groups of 2)."""
+    t = 2
+    for k, r, out in minipar.launch(_column, 4, args=(impl.column_parallel_linear, t), timeout=TIMEOUT):
+        y, gx, gw, gb = _full_linear(_randn(5, 6, seed=k), _randn(8, 6, seed=10 + k), _randn(8, seed=20 + k),
+                                     _randn(5, 8, seed=30 + k))
+        for gather_output, (got_y, got_gx, got_gw, got_gb) in out.items():
+            what = f"group {k} rank {r}, gather_output={gather_output}"
+            _close(got_y, y if gather_output else y.chunk(t, 1)[r], f"{what}: output")
+            _close(got_gx, gx, f"{what}: input gradient (all-reduced by f)")
+            _close(got_gw, gw.chunk(t, 0)[r], f"{what}: weight gradient")
+            _close(got_gb, gb.chunk(t, 0)[r], f"{what}: bias gradient")
+
+
+def _row(row_parallel_linear):
+    r, t = dist.get_rank(), dist.get_world_size()
+    x_full, w, b, up = _randn(5, 8, seed=1), _randn(6, 8, seed=2), _randn(6, seed=3), _randn(5, 6, seed=4)
+    x = x_full.chunk(t, 1)[r].clone().requires_grad_()
+    wr, b = w.chunk(t, 1)[r].clone().requires_grad_(), b.clone().requires_grad_()
+    y = row_parallel_linear(x, wr, b)
+    (y * up).sum().backward()
+    return y.detach(), x.grad, wr.grad, b.grad
+
+
+def test_row_parallel_linear(impl):
+    """The partial products sum to the full output, with the bias added once (4 ranks).
+    Hint: g(F.linear(x, weight)) + bias: adding the bias before g would add it t times."""
+    t = 4
+    y, gx, gw, gb = _full_linear(_randn(5, 8, seed=1), _randn(6, 8, seed=2), _randn(6, seed=3),
+                                 _randn(5, 6, seed=4))
+    results = minipar.launch(_row, t, args=(impl.row_parallel_linear,), timeout=TIMEOUT)
+    for r, (got_y, got_gx, got_gw, got_gb) in enumerate(results):
+        _close(got_y, y, f"rank {r}: output")
+        _close(got_gx, gx.chunk(t, 1)[r], f"rank {r}: input gradient")
+        _close(got_gw, gw.chunk(t, 1)[r], f"rank {r}: weight gradient")
+        _close(got_gb, gb, f"rank {r}: bias gradient")
+
+
+def _mlp(column_parallel_linear, row_parallel_linear):
+    r, t = dist.get_rank(), dist.get_world_size()
+    x = _randn(3, 4, 8, seed=5).requires_grad_()
+    w1, b1, w2, b2 = _randn(32, 8, seed=6), _randn(32, seed=7), _randn(8, 32, seed=8), _randn(8, seed=9)
+    n0 = len(trace.events())
+    h = F.gelu(column_parallel_linear(x, w1.chunk(t, 0)[r], b1.chunk(t, 0)[r]))
+    y = row_parallel_linear(h, w2.chunk(t, 1)[r], b2)
+    forward = [e["bytes_sent"] for e in trace.events()[n0:] if e["kind"] == "comm"]
+    n0 = len(trace.events())
+    y.sum().backward()
+    backward = [e["bytes_sent"] for e in trace.events()[n0:] if e["kind"] == "comm"]
+    return y.detach(), x.grad, forward, backward
+
+
+def test_mlp_needs_one_all_reduce_each_way(impl):
+    """Column then row parallel MLP equals the full MLP, with one all-reduce forward and one backward.
+    Hint: the column layer's output is exactly the row layer's input slice: no gather between."""
+    t = 4
+    x = _randn(3, 4, 8, seed=5).requires_grad_()
+    hidden = F.gelu(F.linear(x, _randn(32, 8, seed=6), _randn(32, seed=7)))
+    y = F.linear(hidden, _randn(8, 32, seed=8), _randn(8, seed=9))
+    y.sum().backward()
+    one = cost.collective_bytes("all_reduce", 3 * 4 * 8 * 4, t)
+    results = minipar.launch(_mlp, t, args=(impl.column_parallel_linear, impl.row_parallel_linear), timeout=TIMEOUT)
+    for r, (got_y, got_gx, forward, backward) in enumerate(results):
+        _close(got_y, y.detach(), f"rank {r}: MLP output")
+        _close(got_gx, x.grad, f"rank {r}: MLP input gradient")
+        assert forward == [one], f"rank {r}: forward communication {forward}, expected one all-reduce ({one:.0f} B)"
+        assert backward == [one], f"rank {r}: backward communication {backward}, expected one all-reduce ({one:.0f} B)"
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+N, V = 12, 256
+
+
+def _logits(scale):
+    return scale * _randn(N, V, seed=11), torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(12))
+
+
+def _ce(vocab_parallel_cross_entropy, scale):
+    r, t = dist.get_rank(), dist.get_world_size()
+    full, targets = _logits(scale)
+    z = full.chunk(t, -1)[r].clone().view(3, 4, V // t).requires_grad_()
+    n0 = len(trace.events())
+    loss = vocab_parallel_cross_entropy(z, targets.view(3, 4))
+    loss.backward()
+    return loss.detach(), z.grad.reshape(N, V // t), _comm_bytes(n0)
+
+
+def _check_ce(impl, scale, t=2):
+    full, targets = _logits(scale)
+    full.requires_grad_()
+    want = F.cross_entropy(full, targets)
+    want.backward()
+    results = minipar.launch(_ce, t, args=(impl.vocab_parallel_cross_entropy, scale), timeout=TIMEOUT)
+    for r, (loss, grad, sent) in enumerate(results):
+        assert torch.isfinite(loss), f"rank {r}: loss is {loss.item()}"
+        _close(loss, want.detach(), f"rank {r}: loss")
+        _close(grad, full.grad.chunk(t, -1)[r], f"rank {r}: gradient of this rank's logits")
+    return results
+
+
+def test_vocab_parallel_cross_entropy(impl):
+    """Loss and gradients equal F.cross_entropy on the full logits (2 ranks, targets on both halves).
+    Hint: loss = log Σ_v exp(z_v - m) - (z_y - m); sum Σexp and z_y (zero on ranks not owning y) over the group with your g."""
+    _check_ce(impl, scale=1.0)
+
+
+def test_vocab_parallel_cross_entropy_large_logits(impl):
+    """Still exact (and finite) when logits reach hundreds, where exp overflows without the max.
+    Hint: subtract the max over the *whole* vocabulary (all-gather the ranks' row maxima)."""
+    _check_ce(impl, scale=150.0)
+
+
+def test_vocab_parallel_cross_entropy_never_gathers_logits(impl):
+    """Each rank sends far fewer bytes than gathering the logits would (N·V floats, 4 ranks).
+    Hint: communicate a few numbers per position (max, Σexp, target logit), never the logits."""
+    t = 4
+    gathering = cost.collective_bytes("all_gather", N * V * 4, t)
+    for r, (_, _, sent) in enumerate(_check_ce(impl, scale=1.0, t=t)):
+        assert 0 < sent < gathering / 8, f"rank {r} sent {sent} bytes; gathering the logits sends {gathering:.0f}"

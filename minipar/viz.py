@@ -51,7 +51,7 @@ def timeline(trace: Trace, title: str = "What each rank did", color_by: str = "k
                     name=key, hovertext=[_label(e) for e in evs], hoverinfo="text")
     fig.update_layout(barmode="overlay", title=title, xaxis_title=f"time ({unit})",
                       yaxis=dict(autorange="reversed"), bargap=0.3,
-                      height=height or 120 + 45 * trace.world_size, legend_title=color_by)
+                      height=height or 170 + 45 * trace.world_size, legend_title=color_by)
     return fig
 
 
@@ -70,12 +70,16 @@ def summary_bars(trace: Trace, title: str = "Where the time went") -> go.Figure:
 
 def bandwidth(sizes: list[float], series: dict[str, list[float]], title: str = "Bandwidth",
               model: dict[str, list[float]] | None = None, ylabel: str = "time (ms)") -> go.Figure:
-    """Measured curves (markers) and model curves (dashed) against message size, log-log."""
+    """Measured curves (markers) and model curves (dashed) against message size, log-log.
+
+    The i-th model curve takes the colour of the i-th measured one."""
     fig = go.Figure()
-    for name, ys in series.items():
-        fig.add_scatter(x=sizes, y=ys, mode="lines+markers", name=name)
-    for name, ys in (model or {}).items():
-        fig.add_scatter(x=sizes, y=ys, mode="lines", line_dash="dash", name=name)
+    for i, (name, ys) in enumerate(series.items()):
+        fig.add_scatter(x=sizes, y=ys, mode="lines+markers", name=name,
+                        line_color=_PALETTE[i % len(_PALETTE)])
+    for i, (name, ys) in enumerate((model or {}).items()):
+        fig.add_scatter(x=sizes, y=ys, mode="lines", line_dash="dash", name=name,
+                        line_color=_PALETTE[i % len(_PALETTE)])
     fig.update_layout(title=title, xaxis_title="message size (bytes)", yaxis_title=ylabel,
                       xaxis_type="log", yaxis_type="log")
     return fig

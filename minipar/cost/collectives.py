@@ -56,19 +56,32 @@ def alpha_beta_time(op: str, nbytes: float, world_size: int, alpha: float, beta:
 
 def fit_alpha_beta(op: str, sizes: list[float], seconds: list[float], world_size: int,
                    algorithm: str = "ring") -> tuple[float, float]:
-    """Least-squares (α, β) from measured times of ``op`` at several message sizes."""
+    """(α, β) that best explain measured times of ``op`` at several message sizes.
+
+    Minimises the *relative* error Σ((T_model - t)/t)², so small and large messages count
+    alike (times span orders of magnitude), with α, β ≥ 0.
+    """
     xs = [(collective_steps(op, world_size, algorithm), collective_bytes(op, s, world_size))
           for s in sizes]
-    # normal equations for t = a·x0 + b·x1
-    s00 = sum(a * a for a, _ in xs)
-    s01 = sum(a * b for a, b in xs)
-    s11 = sum(b * b for _, b in xs)
-    t0 = sum(a * t for (a, _), t in zip(xs, seconds))
-    t1 = sum(b * t for (_, b), t in zip(xs, seconds))
-    det = s00 * s11 - s01 * s01
-    if det == 0:
-        raise ValueError("need at least two different message sizes to fit alpha and beta")
-    return (t0 * s11 - t1 * s01) / det, (s00 * t1 - s01 * t0) / det
+
+    def solve(cols):
+        # weighted normal equations, weights 1/t², over the chosen columns (0: α, 1: β)
+        w = [1 / t ** 2 for t in seconds]
+        a = [[sum(wi * x[i] * x[j] for wi, x in zip(w, xs)) for j in cols] for i in cols]
+        b = [sum(wi * x[i] * t for wi, x, t in zip(w, xs, seconds)) for i in cols]
+        if len(cols) == 1:
+            return [b[0] / a[0][0]] if a[0][0] else [0.0]
+        det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
+        if det == 0:
+            raise ValueError("need at least two different message sizes to fit alpha and beta")
+        return [(b[0] * a[1][1] - b[1] * a[0][1]) / det, (a[0][0] * b[1] - a[1][0] * b[0]) / det]
+
+    alpha, beta = solve([0, 1])
+    if alpha < 0:
+        alpha, beta = 0.0, solve([1])[0]
+    elif beta < 0:
+        alpha, beta = solve([0])[0], 0.0
+    return alpha, beta
 
 
 def bus_bandwidth(op: str, nbytes: float, world_size: int, seconds: float) -> float:

@@ -1,0 +1,108 @@
+"""The process mesh: ranks laid out as a (pp, dp, tp) grid, one process group per line.
+
+Megatron-LM's layout (Narayanan et al. 2021, §3.3): tensor-parallel ranks vary fastest, so
+the ``tp`` ranks of one layer are adjacent (one node, NVLink), then data-parallel ranks,
+then pipeline stages (which need the least bandwidth, so they may cross nodes):
+
+    rank = p · (dp · tp) + d · tp + t          (p, d, t) = the rank's coordinates
+
+Every rank belongs to one group per dimension: the ranks that differ from it only in that
+coordinate. With dp=2, pp=2, tp=2 rank 5 = (p=1, d=0, t=1) has tp group [4, 5], dp group
+[5, 7] and pp group [1, 5].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DIMS = ("pp", "dp", "tp")  # slowest to fastest
+
+
+def mesh_coordinates(rank: int, dp: int, pp: int, tp: int) -> dict[str, int]:
+    """``{"pp": p, "dp": d, "tp": t}`` of global ``rank`` on a dp × pp × tp mesh."""
+    if not 0 <= rank < dp * pp * tp:
+        raise ValueError(f"rank {rank} is outside a mesh of {dp * pp * tp} ranks")
+    return {"pp": rank // (dp * tp), "dp": rank // tp % dp, "tp": rank % tp}
+
+
+def group_members(rank: int, dim: str, dp: int, pp: int, tp: int) -> list[int]:
+    """Global ranks of ``rank``'s group along ``dim`` ("dp", "pp" or "tp"), in group order."""
+    if dim not in DIMS:
+        raise ValueError(f"dim must be one of {DIMS}, got {dim!r}")
+    c = mesh_coordinates(rank, dp, pp, tp)
+    sizes = {"dp": dp, "pp": pp, "tp": tp}
+    out = []
+    for i in range(sizes[dim]):
+        q = dict(c, **{dim: i})
+        out.append(q["pp"] * dp * tp + q["dp"] * tp + q["tp"])
+    return out
+
+
+@dataclass
+class ProcessMesh:
+    """A dp × pp × tp layout of ``world_size`` ranks; :meth:`build` makes its groups.
+
+    Construct it in the driver to validate a configuration before any process starts
+    (``ProcessMesh(dp=2, pp=2, tp=2, world_size=8)``), then inside every rank call
+    :meth:`build` to create the process groups (all ranks must, in the same order).
+    """
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    world_size: int | None = None
+    groups: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        for dim in DIMS:
+            v = getattr(self, dim)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{dim} must be a positive int, got {v!r}")
+        if self.world_size is not None and self.size != self.world_size:
+            raise ValueError(f"dp·pp·tp = {self.dp}·{self.pp}·{self.tp} = {self.size} "
+                             f"but world_size is {self.world_size}")
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        return mesh_coordinates(rank, self.dp, self.pp, self.tp)
+
+    def members(self, rank: int, dim: str) -> list[int]:
+        return group_members(rank, dim, self.dp, self.pp, self.tp)
+
+    def all_groups(self, dim: str) -> list[list[int]]:
+        """Every group along ``dim``, each a list of global ranks, without repeats."""
+        seen, out = set(), []
+        for r in range(self.size):
+            g = tuple(self.members(r, dim))
+            if g not in seen:
+                seen.add(g)
+                out.append(list(g))
+        return out
+
+    def build(self) -> "ProcessMesh":
+        """Inside a rank: create this rank's dp, pp and tp process groups."""
+        import torch.distributed as dist
+        if dist.get_world_size() != self.size:
+            raise ValueError(f"the mesh has {self.size} ranks but the job has {dist.get_world_size()}")
+        me = dist.get_rank()
+        for dim in DIMS:
+            for ranks in self.all_groups(dim):  # every rank creates every group, same order
+                g = dist.new_group(ranks)
+                if me in ranks:
+                    self.groups[dim] = g
+        return self
+
+    def rank(self, dim: str) -> int:
+        """This rank's coordinate along ``dim`` (after :meth:`build`)."""
+        import torch.distributed as dist
+        return self.coordinates(dist.get_rank())[dim]
+
+    def group(self, dim: str):
+        """This rank's process group along ``dim`` (after :meth:`build`)."""
+        return self.groups[dim]

@@ -1,0 +1,79 @@
+"""ZeRO memory and communication per rank (Rajbhandari et al., "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", SC 2020, §5 and Figure 1).
+
+With Ψ parameters, N data-parallel ranks and mixed-precision Adam (fp16/bf16 parameters
+and gradients, 2 bytes each; fp32 master copy, momentum and variance, K = 12 bytes per
+parameter), the model states per rank are
+
+    stage 0  (plain data parallelism)   2Ψ + 2Ψ + KΨ
+    stage 1  P_os      shard optimizer  2Ψ + 2Ψ + KΨ/N
+    stage 2  P_os+g    + gradients      2Ψ + (2 + K)Ψ/N
+    stage 3  P_os+g+p  + parameters     (2 + 2 + K)Ψ/N
+
+In fp32 (no master copy) the parameters and gradients take 4 bytes each and Adam's two
+moments K = 8: ``dtype_bytes=4, k=8``; SGD with momentum has K = 4, plain SGD K = 0.
+
+Padding. minipar shards each unit (a layer) separately, padding its Ψ_u elements with
+zeros to a multiple of N. ``num_params`` may be that list of unit sizes; with
+``padded=True`` every flattened quantity uses Ψ̂ = Σ_u N·⌈Ψ_u/N⌉ (a shard is Ψ̂/N
+elements), which is what minipar allocates; stage 0 is not flattened and uses Ψ.
+``padded=False`` gives the paper's formulas with real-valued Ψ/N.
+
+Communication per rank and step (§7): stages 0-2 move 2Ψ (all-reduce, or reduce-scatter
+of gradients + all-gather of parameters), stage 3 moves 3Ψ (all-gather for the forward,
+again for the backward, reduce-scatter of gradients); times (N-1)/N for the ring.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .collectives import collective_bytes
+
+STAGES = (0, 1, 2, 3)
+
+
+def _sizes(num_params, dp: int, stage: int, padded: bool) -> tuple[float, float]:
+    """(replicated element count, shard element count) for this stage's layout."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp (the number of data-parallel ranks) must be a positive int, got {dp!r}")
+    units = list(num_params) if isinstance(num_params, Sequence) else [num_params]
+    if any(u < 0 for u in units):
+        raise ValueError("parameter counts must be >= 0")
+    psi = sum(units)
+    if stage == 0 or not padded:
+        return psi, psi / dp
+    k = sum(-(-u // dp) for u in units)
+    return k * dp, k
+
+
+def zero_bytes_per_rank(num_params, dp: int, stage: int, k: float = 12, dtype_bytes: int = 2,
+                        padded: bool = True) -> dict[str, float]:
+    """Bytes of model states per rank: ``{"params", "grads", "optimizer", "total"}``.
+
+    ``num_params``: Ψ, or the list of unit sizes Ψ_u. ``dp``: N. ``stage``: 0-3. ``k``:
+    optimizer bytes per parameter (12 mixed-precision Adam, 8 fp32 Adam). ``dtype_bytes``:
+    bytes per parameter and per gradient (2 for fp16/bf16, 4 for fp32).
+    """
+    full, shard = _sizes(num_params, dp, stage, padded)
+    b = dtype_bytes
+    params = b * (shard if stage >= 3 else full)
+    grads = b * (shard if stage >= 2 else full)
+    optimizer = k * (shard if stage >= 1 else full)
+    return {"params": params, "grads": grads, "optimizer": optimizer,
+            "total": params + grads + optimizer}
+
+
+def zero_comm_bytes(num_params, dp: int, stage: int, dtype_bytes: int = 4,
+                    padded: bool = True) -> float:
+    """Bytes each rank sends per step (ring algorithms): stage 0 all-reduces the gradients
+    (2(N-1)/N·Ψ); stages 1-2 reduce-scatter gradients and all-gather parameters (same
+    total); stage 3 all-gathers the parameters twice and reduce-scatters once (3(N-1)/N·Ψ)."""
+    full, _ = _sizes(num_params, dp, stage, padded)
+    nbytes = full * dtype_bytes
+    if stage == 0:
+        return collective_bytes("all_reduce", nbytes, dp)
+    gathers = 2 if stage == 3 else 1
+    return (gathers * collective_bytes("all_gather", nbytes, dp)
+            + collective_bytes("reduce_scatter", nbytes, dp))

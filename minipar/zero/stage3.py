@@ -1,0 +1,211 @@
+"""ZeRO stage 3, P_os+g+p: parameters sharded too, gathered one unit at a time.
+
+Rajbhandari et al. 2020, §5.3; the same design as PyTorch's FSDP (Zhao et al. 2023).
+Each rank keeps only its shard of every unit's (layer's) flat parameters. A unit's full
+parameters exist only while it computes:
+
+* forward: just before a unit runs, all-gather its shards (:func:`gather_unit`); right
+  after, free the gathered buffer (:func:`free_unit`); the next unit's gather is started
+  asynchronously first, so it overlaps with this unit's compute (prefetch);
+* backward: when the gradient of a unit's output arrives, gather its parameters again
+  (prefetching the unit before it); once all its gradients are in, reduce-scatter them
+  (averaged) into this rank's gradient shard and free both full buffers.
+
+Memory per rank (2 + 2 + K)Ψ/N (fp32: (4 + 4 + K)Ψ/N) plus the gathered units in flight
+(at most two with prefetch); communication 3Ψ per step: all-gather twice, reduce-scatter
+once. Under mixed precision (``param_dtype=torch.bfloat16``) the shards stay fp32 (they
+are the master weights: 4 + 4 + 8 = 16 bytes per element, the paper's 2 + 2 + 12), while
+the gathers, the gathered units, the activations and the reduce-scatter are in bf16.
+
+The gathered buffer keeps its tensor object and only its storage is freed
+(``untyped_storage().resize_(0)``) and re-allocated, so the parameters autograd saved
+in the forward see the re-gathered values in the backward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .. import trace
+from ..comm import all_gather, reduce_scatter
+from .flat import FlatUnit
+from .memory import state_tensors
+
+
+def gather_unit(full: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False, **labels):
+    """Gather-before-use: give ``full`` (flat, N·k elements, its storage possibly freed)
+    its storage back and fill it with every rank's ``shard`` (k elements, cast to
+    ``full``'s dtype) in rank order. Returns the all-gather's Handle if ``async_op``."""
+    full.untyped_storage().resize_(full.numel() * full.element_size())
+    return all_gather(full, shard.detach().to(full.dtype), group=group, async_op=async_op, **labels)
+
+
+def free_unit(full: torch.Tensor) -> None:
+    """Free-after-use: release ``full``'s memory but keep the tensor (and the parameter
+    views into it) so the same buffer can be gathered into again."""
+    full.untyped_storage().resize_(0)
+
+
+class _Unit:
+    def __init__(self, module, params, group, dtype):
+        self.module, self.flat = module, FlatUnit(params, group)
+        master = self.flat.flatten(params)
+        self.shard = nn.Parameter(self.flat.shard_of(master).clone())   # fp32, k elements
+        self.full = torch.empty(self.flat.padded, dtype=dtype)          # gathered buffer
+        self.flat.use(self.full)
+        free_unit(self.full)
+        self.handle, self.gathered, self.ready, self.t0, self.bw = None, False, set(), 0.0, False
+
+
+class FullyShardedDataParallel(nn.Module):
+    """``FullyShardedDataParallel(module, group=None, units=None, prefetch=True, param_dtype=None)``.
+
+    ``units``: the modules gathered one at a time (default ``module.layers()``, else the
+    whole module); every parameter must belong to exactly one unit. ``group``: the
+    data-parallel group (None = world). The wrapper's ``parameters()`` are this rank's fp32
+    shards: give them to any element-wise optimizer. ``gather_full_params()`` returns the
+    full parameters by their original names (call it on every rank).
+    ``peak_gathered_bytes``: the most bytes of gathered units alive at once so far.
+    """
+
+    def __init__(self, module: nn.Module, group=None, units=None, prefetch: bool = True,
+                 param_dtype=None):
+        super().__init__()
+        object.__setattr__(self, "module", module)        # not a child: its params are not ours
+        self.group, self.prefetch = group, prefetch
+        self.param_dtype = param_dtype or torch.float32
+        units = list(units if units is not None else
+                     (module.layers() if hasattr(module, "layers") else [module]))
+        owner = {}
+        for i, m in enumerate(units):
+            for p in m.parameters():
+                if owner.setdefault(id(p), i) != i:
+                    raise ValueError("a parameter is shared by two units (tied weights?); "
+                                     "stage 3 needs each parameter in exactly one unit")
+        missing = [n for n, p in module.named_parameters() if id(p) not in owner]
+        if missing:
+            raise ValueError(f"parameters in no unit: {missing[:3]}...; pass units= covering them")
+        self.units = [_Unit(m, [p for p in m.parameters() if p.requires_grad], group,
+                            self.param_dtype) for m in units]
+        self.shards = nn.ParameterList([u.shard for u in self.units])
+        self._order: list[int] = []                        # units in forward order, this step
+        self.peak_gathered_bytes = 0                       # most bytes of gathered units at once
+        self._in_backward = False
+        for i, u in enumerate(self.units):
+            u.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
+            u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
+            for p in u.flat.params:
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p))
+
+    def forward(self, *args, **kwargs):
+        self._order = []
+        return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return super().train(mode)
+
+    # -- gathering and freeing
+    def _gather(self, i: int, async_op: bool = False, **labels) -> None:
+        u = self.units[i]
+        if not u.gathered:
+            u.handle = gather_unit(u.full, u.shard, self.group, async_op=True, unit=i, **labels)
+            u.gathered = True
+            in_flight = sum(v.full.untyped_storage().nbytes() for v in self.units)
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, in_flight)
+        if not async_op and u.handle is not None:
+            u.handle.wait()
+            u.handle = None
+
+    def _free(self, i: int) -> None:
+        u = self.units[i]
+        if u.handle is not None:
+            u.handle.wait()
+            u.handle = None
+        if u.gathered:
+            free_unit(u.full)
+            u.gathered = False
+
+    # -- forward
+    def _pre_forward(self, i: int) -> None:
+        self._gather(i, phase="forward")
+        self._order.append(i)
+        self.units[i].bw = False
+        if self.prefetch and i + 1 < len(self.units):
+            self._gather(i + 1, async_op=True, phase="forward", prefetch=True)
+        self.units[i].t0 = trace.now()
+
+    def _post_forward(self, i: int, out):
+        trace.record("compute", "forward", self.units[i].t0, trace.now(), unit=i)
+        self._free(i)
+        tensors = [t for t in (out if isinstance(out, (tuple, list)) else [out])
+                   if torch.is_tensor(t) and t.requires_grad]
+        for t in tensors:
+            t.register_hook(lambda g, i=i: self._pre_backward(i))
+        return out
+
+    # -- backward
+    def _pre_backward(self, i: int) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self.units[i].bw:                               # one hook per output tensor
+            return
+        self.units[i].bw = True
+        self._gather(i, phase="backward")
+        pos = self._order.index(i) if i in self._order else 0
+        if self.prefetch and pos > 0:
+            self._gather(self._order[pos - 1], async_op=True, phase="backward", prefetch=True)
+        self.units[i].t0 = trace.now()
+
+    def _on_grad(self, i: int, p) -> None:
+        u = self.units[i]
+        u.ready.add(id(p))
+        if len(u.ready) == len(u.flat.params):
+            trace.record("compute", "backward", u.t0, trace.now(), unit=i)
+            self._reduce(i)
+
+    def _reduce(self, i: int) -> None:
+        """Reduce-scatter unit i's gradients (mean) into its shard's .grad; free the unit."""
+        u = self.units[i]
+        ps = u.flat.params
+        flat = u.flat.flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in ps],
+                              dtype=self.param_dtype)
+        for p in ps:
+            p.grad = None
+        self._free(i)
+        mine = u.flat.shard_of(flat)
+        reduce_scatter(mine, flat, op="avg", group=self.group, unit=i)
+        g = mine.to(torch.float32) if mine.dtype != torch.float32 else mine.clone()
+        u.shard.grad = g if u.shard.grad is None else u.shard.grad.add_(g)
+        u.ready.clear()
+
+    def _end_backward(self) -> None:
+        for i, u in enumerate(self.units):
+            if u.ready:                                    # some params got no gradient
+                self._reduce(i)
+            self._free(i)
+        self._in_backward = False
+
+    # -- saving and checking
+    @torch.no_grad()
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """The full fp32 parameters by the wrapped module's names (a collective: every rank
+        calls it; every rank gets the whole dict)."""
+        where = {}
+        for u in self.units:
+            full = torch.empty(u.flat.padded)
+            all_gather(full, u.shard.detach(), group=self.group, name="gather_full_params")
+            for p, v in zip(u.flat.params, u.flat.views(full)):
+                where[id(p)] = v.clone()
+        return {n: where[id(p)] for n, p in self.module.named_parameters() if id(p) in where}
+
+    def memory_tensors(self, optimizer=None) -> dict[str, list[torch.Tensor]]:
+        """Shards and any gathered buffers (params), gradient shards, optimizer state."""
+        return {"params": [u.shard for u in self.units] + [u.full for u in self.units],
+                "grads": [u.shard.grad for u in self.units]
+                + [p.grad for u in self.units for p in u.flat.params],
+                "optimizer": state_tensors(optimizer) if optimizer is not None else []}
+
+    def unit_sizes(self) -> list[int]:
+        return [u.flat.numel for u in self.units]

@@ -23,17 +23,10 @@ How it works, and why:
 """
 from __future__ import annotations
 
-import atexit
-import io
-import linecache
-import multiprocessing as mp
 import os
-import signal
 import socket
 import sys
 import time
-import traceback
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from datetime import timedelta
 from multiprocessing.connection import wait
 
@@ -43,8 +36,10 @@ import torch.distributed as dist
 
 from . import trace as _trace
 from .backend import pick_backend
+from .pool import IN_RANK, Pool, cell_sources, get_pool, kill_pool, loopback, shutdown, to_cpu
 
-_IN_RANK = "MINIPAR_IN_RANK"
+__all__ = ["launch", "shutdown", "RankError", "LaunchTimeout", "Results"]
+_announced: set = set()
 
 
 class RankError(RuntimeError):
@@ -87,186 +82,6 @@ class Results(list):
     seconds: float
 
 
-# --------------------------------------------------------------------------- the rank side
-def _loopback() -> str:
-    names = [n for _, n in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
-    return "lo" if "lo" in names else ("lo0" if "lo0" in names else "")
-
-
-def _cell_sources() -> dict:
-    """linecache entries of code that exists only in memory (notebook cells), so tracebacks
-    from the ranks can quote the learner's lines."""
-    return {f: v for f, v in list(linecache.cache.items())
-            if len(v) == 4 and v[1] is None and not os.path.exists(f)}
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    return obj
-
-
-def _user_files() -> dict[str, float]:
-    """Source files this process imported from outside the Python installation."""
-    roots = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
-    out = {}
-    for m in list(sys.modules.values()):
-        f = getattr(m, "__file__", None)
-        if f and f.endswith(".py") and not f.startswith(roots) and os.path.exists(f):
-            out[f] = os.stat(f).st_mtime
-    return out
-
-
-def _run_job(job: dict, rank: int, seed: int, conn) -> None:
-    """Run one job and reply; on success keep the group up until the driver releases us, so a
-    rank that finishes early never breaks a peer still waiting on it (that peer *hangs*, as
-    it would on a cluster, and the driver's timeout names it)."""
-    sys.path[:] = job["sys_path"]
-    os.environ.update(job["env"], RANK=str(rank), LOCAL_RANK=str(rank))
-    torch.set_num_threads(job["threads"])
-    torch.manual_seed(seed)  # a reused worker starts like a fresh process
-    _trace.enable(True)
-    out = io.StringIO()  # what the rank prints comes back to the driver
-    linecache.cache.update(job["sources"])  # notebook cells' source, for readable tracebacks
-    try:
-        fn, args, kwargs = cloudpickle.loads(job["payload"])
-        if job["backend"] == "nccl":
-            torch.cuda.set_device(rank)
-        pg_timeout = timedelta(seconds=job["timeout"] + 60)  # the driver's timeout fires first
-        store = dist.TCPStore("127.0.0.1", job["port"], is_master=False, timeout=pg_timeout)
-        dist.init_process_group(job["backend"], store=store, rank=rank,
-                                world_size=job["world_size"], timeout=pg_timeout)
-        _trace.start(rank)
-        with redirect_stdout(out), redirect_stderr(out):
-            value = fn(*args, **kwargs)
-        reply = ("ok", cloudpickle.dumps(_to_cpu(value)), _trace.events(), _user_files())
-    except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
-        # drop this function's own frame: the learner's code starts at the next one
-        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
-        reply = ("error", tb, None, None)
-    conn.send(reply + (out.getvalue(),))
-    if reply[0] == "ok":
-        conn.recv()  # "release": every rank has finished
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _worker(conn, rank: int) -> None:
-    """Body of a pool process: run jobs until told to stop or the parent goes away."""
-    seed = torch.initial_seed()
-    os.environ[_IN_RANK] = "1"
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C/interrupt is the driver's to handle
-    while True:
-        try:
-            job = conn.recv()
-            if job is None:
-                os._exit(0)
-            _run_job(job, rank, seed, conn)
-        except (EOFError, OSError):
-            os._exit(0)
-
-
-# ------------------------------------------------------------------------- the pool
-@contextmanager
-def _main_not_reimported():
-    """Hide ``__main__``'s origin while starting workers, so they do not re-run the caller's
-    script or notebook kernel module: ``fn`` travels by value and never needs it."""
-    main = sys.modules["__main__"]
-    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
-    main.__dict__["__spec__"] = None
-    main.__dict__.pop("__file__", None)
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
-
-
-class _Pool:
-    def __init__(self):
-        methods = mp.get_all_start_methods()
-        self.ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
-        if self.ctx.get_start_method() == "forkserver":
-            self.ctx.set_forkserver_preload(["minipar.launch"])
-        self.procs, self.conns, self.files = [], [], {}
-
-    def grow(self, n: int) -> None:
-        with _main_not_reimported():
-            self._grow(n)
-
-    def _grow(self, n: int) -> None:
-        while len(self.procs) < n:
-            parent, child = self.ctx.Pipe()
-            p = self.ctx.Process(target=_worker, args=(child, len(self.procs)),
-                                 name=f"minipar-rank{len(self.procs)}")
-            p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
-
-    def healthy(self) -> bool:
-        if not all(p.is_alive() for p in self.procs):
-            return False
-        try:
-            return all(os.stat(f).st_mtime == m for f, m in self.files.items())
-        except OSError:
-            return False
-
-    def close(self, kill: bool = False) -> None:
-        for p, c in zip(self.procs, self.conns):
-            if kill:
-                p.kill()
-            else:
-                try:
-                    c.send(None)
-                except OSError:
-                    p.kill()
-        for p, c in zip(self.procs, self.conns):
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-            c.close()
-        self.procs, self.conns = [], []
-
-
-_pool: _Pool | None = None
-_announced: set = set()
-
-
-def shutdown() -> None:
-    """Stop the pool of warm ranks (it restarts on the next launch)."""
-    global _pool
-    if _pool is not None:
-        _pool.close()
-        _pool = None
-
-
-atexit.register(shutdown)
-
-
-def _get_pool(n: int, reuse: bool) -> _Pool:
-    global _pool
-    if _pool is not None and (not reuse or not _pool.healthy()):
-        _pool.close(kill=not _pool.healthy())
-        _pool = None
-    if _pool is None:
-        _pool = _Pool()
-    _pool.grow(n)
-    return _pool
-
-
-def _kill_pool() -> None:
-    global _pool
-    if _pool is not None:
-        _pool.close(kill=True)
-        _pool = None
-
-
 # ------------------------------------------------------------------------- launch
 def _free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for launchers that need a number)."""
@@ -285,7 +100,7 @@ def launch(fn, world_size: int, *, backend: str = "auto", args=(), kwargs=None,
     ``threads``: torch intra-op threads per rank (1 avoids oversubscribing a laptop).
     ``reuse``: run in the warm pool of ranks (fast) or in fresh processes.
     """
-    if os.environ.get(_IN_RANK):
+    if os.environ.get(IN_RANK):
         raise RuntimeError("minipar.launch was called inside a rank; call it from the driver")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _launch_in_place(fn, world_size, backend, args, kwargs or {})
@@ -296,8 +111,8 @@ def launch(fn, world_size: int, *, backend: str = "auto", args=(), kwargs=None,
         _announced.add((chosen, why))
         print(f"minipar.launch: {why}")
     payload = cloudpickle.dumps((fn, tuple(args), kwargs or {}))
-    sources = _cell_sources()
-    pool = _get_pool(world_size, reuse)
+    sources = cell_sources()
+    pool = get_pool(world_size, reuse)
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -307,8 +122,8 @@ def launch(fn, world_size: int, *, backend: str = "auto", args=(), kwargs=None,
                           master_listen_fd=sock.detach(), timeout=timedelta(seconds=timeout))
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
            "LOCAL_WORLD_SIZE": str(world_size)}
-    if _loopback():
-        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = _loopback()
+    if loopback():
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = loopback()
     job = {"payload": payload, "port": port, "backend": chosen, "world_size": world_size,
            "timeout": timeout, "threads": threads, "sys_path": list(sys.path), "env": env,
            "sources": sources}
@@ -316,7 +131,7 @@ def launch(fn, world_size: int, *, backend: str = "auto", args=(), kwargs=None,
     try:
         replies = _collect(pool, job, world_size, timeout, grace)
     except BaseException:
-        _kill_pool()  # failed, timed out or interrupted: never reuse these processes
+        kill_pool()  # failed, timed out or interrupted: never reuse these processes
         raise
     finally:
         del store  # closes the listening socket
@@ -331,7 +146,7 @@ def launch(fn, world_size: int, *, backend: str = "auto", args=(), kwargs=None,
     return results
 
 
-def _collect(pool: _Pool, job: dict, n: int, timeout: float, grace: float) -> list:
+def _collect(pool: Pool, job: dict, n: int, timeout: float, grace: float) -> list:
     for conn in pool.conns[:n]:
         conn.send(job)
     replies, errors, printed = [None] * n, {}, {}
@@ -415,7 +230,7 @@ def _launch_in_place(fn, world_size, backend, args, kwargs) -> Results:
         dist.init_process_group(chosen)
     _trace.start(dist.get_rank())
     t_start = time.perf_counter()
-    out = _to_cpu(fn(*args, **kwargs))
+    out = to_cpu(fn(*args, **kwargs))
     gathered, traces = [None] * env_ws, [None] * env_ws
     dist.all_gather_object(gathered, out)
     dist.all_gather_object(traces, _trace.events())

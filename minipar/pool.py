@@ -1,0 +1,208 @@
+"""The ranks' side of ``minipar.launch``: a pool of warm worker processes.
+
+Workers are forked from a forkserver that has already imported torch, so starting them
+costs a fork, not an interpreter and a torch import each. A worker loops: receive a job
+(the function, pickled by value with cloudpickle, and the rendezvous port), join the
+process group, run the function with its prints captured, send back the result, its
+trace and its imported source files, wait to be released, leave the group. The driver
+(:mod:`minipar.launch`) kills the whole pool after any failure and restarts it when a
+source file the workers imported has changed.
+"""
+from __future__ import annotations
+
+import atexit
+import io
+import linecache
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import traceback
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from datetime import timedelta
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from . import trace as _trace
+
+IN_RANK = "MINIPAR_IN_RANK"
+
+
+def loopback() -> str:
+    names = [n for _, n in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return "lo" if "lo" in names else ("lo0" if "lo0" in names else "")
+
+
+def cell_sources() -> dict:
+    """linecache entries of code that exists only in memory (notebook cells), so tracebacks
+    from the ranks can quote the learner's lines."""
+    return {f: v for f, v in list(linecache.cache.items())
+            if len(v) == 4 and v[1] is None and not os.path.exists(f)}
+
+
+def to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def _user_files() -> dict[str, float]:
+    """Source files this process imported from outside the Python installation."""
+    roots = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    out = {}
+    for m in list(sys.modules.values()):
+        f = getattr(m, "__file__", None)
+        if f and f.endswith(".py") and not f.startswith(roots) and os.path.exists(f):
+            out[f] = os.stat(f).st_mtime
+    return out
+
+
+def _run_job(job: dict, rank: int, seed: int, conn) -> None:
+    """Run one job and reply; on success keep the group up until the driver releases us, so a
+    rank that finishes early never breaks a peer still waiting on it (that peer *hangs*, as
+    it would on a cluster, and the driver's timeout names it)."""
+    sys.path[:] = job["sys_path"]
+    os.environ.update(job["env"], RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(job["threads"])
+    torch.manual_seed(seed)  # a reused worker starts like a fresh process
+    _trace.enable(True)
+    out = io.StringIO()  # what the rank prints comes back to the driver
+    linecache.cache.update(job["sources"])  # notebook cells' source, for readable tracebacks
+    try:
+        fn, args, kwargs = cloudpickle.loads(job["payload"])
+        if job["backend"] == "nccl":
+            torch.cuda.set_device(rank)
+        pg_timeout = timedelta(seconds=job["timeout"] + 60)  # the driver's timeout fires first
+        store = dist.TCPStore("127.0.0.1", job["port"], is_master=False, timeout=pg_timeout)
+        dist.init_process_group(job["backend"], store=store, rank=rank,
+                                world_size=job["world_size"], timeout=pg_timeout)
+        _trace.start(rank)
+        with redirect_stdout(out), redirect_stderr(out):
+            value = fn(*args, **kwargs)
+        reply = ("ok", cloudpickle.dumps(to_cpu(value)), _trace.events(), _user_files())
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
+        # drop this function's own frame: the learner's code starts at the next one
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+        reply = ("error", tb, None, None)
+    conn.send(reply + (out.getvalue(),))
+    if reply[0] == "ok":
+        conn.recv()  # "release": every rank has finished
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _worker(conn, rank: int) -> None:
+    """Body of a pool process: run jobs until told to stop or the parent goes away."""
+    seed = torch.initial_seed()
+    os.environ[IN_RANK] = "1"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C/interrupt is the driver's to handle
+    while True:
+        try:
+            job = conn.recv()
+            if job is None:
+                os._exit(0)
+            _run_job(job, rank, seed, conn)
+        except (EOFError, OSError):
+            os._exit(0)
+
+
+@contextmanager
+def _main_not_reimported():
+    """Hide ``__main__``'s origin while starting workers, so they do not re-run the caller's
+    script or notebook kernel module: ``fn`` travels by value and never needs it."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__dict__["__spec__"] = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+class Pool:
+    def __init__(self):
+        methods = mp.get_all_start_methods()
+        self.ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+        if self.ctx.get_start_method() == "forkserver":
+            self.ctx.set_forkserver_preload(["minipar.pool"])
+        self.procs, self.conns, self.files = [], [], {}
+
+    def grow(self, n: int) -> None:
+        with _main_not_reimported():
+            self._grow(n)
+
+    def _grow(self, n: int) -> None:
+        while len(self.procs) < n:
+            parent, child = self.ctx.Pipe()
+            p = self.ctx.Process(target=_worker, args=(child, len(self.procs)),
+                                 name=f"minipar-rank{len(self.procs)}")
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+
+    def healthy(self) -> bool:
+        if not all(p.is_alive() for p in self.procs):
+            return False
+        try:
+            return all(os.stat(f).st_mtime == m for f, m in self.files.items())
+        except OSError:
+            return False
+
+    def close(self, kill: bool = False) -> None:
+        for p, c in zip(self.procs, self.conns):
+            if kill:
+                p.kill()
+            else:
+                try:
+                    c.send(None)
+                except OSError:
+                    p.kill()
+        for p, c in zip(self.procs, self.conns):
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+            c.close()
+        self.procs, self.conns = [], []
+
+
+_pool: Pool | None = None
+
+
+def shutdown() -> None:
+    """Stop the pool of warm ranks (it restarts on the next launch)."""
+    global _pool
+    if _pool is not None:
+        _pool.close()
+        _pool = None
+
+
+atexit.register(shutdown)
+
+
+def get_pool(n: int, reuse: bool) -> Pool:
+    global _pool
+    if _pool is not None and (not reuse or not _pool.healthy()):
+        _pool.close(kill=not _pool.healthy())
+        _pool = None
+    if _pool is None:
+        _pool = Pool()
+    _pool.grow(n)
+    return _pool
+
+
+def kill_pool() -> None:
+    global _pool
+    if _pool is not None:
+        _pool.close(kill=True)
+        _pool = None

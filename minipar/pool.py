@@ -133,7 +133,8 @@ class Pool:
         methods = mp.get_all_start_methods()
         self.ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
         if self.ctx.get_start_method() == "forkserver":
-            self.ctx.set_forkserver_preload(["minipar.pool"])
+            # torch.optim imports torch._dynamo (~1 s): pay it once in the forkserver
+            self.ctx.set_forkserver_preload(["minipar.pool", "torch.optim", "torch._dynamo"])
         self.procs, self.conns, self.files = [], [], {}
 
     def grow(self, n: int) -> None:

@@ -1,0 +1,125 @@
+"""Cut a model's layers into pipeline stages of balanced cost.
+
+A pipeline runs at the pace of its slowest stage: in the steady state every rank waits
+for the busiest one, so the step time is ``(m + p - 1) · max_s c_s`` for GPipe/1F1B,
+where ``c_s`` is the cost of stage s. With total cost ``C = Σ c_s``, the best possible is
+``c_s = C / p`` for all s, and a split achieves the fraction
+
+    balance = (C / p) / max_s c_s        (1.0 = perfect; 0.5 = the pipeline runs 2x slower)
+
+:func:`partition` finds the contiguous split that minimises ``max_s c_s`` exactly (a
+dynamic programme over "first j layers in k stages", O(p·L²)), and among the splits that
+reach it the most even one (least Σ c_s²), for a per-layer cost that is the parameter
+count (a proxy for FLOPs and memory) or a measured time.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+
+def partition(costs: list[float], p: int) -> list[int]:
+    """Stage boundaries ``[0, b_1, ..., L]`` (stage s = layers ``b_s : b_{s+1}``, none empty)
+    minimising the cost of the most expensive stage."""
+    L = len(costs)
+    if p < 1:
+        raise ValueError(f"need at least one stage, got p={p}")
+    if p > L:
+        raise ValueError(f"cannot cut {L} layers into {p} stages: more stages than layers")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    limit = _min_max(prefix, p)
+    # among the splits whose stages all cost <= limit, take the most even one: the least
+    # sum of squared stage costs (best[k][j] over "first j layers in k stages")
+    inf = float("inf")
+    best = [[inf] * (L + 1) for _ in range(p + 1)]
+    cut = [[0] * (L + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for k in range(1, p + 1):
+        for j in range(k, L - (p - k) + 1):
+            for i in range(k - 1, j):
+                c = prefix[j] - prefix[i]
+                if c <= limit * (1 + 1e-12) and best[k - 1][i] + c * c < best[k][j]:
+                    best[k][j], cut[k][j] = best[k - 1][i] + c * c, i
+    bounds, j = [L], L
+    for k in range(p, 0, -1):
+        j = cut[k][j]
+        bounds.append(j)
+    return bounds[::-1]
+
+
+def _min_max(prefix: list[float], p: int) -> float:
+    """The smallest achievable cost of the most expensive stage (dynamic programme:
+    ``best[k][j] = min over i of max(best[k-1][i], cost of layers i..j-1)``)."""
+    L, inf = len(prefix) - 1, float("inf")
+    best = [[inf] * (L + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for k in range(1, p + 1):
+        for j in range(k, L - (p - k) + 1):
+            best[k][j] = min(max(best[k - 1][i], prefix[j] - prefix[i]) for i in range(k - 1, j))
+    return best[p][L]
+
+
+def stage_costs(costs: list[float], bounds: list[int]) -> list[float]:
+    """Total cost of each stage."""
+    return [float(sum(costs[a:b])) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def balance(costs: list[float], bounds: list[int]) -> float:
+    """``(C / p) / max_s c_s``: 1.0 when every stage costs the same."""
+    per = stage_costs(costs, bounds)
+    return (sum(per) / len(per)) / max(per)
+
+
+def explain(costs: list[float], bounds: list[int], unit: str = "") -> str:
+    """A few lines: the layers and cost of each stage, and what the imbalance costs."""
+    per = stage_costs(costs, bounds)
+    lines = [f"stage {s}: layers {a}..{b - 1}  cost {c:,.4g}{unit}"
+             for s, (a, b, c) in enumerate(zip(bounds[:-1], bounds[1:], per))]
+    bal = balance(costs, bounds)
+    lines.append(f"balance {bal:.2f}: the slowest stage costs {max(per) / (sum(per) / len(per)):.2f}x "
+                 f"the average, so the steady state runs at {100 * bal:.0f}% of a perfect split")
+    return "\n".join(lines)
+
+
+def layer_costs(layers: list[nn.Module], by: str = "params", sample=None, repeats: int = 3) -> list[float]:
+    """Per-layer cost: ``by="params"`` (parameter count) or ``"time"`` (seconds for forward
+    and backward of ``sample`` through each layer in turn, median of ``repeats``)."""
+    if by == "params":
+        return [float(sum(q.numel() for q in layer.parameters())) for layer in layers]
+    if by != "time":
+        raise ValueError(f"by must be 'params' or 'time', got {by!r}")
+    if sample is None:
+        raise ValueError("by='time' needs a sample input for the first layer")
+    out, x = [], sample
+    for layer in layers:
+        x = x.detach().requires_grad_(x.is_floating_point())
+        ts = []
+        for k in range(repeats + 1):   # call 0 warms up (allocations, lazy initialisation)
+            t = time.perf_counter()
+            y = layer(x)
+            y.float().sum().backward()
+            if k:
+                ts.append(time.perf_counter() - t)
+        layer.zero_grad(set_to_none=True)
+        out.append(sorted(ts)[len(ts) // 2])
+        x = y
+    return out
+
+
+def build_stages(layers: list[nn.Module], bounds: list[int], rank: int, p: int) -> dict[int, nn.Module]:
+    """The stages rank ``rank`` of ``p`` holds, ``{stage: nn.Sequential(its layers)}``:
+    stages rank, rank+p, ... (more than one with virtual stages)."""
+    n_stages = len(bounds) - 1
+    if n_stages % p:
+        raise ValueError(f"{n_stages} stages cannot be spread evenly over {p} ranks")
+    return {s: nn.Sequential(*layers[bounds[s]:bounds[s + 1]]) for s in range(rank, n_stages, p)}
+
+
+def owned_parameters(model: nn.Module, stages: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
+    """``{name in model: parameter}`` for the parameters that live in ``stages``."""
+    mine = {id(q) for st in stages.values() for q in st.parameters()}
+    return {n: q for n, q in model.named_parameters() if id(q) in mine}

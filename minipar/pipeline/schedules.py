@@ -1,0 +1,181 @@
+"""Pipeline schedules as data: for every rank, the list of actions it performs in order.
+
+A model cut into ``S = p·v`` stages runs on ``p`` ranks; stage ``s`` lives on rank
+``s % p`` (so with ``v`` virtual stages per rank, rank r holds stages r, r+p, r+2p...).
+A batch is cut into ``m`` micro-batches. An :class:`Action` is one of
+
+* ``F`` forward of micro-batch i on stage s, ``B`` its backward, ``W`` (zero-bubble
+  schedules only) the weight-gradient part of the backward, ``B`` then being the
+  input-gradient part;
+* ``SEND_F``/``RECV_F`` the activation leaving/entering stage s, ``SEND_B``/``RECV_B``
+  the gradient leaving/entering stage s, with ``peer`` the other rank (group-local).
+
+The generators below return each rank's *compute* order; :func:`add_comms` inserts the
+sends (posted right after the compute that produced the tensor, never waited on) and the
+receives (right before the compute that needs it). The same :class:`Schedule` drives
+:class:`minipar.pipeline.Pipeline` (real training) and :func:`minipar.pipeline.simulate`.
+
+* GPipe / all-forward-all-backward (Huang et al. 2019): all m forwards, then all m
+  backwards. Every rank stashes m micro-batches.
+* 1F1B (PipeDream-Flush, Narayanan et al. 2021): ``p - r - 1`` warm-up forwards, then
+  alternate one forward and one backward (steady state), then the remaining backwards
+  (cool-down). Rank r stashes at most ``min(p - r, m)``. Same bubble as GPipe.
+* Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): v virtual stages per rank, the
+  micro-batches go round the ranks v times in groups of p; the bubble shrinks to
+  (p-1)/(v·m). Needs ``m % p == 0``.
+* ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward is split into
+  B (input gradient, on the critical path) and W (weight gradient, free to move); W fills
+  the cool-down bubble. Bubble (p-1)(F+B-W) instead of 1F1B's (p-1)(F+B+W), a third of it
+  when F = B = W, at 1F1B's peak memory (p micro-batches on the busiest rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+COMPUTE = ("F", "B", "W")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+@dataclass(frozen=True)
+class Action:
+    op: str            # F, B, W, SEND_F, RECV_F, SEND_B, RECV_B
+    microbatch: int
+    stage: int
+    peer: int | None = None
+
+    def __repr__(self) -> str:
+        peer = "" if self.peer is None else f"->{self.peer}" if "SEND" in self.op else f"<-{self.peer}"
+        return f"{self.op}{self.microbatch}s{self.stage}{peer}"
+
+
+def check_config(name: str, p: int, m: int, v: int = 1, n_layers: int | None = None) -> None:
+    """Raise a plain ValueError for a configuration no schedule can run."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {SCHEDULES}")
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"need p >= 1 stages, m >= 1 micro-batches and v >= 1, got p={p}, m={m}, v={v}")
+    if name != "interleaved" and v != 1:
+        raise ValueError(f"v={v} virtual stages needs the 'interleaved' schedule, not {name!r}")
+    if name == "interleaved" and m % p:
+        raise ValueError(f"interleaved 1F1B sends micro-batches round the ranks in groups of p={p}: "
+                         f"m={m} micro-batches is not a multiple of p (try m={p * -(-m // p)})")
+    if n_layers is not None and p * v > n_layers:
+        raise ValueError(f"{p * v} stages (p={p} x v={v}) but the model has only {n_layers} layers: "
+                         "every stage needs at least one layer")
+
+
+# ------------------------------------------------------------------ compute orders
+def gpipe(p: int, m: int, rank: int) -> list[Action]:
+    """All forwards, then all backwards (micro-batches in order)."""
+    return [Action("F", i, rank) for i in range(m)] + [Action("B", i, rank) for i in range(m)]
+
+
+def one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
+    """1F1B on ``rank``: warm-up ``min(p - rank - 1, m)`` forwards, steady F,B pairs, cool-down Bs."""
+    warmup = min(p - rank - 1, m)
+    out = [Action("F", i, rank) for i in range(warmup)]
+    for i in range(m - warmup):
+        out += [Action("F", warmup + i, rank), Action("B", i, rank)]
+    out += [Action("B", i, rank) for i in range(m - warmup, m)]
+    return out
+
+
+def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[Action]:
+    """Megatron's interleaved 1F1B: forward k is micro-batch ``(k // pv)·p + k % p`` on
+    virtual chunk ``(k // p) % v``; backwards visit the chunks in reverse. Warm-up
+    ``2(p - rank - 1) + (v - 1)·p`` forwards (all of them when m == p)."""
+    total = m * v
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        chunk = chunk if forward else v - 1 - chunk
+        return (k // (p * v)) * p + k % p, chunk * p + rank
+
+    warmup = total if m == p else min(2 * (p - rank - 1) + (v - 1) * p, total)
+    out = [Action("F", *unit(k, True)) for k in range(warmup)]
+    for i in range(total - warmup):
+        out += [Action("F", *unit(warmup + i, True)), Action("B", *unit(i, False))]
+    out += [Action("B", *unit(k, False)) for k in range(total - warmup, total)]
+    return out
+
+
+def zb_h1(p: int, m: int, rank: int) -> list[Action]:
+    """ZB-H1 on ``rank``: 1F1B's order with the backward split into B (input gradient) and
+    W (weight gradient). Rank r defers its Ws by r micro-batches in the steady state (so it
+    never holds more than p micro-batches, 1F1B's peak), and in the cool-down runs one
+    deferred W after each B and the rest at the end: the Ws fill the cool-down bubble."""
+    warmup = min(p - rank - 1, m)
+    out = [Action("F", i, rank) for i in range(warmup)]
+    pending: list[int] = []
+    for i in range(m - warmup):
+        out += [Action("F", warmup + i, rank), Action("B", i, rank)]
+        pending.append(i)
+        if len(pending) > rank:
+            out.append(Action("W", pending.pop(0), rank))
+    for j in range(m - warmup, m):
+        pending.append(j)
+        out += [Action("B", j, rank), Action("W", pending.pop(0), rank)]
+    return out + [Action("W", j, rank) for j in pending]
+
+
+# ------------------------------------------------------------------ the Schedule object
+def add_comms(order: list[Action], p: int, n_stages: int) -> list[Action]:
+    """Insert RECV before and SEND after every compute that crosses a stage boundary."""
+    out = []
+    for a in order:
+        s, i = a.stage, a.microbatch
+        if a.op == "F" and s > 0:
+            out.append(Action("RECV_F", i, s, (s - 1) % p))
+        if a.op == "B" and s < n_stages - 1:
+            out.append(Action("RECV_B", i, s, (s + 1) % p))
+        out.append(a)
+        if a.op == "F" and s < n_stages - 1:
+            out.append(Action("SEND_F", i, s, (s + 1) % p))
+        if a.op == "B" and s > 0:
+            out.append(Action("SEND_B", i, s, (s - 1) % p))
+    return out
+
+
+@dataclass
+class Schedule:
+    """``actions[r]``: what rank r does, in order, for one training step."""
+    name: str
+    p: int
+    m: int
+    v: int = 1
+    actions: list[list[Action]] = field(default_factory=list)
+
+    @property
+    def n_stages(self) -> int:
+        return self.p * self.v
+
+    @property
+    def split_backward(self) -> bool:
+        return any(a.op == "W" for acts in self.actions for a in acts)
+
+    def compute(self, rank: int) -> list[Action]:
+        return [a for a in self.actions[rank] if a.op in COMPUTE]
+
+    def __repr__(self) -> str:
+        return f"Schedule({self.name}, p={self.p}, m={self.m}, v={self.v})"
+
+    def table(self) -> str:
+        """One line per rank, compute actions only: ``rank 0: F0 F1 B0 ...``."""
+        return "\n".join(f"rank {r}: " + " ".join(f"{a.op}{a.microbatch}" +
+                                                  (f".{a.stage // self.p}" if self.v > 1 else "")
+                                                  for a in self.compute(r))
+                         for r in range(self.p))
+
+
+def make_schedule(name: str, p: int, m: int, v: int = 1, n_layers: int | None = None,
+                  order_fn=None) -> Schedule:
+    """Build schedule ``name`` ("gpipe", "1f1b", "interleaved", "zb-h1") for p ranks and m
+    micro-batches (v virtual stages per rank for "interleaved"). ``order_fn(p, m, rank)``
+    replaces the library's 1F1B generator (used to run an exercise's version)."""
+    check_config(name, p, m, v, n_layers)
+    if name == "interleaved":
+        orders = [interleaved_1f1b(p, m, r, v) for r in range(p)]
+    else:
+        fn = {"gpipe": gpipe, "zb-h1": zb_h1}.get(name, order_fn or one_f_one_b)
+        orders = [list(fn(p, m, r)) for r in range(p)]
+    return Schedule(name, p, m, v, [add_comms(o, p, p * v) for o in orders])

@@ -1,0 +1,148 @@
+"""Run a schedule on paper: the ideal timeline, deadlock-freedom, stash sizes, bubbles.
+
+:func:`simulate` executes a :class:`~minipar.pipeline.schedules.Schedule` as the real
+executor would, with fixed costs instead of a model: each rank walks its action list; a
+compute takes ``f``, ``b`` or ``w`` time units (times the stage's weight); a send is
+posted and never blocks; a receive blocks until the matching send happened plus
+``comm`` units. It returns a :class:`minipar.trace.Trace` with the same events as a
+measured run (one time unit is drawn as 1 ms), so ``minipar.viz.timeline`` draws both.
+
+If at some point every unfinished rank waits in a receive whose send is never reached,
+the schedule deadlocks: :func:`simulate` raises :class:`Deadlock` naming the stuck actions.
+:func:`check_schedule` adds the other proofs of a valid schedule.
+
+Bubble, relative to the ideal time (Narayanan et al. 2021): for a rank that computes
+for ``c`` seconds in a step of ``T`` seconds, ``bubble = (T - c) / c``; GPipe and 1F1B
+give ``(p-1)/m`` when every stage costs the same.
+"""
+from __future__ import annotations
+
+from ..trace import Trace
+from .schedules import COMPUTE, Schedule
+
+NAMES = {"F": "forward", "B": "backward", "W": "weight-grad"}
+UNIT = 1e-3  # seconds per simulated time unit: the timeline's "ms" axis reads in units
+
+
+class Deadlock(RuntimeError):
+    """Every unfinished rank waits for a message that is never sent."""
+
+
+def _msg_in(a):    # the message a RECV waits for: (kind, microbatch, sending stage)
+    return ("F", a.microbatch, a.stage - 1) if a.op == "RECV_F" else ("B", a.microbatch, a.stage + 1)
+
+
+def _msg_out(a):   # the message a SEND produces
+    return (a.op[-1], a.microbatch, a.stage)
+
+
+def simulate(schedule: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
+             comm: float = 0.0, stage_weights: list[float] | None = None) -> Trace:
+    """The timeline of ``schedule`` with forward cost ``f``, backward ``b + w`` (split into
+    B = ``b`` and W = ``w`` when the schedule has W actions), per-stage multipliers
+    ``stage_weights`` (default ``1/v``: a virtual stage holds 1/v of a rank's layers)."""
+    S, split = schedule.n_stages, schedule.split_backward
+    weights = stage_weights or [1.0 / schedule.v] * S
+    if len(weights) != S:
+        raise ValueError(f"stage_weights has {len(weights)} entries for {S} stages")
+    cost = {"F": f, "B": b if split else b + w, "W": w}
+    sent: dict[tuple, float] = {}
+    pos, clock = [0] * schedule.p, [0.0] * schedule.p
+    events: list[list[dict]] = [[] for _ in range(schedule.p)]
+    while True:
+        progress = False
+        for r, acts in enumerate(schedule.actions):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                if a.op.startswith("RECV"):
+                    if _msg_in(a) not in sent:
+                        break
+                    clock[r] = max(clock[r], sent[_msg_in(a)] + comm)
+                elif a.op.startswith("SEND"):
+                    sent[_msg_out(a)] = clock[r]
+                else:
+                    t = cost[a.op] * weights[a.stage]
+                    events[r].append({"rank": r, "kind": "compute", "name": NAMES[a.op],
+                                      "start": clock[r] * UNIT, "end": (clock[r] + t) * UNIT,
+                                      "bytes_sent": 0, "bytes_recv": 0,
+                                      "labels": {"microbatch": a.microbatch, "stage": a.stage,
+                                                 "phase": a.op}})
+                    clock[r] += t
+                pos[r] += 1
+                progress = True
+        if all(pos[r] == len(acts) for r, acts in enumerate(schedule.actions)):
+            return Trace(events)
+        if not progress:
+            stuck = {r: acts[pos[r]] for r, acts in enumerate(schedule.actions) if pos[r] < len(acts)}
+            raise Deadlock(f"{schedule} deadlocks: " +
+                           ", ".join(f"rank {r} waits in {a}" for r, a in stuck.items()))
+
+
+def check_schedule(schedule: Schedule) -> None:
+    """Raise ``AssertionError``/:class:`Deadlock` unless ``schedule`` is valid.
+
+    Checks: every (micro-batch, stage) has exactly one F and one B (and one W when the
+    backward is split) on the rank that owns the stage; on that rank F comes before B and
+    B before W; every send has exactly one receive on its peer, and each channel (sender,
+    receiver, kind) delivers in the order it is read; the simulation finishes (no deadlock).
+    """
+    p, S, m = schedule.p, schedule.n_stages, schedule.m
+    ops = ("F", "B", "W") if schedule.split_backward else ("F", "B")
+    seen: dict[tuple, int] = {}
+    sends: dict[tuple, list] = {}
+    recvs: dict[tuple, list] = {}
+    for r, acts in enumerate(schedule.actions):
+        for k, a in enumerate(acts):
+            assert a.stage % p == r, f"{a} on rank {r}, but stage {a.stage} lives on rank {a.stage % p}"
+            assert 0 <= a.microbatch < m and 0 <= a.stage < S, f"{a} out of range"
+            if a.op in COMPUTE:
+                key = (a.op, a.microbatch, a.stage)
+                assert key not in seen, f"{a} appears twice on rank {r}"
+                seen[key] = k
+            elif a.op.startswith("SEND"):
+                sends.setdefault((r, a.peer, a.op[-1]), []).append(_msg_out(a))
+            else:
+                recvs.setdefault((a.peer, r, a.op[-1]), []).append(_msg_in(a))
+    for i in range(m):
+        for s in range(S):
+            for op in ops:
+                assert (op, i, s) in seen, f"{op}{i} on stage {s} is missing"
+            assert seen["F", i, s] < seen["B", i, s], f"B{i} before F{i} on stage {s}"
+            if "W" in ops:
+                assert seen["B", i, s] < seen["W", i, s], f"W{i} before B{i} on stage {s}"
+    assert set(sends) == set(recvs), f"channels with sends but no receives: {set(sends) ^ set(recvs)}"
+    for ch, msgs in sends.items():
+        assert msgs == recvs[ch], f"channel {ch}: sent {msgs} but received {recvs[ch]}"
+    simulate(schedule)
+
+
+def peak_stash(schedule: Schedule) -> list[int]:
+    """Per rank, the most micro-batch activations held at once (stage inputs/outputs kept
+    from F until the backward that frees them: B, or W when the backward is split)."""
+    free = "W" if schedule.split_backward else "B"
+    out = []
+    for r in range(schedule.p):
+        held = peak = 0
+        for a in schedule.compute(r):
+            held += a.op == "F"
+            peak = max(peak, held)
+            held -= a.op == free
+        out.append(peak)
+    return out
+
+
+def bubble(trace: Trace) -> list[float]:
+    """Per rank ``(T - compute) / compute``: idle time relative to the ideal (busy) time,
+    ``T`` the step's span over all ranks. Only compute events count as work."""
+    spans = [(e["start"], e["end"]) for evs in trace.ranks for e in evs if e["kind"] == "compute"]
+    T = max(e for _, e in spans) - min(s for s, _ in spans)
+    out = []
+    for evs in trace.ranks:
+        c = sum(e["end"] - e["start"] for e in evs if e["kind"] == "compute")
+        out.append((T - c) / c if c else float("inf"))
+    return out
+
+
+def compute_only(trace: Trace) -> Trace:
+    """The trace without communication events (what :func:`simulate` draws)."""
+    return Trace([[e for e in evs if e["kind"] == "compute"] for evs in trace.ranks])

@@ -1,0 +1,105 @@
+"""Graded tests for exercise 03: activations forward, gradients back between stages.
+
+Run against the library and the solution in CI, and against your file by
+``python -m minipar.grade ex03``.
+"""
+import torch
+import torch.distributed as dist
+
+import minipar
+from minipar import data, reference, trace
+from minipar import model_parallel as mpar
+from minipar import pipeline as pp
+from minipar.models import GPT, LSTMLM, GPTConfig
+
+EXERCISE = "ex03_model_parallel"
+LIBRARY = "minipar.pipeline.stage_comm"
+TIMEOUT = 60
+TOKENS = data.synthetic_tokens(1000)
+
+
+def _activation_case(comm):
+    r = dist.get_rank()
+    if r == 0:
+        w = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
+        y = w * 2
+        h = comm.send_activation(y, 1, tag=7)
+        has_wait = hasattr(h, "wait")
+        h.wait()
+        return {"has_wait": has_wait}
+    x = comm.recv_activation((2, 3), 0, tag=7)
+    return {"x": x.detach(), "leaf": x.is_leaf, "requires_grad": x.requires_grad,
+            "dtype": x.dtype, "shape": tuple(x.shape)}
+
+
+def test_activation_values(impl):
+    """recv_activation returns the values send_activation sent, as a leaf requiring grad.
+    Hint: send y.detach(); receive into torch.empty(shape, dtype=dtype), wait, then .requires_grad_()."""
+    sender, got = minipar.launch(_activation_case, 2, args=(impl,), timeout=TIMEOUT)
+    assert sender["has_wait"], "send_activation must return the Handle of the isend"
+    torch.testing.assert_close(got["x"], torch.arange(6.0).reshape(2, 3) * 2)
+    assert got["leaf"] and got["requires_grad"], "the received activation must be a leaf requiring grad"
+    assert got["shape"] == (2, 3) and got["dtype"] == torch.float32
+
+
+def _mlp_split(comm):
+    """Two linear layers on two ranks; return rank 0's weight gradient and the bytes sent."""
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    l1, l2 = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
+    x = torch.randn(6, 4)
+    trace.start(r)
+    if r == 0:
+        y = l1(x)
+        comm.send_activation(y, 1, tag=1).wait()
+        g = comm.recv_grad((6, 5), 1, tag=2)
+        y.backward(g)
+        return l1.weight.grad, trace.events()
+    h = comm.recv_activation((6, 5), 0, tag=1)
+    l2(h).pow(2).sum().backward()
+    comm.send_grad(h.grad, 0, tag=2).wait()
+    return l2.weight.grad, trace.events()
+
+
+def test_gradient_flows_back(impl):
+    """A two-rank split computes the same weight gradients as one process.
+    Hint: rank 1 sends h.grad of its received activation; rank 0 calls y.backward(grad)."""
+    (g0, ev0), (g1, ev1) = minipar.launch(_mlp_split, 2, args=(impl,), timeout=TIMEOUT)
+    torch.manual_seed(0)
+    l1, l2 = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
+    l2(l1(torch.randn(6, 4))).pow(2).sum().backward()
+    torch.testing.assert_close(g0, l1.weight.grad)
+    torch.testing.assert_close(g1, l2.weight.grad)
+
+
+def test_transfers_are_recorded(impl):
+    """Each transfer goes through minipar.comm: 120 bytes each way in the trace.
+    Hint: use minipar.comm.isend / irecv (not torch.distributed directly)."""
+    (_, ev0), (_, ev1) = minipar.launch(_mlp_split, 2, args=(impl,), timeout=TIMEOUT)
+    assert sum(e["bytes_sent"] for e in ev0) == 6 * 5 * 4, "rank 0 sends one 6x5 fp32 activation"
+    assert sum(e["bytes_recv"] for e in ev0) == 6 * 5 * 4, "rank 0 receives one 6x5 gradient"
+    assert sum(e["bytes_sent"] for e in ev1) == 6 * 5 * 4
+
+
+def _lstm_and_pipeline(comm):
+    lstm = LSTMLM(vocab_size=32, seed=0)
+    lb = data.batches(TOKENS, 3, 8, 16)
+    naive = mpar.train_naive(lstm, mpar.lstm_stages(lstm), lb, reference.adamw(1e-2), comm=comm)
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    gb = data.batches(TOKENS, 3, 8, 8)
+    piped = pp.train(GPT(cfg, seed=0), gb, pp.make_schedule("1f1b", 2, 4), reference.sgd(0.5), comm=comm)
+    return naive, piped
+
+
+def test_drives_model_parallel_and_pipeline(impl):
+    """Your functions train the split LSTM and a 1F1B-pipelined GPT like one process.
+    Hint: the tag and labels must be passed through to isend/irecv so messages match."""
+    results = minipar.launch(_lstm_and_pipeline, 2, args=(impl,), timeout=TIMEOUT)
+    want = reference.train_reference(LSTMLM(vocab_size=32, seed=0), data.batches(TOKENS, 3, 8, 16),
+                                     reference.adamw(1e-2))
+    got = {"losses": results[1][0]["losses"],
+           "params": {k: v for r in results for k, v in r[0]["params"].items()}}
+    reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    want = reference.train_reference(GPT(cfg, seed=0), data.batches(TOKENS, 3, 8, 8), reference.sgd(0.5))
+    reference.assert_same_training(pp.gather([r[1] for r in results]), want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,98 @@
+"""Graded tests for exercise 04: balanced partitioning and the 1F1B schedule.
+
+Run against the library and the solution in CI, and against your file by
+``python -m minipar.grade ex04``.
+"""
+import itertools
+import random
+
+import pytest
+
+import minipar
+from minipar import cost, data, reference
+from minipar import pipeline as pp
+from minipar.models import GPT, GPTConfig
+
+EXERCISE = "ex04_pipeline"
+LIBRARY = "minipar.pipeline"
+TIMEOUT = 60
+
+
+def _best(costs, p):
+    L, best = len(costs), float("inf")
+    for cuts in itertools.combinations(range(1, L), p - 1):
+        b = [0, *cuts, L]
+        best = min(best, max(sum(costs[x:y]) for x, y in zip(b[:-1], b[1:])))
+    return best
+
+
+def test_partition_is_valid(impl):
+    """partition returns p+1 increasing boundaries from 0 to L (no empty stage).
+    Hint: return [0, b_1, ..., L]; stage s holds layers b_s .. b_{s+1}-1."""
+    for costs, p in [([1, 1, 1, 1], 2), ([5], 1), ([3, 1, 4, 1, 5], 5), ([1, 2, 3], 1)]:
+        b = impl.partition(costs, p)
+        assert len(b) == p + 1 and b[0] == 0 and b[-1] == len(costs), (costs, p, b)
+        assert all(x < y for x, y in zip(b[:-1], b[1:])), f"empty stage in {b} for {costs}, p={p}"
+
+
+def test_partition_is_balanced(impl):
+    """The costliest stage is as cheap as possible (checked against brute force).
+    Hint: dynamic programming, or binary search on the answer with a greedy check."""
+    rng = random.Random(1)
+    for _ in range(60):
+        L = rng.randint(1, 9)
+        costs = [rng.choice([1, 2, 3, 5, 8, 13, 40]) for _ in range(L)]
+        p = rng.randint(1, L)
+        b = impl.partition(costs, p)
+        got = max(sum(costs[x:y]) for x, y in zip(b[:-1], b[1:]))
+        assert got == _best(costs, p), f"costs={costs}, p={p}: your split {b} has a stage of {got}"
+
+
+def test_partition_rejects_too_many_stages(impl):
+    """More stages than layers is a ValueError.
+    Hint: check p <= len(costs) first."""
+    with pytest.raises(ValueError):
+        impl.partition([1.0, 2.0], 3)
+
+
+def test_one_f_one_b_order(impl):
+    """The 1F1B order on the first and last of 4 ranks, 6 micro-batches.
+    Hint: rank r: min(p-r-1, m) warm-up Fs, then F/B pairs, then the remaining Bs."""
+    fmt = lambda acts: " ".join(f"{a.op}{a.microbatch}" for a in acts)  # noqa: E731
+    assert fmt(impl.one_f_one_b(4, 6, 0)) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5"
+    assert fmt(impl.one_f_one_b(4, 6, 3)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"
+    assert fmt(impl.one_f_one_b(4, 2, 1)) == "F0 F1 B0 B1"
+    assert all(a.stage == 2 for a in impl.one_f_one_b(4, 5, 2))
+
+
+def test_one_f_one_b_is_a_valid_schedule(impl):
+    """For p = 1..5 and m = 1..9: no deadlock, F before B, 1F1B's bubble and memory.
+    Hint: with m < p the warm-up is only m forwards."""
+    for p in range(1, 6):
+        for m in range(1, 10):
+            s = pp.make_schedule("1f1b", p, m, order_fn=impl.one_f_one_b)
+            pp.check_schedule(s)
+            assert max(pp.bubble(pp.simulate(s))) == pytest.approx(cost.bubble_fraction("1f1b", p, m))
+            assert pp.peak_stash(s) == [min(p - r, m) for r in range(p)], f"p={p}, m={m}"
+
+
+CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
+
+
+def _train(impl_module, p, m):
+    model = GPT(CFG, seed=0)
+    bounds = impl_module.partition(pp.layer_costs(model.layers()), p)
+    s = pp.make_schedule("1f1b", p, m, order_fn=impl_module.one_f_one_b)
+    return pp.train(model, data.batches(data.synthetic_tokens(1000), 3, 8, 8), s, reference.sgd(0.5),
+                    bounds=bounds)
+
+
+def test_trains_the_gpt(impl):
+    """Your partition and 1F1B train the GPT on 4 ranks like one process (1e-5).
+    Hint: the schedule test above must pass first."""
+    results = minipar.launch(_train, 4, args=(impl, 4, 4), timeout=TIMEOUT)
+    want = reference.train_reference(GPT(CFG, seed=0), data.batches(data.synthetic_tokens(1000), 3, 8, 8),
+                                     reference.sgd(0.5))
+    got = pp.gather(results)
+    reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)
+    assert got["peak_stash"] == [4, 3, 2, 1]

@@ -1,0 +1,86 @@
+"""``python -m minipar.bench ddp``: minipar's overlapped DDP against PyTorch's, same run.
+
+Both wrap the same GPT (same seed) on the same ranks and train on the same per-rank
+batches with SGD; they are timed in alternating blocks of steps (so a slow spell of the
+machine hits both) and the result is the ratio of median step times, minipar / PyTorch.
+minipar's bucketed DDP without overlap is timed alongside, to show what overlap buys.
+``max |Δw|``: largest difference between the two DDPs' final weights (0 on 2 ranks; on
+more ranks the two bucket layouts sum in different orders, so a few ulps).
+"""
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import data, launch, trace
+from ..models import GPT, GPTConfig
+from .common import median, parser, report
+
+
+def _rank(cfg: GPTConfig, batch: int, steps: int, repeats: int, bucket_mb: float) -> dict:
+    from ..data_parallel import DistributedDataParallel as MiniDDP
+    trace.enable(False)  # time the machinery, not the recorder's bookkeeping
+    r = dist.get_rank()
+    tokens = data.synthetic_tokens(20_000, vocab_size=cfg.vocab_size)
+    batches = [data.get_batch(tokens, batch, cfg.block_size, s, seed=r) for s in range(steps)]
+    models = {"minipar": MiniDDP(GPT(cfg, seed=0), bucket_cap_mb=bucket_mb, overlap=True),
+              "pytorch": torch.nn.parallel.DistributedDataParallel(GPT(cfg, seed=0),
+                                                                   bucket_cap_mb=bucket_mb),
+              "no overlap": MiniDDP(GPT(cfg, seed=0), bucket_cap_mb=bucket_mb, overlap=False)}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+
+    def block(name):
+        m, opt = models[name], opts[name]
+        dist.barrier()
+        t = time.perf_counter()
+        for x, y in batches:
+            opt.zero_grad(set_to_none=True)
+            m(x, y).backward()
+            opt.step()
+        dt = torch.tensor([(time.perf_counter() - t) / steps])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step is as slow as the slowest rank
+        return dt.item()
+
+    times = {k: [] for k in models}
+    order = list(models)
+    for i in range(repeats + 1):  # the first round warms up
+        for name in (order if i % 2 == 0 else order[::-1]):
+            t = block(name)
+            if i:
+                times[name].append(t)
+    diff = max((a - b).abs().max().item() for a, b in zip(models["minipar"].parameters(),
+                                                           models["pytorch"].module.parameters()))
+    del models, opts  # free PyTorch's DDP before the process may exit (see DEVELOPING.md)
+    gc.collect()
+    trace.enable(True)
+    return {"times": times, "max_diff": diff}
+
+
+def main(argv=None) -> dict:
+    p = parser("ddp", __doc__.splitlines()[0])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=None)
+    p.add_argument("--bucket-mb", type=float, default=4.0)
+    a = p.parse_args(argv)
+    if a.quick:
+        cfg = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
+        sizes, steps, repeats = a.world_sizes or [2], 2, 10
+    else:
+        cfg = GPTConfig(vocab_size=65, block_size=128, n_layer=4, n_head=4, n_embd=256)
+        sizes, steps, repeats = a.world_sizes or [2, 4], 3, 10
+    n_params = sum(p.numel() for p in GPT(cfg).parameters())
+    rows, ratios = [], []
+    for n in sizes:
+        res = launch(_rank, n, args=(cfg, 8, steps, repeats, a.bucket_mb), timeout=600)[0]
+        mini, torch_ = median(res["times"]["minipar"]), median(res["times"]["pytorch"])
+        ratios.append(mini / torch_)
+        rows.append({"ranks": n, "params": n_params, "minipar ms/step": 1e3 * mini,
+                     "pytorch ms/step": 1e3 * torch_, "ratio": mini / torch_,
+                     "minipar no-overlap ms/step": 1e3 * median(res["times"]["no overlap"]),
+                     "max |Δw|": res["max_diff"]})
+    result = {"name": "ddp", "baseline": "torch DDP", "ratio": max(ratios), "rows": rows,
+              "bucket_mb": a.bucket_mb, "steps_per_block": steps, "repeats": repeats}
+    return report(result, a, ["ranks", "params", "minipar ms/step", "pytorch ms/step", "ratio",
+                              "minipar no-overlap ms/step", "max |Δw|"])

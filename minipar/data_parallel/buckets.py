@@ -1,0 +1,80 @@
+"""Gradient buckets: many small all-reduces merged into a few large ones.
+
+An all-reduce of N bytes on n ranks costs about ``2(n-1)·α + 2(n-1)/n·N·β`` (α-β model,
+:func:`minipar.cost.alpha_beta_time`). One all-reduce per parameter pays the latency α
+once per parameter; flattening parameters into buckets of about ``bucket_cap_mb`` pays it
+once per bucket, for the same bytes (Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3).
+
+Buckets are filled in **reverse** parameter order, because backward produces gradients
+from the last layer to the first: the first bucket is the first to be complete, so its
+all-reduce can start while backward is still computing the earlier layers.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def assign_buckets(params, bucket_cap_mb: float) -> list[list[torch.nn.Parameter]]:
+    """Group ``params`` into buckets, last parameter first.
+
+    Walk the parameters in reverse order and add each to the current bucket; start a new
+    bucket when adding it would take the bucket past ``bucket_cap_mb`` megabytes (2**20
+    bytes). A bucket always holds at least one parameter (a parameter larger than the cap
+    gets a bucket of its own; ``bucket_cap_mb=0`` gives one bucket per parameter). A change
+    of dtype also starts a new bucket, since a bucket is one flat tensor.
+    """
+    if bucket_cap_mb < 0:
+        raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+    cap = bucket_cap_mb * 2**20
+    buckets: list[list[torch.nn.Parameter]] = []
+    size = 0
+    for p in reversed(list(params)):
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > cap or buckets[-1][0].dtype != p.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+class Bucket:
+    """A flat buffer holding the gradients of ``params`` back to back.
+
+    ``pack(p)`` copies ``p.grad`` into its slice, ``unpack()`` copies the (reduced) slices
+    back into the ``.grad`` of every parameter. ``buffer`` is what gets all-reduced.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        if len({p.dtype for p in params}) != 1:
+            raise ValueError("a bucket's parameters must share one dtype")
+        self.params = list(params)
+        self.offsets, total = {}, 0
+        for p in self.params:
+            self.offsets[id(p)] = (total, p.numel())
+            total += p.numel()
+        self.buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def slice(self, p: torch.nn.Parameter) -> torch.Tensor:
+        start, numel = self.offsets[id(p)]
+        return self.buffer[start:start + numel]
+
+    def pack(self, p: torch.nn.Parameter) -> None:
+        """Copy ``p.grad`` into this bucket (zeros if ``p`` has no gradient)."""
+        if p.grad is None:
+            self.slice(p).zero_()
+        else:
+            self.slice(p).copy_(p.grad.reshape(-1))
+
+    def unpack(self) -> None:
+        """Write the buffer back into every parameter's ``.grad``."""
+        for p in self.params:
+            g = self.slice(p).view_as(p)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)

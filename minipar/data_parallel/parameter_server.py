@@ -1,0 +1,172 @@
+"""Asynchronous data parallelism: a parameter server and workers that never wait for each other.
+
+Where data parallelism started (Dean et al., "Large Scale Distributed Deep Networks"
+(Downpour SGD), 2012; Li et al., "Scaling Distributed Machine Learning with the Parameter
+Server", 2014). Group rank 0 is the **server**: it owns the weights and the optimizer.
+Ranks 1..W are **workers**; each loops: pull the weights (version v), compute a gradient
+on its own batch, push it. The server applies each gradient as soon as it arrives,
+whoever sent it, so a fast worker never waits for a slow one. The price is **staleness**:
+by the time a gradient computed at version v is applied, the weights are at version t, and
+
+    w_{t+1} = w_t - η · ∇L(w_{t-τ}),      τ = t - v  (the staleness)
+
+With W equally fast workers τ ≈ W-1 on average (:func:`minipar.cost.expected_staleness`).
+``max_staleness=s`` bounds it: a gradient with τ > s is dropped (the worker gets fresh
+weights), so every applied gradient has τ ≤ s. ``synchronous=True`` is the classic
+synchronous alternative: the server waits for one gradient from every worker, averages
+them and applies one step (τ = 0; equal to single-process SGD on the W batches together).
+
+Messages are flat fp32 tensors: worker -> server ``[v, loss, grad...]``, server -> worker
+``[version, stop, weights...]``; the server receives from *any* worker (Gloo's
+any-source receive), recorded in the trace like every other transfer.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import comm, trace
+from ..reference import sgd
+from .naive import broadcast_module, trainable
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+@torch.no_grad()
+def _load(params, flat: torch.Tensor) -> None:
+    i = 0
+    for p in params:
+        p.copy_(flat[i:i + p.numel()].view_as(p))
+        i += p.numel()
+
+
+def parameter_server(model, batch_fn, steps: int, make_optimizer=None, group=None,
+                     synchronous: bool = False, max_staleness: int | None = None,
+                     delays=None, eval_batch=None) -> dict:
+    """Run on every rank of ``group``: rank 0 serves, the others work, for ``steps`` updates.
+
+    ``batch_fn(i) -> (x, y)`` gives batch number i; worker w (1..W) uses batches
+    ``k·W + w-1`` for k = 0, 1, ... ``delays[w-1]``: extra seconds worker w sleeps per
+    gradient (a simulated straggler). ``eval_batch``: the server records the loss on it
+    after every update. Returns, on the server, ``losses`` (workers' training losses of the
+    applied gradients), ``eval_losses``, ``times`` (seconds since start), ``staleness``
+    and ``workers`` per applied update, ``dropped``, ``seconds``, ``params``; on a worker,
+    ``{"gradients": k}``.
+    """
+    n, r = comm.group_size(group), comm.group_rank(group)
+    if n < 2:
+        raise ValueError("a parameter server needs at least 2 ranks: one server, one worker")
+    if max_staleness is not None and max_staleness < 0:
+        raise ValueError(f"max_staleness must be None or >= 0, got {max_staleness}")
+    broadcast_module(model, src=0, group=group)
+    params = trainable(model.parameters())
+    if r == 0:
+        return _serve(model, params, steps, make_optimizer or sgd(), group, n - 1,
+                      synchronous, max_staleness, eval_batch)
+    delay = (delays or [0.0] * (n - 1))[r - 1]
+    return _work(model, params, batch_fn, group, n - 1, r, delay)
+
+
+def _work(model, params, batch_fn, group, W: int, r: int, delay: float) -> dict:
+    numel = sum(p.numel() for p in params)
+    inbox = torch.empty(2 + numel)
+    comm.recv(inbox, 0, group, name="pull")
+    k = 0
+    while inbox[1] == 0:  # not told to stop
+        version = inbox[0].item()
+        _load(params, inbox[2:])
+        x, y = batch_fn(k * W + r - 1)
+        for p in params:
+            p.grad = None
+        with trace.region("forward", step=k):
+            loss = model(x, y)
+        with trace.region("backward", step=k):
+            loss.backward()
+        if delay:
+            with trace.region("straggling", step=k):
+                time.sleep(delay)
+        msg = torch.cat([torch.tensor([version, loss.item()]),
+                         _flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)])
+        pushed = comm.isend(msg, 0, group, name="push", step=k)
+        comm.recv(inbox, 0, group, name="pull")
+        pushed.wait()
+        k += 1
+    return {"gradients": k}
+
+
+def _recv_any(buf: torch.Tensor, group) -> int:
+    """Receive into ``buf`` from whichever rank sends first; return its group rank."""
+    start = trace.now()
+    work = dist.irecv(buf, src=None, group=group)
+    comm.Handle([work], "push", start, 0, comm.p2p.nbytes(buf), {}).wait()
+    return work._source_rank()
+
+
+def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_staleness,
+           eval_batch) -> dict:
+    opt = make_optimizer(params)
+    numel = sum(p.numel() for p in params)
+    version = 0
+    out = {"losses": [], "eval_losses": [], "times": [], "staleness": [], "workers": [],
+           "dropped": 0}
+
+    def reply(dst: int, stop: bool) -> None:
+        msg = torch.cat([torch.tensor([float(version), float(stop)]), _flat(params)])
+        comm.isend(msg, dst, group, name="pull").wait()
+
+    def apply(grad: torch.Tensor) -> None:
+        nonlocal version
+        with trace.region("update", version=version):
+            i = 0
+            for p in params:
+                p.grad = grad[i:i + p.numel()].view_as(p).clone()
+                i += p.numel()
+            opt.step()
+        version += 1
+        out["times"].append(time.perf_counter() - t0)
+        if eval_batch is not None:
+            with torch.no_grad():
+                out["eval_losses"].append(model(*eval_batch).item())
+
+    t0 = time.perf_counter()
+    for w in range(1, W + 1):
+        reply(w, False)
+    inbox = torch.empty(2 + numel)
+    if synchronous:
+        for step in range(steps):
+            total, loss = torch.zeros(numel), 0.0
+            for w in range(1, W + 1):  # wait for every worker: the slowest sets the pace
+                comm.recv(inbox, w, group, name="push")
+                total += inbox[2:]
+                loss += inbox[1].item() / W
+            apply(total / W)
+            out["losses"].append(loss)
+            out["staleness"] += [0] * W
+            out["workers"].append(0)
+            for w in range(1, W + 1):
+                reply(w, step == steps - 1)
+    else:
+        stopped, applied = 0, 0
+        while stopped < W:
+            src = _recv_any(inbox, group)
+            if applied < steps:
+                tau = version - int(inbox[0].item())
+                if max_staleness is not None and tau > max_staleness:
+                    out["dropped"] += 1
+                else:
+                    apply(inbox[2:])
+                    applied += 1
+                    out["losses"].append(inbox[1].item())
+                    out["staleness"].append(tau)
+                    out["workers"].append(src)
+            stop = applied >= steps
+            reply(src, stop)
+            stopped += stop
+    out["seconds"] = time.perf_counter() - t0
+    out["updates"] = version
+    out["params"] = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return out

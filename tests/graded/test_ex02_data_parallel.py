@@ -1,0 +1,195 @@
+"""Graded tests for exercise 02: naive gradient averaging, buckets, the overlapping reducer.
+
+Run against the library and the solution in CI, and against your file by
+``python -m minipar.grade ex02``. The reducer is graded inside the library's
+``DistributedDataParallel`` (``reducer_class=impl.Reducer``): the real machinery.
+"""
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+import minipar
+from minipar import cost, data, reference, trace
+from minipar.data_parallel import DistributedDataParallel, shard_batch, trainable
+from minipar.models import GPT, MLP, GPTConfig
+
+EXERCISE = "ex02_data_parallel"
+LIBRARY = "minipar.data_parallel"
+TIMEOUT = 30
+RTOL, ATOL = 1e-5, 1e-6  # fp32: only the order of the sums differs from one process
+CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
+TOKENS = data.synthetic_tokens(3000)
+STEPS = 3
+
+
+def _grad_events(since):
+    return [e for e in trace.events()[since:] if e["name"] == "grad_all_reduce"]
+
+
+# ----------------------------------------------------------------------------- A: naive
+def _mlp_with_frozen_bias():
+    model = MLP(seed=0)
+    model.net[0][0].bias.requires_grad_(False)  # frozen: must stay without a gradient
+    return model
+
+
+def _average_once(allreduce_gradients, use_ring):
+    r = dist.get_rank()
+    model = _mlp_with_frozen_bias()
+    x, y = data.regression_batches(1, 4, seed=10 + r)[0]  # different data on each rank
+    model(x, y).backward()
+    local = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    want = {k: g.clone() for k, g in local.items()}
+    for g in want.values():
+        dist.all_reduce(g)
+        g /= dist.get_world_size()
+    since = len(trace.events())
+    allreduce_gradients(model.parameters(), None, minipar.comm.ring_all_reduce if use_ring else None)
+    got = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    sent = sum(e["bytes_sent"] for e in trace.events()[since:])
+    return got, want, model.net[0][0].bias.grad is None, sent
+
+
+def _check_average(results, n):
+    psi = sum(p.numel() for p in trainable(_mlp_with_frozen_bias().parameters()))
+    for rank, (got, want, frozen_ok, sent) in enumerate(results):
+        assert frozen_ok, "a frozen parameter (requires_grad=False) got a gradient"
+        assert set(got) == set(want), f"rank {rank}: gradients for {sorted(set(got) ^ set(want))}"
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, k=k: f"rank {rank}, {k}: {m}")
+        assert sent == cost.ddp_bytes_per_step(psi, n), f"rank {rank} sent {sent} B"
+
+
+def test_allreduce_gradients_averages(impl):
+    """allreduce_gradients leaves the average of the ranks' gradients in every p.grad (4 ranks).
+    Hint: comm.all_reduce(p.grad, op="avg", group=group, name="grad_all_reduce") for each trainable p."""
+    _check_average(minipar.launch(_average_once, 4, args=(impl.allreduce_gradients, False),
+                                  timeout=TIMEOUT), 4)
+
+
+def test_allreduce_gradients_with_your_all_reduce(impl):
+    """With all_reduce_fn (here the ring all-reduce, which sums) the result is still the average.
+    Hint: all_reduce_fn(t, group) sums in place; divide by comm.group_size(group) afterwards."""
+    _check_average(minipar.launch(_average_once, 2, args=(impl.allreduce_gradients, True),
+                                  timeout=TIMEOUT), 2)
+
+
+def _naive_training(allreduce_gradients, model, batches):
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for x, y in batches:
+        x, y = shard_batch((x, y))
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        allreduce_gradients(model.parameters())
+        opt.step()
+        t = loss.detach().reshape(1)
+        dist.all_reduce(t)
+        losses.append(t.item() / dist.get_world_size())
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
+
+
+def test_naive_training_matches_single_process(impl):
+    """Training the small GPT on 4 ranks with your averaging matches one process on the whole batch.
+    Hint: average (not sum); every rank must all-reduce the same parameters in the same order."""
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    batches = data.batches(TOKENS, 2, 8, 16)
+    want = reference.train_reference(GPT(cfg, seed=1), batches, reference.sgd(0.5))
+    for got in minipar.launch(_naive_training, 4, args=(impl.allreduce_gradients, GPT(cfg, seed=1), batches),
+                              timeout=TIMEOUT):
+        reference.assert_same_training(got, want, rtol=RTOL, atol=ATOL)
+
+
+# ----------------------------------------------------------------------------- B: buckets
+def test_assign_buckets(impl):
+    """Buckets are filled last parameter first, never past the cap unless one parameter is bigger.
+    Hint: iterate reversed(list(params)); start a new bucket when size + p's bytes > cap·2**20."""
+    params = [torch.nn.Parameter(torch.zeros(k)) for k in (10, 300, 20, 20, 5, 1000, 7)]
+    index = {id(p): i for i, p in enumerate(params)}
+
+    def ids(cap):
+        return [[index[id(p)] for p in b] for b in impl.assign_buckets(params, cap)]
+
+    assert ids(1200 / 2**20) == [[6], [5], [4, 3, 2], [1], [0]]
+    assert ids(0) == [[i] for i in range(6, -1, -1)]
+    assert ids(25) == [[6, 5, 4, 3, 2, 1, 0]]
+    assert ids(180 / 2**20) == [[6], [5], [4, 3, 2], [1], [0]]  # 180 B exactly fits
+    assert ids(179 / 2**20) == [[6], [5], [4, 3], [2], [1], [0]]
+    try:
+        impl.assign_buckets(params, -1)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a negative bucket_cap_mb should raise ValueError")
+
+
+# ----------------------------------------------------------------------------- C: reducer
+def _ddp_training(Reducer, model, batches, kw, accumulation, probe):
+    """Train with the library's DDP using ``Reducer``; record when the last gradient was ready."""
+    ddp = DistributedDataParallel(model, reducer_class=Reducer, **kw)
+    ready = []
+    if probe:  # the token embedding's gradient is the last one backward computes
+        model.embed.wte.weight.register_post_accumulate_grad_hook(lambda p: ready.append(trace.now()))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    losses, since = [], len(trace.events())
+    for x, y in batches:
+        x, y = shard_batch((x, y))
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for j, (xm, ym) in enumerate(zip(x.chunk(accumulation), y.chunk(accumulation))):
+            last = j == accumulation - 1
+            with nullcontext() if last else ddp.no_sync():  # accumulate locally, sync on the last
+                loss = ddp(xm, ym) / accumulation
+                loss.backward()
+            total += loss.item()
+        opt.step()
+        t = torch.tensor([total])
+        dist.all_reduce(t)
+        losses.append(t.item() / dist.get_world_size())
+    evs = _grad_events(since)
+    ddp.remove_hooks()
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in ddp.named_parameters()},
+            "sent": sum(e["bytes_sent"] for e in evs), "calls": len(evs),
+            "starts": [e["start"] for e in evs], "ready": ready,
+            "buckets": len(ddp.reducer.buckets)}
+
+
+def _run_reducer(impl, n, kw, accumulation=1, probe=False, cfg=CFG):
+    batches = data.batches(TOKENS, STEPS, 8, cfg.block_size)
+    want = reference.train_reference(GPT(cfg, seed=1), batches, reference.sgd(0.5))
+    results = minipar.launch(_ddp_training, n, args=(impl.Reducer, GPT(cfg, seed=1), batches, kw,
+                                                     accumulation, probe), timeout=TIMEOUT)
+    psi = sum(p.numel() for p in GPT(cfg, seed=1).parameters())
+    for rank, got in enumerate(results):
+        reference.assert_same_training(got, want, rtol=RTOL, atol=ATOL)
+        assert got["sent"] == STEPS * cost.ddp_bytes_per_step(psi, n), \
+            f"rank {rank} sent {got['sent']} B in gradient all-reduces, expected 2(n-1)/n·Ψ·4 per step"
+        assert got["calls"] == STEPS * got["buckets"], "one all-reduce per bucket per step"
+    return results
+
+
+def test_reducer_overlapped_matches_single_process(impl):
+    """DDP with your overlapping Reducer (2 ranks, small buckets) matches one process; bytes 2(n-1)/n·Ψ·4.
+    Hint: launch a bucket only when all its gradients are packed, and only in bucket order."""
+    _run_reducer(impl, 2, dict(bucket_cap_mb=0.02, overlap=True))
+
+
+def test_reducer_accumulation_and_no_overlap(impl):
+    """4 ranks, gradient accumulation over 2 micro-batches (no_sync), overlap=False: still equal.
+    Hint: with overlap=False, grad_ready only packs and counts; finish launches every bucket."""
+    _run_reducer(impl, 4, dict(bucket_cap_mb=0.02, overlap=False), accumulation=2)
+
+
+def test_reducer_overlaps_with_backward(impl):
+    """With overlap=True the first buckets' all-reduces start before backward computes the last gradient.
+    Hint: launch from grad_ready (async_op=True) as soon as a bucket is complete; wait only in finish."""
+    cfg = GPTConfig(vocab_size=32, block_size=32, n_layer=4, n_head=2, n_embd=64)
+    got = _run_reducer(impl, 2, dict(bucket_cap_mb=0.05, overlap=True), probe=True, cfg=cfg)[0]
+    per_step = got["calls"] // STEPS
+    for s in range(STEPS):
+        starts = got["starts"][s * per_step:(s + 1) * per_step]
+        early = sum(t < got["ready"][s] for t in starts)
+        assert early >= per_step - 1, f"step {s}: {early} of {per_step} buckets started during backward"

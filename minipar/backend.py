@@ -59,6 +59,13 @@ def pick_backend(backend: str, world_size: int) -> tuple[str, str]:
                     f"cannot put two ranks on one GPU")
 
 
+def process_group_backend(backend: str) -> str:
+    """The string for ``init_process_group``: under NCCL, CPU tensors still go through
+    Gloo (``"cpu:gloo,cuda:nccl"``), so code that keeps some tensors on the CPU, as most
+    of this course does, works on GPUs too."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
 def device_for_rank(backend: str, local_rank: int) -> torch.device:
     """The device a rank computes on: its own GPU under NCCL, the CPU under Gloo."""
     if backend == "nccl":
@@ -69,7 +76,7 @@ def device_for_rank(backend: str, local_rank: int) -> torch.device:
 def current_device() -> torch.device:
     """The device of the calling rank (inside ``minipar.launch`` or ``torchrun``)."""
     import torch.distributed as dist
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")
 

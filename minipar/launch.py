@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import trace as _trace
-from .backend import pick_backend
+from .backend import pick_backend, process_group_backend
 from .pool import IN_RANK, Pool, cell_sources, get_pool, kill_pool, loopback, shutdown, to_cpu
 
 __all__ = ["launch", "shutdown", "RankError", "LaunchTimeout", "Results"]
@@ -227,7 +227,7 @@ def _launch_in_place(fn, world_size, backend, args, kwargs) -> Results:
         chosen, _ = pick_backend(backend, local_ws)
         if chosen == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(chosen)
+        dist.init_process_group(process_group_backend(chosen))
     _trace.start(dist.get_rank())
     t_start = time.perf_counter()
     out = to_cpu(fn(*args, **kwargs))
@@ -235,6 +235,7 @@ def _launch_in_place(fn, world_size, backend, args, kwargs) -> Results:
     dist.all_gather_object(gathered, out)
     dist.all_gather_object(traces, _trace.events())
     results = Results(gathered)
-    results.trace, results.backend = _trace.Trace(traces), dist.get_backend()
+    results.trace = _trace.Trace(traces)
+    results.backend = "nccl" if "nccl" in str(dist.get_backend()) else str(dist.get_backend())
     results.seconds = time.perf_counter() - t_start
     return results

@@ -194,3 +194,9 @@ def test_what_ranks_print_comes_back_prefixed(capsys):
         minipar.launch(_chatty, 2)
     assert "--- rank 1 printed ---\nhello from 1\nabout to fail" in str(info.value)
     assert "KeyError: 'missing'" in str(info.value).splitlines()[0]
+
+
+def test_nccl_groups_keep_gloo_for_cpu_tensors():
+    from minipar.backend import process_group_backend
+    assert process_group_backend("nccl") == "cpu:gloo,cuda:nccl"  # CPU tensors still work on GPUs
+    assert process_group_backend("gloo") == "gloo"

@@ -1,10 +1,19 @@
 """Analytical models that the course compares its measurements against.
 
-One function per formula, each citing its source. Chapters add their own modules here:
-collectives (α-β), pipeline bubbles, activation memory, ZeRO memory, FLOPs.
+One function per formula, each citing its source, one module per chapter: collectives
+(α-β), data parallelism, pipeline bubbles and stash, tensor-parallel activation memory and
+traffic, ZeRO memory, hybrid layouts.
 """
 from .collectives import (OPS, alpha_beta_time, bus_bandwidth, collective_bytes,
                           collective_steps, fit_alpha_beta)
+from .data_parallel import ddp_bytes_per_step, ddp_comm_time, ddp_step_time, expected_staleness
+from .hybrid import hybrid_comm_bytes, hybrid_memory_per_rank
+from .pipeline import bubble_fraction, peak_activations, pipeline_time
+from .tensor_parallel import activation_bytes_per_layer, activation_terms, tp_comm_bytes_per_layer
+from .zero import zero_bytes_per_rank, zero_comm_bytes
 
 __all__ = ["OPS", "collective_bytes", "collective_steps", "alpha_beta_time", "fit_alpha_beta",
-           "bus_bandwidth"]
+           "bus_bandwidth", "ddp_bytes_per_step", "ddp_comm_time", "ddp_step_time",
+           "expected_staleness", "bubble_fraction", "peak_activations", "pipeline_time",
+           "activation_bytes_per_layer", "activation_terms", "tp_comm_bytes_per_layer",
+           "zero_bytes_per_rank", "zero_comm_bytes", "hybrid_comm_bytes", "hybrid_memory_per_rank"]

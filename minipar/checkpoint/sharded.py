@@ -1,0 +1,191 @@
+"""Save and load sharded checkpoints: every rank writes what it holds, any layout reads it.
+
+``save(root, model, optimizer, step=...)`` (every rank calls it) writes::
+
+    root/latest                      "step_00000100"  (replaced atomically: the commit)
+    root/step_00000100/meta.json     step, mesh, world size, files, every tensor's full shape
+    root/step_00000100/rank_00003.pt this rank's pieces (see :mod:`.placement`), its mesh
+                                     coordinates and its RNG state
+
+The directory must be on a file system that every rank sees (on a cluster: NFS, Lustre,
+GPFS; an absolute path), since each rank writes its own file and rank 0 commits.
+
+Each piece is named by the single-device parameter name and says which part of the full
+tensor it is, so replicated copies are written once (the lowest rank holding an
+identical piece writes it) and loading needs nothing of the layout that saved it.
+
+``load(root, model, optimizer)`` needs no communication: every rank reads the pieces that
+overlap the tensors it holds now, reassembles those full tensors and copies its own parts
+into its parameters and optimizer state (creating the state a fresh optimizer lacks). A
+checkpoint saved at dp=2, tp=2 therefore loads at pp=2, dp=2, or on one process.
+Files are read with ``torch.load(weights_only=True)``: plain containers and tensors only,
+no pickled code runs.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .atomic import commit, prepare, read_meta, resolve, temporary_dir, write_file
+from .placement import Piece, assemble, extract
+from .state import PARAM, local_pieces
+
+FORMAT = "minipar-checkpoint/1"
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+def _mesh_dict(mesh, model) -> dict | None:
+    mesh = mesh if mesh is not None else getattr(model, "mesh", None)
+    if mesh is None or isinstance(mesh, dict):
+        return mesh
+    return {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp}
+
+
+def _unique(pieces: list[Piece], rank: int, world: int) -> tuple[list[Piece], list[list]]:
+    """This rank's pieces that no lower rank holds identically (replicas are written once),
+    and every rank's descriptors."""
+    descs = [p.descriptor() for p in pieces]
+    everyone = [descs]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, descs)
+    seen = {d for other in everyone[:rank] for d in other}
+    mine = []
+    for p, d in zip(pieces, descs):
+        if d not in seen:
+            seen.add(d)
+            mine.append(p)
+    return mine, everyone
+
+
+def _optimizer_info(optimizer) -> dict | None:
+    if optimizer is None:
+        return None
+    inner = getattr(optimizer, "optim", optimizer)
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+              for g in inner.param_groups]
+    return {"class": type(optimizer).__name__, "inner": type(inner).__name__,
+            "param_groups": [{k: v for k, v in g.items()
+                              if isinstance(v, (int, float, str, bool, list, type(None)))}
+                             for g in groups]}
+
+
+def save(root, model, optimizer=None, step: int = 0, extra: dict | None = None, mesh=None,
+         keep: int | None = None) -> Path:
+    """Every rank: write this rank's shard of ``model`` (and ``optimizer``) as checkpoint
+    ``step`` under ``root``, atomically. ``extra``: JSON data to keep (data position,
+    configuration). ``mesh``: the layout to record (default ``model.mesh`` if any).
+    ``keep``: how many checkpoints to keep (default all). Returns the directory."""
+    root = Path(root)
+    rank, world = _rank_world()
+    mine, everyone = _unique(local_pieces(model, optimizer), rank, world)
+    if rank == 0:
+        prepare(root, step)
+    _barrier(world)  # the temporary directory exists and is empty
+    record = {"format": FORMAT, "rank": rank, "coords": getattr(model, "coords", None),
+              "rng": torch.get_rng_state(),
+              "pieces": [Piece(p.name, p.key, p.full_shape, p.offset, p.shape, p.lo, p.hi,
+                               p.data.detach().cpu().clone()).to_record() for p in mine]}
+    name = f"rank_{rank:05d}.pt"
+    write_file(temporary_dir(root, step) / name, lambda f: torch.save(record, f))
+    _barrier(world)  # every rank's file is on disk
+    if rank == 0:
+        files = [f"rank_{r:05d}.pt" for r in range(world)]
+        missing = [f for f in files if not (temporary_dir(root, step) / f).exists()]
+        if missing:
+            raise FileNotFoundError(f"rank 0 cannot see {missing} in {temporary_dir(root, step)}: "
+                                    "the checkpoint directory must be one shared file system "
+                                    "that every node writes to")
+        tensors = defaultdict(dict)
+        for descs in everyone:
+            for n, key, full, *_ in descs:
+                tensors[n][key] = list(full)
+        meta = {"format": FORMAT, "step": step, "world_size": world,
+                "mesh": _mesh_dict(mesh, model), "files": files,
+                "tensors": tensors, "optimizer": _optimizer_info(optimizer), "extra": extra or {}}
+        commit(root, step, meta, keep)
+    _barrier(world)  # nobody goes on (or exits) before the checkpoint is committed
+    return resolve(root)
+
+
+def read_pieces(directory) -> tuple[dict, dict[tuple[str, str], list[Piece]], list[dict]]:
+    """``(meta, {(name, key): saved pieces}, per-file records)`` of a checkpoint directory
+    (memory-mapped: only the pieces used are read from disk)."""
+    directory = resolve(directory)
+    meta = read_meta(directory)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{directory} is not a {FORMAT} checkpoint (format {meta.get('format')!r})")
+    records = [torch.load(directory / f, map_location="cpu", weights_only=True, mmap=True)
+               for f in meta["files"]]
+    saved = defaultdict(list)
+    for rec in records:
+        for r in rec["pieces"]:
+            p = Piece.from_record(r)
+            saved[(p.name, p.key)].append(p)
+    return meta, saved, records
+
+
+def load(root, model, optimizer=None, restore_rng: bool = True) -> dict:
+    """Fill ``model``'s parameters (and ``optimizer``'s state) on this rank from the
+    checkpoint at ``root`` (a checkpoint directory, or a root with ``latest``), whatever
+    layout saved it. Call on every rank; no communication. Returns the meta dict (``step``,
+    ``extra``, ``mesh``...). ``restore_rng``: restore this rank's torch RNG state when the
+    world size and mesh are those that saved it (another layout has other ranks)."""
+    meta, saved, records = read_pieces(root)
+    if optimizer is not None and meta["optimizer"] is not None:
+        have, mine = meta["optimizer"]["inner"], _optimizer_info(optimizer)["inner"]
+        if have != mine:
+            raise ValueError(f"the checkpoint holds {have} state; this optimizer is a {mine}")
+    keys = defaultdict(dict)
+    for (name, key), ps in saved.items():
+        keys[name][key] = (len(ps[0].full_shape) == 0, ps[0].data.dtype)
+    targets = defaultdict(list)
+    for p in local_pieces(model, optimizer, keys if optimizer is not None else None):
+        targets[(p.name, p.key)].append(p)
+    for (name, key), want in targets.items():
+        have = saved.get((name, key))
+        if not have:
+            what = "parameter" if key == PARAM else f"optimizer state {key!r} of"
+            raise KeyError(f"the checkpoint has no {what} {name}; it was saved from another model "
+                           f"(it has {len({n for n, _ in saved})} tensors)")
+        if tuple(have[0].full_shape) != tuple(want[0].full_shape):
+            raise ValueError(f"{name}: the checkpoint holds shape {tuple(have[0].full_shape)}, "
+                             f"this model {tuple(want[0].full_shape)} (another configuration?)")
+        full, seen = assemble(have, want[0].full_shape, want[0].data.dtype)
+        for p in want:
+            if not bool(extract(seen, p).all()):
+                raise ValueError(f"the checkpoint is missing part of {name} ({key}): "
+                                 "a rank's file is incomplete")
+            with torch.no_grad():
+                p.data.copy_(extract(full, p))
+    rank, world = _rank_world()
+    if restore_rng and world == meta["world_size"] and meta["mesh"] == _mesh_dict(None, model):
+        torch.set_rng_state(records[rank]["rng"])
+    return meta
+
+
+def load_full_state_dict(root, key: str = PARAM) -> dict[str, torch.Tensor]:
+    """The single-device tensors of a checkpoint by parameter name (``key="exp_avg"``
+    etc. for optimizer state), on one process, whatever layout saved it."""
+    _, saved, _ = read_pieces(root)
+    out = {}
+    for (name, k), ps in saved.items():
+        if k == key:
+            full, seen = assemble(ps, ps[0].full_shape)
+            if not bool(seen.all()):
+                raise ValueError(f"the checkpoint covers only part of {name}")
+            out[name] = full
+    return out

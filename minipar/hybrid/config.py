@@ -1,0 +1,106 @@
+"""Which (dp, pp, tp) configurations can train a given GPT, and which one to choose.
+
+:func:`check_config` is the plain error before launch: the mesh must cover the world
+(``dp·pp·tp = world_size``), each strategy's own constraints must hold (tensor parallelism
+splits heads, hidden size and vocabulary by ``tp``; a pipeline needs at least one layer
+per stage; the batch must cut into ``dp`` shards of ``m`` equal micro-batches).
+
+:func:`choose_config` applies the rules of thumb of Narayanan et al. 2021 ("Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §3.3):
+
+1. use model parallelism (``t·p``) only as far as needed to fit the model in memory,
+   and data parallelism for the rest (it communicates least per useful FLOP);
+2. among model-parallel splits of the same size, keep tensor parallelism inside a node
+   (``tp ≤ ranks_per_node``: its all-reduces need NVLink bandwidth), and prefer it to
+   pipeline stages (no bubble);
+
+with the memory per rank from :func:`minipar.cost.hybrid_memory_per_rank`.
+"""
+from __future__ import annotations
+
+from ..cost import hybrid_memory_per_rank
+from ..mesh import ProcessMesh
+from ..models.gpt import GPTConfig
+from ..pipeline import check_config as check_schedule
+from ..tensor_parallel import check_config as check_tensor_parallel
+
+
+def num_layers(config: GPTConfig) -> int:
+    """Layers a pipeline can cut between: embedding, ``n_layer`` blocks, head."""
+    return config.n_layer + 2
+
+
+def num_params(config: GPTConfig) -> int:
+    """Ψ, the single-device GPT's parameter count (tied weights counted once)."""
+    c, h = config, config.n_embd
+    block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (4 * h * h + 4 * h) + (4 * h * h + h)
+    embed = c.vocab_size * h + c.block_size * h
+    head = 2 * h + (0 if c.tie_weights else c.vocab_size * h)
+    return embed + c.n_layer * block + head
+
+
+def check_config(config: GPTConfig, dp: int, pp: int, tp: int, world_size: int | None = None,
+                 microbatches: int = 1, batch_size: int | None = None, schedule: str = "1f1b",
+                 virtual_stages: int = 1, sequence_parallel: bool = False) -> None:
+    """Raise a plain ``ValueError`` if the GPT ``config`` cannot train on this mesh.
+
+    Call it in the driver, before any process starts. ``world_size`` (if given) must be
+    ``dp·pp·tp``; ``batch_size`` (if given) is the global batch, which ``dp`` ranks and
+    ``microbatches`` micro-batches must split evenly."""
+    ProcessMesh(dp=dp, pp=pp, tp=tp, world_size=world_size)
+    if tp > 1:
+        check_tensor_parallel(config, tp, sequence_parallel)
+    elif sequence_parallel:
+        raise ValueError("sequence_parallel needs tp > 1 (it splits the sequence over the tp ranks)")
+    check_schedule(schedule, pp, microbatches, virtual_stages, num_layers(config))
+    if config.tie_weights and pp > 1:
+        raise ValueError("tie_weights=True with pp > 1: the embedding and the head would live on "
+                         "different stages and their shared matrix would need its own all-reduce; "
+                         "use tie_weights=False")
+    if config.dropout:
+        raise ValueError(f"dropout={config.dropout}: hybrid training is checked against one process "
+                         "and needs dropout=0")
+    if batch_size is not None and batch_size % (dp * microbatches):
+        raise ValueError(f"global batch {batch_size} cannot be split into dp={dp} shards of "
+                         f"m={microbatches} equal micro-batches (need a multiple of {dp * microbatches})")
+
+
+def valid_configs(config: GPTConfig, world_size: int, batch_size: int | None = None,
+                  microbatches: int = 1) -> list[dict[str, int]]:
+    """Every ``{"dp", "pp", "tp"}`` with product ``world_size`` that passes :func:`check_config`."""
+    out = []
+    for tp in range(1, world_size + 1):
+        for pp in range(1, world_size // tp + 1):
+            if world_size % (tp * pp):
+                continue
+            dp = world_size // (tp * pp)
+            try:
+                check_config(config, dp, pp, tp, world_size, microbatches, batch_size)
+            except ValueError:
+                continue
+            out.append({"dp": dp, "pp": pp, "tp": tp})
+    return out
+
+
+def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatches: int = 1,
+                  memory_per_rank: float | None = None, ranks_per_node: int = 8,
+                  zero1: bool = False) -> dict[str, int]:
+    """The configuration ``{"dp", "pp", "tp"}`` to train ``config`` on ``world_size`` ranks.
+
+    Among the valid configurations (:func:`check_config`) whose model states fit in
+    ``memory_per_rank`` bytes (``None``: no limit; fp32 Adam,
+    :func:`minipar.cost.hybrid_memory_per_rank`), pick the one with the smallest
+    model-parallel size ``tp·pp``; ties go to ``tp ≤ ranks_per_node``, then to the fewest
+    pipeline stages. Raises ``ValueError`` if none fits."""
+    best, psi = None, num_params(config)
+    for c in valid_configs(config, world_size, batch_size, microbatches):
+        need = hybrid_memory_per_rank(psi, c["dp"], c["pp"], c["tp"], zero1=zero1)["total"]
+        if memory_per_rank is not None and need > memory_per_rank:
+            continue
+        key = (c["tp"] * c["pp"], c["tp"] > ranks_per_node, c["pp"])
+        if best is None or key < best[0]:
+            best = (key, c)
+    if best is None:
+        raise ValueError(f"no configuration of {world_size} ranks can train this model within "
+                         f"{memory_per_rank} bytes per rank")
+    return best[1]

@@ -1,0 +1,200 @@
+"""3D parallelism: the GPT split by layers (pp), within layers (tp), replicated over dp.
+
+Megatron-LM's composition (Narayanan et al. 2021, §3), from minipar's own pieces:
+
+* **tp**: every rank builds :class:`~minipar.tensor_parallel.TensorParallelGPT` over its
+  tensor-parallel group (plain :class:`~minipar.models.GPT` when ``tp == 1``), initialised
+  like ``GPT(config, seed)``;
+* **pp**: the model's ``layers()`` are cut into ``pp·v`` balanced stages
+  (:func:`~minipar.pipeline.partition`); this rank keeps the stages of its pipeline
+  coordinate and runs them with :class:`~minipar.pipeline.Pipeline` over its pipeline
+  group (the loss on the last stage is the vocabulary-parallel cross-entropy);
+* **dp**: each global batch is cut into dp shards (:func:`minipar.data.shard`); after the
+  pipeline's flush the gradients are averaged over the data-parallel group, by the
+  :class:`~minipar.data_parallel.Reducer` (one bucketed all-reduce), or with ZeRO-1
+  (:class:`~minipar.zero.ZeroOptimizer`: reduce-scatter, step on this rank's shard,
+  all-gather).
+
+With equal shards and equal micro-batches the averaged gradient is the single-process
+gradient of the global mean loss, ∇L = 1/(d·m) Σ_shards Σ_micro ∇ℓ, so every step is the
+single-process step (up to the order of floating-point sums).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import comm, trace
+from ..data import shard
+from ..data_parallel import Reducer
+from ..mesh import ProcessMesh
+from ..models.gpt import GPT, GPTConfig, lm_loss
+from ..pipeline import Pipeline, build_stages, layer_costs, make_schedule, partition
+from ..tensor_parallel import TensorParallelGPT, shard_state_dict, unshard_state_dict
+from ..zero import ZeroOptimizer, model_state_bytes, state_tensors, storage_bytes
+from .config import check_config
+
+PP_NAMES = ("send_activation", "recv_activation", "send_grad", "recv_grad")
+
+
+class HybridModel:
+    """One rank's part of a GPT trained on a ``dp × pp × tp`` :class:`ProcessMesh`.
+
+    ``train_step(x, y)`` trains on one global batch and returns its mean loss (the same
+    on every rank); ``optimizer`` is the torch optimizer (or the ZeRO-1 wrapper);
+    ``full_state_dict()`` / ``load_full_state_dict(sd)`` move the single-device GPT's
+    weights in and out (collectives: call them on every rank). ``params`` maps this
+    rank's single-device names to its parameters; ``coords`` is its ``{"pp", "dp", "tp"}``.
+    ``zero1`` with ``dp == 1`` is plain training (there is nothing to shard over)."""
+
+    def __init__(self, config: GPTConfig, mesh: ProcessMesh, seed: int = 0, *, zero1: bool = False,
+                 schedule: str = "1f1b", microbatches: int = 1, virtual_stages: int = 1,
+                 sequence_parallel: bool = False, optimizer_cls=torch.optim.SGD,
+                 optimizer_kwargs: dict | None = None, bucket_cap_mb: float = 25.0,
+                 bounds: list[int] | None = None):
+        check_config(config, mesh.dp, mesh.pp, mesh.tp, dist.get_world_size(), microbatches,
+                     schedule=schedule, virtual_stages=virtual_stages,
+                     sequence_parallel=sequence_parallel)
+        if not mesh.groups:
+            mesh.build()
+        self.config, self.mesh, self.seed = config, mesh, seed
+        self.coords = mesh.coordinates(dist.get_rank())
+        self.zero1, self.sequence_parallel, self.m = zero1 and mesh.dp > 1, sequence_parallel, microbatches
+        g = {dim: mesh.group(dim) for dim in ("dp", "pp", "tp")}
+        self.groups = g
+        full = GPT(config, seed=seed)                       # the single-device model
+        self.full_names = list(full.state_dict())
+        self.full_shapes = {k: v.shape for k, v in full.state_dict().items()}
+        if mesh.tp > 1:
+            self.model = TensorParallelGPT(config, g["tp"], sequence_parallel, seed=None)
+            self.model.load_full_state_dict(full.state_dict())
+            loss_fn = self.model.loss
+        else:
+            self.model, loss_fn = full, lm_loss
+        n_stages = mesh.pp * virtual_stages
+        self.bounds = bounds or partition(layer_costs(full.layers()), n_stages)
+        self.stages = build_stages(self.model.layers(), self.bounds, self.coords["pp"], mesh.pp)
+        self.schedule = make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
+        self._act = (1, config.block_size, config.n_embd)
+        self.pipe = Pipeline(self.stages, self.schedule, lambda s: self._act, g["pp"], loss_fn=loss_fn)
+        mine = {id(q) for st in self.stages.values() for q in st.parameters()}
+        self.params = {n: q for n, q in self.model.named_parameters() if id(q) in mine}
+        kw = dict(optimizer_kwargs or {"lr": 0.1})
+        if self.zero1:
+            units = [list(layer.parameters()) for s in sorted(self.stages) for layer in self.stages[s]]
+            self.optimizer = ZeroOptimizer([u for u in units if u], optimizer_cls, group=g["dp"], **kw)
+            self.reducer = None
+        else:
+            self.optimizer = optimizer_cls(list(self.params.values()), **kw)
+            self.reducer = (Reducer(list(self.params.values()), g["dp"], bucket_cap_mb, overlap=False)
+                            if mesh.dp > 1 else None)
+        self.last_step: dict = {}
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One step on the global batch ``(x, y)`` (every rank passes the same batch):
+        this rank's dp shard, m micro-batches through the pipeline, gradients averaged over
+        dp, optimizer step. Returns the global mean loss; ``last_step`` holds this rank's
+        bytes sent by dimension and the step's seconds."""
+        dp, d = self.mesh.dp, self.coords["dp"]
+        xs, ys = shard(x, d, dp), shard(y, d, dp)
+        seq = xs.shape[1] // (self.mesh.tp if self.sequence_parallel else 1)
+        self._act = (xs.shape[0] // self.m, seq, self.config.n_embd)
+        mark, t0 = len(trace._events), time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.pipe.step(xs, ys)
+        mid = len(trace._events)
+        if self.reducer is not None:
+            self.reducer.finish()                           # mean gradient over dp
+        with trace.region("optimizer"):
+            self.optimizer.step()                           # ZeRO-1: reduce-scatter, step, gather
+        end = len(trace._events)
+        out = self._reduce_loss(loss)
+        self.last_step = {"seconds": time.perf_counter() - t0, **self._bytes(mark, mid, end)}
+        return out
+
+    def _reduce_loss(self, loss: float | None) -> float:
+        """The last stage's loss, summed over pp (the others hold 0), averaged over dp."""
+        t = torch.tensor([loss or 0.0])
+        if self.mesh.pp > 1:
+            comm.all_reduce(t, group=self.groups["pp"], name="loss")
+        if self.mesh.dp > 1:
+            comm.all_reduce(t, op="avg", group=self.groups["dp"], name="loss")
+        return t.item()
+
+    @staticmethod
+    def _bytes(mark: int, mid: int, end: int) -> dict:
+        """Bytes this rank sent in the step, by dimension: pipeline transfers and
+        tensor-parallel collectives happen inside the pipeline's step, data-parallel ones
+        after it. (Reads the recorder's list in place: a long run's trace is not copied.)"""
+        comm_evs = [(i, e) for i, e in enumerate(trace._events[mark:end], mark) if e["kind"] == "comm"]
+        pp = sum(e["bytes_sent"] for i, e in comm_evs if i < mid and e["name"] in PP_NAMES)
+        tp = sum(e["bytes_sent"] for i, e in comm_evs if i < mid and e["name"] not in PP_NAMES)
+        dp = sum(e["bytes_sent"] for i, e in comm_evs if i >= mid)
+        return {"bytes": {"dp": dp, "pp": pp, "tp": tp, "total": dp + pp + tp}}
+
+    # ------------------------------------------------------------------ state
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by single-device name (tensor-parallel shards)."""
+        return dict(self.params)
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of this rank's parameters (its stages, its tp shards), single-device names."""
+        return {k: v.detach().clone() for k, v in self.params.items()}
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-device GPT's state dict (names, full tensors), on every rank: the tp
+        shards all-gathered in the tp group, then the stages combined over the pp group (an
+        all-reduce of disjoint parts). A collective of the whole mesh."""
+        mine = {k: v.detach() for k, v in self.params.items()}
+        if self.mesh.tp > 1:
+            mine = _gather_tp(mine, self.groups["tp"], self.mesh.tp)
+        names = [k for k in self.full_names if k in self.full_shapes]
+        if self.mesh.pp > 1:
+            sizes = [self.full_shapes[k].numel() for k in names]
+            flat = torch.cat([mine[k].reshape(-1).float() if k in mine else torch.zeros(n)
+                              for k, n in zip(names, sizes)])
+            comm.all_reduce(flat, group=self.groups["pp"], name="gather_state")
+            mine = {k: x.view(self.full_shapes[k]).clone() for k, x in zip(names, flat.split(sizes))}
+        if self.config.tie_weights:
+            mine.setdefault("head.lm_head.weight", mine["embed.wte.weight"])
+        return {k: mine[k].clone() for k in names}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Load this rank's part (its stages, its tp shards) of a single-device GPT state dict."""
+        t, r = self.mesh.tp, self.coords["tp"]
+        for k, p in self.params.items():
+            full = state_dict[k]
+            p.copy_(shard_state_dict({k: full}, t, r)[k] if t > 1 else full)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of model states this rank holds: ``{"params", "grads", "optimizer", "total"}``
+        (distinct storages, as :func:`minipar.zero.model_state_bytes` counts them)."""
+        if self.zero1:
+            return model_state_bytes(self.optimizer)
+        ps = list(self.params.values())
+        out = {"params": storage_bytes(ps), "grads": storage_bytes([p.grad for p in ps]),
+               "optimizer": storage_bytes(state_tensors(self.optimizer))}
+        out["total"] = sum(out.values())
+        return out
+
+
+def _gather_tp(tensors: dict, group, t: int) -> dict:
+    """The full tensors from every tp rank's shards (same names and shapes on each)."""
+    names = list(tensors)
+    flat = torch.cat([tensors[k].reshape(-1).float() for k in names])
+    out = torch.empty(t * flat.numel())
+    comm.all_gather(out, flat, group=group, name="gather_state")
+    sizes = [tensors[k].numel() for k in names]
+    shards = [{k: x.view_as(tensors[k]) for k, x in zip(names, row.split(sizes))} for row in out.view(t, -1)]
+    return unshard_state_dict(shards)
+
+
+def build(config: GPTConfig, mesh: ProcessMesh, seed: int = 0, **kwargs) -> HybridModel:
+    """Inside every rank: build ``mesh``'s process groups (if not built yet) and this
+    rank's :class:`HybridModel`. Keyword arguments are :class:`HybridModel`'s."""
+    return HybridModel(config, mesh, seed, **kwargs)

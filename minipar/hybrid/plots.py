@@ -1,0 +1,112 @@
+"""Pictures for hybrid parallelism: the mesh with every rank's coordinates and groups,
+and the comparison table of strategies."""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from .. import viz
+from ..mesh import ProcessMesh
+
+GROUP_STYLE = {"tp": dict(color=viz._PALETTE[0], dash="solid", width=5),
+               "dp": dict(color=viz._PALETTE[1], dash="dash", width=3),
+               "pp": dict(color=viz._PALETTE[2], dash="dot", width=2)}
+
+
+def _xy(c: dict, mesh: ProcessMesh) -> tuple[float, float]:
+    """Stage p is a panel; inside it tp runs left to right, dp top to bottom."""
+    return c["pp"] * (mesh.tp + 0.8) + c["tp"], -c["dp"]
+
+
+def _path(dim: str, points: list[tuple[float, float]], t: int) -> tuple[list, list]:
+    """The line through a group's ranks: straight for tp, beside the labels for dp, arcs
+    over the panels for pp (higher for larger t, so that they do not overlap)."""
+    if dim == "tp":
+        return [x for x, _ in points], [y for _, y in points]
+    if dim == "dp":
+        return [x + 0.2 for x, _ in points], [y for _, y in points]
+    xs, ys = [], []
+    for (x0, y0), (x1, y1) in zip(points[:-1], points[1:]):
+        for k in range(21):
+            u = k / 20
+            xs.append(x0 + (x1 - x0) * u)
+            ys.append(y0 + (y1 - y0) * u + (0.25 + 0.12 * t) * 4 * u * (1 - u))
+    return xs, ys
+
+
+def mesh_figure(mesh: ProcessMesh, highlight: int | None = None, title: str | None = None) -> go.Figure:
+    """Every rank as a dot labelled ``rank (p, d, t)``; lines join the members of each
+    tp group (solid), dp group (dashed) and pp group (dotted). With ``highlight`` only
+    that rank's three groups are drawn."""
+    fig = go.Figure()
+    ranks = range(mesh.size)
+    coords = {r: mesh.coordinates(r) for r in ranks}
+    for dim in ("pp", "dp", "tp"):
+        groups = mesh.all_groups(dim) if highlight is None else [mesh.members(highlight, dim)]
+        first = True
+        for g in groups:
+            if len(g) < 2:
+                continue
+            xs, ys = _path(dim, [_xy(coords[r], mesh) for r in g], coords[g[0]]["tp"])
+            fig.add_scatter(x=xs, y=ys, mode="lines",
+                            line=GROUP_STYLE[dim], name=f"{dim} group", legendgroup=dim,
+                            showlegend=first, hoverinfo="skip")
+            first = False
+    xs, ys = zip(*(_xy(coords[r], mesh) for r in ranks))
+    text = [f"<b>{r}</b><br>({coords[r]['pp']},{coords[r]['dp']},{coords[r]['tp']})" for r in ranks]
+    fig.add_scatter(x=xs, y=ys, mode="markers+text", text=text, textposition="bottom center",
+                    marker=dict(size=26, color=["#d62728" if r == highlight else "#444" for r in ranks]),
+                    name="rank (p, d, t)", hoverinfo="text")
+    for p in range(mesh.pp):
+        x0 = p * (mesh.tp + 0.8)
+        fig.add_annotation(x=x0 + (mesh.tp - 1) / 2, y=0.6, text=f"stage p={p}", showarrow=False)
+    fig.update_layout(title=title or f"dp={mesh.dp} × pp={mesh.pp} × tp={mesh.tp}: "
+                      "rank = p·(dp·tp) + d·tp + t",
+                      height=180 + 90 * mesh.dp, showlegend=True,
+                      xaxis=dict(visible=False), yaxis=dict(visible=False, range=[-mesh.dp + 0.3, 0.9]),
+                      margin=dict(t=60, b=10, l=10, r=10))
+    return fig
+
+
+COLUMNS = [("memory", "memory_formula", "model states / rank (KiB)", 1 / 1024),
+           ("sent", "sent_formula", "sent / rank / step (KiB)", 1 / 1024),
+           ("bubble", "bubble_formula", "bubble (idle / compute)", 1.0),
+           ("step_ms", None, "step time (ms)", 1.0)]
+
+
+def comparison_table(rows: list[dict], title: str = "Strategies side by side (measured, formula)") -> go.Figure:
+    """The comparison table: one row per strategy, measured values with the formula's in
+    brackets where :mod:`minipar.cost` has one."""
+    def cell(r, key, ref, scale):
+        if r[key] is None:
+            return "—"
+        v = f"{r[key] * scale:,.1f}" if key != "bubble" else f"{r[key]:.2f}"
+        if ref is not None:
+            v += f" ({r[ref] * scale:,.1f})" if key != "bubble" else f" ({r[ref]:.2f})"
+        return v
+    header = ["strategy", "dp × pp × tp, m"] + [c[2] for c in COLUMNS] + ["max |Δ loss|"]
+    cols = [[r["strategy"] for r in rows], [f"{r['dp']}×{r['pp']}×{r['tp']}, m={r['m']}" for r in rows]]
+    cols += [[cell(r, k, ref, s) for r in rows] for k, ref, _, s in COLUMNS]
+    cols.append([f"{r['loss_error']:.0e}" for r in rows])
+    fig = go.Figure(go.Table(header=dict(values=header, align="left"),
+                             cells=dict(values=cols, align="left")))
+    fig.update_layout(title=title, height=120 + 32 * len(rows), margin=dict(t=50, b=10, l=10, r=10))
+    return fig
+
+
+def comparison_bars(rows: list[dict]) -> go.Figure:
+    """Memory and bytes sent per rank, measured (bars) and formula (markers), per strategy."""
+    from plotly.subplots import make_subplots
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("model states per rank (KiB)",
+                                                        "bytes sent per rank per step (KiB)"))
+    names = [r["strategy"] for r in rows]
+    for col, (key, ref) in enumerate((("memory", "memory_formula"), ("sent", "sent_formula")), 1):
+        fig.add_bar(x=names, y=[r[key] / 1024 for r in rows], name="measured", marker_color=viz._PALETTE[0],
+                    showlegend=col == 1, row=1, col=col)
+        fig.add_scatter(x=names, y=[r[ref] / 1024 for r in rows], mode="markers", name="formula",
+                        marker=dict(color="black", symbol="line-ew-open", size=18, line_width=2),
+                        showlegend=col == 1, row=1, col=col)
+    fig.update_layout(height=380, margin=dict(t=50, b=10))
+    return fig
+
+
+__all__ = ["mesh_figure", "comparison_table", "comparison_bars"]

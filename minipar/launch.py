@@ -126,7 +126,7 @@ def launch(fn, world_size: int, *, backend: str = "auto", args=(), kwargs=None,
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = loopback()
     job = {"payload": payload, "port": port, "backend": chosen, "world_size": world_size,
            "timeout": timeout, "threads": threads, "sys_path": list(sys.path), "env": env,
-           "sources": sources}
+           "sources": sources, "t0": time.perf_counter()}
     t_start = time.perf_counter()
     try:
         replies = _collect(pool, job, world_size, timeout, grace)

@@ -84,6 +84,7 @@ def _run_job(job: dict, rank: int, seed: int, conn) -> None:
         store = dist.TCPStore("127.0.0.1", job["port"], is_master=False, timeout=pg_timeout)
         dist.init_process_group(process_group_backend(job["backend"]), store=store, rank=rank,
                                 world_size=job["world_size"], timeout=pg_timeout)
+        _trace.set_origin(job["t0"])
         _trace.start(rank)
         with redirect_stdout(out), redirect_stderr(out):
             value = fn(*args, **kwargs)

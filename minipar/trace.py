@@ -21,14 +21,26 @@ _events: list[dict] = []
 _t0: float = time.perf_counter()
 _rank: int = 0
 _enabled: bool = True
+_origin: float | None = None
+
+
+def set_origin(t: float | None) -> None:
+    """Share one time zero between the processes of one machine (``time.perf_counter`` is
+    the same system-wide clock in all of them); ``minipar.launch`` passes its own."""
+    global _origin
+    _origin = t
 
 
 def start(rank: int = 0, barrier: bool = True) -> None:
-    """Clear the recorder and set time zero (after a barrier when a group is up)."""
+    """Clear the recorder and set time zero: the shared origin when there is one, else
+    the moment a barrier releases the ranks (several machines under torchrun)."""
     global _t0, _rank
     import torch.distributed as dist
     _events.clear()
     _rank = rank
+    if _origin is not None:
+        _t0 = _origin
+        return
     if barrier and dist.is_initialized():
         dist.barrier()
     _t0 = time.perf_counter()

@@ -24,6 +24,8 @@ def timeline(trace: Trace, title: str = "What each rank did", color_by: str = "k
              unit: str = "ms", height: int | None = None) -> go.Figure:
     """One row per rank; bars for compute and communication, grey gaps for idle time.
 
+    Communication is drawn as thin bars behind compute, so a transfer in flight while the
+    rank computes (overlap) stays visible.
     ``color_by="kind"`` colours compute blue and communication orange; ``color_by="name"``
     (or a label such as ``"microbatch"``) gives each value its own colour. Hover a bar for
     its labels, duration and bytes.
@@ -35,23 +37,36 @@ def timeline(trace: Trace, title: str = "What each rank did", color_by: str = "k
     t0 = min((e["start"] for e in trace.events()), default=0.0)
     t1 = max((e["end"] for e in trace.events()), default=0.0)
     fig.add_bar(y=rows, x=[(t1 - t0) * scale] * len(rows), base=[0] * len(rows), orientation="h",
-                marker_color=COLORS["idle"], name="idle", hoverinfo="skip",
+                marker_color=COLORS["idle"], name="idle", hoverinfo="skip", width=0.7, legendrank=5000,
                 customdata=[s["idle"] for s in summary])
     groups: dict[str, list[dict]] = {}
     for e in trace.events():
         key = e["kind"] if color_by == "kind" else str(e["labels"].get(color_by, e["name"])
                                                         if color_by != "name" else e["name"])
         groups.setdefault(key, []).append(e)
-    for i, (key, evs) in enumerate(sorted(groups.items())):
-        color = COLORS.get(key) if color_by == "kind" else _PALETTE[i % len(_PALETTE)]
-        fig.add_bar(y=[f"rank {e['rank']}" for e in evs],
-                    x=[(e["end"] - e["start"]) * scale for e in evs],
-                    base=[(e["start"] - t0) * scale for e in evs], orientation="h",
-                    marker_color=color, marker_line_width=0.5, marker_line_color="white",
-                    name=key, hovertext=[_label(e) for e in evs], hoverinfo="text")
+    keys = sorted(groups)
+    color = {k: COLORS.get(k) if color_by == "kind" else _PALETTE[i % len(_PALETTE)]
+             for i, k in enumerate(keys)}
+    shown = set()
+    # communication first, as thin bars; compute on top, full height: an asynchronous
+    # transfer still in flight shows *behind* the compute it overlaps
+    for is_comm, width in ((True, 0.3), (False, 0.7)):
+        for key in keys:
+            evs = [e for e in groups[key] if (e["kind"] == "comm") == is_comm]
+            if not evs:
+                continue
+            fig.add_bar(y=[f"rank {e['rank']}" for e in evs],
+                        x=[(e["end"] - e["start"]) * scale for e in evs],
+                        base=[(e["start"] - t0) * scale for e in evs], orientation="h", width=width,
+                        marker_color=color[key], marker_line_width=0.5, marker_line_color="white",
+                        name=key, legendgroup=key, showlegend=key not in shown,
+                        legendrank=1000 + keys.index(key) if is_comm else 10 + keys.index(key),
+                        hovertext=[_label(e) for e in evs], hoverinfo="text")
+            shown.add(key)
     fig.update_layout(barmode="overlay", title=title, xaxis_title=f"time ({unit})",
                       yaxis=dict(autorange="reversed"), bargap=0.3,
-                      height=height or 170 + 45 * trace.world_size, legend_title=color_by)
+                      height=height or max(170 + 45 * trace.world_size, 190 + 30 * (len(keys) + 1)),
+                      legend_title=color_by)
     return fig
 
 

@@ -11,7 +11,9 @@ from .trace import Trace
 
 COLORS = {"compute": "#4C78A8", "comm": "#F58518", "idle": "#E6E6E6"}
 _PALETTE = ["#4C78A8", "#72B7B2", "#54A24B", "#EECA3B", "#B279A2", "#FF9DA6", "#9D755D",
-            "#BAB0AC", "#E45756", "#F58518"]
+            "#BAB0AC", "#E45756", "#F58518", "#2E91E5", "#1CA71C", "#FB0D0D", "#DA16FF",
+            "#222A2A", "#B68100", "#750D86", "#EB663B", "#511CFB", "#00A08B", "#FB00D1",
+            "#FC0080", "#B2828D", "#6C7C32", "#778AAE", "#862A16"]  # 26 distinct colours
 
 
 def _label(e: dict) -> str:

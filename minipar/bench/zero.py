@@ -19,7 +19,9 @@ rank 0); "held" is the running sum after the second step (what stays between ste
 from __future__ import annotations
 
 import gc
+import os
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -61,6 +63,19 @@ def _step(fwd, opt, x, y):
     opt.step()
 
 
+@contextmanager
+def _quiet_stderr():
+    """Silence C-level stderr (the profiler's start/stop lines) for the enclosed block."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def _peak_bytes(name, cfg, batches) -> tuple[int, int]:
     """Peak of the running sum of this process's CPU allocations (minus frees) from before
     the trainer is built to the end of its second step (the first creates the optimizer
@@ -68,7 +83,7 @@ def _peak_bytes(name, cfg, batches) -> tuple[int, int]:
     from torch.profiler import ProfilerActivity, profile, record_function
     gc.collect()
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fwd, opt = _build(name, cfg)
         for x, y in batches[:2]:
             _step(fwd, opt, x, y)

@@ -5,6 +5,9 @@ JupyterLab, Colab and headless runs alike; no widget needed).
 """
 from __future__ import annotations
 
+import inspect
+import os
+
 import plotly.graph_objects as go
 
 from .trace import Trace
@@ -172,3 +175,25 @@ def collective_diagram(op: str, n: int = 4) -> go.Figure:
     fig.update_yaxes(autorange="reversed")
     fig.update_layout(title=f"{op}: what each rank holds", height=110 + 45 * n, width=760)
     return fig
+
+
+def explore(fn, **controls):
+    """An interactive figure: ipywidgets controls that redraw ``fn(**values)``.
+
+    ``controls`` are ``ipywidgets.interact`` abbreviations (a list is a menu, a widget is
+    itself); ``fn`` returns a figure (or ``None``) and its keyword defaults are the first
+    values shown. When ``MINIPAR_STATIC_WIDGETS`` is set (the headless notebook tests set
+    it), ``fn`` is drawn once with its defaults instead of through widget messages, which
+    headless executors handle least reliably; a read-only copy then shows that figure.
+    """
+    if os.environ.get("MINIPAR_STATIC_WIDGETS"):
+        defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+        return fn(**defaults)
+    from ipywidgets import interactive
+
+    def draw(**values):
+        fig = fn(**values)
+        if fig is not None:
+            fig.show()
+    return interactive(draw, **controls)

@@ -14,7 +14,8 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path):
+def test_notebook_runs(path, monkeypatch):
+    monkeypatch.setenv("MINIPAR_STATIC_WIDGETS", "1")  # see minipar.viz.explore
     nb = nbformat.read(path, as_version=4)
     assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
         f"{path.name} is committed with outputs; clear them"

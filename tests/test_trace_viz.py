@@ -44,3 +44,19 @@ def test_figures_have_the_expected_traces():
     bw = viz.bandwidth([1, 10], {"a": [1, 2]}, model={"m": [1, 1]})
     assert len(bw.data) == 2
     assert len(viz.loss_curves({"a": [3, 2], "b": [3, 1]}).data) == 2
+
+
+def test_explore_draws_the_defaults_statically_or_builds_controls(monkeypatch):
+    calls = []
+
+    def draw(op="all_reduce", n=4):
+        calls.append((op, n))
+        return viz.collective_diagram(op, n)
+
+    monkeypatch.setenv("MINIPAR_STATIC_WIDGETS", "1")
+    fig = viz.explore(draw, op=["all_reduce", "all_gather"], n=(2, 8))
+    assert isinstance(fig, go.Figure) and calls == [("all_reduce", 4)]
+    monkeypatch.delenv("MINIPAR_STATIC_WIDGETS")
+    w = viz.explore(draw, op=["all_gather", "all_reduce"], n=(2, 8))
+    assert [c.description for c in w.children[:2]] == ["op", "n"]
+    assert calls[-1] == ("all_gather", 5)  # ipywidgets drew the first menu item, the range's middle

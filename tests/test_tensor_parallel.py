@@ -49,17 +49,9 @@ def _train_case(group, sp: bool, tied: bool, use_constructor: bool) -> dict:
     loss.backward()
     out = {"logits": logits.detach(), "loss": loss.item(), "grads": tp.full_state_dict(model, grads=True)}
     model.zero_grad(set_to_none=True)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for x, y in BATCHES:
-        opt.zero_grad(set_to_none=True)
-        step_loss = model(x, y)
-        step_loss.backward()
-        opt.step()
-        losses.append(step_loss.item())
-    names = dict(model.named_parameters())
-    out["train"] = {"losses": losses,
-                    "params": {k: v for k, v in tp.full_state_dict(model).items() if k in names}}
+    run = train_reference(model, BATCHES, sgd(LR))
+    out["train"] = {"losses": run["losses"],  # parameters gathered back to full tensors
+                    "params": {k: v for k, v in tp.full_state_dict(model).items() if k in run["params"]}}
     out["drift"] = tp.replica_drift(model)
     out["round_trip"] = tp.to_gpt(model).state_dict()
     out["shards"] = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -36,6 +36,7 @@ from ..trace import _union_length
 from ..zero import model_state_bytes, wrap
 from .config import check_config, num_params
 from .model import HybridModel
+from .train import train_steps
 
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
 
@@ -87,12 +88,7 @@ def _hybrid_run(config, batches, spec: dict, seed: int) -> dict:
     mesh = ProcessMesh(dp=spec["dp"], pp=spec["pp"], tp=spec["tp"]).build()
     model = HybridModel(config, mesh, seed, zero1=spec["zero"] == 1, microbatches=spec["m"],
                         optimizer_cls=torch.optim.AdamW, optimizer_kwargs=ADAMW)
-    losses, seconds = [], []
-    for x, y in batches:
-        mark = len(trace._events)
-        losses.append(model.train_step(x, y))
-        seconds.append(model.last_step["seconds"])
-    events = trace.events()[mark:]
+    losses, seconds, events = train_steps(model, batches)
     return {"losses": losses, "seconds": seconds, "events": events, "memory": model.memory(),
             "sent": model.last_step["bytes"]["total"],
             "units": model.optimizer.unit_sizes() if spec["zero"] == 1 and spec["dp"] > 1 else None}

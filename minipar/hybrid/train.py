@@ -18,6 +18,17 @@ from .config import check_config
 from .model import HybridModel
 
 
+def train_steps(model: HybridModel, batches) -> tuple[list[float], list[float], list[dict]]:
+    """Train ``model`` on the global ``batches``: the loss and seconds of every step, and
+    this rank's trace events of the last step."""
+    losses, seconds = [], []
+    for x, y in batches:
+        mark = len(trace._events)  # not trace.events(): no copy of the whole trace per step
+        losses.append(model.train_step(x, y))
+        seconds.append(model.last_step["seconds"])
+    return losses, seconds, trace.events()[mark:]
+
+
 def train(config, batches, dp: int, pp: int, tp: int, seed: int = 0, gather: bool = True,
           **kwargs) -> dict:
     """Rank function: train ``GPT(config, seed)`` on a dp × pp × tp mesh (``kwargs``: those
@@ -27,12 +38,7 @@ def train(config, batches, dp: int, pp: int, tp: int, seed: int = 0, gather: boo
     events of the last step."""
     mesh = ProcessMesh(dp=dp, pp=pp, tp=tp).build()
     model = HybridModel(config, mesh, seed, **kwargs)
-    losses, seconds = [], []
-    for x, y in batches:
-        mark = len(trace._events)
-        losses.append(model.train_step(x, y))
-        seconds.append(model.last_step["seconds"])
-    step_events = trace.events()[mark:]
+    losses, seconds, step_events = train_steps(model, batches)
     memory = model.memory()
     params = model.full_state_dict() if gather else None
     return {"losses": losses, "params": params if dist.get_rank() == 0 else None,

@@ -1,32 +1,61 @@
 #!/usr/bin/env python3
-"""Set up the course and open it, or run its tests: the README's two commands.
+"""Set up the course and open it, or run its tests: the README's commands.
 
-    python3 course.py lab     # make .venv, install, open the notebooks in JupyterLab
-    python3 course.py test    # make .venv, install, run the test suite
+    python3 course.py lab                 # make .venv, install, open the notebooks in JupyterLab
+    python3 course.py test [pytest args]  # make .venv, install, run the test suite
+    python3 course.py test --gpu          # on a GPU machine: equivalence tests and every notebook
+                                          # on the GPU, then a report per chapter
+    python3 course.py test --torch 2.9.0 -k launch   # the tests under another torch, in its
+                                          # own environment (~/.cache/minipar/envs/torch-2.9.0)
 
 Needs only Python >= 3.10. Everything goes into ./.venv; the install is redone only when
 pyproject.toml changes. PyTorch is pinned to the version the course is tested with
 (override with MINIPAR_TORCH, e.g. MINIPAR_TORCH="torch==2.13.0" or a CUDA build's spec).
+``lab`` works as root too (Docker images, rented GPU machines) and prints the URL to open.
 """
 import hashlib
+import json
 import os
+import re
+import secrets
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 TORCH = os.environ.get("MINIPAR_TORCH", "torch==2.13.0")
+ENVS = Path(os.environ.get("MINIPAR_ENVS", Path.home() / ".cache" / "minipar" / "envs"))
+
+# what `test --gpu` runs: the equivalence tests of each chapter, then every notebook
+GPU_TESTS = [
+    ("01 collectives", ["tests/test_comm.py"]),
+    ("02 data parallel", ["tests/test_data_parallel.py"]),
+    ("03 model parallel", ["tests/test_model_parallel.py"]),
+    ("04 pipeline", ["tests/test_pipeline_equivalence.py", "tests/test_adaptive.py"]),
+    ("05 tensor parallel", ["tests/test_tensor_parallel.py"]),
+    ("06 zero", ["tests/test_zero.py", "tests/test_zero_per_parameter.py"]),
+    ("07 hybrid", ["tests/test_hybrid.py"]),
+    ("08 context parallel", ["tests/test_context_parallel.py"]),
+    ("09 expert parallel", ["tests/test_expert_parallel.py"]),
+    ("10 planning", ["tests/test_plan.py", "tests/test_recompute.py"]),
+    ("mixed precision", ["tests/test_precision.py"]),
+    ("11 train, checkpoints", ["tests/test_train.py", "tests/test_checkpoint.py"]),
+    ("devices", ["tests/test_devices.py", "tests/test_launch.py"]),
+]
 
 
-def python() -> Path:
-    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+def python(env: Path = VENV) -> Path:
+    return env / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
-def run(*cmd) -> None:
+def run(*cmd, **kw) -> None:
     print("+", " ".join(map(str, cmd)), flush=True)
-    subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT)
+    subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT, **kw)
 
 
 def setup() -> None:
@@ -44,15 +73,149 @@ def setup() -> None:
     stamp.write_text(want)
 
 
+# ------------------------------------------------------------------ lab
+def _free_port(start: int = 8888) -> int:
+    for port in range(start, start + 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    return start
+
+
+def lab(extra: list[str]) -> int:
+    """JupyterLab on the notebooks, with a token we print (the URL to open), as root too."""
+    port, token = _free_port(), secrets.token_hex(16)
+    cmd = [str(python()), "-m", "jupyter", "lab", "notebooks/", f"--port={port}",
+           f"--IdentityProvider.token={token}"]
+    root = hasattr(os, "geteuid") and os.geteuid() == 0
+    if root:  # Docker images and rented GPU machines run as root; JupyterLab refuses without this
+        cmd += ["--allow-root", "--no-browser"]
+    cmd += extra
+    print(f"\nOpen the course at:  http://localhost:{port}/lab?token={token}\n"
+          f"(on a remote machine: ssh -L {port}:localhost:{port} to it first){' [root]' if root else ''}\n",
+          flush=True)
+    return subprocess.call(cmd, cwd=ROOT)
+
+
+# ------------------------------------------------------------------ test --torch X.Y.Z
+def _runtime_deps() -> list[str]:
+    """pyproject's dependencies and test extras, without torch (a small parser: py3.10 has no tomllib)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    deps = []
+    for block in re.findall(r"(?:dependencies|test)\s*=\s*\[(.*?)\]", text, re.S):
+        deps += re.findall(r'"([^"]+)"', block)
+    return [d for d in deps if not re.match(r"torch\b", d)]
+
+
+def torch_env(version: str) -> Path:
+    """An environment with torch==``version`` and minipar's other dependencies (minipar itself
+    comes from this checkout through PYTHONPATH). Made once, reused."""
+    env = ENVS / f"torch-{version}"
+    stamp = env / ".minipar-installed"
+    want = hashlib.sha256(("\n".join(_runtime_deps()) + version).encode()).hexdigest()
+    if stamp.exists() and stamp.read_text() == want:
+        return env
+    ENVS.mkdir(parents=True, exist_ok=True)
+    if not python(env).exists():
+        venv.create(env, with_pip=True)
+    print(f"installing torch=={version} into {env} (a CUDA build from PyPI is several GB)", flush=True)
+    run(python(env), "-m", "pip", "install", "-q", f"torch=={version}", *_runtime_deps())
+    stamp.write_text(want)
+    return env
+
+
+def test_torch(version: str, args: list[str]) -> int:
+    env = torch_env(version)
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([str(python(env)), "-c", "import torch; print(torch.__version__)"],
+                         capture_output=True, text=True, env=environ)
+    print(f"testing with torch {out.stdout.strip()} ({env})", flush=True)
+    return subprocess.call([str(python(env)), "-m", "pytest", "-p", "no:cacheprovider", *args],
+                           cwd=ROOT, env=environ)
+
+
+# ------------------------------------------------------------------ test --gpu
+def _peaks(log: Path) -> dict[int, int]:
+    out: dict[int, int] = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            e = json.loads(line)
+            out[e["rank"]] = max(out.get(e["rank"], 0), e["peak"])
+    return out
+
+
+def test_gpu(args: list[str]) -> int:
+    """Every chapter's equivalence tests with the ranks on the GPU(s), then every notebook,
+    each timed, with the peak GPU memory of each rank; a report at the end."""
+    probe = subprocess.run([str(python()), "-c", "import torch; print(torch.cuda.device_count() "
+                            "if torch.cuda.is_available() else 0, torch.__version__)"],
+                           capture_output=True, text=True)
+    gpus, version = (probe.stdout.split() + ["0", "?"])[:2]
+    if int(gpus) == 0:
+        print("course.py test --gpu: no CUDA GPU visible to .venv's torch "
+              f"({version}); install a CUDA build (MINIPAR_TORCH) on a machine with a GPU.")
+        return 2
+    notebooks = sorted(p.stem[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    jobs = [(name, [f for f in files if (ROOT / f).exists()]) for name, files in GPU_TESTS]
+    jobs = [(n, ["-q", "-x", *files]) for n, files in jobs if files]
+    jobs += [(f"notebook {nb}", ["-q", "-x", "tests/test_notebooks.py", "-k", nb]) for nb in notebooks]
+    # several chapters at once (each a pytest process with its own ranks): the GPU has room for
+    # the course's small models, and the host's cores are the limit; MINIPAR_GPU_JOBS to change
+    width = int(os.environ.get("MINIPAR_GPU_JOBS", "4"))
+    rows, t_all = {}, time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        running, todo = {}, list(enumerate(jobs))
+        while todo or running:
+            while todo and len(running) < width:
+                i, (name, pytest_args) = todo.pop(0)
+                env = dict(os.environ, MINIPAR_DEVICE="cuda", MINIPAR_MEMORY_LOG=f"{tmp}/{i}.jsonl")
+                out = open(f"{tmp}/{i}.out", "w")
+                proc = subprocess.Popen([str(python()), "-m", "pytest", *pytest_args, *args], cwd=ROOT,
+                                        env=env, stdout=out, stderr=subprocess.STDOUT)
+                running[i] = (name, proc, out, time.perf_counter())
+                print(f"started  {name}", flush=True)
+            time.sleep(0.5)
+            for i, (name, proc, out, t) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                out.close()
+                del running[i]
+                ok = proc.returncode == 0
+                rows[i] = (name, "pass" if ok else f"FAIL ({proc.returncode})", time.perf_counter() - t,
+                           _peaks(Path(f"{tmp}/{i}.jsonl")))
+                print(f"finished {name}: {rows[i][1]} in {rows[i][2]:.0f} s", flush=True)
+                if not ok:
+                    print("\n".join(Path(f"{tmp}/{i}.out").read_text().splitlines()[-30:]), flush=True)
+    rows = [rows[i] for i in sorted(rows)]
+    print(f"\ncourse.py test --gpu: {gpus} GPU(s), torch {version}, {time.perf_counter() - t_all:.0f} s in all")
+    print(f"{'chapter':<24} {'result':<10} {'seconds':>8}  peak GPU memory per rank (MiB)")
+    for name, result, secs, peaks in rows:
+        mem = ", ".join(f"r{r} {b / 2**20:.0f}" for r, b in sorted(peaks.items())) or "-"
+        print(f"{name:<24} {result:<10} {secs:>8.1f}  {mem}")
+    return 0 if all(r[1] == "pass" for r in rows) else 1
+
+
 def main(argv) -> int:
     what = argv[1] if len(argv) > 1 else "help"
     if what not in ("lab", "test"):
         print(__doc__)
         return 0 if what in ("help", "-h", "--help") else 2
+    rest = argv[2:]
+    if what == "test" and "--torch" in rest:
+        i = rest.index("--torch")
+        if i + 1 >= len(rest):
+            print("course.py test --torch needs a version, e.g. --torch 2.9.0")
+            return 2
+        return test_torch(rest[i + 1], rest[:i] + rest[i + 2:])
     setup()
     if what == "lab":
-        return subprocess.call([str(python()), "-m", "jupyter", "lab", "notebooks/"], cwd=ROOT)
-    return subprocess.call([str(python()), "-m", "pytest", *argv[2:]], cwd=ROOT)
+        return lab(rest)
+    if "--gpu" in rest:
+        return test_gpu([a for a in rest if a != "--gpu"])
+    return subprocess.call([str(python()), "-m", "pytest", *rest], cwd=ROOT)
 
 
 if __name__ == "__main__":

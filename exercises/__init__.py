@@ -1,6 +1,9 @@
-"""Graded exercises: minipar's own key functions with the body left to you.
+"""Graded exercises: minipar's own functions with the marked parts of their bodies left to you.
 
-Each ``exNN_*.py`` file has the same functions, names and signatures as the library.
-Fill in the bodies, then grade: ``python -m minipar.grade ex01`` in a shell or
-``minipar.grade("ex01")`` in a notebook. ``solutions/`` holds completed versions.
+Each ``exNN_topic.py`` is generated from the library (``python -m minipar.exercise --write``):
+the functions and methods that hold an exercise's marked code, each marked region replaced
+by hints and ``raise NotImplementedError``. Write your code there, then run the library
+with it (``with minipar.exercise("ex02"): ...``) or grade it: ``python -m minipar.grade
+ex02`` in a shell, ``minipar.grade("ex02")`` in a notebook. ``solutions/`` holds the
+library's own code for the same pieces.
 """

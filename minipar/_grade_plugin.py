@@ -8,11 +8,13 @@ _results: dict[str, dict] = {}
 def pytest_collection_modifyitems(items):
     for item in items:
         doc = (getattr(item, "function", None).__doc__ or "").strip()
-        _results[item.nodeid] = {"name": item.name, "doc": doc, "outcome": "not run", "error": ""}
+        _results[item.nodeid] = {"name": item.name, "doc": doc, "outcome": "not run", "error": "",
+                                 "file": item.nodeid.split("::")[0]}
 
 
 def pytest_runtest_logreport(report):
-    r = _results.setdefault(report.nodeid, {"name": report.nodeid, "doc": "", "error": ""})
+    r = _results.setdefault(report.nodeid, {"name": report.nodeid, "doc": "", "error": "",
+                                            "file": report.nodeid.split("::")[0]})
     if report.failed:
         r["outcome"] = "failed"
         crash = getattr(report.longrepr, "reprcrash", None)

@@ -1,4 +1,4 @@
-"""Choosing the communication backend and the device of each rank.
+"""Where the ranks compute and how they talk: one decision, made once, before any process starts.
 
 Two backends matter for this course:
 
@@ -7,20 +7,35 @@ Two backends matter for this course:
 * **NCCL** runs collectives on GPU tensors over NVLink/PCIe/InfiniBand. It needs one
   GPU per rank: two ranks on one GPU are rejected by NCCL itself.
 
-``pick_backend("auto", n)`` takes NCCL when there are at least ``n`` GPUs, else Gloo,
-and always says why.
+:func:`place` turns ``(world_size, device, backend)`` and the GPUs of this machine into a
+:class:`Placement`, with a sentence saying why:
+
+=================  ==========================================================================
+GPUs visible       ``device="auto"`` gives
+=================  ==========================================================================
+``>= n``           NCCL, one GPU per rank (rank r on ``cuda:r``)
+``1 .. n-1``       the ranks *share* the GPUs: rank r computes on ``cuda:(r % G)``, and
+                   communication goes over Gloo through host memory (correct, not fast)
+``0``              Gloo on the CPU
+=================  ==========================================================================
+
+``device="cpu"`` forces the CPU; ``device="cuda"`` with no GPU is an error here, before any
+process starts. Inside a rank, :func:`device` says where to compute.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
+DEVICE_ENV = "MINIPAR_DEVICE"  # set in every rank by launch; in the driver it sets the default
 
 
 class BackendError(ValueError):
-    """A backend that cannot run the requested number of ranks on this machine."""
+    """A device or backend that cannot run the requested number of ranks on this machine."""
 
 
 def gpu_count() -> int:
@@ -28,35 +43,95 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def pick_backend(backend: str, world_size: int) -> tuple[str, str]:
-    """Return ``(backend, reason)`` for ``world_size`` ranks on this machine.
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' * (n != 1)}"
 
-    ``"auto"`` prefers NCCL with one GPU per rank and falls back to Gloo on CPU with a
-    reason a learner can read. Forcing ``"nccl"`` without enough GPUs is an error here,
-    before any process starts, instead of NCCL's own message from inside a rank.
-    """
+
+@dataclass(frozen=True)
+class Placement:
+    """Where ``world_size`` ranks compute (``device``: "cpu" or "cuda", over ``gpus`` GPUs)
+    and which backend carries their messages; ``reason`` is the sentence ``launch`` prints."""
+
+    world_size: int
+    backend: str  # "gloo" | "nccl"
+    device: str   # "cpu" | "cuda"
+    gpus: int     # GPUs the ranks use (0 on the CPU)
+    reason: str
+
+    @property
+    def shared(self) -> bool:
+        """Several ranks compute on one GPU (their messages are staged through host memory)."""
+        return self.device == "cuda" and self.gpus < self.world_size
+
+    def device_for_rank(self, local_rank: int) -> torch.device:
+        """``cuda:(r % G)`` on GPUs, else the CPU."""
+        if self.device == "cuda":
+            return torch.device("cuda", local_rank % self.gpus)
+        return torch.device("cpu")
+
+
+def place(world_size: int, device: str = "auto", backend: str = "auto",
+          gpus: int | None = None) -> Placement:
+    """The placement of ``world_size`` ranks on this machine (or on one with ``gpus`` GPUs:
+    pass a number to see what a bigger machine would do). Raises :class:`BackendError` for a
+    request this machine cannot serve, before any process starts."""
     if backend not in BACKENDS:
         raise BackendError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    gpus = gpu_count()
-    if backend == "gloo":
-        return "gloo", "Gloo on CPU (asked for explicitly)"
+    if device not in DEVICES:
+        raise BackendError(f"device must be one of {DEVICES}, got {device!r}")
+    simulated = gpus is not None
+    g = gpu_count() if gpus is None else int(gpus)
+    nccl_ok = simulated or torch.distributed.is_nccl_available()
+    n = world_size
+    if device == "cpu" or (device == "auto" and backend == "gloo"):
+        if backend == "nccl":
+            raise BackendError("backend='nccl' runs on GPUs only; device='cpu' needs backend='gloo' or 'auto'")
+        why = "device='cpu' asked for" if device == "cpu" else "asked for explicitly"
+        return Placement(n, "gloo", "cpu", 0, f"Gloo on CPU ({why})")
     if backend == "nccl":
-        if not torch.distributed.is_nccl_available():
+        if not nccl_ok:
             raise BackendError("backend='nccl' was requested but this PyTorch build has no NCCL "
                                "(a CPU-only build?). Use backend='gloo' or 'auto'.")
-        if gpus < world_size:
+        if g < n:
             raise BackendError(
-                f"backend='nccl' needs one GPU per rank: {world_size} ranks requested but "
-                f"{gpus} GPU(s) visible. NCCL cannot put two ranks on one GPU. Use fewer ranks, "
-                f"or backend='gloo' (CPU) / 'auto'.")
-        return "nccl", f"NCCL with one GPU per rank ({gpus} GPUs visible)"
-    # auto
-    if gpus >= world_size and torch.distributed.is_nccl_available():
-        return "nccl", f"NCCL with one GPU per rank ({gpus} GPUs >= {world_size} ranks)"
-    if gpus == 0:
-        return "gloo", "Gloo on CPU (no CUDA GPU visible)"
-    return "gloo", (f"Gloo on CPU: {world_size} ranks but only {gpus} GPU(s), and NCCL "
-                    f"cannot put two ranks on one GPU")
+                f"backend='nccl' needs one GPU per rank: {n} ranks requested but "
+                f"{g} GPU(s) visible. NCCL cannot put two ranks on one GPU. Use fewer ranks, "
+                f"or backend='auto' (ranks share the GPUs over Gloo) / device='cpu'.")
+    if g == 0:
+        if device == "cuda":
+            raise BackendError(
+                "device='cuda' was requested but no CUDA GPU is visible"
+                f"{' (this PyTorch is a CPU-only build)' if not torch.backends.cuda.is_built() else ''}."
+                " Use device='auto' or 'cpu', or run on a machine with a GPU (on Colab: Runtime >"
+                " Change runtime type > GPU).")
+        return Placement(n, "gloo", "cpu", 0, "Gloo on CPU (no CUDA GPU visible)")
+    if g >= n and backend != "gloo":
+        if nccl_ok:
+            return Placement(n, "nccl", "cuda", n,
+                             f"NCCL with one GPU per rank ({_plural(g, 'GPU')} >= {_plural(n, 'rank')})")
+        return Placement(n, "gloo", "cuda", n,
+                         f"one GPU per rank, communication over Gloo through host memory "
+                         f"(this PyTorch has no NCCL)")
+    used = min(g, n)
+    if g >= n:  # backend="gloo" with device="cuda"
+        return Placement(n, "gloo", "cuda", used,
+                         f"one GPU per rank, communication over Gloo through host memory (asked for)")
+    where = "cuda:0" if used == 1 else f"cuda:(rank % {used})"
+    return Placement(n, "gloo", "cuda", used,
+                     f"{_plural(n, 'rank')} share {_plural(used, 'GPU')}: compute on {where}, "
+                     f"communication over Gloo through host memory (correct, not NCCL's speed)")
+
+
+def default_device() -> str:
+    """``device="auto"`` unless ``MINIPAR_DEVICE`` says ``cpu`` or ``cuda`` (``course.py test --gpu``)."""
+    d = os.environ.get(DEVICE_ENV, "auto").split(":")[0]
+    return d if d in DEVICES else "auto"
+
+
+def pick_backend(backend: str, world_size: int, device: str = "auto") -> tuple[str, str]:
+    """``(backend, reason)`` of :func:`place` (kept for code written before placements)."""
+    p = place(world_size, device, backend)
+    return p.backend, p.reason
 
 
 def process_group_backend(backend: str) -> str:
@@ -73,23 +148,50 @@ def device_for_rank(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def current_device() -> torch.device:
-    """The device of the calling rank (inside ``minipar.launch`` or ``torchrun``)."""
+def device() -> torch.device:
+    """Where the calling rank computes: ``cuda:k`` or ``cpu``, as :func:`minipar.launch` placed
+    it (under ``torchrun``: the local GPU under NCCL). In the driver: the CPU, or the device
+    that ``MINIPAR_DEVICE`` names (so a single-process reference runs where the ranks do)."""
+    d = os.environ.get(DEVICE_ENV)
+    if d and d != "auto":
+        if d == "cuda":
+            return torch.device("cuda", torch.cuda.current_device()) if gpu_count() else torch.device("cpu")
+        return torch.device(d)
     import torch.distributed as dist
     if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")
 
 
+current_device = device  # the older name
+
+
 def describe_machine(world_sizes=(2, 4)) -> list[tuple[str, str]]:
-    """Rows (what, value) describing this machine and the backend each world size gets."""
+    """Rows (what, value) describing this machine and the placement each world size gets."""
     import platform
 
     import torch.distributed as dist
+    g = gpu_count()
     rows = [("python", platform.python_version()), ("torch", torch.__version__),
-            ("CPU cores", str(os.cpu_count())), ("CUDA GPUs", str(gpu_count())),
-            ("Gloo available", str(dist.is_gloo_available())),
-            ("NCCL available", str(dist.is_nccl_available()))]
+            ("CPU cores", str(os.cpu_count())), ("CUDA GPUs", str(g))]
+    if g:
+        rows += [(f"cuda:{i}", torch.cuda.get_device_name(i)) for i in range(g)]
+    rows += [("Gloo available", str(dist.is_gloo_available())),
+             ("NCCL available", str(dist.is_nccl_available()))]
     for n in world_sizes:
-        rows.append((f"backend for {n} ranks", pick_backend("auto", n)[1]))
+        rows.append((f"{_plural(n, 'rank')}", place(n).reason))
     return rows
+
+
+def summary(world_sizes=(2, 4, 8)) -> str:
+    """A few lines for a notebook's setup cell: torch, the GPUs, and each world size's placement."""
+    g = gpu_count()
+    if g:
+        names = sorted({torch.cuda.get_device_name(i) for i in range(g)})
+        mem = torch.cuda.get_device_properties(0).total_memory / 2**30
+        gpus = f"{_plural(g, 'GPU')} ({', '.join(names)}, {mem:.0f} GiB)"
+    else:
+        gpus = "no GPU"
+    lines = [f"minipar on torch {torch.__version__}, {os.cpu_count()} CPU cores, {gpus}"]
+    lines += [f"  {_plural(n, 'rank')}: {place(n).reason}" for n in world_sizes]
+    return "\n".join(lines)

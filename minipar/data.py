@@ -33,7 +33,7 @@ class CharTokenizer:
         return len(self.chars)
 
     def encode(self, text: str) -> torch.Tensor:
-        return torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        return torch.tensor([self.stoi[c] for c in text], dtype=torch.long, device="cpu")
 
     def decode(self, ids) -> str:
         return "".join(self.chars[int(i)] for i in ids)
@@ -49,12 +49,13 @@ def corpus_tokens() -> tuple[torch.Tensor, CharTokenizer]:
 def synthetic_tokens(n: int = 20_000, vocab_size: int = 32, seed: int = 0) -> torch.Tensor:
     """``n`` tokens from a fixed random Markov chain (each token has 3 likely successors)."""
     g = torch.Generator().manual_seed(seed)
-    succ = torch.randint(0, vocab_size, (vocab_size, 3), generator=g)
-    out = torch.empty(n, dtype=torch.long)
+    cpu = dict(generator=g, device="cpu")  # data are made on the CPU, identically everywhere
+    succ = torch.randint(0, vocab_size, (vocab_size, 3), **cpu)
+    out = torch.empty(n, dtype=torch.long, device="cpu")
     out[0] = 0
-    picks = torch.randint(0, 3, (n,), generator=g)
-    noise = torch.rand(n, generator=g) < 0.1
-    rand_tok = torch.randint(0, vocab_size, (n,), generator=g)
+    picks = torch.randint(0, 3, (n,), **cpu)
+    noise = torch.rand(n, **cpu) < 0.1
+    rand_tok = torch.randint(0, vocab_size, (n,), **cpu)
     for i in range(1, n):
         out[i] = rand_tok[i] if noise[i] else succ[out[i - 1], picks[i]]
     return out
@@ -66,7 +67,7 @@ def get_batch(tokens: torch.Tensor, batch_size: int, block_size: int, step: int,
     if len(tokens) <= block_size:
         raise ValueError(f"need more than block_size={block_size} tokens, have {len(tokens)}")
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, len(tokens) - block_size, (batch_size,), generator=g)
+    starts = torch.randint(0, len(tokens) - block_size, (batch_size,), generator=g, device="cpu")
     x = torch.stack([tokens[s:s + block_size] for s in starts.tolist()])
     y = torch.stack([tokens[s + 1:s + 1 + block_size] for s in starts.tolist()])
     return x, y
@@ -82,11 +83,12 @@ def regression_batches(steps: int, batch_size: int, d_in: int = 16, d_out: int =
                        seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Batches of a fixed random nonlinear map ``y = tanh(x W1) W2`` plus noise (for the MLP)."""
     g = torch.Generator().manual_seed(seed)
-    w1, w2 = torch.randn(d_in, 32, generator=g), torch.randn(32, d_out, generator=g) / 4
+    cpu = dict(generator=g, device="cpu")  # data are made on the CPU, identically everywhere
+    w1, w2 = torch.randn(d_in, 32, **cpu), torch.randn(32, d_out, **cpu) / 4
     out = []
     for _ in range(steps):
-        x = torch.randn(batch_size, d_in, generator=g)
-        out.append((x, torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(batch_size, d_out, generator=g)))
+        x = torch.randn(batch_size, d_in, **cpu)
+        out.append((x, torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(batch_size, d_out, **cpu)))
     return out
 
 

@@ -76,22 +76,30 @@ def grade(exercise: str, target: str = "exercise", verbose: bool = True,
           timeout: float = 600) -> Report:
     """Grade ``exercise`` (e.g. ``"ex01"``) for ``target`` ``"exercise"`` (your file),
     ``"solution"`` or ``"library"``; prints the report when ``verbose``; returns it."""
+    return grade_many([exercise], target, verbose, timeout)[0]
+
+
+def grade_many(names: list[str], target: str = "exercise", verbose: bool = True,
+               timeout: float = 1800) -> list[Report]:
+    """:func:`grade` for several exercises in one pytest process (one start-up for all)."""
     if target not in ("exercise", "solution", "library"):
         raise ValueError("target must be 'exercise', 'solution' or 'library'")
-    path = test_file(exercise)
+    paths = [test_file(n) for n in names]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         env = dict(os.environ, MINIPAR_GRADE_REPORT=str(out))
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        cmd = [sys.executable, "-m", "pytest", str(path), f"--impl={target}", "-q",
+        cmd = [sys.executable, "-m", "pytest", *map(str, paths), f"--impl={target}", "-q",
                "-p", "minipar._grade_plugin", "-p", "no:cacheprovider", "--rootdir", str(ROOT)]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if not out.exists():
             raise RuntimeError(f"the grader could not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        report = Report(path.stem.removeprefix("test_"), target, json.loads(out.read_text()))
-    if verbose:
+        results = json.loads(out.read_text())
+    reports = [Report(p.stem.removeprefix("test_"), target,
+                      [t for t in results if Path(t.get("file", "")).name == p.name]) for p in paths]
+    for report in reports if verbose else []:
         print(report)
-    return report
+    return reports
 
 
 def main(argv=None) -> int:
@@ -101,7 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--all", action="store_true", help="grade every exercise")
     a = p.parse_args(argv)
     names = exercises() if a.all or not a.exercise else [a.exercise]
-    reports = [grade(n, "solution" if a.solution else "exercise") for n in names]
+    reports = grade_many(names, "solution" if a.solution else "exercise")
     return 0 if all(r.score == 1.0 for r in reports) else 1
 
 

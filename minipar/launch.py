@@ -1,8 +1,11 @@
 """Run one Python function on several ranks: ``minipar.launch(fn, world_size)``.
 
-Each rank is a process with the default process group initialised (Gloo on CPU, or NCCL
-with one GPU per rank). ``fn(*args)`` runs on every rank and ``launch`` returns the list
-of return values in rank order, with the ranks' event traces as ``results.trace``.
+Each rank is a process with the default process group initialised and a device to compute
+on (:func:`minipar.device`): NCCL with one GPU per rank when there are enough GPUs, ranks
+sharing the GPUs over Gloo when there are fewer, Gloo on the CPU without GPUs (see
+:func:`minipar.backend.place`; the choice is printed once, with its reason). ``fn(*args)``
+runs on every rank and ``launch`` returns the list of return values in rank order (tensors
+moved to the CPU), with the ranks' event traces as ``results.trace``.
 
 How it works, and why:
 
@@ -15,6 +18,8 @@ How it works, and why:
   edited exercise is picked up). ``reuse=False`` gives fresh processes every time.
 * The rendezvous is a ``TCPStore`` served by the launching process on a socket bound to
   127.0.0.1 and a free port chosen by the OS; Gloo is told to use the loopback device.
+* A rank that runs out of GPU memory is reported like any raising rank, with the
+  allocator's figures and what to try instead.
 * A rank that raises makes ``launch`` raise :class:`RankError` with that rank's traceback
   within a second; the other ranks are killed and the next launch starts clean. A run that
   exceeds ``timeout`` raises :class:`LaunchTimeout` naming the ranks still running.
@@ -24,7 +29,6 @@ How it works, and why:
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -35,8 +39,11 @@ import torch
 import torch.distributed as dist
 
 from . import trace as _trace
-from .backend import pick_backend, process_group_backend
-from .pool import IN_RANK, Pool, cell_sources, get_pool, kill_pool, loopback, shutdown, to_cpu
+from .backend import DEVICE_ENV, default_device, place, process_group_backend
+from .pool import (IN_RANK, Pool, cell_sources, deterministic_cuda, get_pool, kill_pool, loopback,
+                   shutdown, to_cpu)
+from .rendezvous import free_port as _free_port  # noqa: F401 - bench.launch uses it
+from .rendezvous import serve_store
 
 __all__ = ["launch", "shutdown", "RankError", "LaunchTimeout", "Results"]
 _announced: set = set()
@@ -46,13 +53,15 @@ class RankError(RuntimeError):
     """A rank raised (or died); ``.rank`` is the first to fail, ``.remote_traceback`` its trace."""
 
     def __init__(self, rank: int, world_size: int, remote_traceback: str, others: dict | None = None,
-                 printed: str = ""):
+                 printed: str = "", note: str = ""):
         self.rank, self.remote_traceback, self.others = rank, remote_traceback, others or {}
         last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else "?"
         msg = [f"rank {rank} of {world_size} failed: {last}", ""]
         if printed:
             msg += [f"--- rank {rank} printed ---", printed.rstrip()]
         msg += [f"--- traceback from rank {rank} ---", remote_traceback.rstrip()]
+        if note:
+            msg += ["", note.rstrip()]
         lost = [r for r, tb in sorted(self.others.items()) if _is_peer_error(tb)]
         for r, tb in sorted(self.others.items()):
             if r not in lost:
@@ -75,58 +84,53 @@ class LaunchTimeout(TimeoutError):
 
 
 class Results(list):
-    """Per-rank return values in rank order, plus ``.trace`` and ``.backend``."""
+    """Per-rank return values in rank order, plus ``.trace``, ``.backend`` and ``.placement``."""
 
     trace: _trace.Trace
     backend: str
     seconds: float
+    placement: object = None
 
 
 # ------------------------------------------------------------------------- launch
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for launchers that need a number)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(fn, world_size: int, *, backend: str = "auto", args=(), kwargs=None,
-           timeout: float = 120.0, threads: int = 1, reuse: bool = True,
+def launch(fn, world_size: int, *, device: str | None = None, backend: str = "auto", args=(),
+           kwargs=None, timeout: float = 120.0, threads: int = 1, reuse: bool = True,
            grace: float = 1.0) -> Results:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
 
-    ``backend``: ``"auto"`` (NCCL with one GPU per rank if there are enough GPUs, else
-    Gloo), ``"gloo"`` or ``"nccl"``. ``timeout``: seconds before the whole run is stopped.
-    ``threads``: torch intra-op threads per rank (1 avoids oversubscribing a laptop).
-    ``reuse``: run in the warm pool of ranks (fast) or in fresh processes.
+    ``device``: ``"auto"`` (NCCL with one GPU per rank when there are enough GPUs; ranks
+    sharing the GPUs over Gloo when there are fewer; the CPU without GPUs), ``"cpu"`` or
+    ``"cuda"``; the default is ``"auto"`` unless ``MINIPAR_DEVICE`` says otherwise. Inside a
+    rank :func:`minipar.device` is where to compute. ``backend``: ``"auto"``, ``"gloo"``
+    (with ``device="auto"``: the CPU) or ``"nccl"``. The choice and its reason are printed once.
+    ``timeout``: seconds before the whole run is stopped. ``threads``: torch intra-op threads
+    per rank (1 avoids oversubscribing a laptop). ``reuse``: run in the warm pool of ranks
+    (fast) or in fresh processes.
     """
     if os.environ.get(IN_RANK):
         raise RuntimeError("minipar.launch was called inside a rank; call it from the driver")
+    device = default_device() if device is None else device
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _launch_in_place(fn, world_size, backend, args, kwargs or {})
-    if not isinstance(world_size, int) or world_size < 1:
+        return _launch_in_place(fn, world_size, device, backend, args, kwargs or {})
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    chosen, why = pick_backend(backend, world_size)
-    if (chosen, why) not in _announced:
-        _announced.add((chosen, why))
-        print(f"minipar.launch: {why}")
+    placement = place(world_size, device, backend)
+    if placement.reason not in _announced:
+        _announced.add(placement.reason)
+        print(f"minipar.launch: {placement.reason}")
     payload = cloudpickle.dumps((fn, tuple(args), kwargs or {}))
     sources = cell_sources()
     pool = get_pool(world_size, reuse)
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(world_size + 8)
-    port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          master_listen_fd=sock.detach(), timeout=timedelta(seconds=timeout))
+    store, port = serve_store(world_size, timeout)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
            "LOCAL_WORLD_SIZE": str(world_size)}
     if loopback():
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = loopback()
-    job = {"payload": payload, "port": port, "backend": chosen, "world_size": world_size,
+    job = {"payload": payload, "port": port, "backend": placement.backend, "world_size": world_size,
+           "devices": [str(placement.device_for_rank(r)) for r in range(world_size)],
            "timeout": timeout, "threads": threads, "sys_path": list(sys.path), "env": env,
-           "sources": sources, "t0": time.perf_counter()}
+           "sources": sources, "t0": time.perf_counter(), "exercises": _exercises()}
     t_start = time.perf_counter()
     try:
         replies = _collect(pool, job, world_size, timeout, grace)
@@ -138,7 +142,8 @@ def launch(fn, world_size: int, *, backend: str = "auto", args=(), kwargs=None,
     _show_output([r[4] for r in replies])
     results = Results(cloudpickle.loads(r[1]) for r in replies)
     results.trace = _trace.Trace([r[2] for r in replies])
-    results.backend, results.seconds = chosen, time.perf_counter() - t_start
+    results.backend, results.seconds = placement.backend, time.perf_counter() - t_start
+    results.placement = placement
     for r in replies:
         pool.files.update(r[3])
     if not reuse:
@@ -146,10 +151,16 @@ def launch(fn, world_size: int, *, backend: str = "auto", args=(), kwargs=None,
     return results
 
 
+def _exercises() -> list:
+    """The exercises active here (``with minipar.exercise(...)``): the ranks activate them too."""
+    ex = sys.modules.get("minipar.exercise")
+    return ex.active() if ex else []
+
+
 def _collect(pool: Pool, job: dict, n: int, timeout: float, grace: float) -> list:
     for conn in pool.conns[:n]:
         conn.send(job)
-    replies, errors, printed = [None] * n, {}, {}
+    replies, errors, printed, notes = [None] * n, {}, {}, {}
     pending = set(range(n))
     deadline = time.monotonic() + timeout
     err_deadline = None
@@ -181,11 +192,12 @@ def _collect(pool: Pool, job: dict, n: int, timeout: float, grace: float) -> lis
             if msg[0] == "ok":
                 replies[r] = msg
             else:
-                errors[r], printed[r] = msg[1], msg[4]
+                errors[r], printed[r], notes[r] = msg[1], msg[4], msg[2] or ""
                 err_deadline = err_deadline or time.monotonic() + grace
     if errors:
         first = _root_cause(errors)
-        raise RankError(first, n, errors.pop(first), errors, printed.get(first, ""))
+        raise RankError(first, n, errors.pop(first), errors, printed.get(first, ""),
+                        notes.get(first, ""))
     for conn in pool.conns[:n]:
         conn.send("release")
     return replies
@@ -217,17 +229,39 @@ def _root_cause(errors: dict[int, str]) -> int:
     return min(errors, key=lambda r: (kind(errors[r]), r))
 
 
-def _launch_in_place(fn, world_size, backend, args, kwargs) -> Results:
+def _init_under_torchrun(backend: str) -> None:
+    """The default group from torchrun's environment. After a restart (``--max-restarts``)
+    the agents' store still holds the previous round's keys, and Gloo would connect to the
+    dead ranks' addresses (the restart counts of the agents may differ: one that restarts
+    for another's failure does not count it). So each round's keys get their own prefix:
+    the ``k``-th group of ``WORLD_SIZE`` processes to arrive is round ``k``."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(minutes=30))
+    round_ = (store.add("minipar/arrived", 1) - 1) // world
+    dist.init_process_group(backend, store=dist.PrefixStore(f"minipar/round_{round_}", store),
+                            rank=rank, world_size=world)
+
+
+def _launch_in_place(fn, world_size, device, backend, args, kwargs) -> Results:
     """Under torchrun: this process is one rank; gather every rank's result to every rank."""
     env_ws = int(os.environ["WORLD_SIZE"])
     if world_size not in (None, env_ws):
         raise ValueError(f"launch(world_size={world_size}) but torchrun started {env_ws} ranks")
+    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", env_ws))
+    placement = place(local_ws, device, backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    here = placement.device_for_rank(local_rank)
+    os.environ[DEVICE_ENV] = str(here)
+    _trace.synchronize_on(here)
+    if here.type == "cuda":
+        torch.cuda.set_device(here)
+        deterministic_cuda()
     if not dist.is_initialized():
-        local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", env_ws))
-        chosen, _ = pick_backend(backend, local_ws)
-        if chosen == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(process_group_backend(chosen))
+        _init_under_torchrun(process_group_backend(placement.backend))
     _trace.start(dist.get_rank())
     t_start = time.perf_counter()
     out = to_cpu(fn(*args, **kwargs))
@@ -238,4 +272,5 @@ def _launch_in_place(fn, world_size, backend, args, kwargs) -> Results:
     results.trace = _trace.Trace(traces)
     results.backend = "nccl" if "nccl" in str(dist.get_backend()) else str(dist.get_backend())
     results.seconds = time.perf_counter() - t_start
+    results.placement = placement
     return results

@@ -14,20 +14,27 @@ idle timeline is what pipelining (micro-batches, :mod:`minipar.pipeline`) attack
 The classic example (the LSTM language models of Zaremba et al. 2014, GNMT): the embedding
 and the LSTM on one device, the large vocabulary head on the other (:func:`lstm_stages`).
 Memory: each rank stores only its own parameters, gradients, optimizer state and the
-activations its layers save for the backward (:func:`memory_per_rank`).
+activations its layers save for the backward (``measured["memory"]`` of :func:`train`).
+
+The API is every strategy's (:mod:`minipar.strategy`): :func:`check`, :func:`train`, :func:`run`.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn as nn
 
-from . import trace
+from . import strategy, trace
+from .activations import SavedActivations
 from .comm import group_rank, group_size
 from .models import lm_loss
 from .pipeline import stage_comm
-from .pipeline.partition import owned_parameters
+from .pipeline.partition import layer_costs, owned_parameters, partition
 from .pipeline.train import boundary_shapes
+from .precision import autocast
 from .reference import sgd
+from .zero.memory import model_state_bytes
 
 
 class LSTMBody(nn.Module):
@@ -46,34 +53,30 @@ def lstm_stages(model) -> list[nn.Module]:
     return [LSTMBody(model.embed, model.lstm), model.head]
 
 
+def balanced_stages(model, n: int) -> list[nn.Module]:
+    """``model.layers()`` cut into ``n`` consecutive stages of about equal parameter count."""
+    layers = model.layers()
+    bounds = partition(layer_costs(layers), n)
+    return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 class NaiveModelParallel:
     """This rank's stage of a model split across the ranks of ``group`` (stage = group rank)."""
 
     def __init__(self, stage: nn.Module, act_shapes: dict[int, tuple], group=None,
-                 loss_fn=lm_loss, comm=None):
+                 loss_fn=lm_loss, dtype=None):
         self.stage, self.shapes, self.group, self.loss_fn = stage, act_shapes, group, loss_fn
-        self.comm = comm or stage_comm
+        self.comm, self.dtype = stage_comm, dtype
         self.rank, self.n = group_rank(group), group_size(group)
-        self.activation_bytes = 0
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """Forward and backward of one batch; the loss on the last rank, else ``None``."""
         r, n, g, c = self.rank, self.n, self.group, self.comm
         inp = x if r == 0 else c.recv_activation(self.shapes[r - 1], r - 1, g, stage=r)
-        params = {q.data_ptr() for q in self.stage.parameters()}
-        saved = []
-
-        def pack(t):  # count what autograd keeps for the backward, parameters aside
-            if t.data_ptr() not in params:
-                saved.append(t.numel() * t.element_size())
-            return t
-
-        with trace.region("forward", stage=r, microbatch=0, phase="F"), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with trace.region("forward", stage=r, microbatch=0, phase="F"), autocast(self.dtype, inp.device):
             out = self.stage(inp)
             if r == n - 1:
                 out = self.loss_fn(out, y)
-        self.activation_bytes = sum(saved)
         send = c.send_activation(out, r + 1, g, stage=r) if r < n - 1 else None
         grad = c.recv_grad(self.shapes[r], r + 1, g, stage=r) if r < n - 1 else None
         with trace.region("backward", stage=r, microbatch=0, phase="B"):
@@ -85,32 +88,46 @@ class NaiveModelParallel:
         return out.item() if r == n - 1 else None
 
 
-def train_naive(model, stages: list[nn.Module], batches, make_optimizer=None, group=None,
-                comm=None) -> dict:
-    """Run on every rank of ``group``: train ``stages[rank]`` of ``model`` (every rank builds
-    the same model and ``stages``). Returns ``losses`` (last rank), this rank's ``params``
-    by model name and its ``memory`` in bytes (see :func:`memory_per_rank`)."""
-    if len(stages) != group_size(group):
-        raise ValueError(f"{len(stages)} stages for {group_size(group)} ranks: one stage per rank")
-    shapes = boundary_shapes(stages, list(range(len(stages) + 1)), batches[0][0])
+def check(model, batches, world_size: int, stages=None, **_) -> None:
+    """Plain errors before launch: one stage per rank."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    parts = stages(model) if stages is not None else None
+    if parts is None and len(model.layers()) < world_size:
+        raise ValueError(f"{len(model.layers())} layers cannot make {world_size} stages")
+    if parts is not None and len(parts) != world_size:
+        raise ValueError(f"{len(parts)} stages for {world_size} ranks: one stage per rank")
+
+
+def train(model, batches, optimizer=None, group=None, stages=None, dtype=None) -> dict:
+    """Run on every rank of ``group``: train stage ``rank`` of ``model`` (every rank has the
+    same model). ``stages``: a function ``model -> [stage modules]``, one per rank (e.g.
+    :func:`lstm_stages`); default :func:`balanced_stages`. Returns ``losses`` (last rank),
+    this rank's ``params`` by model name, and ``measured``: ``memory`` (``params``, ``grads``,
+    ``optimizer``, ``activations`` bytes of this rank) and ``seconds`` of the last step."""
+    parts = stages(model) if stages is not None else balanced_stages(model, group_size(group))
+    if len(parts) != group_size(group):
+        raise ValueError(f"{len(parts)} stages for {group_size(group)} ranks: one stage per rank")
     rank = group_rank(group)
-    mp = NaiveModelParallel(stages[rank], shapes, group, comm=comm)
-    opt = (make_optimizer or sgd())(list(stages[rank].parameters()))
+    shapes = boundary_shapes(parts, list(range(len(parts) + 1)), batches[0][0])
+    mp = NaiveModelParallel(parts[rank], shapes, group, dtype=dtype)
+    opt = (optimizer or sgd())(list(parts[rank].parameters()))
     losses = []
     for x, y in batches:
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        losses.append(mp.step(x, y))
+        with SavedActivations(parts[rank]) as saved:
+            losses.append(mp.step(x, y))
         opt.step()
-    params = {k: v.detach().clone() for k, v in owned_parameters(model, {rank: stages[rank]}).items()}
-    return {"losses": losses, "params": params,
-            "memory": memory_per_rank(stages[rank], opt, mp.activation_bytes)}
+        seconds = time.perf_counter() - t0
+    memory = model_state_bytes(parts[rank], optimizer=opt)
+    memory = {"params": memory["params"], "grads": memory["grads"], "optimizer": memory["optimizer"],
+              "activations": saved.bytes}
+    return {"losses": losses if rank == len(parts) - 1 else None,
+            "params": strategy.full_params(owned_parameters(model, {rank: parts[rank]}).items()),
+            "measured": {"memory": memory, "seconds": seconds}}
 
 
-def memory_per_rank(stage: nn.Module, optimizer=None, activation_bytes: int = 0) -> dict[str, int]:
-    """Bytes this rank holds: ``params``, ``grads``, ``optimizer`` state, ``activations``."""
-    def size(ts):
-        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
-    ps = list(stage.parameters())
-    state = [v for s in (optimizer.state.values() if optimizer else []) for v in s.values()]
-    return {"params": size(ps), "grads": size(q.grad for q in ps if q.grad is not None),
-            "optimizer": size(state), "activations": int(activation_bytes)}
+def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:
+    """Driver: :func:`check`, then :func:`train` on ``world_size`` ranks."""
+    return strategy.run(train, model, batches, world_size, check=check, optimizer=optimizer, **options)

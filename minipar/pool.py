@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import traceback
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
 from datetime import timedelta
 
 import cloudpickle
@@ -54,6 +54,50 @@ def to_cpu(obj):
     return obj
 
 
+def deterministic_cuda() -> None:
+    """fp32 matmuls and convolutions in full fp32 (no TF32), so a GPU run can be compared with
+    a single-process run on the same device at fp32 tolerances."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def _is_oom(e: BaseException) -> bool:
+    oom = getattr(torch.cuda, "OutOfMemoryError", None) or getattr(torch, "OutOfMemoryError", ())
+    return isinstance(e, oom) or "CUDA out of memory" in str(e)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def oom_report(rank: int, where: str) -> str:
+    """What the caching allocator held when ``rank`` ran out of GPU memory, and what to try."""
+    lines = [f"rank {rank} ran out of GPU memory on {where}."]
+    try:
+        dev = torch.device(where) if where.startswith("cuda") else torch.device("cuda", 0)
+        free, total = torch.cuda.mem_get_info(dev)
+        lines.append(f"allocator: {_gib(torch.cuda.memory_allocated(dev))} allocated by tensors, "
+                     f"{_gib(torch.cuda.memory_reserved(dev))} reserved, peak "
+                     f"{_gib(torch.cuda.max_memory_allocated(dev))}; the GPU has {_gib(free)} free "
+                     f"of {_gib(total)} (other ranks on the same GPU count too).")
+    except Exception as e:  # noqa: BLE001 - no CUDA here: say so rather than fail again
+        lines.append(f"allocator: figures not available ({type(e).__name__}: {str(e)[:80]}).")
+    lines.append("Hint: use fewer ranks (ranks sharing one GPU share its memory), a smaller model "
+                 "or batch, or launch(..., device='cpu').")
+    return "\n".join(lines)
+
+
+def log_peak_memory(rank: int, where: str) -> None:
+    """Append this job's peak allocated GPU memory to ``$MINIPAR_MEMORY_LOG`` (one JSON line
+    per rank and job; ``course.py test --gpu`` reports the peak per rank)."""
+    path = os.environ.get("MINIPAR_MEMORY_LOG")
+    if path:
+        import json
+        with open(path, "a") as f:
+            f.write(json.dumps({"rank": rank, "device": where,
+                                "peak": torch.cuda.max_memory_allocated(where)}) + "\n")
+
+
 def _user_files() -> dict[str, float]:
     """Source files this process imported from outside the Python installation."""
     roots = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
@@ -65,12 +109,21 @@ def _user_files() -> dict[str, float]:
     return out
 
 
+def _exercises(job: dict):
+    """The driver's active exercises (``with minipar.exercise(...)``), active in this rank too."""
+    if not job.get("exercises"):
+        return nullcontext()
+    from .exercise import activated
+    return activated(job["exercises"])
+
+
 def _run_job(job: dict, rank: int, seed: int, conn) -> None:
     """Run one job and reply; on success keep the group up until the driver releases us, so a
     rank that finishes early never breaks a peer still waiting on it (that peer *hangs*, as
     it would on a cluster, and the driver's timeout names it)."""
     sys.path[:] = job["sys_path"]
-    os.environ.update(job["env"], RANK=str(rank), LOCAL_RANK=str(rank))
+    here = job.get("devices", ["cpu"] * job["world_size"])[rank]
+    os.environ.update(job["env"], RANK=str(rank), LOCAL_RANK=str(rank), MINIPAR_DEVICE=here)
     torch.set_num_threads(job["threads"])
     torch.manual_seed(seed)  # a reused worker starts like a fresh process
     _trace.enable(True)
@@ -78,21 +131,26 @@ def _run_job(job: dict, rank: int, seed: int, conn) -> None:
     linecache.cache.update(job["sources"])  # notebook cells' source, for readable tracebacks
     try:
         fn, args, kwargs = cloudpickle.loads(job["payload"])
-        if job["backend"] == "nccl":
-            torch.cuda.set_device(rank)
+        _trace.synchronize_on(here)
+        if here.startswith("cuda"):
+            torch.cuda.set_device(torch.device(here))
+            deterministic_cuda()
+            torch.cuda.reset_peak_memory_stats(here)
         pg_timeout = timedelta(seconds=job["timeout"] + 60)  # the driver's timeout fires first
         store = dist.TCPStore("127.0.0.1", job["port"], is_master=False, timeout=pg_timeout)
         dist.init_process_group(process_group_backend(job["backend"]), store=store, rank=rank,
                                 world_size=job["world_size"], timeout=pg_timeout)
         _trace.set_origin(job["t0"])
         _trace.start(rank)
-        with redirect_stdout(out), redirect_stderr(out):
+        with redirect_stdout(out), redirect_stderr(out), _exercises(job):
             value = fn(*args, **kwargs)
         reply = ("ok", cloudpickle.dumps(to_cpu(value)), _trace.events(), _user_files())
+        if here.startswith("cuda"):
+            log_peak_memory(rank, here)
     except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
         # drop this function's own frame: the learner's code starts at the next one
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
-        reply = ("error", tb, None, None)
+        reply = ("error", tb, oom_report(rank, here) if _is_oom(e) else None, None)
     conn.send(reply + (out.getvalue(),))
     if reply[0] == "ok":
         conn.recv()  # "release": every rank has finished

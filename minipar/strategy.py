@@ -65,7 +65,35 @@ def run(train, model, batches, world_size: int, *, check=None, optimizer=None,
     (a plain error before any process starts), then ``train`` on ``world_size`` ranks, merged."""
     if check is not None:
         check(model, batches, world_size, **options)
-    results = launch(train, world_size, args=(model, batches),
+    results = launch(on_device, world_size, args=(train, model, batches),
                      kwargs=dict(optimizer=optimizer, **options), timeout=timeout,
                      **(launch_options or {}))
     return TrainResult.merge(results)
+
+
+def to_device(obj, device):
+    """``obj`` (a module, a tensor, or lists/tuples/dicts of them) on ``device``."""
+    if isinstance(obj, (torch.Tensor, torch.nn.Module)):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def on_device(train, model, batches, **options):
+    """Rank side of :func:`run`: the model and the batches arrive on the CPU; put them where
+    this rank computes (:func:`minipar.device`) and train there. On a GPU, ``measured`` also
+    gets ``"gpu_peak_bytes"``: the caching allocator's peak over the run on this rank
+    (:func:`minipar.gpu.peak_memory`), to show beside the formula and minipar's own count."""
+    from .backend import device
+    from .gpu import peak_memory
+    here = device()
+    if here.type == "cpu":
+        return train(model, batches, **options)
+    with peak_memory(here) as peak:
+        out = train(to_device(model, here), to_device(batches, here), **options)
+    if isinstance(out, dict) and isinstance(out.get("measured"), dict):
+        out["measured"]["gpu_peak_bytes"] = peak.bytes
+    return out

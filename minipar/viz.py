@@ -19,6 +19,11 @@ _PALETTE = ["#4C78A8", "#72B7B2", "#54A24B", "#EECA3B", "#B279A2", "#FF9DA6", "#
             "#FC0080", "#B2828D", "#6C7C32", "#778AAE", "#862A16"]  # 26 distinct colours
 
 
+def color(k: int) -> str:
+    """The k-th colour of the palette the timelines use (cycling): one per series."""
+    return _PALETTE[k % len(_PALETTE)]
+
+
 def _label(e: dict) -> str:
     lab = ", ".join(f"{k}={v}" for k, v in e["labels"].items())
     b = f"<br>sent {e['bytes_sent']:,} B, received {e['bytes_recv']:,} B" if e["kind"] == "comm" else ""

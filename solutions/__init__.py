@@ -1,1 +1,2 @@
-"""Completed versions of the files in ``exercises/`` (the same names and signatures)."""
+"""The library's own code for every piece of ``exercises/``, generated from the same markers
+(``python -m minipar.exercise --write``), so it can never drift from minipar."""

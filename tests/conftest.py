@@ -2,11 +2,10 @@
 
 ``--impl`` chooses which implementations the graded tests (tests/graded) run against:
 ``library`` (minipar itself), ``solution`` (solutions/) and ``exercise`` (exercises/,
-what ``minipar.grade`` uses). CI runs library and solution; a separate test checks that
+what ``minipar.grade`` uses); the ``impl`` fixture puts that implementation's marked
+functions in the library for the test. CI runs library and solution; a separate test checks that
 the exercise stubs score zero.
 """
-import importlib
-
 import pytest
 
 
@@ -23,8 +22,9 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture
 def impl(request):
-    """The module under test: the library module, or the solution/exercise file."""
-    mod = request.module
-    name = {"library": mod.LIBRARY, "solution": f"solutions.{mod.EXERCISE}",
-            "exercise": f"exercises.{mod.EXERCISE}"}[request.param]
-    return importlib.import_module(name)
+    """Activates the implementation under test (``"library"``, ``"solution"`` or ``"exercise"``)
+    of the test module's ``EXERCISE`` for the test, in the driver and in every rank it
+    launches (``with minipar.exercise(...)``); the test then calls the library's own code."""
+    import minipar
+    with minipar.exercise(request.module.EXERCISE, target=request.param):
+        yield request.param

@@ -145,8 +145,8 @@ def test_crash_before_the_commit_keeps_the_previous_checkpoint(tmp_path, monkeyp
 # ------------------------------------------------------------------ on a mesh
 def _build(layout, zero1):
     mesh = ProcessMesh(**layout).build()
-    return hybrid.build(CFG, mesh, seed=0, zero1=zero1, microbatches=2,
-                        optimizer_cls=torch.optim.AdamW, optimizer_kwargs=ADAMW)
+    return hybrid.build(GPT(CFG, seed=0), mesh, zero1=zero1, microbatches=2,
+                        optimizer=lambda ps: torch.optim.AdamW(ps, **ADAMW))
 
 
 def _train_and_save(root, layout, zero1):

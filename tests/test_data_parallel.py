@@ -216,3 +216,65 @@ def test_wrap_broadcasts_from_rank_0_and_keeps_names():
         assert torch.equal(got["buffer"], torch.zeros(3)), f"rank {rank} kept its own buffer"
         for k, w in want.items():
             assert torch.equal(got["params"][k], w.detach()), f"rank {rank}: {k} not rank 0's"
+
+
+def _ddp_bugs():
+    """Two former bugs, on 2 ranks with different data: (1) ``bucket_cap_mb=None`` with the
+    default ``overlap=True`` is the naive version: one all-reduce per parameter, all after
+    the last gradient; (2) a backward that raises must not leave the next backward without
+    its gradient averaging."""
+    r = dist.get_rank()
+    model = MLP(seed=0)
+    x, y = data.regression_batches(1, 8, seed=r)[0]       # rank-dependent data
+    ddp = DistributedDataParallel(model, bucket_cap_mb=None)
+    first = next(iter(model.parameters()))                # its gradient is computed last
+    ready = []
+    h = first.register_post_accumulate_grad_hook(lambda p: ready.append(trace.now()))
+    since = trace.mark()
+    ddp(x, y).backward()
+    h.remove()
+    starts = [e["start"] for e in trace.since(since) if e["name"] == "grad_all_reduce"]
+    naive = {"reducer": ddp.reducer is None, "calls": len(starts), "after": min(starts) >= ready[0]}
+    ddp.remove_hooks()
+
+    ddp = DistributedDataParallel(MLP(seed=0), bucket_cap_mb=CAP)
+    boom = {"on": True}
+
+    def fail(g):
+        if boom["on"]:
+            raise RuntimeError("boom")
+        return g
+
+    out = ddp.module.net[0](x)                             # the first layer's output ...
+    out.register_hook(fail)                                # ... raises in the middle of backward
+    loss = torch.nn.functional.mse_loss(ddp.module.net[1:](out), y)
+    try:
+        loss.backward()
+    except RuntimeError:
+        pass
+    boom["on"] = False
+    ddp.module.zero_grad(set_to_none=True)
+    ddp(x, y).backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()])
+    return {"naive": naive, "grads": grads}
+
+
+def test_naive_means_naive_and_a_failed_backward_is_forgotten():
+    """bucket_cap_mb=None is one all-reduce per parameter after backward even with overlap=True;
+    after a backward that raised, the next backward still averages the gradients."""
+    results = minipar.launch(_ddp_bugs, 2, timeout=60)
+    n_params = len(list(MLP(seed=0).parameters()))
+    for r in results:
+        assert r["naive"] == {"reducer": True, "calls": n_params, "after": True}, r["naive"]
+    torch.testing.assert_close(results[0]["grads"], results[1]["grads"], rtol=0, atol=0)
+
+
+def test_mixed_precision_follows_the_reference():
+    """dtype="bf16": the forward under autocast on every rank, fp32 master weights; the
+    losses follow the single process's bf16 run (bf16 rounding: 2e-2) and differ from fp32."""
+    batches = data.batches(TOKENS, 3, 8, 16)
+    got = run(GPT(CFG, seed=1), batches, 2, optimizer=reference.sgd(0.5), dtype="bf16")
+    want = reference.train_reference(GPT(CFG, seed=1), batches, reference.sgd(0.5), dtype=torch.bfloat16)
+    fp32 = reference.train_reference(GPT(CFG, seed=1), batches, reference.sgd(0.5))
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want["losses"]), rtol=0, atol=2e-2)
+    assert got.losses != fp32["losses"] and all(v.dtype == torch.float32 for v in got.params.values())

@@ -141,8 +141,28 @@ def test_auto_backend_explains_its_choice():
     backend, why = pick_backend("auto", 4)
     if gpu_count() >= 4:
         assert backend == "nccl"
+    elif gpu_count():
+        assert backend == "gloo" and "share" in why and "through host memory" in why
     else:
         assert backend == "gloo" and "Gloo on CPU" in why
+
+
+def test_rendezvous_falls_back_where_libuv_refuses_a_listening_socket(monkeypatch):
+    """torch releases whose libuv store takes no listen fd (2.6, for one) get the classic store."""
+    import minipar.rendezvous as L
+    real, calls = dist.TCPStore, []
+
+    def store(*a, use_libuv=True, **kw):
+        calls.append(use_libuv)
+        if use_libuv:
+            raise NotImplementedError("The libuv TCPStore backend does not support initialization "
+                                      "with an listen fd.")
+        return real(*a, use_libuv=use_libuv, **kw)
+    monkeypatch.setattr(L.dist, "TCPStore", store)
+    monkeypatch.setattr(L, "_libuv_takes_fd", True)
+    assert [r["rank"] for r in minipar.launch(_whoami, 2, args=(0,))] == [0, 1]
+    assert [r["rank"] for r in minipar.launch(_whoami, 2, args=(0,))] == [0, 1]
+    assert calls == [True, False, False]  # refused once, then straight to the classic store
 
 
 SCRIPT = textwrap.dedent("""

@@ -2,12 +2,10 @@
 ranks, and the small GPT cut by layers on three, train exactly like one process
 (rtol 1e-5, atol 1e-6); the ranks take turns (never compute at the same time); each rank
 holds only its own parameters, gradients and optimizer state."""
-import torch
+import pytest
 
-import minipar
 from minipar import data, reference
 from minipar import model_parallel as mpar
-from minipar import pipeline as pp
 from minipar.models import GPT, LSTMLM, GPTConfig
 
 TOKENS = data.synthetic_tokens(2000)
@@ -27,24 +25,6 @@ def _gpt_batches():
     return data.batches(TOKENS, 3, 8, 8)
 
 
-def _lstm_rank():
-    model = _lstm()
-    return mpar.train_naive(model, mpar.lstm_stages(model), _lstm_batches(), reference.adamw(1e-2))
-
-
-def _gpt_rank():
-    model = GPT(GPT_CFG, seed=0)
-    layers = model.layers()
-    bounds = pp.partition(pp.layer_costs(layers), 3)
-    stages = [torch.nn.Sequential(*layers[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-    return mpar.train_naive(model, stages, _gpt_batches(), reference.sgd(0.5))
-
-
-def _merge(results):
-    return {"losses": results[-1]["losses"],
-            "params": {k: v for r in results for k, v in r["params"].items()}}
-
-
 def _busy_overlap(trace):
     """Seconds during which two ranks computed at once, and the total compute."""
     iv = [(e["start"], e["end"], e["rank"]) for e in trace.events(kind="compute")]
@@ -56,31 +36,39 @@ def _busy_overlap(trace):
 def test_lstm_split_matches_single_process():
     """Embedding+LSTM on rank 0, head on rank 1: same losses and parameters (AdamW); the
     ranks take turns; memory per rank is that rank's own parameters."""
-    results = minipar.launch(_lstm_rank, 2, timeout=120)
+    res = mpar.run(_lstm(), _lstm_batches(), 2, optimizer=reference.adamw(1e-2), stages=mpar.lstm_stages)
     want = reference.train_reference(_lstm(), _lstm_batches(), reference.adamw(1e-2))
-    reference.assert_same_training(_merge(results), want, rtol=RTOL, atol=ATOL)
-    assert results[0]["losses"] == [None] * 4
+    reference.assert_same_training(res, want, rtol=RTOL, atol=ATOL)
+    assert res.results[0]["losses"] is None and len(res.losses) == 4
     model = _lstm()
     body, head = mpar.lstm_stages(model)
     for rank, stage in enumerate((body, head)):
-        mem = results[rank]["memory"]
+        mem = res.measured[rank]["memory"]
         n_bytes = 4 * sum(q.numel() for q in stage.parameters())
         assert mem["params"] == mem["grads"] == n_bytes
         assert mem["optimizer"] >= 2 * n_bytes   # AdamW: two moments per parameter
         assert mem["activations"] > 0
-    assert set(results[0]["params"]) == {n for n, _ in model.named_parameters() if not n.startswith("head")}
-    overlap, busy = _busy_overlap(results.trace)
+    assert set(res.results[0]["params"]) == {n for n, _ in model.named_parameters() if not n.startswith("head")}
+    overlap, busy = _busy_overlap(res.trace)
     assert overlap < 0.2 * busy, f"ranks computed at the same time for {overlap:.4f} s of {busy:.4f} s"
 
 
 def test_gpt_three_way_split_matches_single_process():
     """The GPT cut by parameter count into 3 stages: same training as one process."""
-    results = minipar.launch(_gpt_rank, 3, timeout=120)
+    res = mpar.run(GPT(GPT_CFG, seed=0), _gpt_batches(), 3, optimizer=reference.sgd(0.5))
     want = reference.train_reference(GPT(GPT_CFG, seed=0), _gpt_batches(), reference.sgd(0.5))
-    reference.assert_same_training(_merge(results), want, rtol=RTOL, atol=ATOL)
-    per_rank = [r["memory"]["params"] for r in results]
+    reference.assert_same_training(res, want, rtol=RTOL, atol=ATOL)
+    per_rank = [m["memory"]["params"] for m in res.measured]
     assert sum(per_rank) == 4 * sum(q.numel() for q in GPT(GPT_CFG).parameters())
     for rank in range(3):
-        names = [e["name"] for e in results.trace.ranks[rank] if e["kind"] == "comm"]
+        names = [e["name"] for e in res.trace.ranks[rank] if e["kind"] == "comm"]
         assert names.count("recv_activation") == (3 if rank else 0)
         assert names.count("send_grad") == (3 if rank else 0)
+
+
+def test_bad_split_fails_before_launch():
+    """One stage per rank, checked in the driver."""
+    with pytest.raises(ValueError, match="one stage per rank"):
+        mpar.run(_lstm(), _lstm_batches(), 3, stages=mpar.lstm_stages)
+    with pytest.raises(ValueError, match="cannot make"):
+        mpar.run(GPT(GPT_CFG), _gpt_batches(), 7)

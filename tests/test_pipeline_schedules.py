@@ -31,7 +31,7 @@ def test_simulated_bubble_and_stash_match_theory():
     """The simulator's bubble and peak stash equal cost.bubble_fraction / peak_activations."""
     for name, p, m, v in CONFIGS:
         s = pp.make_schedule(name, p, m, v)
-        got = pp.bubble(pp.simulate(s))
+        got = pp.bubble(s)
         want = cost.bubble_fraction(name, p, m, v)
         assert max(got) == pytest.approx(want, abs=1e-9), (name, p, m, v, got, want)
         assert pp.peak_stash(s) == [cost.peak_activations(name, p, m, r, v) for r in range(p)], \
@@ -121,7 +121,7 @@ def test_layer_costs_of_the_gpt():
 
 
 def test_bad_configurations_are_clear_errors():
-    """More stages than layers, interleaving with m % p != 0, unknown names: ValueError."""
+    """More stages than layers, interleaving with m % p != 0 or v = 1, unknown names: ValueError."""
     with pytest.raises(ValueError, match="more stages than layers"):
         pp.partition([1.0] * 3, 4)
     with pytest.raises(ValueError, match="only 6 layers"):
@@ -134,5 +134,9 @@ def test_bad_configurations_are_clear_errors():
         pp.make_schedule("pipedream", 2, 2)
     with pytest.raises(ValueError, match="interleaved"):
         pp.make_schedule("1f1b", 2, 4, v=2)
+    with pytest.raises(ValueError, match="v >= 2"):          # v=1 interleaved is not 1F1B
+        pp.make_schedule("interleaved", 2, 4, v=1)
+    with pytest.raises(TypeError, match="order_fn"):         # once ignored by all but 1F1B; exercises
+        pp.make_schedule("gpipe", 2, 4, order_fn=pp.gpipe)   # plug in through minipar.exercise
     with pytest.raises(ValueError):
         cost.bubble_fraction("nope", 2, 2)

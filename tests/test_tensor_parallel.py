@@ -23,6 +23,7 @@ import torch.distributed as dist
 import minipar
 from minipar import cost, data, trace
 from minipar import tensor_parallel as tp
+from minipar.activations import SavedActivations
 from minipar.models import GPT, Block, GPTConfig
 from minipar.reference import assert_same_training, sgd, train_reference
 
@@ -64,7 +65,7 @@ def _measure_block(group, sp: bool, b: int = 4, s: int = 16) -> dict:
     x = torch.randn(b, s, CFG.n_embd, generator=torch.Generator().manual_seed(0))
     x = (tp.split_seq(x, group) if sp else x).requires_grad_()
     n0 = len(trace.events())
-    with tp.saved_activations(block.parameters()) as saved:
+    with SavedActivations(block) as saved:
         y = block(x)
     y.sum().backward()
     sent = {}
@@ -221,7 +222,7 @@ def test_activation_memory_matches_formula(runs, t, sp):
     if t == 1:
         block = Block(CFG)
         x = torch.randn(b, s, h, requires_grad=True)
-        with tp.saved_activations(block.parameters()) as saved:
+        with SavedActivations(block) as saved:
             block(x)
         measured = [saved.bytes]
     else:
@@ -261,14 +262,25 @@ def test_uneven_splits_are_clear_errors(runs, t):
 
 
 def test_config_checked_before_launch():
-    """check_config names every problem of a GPT config for a given t, without any process."""
-    tp.check_config(CFG, 4, sequence_parallel=True)
+    """check names every problem of a GPT (or its config) for a given t, without any process."""
+    tp.check(CFG, BATCHES, 4, sequence_parallel=True)
     bad = dataclasses.replace(CFG, vocab_size=65, n_head=6, n_embd=36, dropout=0.1)
     with pytest.raises(ValueError) as e:
-        tp.check_config(bad, 4)
+        tp.run(GPT(bad), BATCHES, 4)
     for part in ("n_head=6", "vocab_size=65", "pad the vocabulary", "dropout"):
         assert part in str(e.value)
     with pytest.raises(ValueError, match="sequence length 18"):
-        tp.check_config(CFG, 4, sequence_parallel=True, seq_len=18)
+        tp.check(CFG, None, 4, sequence_parallel=True, seq_len=18)
     with pytest.raises(ValueError, match="positive int"):
-        tp.check_config(CFG, 0)
+        tp.check(CFG, None, 0)
+
+
+@pytest.mark.parametrize("sp, tied", [(False, False), (True, True)])
+def test_run_trains_like_one_device(sp, tied):
+    """tp.run (the API of every strategy): the losses of every step and the full final
+    parameters of one device; what the last step measured: bytes and activations."""
+    res = tp.run(GPT(_config(tied), seed=SEED), BATCHES, 2, optimizer=sgd(LR), sequence_parallel=sp)
+    want = train_reference(GPT(_config(tied), seed=SEED), BATCHES, sgd(LR))
+    assert_same_training(res, want, rtol=RTOL, atol=ATOL)
+    for m in res.measured:
+        assert m["bytes_by_dim"]["world"] == m["bytes_sent"] > 0 and m["activations"] > 0

@@ -60,3 +60,55 @@ def test_explore_draws_the_defaults_statically_or_builds_controls(monkeypatch):
     w = viz.explore(draw, op=["all_gather", "all_reduce"], n=(2, 8))
     assert [c.description for c in w.children[:2]] == ["op", "n"]
     assert calls[-1] == ("all_gather", 5)  # ipywidgets drew the first menu item, the range's middle
+
+
+def test_bubble_is_idle_over_the_union_of_compute():
+    """Trace.bubble: (T - c)/c per rank, T the span of all compute, c the union of the rank's
+    compute (a region nested in another counts once), communication not counted as work."""
+    t = Trace([[_ev(0, "compute", "step", 0.0, 4.0), _ev(0, "compute", "forward", 1.0, 2.0)],
+               [_ev(1, "compute", "forward", 1.0, 3.0), _ev(1, "comm", "recv", 0.0, 1.0)]])
+    assert t.bubble() == [0.0, 1.0]
+
+
+def test_marks_and_bytes_by_dimension():
+    """trace.since(mark) returns only what was recorded after the mark; bytes add up by the
+    events' dim label."""
+    from minipar import trace
+    trace.start(0, barrier=False)
+    trace.record("comm", "a", 0.0, 1.0, 10, dim="tp")
+    m = trace.mark()
+    trace.record("comm", "b", 1.0, 2.0, 7, dim="dp")
+    trace.record("comm", "c", 2.0, 3.0, 5, dim="tp")
+    trace.record("compute", "forward", 2.0, 3.0)
+    evs = trace.since(m)
+    assert [e["name"] for e in evs] == ["b", "c", "forward"] and trace.since(trace.mark()) == []
+    assert trace.bytes_by_dim(evs) == {"dp": 7, "tp": 5, "total": 12}
+    assert TRACE.bytes_by_dim(0) == {None: 100, "total": 100}
+
+
+def _comm_events():
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from minipar import comm, trace
+    g = dist.new_group([0, 1])
+    comm.name_group(g, "tp")
+    t = torch.ones(1000)
+    m = trace.mark()
+    h = comm.all_reduce(t, group=g, async_op=True, name="late_wait")
+    time.sleep(0.3)                        # the all-reduce finishes long before we wait
+    h.wait()
+    comm.all_reduce(t, name="on_world")
+    return trace.since(m)
+
+
+def test_comm_events_end_when_done_and_carry_their_dimension():
+    """An async collective's event ends when it completed, not when it was waited for; every
+    communication event is labelled with its group's dimension (the world: "world")."""
+    import minipar
+    for evs in minipar.launch(_comm_events, 2, timeout=60):
+        late, world = evs
+        assert late["labels"]["dim"] == "tp" and world["labels"]["dim"] == "world"
+        assert late["end"] - late["start"] < 0.2, late

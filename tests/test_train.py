@@ -20,12 +20,12 @@ RTOL, ATOL = 1e-4, 5e-5
 COMMON = ["--steps", "6", "--batch-size", "8", "--no-progress"]
 
 
-def _reference(steps: int) -> dict:
+def _reference(steps: int, dtype=None, recompute="none") -> dict:
     """The single-process run the script must reproduce (same model, batches, AdamW)."""
     args = train.parser().parse_args(COMMON)
     data = batches(corpus_tokens()[0], steps, args.batch_size, args.block_size, seed=args.data_seed)
-    return train_reference(GPT(train.gpt_config(args), seed=args.seed), data,
-                           adamw(args.lr, args.weight_decay))
+    model = GPT(train.gpt_config(args), seed=args.seed).set_recompute(recompute)
+    return train_reference(model, data, adamw(args.lr, args.weight_decay), dtype=dtype)
 
 
 def _assert_matches(losses, ckpt, want):
@@ -63,6 +63,24 @@ def test_trains_like_one_process_and_resumes_on_another_mesh(tmp_path):
     assert b["resumed_from"] == {"pp": 2, "dp": 2, "tp": 2}
     _assert_matches(a["losses"] + b["losses"], ckpt, _reference(6))
     assert [p.name for p in checkpoint.committed(ckpt)] == ["step_00000004", "step_00000006"]
+
+
+def test_bf16_with_recomputation_trains_like_one_process_in_bf16(tmp_path):
+    """``--dtype bf16 --recompute full`` on dp=2 x pp=2: the losses and final weights of the
+    single process in the same precision (bf16 autocast, fp32 master weights; losses to rtol
+    1e-3, atol 2e-3 as tests/test_precision.py), and not those of fp32 training. AdamW moves
+    an element by about lr per step whatever its gradient's size, so bf16 rounding of a tiny
+    gradient can flip an update: weights are bounded by steps x lr (as tests/test_zero.py)."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out.json"
+    assert train.main(COMMON + ["--dp", "2", "--pp", "2", "--microbatches", "2", "--dtype", "bf16",
+                                "--recompute", "full", "--checkpoint-dir", str(ckpt), "--out", str(out)]) == 0
+    losses = json.loads(out.read_text())["losses"]
+    want, fp32 = _reference(6, dtype=torch.bfloat16, recompute="full"), _reference(6)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want["losses"]), rtol=1e-3, atol=2e-3)
+    got = checkpoint.load_full_state_dict(ckpt)
+    for k, v in want["params"].items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=6 * 1e-2, msg=lambda m, k=k: f"{k}: {m}")
+    assert abs(losses[-1] - fp32["losses"][-1]) > abs(losses[-1] - want["losses"][-1])
 
 
 def _free_port() -> int:

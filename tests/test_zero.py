@@ -30,6 +30,14 @@ def _batches():
     return data.batches(toks, STEPS, BATCH, EVEN["block_size"])
 
 
+def _train(stage, model, batches, cls, group=None, param_dtype=None, **kw):
+    """``zero.train`` with ``cls(params, **kw)``; its measurements read at the top level."""
+    res = train(model, batches, lambda ps: cls(ps, **kw), group=group, stage=stage, param_dtype=param_dtype)
+    m = res["measured"]
+    return {"losses": res["losses"], "params": res["params"], "memory": m["memory"],
+            "comm_bytes": m["bytes_sent"], "unit_sizes": m["unit_sizes"]}
+
+
 def _reference(cfg, opt):
     cls, kw = OPTS[opt]
     return reference.train_reference(GPT(GPTConfig(**cfg), seed=0), _batches(),
@@ -42,7 +50,7 @@ def _all_stages():
     for name, cfg in (("even", EVEN), ("odd", ODD)):
         for stage in range(4):
             for opt, (cls, kw) in OPTS.items():
-                out[name, stage, opt] = train(stage, GPT(GPTConfig(**cfg), seed=0), _batches(), cls, **kw)
+                out[name, stage, opt] = _train(stage, GPT(GPTConfig(**cfg), seed=0), _batches(), cls, **kw)
     return out
 
 
@@ -113,7 +121,7 @@ def _subgroups():
         if dist.get_rank() in ranks:
             group = g
     cls, kw = OPTS["adamw"]
-    return {stage: train(stage, GPT(GPTConfig(**ODD), seed=0), _batches(), cls, group=group, **kw)
+    return {stage: _train(stage, GPT(GPTConfig(**ODD), seed=0), _batches(), cls, group=group, **kw)
             for stage in (1, 3)}
 
 
@@ -132,7 +140,7 @@ def _mixed():
     cls, kw = OPTS["adamw"]
     out = {}
     for stage in (1, 2, 3):
-        out[stage] = train(stage, GPT(GPTConfig(**ODD), seed=0), _batches(), cls,
+        out[stage] = _train(stage, GPT(GPTConfig(**ODD), seed=0), _batches(), cls,
                            param_dtype=torch.bfloat16, **kw)
     return out
 

@@ -11,7 +11,30 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m minipar.bench {name}", description=description)
     p.add_argument("--quick", action="store_true", help="small sizes, finishes in under a minute")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the ranks compute: cuda puts each rank on a GPU (NCCL with one GPU "
+                        "per rank), PyTorch's baseline on the same GPUs; times then synchronize")
     return p
+
+
+def here():
+    """This rank's device (:func:`minipar.device`)."""
+    from ..backend import device
+    return device()
+
+
+def to_here(obj):
+    """``obj`` (module, tensor, batches) on this rank's device."""
+    from ..strategy import to_device
+    return to_device(obj, here())
+
+
+def clock() -> float:
+    """``time.perf_counter()`` after the GPU finished what was queued (a plain read on CPU):
+    CUDA kernels and NCCL return before their work is done."""
+    from ..gpu import synchronize
+    synchronize()
+    return time.perf_counter()
 
 
 def interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
@@ -22,10 +45,10 @@ def interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict[str, list[floa
     times = {k: [] for k in fns}
     for i in range(warmup + repeats):
         for k, fn in fns.items():
-            t = time.perf_counter()
+            t = clock()
             fn()
             if i >= warmup:
-                times[k].append(time.perf_counter() - t)
+                times[k].append(clock() - t)
     return times
 
 

@@ -10,14 +10,13 @@ more ranks the two bucket layouts sum in different orders, so a few ulps).
 from __future__ import annotations
 
 import gc
-import time
 
 import torch
 import torch.distributed as dist
 
 from .. import data, launch, trace
 from ..models import GPT, GPTConfig
-from .common import median, parser, report
+from .common import clock, median, parser, report, to_here
 
 
 def _rank(cfg: GPTConfig, batch: int, steps: int, repeats: int, bucket_mb: float) -> dict:
@@ -25,22 +24,22 @@ def _rank(cfg: GPTConfig, batch: int, steps: int, repeats: int, bucket_mb: float
     trace.enable(False)  # time the machinery, not the recorder's bookkeeping
     r = dist.get_rank()
     tokens = data.synthetic_tokens(20_000, vocab_size=cfg.vocab_size)
-    batches = [data.get_batch(tokens, batch, cfg.block_size, s, seed=r) for s in range(steps)]
-    models = {"minipar": MiniDDP(GPT(cfg, seed=0), bucket_cap_mb=bucket_mb, overlap=True),
-              "pytorch": torch.nn.parallel.DistributedDataParallel(GPT(cfg, seed=0),
+    batches = to_here([data.get_batch(tokens, batch, cfg.block_size, s, seed=r) for s in range(steps)])
+    models = {"minipar": MiniDDP(to_here(GPT(cfg, seed=0)), bucket_cap_mb=bucket_mb, overlap=True),
+              "pytorch": torch.nn.parallel.DistributedDataParallel(to_here(GPT(cfg, seed=0)),
                                                                    bucket_cap_mb=bucket_mb),
-              "no overlap": MiniDDP(GPT(cfg, seed=0), bucket_cap_mb=bucket_mb, overlap=False)}
+              "no overlap": MiniDDP(to_here(GPT(cfg, seed=0)), bucket_cap_mb=bucket_mb, overlap=False)}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
 
     def block(name):
         m, opt = models[name], opts[name]
         dist.barrier()
-        t = time.perf_counter()
+        t = clock()
         for x, y in batches:
             opt.zero_grad(set_to_none=True)
             m(x, y).backward()
             opt.step()
-        dt = torch.tensor([(time.perf_counter() - t) / steps])
+        dt = torch.tensor([(clock() - t) / steps], device=x.device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step is as slow as the slowest rank
         return dt.item()
 
@@ -73,7 +72,8 @@ def main(argv=None) -> dict:
     n_params = sum(p.numel() for p in GPT(cfg).parameters())
     rows, ratios = [], []
     for n in sizes:
-        res = launch(_rank, n, args=(cfg, 8, steps, repeats, a.bucket_mb), timeout=600)[0]
+        res = launch(_rank, n, args=(cfg, 8, steps, repeats, a.bucket_mb), timeout=600,
+                     device=a.device)[0]
         mini, torch_ = median(res["times"]["minipar"]), median(res["times"]["pytorch"])
         ratios.append(mini / torch_)
         rows.append({"ranks": n, "params": n_params, "minipar ms/step": 1e3 * mini,

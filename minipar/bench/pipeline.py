@@ -1,11 +1,18 @@
-"""``python -m minipar.bench pipeline``: minipar's 1F1B against torch.distributed.pipelining's.
+"""``python -m minipar.bench pipeline``: minipar's 1F1B and ZB-H1 against torch.distributed.pipelining's 1F1B.
 
 The same GPT, cut at the same layers (balanced by parameter count), the same batch and
 micro-batches, the same SGD step, on p ranks of one launch: each repetition times one
-training step of minipar's :class:`~minipar.pipeline.Pipeline` with the 1F1B schedule and
-then one of PyTorch's ``Schedule1F1B`` over ``PipelineStage`` (alternating, so both see
-the same machine load; a barrier before and after each). It also checks that the two
-compute the same loss. Reported: median step time of each and the ratio minipar / torch.
+training step of minipar's :class:`~minipar.pipeline.Pipeline` with the 1F1B schedule,
+one with ZB-H1, and one of PyTorch's ``Schedule1F1B`` over ``PipelineStage``
+(alternating, so all see the same machine load; a barrier before and after each). It
+also checks that the three compute the same loss. Reported: median step times, the ratio
+minipar 1F1B / torch, ZB-H1 / 1F1B, and from a few more traced steps on rank 0 (medians
+over the micro-batches) ZB-H1's B + W over 1F1B's fused B, and ZB-H1's forward over 1F1B's.
+
+:func:`split_backward` measures, in one process, what ZB-H1's split costs: the backward of
+one micro-batch through the whole GPT, fused (``loss.backward()``) against B (the same
+backward under :func:`~minipar.pipeline.deferred`: input gradients only) plus W
+(:meth:`~minipar.pipeline.WeightGrads.apply`: ``dW = dYᵀ X`` for every linear layer).
 """
 from __future__ import annotations
 
@@ -16,35 +23,75 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import data, launch
+from .. import data, launch, trace
 from ..models import GPT, GPTConfig, lm_loss
-from ..pipeline import Pipeline, build_stages, layer_costs, make_schedule, partition
+from ..pipeline import Pipeline, WeightGrads, build_stages, deferred, layer_costs, make_schedule, partition
 from ..pipeline.train import boundary_shapes
-from .common import parser, report
+from .common import clock, here, parser, report, to_here
+
+SCHEDULES = ("1f1b", "zb-h1")
+
+
+def split_backward(cfg: GPTConfig, micro_batch: int, repeats: int) -> dict:
+    """Median seconds of a fused backward, of B and of W (one micro-batch of the GPT), and
+    ``ratio``: the median over rounds of ``(B + W) / fused`` (each round times both, back to
+    back, so a slow spell of the machine hits both); ``forward_ratio`` likewise for the
+    forward under :func:`~minipar.pipeline.deferred` against a plain one. On the CPU the
+    times are this process's CPU time (``time.process_time``), which other processes
+    sharing the machine do not inflate (one thread); on a GPU, synchronized wall-clock time."""
+    model = to_here(GPT(cfg, seed=0))
+    clock_ = clock if here().type == "cuda" else time.process_time
+    tokens, _ = data.corpus_tokens()
+    x, y = to_here(data.get_batch(tokens, micro_batch, cfg.block_size, step=0))
+    times = {"fused": [], "B": [], "W": [], "F": [], "F deferred": []}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                     # one thread, as every rank computes
+    for k in range(repeats + 1):                 # round 0 warms up
+        model.zero_grad(set_to_none=True)
+        t0 = clock_()
+        loss = model(x, y)
+        t1 = clock_()
+        loss.backward()
+        t2 = clock_()
+        model.zero_grad(set_to_none=True)
+        dw = WeightGrads()
+        t3 = clock_()
+        with deferred(dw):
+            loss = model(x, y)
+        t4 = clock_()
+        loss.backward()
+        t5 = clock_()
+        dw.apply()
+        t6 = clock_()
+        if k:
+            for key, dt in (("F", t1 - t0), ("fused", t2 - t1), ("F deferred", t4 - t3), ("B", t5 - t4),
+                            ("W", t6 - t5)):
+                times[key].append(dt)
+    torch.set_num_threads(threads)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = statistics.median((b + w) / f for b, w, f in zip(times["B"], times["W"], times["fused"]))
+    fwd = statistics.median(d / f for d, f in zip(times["F deferred"], times["F"]))
+    return {**med, "ratio": ratio, "forward_ratio": fwd}
 
 
 def _rank(cfg: GPTConfig, p: int, m: int, batch: int, repeats: int) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     rank = dist.get_rank()
     tokens, _ = data.corpus_tokens()
-    x, y = data.get_batch(tokens, batch, cfg.block_size, step=0)
-    ours_model, theirs_model = GPT(cfg, seed=0), GPT(cfg, seed=0)
-    bounds = partition(layer_costs(ours_model.layers()), p)
-    ours = build_stages(ours_model.layers(), bounds, rank, p)
-    pipe = Pipeline(ours, make_schedule("1f1b", p, m), boundary_shapes(
-        ours_model.layers(), bounds, x.chunk(m)[0]).__getitem__)
+    x, y = to_here(data.get_batch(tokens, batch, cfg.block_size, step=0))
+    steps = {}
+    for name in SCHEDULES:
+        model = to_here(GPT(cfg, seed=0))
+        bounds = partition(layer_costs(model.layers()), p)
+        pipe = Pipeline(build_stages(model.layers(), bounds, rank, p), make_schedule(name, p, m),
+                        boundary_shapes(model.layers(), bounds, x.chunk(m)[0]).__getitem__)
+        steps[name] = _ours(pipe, torch.optim.SGD(list(pipe.parameters()), lr=0.1), x, y)
+    theirs_model = to_here(GPT(cfg, seed=0))
     theirs = build_stages(theirs_model.layers(), bounds, rank, p)[rank]
-    stage = PipelineStage(theirs, rank, p, torch.device("cpu"))
+    stage = PipelineStage(theirs, rank, p, here())
     base = {"sched": Schedule1F1B(stage, m, loss_fn=lm_loss),
             "opt": torch.optim.SGD(theirs.parameters(), lr=0.1)}
     del stage, theirs, theirs_model
-    opt_ours = torch.optim.SGD(list(pipe.parameters()), lr=0.1)
-
-    def step_ours():
-        opt_ours.zero_grad(set_to_none=True)
-        loss = pipe.step(x, y)
-        opt_ours.step()
-        return loss
 
     def step_theirs():
         base["opt"].zero_grad(set_to_none=True)
@@ -58,18 +105,37 @@ def _rank(cfg: GPTConfig, p: int, m: int, batch: int, repeats: int) -> dict:
         base["opt"].step()
         return sum(v.item() for v in losses) / m if losses else None
 
-    first = (step_ours(), step_theirs())   # warm-up (and torch's shape inference); same loss?
-    times = {"minipar": [], "torch": []}
+    steps["torch"] = step_theirs
+    first = {k: fn() for k, fn in steps.items()}   # warm-up (and torch's shape inference); same loss?
+    times = {k: [] for k in steps}
     for _ in range(repeats):
-        for name, fn in (("minipar", step_ours), ("torch", step_theirs)):
+        for name, fn in steps.items():
             dist.barrier()
-            t = time.perf_counter()
+            t = clock()
             fn()
             dist.barrier()
-            times[name].append(time.perf_counter() - t)
+            times[name].append(clock() - t)
+    phases = {}                                    # a few more steps of ours, traced: F, B, W in place
+    for _ in range(max(2, repeats // 4)):
+        for name in SCHEDULES:
+            mark = trace.mark()
+            steps[name]()
+            for e in trace.since(mark):
+                if e["kind"] == "compute":
+                    phases.setdefault(name, {}).setdefault(e["labels"]["phase"], []).append(e["end"] - e["start"])
     base.clear()   # free PyTorch's pipeline before returning (avoids aborts at exit)
     gc.collect()
-    return {"times": times, "first_losses": first}
+    return {"times": times, "first_losses": first,
+            "phases": {n: {k: statistics.median(v) for k, v in ph.items()} for n, ph in phases.items()}}
+
+
+def _ours(pipe: Pipeline, opt, x, y):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = pipe.step(x, y)
+        opt.step()
+        return loss
+    return step
 
 
 def main(argv=None) -> dict:
@@ -84,15 +150,27 @@ def main(argv=None) -> dict:
     batch, m = 16, args.microbatches
     rows = []
     for p in ranks:
-        res = launch(_rank, p, args=(cfg, p, m, batch, repeats), timeout=600)
-        ours_loss, theirs_loss = res[p - 1]["first_losses"]
-        if abs(ours_loss - theirs_loss) > 1e-4 * abs(theirs_loss):
-            raise AssertionError(f"p={p}: minipar loss {ours_loss} but torch's {theirs_loss}")
-        t_ours = statistics.median(res[0]["times"]["minipar"])
-        t_theirs = statistics.median(res[0]["times"]["torch"])
-        rows.append({"ranks": p, "microbatches": m, "minipar ms": 1e3 * t_ours,
-                     "torch ms": 1e3 * t_theirs, "ratio": t_ours / t_theirs})
+        res = launch(_rank, p, args=(cfg, p, m, batch, repeats), timeout=600, device=args.device)
+        losses = res[p - 1]["first_losses"]
+        for name in SCHEDULES:
+            if abs(losses[name] - losses["torch"]) > 1e-4 * abs(losses["torch"]):
+                raise AssertionError(f"p={p}: minipar {name} loss {losses[name]} but torch's {losses['torch']}")
+        t = {k: statistics.median(v) for k, v in res[0]["times"].items()}
+        ph = res[0]["phases"]
+        rows.append({"ranks": p, "microbatches": m, "1f1b ms": 1e3 * t["1f1b"], "zb-h1 ms": 1e3 * t["zb-h1"],
+                     "torch 1f1b ms": 1e3 * t["torch"], "ratio": t["1f1b"] / t["torch"],
+                     "zb-h1 / 1f1b": t["zb-h1"] / t["1f1b"],
+                     "(B+W) / B": (ph["zb-h1"]["B"] + ph["zb-h1"]["W"]) / ph["1f1b"]["B"],
+                     "F zb / F": ph["zb-h1"]["F"] / ph["1f1b"]["F"]})
+    split = split_backward(cfg, batch // m, 3 * repeats)
     result = {"name": "pipeline", "baseline": "torch.distributed.pipelining Schedule1F1B",
               "rows": rows, "ratio": statistics.mean(r["ratio"] for r in rows),
+              "split_backward": split,
               "model": f"GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} T={cfg.block_size}, batch {batch}"}
-    return report(result, args, ["ranks", "microbatches", "minipar ms", "torch ms", "ratio"])
+    report(result, args, ["ranks", "microbatches", "1f1b ms", "zb-h1 ms", "torch 1f1b ms", "ratio",
+                          "zb-h1 / 1f1b", "(B+W) / B", "F zb / F"])
+    if not args.json:
+        print(f"split backward, one micro-batch of {batch // m}: fused {1e3 * split['fused']:.2f} ms, "
+              f"B {1e3 * split['B']:.2f} + W {1e3 * split['W']:.2f} ms; (B + W) / fused = {split['ratio']:.3f} "
+              f"(median of paired rounds); deferred forward / plain = {split['forward_ratio']:.3f}")
+    return result

@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn as nn
 
-from .common import interleaved, median, parser, report
+from .common import here, interleaved, median, parser, report, to_here
 
 
 class _LocalHeadsAttention(nn.Module):
@@ -69,22 +69,23 @@ def _rank(b: int, s: int, h: int, n_head: int, repeats: int) -> dict:
         torch.manual_seed(0)
         ref = Block(cfg)
         ref.apply(lambda m: nn.init.normal_(m.weight, 0, 0.02) if isinstance(m, nn.Linear) else None)
+    ref = to_here(ref)
     state = ref.state_dict()
 
     # minipar
-    mine = tp.ParallelBlock(cfg)
+    mine = to_here(tp.ParallelBlock(cfg))
     mine.load_state_dict(tp.shard_state_dict(state, t, dist.get_rank()))
     # PyTorch: same weights, qkv rows permuted so that its contiguous column shards are head-aligned
-    native = _Block(h, n_head)
+    native = to_here(_Block(h, n_head))
     perm = dict(state)
     for k in ("attn.qkv.weight", "attn.qkv.bias"):
         perm[k] = torch.cat([tp.gpt.shard(k, state[k], t, r) for r in range(t)])
     native.load_state_dict(perm)
-    mesh = init_device_mesh("cpu", (t,))
+    mesh = init_device_mesh(here().type, (t,))
     parallelize_module(native, mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
                                       "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
 
-    x = torch.randn(b, s, h, generator=torch.Generator().manual_seed(1))
+    x = to_here(torch.randn(b, s, h, generator=torch.Generator().manual_seed(1), device="cpu"))
     with torch.no_grad():
         err = max((mine(x) - native(x)).abs().max().item(), (mine(x) - ref(x)).abs().max().item())
 
@@ -120,8 +121,9 @@ def main(argv=None) -> dict:
 
     s = a.seq or (64 if a.quick else 128)
     repeats = a.repeats or (8 if a.quick else 20)
-    tp.check_config(GPTConfig(vocab_size=64, block_size=s, n_head=a.heads, n_embd=a.hidden), a.ranks)
-    res = minipar.launch(_rank, a.ranks, args=(a.batch, s, a.hidden, a.heads, repeats), timeout=600)
+    tp.check(GPTConfig(vocab_size=64, block_size=s, n_head=a.heads, n_embd=a.hidden), None, a.ranks)
+    res = minipar.launch(_rank, a.ranks, args=(a.batch, s, a.hidden, a.heads, repeats), timeout=600,
+                         device=a.device)
     r0 = res[0]
     if max(r["max_abs_diff"] for r in res) > 1e-4:
         raise RuntimeError(f"minipar and PyTorch disagree: max |diff| = {r0['max_abs_diff']:.2e}")

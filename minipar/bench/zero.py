@@ -4,7 +4,8 @@ Four trainers of the same GPT (same seed, same per-rank batches, AdamW) on the s
 
 * ``zero1``: :class:`minipar.zero.ZeroOptimizer`, against PyTorch's
   ``ZeroRedundancyOptimizer`` used as documented (inside ``DistributedDataParallel``);
-* ``zero3``: :class:`minipar.zero.FullyShardedDataParallel`, against FSDP2
+* ``zero3``: :class:`minipar.zero.FullyShardedDataParallel` (flat units) and
+  :func:`minipar.zero.fully_shard` (per parameter, FSDP2's design), against FSDP2
   (``fully_shard`` on every layer, then on the model).
 
 Step time: blocks of steps alternate between the four (so a slow spell hits all), a
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 from contextlib import contextmanager
 
 import torch
@@ -28,9 +28,10 @@ import torch.distributed as dist
 
 from .. import data, trace
 from ..models import GPT, GPTConfig
-from .common import median, parser, report
+from .common import clock, here, median, parser, report, to_here
 
-IMPLS = ("minipar zero1", "torch ZeroRedundancyOptimizer", "minipar zero3", "torch FSDP2")
+IMPLS = ("minipar zero1", "torch ZeroRedundancyOptimizer", "minipar zero3", "torch FSDP2",
+         "minipar zero3 per-parameter")
 
 
 def _build(name: str, cfg: GPTConfig, lr: float = 1e-3):
@@ -38,7 +39,7 @@ def _build(name: str, cfg: GPTConfig, lr: float = 1e-3):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from ..zero import FullyShardedDataParallel, ZeroOptimizer
-    model = GPT(cfg, seed=0)
+    model = to_here(GPT(cfg, seed=0))
     if name == "minipar zero1":
         units = [list(m.parameters()) for m in model.layers()]
         return model, ZeroOptimizer(units, torch.optim.AdamW, lr=lr)
@@ -48,9 +49,13 @@ def _build(name: str, cfg: GPTConfig, lr: float = 1e-3):
     if name == "minipar zero3":
         fsdp = FullyShardedDataParallel(model)
         return fsdp, torch.optim.AdamW(fsdp.parameters(), lr=lr)
+    if name == "minipar zero3 per-parameter":
+        from ..zero import fully_shard as minipar_fully_shard
+        minipar_fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(here().type, (dist.get_world_size(),))
     for layer in model.layers():
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -83,6 +88,17 @@ def _peak_bytes(name, cfg, batches) -> tuple[int, int]:
     from torch.profiler import ProfilerActivity, profile, record_function
     gc.collect()
     dist.barrier()
+    if here().type == "cuda":  # on a GPU: the caching allocator's own figures
+        from ..gpu import peak_memory
+        base = torch.cuda.memory_allocated()
+        with peak_memory() as m:
+            fwd, opt = _build(name, cfg)
+            for x, y in batches[:2]:
+                _step(fwd, opt, x, y)
+        held = torch.cuda.memory_allocated() - base
+        del fwd, opt
+        gc.collect()
+        return m.bytes - base, held
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fwd, opt = _build(name, cfg)
         for x, y in batches[:2]:
@@ -108,17 +124,17 @@ def _rank(cfg: GPTConfig, batch: int, steps: int, repeats: int) -> dict:
     r, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     tokens = data.synthetic_tokens(20_000, vocab_size=cfg.vocab_size)
-    batches = [data.get_batch(tokens, batch, cfg.block_size, s, seed=r) for s in range(steps)]
+    batches = to_here([data.get_batch(tokens, batch, cfg.block_size, s, seed=r) for s in range(steps)])
     peaks = {name: _peak_bytes(name, cfg, batches) for name in IMPLS}
     trainers = {name: _build(name, cfg) for name in IMPLS}
 
     def block(name):
         fwd, opt = trainers[name]
         dist.barrier()
-        t = time.perf_counter()
+        t = clock()
         for x, y in batches:
             _step(fwd, opt, x, y)
-        dt = torch.tensor([(time.perf_counter() - t) / steps])
+        dt = torch.tensor([(clock() - t) / steps], device=batches[0][0].device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step is as slow as the slowest rank
         return dt.item()
 
@@ -135,10 +151,14 @@ def _rank(cfg: GPTConfig, batch: int, steps: int, repeats: int) -> dict:
     diff1 = max((a[k] - b[k]).abs().max().item() for k in a)
     full3 = trainers["minipar zero3"][0].gather_full_params()
     diff3 = max((full3[k] - a[k]).abs().max().item() for k in a)
+    from ..zero import full_state
+    full3p = full_state(trainers["minipar zero3 per-parameter"][0])
+    diff3p = max((full3p[k] - a[k]).abs().max().item() for k in a)
     del trainers, a, b  # free PyTorch's DDP/FSDP before the process may exit (DEVELOPING.md)
     gc.collect()
     trace.enable(True)
-    return {"times": times, "peaks": peaks, "diff_zero1": diff1, "diff_zero3": diff3}
+    return {"times": times, "peaks": peaks, "diff_zero1": diff1, "diff_zero3": diff3,
+            "diff_zero3p": diff3p}
 
 
 def main(argv=None) -> dict:
@@ -154,10 +174,10 @@ def main(argv=None) -> dict:
         n, steps, repeats = 4, 3, 5
     n = a.ranks or n
     n_params = sum(p.numel() for p in GPT(cfg).parameters())
-    res = launch(_rank, n, args=(cfg, 8, steps, repeats), timeout=900)[0]
+    res = launch(_rank, n, args=(cfg, 8, steps, repeats), timeout=900, device=a.device)[0]
     t = {k: median(v) for k, v in res["times"].items()}
     rows = []
-    for stage, mini, base in ((1, IMPLS[0], IMPLS[1]), (3, IMPLS[2], IMPLS[3])):
+    for stage, mini, base in ((1, IMPLS[0], IMPLS[1]), (3, IMPLS[2], IMPLS[3]), ("3 per-param", IMPLS[4], IMPLS[3])):
         rows.append({"stage": stage, "ranks": n, "params": n_params, "minipar ms/step": 1e3 * t[mini],
                      "pytorch ms/step": 1e3 * t[base], "time ratio": t[mini] / t[base],
                      "minipar peak MiB": res["peaks"][mini][0] / 2**20,
@@ -169,7 +189,8 @@ def main(argv=None) -> dict:
     result = {"name": "zero", "baseline": "torch ZeroRedundancyOptimizer / FSDP2",
               "ratio": max(r["time ratio"] for r in rows), "rows": rows,
               "memory_ratio": {f"stage{r['stage']}": r["memory ratio"] for r in rows},
-              "max_param_diff": {"zero1_vs_torch": res["diff_zero1"], "zero3_vs_zero1": res["diff_zero3"]}}
+              "max_param_diff": {"zero1_vs_torch": res["diff_zero1"], "zero3_vs_zero1": res["diff_zero3"],
+                                 "zero3_per_param_vs_zero1": res["diff_zero3p"]}}
     out = report(result, a, ["stage", "ranks", "params", "minipar ms/step", "pytorch ms/step",
                              "time ratio", "minipar peak MiB", "pytorch peak MiB", "memory ratio",
                              "minipar held MiB", "pytorch held MiB"])

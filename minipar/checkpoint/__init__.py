@@ -4,6 +4,8 @@
 * :mod:`.state` — the pieces a rank holds: parameters (plain, tensor-parallel, or a model's
   own ``checkpoint_layout()``) and optimizer state (torch optimizers, ZeRO shards).
 * :mod:`.atomic` — write to a temporary directory, fsync, rename, replace ``latest``.
+* :mod:`.integrity` — a checksum per file, checked on load: :class:`CheckpointError`
+  names the damaged, missing or foreign file instead of loading it; :func:`verify`.
 * :mod:`.sharded` — :func:`save` (every rank writes its pieces) and :func:`load` (every
   rank reads the pieces it needs, whatever layout saved them).
 
@@ -13,10 +15,11 @@ Usage, on every rank::
     meta = minipar.checkpoint.load("ckpt", model, optimizer)   # meta["step"], meta["extra"]
 """
 from .atomic import committed, resolve
+from .integrity import CheckpointError, CheckpointNotFound, verify
 from .placement import Piece, assemble, extract, pieces_of, tensor_parallel_boxes, whole
 from .sharded import FORMAT, load, load_full_state_dict, read_pieces, save
 from .state import local_pieces, parameter_layout, tensor_parallel_layout
 
-__all__ = ["save", "load", "load_full_state_dict", "read_pieces", "resolve", "committed",
+__all__ = ["save", "load", "verify", "CheckpointError", "CheckpointNotFound", "load_full_state_dict", "read_pieces", "resolve", "committed",
            "FORMAT", "Piece", "pieces_of", "assemble", "extract", "whole",
            "tensor_parallel_boxes", "local_pieces", "parameter_layout", "tensor_parallel_layout"]

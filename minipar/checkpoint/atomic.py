@@ -5,10 +5,11 @@ or not at all. The protocol (the same idea as a database's commit record):
 
 1. every rank writes its file into ``ROOT/.tmp-step_N`` and ``fsync``s it;
 2. a barrier: every file is on disk;
-3. rank 0 writes ``meta.json`` (the list of files), ``fsync``s, renames the directory to
-   ``ROOT/step_N`` and then replaces the pointer file ``ROOT/latest`` with
-   ``os.replace``, which is atomic on POSIX and Windows: a reader sees the old name or
-   the new one, never a mixture.
+3. rank 0 writes ``meta.json`` (the list of files with their sizes and checksums),
+   ``fsync``s, renames the directory to ``ROOT/step_N`` and then replaces the pointer file
+   ``ROOT/latest`` (the name and the checksum of its ``meta.json``, see :mod:`.integrity`)
+   with ``os.replace``, which is atomic on POSIX and Windows: a reader sees the old
+   pointer or the new one, never a mixture.
 
 A crash before the pointer is replaced leaves ``latest`` naming the previous checkpoint,
 complete and untouched; the half-written temporary directory is ignored and removed by
@@ -17,13 +18,11 @@ power cut, not only a crashed process.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
-LATEST = "latest"
-META = "meta.json"
+from .integrity import LATEST, META, locate, open_meta, pointer, seal
 
 
 def fsync_dir(path: Path) -> None:
@@ -67,16 +66,17 @@ def commit(root: Path, step: int, meta: dict, keep: int | None = None) -> Path:
     """Rank 0, after every rank's file is on disk: write ``meta.json``, rename the
     directory into place, replace ``latest``; then drop all but the ``keep`` newest."""
     tmp = temporary_dir(root, step)
-    write_file(tmp / META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    meta_bytes = seal(meta)
+    write_file(tmp / META, lambda f: f.write(meta_bytes))
     fsync_dir(tmp)
     final, n = root / f"step_{step:08d}", 1
     while final.exists():  # saving the same step again: never touch the committed one
         final, n = root / f"step_{step:08d}.{n}", n + 1
     os.rename(tmp, final)
     fsync_dir(root)
-    pointer = root / f".{LATEST}.tmp"
-    write_file(pointer, lambda f: f.write(final.name.encode()))
-    os.replace(pointer, root / LATEST)  # the commit point
+    tmp_pointer = root / f".{LATEST}.tmp"
+    write_file(tmp_pointer, lambda f: f.write(pointer(final.name, meta_bytes)))
+    os.replace(tmp_pointer, root / LATEST)  # the commit point
     fsync_dir(root)
     if keep is not None:
         prune(root, keep)
@@ -99,19 +99,11 @@ def prune(root: Path, keep: int) -> None:
 
 def resolve(path) -> Path:
     """The checkpoint directory to load: ``path`` itself if it is one, else the one that
-    ``path/latest`` names. Raises ``FileNotFoundError`` with what was looked for."""
-    path = Path(path)
-    if (path / META).exists():
-        return path
-    pointer = path / LATEST
-    if pointer.exists():
-        target = path / pointer.read_text().strip()
-        if (target / META).exists():
-            return target
-        raise FileNotFoundError(f"{pointer} names {target.name}, which is not a complete "
-                                "checkpoint (its meta.json is missing)")
-    raise FileNotFoundError(f"no checkpoint at {path}: neither {path / META} nor {pointer} exists")
+    ``path/latest`` names. Raises :class:`~.integrity.CheckpointError` (a
+    ``FileNotFoundError`` when there is none) naming what was looked for."""
+    return locate(path)[0]
 
 
 def read_meta(directory: Path) -> dict:
-    return json.loads((Path(directory) / META).read_text())
+    """The checked ``meta.json`` of a checkpoint directory."""
+    return open_meta(Path(directory))

@@ -130,10 +130,11 @@ def _region(full: torch.Tensor, p: Piece) -> torch.Tensor:
 def assemble(pieces: list[Piece], full_shape, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The full tensor from saved ``pieces``, and a bool mask of the elements they covered."""
     dtype = dtype or pieces[0].data.dtype
-    full = torch.zeros(tuple(full_shape), dtype=dtype)
-    seen = torch.zeros(tuple(full_shape), dtype=torch.bool)
+    where = pieces[0].data.device
+    full = torch.zeros(tuple(full_shape), dtype=dtype, device=where)
+    seen = torch.zeros(tuple(full_shape), dtype=torch.bool, device=where)
     for p in pieces:
-        for t, v in ((full, p.data.to(dtype)), (seen, torch.ones((), dtype=torch.bool))):
+        for t, v in ((full, p.data.to(dtype)), (seen, torch.ones((), dtype=torch.bool, device=where))):
             region = _region(t, p)
             if p.lo == 0 and p.hi == region.numel():
                 region.copy_(v.reshape(p.shape) if v.dim() else v)

@@ -19,21 +19,23 @@ overlap the tensors it holds now, reassembles those full tensors and copies its 
 into its parameters and optimizer state (creating the state a fresh optimizer lacks). A
 checkpoint saved at dp=2, tp=2 therefore loads at pp=2, dp=2, or on one process.
 Files are read with ``torch.load(weights_only=True)``: plain containers and tensors only,
-no pickled code runs.
+no pickled code runs, and only after the file's size and SHA-256 match those recorded at
+save time (:mod:`.integrity`): a damaged, missing or foreign file raises
+:class:`~.integrity.CheckpointError` naming it.
 """
 from __future__ import annotations
 
+import io
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .atomic import commit, prepare, read_meta, resolve, temporary_dir, write_file
+from .atomic import commit, prepare, resolve, temporary_dir, write_file
+from .integrity import FORMAT, CheckpointError, check_file, digest, locate, open_meta
 from .placement import Piece, assemble, extract
 from .state import PARAM, local_pieces
-
-FORMAT = "minipar-checkpoint/1"
 
 
 def _rank_world() -> tuple[int, int]:
@@ -100,8 +102,14 @@ def save(root, model, optimizer=None, step: int = 0, extra: dict | None = None, 
               "pieces": [Piece(p.name, p.key, p.full_shape, p.offset, p.shape, p.lo, p.hi,
                                p.data.detach().cpu().clone()).to_record() for p in mine]}
     name = f"rank_{rank:05d}.pt"
-    write_file(temporary_dir(root, step) / name, lambda f: torch.save(record, f))
-    _barrier(world)  # every rank's file is on disk
+    buf = io.BytesIO()
+    torch.save(record, buf)
+    data = buf.getvalue()
+    write_file(temporary_dir(root, step) / name, lambda f: f.write(data))
+    written = [(name, len(data), digest(data))]
+    if world > 1:  # also the barrier: every rank's file is on disk
+        written = [None] * world
+        dist.all_gather_object(written, (name, len(data), digest(data)))
     if rank == 0:
         files = [f"rank_{r:05d}.pt" for r in range(world)]
         missing = [f for f in files if not (temporary_dir(root, step) / f).exists()]
@@ -115,6 +123,8 @@ def save(root, model, optimizer=None, step: int = 0, extra: dict | None = None, 
                 tensors[n][key] = list(full)
         meta = {"format": FORMAT, "step": step, "world_size": world,
                 "mesh": _mesh_dict(mesh, model), "files": files,
+                "sizes": {n: size for n, size, _ in written},
+                "checksums": {n: d for n, _, d in written},
                 "tensors": tensors, "optimizer": _optimizer_info(optimizer), "extra": extra or {}}
         commit(root, step, meta, keep)
     _barrier(world)  # nobody goes on (or exits) before the checkpoint is committed
@@ -124,18 +134,25 @@ def save(root, model, optimizer=None, step: int = 0, extra: dict | None = None, 
 def read_pieces(directory) -> tuple[dict, dict[tuple[str, str], list[Piece]], list[dict]]:
     """``(meta, {(name, key): saved pieces}, per-file records)`` of a checkpoint directory
     (memory-mapped: only the pieces used are read from disk)."""
-    directory = resolve(directory)
-    meta = read_meta(directory)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{directory} is not a {FORMAT} checkpoint (format {meta.get('format')!r})")
-    records = [torch.load(directory / f, map_location="cpu", weights_only=True, mmap=True)
-               for f in meta["files"]]
+    directory, expected = locate(directory)
+    meta = open_meta(directory, expected)
+    records = [_load_record(check_file(directory, f, meta)) for f in meta["files"]]
     saved = defaultdict(list)
     for rec in records:
         for r in rec["pieces"]:
             p = Piece.from_record(r)
             saved[(p.name, p.key)].append(p)
     return meta, saved, records
+
+
+def _load_record(path: Path) -> dict:
+    try:
+        rec = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - a checked file that still does not load
+        raise CheckpointError(path, f"not a minipar rank file ({type(e).__name__}: {e})") from None
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT or "pieces" not in rec:
+        raise CheckpointError(path, f"not a {FORMAT} rank file")
+    return rec
 
 
 def load(root, model, optimizer=None, restore_rng: bool = True) -> dict:
@@ -145,10 +162,12 @@ def load(root, model, optimizer=None, restore_rng: bool = True) -> dict:
     ``extra``, ``mesh``...). ``restore_rng``: restore this rank's torch RNG state when the
     world size and mesh are those that saved it (another layout has other ranks)."""
     meta, saved, records = read_pieces(root)
+    where = locate(root)[0] / "meta.json"
     if optimizer is not None and meta["optimizer"] is not None:
         have, mine = meta["optimizer"]["inner"], _optimizer_info(optimizer)["inner"]
         if have != mine:
-            raise ValueError(f"the checkpoint holds {have} state; this optimizer is a {mine}")
+            raise CheckpointError(where, f"another optimizer: the checkpoint holds {have} state; "
+                                         f"this optimizer is a {mine}")
     keys = defaultdict(dict)
     for (name, key), ps in saved.items():
         keys[name][key] = (len(ps[0].full_shape) == 0, ps[0].data.dtype)
@@ -159,16 +178,17 @@ def load(root, model, optimizer=None, restore_rng: bool = True) -> dict:
         have = saved.get((name, key))
         if not have:
             what = "parameter" if key == PARAM else f"optimizer state {key!r} of"
-            raise KeyError(f"the checkpoint has no {what} {name}; it was saved from another model "
-                           f"(it has {len({n for n, _ in saved})} tensors)")
+            raise KeyError(f"{where}: the checkpoint has no {what} {name}; it was saved from another "
+                           f"model (it has {len({n for n, _ in saved})} tensors)")
         if tuple(have[0].full_shape) != tuple(want[0].full_shape):
-            raise ValueError(f"{name}: the checkpoint holds shape {tuple(have[0].full_shape)}, "
-                             f"this model {tuple(want[0].full_shape)} (another configuration?)")
+            raise CheckpointError(where, f"another model configuration: {name}: the checkpoint holds "
+                                         f"shape {tuple(have[0].full_shape)}, this model "
+                                         f"{tuple(want[0].full_shape)}")
         full, seen = assemble(have, want[0].full_shape, want[0].data.dtype)
         for p in want:
             if not bool(extract(seen, p).all()):
-                raise ValueError(f"the checkpoint is missing part of {name} ({key}): "
-                                 "a rank's file is incomplete")
+                raise CheckpointError(where, f"the checkpoint is missing part of {name} ({key}): "
+                                             "a rank's file is incomplete")
             with torch.no_grad():
                 p.data.copy_(extract(full, p))
     rank, world = _rank_world()

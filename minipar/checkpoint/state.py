@@ -131,4 +131,6 @@ def _create_state(state: dict, keys: dict, like: torch.Tensor) -> None:
     for key, (scalar, dtype) in keys.items():
         if key == PARAM or key in state:
             continue
-        state[key] = torch.zeros((), dtype=dtype) if scalar else torch.zeros_like(like, dtype=dtype)
+        # a scalar (Adam's step) lives on the CPU, as torch.optim keeps it; the rest beside the parameter
+        state[key] = (torch.zeros((), dtype=dtype, device="cpu") if scalar
+                      else torch.zeros_like(like, dtype=dtype))

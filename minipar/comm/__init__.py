@@ -3,13 +3,13 @@
 
 Everything here writes ``comm`` events to :mod:`minipar.trace`.
 """
-from .native import all_gather, all_reduce, reduce_scatter
-from .p2p import (Handle, exchange, global_rank, group_rank, group_size, irecv, isend, recv,
-                  send)
+from .native import all_gather, all_reduce, all_to_all_single, reduce_scatter
+from .p2p import (Handle, exchange, global_rank, group_name, group_rank, group_size, irecv,
+                  isend, name_group, recv, send)
 from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .tree import broadcast, halving_doubling_all_reduce
 
 __all__ = ["send", "recv", "isend", "irecv", "exchange", "Handle", "group_rank", "group_size",
-           "global_rank", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
+           "global_rank", "name_group", "group_name", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
            "broadcast", "halving_doubling_all_reduce", "all_reduce", "reduce_scatter",
-           "all_gather"]
+           "all_gather", "all_to_all_single"]

@@ -10,12 +10,15 @@ reduce-scatter, equal sizes on every rank, and SUM (averaging divides afterwards
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from .. import trace
 from ..cost import collective_bytes
-from .p2p import Handle, group_size, nbytes
+from . import staging
+from .p2p import Handle, _labels, group_size, nbytes
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -33,34 +36,81 @@ class _Averaged(Handle):
                 self.tensor.div_(self.n)
 
 
+def _via_host(op: str, group, labels: dict, output: torch.Tensor, input: torch.Tensor | None = None):
+    """``(output, input, after)``: the buffers the backend gets, which are pinned host copies
+    of CUDA tensors where the group has no NCCL (:mod:`minipar.comm.staging`), and what to run
+    once the operation completed (the copy back to the device)."""
+    s_out = staging.must_stage(output, group, op)
+    s_in = input is not None and staging.must_stage(input, group, op)
+    if not (s_out or s_in):
+        return output, input, []
+    labels = _labels(group, labels)
+    if input is None:  # in place
+        host = staging.to_host(output, op, labels)
+        return host, None, [staging.copy_back(host, output, op, labels)]
+    hin = staging.to_host(input, op, labels) if s_in else input
+    hout = staging.host_like(output) if s_out else output
+    return hout, hin, [staging.copy_back(hout, output, op, labels)] if s_out else []
+
+
 def _start(op: str, full_bytes: int, group, name: str | None, labels: dict):
     sent = collective_bytes(op, full_bytes, group_size(group))
-    return {"name": name or op, "start": trace.now(), "sent": round(sent), "recv": round(sent),
-            "labels": labels}
+    return {"name": name or op, "op": op, "start": trace.now(), "sent": round(sent), "recv": round(sent),
+            "labels": _labels(group, labels)}
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False,
                name: str | None = None, **labels):
     """In-place sum (``op="sum"``) or mean (``"avg"``) over ``group``; a Handle if async."""
+    buf, _, after = _via_host("all_reduce", group, labels, tensor)
     meta = _start("all_reduce", nbytes(tensor), group, name, labels)
-    work = dist.all_reduce(tensor, group=group, async_op=True)
+    work = dist.all_reduce(buf, group=group, async_op=True)
     h = _Averaged(work, tensor, group_size(group) if op == "avg" else 0, **meta)
+    h.after += after
     return h if async_op else h.wait()
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None,
                    async_op: bool = False, name: str | None = None, **labels):
     """``output`` (k elements) = this rank's chunk of the sum of flat ``input`` (n·k)."""
+    out, inp, after = _via_host("reduce_scatter", group, labels, output, input)
     meta = _start("reduce_scatter", nbytes(input), group, name, labels)
-    work = _reduce_scatter(output, input, group=group, async_op=True)
+    work = _reduce_scatter(out, inp, group=group, async_op=True)
     h = _Averaged(work, output, group_size(group) if op == "avg" else 0, **meta)
+    h.after += after
+    h.staged = (out, inp)  # host buffers live until the operation completed
     return h if async_op else h.wait()
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
                name: str | None = None, **labels):
     """Flat ``output`` (n·k elements) = every rank's flat ``input`` (k) in rank order."""
+    out, inp, after = _via_host("all_gather", group, labels, output, input)
     meta = _start("all_gather", nbytes(output), group, name, labels)
-    work = _all_gather(output, input, group=group, async_op=True)
+    work = _all_gather(out, inp, group=group, async_op=True)
     h = _Averaged(work, output, 0, **meta)
+    h.after += after
+    h.staged = (out, inp)
+    return h if async_op else h.wait()
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
+                      input_split_sizes=None, group=None, async_op: bool = False,
+                      name: str | None = None, **labels):
+    """Chunk j of ``input`` (``input_split_sizes[j]`` rows along dim 0; equal chunks if
+    ``None``) goes to group rank j, and ``output`` receives chunk i from rank i in rank
+    order (``output_split_sizes[i]`` rows). Gloo's only all-to-all form. The event records
+    the bytes that actually leave and arrive (a rank's own chunk stays put)."""
+    n, me = group_size(group), dist.get_rank(group)
+    row = math.prod(input.shape[1:]) * input.element_size()  # bytes per row
+    in_s = list(input_split_sizes) if input_split_sizes is not None else [input.shape[0] // n] * n
+    out_s = list(output_split_sizes) if output_split_sizes is not None else [output.shape[0] // n] * n
+    meta = {"name": name or "all_to_all", "start": trace.now(), "sent": (sum(in_s) - in_s[me]) * row,
+            "recv": (sum(out_s) - out_s[me]) * row, "labels": _labels(group, labels), "op": "all_to_all"}
+    out, inp, after = _via_host("all_to_all_single", group, labels, output, input.contiguous())
+    work = dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes,
+                                  group=group, async_op=True)
+    h = _Averaged(work, output, 0, **meta)
+    h.after += after
+    h.staged = (out, inp)
     return h if async_op else h.wait()

@@ -2,15 +2,21 @@
 
 Thin wrappers over ``torch.distributed.isend/irecv`` that add one thing: every transfer
 is written to the rank's trace (:mod:`minipar.trace`) as a ``comm`` event with its bytes,
-start and end. Ranks are *group-local* (rank 0 of a tensor-parallel group, say); the
+start and end, labelled with the mesh dimension of its group (``dim``, see
+:func:`name_group`). Ranks are *group-local* (rank 0 of a tensor-parallel group, say); the
 translation to global ranks happens here, once.
+
+An event ends when its transfer completed: a completion callback on the work's future
+stamps the time (where the backend has futures: Gloo's collectives, not its send/recv,
+whose events end when :meth:`Handle.wait` returns).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .. import trace
+from .. import flight, trace
+from . import staging
 
 
 def group_rank(group=None) -> int:
@@ -32,13 +38,41 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class Handle:
-    """Outstanding transfers; :meth:`wait` completes them and records one event."""
+_DIMS: dict = {}  # process group -> the mesh dimension it runs along ("dp", "tp", ...)
 
-    def __init__(self, works, name: str, start: float, sent: int, recv: int, labels: dict):
+
+def name_group(group, dim: str) -> None:
+    """Label every communication on ``group`` with ``dim`` (:class:`minipar.mesh.ProcessMesh`
+    names its groups); the world (``None``) is ``"world"`` unless named."""
+    _DIMS[dist.group.WORLD if group is None else group] = dim
+
+
+def group_name(group) -> str | None:
+    """The dimension ``group`` was named with (:func:`name_group`), else ``"world"`` for the
+    world and ``None`` for an unnamed sub-group."""
+    g = dist.group.WORLD if group is None else group
+    return _DIMS.get(g, "world" if g is dist.group.WORLD else None)
+
+
+class Handle:
+    """Outstanding transfers; :meth:`wait` completes them and records one event, which
+    ends when the last transfer completed (not when it was waited for)."""
+
+    def __init__(self, works, name: str, start: float, sent: int, recv: int, labels: dict,
+                 op: str | None = None):
         self.works, self.name, self.start = works, name, start
         self.sent, self.recv, self.labels = sent, recv, labels
-        self.done = False
+        op = op or ("send" if not recv else "recv" if not sent else "exchange")
+        self._flight = flight.started(op, name, labels.get("dim"))  # what a hang report names
+        self.done, self._ends = False, []
+        self.after = []  # run once the transfers completed (copies back from host staging)
+        ends = self._ends
+        for w in works:
+            try:
+                w.get_future().then(lambda _: ends.append(trace.now()))
+            except (RuntimeError, AttributeError):  # no future (Gloo send/recv): ends at wait
+                self._ends = None
+                break
 
     def wait(self) -> None:
         if self.done:
@@ -47,19 +81,38 @@ class Handle:
             if w is not None:
                 w.wait()
         self.done = True
-        trace.record("comm", self.name, self.start, trace.now(), self.sent, self.recv, **self.labels)
+        flight.completed(self._flight)
+        ends = self._ends
+        end = max(ends) if ends and len(ends) == len(self.works) else trace.now()
+        trace.record("comm", self.name, self.start, end, self.sent, self.recv, **self.labels)
+        for f in self.after:
+            f()
+
+
+def _labels(group, labels: dict) -> dict:
+    return {"dim": group_name(group), **labels}
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None, name: str = "send", tag: int = 0, **labels) -> Handle:
     """Start sending ``tensor`` to group rank ``dst``."""
-    w = dist.isend(tensor.contiguous(), global_rank(group, dst), group=group, tag=tag)
-    return Handle([w], name, trace.now(), nbytes(tensor), 0, labels)
+    labels = _labels(group, labels)
+    src = staging.to_host(tensor, "isend", labels) if staging.must_stage(tensor, group, "isend") else tensor
+    w = dist.isend(src.contiguous(), global_rank(group, dst), group=group, tag=tag)
+    h = Handle([w], name, trace.now(), nbytes(tensor), 0, labels)
+    h.staged = src  # kept alive until the send completed
+    return h
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, name: str = "recv", tag: int = 0, **labels) -> Handle:
     """Start receiving into ``tensor`` (contiguous) from group rank ``src``."""
-    w = dist.irecv(tensor, global_rank(group, src), group=group, tag=tag)
-    return Handle([w], name, trace.now(), 0, nbytes(tensor), labels)
+    labels = _labels(group, labels)
+    staged = staging.must_stage(tensor, group, "irecv")
+    into = staging.host_like(tensor) if staged else tensor
+    w = dist.irecv(into, global_rank(group, src), group=group, tag=tag)
+    h = Handle([w], name, trace.now(), 0, nbytes(tensor), labels)
+    if staged:
+        h.after.append(staging.copy_back(into, tensor, "irecv", labels))
+    return h
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, name: str = "send", **labels) -> None:
@@ -79,7 +132,13 @@ def exchange(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int,
     Posting both before waiting is what keeps a ring from deadlocking: if every rank
     first did a blocking send, every rank would wait for a receiver that never comes.
     """
-    start = trace.now()
-    ws = [dist.isend(send_buf.contiguous(), global_rank(group, dst), group=group),
-          dist.irecv(recv_buf, global_rank(group, src), group=group)]
-    Handle(ws, name, start, nbytes(send_buf), nbytes(recv_buf), labels).wait()
+    start, labels = trace.now(), _labels(group, labels)
+    out = (staging.to_host(send_buf, "exchange", labels)
+           if staging.must_stage(send_buf, group, "exchange") else send_buf)
+    into = staging.host_like(recv_buf) if staging.must_stage(recv_buf, group, "exchange") else recv_buf
+    ws = [dist.isend(out.contiguous(), global_rank(group, dst), group=group),
+          dist.irecv(into, global_rank(group, src), group=group)]
+    h = Handle(ws, name, start, nbytes(send_buf), nbytes(recv_buf), labels)
+    if into is not recv_buf:
+        h.after.append(staging.copy_back(into, recv_buf, "exchange", labels))
+    h.wait()

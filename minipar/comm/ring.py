@@ -33,6 +33,9 @@ def _check_op(op: str) -> None:
 
 
 def _reduce_scatter_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
+    # >>> ex01
+    # Hint: at step s send chunk (r-s-1) % n to the right and add the chunk (r-s-2) % n from the
+    # Hint: left; exchange(send, right, buf, left, group, name=name) sends and receives in one call.
     n, r = group_size(group), group_rank(group)
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
@@ -40,9 +43,12 @@ def _reduce_scatter_chunks(chunks: list[torch.Tensor], group, name: str) -> None
         buf = torch.empty_like(chunks[recv_c])
         exchange(chunks[send_c], right, buf, left, group, name=name, step=s, phase="reduce-scatter")
         chunks[recv_c] += buf
+    # <<< ex01
 
 
 def _all_gather_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
+    # >>> ex01
+    # Hint: at step s send chunk (r-s) % n (its sum is final here) and overwrite chunk (r-s-1) % n.
     n, r = group_size(group), group_rank(group)
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
@@ -50,6 +56,7 @@ def _all_gather_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
         buf = torch.empty_like(chunks[recv_c])
         exchange(chunks[send_c], right, buf, left, group, name=name, step=s, phase="all-gather")
         chunks[recv_c].copy_(buf)
+    # <<< ex01
 
 
 def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
@@ -59,6 +66,9 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.
     sent per rank.
     """
     _check_op(op)
+    # >>> ex01
+    # Hint: work on a flat view, cut it with tensor_split(n), reduce-scatter then all-gather the
+    # Hint: chunks; op="avg" divides once at the end; the result must end up in `tensor` itself.
     n = group_size(group)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     if n > 1:
@@ -70,6 +80,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     return tensor
+    # <<< ex01
 
 
 def ring_reduce_scatter(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:

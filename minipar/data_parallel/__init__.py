@@ -5,7 +5,7 @@
   all-reduced as they fill during backward.
 * :class:`DistributedDataParallel` — the wrapper (naive, bucketed or overlapped: :data:`VERSIONS`).
 * :class:`ShardedBatchSampler`, :func:`shard_batch` — each rank's slice of the global batch.
-* :func:`train`, :func:`run` — the training loop on each rank, and its checked launcher.
+* :func:`check`, :func:`train`, :func:`run` — the strategy's API (:mod:`minipar.strategy`).
 * :func:`parameter_server` — asynchronous SGD with a parameter server and bounded staleness.
 * :func:`linear_scaled_lr`, :func:`warmup_lr` — large-batch learning-rate rules.
 """
@@ -16,9 +16,9 @@ from .naive import allreduce_gradients, broadcast_module, trainable
 from .parameter_server import parameter_server
 from .reducer import Reducer
 from .sampler import ShardedBatchSampler, shard_batch
-from .train import average_loss, check_setup, run, train
+from .train import average_loss, check, run, train
 
 __all__ = ["allreduce_gradients", "broadcast_module", "trainable", "assign_buckets", "Bucket",
            "Reducer", "DistributedDataParallel", "VERSIONS", "ShardedBatchSampler",
-           "shard_batch", "train", "run", "check_setup", "average_loss", "parameter_server",
+           "shard_batch", "train", "run", "check", "average_loss", "parameter_server",
            "linear_scaled_lr", "warmup_lr"]

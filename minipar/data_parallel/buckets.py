@@ -23,6 +23,9 @@ def assign_buckets(params, bucket_cap_mb: float) -> list[list[torch.nn.Parameter
     gets a bucket of its own; ``bucket_cap_mb=0`` gives one bucket per parameter). A change
     of dtype also starts a new bucket, since a bucket is one flat tensor.
     """
+    # >>> ex02 B
+    # Hint: walk reversed(list(params)); open a new bucket when the next parameter would take
+    # Hint: it past bucket_cap_mb * 2**20 bytes, or has another dtype (a bucket is one tensor).
     if bucket_cap_mb < 0:
         raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
     cap = bucket_cap_mb * 2**20
@@ -36,6 +39,7 @@ def assign_buckets(params, bucket_cap_mb: float) -> list[list[torch.nn.Parameter
         buckets[-1].append(p)
         size += nbytes
     return buckets
+    # <<< ex02 B
 
 
 class Bucket:

@@ -13,7 +13,7 @@ What the wrapper does (Li et al., "PyTorch Distributed", VLDB 2020):
 
 Three versions, from the same class (see :data:`VERSIONS`):
 
-* naive      ``bucket_cap_mb=None, overlap=False``: one all-reduce per parameter, after backward
+* naive      ``bucket_cap_mb=None``:               one all-reduce per parameter, after backward
 * bucketed   ``bucket_cap_mb=c,    overlap=False``: flat buckets of ~c MB, after backward
 * overlapped ``bucket_cap_mb=c,    overlap=True``:  a bucket's all-reduce starts as it fills
 
@@ -27,7 +27,6 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from .. import trace
 from .naive import allreduce_gradients, broadcast_module, trainable
 from .reducer import Reducer
 
@@ -43,17 +42,16 @@ class DistributedDataParallel(nn.Module):
 
     ``group``: the process group of the replicas (default: the world); ranks are
     group-local. ``bucket_cap_mb``: bucket size in MB (2**20 bytes), ``None`` for the naive
-    one-all-reduce-per-parameter version. ``overlap``: launch bucket all-reduces from the
-    gradient hooks during backward. ``all_reduce_fn(tensor, group)``: sum in place with
-    your own collective instead of the backend's. ``reducer_class``: the class doing the
-    bucketing (a drop-in replacement, e.g. from exercise 02).
+    one-all-reduce-per-parameter version (after backward, whatever ``overlap`` says).
+    ``overlap``: launch bucket all-reduces from the gradient hooks during backward. ``all_reduce_fn(tensor, group)``: sum in place with
+    your own collective instead of the backend's.
 
     ``.module`` is the wrapped model; ``named_parameters()``, ``parameters()`` and
     ``state_dict()`` are the module's, with its names and order.
     """
 
     def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float | None = 25.0,
-                 overlap: bool = True, all_reduce_fn=None, reducer_class=Reducer):
+                 overlap: bool = True, all_reduce_fn=None):
         super().__init__()
         if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
             raise ValueError(f"bucket_cap_mb must be None (naive) or >= 0, got {bucket_cap_mb}")
@@ -63,13 +61,11 @@ class DistributedDataParallel(nn.Module):
         self.bucket_cap_mb, self.overlap = bucket_cap_mb, overlap
         self._params = trainable(module.parameters())
         broadcast_module(module, src=0, group=group)
-        naive = bucket_cap_mb is None and not overlap
-        self.reducer = None if naive else reducer_class(
+        self.reducer = None if bucket_cap_mb is None else Reducer(  # None: naive
             self._params, group=group, bucket_cap_mb=bucket_cap_mb or 0.0, overlap=overlap,
             all_reduce_fn=all_reduce_fn)
         self.require_sync = True
         self._finish_queued = False
-        self.backward_end: float | None = None  # trace time autograd finished computing
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self._params]
 
     # ------------------------------------------------------------------ backward machinery
@@ -85,7 +81,6 @@ class DistributedDataParallel(nn.Module):
     def _finish(self) -> None:
         """End of backward: every rank's gradients become the average."""
         self._finish_queued = False
-        self.backward_end = trace.now()
         if self.reducer is None:
             allreduce_gradients(self._params, self.group, self.all_reduce_fn)
         else:
@@ -103,6 +98,10 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ the module's face
     def forward(self, *args, **kwargs):
+        if self._finish_queued:  # the last backward raised before its end: forget it
+            self._finish_queued = False
+            if self.reducer is not None:
+                self.reducer.reset()
         return self.module(*args, **kwargs)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):

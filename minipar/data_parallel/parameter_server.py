@@ -73,7 +73,7 @@ def parameter_server(model, batch_fn, steps: int, make_optimizer=None, group=Non
 
 def _work(model, params, batch_fn, group, W: int, r: int, delay: float) -> dict:
     numel = sum(p.numel() for p in params)
-    inbox = torch.empty(2 + numel)
+    inbox = torch.empty(2 + numel, device=params[0].device)
     comm.recv(inbox, 0, group, name="pull")
     k = 0
     while inbox[1] == 0:  # not told to stop
@@ -89,7 +89,7 @@ def _work(model, params, batch_fn, group, W: int, r: int, delay: float) -> dict:
         if delay:
             with trace.region("straggling", step=k):
                 time.sleep(delay)
-        msg = torch.cat([torch.tensor([version, loss.item()]),
+        msg = torch.cat([torch.tensor([version, loss.item()], device=inbox.device),
                          _flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)])
         pushed = comm.isend(msg, 0, group, name="push", step=k)
         comm.recv(inbox, 0, group, name="pull")
@@ -101,8 +101,11 @@ def _work(model, params, batch_fn, group, W: int, r: int, delay: float) -> dict:
 def _recv_any(buf: torch.Tensor, group) -> int:
     """Receive into ``buf`` from whichever rank sends first; return its group rank."""
     start = trace.now()
-    work = dist.irecv(buf, src=None, group=group)
+    into = comm.staging.host_like(buf) if comm.staging.must_stage(buf, group, "irecv") else buf
+    work = dist.irecv(into, src=None, group=group)
     comm.Handle([work], "push", start, 0, comm.p2p.nbytes(buf), {}).wait()
+    if into is not buf:
+        buf.copy_(into)
     return work._source_rank()
 
 
@@ -115,7 +118,8 @@ def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_stal
            "dropped": 0}
 
     def reply(dst: int, stop: bool) -> None:
-        msg = torch.cat([torch.tensor([float(version), float(stop)]), _flat(params)])
+        msg = torch.cat([torch.tensor([float(version), float(stop)], device=params[0].device),
+                         _flat(params)])
         comm.isend(msg, dst, group, name="pull").wait()
 
     def apply(grad: torch.Tensor) -> None:
@@ -135,10 +139,10 @@ def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_stal
     t0 = time.perf_counter()
     for w in range(1, W + 1):
         reply(w, False)
-    inbox = torch.empty(2 + numel)
+    inbox = torch.empty(2 + numel, device=params[0].device)
     if synchronous:
         for step in range(steps):
-            total, loss = torch.zeros(numel), 0.0
+            total, loss = torch.zeros(numel, device=inbox.device), 0.0
             for w in range(1, W + 1):  # wait for every worker: the slowest sets the pace
                 comm.recv(inbox, w, group, name="push")
                 total += inbox[2:]

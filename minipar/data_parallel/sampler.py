@@ -46,7 +46,7 @@ class ShardedBatchSampler:
         """The single-process batches of this epoch (the same on every rank)."""
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            order = torch.randperm(self.num_samples, generator=g).tolist()
+            order = torch.randperm(self.num_samples, generator=g, device="cpu").tolist()
         else:
             order = list(range(self.num_samples))
         out = [order[i:i + self.B] for i in range(0, self.num_samples, self.B)]
@@ -59,7 +59,7 @@ class ShardedBatchSampler:
 
     def __iter__(self):
         for batch in self.global_batches():
-            yield shard(torch.tensor(batch), self.rank, self.n).tolist()
+            yield shard(torch.tensor(batch, device="cpu"), self.rank, self.n).tolist()
 
     def __len__(self) -> int:
         return len(self.global_batches())

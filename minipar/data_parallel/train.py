@@ -1,4 +1,4 @@
-"""A data-parallel training loop, and the driver that checks the setup and launches it.
+"""Data-parallel training in the shape of every strategy (:mod:`minipar.strategy`).
 
 On each rank, for every global batch: take this rank's shard, split it into
 ``accumulation`` micro-batches, run forward and backward on each (all but the last under
@@ -9,12 +9,13 @@ reported for a step is the mean over ranks, which is the single-process loss.
 """
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 
 import torch
 
-from .. import comm, trace
-from ..launch import launch
+from .. import comm, strategy, trace
+from ..precision import autocast
 from ..reference import sgd
 from .ddp import DistributedDataParallel
 from .sampler import shard_batch
@@ -22,45 +23,47 @@ from .sampler import shard_batch
 
 def average_loss(loss: torch.Tensor, group=None) -> float:
     """The mean of ``loss`` over the ranks of ``group`` (one tiny recorded all-reduce)."""
-    t = loss.detach().reshape(1).clone()
+    t = loss.detach().float().reshape(1).clone()
     comm.all_reduce(t, op="avg", group=group, name="loss")
     return t.item()
 
 
-def train(model, batches, make_optimizer=None, group=None, accumulation: int = 1,
-          **ddp_kwargs) -> dict:
+def train(model, batches, optimizer=None, group=None, accumulation: int = 1, dtype=None,
+          recompute=None, **ddp_options) -> dict:
     """Run on every rank of ``group``: train ``model`` wrapped in
-    :class:`DistributedDataParallel` (``ddp_kwargs``) on ``batches`` (global batches).
-
-    Returns ``{"losses": [...], "params": {name: tensor}}`` like ``train_reference``.
-    """
-    ddp = DistributedDataParallel(model, group=group, **ddp_kwargs)
-    opt = (make_optimizer or sgd())(ddp.parameters())
-    losses = []
+    :class:`DistributedDataParallel` (``ddp_options``: ``bucket_cap_mb``, ``overlap``,
+    ``all_reduce_fn``) on the global ``batches``; ``recompute`` is the GPT's
+    (:meth:`~minipar.models.GPT.set_recompute`). ``measured``: the last step's
+    ``bytes_sent``, ``bytes_by_dim`` and ``seconds``."""
+    if recompute is not None:
+        model.set_recompute(recompute)
+    ddp = DistributedDataParallel(model, group=group, **ddp_options)
+    opt = (optimizer or sgd())(ddp.parameters())
+    device = next(model.parameters()).device
+    losses, measured = [], {}
     for step, batch in enumerate(batches):
+        mark, t0 = trace.mark(), time.perf_counter()
         x, y = shard_batch(tuple(batch), group)
         opt.zero_grad(set_to_none=True)
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for j, (xm, ym) in enumerate(zip(x.chunk(accumulation), y.chunk(accumulation))):
-            last = j == accumulation - 1
-            with nullcontext() if last else ddp.no_sync():
-                with trace.region("forward", step=step, microbatch=j):
+            with nullcontext() if j == accumulation - 1 else ddp.no_sync():
+                with trace.region("forward", step=step, microbatch=j), autocast(dtype, device):
                     loss = ddp(xm, ym) / accumulation
-                t = trace.now()
-                ddp.backward_end = None
-                loss.backward()  # returns once the gradients are averaged (if synced)
-                # "backward" is autograd's computation; waiting for all-reduces after it is not
-                trace.record("compute", "backward", t, ddp.backward_end or trace.now(),
-                             step=step, microbatch=j)
-            total += loss.detach()
+                trace.backward(loss, step=step, microbatch=j)  # gradients averaged if synced
+            total += loss.detach().float()
         with trace.region("optimizer", step=step):
             opt.step()
+        sent = trace.bytes_by_dim(trace.since(mark))
+        measured = {"bytes_sent": sent["total"], "bytes_by_dim": sent, "seconds": time.perf_counter() - t0}
         losses.append(average_loss(total, group))
     ddp.remove_hooks()
-    return {"losses": losses, "params": {k: v.detach().clone() for k, v in ddp.named_parameters()}}
+    return {"losses": losses, "params": strategy.full_params(ddp.named_parameters()),
+            "measured": measured}
 
 
-def check_setup(batches, world_size: int, accumulation: int = 1, bucket_cap_mb=25.0) -> None:
+def check(model, batches, world_size: int, accumulation: int = 1, bucket_cap_mb=25.0,
+          **_) -> None:
     """Plain errors for a setup that cannot work, raised before any process starts."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -76,11 +79,8 @@ def check_setup(batches, world_size: int, accumulation: int = 1, bucket_cap_mb=2
                 "the averaged gradient equal the single-process one)")
 
 
-def run(model, batches, world_size: int, make_optimizer=None, accumulation: int = 1,
-        timeout: float = 120.0, **ddp_kwargs):
-    """Driver side: check the setup, then :func:`train` on ``world_size`` ranks.
-
-    Returns ``minipar.launch``'s results (one dict per rank, ``.trace``)."""
-    check_setup(batches, world_size, accumulation, ddp_kwargs.get("bucket_cap_mb", 25.0))
-    return launch(train, world_size, args=(model, batches, make_optimizer),
-                  kwargs=dict(accumulation=accumulation, **ddp_kwargs), timeout=timeout)
+def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:
+    """Driver: :func:`check`, then :func:`train` on ``world_size`` ranks (a
+    :class:`~minipar.strategy.TrainResult`, with the run's ``trace``)."""
+    return strategy.run(train, model, batches, world_size, check=check, optimizer=optimizer,
+                        **options)

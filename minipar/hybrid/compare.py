@@ -9,36 +9,34 @@ parallelism, ZeRO 1-3, 2D and 3D), all in one launch, and returns one row per st
   formula (:func:`minipar.cost.hybrid_memory_per_rank`, :func:`minipar.cost.zero_bytes_per_rank`);
 * ``sent``: bytes the busiest rank sent in one step (from its trace), beside the formula
   (:func:`minipar.cost.hybrid_comm_bytes`, :func:`minipar.cost.zero_comm_bytes`);
-* ``bubble`` (pipelines only, ``None`` otherwise): idle time over compute time,
-  ``(T - c)/c`` averaged over the ranks, as chapter 04 measures it
-  (:func:`minipar.pipeline.bubble`: c is the time in forward, backward and optimizer
-  regions, which include the tensor-parallel collectives inside a layer), beside the
+* ``bubble`` (pipelines only, ``None`` otherwise): the measured bubble of the last step,
+  idle time over compute time ``(T - c)/c`` averaged over the ranks
+  (:meth:`minipar.trace.Trace.bubble`, which chapter 04 measures too), beside the
   schedule's ``(p-1)/m``;
-* ``step_ms``: the slowest rank's median step time;
+* ``step_ms``: the slowest rank's last step;
 * ``loss_error``: the largest difference from the single-process losses (all the same
   training).
 """
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
-from .. import cost, trace
-from ..comm import group_rank, group_size
-from ..data import shard
+from .. import cost
 from ..launch import launch
-from ..mesh import ProcessMesh
 from ..models.gpt import GPT
 from ..reference import train_reference
-from ..trace import _union_length
-from ..zero import model_state_bytes, wrap
-from .config import check_config, num_params
-from .model import HybridModel
-from .train import train_steps
+from ..trace import Trace
+from ..zero import train as zero_train
+from .config import check, num_params
+from .train import train as hybrid_train
 
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, **ADAMW)
 
 
 def strategies(world_size: int = 8, microbatches: int = 4) -> dict[str, dict]:
@@ -59,60 +57,19 @@ def strategies(world_size: int = 8, microbatches: int = 4) -> dict[str, dict]:
                             else dict(dp=2, pp=1, tp=2, m=1, zero=1))}
 
 
-def _zero_run(config, batches, stage: int, seed: int) -> dict:
-    """ZeRO-2/3 over the whole world (their own wrappers), measured like the hybrid runs."""
-    model = GPT(config, seed=seed)
-    r, n = group_rank(None), group_size(None)
-    fwd, opt = wrap(stage, model, torch.optim.AdamW, None, **ADAMW)
-    losses, seconds = [], []
-    for x, y in batches:
-        mark, t0 = len(trace._events), time.perf_counter()
-        opt.zero_grad()
-        with trace.region("forward"):
-            loss = fwd(shard(x, r, n), shard(y, r, n))
-        with trace.region("backward"):
-            loss.backward()
-        with trace.region("optimizer"):
-            opt.step()
-        seconds.append(time.perf_counter() - t0)
-        mean = loss.detach().reshape(1).clone()
-        torch.distributed.all_reduce(mean)                     # the record only, not traced
-        losses.append(mean.item() / n)
-    events = trace.events()[mark:]
-    memory = model_state_bytes(fwd, optimizer=opt) if stage == 3 else model_state_bytes(opt)
-    return {"losses": losses, "seconds": seconds, "events": events, "memory": memory,
-            "sent": sum(e["bytes_sent"] for e in events), "units": (fwd if stage == 3 else opt).unit_sizes()}
-
-
-def _hybrid_run(config, batches, spec: dict, seed: int) -> dict:
-    mesh = ProcessMesh(dp=spec["dp"], pp=spec["pp"], tp=spec["tp"]).build()
-    model = HybridModel(config, mesh, seed, zero1=spec["zero"] == 1, microbatches=spec["m"],
-                        optimizer_cls=torch.optim.AdamW, optimizer_kwargs=ADAMW)
-    losses, seconds, events = train_steps(model, batches)
-    return {"losses": losses, "seconds": seconds, "events": events, "memory": model.memory(),
-            "sent": model.last_step["bytes"]["total"],
-            "units": model.optimizer.unit_sizes() if spec["zero"] == 1 and spec["dp"] > 1 else None}
-
-
-def bubble(ranks: list[list[dict]]) -> list[float]:
-    """Per rank ``(T - c)/c`` for one step's events: T the span of all compute, c this
-    rank's compute time (the union of its compute regions, so nested ones count once)."""
-    spans = [(e["start"], e["end"]) for evs in ranks for e in evs if e["kind"] == "compute"]
-    T = max(e for _, e in spans) - min(s for s, _ in spans)
-    out = []
-    for evs in ranks:
-        c = _union_length([(e["start"], e["end"]) for e in evs if e["kind"] == "compute"])
-        out.append((T - c) / c if c > 0 else float("inf"))
-    return out
-
-
 def measure(config, batches, specs: dict[str, dict], seed: int = 0) -> dict[str, dict]:
-    """Rank function: run every strategy in ``specs`` in turn; this rank's measurements."""
+    """Rank function: train every strategy in ``specs`` in turn, each through its own
+    ``train`` (:mod:`minipar.strategy`); this rank's ``losses`` and ``measured`` per strategy."""
     out = {}
     for name, spec in specs.items():
         torch.distributed.barrier()
-        out[name] = (_zero_run(config, batches, spec["zero"], seed) if spec["zero"] >= 2
-                     else _hybrid_run(config, batches, spec, seed))
+        model = GPT(config, seed=seed)
+        if spec["zero"] >= 2:
+            out[name] = zero_train(model, batches, adamw, stage=spec["zero"])
+        else:
+            out[name] = hybrid_train(model, batches, adamw, dp=spec["dp"], pp=spec["pp"], tp=spec["tp"],
+                                     zero1=spec["zero"] == 1, microbatches=spec["m"])
+        out[name].pop("params")
     return out
 
 
@@ -133,23 +90,25 @@ def compare(config, batches, world_size: int = 8, specs: dict | None = None, see
             timeout: float = 300.0):
     """Driver: check every strategy, run them all in one launch of ``world_size`` ranks.
     Returns ``(rows, results)``: one dict per strategy (see the module doc) and the raw
-    per-rank results (``results[rank][name]["events"]`` is the last step's trace)."""
+    per-rank results (``results[rank][name]["measured"]``; for the mesh strategies its
+    ``"events"`` are the last step's trace)."""
     specs = specs or strategies(world_size)
     batch = batches[0][0].shape[0]
     for spec in specs.values():
-        check_config(config, spec["dp"], spec["pp"], spec["tp"], world_size, spec["m"], batch)
-    want = train_reference(GPT(config, seed=seed), batches,
-                           lambda ps: torch.optim.AdamW(ps, **ADAMW))["losses"]
+        check(config, batches, world_size, spec["dp"], spec["pp"], spec["tp"], spec["m"])
+    want = train_reference(GPT(config, seed=seed), batches, adamw)["losses"]
     results = launch(measure, world_size, args=(config, batches, specs, seed), timeout=timeout)
     rows = []
     for name, spec in specs.items():
-        runs = [r[name] for r in results]
+        runs = [r[name]["measured"] for r in results]
+        losses = [r[name]["losses"] for r in results]
         row = {"strategy": name, "dp": spec["dp"], "pp": spec["pp"], "tp": spec["tp"], "m": spec["m"],
                "memory": max(r["memory"]["total"] for r in runs),
-               "sent": max(r["sent"] for r in runs),
-               "bubble": statistics.mean(bubble([r["events"] for r in runs])) if spec["pp"] > 1 else None,
-               "step_ms": 1e3 * max(statistics.median(r["seconds"][1:] or r["seconds"]) for r in runs),
-               "loss_error": max(abs(a - b) for r in runs for a, b in zip(r["losses"], want))}
-        row.update(_formulas(config, spec, batch, runs[0]["units"]))
+               "sent": max(r["bytes_sent"] for r in runs),
+               "bubble": (statistics.mean(Trace([r["events"] for r in runs]).bubble())
+                          if spec["pp"] > 1 else None),
+               "step_ms": 1e3 * max(r["seconds"] for r in runs),
+               "loss_error": max(abs(a - b) for ls in losses for a, b in zip(ls, want))}
+        row.update(_formulas(config, spec, batch, runs[0].get("unit_sizes")))
         rows.append(row)
     return rows, results

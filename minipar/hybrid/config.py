@@ -1,6 +1,6 @@
 """Which (dp, pp, tp) configurations can train a given GPT, and which one to choose.
 
-:func:`check_config` is the plain error before launch: the mesh must cover the world
+:func:`check` is the plain error before launch: the mesh must cover the world
 (``dp·pp·tp = world_size``), each strategy's own constraints must hold (tensor parallelism
 splits heads, hidden size and vocabulary by ``tp``; a pipeline needs at least one layer
 per stage; the batch must cut into ``dp`` shards of ``m`` equal micro-batches).
@@ -18,11 +18,13 @@ with the memory per rank from :func:`minipar.cost.hybrid_memory_per_rank`.
 """
 from __future__ import annotations
 
+from .. import precision
 from ..cost import hybrid_memory_per_rank
 from ..mesh import ProcessMesh
 from ..models.gpt import GPTConfig
+from ..context_parallel import check_config as check_context_parallel
 from ..pipeline import check_config as check_schedule
-from ..tensor_parallel import check_config as check_tensor_parallel
+from ..tensor_parallel import check as check_tensor_parallel
 
 
 def num_layers(config: GPTConfig) -> int:
@@ -39,17 +41,23 @@ def num_params(config: GPTConfig) -> int:
     return embed + c.n_layer * block + head
 
 
-def check_config(config: GPTConfig, dp: int, pp: int, tp: int, world_size: int | None = None,
-                 microbatches: int = 1, batch_size: int | None = None, schedule: str = "1f1b",
-                 virtual_stages: int = 1, sequence_parallel: bool = False) -> None:
-    """Raise a plain ``ValueError`` if the GPT ``config`` cannot train on this mesh.
+def check(model, batches=None, world_size: int | None = None, dp: int = 1, pp: int = 1,
+          tp: int = 1, microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
+          sequence_parallel: bool = False, batch_size: int | None = None, dtype=None, cp: int = 1,
+          layout: str = "zigzag", variant: str = "ring", **_) -> None:
+    """Raise a plain ``ValueError`` if the GPT ``model`` (or its ``GPTConfig``) cannot train
+    on a dp × pp × tp mesh.
 
-    Call it in the driver, before any process starts. ``world_size`` (if given) must be
-    ``dp·pp·tp``; ``batch_size`` (if given) is the global batch, which ``dp`` ranks and
-    ``microbatches`` micro-batches must split evenly."""
-    ProcessMesh(dp=dp, pp=pp, tp=tp, world_size=world_size)
+    Call it in the driver, before any process starts (:func:`~minipar.hybrid.run` does).
+    ``world_size`` (if given) must be ``dp·pp·tp``; the global batch (``batch_size``, else
+    that of ``batches``) must split into ``dp`` shards of ``microbatches`` equal micro-batches."""
+    config = getattr(model, "config", model)
+    ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp, world_size=world_size)
+    if cp > 1:  # context parallelism: T cut over cp (2·cp for zigzag), Ulysses needs cp | heads/tp
+        check_context_parallel(config, cp, batches[0][0].shape[1] if batches else None, layout,
+                               variant, tp, sequence_parallel, _.get("recompute"))
     if tp > 1:
-        check_tensor_parallel(config, tp, sequence_parallel)
+        check_tensor_parallel(config, None, tp, sequence_parallel)
     elif sequence_parallel:
         raise ValueError("sequence_parallel needs tp > 1 (it splits the sequence over the tp ranks)")
     check_schedule(schedule, pp, microbatches, virtual_stages, num_layers(config))
@@ -60,14 +68,16 @@ def check_config(config: GPTConfig, dp: int, pp: int, tp: int, world_size: int |
     if config.dropout:
         raise ValueError(f"dropout={config.dropout}: hybrid training is checked against one process "
                          "and needs dropout=0")
+    batch_size = batch_size or (batches[0][0].shape[0] if batches else None)
     if batch_size is not None and batch_size % (dp * microbatches):
         raise ValueError(f"global batch {batch_size} cannot be split into dp={dp} shards of "
                          f"m={microbatches} equal micro-batches (need a multiple of {dp * microbatches})")
+    precision.resolve(dtype)
 
 
 def valid_configs(config: GPTConfig, world_size: int, batch_size: int | None = None,
                   microbatches: int = 1) -> list[dict[str, int]]:
-    """Every ``{"dp", "pp", "tp"}`` with product ``world_size`` that passes :func:`check_config`."""
+    """Every ``{"dp", "pp", "tp"}`` with product ``world_size`` that passes :func:`check`."""
     out = []
     for tp in range(1, world_size + 1):
         for pp in range(1, world_size // tp + 1):
@@ -75,7 +85,7 @@ def valid_configs(config: GPTConfig, world_size: int, batch_size: int | None = N
                 continue
             dp = world_size // (tp * pp)
             try:
-                check_config(config, dp, pp, tp, world_size, microbatches, batch_size)
+                check(config, None, world_size, dp, pp, tp, microbatches, batch_size=batch_size)
             except ValueError:
                 continue
             out.append({"dp": dp, "pp": pp, "tp": tp})
@@ -87,11 +97,14 @@ def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatc
                   zero1: bool = False) -> dict[str, int]:
     """The configuration ``{"dp", "pp", "tp"}`` to train ``config`` on ``world_size`` ranks.
 
-    Among the valid configurations (:func:`check_config`) whose model states fit in
+    Among the valid configurations (:func:`check`) whose model states fit in
     ``memory_per_rank`` bytes (``None``: no limit; fp32 Adam,
     :func:`minipar.cost.hybrid_memory_per_rank`), pick the one with the smallest
     model-parallel size ``tp·pp``; ties go to ``tp ≤ ranks_per_node``, then to the fewest
     pipeline stages. Raises ``ValueError`` if none fits."""
+    # >>> ex07 C
+    # Hint: over valid_configs(...), skip those needing more than memory_per_rank (see
+    # Hint: hybrid_memory_per_rank); keep the least (tp·pp, tp > ranks_per_node, pp), else ValueError.
     best, psi = None, num_params(config)
     for c in valid_configs(config, world_size, batch_size, microbatches):
         need = hybrid_memory_per_rank(psi, c["dp"], c["pp"], c["tp"], zero1=zero1)["total"]
@@ -104,3 +117,4 @@ def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatc
         raise ValueError(f"no configuration of {world_size} ranks can train this model within "
                          f"{memory_per_rank} bytes per rank")
     return best[1]
+    # <<< ex07 C

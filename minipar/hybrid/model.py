@@ -3,8 +3,8 @@
 Megatron-LM's composition (Narayanan et al. 2021, §3), from minipar's own pieces:
 
 * **tp**: every rank builds :class:`~minipar.tensor_parallel.TensorParallelGPT` over its
-  tensor-parallel group (plain :class:`~minipar.models.GPT` when ``tp == 1``), initialised
-  like ``GPT(config, seed)``;
+  tensor-parallel group (the single-device GPT itself when ``tp == 1``), with the weights
+  of the single-device model it is given;
 * **pp**: the model's ``layers()`` are cut into ``pp·v`` balanced stages
   (:func:`~minipar.pipeline.partition`); this rank keeps the stages of its pipeline
   coordinate and runs them with :class:`~minipar.pipeline.Pipeline` over its pipeline
@@ -27,69 +27,83 @@ import torch
 import torch.distributed as dist
 
 from .. import comm, trace
+from ..backend import current_device
+from ..context_parallel import parallelize, sequence_positions, set_positions, shard_sequence
 from ..data import shard
 from ..data_parallel import Reducer
 from ..mesh import ProcessMesh
-from ..models.gpt import GPT, GPTConfig, lm_loss
+from ..models.gpt import GPT, lm_loss
 from ..pipeline import Pipeline, build_stages, layer_costs, make_schedule, partition
-from ..tensor_parallel import TensorParallelGPT, shard_state_dict, unshard_state_dict
+from ..reference import sgd
+from ..tensor_parallel import TensorParallelGPT, gather_shards, shard_state_dict, unshard_state_dict
 from ..zero import ZeroOptimizer, model_state_bytes, state_tensors, storage_bytes
-from .config import check_config
-
-PP_NAMES = ("send_activation", "recv_activation", "send_grad", "recv_grad")
+from .config import check
 
 
 class HybridModel:
-    """One rank's part of a GPT trained on a ``dp × pp × tp`` :class:`ProcessMesh`.
+    """One rank's part of the single-device GPT ``model`` (same weights on every rank)
+    trained on a ``dp × pp × tp`` :class:`ProcessMesh`.
 
     ``train_step(x, y)`` trains on one global batch and returns its mean loss (the same
-    on every rank); ``optimizer`` is the torch optimizer (or the ZeRO-1 wrapper);
+    on every rank); ``optimizer`` (built by the factory ``optimizer``, default SGD) is the
+    torch optimizer or the ZeRO-1 wrapper;
     ``full_state_dict()`` / ``load_full_state_dict(sd)`` move the single-device GPT's
     weights in and out (collectives: call them on every rank). ``params`` maps this
     rank's single-device names to its parameters; ``coords`` is its ``{"pp", "dp", "tp"}``.
     ``zero1`` with ``dp == 1`` is plain training (there is nothing to shard over)."""
 
-    def __init__(self, config: GPTConfig, mesh: ProcessMesh, seed: int = 0, *, zero1: bool = False,
+    def __init__(self, model: GPT, mesh: ProcessMesh, *, optimizer=None, zero1: bool = False,
                  schedule: str = "1f1b", microbatches: int = 1, virtual_stages: int = 1,
-                 sequence_parallel: bool = False, optimizer_cls=torch.optim.SGD,
-                 optimizer_kwargs: dict | None = None, bucket_cap_mb: float = 25.0,
-                 bounds: list[int] | None = None):
-        check_config(config, mesh.dp, mesh.pp, mesh.tp, dist.get_world_size(), microbatches,
-                     schedule=schedule, virtual_stages=virtual_stages,
-                     sequence_parallel=sequence_parallel)
+                 sequence_parallel: bool = False, bucket_cap_mb: float = 25.0,
+                 bounds: list[int] | None = None, dtype=None, recompute=None,
+                 layout: str = "zigzag", variant: str = "ring"):
+        config = model.config
+        check(config, None, dist.get_world_size(), mesh.dp, mesh.pp, mesh.tp, microbatches, schedule,
+              virtual_stages, sequence_parallel, dtype=dtype, cp=mesh.cp, layout=layout, variant=variant,
+              recompute=recompute)
         if not mesh.groups:
             mesh.build()
-        self.config, self.mesh, self.seed = config, mesh, seed
+        self.config, self.mesh = config, mesh
         self.coords = mesh.coordinates(dist.get_rank())
-        self.zero1, self.sequence_parallel, self.m = zero1 and mesh.dp > 1, sequence_parallel, microbatches
-        g = {dim: mesh.group(dim) for dim in ("dp", "pp", "tp")}
+        self.zero1, self.sequence_parallel, self.m = zero1 and mesh.dp * mesh.cp > 1, sequence_parallel, microbatches
+        g = {dim: mesh.group(dim) for dim in ("dp", "pp", "tp", "dp_cp")}  # dp_cp: dp when cp = 1
+        if mesh.cp > 1:
+            g["cp"] = mesh.group("cp")
+        self.layout = layout
         self.groups = g
-        full = GPT(config, seed=seed)                       # the single-device model
+        self.device = current_device()                      # where this rank computes
+        if recompute is not None:  # the blocks' recomputation, in the config tp shards are built from
+            model.set_recompute(recompute)
+        full = model.to(self.device)                        # the single-device model
         self.full_names = list(full.state_dict())
         self.full_shapes = {k: v.shape for k, v in full.state_dict().items()}
         if mesh.tp > 1:
-            self.model = TensorParallelGPT(config, g["tp"], sequence_parallel, seed=None)
+            with torch.device(self.device):
+                self.model = TensorParallelGPT(config, g["tp"], sequence_parallel, seed=None)
             self.model.load_full_state_dict(full.state_dict())
             loss_fn = self.model.loss
         else:
             self.model, loss_fn = full, lm_loss
+        if mesh.cp > 1:  # cp: attention over the cp group, every other layer on the local tokens
+            parallelize(self.model, g["cp"], variant, layout)
         n_stages = mesh.pp * virtual_stages
         self.bounds = bounds or partition(layer_costs(full.layers()), n_stages)
         self.stages = build_stages(self.model.layers(), self.bounds, self.coords["pp"], mesh.pp)
         self.schedule = make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
         self._act = (1, config.block_size, config.n_embd)
-        self.pipe = Pipeline(self.stages, self.schedule, lambda s: self._act, g["pp"], loss_fn=loss_fn)
+        self.pipe = Pipeline(self.stages, self.schedule, lambda s: self._act, g["pp"], loss_fn=loss_fn,
+                             dtype=dtype)
         mine = {id(q) for st in self.stages.values() for q in st.parameters()}
         self.params = {n: q for n, q in self.model.named_parameters() if id(q) in mine}
-        kw = dict(optimizer_kwargs or {"lr": 0.1})
+        make = optimizer or sgd()
         if self.zero1:
             units = [list(layer.parameters()) for s in sorted(self.stages) for layer in self.stages[s]]
-            self.optimizer = ZeroOptimizer([u for u in units if u], optimizer_cls, group=g["dp"], **kw)
+            self.optimizer = ZeroOptimizer([u for u in units if u], make, group=g["dp_cp"])
             self.reducer = None
         else:
-            self.optimizer = optimizer_cls(list(self.params.values()), **kw)
-            self.reducer = (Reducer(list(self.params.values()), g["dp"], bucket_cap_mb, overlap=False)
-                            if mesh.dp > 1 else None)
+            self.optimizer = make(list(self.params.values()))
+            self.reducer = (Reducer(list(self.params.values()), g["dp_cp"], bucket_cap_mb, overlap=False)
+                            if mesh.dp * mesh.cp > 1 else None)
         self.last_step: dict = {}
 
     # ------------------------------------------------------------------ training
@@ -97,43 +111,36 @@ class HybridModel:
         """One step on the global batch ``(x, y)`` (every rank passes the same batch):
         this rank's dp shard, m micro-batches through the pipeline, gradients averaged over
         dp, optimizer step. Returns the global mean loss; ``last_step`` holds this rank's
-        bytes sent by dimension and the step's seconds."""
+        ``bytes`` sent by mesh dimension (the trace's labels), its ``events`` and ``seconds``."""
         dp, d = self.mesh.dp, self.coords["dp"]
-        xs, ys = shard(x, d, dp), shard(y, d, dp)
+        xs, ys = shard(x.to(self.device), d, dp), shard(y.to(self.device), d, dp)
+        if self.mesh.cp > 1:  # this rank's tokens of every sequence, at their global positions
+            c, r, T = self.mesh.cp, self.coords["cp"], xs.shape[1]
+            xs, ys = shard_sequence(xs, r, c, self.layout), shard_sequence(ys, r, c, self.layout)
+            set_positions(self.model, sequence_positions(T, r, c, self.layout, device=self.device))
         seq = xs.shape[1] // (self.mesh.tp if self.sequence_parallel else 1)
         self._act = (xs.shape[0] // self.m, seq, self.config.n_embd)
-        mark, t0 = len(trace._events), time.perf_counter()
+        mark, t0 = trace.mark(), time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.pipe.step(xs, ys)
-        mid = len(trace._events)
         if self.reducer is not None:
             self.reducer.finish()                           # mean gradient over dp
         with trace.region("optimizer"):
             self.optimizer.step()                           # ZeRO-1: reduce-scatter, step, gather
-        end = len(trace._events)
-        out = self._reduce_loss(loss)
-        self.last_step = {"seconds": time.perf_counter() - t0, **self._bytes(mark, mid, end)}
-        return out
+        events = trace.since(mark)
+        sent = trace.bytes_by_dim(events)
+        self.last_step = {"seconds": time.perf_counter() - t0, "events": events,
+                          "bytes": {**{d: sent.get(d, 0) for d in ("dp", "pp", "tp")}, **sent}}
+        return self._reduce_loss(loss)
 
     def _reduce_loss(self, loss: float | None) -> float:
         """The last stage's loss, summed over pp (the others hold 0), averaged over dp."""
-        t = torch.tensor([loss or 0.0])
+        t = torch.tensor([loss or 0.0], device=self.device)
         if self.mesh.pp > 1:
             comm.all_reduce(t, group=self.groups["pp"], name="loss")
-        if self.mesh.dp > 1:
-            comm.all_reduce(t, op="avg", group=self.groups["dp"], name="loss")
+        if self.mesh.dp * self.mesh.cp > 1:   # each cp rank holds the mean of its own tokens
+            comm.all_reduce(t, op="avg", group=self.groups["dp_cp"], name="loss")
         return t.item()
-
-    @staticmethod
-    def _bytes(mark: int, mid: int, end: int) -> dict:
-        """Bytes this rank sent in the step, by dimension: pipeline transfers and
-        tensor-parallel collectives happen inside the pipeline's step, data-parallel ones
-        after it. (Reads the recorder's list in place: a long run's trace is not copied.)"""
-        comm_evs = [(i, e) for i, e in enumerate(trace._events[mark:end], mark) if e["kind"] == "comm"]
-        pp = sum(e["bytes_sent"] for i, e in comm_evs if i < mid and e["name"] in PP_NAMES)
-        tp = sum(e["bytes_sent"] for i, e in comm_evs if i < mid and e["name"] not in PP_NAMES)
-        dp = sum(e["bytes_sent"] for i, e in comm_evs if i >= mid)
-        return {"bytes": {"dp": dp, "pp": pp, "tp": tp, "total": dp + pp + tp}}
 
     # ------------------------------------------------------------------ state
     def named_parameters(self) -> dict[str, torch.Tensor]:
@@ -151,11 +158,11 @@ class HybridModel:
         all-reduce of disjoint parts). A collective of the whole mesh."""
         mine = {k: v.detach() for k, v in self.params.items()}
         if self.mesh.tp > 1:
-            mine = _gather_tp(mine, self.groups["tp"], self.mesh.tp)
+            mine = unshard_state_dict(gather_shards(mine, self.groups["tp"]))
         names = [k for k in self.full_names if k in self.full_shapes]
         if self.mesh.pp > 1:
             sizes = [self.full_shapes[k].numel() for k in names]
-            flat = torch.cat([mine[k].reshape(-1).float() if k in mine else torch.zeros(n)
+            flat = torch.cat([mine[k].reshape(-1).float() if k in mine else torch.zeros(n, device=self.device)
                               for k, n in zip(names, sizes)])
             comm.all_reduce(flat, group=self.groups["pp"], name="gather_state")
             mine = {k: x.view(self.full_shapes[k]).clone() for k, x in zip(names, flat.split(sizes))}
@@ -183,18 +190,7 @@ class HybridModel:
         return out
 
 
-def _gather_tp(tensors: dict, group, t: int) -> dict:
-    """The full tensors from every tp rank's shards (same names and shapes on each)."""
-    names = list(tensors)
-    flat = torch.cat([tensors[k].reshape(-1).float() for k in names])
-    out = torch.empty(t * flat.numel())
-    comm.all_gather(out, flat, group=group, name="gather_state")
-    sizes = [tensors[k].numel() for k in names]
-    shards = [{k: x.view_as(tensors[k]) for k, x in zip(names, row.split(sizes))} for row in out.view(t, -1)]
-    return unshard_state_dict(shards)
-
-
-def build(config: GPTConfig, mesh: ProcessMesh, seed: int = 0, **kwargs) -> HybridModel:
+def build(model: GPT, mesh: ProcessMesh, **kwargs) -> HybridModel:
     """Inside every rank: build ``mesh``'s process groups (if not built yet) and this
-    rank's :class:`HybridModel`. Keyword arguments are :class:`HybridModel`'s."""
-    return HybridModel(config, mesh, seed, **kwargs)
+    rank's :class:`HybridModel` of the GPT ``model``. Keyword arguments are :class:`HybridModel`'s."""
+    return HybridModel(model, mesh, **kwargs)

@@ -7,9 +7,9 @@ import plotly.graph_objects as go
 from .. import viz
 from ..mesh import ProcessMesh
 
-GROUP_STYLE = {"tp": dict(color=viz._PALETTE[0], dash="solid", width=5),
-               "dp": dict(color=viz._PALETTE[1], dash="dash", width=3),
-               "pp": dict(color=viz._PALETTE[2], dash="dot", width=2)}
+GROUP_STYLE = {"tp": dict(color=viz.color(0), dash="solid", width=5),
+               "dp": dict(color=viz.color(1), dash="dash", width=3),
+               "pp": dict(color=viz.color(2), dash="dot", width=2)}
 
 
 def _xy(c: dict, mesh: ProcessMesh) -> tuple[float, float]:
@@ -100,7 +100,7 @@ def comparison_bars(rows: list[dict]) -> go.Figure:
                                                         "bytes sent per rank per step (KiB)"))
     names = [r["strategy"] for r in rows]
     for col, (key, ref) in enumerate((("memory", "memory_formula"), ("sent", "sent_formula")), 1):
-        fig.add_bar(x=names, y=[r[key] / 1024 for r in rows], name="measured", marker_color=viz._PALETTE[0],
+        fig.add_bar(x=names, y=[r[key] / 1024 for r in rows], name="measured", marker_color=viz.color(0),
                     showlegend=col == 1, row=1, col=col)
         fig.add_scatter(x=names, y=[r[ref] / 1024 for r in rows], mode="markers", name="formula",
                         marker=dict(color="black", symbol="line-ew-open", size=18, line_width=2),

@@ -1,57 +1,48 @@
-"""Train the GPT on a mesh, measured: the rank-side loop the tests, the notebook and the
-benchmark share, and its checked launcher.
+"""Hybrid training in the shape of every strategy (:mod:`minipar.strategy`).
 
-``train(config, batches, dp, pp, tp, seed, **kw)`` runs on every rank: it builds the mesh
-and the :class:`~minipar.hybrid.HybridModel`, trains on the global ``batches``, and
-returns the losses, the final single-device parameters (gathered), this rank's mesh
-coordinates and what the last step measured (bytes sent by dimension, model-state
-memory, seconds). :func:`run` checks the configuration, then launches ``train``.
+``train(model, batches, optimizer, dp=, pp=, tp=, ...)`` runs on every rank: it builds the
+mesh and the :class:`~minipar.hybrid.HybridModel` of the single-device GPT ``model``,
+trains on the global ``batches``, and returns the losses, the final single-device
+parameters (gathered, on global rank 0) and what the last step measured: this rank's mesh
+``coords``, ``bytes_by_dim`` (and ``bytes_sent``) by mesh dimension, model-state
+``memory``, ``seconds`` and its trace ``events``. :func:`run` checks the configuration
+(:func:`~minipar.hybrid.check`), then launches ``train``.
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from .. import trace
-from ..launch import launch
+from .. import strategy
 from ..mesh import ProcessMesh
-from .config import check_config
+from .config import check
 from .model import HybridModel
 
 
-def train_steps(model: HybridModel, batches) -> tuple[list[float], list[float], list[dict]]:
-    """Train ``model`` on the global ``batches``: the loss and seconds of every step, and
-    this rank's trace events of the last step."""
-    losses, seconds = [], []
-    for x, y in batches:
-        mark = len(trace._events)  # not trace.events(): no copy of the whole trace per step
-        losses.append(model.train_step(x, y))
-        seconds.append(model.last_step["seconds"])
-    return losses, seconds, trace.events()[mark:]
+def train(model, batches, optimizer=None, group=None, dp: int = 1, pp: int = 1, tp: int = 1,
+          cp: int = 1, **options) -> dict:
+    """Rank function: train the GPT ``model`` on a dp × pp × tp mesh of the whole world
+    (``options``: those of :class:`HybridModel`: ``zero1``, ``schedule``, ``microbatches``,
+    ``virtual_stages``, ``sequence_parallel``, ``bounds``, ``dtype``, ``recompute``, ...)."""
+    if group is not None:
+        raise ValueError("hybrid training lays its mesh over the whole world (group=None)")
+    names = [k for k, _ in model.named_parameters()]
+    mesh = ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp).build()
+    hybrid = HybridModel(model, mesh, optimizer=optimizer, **options)
+    losses = [hybrid.train_step(x, y) for x, y in batches]
+    full = hybrid.full_state_dict()                      # a collective: every rank takes part
+    last = hybrid.last_step
+    measured = {"coords": hybrid.coords, "bytes_by_dim": last["bytes"],
+                "bytes_sent": last["bytes"]["total"], "memory": hybrid.memory(),
+                "seconds": last["seconds"], "events": last["events"]}
+    if hybrid.zero1:
+        measured["unit_sizes"] = hybrid.optimizer.unit_sizes()
+    return {"losses": losses, "measured": measured,
+            "params": strategy.full_params((k, full[k]) for k in names) if dist.get_rank() == 0 else None}
 
 
-def train(config, batches, dp: int, pp: int, tp: int, seed: int = 0, gather: bool = True,
-          **kwargs) -> dict:
-    """Rank function: train ``GPT(config, seed)`` on a dp × pp × tp mesh (``kwargs``: those
-    of :class:`HybridModel`). Every rank returns ``{"losses", "params", "coords",
-    "bytes", "memory", "seconds", "step_events"}``; ``params`` (the gathered single-device
-    state dict) only on global rank 0 when ``gather``; ``step_events`` are this rank's trace
-    events of the last step."""
-    mesh = ProcessMesh(dp=dp, pp=pp, tp=tp).build()
-    model = HybridModel(config, mesh, seed, **kwargs)
-    losses, seconds, step_events = train_steps(model, batches)
-    memory = model.memory()
-    params = model.full_state_dict() if gather else None
-    return {"losses": losses, "params": params if dist.get_rank() == 0 else None,
-            "coords": model.coords, "bytes": model.last_step["bytes"], "memory": memory,
-            "seconds": seconds, "step_events": step_events}
-
-
-def run(config, batches, dp: int, pp: int, tp: int, seed: int = 0, timeout: float = 120.0,
-        **kwargs):
-    """Driver: :func:`~minipar.hybrid.check_config` (a plain error before any process
-    starts), then :func:`train` on ``dp·pp·tp`` ranks. Returns ``launch``'s results."""
-    check_config(config, dp, pp, tp, dp * pp * tp, kwargs.get("microbatches", 1),
-                 batches[0][0].shape[0], kwargs.get("schedule", "1f1b"),
-                 kwargs.get("virtual_stages", 1), kwargs.get("sequence_parallel", False))
-    return launch(train, dp * pp * tp, args=(config, batches, dp, pp, tp, seed), kwargs=kwargs,
-                  timeout=timeout)
+def run(model, batches, world_size: int | None = None, optimizer=None, **options) -> strategy.TrainResult:
+    """Driver: :func:`~minipar.hybrid.check` (a plain error before any process starts),
+    then :func:`train` on ``world_size`` (default ``dp·pp·tp``) ranks."""
+    world_size = world_size or (options.get("dp", 1) * options.get("pp", 1) * options.get("tp", 1)
+                                * options.get("cp", 1))
+    return strategy.run(train, model, batches, world_size, check=check, optimizer=optimizer, **options)

@@ -13,11 +13,14 @@ logits). ``model.layers()`` lists them flat. Initialisation is deterministic giv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .moe import MoE, moe_loss
+from .recompute import check_mode, run, set_recompute
 
 
 @dataclass
@@ -29,6 +32,15 @@ class GPTConfig:
     n_embd: int = 32          # hidden size h
     tie_weights: bool = False  # share the embedding matrix with the output head
     dropout: float = 0.0
+    recompute: str = "none"   # activation recomputation: "none" | "selective" | "full" (minipar.models.recompute)
+    # Mixture of experts (minipar.models.moe): every moe_every-th block's MLP (blocks
+    # moe_every-1, 2·moe_every-1, ...) becomes n_experts experts, top_k per token. 0 = dense.
+    moe_every: int = 0
+    n_experts: int = 4
+    top_k: int = 2
+    capacity_factor: float | None = None  # None = dropless
+    aux_loss_coef: float = 0.01           # load-balancing loss E·Σ f_i P_i
+    z_loss_coef: float = 0.0              # router z-loss
 
 
 class CausalSelfAttention(nn.Module):
@@ -40,9 +52,14 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(c.n_embd, 3 * c.n_embd)
         self.proj = nn.Linear(c.n_embd, c.n_embd)
         self.drop = nn.Dropout(c.dropout)
+        self.recompute = check_mode(c.recompute)
 
     def attend(self, q, k, v):
-        """softmax(q kᵀ / √d + causal mask) v, per head; (B, heads, T, d) tensors."""
+        """softmax(q kᵀ / √d + causal mask) v, per head; (B, heads, T, d) tensors; with
+        selective recomputation only q, k, v are kept for backward."""
+        return run(self._attend, self.recompute == "selective", q, k, v)
+
+    def _attend(self, q, k, v):
         T = q.shape[-2]
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
         mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
@@ -69,12 +86,17 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, c: GPTConfig):
+    def __init__(self, c: GPTConfig, index: int | None = None):
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(c.n_embd), CausalSelfAttention(c)
-        self.ln2, self.mlp = nn.LayerNorm(c.n_embd), FeedForward(c)
+        self.ln2, self.mlp = nn.LayerNorm(c.n_embd), _mlp(c, index)
+        self.recompute = check_mode(c.recompute)
 
     def forward(self, x):
+        """With full recomputation only ``x`` is kept; the block runs again in backward."""
+        return run(self._forward, self.recompute == "full", x)
+
+    def _forward(self, x):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -122,7 +144,7 @@ class GPT(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.embed = Embedding(c)
-            self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+            self.blocks = nn.ModuleList(Block(c, i) for i in range(c.n_layer))
             self.head = Head(c)
             init_weights(self)
         if c.tie_weights:
@@ -132,13 +154,27 @@ class GPT(nn.Module):
         """``[embed, block_0, ..., block_{L-1}, head]``: applied in order, tokens -> logits."""
         return [self.embed, *self.blocks, self.head]
 
+    def set_recompute(self, mode) -> "GPT":
+        """``"none"``, ``"selective"`` or ``"full"`` recomputation in every block (:mod:`.recompute`)."""
+        self.config = replace(self.config, recompute=check_mode(mode))   # copies made from the config follow
+        return set_recompute(self, mode)
+
     def forward(self, idx, targets=None):
         """Logits ``(B, T, vocab)``; with ``targets``, the mean cross-entropy loss instead."""
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
         logits = self.head(x)
-        return logits if targets is None else lm_loss(logits, targets)
+        if targets is None:
+            return logits
+        loss = lm_loss(logits, targets)
+        return loss + moe_loss(self) if self.config.moe_every else loss  # + the MoE layers' aux losses
+
+
+def _mlp(c: GPTConfig, index: int | None) -> nn.Module:
+    if c.moe_every and index is not None and index % c.moe_every == c.moe_every - 1:
+        return MoE(c.n_embd, c.n_experts, c.top_k, c.capacity_factor, c.aux_loss_coef, c.z_loss_coef)
+    return FeedForward(c)
 
 
 def lm_loss(logits, targets):

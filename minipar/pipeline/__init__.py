@@ -3,9 +3,10 @@
 * :mod:`.partition` — balanced cuts of a model's layers into stages.
 * :mod:`.schedules` — GPipe, 1F1B, interleaved 1F1B, ZB-H1 as lists of actions per rank.
 * :mod:`.stage_comm` — activations forward, gradients back, across ranks.
+* :mod:`.split_backward` — the backward split into B (input gradients) and W (weight gradients).
 * :mod:`.executor` — :class:`Pipeline` runs one rank's actions on real stages.
 * :mod:`.simulate` — the same schedules on paper: ideal timeline, deadlocks, stash, bubble.
-* :mod:`.train` — the training loop and the merge of per-rank results.
+* :mod:`.train` — ``check`` / ``train`` / ``run``, the shape of every strategy (:mod:`minipar.strategy`).
 """
 from .executor import Pipeline
 from .partition import (balance, build_stages, explain, layer_costs, owned_parameters, partition,
@@ -13,12 +14,13 @@ from .partition import (balance, build_stages, explain, layer_costs, owned_param
 from .schedules import (SCHEDULES, Action, Schedule, add_comms, check_config, gpipe,
                         interleaved_1f1b, make_schedule, one_f_one_b, zb_h1)
 from .simulate import Deadlock, bubble, check_schedule, compute_only, peak_stash, simulate
+from .split_backward import WeightGrads, deferred
 from .stage_comm import recv_activation, recv_grad, send_activation, send_grad
-from .train import boundary_shapes, gather, train
+from .train import boundary_shapes, check, run, train
 
 __all__ = ["Pipeline", "partition", "balance", "explain", "layer_costs", "stage_costs",
            "build_stages", "owned_parameters", "SCHEDULES", "Action", "Schedule", "add_comms",
            "check_config", "make_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1",
            "Deadlock", "simulate", "check_schedule", "peak_stash", "bubble", "compute_only",
-           "send_activation", "recv_activation", "send_grad", "recv_grad", "boundary_shapes",
-           "train", "gather"]
+           "WeightGrads", "deferred", "send_activation", "recv_activation", "send_grad", "recv_grad",
+           "boundary_shapes", "check", "train", "run"]

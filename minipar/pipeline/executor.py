@@ -1,143 +1,190 @@
-"""The executor: run one rank's list of actions for one training step.
+"""The executor: one rank walks its list of actions, top to bottom, for one training step.
 
 ``Pipeline(stages, schedule, act_shape, group)`` holds this rank's stages (any
-``nn.Module``, e.g. ``nn.Sequential`` of GPT blocks, or tensor-parallel blocks) and walks
-``schedule.actions[rank]``, with ``rank`` the rank inside ``group`` (the pipeline's own
-process group, so a 2D/3D mesh can run many pipelines side by side):
+``nn.Module``: ``nn.Sequential`` of GPT blocks, tensor-parallel blocks, ...) and runs
+``schedule.actions[rank]``, ``rank`` being the rank inside ``group`` (the pipeline's own
+process group, so a 2D/3D mesh can run many pipelines side by side). Each action is a
+method of the same name:
 
-* ``F i s``: stage s's forward on micro-batch i; the last stage also computes
-  ``loss_i / m``, so the gradients summed over the m micro-batches are those of the
-  mean loss over the whole batch, as in the single-process run.
-* ``B i s``: ``out.backward(grad)`` with ``grad`` the received ``∂L/∂out`` (for split
-  schedules only the input gradient ``∂L/∂in``, via ``torch.autograd.grad``).
-* ``W i s``: the weight gradients ``∂L/∂θ`` of micro-batch i, accumulated into ``.grad``.
-* ``SEND_*``/``RECV_*``: :mod:`minipar.pipeline.stage_comm` (or ``comm=``, any module
-  with the same four functions), with a tag per message so that each receive matches
-  its send whatever the order of arrival.
+* ``F i s``: stage s's forward of micro-batch i, its input and output kept in the
+  *stash*; the last stage also computes ``loss_i / m``, so the gradients summed over
+  the m micro-batches are those of the batch's mean loss, as in the single process.
+* ``B i s``: the backward ``out.backward(∂L/∂out)``; ``∂L/∂in`` (the input's ``.grad``)
+  is what ``SEND_B`` sends back. In a schedule with W actions (ZB-H1) the forward ran
+  under :func:`~minipar.pipeline.split_backward.deferred`, so B computes the input
+  gradients only and the stash keeps each linear layer's ``(X, ∂L/∂Y)`` until
+* ``W i s``: the weight gradients ``∂L/∂W = (∂L/∂Y)ᵀ X`` from them, nothing else.
+* ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``: activations and gradients through
+  :mod:`minipar.pipeline.stage_comm`.
 
-Each stage keeps a micro-batch's input and output ("stash") from F until the backward
-that no longer needs them; ``peak_stash`` reports the most held at once.
+Measurement stays beside the walk: :func:`traced` records each F, B, W as a trace region
+labelled ``phase``, ``microbatch``, ``stage``; :class:`Mailbox` tags each message (so a
+receive matches its send whatever the order of arrival), labels it and counts its bytes;
+:class:`Stash` counts the micro-batches held at once (``peak_stash`` after a step).
+Every message is recorded in the trace by :mod:`minipar.comm`, with its bytes.
 """
 from __future__ import annotations
+
+import functools
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
 
-from .. import trace
+from .. import precision, trace
 from ..comm import group_rank, group_size
 from ..models import lm_loss
 from . import stage_comm
 from .schedules import Schedule
 from .simulate import NAMES
+from .split_backward import WeightGrads, deferred
 
 
-def _reap(sends: list) -> list:
-    """Complete (and record) the sends that have finished; return the others."""
-    pending = []
-    for h in sends:
-        if all(w is None or w.is_completed() for w in h.works):
-            h.wait()
-        else:
-            pending.append(h)
-    return pending
+def traced(action):
+    """Record every call of a compute action as one trace region (one decorator for F, B, W)."""
+    @functools.wraps(action)
+    def run(self, a):
+        with trace.region(NAMES[a.op], phase=a.op, microbatch=a.microbatch, stage=a.stage):
+            return action(self, a)
+    return run
 
 
 class Pipeline:
-    """One rank's part of a pipeline: its stages, the schedule, and :meth:`step`."""
+    """One rank's part of a pipeline: its stages, the schedule, and :meth:`step`.
+    ``dtype``: the forward's compute dtype under autocast (``None``: fp32)."""
 
     def __init__(self, stages: dict[int, nn.Module], schedule: Schedule, act_shape, group=None,
-                 loss_fn=lm_loss, comm=None):
+                 loss_fn=lm_loss, dtype=None):
         self.group, self.schedule, self.loss_fn = group, schedule, loss_fn
-        self.comm = comm or stage_comm
         self.rank = group_rank(group)
         if group_size(group) != schedule.p:
             raise ValueError(f"schedule for p={schedule.p} ranks but the group has {group_size(group)}")
         want = set(range(self.rank, schedule.n_stages, schedule.p))
         if set(stages) != want:
             raise ValueError(f"rank {self.rank} must hold stages {sorted(want)}, got {sorted(stages)}")
-        self.stages = stages
-        self.act_shape = act_shape if callable(act_shape) else (lambda s: tuple(act_shape))
+        self.stages, self.last = stages, schedule.n_stages - 1
         first = next((q for st in stages.values() for q in st.parameters()), None)
-        self.dtype = first.dtype if first is not None else torch.float32
-        self.device = first.device if first is not None else None
+        device = first.device if first is not None else None
+        self.compute_dtype, self.device = dtype, device
+        self.mail = Mailbox(stage_comm, group, schedule.m,
+                            act_shape if callable(act_shape) else (lambda s: tuple(act_shape)),
+                            first.dtype if first is not None else torch.float32, device)
         self.peak_stash = 0
 
     def parameters(self):
         for s in sorted(self.stages):
             yield from self.stages[s].parameters()
 
-    def _tag(self, kind: str, i: int, s: int) -> int:
-        """A tag per message: (kind, micro-batch, sending stage)."""
-        return 2 * (s * self.schedule.m + i) + (kind == "B")
-
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Forward and backward of one batch (gradients accumulate into ``.grad``); returns
         the batch's mean loss on the rank holding the last stage, ``None`` elsewhere."""
-        sch, S, m, g = self.schedule, self.schedule.n_stages, self.schedule.m, self.group
+        m = self.schedule.m
         if inputs.shape[0] % m:
             raise ValueError(f"batch of {inputs.shape[0]} cannot be cut into m={m} equal micro-batches")
-        xs, ys = inputs.chunk(m), targets.chunk(m)
-        split = sch.split_backward
-        inbox: dict[tuple, torch.Tensor] = {}   # received activations / gradients
-        stash: dict[tuple, list] = {}           # (i, s) -> [input, output, grad of output]
-        sends, loss, held = [], 0.0, 0
-        self.peak_stash = 0
-        for a in sch.actions[self.rank]:
-            i, s = a.microbatch, a.stage
-            lab = {"microbatch": i, "stage": s}
-            if a.op == "RECV_F":
-                inbox["F", i, s] = self.comm.recv_activation(
-                    self.act_shape(s - 1), a.peer, g, self.dtype, self.device,
-                    tag=self._tag("F", i, s - 1), **lab)
-            elif a.op == "RECV_B":
-                inbox["B", i, s] = self.comm.recv_grad(
-                    self.act_shape(s), a.peer, g, self.dtype, self.device,
-                    tag=self._tag("B", i, s + 1), **lab)
-            elif a.op == "SEND_F":
-                sends.append(self.comm.send_activation(stash[i, s][1], a.peer, g,
-                                                       tag=self._tag("F", i, s), **lab))
-            elif a.op == "SEND_B":
-                sends.append(self.comm.send_grad(stash[i, s][3], a.peer, g,
-                                                 tag=self._tag("B", i, s), **lab))
-                if not split:
-                    del stash[i, s]
+        self.xs, self.ys, self.loss = inputs.chunk(m), targets.chunk(m), 0.0
+        self.stash, self.inbox, self.outbox = Stash(), {}, {}
+        for a in self.schedule.actions[self.rank]:
+            getattr(self, a.op)(a)
+        self.mail.flush()
+        self.peak_stash = self.stash.peak
+        return self.loss if self.last in self.stages else None
+
+    # ------------------------------------------------------------------ compute
+    @traced
+    def F(self, a):
+        i, s = a.microbatch, a.stage
+        x = self.xs[i] if s == 0 else self.inbox.pop(("F", i, s))
+        dw = WeightGrads() if self.schedule.split_backward else None
+        with precision.autocast(self.compute_dtype, self.device or "cpu"), \
+                (deferred(dw) if dw is not None else nullcontext()):
+            out = self.stages[s](x)
+            if s == self.last:
+                out = self.loss_fn(out, self.ys[i]) / self.schedule.m
+                self.loss += out.item()
+        self.stash[i, s] = (x, out, dw)
+        if s < self.last:
+            self.outbox["F", i, s] = out
+
+    @traced
+    def B(self, a):
+        i, s = a.microbatch, a.stage
+        x, out, dw = self.stash.pop((i, s))
+        grad = self.inbox.pop(("B", i, s), None)
+        torch.autograd.backward(out, None if grad is None else grad.to(out.dtype))
+        if s > 0:
+            self.outbox["B", i, s] = x.grad
+        if dw is not None:
+            self.stash[i, s] = dw          # W still needs each linear layer's (X, ∂L/∂Y)
+
+    @traced
+    def W(self, a):
+        self.stash.pop((a.microbatch, a.stage)).apply()
+
+    # ------------------------------------------------------------------ communication
+    def SEND_F(self, a):
+        self.mail.send(a, self.outbox.pop(("F", a.microbatch, a.stage)))
+
+    def SEND_B(self, a):
+        self.mail.send(a, self.outbox.pop(("B", a.microbatch, a.stage)))
+
+    def RECV_F(self, a):
+        self.inbox["F", a.microbatch, a.stage] = self.mail.recv(a)
+
+    def RECV_B(self, a):
+        self.inbox["B", a.microbatch, a.stage] = self.mail.recv(a)
+
+
+class Stash(dict):
+    """``(micro-batch, stage) -> what its backward still needs``; ``peak``: most held at once."""
+
+    peak = 0
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.peak = max(self.peak, len(self))
+
+
+class Mailbox:
+    """The messages of a pipeline: a tag per (kind, micro-batch, sending stage), trace
+    labels, and non-blocking sends completed (and recorded) as soon as they have finished."""
+
+    def __init__(self, comm, group, m: int, act_shape, dtype, device):
+        self.comm, self.group, self.m, self.act_shape = comm, group, m, act_shape
+        self.dtype, self.device = dtype, device
+        self.pending = []
+
+    def _tag(self, kind: str, i: int, sender: int) -> int:
+        return 2 * (sender * self.m + i) + (kind == "B")
+
+    def send(self, a, tensor: torch.Tensor) -> None:
+        fn = self.comm.send_activation if a.op == "SEND_F" else self.comm.send_grad
+        tensor = tensor.detach().to(self.dtype)
+        self.pending.append(fn(tensor, a.peer, self.group, tag=self._tag(a.op[-1], a.microbatch, a.stage),
+                               microbatch=a.microbatch, stage=a.stage))
+        self._reap()
+
+    def recv(self, a) -> torch.Tensor:
+        forward = a.op == "RECV_F"
+        sender = a.stage - 1 if forward else a.stage + 1
+        fn = self.comm.recv_activation if forward else self.comm.recv_grad
+        t = fn(self.act_shape(a.stage - 1 if forward else a.stage), a.peer, self.group, self.dtype,
+               self.device, tag=self._tag(a.op[-1], a.microbatch, sender),
+               microbatch=a.microbatch, stage=a.stage)
+        self._reap()
+        return t
+
+    def _reap(self) -> None:
+        """Complete (and record) the sends that have finished; keep the others."""
+        still = []
+        for h in self.pending:
+            if all(w is None or w.is_completed() for w in h.works):
+                h.wait()
             else:
-                with trace.region(NAMES[a.op], phase=a.op, **lab):
-                    if a.op == "F":
-                        x = xs[i] if s == 0 else inbox.pop(("F", i, s))
-                        out = self.stages[s](x)
-                        if s == S - 1:
-                            out = self.loss_fn(out, ys[i]) / m
-                            loss += out.item()
-                        stash[i, s] = [x, out, None, None]
-                        held += 1
-                    elif a.op == "B":
-                        self._backward(stash[i, s], inbox.pop(("B", i, s), None), s, split)
-                        if not split:
-                            held -= 1
-                            if s == 0:
-                                del stash[i, s]
-                    else:
-                        self._weight_grad(stash.pop((i, s)), s)
-                        held -= 1
-                self.peak_stash = max(self.peak_stash, held)
-            sends = _reap(sends)
-        for h in sends:
+                still.append(h)
+        self.pending = still
+
+    def flush(self) -> None:
+        """Wait for every send."""
+        for h in self.pending:
             h.wait()
-        return loss if S - 1 in self.stages else None
-
-    def _backward(self, item: list, grad, s: int, split: bool) -> None:
-        x, out = item[0], item[1]
-        item[2] = grad
-        if not split:
-            torch.autograd.backward(out, grad)
-            item[3] = x.grad if s > 0 else None
-        elif s > 0:  # input gradient only; keep the graph for W
-            item[3] = torch.autograd.grad(out, x, grad, retain_graph=True)[0]
-
-    def _weight_grad(self, item: list, s: int) -> None:
-        params = [q for q in self.stages[s].parameters() if q.requires_grad]
-        grads = torch.autograd.grad(item[1], params, item[2], allow_unused=True)
-        for q, gq in zip(params, grads):
-            if gq is not None:
-                q.grad = gq if q.grad is None else q.grad + gq
+        self.pending = []

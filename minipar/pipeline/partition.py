@@ -23,6 +23,9 @@ import torch.nn as nn
 def partition(costs: list[float], p: int) -> list[int]:
     """Stage boundaries ``[0, b_1, ..., L]`` (stage s = layers ``b_s : b_{s+1}``, none empty)
     minimising the cost of the most expensive stage."""
+    # >>> ex04 A
+    # Hint: ValueError unless 1 <= p <= len(costs); limit = _min_max(prefix sums, p); then cut
+    # Hint: so that no stage costs more than limit and none is empty; return [0, b_1, ..., L].
     L = len(costs)
     if p < 1:
         raise ValueError(f"need at least one stage, got p={p}")
@@ -49,11 +52,14 @@ def partition(costs: list[float], p: int) -> list[int]:
         j = cut[k][j]
         bounds.append(j)
     return bounds[::-1]
+    # <<< ex04 A
 
 
 def _min_max(prefix: list[float], p: int) -> float:
     """The smallest achievable cost of the most expensive stage (dynamic programme:
     ``best[k][j] = min over i of max(best[k-1][i], cost of layers i..j-1)``)."""
+    # >>> ex04 A
+    # Hint: dynamic programme: best[k][j] = min over i of max(best[k-1][i], prefix[j] - prefix[i]).
     L, inf = len(prefix) - 1, float("inf")
     best = [[inf] * (L + 1) for _ in range(p + 1)]
     best[0][0] = 0.0
@@ -61,6 +67,7 @@ def _min_max(prefix: list[float], p: int) -> float:
         for j in range(k, L - (p - k) + 1):
             best[k][j] = min(max(best[k - 1][i], prefix[j] - prefix[i]) for i in range(k - 1, j))
     return best[p][L]
+    # <<< ex04 A
 
 
 def stage_costs(costs: list[float], bounds: list[int]) -> list[float]:

@@ -29,13 +29,12 @@ def side_by_side(top: Trace, bottom: Trace, titles=("measured", "simulated"), ti
 def theory_vs_points(x, curves: dict[str, list[float]], points: dict[str, list[float]] | None = None,
                      title: str = "", xlabel: str = "", ylabel: str = "", log_x: bool = False) -> go.Figure:
     """Theory as lines, measurements/simulations as markers (same colour per name)."""
-    palette = viz._PALETTE
     fig = go.Figure()
     for k, (name, ys) in enumerate(curves.items()):
-        fig.add_scatter(x=x, y=ys, mode="lines", name=f"{name} (theory)", line_color=palette[k % 10])
+        fig.add_scatter(x=x, y=ys, mode="lines", name=f"{name} (theory)", line_color=viz.color(k))
         if points and name in points:
             fig.add_scatter(x=x, y=points[name], mode="markers", name=f"{name} (measured)",
-                            marker=dict(color=palette[k % 10], size=9, symbol="circle-open", line_width=2))
+                            marker=dict(color=viz.color(k), size=9, symbol="circle-open", line_width=2))
     fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title=ylabel)
     if log_x:
         fig.update_xaxes(type="log")

@@ -20,13 +20,15 @@ receives (right before the compute that needs it). The same :class:`Schedule` dr
 * 1F1B (PipeDream-Flush, Narayanan et al. 2021): ``p - r - 1`` warm-up forwards, then
   alternate one forward and one backward (steady state), then the remaining backwards
   (cool-down). Rank r stashes at most ``min(p - r, m)``. Same bubble as GPipe.
-* Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): v virtual stages per rank, the
+* Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): v >= 2 virtual stages per rank, the
   micro-batches go round the ranks v times in groups of p; the bubble shrinks to
   (p-1)/(v·m). Needs ``m % p == 0``.
 * ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward is split into
   B (input gradient, on the critical path) and W (weight gradient, free to move); W fills
-  the cool-down bubble. Bubble (p-1)(F+B-W) instead of 1F1B's (p-1)(F+B+W), a third of it
-  when F = B = W, at 1F1B's peak memory (p micro-batches on the busiest rank).
+  the cool-down bubble. B keeps each linear layer's input X and output gradient ∂L/∂Y, and
+  W computes only ∂L/∂W = (∂L/∂Y)ᵀ X from them (:mod:`minipar.pipeline.split_backward`).
+  Bubble (p-1)(F+B-W) instead of 1F1B's (p-1)(F+B+W), a third of it when F = B = W, at
+  1F1B's peak memory (p micro-batches on the busiest rank).
 """
 from __future__ import annotations
 
@@ -56,6 +58,9 @@ def check_config(name: str, p: int, m: int, v: int = 1, n_layers: int | None = N
         raise ValueError(f"need p >= 1 stages, m >= 1 micro-batches and v >= 1, got p={p}, m={m}, v={v}")
     if name != "interleaved" and v != 1:
         raise ValueError(f"v={v} virtual stages needs the 'interleaved' schedule, not {name!r}")
+    if name == "interleaved" and v < 2:
+        raise ValueError("interleaved 1F1B needs v >= 2 virtual stages per rank "
+                         "(with v=1 it is not 1F1B: use the '1f1b' schedule)")
     if name == "interleaved" and m % p:
         raise ValueError(f"interleaved 1F1B sends micro-batches round the ranks in groups of p={p}: "
                          f"m={m} micro-batches is not a multiple of p (try m={p * -(-m // p)})")
@@ -72,12 +77,16 @@ def gpipe(p: int, m: int, rank: int) -> list[Action]:
 
 def one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
     """1F1B on ``rank``: warm-up ``min(p - rank - 1, m)`` forwards, steady F,B pairs, cool-down Bs."""
+    # >>> ex04 B
+    # Hint: min(p - rank - 1, m) warm-up forwards, then pairs (next F, oldest B), then the
+    # Hint: remaining Bs.
     warmup = min(p - rank - 1, m)
     out = [Action("F", i, rank) for i in range(warmup)]
     for i in range(m - warmup):
         out += [Action("F", warmup + i, rank), Action("B", i, rank)]
     out += [Action("B", i, rank) for i in range(m - warmup, m)]
     return out
+    # <<< ex04 B
 
 
 def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[Action]:
@@ -167,15 +176,13 @@ class Schedule:
                          for r in range(self.p))
 
 
-def make_schedule(name: str, p: int, m: int, v: int = 1, n_layers: int | None = None,
-                  order_fn=None) -> Schedule:
+def make_schedule(name: str, p: int, m: int, v: int = 1, n_layers: int | None = None) -> Schedule:
     """Build schedule ``name`` ("gpipe", "1f1b", "interleaved", "zb-h1") for p ranks and m
-    micro-batches (v virtual stages per rank for "interleaved"). ``order_fn(p, m, rank)``
-    replaces the library's 1F1B generator (used to run an exercise's version)."""
+    micro-batches (v >= 2 virtual stages per rank for "interleaved")."""
     check_config(name, p, m, v, n_layers)
     if name == "interleaved":
         orders = [interleaved_1f1b(p, m, r, v) for r in range(p)]
     else:
-        fn = {"gpipe": gpipe, "zb-h1": zb_h1}.get(name, order_fn or one_f_one_b)
+        fn = {"gpipe": gpipe, "zb-h1": zb_h1}.get(name, one_f_one_b)
         orders = [list(fn(p, m, r)) for r in range(p)]
     return Schedule(name, p, m, v, [add_comms(o, p, p * v) for o in orders])

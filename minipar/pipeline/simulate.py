@@ -11,9 +11,12 @@ If at some point every unfinished rank waits in a receive whose send is never re
 the schedule deadlocks: :func:`simulate` raises :class:`Deadlock` naming the stuck actions.
 :func:`check_schedule` adds the other proofs of a valid schedule.
 
-Bubble, relative to the ideal time (Narayanan et al. 2021): for a rank that computes
-for ``c`` seconds in a step of ``T`` seconds, ``bubble = (T - c) / c``; GPipe and 1F1B
-give ``(p-1)/m`` when every stage costs the same.
+:func:`bubble` is the theoretical bubble, relative to the ideal time (Narayanan et al.
+2021): for a rank that computes for ``c`` of a step's ``T`` time units, ``(T - c) / c``;
+GPipe and 1F1B give ``(p-1)/m`` when every stage costs the same
+(:func:`minipar.cost.bubble_fraction` has the formulas). The bubble of a measured run,
+with the same definition (``c`` the union of the rank's compute intervals), is the
+trace's own (:class:`minipar.trace.Trace`).
 """
 from __future__ import annotations
 
@@ -131,16 +134,14 @@ def peak_stash(schedule: Schedule) -> list[int]:
     return out
 
 
-def bubble(trace: Trace) -> list[float]:
-    """Per rank ``(T - compute) / compute``: idle time relative to the ideal (busy) time,
-    ``T`` the step's span over all ranks. Only compute events count as work."""
-    spans = [(e["start"], e["end"]) for evs in trace.ranks for e in evs if e["kind"] == "compute"]
-    T = max(e for _, e in spans) - min(s for s, _ in spans)
-    out = []
-    for evs in trace.ranks:
-        c = sum(e["end"] - e["start"] for e in evs if e["kind"] == "compute")
-        out.append((T - c) / c if c else float("inf"))
-    return out
+def bubble(schedule: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0,
+           stage_weights: list[float] | None = None) -> list[float]:
+    """Per rank ``(T - c) / c`` in the ideal timeline of ``schedule`` (:func:`simulate`
+    with these costs): idle time over busy time, ``T`` the step's span over all ranks."""
+    evs = simulate(schedule, f, b, w, comm, stage_weights).ranks
+    T = max(e["end"] for r in evs for e in r) - min(e["start"] for r in evs for e in r)
+    busy = [sum(e["end"] - e["start"] for e in r) for r in evs]   # a simulated rank never overlaps itself
+    return [(T - c) / c if c else float("inf") for c in busy]
 
 
 def compute_only(trace: Trace) -> Trace:

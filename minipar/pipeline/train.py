@@ -1,19 +1,28 @@
-"""Train a layered model with a pipeline schedule: the loop every chapter and test uses.
+"""Train a layered model with a pipeline schedule, in the shape of :mod:`minipar.strategy`.
 
-Every rank builds the same model (same seed), keeps the stages it owns, and trains
-them with :class:`~minipar.pipeline.Pipeline`; :func:`gather` puts the per-rank results
-back together in the format of :func:`minipar.reference.train_reference`, so the two
-can be compared with :func:`minipar.reference.assert_same_training`.
+* :func:`check` (driver, before any process starts): a plain ``ValueError`` for a
+  configuration the pipeline cannot run;
+* :func:`train` (every rank of ``group``): every rank builds the same model (same seed),
+  keeps the stages it owns, and trains them with :class:`~minipar.pipeline.Pipeline`;
+* :func:`run` (driver): ``check``, then ``train`` on ``world_size`` ranks, merged into one
+  :class:`~minipar.strategy.TrainResult` (each rank's parameters are its stages', the
+  merge unions them), which :func:`minipar.reference.assert_same_training` compares with
+  the single process.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
-from ..comm import group_rank
+from .. import precision, strategy, trace
+from ..backend import device
+from ..comm import group_rank, group_size
+from ..models.recompute import check_mode
 from ..reference import sgd
 from .executor import Pipeline
 from .partition import build_stages, layer_costs, owned_parameters, partition
-from .schedules import Schedule
+from .schedules import Schedule, check_config, make_schedule
 
 
 @torch.no_grad()
@@ -27,33 +36,83 @@ def boundary_shapes(layers, bounds: list[int], micro_input: torch.Tensor) -> dic
     return shapes
 
 
-def train(model, batches, schedule: Schedule, make_optimizer=None, group=None,
-          bounds: list[int] | None = None, comm=None) -> dict:
-    """Run on every rank of ``group``: train ``model.layers()`` cut at ``bounds`` (default:
-    balanced by parameter count) with ``schedule``. Returns ``losses`` (on the rank holding
-    the last stage, else ``None``s), this rank's ``params`` by model name, ``peak_stash``
-    and ``bounds``."""
+def _schedule(schedule, p: int, microbatches, virtual_stages: int, n_layers: int) -> Schedule:
+    """The :class:`Schedule` to run: ``schedule`` itself, or the one of that name."""
+    if isinstance(schedule, Schedule):
+        if schedule.p != p:
+            raise ValueError(f"{schedule} is for p={schedule.p} ranks, but there are {p}")
+        if microbatches not in (None, schedule.m):
+            raise ValueError(f"{schedule} has m={schedule.m}, but microbatches={microbatches}")
+        return schedule
+    return make_schedule(schedule, p, microbatches or p, virtual_stages, n_layers)
+
+
+def check(model, batches, world_size: int, schedule="1f1b", microbatches: int | None = None,
+          virtual_stages: int = 1, bounds: list[int] | None = None, dtype=None, recompute="none") -> None:
+    """Raise a plain ``ValueError`` before launch: unknown schedule, more stages than
+    layers, interleaving with ``m % p`` or ``v < 2``, a batch that does not cut into m
+    micro-batches, ``bounds`` that are not ``p·v`` stages of the model's layers, an unknown
+    dtype, recomputation for a model without it."""
+    n_layers = len(model.layers())
+    if isinstance(schedule, str):
+        check_config(schedule, world_size, microbatches or world_size, virtual_stages, n_layers)
+    sched = _schedule(schedule, world_size, microbatches, virtual_stages, n_layers)
+    for k, (x, _) in enumerate(batches):
+        if x.shape[0] % sched.m:
+            raise ValueError(f"batch {k} has {x.shape[0]} sequences: not divisible into m={sched.m} micro-batches")
+    if bounds is not None:
+        ok = (len(bounds) == sched.n_stages + 1 and bounds[0] == 0 and bounds[-1] == n_layers
+              and all(a < b for a, b in zip(bounds[:-1], bounds[1:])))
+        if not ok:
+            raise ValueError(f"bounds {bounds} must be {sched.n_stages + 1} increasing cuts from 0 to "
+                             f"{n_layers} ({sched.n_stages} non-empty stages)")
+    precision.resolve(dtype)
+    if recompute not in (None, "none"):
+        if not hasattr(model, "set_recompute"):
+            raise ValueError(f"recompute={recompute!r} needs a model with set_recompute (the GPT)")
+        check_mode(recompute)
+
+
+def train(model, batches, optimizer=None, group=None, schedule="1f1b", microbatches: int | None = None,
+          virtual_stages: int = 1, bounds: list[int] | None = None, dtype=None, recompute="none") -> dict:
+    """Run on every rank of ``group``: cut ``model.layers()`` at ``bounds`` (default:
+    balanced by parameter count) into ``p·virtual_stages`` stages, train this rank's with
+    ``schedule`` (a name: "gpipe", "1f1b", "interleaved", "zb-h1", or a :class:`Schedule`)
+    on ``microbatches`` micro-batches (default p) per batch; forwards in ``dtype`` (autocast,
+    :mod:`minipar.precision`), with the GPT's activation ``recompute`` mode.
+
+    Returns ``losses`` (on the rank holding the last stage, else ``None``), this rank's
+    ``params`` by single-device name, and ``measured``: the last step's ``peak_stash``,
+    ``bytes_sent`` (this rank's messages, from the trace) and ``bytes_by_dim``,
+    ``seconds``, and the ``bounds`` used."""
+    model = model.to(device())                 # this rank's copy, where the rank computes
+    if recompute not in (None, "none"):
+        model.set_recompute(recompute)
     layers = model.layers()
-    bounds = bounds or partition(layer_costs(layers), schedule.n_stages)
-    if len(bounds) - 1 != schedule.n_stages:
-        raise ValueError(f"{len(bounds) - 1} stages in bounds, the schedule has {schedule.n_stages}")
-    stages = build_stages(layers, bounds, group_rank(group), schedule.p)
-    shapes = boundary_shapes(layers, bounds, batches[0][0].chunk(schedule.m)[0])
-    pipe = Pipeline(stages, schedule, shapes.__getitem__, group, comm=comm)
-    opt = (make_optimizer or sgd())(list(pipe.parameters()))
-    losses, peak = [], 0
+    sched = _schedule(schedule, group_size(group), microbatches, virtual_stages, len(layers))
+    bounds = bounds or partition(layer_costs(layers), sched.n_stages)
+    if len(bounds) - 1 != sched.n_stages:
+        raise ValueError(f"{len(bounds) - 1} stages in bounds, the schedule has {sched.n_stages}")
+    stages = build_stages(layers, bounds, group_rank(group), sched.p)
+    shapes = boundary_shapes(layers, bounds, batches[0][0].chunk(sched.m)[0].to(device()))
+    pipe = Pipeline(stages, sched, shapes.__getitem__, group, dtype=dtype)
+    opt = (optimizer or sgd())(list(pipe.parameters()))
+    losses = []
     for x, y in batches:
+        mark, t0 = trace.mark(), time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        losses.append(pipe.step(x, y))
+        losses.append(pipe.step(x.to(device()), y.to(device())))
         opt.step()
-        peak = max(peak, pipe.peak_stash)
-    params = {n: q.detach().clone() for n, q in owned_parameters(model, stages).items()}
-    return {"losses": losses, "params": params, "peak_stash": peak, "bounds": bounds}
+        seconds = time.perf_counter() - t0
+    sent = trace.bytes_by_dim(trace.since(mark))          # the last step's messages
+    holds_loss = sched.n_stages - 1 in stages
+    return {"losses": losses if holds_loss else None,
+            "params": strategy.full_params(owned_parameters(model, stages).items()),
+            "measured": {"peak_stash": pipe.peak_stash, "bytes_sent": sent["total"], "bytes_by_dim": sent,
+                         "seconds": seconds, "bounds": bounds}}
 
 
-def gather(results: list[dict]) -> dict:
-    """Merge the ranks' results of :func:`train`: the losses of the last stage's rank and
-    every rank's parameters, plus ``peak_stash`` per rank."""
-    losses = next(r["losses"] for r in results if r["losses"] and r["losses"][0] is not None)
-    params = {k: v for r in results for k, v in r["params"].items()}
-    return {"losses": losses, "params": params, "peak_stash": [r["peak_stash"] for r in results]}
+def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:
+    """Driver: :func:`check`, then :func:`train` on ``world_size`` ranks; one
+    :class:`~minipar.strategy.TrainResult` (``measured[r]`` is rank r's)."""
+    return strategy.run(train, model, batches, world_size, check=check, optimizer=optimizer, **options)

@@ -12,7 +12,7 @@
 
 The arithmetic is that of :mod:`minipar.models.gpt`, so the block reproduces the
 single-device block. Dropout is not supported (it would need a random state shared by the
-group, Megatron-LM's RNG tracker); :func:`~minipar.tensor_parallel.check_config` says so.
+group, Megatron-LM's RNG tracker); :func:`~minipar.tensor_parallel.check` says so.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..models.gpt import GPTConfig
+from ..models.recompute import check_mode, run
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .ops import divide, size_and_rank
 from .sequence import LayerNorm
@@ -40,16 +41,20 @@ class ParallelAttention(nn.Module):
         kw = dict(group=group, sequence_parallel=sequence_parallel)
         self.qkv = ColumnParallelLinear(c.n_embd, 3 * c.n_embd, **kw)
         self.proj = RowParallelLinear(c.n_embd, c.n_embd, **kw)
+        self.recompute = check_mode(getattr(c, "recompute", "none"))
 
     def forward(self, x):
         q, k, v = self.qkv(x).split(self.local_embd, dim=2)   # (B, T, h/t) each; T is the full length
         B, T, _ = q.shape
         q, k, v = (u.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for u in (q, k, v))
+        y = run(self._attend, self.recompute == "selective", q, k, v)   # selective: keeps q, k, v only
+        return self.proj(y.transpose(1, 2).reshape(B, T, self.local_embd))
+
+    def _attend(self, q, k, v):
+        T = q.shape[-2]
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, self.local_embd)
-        return self.proj(y)
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        return att.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
 
 
 class ParallelMLP(nn.Module):
@@ -74,7 +79,12 @@ class ParallelBlock(nn.Module):
         kw = dict(group=group, sequence_parallel=sequence_parallel)
         self.ln1, self.attn = LayerNorm(c.n_embd, **kw), ParallelAttention(c, **kw)
         self.ln2, self.mlp = LayerNorm(c.n_embd, **kw), ParallelMLP(c, **kw)
+        self.recompute = check_mode(getattr(c, "recompute", "none"))
 
     def forward(self, x):
+        """With full recomputation only ``x`` is kept (and its collectives run again in backward)."""
+        return run(self._forward, self.recompute == "full", x)
+
+    def _forward(self, x):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))

@@ -39,7 +39,8 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":
         """This rank's rows of an existing single-device ``nn.Embedding``."""
-        m = cls(emb.num_embeddings, emb.embedding_dim, **kwargs)
+        with torch.device(emb.weight.device):  # built where the embedding lives
+            m = cls(emb.num_embeddings, emb.embedding_dim, **kwargs)
         with torch.no_grad():
             m.weight.copy_(emb.weight[m.start:m.end])
         return m

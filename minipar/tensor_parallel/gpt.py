@@ -30,8 +30,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import comm
+from .. import comm, precision
 from ..models.gpt import GPT, GPTConfig
+from ..models.recompute import set_recompute
 from .block import ParallelBlock
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
@@ -40,11 +41,15 @@ from .ops import gather, size_and_rank, sync_grad
 from .sequence import LayerNorm, check_seq_len
 
 
-def check_config(config: GPTConfig, t: int, sequence_parallel: bool = False,
-                 seq_len: int | None = None) -> None:
-    """Raise a plain ``ValueError`` if ``config`` cannot be split over ``t`` ranks (call it
-    before launching). With sequence parallelism the sequence length (default
-    ``block_size``) must be divisible by t too."""
+def check(model, batches=None, t: int = 1, sequence_parallel: bool = False, dtype=None,
+          seq_len: int | None = None, **_) -> None:
+    """Raise a plain ``ValueError`` if the GPT ``model`` (or its ``GPTConfig``) cannot be
+    split over ``t`` ranks (call it before launching; :func:`~minipar.tensor_parallel.run`
+    does). With sequence parallelism the sequence length (``seq_len``, else the batches',
+    else ``block_size``) must be divisible by t too."""
+    config = getattr(model, "config", model)
+    seq_len = seq_len or (batches[0][0].shape[1] if batches else None)
+    precision.resolve(dtype)
     if not isinstance(t, int) or t < 1:
         raise ValueError(f"the tensor-parallel size t must be a positive int, got {t!r}")
     c, problems = config, []
@@ -155,7 +160,7 @@ class TensorParallelGPT(nn.Module):
                  seed: int | None = 0):
         super().__init__()
         t, _ = size_and_rank(group)
-        check_config(config, t)
+        check(config, None, t)
         self.config, self.group, self.sequence_parallel = config, group, sequence_parallel
         kw = dict(group=group, sequence_parallel=sequence_parallel)
         self.embed = ParallelEmbedding(config, **kw)
@@ -175,6 +180,11 @@ class TensorParallelGPT(nn.Module):
         """``[embed, block_0, ..., block_{L-1}, head]``, as :meth:`GPT.layers`."""
         return [self.embed, *self.blocks, self.head]
 
+    def set_recompute(self, mode) -> "TensorParallelGPT":
+        """``"none"``, ``"selective"`` or ``"full"`` recomputation in every block
+        (:mod:`minipar.models.recompute`)."""
+        return set_recompute(self, mode)
+
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of this rank's vocabulary slice of the logits (no gather)."""
         return vocab_parallel_cross_entropy(logits, targets, self.group)
@@ -190,17 +200,19 @@ class TensorParallelGPT(nn.Module):
 
 def from_gpt(model: GPT, group=None, sequence_parallel: bool = False) -> TensorParallelGPT:
     """This rank's part of ``model`` (call on every rank of ``group`` with the same model)."""
-    tp = TensorParallelGPT(model.config, group, sequence_parallel, seed=None)
+    with torch.device(next(model.parameters()).device):  # built where the model lives
+        tp = TensorParallelGPT(model.config, group, sequence_parallel, seed=None)
     tp.load_full_state_dict(model.state_dict())
     return tp
 
 
-def _all_shards(model: nn.Module, tensors: dict, group) -> list[dict]:
-    """Every rank's ``tensors`` (same names and shapes on every rank), one flat all-gather."""
+def gather_shards(tensors: dict, group) -> list[dict]:
+    """Every rank's ``tensors`` (same names and shapes on every rank), one flat all-gather;
+    :func:`unshard_state_dict` of them is the single-device state dict."""
     t, _ = size_and_rank(group)
     names = list(tensors)
     flat = torch.cat([tensors[k].detach().reshape(-1).float() for k in names])
-    out = torch.empty(t * flat.numel())
+    out = torch.empty(t * flat.numel(), dtype=flat.dtype, device=flat.device)
     comm.all_gather(out, flat, group=group, name="gather_state")
     sizes = [tensors[k].numel() for k in names]
     return [{k: x.view_as(tensors[k]).to(tensors[k].dtype) for k, x in zip(names, row.split(sizes))}
@@ -215,19 +227,20 @@ def full_state_dict(model: TensorParallelGPT, grads: bool = False) -> dict:
                    for k, p in model.named_parameters()}
     else:
         tensors = model.state_dict()
-    return unshard_state_dict(_all_shards(model, tensors, model.group))
+    return unshard_state_dict(gather_shards(tensors, model.group))
 
 
 def replica_drift(model: TensorParallelGPT) -> float:
     """Largest difference between the ranks' copies of a replicated parameter (0 when the
     group keeps them in step); a collective."""
     reps = {k: p for k, p in model.named_parameters() if _layout(k) is None}
-    shards = _all_shards(model, reps, model.group)
+    shards = gather_shards(reps, model.group)
     return max((float((s[k] - shards[0][k]).abs().max()) for s in shards[1:] for k in reps), default=0.0)
 
 
 def to_gpt(model: TensorParallelGPT) -> GPT:
     """A single-device :class:`GPT` with the tensor-parallel model's weights (a collective)."""
-    gpt = GPT(model.config)
+    with torch.device(next(model.parameters()).device):
+        gpt = GPT(model.config)
     gpt.load_state_dict(full_state_dict(model))
     return gpt

@@ -36,16 +36,22 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
     ``weight`` is (out/t, in), ``bias`` (out/t,). Returns this rank's output features, or
     all of them (all-gathered along the last dimension) with ``gather_output=True``."""
+    # >>> ex05 B
+    # Hint: y = F.linear(f(x, group), weight, bias); with gather_output, gather(y, -1, group).
     y = F.linear(f(x, group), weight, bias)
     return gather(y, -1, group) if gather_output else y
+    # <<< ex05 B
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                         group=None) -> torch.Tensor:
     """``g(x_i A_iᵀ) + b``: this rank's input features ``x_i`` times its columns of the
     weight (out, in/t), summed over the group; the full bias (out,) is added once."""
+    # >>> ex05 B
+    # Hint: g(F.linear(x, weight), group), then the bias once (before g it would count t times).
     y = g(F.linear(x, weight), group)
     return y if bias is None else y + bias
+    # <<< ex05 B
 
 
 def _full_linear(in_features: int, out_features: int, bias: bool, seed: int) -> nn.Linear:
@@ -78,7 +84,8 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
         """This rank's shard of an existing single-device ``nn.Linear``."""
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+        with torch.device(linear.weight.device):  # built where the layer lives
+            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
         t, r = size_and_rank(m.group)
         with torch.no_grad():
             m.weight.copy_(linear.weight.chunk(t, 0)[r])
@@ -120,7 +127,8 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":
         """This rank's shard of an existing single-device ``nn.Linear``."""
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+        with torch.device(linear.weight.device):  # built where the layer lives
+            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
         t, r = size_and_rank(m.group)
         with torch.no_grad():
             m.weight.copy_(linear.weight.chunk(t, 1)[r])

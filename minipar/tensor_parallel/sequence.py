@@ -75,13 +75,13 @@ class _GatherLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _reduce_scatter(grad @ weight, SEQ_DIM, ctx.group, "sp.reduce_scatter")
+        if ctx.needs_input_grad[0]:   # under autocast grad is 16-bit, weight and x fp32: compute in grad's dtype
+            grad_x = _reduce_scatter(grad @ weight.to(grad.dtype), SEQ_DIM, ctx.group, "sp.reduce_scatter").to(x.dtype)
         if ctx.needs_input_grad[1]:
-            total = _all_gather(x, SEQ_DIM, ctx.group, "sp.all_gather (recompute)")
-            grad_w = grad.reshape(-1, grad.shape[-1]).t() @ total.reshape(-1, total.shape[-1])
+            total = _all_gather(x, SEQ_DIM, ctx.group, "sp.all_gather (recompute)").to(grad.dtype)
+            grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ total.reshape(-1, total.shape[-1])).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b, None
 
 

@@ -4,18 +4,26 @@
 * :class:`ZeroOptimizer` — stage 1, P_os: optimizer state sharded;
 * :class:`Zero2Optimizer` — stage 2, P_os+g: gradients sharded too;
 * :class:`FullyShardedDataParallel` — stage 3, P_os+g+p: parameters sharded and
-  gathered one unit at a time;
+  gathered one unit at a time (flat units);
+* :func:`fully_shard` — stage 3 per parameter, the design of PyTorch's FSDP2: the module's
+  own parameters become their shards;
+* :mod:`minipar.zero.reduce` — the gradient reduce path all stages share;
+  :func:`clip_grad_norm_` — clipping by the global norm under any stage;
 * :mod:`minipar.zero.memory` — the bytes per component one rank holds;
   :func:`minipar.cost.zero_bytes_per_rank` — the same from the paper's formulas.
 """
+from .clip import clip_grad_norm_
 from .flat import FlatUnit, padded_size, shard_size, split_units
+from .per_parameter import full_state, fully_shard, padded_unit_sizes
 from .memory import SavedActivations, model_state_bytes, state_tensors, storage_bytes
 from .stage0 import ReplicatedOptimizer
 from .stage1 import ZeroOptimizer, sharded_step
 from .stage2 import Zero2Optimizer
+from .reduce import OrderedReduction, reduce_shard, reduce_unit_grads
 from .stage3 import FullyShardedDataParallel, free_unit, gather_unit
 from .train import train, wrap
 
 __all__ = ["ReplicatedOptimizer", "ZeroOptimizer", "Zero2Optimizer", "FullyShardedDataParallel",
-           "sharded_step", "gather_unit", "free_unit", "FlatUnit", "shard_size", "padded_size",
+           "sharded_step", "gather_unit", "free_unit", "fully_shard", "full_state", "padded_unit_sizes",
+           "clip_grad_norm_", "reduce_shard", "reduce_unit_grads", "OrderedReduction", "FlatUnit", "shard_size", "padded_size",
            "split_units", "train", "wrap", "model_state_bytes", "state_tensors", "storage_bytes", "SavedActivations"]

@@ -11,8 +11,8 @@ What is counted, precisely:
   ``exp_avg_sq``, SGD's ``momentum_buffer``: tensors the size of their parameter), plus
   the fp32 master weights under mixed precision. Adam's scalar ``step`` counter (4 bytes
   per tensor) is not counted: it is not per-parameter memory. Hence K = 8 for fp32 Adam;
-* activations = storages autograd saved during the forward (:class:`SavedActivations`),
-  parameters excluded.
+* activations = the tensors autograd saved during the forward, parameters excluded, as
+  every chapter counts them (:class:`minipar.activations.SavedActivations`).
 
 These are tensor bytes this process owns, not the process's resident memory (RSS), which
 also holds the Python interpreter, torch's libraries and allocator slack.
@@ -20,6 +20,8 @@ also holds the Python interpreter, torch's libraries and allocator slack.
 from __future__ import annotations
 
 import torch
+
+from ..activations import SavedActivations  # noqa: F401 - re-exported: one counter for every chapter
 
 
 def storage_bytes(tensors) -> int:
@@ -62,34 +64,3 @@ def model_state_bytes(strategy, model: torch.nn.Module | None = None,
     out = {k: storage_bytes(v) for k, v in parts.items()}
     out["total"] = sum(out.values())
     return out
-
-
-class SavedActivations:
-    """Count the bytes autograd saves for the backward pass inside a ``with`` block.
-
-    ``with SavedActivations(model) as a: loss = model(x, y)`` then ``a.bytes``: the
-    distinct storages saved during the forward, except those of ``model``'s parameters
-    (a saved weight, or a transposed view of it, is parameter memory, not activation
-    memory). This is the activation memory alive at the end of the forward, when it
-    peaks; the backward frees it as it goes.
-    """
-
-    def __init__(self, model: torch.nn.Module | None = None):
-        self.bytes, self._seen, self._model = 0, set(), model
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t):
-        s = t.untyped_storage()
-        params = {p.untyped_storage().data_ptr() for p in self._model.parameters()} if self._model else set()
-        if not (t.is_leaf and t.requires_grad) and s.nbytes() and s.data_ptr() not in params | self._seen:
-            self._seen.add(s.data_ptr())
-            self.bytes += s.nbytes()
-        return t
-
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        return False

@@ -16,13 +16,14 @@ from .memory import state_tensors
 
 
 class ReplicatedOptimizer:
-    """``ReplicatedOptimizer(params, optimizer_cls, group=None, **kwargs)``: averages every
-    gradient over ``group`` with one all-reduce per parameter, then steps the full optimizer."""
+    """``ReplicatedOptimizer(params, optimizer_cls, group=None, max_grad_norm=None, **kwargs)``:
+    averages every gradient over ``group`` with one all-reduce per parameter (zeros for a
+    parameter without a gradient on this rank), optionally clips, then steps the full optimizer."""
 
     stage = 0
 
-    def __init__(self, params, optimizer_cls, group=None, **kwargs):
-        self.group = group
+    def __init__(self, params, optimizer_cls, group=None, max_grad_norm=None, **kwargs):
+        self.group, self.max_grad_norm, self.grad_norm = group, max_grad_norm, None
         self.units = split_units(params)
         self.params = [p for u in self.units for p in u]
         self.optim = optimizer_cls(self.params, **kwargs)
@@ -36,6 +37,8 @@ class ReplicatedOptimizer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             all_reduce(p.grad, op="avg", group=self.group)
+        if self.max_grad_norm is not None:   # every rank holds the whole averaged gradient
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm).item()
         self.optim.step()
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:

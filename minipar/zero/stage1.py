@@ -6,52 +6,65 @@ precision the fp32 master weights) exists only for this rank's 1/N shard:
 
     memory per rank   2Ψ + 2Ψ + KΨ/N      (fp32: 4Ψ + 4Ψ + KΨ/N with K = 8 for Adam)
 
-One step (:func:`sharded_step`), per unit of the flat layout (:mod:`minipar.zero.flat`):
+One step, per unit of the flat layout (:mod:`minipar.zero.flat`):
 
-1. reduce-scatter the gradients, averaged: rank r receives the mean over ranks of its
-   shard only ((N-1)/N·Ψ sent per rank, half an all-reduce);
-2. the wrapped optimizer steps this shard (its state has k = ⌈Ψ_u/N⌉ elements);
-3. all-gather the updated shards so every rank ends with identical full parameters
-   ((N-1)/N·Ψ): 2Ψ per step in all, the same as plain data parallelism.
+1. reduce-scatter the gradients, averaged (:func:`minipar.zero.reduce.reduce_shard`,
+   the reduce path every stage shares): rank r receives the mean over ranks of its shard
+   only ((N-1)/N·Ψ sent per rank, half an all-reduce);
+2. (optionally) clip by the global gradient norm (:func:`minipar.zero.clip.clip_grad_norm_`:
+   one all-reduce of a scalar);
+3. :func:`sharded_step`: the wrapped optimizer steps this shard (its state has
+   k = ⌈Ψ_u/N⌉ elements), then the updated shards are all-gathered so every rank ends with
+   identical full parameters ((N-1)/N·Ψ): 2Ψ per step in all, the same as plain data
+   parallelism.
 
 Works with any *element-wise* torch optimizer (SGD, Adam, AdamW, ...): on a flat shard it
-does exactly what it would do on the parameters. Norm-based ones (LAMB, clipping by the
-global norm) would need a further all-reduce and are not covered.
+does exactly what it would do on the parameters.
+
+After :meth:`ZeroOptimizer.step` the parameters' ``.grad`` are **not** the averaged
+gradient (only this rank's chunk was reduced; the rest holds this rank's local sums): a
+gradient norm must come from the reduced shards, which is what ``max_grad_norm=`` does
+(``self.grad_norm`` then holds the norm before clipping).
 """
 from __future__ import annotations
 
 import torch
 
-from ..comm import all_gather, group_rank, reduce_scatter
+from ..comm import all_gather
+from .clip import clip_grad_norm_
 from .flat import FlatUnit, split_units
 from .memory import state_tensors
+from .reduce import reduce_shard
 
 
-def sharded_step(flat_params, flat_grads, shards, optimizer, group=None) -> None:
-    """One ZeRO-1 step over the units u (lists of the same length, same order on every rank).
+def sharded_step(flat_params, grad_shards, shards, optimizer, group=None) -> None:
+    """P_os (§5.1): step the optimizer on this rank's shards, then all-gather them.
 
-    ``flat_params[u]``, ``flat_grads[u]``: the unit's full flat padded vectors (N·k
-    elements); ``shards[u]``: the k-element leaf tensor the ``optimizer`` owns (a view
-    of this rank's slice of ``flat_params[u]`` in fp32, or its fp32 master copy under
-    mixed precision). Afterwards ``flat_params[u]`` holds every rank's updated shard.
+    Lists over the units u, the same length and order on every rank. ``grad_shards[u]``:
+    this rank's k reduced gradient elements; ``shards[u]``: the k-element leaf tensor the
+    ``optimizer`` owns (a view of this rank's slice of ``flat_params[u]`` in fp32, or its
+    fp32 master copy under mixed precision); ``flat_params[u]``: the unit's full flat
+    padded parameters (N·k), which afterwards hold every rank's updated shard.
     """
-    for g, s in zip(flat_grads, shards):
-        k = s.numel()
-        r = group_rank(group)
-        mine = g[r * k:(r + 1) * k]
-        reduce_scatter(mine, g, op="avg", group=group)          # in place: mine = mean of chunk r
-        s.grad = mine if mine.dtype == s.dtype else mine.to(s.dtype)
+    # >>> ex06 B
+    # Hint: set shards[u].grad (cast to the shard's dtype), step once, then all-gather each shard into flat_params[u].
+    for s, g in zip(shards, grad_shards):
+        s.grad = g if g.dtype == s.dtype else g.to(s.dtype)
     optimizer.step()
     for f, s in zip(flat_params, shards):
         all_gather(f, s.detach().to(f.dtype), group=group)      # in place for the fp32 view
+    # <<< ex06 B
 
 
 class ZeroOptimizer:
-    """``ZeroOptimizer(params, optimizer_cls, group=None, param_dtype=None, **kwargs)``.
+    """``ZeroOptimizer(params, optimizer_cls, group=None, param_dtype=None, max_grad_norm=None, **kwargs)``.
 
     ``params``: the model's parameters (one unit) or a list of units (lists of
     parameters, e.g. ``[l.parameters() for l in model.layers()]``). ``optimizer_cls``
-    and ``kwargs`` build the wrapped optimizer, on this rank's shards only. ``group``:
+    and ``kwargs`` build the wrapped optimizer, on this rank's shards only (a class such as
+    ``torch.optim.AdamW`` with its keywords, or a factory ``params -> optimizer`` such as
+    :func:`minipar.reference.adamw`). ``max_grad_norm``: clip by the global norm of the
+    averaged gradient before each step. ``group``:
     the data-parallel process group (None = world; ranks are group-local). With
     ``param_dtype=torch.bfloat16`` the model computes in bf16 from bf16 parameters and
     gradients while the optimizer keeps fp32 master shards (counted as optimizer state).
@@ -62,8 +75,9 @@ class ZeroOptimizer:
 
     stage = 1
 
-    def __init__(self, params, optimizer_cls, group=None, param_dtype=None, **kwargs):
-        self.group = group
+    def __init__(self, params, optimizer_cls, group=None, param_dtype=None, max_grad_norm=None,
+                 **kwargs):
+        self.group, self.max_grad_norm, self.grad_norm = group, max_grad_norm, None
         units = split_units(params)
         dtypes = {p.dtype for u in units for p in u}
         if dtypes != {torch.float32}:
@@ -86,7 +100,7 @@ class ZeroOptimizer:
 
     # -- gradients: stage 1 keeps full flat gradients; the params' .grad are views into them
     def _setup_grads(self) -> None:
-        self.flat_grads = [torch.zeros(u.padded, dtype=self.param_dtype) for u in self.units]
+        self.flat_grads = [torch.zeros(u.padded, dtype=self.param_dtype, device=u.params[0].device) for u in self.units]
         self._point_grads()
 
     def _point_grads(self) -> None:
@@ -105,7 +119,13 @@ class ZeroOptimizer:
 
     def step(self) -> None:
         self._point_grads()
-        sharded_step(self.flat_params, self.flat_grads, self.shards, self.optim, self.group)
+        self._step([reduce_shard(g, self.group) for g in self.flat_grads])
+
+    def _step(self, grad_shards) -> None:
+        """Clip (if asked) by the norm of the averaged gradient, then :func:`sharded_step`."""
+        if self.max_grad_norm is not None:
+            self.grad_norm = clip_grad_norm_(grad_shards, self.max_grad_norm, self.group)
+        sharded_step(self.flat_params, grad_shards, self.shards, self.optim, self.group)
         if self.mixed:
             for s in self.shards:
                 s.grad = None                                  # the fp32 copy was temporary

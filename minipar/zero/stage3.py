@@ -30,20 +30,28 @@ from .. import trace
 from ..comm import all_gather, reduce_scatter
 from .flat import FlatUnit
 from .memory import state_tensors
+from .reduce import OrderedReduction, reduce_unit_grads
 
 
 def gather_unit(full: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False, **labels):
     """Gather-before-use: give ``full`` (flat, N·k elements, its storage possibly freed)
     its storage back and fill it with every rank's ``shard`` (k elements, cast to
     ``full``'s dtype) in rank order. Returns the all-gather's Handle if ``async_op``."""
+    # >>> ex06 C
+    # Hint: give the storage its bytes back (untyped_storage().resize_), then all_gather every shard
+    # Hint: into it, passing async_op and **labels on; return what all_gather returns.
     full.untyped_storage().resize_(full.numel() * full.element_size())
     return all_gather(full, shard.detach().to(full.dtype), group=group, async_op=async_op, **labels)
+    # <<< ex06 C
 
 
 def free_unit(full: torch.Tensor) -> None:
     """Free-after-use: release ``full``'s memory but keep the tensor (and the parameter
     views into it) so the same buffer can be gathered into again."""
+    # >>> ex06 C
+    # Hint: release the memory, keep the tensor: its storage can be resized to 0 bytes.
     full.untyped_storage().resize_(0)
+    # <<< ex06 C
 
 
 class _Unit:
@@ -51,10 +59,10 @@ class _Unit:
         self.module, self.flat = module, FlatUnit(params, group)
         master = self.flat.flatten(params)
         self.shard = nn.Parameter(self.flat.shard_of(master).clone())   # fp32, k elements
-        self.full = torch.empty(self.flat.padded, dtype=dtype)          # gathered buffer
+        self.full = torch.empty(self.flat.padded, dtype=dtype, device=master.device)  # gathered buffer
         self.flat.use(self.full)
         free_unit(self.full)
-        self.handle, self.gathered, self.ready, self.t0, self.bw = None, False, set(), 0.0, False
+        self.handle, self.gathered, self.t0, self.bw = None, False, 0.0, False
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -91,6 +99,9 @@ class FullyShardedDataParallel(nn.Module):
         self._order: list[int] = []                        # units in forward order, this step
         self.peak_gathered_bytes = 0                       # most bytes of gathered units at once
         self._in_backward = False
+        # backward completes the units in reverse forward order; reduce them in that order
+        self.reduction = OrderedReduction([u.flat for u in self.units],
+                                          lambda: list(reversed(self._order)), self._reduce)
         for i, u in enumerate(self.units):
             u.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
             u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
@@ -130,7 +141,6 @@ class FullyShardedDataParallel(nn.Module):
     def _pre_forward(self, i: int) -> None:
         self._gather(i, phase="forward")
         self._order.append(i)
-        self.units[i].bw = False
         if self.prefetch and i + 1 < len(self.units):
             self._gather(i + 1, async_op=True, phase="forward", prefetch=True)
         self.units[i].t0 = trace.now()
@@ -152,6 +162,7 @@ class FullyShardedDataParallel(nn.Module):
         if self.units[i].bw:                               # one hook per output tensor
             return
         self.units[i].bw = True
+        self.reduction.reached(i)
         self._gather(i, phase="backward")
         pos = self._order.index(i) if i in self._order else 0
         if self.prefetch and pos > 0:
@@ -159,31 +170,20 @@ class FullyShardedDataParallel(nn.Module):
         self.units[i].t0 = trace.now()
 
     def _on_grad(self, i: int, p) -> None:
-        u = self.units[i]
-        u.ready.add(id(p))
-        if len(u.ready) == len(u.flat.params):
-            trace.record("compute", "backward", u.t0, trace.now(), unit=i)
-            self._reduce(i)
+        self.reduction.grad_ready(i, p)
 
     def _reduce(self, i: int) -> None:
-        """Reduce-scatter unit i's gradients (mean) into its shard's .grad; free the unit."""
+        """Reduce-scatter unit i's gradients (mean) into its shard's .grad (accumulating, fp32);
+        free the unit. Its next backward gathers it again (``bw`` is per backward)."""
         u = self.units[i]
-        ps = u.flat.params
-        flat = u.flat.flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in ps],
-                              dtype=self.param_dtype)
-        for p in ps:
-            p.grad = None
+        trace.record("compute", "backward", u.t0, trace.now(), unit=i)
         self._free(i)
-        mine = u.flat.shard_of(flat)
-        reduce_scatter(mine, flat, op="avg", group=self.group, unit=i)
-        g = mine.to(torch.float32) if mine.dtype != torch.float32 else mine.clone()
+        g = reduce_unit_grads(u.flat, dtype=self.param_dtype, unit=i).to(torch.float32)
         u.shard.grad = g if u.shard.grad is None else u.shard.grad.add_(g)
-        u.ready.clear()
+        u.bw = False
 
     def _end_backward(self) -> None:
-        for i, u in enumerate(self.units):
-            if u.ready:                                    # some params got no gradient
-                self._reduce(i)
+        for i in range(len(self.units)):
             self._free(i)
         self._in_backward = False
 
@@ -194,7 +194,7 @@ class FullyShardedDataParallel(nn.Module):
         calls it; every rank gets the whole dict)."""
         where = {}
         for u in self.units:
-            full = torch.empty(u.flat.padded)
+            full = torch.empty(u.flat.padded, device=u.shard.device)
             all_gather(full, u.shard.detach(), group=self.group, name="gather_full_params")
             for p, v in zip(u.flat.params, u.flat.views(full)):
                 where[id(p)] = v.clone()

@@ -1,34 +1,48 @@
-"""One data-parallel training run under any ZeRO stage, measured: the rank-side loop the
-tests, the notebook and the benchmark share.
+"""One data-parallel training run under any ZeRO stage, in the shape of every strategy
+(:mod:`minipar.strategy`): :func:`check`, :func:`train`, :func:`run`.
 
-``train(stage, model, batches, optimizer_cls, **kw)`` runs on every rank of ``group``:
+``train(model, batches, optimizer, group, stage=1)`` runs on every rank of ``group``:
 rank r of the group trains on its shard ``minipar.data.shard(x, r, N)`` of each global
 batch, so the mean of the ranks' losses is the single-process loss. It returns the
-losses, the final full parameters by name, and what the last step measured: bytes per
-component (:func:`minipar.zero.memory.model_state_bytes`, activations from
-:class:`~minipar.zero.memory.SavedActivations`, for stage 3 the peak bytes of gathered
-units in flight) and bytes this rank sent.
+losses, the final full parameters by name, and ``measured``, what the last step measured:
+``memory``, bytes per component (:func:`minipar.zero.memory.model_state_bytes`,
+``activations`` from :class:`minipar.activations.SavedActivations`, for stage 3 the peak
+bytes of gathered units in flight), ``bytes_sent`` (and ``bytes_by_dim``) by this rank,
+the ``unit_sizes`` the formulas take, and ``seconds``.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
 
-from .. import trace
+from .. import precision, strategy, trace
+from ..activations import SavedActivations
 from ..comm import group_rank, group_size
 from ..data import shard
-from .memory import SavedActivations, model_state_bytes
+from ..reference import sgd
+from .memory import model_state_bytes
 from .stage0 import ReplicatedOptimizer
 from .stage1 import ZeroOptimizer
 from .stage2 import Zero2Optimizer
+from .per_parameter import fully_shard
 from .stage3 import FullyShardedDataParallel
 
 OPTIMIZERS = {0: ReplicatedOptimizer, 1: ZeroOptimizer, 2: Zero2Optimizer}
 
 
-def wrap(stage: int, model: torch.nn.Module, optimizer_cls, group=None, param_dtype=None, **kwargs):
+def wrap(stage: int, model: torch.nn.Module, optimizer_cls, group=None, param_dtype=None,
+         sharding: str = "flat", **kwargs):
     """``(forward, optimizer)`` for ``stage``: the model (or its stage-3 wrapper) and an
-    optimizer with ``zero_grad()``/``step()``. Units are ``model.layers()``."""
+    optimizer with ``zero_grad()``/``step()``. Units are ``model.layers()``. Stage 3 comes
+    in two designs: ``sharding="flat"`` (:class:`FullyShardedDataParallel`, flat units) or
+    ``"per-parameter"`` (:func:`fully_shard`, FSDP2's: the model's own parameters become shards)."""
+    if stage == 3 and sharding == "per-parameter":
+        fully_shard(model, group=group, param_dtype=param_dtype)
+        return model, optimizer_cls(model.parameters(), **kwargs)
+    if sharding != "flat":
+        raise ValueError(f"sharding must be 'flat' or (stage 3 only) 'per-parameter', got {sharding!r}")
     if stage == 3:
         fsdp = FullyShardedDataParallel(model, group=group, param_dtype=param_dtype)
         return fsdp, optimizer_cls(fsdp.parameters(), **kwargs)
@@ -39,31 +53,54 @@ def wrap(stage: int, model: torch.nn.Module, optimizer_cls, group=None, param_dt
     return model, OPTIMIZERS[stage](units, optimizer_cls, group=group, **extra, **kwargs)
 
 
-def train(stage: int, model, batches, optimizer_cls, group=None, param_dtype=None, **kwargs) -> dict:
-    """Train ``model`` on ``batches`` under ZeRO ``stage``; every rank returns
-    ``{"losses", "params", "memory", "comm_bytes", "unit_sizes"}`` (see the module doc)."""
+def check(model, batches, world_size: int, stage: int = 1, dtype=None, sharding="flat", **_) -> None:
+    """Plain errors before launch: a known stage and design, batches that split into equal shards."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if sharding not in ("flat", "per-parameter") or (sharding == "per-parameter" and stage != 3):
+        raise ValueError(f"sharding must be 'flat' or, with stage 3, 'per-parameter'; got {sharding!r} at stage {stage}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    for k, (x, _) in enumerate(batches):
+        if x.shape[0] % world_size:
+            raise ValueError(f"global batch {k} has {x.shape[0]} samples: not {world_size} equal shards")
+    precision.resolve(dtype)
+
+
+def train(model, batches, optimizer=None, group=None, stage: int = 1, param_dtype=None,
+          dtype=None, recompute=None, **options) -> dict:
+    """Train ``model`` on ``batches`` under ZeRO ``stage`` (``options``: the stage's, e.g.
+    ``max_grad_norm``); every rank returns ``{"losses", "params", "measured"}`` (see the
+    module doc). ``optimizer``: a factory ``params -> Optimizer`` (default SGD, lr 0.1)."""
+    if recompute is not None:  # the GPT's blocks (minipar.models.GPT.set_recompute)
+        model.set_recompute(recompute)
     r, n = group_rank(group), group_size(group)
-    fwd, opt = wrap(stage, model, optimizer_cls, group, param_dtype, **kwargs)
-    losses, memory, sent = [], {}, 0
-    for step, (x, y) in enumerate(batches):
-        last = step == len(batches) - 1
-        mark = len(trace.events())
+    fwd, opt = wrap(stage, model, optimizer or sgd(), group, param_dtype, **options)
+    s3 = fwd.__dict__.get("_fully_shard", fwd)            # stage 3's state, either design
+    device = next(model.parameters()).device
+    losses, measured = [], {}
+    for x, y in batches:
+        mark, t0 = trace.mark(), time.perf_counter()
         opt.zero_grad()
-        with SavedActivations(model) as acts:
+        with SavedActivations(model) as acts, precision.autocast(dtype, device):
             loss = fwd(shard(x, r, n), shard(y, r, n))
         loss.backward()
         opt.step()
-        if last:
-            evs = trace.events()[mark:]
-            sent = sum(e["bytes_sent"] for e in evs if e["kind"] == "comm")
-            memory = model_state_bytes(fwd, optimizer=opt) if stage == 3 else model_state_bytes(opt)
-            memory["activations"] = acts.bytes
-            if stage == 3:
-                memory["gathered_peak"] = fwd.peak_gathered_bytes
+        sent = trace.bytes_by_dim(trace.since(mark))
+        memory = model_state_bytes(s3, optimizer=opt) if stage == 3 else model_state_bytes(opt)
+        memory["activations"] = acts.bytes
+        if stage == 3:
+            memory["gathered_peak"] = s3.peak_gathered_bytes
+        measured = {"memory": memory, "bytes_sent": sent["total"], "bytes_by_dim": sent,
+                    "unit_sizes": (s3 if stage == 3 else opt).unit_sizes(),
+                    "grad_norm": getattr(opt, "grad_norm", None), "seconds": time.perf_counter() - t0}
         mean = loss.detach().float().clone()
         dist.all_reduce(mean, group=group)                    # for the record only, not traced
         losses.append(mean.item() / n)
-    params = (fwd.gather_full_params() if stage == 3
-              else {k: v.detach().float().clone() for k, v in model.named_parameters()})
-    return {"losses": losses, "params": params, "memory": memory, "comm_bytes": sent,
-            "unit_sizes": (fwd if stage == 3 else opt).unit_sizes()}
+    params = s3.gather_full_params() if stage == 3 else strategy.full_params(model.named_parameters())
+    return {"losses": losses, "params": params, "measured": measured}
+
+
+def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:
+    """Driver: :func:`check`, then :func:`train` on ``world_size`` ranks."""
+    return strategy.run(train, model, batches, world_size, check=check, optimizer=optimizer, **options)

@@ -1,8 +1,37 @@
-"""Graded tests for exercise 02: naive gradient averaging, buckets, the overlapping reducer.
+"""Exercise 02: data parallelism, from a plain all-reduce to overlapped buckets.
 
-Run against the library and the solution in CI, and against your file by
-``python -m minipar.grade ex02``. The reducer is graded inside the library's
-``DistributedDataParallel`` (``reducer_class=impl.Reducer``): the real machinery.
+Three pieces of ``minipar.data_parallel``; the tests run the library's own
+``DistributedDataParallel`` (and training loops) with your code in place.
+
+A. ``allreduce_gradients(params, group, all_reduce_fn)`` (``naive.py``): after backward,
+   every rank holds the gradient of the mean loss over *its own* shard. Replace each
+   ``p.grad`` by the average over the ranks of ``group``: with equal shards that is exactly
+   the gradient one process computes on the whole batch (Goyal et al. 2017, eq. 1:
+   g = 1/n Σ_r g_r). One all-reduce per parameter, in order, over ``trainable(params)``
+   (frozen ones skipped, a tied parameter once); a parameter without a gradient takes part
+   with zeros. Use ``comm.all_reduce(t, op="avg", group=group, name="grad_all_reduce")``
+   (recorded), or ``all_reduce_fn(t, group)`` when given (it *sums* in place: divide by n).
+
+B. ``assign_buckets(params, bucket_cap_mb)`` (``buckets.py``): walk the parameters in
+   **reverse** order (backward produces the last layer's gradients first) and fill buckets:
+   start a new one when adding a parameter would take the current bucket past
+   ``bucket_cap_mb · 2**20`` bytes, or when its dtype differs from the bucket's (a bucket is
+   one flat tensor). Every bucket has at least one parameter; a negative cap is a ValueError.
+
+C. ``Reducer.grad_ready``, ``Reducer.finish`` and ``Reducer._launch_ready`` (``reducer.py``):
+   all-reduce the buckets *while backward runs* (Li et al. 2020, §3.2.3). The library's
+   ``__init__`` and ``reset`` set ``self.buckets`` (``Bucket`` s: ``pack(p)``, ``unpack()``,
+   ``buffer``), ``self.bucket_of[id(p)]``, ``self.pending[i]`` (gradients bucket i still
+   waits for), ``self.ready`` (ids packed), ``self.next_bucket``, ``self.handles``. DDP calls
+   ``grad_ready(p)`` from a hook once ``p.grad`` is final and ``finish()`` when backward is
+   over. ``grad_ready`` packs and counts; with ``overlap`` it launches every complete bucket,
+   but only in bucket order 0, 1, 2, ... (every rank must issue its collectives in the same
+   order): ``comm.all_reduce(b.buffer, op="avg", group=..., async_op=True,
+   name="grad_all_reduce")``, keeping the handle. ``finish`` packs the parameters that got
+   no gradient (zeros), launches what is left in order, waits for every handle, unpacks
+   every bucket and calls ``reset()``.
+
+Grade it with ``python -m minipar.grade ex02``.
 """
 from contextlib import nullcontext
 
@@ -11,11 +40,11 @@ import torch.distributed as dist
 
 import minipar
 from minipar import cost, data, reference, trace
-from minipar.data_parallel import DistributedDataParallel, shard_batch, trainable
+from minipar.data_parallel import (DistributedDataParallel, allreduce_gradients, assign_buckets,
+                                   shard_batch, trainable)
 from minipar.models import GPT, MLP, GPTConfig
 
 EXERCISE = "ex02_data_parallel"
-LIBRARY = "minipar.data_parallel"
 TIMEOUT = 30
 RTOL, ATOL = 1e-5, 1e-6  # fp32: only the order of the sums differs from one process
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -34,7 +63,7 @@ def _mlp_with_frozen_bias():
     return model
 
 
-def _average_once(allreduce_gradients, use_ring):
+def _average_once(use_ring):
     r = dist.get_rank()
     model = _mlp_with_frozen_bias()
     x, y = data.regression_batches(1, 4, seed=10 + r)[0]  # different data on each rank
@@ -65,18 +94,18 @@ def _check_average(results, n):
 def test_allreduce_gradients_averages(impl):
     """allreduce_gradients leaves the average of the ranks' gradients in every p.grad (4 ranks).
     Hint: comm.all_reduce(p.grad, op="avg", group=group, name="grad_all_reduce") for each trainable p."""
-    _check_average(minipar.launch(_average_once, 4, args=(impl.allreduce_gradients, False),
+    _check_average(minipar.launch(_average_once, 4, args=(False,),
                                   timeout=TIMEOUT), 4)
 
 
 def test_allreduce_gradients_with_your_all_reduce(impl):
     """With all_reduce_fn (here the ring all-reduce, which sums) the result is still the average.
     Hint: all_reduce_fn(t, group) sums in place; divide by comm.group_size(group) afterwards."""
-    _check_average(minipar.launch(_average_once, 2, args=(impl.allreduce_gradients, True),
+    _check_average(minipar.launch(_average_once, 2, args=(True,),
                                   timeout=TIMEOUT), 2)
 
 
-def _naive_training(allreduce_gradients, model, batches):
+def _naive_training(model, batches):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for x, y in batches:
@@ -97,29 +126,32 @@ def test_naive_training_matches_single_process(impl):
     Hint: average (not sum); every rank must all-reduce the same parameters in the same order."""
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32)
     batches = data.batches(TOKENS, 2, 8, 16)
+    results = minipar.launch(_naive_training, 4, args=(GPT(cfg, seed=1), batches), timeout=TIMEOUT)
     want = reference.train_reference(GPT(cfg, seed=1), batches, reference.sgd(0.5))
-    for got in minipar.launch(_naive_training, 4, args=(impl.allreduce_gradients, GPT(cfg, seed=1), batches),
-                              timeout=TIMEOUT):
+    for got in results:
         reference.assert_same_training(got, want, rtol=RTOL, atol=ATOL)
 
 
 # ----------------------------------------------------------------------------- B: buckets
 def test_assign_buckets(impl):
-    """Buckets are filled last parameter first, never past the cap unless one parameter is bigger.
-    Hint: iterate reversed(list(params)); start a new bucket when size + p's bytes > cap·2**20."""
+    """Buckets are filled last parameter first, never past the cap unless one parameter is bigger, one dtype each.
+    Hint: iterate reversed(list(params)); start a new bucket when size + p's bytes > cap·2**20 or the dtype changes."""
     params = [torch.nn.Parameter(torch.zeros(k)) for k in (10, 300, 20, 20, 5, 1000, 7)]
     index = {id(p): i for i, p in enumerate(params)}
 
     def ids(cap):
-        return [[index[id(p)] for p in b] for b in impl.assign_buckets(params, cap)]
+        return [[index[id(p)] for p in b] for b in assign_buckets(params, cap)]
 
     assert ids(1200 / 2**20) == [[6], [5], [4, 3, 2], [1], [0]]
     assert ids(0) == [[i] for i in range(6, -1, -1)]
     assert ids(25) == [[6, 5, 4, 3, 2, 1, 0]]
     assert ids(180 / 2**20) == [[6], [5], [4, 3, 2], [1], [0]]  # 180 B exactly fits
     assert ids(179 / 2**20) == [[6], [5], [4, 3], [2], [1], [0]]
+    mixed = [torch.nn.Parameter(torch.zeros(4, dtype=d)) for d in
+             (torch.float32, torch.float32, torch.float64, torch.float32)]
+    assert [len(b) for b in assign_buckets(mixed, 25)] == [1, 1, 2], "a change of dtype starts a new bucket"
     try:
-        impl.assign_buckets(params, -1)
+        assign_buckets(params, -1)
     except ValueError:
         pass
     else:
@@ -127,9 +159,9 @@ def test_assign_buckets(impl):
 
 
 # ----------------------------------------------------------------------------- C: reducer
-def _ddp_training(Reducer, model, batches, kw, accumulation, probe):
-    """Train with the library's DDP using ``Reducer``; record when the last gradient was ready."""
-    ddp = DistributedDataParallel(model, reducer_class=Reducer, **kw)
+def _ddp_training(model, batches, kw, accumulation, probe):
+    """Train with the library's DDP; record when the last gradient was ready."""
+    ddp = DistributedDataParallel(model, **kw)
     ready = []
     if probe:  # the token embedding's gradient is the last one backward computes
         model.embed.wte.weight.register_post_accumulate_grad_hook(lambda p: ready.append(trace.now()))
@@ -157,11 +189,11 @@ def _ddp_training(Reducer, model, batches, kw, accumulation, probe):
             "buckets": len(ddp.reducer.buckets)}
 
 
-def _run_reducer(impl, n, kw, accumulation=1, probe=False, cfg=CFG):
+def _run_reducer(n, kw, accumulation=1, probe=False, cfg=CFG):
     batches = data.batches(TOKENS, STEPS, 8, cfg.block_size)
-    want = reference.train_reference(GPT(cfg, seed=1), batches, reference.sgd(0.5))
-    results = minipar.launch(_ddp_training, n, args=(impl.Reducer, GPT(cfg, seed=1), batches, kw,
+    results = minipar.launch(_ddp_training, n, args=(GPT(cfg, seed=1), batches, kw,
                                                      accumulation, probe), timeout=TIMEOUT)
+    want = reference.train_reference(GPT(cfg, seed=1), batches, reference.sgd(0.5))
     psi = sum(p.numel() for p in GPT(cfg, seed=1).parameters())
     for rank, got in enumerate(results):
         reference.assert_same_training(got, want, rtol=RTOL, atol=ATOL)
@@ -174,20 +206,20 @@ def _run_reducer(impl, n, kw, accumulation=1, probe=False, cfg=CFG):
 def test_reducer_overlapped_matches_single_process(impl):
     """DDP with your overlapping Reducer (2 ranks, small buckets) matches one process; bytes 2(n-1)/n·Ψ·4.
     Hint: launch a bucket only when all its gradients are packed, and only in bucket order."""
-    _run_reducer(impl, 2, dict(bucket_cap_mb=0.02, overlap=True))
+    _run_reducer(2, dict(bucket_cap_mb=0.02, overlap=True))
 
 
 def test_reducer_accumulation_and_no_overlap(impl):
     """4 ranks, gradient accumulation over 2 micro-batches (no_sync), overlap=False: still equal.
     Hint: with overlap=False, grad_ready only packs and counts; finish launches every bucket."""
-    _run_reducer(impl, 4, dict(bucket_cap_mb=0.02, overlap=False), accumulation=2)
+    _run_reducer(4, dict(bucket_cap_mb=0.02, overlap=False), accumulation=2)
 
 
 def test_reducer_overlaps_with_backward(impl):
     """With overlap=True the first buckets' all-reduces start before backward computes the last gradient.
     Hint: launch from grad_ready (async_op=True) as soon as a bucket is complete; wait only in finish."""
     cfg = GPTConfig(vocab_size=32, block_size=32, n_layer=4, n_head=2, n_embd=64)
-    got = _run_reducer(impl, 2, dict(bucket_cap_mb=0.05, overlap=True), probe=True, cfg=cfg)[0]
+    got = _run_reducer(2, dict(bucket_cap_mb=0.05, overlap=True), probe=True, cfg=cfg)[0]
     per_step = got["calls"] // STEPS
     for s in range(STEPS):
         starts = got["starts"][s * per_step:(s + 1) * per_step]

@@ -1,7 +1,25 @@
-"""Graded tests for exercise 04: balanced partitioning and the 1F1B schedule.
+"""Exercise 04: balance a model's layers across stages, and write the 1F1B schedule.
 
-Run against the library and the solution in CI, and against your file by
-``python -m minipar.grade ex04``.
+A. ``partition(costs, p)`` and its helper ``_min_max(prefix, p)``
+   (``minipar/pipeline/partition.py``): cut L layers with costs ``costs`` into p
+   contiguous, non-empty stages so that the **most expensive stage is as cheap as
+   possible** (a pipeline runs at the pace of its slowest stage). Return the boundaries
+   ``[0, b_1, ..., b_{p-1}, L]``: stage s holds layers ``b_s`` to ``b_{s+1} - 1``. Raise
+   ``ValueError`` unless 1 <= p <= L. Any optimal split is accepted. ``_min_max`` gets the
+   prefix sums (``prefix[j]`` = cost of the first j layers) and returns the optimal cost
+   of the costliest stage, by dynamic programming:
+   best[k][j] = min over i of max(best[k-1][i], prefix[j] - prefix[i]).
+
+B. ``one_f_one_b(p, m, rank)`` (``minipar/pipeline/schedules.py``): the compute order of
+   1F1B (PipeDream-Flush, Narayanan et al. 2021) on ``rank`` of p for m micro-batches, as a
+   list of ``Action("F", i, rank)`` / ``Action("B", i, rank)``: warm-up
+   ``min(p - rank - 1, m)`` forwards; steady state: alternate one forward (the next
+   micro-batch) and one backward (the oldest not yet done); cool-down: the remaining
+   backwards. Rank r then never holds more than min(p - r, m) micro-batches, and the
+   bubble is (p-1)/(m+p-1). ``make_schedule("1f1b", p, m)`` adds the sends and receives.
+
+The last test trains the GPT on 4 ranks with the library's pipeline, cut by your
+partition and scheduled by your 1F1B. Grade it with ``python -m minipar.grade ex04``.
 """
 import itertools
 import random
@@ -9,12 +27,11 @@ import random
 import pytest
 
 import minipar
-from minipar import cost, data, reference
+from minipar import cost, data, reference, strategy
 from minipar import pipeline as pp
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex04_pipeline"
-LIBRARY = "minipar.pipeline"
 TIMEOUT = 60
 
 
@@ -30,7 +47,7 @@ def test_partition_is_valid(impl):
     """partition returns p+1 increasing boundaries from 0 to L (no empty stage).
     Hint: return [0, b_1, ..., L]; stage s holds layers b_s .. b_{s+1}-1."""
     for costs, p in [([1, 1, 1, 1], 2), ([5], 1), ([3, 1, 4, 1, 5], 5), ([1, 2, 3], 1)]:
-        b = impl.partition(costs, p)
+        b = pp.partition(costs, p)
         assert len(b) == p + 1 and b[0] == 0 and b[-1] == len(costs), (costs, p, b)
         assert all(x < y for x, y in zip(b[:-1], b[1:])), f"empty stage in {b} for {costs}, p={p}"
 
@@ -43,7 +60,7 @@ def test_partition_is_balanced(impl):
         L = rng.randint(1, 9)
         costs = [rng.choice([1, 2, 3, 5, 8, 13, 40]) for _ in range(L)]
         p = rng.randint(1, L)
-        b = impl.partition(costs, p)
+        b = pp.partition(costs, p)
         got = max(sum(costs[x:y]) for x, y in zip(b[:-1], b[1:]))
         assert got == _best(costs, p), f"costs={costs}, p={p}: your split {b} has a stage of {got}"
 
@@ -52,17 +69,17 @@ def test_partition_rejects_too_many_stages(impl):
     """More stages than layers is a ValueError.
     Hint: check p <= len(costs) first."""
     with pytest.raises(ValueError):
-        impl.partition([1.0, 2.0], 3)
+        pp.partition([1.0, 2.0], 3)
 
 
 def test_one_f_one_b_order(impl):
     """The 1F1B order on the first and last of 4 ranks, 6 micro-batches.
     Hint: rank r: min(p-r-1, m) warm-up Fs, then F/B pairs, then the remaining Bs."""
     fmt = lambda acts: " ".join(f"{a.op}{a.microbatch}" for a in acts)  # noqa: E731
-    assert fmt(impl.one_f_one_b(4, 6, 0)) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5"
-    assert fmt(impl.one_f_one_b(4, 6, 3)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"
-    assert fmt(impl.one_f_one_b(4, 2, 1)) == "F0 F1 B0 B1"
-    assert all(a.stage == 2 for a in impl.one_f_one_b(4, 5, 2))
+    assert fmt(pp.one_f_one_b(4, 6, 0)) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5"
+    assert fmt(pp.one_f_one_b(4, 6, 3)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"
+    assert fmt(pp.one_f_one_b(4, 2, 1)) == "F0 F1 B0 B1"
+    assert all(a.stage == 2 for a in pp.one_f_one_b(4, 5, 2))
 
 
 def test_one_f_one_b_is_a_valid_schedule(impl):
@@ -70,29 +87,28 @@ def test_one_f_one_b_is_a_valid_schedule(impl):
     Hint: with m < p the warm-up is only m forwards."""
     for p in range(1, 6):
         for m in range(1, 10):
-            s = pp.make_schedule("1f1b", p, m, order_fn=impl.one_f_one_b)
+            s = pp.make_schedule("1f1b", p, m)
             pp.check_schedule(s)
-            assert max(pp.bubble(pp.simulate(s))) == pytest.approx(cost.bubble_fraction("1f1b", p, m))
+            assert max(pp.bubble(s)) == pytest.approx(cost.bubble_fraction("1f1b", p, m))
             assert pp.peak_stash(s) == [min(p - r, m) for r in range(p)], f"p={p}, m={m}"
 
 
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
 
 
-def _train(impl_module, p, m):
+def _train(p, m):
     model = GPT(CFG, seed=0)
-    bounds = impl_module.partition(pp.layer_costs(model.layers()), p)
-    s = pp.make_schedule("1f1b", p, m, order_fn=impl_module.one_f_one_b)
-    return pp.train(model, data.batches(data.synthetic_tokens(1000), 3, 8, 8), s, reference.sgd(0.5),
-                    bounds=bounds)
+    bounds = pp.partition(pp.layer_costs(model.layers()), p)
+    return pp.train(model, data.batches(data.synthetic_tokens(1000), 3, 8, 8), reference.sgd(0.5),
+                    schedule="1f1b", microbatches=m, bounds=bounds)
 
 
 def test_trains_the_gpt(impl):
     """Your partition and 1F1B train the GPT on 4 ranks like one process (1e-5).
     Hint: the schedule test above must pass first."""
-    results = minipar.launch(_train, 4, args=(impl, 4, 4), timeout=TIMEOUT)
+    results = minipar.launch(_train, 4, args=(4, 4), timeout=TIMEOUT)
     want = reference.train_reference(GPT(CFG, seed=0), data.batches(data.synthetic_tokens(1000), 3, 8, 8),
                                      reference.sgd(0.5))
-    got = pp.gather(results)
+    got = strategy.TrainResult.merge(results)
     reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)
-    assert got["peak_stash"] == [4, 3, 2, 1]
+    assert [m["peak_stash"] for m in got.measured] == [4, 3, 2, 1]

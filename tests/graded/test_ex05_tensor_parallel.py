@@ -1,9 +1,37 @@
-"""Graded tests for exercise 05: f and g, column- and row-parallel linear layers, and the
-vocabulary-parallel cross-entropy.
+"""Exercise 05: tensor parallelism's operators, layers and loss.
 
-Run against the library and the solution in CI, and against your file by
-``python -m minipar.grade ex05``. Every check compares with the single-device computation
-(fp32, tolerance ``TOL``) on the same numbers.
+``group`` is the tensor-parallel process group (``None``: all ranks); use group-local
+ranks (``size_and_rank(group)``). Megatron-LM (Shoeybi et al. 2019, §3):
+
+A. **f and g**, the conjugate operators (``minipar/tensor_parallel/ops.py``), as
+   ``torch.autograd.Function`` s: ``_F`` (f) is the identity in forward and an all-reduce
+   (sum) of the gradient in backward; ``_G`` (g) all-reduces in forward and passes the
+   gradient through unchanged. Both go through ``_sum(x, group, name)``, a summed *copy*
+   of ``x`` (``comm.all_reduce`` on a contiguous clone: never modify a tensor autograd
+   gave you). ``backward`` returns one gradient per input of ``forward`` (None for the
+   group and the name).
+B. **column_parallel_linear** and **row_parallel_linear** (``layers.py``, what the library's
+   ``ColumnParallelLinear`` and ``RowParallelLinear`` call). Column: this rank holds rows
+   ``weight`` (out/t, in) of the full weight and ``bias`` (out/t); return ``f(x) Wᵀ + b``,
+   this rank's output features, or all of them with ``gather_output=True`` (``gather``).
+   Row: this rank holds columns ``weight`` (out, in/t) and its slice of the input
+   features; sum the partial products with g, then add the full ``bias`` once.
+C. **the vocabulary-parallel cross-entropy** (``cross_entropy.py``,
+   ``_VocabParallelCrossEntropy.forward`` and ``.backward``): ``logits`` (..., V/t) are this
+   rank's slice of the vocabulary (rank r has tokens [r·V/t, (r+1)·V/t)). The mean of
+
+       loss = log Σ_v exp(z_v - m) - (z_y - m),   m = max_v z_v
+
+   equals ``F.cross_entropy`` on the full logits, without ever gathering them: all-gather
+   each rank's row maxima for m, then all-reduce Σ exp and the target's logit (only the
+   rank owning y contributes it): N numbers per rank instead of N·V/t. The backward is
+   written by hand and needs no communication: dL/dz_v = (softmax_v - [v = y]) / N for this
+   rank's v, from what forward saved.
+
+The tests call the library's ``minipar.tensor_parallel.f``, ``g``, the two linear
+functions and ``vocab_parallel_cross_entropy`` with your code inside, and compare with the
+single-device computation (fp32, tolerance ``TOL``). Grade it with
+``python -m minipar.grade ex05``.
 """
 import torch
 import torch.distributed as dist
@@ -11,9 +39,9 @@ import torch.nn.functional as F
 
 import minipar
 from minipar import cost, trace
+from minipar import tensor_parallel as tp
 
 EXERCISE = "ex05_tensor_parallel"
-LIBRARY = "minipar.tensor_parallel"
 TIMEOUT = 30
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -31,23 +59,23 @@ def _close(got, want, what):
 
 
 # ----------------------------------------------------------------------------- f and g
-def _f_case(f):
+def _f_case():
     r = dist.get_rank()
     x = _randn(4, 3, seed=0).requires_grad_()        # the same x on every rank
     w = _randn(4, 3, seed=10 + r)                      # a different upstream gradient per rank
-    y = f(x)
+    y = tp.f(x)
     n0 = len(trace.events())
     (y * w).sum().backward()
     return {"y": y.detach(), "x": x.detach(), "grad": x.grad, "w": w, "bytes": _comm_bytes(n0)}
 
 
-def _g_case(g):
+def _g_case():
     r = dist.get_rank()
     x = _randn(4, 3, seed=20 + r).requires_grad_()    # a different partial result per rank
     w = _randn(4, 3, seed=10)                          # the same upstream gradient everywhere
     before = x.detach().clone()
     n0 = len(trace.events())
-    z = g(x)
+    z = tp.g(x)
     sent = _comm_bytes(n0)
     (z * w).sum().backward()
     return {"z": z.detach(), "x": before, "x_after": x.detach(), "grad": x.grad, "w": w, "bytes": sent}
@@ -55,8 +83,8 @@ def _g_case(g):
 
 def test_f_identity_forward_all_reduce_backward(impl):
     """f returns x unchanged and sums the ranks' gradients in backward (2 ranks).
-    Hint: forward returns x.view_as(x); backward all-reduces a clone of grad with minipar.comm.all_reduce and returns (that, None)."""
-    results = minipar.launch(_f_case, 2, args=(impl.f,), timeout=TIMEOUT)
+    Hint: _F.forward returns x.view_as(x); _F.backward returns (_sum(grad, ...), None, None); _sum all-reduces a clone."""
+    results = minipar.launch(_f_case, 2, timeout=TIMEOUT)
     total = sum(fo["w"] for fo in results)
     for rank, fo in enumerate(results):
         _close(fo["y"], fo["x"], f"rank {rank}: f's forward")
@@ -67,8 +95,8 @@ def test_f_identity_forward_all_reduce_backward(impl):
 
 def test_g_all_reduce_forward_identity_backward(impl):
     """g sums the ranks' inputs in forward, leaves its input alone, and passes the gradient unchanged.
-    Hint: forward all-reduces a clone of x (not x itself); backward returns (grad, None)."""
-    results = minipar.launch(_g_case, 2, args=(impl.g,), timeout=TIMEOUT)
+    Hint: _G.forward returns _sum(x, ...), an all-reduced clone (not x itself); _G.backward returns (grad, None)."""
+    results = minipar.launch(_g_case, 2, timeout=TIMEOUT)
     total = sum(go["x"] for go in results)
     for rank, go in enumerate(results):
         _close(go["z"], total, f"rank {rank}: g's forward (the sum over ranks)")
@@ -79,7 +107,7 @@ def test_g_all_reduce_forward_identity_backward(impl):
 
 
 # ----------------------------------------------------------------------------- linear layers
-def _column(column_parallel_linear, t):
+def _column(t):
     """Two groups of t ranks ({0..t-1}, {t..2t-1}), each splitting its own layer."""
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = [dist.new_group(list(range(i, i + t))) for i in range(0, world, t)]
@@ -91,7 +119,7 @@ def _column(column_parallel_linear, t):
     for gather_output in (False, True):
         x = x_full.clone().requires_grad_()
         wr, br = (w.chunk(t, 0)[r].clone().requires_grad_(), b.chunk(t, 0)[r].clone().requires_grad_())
-        y = column_parallel_linear(x, wr, br, gather_output=gather_output, group=group)
+        y = tp.column_parallel_linear(x, wr, br, gather_output=gather_output, group=group)
         (y * (up if gather_output else up.chunk(t, 1)[r])).sum().backward()
         out[gather_output] = (y.detach(), x.grad, wr.grad, br.grad)
     return k, r, out
@@ -108,7 +136,7 @@ def test_column_parallel_linear(impl):
     """Each rank computes its output features (or all of them, gathered); the input gradient is whole.
     Hint: F.linear(f(x, group), weight, bias), then gather(y, -1, group) if gather_output; pass group everywhere (4 ranks, two groups of 2)."""
     t = 2
-    for k, r, out in minipar.launch(_column, 4, args=(impl.column_parallel_linear, t), timeout=TIMEOUT):
+    for k, r, out in minipar.launch(_column, 4, args=(t,), timeout=TIMEOUT):
         y, gx, gw, gb = _full_linear(_randn(5, 6, seed=k), _randn(8, 6, seed=10 + k), _randn(8, seed=20 + k),
                                      _randn(5, 8, seed=30 + k))
         for gather_output, (got_y, got_gx, got_gw, got_gb) in out.items():
@@ -119,12 +147,12 @@ def test_column_parallel_linear(impl):
             _close(got_gb, gb.chunk(t, 0)[r], f"{what}: bias gradient")
 
 
-def _row(row_parallel_linear):
+def _row():
     r, t = dist.get_rank(), dist.get_world_size()
     x_full, w, b, up = _randn(5, 8, seed=1), _randn(6, 8, seed=2), _randn(6, seed=3), _randn(5, 6, seed=4)
     x = x_full.chunk(t, 1)[r].clone().requires_grad_()
     wr, b = w.chunk(t, 1)[r].clone().requires_grad_(), b.clone().requires_grad_()
-    y = row_parallel_linear(x, wr, b)
+    y = tp.row_parallel_linear(x, wr, b)
     (y * up).sum().backward()
     return y.detach(), x.grad, wr.grad, b.grad
 
@@ -135,7 +163,7 @@ def test_row_parallel_linear(impl):
     t = 4
     y, gx, gw, gb = _full_linear(_randn(5, 8, seed=1), _randn(6, 8, seed=2), _randn(6, seed=3),
                                  _randn(5, 6, seed=4))
-    results = minipar.launch(_row, t, args=(impl.row_parallel_linear,), timeout=TIMEOUT)
+    results = minipar.launch(_row, t, timeout=TIMEOUT)
     for r, (got_y, got_gx, got_gw, got_gb) in enumerate(results):
         _close(got_y, y, f"rank {r}: output")
         _close(got_gx, gx.chunk(t, 1)[r], f"rank {r}: input gradient")
@@ -143,13 +171,13 @@ def test_row_parallel_linear(impl):
         _close(got_gb, gb, f"rank {r}: bias gradient")
 
 
-def _mlp(column_parallel_linear, row_parallel_linear):
+def _mlp():
     r, t = dist.get_rank(), dist.get_world_size()
     x = _randn(3, 4, 8, seed=5).requires_grad_()
     w1, b1, w2, b2 = _randn(32, 8, seed=6), _randn(32, seed=7), _randn(8, 32, seed=8), _randn(8, seed=9)
     n0 = len(trace.events())
-    h = F.gelu(column_parallel_linear(x, w1.chunk(t, 0)[r], b1.chunk(t, 0)[r]))
-    y = row_parallel_linear(h, w2.chunk(t, 1)[r], b2)
+    h = F.gelu(tp.column_parallel_linear(x, w1.chunk(t, 0)[r], b1.chunk(t, 0)[r]))
+    y = tp.row_parallel_linear(h, w2.chunk(t, 1)[r], b2)
     forward = [e["bytes_sent"] for e in trace.events()[n0:] if e["kind"] == "comm"]
     n0 = len(trace.events())
     y.sum().backward()
@@ -166,7 +194,7 @@ def test_mlp_needs_one_all_reduce_each_way(impl):
     y = F.linear(hidden, _randn(8, 32, seed=8), _randn(8, seed=9))
     y.sum().backward()
     one = cost.collective_bytes("all_reduce", 3 * 4 * 8 * 4, t)
-    results = minipar.launch(_mlp, t, args=(impl.column_parallel_linear, impl.row_parallel_linear), timeout=TIMEOUT)
+    results = minipar.launch(_mlp, t, timeout=TIMEOUT)
     for r, (got_y, got_gx, forward, backward) in enumerate(results):
         _close(got_y, y.detach(), f"rank {r}: MLP output")
         _close(got_gx, x.grad, f"rank {r}: MLP input gradient")
@@ -182,22 +210,22 @@ def _logits(scale):
     return scale * _randn(N, V, seed=11), torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(12))
 
 
-def _ce(vocab_parallel_cross_entropy, scale):
+def _ce(scale):
     r, t = dist.get_rank(), dist.get_world_size()
     full, targets = _logits(scale)
     z = full.chunk(t, -1)[r].clone().view(3, 4, V // t).requires_grad_()
     n0 = len(trace.events())
-    loss = vocab_parallel_cross_entropy(z, targets.view(3, 4))
+    loss = tp.vocab_parallel_cross_entropy(z, targets.view(3, 4))
     loss.backward()
     return loss.detach(), z.grad.reshape(N, V // t), _comm_bytes(n0)
 
 
-def _check_ce(impl, scale, t=2):
+def _check_ce(scale, t=2):
     full, targets = _logits(scale)
     full.requires_grad_()
     want = F.cross_entropy(full, targets)
     want.backward()
-    results = minipar.launch(_ce, t, args=(impl.vocab_parallel_cross_entropy, scale), timeout=TIMEOUT)
+    results = minipar.launch(_ce, t, args=(scale,), timeout=TIMEOUT)
     for r, (loss, grad, sent) in enumerate(results):
         assert torch.isfinite(loss), f"rank {r}: loss is {loss.item()}"
         _close(loss, want.detach(), f"rank {r}: loss")
@@ -207,14 +235,14 @@ def _check_ce(impl, scale, t=2):
 
 def test_vocab_parallel_cross_entropy(impl):
     """Loss and gradients equal F.cross_entropy on the full logits (2 ranks, targets on both halves).
-    Hint: loss = log Σ_v exp(z_v - m) - (z_y - m); sum Σexp and z_y (zero on ranks not owning y) over the group with your g."""
-    _check_ce(impl, scale=1.0)
+    Hint: loss = log Σ_v exp(z_v - m) - (z_y - m); all-reduce Σexp and z_y (zero on ranks not owning y); backward: (softmax - onehot)/N."""
+    _check_ce(scale=1.0)
 
 
 def test_vocab_parallel_cross_entropy_large_logits(impl):
     """Still exact (and finite) when logits reach hundreds, where exp overflows without the max.
     Hint: subtract the max over the *whole* vocabulary (all-gather the ranks' row maxima)."""
-    _check_ce(impl, scale=150.0)
+    _check_ce(scale=150.0)
 
 
 def test_vocab_parallel_cross_entropy_never_gathers_logits(impl):
@@ -222,5 +250,5 @@ def test_vocab_parallel_cross_entropy_never_gathers_logits(impl):
     Hint: communicate a few numbers per position (max, Σexp, target logit), never the logits."""
     t = 4
     gathering = cost.collective_bytes("all_gather", N * V * 4, t)
-    for r, (_, _, sent) in enumerate(_check_ce(impl, scale=1.0, t=t)):
+    for r, (_, _, sent) in enumerate(_check_ce(scale=1.0, t=t)):
         assert 0 < sent < gathering / 8, f"rank {r} sent {sent} bytes; gathering the logits sends {gathering:.0f}"

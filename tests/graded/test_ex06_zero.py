@@ -1,18 +1,38 @@
-"""Graded tests for exercise 06: ZeRO stage 1's sharded step, stage 3's gather and free.
+"""Exercise 06: ZeRO, the moves that remove redundancy (Rajbhandari et al. 2020).
 
-Run against the library and the solution in CI, and against your file by
-``python -m minipar.grade ex06``. The last tests run the library's own ZeRO stages with
-your functions plugged in and compare with single-process training.
+Layout (``minipar/zero/flat.py``): a unit's parameters (one layer) are one flat vector,
+zero-padded to N·k elements, k = ⌈Ψ_u/N⌉; rank r owns elements [r·k, (r+1)·k). Move data
+only with ``minipar.comm.reduce_scatter`` and ``minipar.comm.all_gather`` (flat tensors;
+they record the bytes for the grader).
+
+A. ``reduce_shard(flat_grad, group, **labels)`` (``minipar/zero/reduce.py``), P_g, the reduce
+   path every stage shares: reduce-scatter ``flat_grad`` with ``op="avg"`` in place, so that
+   this rank's slice ``flat_grad[r·k:(r+1)·k]`` holds ḡ_r = (1/N) Σ_j g_j[r·k:(r+1)·k],
+   and return that slice (a view). Pass ``**labels`` on.
+B. ``sharded_step(flat_params, grad_shards, shards, optimizer, group)``
+   (``minipar/zero/stage1.py``), P_os, the step of stages 1 and 2: for every unit u make
+   ``grad_shards[u]`` the ``.grad`` of ``shards[u]`` (cast to the shard's dtype if it
+   differs), call ``optimizer.step()`` once (it only knows the shards, so its state is
+   1/N), then all-gather every updated shard (cast to ``flat_params[u]``'s dtype) into
+   ``flat_params[u]``.
+C. ``gather_unit`` and ``free_unit`` (``minipar/zero/stage3.py``), P_p. ``gather_unit``,
+   gather-before-use: ``full``'s storage may have been freed; give it back its bytes
+   (``full.untyped_storage().resize_(nbytes)``), then all-gather every rank's ``shard`` into
+   it; return the Handle when ``async_op`` (the library prefetches the next unit that way),
+   else None; pass ``**labels`` on. ``free_unit``, free-after-use: release ``full``'s memory
+   but keep the tensor itself (the model's parameters are views into it).
+
+The last tests train the GPT with the library's own ZeRO stages 1, 2 and 3 running your
+code, and compare with one process. Grade it with ``python -m minipar.grade ex06``.
 """
 import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import cost, data, reference
+from minipar import cost, data, reference, trace, zero
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex06_zero"
-LIBRARY = "minipar.zero"
 TIMEOUT = 60
 CFG = dict(vocab_size=67, n_embd=30, n_head=2, n_layer=2, block_size=16)  # no unit divisible by 4
 STEPS, BATCH = 3, 8
@@ -23,26 +43,57 @@ def _batches():
     return data.batches(toks, STEPS, BATCH, CFG["block_size"])
 
 
-def _one_step(sharded_step):
-    """Two units of 10 and 7 elements on the ranks, Adam on the shards; the result should be
-    a full Adam step on the mean gradient."""
+def _grad(r, m, n):
+    """Rank r's padded flat gradient of a unit of m elements."""
+    k = -(-m // n)
+    g = torch.zeros(n * k)
+    g[:m] = torch.arange(m, dtype=torch.float32) * (r + 1) / 10
+    return g
+
+
+# ----------------------------------------------------------------------------- A: reduce_shard
+def _reduce(m):
     r, n = dist.get_rank(), dist.get_world_size()
-    sizes, fulls, grads, shards, want = [10, 7], [], [], [], []
+    flat = _grad(r, m, n)
+    mark = trace.mark()
+    mine = zero.reduce_shard(flat, None)
+    sent = sum(e["bytes_sent"] for e in trace.since(mark))
+    k = flat.numel() // n
+    return mine.clone(), mine.data_ptr() == flat[r * k:].data_ptr(), sent, flat.numel()
+
+
+def test_reduce_shard(impl):
+    """reduce_shard leaves the mean over ranks of this rank's k elements in its own slice, and
+    returns that slice; each rank sends (N-1)/N of the unit (4 ranks, 10 elements padded to 12).
+    Hint: mine = flat_grad[r*k:(r+1)*k]; reduce_scatter(mine, flat_grad, op="avg", group=group)."""
+    n, m = 4, 10
+    mean = sum(_grad(q, m, n) for q in range(n)) / n
+    for r, (mine, in_place, sent, numel) in enumerate(minipar.launch(_reduce, n, args=(m,), timeout=TIMEOUT)):
+        torch.testing.assert_close(mine, mean[r * 3:(r + 1) * 3], msg=lambda e: f"rank {r}: {e}")
+        assert in_place, f"rank {r}: return the view flat_grad[r*k:(r+1)*k], reduced in place"
+        assert sent == cost.collective_bytes("reduce_scatter", numel * 4, n), f"rank {r} sent {sent} B"
+
+
+# ----------------------------------------------------------------------------- B: sharded_step
+def _one_step():
+    """Two units of 10 and 7 elements, Adam on the shards: the result should be a full Adam
+    step on the mean gradient."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    sizes, fulls, grad_shards, shards, want = [10, 7], [], [], [], []
     for u, m in enumerate(sizes):
         k = -(-m // n)
         w = torch.zeros(n * k)
         w[:m] = torch.linspace(-1, 1, m) * (u + 1)
-        g = torch.zeros(n * k)
-        g[:m] = torch.arange(m, dtype=torch.float32) * (r + 1) / 10
+        mean = sum(_grad(q, m, n) for q in range(n)) / n
         ref = torch.nn.Parameter(w[:m].clone())
-        ref.grad = torch.arange(m, dtype=torch.float32) * (n + 1) / 2 / 10   # mean over ranks
+        ref.grad = mean[:m].clone()
         torch.optim.Adam([ref], lr=0.1).step()
         want.append(ref.detach())
         fulls.append(w)
-        grads.append(g)
+        grad_shards.append(mean[r * k:(r + 1) * k].clone())                 # what reduce_shard gives
         shards.append(torch.nn.Parameter(w[r * k:(r + 1) * k]))              # a view, like the library
     opt = torch.optim.Adam(shards, lr=0.1)
-    sharded_step(fulls, grads, shards, opt)
+    zero.sharded_step(fulls, grad_shards, shards, opt, None)
     state = sum(v.numel() for st in opt.state.values() for v in st.values() if v.dim() > 0)
     return [f[:m] for f, m in zip(fulls, sizes)], want, state, sum(-(-m // n) for m in sizes)
 
@@ -50,67 +101,59 @@ def _one_step(sharded_step):
 def test_sharded_step_is_a_full_step(impl):
     """After sharded_step every rank holds the full parameters of an Adam step on the mean
     gradient (4 ranks, unit sizes not divisible by 4), with optimizer state for its shard only.
-    Hint: reduce-scatter with op="avg" into grad[r*k:(r+1)*k], set shard.grad, step, all-gather."""
-    for rank, (got, want, state, k) in enumerate(minipar.launch(_one_step, 4, args=(impl.sharded_step,),
-                                                                timeout=TIMEOUT)):
+    Hint: shard.grad = grad shard; optimizer.step() once; all_gather(flat_params[u], shard, group=group)."""
+    for rank, (got, want, state, k) in enumerate(minipar.launch(_one_step, 4, timeout=TIMEOUT)):
         for u, (g, w) in enumerate(zip(got, want)):
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6,
                                        msg=lambda m: f"rank {rank}, unit {u}: {m}")
         assert state == 2 * k, f"rank {rank}: optimizer state has {state} elements, expected 2 x {k}"
 
 
-def _stage1(sharded_step):
-    from minipar.zero import stage1, train
-    saved = stage1.sharded_step
-    stage1.sharded_step = sharded_step          # the library's ZeroOptimizer now calls yours
-    try:
-        return train(1, GPT(GPTConfig(**CFG), seed=0), _batches(), torch.optim.AdamW, lr=1e-2,
-                     weight_decay=0.1)
-    finally:
-        stage1.sharded_step = saved
-
-
-def _stage3(gather_unit, free_unit):
-    from minipar.zero import stage3, train
-    saved = stage3.gather_unit, stage3.free_unit
-    stage3.gather_unit, stage3.free_unit = gather_unit, free_unit
-    try:
-        return train(3, GPT(GPTConfig(**CFG), seed=0), _batches(), torch.optim.AdamW, lr=1e-2,
-                     weight_decay=0.1)
-    finally:
-        stage3.gather_unit, stage3.free_unit = saved
+# ----------------------------------------------------------------------------- training
+def _stages(stages):
+    """The library's zero.train under each stage, in one launch."""
+    out = {}
+    for stage in stages:
+        res = zero.train(GPT(GPTConfig(**CFG), seed=0), _batches(), reference.adamw(1e-2, 0.1), stage=stage)
+        m = res["measured"]
+        out[stage] = {"losses": res["losses"], "params": res["params"], "memory": m["memory"],
+                      "comm_bytes": m["bytes_sent"], "unit_sizes": m["unit_sizes"]}
+    return out
 
 
 def _want():
-    return reference.train_reference(GPT(GPTConfig(**CFG), seed=0), _batches(),
-                                     lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1))
+    return reference.train_reference(GPT(GPTConfig(**CFG), seed=0), _batches(), reference.adamw(1e-2, 0.1))
 
 
-def test_stage1_trains_like_one_process(impl):
-    """ZeroOptimizer with your sharded_step: 4 ranks train the GPT like one process (AdamW,
-    fp32), with optimizer state K·⌈Ψ_u/N⌉ per unit and 2(N-1)/N·Ψ bytes sent per step.
+def test_stages_1_and_2_train_like_one_process(impl):
+    """The library's ZeRO-1 and ZeRO-2 (both step with your sharded_step on your reduce_shard)
+    train the GPT on 4 ranks like one process (AdamW, fp32), with optimizer state
+    K·⌈Ψ_u/N⌉ per unit and 2(N-1)/N·Ψ bytes sent per step.
     Hint: all ranks must call the collectives in the same order: units first to last."""
-    results = minipar.launch(_stage1, 4, args=(impl.sharded_step,), timeout=TIMEOUT)
+    results = minipar.launch(_stages, 4, args=([1, 2],), timeout=TIMEOUT)
     want = _want()
     for rank, got in enumerate(results):
-        reference.assert_same_training(got, want, rtol=1e-4, atol=5e-5)
-        want_state = cost.zero_bytes_per_rank(got["unit_sizes"], 4, 1, k=8)["optimizer"]
-        assert got["memory"]["optimizer"] == want_state, f"rank {rank}: optimizer state bytes"
-        assert got["comm_bytes"] == cost.zero_comm_bytes(got["unit_sizes"], 4, 1)
+        for stage, res in got.items():
+            reference.assert_same_training(res, want, rtol=1e-4, atol=5e-5)
+            want_state = cost.zero_bytes_per_rank(res["unit_sizes"], 4, stage, k=8)["optimizer"]
+            assert res["memory"]["optimizer"] == want_state, f"rank {rank}, stage {stage}: optimizer state bytes"
+            assert res["comm_bytes"] == cost.zero_comm_bytes(res["unit_sizes"], 4, stage), \
+                f"rank {rank}, stage {stage}: bytes sent"
 
 
-def _gather_free(gather_unit, free_unit):
+# ----------------------------------------------------------------------------- C: gather and free
+def _gather_free():
     r, n = dist.get_rank(), dist.get_world_size()
     full = torch.empty(3 * n)
     view = full[1:4]                                  # a parameter-like view into the buffer
-    free_unit(full)
+    zero.free_unit(full)
     freed = full.untyped_storage().nbytes()
     shard = torch.arange(3, dtype=torch.float32) + 10 * r
-    ret = gather_unit(full, shard)
+    ret = zero.gather_unit(full, shard)
     sync = (full.clone(), full.untyped_storage().nbytes(), ret is None, view.clone())
-    free_unit(full)
+    zero.free_unit(full)
     after = (full.untyped_storage().nbytes(), full.shape)
-    handle = gather_unit(full, shard * 2, async_op=True)
+    handle = zero.gather_unit(full, shard * 2, async_op=True)
     handle.wait()
     return freed, sync, after, full.clone()
 
@@ -121,7 +164,7 @@ def test_gather_and_free(impl):
     Hint: full.untyped_storage().resize_(0) frees; resize_(numel * element_size) before gathering."""
     n = 2
     for rank, (freed, (vals, nbytes, is_none, view), (after, shape), async_vals) in enumerate(
-            minipar.launch(_gather_free, n, args=(impl.gather_unit, impl.free_unit), timeout=TIMEOUT)):
+            minipar.launch(_gather_free, n, timeout=TIMEOUT)):
         want = torch.cat([torch.arange(3, dtype=torch.float32) + 10 * q for q in range(n)])
         assert freed == 0, "free_unit should leave the storage with 0 bytes"
         torch.testing.assert_close(vals, want)
@@ -132,12 +175,14 @@ def test_gather_and_free(impl):
 
 
 def test_stage3_trains_like_one_process(impl):
-    """FullyShardedDataParallel with your gather_unit/free_unit: 2 ranks train the GPT like
-    one process, hold only (4+4+8)·⌈Ψ_u/N⌉ bytes per unit after the step, send 3(N-1)/N·Ψ.
+    """The library's FullyShardedDataParallel with your gather_unit/free_unit (and reduce_shard):
+    2 ranks train the GPT like one process, hold only (4+4+8)·⌈Ψ_u/N⌉ bytes per unit after
+    the step, send 3(N-1)/N·Ψ.
     Hint: gather_unit must pass async_op and **labels on to minipar.comm.all_gather."""
-    results = minipar.launch(_stage3, 2, args=(impl.gather_unit, impl.free_unit), timeout=TIMEOUT)
+    results = minipar.launch(_stages, 2, args=([3],), timeout=TIMEOUT)
     want = _want()
     for rank, got in enumerate(results):
+        got = got[3]
         reference.assert_same_training(got, want, rtol=1e-4, atol=5e-5)
         formula = cost.zero_bytes_per_rank(got["unit_sizes"], 2, 3, k=8, dtype_bytes=4)
         assert {k: got["memory"][k] for k in formula} == formula, f"rank {rank}"

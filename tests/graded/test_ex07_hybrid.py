@@ -1,20 +1,43 @@
-"""Graded tests for exercise 07: mesh coordinates, group members, choosing a configuration.
+"""Exercise 07: the process mesh, and choosing a configuration.
 
-Run against the library and the solution in CI, and against your file by
-``python -m minipar.grade ex07``. The last test trains the GPT in 3D (dp = pp = tp = 2)
-with the library's hybrid model on a mesh whose coordinates and groups come from your
-functions, and compares with one process.
+A. ``mesh_coordinates(rank, dp, pp, tp)`` (``minipar/mesh.py``): the ranks of a
+   dp × pp × tp job are laid out as Megatron-LM does (Narayanan et al. 2021, §3.3):
+   tensor-parallel ranks vary fastest (adjacent ranks, one node), then data-parallel, then
+   pipeline stages::
+
+       rank = p · (dp · tp) + d · tp + t
+
+   Return ``{"pp": p, "dp": d, "tp": t}``. A rank outside ``0 .. dp·pp·tp - 1`` is a
+   ``ValueError``.
+B. ``group_members(rank, dim, dp, pp, tp)`` (``minipar/mesh.py``): the global ranks of
+   ``rank``'s group along ``dim`` (``"dp"``, ``"pp"`` or ``"tp"``): the ranks whose
+   coordinates equal ``rank``'s in the two other dimensions, ordered by their coordinate
+   along ``dim`` (so a rank's index in the list is its group-local rank). An unknown
+   ``dim`` is a ``ValueError``. Example: dp = pp = tp = 2, rank 5 = (p=1, d=0, t=1):
+   tp [4, 5], dp [5, 7], pp [1, 5].
+C. ``choose_config(config, world_size, batch_size, microbatches=1, memory_per_rank=None,
+   ranks_per_node=8, zero1=False)`` (``minipar/hybrid/config.py``), Narayanan et al.'s
+   advice as a rule: among ``valid_configs(config, world_size, batch_size, microbatches)``
+   (every dp·pp·tp = world_size the model and batch allow) keep those whose model states
+   fit, ``hybrid_memory_per_rank(num_params(config), dp, pp, tp, zero1=zero1)["total"] <=
+   memory_per_rank`` (no limit when ``None``); pick the smallest model-parallel size tp·pp
+   (data parallelism for the rest); among equals prefer ``tp <= ranks_per_node``, then the
+   fewest pipeline stages; return ``{"dp", "pp", "tp"}``, or raise ``ValueError`` if
+   nothing is left.
+
+The last test trains the GPT in 3D (dp = pp = tp = 2) with the library's hybrid training,
+whose process mesh now comes from your functions, and compares with one process. Grade it
+with ``python -m minipar.grade ex07``.
 """
 import dataclasses
 
 import pytest
 
 import minipar
-from minipar import data, hybrid, reference
+from minipar import data, hybrid, mesh, reference
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex07_hybrid"
-LIBRARY = "minipar.hybrid"
 TIMEOUT = 60
 SHAPES = [(2, 2, 2), (1, 2, 4), (4, 2, 1), (3, 1, 2), (2, 3, 1)]
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=4, n_head=4, n_embd=32)
@@ -30,33 +53,33 @@ def test_coordinates(impl):
     Hint: divmod(rank, dp * tp) gives p and the rest; divmod(rest, tp) gives d and t."""
     for dp, pp, tp in SHAPES:
         for r in range(dp * pp * tp):
-            assert impl.mesh_coordinates(r, dp, pp, tp) == _want_coords(r, dp, pp, tp), (r, dp, pp, tp)
+            assert mesh.mesh_coordinates(r, dp, pp, tp) == _want_coords(r, dp, pp, tp), (r, dp, pp, tp)
 
 
 def test_coordinates_off_the_grid(impl):
     """A rank outside 0 .. dp·pp·tp - 1 is a ValueError.
     Hint: check 0 <= rank < dp * pp * tp first."""
-    assert impl.mesh_coordinates(0, 1, 1, 1) == {"pp": 0, "dp": 0, "tp": 0}
+    assert mesh.mesh_coordinates(0, 1, 1, 1) == {"pp": 0, "dp": 0, "tp": 0}
     for bad in (8, -1):
         with pytest.raises(ValueError):
-            impl.mesh_coordinates(bad, 2, 2, 2)
+            mesh.mesh_coordinates(bad, 2, 2, 2)
 
 
 def test_group_members_example(impl):
     """Rank 5 of dp = pp = tp = 2: tp [4, 5], dp [5, 7], pp [1, 5].
     Hint: change one coordinate at a time and convert back with the layout formula."""
-    assert impl.group_members(5, "tp", 2, 2, 2) == [4, 5]
-    assert impl.group_members(5, "dp", 2, 2, 2) == [5, 7]
-    assert impl.group_members(5, "pp", 2, 2, 2) == [1, 5]
+    assert mesh.group_members(5, "tp", 2, 2, 2) == [4, 5]
+    assert mesh.group_members(5, "dp", 2, 2, 2) == [5, 7]
+    assert mesh.group_members(5, "pp", 2, 2, 2) == [1, 5]
     with pytest.raises(ValueError):
-        impl.group_members(5, "xp", 2, 2, 2)
+        mesh.group_members(5, "xp", 2, 2, 2)
 
 
-def _check_groups(impl, dp, pp, tp):
+def _check_groups(dp, pp, tp):
     n, size = dp * pp * tp, {"dp": dp, "pp": pp, "tp": tp}
     for dim in ("dp", "pp", "tp"):
         for r in range(n):
-            g = impl.group_members(r, dim, dp, pp, tp)
+            g = mesh.group_members(r, dim, dp, pp, tp)
             assert len(g) == size[dim] and r in g, (r, dim, g)
             c = _want_coords(r, dp, pp, tp)
             for i, q in enumerate(g):
@@ -67,7 +90,7 @@ def test_group_members_every_mesh(impl):
     """Every group holds the ranks that differ only along dim, ordered by that coordinate.
     Hint: the i-th member has coordinate i along dim and the rank's other two coordinates."""
     for shape in SHAPES:
-        _check_groups(impl, *shape)
+        _check_groups(*shape)
 
 
 CHOICES = [  # (kwargs, expected)
@@ -87,7 +110,7 @@ def test_choose_config(impl):
     Hint: enumerate tp and pp, skip what check_config rejects or what does not fit, and keep
     the least (tp*pp, tp > ranks_per_node, pp)."""
     for kw, want in CHOICES:
-        assert impl.choose_config(CFG, **kw) == want, kw
+        assert hybrid.choose_config(CFG, **kw) == want, kw
 
 
 def test_choose_config_respects_the_model(impl):
@@ -96,30 +119,19 @@ def test_choose_config_respects_the_model(impl):
     Hint: let check_config decide what is valid (catch its ValueError)."""
     odd = dataclasses.replace(CFG, n_head=3, n_embd=48, vocab_size=48)
     psi = hybrid.num_params(odd)
-    assert impl.choose_config(odd, 8, 8, memory_per_rank=16 * psi / 2 * 1.01) == {"dp": 4, "pp": 2, "tp": 1}
-    assert impl.choose_config(odd, 8, 8, memory_per_rank=16 * psi / 4 * 1.01) == {"dp": 2, "pp": 4, "tp": 1}
+    assert hybrid.choose_config(odd, 8, 8, memory_per_rank=16 * psi / 2 * 1.01) == {"dp": 4, "pp": 2, "tp": 1}
+    assert hybrid.choose_config(odd, 8, 8, memory_per_rank=16 * psi / 4 * 1.01) == {"dp": 2, "pp": 4, "tp": 1}
     with pytest.raises(ValueError):
-        impl.choose_config(CFG, 8, 8, memory_per_rank=1000)
-
-
-def _train_on_your_mesh(mesh_coordinates, group_members, batches):
-    """Rank function: the library's 3D model on a mesh built from the functions under test."""
-    mesh = hybrid.ProcessMesh(dp=2, pp=2, tp=2)
-    mesh.coordinates = lambda r: mesh_coordinates(r, 2, 2, 2)
-    mesh.members = lambda r, dim: group_members(r, dim, 2, 2, 2)
-    model = hybrid.build(CFG, mesh.build(), seed=0, microbatches=2, optimizer_kwargs={"lr": 0.5})
-    losses = [model.train_step(x, y) for x, y in batches]
-    return {"losses": losses, "params": model.full_state_dict()}
+        hybrid.choose_config(CFG, 8, 8, memory_per_rank=1000)
 
 
 def test_3d_training_on_your_mesh(impl):
     """8 ranks, dp = pp = tp = 2 on your mesh: the same losses and weights as one process
     (fp32, rtol 1e-5, atol 1e-6).
     Hint: the earlier tests must pass first: every rank must agree on every group."""
-    _check_groups(impl, 2, 2, 2)                      # fail fast, before starting 8 ranks
+    _check_groups(2, 2, 2)                            # fail fast, before starting 8 ranks
     batches = data.batches(data.synthetic_tokens(2000, CFG.vocab_size), 2, 8, CFG.block_size)
     want = reference.train_reference(GPT(CFG, seed=0), batches, reference.sgd(0.5))
-    res = minipar.launch(_train_on_your_mesh, 8, args=(impl.mesh_coordinates, impl.group_members, batches),
-                         timeout=TIMEOUT)
-    for r in res:
-        reference.assert_same_training(r, want, rtol=1e-5, atol=1e-6)
+    got = hybrid.run(GPT(CFG, seed=0), batches, 8, optimizer=reference.sgd(0.5), dp=2, pp=2, tp=2,
+                     microbatches=2, timeout=TIMEOUT)
+    reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)

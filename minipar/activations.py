@@ -1,0 +1,53 @@
+"""Activation memory: the bytes autograd keeps for the backward pass, measured one way.
+
+Every chapter counts activations with :class:`SavedActivations` (model parallelism's
+stages, tensor parallelism's blocks, ZeRO's runs). On a GPU one would read the
+allocator's peak; on any device (and to see exactly which tensors count) we hook autograd's
+saved tensors (``torch.autograd.graph.saved_tensors_hooks``): every tensor an operation
+stores for its backward passes through ``pack``. This is what Korthikanti et al. (2022,
+§4.1) call activation memory, the tensors held between forward and backward. The rules:
+
+* a tensor counts ``numel · element_size`` bytes, once, however many operations save it
+  (softmax's output, read again by ``att @ v``): it is keyed by (storage, offset, size, dtype);
+* the parameters to ``exclude`` (a module, or tensors) and every view of them are not
+  activations: they are matched by storage when they are saved, so a parameter whose
+  storage is gathered anew (ZeRO-3) is still recognised.
+
+It is the activation memory alive at the end of the forward, when it peaks; the backward
+frees it as it goes.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class SavedActivations:
+    """``with SavedActivations(model) as saved: loss = model(x, y)``, then ``saved.bytes``
+    (in total) and ``saved.tensors`` (``(shape, dtype, bytes)`` in the order saved).
+    ``exclude``: a module (its parameters) or an iterable of tensors not to count."""
+
+    def __init__(self, exclude=()):
+        self._exclude = exclude if isinstance(exclude, torch.nn.Module) else list(exclude)
+        self.bytes, self.tensors, self._seen = 0, [], set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _excluded(self) -> set[int]:
+        ps = self._exclude.parameters() if isinstance(self._exclude, torch.nn.Module) else self._exclude
+        return {p.untyped_storage().data_ptr() for p in ps}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.dtype)
+        if key not in self._seen and key[0] not in self._excluded():
+            self._seen.add(key)
+            n = t.numel() * t.element_size()
+            self.bytes += n
+            self.tensors.append((tuple(t.shape), t.dtype, n))
+        return t
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._hooks.__exit__(*exc)
+        return False

@@ -1,0 +1,41 @@
+"""Context parallelism: the sequence split across ranks for the whole model.
+
+Only attention needs the other ranks' tokens. The pieces, one file each::
+
+    sharding   shard_sequence / unshard_sequence / sequence_positions, "contiguous" or "zigzag"
+               (rank r holds chunks r and 2c-1-r of 2c), zigzag_chunks, check_sequence
+    blocks     attention_block, merge_partials (the online-softmax merge), attention_block_backward
+    ring       ring_attention (RingAttention: K/V around the ring, backward written out), schedule
+    allgather  all_gather_attention (Llama 3)
+    ulysses    ulysses_attention (DeepSpeed-Ulysses: all-to-all, sequence <-> heads), check_heads
+    model      parallelize(gpt, group, variant, layout), local_loss, all_reduce_grads
+    memory     saved_activation_bytes (what autograd keeps for the backward)
+    plots      ring_schedule_figure, attention_matrix_figure
+    train      check / train / run (minipar.strategy's shape), dp × cp on a ProcessMesh;
+               check_config (what minipar.hybrid checks for its cp dimension)
+
+Every attention takes this rank's tokens ``q, k, v`` (B, H, T/c, d) and returns ``(O, lse)``
+for them, equal to full attention on the whole sequence:
+``context_attention(q, k, v, group, causal=True, layout="zigzag", variant="ring")``.
+"""
+from .allgather import all_gather_attention
+from .attention import VARIANTS, ContextParallelAttend, context_attention
+from .blocks import attention_block, attention_block_backward, masked_attention, merge_partials
+from .memory import saved_activation_bytes
+from .model import (ContextParallelAttention, PositionedEmbedding, all_reduce_grads, local_loss,
+                    parallelize, set_positions)
+from .plots import attention_matrix_figure, ring_schedule_figure
+from .ring import RingAttention, ring_attention, ring_step, schedule
+from .sharding import (LAYOUTS, check_sequence, chunk_ids, sequence_positions, shard_sequence,
+                       unshard_sequence, zigzag_chunks)
+from .train import check, check_config, run, train
+from .ulysses import check_heads, ulysses_attention
+
+__all__ = ["shard_sequence", "unshard_sequence", "sequence_positions", "zigzag_chunks", "chunk_ids",
+           "check_sequence", "LAYOUTS", "attention_block", "attention_block_backward",
+           "masked_attention", "merge_partials", "ring_attention", "RingAttention", "ring_step",
+           "schedule", "all_gather_attention", "ulysses_attention", "check_heads",
+           "context_attention", "ContextParallelAttend", "VARIANTS", "parallelize", "local_loss",
+           "all_reduce_grads", "set_positions", "ContextParallelAttention", "PositionedEmbedding",
+           "saved_activation_bytes", "ring_schedule_figure", "attention_matrix_figure",
+           "check", "check_config", "train", "run"]

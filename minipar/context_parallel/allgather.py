@@ -1,0 +1,46 @@
+"""All-gather attention (Llama 3's context parallelism, Dubey et al. 2024 §3.3.2).
+
+Every rank all-gathers the keys and values of the whole sequence (one all-gather of K and V
+stacked), then computes its own queries' attention on them, masked by global positions.
+Simpler than the ring and easy to combine with any mask; it holds all T keys and values at
+once (the ring holds two blocks). The backward of the all-gather is a reduce-scatter of dK, dV:
+every rank gets the sum of all ranks' gradients for its own tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from .blocks import masked_attention
+from .sharding import sequence_positions
+
+
+class GatherSequence(torch.autograd.Function):
+    """(…, T/c, d) per rank -> (…, T, d) in rank order; backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        c = comm.group_size(group)
+        ctx.group, ctx.shape = group, x.shape
+        out = torch.empty(c * x.numel(), device=x.device, dtype=x.dtype)
+        comm.all_gather(out, x.contiguous().reshape(-1), group=group, name="cp_all_gather_kv", dim="cp")
+        parts = out.view(c, *x.shape)                         # (c, ..., T/c, d)
+        return torch.cat(list(parts.unbind(0)), dim=-2)
+
+    @staticmethod
+    def backward(ctx, g):
+        c = comm.group_size(ctx.group)
+        flat = torch.cat([p.reshape(-1) for p in g.chunk(c, dim=-2)])
+        out = torch.empty(flat.numel() // c, device=g.device, dtype=g.dtype)
+        comm.reduce_scatter(out, flat, group=ctx.group, name="cp_reduce_scatter_dkv", dim="cp")
+        return out.view(ctx.shape), None
+
+
+def all_gather_attention(q, k, v, group=None, causal: bool = True, layout: str = "contiguous"):
+    """``(O, lse)`` of this rank's queries (B, H, T/c, d) on all-gathered keys and values."""
+    c, r = comm.group_size(group), comm.group_rank(group)
+    T = q.shape[-2] * c
+    kv = GatherSequence.apply(torch.stack([k, v]), group)      # (2, B, H, T, d), rank order
+    q_pos = sequence_positions(T, r, c, layout, device=q.device)
+    k_pos = torch.cat([sequence_positions(T, i, c, layout, device=q.device) for i in range(c)])
+    return masked_attention(q, kv[0], kv[1], q_pos, k_pos, causal)

@@ -1,0 +1,84 @@
+"""Attention on one block of keys, its backward, and the online-softmax merge.
+
+For queries Q (B, H, Tq, d) and one block of keys and values K, V (B, H, Tk, d), with
+scores S = Q Kᵀ / √d (masked entries -inf):
+
+    lse = log Σ_k exp(S_qk)            (the log-sum-exp of each query's row)
+    O   = exp(S - lse) V               (the softmax-weighted values)
+
+Attention over keys split into blocks a and b is the **merge** of the two partial results
+(Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, Alg. 1; ring attention,
+Liu et al. 2023). With the running maximum m = max(lse_a, lse_b):
+
+    lse = m + log(exp(lse_a - m) + exp(lse_b - m))
+    O   = exp(lse_a - lse) · O_a + exp(lse_b - lse) · O_b
+
+The backward of one block needs only the final O and lse (FlashAttention, Alg. 2):
+P = exp(S - lse), D = rowsum(dO ∘ O), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - D),
+dQ = dS K / √d, dK = dSᵀ Q / √d.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def scores(q, k, causal: bool = False):
+    """S = Q Kᵀ / √d, with the upper triangle masked when ``causal`` (equal-length blocks
+    on the diagonal: query i sees keys 0..i)."""
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal:
+        Tq, Tk = s.shape[-2:]
+        keep = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def attention_block(q, k, v, causal: bool = False):
+    """``(O, lse)`` of queries ``q`` on one block of keys/values (no autograd needed)."""
+    s = scores(q, k, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+
+
+def merge_partials(o_a, lse_a, o_b, lse_b):
+    """Online-softmax merge of two partial attention results over disjoint key blocks:
+    ``(O, lse)`` of attention over both (equations in the module docstring).
+    ``o_*``: (..., T, d); ``lse_*``: (..., T)."""
+    # >>> ex08 A
+    # Hint: take the running maximum m = max(lse_a, lse_b) first: exp(lse - m) cannot overflow.
+    # Hint: then lse = m + log(exp(lse_a - m) + exp(lse_b - m)), and each O is weighted by exp(lse_x - lse).
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    lse = m + torch.log(w_a + w_b)
+    o = (w_a.unsqueeze(-1) * o_a + w_b.unsqueeze(-1) * o_b) / (w_a + w_b).unsqueeze(-1)
+    return o, lse
+    # <<< ex08 A
+
+
+def attention_block_backward(q, k, v, o, lse, do, causal: bool = False, delta=None):
+    """``(dQ, dK, dV)`` of one block, given the **final** ``o`` and ``lse`` of these queries
+    (over all blocks) and the incoming gradient ``do``; ``delta`` = rowsum(dO ∘ O) if known."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    p = torch.exp(scores(q, k, causal) - lse.unsqueeze(-1))
+    if delta is None:
+        delta = (do * o).sum(-1)
+    dv = p.transpose(-2, -1) @ do
+    ds = p * (do @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
+
+
+def masked_attention(q, k, v, q_pos=None, k_pos=None, causal: bool = False):
+    """``(O, lse)`` with query i seeing key j iff ``k_pos[j] <= q_pos[i]`` (when ``causal``),
+    differentiable by autograd. Full attention on the whole sequence is
+    ``masked_attention(q, k, v, causal=True)``."""
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal:
+        if q_pos is None:
+            q_pos = torch.arange(q.shape[-2], device=q.device)
+        if k_pos is None:
+            k_pos = torch.arange(k.shape[-2], device=k.device)
+        s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse

@@ -1,0 +1,156 @@
+"""Ring attention: queries stay, key/value blocks travel around the context-parallel ring.
+
+Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
+Context". On a ring of c ranks, at step s = 0 .. c-1 rank r holds the keys and values of
+rank src = (r - s) mod c. It starts sending that block to r+1 (and receiving the next one
+from r-1), and meanwhile computes the partial attention of its queries on the block in hand
+(the transfer is hidden behind the compute), merging it into its running (O, lse) with the
+online-softmax rule (:func:`~minipar.context_parallel.blocks.merge_partials`).
+
+Under a causal mask, what rank r's queries do with src's block (:func:`ring_step`):
+
+* contiguous: ``"causal"`` on the diagonal (src = r), ``"full"`` for earlier blocks
+  (src < r), ``"skip"`` for later ones (entirely masked);
+* zigzag (rank r holds chunks r and 2c-1-r): ``"causal"`` on the diagonal; for src < r all
+  queries see the **front half** of the keys (chunk src) and none of the back half
+  (``"kv_front"``); for src > r only the **back half** of the queries (chunk 2c-1-r) sees
+  anything, and it sees all keys (``"q_back"``). Every off-diagonal step is half a block,
+  unmasked, on every rank: the work is balanced (zigzag ring attention, Zhu 2024).
+
+The backward (:class:`RingAttention`) is written out: the key/value blocks go around the
+ring again, each travelling with its gradient accumulator dK, dV, to which every rank adds
+the contribution of its queries (FlashAttention's backward with the final O and lse); after
+c steps the accumulators arrive back at their owners.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm, trace
+from .blocks import attention_block, attention_block_backward, merge_partials
+
+PARTS = ("full", "causal", "skip", "kv_front", "q_back")
+
+
+def ring_step(rank: int, src: int, cp: int, causal: bool = True, layout: str = "contiguous") -> str:
+    """What ``rank``'s queries compute with the key/value block of ``src`` (one of ``PARTS``)."""
+    if not causal:
+        return "full"
+    if src == rank:
+        return "causal"
+    if layout == "contiguous":
+        return "full" if src < rank else "skip"
+    return "kv_front" if src < rank else "q_back"
+
+
+def schedule(cp: int, causal: bool = True, layout: str = "contiguous") -> list[list[tuple[int, str]]]:
+    """``[rank][step] -> (src, part)``: which block every rank holds at every step, and what it does."""
+    return [[((r - s) % cp, ring_step(r, (r - s) % cp, cp, causal, layout)) for s in range(cp)]
+            for r in range(cp)]
+
+
+def _views(q, kv, part):
+    """The queries, keys, values a part uses, and the query rows it writes."""
+    k, v = kv[0], kv[1]
+    if part == "kv_front":
+        h = k.shape[-2] // 2
+        return q, k[..., :h, :], v[..., :h, :], slice(None), slice(0, h)
+    if part == "q_back":
+        h = q.shape[-2] // 2
+        return q[..., h:, :], k, v, slice(h, None), slice(None)
+    return q, k, v, slice(None), slice(None)
+
+
+def _start_exchange(buf_out, prv, nxt, group, name, tag):
+    buf_in = torch.empty_like(buf_out)
+    return buf_in, [comm.isend(buf_out, nxt, group, name=name, tag=tag, dim="cp"),
+                    comm.irecv(buf_in, prv, group, name=name, tag=tag, dim="cp")]
+
+
+def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contiguous"):
+    """``(O, lse)`` of this rank's queries over the whole sequence's keys (no autograd)."""
+    c, r = comm.group_size(group), comm.group_rank(group)
+    nxt, prv = (r + 1) % c, (r - 1) % c
+    kv, o, lse = torch.stack([k, v]), None, None
+    for s in range(c):
+        src = (r - s) % c
+        if s < c - 1:   # send the block in hand on, receive the next one, while computing
+            nxt_kv, works = _start_exchange(kv, prv, nxt, group, "ring_kv", 0)
+        part = ring_step(r, src, c, causal, layout)
+        with trace.region("attention", step=s, src=src, part=part, dim="cp"):
+            if part != "skip":
+                qs, ks, vs, rows, _ = _views(q, kv, part)
+                o_b, lse_b = attention_block(qs, ks, vs, causal=part == "causal")
+                if o is None:   # step 0 is the diagonal: every query has at least itself
+                    o, lse = o_b, lse_b
+                else:           # merged into the rows this part computed (no autograd here)
+                    o[..., rows, :], lse[..., rows] = merge_partials(o[..., rows, :], lse[..., rows],
+                                                                     o_b, lse_b)
+        if s < c - 1:
+            for w in works:
+                w.wait()
+            kv = nxt_kv
+    return o, lse
+
+
+def ring_backward(q, k, v, o, lse, do, group=None, causal: bool = True, layout: str = "contiguous"):
+    """``(dQ, dK, dV)``: the key/value blocks travel the ring again with their dK, dV."""
+    c, r = comm.group_size(group), comm.group_rank(group)
+    nxt, prv = (r + 1) % c, (r - 1) % c
+    delta = (do * o).sum(-1)
+    kv, dq, pending = torch.stack([k, v]), torch.zeros_like(q), None
+    for s in range(c):
+        src = (r - s) % c
+        if s < c - 1:
+            nxt_kv, kv_works = _start_exchange(kv, prv, nxt, group, "ring_kv", 0)
+        part = ring_step(r, src, c, causal, layout)
+        contrib = torch.zeros_like(kv)
+        with trace.region("attention_backward", step=s, src=src, part=part, dim="cp"):
+            if part != "skip":
+                qs, ks, vs, rows, cols = _views(q, kv, part)
+                dq_b, dk_b, dv_b = attention_block_backward(
+                    qs, ks, vs, o[..., rows, :], lse[..., rows], do[..., rows, :],
+                    causal=part == "causal", delta=delta[..., rows])
+                dq[..., rows, :] += dq_b
+                contrib[0][..., cols, :] += dk_b
+                contrib[1][..., cols, :] += dv_b
+        if pending is not None:     # the accumulator of block src, from rank r-1
+            for w in pending[1]:
+                w.wait()
+            contrib += pending[0]
+        if c == 1:                  # alone: the block is mine already
+            pending = (contrib, [])
+        else:
+            pending = _start_exchange(contrib, prv, nxt, group, "ring_dkv", 1)
+        if s < c - 1:
+            for w in kv_works:
+                w.wait()
+            kv = nxt_kv
+    for w in pending[1]:
+        w.wait()
+    dkv = pending[0]                # my own block's gradient, from every rank's queries
+    return dq, dkv[0], dkv[1]
+
+
+class RingAttention(torch.autograd.Function):
+    """``O, lse = RingAttention.apply(q, k, v, group, causal, layout)``; q, k, v (B, H, T/c, d)
+    are this rank's tokens, ``lse`` is not differentiated."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, layout):
+        o, lse = ring_forward(q, k, v, group, causal, layout)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.group, ctx.causal, ctx.layout = group, causal, layout
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(q, k, v, o, lse, do.contiguous(), ctx.group, ctx.causal, ctx.layout)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q, k, v, group=None, causal: bool = True, layout: str = "contiguous"):
+    """``(O, lse)`` of this rank's queries (B, H, T/c, d) against the whole sequence."""
+    return RingAttention.apply(q, k, v, group, causal, layout)

@@ -1,0 +1,44 @@
+"""The all-to-all as a differentiable operation (its backward written out).
+
+Forward: chunk j of the input (``send[j]`` rows) goes to rank j; the output is the chunks
+that arrive, in rank order (``recv[i]`` rows from rank i). This is a permutation of rows
+across ranks, so its transpose, which is what the backward must apply to the gradient, is
+the same exchange in the other direction: the gradient of every row that arrived is sent
+back to the rank it came from, with the split sizes swapped:
+
+    y = A2A(x; recv, send)        ∂L/∂x = A2A(∂L/∂y; send, recv)
+
+(GShard's dispatch and combine, Lepikhin et al. 2020; both are recorded, as
+``<name>`` and ``<name>_backward``, in :mod:`minipar.comm`.)
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+
+
+def exchange(x: torch.Tensor, recv: list[int], send: list[int], group=None, name: str = "all_to_all",
+             **labels) -> torch.Tensor:
+    """One recorded ``all_to_all_single``: ``x`` has ``sum(send)`` rows, the result ``sum(recv)``."""
+    out = x.new_empty(sum(recv), *x.shape[1:])
+    comm.all_to_all_single(out, x.contiguous(), recv, send, group=group, name=name, **labels)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, recv, send, group, name, labels):
+        ctx.recv, ctx.send, ctx.group, ctx.name, ctx.labels = recv, send, group, name, labels
+        return exchange(x, recv, send, group, name, **labels)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = exchange(grad, ctx.send, ctx.recv, ctx.group, ctx.name + "_backward", **ctx.labels)
+        return g, None, None, None, None, None
+
+
+def all_to_all(x: torch.Tensor, recv: list[int], send: list[int], group=None, name: str = "all_to_all",
+               **labels) -> torch.Tensor:
+    """Differentiable all-to-all: rows ``x`` split by ``send`` go out, ``recv`` rows per rank arrive."""
+    return AllToAll.apply(x, list(recv), list(send), group, name, labels)

@@ -1,0 +1,46 @@
+"""EP × TP: tensor-parallel attention and dense MLPs, experts spread over the dp ranks.
+
+The mesh is dp × tp (Megatron's layout, :class:`~minipar.mesh.ProcessMesh`). The blocks are
+the tensor-parallel ones of :mod:`minipar.tensor_parallel` (heads and MLP columns split over
+tp); an MoE block's MLP is the expert-parallel layer instead, over an ep group carved out of
+the rank's dp group (the ranks with the same tp coordinate). The ranks of a tp group hold
+the same tokens, so each runs the same MoE layer on them (the same router, the same local
+experts, the same all-to-alls on its own ep group): no tp communication in the MoE layer,
+and its input gradient is already whole on every tp rank. Gradients are then reduced as in
+DP × EP, over the dp group (dense and tensor-parallel shards) and the expert-dp group.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ..mesh import ProcessMesh
+from ..models.moe import MoE
+from .groups import build_ep_groups
+from .layer import ExpertParallelMoE
+
+
+def build_mesh(tp: int, ep: int) -> tuple[ProcessMesh, dict]:
+    """Inside a rank: the dp × tp mesh and its groups, plus this rank's ep and expert-dp groups."""
+    dp = dist.get_world_size() // tp
+    mesh = ProcessMesh(dp=dp, tp=tp).build()
+    groups = build_ep_groups(ep, mesh.all_groups("dp"))
+    groups.update(dp=mesh.group("dp"), tp=mesh.group("tp"))
+    return mesh, groups
+
+
+def tensor_parallel_moe_gpt(model, groups, token_group=None):
+    """This rank's model: ``model``'s dense part split over the tp group, its MoE layers
+    expert-parallel over the ep group (same parameter names as ``model``)."""
+    from ..tensor_parallel.gpt import TensorParallelGPT, shard_state_dict
+    with torch.device(next(model.parameters()).device):  # built where the model lives
+        tpm = TensorParallelGPT(replace(model.config, moe_every=0), groups["tp"], seed=None)
+    for block, full in zip(tpm.blocks, model.blocks):
+        if isinstance(full.mlp, MoE):
+            block.mlp = ExpertParallelMoE(full.mlp, groups["ep"], token_group)
+    t, r = dist.get_world_size(groups["tp"]), dist.get_rank(groups["tp"])
+    mine = tpm.state_dict()
+    tpm.load_state_dict({k: v for k, v in shard_state_dict(model.state_dict(), t, r).items() if k in mine})
+    return tpm

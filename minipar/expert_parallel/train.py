@@ -1,0 +1,162 @@
+"""DP × EP training of a mixture-of-experts GPT: ``check``, ``train``, ``run``.
+
+Every rank trains on its shard of each global batch (contiguous rows, rank order). The MoE
+layers are sharded over the rank's ep group (:func:`~minipar.expert_parallel.shard_experts`),
+the load-balancing counts summed over the dp group so that f_i is the whole batch's. After
+backward:
+
+    dense gradients   all-reduce (mean) over the dp group            (DDP's rule)
+    expert gradients  all-reduce (sum) over the expert-dp group, ÷ dp
+
+Why ÷ dp: rank r's loss is the mean over its own S/dp tokens, so every token's contribution
+to an expert's gradient arrives (through the combine all-to-all's backward) scaled by 1/(S/dp);
+summing the dp/ep replicas gathers every token once, and ÷ dp turns 1/(S/dp) into the single
+process's 1/S. The result equals one process training the same model on the whole batch.
+An expert that no token of the batch chose gets no gradient at all (as in one process, where
+it never ran), so that optimizers with state (momentum, Adam) leave it alone too.
+
+Options: ``ep`` (divides the world size, which is dp), ``dtype`` (mixed precision),
+``recompute`` (passed to the GPT's blocks; ``"full"`` runs the two all-to-alls again in
+backward), ``tp`` (tensor parallelism of the dense part, :mod:`.tensor`: world = dp · tp).
+Pipeline parallelism is rejected by :func:`check`.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import comm, strategy, trace
+from ..data import shard
+from ..models.moe import MoE, moe_layers, moe_loss
+from ..precision import autocast
+from ..reference import sgd
+from .groups import build_ep_groups
+from .layer import shard_experts
+
+
+def _is_expert(name: str) -> bool:
+    return ".experts." in name
+
+
+def reduce_gradients(model, groups, dp: int) -> None:
+    """Dense gradients: mean over dp. Expert gradients: sum over expert-dp, ÷ dp; ``None``
+    for an expert that no token of the whole batch chose."""
+    for kind, group, op in (("dense", groups["dp"], "avg"), ("expert", groups["expert_dp"], "sum")):
+        ps = [p for n, p in model.named_parameters() if _is_expert(n) == (kind == "expert")]
+        if not ps:
+            continue
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
+        comm.all_reduce(flat, op=op, group=group, name=f"{kind}_grads", dim="dp", reduced_over=
+                        "dp" if kind == "dense" else "expert_dp")
+        if kind == "expert":
+            flat /= dp
+        for p, g in zip(ps, flat.split([p.numel() for p in ps])):
+            p.grad = g.view_as(p).clone()
+    for m in moe_layers(model):  # an expert no token chose has no gradient, as in one process
+        for i in m.local:          # (an optimizer skips it: Adam's moments do not move)
+            if int(m.stats["counts"][i]) == 0:
+                for p in m.experts[str(i)].parameters():
+                    p.grad = None
+
+
+def train(model, batches, optimizer=None, group=None, ep: int = 1, tp: int = 1, dtype=None,
+          recompute="none") -> dict:
+    """On every rank: DP × EP training (ep groups carved from the dp ranks); with ``tp > 1``
+    the dense part is tensor-parallel over a dp × tp mesh (:mod:`.tensor`)."""
+    import torch.distributed as dist
+    if group is not None and group is not dist.group.WORLD:
+        raise ValueError("expert_parallel.train runs over the whole world (group=None)")
+    if tp > 1:
+        from .tensor import build_mesh, tensor_parallel_moe_gpt
+        mesh, groups = build_mesh(tp, ep)
+        dp, me = mesh.dp, mesh.rank("dp")
+        model = tensor_parallel_moe_gpt(model, groups, token_group=groups["dp"] if dp > ep else None)
+    else:
+        groups = build_ep_groups(ep)
+        dp, me = dist.get_world_size(), dist.get_rank()
+        shard_experts(model, groups["ep"], token_group=groups["dp"] if dp > ep else None)
+    if hasattr(model, "set_recompute"):
+        model.set_recompute(recompute)   # "full" reruns a block's forward, all-to-alls included, in backward
+    device = next(model.parameters()).device
+    opt = (optimizer or sgd())(model.parameters())
+    losses, routed = [], []
+    layers = moe_layers(model)
+    for step, (x, y) in enumerate(batches):
+        x, y = shard(x, me, dp).to(device), shard(y, me, dp).to(device)
+        first, t0 = len(trace.events()), time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with trace.region("forward", step=step), autocast(dtype, device):
+            loss = model(x, y)
+            if tp > 1:
+                loss = loss + moe_loss(model)   # the tensor-parallel GPT returns the cross-entropy only
+        with trace.region("backward", step=step):
+            loss.backward()
+        reduce_gradients(model, groups, dp)
+        with trace.region("optimizer", step=step):
+            opt.step()
+        t = loss.detach().float().reshape(1).clone()
+        comm.all_reduce(t, op="avg", group=groups["dp"], name="loss", dim="dp")
+        losses.append(t.item())
+        seconds = time.perf_counter() - t0
+        routed.append([m.stats["counts"].tolist() for m in layers])
+    last = [e for e in trace.events()[first:] if e["kind"] == "comm"] if batches else []
+    by_dim = {}
+    for e in last:
+        d = e["labels"].get("dim", "?")
+        by_dim[d] = by_dim.get(d, 0) + e["bytes_sent"]
+    measured = {"tokens_per_expert": routed,                       # [step][layer][expert], whole batch
+                "kept_matrix": [m.stats["kept"].tolist() for m in layers],  # last step, this ep group
+                "local_experts": [m.local for m in layers],
+                "parameters": sum(p.numel() for p in model.parameters()),   # this rank's (experts sharded)
+                "bytes_sent": sum(e["bytes_sent"] for e in last), "bytes_by_dim": by_dim,
+                "seconds": seconds if batches else 0.0}
+    if tp > 1:
+        from ..tensor_parallel.gpt import full_state_dict
+        full = full_state_dict(model)                     # a tp collective: every tp rank takes part
+        params = strategy.full_params(full.items()) if dist.get_rank(groups["tp"]) == 0 else None
+    else:
+        params = strategy.full_params(model.named_parameters())
+    return {"losses": losses, "params": params, "measured": measured}
+
+
+def check(model, batches, world_size: int, ep: int = 1, tp: int = 1, pp: int = 1, **options) -> None:
+    """Plain errors before launch: a model without MoE layers, E not divisible by ep,
+    top_k > E, ep not dividing dp, uneven batch shards, capacity with dp > ep, a GPT that
+    tp cannot split, pipeline parallelism."""
+    if pp != 1:
+        raise ValueError(f"expert parallelism composes with dp and tp here; pp={pp} is not supported "
+                         "(a pipeline's micro-batches would count capacity and the load-balancing loss per "
+                         "micro-batch, where one process counts them per batch): use pp=1")
+    if not isinstance(tp, int) or tp < 1 or world_size % tp:
+        raise ValueError(f"tp={tp!r} must be a positive int dividing the {world_size} ranks")
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        raise ValueError("the model has no MoE layers: build it with GPTConfig(moe_every=..., n_experts=...)")
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep must be a positive int, got {ep!r}")
+    dp = world_size // tp
+    if tp > 1:
+        from dataclasses import replace
+        from ..tensor_parallel.gpt import check as tp_check
+        tp_check(replace(model.config, moe_every=0), batches, tp)
+    for m in layers:
+        if m.n_experts % ep:
+            raise ValueError(f"{m.n_experts} experts cannot be split evenly over ep={ep} ranks")
+        if m.top_k > m.n_experts:
+            raise ValueError(f"top_k={m.top_k} exceeds the {m.n_experts} experts")
+        if m.capacity_factor is not None and dp > ep:
+            raise ValueError(
+                f"capacity_factor={m.capacity_factor} with dp={dp} > ep={ep}: capacity would be "
+                "counted per ep group, so other tokens would be dropped than in one process; use "
+                "capacity_factor=None (dropless) or ep = dp")
+    if dp % ep:
+        raise ValueError(f"ep={ep} must divide the {dp} data-parallel ranks")
+    for step, (x, _) in enumerate(batches):
+        if x.shape[0] % dp:
+            raise ValueError(f"global batch {step} has {x.shape[0]} rows, not divisible by dp={dp}")
+
+
+def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:
+    """Driver: :func:`check`, then :func:`train` on ``world_size`` = dp · tp ranks."""
+    return strategy.run(train, model, batches, world_size, check=check, optimizer=optimizer, **options)

@@ -1,0 +1,113 @@
+"""What a GPU run measures, in one place: the allocator's peak memory and true elapsed time.
+
+* **Memory.** ``with gpu.peak_memory() as m: step()`` resets the CUDA caching allocator's
+  peak counter (``torch.cuda.reset_peak_memory_stats``) and reads
+  ``torch.cuda.max_memory_allocated`` after the block: ``m.bytes`` is the most memory the
+  block's tensors held at once on this rank's GPU (``None`` on the CPU, where minipar counts
+  tensors itself, e.g. :func:`minipar.zero.model_state_bytes`). It is larger than a tensor
+  count by the allocator's rounding (blocks of 512 B, segments of 2 MiB), the workspaces of
+  cuBLAS/cuDNN and the activations autograd saves; ``m.reserved`` adds what the allocator keeps
+  cached. The CUDA context itself (a few hundred MiB) is in neither.
+* **Time.** CUDA kernels run asynchronously and NCCL returns before its transfer is done, so
+  a host clock read right after a call measures the queueing. :func:`synchronize` waits for
+  the device first; :func:`elapsed` times a block with CUDA events on GPUs (host clock on CPUs).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from .backend import device as _device
+
+
+def _cuda(device=None) -> torch.device | None:
+    d = torch.device(device) if device is not None else _device()
+    return d if d.type == "cuda" else None
+
+
+def synchronize(device=None) -> None:
+    """Wait until ``device`` (default: this rank's, :func:`minipar.device`) finished its work;
+    nothing on the CPU."""
+    d = _cuda(device)
+    if d is not None:
+        torch.cuda.synchronize(d)
+
+
+@dataclass
+class Peak:
+    """Peak allocated and reserved bytes of a block (``None`` off the GPU)."""
+
+    bytes: int | None = None
+    reserved: int | None = None
+    device: str = "cpu"
+
+
+@contextmanager
+def peak_memory(device=None):
+    """``with peak_memory() as m: ...`` then ``m.bytes``: the allocator's peak during the block."""
+    d = _cuda(device)
+    out = Peak(device=str(d or "cpu"))
+    if d is not None:
+        torch.cuda.synchronize(d)
+        torch.cuda.reset_peak_memory_stats(d)
+    try:
+        yield out
+    finally:
+        if d is not None:
+            torch.cuda.synchronize(d)
+            out.bytes = torch.cuda.max_memory_allocated(d)
+            out.reserved = torch.cuda.max_memory_reserved(d)
+
+
+@dataclass
+class Elapsed:
+    seconds: float = 0.0
+
+
+@contextmanager
+def elapsed(device=None):
+    """``with elapsed() as t: ...`` then ``t.seconds``: CUDA-event time on a GPU (the device's
+    own clock, from the first kernel queued to the last finished), host time on the CPU."""
+    d = _cuda(device)
+    out = Elapsed()
+    if d is None:
+        t = time.perf_counter()
+        try:
+            yield out
+        finally:
+            out.seconds = time.perf_counter() - t
+        return
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(torch.cuda.current_stream(d))
+    try:
+        yield out
+    finally:
+        end.record(torch.cuda.current_stream(d))
+        end.synchronize()
+        out.seconds = start.elapsed_time(end) / 1e3
+
+
+def model_size(device=None) -> str:
+    """``"gpu"`` or ``"cpu"``: which of a chapter's model sizes to use (see :data:`SIZES`)."""
+    d = torch.device(device) if device is not None else None
+    if d is None:
+        from .backend import default_device, gpu_count
+        return "gpu" if default_device() != "cpu" and gpu_count() else "cpu"
+    return "gpu" if d.type == "cuda" else "cpu"
+
+
+SIZES = {
+    # the course GPT per device: 2 CPU cores finish a chapter in minutes; a T4 (16 GB, ~8
+    # TFLOP/s fp32) does the bigger one in about the same time
+    "cpu": dict(n_layer=2, n_head=4, n_embd=32, block_size=32),
+    "gpu": dict(n_layer=4, n_head=8, n_embd=256, block_size=128),
+}
+
+
+def gpt_config(vocab_size: int = 64, device=None, **overrides):
+    """The course GPT's :class:`~minipar.models.GPTConfig` for this machine (:data:`SIZES`)."""
+    from .models.gpt import GPTConfig
+    return GPTConfig(vocab_size=vocab_size, **{**SIZES[model_size(device)], **overrides})

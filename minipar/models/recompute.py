@@ -1,0 +1,64 @@
+"""Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022, §5) for the GPT blocks.
+
+A block's forward keeps tensors for its backward (Korthikanti et al.'s ``sbh(34 + 5as/h)``
+per layer, :mod:`minipar.cost.recompute`). Recomputation keeps less and runs part of the
+forward again during backward:
+
+* ``"none"``: keep everything.
+* ``"selective"``: the attention core ``softmax(QKᵀ/√d + mask)·V`` (with its dropout) keeps
+  only Q, K and V and is recomputed in backward; those are the ``5as/h`` terms, which grow
+  with s², for a few percent of the FLOPs.
+* ``"full"``: a block keeps only its input (2sbh in 16-bit; (B, T/t, h) with sequence
+  parallelism) and its whole forward runs again in backward, about one third more FLOPs.
+
+Both are :func:`torch.utils.checkpoint.checkpoint` (non-reentrant: gradients flow to
+parameters and inputs alike, and the random state is replayed, so dropout masks match).
+Blocks have a ``recompute`` attribute (from ``GPTConfig.recompute``); :func:`set_recompute`
+changes it on every block of a model, single-device or tensor-parallel.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager, nullcontext
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+MODES = ("none", "selective", "full")
+
+
+def check_mode(mode) -> str:
+    """``mode`` (``None`` is ``"none"``), or a plain ``ValueError``."""
+    mode = "none" if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"recompute must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def run(fn, mode_is_on: bool, *args):
+    """``fn(*args)``, recomputed in backward when ``mode_is_on`` and a graph is being built.
+
+    The recomputation runs under the torch-function modes active in the forward (e.g. the
+    pipeline's deferred weight gradients, :mod:`minipar.pipeline.split_backward`), so it
+    saves the same tensors as the forward did."""
+    if mode_is_on and torch.is_grad_enabled():
+        modes = list(torch.overrides._get_current_function_mode_stack())
+        return checkpoint(fn, *args, use_reentrant=False,
+                          context_fn=lambda: (nullcontext(), _entered(modes)))
+    return fn(*args)
+
+
+@contextmanager
+def _entered(modes):
+    with ExitStack() as stack:
+        for m in modes:
+            stack.enter_context(m)
+        yield
+
+
+def set_recompute(model: torch.nn.Module, mode) -> torch.nn.Module:
+    """Set ``recompute = mode`` on every block and attention of ``model``; returns it."""
+    mode = check_mode(mode)
+    for m in model.modules():
+        if hasattr(m, "recompute"):
+            m.recompute = mode
+    return model

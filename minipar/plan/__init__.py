@@ -1,0 +1,26 @@
+"""Planning at scale: predict memory and step time of a layout, and search for the best.
+
+* :mod:`.models` — model shapes (GPT-3, Llama 3, Mixtral, the course GPT), with sources.
+* :mod:`.hardware` — accelerators and clusters, with sources.
+* :mod:`.layout` — one layout (dp, tp, pp, v, cp, ep, ZeRO, b, recomputation, dtype) and its checks.
+* :mod:`.memory` — memory per GPU by component (ZeRO, Korthikanti et al. 2022).
+* :mod:`.step_time` — compute from FLOPs, the bubble, the exposed communication per dimension.
+* :mod:`.predict` — :func:`predict` and the :class:`Prediction` breakdown.
+* :mod:`.search` — :func:`search`: enumerate, reject with reasons, rank, explain.
+* :mod:`.published` — published measurements the planner is validated against.
+* :mod:`.calibrate` — fit the efficiency; α, β and the compute rate of this machine.
+"""
+from .calibrate import fit_efficiency, measure_machine
+from .hardware import ACCELERATORS, CLUSTERS, Accelerator, Cluster, get_accelerator, get_cluster
+from .layout import Layout, check, problems
+from .memory import comm_buffer_bytes, layer_activation_bytes, memory_per_gpu, model_state_bytes
+from .models import MODELS, ModelSpec, from_gpt_config, get_model
+from .predict import Prediction, predict
+from .search import SearchResult, layouts, search
+from .step_time import comm_times, step_flops, step_time
+
+__all__ = ["ACCELERATORS", "CLUSTERS", "Accelerator", "Cluster", "get_accelerator", "get_cluster",
+           "Layout", "check", "problems", "memory_per_gpu", "model_state_bytes",
+           "layer_activation_bytes", "comm_buffer_bytes", "MODELS", "ModelSpec", "from_gpt_config",
+           "get_model", "Prediction", "predict", "SearchResult", "search", "layouts", "step_time",
+           "step_flops", "comm_times", "fit_efficiency", "measure_machine"]

@@ -1,0 +1,34 @@
+"""Mixed precision, the one rule every strategy follows (Micikevicius et al. 2018).
+
+The parameters, their gradients and the optimizer state stay fp32 (the *master* copy);
+the forward and its loss compute in ``dtype`` under ``torch.autocast``: matrix multiplies
+in bf16, reductions such as softmax, layer norm and the loss in fp32. ``dtype=None`` (or
+``torch.float32``) is plain fp32. Every strategy's ``train(..., dtype=...)`` wraps its
+forward in :func:`autocast`, and the single-process reference does the same, so the two
+compare in the same precision.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+DTYPES = {None: None, "fp32": None, "float32": None, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def resolve(dtype) -> torch.dtype | None:
+    """``None`` for fp32, else the compute dtype; accepts ``"bf16"``, ``torch.bfloat16``, ..."""
+    if isinstance(dtype, torch.dtype):
+        return None if dtype == torch.float32 else dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(k for k in DTYPES if k)} or a torch dtype, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def autocast(dtype, device: torch.device | str = "cpu"):
+    """The context a forward runs in: ``torch.autocast(device.type, dtype)``, or nothing for fp32."""
+    dtype = resolve(dtype)
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)

@@ -1,0 +1,94 @@
+"""The gradient reduce path, P_g (Rajbhandari et al. 2020, §5.2): one copy for stages 1-3.
+
+A unit's gradients are flattened into N·k elements and reduce-scattered with the mean, so
+rank r keeps only
+
+    ḡ_r = (1/N) Σ_j g_j[r·k : (r+1)·k]                      (k = ⌈Ψ_u/N⌉)
+
+:func:`reduce_shard` is that one collective. Stages 2 and 3 run it *during* the backward,
+as soon as a unit's gradients are complete, through :class:`OrderedReduction`, which keeps
+the rule every data-parallel reducer needs: **every rank issues the same collectives in the
+same order**. A unit is reduced only when it and every unit before it in the order are
+complete, or when the backward has moved past it (stage 3 knows: it is re-gathering the
+unit before it); whatever is left when the backward ends is reduced then. Parameters that
+got no gradient on this rank (a data-dependent graph) take part with zeros. Deciding on a
+rank-local condition whether a collective runs would leave the other ranks waiting.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import group_rank, group_size, reduce_scatter
+
+
+def reduce_shard(flat_grad: torch.Tensor, group=None, **labels) -> torch.Tensor:
+    """Reduce-scatter ``flat_grad`` (N·k elements) with the mean over ``group``; returns
+    this rank's k elements, a view of ``flat_grad`` (reduced in place)."""
+    # >>> ex06 A
+    # Hint: k = flat_grad.numel() // N; this rank's slice is flat_grad[r·k:(r+1)·k].
+    n, r = group_size(group), group_rank(group)
+    k = flat_grad.numel() // n
+    mine = flat_grad[r * k:(r + 1) * k]
+    reduce_scatter(mine, flat_grad, op="avg", group=group, **labels)
+    return mine
+    # <<< ex06 A
+
+
+def reduce_unit_grads(flat_unit, dtype=None, **labels) -> torch.Tensor:
+    """Flatten ``flat_unit``'s gradients (zeros where a parameter has none on this rank), drop
+    the full ones, and return this rank's reduced k elements as a new tensor."""
+    flat = flat_unit.flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in flat_unit.params],
+                        dtype=dtype)
+    for p in flat_unit.params:
+        p.grad = None
+    return reduce_shard(flat, flat_unit.group, **labels).clone()     # `flat` is freed
+
+
+class OrderedReduction:
+    """Reduce units as their gradients complete, in one order on every rank.
+
+    ``units``: the :class:`~minipar.zero.flat.FlatUnit` s; ``order()``: the unit indices in
+    the order backward completes them (last layer first); ``reduce(i)``: what reducing unit
+    i means for the stage (it calls :func:`reduce_unit_grads`). Call :meth:`grad_ready` from
+    a post-accumulate-grad hook; the backward's end is caught with an autograd callback.
+    """
+
+    def __init__(self, units, order, reduce):
+        self.units, self.order, self.reduce = units, order, reduce
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ready = [set() for _ in self.units]
+        self.done: set[int] = set()
+        self.queue: list[int] | None = None          # this backward's order, once it started
+
+    def _start(self) -> None:
+        if self.queue is None:                       # the first event of this backward
+            self.queue = list(self.order())
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def grad_ready(self, i: int, p) -> None:
+        self._start()
+        self.ready[i].add(id(p))
+        while self.queue and len(self.ready[self.queue[0]]) == len(self.units[self.queue[0]].params):
+            self._reduce(self.queue.pop(0))
+
+    def reached(self, i: int) -> None:
+        """The backward has reached unit i (stage 3 calls this before re-gathering it): every
+        unit before i in the order is done, complete or not, so reduce those now. This ties
+        the reduce-scatters to the gathers' order, the same on every rank."""
+        self._start()
+        while self.queue and self.queue[0] != i and i in self.queue:
+            self._reduce(self.queue.pop(0))
+
+    def finish(self) -> None:
+        """End of the backward: reduce every unit not yet reduced, in order (zeros for the
+        gradients this rank lacks), so that all ranks ran the same collectives."""
+        for i in (self.queue or []) + [j for j in range(len(self.units)) if j not in (self.queue or [])]:
+            if i not in self.done:
+                self._reduce(i)
+        self._reset()
+
+    def _reduce(self, i: int) -> None:
+        self.done.add(i)
+        self.reduce(i)

@@ -1,0 +1,100 @@
+"""Exercise 09: the token dispatch of expert parallelism.
+
+Under expert parallelism rank j holds experts ``j·E/ep .. (j+1)·E/ep - 1`` of every MoE
+layer, and each rank's (token, expert) assignments travel to the experts' ranks in one
+``all_to_all_single`` (and back in a second). Three pieces of
+``minipar/expert_parallel/dispatch.py`` decide what goes where:
+
+A. ``count_tokens(expert_of, n_experts)``: ``c[i]`` = how many entries of the flat
+   assignment tensor ``expert_of`` are expert i, for every i (experts nobody chose count 0).
+
+B. ``split_sizes(counts, rank, ep)``: from the (ep × E) matrix of every rank's counts,
+   the rows this rank sends to each rank and receives from each rank:
+
+       send[j] = Σ_{i on rank j} counts[rank, i]        recv[j] = Σ_{i on rank} counts[j, i]
+
+   as two lists of Python ints (what ``all_to_all_single`` takes as split sizes).
+
+C. ``permutation(keys)``: ``(perm, inverse)`` with ``keys[perm]`` sorted by a **stable**
+   sort (equal keys keep their order: a token's position decides which tokens an expert
+   over capacity keeps, and the expert must see its rows in the single device's order) and
+   ``inverse`` the inverse permutation, ``inverse[perm[i]] = i``, so ``x[perm][inverse] == x``.
+
+The last test runs the library's ``ExpertParallelMoE`` on 2 ranks with your code in place
+and compares it with the MoE layer on one device. Grade it with ``python -m minipar.grade ex09``.
+"""
+import torch
+import torch.distributed as dist
+
+import minipar
+from minipar.expert_parallel import ExpertParallelMoE, count_tokens, permutation, split_sizes
+from minipar.models.moe import MoE
+
+EXERCISE = "ex09_expert_parallel"
+TIMEOUT = 20
+
+
+def test_count_tokens(impl):
+    """count_tokens: assignments per expert, zeros for experts nobody chose.
+    Hint: torch.bincount(expert_of, minlength=n_experts)."""
+    e = torch.tensor([3, 0, 3, 1, 3])
+    assert count_tokens(e, 6).tolist() == [1, 1, 0, 3, 0, 0]
+    r = torch.randint(0, 8, (200,), generator=torch.Generator().manual_seed(0))
+    c = count_tokens(r, 8)
+    assert c.tolist() == [int((r == i).sum()) for i in range(8)] and int(c.sum()) == 200
+    assert count_tokens(torch.zeros(0, dtype=torch.long), 3).tolist() == [0, 0, 0]
+
+
+def test_split_sizes(impl):
+    """split_sizes: rows sent to and received from every rank, as Python ints.
+    Hint: counts.reshape(ep, ep, E // ep).sum(-1) is the [source, destination] matrix."""
+    M = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    assert split_sizes(M, 0, 2) == ([3, 7], [3, 11])
+    assert split_sizes(M, 1, 2) == ([11, 15], [7, 15])
+    M = torch.arange(32).reshape(4, 8)
+    for r in range(4):
+        send, recv = split_sizes(M, r, 4)
+        assert send == [int(M[r, 2 * j:2 * j + 2].sum()) for j in range(4)]
+        assert recv == [int(M[j, 2 * r:2 * r + 2].sum()) for j in range(4)]
+        assert all(type(v) is int for v in send + recv)
+
+
+def test_permutation_is_stable_with_inverse(impl):
+    """permutation: keys[perm] sorted, equal keys in their original order, x[perm][inverse] == x.
+    Hint: torch.argsort(keys, stable=True); inverse[perm] = arange(n)."""
+    keys = torch.tensor([2, 0, 3, 2, 1, 0, 2])
+    perm, inv = permutation(keys)
+    assert perm.tolist() == [1, 5, 4, 0, 3, 6, 2]
+    assert inv.tolist() == [3, 0, 6, 4, 2, 1, 5]
+    k = torch.randint(0, 4, (300,), generator=torch.Generator().manual_seed(1))
+    perm, inv = permutation(k)
+    s = k[perm]
+    assert bool((s[1:] >= s[:-1]).all())
+    for i in range(4):                                  # stable: positions ascending per key
+        p = perm[s == i]
+        assert bool((p[1:] > p[:-1]).all())
+    x = torch.randn(300)
+    assert torch.equal(x[perm][inv], x)
+
+
+def _ep_layer(k, cf):
+    r, n, dev = dist.get_rank(), dist.get_world_size(), minipar.device()
+    torch.manual_seed(0)
+    moe = MoE(8, 4, k, cf, hidden=16).to(dev)
+    x = torch.randn(8, 4, 8, generator=torch.Generator().manual_seed(1)).to(dev)
+    layer = ExpertParallelMoE(moe)
+    y = layer(x.chunk(n)[r])
+    return y.detach().cpu(), layer.stats["dropped"]
+
+
+def test_expert_parallel_layer(impl):
+    """The expert-parallel MoE layer on 2 ranks equals one device (outputs and dropped tokens).
+    Hint: if A-C pass and this fails, check that permutation is stable and split_sizes' order is [source, destination]."""
+    for k, cf in [(2, None), (1, 1.0), (2, 1.0)]:
+        res = minipar.launch(_ep_layer, 2, args=(k, cf), timeout=TIMEOUT)
+        torch.manual_seed(0)
+        moe = MoE(8, 4, k, cf, hidden=16)
+        x = torch.randn(8, 4, 8, generator=torch.Generator().manual_seed(1))
+        y = moe(x)
+        torch.testing.assert_close(torch.cat([r[0] for r in res]), y.detach(), rtol=1e-4, atol=1e-5)
+        assert torch.equal(torch.cat([r[1] for r in res]), moe.stats["dropped"])

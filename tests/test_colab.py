@@ -1,0 +1,63 @@
+"""Colab and Kaggle: every notebook opens there and installs the course from one repository."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from minipar import colab
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_starts_with_the_colab_link_and_the_setup_cell(path):
+    nb = nbformat.read(path, as_version=4)
+    assert nb.cells[0].cell_type == "markdown" and colab.badge(path.name) in nb.cells[0].source, \
+        f"{path.name}: the first cell must carry {colab.badge(path.name)}"
+    first_code = next(c for c in nb.cells if c.cell_type == "code")
+    assert first_code.source == colab.setup_cell(), f"{path.name}: the setup cell differs from minipar.colab.setup_cell()"
+
+
+def test_the_repository_is_named_once():
+    assert colab.REPOSITORY in colab.setup_cell()
+    assert colab.colab_url("11_real_hardware.ipynb") == (
+        "https://colab.research.google.com/github/minipar/minipar/blob/main/notebooks/11_real_hardware.ipynb")
+
+
+def test_setup_cell_does_nothing_but_report_where_minipar_is_installed():
+    out = subprocess.run([sys.executable, "-c", colab.setup_cell()], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT / "notebooks")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("minipar on torch ") and "2 ranks:" in out.stdout and "8 ranks:" in out.stdout
+
+
+def test_setup_cell_on_a_fresh_runtime_clones_the_repository_and_keeps_its_torch(monkeypatch):
+    """As on Colab: minipar is not installed; the cell clones MINIPAR_REPO and pins the torch it finds."""
+    import torch
+    calls = []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "minipar" else True)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    monkeypatch.setenv("MINIPAR_REPO", "https://example.org/fork.git")
+    path = list(sys.path)
+    try:
+        exec(compile(colab.setup_cell().replace("print(minipar.backend.summary())", ""), "setup", "exec"), {})
+        added = sys.path[0]
+    finally:
+        sys.path[:] = path
+    assert calls[0][:3] == ["git", "clone", "-q"] and "https://example.org/fork.git" in calls[0]
+    assert calls[1][:5] == [sys.executable, "-m", "pip", "install", "-q"]
+    assert "minipar-course" in calls[1] and f"torch=={torch.__version__}" in calls[1]
+    assert added == os.path.abspath("minipar-course")  # the cell puts the clone first on sys.path
+
+
+def test_readme_opens_every_notebook_in_colab():
+    """README's chapter table lists every notebook with its badge (derived from colab.REPOSITORY)."""
+    readme = (ROOT / "README.md").read_text()
+    for path in NOTEBOOKS:
+        assert f"| `{path.stem}` | {colab.badge(path.name)} |" in readme, f"README lacks {path.stem}'s row"

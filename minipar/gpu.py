@@ -111,3 +111,29 @@ def gpt_config(vocab_size: int = 64, device=None, **overrides):
     """The course GPT's :class:`~minipar.models.GPTConfig` for this machine (:data:`SIZES`)."""
     from .models.gpt import GPTConfig
     return GPTConfig(vocab_size=vocab_size, **{**SIZES[model_size(device)], **overrides})
+
+
+def allocator_peaks(measured) -> list | None:
+    """The caching allocator's peak bytes per rank, beside a chapter's own tensor count: from
+    a run's per-rank ``measured`` dicts (``TrainResult.measured``; :func:`minipar.strategy.on_device`
+    sets ``"gpu_peak_bytes"`` there on a GPU) or from plain numbers (``peak_memory().bytes``
+    returned by rank functions). ``None`` when no rank ran on a GPU."""
+    peaks = [m.get("gpu_peak_bytes") if isinstance(m, dict) else m for m in measured]
+    return None if all(p is None for p in peaks) else peaks
+
+
+def add_allocator_peaks(fig, x, measured, scale: float = 1, name: str = "allocator peak (GPU)",
+                        secondary: str | None = None, **marker):
+    """Add :func:`allocator_peaks` to a plotly memory figure as one series of markers at ``x``
+    (bytes divided by ``scale``), only for a GPU run: on the CPU ``fig`` comes back unchanged.
+    ``secondary="MiB"`` draws them on a right-hand axis of that title (with ``scale=2**20``),
+    for figures whose own axis is not bytes. Returns ``fig``."""
+    peaks = allocator_peaks(measured)
+    if peaks is None:
+        return fig
+    style = dict(symbol="diamond", size=11, color="#9D755D") | marker
+    fig.add_scatter(x=list(x), y=[None if p is None else p / scale for p in peaks], mode="markers",
+                    name=name, marker=style, yaxis="y2" if secondary else None)
+    if secondary:
+        fig.update_layout(yaxis2=dict(overlaying="y", side="right", title=secondary, rangemode="tozero"))
+    return fig

@@ -4,14 +4,18 @@ activation memory and attention FLOPs against minipar.cost; training against one
 
 Tolerances (fp32 on CPU): attention outputs, lse and gradients within rtol 1e-5, atol 1e-5
 of full attention on the whole sequence (observed ≤ 1e-6); training losses and final
-parameters within rtol 1e-5, atol 1e-6 (observed ≤ 1e-8).
+parameters within rtol 1e-5, atol 1e-6 (observed ≤ 1e-8). With recomputation ("selective",
+"full") the same tolerances against one process with the same recompute, directly at cp = 2
+and through minipar.hybrid at 4 ranks; a block's saved activations (SavedActivations) equal
+cost.cp_activation_bytes(..., recompute=mode) exactly, and the recorded bytes show that "full"
+sends the attention's forward traffic again in the backward.
 """
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import minipar
-from minipar import comm, cost, data, hybrid, reference, trace
+from minipar import comm, cost, data, hybrid, reference, strategy, trace
 from minipar import context_parallel as cpm
 from minipar.mesh import ProcessMesh
 from minipar.models import GPT, GPTConfig
@@ -199,7 +203,7 @@ def test_training_matches_one_process(world_size, options):
 
 
 def test_bad_setups_fail_before_launch():
-    """Ulysses with cp ∤ heads, zigzag with 2·cp ∤ T, dp ∤ world: plain errors from check."""
+    """Ulysses with cp ∤ heads, zigzag with 2·cp ∤ T, dp ∤ world, bad recompute: plain errors."""
     batches = data.batches(data.synthetic_tokens(4000, 32), 1, 4, 24)
     with pytest.raises(ValueError, match="n_head=4 is not divisible by cp=8"):
         cpm.check(GPT(CFG), batches, 8, variant="ulysses", layout="contiguous")
@@ -207,6 +211,8 @@ def test_bad_setups_fail_before_launch():
         cpm.check(GPT(CFG), batches, 8, variant="ring", layout="zigzag")
     with pytest.raises(ValueError, match="dp=3"):
         cpm.check(GPT(CFG), batches, 4, dp=3)
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        cpm.check(GPT(CFG), batches, 2, recompute="sometimes")
 
 
 def test_mesh_has_cp_between_tp_and_dp():
@@ -253,3 +259,78 @@ def test_hybrid_checks_cp_before_launch():
         hybrid.check(GPT(CFG), batches, 8, cp=4, tp=2, variant="ulysses", layout="contiguous")
     with pytest.raises(ValueError, match="world_size is 4"):
         hybrid.check(GPT(CFG), batches, 4, dp=2, cp=4, layout="contiguous")
+
+
+# ------------------------------------------------------------------ activation recomputation
+RC_CASES = (("ring", "zigzag"), ("all_gather", "contiguous"), ("ulysses", "zigzag"))
+RC_MODES = ("none", "selective", "full")
+
+
+def _recompute_checks(batches):
+    """At cp = 2, one launch: train the CP GPT under "selective" and "full" for every variant
+    (ring/zigzag, all-gather/contiguous, Ulysses/zigzag), and measure one block's saved
+    activations (SavedActivations) under every mode at T = 32 and 64."""
+    from minipar.activations import SavedActivations
+    c, r = comm.group_size(), comm.group_rank()
+    out = {"train": {}, "memory": {}}
+    for variant, layout in RC_CASES:
+        for mode in ("selective", "full"):
+            out["train"][(variant, mode)] = cpm.train(GPT(CFG, seed=0), batches, reference.sgd(0.1),
+                                                      variant=variant, layout=layout, recompute=mode)
+        for mode in RC_MODES:
+            for Tm in (32, 64):
+                cfg = GPTConfig(vocab_size=32, block_size=Tm, n_layer=1, n_head=H, n_embd=32)
+                m = cpm.parallelize(GPT(cfg, seed=0).set_recompute(mode), None, variant, layout)
+                cpm.set_positions(m, cpm.sequence_positions(Tm, r, c, layout))
+                h = m.embed(torch.randint(0, 32, (B, Tm // c))).detach().requires_grad_()
+                with SavedActivations(m) as saved:
+                    m.blocks[0](h)
+                out["memory"][(variant, mode, Tm)] = saved.bytes
+    return out
+
+
+def test_recompute_trains_like_one_process_and_keeps_what_the_formula_says():
+    """Selective and full recomputation at cp = 2 (three variants): losses and parameters of one
+    process with the same recompute, the communication rerun under full, memory = formula."""
+    batches = data.batches(data.synthetic_tokens(4000, 32), 3, 4, 32)
+    results = minipar.launch(_recompute_checks, 2, args=(batches,), timeout=120)
+    for mode in ("selective", "full"):
+        one = GPT(CFG, seed=0).set_recompute(mode)
+        want = reference.train_reference(one, batches, reference.sgd(0.1))
+        for variant, _ in RC_CASES:
+            got = strategy.TrainResult.merge([res["train"][(variant, mode)] for res in results])
+            reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)
+            bytes_ = cost.cp_comm_bytes(variant, 4, 32, 32, 2)   # full: the forward's traffic twice
+            attn = bytes_["total"] + (bytes_["forward"] if mode == "full" else 0)
+            for res in results:
+                by_name = dict(res["train"][(variant, mode)]["measured"]["bytes_by_name"])
+                by_name.pop("cp_grads"), by_name.pop("loss")
+                assert sum(by_name.values()) == CFG.n_layer * attn, (variant, mode)
+    for res in results:
+        for (variant, mode, Tm), got in res["memory"].items():
+            want = cost.cp_activation_bytes(variant, B, Tm, 32, H, 2, recompute=mode)
+            assert got == want, (variant, mode, Tm)
+            assert got < res["memory"][(variant, "none", Tm)] or mode == "none" or \
+                (variant, mode) == ("ring", "selective")
+        for Tm in (32, 64):   # full keeps the block's input: 2sbh at 4 bytes, s = T/c
+            assert res["memory"][("ring", "full", Tm)] == cost.recompute_activation_bytes(
+                Tm // 2, B, 32, H, recompute="full", bytes_per_element=4)
+            # ring attention already keeps no scores: selective saves nothing more there
+            assert res["memory"][("ring", "selective", Tm)] == res["memory"][("ring", "none", Tm)]
+
+
+@pytest.mark.parametrize("options", [dict(dp=2, cp=2, recompute="full"),
+                                     dict(cp=2, tp=2, recompute="selective", variant="ulysses")],
+                         ids=["dp2xcp2-full", "cp2xtp2-ulysses-selective"])
+def test_recompute_on_the_hybrid_mesh_matches_one_process(options):
+    """Recomputation through hybrid.run with cp = 2 at 4 ranks trains like one process (same recompute)."""
+    batches = data.batches(data.synthetic_tokens(4000, 32), 3, 4, 32)
+    want = reference.train_reference(GPT(CFG, seed=0).set_recompute(options["recompute"]), batches,
+                                     reference.sgd(0.1))
+    got = hybrid.run(GPT(CFG, seed=0), batches, optimizer=reference.sgd(0.1), **options)
+    reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)
+    dp, tp = options.get("dp", 1), options.get("tp", 1)
+    b = cost.cp_comm_bytes(options.get("variant", "ring"), 4 // dp, 32, 32 // tp, 2)
+    per_layer = b["total"] + (b["forward"] if options["recompute"] == "full" else 0)
+    for m in got.measured:
+        assert m["bytes_by_dim"]["cp"] == CFG.n_layer * per_layer

@@ -272,3 +272,18 @@ def test_a_rank_out_of_gpu_memory_is_reported_with_the_allocator_and_a_hint():
     assert "rank 1 ran out of GPU memory" in msg
     assert "allocator:" in msg  # the figures, or why there are none (no CUDA here)
     assert "Hint: use fewer ranks" in msg and "device='cpu'" in msg
+
+
+# ------------------------------------------------------------------ allocator figures
+def test_allocator_peaks_join_a_memory_figure_only_on_a_gpu():
+    import plotly.graph_objects as go
+    from minipar import gpu
+    cpu_run = [{"bytes_sent": 4}, {"bytes_sent": 4}]
+    fig = go.Figure(go.Bar(x=["rank 0", "rank 1"], y=[1, 2]))
+    assert gpu.allocator_peaks(cpu_run) is None and gpu.allocator_peaks([None, None]) is None
+    assert len(gpu.add_allocator_peaks(fig, ["rank 0", "rank 1"], cpu_run).data) == 1   # the CPU figure as it was
+    gpu_run = [{"gpu_peak_bytes": 3 * 2**20}, {"gpu_peak_bytes": 2**20}]
+    assert gpu.allocator_peaks(gpu_run) == [3 * 2**20, 2**20]
+    assert gpu.allocator_peaks([2048, None]) == [2048, None]
+    gpu.add_allocator_peaks(fig, ["rank 0", "rank 1"], gpu_run, scale=2**20, secondary="MiB")
+    assert len(fig.data) == 2 and list(fig.data[1].y) == [3.0, 1.0] and fig.data[1].yaxis == "y2"

@@ -17,6 +17,9 @@ Only attention needs the other ranks' tokens. The pieces, one file each::
 Every attention takes this rank's tokens ``q, k, v`` (B, H, T/c, d) and returns ``(O, lse)``
 for them, equal to full attention on the whole sequence:
 ``context_attention(q, k, v, group, causal=True, layout="zigzag", variant="ring")``.
+Activation recomputation (``recompute="selective"|"full"``) works with every variant: what
+each mode keeps and recomputes is in :mod:`.attention`, its bytes in
+:func:`minipar.cost.cp_activation_bytes`.
 """
 from .allgather import all_gather_attention
 from .attention import VARIANTS, ContextParallelAttend, context_attention

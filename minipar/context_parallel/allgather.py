@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..models.recompute import run
 from .blocks import masked_attention
 from .sharding import sequence_positions
 
@@ -36,11 +37,14 @@ class GatherSequence(torch.autograd.Function):
         return out.view(ctx.shape), None
 
 
-def all_gather_attention(q, k, v, group=None, causal: bool = True, layout: str = "contiguous"):
-    """``(O, lse)`` of this rank's queries (B, H, T/c, d) on all-gathered keys and values."""
+def all_gather_attention(q, k, v, group=None, causal: bool = True, layout: str = "contiguous",
+                         selective: bool = False):
+    """``(O, lse)`` of this rank's queries (B, H, T/c, d) on all-gathered keys and values;
+    ``selective``: the masked attention keeps only q and the gathered K, V, and is recomputed
+    in backward (the all-gather is not repeated)."""
     c, r = comm.group_size(group), comm.group_rank(group)
     T = q.shape[-2] * c
     kv = GatherSequence.apply(torch.stack([k, v]), group)      # (2, B, H, T, d), rank order
     q_pos = sequence_positions(T, r, c, layout, device=q.device)
     k_pos = torch.cat([sequence_positions(T, i, c, layout, device=q.device) for i in range(c)])
-    return masked_attention(q, kv[0], kv[1], q_pos, k_pos, causal)
+    return run(masked_attention, selective, q, kv[0], kv[1], q_pos, k_pos, causal)

@@ -34,13 +34,15 @@ class ContextParallelAttention(nn.Module):
         self.qkv, self.proj = attn.qkv, attn.proj
         self.n_head, self.head_dim = attn.n_head, attn.head_dim   # heads on this rank
         self.attend = ContextParallelAttend(group, variant, layout)
+        self.recompute = getattr(attn, "recompute", "none")      # "selective": see .attention
 
     def forward(self, x):
         B, T, _ = x.shape                      # T = this rank's tokens
         width = self.n_head * self.head_dim
         q, k, v = self.qkv(x).split(width, dim=2)
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        return self.proj(self.attend(q, k, v).transpose(1, 2).reshape(B, T, width))
+        o = self.attend(q, k, v, selective=self.recompute == "selective")
+        return self.proj(o.transpose(1, 2).reshape(B, T, width))
 
 
 class PositionedEmbedding(nn.Module):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .. import comm, strategy, trace
 from ..data import shard
 from ..mesh import ProcessMesh
+from ..models.recompute import check_mode, set_recompute
 from ..precision import autocast
 from ..reference import sgd
 from ..strategy import full_params
@@ -36,9 +37,7 @@ def check_config(config, cp: int, seq_len: int | None = None, layout: str = "zig
     if cp > 1 and sequence_parallel:
         raise ValueError("sequence_parallel with cp > 1 is not supported (the sequence is already "
                          "split over the cp ranks); use one or the other")
-    recompute = recompute if recompute not in (None, "none") else getattr(config, "recompute", "none")
-    if cp > 1 and recompute not in (None, "none"):
-        raise ValueError("context-parallel training supports recompute='none' only")
+    check_mode(recompute)   # all three work with every variant (.attention: what "selective" keeps)
     if variant == "ulysses":
         check_heads(config.n_head, cp, tp)
     if seq_len is not None:
@@ -77,10 +76,14 @@ def _groups(dp: int, group):
 
 
 def train(model, batches, optimizer=None, group=None, variant: str = "ring",
-          layout: str = "zigzag", dp: int = 1, dtype=None, recompute: str = "none") -> dict:
+          layout: str = "zigzag", dp: int = 1, dtype=None, recompute=None) -> dict:
     """On every rank: train the GPT ``model`` with context parallelism on the global
     ``batches``. Returns ``{"losses", "params" (global rank 0), "measured"}``; ``measured``
-    holds the last step's bytes sent by name and dimension and its seconds."""
+    holds the last step's bytes sent by name and dimension and its seconds. ``recompute``
+    (``None``: the model's own) is set on every block; under ``"full"`` the backward runs
+    each block's attention communication again."""
+    if recompute is not None:
+        set_recompute(model, recompute)
     cp_group, grad_group, d, dp = _groups(dp, group)
     single = cp_group is None and dp > 1                      # cp = 1 inside a dp mesh
     cp, r = (1, 0) if single else (comm.group_size(cp_group), comm.group_rank(cp_group))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from .. import comm
+from ..models.recompute import run
 from .blocks import masked_attention
 from .sharding import sequence_positions
 
@@ -76,15 +77,17 @@ class HeadsToSeq(torch.autograd.Function):
 
 
 def ulysses_attention(q, k, v, group=None, causal: bool = True, layout: str = "contiguous",
-                      return_lse: bool = True):
+                      return_lse: bool = True, selective: bool = False):
     """``(O, lse)`` of this rank's tokens (B, H, T/c, d), all heads, by head-sharded attention.
-    ``lse`` costs one more all-to-all (``return_lse=False`` skips it and returns ``None``)."""
+    ``lse`` costs one more all-to-all (``return_lse=False`` skips it and returns ``None``).
+    ``selective``: the head-sharded attention keeps only its Q, K, V and is recomputed in
+    backward (the all-to-alls are not repeated)."""
     c = comm.group_size(group)
     check_heads(q.shape[-3], c)
     T = q.shape[-2] * c
     qkv = SeqToHeads.apply(torch.stack([q, k, v]), group)               # (3, B, H/c, T, d)
     pos = torch.cat([sequence_positions(T, i, c, layout, device=q.device) for i in range(c)])
-    o, lse = masked_attention(qkv[0], qkv[1], qkv[2], pos, pos, causal)
+    o, lse = run(masked_attention, selective, qkv[0], qkv[1], qkv[2], pos, pos, causal)
     o = HeadsToSeq.apply(o, group)
     if not return_lse:
         return o, None

@@ -27,6 +27,18 @@ Ulysses also keep score matrices that grow with T² (ring attention keeps only O
 
 (the last terms: the gathered K, V; two score-sized tensors; the boolean causal mask).
 
+With recomputation (:mod:`minipar.models.recompute`; measured exactly by the tests):
+
+    full        B·(T/c)·h·b                           only the block's input (Korthikanti's 2sbh
+                                                      at b bytes, s = T/c), every variant
+    selective   ring        as without: ring attention keeps no scores to drop (its backward
+                            already recomputes P from Q, K and lse)
+                all-gather  B·(T/c)·(14h + 4)·b + 2·B·T·h·b + 8·(T/c + T)
+                Ulysses     B·(T/c)·(16h + 4)·b + 8·T
+
+(selective checkpoints the masked attention core: it keeps its inputs Q, K, V and the int64
+positions, and drops the scores, the mask and the lse; the communication is not repeated).
+
 **Attention FLOPs** (forward; 4·d per query-key pair and head, QKᵀ and PV; the backward is
 2.5 times that: five matmuls instead of two). Rank r of the ring computes, in blocks of
 B·a·(T/c)²·4d FLOPs: contiguous causal r + 1 blocks (the diagonal computed whole, later
@@ -55,12 +67,21 @@ def cp_comm_bytes(variant: str, batch: int, seq_len: int, hidden: int, cp: int,
 
 
 def cp_activation_bytes(variant: str, batch: int, seq_len: int, hidden: int, n_head: int,
-                        cp: int, bytes_per_element: int = 4) -> int:
-    """Bytes one rank saves for the backward in one GPT block (module docstring)."""
+                        cp: int, bytes_per_element: int = 4, recompute: str = "none") -> int:
+    """Bytes one rank saves for the backward in one GPT block under ``recompute``
+    (module docstring)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
     B, T, h, a, c, b = batch, seq_len, hidden, n_head, cp, bytes_per_element
     tokens = B * (T // c)
+    if recompute == "full":
+        return tokens * h * b
+    if recompute == "selective" and variant == "all_gather":
+        return tokens * (14 * h + 4) * b + 2 * B * T * h * b + 8 * (T // c + T)
+    if recompute == "selective" and variant == "ulysses":
+        return tokens * (16 * h + 4) * b + 8 * T
     if variant == "ring":
         return tokens * (17 * h + a + 4) * b
     if variant == "all_gather":

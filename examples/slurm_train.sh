@@ -26,7 +26,7 @@
 #SBATCH --job-name=minipar-train
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1          # one torchrun agent per node; it starts the ranks
-#SBATCH --cpus-per-task=8            # minipar computes on CPU tensors with Gloo
+#SBATCH --cpus-per-task=8            # CPU ranks over Gloo; on GPU nodes add --gpus-per-node=4 and --device cuda
 #SBATCH --time=00:30:00
 #SBATCH --signal=USR1@120            # SIGUSR1 to the job's processes 120 s before the time limit
 #SBATCH --requeue                    # the job may run again (after a preemption, or requeued below)

@@ -76,9 +76,11 @@ def measure_machine(config, world_size: int = 4, sizes=None) -> dict:
     res = launch(_measure_rank, world_size, args=(sizes, 3, config), timeout=120)
     ts = [max(r["gloo"][i] for r in res) for i in range(len(sizes))]
     alpha, beta = cost.fit_alpha_beta("all_reduce", sizes, ts, world_size)
+    if beta <= 0:   # latency swamped the sizes (a loaded machine): bound β by the largest message
+        beta = ts[-1] / cost.collective_bytes("all_reduce", sizes[-1], world_size)
     rate = min(r["block"]["rate"] for r in res)
     overhead = max(r["block"]["overhead"] for r in res)
-    bw = 1 / beta if beta else 1e12
+    bw = 1 / beta
     gpu = Accelerator("this-cpu", rate, 64e9, bw, "shared memory (Gloo)",
                       source="measured by minipar.plan.calibrate", layer_overhead=overhead)
     cluster = Cluster("this-machine", gpu, world_size, 1, bw, alpha_intra=alpha, alpha_inter=alpha,

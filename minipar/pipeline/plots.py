@@ -13,12 +13,12 @@ def side_by_side(top: Trace, bottom: Trace, titles=("measured", "simulated"), ti
     """Two timelines stacked, coloured by micro-batch (same colours in both)."""
     figs = [viz.timeline(t, color_by=color_by) for t in (top, bottom)]
     n = max(top.world_size, bottom.world_size)
-    fig = make_subplots(rows=2, cols=1, subplot_titles=titles, vertical_spacing=0.16)
+    fig = make_subplots(rows=2, cols=1, subplot_titles=titles, vertical_spacing=0.28)
     for row, f in enumerate(figs, 1):
         for tr in f.data:
             tr.legendgroup, tr.showlegend = tr.name, row == 1
             fig.add_trace(tr, row=row, col=1)
-    fig.update_layout(barmode="overlay", title=title, height=200 + 70 * n, bargap=0.3,
+    fig.update_layout(barmode="overlay", title=title, height=260 + 80 * n, bargap=0.3,
                       legend_title=color_by, margin=dict(t=70, b=40))
     fig.update_yaxes(autorange="reversed")
     fig.update_xaxes(title_text="time (ms)", row=1, col=1)

@@ -54,6 +54,16 @@ class TrainResult:
                    getattr(results, "trace", None), results)
 
 
+def average_loss(loss: torch.Tensor, group=None, op: str = "avg", **labels) -> float:
+    """The step's loss for the record: ``loss`` all-reduced over ``group`` with ``op``
+    (``"avg"``: the ranks' mean losses; ``"sum"``: losses already divided by the ranks), one
+    tiny recorded all-reduce named ``"loss"``."""
+    from . import comm
+    t = loss.detach().float().reshape(1).clone()
+    comm.all_reduce(t, op=op, group=group, name="loss", **labels)
+    return t.item()
+
+
 def full_params(named) -> dict[str, torch.Tensor]:
     """``{name: fp32 copy on the CPU}`` of ``module.named_parameters()`` (or any name/tensor pairs)."""
     return {k: v.detach().float().cpu().clone() for k, v in named}

@@ -106,9 +106,8 @@ def train(model, batches, optimizer=None, group=None, variant: str = "ring",
         all_reduce_grads(model.parameters(), grad_group, dim="dp_cp" if dp > 1 else "cp")
         with trace.region("optimizer", step=step):
             opt.step()
-        total = loss.detach().float().reshape(1).clone()
-        comm.all_reduce(total, group=grad_group, name="loss", dim="dp_cp" if dp > 1 else "cp")
-        losses.append(total.item())
+        losses.append(strategy.average_loss(loss, grad_group, op="sum",   # loss already / (cp·dp)
+                                            dim="dp_cp" if dp > 1 else "cp"))
         measured = _measure(trace.since(mark), time.perf_counter() - t0)
     params = full_params(model.named_parameters()) if dist.get_rank() == 0 else None
     return {"losses": losses, "params": params, "measured": measured}

@@ -16,7 +16,8 @@ from .naive import allreduce_gradients, broadcast_module, trainable
 from .parameter_server import parameter_server
 from .reducer import Reducer
 from .sampler import ShardedBatchSampler, shard_batch
-from .train import average_loss, check, run, train
+from ..strategy import average_loss
+from .train import check, run, train
 
 __all__ = ["allreduce_gradients", "broadcast_module", "trainable", "assign_buckets", "Bucket",
            "Reducer", "DistributedDataParallel", "VERSIONS", "ShardedBatchSampler",

@@ -14,18 +14,11 @@ from contextlib import nullcontext
 
 import torch
 
-from .. import comm, strategy, trace
+from .. import strategy, trace
 from ..precision import autocast
 from ..reference import sgd
 from .ddp import DistributedDataParallel
 from .sampler import shard_batch
-
-
-def average_loss(loss: torch.Tensor, group=None) -> float:
-    """The mean of ``loss`` over the ranks of ``group`` (one tiny recorded all-reduce)."""
-    t = loss.detach().float().reshape(1).clone()
-    comm.all_reduce(t, op="avg", group=group, name="loss")
-    return t.item()
 
 
 def train(model, batches, optimizer=None, group=None, accumulation: int = 1, dtype=None,
@@ -56,7 +49,7 @@ def train(model, batches, optimizer=None, group=None, accumulation: int = 1, dty
             opt.step()
         sent = trace.bytes_by_dim(trace.since(mark))
         measured = {"bytes_sent": sent["total"], "bytes_by_dim": sent, "seconds": time.perf_counter() - t0}
-        losses.append(average_loss(total, group))
+        losses.append(strategy.average_loss(total, group))
     ddp.remove_hooks()
     return {"losses": losses, "params": strategy.full_params(ddp.named_parameters()),
             "measured": measured}

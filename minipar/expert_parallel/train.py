@@ -95,9 +95,7 @@ def train(model, batches, optimizer=None, group=None, ep: int = 1, tp: int = 1, 
         reduce_gradients(model, groups, dp)
         with trace.region("optimizer", step=step):
             opt.step()
-        t = loss.detach().float().reshape(1).clone()
-        comm.all_reduce(t, op="avg", group=groups["dp"], name="loss", dim="dp")
-        losses.append(t.item())
+        losses.append(strategy.average_loss(loss, groups["dp"], dim="dp"))
         seconds = time.perf_counter() - t0
         routed.append([m.stats["counts"].tolist() for m in layers])
     last = [e for e in trace.events()[first:] if e["kind"] == "comm"] if batches else []

@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 
 from .. import precision, strategy, trace
 from ..activations import SavedActivations
@@ -94,9 +93,7 @@ def train(model, batches, optimizer=None, group=None, stage: int = 1, param_dtyp
         measured = {"memory": memory, "bytes_sent": sent["total"], "bytes_by_dim": sent,
                     "unit_sizes": (s3 if stage == 3 else opt).unit_sizes(),
                     "grad_norm": getattr(opt, "grad_norm", None), "seconds": time.perf_counter() - t0}
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean, group=group)                    # for the record only, not traced
-        losses.append(mean.item() / n)
+        losses.append(strategy.average_loss(loss, group))    # after the step's bytes were read
     params = s3.gather_full_params() if stage == 3 else strategy.full_params(model.named_parameters())
     return {"losses": losses, "params": params, "measured": measured}
 

@@ -18,7 +18,7 @@ changes it on every block of a model, single-device or tensor-parallel.
 """
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -37,22 +37,15 @@ def check_mode(mode) -> str:
 def run(fn, mode_is_on: bool, *args):
     """``fn(*args)``, recomputed in backward when ``mode_is_on`` and a graph is being built.
 
-    The recomputation runs under the torch-function modes active in the forward (e.g. the
-    pipeline's deferred weight gradients, :mod:`minipar.pipeline.split_backward`), so it
-    saves the same tensors as the forward did."""
+    Inside the pipeline's :func:`~minipar.pipeline.deferred` block, the forward and its
+    recomputation both defer the linear layers' weight gradients, keeping X among the saved
+    tensors that recomputation drops and rebuilds."""
     if mode_is_on and torch.is_grad_enabled():
-        modes = list(torch.overrides._get_current_function_mode_stack())
-        return checkpoint(fn, *args, use_reentrant=False,
-                          context_fn=lambda: (nullcontext(), _entered(modes)))
+        from ..pipeline import split_backward
+        dw = split_backward.current()
+        ctx = (lambda: split_backward.deferred(dw, saved=True)) if dw is not None else nullcontext
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (ctx(), ctx()))
     return fn(*args)
-
-
-@contextmanager
-def _entered(modes):
-    with ExitStack() as stack:
-        for m in modes:
-            stack.enter_context(m)
-        yield
 
 
 def set_recompute(model: torch.nn.Module, mode) -> torch.nn.Module:

@@ -44,10 +44,7 @@ def _all_gather_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
 
 def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
     """Sum (or average) ``tensor`` over the ranks of ``group`` in place; returns it.
-
-    Reduce-scatter then all-gather around the ring: 2(n-1) steps, 2(n-1)/n·N elements
-    sent per rank.
-    """
+    Reduce-scatter then all-gather: 2(n-1) steps, 2(n-1)/n·N elements sent per rank."""
     _check_op(op)
     # Hint: work on a flat view, cut it with tensor_split(n), reduce-scatter then all-gather the
     # Hint: chunks; op="avg" divides once at the end; the result must end up in `tensor` itself.

@@ -48,14 +48,11 @@ from minipar.data_parallel.naive import trainable
 
 
 def allreduce_gradients(params, group=None, all_reduce_fn=None) -> None:
-    """Average ``p.grad`` over the ranks of ``group`` for every trainable parameter, in place.
-
-    ``params``: an iterable of parameters (e.g. ``model.parameters()``). One all-reduce per
-    parameter, in order. ``all_reduce_fn(tensor, group)``, if given, must sum ``tensor`` in
-    place over ``group`` (e.g. your ``ring_all_reduce`` from exercise 01); the default is the
-    backend's recorded all-reduce. A parameter with no gradient on this rank takes part
-    with zeros (every rank must call the same all-reduces, in the same order).
-    """
+    """Average ``p.grad`` over ``group``, in place, with one all-reduce per trainable parameter
+    of ``params`` (e.g. ``model.parameters()``), in order. ``all_reduce_fn(tensor, group)``, if
+    given, must sum ``tensor`` in place (e.g. your ``ring_all_reduce`` from exercise 01); the
+    default is the backend's recorded all-reduce. A parameter with no gradient on this rank takes
+    part with zeros (every rank must call the same all-reduces, in the same order)."""
     # Hint: for p in trainable(params): zeros if p.grad is None, then comm.all_reduce(p.grad,
     # Hint: op="avg", group=group, name="grad_all_reduce"); all_reduce_fn sums: divide by n.
     raise NotImplementedError("Exercise 02 A: allreduce_gradients")
@@ -68,14 +65,10 @@ import torch
 
 
 def assign_buckets(params, bucket_cap_mb: float) -> list[list[torch.nn.Parameter]]:
-    """Group ``params`` into buckets, last parameter first.
-
-    Walk the parameters in reverse order and add each to the current bucket; start a new
-    bucket when adding it would take the bucket past ``bucket_cap_mb`` megabytes (2**20
-    bytes). A bucket always holds at least one parameter (a parameter larger than the cap
-    gets a bucket of its own; ``bucket_cap_mb=0`` gives one bucket per parameter). A change
-    of dtype also starts a new bucket, since a bucket is one flat tensor.
-    """
+    """Group ``params`` into buckets, last parameter first. A new bucket starts where the next
+    parameter would take the current one past ``bucket_cap_mb`` megabytes (2**20 bytes), or has
+    another dtype (a bucket is one flat tensor). A bucket holds at least one parameter: one
+    larger than the cap gets its own; ``bucket_cap_mb=0`` gives one bucket per parameter."""
     # Hint: walk reversed(list(params)); open a new bucket when the next parameter would take
     # Hint: it past bucket_cap_mb * 2**20 bytes, or has another dtype (a bucket is one tensor).
     raise NotImplementedError("Exercise 02 B: assign_buckets")

@@ -92,10 +92,9 @@ from minipar.tensor_parallel.ops import f, g, gather
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                            gather_output: bool = False, group=None) -> torch.Tensor:
-    """``f(x) A_iᵀ + b_i`` with this rank's rows of the weight (its output features).
-
-    ``weight`` is (out/t, in), ``bias`` (out/t,). Returns this rank's output features, or
-    all of them (all-gathered along the last dimension) with ``gather_output=True``."""
+    """``f(x) A_iᵀ + b_i`` with this rank's rows of the weight (its output features): ``weight``
+    is (out/t, in), ``bias`` (out/t,). Returns this rank's output features, or all of them
+    (all-gathered along the last dimension) with ``gather_output=True``."""
     # Hint: y = F.linear(f(x, group), weight, bias); with gather_output, gather(y, -1, group).
     raise NotImplementedError("Exercise 05 B: column_parallel_linear")
 

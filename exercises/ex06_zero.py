@@ -58,8 +58,7 @@ def sharded_step(flat_params, grad_shards, shards, optimizer, group=None) -> Non
     this rank's k reduced gradient elements; ``shards[u]``: the k-element leaf tensor the
     ``optimizer`` owns (a view of this rank's slice of ``flat_params[u]`` in fp32, or its
     fp32 master copy under mixed precision); ``flat_params[u]``: the unit's full flat
-    padded parameters (N·k), which afterwards hold every rank's updated shard.
-    """
+    padded parameters (N·k), which afterwards hold every rank's updated shard."""
     # Hint: set shards[u].grad (cast to the shard's dtype), step once, then all-gather each shard into flat_params[u].
     raise NotImplementedError("Exercise 06 B: sharded_step")
 

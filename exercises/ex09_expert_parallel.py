@@ -36,16 +36,14 @@ import torch
 
 
 def count_tokens(expert_of: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """``c[i]`` = number of entries of ``expert_of`` (flat assignments) equal to i, for
-    i = 0..n_experts-1 (int64, on ``expert_of``'s device)."""
+    """``c[i]`` = entries of ``expert_of`` (flat assignments) equal to i < n_experts (int64, same device)."""
     # Hint: torch.bincount with minlength, so that experts nobody chose still count 0.
     raise NotImplementedError("Exercise 09 A: count_tokens")
 
 
 def split_sizes(counts: torch.Tensor, rank: int, ep: int) -> tuple[list[int], list[int]]:
-    """``(send, recv)`` row counts per rank for ``all_to_all_single``, from the (ep × E)
-    matrix ``counts`` (row r: what rank r routes to each expert); rank j holds the E/ep
-    experts ``j·E/ep .. (j+1)·E/ep - 1``. Python ints."""
+    """``(send, recv)`` row counts per rank (Python ints) for ``all_to_all_single``, from the (ep × E)
+    matrix ``counts`` (row r: what rank r routes to each expert); rank j holds the j-th E/ep experts."""
     # Hint: view the matrix as (ep, ep, E/ep) (source rank, destination rank, local expert) and sum the last axis.
     raise NotImplementedError("Exercise 09 B: split_sizes")
 

@@ -37,8 +37,8 @@ from minipar.plan.models import ModelSpec
 
 
 def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch: int) -> dict[str, float]:
-    """Bytes on the busiest GPU: ``{"params", "grads", "optimizer", "activations",
-    "buffers", "total"}`` (formulas in the module docstring)."""
+    """Bytes on the busiest GPU: ``{"params", "grads", "optimizer", "activations", "buffers", "total"}``
+    (formulas in the module docstring)."""
     L = layout
     # Hint: model_state_bytes gives params/grads/optimizer; layer_activation_bytes one layer, one micro-batch.
     # Hint: the first stage holds peak_activations(schedule, pp, m, 0, v) / v micro-batches of ceil(l/pp) layers.

@@ -7,9 +7,8 @@ __all__ = ["launch", "device", "shutdown", "RankError", "LaunchTimeout", "grade"
 
 
 def __getattr__(name):
-    # minipar.grade("ex01"): the grading module is callable. Imported on first use, so that
-    # ``python -m minipar.grade`` does not find it already imported.
-    # minipar.exercise("ex02"): likewise (``python -m minipar.exercise --write``).
+    # minipar.grade("ex01") and minipar.exercise("ex02"): callable modules, imported on first use so
+    # that ``python -m minipar.grade`` (or ``-m minipar.exercise --write``) finds them not yet imported.
     if name in ("grade", "exercise"):
         import importlib
         return importlib.import_module(f"minipar.{name}")

@@ -26,7 +26,6 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
-    path = os.environ.get("MINIPAR_GRADE_REPORT")
-    if path:
+    if path := os.environ.get("MINIPAR_GRADE_REPORT"):
         with open(path, "w") as f:
             json.dump(list(_results.values()), f)

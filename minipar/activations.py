@@ -1,21 +1,18 @@
 """Activation memory: the bytes autograd keeps for the backward pass, measured one way.
 
-Every chapter counts activations with :class:`SavedActivations` (model parallelism's
-stages, tensor parallelism's blocks, ZeRO's runs). On a GPU one would read the
-allocator's peak; on any device (and to see exactly which tensors count) we hook autograd's
-saved tensors (``torch.autograd.graph.saved_tensors_hooks``): every tensor an operation
-stores for its backward passes through ``pack``. This is what Korthikanti et al. (2022,
-§4.1) call activation memory, the tensors held between forward and backward. The rules:
+Every chapter counts activations with :class:`SavedActivations` (model parallelism's stages,
+tensor parallelism's blocks, ZeRO's runs). Rather than read a GPU allocator's peak, it hooks
+autograd's saved tensors (``torch.autograd.graph.saved_tensors_hooks``: every tensor an
+operation stores for its backward passes through ``pack``), so it works on any device and shows
+which tensors count: what Korthikanti et al. (2022, §4.1) call activation memory, the tensors
+held between forward and backward, counted at the end of the forward, where they peak (the
+backward frees them as it goes). The rules:
 
 * a tensor counts ``numel · element_size`` bytes, once, however many operations save it
   (softmax's output, read again by ``att @ v``): it is keyed by (storage, offset, size, dtype);
-* the parameters to ``exclude`` (a module, or tensors) and every view of them are not
-  activations: they are matched by storage when they are saved, so a parameter whose
-  storage is gathered anew (ZeRO-3) is still recognised.
-
-It is the activation memory alive at the end of the forward, when it peaks; the backward
-frees it as it goes.
-"""
+* the parameters to ``exclude`` (a module, or tensors) and their views are not activations:
+  they are matched by storage when saved, so a parameter whose storage is gathered anew
+  (ZeRO-3) is still recognised."""
 from __future__ import annotations
 
 import torch

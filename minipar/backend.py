@@ -1,14 +1,10 @@
 """Where the ranks compute and how they talk: one decision, made once, before any process starts.
 
-Two backends matter for this course:
-
-* **Gloo** runs collectives on CPU tensors over TCP sockets. Any number of ranks can
-  share one machine, which is why the course runs on a laptop.
-* **NCCL** runs collectives on GPU tensors over NVLink/PCIe/InfiniBand. It needs one
-  GPU per rank: two ranks on one GPU are rejected by NCCL itself.
-
-:func:`place` turns ``(world_size, device, backend)`` and the GPUs of this machine into a
-:class:`Placement`, with a sentence saying why:
+Two backends matter here. **Gloo** runs collectives on CPU tensors over TCP sockets; any
+number of ranks can share one machine, which is why the course runs on a laptop. **NCCL** runs
+them on GPU tensors over NVLink/PCIe/InfiniBand and needs one GPU per rank (NCCL itself rejects
+two ranks on one GPU). :func:`place` turns ``(world_size, device, backend)`` and the GPUs of
+this machine into a :class:`Placement`, with a sentence saying why:
 
 =================  ==========================================================================
 GPUs visible       ``device="auto"`` gives
@@ -65,9 +61,7 @@ class Placement:
 
     def device_for_rank(self, local_rank: int) -> torch.device:
         """``cuda:(r % G)`` on GPUs, else the CPU."""
-        if self.device == "cuda":
-            return torch.device("cuda", local_rank % self.gpus)
-        return torch.device("cpu")
+        return torch.device("cuda", local_rank % self.gpus) if self.device == "cuda" else torch.device("cpu")
 
 
 def place(world_size: int, device: str = "auto", backend: str = "auto",
@@ -79,9 +73,8 @@ def place(world_size: int, device: str = "auto", backend: str = "auto",
         raise BackendError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if device not in DEVICES:
         raise BackendError(f"device must be one of {DEVICES}, got {device!r}")
-    simulated = gpus is not None
     g = gpu_count() if gpus is None else int(gpus)
-    nccl_ok = simulated or torch.distributed.is_nccl_available()
+    nccl_ok = gpus is not None or torch.distributed.is_nccl_available()  # simulated: has NCCL
     n = world_size
     if device == "cpu" or (device == "auto" and backend == "gloo"):
         if backend == "nccl":
@@ -93,32 +86,26 @@ def place(world_size: int, device: str = "auto", backend: str = "auto",
             raise BackendError("backend='nccl' was requested but this PyTorch build has no NCCL "
                                "(a CPU-only build?). Use backend='gloo' or 'auto'.")
         if g < n:
-            raise BackendError(
-                f"backend='nccl' needs one GPU per rank: {n} ranks requested but "
-                f"{g} GPU(s) visible. NCCL cannot put two ranks on one GPU. Use fewer ranks, "
-                f"or backend='auto' (ranks share the GPUs over Gloo) / device='cpu'.")
+            raise BackendError(f"backend='nccl' needs one GPU per rank: {n} ranks requested but {g} GPU(s) "
+                               "visible. NCCL cannot put two ranks on one GPU. Use fewer ranks, or "
+                               "backend='auto' (ranks share the GPUs over Gloo) / device='cpu'.")
     if g == 0:
         if device == "cuda":
-            raise BackendError(
-                "device='cuda' was requested but no CUDA GPU is visible"
-                f"{' (this PyTorch is a CPU-only build)' if not torch.backends.cuda.is_built() else ''}."
-                " Use device='auto' or 'cpu', or run on a machine with a GPU (on Colab: Runtime >"
-                " Change runtime type > GPU).")
+            cpu_only = "" if torch.backends.cuda.is_built() else " (this PyTorch is a CPU-only build)"
+            raise BackendError(f"device='cuda' was requested but no CUDA GPU is visible{cpu_only}. Use "
+                               "device='auto' or 'cpu', or run on a machine with a GPU (on Colab: "
+                               "Runtime > Change runtime type > GPU).")
         return Placement(n, "gloo", "cpu", 0, "Gloo on CPU (no CUDA GPU visible)")
-    if g >= n and backend != "gloo":
-        if nccl_ok:
-            return Placement(n, "nccl", "cuda", n,
-                             f"NCCL with one GPU per rank ({_plural(g, 'GPU')} >= {_plural(n, 'rank')})")
+    if g >= n and backend != "gloo" and nccl_ok:
+        return Placement(n, "nccl", "cuda", n,
+                         f"NCCL with one GPU per rank ({_plural(g, 'GPU')} >= {_plural(n, 'rank')})")
+    if g >= n:  # backend="gloo" with device="cuda", or no NCCL in this PyTorch
+        why = "asked for" if backend == "gloo" else "this PyTorch has no NCCL"
         return Placement(n, "gloo", "cuda", n,
-                         f"one GPU per rank, communication over Gloo through host memory "
-                         f"(this PyTorch has no NCCL)")
-    used = min(g, n)
-    if g >= n:  # backend="gloo" with device="cuda"
-        return Placement(n, "gloo", "cuda", used,
-                         f"one GPU per rank, communication over Gloo through host memory (asked for)")
-    where = "cuda:0" if used == 1 else f"cuda:(rank % {used})"
-    return Placement(n, "gloo", "cuda", used,
-                     f"{_plural(n, 'rank')} share {_plural(used, 'GPU')}: compute on {where}, "
+                         f"one GPU per rank, communication over Gloo through host memory ({why})")
+    where = "cuda:0" if g == 1 else f"cuda:(rank % {g})"
+    return Placement(n, "gloo", "cuda", g,
+                     f"{_plural(n, 'rank')} share {_plural(g, 'GPU')}: compute on {where}, "
                      f"communication over Gloo through host memory (correct, not NCCL's speed)")
 
 
@@ -143,9 +130,7 @@ def process_group_backend(backend: str) -> str:
 
 def device_for_rank(backend: str, local_rank: int) -> torch.device:
     """The device a rank computes on: its own GPU under NCCL, the CPU under Gloo."""
-    if backend == "nccl":
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
 
 def device() -> torch.device:
@@ -178,20 +163,16 @@ def describe_machine(world_sizes=(2, 4)) -> list[tuple[str, str]]:
         rows += [(f"cuda:{i}", torch.cuda.get_device_name(i)) for i in range(g)]
     rows += [("Gloo available", str(dist.is_gloo_available())),
              ("NCCL available", str(dist.is_nccl_available()))]
-    for n in world_sizes:
-        rows.append((f"{_plural(n, 'rank')}", place(n).reason))
-    return rows
+    return rows + [(_plural(n, "rank"), place(n).reason) for n in world_sizes]
 
 
 def summary(world_sizes=(2, 4, 8)) -> str:
     """A few lines for a notebook's setup cell: torch, the GPUs, and each world size's placement."""
-    g = gpu_count()
+    g, gpus = gpu_count(), "no GPU"
     if g:
         names = sorted({torch.cuda.get_device_name(i) for i in range(g)})
         mem = torch.cuda.get_device_properties(0).total_memory / 2**30
         gpus = f"{_plural(g, 'GPU')} ({', '.join(names)}, {mem:.0f} GiB)"
-    else:
-        gpus = "no GPU"
     lines = [f"minipar on torch {torch.__version__}, {os.cpu_count()} CPU cores, {gpus}"]
     lines += [f"  {_plural(n, 'rank')}: {place(n).reason}" for n in world_sizes]
     return "\n".join(lines)

@@ -1,15 +1,13 @@
 """The course on Colab and Kaggle: the repository's address, named here once, and what every
 notebook's first cells carry because of it.
 
-* :data:`REPOSITORY` is where the course lives; the setup cell clones it (the environment
-  variable ``MINIPAR_REPO`` overrides it, e.g. for a fork) and the "Open in Colab" links
-  point into it.
-* :func:`setup_cell` is the first code cell of every notebook, verbatim: on a machine that
-  has minipar it does nothing but say what it found; on Colab or Kaggle it installs the
-  course and keeps the runtime's own torch (a CUDA build matched to its driver).
-* :func:`badge` is the "Open in Colab" link a notebook's first (markdown) cell starts with.
-
-``tests/test_colab.py`` checks every notebook against these.
+* :data:`REPOSITORY` is where the course lives: the setup cell clones it (``MINIPAR_REPO``
+  overrides it, e.g. for a fork) and the "Open in Colab" links point into it.
+* :func:`setup_cell` is every notebook's first code cell, verbatim: where minipar is installed
+  it only says what it found; on Colab or Kaggle it installs the course and keeps the runtime's
+  own torch (a CUDA build matched to its driver).
+* :func:`badge` is the "Open in Colab" link a notebook's first (markdown) cell starts with;
+  ``tests/test_colab.py`` checks every notebook against these.
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """Data for the course: a small real corpus, a synthetic one, and deterministic batches.
 
-* :func:`corpus` — public-domain English verse and prose shipped with the package
-  (Shakespeare's sonnets and soliloquies, Lincoln's Gettysburg Address), read at the
-  character level by :class:`CharTokenizer`.
-* :func:`synthetic_tokens` — a deterministic Markov chain over a small vocabulary: a
-  learnable sequence of any length, without a file.
-* :func:`get_batch` — batch ``step`` of a run is a pure function of ``(seed, step)``, so a
-  single process and any number of ranks draw exactly the same global batch.
+* :func:`corpus` — public-domain English verse and prose shipped with the package (Shakespeare's
+  sonnets and soliloquies, Lincoln's Gettysburg Address), read per character by :class:`CharTokenizer`.
+* :func:`synthetic_tokens` — a learnable sequence of any length, without a file.
+* :func:`get_batch` — batch ``step`` of a run is a pure function of ``(seed, step)``, so a single
+  process and any number of ranks draw exactly the same global batch.
 * :func:`shard` — the slice of a global batch that one data-parallel rank sees.
 """
 from __future__ import annotations
@@ -48,8 +46,7 @@ def corpus_tokens() -> tuple[torch.Tensor, CharTokenizer]:
 
 def synthetic_tokens(n: int = 20_000, vocab_size: int = 32, seed: int = 0) -> torch.Tensor:
     """``n`` tokens from a fixed random Markov chain (each token has 3 likely successors)."""
-    g = torch.Generator().manual_seed(seed)
-    cpu = dict(generator=g, device="cpu")  # data are made on the CPU, identically everywhere
+    cpu = dict(generator=torch.Generator().manual_seed(seed), device="cpu")  # the same everywhere
     succ = torch.randint(0, vocab_size, (vocab_size, 3), **cpu)
     out = torch.empty(n, dtype=torch.long, device="cpu")
     out[0] = 0
@@ -82,22 +79,16 @@ def batches(tokens: torch.Tensor, steps: int, batch_size: int, block_size: int,
 def regression_batches(steps: int, batch_size: int, d_in: int = 16, d_out: int = 4,
                        seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Batches of a fixed random nonlinear map ``y = tanh(x W1) W2`` plus noise (for the MLP)."""
-    g = torch.Generator().manual_seed(seed)
-    cpu = dict(generator=g, device="cpu")  # data are made on the CPU, identically everywhere
+    cpu = dict(generator=torch.Generator().manual_seed(seed), device="cpu")  # the same everywhere
     w1, w2 = torch.randn(d_in, 32, **cpu), torch.randn(32, d_out, **cpu) / 4
-    out = []
-    for _ in range(steps):
-        x = torch.randn(batch_size, d_in, **cpu)
-        out.append((x, torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(batch_size, d_out, **cpu)))
-    return out
+    xs = (torch.randn(batch_size, d_in, **cpu) for _ in range(steps))  # drawn one by one, with the noise
+    return [(x, torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(batch_size, d_out, **cpu)) for x in xs]
 
 
 def shard(t: torch.Tensor, rank: int, world_size: int, dim: int = 0) -> torch.Tensor:
     """Rank ``rank``'s contiguous slice of ``t`` along ``dim`` (which ``world_size`` must divide).
-
-    Concatenating the shards of all ranks in rank order gives ``t`` back, so the ranks
-    together see exactly the single-process batch.
-    """
+    The shards of all ranks in rank order concatenate to ``t``: together the ranks see exactly
+    the single-process batch."""
     if t.shape[dim] % world_size:
         raise ValueError(f"size {t.shape[dim]} along dim {dim} is not divisible by {world_size} ranks")
     return t.chunk(world_size, dim)[rank]

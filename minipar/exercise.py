@@ -10,18 +10,15 @@ a function or method (optional hint lines right after the opening marker)::
         ...the library's code...
         # <<< ex02 B
 
-``python -m minipar.exercise --write`` generates, for every exercise, ``exercises/exNN_topic.py``
-(each marked region replaced by its hints and ``raise NotImplementedError("Exercise NN B:
-assign_buckets")``) and ``solutions/exNN_topic.py`` (the marked code kept); ``--check`` fails
-when the committed files differ from what it would write. ``topic`` and the files' docstring
-come from the graded tests, ``tests/graded/test_exNN_topic.py`` (:mod:`minipar.exercise_files`).
+``python -m minipar.exercise --write`` generates ``exercises/exNN_topic.py`` (each region
+replaced by its hints and a ``raise NotImplementedError``) and ``solutions/exNN_topic.py`` (the
+marked code kept); ``--check`` fails on a stale file (:mod:`minipar.exercise_files`).
 
 ``with minipar.exercise("ex02"):`` (or ``target="solution"`` / ``"library"``) makes every
-marked function and method of the library run the learner's version for the duration, in
-this process and in every rank :func:`minipar.launch` starts inside the block: the library
-function's code is swapped for a two-line trampoline into the learner's function, so every
-caller (and every reference to the function, wherever it is held) runs the learner's code.
-"""
+marked function and method of the library run that version for the duration, in this process
+and in every rank :func:`minipar.launch` starts inside the block: the library function's code
+is swapped for a two-line trampoline into the learner's function, so every caller (and every
+reference to the function, wherever it is held) runs the learner's code."""
 from __future__ import annotations
 
 import ast
@@ -33,6 +30,7 @@ import tokenize
 import types
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from itertools import takewhile
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
@@ -72,23 +70,16 @@ class Piece:
 
 def _regions(path: Path, lines: list[str]) -> list[Region]:
     with tokenize.open(path) as f:
-        comments = [(t.start[0] - 1, t.string) for t in tokenize.generate_tokens(f.readline)
-                    if t.type == tokenize.COMMENT]
+        marks = [(t.start[0] - 1, m) for t in tokenize.generate_tokens(f.readline)
+                 if t.type == tokenize.COMMENT and (m := _MARK.match(t.string))]
     out, open_ = [], None
-    for i, text in comments:
-        m = _MARK.match(text)
-        if not m:
-            continue
+    for i, m in marks:
         where = f"{path.relative_to(ROOT)}:{i + 1}"
         if m[1] == ">>>":
             if open_:
                 raise SyntaxError(f"{where}: marker opened inside {open_.exercise} {open_.part}")
-            indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
-            open_ = Region(m[2], m[3] or "", i, -1, indent, [])
-            j = i + 1
-            while j < len(lines) and _HINT.match(lines[j]):
-                open_.hints.append(lines[j].rstrip())
-                j += 1
+            hints = [h.rstrip() for h in takewhile(_HINT.match, lines[i + 1:])]
+            open_ = Region(m[2], m[3] or "", i, -1, re.match(r"\s*", lines[i])[0], hints)
         else:
             if not open_ or (open_.exercise, open_.part) != (m[2], m[3] or ""):
                 raise SyntaxError(f"{where}: closing marker without its opening one")
@@ -113,10 +104,7 @@ def _pieces_of(path: Path) -> list[Piece]:
     text = path.read_text()
     if ">>>" not in text:
         return []
-    lines = text.splitlines()
-    regions = _regions(path, lines)
-    if not regions:
-        return []
+    regions = _regions(path, text.splitlines())
     module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
     pieces = []
     for qualname, node, classes in _defs(ast.parse(text).body):
@@ -126,9 +114,8 @@ def _pieces_of(path: Path) -> list[Piece]:
         if inside:
             last = max([node.end_lineno - 1] + [r.end for r in inside])
             pieces.append(Piece(module, path, qualname, first, last, classes, inside))
-    placed = {id(r) for p in pieces for r in p.regions}
     for r in regions:
-        if id(r) not in placed:
+        if not any(r in p.regions for p in pieces):
             raise SyntaxError(f"{path.relative_to(ROOT)}:{r.start + 1}: a marked region must sit "
                               "inside the body of a function or method")
     return pieces
@@ -180,10 +167,8 @@ def _get(obj, qualname: str):
     property and ``functools.wraps`` decorators unwrapped)."""
     for name in qualname.split("."):
         obj = vars(obj)[name] if isinstance(obj, type) else getattr(obj, name)
-    if isinstance(obj, (staticmethod, classmethod)):
-        obj = obj.__func__
-    elif isinstance(obj, property):
-        obj = obj.fget
+    if isinstance(obj, (staticmethod, classmethod, property)):
+        obj = obj.fget if isinstance(obj, property) else obj.__func__
     return inspect.unwrap(obj)
 
 
@@ -254,11 +239,9 @@ class Activation:
         while self._saved:
             lib, code, qualname, before = self._saved.pop()
             lib.__code__ = code
-            slot = lib.__globals__[_SLOT]
-            if before is None:
-                del slot[qualname]
-            else:
-                slot[qualname] = before
+            lib.__globals__[_SLOT].pop(qualname)
+            if before is not None:   # an enclosing activation's function
+                lib.__globals__[_SLOT][qualname] = before
         _active.remove((self.exercise, self.target))
         return False
 

@@ -2,13 +2,11 @@
 
 ``python -m minipar.exercise --write`` (or ``--check``). For every exercise (see
 :mod:`minipar.exercise`), both files hold, module by module, the library's functions and
-methods that contain the exercise's marked regions, whole, each under a comment naming the
-module it belongs to and with the imports its code needs; a method comes inside its class,
-which holds only the marked methods. In the exercise file each region is replaced by its
-hint lines and ``raise NotImplementedError("Exercise NN X: qualname")``; in the solution
-file it is the library's code. The docstring of both files is that of
-``tests/graded/test_exNN_topic.py``, written for the learner.
-"""
+methods that contain the exercise's marked regions, whole, under a comment naming their module
+and with the imports their code needs; a method comes inside its class, which holds only the
+marked methods. In the exercise file each region is replaced by its hint lines and
+``raise NotImplementedError("Exercise NN X: qualname")``; in the solution file it is the
+library's code. Both files' docstring is that of ``tests/graded/test_exNN_topic.py``."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +15,7 @@ import builtins
 import importlib
 import importlib.util
 import textwrap
+from itertools import groupby
 from pathlib import Path
 
 from .exercise import GRADED, ROOT, Piece, exercises, key, pieces, stem
@@ -30,9 +29,7 @@ def _body(p: Piece, exercise: str, solution: bool) -> list[str]:
     out, i = [], p.first
     for r in sorted(p.regions, key=lambda r: r.start):
         out += lines[i:r.start]
-        if r.exercise != exercise:        # another exercise's region: the library's code
-            out += lines[r.start + 1 + len(r.hints):r.end]
-        elif solution:
+        if solution or r.exercise != exercise:   # a solution, or another exercise's region: the code
             out += lines[r.start + 1 + len(r.hints):r.end]
         else:
             out += r.hints + [f'{r.indent}raise NotImplementedError("{r.label()}: {p.qualname}")']
@@ -74,10 +71,9 @@ def _section(module: str, group: list[Piece], exercise: str, solution: bool,
     chunks, full = [], []
     classes: list = []                    # the class headers already open in this section
     for p in group:
-        depth = len(p.classes)
-        common = 0
-        while common < min(depth, len(classes)) and classes[common] is p.classes[common]:
-            common += 1
+        depth = len(p.classes)     # keep the open classes that also enclose p, close the others
+        common = next((i for i, (a, b) in enumerate(zip(classes, p.classes)) if a is not b),
+                      min(depth, len(classes)))
         classes = classes[:common]
         for c in p.classes[common:]:
             pad = "    " * len(classes)
@@ -86,14 +82,12 @@ def _section(module: str, group: list[Piece], exercise: str, solution: bool,
             doc = textwrap.wrap(f"Only the marked methods of ``{module}.{qual}``; the rest of the "
                                 "class is the library's.", 92 - len(pad))
             doc[0], doc[-1] = '"""' + doc[0], doc[-1] + '"""'
-            chunks += ["", "", f"{pad}class {c.name}({bases}):" if bases else f"{pad}class {c.name}:"]
-            chunks += [f"{pad}    {ln}" for ln in doc]
+            chunks += ["", "", f"{pad}class {c.name}({bases}):" if bases else f"{pad}class {c.name}:",
+                       *[f"{pad}    {ln}" for ln in doc]]
             classes.append(c)
-        body = textwrap.dedent("\n".join(_body(p, exercise, solution)))
+        body = textwrap.dedent("\n".join(_body(p, exercise, solution))).splitlines()
         full.append(textwrap.dedent("\n".join(_body(p, exercise, True))))
-        pad = "    " * depth
-        chunks += ["", ""] if not depth else [""]
-        chunks += [pad + ln if ln else "" for ln in body.splitlines()]
+        chunks += [""] * (1 if depth else 2) + ["    " * depth + ln if ln else "" for ln in body]
     head = ["", "", BANNER, f"# from {p.path.relative_to(ROOT)}: these run as module {module}'s own", BANNER]
     return head + _imports(module, "\n".join(full), defined) + chunks
 
@@ -116,13 +110,8 @@ def render(exercise: str, solution: bool) -> str:
              f'# {how} `with minipar.exercise("{k}"{target}):`',
              "# runs the library with the functions below in place of its own (in every rank too).",
              "from __future__ import annotations"]
-    i = 0
-    while i < len(marked):                # consecutive pieces of one module form a section
-        j = i
-        while j < len(marked) and marked[j].module == marked[i].module:
-            j += 1
-        lines += _section(marked[i].module, marked[i:j], k, solution, defined)
-        i = j
+    for module, group in groupby(marked, key=lambda p: p.module):  # consecutive pieces of a module
+        lines += _section(module, list(group), k, solution, defined)
     lines += ["", "", f"if __name__ == \"__main__\":  # python {'solutions' if solution else 'exercises'}/"
               f"{stem(k)}.py grades this file", "    import minipar", f'    minipar.grade("{k}"{target})']
     return "\n".join(lines) + "\n"
@@ -155,6 +144,5 @@ def main(argv=None) -> int:
             stale.append(path)
             if a.write:
                 path.write_text(text)
-    for path in stale:
-        print(f"{'wrote' if a.write else 'differs from the generator'}: {path.relative_to(ROOT)}")
+            print(f"{'wrote' if a.write else 'differs from the generator'}: {path.relative_to(ROOT)}")
     return 1 if problems or (stale and a.check) else 0

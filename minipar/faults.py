@@ -1,22 +1,20 @@
 """What a training loop needs to survive faults: exit codes, preemption signals, one agreed
 verdict per step, and a snapshot to undo a step whose loss is not finite.
 
-* **Preemption.** A scheduler asks a job to stop with a signal before it kills it (Slurm:
-  ``SIGTERM`` at preemption, ``--signal=USR1@120`` before the time limit). :class:`StopSignals`
-  turns ``SIGTERM`` and ``SIGUSR1`` into a flag; the loop finishes the step in flight,
-  checkpoints and exits with :data:`EXIT_PREEMPTED`.
-* **Agreement.** Signals reach ranks at different moments and a NaN may appear on one rank
-  only, yet every rank must stop (or skip) at the same step, or the next collective hangs.
-  :func:`agree` all-gathers each rank's ``(loss, stop requested)``: one tiny collective per step.
-* **Non-finite loss.** :class:`Snapshot` keeps a copy of this rank's parameters and optimizer
-  state, so a step whose loss is NaN or Inf can be undone (skipped) instead of poisoning
-  AdamW's moments for good.
+* **Preemption.** A scheduler signals a job before it kills it (Slurm: ``SIGTERM`` at
+  preemption, ``--signal=USR1@120`` before the time limit). :class:`StopSignals` turns
+  ``SIGTERM``/``SIGUSR1`` into a flag; the loop finishes the step in flight, checkpoints and
+  exits with :data:`EXIT_PREEMPTED`.
+* **Agreement.** A signal reaches the ranks at different moments and a NaN may appear on one
+  rank only, yet every rank must stop (or skip) at the same step, or the next collective hangs:
+  :func:`agree` all-gathers each rank's ``(loss, stop requested)``, one tiny collective a step.
+* **Non-finite loss.** :class:`Snapshot` copies this rank's parameters and optimizer state, so
+  a step whose loss is NaN or Inf can be undone instead of poisoning AdamW's moments for good.
 
-Exit codes of ``python -m minipar.train`` (each rank's under ``torchrun``):
-0 done; 1 an error; 2 bad configuration or checkpoint, before training;
-:data:`EXIT_NONFINITE` (3) stopped at a NaN/Inf loss; :data:`EXIT_PREEMPTED` (75,
-``EX_TEMPFAIL``: try again) stopped by a signal after checkpointing; ``124`` a rank made no
-progress for the hang timeout (:mod:`minipar.flight`).
+Exit codes of ``python -m minipar.train`` (each rank's under ``torchrun``): 0 done; 1 an
+error; 2 bad configuration or checkpoint, before training; :data:`EXIT_NONFINITE` (3) a
+NaN/Inf loss; :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: try again) stopped by a signal
+after checkpointing; ``124`` no progress for the hang timeout (:mod:`minipar.flight`).
 """
 from __future__ import annotations
 
@@ -41,15 +39,13 @@ class StopSignals:
     instead of ending the process (the previous handlers come back on exit)."""
 
     def __init__(self, signals=STOP_SIGNALS):
-        self.signals, self.requested, self.received = signals, False, None
-        self._before = {}
+        self.signals, self.requested, self.received, self._before = signals, False, None, {}
 
     def _handle(self, signum, frame) -> None:
         self.requested, self.received = True, signal.Signals(signum).name
 
     def __enter__(self):
-        for s in self.signals:
-            self._before[s] = signal.signal(s, self._handle)
+        self._before.update({s: signal.signal(s, self._handle) for s in self.signals})
         return self
 
     def __exit__(self, *exc):
@@ -91,8 +87,7 @@ class Snapshot:
     after a skipped step: :meth:`take` before the step, :meth:`restore` to undo it."""
 
     def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
-        self.inner = getattr(optimizer, "optim", optimizer)
+        self.model, self.optimizer, self.inner = model, optimizer, getattr(optimizer, "optim", optimizer)
 
     def _pieces(self):
         from .checkpoint import local_pieces

@@ -2,17 +2,16 @@
 a run hangs (in the spirit of PyTorch's NCCL flight recorder).
 
 Every communication :mod:`minipar.comm` starts is noted in a small ring: the operation
-(``all_reduce``, ``send``...), its name, the group's mesh dimension (``dp``, ``tp``, ...) and
-the **sequence number** of the operation on that group, when it started and, once waited
-for, when it ended. It costs a counter and a dict per operation and keeps the last
-:data:`RING` entries, so it is always on.
+(``all_reduce``, ``send``...), its name, the group's mesh dimension (``dp``, ``tp``, ...), the
+**sequence number** of the operation on that group, when it started and, once waited for, when
+it ended. A counter and a dict per operation, the last :data:`RING` kept: it is always on.
 
-A hang leaves a signature in those records. When one rank is stuck *before* a collective,
-its peers wait *inside* it: they have started operation ``N`` on the group, the stuck rank
-finished ``N - 1`` and never started ``N``. :class:`Watchdog` is a thread that notices that
-its rank has made no progress (no operation started or finished, no :func:`beat`) for
-``timeout`` seconds once armed (:func:`arm`), shares its last record with the other ranks
-through the rendezvous store, prints every rank's last record and ends the process with :data:`EXIT_HUNG`.
+A hang leaves a signature in those records. When one rank is stuck *before* a collective, its
+peers wait *inside* it: they started operation ``N`` on the group, the stuck rank finished
+``N - 1`` and never started ``N``. :class:`Watchdog` is a thread that notices when its rank
+made no progress (no operation started or finished, no :func:`beat`) for ``timeout`` seconds
+once armed (:func:`arm`); it shares its last record with the other ranks through the
+rendezvous store, prints every rank's last record and ends the process with :data:`EXIT_HUNG`.
 """
 from __future__ import annotations
 
@@ -91,9 +90,7 @@ def describe(entry: dict | None, now: float | None = None) -> str:
 
 def _summary(rank: int, now: float) -> dict:
     last = _ring[-1] if _ring else None
-    per_group = {}
-    for e in _ring:
-        per_group[e["dim"]] = e
+    per_group = {e["dim"]: e for e in _ring}  # the last entry of each group
     where = ", ".join(f"{d or 'unnamed'} seq {e['seq']} {'waiting' if e['end'] is None else 'finished'}"
                       for d, e in per_group.items())
     return {"rank": rank, "line": describe(last, now) + (f"; last on each group: {where}" if where else "")}
@@ -104,8 +101,7 @@ def _share(summary: dict, grace: float) -> list[dict]:
     store is unreachable or a rank does not answer within ``grace`` seconds)."""
     import torch.distributed as dist
     try:
-        store = dist.distributed_c10d._get_default_store()
-        world = dist.get_world_size()
+        store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
     except Exception:  # noqa: BLE001 - no process group: report this rank alone
         return [summary]
     prefix = f"minipar/flight/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
@@ -141,8 +137,7 @@ class Watchdog:
 
     def __init__(self, timeout: float, rank: int = 0, exit_code: int = EXIT_HUNG, log=None):
         self.timeout, self.rank, self.exit_code, self.log = timeout, rank, exit_code, log
-        self._stop = threading.Event()
-        self._thread = None
+        self._stop, self._thread = threading.Event(), None
 
     def __enter__(self):
         beat()

@@ -1,16 +1,15 @@
 """What a GPU run measures, in one place: the allocator's peak memory and true elapsed time.
 
-* **Memory.** ``with gpu.peak_memory() as m: step()`` resets the CUDA caching allocator's
-  peak counter (``torch.cuda.reset_peak_memory_stats``) and reads
-  ``torch.cuda.max_memory_allocated`` after the block: ``m.bytes`` is the most memory the
-  block's tensors held at once on this rank's GPU (``None`` on the CPU, where minipar counts
-  tensors itself, e.g. :func:`minipar.zero.model_state_bytes`). It is larger than a tensor
-  count by the allocator's rounding (blocks of 512 B, segments of 2 MiB), the workspaces of
-  cuBLAS/cuDNN and the activations autograd saves; ``m.reserved`` adds what the allocator keeps
-  cached. The CUDA context itself (a few hundred MiB) is in neither.
-* **Time.** CUDA kernels run asynchronously and NCCL returns before its transfer is done, so
-  a host clock read right after a call measures the queueing. :func:`synchronize` waits for
-  the device first; :func:`elapsed` times a block with CUDA events on GPUs (host clock on CPUs).
+* **Memory.** ``with gpu.peak_memory() as m: step()`` resets the CUDA caching allocator's peak counter
+  (``torch.cuda.reset_peak_memory_stats``) and reads ``torch.cuda.max_memory_allocated`` after the
+  block: ``m.bytes`` is the most memory the block's tensors held at once on this rank's GPU (``None``
+  on the CPU, where minipar counts tensors itself, e.g. :func:`minipar.zero.model_state_bytes`). It
+  exceeds a tensor count by the allocator's rounding (blocks of 512 B, segments of 2 MiB), the
+  workspaces of cuBLAS/cuDNN and the activations autograd saves; ``m.reserved`` adds what the
+  allocator keeps cached. The CUDA context itself (a few hundred MiB) is in neither.
+* **Time.** CUDA kernels run asynchronously and NCCL returns before its transfer is done, so a
+  host clock read right after a call measures the queueing. :func:`synchronize` waits for the
+  device first; :func:`elapsed` times a block with CUDA events on GPUs (host clock on CPUs).
 """
 from __future__ import annotations
 
@@ -29,10 +28,8 @@ def _cuda(device=None) -> torch.device | None:
 
 
 def synchronize(device=None) -> None:
-    """Wait until ``device`` (default: this rank's, :func:`minipar.device`) finished its work;
-    nothing on the CPU."""
-    d = _cuda(device)
-    if d is not None:
+    """Wait until ``device`` (default: :func:`minipar.device`) finished its work; nothing on the CPU."""
+    if (d := _cuda(device)) is not None:
         torch.cuda.synchronize(d)
 
 
@@ -58,8 +55,7 @@ def peak_memory(device=None):
     finally:
         if d is not None:
             torch.cuda.synchronize(d)
-            out.bytes = torch.cuda.max_memory_allocated(d)
-            out.reserved = torch.cuda.max_memory_reserved(d)
+            out.bytes, out.reserved = torch.cuda.max_memory_allocated(d), torch.cuda.max_memory_reserved(d)
 
 
 @dataclass
@@ -71,32 +67,28 @@ class Elapsed:
 def elapsed(device=None):
     """``with elapsed() as t: ...`` then ``t.seconds``: CUDA-event time on a GPU (the device's
     own clock, from the first kernel queued to the last finished), host time on the CPU."""
-    d = _cuda(device)
-    out = Elapsed()
-    if d is None:
-        t = time.perf_counter()
-        try:
-            yield out
-        finally:
-            out.seconds = time.perf_counter() - t
-        return
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(torch.cuda.current_stream(d))
+    d, out = _cuda(device), Elapsed()
+    if d is not None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(d))
+    t = time.perf_counter()
     try:
         yield out
     finally:
-        end.record(torch.cuda.current_stream(d))
-        end.synchronize()
-        out.seconds = start.elapsed_time(end) / 1e3
+        if d is None:
+            out.seconds = time.perf_counter() - t
+        else:
+            end.record(torch.cuda.current_stream(d))
+            end.synchronize()
+            out.seconds = start.elapsed_time(end) / 1e3
 
 
 def model_size(device=None) -> str:
     """``"gpu"`` or ``"cpu"``: which of a chapter's model sizes to use (see :data:`SIZES`)."""
-    d = torch.device(device) if device is not None else None
-    if d is None:
+    if device is None:
         from .backend import default_device, gpu_count
         return "gpu" if default_device() != "cpu" and gpu_count() else "cpu"
-    return "gpu" if d.type == "cuda" else "cpu"
+    return "gpu" if torch.device(device).type == "cuda" else "cpu"
 
 
 SIZES = {

@@ -3,8 +3,7 @@
 Runs the exercise's graded tests (``tests/graded/test_ex01_*.py``) against your file in
 ``exercises/`` (or ``--solution``: against ``solutions/``) in a fresh pytest process, then
 prints one line per test, a hint for each failure, and the score. The same tests check
-the library and the solutions in CI.
-"""
+the library and the solutions in CI."""
 from __future__ import annotations
 
 import argparse
@@ -18,8 +17,7 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-GRADED = ROOT / "tests" / "graded"
+from .exercise import GRADED, ROOT  # the repository, and its graded tests
 
 
 @dataclass
@@ -44,9 +42,8 @@ class Report:
             title = t["doc"].splitlines()[0] if t["doc"] else t["name"]
             lines.append(f"  {'PASS' if ok else 'FAIL'}  {t['name']}: {title}")
             if not ok:
-                lines.append("        " + _short_error(t["error"] or t["outcome"]))
-                hint = [ln.strip() for ln in t["doc"].splitlines() if ln.strip().startswith("Hint:")]
-                lines += [f"        {h}" for h in hint]
+                hints = [ln.strip() for ln in t["doc"].splitlines() if ln.strip().startswith("Hint:")]
+                lines += ["        " + h for h in [_short_error(t["error"] or t["outcome"]), *hints]]
         lines.append(f"score: {self.passed}/{len(self.tests)} ({100 * self.score:.0f}%)")
         return "\n".join(lines)
 
@@ -65,8 +62,7 @@ def exercises() -> list[str]:
 
 
 def test_file(exercise: str) -> Path:
-    key = exercise.split("_")[0]
-    found = sorted(GRADED.glob(f"test_{key}_*.py"))
+    found = sorted(GRADED.glob(f"test_{exercise.split('_')[0]}_*.py"))
     if not found:
         raise ValueError(f"no graded exercise {exercise!r}; known: {', '.join(exercises())}")
     return found[0]

@@ -1,30 +1,26 @@
 """Run one Python function on several ranks: ``minipar.launch(fn, world_size)``.
 
 Each rank is a process with the default process group initialised and a device to compute
-on (:func:`minipar.device`): NCCL with one GPU per rank when there are enough GPUs, ranks
-sharing the GPUs over Gloo when there are fewer, Gloo on the CPU without GPUs (see
-:func:`minipar.backend.place`; the choice is printed once, with its reason). ``fn(*args)``
-runs on every rank and ``launch`` returns the list of return values in rank order (tensors
-moved to the CPU), with the ranks' event traces as ``results.trace``.
-
-How it works, and why:
+on (:func:`minipar.device`), placed by :func:`minipar.backend.place`: NCCL with one GPU per
+rank, ranks sharing the GPUs over Gloo, or Gloo on the CPU (printed once, with its reason).
+``launch`` returns ``fn(*args)`` of every rank in rank order (tensors moved to the CPU), with
+the ranks' event traces as ``results.trace``. How it works, and why:
 
 * ``fn`` is serialised **by value** with cloudpickle, so a function defined in a notebook
   cell works (the plain ``spawn`` start method would look for it in ``__main__`` and fail).
 * Ranks live in a **pool** of worker processes forked from a forkserver that has already
-  imported torch. The first launch pays for that import once; later launches reuse the
-  warm workers and cost a rendezvous. A worker is never reused after a failure, and the
-  pool restarts by itself when a source file the workers imported has changed (so an
-  edited exercise is picked up). ``reuse=False`` gives fresh processes every time.
-* The rendezvous is a ``TCPStore`` served by the launching process on a socket bound to
-  127.0.0.1 and a free port chosen by the OS; Gloo is told to use the loopback device.
-* A rank that runs out of GPU memory is reported like any raising rank, with the
-  allocator's figures and what to try instead.
-* A rank that raises makes ``launch`` raise :class:`RankError` with that rank's traceback
-  within a second; the other ranks are killed and the next launch starts clean. A run that
-  exceeds ``timeout`` raises :class:`LaunchTimeout` naming the ranks still running.
-* Under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) ``launch`` runs ``fn``
-  in the current process instead, so the same script scales to several nodes.
+  imported torch: the first launch pays for that import, later ones cost a rendezvous. A
+  worker is never reused after a failure, and the pool restarts when a source file the
+  workers imported has changed (so an edited exercise is picked up); ``reuse=False`` gives
+  fresh processes every time.
+* The rendezvous is a ``TCPStore`` served by the launching process on 127.0.0.1, on a port
+  the OS chooses; Gloo is told to use the loopback device.
+* A rank that raises (or runs out of GPU memory: then with the allocator's figures and what
+  to try) makes ``launch`` raise :class:`RankError` with its traceback within a second; the
+  other ranks are killed and the next launch starts clean. A run that exceeds ``timeout``
+  raises :class:`LaunchTimeout` naming the ranks still running.
+* Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) ``launch`` runs ``fn`` in this process
+  instead, so the same script scales to several nodes.
 """
 from __future__ import annotations
 
@@ -63,9 +59,8 @@ class RankError(RuntimeError):
         if note:
             msg += ["", note.rstrip()]
         lost = [r for r, tb in sorted(self.others.items()) if _is_peer_error(tb)]
-        for r, tb in sorted(self.others.items()):
-            if r not in lost:
-                msg.append(f"(rank {r} also failed: {tb.strip().splitlines()[-1][:160]})")
+        msg += [f"(rank {r} also failed: {tb.strip().splitlines()[-1][:160]})"
+                for r, tb in sorted(self.others.items()) if r not in lost]
         if lost:
             msg.append(f"(rank(s) {lost} then failed too: they lost their connection to rank {rank})")
         msg.append("The other ranks were stopped.")
@@ -77,10 +72,9 @@ class LaunchTimeout(TimeoutError):
 
     def __init__(self, timeout: float, running: list[int], world_size: int):
         self.running = running
-        super().__init__(
-            f"timed out after {timeout:g} s: rank(s) {running} of {world_size} still running. "
-            "A collective that not every rank calls, or a send without its matching recv, "
-            "is the usual cause. All ranks were stopped.")
+        super().__init__(f"timed out after {timeout:g} s: rank(s) {running} of {world_size} still running. "
+                         "A collective that not every rank calls, or a send without its matching recv, "
+                         "is the usual cause. All ranks were stopped.")
 
 
 class Results(list):
@@ -92,20 +86,18 @@ class Results(list):
     placement: object = None
 
 
-# ------------------------------------------------------------------------- launch
 def launch(fn, world_size: int, *, device: str | None = None, backend: str = "auto", args=(),
            kwargs=None, timeout: float = 120.0, threads: int = 1, reuse: bool = True,
            grace: float = 1.0) -> Results:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
 
-    ``device``: ``"auto"`` (NCCL with one GPU per rank when there are enough GPUs; ranks
-    sharing the GPUs over Gloo when there are fewer; the CPU without GPUs), ``"cpu"`` or
-    ``"cuda"``; the default is ``"auto"`` unless ``MINIPAR_DEVICE`` says otherwise. Inside a
-    rank :func:`minipar.device` is where to compute. ``backend``: ``"auto"``, ``"gloo"``
-    (with ``device="auto"``: the CPU) or ``"nccl"``. The choice and its reason are printed once.
-    ``timeout``: seconds before the whole run is stopped. ``threads``: torch intra-op threads
-    per rank (1 avoids oversubscribing a laptop). ``reuse``: run in the warm pool of ranks
-    (fast) or in fresh processes.
+    ``device``: ``"auto"`` (NCCL with one GPU per rank when there are enough GPUs, ranks sharing
+    the GPUs over Gloo when there are fewer, else the CPU), ``"cpu"`` or ``"cuda"``; the default
+    is ``"auto"`` unless ``MINIPAR_DEVICE`` says otherwise. Inside a rank :func:`minipar.device`
+    is where to compute. ``backend``: ``"auto"``, ``"gloo"`` (with ``device="auto"``: the CPU) or
+    ``"nccl"``; the choice and its reason are printed once. ``timeout``: seconds before the whole
+    run is stopped. ``threads``: torch intra-op threads per rank (1 avoids oversubscribing a
+    laptop). ``reuse``: run in the warm pool of ranks (fast) or in fresh processes.
     """
     if os.environ.get(IN_RANK):
         raise RuntimeError("minipar.launch was called inside a rank; call it from the driver")
@@ -119,19 +111,17 @@ def launch(fn, world_size: int, *, device: str | None = None, backend: str = "au
         _announced.add(placement.reason)
         print(f"minipar.launch: {placement.reason}")
     payload = cloudpickle.dumps((fn, tuple(args), kwargs or {}))
-    sources = cell_sources()
     pool = get_pool(world_size, reuse)
-
     store, port = serve_store(world_size, timeout)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
            "LOCAL_WORLD_SIZE": str(world_size)}
     if loopback():
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = loopback()
+    ex = sys.modules.get("minipar.exercise")  # the exercises active here: the ranks activate them too
     job = {"payload": payload, "port": port, "backend": placement.backend, "world_size": world_size,
            "devices": [str(placement.device_for_rank(r)) for r in range(world_size)],
            "timeout": timeout, "threads": threads, "sys_path": list(sys.path), "env": env,
-           "sources": sources, "t0": time.perf_counter(), "exercises": _exercises()}
-    t_start = time.perf_counter()
+           "exercises": ex.active() if ex else [], "sources": cell_sources(), "t0": time.perf_counter()}
     try:
         replies = _collect(pool, job, world_size, timeout, grace)
     except BaseException:
@@ -139,37 +129,28 @@ def launch(fn, world_size: int, *, device: str | None = None, backend: str = "au
         raise
     finally:
         del store  # closes the listening socket
-    _show_output([r[4] for r in replies])
+    for r, reply in enumerate(replies):
+        pool.files.update(reply[3])  # the source files this rank imported
+        for line in reply[4].splitlines():  # what it printed, each line prefixed with its rank
+            print(f"[rank {r}] {line}")
     results = Results(cloudpickle.loads(r[1]) for r in replies)
     results.trace = _trace.Trace([r[2] for r in replies])
-    results.backend, results.seconds = placement.backend, time.perf_counter() - t_start
-    results.placement = placement
-    for r in replies:
-        pool.files.update(r[3])
+    results.backend, results.placement = placement.backend, placement
+    results.seconds = time.perf_counter() - job["t0"]
     if not reuse:
         shutdown()
     return results
-
-
-def _exercises() -> list:
-    """The exercises active here (``with minipar.exercise(...)``): the ranks activate them too."""
-    ex = sys.modules.get("minipar.exercise")
-    return ex.active() if ex else []
 
 
 def _collect(pool: Pool, job: dict, n: int, timeout: float, grace: float) -> list:
     for conn in pool.conns[:n]:
         conn.send(job)
     replies, errors, printed, notes = [None] * n, {}, {}, {}
-    pending = set(range(n))
-    deadline = time.monotonic() + timeout
-    err_deadline = None
+    pending, deadline, err_deadline = set(range(n)), time.monotonic() + timeout, None
     while pending:
-        limit = deadline if err_deadline is None else min(deadline, err_deadline)
-        remaining = limit - time.monotonic()
-        handles = {pool.conns[r]: r for r in pending}
-        handles.update({pool.procs[r].sentinel: r for r in pending})
-        ready = wait(list(handles), timeout=max(remaining, 0)) if remaining > 0 else []
+        remaining = min(deadline, err_deadline or deadline) - time.monotonic()
+        handles = {pool.conns[r]: r for r in pending} | {pool.procs[r].sentinel: r for r in pending}
+        ready = wait(list(handles), timeout=remaining) if remaining > 0 else []
         if not ready:
             if errors:
                 break
@@ -184,9 +165,8 @@ def _collect(pool: Pool, job: dict, n: int, timeout: float, grace: float) -> lis
                 msg = None
             if msg is None:
                 pool.procs[r].join(timeout=1)
-                code = pool.procs[r].exitcode
-                msg = ("error", f"rank {r} died without a result (exit code {code}; a negative "
-                                f"code is the signal that killed it, e.g. -9 out of memory)\n",
+                msg = ("error", f"rank {r} died without a result (exit code {pool.procs[r].exitcode}; "
+                                "a negative code is the signal that killed it, e.g. -9 out of memory)\n",
                        None, None, "")
             pending.discard(r)
             if msg[0] == "ok":
@@ -203,13 +183,6 @@ def _collect(pool: Pool, job: dict, n: int, timeout: float, grace: float) -> lis
     return replies
 
 
-def _show_output(texts: list[str]) -> None:
-    """Print what the ranks printed, each line prefixed with its rank, in rank order."""
-    for r, text in enumerate(texts):
-        for line in text.splitlines():
-            print(f"[rank {r}] {line}")
-
-
 _PEER_ERRORS = ("Connection closed by peer", "Connection reset", "Read error", "Broken pipe",
                 "Timed out", "pair.cc", "communicator was aborted")
 
@@ -223,9 +196,7 @@ def _root_cause(errors: dict[int, str]) -> int:
     """The failing rank to report: a rank's own exception first, then a rank that died,
     and only then a rank that merely lost its connection to a failed peer."""
     def kind(tb: str) -> int:
-        if "died without a result" in tb:
-            return 1
-        return 2 if _is_peer_error(tb) else 0
+        return 1 if "died without a result" in tb else 2 if _is_peer_error(tb) else 0
     return min(errors, key=lambda r: (kind(errors[r]), r))
 
 
@@ -251,10 +222,8 @@ def _launch_in_place(fn, world_size, device, backend, args, kwargs) -> Results:
     env_ws = int(os.environ["WORLD_SIZE"])
     if world_size not in (None, env_ws):
         raise ValueError(f"launch(world_size={world_size}) but torchrun started {env_ws} ranks")
-    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", env_ws))
-    placement = place(local_ws, device, backend)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    here = placement.device_for_rank(local_rank)
+    placement = place(int(os.environ.get("LOCAL_WORLD_SIZE", env_ws)), device, backend)
+    here = placement.device_for_rank(int(os.environ.get("LOCAL_RANK", 0)))
     os.environ[DEVICE_ENV] = str(here)
     _trace.synchronize_on(here)
     if here.type == "cuda":
@@ -269,8 +238,7 @@ def _launch_in_place(fn, world_size, device, backend, args, kwargs) -> Results:
     dist.all_gather_object(gathered, out)
     dist.all_gather_object(traces, _trace.events())
     results = Results(gathered)
-    results.trace = _trace.Trace(traces)
+    results.trace, results.placement = _trace.Trace(traces), placement
     results.backend = "nccl" if "nccl" in str(dist.get_backend()) else str(dist.get_backend())
     results.seconds = time.perf_counter() - t_start
-    results.placement = placement
     return results

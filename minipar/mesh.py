@@ -7,17 +7,13 @@ then pipeline stages (which need the least bandwidth, so they may cross nodes):
     rank = p · (dp · tp) + d · tp + t          (p, d, t) = the rank's coordinates
 
 Context parallelism (``cp``, :mod:`minipar.context_parallel`) sits between tp and dp, as in
-Megatron-LM: tp fastest, then cp, then dp, then pp,
-
-    rank = p · (dp · cp · tp) + d · (cp · tp) + c · tp + t
-
-(with cp = 1 this is the formula above). Gradients of replicated parameters are averaged
-over the combined ``dp_cp`` group (the ranks that differ only in d and c).
+Megatron-LM: rank = p · (dp · cp · tp) + d · (cp · tp) + c · tp + t (the formula above when
+cp = 1). Gradients of replicated parameters are averaged over the combined ``dp_cp`` group
+(the ranks that differ only in d and c).
 
 Every rank belongs to one group per dimension: the ranks that differ from it only in that
 coordinate. With dp=2, pp=2, tp=2 rank 5 = (p=1, d=0, t=1) has tp group [4, 5], dp group
-[5, 7] and pp group [1, 5].
-"""
+[5, 7] and pp group [1, 5]."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -56,12 +52,9 @@ def group_members(rank: int, dim: str, dp: int, pp: int, tp: int) -> list[int]:
 
 @dataclass
 class ProcessMesh:
-    """A dp × pp × tp layout of ``world_size`` ranks; :meth:`build` makes its groups.
-
-    Construct it in the driver to validate a configuration before any process starts
-    (``ProcessMesh(dp=2, pp=2, tp=2, world_size=8)``), then inside every rank call
-    :meth:`build` to create the process groups (all ranks must, in the same order).
-    """
+    """A dp × pp × tp layout of ``world_size`` ranks. Construct it in the driver to validate a
+    configuration before any process starts (``ProcessMesh(dp=2, pp=2, tp=2, world_size=8)``), then
+    inside every rank call :meth:`build` to create the process groups (all ranks must, in the same order)."""
 
     dp: int = 1
     pp: int = 1
@@ -90,10 +83,10 @@ class ProcessMesh:
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """``{"pp", "dp", "cp", "tp"}`` of global ``rank`` (tp fastest, then cp, dp, pp)."""
-        t, c = self.tp * self.cp, self.cp
-        out = mesh_coordinates(rank, self.dp, self.pp, t)    # cp·tp as one fast dimension
-        return {"pp": out["pp"], "dp": out["dp"], "cp": out["tp"] // self.tp, "tp": out["tp"] % self.tp} \
-            if c > 1 else {**out, "cp": 0}
+        out = mesh_coordinates(rank, self.dp, self.pp, self.tp * self.cp)  # cp·tp as one fast dimension
+        if self.cp == 1:
+            return {**out, "cp": 0}
+        return {"pp": out["pp"], "dp": out["dp"], "cp": out["tp"] // self.tp, "tp": out["tp"] % self.tp}
 
     def rank_of(self, coords: dict[str, int]) -> int:
         """The global rank at ``coords`` (the inverse of :meth:`coordinates`)."""
@@ -113,28 +106,19 @@ class ProcessMesh:
 
     def all_groups(self, dim: str) -> list[list[int]]:
         """Every group along ``dim``, each a list of global ranks, without repeats."""
-        seen, out = set(), []
-        for r in range(self.size):
-            g = tuple(self.members(r, dim))
-            if g not in seen:
-                seen.add(g)
-                out.append(list(g))
-        return out
+        return [list(g) for g in dict.fromkeys(tuple(self.members(r, dim)) for r in range(self.size))]
 
     def build(self) -> "ProcessMesh":
-        """Inside a rank: create this rank's dp, pp and tp process groups (and cp, dp_cp
-        when cp > 1)."""
+        """Inside a rank: create this rank's dp, pp and tp process groups (and cp, dp_cp when cp > 1)."""
         import torch.distributed as dist
 
         from .comm import name_group
         if dist.get_world_size() != self.size:
             raise ValueError(f"the mesh has {self.size} ranks but the job has {dist.get_world_size()}")
-        me = dist.get_rank()
-        dims = DIMS + (("cp", "dp_cp") if self.cp > 1 else ())
-        for dim in dims:
+        for dim in DIMS + (("cp", "dp_cp") if self.cp > 1 else ()):
             for ranks in self.all_groups(dim):  # every rank creates every group, same order
                 g = dist.new_group(ranks)
-                if me in ranks:
+                if dist.get_rank() in ranks:
                     self.groups[dim] = g
                     name_group(g, dim)  # its communication events are labelled dim
         if self.cp == 1:        # no cp groups (a None group would mean the world)

@@ -1,22 +1,14 @@
 """Naive model parallelism: a model too big for one device, cut by layers across ranks.
 
-Rank r holds stage r (some consecutive layers) and nothing else. One training step:
-
-1. forward: rank 0 runs its layers on the batch and sends the activation to rank 1,
-   which runs its layers and sends on ... the last rank computes the loss;
-2. backward: the last rank sends ``∂L/∂(its input)`` to the rank before it, which
-   continues the backward from there (:mod:`minipar.pipeline.stage_comm`), down to rank 0.
-
-The answer is exactly the single-process one; the price is time: only one rank works at
-any moment, so with n equal stages each rank idles a fraction (n-1)/n of the step. This
-idle timeline is what pipelining (micro-batches, :mod:`minipar.pipeline`) attacks.
-
-The classic example (the LSTM language models of Zaremba et al. 2014, GNMT): the embedding
-and the LSTM on one device, the large vocabulary head on the other (:func:`lstm_stages`).
-Memory: each rank stores only its own parameters, gradients, optimizer state and the
-activations its layers save for the backward (``measured["memory"]`` of :func:`train`).
-
-The API is every strategy's (:mod:`minipar.strategy`): :func:`check`, :func:`train`, :func:`run`.
+Rank r holds stage r (some consecutive layers) and nothing else. In forward each rank runs its
+layers and sends the activation to the next; the last computes the loss. In backward each rank
+sends ``∂L/∂(its input)`` to the one before (:mod:`minipar.pipeline.stage_comm`), down to rank 0.
+The answer is exactly the single-process one, but only one rank works at a time: with n equal
+stages each idles (n-1)/n of the step, which pipelining (:mod:`minipar.pipeline`) attacks. The
+classic example (the LSTM language models of Zaremba et al. 2014, GNMT): embedding and LSTM on
+one device, the large vocabulary head on the other (:func:`lstm_stages`). Each rank stores only
+its own parameters, gradients, optimizer state and saved activations (``measured["memory"]`` of
+:func:`train`). The API is every strategy's (:mod:`minipar.strategy`): check, train, run.
 """
 from __future__ import annotations
 
@@ -92,19 +84,18 @@ def check(model, batches, world_size: int, stages=None, **_) -> None:
     """Plain errors before launch: one stage per rank."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    parts = stages(model) if stages is not None else None
-    if parts is None and len(model.layers()) < world_size:
+    if stages is None and len(model.layers()) < world_size:
         raise ValueError(f"{len(model.layers())} layers cannot make {world_size} stages")
-    if parts is not None and len(parts) != world_size:
+    if stages is not None and len(parts := stages(model)) != world_size:
         raise ValueError(f"{len(parts)} stages for {world_size} ranks: one stage per rank")
 
 
 def train(model, batches, optimizer=None, group=None, stages=None, dtype=None) -> dict:
-    """Run on every rank of ``group``: train stage ``rank`` of ``model`` (every rank has the
-    same model). ``stages``: a function ``model -> [stage modules]``, one per rank (e.g.
-    :func:`lstm_stages`); default :func:`balanced_stages`. Returns ``losses`` (last rank),
-    this rank's ``params`` by model name, and ``measured``: ``memory`` (``params``, ``grads``,
-    ``optimizer``, ``activations`` bytes of this rank) and ``seconds`` of the last step."""
+    """Run on every rank of ``group``: train stage ``rank`` of ``model`` (the same on every rank).
+    ``stages``: a function ``model -> [stage modules]``, one per rank (e.g. :func:`lstm_stages`;
+    default :func:`balanced_stages`). Returns ``losses`` (last rank), this rank's ``params`` by
+    model name, and ``measured``: this rank's ``memory`` (``params``, ``grads``, ``optimizer``,
+    ``activations`` bytes) and the last step's ``seconds``."""
     parts = stages(model) if stages is not None else balanced_stages(model, group_size(group))
     if len(parts) != group_size(group):
         raise ValueError(f"{len(parts)} stages for {group_size(group)} ranks: one stage per rank")
@@ -120,9 +111,8 @@ def train(model, batches, optimizer=None, group=None, stages=None, dtype=None) -
             losses.append(mp.step(x, y))
         opt.step()
         seconds = time.perf_counter() - t0
-    memory = model_state_bytes(parts[rank], optimizer=opt)
-    memory = {"params": memory["params"], "grads": memory["grads"], "optimizer": memory["optimizer"],
-              "activations": saved.bytes}
+    state = model_state_bytes(parts[rank], optimizer=opt)
+    memory = {k: state[k] for k in ("params", "grads", "optimizer")} | {"activations": saved.bytes}
     return {"losses": losses if rank == len(parts) - 1 else None,
             "params": strategy.full_params(owned_parameters(model, {rank: parts[rank]}).items()),
             "measured": {"memory": memory, "seconds": seconds}}

@@ -1,12 +1,11 @@
 """The ranks' side of ``minipar.launch``: a pool of warm worker processes.
 
-Workers are forked from a forkserver that has already imported torch, so starting them
-costs a fork, not an interpreter and a torch import each. A worker loops: receive a job
-(the function, pickled by value with cloudpickle, and the rendezvous port), join the
-process group, run the function with its prints captured, send back the result, its
-trace and its imported source files, wait to be released, leave the group. The driver
-(:mod:`minipar.launch`) kills the whole pool after any failure and restarts it when a
-source file the workers imported has changed.
+Workers are forked from a forkserver that has already imported torch, so starting one costs
+a fork, not an interpreter and a torch import. A worker loops: receive a job (the function,
+pickled by value with cloudpickle, and the rendezvous port), join the process group, run the
+function with its prints captured, send back the result, its trace and its imported source
+files, wait to be released, leave the group. The driver (:mod:`minipar.launch`) kills the
+pool after any failure and restarts it when a source file the workers imported has changed.
 """
 from __future__ import annotations
 
@@ -90,8 +89,7 @@ def oom_report(rank: int, where: str) -> str:
 def log_peak_memory(rank: int, where: str) -> None:
     """Append this job's peak allocated GPU memory to ``$MINIPAR_MEMORY_LOG`` (one JSON line
     per rank and job; ``course.py test --gpu`` reports the peak per rank)."""
-    path = os.environ.get("MINIPAR_MEMORY_LOG")
-    if path:
+    if path := os.environ.get("MINIPAR_MEMORY_LOG"):
         import json
         with open(path, "a") as f:
             f.write(json.dumps({"rank": rank, "device": where,
@@ -101,12 +99,9 @@ def log_peak_memory(rank: int, where: str) -> None:
 def _user_files() -> dict[str, float]:
     """Source files this process imported from outside the Python installation."""
     roots = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
-    out = {}
-    for m in list(sys.modules.values()):
-        f = getattr(m, "__file__", None)
-        if f and f.endswith(".py") and not f.startswith(roots) and os.path.exists(f):
-            out[f] = os.stat(f).st_mtime
-    return out
+    files = (getattr(m, "__file__", None) for m in list(sys.modules.values()))
+    return {f: os.stat(f).st_mtime for f in files
+            if f and f.endswith(".py") and not f.startswith(roots) and os.path.exists(f)}
 
 
 def _exercises(job: dict):
@@ -165,8 +160,7 @@ def _worker(conn, rank: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C/interrupt is the driver's to handle
     while True:
         try:
-            job = conn.recv()
-            if job is None:
+            if (job := conn.recv()) is None:
                 os._exit(0)
             _run_job(job, rank, seed, conn)
         except (EOFError, OSError):
@@ -190,8 +184,7 @@ def _main_not_reimported():
 
 class Pool:
     def __init__(self):
-        methods = mp.get_all_start_methods()
-        self.ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+        self.ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
         if self.ctx.get_start_method() == "forkserver":
             # torch.optim imports torch._dynamo (~1 s): pay it once in the forkserver
             self.ctx.set_forkserver_preload(["minipar.pool", "torch.optim", "torch._dynamo"])
@@ -199,17 +192,14 @@ class Pool:
 
     def grow(self, n: int) -> None:
         with _main_not_reimported():
-            self._grow(n)
-
-    def _grow(self, n: int) -> None:
-        while len(self.procs) < n:
-            parent, child = self.ctx.Pipe()
-            p = self.ctx.Process(target=_worker, args=(child, len(self.procs)),
-                                 name=f"minipar-rank{len(self.procs)}")
-            p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
+            while len(self.procs) < n:
+                parent, child = self.ctx.Pipe()
+                p = self.ctx.Process(target=_worker, args=(child, len(self.procs)),
+                                     name=f"minipar-rank{len(self.procs)}")
+                p.start()
+                child.close()
+                self.procs.append(p)
+                self.conns.append(parent)
 
     def healthy(self) -> bool:
         if not all(p.is_alive() for p in self.procs):

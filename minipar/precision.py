@@ -1,11 +1,10 @@
 """Mixed precision, the one rule every strategy follows (Micikevicius et al. 2018).
 
-The parameters, their gradients and the optimizer state stay fp32 (the *master* copy);
-the forward and its loss compute in ``dtype`` under ``torch.autocast``: matrix multiplies
-in bf16, reductions such as softmax, layer norm and the loss in fp32. ``dtype=None`` (or
-``torch.float32``) is plain fp32. Every strategy's ``train(..., dtype=...)`` wraps its
-forward in :func:`autocast`, and the single-process reference does the same, so the two
-compare in the same precision.
+The parameters, their gradients and the optimizer state stay fp32 (the *master* copy); the
+forward and its loss compute in ``dtype`` under ``torch.autocast``: matrix multiplies in bf16,
+reductions such as softmax, layer norm and the loss in fp32. ``dtype=None`` (or ``torch.float32``)
+is plain fp32. Every strategy's ``train(..., dtype=...)`` and the single-process reference wrap
+their forward in :func:`autocast`, so the two compare in the same precision.
 """
 from __future__ import annotations
 
@@ -29,6 +28,4 @@ def resolve(dtype) -> torch.dtype | None:
 def autocast(dtype, device: torch.device | str = "cpu"):
     """The context a forward runs in: ``torch.autocast(device.type, dtype)``, or nothing for fp32."""
     dtype = resolve(dtype)
-    if dtype is None:
-        return nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=dtype)
+    return nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)

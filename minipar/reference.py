@@ -1,13 +1,15 @@
-"""The single-process run that every strategy must reproduce.
+"""The single-process run that every strategy must reproduce: :func:`train_reference`.
 
-``train_reference(model, batches, make_optimizer)`` trains ``model`` on ``batches`` in one
-process and returns the loss of every step and the final parameters. Equivalence tests
-run a strategy on the same model (same seed), the same global batches and the same
-optimizer, then compare with :func:`assert_same_training`.
+Equivalence tests run a strategy on the same model (same seed), the same global batches and the
+same optimizer as ``train_reference(model, batches, make_optimizer)``, then compare the two with
+:func:`assert_same_training`.
 """
 from __future__ import annotations
 
 import torch
+
+from . import precision
+from .backend import device
 
 
 def sgd(lr: float = 0.1):
@@ -24,10 +26,7 @@ def train_reference(model: torch.nn.Module, batches, make_optimizer=None, dtype=
     ``{"losses": [...], "params": {name: tensor}}``. ``dtype`` (e.g. ``torch.bfloat16``):
     mixed precision, the forward and loss under :func:`minipar.precision.autocast`, fp32
     parameters, gradients and optimizer state, as every strategy's ``train(dtype=...)``."""
-    from . import precision
     precision.resolve(dtype)
-    make_optimizer = make_optimizer or sgd()
-    from .backend import device
     here = device()  # the CPU, or the GPU the ranks compute on (MINIPAR_DEVICE=cuda)
     moved = here.type != "cpu"
     if moved:  # a copy on that device: the caller's CPU model is left as it was
@@ -36,7 +35,7 @@ def train_reference(model: torch.nn.Module, batches, make_optimizer=None, dtype=
         batches = [tuple(t.to(here) for t in b) for b in batches]
         from .pool import deterministic_cuda
         deterministic_cuda()  # fp32 as the ranks compute it: no TF32
-    opt = make_optimizer(model.parameters())
+    opt = (make_optimizer or sgd())(model.parameters())
     losses = []
     for x, y in batches:
         opt.zero_grad(set_to_none=True)
@@ -57,7 +56,6 @@ DEVICE_TOLERANCE = {"cpu": (0.0, 0.0), "cuda": (1e-4, 1e-5)}
 def assert_same_training(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     """Losses at every step and every final parameter equal within ``rtol``/``atol`` (fp32),
     or within :data:`DEVICE_TOLERANCE` of the device the run computed on, if that is larger."""
-    from .backend import device
     floor = DEVICE_TOLERANCE.get(device().type, (0.0, 0.0))
     rtol, atol = max(rtol, floor[0]), max(atol, floor[1])
     gl, wl = torch.tensor(got["losses"], device="cpu"), torch.tensor(want["losses"], device="cpu")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import suppress
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -21,10 +22,9 @@ def free_port() -> int:
 
 def serve_store(world_size: int, timeout: float):
     """The rendezvous store, served here on a socket bound to 127.0.0.1 only, and its port.
-
-    TCPStore's libuv server (the default since torch 2.4) refuses a listening socket handed
-    to it on some releases ("does not support initialization with an listen fd"); the
-    classic server accepts one, so that one is used where libuv refuses (decided once)."""
+    TCPStore's libuv server (the default since torch 2.4) refuses a listening socket handed to
+    it on some releases ("does not support initialization with an listen fd"); the classic
+    server accepts one, so that one is used where libuv refuses (decided once)."""
     global _libuv_takes_fd
     for use_libuv in ((True, False) if _libuv_takes_fd else (False,)):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -37,10 +37,8 @@ def serve_store(world_size: int, timeout: float):
                                  master_listen_fd=fd, timeout=timedelta(seconds=timeout),
                                  use_libuv=use_libuv), port
         except (NotImplementedError, RuntimeError) as e:
-            try:
+            with suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
             if not use_libuv or "listen fd" not in str(e):
                 raise
             _libuv_takes_fd = False  # torch < 2.9 or so: the classic server from now on

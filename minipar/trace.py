@@ -1,28 +1,19 @@
 """Per-rank event traces: what each rank computed, communicated, and when.
 
-Every rank keeps a list of events in its own process. An event is a dict::
+Every rank keeps its events in its own process, each a dict::
 
     {"rank": 0, "kind": "compute" | "comm", "name": "forward", "start": 0.012, "end": 0.034,
      "bytes_sent": 0, "bytes_recv": 0, "labels": {"layer": 3, "microbatch": 1}}
 
-Times are seconds since :func:`start`, which every rank calls right after a barrier, so
-the ranks share one time axis. Idle time is not recorded: it is the time in a rank's
-span covered by no event (see :meth:`Trace.summary`).
-
-Communication events carry ``labels["dim"]``, the mesh dimension of the group they ran
-on ("dp", "tp", "pp", ...; see :func:`minipar.comm.name_group`), so bytes add up by
-dimension without reading event names (:func:`bytes_by_dim`). To read what one step
-recorded: ``m = trace.mark()``, run the step, ``trace.since(m)``.
-
-``minipar.launch`` starts the recorder in every rank and brings the events back as
-``results.trace``, a :class:`Trace` that :mod:`minipar.viz` draws.
-
-The recorder is bounded, so a long run's memory stays flat: it keeps the last
-:data:`LIMIT` events (a ring; :func:`set_limit` changes it, :func:`dropped` counts what
-fell out), and ``with trace.recording(False): ...`` (or ``recording()`` inside a
-``recording(False)`` run) records only where asked. ``python -m minipar.train`` records
-nothing.
-"""
+Times are seconds since :func:`start`, which every rank calls right after a barrier, so the
+ranks share one time axis. Idle time is not recorded: it is the part of a rank's span that no
+event covers (:meth:`Trace.summary`). Communication events carry ``labels["dim"]``, the mesh
+dimension of their group ("dp", "tp", "pp", ...; :func:`minipar.comm.name_group`), so bytes
+add up by dimension without reading event names (:func:`bytes_by_dim`). One step's events:
+``m = trace.mark()``, run the step, ``trace.since(m)``. ``minipar.launch`` starts the recorder
+in every rank and returns the events as ``results.trace``, a :class:`Trace` for :mod:`minipar.viz`.
+The recorder keeps a ring of the last :data:`LIMIT` events, so a long run's memory stays flat
+(:func:`set_limit`, :func:`dropped`, :func:`recording`); ``python -m minipar.train`` records nothing."""
 from __future__ import annotations
 
 import time
@@ -52,14 +43,10 @@ def start(rank: int = 0, barrier: bool = True) -> None:
     global _t0, _rank, _recorded
     import torch.distributed as dist
     _events.clear()
-    _recorded = 0
-    _rank = rank
-    if _origin is not None:
-        _t0 = _origin
-        return
-    if barrier and dist.is_initialized():
+    _recorded, _rank = 0, rank
+    if _origin is None and barrier and dist.is_initialized():
         dist.barrier()
-    _t0 = time.perf_counter()
+    _t0 = time.perf_counter() if _origin is None else _origin
 
 
 def now() -> float:
@@ -80,8 +67,7 @@ def record(kind: str, name: str, start: float, end: float, bytes_sent: int = 0,
     if _enabled:
         _recorded += 1
         _events.append({"rank": _rank, "kind": kind, "name": name, "start": start, "end": end,
-                        "bytes_sent": int(bytes_sent), "bytes_recv": int(bytes_recv),
-                        "labels": labels})
+                        "bytes_sent": int(bytes_sent), "bytes_recv": int(bytes_recv), "labels": labels})
         if _limit is not None and len(_events) > _limit + _limit // 8:
             del _events[:len(_events) - _limit]  # drop the oldest, an eighth at a time
 
@@ -128,7 +114,7 @@ def region(name: str, kind: str = "compute", **labels):
 
 
 def _no_sync() -> None:
-    pass
+    """On the CPU a region waits for nothing (:func:`synchronize_on` sets the GPU's wait)."""
 
 
 _sync = _no_sync
@@ -188,16 +174,10 @@ def backward(loss, **labels) -> None:
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
+    total, reached = 0.0, float("-inf")
+    for s, e in sorted(intervals):  # by start: add what each interval covers beyond the last end
+        if e > reached:
+            total, reached = total + e - max(s, reached), e
     return total
 
 
@@ -234,30 +214,23 @@ class Trace:
 
     def bytes_sent(self, rank: int, name: str | None = None) -> int:
         """Bytes rank ``rank`` sent (optionally in operations called ``name`` only)."""
-        return sum(e["bytes_sent"] for e in self.ranks[rank]
-                   if name is None or e["name"] == name)
+        return sum(e["bytes_sent"] for e in self.ranks[rank] if name is None or e["name"] == name)
 
     def summary(self) -> list[dict]:
-        """Per rank: span, compute, comm, idle seconds and bytes sent/received.
-
-        ``compute`` and ``comm`` are the lengths of the union of their events (nested
-        regions are not counted twice); ``overlap`` is time covered by both (communication
-        hidden behind compute); ``idle = span - |compute ∪ comm|``.
-        """
-        rows = []
+        """Per rank: span, compute, comm, idle seconds and bytes sent/received. ``compute`` and ``comm``
+        are the lengths of the union of their events (nested regions count once); ``overlap`` is
+        time covered by both (communication hidden behind compute); ``idle = span - |compute ∪ comm|``."""
         spans = [(e["start"], e["end"]) for evs in self.ranks for e in evs]
-        t_begin = min((s for s, _ in spans), default=0.0)
-        t_end = max((e for _, e in spans), default=0.0)
+        span = max((e for _, e in spans), default=0.0) - min((s for s, _ in spans), default=0.0)
+        rows = []
         for r, evs in enumerate(self.ranks):
             comp = [(e["start"], e["end"]) for e in evs if e["kind"] == "compute"]
             comm = [(e["start"], e["end"]) for e in evs if e["kind"] == "comm"]
             c, m, busy = _union_length(comp), _union_length(comm), _union_length(comp + comm)
-            rows.append({"rank": r, "span": t_end - t_begin, "compute": c, "comm": m,
-                         "overlap": c + m - busy, "idle": (t_end - t_begin) - busy,
-                         "bytes_sent": sum(e["bytes_sent"] for e in evs),
+            rows.append({"rank": r, "span": span, "compute": c, "comm": m, "overlap": c + m - busy,
+                         "idle": span - busy, "bytes_sent": sum(e["bytes_sent"] for e in evs),
                          "bytes_recv": sum(e["bytes_recv"] for e in evs)})
         return rows
 
     def __repr__(self) -> str:
-        n = sum(len(e) for e in self.ranks)
-        return f"Trace({self.world_size} ranks, {n} events)"
+        return f"Trace({self.world_size} ranks, {sum(len(e) for e in self.ranks)} events)"

@@ -9,23 +9,20 @@ in place when ``torchrun`` started the process::
     torchrun --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d --max-restarts 3 \\
              --rdzv_endpoint HOST:29500 -m minipar.train --dp 2 --pp 2 --tp 2   # each node
 
-Every rank builds its part of the model (:func:`minipar.hybrid.build`), draws the same
-global batch ``minipar.data.get_batch(tokens, step)`` for every step (the data position is
-the step number, nothing else) and calls ``train_step``. With ``--checkpoint-dir`` it saves
-a sharded checkpoint every ``--save-every`` steps and at the end (:mod:`minipar.checkpoint`)
-and **continues from the latest one by itself** (a job that ``torchrun --max-restarts``
-restarted after a rank died, or that Slurm requeued), on any mesh, with the losses the
-uninterrupted run would have had; ``--resume`` insists that there is one. Global rank 0
-shows a tqdm progress bar; ``--out`` writes the losses (``history``: every step's, across
-restarts).
+Every rank builds its part of the model (:func:`minipar.hybrid.build`) and calls ``train_step``
+on the global batch ``minipar.data.get_batch(tokens, step)`` (the data position is the step
+number, nothing else). With ``--checkpoint-dir`` it saves a sharded checkpoint
+(:mod:`minipar.checkpoint`) every ``--save-every`` steps and at the end, and **continues from the
+latest one by itself** (after a ``torchrun --max-restarts`` restart or a Slurm requeue), on any
+mesh, with the losses the uninterrupted run would have had; ``--resume`` insists on one. Rank 0
+shows a tqdm progress bar; ``--out`` writes the losses (``history``: every step's, across restarts).
 
-Faults (:mod:`minipar.faults`, :mod:`minipar.flight`): ``SIGTERM``/``SIGUSR1`` finish the
-step in flight, checkpoint and exit 75; a NaN/Inf loss stops at that step (exit 3, the last
-good checkpoint stays ``latest``) or, with ``--nonfinite skip``, undoes the step and counts
-it; a rank without progress for ``--hang-timeout`` seconds stops (exit 124) naming the
-collective every rank last started. The configuration and an existing checkpoint are
-checked before any process starts (a plain error, exit code 2). The trace recorder is off:
-memory stays flat over long runs.
+Faults (:mod:`minipar.faults`, :mod:`minipar.flight`): ``SIGTERM``/``SIGUSR1`` finish the step in
+flight, checkpoint and exit 75; a NaN/Inf loss stops at that step (exit 3, the last good
+checkpoint stays ``latest``) or, with ``--nonfinite skip``, undoes the step and counts it; a rank
+without progress for ``--hang-timeout`` seconds stops (exit 124) naming the collective every rank
+last started. The configuration and an existing checkpoint are checked before any process starts
+(a plain error, exit code 2). The trace recorder is off, so memory stays flat over long runs.
 """
 from __future__ import annotations
 
@@ -63,10 +60,8 @@ def parser() -> argparse.ArgumentParser:
     mesh.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
                       help="activation recomputation in every block")
     model = p.add_argument_group("model and data")
-    model.add_argument("--n-layer", type=int, default=2)
-    model.add_argument("--n-head", type=int, default=4)
-    model.add_argument("--n-embd", type=int, default=32)
-    model.add_argument("--block-size", type=int, default=32)
+    for flag, default in (("--n-layer", 2), ("--n-head", 4), ("--n-embd", 32), ("--block-size", 32)):
+        model.add_argument(flag, type=int, default=default)
     model.add_argument("--seed", type=int, default=0, help="model initialisation")
     model.add_argument("--data-seed", type=int, default=0, help="which batches")
     model.add_argument("--batch-size", type=int, default=8, help="global batch")
@@ -96,8 +91,7 @@ def parser() -> argparse.ArgumentParser:
 def gpt_config(args):
     from .data import corpus_tokens
     from .models.gpt import GPTConfig
-    vocab = corpus_tokens()[1].vocab_size
-    vocab = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    vocab = -(-corpus_tokens()[1].vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # rounded up
     return GPTConfig(vocab_size=vocab, block_size=args.block_size, n_layer=args.n_layer,
                      n_head=args.n_head, n_embd=args.n_embd)
 
@@ -132,9 +126,8 @@ def check_resume(args, config) -> dict | None:
         meta = verify(root)
     except CheckpointError as e:
         raise ValueError(f"cannot continue from the checkpoint: {e}") from None
-    extra, want = meta["extra"], asdict(config)
-    have = extra.get("config", {})
-    diff = [f"{k}={have.get(k)} (this run: {v})" for k, v in want.items() if have.get(k) != v]
+    extra, have = meta["extra"], meta["extra"].get("config", {})
+    diff = [f"{k}={have.get(k)} (this run: {v})" for k, v in asdict(config).items() if have.get(k) != v]
     if diff:
         raise ValueError(f"{root}/latest holds a checkpoint of another model configuration: "
                          f"{', '.join(diff)}; use another --checkpoint-dir or the same model")
@@ -145,8 +138,7 @@ def check_resume(args, config) -> dict | None:
 
 
 def check(args, world_size: int | None) -> None:
-    """Every problem with the arguments (and an existing checkpoint), as a ``ValueError``,
-    before any process starts."""
+    """Every problem with the arguments (and an existing checkpoint) as a ValueError, before launch."""
     from .hybrid import check as check_mesh
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir")
@@ -163,7 +155,8 @@ def check(args, world_size: int | None) -> None:
 
 def _stop_message(stopped: dict) -> str:
     if stopped["reason"] == "preempted":
-        saved = f"checkpoint {stopped['checkpoint']}" if stopped.get("checkpoint") else "no --checkpoint-dir: nothing saved"
+        saved = (f"checkpoint {stopped['checkpoint']}" if stopped.get("checkpoint")
+                 else "no --checkpoint-dir: nothing saved")
         return (f"stopped by {stopped['signal']} after step {stopped['step']} ({saved}); run the same "
                 f"command again to continue (exit code {EXIT_PREEMPTED})")
     ranks = stopped["ranks"]
@@ -204,10 +197,9 @@ def _train(args, signals) -> dict:
                              f"this run asks for {data_signature(args)}")
         start, resumed_from = meta["extra"]["next_step"], meta["mesh"]
         history = list(meta["extra"].get("losses", []))[:start]
-    rank0 = dist.get_rank() == 0
     tqdm.set_lock(threading.RLock())  # tqdm's default lock is a process-shared semaphore
     bar = tqdm(total=args.steps, initial=start, desc=f"dp={args.dp} pp={args.pp} tp={args.tp}",
-               unit="step", file=sys.__stderr__, disable=args.no_progress or not rank0,
+               unit="step", file=sys.__stderr__, disable=args.no_progress or dist.get_rank() != 0,
                mininterval=0.5)
     snapshot = Snapshot(model, model.optimizer) if args.nonfinite == "skip" else None
     every = max(1, args.steps // 10)
@@ -261,9 +253,8 @@ def main(argv=None) -> int:
         place(int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun else world, args.device)
     except ValueError as e:
         parser().error(str(e))  # exit code 2, before any process starts
-    from . import launch
     from . import train as this  # the workers import the rank function by name
-    from .launch import RankError
+    from .launch import RankError, launch
     before = {} if under_torchrun else forward_to_ranks(world)
     try:
         results = launch(this.rank_main, None if under_torchrun else world, device=args.device,
@@ -277,18 +268,16 @@ def main(argv=None) -> int:
     finally:
         for s, h in before.items():
             signal.signal(s, h)
-    code = 0
     if not under_torchrun or dist.get_rank() == 0:
         r = results[0]
         where = "torchrun" if under_torchrun else "minipar.launch"
         m = r["resumed_from"]
         came = f", resumed from a dp={m['dp']} pp={m['pp']} tp={m['tp']} checkpoint" if m else ""
         losses = f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}" if r["losses"] else "nothing to do"
-        last = r["first_step"] + len(r["losses"])
         skipped = f", skipped {len(r['skipped'])} non-finite step(s) {r['skipped']}" if r["skipped"] else ""
-        print(f"trained steps {r['first_step']}..{last} on dp={args.dp} pp={args.pp} tp={args.tp} "
-              f"({world} rank{'s' * (world > 1)}, {where}, {results.backend}{came}): {losses}{skipped} "
-              f"in {r['seconds']:.1f} s")
+        print(f"trained steps {r['first_step']}..{r['first_step'] + len(r['losses'])} on dp={args.dp} "
+              f"pp={args.pp} tp={args.tp} ({world} rank{'s' * (world > 1)}, {where}, {results.backend}"
+              f"{came}): {losses}{skipped} in {r['seconds']:.1f} s")
         if r["checkpoint"]:
             print(f"checkpoint: {r['checkpoint']}")
         if r["stopped"]:
@@ -299,8 +288,7 @@ def main(argv=None) -> int:
                                             "mesh": {"dp": args.dp, "pp": args.pp, "tp": args.tp},
                                             "launcher": where, "backend": results.backend}))
     stopped = results[0]["stopped"]
-    if stopped:
-        code = EXIT_PREEMPTED if stopped["reason"] == "preempted" else EXIT_NONFINITE
+    code = (EXIT_PREEMPTED if stopped["reason"] == "preempted" else EXIT_NONFINITE) if stopped else 0
     if under_torchrun:
         dist.destroy_process_group()
     return code

@@ -1,8 +1,7 @@
 """Plotly figures the chapters share: rank timelines, bandwidth, memory, loss curves.
 
-Every function returns a ``plotly.graph_objects.Figure`` (plain figures render in
-JupyterLab, Colab and headless runs alike; no widget needed).
-"""
+Every function returns a ``plotly.graph_objects.Figure`` (plain figures render in JupyterLab,
+Colab and headless runs alike; no widget needed)."""
 from __future__ import annotations
 
 import inspect
@@ -34,33 +33,27 @@ def timeline(trace: Trace, title: str = "What each rank did", color_by: str = "k
              unit: str = "ms", height: int | None = None) -> go.Figure:
     """One row per rank; bars for compute and communication, grey gaps for idle time.
 
-    Communication is drawn as thin bars behind compute, so a transfer in flight while the
-    rank computes (overlap) stays visible.
-    ``color_by="kind"`` colours compute blue and communication orange; ``color_by="name"``
-    (or a label such as ``"microbatch"``) gives each value its own colour. Hover a bar for
-    its labels, duration and bytes.
-    """
+    Communication is drawn as thin bars behind compute, so a transfer in flight while the rank computes
+    (overlap) stays visible. ``color_by="kind"`` colours compute blue and communication orange;
+    ``color_by="name"`` (or a label such as ``"microbatch"``) gives each value its own colour.
+    Hover a bar for its labels, duration and bytes."""
     scale = {"ms": 1e3, "s": 1.0}[unit]
     fig = go.Figure()
     rows = [f"rank {r}" for r in range(trace.world_size)]
-    summary = trace.summary()
     t0 = min((e["start"] for e in trace.events()), default=0.0)
     t1 = max((e["end"] for e in trace.events()), default=0.0)
     fig.add_bar(y=rows, x=[(t1 - t0) * scale] * len(rows), base=[0] * len(rows), orientation="h",
                 marker_color=COLORS["idle"], name="idle", hoverinfo="skip", width=0.7, legendrank=5000,
-                customdata=[s["idle"] for s in summary])
+                customdata=[s["idle"] for s in trace.summary()])
     groups: dict[str, list[dict]] = {}
     for e in trace.events():
         key = e["kind"] if color_by == "kind" else str(e["labels"].get(color_by, e["name"])
                                                         if color_by != "name" else e["name"])
         groups.setdefault(key, []).append(e)
     keys = sorted(groups)
-    color = {k: COLORS.get(k) if color_by == "kind" else _PALETTE[i % len(_PALETTE)]
-             for i, k in enumerate(keys)}
+    colours = {k: COLORS.get(k) if color_by == "kind" else color(i) for i, k in enumerate(keys)}
     shown = set()
-    # communication first, as thin bars; compute on top, full height: an asynchronous
-    # transfer still in flight shows *behind* the compute it overlaps
-    for is_comm, width in ((True, 0.3), (False, 0.7)):
+    for is_comm, width in ((True, 0.3), (False, 0.7)):  # communication first, thin, behind compute
         for key in keys:
             evs = [e for e in groups[key] if (e["kind"] == "comm") == is_comm]
             if not evs:
@@ -68,7 +61,7 @@ def timeline(trace: Trace, title: str = "What each rank did", color_by: str = "k
             fig.add_bar(y=[f"rank {e['rank']}" for e in evs],
                         x=[(e["end"] - e["start"]) * scale for e in evs],
                         base=[(e["start"] - t0) * scale for e in evs], orientation="h", width=width,
-                        marker_color=color[key], marker_line_width=0.5, marker_line_color="white",
+                        marker_color=colours[key], marker_line_width=0.5, marker_line_color="white",
                         name=key, legendgroup=key, showlegend=key not in shown,
                         legendrank=1000 + keys.index(key) if is_comm else 10 + keys.index(key),
                         hovertext=[_label(e) for e in evs], hoverinfo="text")
@@ -95,16 +88,12 @@ def summary_bars(trace: Trace, title: str = "Where the time went") -> go.Figure:
 
 def bandwidth(sizes: list[float], series: dict[str, list[float]], title: str = "Bandwidth",
               model: dict[str, list[float]] | None = None, ylabel: str = "time (ms)") -> go.Figure:
-    """Measured curves (markers) and model curves (dashed) against message size, log-log.
-
-    The i-th model curve takes the colour of the i-th measured one."""
+    """Measured curves (markers) and model curves (dashed) against message size, log-log;
+    the i-th model curve takes the colour of the i-th measured one."""
     fig = go.Figure()
-    for i, (name, ys) in enumerate(series.items()):
-        fig.add_scatter(x=sizes, y=ys, mode="lines+markers", name=name,
-                        line_color=_PALETTE[i % len(_PALETTE)])
-    for i, (name, ys) in enumerate((model or {}).items()):
-        fig.add_scatter(x=sizes, y=ys, mode="lines", line_dash="dash", name=name,
-                        line_color=_PALETTE[i % len(_PALETTE)])
+    for curves, mode, dash in ((series, "lines+markers", None), (model or {}, "lines", "dash")):
+        for i, (name, ys) in enumerate(curves.items()):
+            fig.add_scatter(x=sizes, y=ys, mode=mode, line_dash=dash, name=name, line_color=color(i))
     fig.update_layout(title=title, xaxis_title="message size (bytes)", yaxis_title=ylabel,
                       xaxis_type="log", yaxis_type="log")
     return fig
@@ -117,9 +106,8 @@ def memory(per_rank: list[dict[str, float]], title: str = "Memory per rank",
     div = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
     ranks = [f"rank {r}" for r in range(len(per_rank))]
     fig = go.Figure()
-    keys = list(dict.fromkeys(k for d in per_rank for k in d))
-    for k in keys:
-        fig.add_bar(x=ranks, y=[d.get(k, 0) / div for d in per_rank], name=k)
+    for key in dict.fromkeys(k for d in per_rank for k in d):  # components in order of appearance
+        fig.add_bar(x=ranks, y=[d.get(key, 0) / div for d in per_rank], name=key)
     if theory is not None:
         fig.add_scatter(x=ranks, y=[t / div for t in theory], mode="markers", name="theory",
                         marker=dict(symbol="line-ew-open", size=40, color="black", line_width=3))
@@ -132,44 +120,36 @@ def loss_curves(curves: dict[str, list[float]], title: str = "Training loss",
     """Loss against step (or against ``x[name]``, e.g. wall time) for each named run."""
     fig = go.Figure()
     for name, ys in curves.items():
-        xs = (x or {}).get(name, list(range(len(ys))))
-        fig.add_scatter(x=xs, y=ys, mode="lines", name=name)
+        fig.add_scatter(x=(x or {}).get(name, list(range(len(ys)))), y=ys, mode="lines", name=name)
     fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title="loss")
     return fig
 
 
 def collective_diagram(op: str, n: int = 4) -> go.Figure:
-    """Before/after picture of a collective on ``n`` ranks: rank rows, chunk columns.
-
-    Each cell names what a rank holds in that chunk: ``a2`` is rank a's chunk 2, ``Σ2`` the
-    sum of everyone's chunk 2; blank cells hold nothing that matters.
-    """
+    """Before/after picture of a collective on ``n`` ranks: rank rows, chunk columns. Each cell
+    names what a rank holds in that chunk: ``a2`` is rank a's chunk 2, ``Σ2`` the sum of everyone's
+    chunk 2; blank cells hold nothing that matters."""
     from plotly.subplots import make_subplots
-    letters = "abcdefgh"[:n]
-    before = [[f"{letters[r]}{c}" for c in range(n)] for r in range(n)]
-    if op == "broadcast":
-        before = [[f"a{c}" if r == 0 else "" for c in range(n)] for r in range(n)]
-        after = [[f"a{c}" for c in range(n)] for _ in range(n)]
-    elif op == "reduce":
-        after = [[f"Σ{c}" if r == 0 else "" for c in range(n)] for r in range(n)]
-    elif op == "all_reduce":
-        after = [[f"Σ{c}" for c in range(n)] for _ in range(n)]
-    elif op == "reduce_scatter":
-        after = [[f"Σ{c}" if c == r else "" for c in range(n)] for r in range(n)]
-    elif op == "all_gather":
-        before = [[f"{letters[r]}{c}" if c == r else "" for c in range(n)] for r in range(n)]
-        after = [[f"{letters[c]}{c}" for c in range(n)] for _ in range(n)]
-    elif op == "scatter":
-        before = [[f"a{c}" if r == 0 else "" for c in range(n)] for r in range(n)]
-        after = [[f"a{c}" if c == r else "" for c in range(n)] for r in range(n)]
-    elif op == "gather":
-        before = [[f"{letters[r]}{c}" if c == r else "" for c in range(n)] for r in range(n)]
-        after = [[f"{letters[c]}{c}" if r == 0 else "" for c in range(n)] for r in range(n)]
-    else:
+    letters = "abcdefgh"
+
+    def grid(cell):  # cell(r, c): what rank r holds in chunk c
+        return [[cell(r, c) for c in range(n)] for r in range(n)]
+    own = grid(lambda r, c: f"{letters[r]}{c}")
+    root = grid(lambda r, c: f"a{c}" if r == 0 else "")
+    diagonal = grid(lambda r, c: f"{letters[r]}{c}" if c == r else "")
+    cases = {"broadcast": (root, grid(lambda r, c: f"a{c}")),   # (before, after)
+             "reduce": (own, grid(lambda r, c: f"Σ{c}" if r == 0 else "")),
+             "all_reduce": (own, grid(lambda r, c: f"Σ{c}")),
+             "reduce_scatter": (own, grid(lambda r, c: f"Σ{c}" if c == r else "")),
+             "all_gather": (diagonal, grid(lambda r, c: f"{letters[c]}{c}")),
+             "scatter": (root, grid(lambda r, c: f"a{c}" if c == r else "")),
+             "gather": (diagonal, grid(lambda r, c: f"{letters[c]}{c}" if r == 0 else ""))}
+    if op not in cases:
         raise ValueError(f"unknown collective {op!r}")
+    before, after = cases[op]
 
     def shade(cells):
-        return [[0 if not v else (2 if v.startswith("Σ") else 1 + 0.1 * "abcdefgh".index(v[0]))
+        return [[0 if not v else (2 if v.startswith("Σ") else 1 + 0.1 * letters.index(v[0]))
                  for v in row] for row in cells]
     fig = make_subplots(1, 2, subplot_titles=("before", "after"), horizontal_spacing=0.08)
     for i, cells in enumerate((before, after), start=1):
@@ -185,16 +165,14 @@ def collective_diagram(op: str, n: int = 4) -> go.Figure:
 def explore(fn, **controls):
     """An interactive figure: ipywidgets controls that redraw ``fn(**values)``.
 
-    ``controls`` are ``ipywidgets.interact`` abbreviations (a list is a menu, a widget is
-    itself); ``fn`` returns a figure (or ``None``) and its keyword defaults are the first
-    values shown. When ``MINIPAR_STATIC_WIDGETS`` is set (the headless notebook tests set
-    it), ``fn`` is drawn once with its defaults instead of through widget messages, which
-    headless executors handle least reliably; a read-only copy then shows that figure.
-    """
+    ``controls`` are ``ipywidgets.interact`` abbreviations (a list is a menu, a widget is itself);
+    ``fn`` returns a figure (or ``None``) and its keyword defaults are the first values shown. When
+    ``MINIPAR_STATIC_WIDGETS`` is set (the headless notebook tests set it), ``fn`` is drawn once
+    with its defaults instead of through widget messages, which headless executors handle least
+    reliably; a read-only copy then shows that figure."""
     if os.environ.get("MINIPAR_STATIC_WIDGETS"):
-        defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()
-                    if p.default is not inspect.Parameter.empty}
-        return fn(**defaults)
+        return fn(**{k: p.default for k, p in inspect.signature(fn).parameters.items()
+                     if p.default is not inspect.Parameter.empty})
     from ipywidgets import interactive
 
     def draw(**values):

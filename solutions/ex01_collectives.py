@@ -53,10 +53,7 @@ def _all_gather_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
 
 def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
     """Sum (or average) ``tensor`` over the ranks of ``group`` in place; returns it.
-
-    Reduce-scatter then all-gather around the ring: 2(n-1) steps, 2(n-1)/n·N elements
-    sent per rank.
-    """
+    Reduce-scatter then all-gather: 2(n-1) steps, 2(n-1)/n·N elements sent per rank."""
     _check_op(op)
     n = group_size(group)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)

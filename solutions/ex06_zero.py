@@ -61,8 +61,7 @@ def sharded_step(flat_params, grad_shards, shards, optimizer, group=None) -> Non
     this rank's k reduced gradient elements; ``shards[u]``: the k-element leaf tensor the
     ``optimizer`` owns (a view of this rank's slice of ``flat_params[u]`` in fp32, or its
     fp32 master copy under mixed precision); ``flat_params[u]``: the unit's full flat
-    padded parameters (N·k), which afterwards hold every rank's updated shard.
-    """
+    padded parameters (N·k), which afterwards hold every rank's updated shard."""
     for s, g in zip(shards, grad_shards):
         s.grad = g if g.dtype == s.dtype else g.to(s.dtype)
     optimizer.step()

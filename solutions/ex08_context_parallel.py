@@ -33,9 +33,8 @@ import torch
 
 
 def merge_partials(o_a, lse_a, o_b, lse_b):
-    """Online-softmax merge of two partial attention results over disjoint key blocks:
-    ``(O, lse)`` of attention over both (equations in the module docstring).
-    ``o_*``: (..., T, d); ``lse_*``: (..., T)."""
+    """Online-softmax merge of two partial results over disjoint key blocks: ``(O, lse)`` of
+    attention over both (equations in the module docstring). ``o_*``: (..., T, d); ``lse_*``: (..., T)."""
     m = torch.maximum(lse_a, lse_b)
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
     lse = m + torch.log(w_a + w_b)

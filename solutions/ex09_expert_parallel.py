@@ -36,15 +36,13 @@ import torch
 
 
 def count_tokens(expert_of: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """``c[i]`` = number of entries of ``expert_of`` (flat assignments) equal to i, for
-    i = 0..n_experts-1 (int64, on ``expert_of``'s device)."""
+    """``c[i]`` = entries of ``expert_of`` (flat assignments) equal to i < n_experts (int64, same device)."""
     return torch.bincount(expert_of, minlength=n_experts)
 
 
 def split_sizes(counts: torch.Tensor, rank: int, ep: int) -> tuple[list[int], list[int]]:
-    """``(send, recv)`` row counts per rank for ``all_to_all_single``, from the (ep × E)
-    matrix ``counts`` (row r: what rank r routes to each expert); rank j holds the E/ep
-    experts ``j·E/ep .. (j+1)·E/ep - 1``. Python ints."""
+    """``(send, recv)`` row counts per rank (Python ints) for ``all_to_all_single``, from the (ep × E)
+    matrix ``counts`` (row r: what rank r routes to each expert); rank j holds the j-th E/ep experts."""
     per_rank = counts.reshape(ep, ep, -1).sum(-1)            # [source, destination]
     return per_rank[rank].tolist(), per_rank[:, rank].tolist()
 

@@ -37,8 +37,8 @@ from minipar.plan.models import ModelSpec
 
 
 def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch: int) -> dict[str, float]:
-    """Bytes on the busiest GPU: ``{"params", "grads", "optimizer", "activations",
-    "buffers", "total"}`` (formulas in the module docstring)."""
+    """Bytes on the busiest GPU: ``{"params", "grads", "optimizer", "activations", "buffers", "total"}``
+    (formulas in the module docstring)."""
     L = layout
     out = model_state_bytes(model, L)
     m = L.microbatches(global_batch)

@@ -236,3 +236,14 @@ def test_formulas_match_the_paper():
         {"params": 48, "grads": 48, "optimizer": 24, "total": 120}
     assert cost.zero_bytes_per_rank([10, 4], 4, 3, k=8, dtype_bytes=4)["params"] == 4 * (3 + 1)
     assert cost.zero_comm_bytes(1000, 4, 3) == pytest.approx(1.5 * cost.zero_comm_bytes(1000, 4, 1))
+
+
+def test_units_given_as_generators_stay_units():
+    """``split_units`` takes the units as lists, generators or modules alike: one unit per
+    layer, not all parameters in one (generators used to be consumed while flattening)."""
+    from minipar.zero import split_units
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8), seed=0)
+    want = [len(list(layer.parameters())) for layer in model.layers()]
+    for units in ([list(layer.parameters()) for layer in model.layers()],
+                  [layer.parameters() for layer in model.layers()], list(model.layers())):
+        assert [len(u) for u in split_units(units)] == want

@@ -1,10 +1,10 @@
 """All-reduce from scratch against the backend's own: ``python -m minipar.bench collectives``.
 
-On ``--ranks`` ranks, for message sizes from 1 KiB upwards, times minipar's ring
-all-reduce (and, for a power-of-two number of ranks, recursive halving-doubling) against
-``torch.distributed.all_reduce`` on the same backend (Gloo on CPU), calls interleaved.
-Reports the fastest of the repeats per size, the bus bandwidth (2(n-1)/n·N / t), the α-β fit of
-each, and as ``ratio`` minipar's ring time over the backend's at the largest size.
+On ``--ranks`` ranks, for message sizes from 1 KiB upwards, times minipar's ring all-reduce (and,
+for a power-of-two number of ranks, recursive halving-doubling) against ``torch.distributed.all_reduce``
+on the same backend (Gloo on CPU), calls interleaved. Reports the fastest of the repeats per size, the
+bus bandwidth (2(n-1)/n·N / t), the α-β fit of each, and as ``ratio`` minipar's ring time over the
+backend's at the largest size.
 """
 from __future__ import annotations
 
@@ -45,12 +45,10 @@ def main(argv=None) -> dict:
     p.add_argument("--ranks", type=int, default=4)
     a = p.parse_args(argv)
     n = a.ranks
-    top = 22 if a.quick else 24
-    sizes = [2 ** k for k in range(10, top + 1, 2)]
+    sizes = [2 ** k for k in range(10, (22 if a.quick else 24) + 1, 2)]   # 1 KiB to 4 or 16 MiB
     res = launch(measure, n, args=(sizes, 5 if a.quick else 10), timeout=600)
     times = {k: [max(r[k][i] for r in res) for i in range(len(sizes))] for k in res[0]}
-    fits = {k: cost.fit_alpha_beta("all_reduce", sizes, ts, n,
-                                   "ring" if k != "halving_doubling" else "halving_doubling")
+    fits = {k: cost.fit_alpha_beta("all_reduce", sizes, ts, n, k if k == "halving_doubling" else "ring")
             for k, ts in times.items()}
     rows = []
     for i, s in enumerate(sizes):
@@ -66,9 +64,6 @@ def main(argv=None) -> dict:
                                  "bandwidth_MBps": (1 / b_ / 1e6) if b_ > 0 else None}
                              for k, (a_, b_) in fits.items()},
               "rows": rows}
-    cols = ["bytes"] + [c for k in times for c in (f"{k} ms", f"{k} MB/s")] + ["ring/gloo"]
-    report(result, a, cols)
-    if not a.json:
-        for k, (a_, b_) in fits.items():
-            print(f"α-β fit {k}: α = {a_ * 1e6:.0f} µs per step, 1/β = {1 / b_ / 1e6 if b_ > 0 else float('inf'):.0f} MB/s")
-    return result
+    return report(result, a, notes=[f"α-β fit {k}: α = {a_ * 1e6:.0f} µs per step, "
+                                    f"1/β = {1 / b_ / 1e6 if b_ > 0 else float('inf'):.0f} MB/s"
+                                    for k, (a_, b_) in fits.items()])

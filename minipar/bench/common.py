@@ -3,8 +3,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
+from statistics import median  # noqa: F401 - the benchmarks import it from here
+
+import torch
+import torch.distributed as dist
+
+from ..backend import device as here  # this rank's device (minipar.device())
+from ..gpu import synchronize
+from ..strategy import to_device
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -17,31 +24,21 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-def here():
-    """This rank's device (:func:`minipar.device`)."""
-    from ..backend import device
-    return device()
-
-
 def to_here(obj):
     """``obj`` (module, tensor, batches) on this rank's device."""
-    from ..strategy import to_device
     return to_device(obj, here())
 
 
 def clock() -> float:
     """``time.perf_counter()`` after the GPU finished what was queued (a plain read on CPU):
     CUDA kernels and NCCL return before their work is done."""
-    from ..gpu import synchronize
     synchronize()
     return time.perf_counter()
 
 
 def interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
     """Call each function in turn, ``repeats`` rounds (after ``warmup``); seconds per call.
-
-    Alternating A, B, A, B... means a slow spell of the machine hits both equally.
-    """
+    Alternating A, B, A, B... means a slow spell of the machine hits both equally."""
     times = {k: [] for k in fns}
     for i in range(warmup + repeats):
         for k, fn in fns.items():
@@ -52,27 +49,61 @@ def interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict[str, list[floa
     return times
 
 
-def median(xs) -> float:
-    return statistics.median(xs)
+def backward_step(fn, *inputs, module=None):
+    """A function that runs one forward + backward of ``fn`` on fresh leaf copies of ``inputs``
+    (clearing ``module``'s gradients first), the backward from the output's sum."""
+    def run():
+        if module is not None:
+            module.zero_grad(set_to_none=True)
+        fn(*(t.detach().requires_grad_() for t in inputs)).sum().backward()
+    return run
+
+
+def train_step(model, opt, x, y) -> None:
+    """One optimizer step of ``model(x, y)``'s loss."""
+    opt.zero_grad(set_to_none=True)
+    model(x, y).backward()
+    opt.step()
+
+
+def step_blocks(trainers: dict, batches: list, repeats: int) -> dict[str, list[float]]:
+    """Inside each rank: seconds per step of each ``(model, optimizer)`` in ``trainers``, timed
+    in blocks of one :func:`train_step` per batch. Rounds alternate the order (A, B, B, A, ...)
+    so a slow spell hits all; round 0 warms up; a block is as slow as the slowest rank."""
+    def block(model, opt):
+        dist.barrier()
+        t = clock()
+        for x, y in batches:
+            train_step(model, opt, x, y)
+        dt = torch.tensor([(clock() - t) / len(batches)], device=batches[0][0].device)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        return dt.item()
+
+    order = list(trainers)
+    times = {k: [] for k in order}
+    for i in range(repeats + 1):
+        for name in (order if i % 2 == 0 else order[::-1]):
+            t = block(*trainers[name])
+            if i:
+                times[name].append(t)
+    return times
 
 
 def table(rows: list[dict], columns: list[str]) -> str:
     """A plain text table (numbers formatted to 3 significant digits)."""
-    def fmt(v):
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
-    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    cells = [[f"{v:.3g}" if isinstance(v := r.get(c, ""), float) else str(v) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    line = "  ".join(c.rjust(w) for c, w in zip(columns, widths))
-    out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(out)
+    lines = [columns, ["-" * w for w in widths], *cells]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines)
 
 
-def report(result: dict, args, columns: list[str]) -> dict:
-    """Print ``result`` as JSON (``--json``) or as a table of ``result["rows"]`` plus the ratio."""
+def report(result: dict, args, columns: list[str] | None = None, intro=(), notes=()) -> dict:
+    """Print ``result`` as JSON (``--json``) or as the lines ``intro``, a table of
+    ``result["rows"]`` (``columns``, by default the first row's keys), the ratio and the lines ``notes``."""
     if args.json:
         print(json.dumps(result))
     else:
-        print(table(result["rows"], columns))
-        print(f"\nratio (minipar / {result['baseline']}): {result['ratio']:.3f}  (lower is better)")
+        print(*intro, table(result["rows"], columns or list(result["rows"][0])), sep="\n")
+        print(f"\nratio (minipar / {result['baseline']}): {result['ratio']:.3f}  (lower is better)", *notes,
+              sep="\n")
     return result

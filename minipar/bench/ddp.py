@@ -1,11 +1,10 @@
 """``python -m minipar.bench ddp``: minipar's overlapped DDP against PyTorch's, same run.
 
-Both wrap the same GPT (same seed) on the same ranks and train on the same per-rank
-batches with SGD; they are timed in alternating blocks of steps (so a slow spell of the
-machine hits both) and the result is the ratio of median step times, minipar / PyTorch.
-minipar's bucketed DDP without overlap is timed alongside, to show what overlap buys.
-``max |Δw|``: largest difference between the two DDPs' final weights (0 on 2 ranks; on
-more ranks the two bucket layouts sum in different orders, so a few ulps).
+Both wrap the same GPT (same seed) on the same ranks and train on the same per-rank batches with
+SGD, timed in alternating blocks of steps (so a slow spell of the machine hits both); the result is
+the ratio of median step times, minipar / PyTorch. minipar's bucketed DDP without overlap is timed
+alongside, to show what overlap buys. ``max |Δw|``: largest difference between the two DDPs' final
+weights (0 on 2 ranks; on more ranks the two bucket layouts sum in different orders: a few ulps).
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import torch.distributed as dist
 
 from .. import data, launch, trace
 from ..models import GPT, GPTConfig
-from .common import clock, median, parser, report, to_here
+from .common import median, parser, report, step_blocks, to_here
 
 
 def _rank(cfg: GPTConfig, batch: int, steps: int, repeats: int, bucket_mb: float) -> dict:
@@ -29,30 +28,11 @@ def _rank(cfg: GPTConfig, batch: int, steps: int, repeats: int, bucket_mb: float
               "pytorch": torch.nn.parallel.DistributedDataParallel(to_here(GPT(cfg, seed=0)),
                                                                    bucket_cap_mb=bucket_mb),
               "no overlap": MiniDDP(to_here(GPT(cfg, seed=0)), bucket_cap_mb=bucket_mb, overlap=False)}
-    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
-
-    def block(name):
-        m, opt = models[name], opts[name]
-        dist.barrier()
-        t = clock()
-        for x, y in batches:
-            opt.zero_grad(set_to_none=True)
-            m(x, y).backward()
-            opt.step()
-        dt = torch.tensor([(clock() - t) / steps], device=x.device)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step is as slow as the slowest rank
-        return dt.item()
-
-    times = {k: [] for k in models}
-    order = list(models)
-    for i in range(repeats + 1):  # the first round warms up
-        for name in (order if i % 2 == 0 else order[::-1]):
-            t = block(name)
-            if i:
-                times[name].append(t)
+    trainers = {k: (m, torch.optim.SGD(m.parameters(), lr=1e-3)) for k, m in models.items()}
+    times = step_blocks(trainers, batches, repeats)
     diff = max((a - b).abs().max().item() for a, b in zip(models["minipar"].parameters(),
                                                            models["pytorch"].module.parameters()))
-    del models, opts  # free PyTorch's DDP before the process may exit (see DEVELOPING.md)
+    del models, trainers  # free PyTorch's DDP before the process may exit (see DEVELOPING.md)
     gc.collect()
     trace.enable(True)
     return {"times": times, "max_diff": diff}
@@ -63,24 +43,18 @@ def main(argv=None) -> dict:
     p.add_argument("--world-sizes", type=int, nargs="+", default=None)
     p.add_argument("--bucket-mb", type=float, default=4.0)
     a = p.parse_args(argv)
-    if a.quick:
-        cfg = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
-        sizes, steps, repeats = a.world_sizes or [2], 2, 10
-    else:
-        cfg = GPTConfig(vocab_size=65, block_size=128, n_layer=4, n_head=4, n_embd=256)
-        sizes, steps, repeats = a.world_sizes or [2, 4], 3, 10
+    q = a.quick
+    cfg = GPTConfig(vocab_size=65, block_size=64 if q else 128, n_layer=4, n_head=4, n_embd=128 if q else 256)
+    sizes, steps, repeats = a.world_sizes or ([2] if q else [2, 4]), 2 if q else 3, 10
     n_params = sum(p.numel() for p in GPT(cfg).parameters())
-    rows, ratios = [], []
+    rows = []
     for n in sizes:
-        res = launch(_rank, n, args=(cfg, 8, steps, repeats, a.bucket_mb), timeout=600,
-                     device=a.device)[0]
+        res = launch(_rank, n, args=(cfg, 8, steps, repeats, a.bucket_mb), timeout=600, device=a.device)[0]
         mini, torch_ = median(res["times"]["minipar"]), median(res["times"]["pytorch"])
-        ratios.append(mini / torch_)
         rows.append({"ranks": n, "params": n_params, "minipar ms/step": 1e3 * mini,
                      "pytorch ms/step": 1e3 * torch_, "ratio": mini / torch_,
                      "minipar no-overlap ms/step": 1e3 * median(res["times"]["no overlap"]),
                      "max |Δw|": res["max_diff"]})
-    result = {"name": "ddp", "baseline": "torch DDP", "ratio": max(ratios), "rows": rows,
+    result = {"name": "ddp", "baseline": "torch DDP", "ratio": max(r["ratio"] for r in rows), "rows": rows,
               "bucket_mb": a.bucket_mb, "steps_per_block": steps, "repeats": repeats}
-    return report(result, a, ["ranks", "params", "minipar ms/step", "pytorch ms/step", "ratio",
-                              "minipar no-overlap ms/step", "max |Δw|"])
+    return report(result, a)

@@ -1,10 +1,9 @@
 """Launch cost: ``minipar.launch`` against ``torch.multiprocessing.spawn``.
 
-Each measurement runs in a fresh Python process that has already imported torch (as a
-notebook kernel has): the time of minipar's first launch (cold: forkserver and pool
-start), of its next launch (warm: the pool is reused), and of ``mp.spawn`` starting the
-same number of ranks, each initialising a Gloo process group and passing a barrier.
-Runs alternate between the two so both see the same machine load.
+Each measurement runs in a fresh Python process that has already imported torch (as a notebook
+kernel has): the time of minipar's first launch (cold: forkserver and pool start), of its next launch
+(warm: the pool is reused), and of ``mp.spawn`` starting the same number of ranks, each initialising
+a Gloo process group and passing a barrier. Runs alternate so both see the same machine load.
 """
 from __future__ import annotations
 
@@ -60,13 +59,12 @@ def main(argv=None) -> dict:
     interleaved({"minipar": lambda: got["minipar"].append(_run(_MINIPAR.format(n=n))),
                  "spawn": lambda: got["spawn"].append(
                      _run(_SPAWN.format(n=n, port=_free_port())))}, repeats=reps, warmup=0)
-    cold = median([g["cold"] for g in got["minipar"]])
-    warm = median([g["warm"] for g in got["minipar"]])
+    cold, warm = (median([g[k] for g in got["minipar"]]) for k in ("cold", "warm"))
     spawn = median([g["spawn"] for g in got["spawn"]])
-    rows = [{"launcher": "minipar.launch, first (cold)", "ranks": n, "seconds": cold, "vs spawn": cold / spawn},
-            {"launcher": "minipar.launch, again (warm)", "ranks": n, "seconds": warm, "vs spawn": warm / spawn},
-            {"launcher": "torch.multiprocessing.spawn", "ranks": n, "seconds": spawn, "vs spawn": 1.0}]
+    rows = [{"launcher": name, "ranks": n, "seconds": t, "vs spawn": t / spawn}
+            for name, t in (("minipar.launch, first (cold)", cold), ("minipar.launch, again (warm)", warm),
+                            ("torch.multiprocessing.spawn", spawn))]
     result = {"benchmark": "launch", "ranks": n, "baseline": "torch.multiprocessing.spawn",
               "minipar_cold_s": cold, "minipar_warm_s": warm, "spawn_s": spawn,
               "ratio": cold / spawn, "warm_ratio": warm / spawn, "rows": rows}
-    return report(result, a, ["launcher", "ranks", "seconds", "vs spawn"])
+    return report(result, a)

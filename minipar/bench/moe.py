@@ -1,66 +1,61 @@
 """``python -m minipar.bench moe``: expert parallelism (ep = 2) against one rank, and minipar's
 token dispatch against one written directly on PyTorch's ``all_to_all_single``.
 
-Three ways to run the same MoE layer (E experts, top-k, dropless), forward + backward,
-timed interleaved on every rank of an ep = 2 group:
+Three ways to run the same MoE layer (E experts, top-k, dropless), forward + backward, timed
+interleaved on every rank of an ep = 2 group, after checking that all three give the same output:
 
 * **minipar EP**: :class:`~minipar.expert_parallel.ExpertParallelMoE` (counts all-gathered,
   tokens sorted by expert, recorded all-to-alls with their backward written out);
-* **baseline (torch dispatch)**: the same routing and experts with a dispatch in the manner
-  of torchtitan's ``AllToAllTokenDispatcher``: the per-expert counts exchanged with an
-  ``all_to_all_single``, tokens and results moved with PyTorch's autograd-aware
+* **baseline (torch dispatch)**: the same routing and experts with a dispatch in the manner of
+  torchtitan's ``AllToAllTokenDispatcher``: per-expert counts exchanged with ``all_to_all_single``,
+  tokens and results moved with PyTorch's autograd-aware
   ``_functional_collectives.all_to_all_single_autograd`` (what torchtitan uses), nothing recorded;
-* **one rank**: the single-device :class:`~minipar.models.moe.MoE` on the whole group's
-  tokens (both ranks' rows) with all E experts: the work EP splits in two.
+* **one rank**: the single-device :class:`~minipar.models.moe.MoE` on the whole group's tokens
+  (both ranks' rows) with all E experts: the work EP splits in two.
 
-The ratio is minipar EP / baseline (same math, so it measures the dispatch's overhead).
-Timings on a shared CPU are noisy; the run first checks that all three give the same output.
+The ratio is minipar EP / baseline (same math, so it measures the dispatch's overhead); timings on
+a shared CPU are noisy.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from .common import interleaved, median, parser, report, to_here
+from .. import expert_parallel as xp
+from ..launch import launch
+from ..models.moe import MoE, route
+from .common import backward_step, interleaved, median, parser, report, to_here
 
 
 def _torch_dispatch(moe, x, group=None):
-    """The layer with a dispatch built directly on torch.distributed (dropless)."""
-    import torch.distributed as dist
+    """The layer ``moe`` (an :class:`~minipar.expert_parallel.ExpertParallelMoE`) with a dispatch
+    built directly on torch.distributed (dropless)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
-    from minipar.models.moe import route
     ep, me = dist.get_world_size(group), dist.get_rank(group)
-    E, k = moe.n_experts, moe.top_k
-    n_local = E // ep
+    E, k, n_local = moe.n_experts, moe.top_k, moe.n_experts // ep
     xf = x.reshape(-1, x.shape[-1])
-    logits = moe.router(xf)
-    probs, w, experts = route(logits, k)
+    _, w, experts = route(moe.router(xf), k)
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
     tokens_per_expert = torch.bincount(flat, minlength=E)
     got = torch.empty_like(tokens_per_expert)                 # [source, local expert] counts
     dist.all_to_all_single(got, tokens_per_expert, group=group)
     got = got.view(ep, n_local)
-    send = tokens_per_expert.view(ep, n_local).sum(1).tolist()
-    recv = got.sum(1).tolist()
-    rows = xf[order.div(k, rounding_mode="floor")]
-    arrived = all_to_all_single_autograd(rows, recv, send, group or dist.group.WORLD)
+    send, recv = tokens_per_expert.view(ep, n_local).sum(1).tolist(), got.sum(1).tolist()
+    arrived = all_to_all_single_autograd(xf[order.div(k, rounding_mode="floor")], recv, send,
+                                         group or dist.group.WORLD)
     local = torch.arange(n_local, device=x.device).repeat(ep).repeat_interleave(got.reshape(-1))
-    by_expert = local.argsort(stable=True)
-    outs = torch.cat([moe.experts[str(me * n_local + i)](c) if isinstance(moe.experts, torch.nn.ModuleDict)
-                      else moe.experts[me * n_local + i](c)
+    by_expert = local.argsort(stable=True)                   # arrived rows, grouped by local expert
+    outs = torch.cat([moe.experts[str(me * n_local + i)](c)
                       for i, c in enumerate(arrived[by_expert].split(got.sum(0).tolist()))])
     back = torch.empty_like(outs).index_copy(0, by_expert, outs)
     home = all_to_all_single_autograd(back, send, recv, group or dist.group.WORLD)
     result = torch.empty_like(home).index_copy(0, order, home)
     token_of = torch.arange(xf.shape[0], device=x.device).repeat_interleave(k)
-    y = torch.zeros_like(xf).index_add(0, token_of, result * w.reshape(-1, 1))
-    return y.view_as(x)
+    return torch.zeros_like(xf).index_add(0, token_of, result * w.reshape(-1, 1)).view_as(x)
 
 
 def _rank(tokens, h, E, k, repeats):
-    import torch.distributed as dist
-    from minipar import expert_parallel as xp
-    from minipar.models.moe import MoE
     torch.set_num_threads(1)
     r, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -71,22 +66,13 @@ def _rank(tokens, h, E, k, repeats):
     x = x_all.chunk(n)[r]
     with torch.no_grad():
         want = single(x_all).chunk(n)[r]
-        err = max((ep_layer(x) - want).abs().max().item(), (_torch_dispatch(ep_layer, x) - want).abs().max().item())
-
-    def step(fn, module, inp):
-        def go():
-            module.zero_grad(set_to_none=True)
-            xi = inp.clone().requires_grad_()
-            fn(xi).sum().backward()
-        return go
-
-    fns = {"minipar EP": step(ep_layer, ep_layer, x),
-           "torch dispatch EP": step(lambda xi: _torch_dispatch(ep_layer, xi), ep_layer, x),
-           "one rank, all tokens": step(single, single, x_all)}
-    times = interleaved(fns, repeats=repeats, warmup=2)
-    out = {name: median(t) for name, t in times.items()}
-    out["max_abs_diff"] = err
-    return out
+        err = max((ep_layer(x) - want).abs().max().item(),
+                  (_torch_dispatch(ep_layer, x) - want).abs().max().item())
+    fns = {"minipar EP": backward_step(ep_layer, x, module=ep_layer),
+           "torch dispatch EP": backward_step(lambda xi: _torch_dispatch(ep_layer, xi), x, module=ep_layer),
+           "one rank, all tokens": backward_step(single, x_all, module=single)}
+    return {**{name: median(t) for name, t in interleaved(fns, repeats=repeats, warmup=2).items()},
+            "max_abs_diff": err}
 
 
 def main(argv=None) -> dict:
@@ -97,14 +83,10 @@ def main(argv=None) -> dict:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--repeats", type=int, default=None, help="timed steps each (default 20, --quick 6)")
     a = p.parse_args(argv)
-    import minipar
-    tokens = a.tokens or (512 if a.quick else 2048)
-    repeats = a.repeats or (6 if a.quick else 20)
-    res = minipar.launch(_rank, 2, args=(tokens, a.hidden, a.experts, a.top_k, repeats), timeout=600,
-                         device=a.device)
-    names = ["minipar EP", "torch dispatch EP", "one rank, all tokens"]
-    slowest = {nm: max(r[nm] for r in res) for nm in names}       # a step ends when the slowest rank does
-    rows = [{"implementation": nm, "seconds": slowest[nm], "ms": 1000 * slowest[nm]} for nm in names]
+    tokens, repeats = a.tokens or (512 if a.quick else 2048), a.repeats or (6 if a.quick else 20)
+    res = launch(_rank, 2, args=(tokens, a.hidden, a.experts, a.top_k, repeats), timeout=600, device=a.device)
+    slowest = {nm: max(r[nm] for r in res) for nm in res[0] if nm != "max_abs_diff"}  # the slowest rank's
+    rows = [{"implementation": nm, "seconds": t, "ms": 1000 * t} for nm, t in slowest.items()]
     err = max(r["max_abs_diff"] for r in res)
     if err > 1e-4:
         raise AssertionError(f"the implementations disagree (max abs diff {err:g})")
@@ -112,7 +94,5 @@ def main(argv=None) -> dict:
               "baseline": "torch dispatch EP", "ep": 2, "tokens_per_rank": tokens, "hidden": a.hidden,
               "experts": a.experts, "top_k": a.top_k, "max_abs_diff": err,
               "speedup_vs_one_rank": slowest["one rank, all tokens"] / slowest["minipar EP"]}
-    report(result, a, ["implementation", "ms"])
-    if not a.json:
-        print(f"EP (ep=2) vs one rank holding all experts and tokens: {result['speedup_vs_one_rank']:.2f}x")
-    return result
+    return report(result, a, ["implementation", "ms"], notes=[
+        f"EP (ep=2) vs one rank holding all experts and tokens: {result['speedup_vs_one_rank']:.2f}x"])

@@ -1,13 +1,12 @@
 """``python -m minipar.bench pipeline``: minipar's 1F1B and ZB-H1 against torch.distributed.pipelining's 1F1B.
 
-The same GPT, cut at the same layers (balanced by parameter count), the same batch and
-micro-batches, the same SGD step, on p ranks of one launch: each repetition times one
-training step of minipar's :class:`~minipar.pipeline.Pipeline` with the 1F1B schedule,
-one with ZB-H1, and one of PyTorch's ``Schedule1F1B`` over ``PipelineStage``
-(alternating, so all see the same machine load; a barrier before and after each). It
-also checks that the three compute the same loss. Reported: median step times, the ratio
-minipar 1F1B / torch, ZB-H1 / 1F1B, and from a few more traced steps on rank 0 (medians
-over the micro-batches) ZB-H1's B + W over 1F1B's fused B, and ZB-H1's forward over 1F1B's.
+The same GPT, cut at the same layers (balanced by parameter count), batch, micro-batches and
+SGD step on p ranks of one launch: each repetition times one training step of minipar's
+:class:`~minipar.pipeline.Pipeline` with 1F1B, one with ZB-H1 and one of PyTorch's
+``Schedule1F1B`` over ``PipelineStage`` (alternating, a barrier before and after each), after
+checking that the three compute the same loss. Reported: median step times, minipar 1F1B / torch,
+ZB-H1 / 1F1B, and from a few more traced steps on rank 0 (medians over the micro-batches)
+ZB-H1's B + W over 1F1B's fused B and ZB-H1's forward over 1F1B's.
 
 :func:`split_backward` measures, in one process, what ZB-H1's split costs: the backward of
 one micro-batch through the whole GPT, fused (``loss.backward()``) against B (the same
@@ -19,6 +18,8 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections import defaultdict
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -41,8 +42,7 @@ def split_backward(cfg: GPTConfig, micro_batch: int, repeats: int) -> dict:
     sharing the machine do not inflate (one thread); on a GPU, synchronized wall-clock time."""
     model = to_here(GPT(cfg, seed=0))
     clock_ = clock if here().type == "cuda" else time.process_time
-    tokens, _ = data.corpus_tokens()
-    x, y = to_here(data.get_batch(tokens, micro_batch, cfg.block_size, step=0))
+    x, y = to_here(data.get_batch(data.corpus_tokens()[0], micro_batch, cfg.block_size, step=0))
     times = {"fused": [], "B": [], "W": [], "F": [], "F deferred": []}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                     # one thread, as every rank computes
@@ -68,30 +68,26 @@ def split_backward(cfg: GPTConfig, micro_batch: int, repeats: int) -> dict:
                             ("W", t6 - t5)):
                 times[key].append(dt)
     torch.set_num_threads(threads)
-    med = {k: statistics.median(v) for k, v in times.items()}
     ratio = statistics.median((b + w) / f for b, w, f in zip(times["B"], times["W"], times["fused"]))
     fwd = statistics.median(d / f for d, f in zip(times["F deferred"], times["F"]))
-    return {**med, "ratio": ratio, "forward_ratio": fwd}
+    return {**{k: statistics.median(v) for k, v in times.items()}, "ratio": ratio, "forward_ratio": fwd}
 
 
 def _rank(cfg: GPTConfig, p: int, m: int, batch: int, repeats: int) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     rank = dist.get_rank()
-    tokens, _ = data.corpus_tokens()
-    x, y = to_here(data.get_batch(tokens, batch, cfg.block_size, step=0))
+    x, y = to_here(data.get_batch(data.corpus_tokens()[0], batch, cfg.block_size, step=0))
     steps = {}
     for name in SCHEDULES:
         model = to_here(GPT(cfg, seed=0))
         bounds = partition(layer_costs(model.layers()), p)
         pipe = Pipeline(build_stages(model.layers(), bounds, rank, p), make_schedule(name, p, m),
                         boundary_shapes(model.layers(), bounds, x.chunk(m)[0]).__getitem__)
-        steps[name] = _ours(pipe, torch.optim.SGD(list(pipe.parameters()), lr=0.1), x, y)
-    theirs_model = to_here(GPT(cfg, seed=0))
-    theirs = build_stages(theirs_model.layers(), bounds, rank, p)[rank]
-    stage = PipelineStage(theirs, rank, p, here())
-    base = {"sched": Schedule1F1B(stage, m, loss_fn=lm_loss),
+        steps[name] = partial(_ours, pipe, torch.optim.SGD(list(pipe.parameters()), lr=0.1), x, y)
+    theirs = build_stages(to_here(GPT(cfg, seed=0)).layers(), bounds, rank, p)[rank]
+    base = {"sched": Schedule1F1B(PipelineStage(theirs, rank, p, here()), m, loss_fn=lm_loss),
             "opt": torch.optim.SGD(theirs.parameters(), lr=0.1)}
-    del stage, theirs, theirs_model
+    del theirs
 
     def step_theirs():
         base["opt"].zero_grad(set_to_none=True)
@@ -115,14 +111,14 @@ def _rank(cfg: GPTConfig, p: int, m: int, batch: int, repeats: int) -> dict:
             fn()
             dist.barrier()
             times[name].append(clock() - t)
-    phases = {}                                    # a few more steps of ours, traced: F, B, W in place
+    phases = defaultdict(lambda: defaultdict(list))  # a few more steps of ours, traced: F, B, W in place
     for _ in range(max(2, repeats // 4)):
         for name in SCHEDULES:
             mark = trace.mark()
             steps[name]()
             for e in trace.since(mark):
                 if e["kind"] == "compute":
-                    phases.setdefault(name, {}).setdefault(e["labels"]["phase"], []).append(e["end"] - e["start"])
+                    phases[name][e["labels"]["phase"]].append(e["end"] - e["start"])
     base.clear()   # free PyTorch's pipeline before returning (avoids aborts at exit)
     gc.collect()
     return {"times": times, "first_losses": first,
@@ -130,12 +126,10 @@ def _rank(cfg: GPTConfig, p: int, m: int, batch: int, repeats: int) -> dict:
 
 
 def _ours(pipe: Pipeline, opt, x, y):
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = pipe.step(x, y)
-        opt.step()
-        return loss
-    return step
+    opt.zero_grad(set_to_none=True)
+    loss = pipe.step(x, y)
+    opt.step()
+    return loss
 
 
 def main(argv=None) -> dict:
@@ -144,8 +138,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=None)
     args = ap.parse_args(argv)
-    ranks = args.ranks or ([2] if args.quick else [2, 4])
-    repeats = args.repeats or (5 if args.quick else 20)
+    ranks, repeats = args.ranks or ([2] if args.quick else [2, 4]), args.repeats or (5 if args.quick else 20)
     cfg = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=256)
     batch, m = 16, args.microbatches
     rows = []
@@ -154,7 +147,8 @@ def main(argv=None) -> dict:
         losses = res[p - 1]["first_losses"]
         for name in SCHEDULES:
             if abs(losses[name] - losses["torch"]) > 1e-4 * abs(losses["torch"]):
-                raise AssertionError(f"p={p}: minipar {name} loss {losses[name]} but torch's {losses['torch']}")
+                raise AssertionError(f"p={p}: minipar {name} loss {losses[name]} "
+                                     f"but torch's {losses['torch']}")
         t = {k: statistics.median(v) for k, v in res[0]["times"].items()}
         ph = res[0]["phases"]
         rows.append({"ranks": p, "microbatches": m, "1f1b ms": 1e3 * t["1f1b"], "zb-h1 ms": 1e3 * t["zb-h1"],
@@ -164,13 +158,9 @@ def main(argv=None) -> dict:
                      "F zb / F": ph["zb-h1"]["F"] / ph["1f1b"]["F"]})
     split = split_backward(cfg, batch // m, 3 * repeats)
     result = {"name": "pipeline", "baseline": "torch.distributed.pipelining Schedule1F1B",
-              "rows": rows, "ratio": statistics.mean(r["ratio"] for r in rows),
-              "split_backward": split,
+              "rows": rows, "ratio": statistics.mean(r["ratio"] for r in rows), "split_backward": split,
               "model": f"GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} T={cfg.block_size}, batch {batch}"}
-    report(result, args, ["ranks", "microbatches", "1f1b ms", "zb-h1 ms", "torch 1f1b ms", "ratio",
-                          "zb-h1 / 1f1b", "(B+W) / B", "F zb / F"])
-    if not args.json:
-        print(f"split backward, one micro-batch of {batch // m}: fused {1e3 * split['fused']:.2f} ms, "
-              f"B {1e3 * split['B']:.2f} + W {1e3 * split['W']:.2f} ms; (B + W) / fused = {split['ratio']:.3f} "
-              f"(median of paired rounds); deferred forward / plain = {split['forward_ratio']:.3f}")
-    return result
+    return report(result, args, notes=[
+        f"split backward, one micro-batch of {batch // m}: fused {1e3 * split['fused']:.2f} ms, "
+        f"B {1e3 * split['B']:.2f} + W {1e3 * split['W']:.2f} ms; (B + W) / fused = {split['ratio']:.3f} "
+        f"(median of paired rounds); deferred forward / plain = {split['forward_ratio']:.3f}"])

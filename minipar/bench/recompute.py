@@ -1,12 +1,11 @@
 """Activation recomputation: time and memory of none/selective/full: ``python -m minipar.bench recompute``.
 
-Trains steps (forward + backward) of one GPT under each ``recompute`` mode, calls
-interleaved, and reports per mode the median seconds, the extra time over no
-recomputation, the extra FLOPs counted (:func:`minipar.cost.checkpoint_recompute_flops`
-over 3×forward) and the bytes kept for backward (:class:`minipar.activations.SavedActivations`).
-Korthikanti et al. (2022, Table 4) measured +39% (full) and +7% (selective) on 22B; the
-count here is smaller for selective because softmax and dropout are memory-bound work
-that FLOPs do not see. ``ratio``: full / none time.
+Trains steps (forward + backward) of one GPT under each ``recompute`` mode, calls interleaved, and
+reports per mode the median seconds, the extra time over no recomputation, the extra FLOPs counted
+(:func:`minipar.cost.checkpoint_recompute_flops` over 3×forward) and the bytes kept for backward
+(:class:`minipar.activations.SavedActivations`). Korthikanti et al. (2022, Table 4) measured +39%
+(full) and +7% (selective) on 22B; the count here is smaller for selective because softmax and
+dropout are memory-bound work that FLOPs do not see. ``ratio``: full / none time.
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import torch
 from .. import cost
 from ..activations import SavedActivations
 from ..models import GPT, GPTConfig
-from .common import interleaved, median, parser, report
+from .common import backward_step, interleaved, median, parser, report
 
 
 def main(argv=None) -> dict:
@@ -26,23 +25,14 @@ def main(argv=None) -> dict:
     B = 4 if a.quick else 8
     x = torch.randint(0, c.vocab_size, (B, c.block_size))
     models = {m: GPT(c, seed=0).set_recompute(m) for m in ("none", "selective", "full")}
-
-    def step(model):
-        def go():
-            model(x, x).backward()
-            model.zero_grad(set_to_none=True)
-        return go
-
-    times = interleaved({m: step(model) for m, model in models.items()}, 3 if a.quick else 10)
+    steps = {m: backward_step(lambda model=model: model(x, x), module=model) for m, model in models.items()}
+    t = {m: median(ts) for m, ts in interleaved(steps, 3 if a.quick else 10).items()}   # seconds per step
     base_flops = cost.training_flops(B, c.block_size, c.n_layer, c.n_embd, c.vocab_size, "none")
     rows = []
     for m, model in models.items():
         with SavedActivations(model) as saved:
             model(x, x)
         extra = cost.checkpoint_recompute_flops(B, c.block_size, c.n_embd, c.n_layer, m)
-        rows.append({"recompute": m, "ms": 1e3 * median(times[m]),
-                     "extra time": median(times[m]) / median(times["none"]) - 1,
+        rows.append({"recompute": m, "ms": 1e3 * t[m], "extra time": t[m] / t["none"] - 1,
                      "extra FLOPs": extra / base_flops, "saved MB": saved.bytes / 1e6})
-    result = {"rows": rows, "baseline": "no recomputation",
-              "ratio": median(times["full"]) / median(times["none"])}
-    return report(result, a, ["recompute", "ms", "extra time", "extra FLOPs", "saved MB"])
+    return report({"rows": rows, "baseline": "no recomputation", "ratio": t["full"] / t["none"]}, a)

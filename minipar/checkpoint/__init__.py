@@ -1,13 +1,12 @@
 """Sharded, atomic, layout-independent checkpoints.
 
-* :mod:`.placement` — a rank's tensor as *pieces* of the full tensor (boxes and flat ranges).
-* :mod:`.state` — the pieces a rank holds: parameters (plain, tensor-parallel, or a model's
-  own ``checkpoint_layout()``) and optimizer state (torch optimizers, ZeRO shards).
-* :mod:`.atomic` — write to a temporary directory, fsync, rename, replace ``latest``.
-* :mod:`.integrity` — a checksum per file, checked on load: :class:`CheckpointError`
-  names the damaged, missing or foreign file instead of loading it; :func:`verify`.
-* :mod:`.sharded` — :func:`save` (every rank writes its pieces) and :func:`load` (every
-  rank reads the pieces it needs, whatever layout saved them).
+* :mod:`.placement` — a rank's tensor as *pieces* of the full tensor (boxes and flat ranges);
+* :mod:`.state` — the pieces a rank holds: parameters and optimizer state (torch, ZeRO);
+* :mod:`.atomic` — write to a temporary directory, fsync, rename, replace ``latest``;
+* :mod:`.integrity` — a checksum per file, checked on load (:func:`verify`):
+  :class:`CheckpointError` names a damaged, missing or foreign file instead of loading it;
+* :mod:`.sharded` — :func:`save` (every rank writes its pieces), :func:`load` (every rank
+  reads the pieces it needs, whatever layout saved them).
 
 Usage, on every rank::
 
@@ -20,6 +19,6 @@ from .placement import Piece, assemble, extract, pieces_of, tensor_parallel_boxe
 from .sharded import FORMAT, load, load_full_state_dict, read_pieces, save
 from .state import local_pieces, parameter_layout, tensor_parallel_layout
 
-__all__ = ["save", "load", "verify", "CheckpointError", "CheckpointNotFound", "load_full_state_dict", "read_pieces", "resolve", "committed",
-           "FORMAT", "Piece", "pieces_of", "assemble", "extract", "whole",
-           "tensor_parallel_boxes", "local_pieces", "parameter_layout", "tensor_parallel_layout"]
+__all__ = ["save", "load", "verify", "CheckpointError", "CheckpointNotFound", "load_full_state_dict",
+           "read_pieces", "resolve", "committed", "FORMAT", "Piece", "pieces_of", "assemble", "extract",
+           "whole", "tensor_parallel_boxes", "local_pieces", "parameter_layout", "tensor_parallel_layout"]

@@ -1,23 +1,22 @@
 """Atomic commits of a checkpoint directory: a crash never leaves a half-new checkpoint.
 
-A checkpoint is a directory of files written by many ranks. It must appear all at once,
-or not at all. The protocol (the same idea as a database's commit record):
+A checkpoint, a directory of files written by many ranks, must appear all at once or not
+at all. The protocol (the same idea as a database's commit record):
 
 1. every rank writes its file into ``ROOT/.tmp-step_N`` and ``fsync``s it;
 2. a barrier: every file is on disk;
-3. rank 0 writes ``meta.json`` (the list of files with their sizes and checksums),
-   ``fsync``s, renames the directory to ``ROOT/step_N`` and then replaces the pointer file
-   ``ROOT/latest`` (the name and the checksum of its ``meta.json``, see :mod:`.integrity`)
-   with ``os.replace``, which is atomic on POSIX and Windows: a reader sees the old
-   pointer or the new one, never a mixture.
+3. rank 0 writes ``meta.json`` (the files with their sizes and checksums), ``fsync``s,
+   renames the directory to ``ROOT/step_N``, then replaces the pointer file ``ROOT/latest``
+   (the name and the checksum of its ``meta.json``, see :mod:`.integrity`) with
+   ``os.replace``, atomic on POSIX and Windows: a reader sees the old pointer or the new.
 
-A crash before the pointer is replaced leaves ``latest`` naming the previous checkpoint,
-complete and untouched; the half-written temporary directory is ignored and removed by
-the next save. ``fsync`` of the files and of the directories makes the order survive a
-power cut, not only a crashed process.
+A crash before the pointer is replaced leaves ``latest`` naming the previous, untouched
+checkpoint; the next save removes the half-written temporary directory. Fsyncing files and
+directories makes the order survive a power cut, not only a crashed process.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -27,16 +26,12 @@ from .integrity import LATEST, META, locate, open_meta, pointer, seal
 
 def fsync_dir(path: Path) -> None:
     """Flush a directory's entries (new names, renames) to disk (a no-op where unsupported)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_file(path: Path, write) -> None:
@@ -65,8 +60,7 @@ def prepare(root: Path, step: int) -> Path:
 def commit(root: Path, step: int, meta: dict, keep: int | None = None) -> Path:
     """Rank 0, after every rank's file is on disk: write ``meta.json``, rename the
     directory into place, replace ``latest``; then drop all but the ``keep`` newest."""
-    tmp = temporary_dir(root, step)
-    meta_bytes = seal(meta)
+    tmp, meta_bytes = temporary_dir(root, step), seal(meta)
     write_file(tmp / META, lambda f: f.write(meta_bytes))
     fsync_dir(tmp)
     final, n = root / f"step_{step:08d}", 1

@@ -4,14 +4,13 @@ A checkpoint is trusted along a chain, each link holding the checksum (SHA-256) 
 
 * ``latest`` holds the name of the checkpoint directory *and* the digest of its
   ``meta.json``: a pointer flipped to another existing checkpoint does not match;
-* ``meta.json`` holds the size and digest of every rank file, and a ``seal``: the digest of
+* ``meta.json`` holds the size and digest of every rank file, and a ``seal``, the digest of
   its own content (so a checkpoint directory opened directly is checked too);
-* every rank file is checked against ``meta.json`` (size first, then digest) before
-  ``torch.load`` reads a byte of it.
+* every rank file is checked against ``meta.json`` (size, then digest) before ``torch.load``
+  reads a byte of it.
 
-Every failure raises :class:`CheckpointError` naming the file and what is wrong with it
-(truncated, changed, missing, not a minipar checkpoint, pointing nowhere), so a fault on
-disk is reported where it is and never becomes wrong weights.
+Every failure raises :class:`CheckpointError` naming the file and its fault (truncated,
+changed, missing, not a minipar checkpoint, pointing nowhere), never wrong weights.
 """
 from __future__ import annotations
 
@@ -65,10 +64,7 @@ def pointer(name: str, meta_bytes: bytes) -> bytes:
 def read_pointer(root: Path) -> tuple[Path, str]:
     """The directory ``root/latest`` names and the ``meta.json`` digest it expects."""
     path = root / LATEST
-    try:
-        tokens = path.read_bytes().decode("ascii").split()
-    except UnicodeDecodeError:
-        tokens = []
+    tokens = path.read_bytes().decode("ascii", errors="replace").split()   # non-ASCII fails the check below
     if len(tokens) != 2 or not _NAME.fullmatch(tokens[0]) or not re.fullmatch(r"[0-9a-f]{64}", tokens[1]):
         raise CheckpointError(path, "corrupt: it should hold a checkpoint name (step_NNNNNNNN) "
                                     "and the SHA-256 of that checkpoint's meta.json")
@@ -80,8 +76,7 @@ def read_pointer(root: Path) -> tuple[Path, str]:
 
 
 def open_meta(directory: Path, expected: str | None = None) -> dict:
-    """The checked ``meta.json`` of a checkpoint directory (``expected``: its digest, from
-    ``latest``)."""
+    """The checked ``meta.json`` of a checkpoint directory (``expected``: its digest, from ``latest``)."""
     path = directory / META
     try:
         raw = path.read_bytes()
@@ -132,8 +127,7 @@ def locate(path) -> tuple[Path, str | None]:
         return path, None
     if (path / LATEST).exists():
         return read_pointer(path)
-    raise CheckpointNotFound(path, f"no checkpoint here: neither {path / META} nor "
-                                   f"{path / LATEST} exists")
+    raise CheckpointNotFound(path, f"no checkpoint here: neither {path / META} nor {path / LATEST} exists")
 
 
 def verify(path) -> dict:

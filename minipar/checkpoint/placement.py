@@ -1,20 +1,18 @@
 """Where a rank's tensor sits inside the full (single-device) tensor: boxes and pieces.
 
 A layout-independent checkpoint names every tensor by the single-device model's parameter
-name and says which part of the full tensor each saved piece is. Two ideas cover every
-strategy in minipar:
+name and says which part of the full tensor each saved piece is, with two ideas:
 
 * a **box**: ``(offset, shape)``, the sub-block ``full[o0:o0+s0, o1:o1+s1, ...]``. A
   tensor-parallel shard is one box (rows or columns) or, for the fused ``[q; k; v]``
-  weight, three boxes stacked on dim 0. A replicated tensor is the box of the whole.
-  Every local tensor here is its boxes laid end to end in row-major order.
+  weight, three boxes stacked on dim 0; a replicated tensor is the box of the whole. Every
+  local tensor here is its boxes laid end to end in row-major order.
 * a **flat range** ``[lo, hi)`` inside a box's row-major flattening: ZeRO shards the
-  flattened parameters, so a rank's optimizer state covers a run of elements that can
-  start and end in the middle of a row.
+  flattened parameters, so a rank's optimizer state may start and end mid-row.
 
-A :class:`Piece` is one (box, flat range) of one tensor (``key`` is ``"param"`` or an
+A :class:`Piece` is one (box, flat range) of one tensor (``key``: ``"param"`` or an
 optimizer-state name such as ``"exp_avg"``). Saving writes pieces; loading assembles the
-pieces of the full tensor (:func:`assemble`) and cuts out the pieces the new layout needs
+full tensor from them (:func:`assemble`) and cuts out the pieces the new layout needs
 (:func:`extract`), so a checkpoint saved on one mesh loads on any other.
 """
 from __future__ import annotations
@@ -60,7 +58,6 @@ class Piece:
                    tuple(r["shape"]), r["lo"], r["hi"], r["data"])
 
 
-# ------------------------------------------------------------------ boxes of a local tensor
 def whole(full_shape) -> list[Box]:
     """The box of the whole tensor: a replicated (or unsharded) parameter."""
     full_shape = tuple(full_shape)
@@ -70,11 +67,8 @@ def whole(full_shape) -> list[Box]:
 def split_box(full_shape, dim: int, parts: int, index: int) -> Box:
     """Part ``index`` of ``parts`` equal parts of the full tensor along ``dim``."""
     size = full_shape[dim] // parts
-    offset = [0] * len(full_shape)
-    offset[dim] = index * size
-    shape = list(full_shape)
-    shape[dim] = size
-    return tuple(offset), tuple(shape)
+    return (tuple(index * size if d == dim else 0 for d in range(len(full_shape))),
+            tuple(size if d == dim else s for d, s in enumerate(full_shape)))
 
 
 def tensor_parallel_boxes(kind: str | None, full_shape, t: int, r: int) -> list[Box]:
@@ -89,11 +83,8 @@ def tensor_parallel_boxes(kind: str | None, full_shape, t: int, r: int) -> list[
         return [split_box(full_shape, 1, t, r)]
     if kind == "qkv":  # [q; k; v] stacked on dim 0: this rank's rows of each third
         third = full_shape[0] // 3
-        out = []
-        for j in range(3):
-            (o, *rest), shape = split_box((third, *full_shape[1:]), 0, t, r)
-            out.append(((j * third + o, *rest), shape))
-        return out
+        (o, *rest), shape = split_box((third, *full_shape[1:]), 0, t, r)
+        return [((j * third + o, *rest), shape) for j in range(3)]
     raise ValueError(f"unknown tensor-parallel layout {kind!r}")
 
 
@@ -122,7 +113,6 @@ def pieces_of(name: str, key: str, full_shape, boxes: list[Box], local: torch.Te
     return out
 
 
-# ------------------------------------------------------------------ full tensors <-> pieces
 def _region(full: torch.Tensor, p: Piece) -> torch.Tensor:
     return full[tuple(slice(o, o + s) for o, s in zip(p.offset, p.shape))]
 

@@ -7,21 +7,17 @@
     root/step_00000100/rank_00003.pt this rank's pieces (see :mod:`.placement`), its mesh
                                      coordinates and its RNG state
 
-The directory must be on a file system that every rank sees (on a cluster: NFS, Lustre,
-GPFS; an absolute path), since each rank writes its own file and rank 0 commits.
-
-Each piece is named by the single-device parameter name and says which part of the full
-tensor it is, so replicated copies are written once (the lowest rank holding an
-identical piece writes it) and loading needs nothing of the layout that saved it.
+on a file system every rank sees (on a cluster: NFS, Lustre, GPFS; an absolute path): each
+rank writes its own file and rank 0 commits. A piece is named by the single-device parameter
+name and says which part of the full tensor it is, so replicated copies are written once
+(by the lowest rank holding an identical piece) and loading needs nothing of the saving layout.
 
 ``load(root, model, optimizer)`` needs no communication: every rank reads the pieces that
 overlap the tensors it holds now, reassembles those full tensors and copies its own parts
-into its parameters and optimizer state (creating the state a fresh optimizer lacks). A
-checkpoint saved at dp=2, tp=2 therefore loads at pp=2, dp=2, or on one process.
-Files are read with ``torch.load(weights_only=True)``: plain containers and tensors only,
-no pickled code runs, and only after the file's size and SHA-256 match those recorded at
-save time (:mod:`.integrity`): a damaged, missing or foreign file raises
-:class:`~.integrity.CheckpointError` naming it.
+into its parameters and optimizer state (creating the state a fresh optimizer lacks): a
+checkpoint saved at dp=2, tp=2 loads at pp=2, dp=2, or on one process. A file is read
+(``torch.load(weights_only=True)``: no pickled code runs) only once its size and SHA-256
+match those recorded at save time; else :class:`~.integrity.CheckpointError` names it.
 """
 from __future__ import annotations
 
@@ -60,9 +56,8 @@ def _unique(pieces: list[Piece], rank: int, world: int) -> tuple[list[Piece], li
     """This rank's pieces that no lower rank holds identically (replicas are written once),
     and every rank's descriptors."""
     descs = [p.descriptor() for p in pieces]
-    everyone = [descs]
+    everyone = [descs] * world
     if world > 1:
-        everyone = [None] * world
         dist.all_gather_object(everyone, descs)
     seen = {d for other in everyone[:rank] for d in other}
     mine = []
@@ -77,12 +72,10 @@ def _optimizer_info(optimizer) -> dict | None:
     if optimizer is None:
         return None
     inner = getattr(optimizer, "optim", optimizer)
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()   # JSON's plain values
+               if k != "params" and isinstance(v, (int, float, str, bool, tuple, list, type(None)))}
               for g in inner.param_groups]
-    return {"class": type(optimizer).__name__, "inner": type(inner).__name__,
-            "param_groups": [{k: v for k, v in g.items()
-                              if isinstance(v, (int, float, str, bool, list, type(None)))}
-                             for g in groups]}
+    return {"class": type(optimizer).__name__, "inner": type(inner).__name__, "param_groups": groups}
 
 
 def save(root, model, optimizer=None, step: int = 0, extra: dict | None = None, mesh=None,
@@ -99,17 +92,15 @@ def save(root, model, optimizer=None, step: int = 0, extra: dict | None = None, 
     _barrier(world)  # the temporary directory exists and is empty
     record = {"format": FORMAT, "rank": rank, "coords": getattr(model, "coords", None),
               "rng": torch.get_rng_state(),
-              "pieces": [Piece(p.name, p.key, p.full_shape, p.offset, p.shape, p.lo, p.hi,
-                               p.data.detach().cpu().clone()).to_record() for p in mine]}
+              "pieces": [{**p.to_record(), "data": p.data.detach().cpu().clone()} for p in mine]}
     name = f"rank_{rank:05d}.pt"
     buf = io.BytesIO()
     torch.save(record, buf)
     data = buf.getvalue()
     write_file(temporary_dir(root, step) / name, lambda f: f.write(data))
-    written = [(name, len(data), digest(data))]
+    written = [(name, len(data), digest(data))] * world
     if world > 1:  # also the barrier: every rank's file is on disk
-        written = [None] * world
-        dist.all_gather_object(written, (name, len(data), digest(data)))
+        dist.all_gather_object(written, written[rank])
     if rank == 0:
         files = [f"rank_{r:05d}.pt" for r in range(world)]
         missing = [f for f in files if not (temporary_dir(root, step) / f).exists()]
@@ -118,13 +109,11 @@ def save(root, model, optimizer=None, step: int = 0, extra: dict | None = None, 
                                     "the checkpoint directory must be one shared file system "
                                     "that every node writes to")
         tensors = defaultdict(dict)
-        for descs in everyone:
-            for n, key, full, *_ in descs:
-                tensors[n][key] = list(full)
+        for n, key, full, *_ in (d for descs in everyone for d in descs):
+            tensors[n][key] = list(full)
         meta = {"format": FORMAT, "step": step, "world_size": world,
                 "mesh": _mesh_dict(mesh, model), "files": files,
-                "sizes": {n: size for n, size, _ in written},
-                "checksums": {n: d for n, _, d in written},
+                "sizes": {n: size for n, size, _ in written}, "checksums": {n: d for n, _, d in written},
                 "tensors": tensors, "optimizer": _optimizer_info(optimizer), "extra": extra or {}}
         commit(root, step, meta, keep)
     _barrier(world)  # nobody goes on (or exits) before the checkpoint is committed
@@ -138,10 +127,8 @@ def read_pieces(directory) -> tuple[dict, dict[tuple[str, str], list[Piece]], li
     meta = open_meta(directory, expected)
     records = [_load_record(check_file(directory, f, meta)) for f in meta["files"]]
     saved = defaultdict(list)
-    for rec in records:
-        for r in rec["pieces"]:
-            p = Piece.from_record(r)
-            saved[(p.name, p.key)].append(p)
+    for p in (Piece.from_record(r) for rec in records for r in rec["pieces"]):
+        saved[(p.name, p.key)].append(p)
     return meta, saved, records
 
 

@@ -1,19 +1,19 @@
 """What one rank holds, as pieces of the single-device model: parameters and optimizer state.
 
-:func:`parameter_layout` says, for every parameter a rank holds, its single-device name,
-the full shape and its boxes (:mod:`.placement`):
+:func:`parameter_layout` gives every parameter a rank holds its single-device name, full
+shape and boxes (:mod:`.placement`):
 
 * a plain model (one process, a data-parallel replica, or a pipeline stage whose
   parameters are named as in the full model): each parameter is the whole tensor;
 * :class:`~minipar.tensor_parallel.TensorParallelGPT`: the boxes of the Megatron-LM split;
-* :class:`~minipar.hybrid.HybridModel`: the parameters of this rank's pipeline stages,
-  named as in the single-device GPT, each a tensor-parallel shard of its tp group;
+* :class:`~minipar.hybrid.HybridModel`: this rank's pipeline stages' parameters, named as
+  in the single-device GPT, each a tensor-parallel shard of its tp group;
 * any object with a method ``checkpoint_layout()`` returning that list itself.
 
-:func:`local_pieces` adds the optimizer state, keyed by the same names: a torch optimizer
-holds state shaped like each parameter (AdamW's ``exp_avg``, ``exp_avg_sq``) plus scalars
-(``step``); a ZeRO optimizer (:class:`minipar.zero.ZeroOptimizer`) holds the state of a
-flat range of each unit, which becomes flat-range pieces of the parameters it spans.
+:func:`local_pieces` adds the optimizer state under the same names: a torch optimizer's
+state shaped like each parameter (AdamW's ``exp_avg``, ``exp_avg_sq``) and scalars
+(``step``); a ZeRO optimizer's (:class:`minipar.zero.ZeroOptimizer`) state of a flat range
+of each unit becomes flat-range pieces of the parameters it spans.
 """
 from __future__ import annotations
 
@@ -47,12 +47,9 @@ def tensor_parallel_layout(named_parameters, t: int, r: int, layout) -> list:
     """The layout of tensor-parallel parameters: ``layout(name)`` is the split kind."""
     out = []
     for n, p in named_parameters:
-        kind = layout(n)
-        full = list(p.shape)
-        if kind in ("rows", "qkv"):
-            full[0] *= t
-        elif kind == "cols":
-            full[1] *= t
+        kind, full = layout(n), list(p.shape)
+        if kind in ("rows", "qkv", "cols"):  # the split dimension grows t times
+            full[1 if kind == "cols" else 0] *= t
         out.append((n, p, tuple(full), tensor_parallel_boxes(kind, full, t, r)))
     return out
 
@@ -78,9 +75,7 @@ def local_pieces(model, optimizer=None, saved_keys: dict | None = None) -> list[
     ``{name: {key: scalar?}}`` of a checkpoint, to create optimizer state that does not
     exist yet (a fresh optimizer has none until its first step)."""
     layout = parameter_layout(model)
-    out = []
-    for name, p, full, boxes in layout:
-        out += pieces_of(name, PARAM, full, boxes, p.detach())
+    out = [q for name, p, full, boxes in layout for q in pieces_of(name, PARAM, full, boxes, p.detach())]
     if optimizer is None:
         return out
     where = {id(p): (name, full, boxes, p) for name, p, full, boxes in layout}
@@ -105,32 +100,26 @@ def _zero_pieces(opt, where: dict, saved_keys) -> list[Piece]:
     out = []
     for unit, shard in zip(opt.units, opt.shards):
         lo_u, hi_u = unit.rank * unit.k, (unit.rank + 1) * unit.k  # this rank's flat range
-        spans = []
-        for p, o, m in zip(unit.params, unit.offsets, unit.numels):
-            a, b = max(lo_u, o), min(hi_u, o + m)
-            if a < b:
-                spans.append((p, o, a, b))
+        spans = [(p, o, max(lo_u, o), min(hi_u, o + m))
+                 for p, o, m in zip(unit.params, unit.offsets, unit.numels)]
+        spans = [(p, o, a, b) for p, o, a, b in spans if a < b]  # the parameters the range overlaps
         state = opt.optim.state[shard]
-        if saved_keys is not None:
-            keys = {}
-            for p, *_ in spans:
-                keys.update(saved_keys.get(where[id(p)][0], {}))
+        if saved_keys is not None:   # the keys of every parameter the shard spans
+            keys = {k: v for p, *_ in spans for k, v in saved_keys.get(where[id(p)][0], {}).items()}
             _create_state(state, keys, shard)
         for p, o, a, b in spans:
             name, full, boxes, _ = where[id(p)]
             for key, value in state.items():
-                if value is None:
-                    continue
-                flat = value.detach().reshape(-1)[a - lo_u:b - lo_u] if value.dim() else None
-                out += _state_pieces(name, full, boxes, p.detach(), key, value, a - o, b - o, flat)
+                if value is not None:
+                    flat = value.detach().reshape(-1)[a - lo_u:b - lo_u] if value.dim() else None
+                    out += _state_pieces(name, full, boxes, p.detach(), key, value, a - o, b - o, flat)
     return out
 
 
 def _create_state(state: dict, keys: dict, like: torch.Tensor) -> None:
     """Make the optimizer state a checkpoint has (zeros of the right shape) if missing."""
     for key, (scalar, dtype) in keys.items():
-        if key == PARAM or key in state:
-            continue
         # a scalar (Adam's step) lives on the CPU, as torch.optim keeps it; the rest beside the parameter
-        state[key] = (torch.zeros((), dtype=dtype, device="cpu") if scalar
-                      else torch.zeros_like(like, dtype=dtype))
+        if key != PARAM and key not in state:
+            state[key] = (torch.zeros((), dtype=dtype, device="cpu") if scalar
+                          else torch.zeros_like(like, dtype=dtype))

@@ -1,12 +1,10 @@
 """The backend's own collectives (Gloo or NCCL), recorded.
 
-The strategies in minipar call these for speed; they are the same operations as the ring
-versions in :mod:`minipar.comm.ring`, done by the backend's optimised code. Since the
-backend does not report what it sent, each event records the bytes the **ring algorithm**
-would send (:func:`minipar.cost.collective_bytes`), the figure the literature's formulas use.
-
-Only the forms Gloo accepts are used: flat (1-D) tensors for all-gather and
-reduce-scatter, equal sizes on every rank, and SUM (averaging divides afterwards).
+The strategies call these for speed: the same operations as :mod:`minipar.comm.ring`, run by
+the backend's optimised code. The backend does not report what it sent, so each event records
+the bytes the **ring algorithm** would send (:func:`minipar.cost.collective_bytes`), the figure
+the literature's formulas use. Only the forms Gloo accepts are used: flat (1-D) tensors for
+all-gather and reduce-scatter, equal sizes on every rank, and SUM (averaging divides afterwards).
 """
 from __future__ import annotations
 
@@ -25,9 +23,13 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class _Averaged(Handle):
-    def __init__(self, work, tensor, n, **kw):
+    """The handle of one collective: divides ``tensor`` by ``n`` once done (``n = 0``: no
+    division) and keeps the ``staged`` host buffers alive until the operation completed."""
+
+    def __init__(self, work, tensor, n, after, staged, **kw):
         super().__init__([work], **kw)
-        self.tensor, self.n = tensor, n
+        self.tensor, self.n, self.staged = tensor, n, staged
+        self.after += after
 
     def wait(self) -> None:
         if not self.done:
@@ -53,45 +55,37 @@ def _via_host(op: str, group, labels: dict, output: torch.Tensor, input: torch.T
     return hout, hin, [staging.copy_back(hout, output, op, labels)] if s_out else []
 
 
-def _start(op: str, full_bytes: int, group, name: str | None, labels: dict):
-    sent = collective_bytes(op, full_bytes, group_size(group))
-    return {"name": name or op, "op": op, "start": trace.now(), "sent": round(sent), "recv": round(sent),
+def _collective(op: str, fn, output, input, full_bytes: int, avg: bool, group, name, labels, async_op):
+    """Run ``fn`` (the backend's ``op``) on the buffers it can move (:func:`_via_host`); the event
+    records the ring's bytes for a ``full_bytes`` tensor; ``avg`` divides by n once complete."""
+    out, inp, after = _via_host(op, group, labels, output, input)
+    sent = round(collective_bytes(op, full_bytes, group_size(group)))
+    meta = {"name": name or op, "op": op, "start": trace.now(), "sent": sent, "recv": sent,
             "labels": _labels(group, labels)}
+    work = fn(*(out,) if inp is None else (out, inp), group=group, async_op=True)
+    h = _Averaged(work, output, group_size(group) if avg else 0, after, (out, inp), **meta)
+    return h if async_op else h.wait()
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False,
                name: str | None = None, **labels):
     """In-place sum (``op="sum"``) or mean (``"avg"``) over ``group``; a Handle if async."""
-    buf, _, after = _via_host("all_reduce", group, labels, tensor)
-    meta = _start("all_reduce", nbytes(tensor), group, name, labels)
-    work = dist.all_reduce(buf, group=group, async_op=True)
-    h = _Averaged(work, tensor, group_size(group) if op == "avg" else 0, **meta)
-    h.after += after
-    return h if async_op else h.wait()
+    return _collective("all_reduce", dist.all_reduce, tensor, None, nbytes(tensor), op == "avg",
+                       group, name, labels, async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None,
                    async_op: bool = False, name: str | None = None, **labels):
     """``output`` (k elements) = this rank's chunk of the sum of flat ``input`` (n·k)."""
-    out, inp, after = _via_host("reduce_scatter", group, labels, output, input)
-    meta = _start("reduce_scatter", nbytes(input), group, name, labels)
-    work = _reduce_scatter(out, inp, group=group, async_op=True)
-    h = _Averaged(work, output, group_size(group) if op == "avg" else 0, **meta)
-    h.after += after
-    h.staged = (out, inp)  # host buffers live until the operation completed
-    return h if async_op else h.wait()
+    return _collective("reduce_scatter", _reduce_scatter, output, input, nbytes(input), op == "avg",
+                       group, name, labels, async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
                name: str | None = None, **labels):
     """Flat ``output`` (n·k elements) = every rank's flat ``input`` (k) in rank order."""
-    out, inp, after = _via_host("all_gather", group, labels, output, input)
-    meta = _start("all_gather", nbytes(output), group, name, labels)
-    work = _all_gather(out, inp, group=group, async_op=True)
-    h = _Averaged(work, output, 0, **meta)
-    h.after += after
-    h.staged = (out, inp)
-    return h if async_op else h.wait()
+    return _collective("all_gather", _all_gather, output, input, nbytes(output), False,
+                       group, name, labels, async_op)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
@@ -110,7 +104,5 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     out, inp, after = _via_host("all_to_all_single", group, labels, output, input.contiguous())
     work = dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes,
                                   group=group, async_op=True)
-    h = _Averaged(work, output, 0, **meta)
-    h.after += after
-    h.staged = (out, inp)
+    h = _Averaged(work, output, 0, after, (out, inp), **meta)
     return h if async_op else h.wait()

@@ -1,14 +1,11 @@
 """Point-to-point communication, recorded.
 
-Thin wrappers over ``torch.distributed.isend/irecv`` that add one thing: every transfer
-is written to the rank's trace (:mod:`minipar.trace`) as a ``comm`` event with its bytes,
-start and end, labelled with the mesh dimension of its group (``dim``, see
-:func:`name_group`). Ranks are *group-local* (rank 0 of a tensor-parallel group, say); the
-translation to global ranks happens here, once.
-
-An event ends when its transfer completed: a completion callback on the work's future
-stamps the time (where the backend has futures: Gloo's collectives, not its send/recv,
-whose events end when :meth:`Handle.wait` returns).
+Thin wrappers over ``torch.distributed.isend/irecv`` that write every transfer to the rank's
+trace (:mod:`minipar.trace`) as a ``comm`` event with its bytes, start and end, labelled with
+its group's mesh dimension (``dim``, :func:`name_group`). Ranks are *group-local* (rank 0 of a
+tensor-parallel group, say); they become global ranks here, once. An event ends when its
+transfer completed, stamped by a callback on the work's future where the backend has one
+(Gloo's collectives do; its send/recv do not, and end at :meth:`Handle.wait`).
 """
 from __future__ import annotations
 
@@ -66,10 +63,9 @@ class Handle:
         self._flight = flight.started(op, name, labels.get("dim"))  # what a hang report names
         self.done, self._ends = False, []
         self.after = []  # run once the transfers completed (copies back from host staging)
-        ends = self._ends
         for w in works:
             try:
-                w.get_future().then(lambda _: ends.append(trace.now()))
+                w.get_future().then(lambda _, ends=self._ends: ends.append(trace.now()))
             except (RuntimeError, AttributeError):  # no future (Gloo send/recv): ends at wait
                 self._ends = None
                 break
@@ -82,8 +78,7 @@ class Handle:
                 w.wait()
         self.done = True
         flight.completed(self._flight)
-        ends = self._ends
-        end = max(ends) if ends and len(ends) == len(self.works) else trace.now()
+        end = max(self._ends) if self._ends and len(self._ends) == len(self.works) else trace.now()
         trace.record("comm", self.name, self.start, end, self.sent, self.recv, **self.labels)
         for f in self.after:
             f()
@@ -106,11 +101,10 @@ def isend(tensor: torch.Tensor, dst: int, group=None, name: str = "send", tag: i
 def irecv(tensor: torch.Tensor, src: int, group=None, name: str = "recv", tag: int = 0, **labels) -> Handle:
     """Start receiving into ``tensor`` (contiguous) from group rank ``src``."""
     labels = _labels(group, labels)
-    staged = staging.must_stage(tensor, group, "irecv")
-    into = staging.host_like(tensor) if staged else tensor
+    into = staging.host_like(tensor) if staging.must_stage(tensor, group, "irecv") else tensor
     w = dist.irecv(into, global_rank(group, src), group=group, tag=tag)
     h = Handle([w], name, trace.now(), 0, nbytes(tensor), labels)
-    if staged:
+    if into is not tensor:
         h.after.append(staging.copy_back(into, tensor, "irecv", labels))
     return h
 
@@ -128,10 +122,8 @@ def recv(tensor: torch.Tensor, src: int, group=None, name: str = "recv", **label
 def exchange(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int, group=None,
              name: str = "exchange", **labels) -> None:
     """Send ``send_buf`` to ``dst`` while receiving ``recv_buf`` from ``src``; one event.
-
-    Posting both before waiting is what keeps a ring from deadlocking: if every rank
-    first did a blocking send, every rank would wait for a receiver that never comes.
-    """
+    Posting both before waiting keeps a ring from deadlocking: were every rank to send first,
+    blocking, every rank would wait for a receiver that never comes."""
     start, labels = trace.now(), _labels(group, labels)
     out = (staging.to_host(send_buf, "exchange", labels)
            if staging.must_stage(send_buf, group, "exchange") else send_buf)

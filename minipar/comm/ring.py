@@ -1,22 +1,15 @@
 """Ring collectives built only from point-to-point sends and receives.
 
-The ``n`` ranks sit on a ring; each talks only to its neighbours ``right = r+1`` and
-``left = r-1`` (mod n). A flat tensor of N elements is cut into n chunks (``tensor_split``:
-sizes differ by at most one element when n does not divide N).
+The ``n`` ranks sit on a ring; rank r talks only to ``right = r+1`` and ``left = r-1`` (mod n).
+A flat tensor of N elements is cut into n chunks (``tensor_split``: sizes differ by at most one).
 
-* **Reduce-scatter** (n-1 steps): at step s rank r sends chunk (r-s-1) mod n to the right
-  and adds the chunk (r-s-2) mod n arriving from the left into its own copy. After n-1
-  steps chunk r on rank r holds the sum over all ranks.
-* **All-gather** (n-1 steps): at step s rank r sends chunk (r-s) mod n, whose final value
-  it holds, and receives chunk (r-s-1) mod n.
-* **All-reduce** = reduce-scatter + all-gather: 2(n-1) steps.
-
-Each step moves one chunk (N/n elements) per rank, so per rank (Patarasuk & Yuan 2009;
-``minipar.cost.collective_bytes``):
-
-    reduce-scatter, all-gather:  (n-1)/n · N     all-reduce:  2 (n-1)/n · N
-
-which is independent of n for large n: the reason the ring is bandwidth-optimal.
+* **Reduce-scatter** (n-1 steps): at step s rank r sends chunk (r-s-1) mod n to the right and
+  adds the chunk (r-s-2) mod n arriving from the left; then chunk r on rank r is the full sum.
+* **All-gather** (n-1 steps): at step s rank r sends chunk (r-s) mod n, whose final value it
+  holds, and receives chunk (r-s-1) mod n.
+* **All-reduce** = reduce-scatter + all-gather: 2(n-1) steps, 2 (n-1)/n · N elements sent per
+  rank (Patarasuk & Yuan 2009; ``minipar.cost.collective_bytes``), about N whatever n: the
+  ring is bandwidth-optimal.
 """
 from __future__ import annotations
 
@@ -24,12 +17,10 @@ import torch
 
 from .p2p import exchange, group_rank, group_size
 
-_OPS = ("sum", "avg")
-
 
 def _check_op(op: str) -> None:
-    if op not in _OPS:
-        raise ValueError(f"op must be one of {_OPS}, got {op!r}")
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op must be one of ('sum', 'avg'), got {op!r}")
 
 
 def _reduce_scatter_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
@@ -61,10 +52,7 @@ def _all_gather_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
 
 def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
     """Sum (or average) ``tensor`` over the ranks of ``group`` in place; returns it.
-
-    Reduce-scatter then all-gather around the ring: 2(n-1) steps, 2(n-1)/n·N elements
-    sent per rank.
-    """
+    Reduce-scatter then all-gather: 2(n-1) steps, 2(n-1)/n·N elements sent per rank."""
     _check_op(op)
     # >>> ex01
     # Hint: work on a flat view, cut it with tensor_split(n), reduce-scatter then all-gather the
@@ -84,11 +72,8 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.
 
 
 def ring_reduce_scatter(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
-    """Return this rank's chunk of the sum of ``tensor`` over ``group``.
-
-    ``tensor`` is flattened and cut with ``tensor_split(n)``; rank r gets chunk r of the
-    reduced result. ``tensor`` itself is left unchanged. (n-1)/n·N elements sent per rank.
-    """
+    """Rank r's chunk r (``tensor_split(n)`` of the flattened tensor) of the sum of ``tensor``
+    over ``group``; ``tensor`` itself is left unchanged. (n-1)/n·N elements sent per rank."""
     _check_op(op)
     n, r = group_size(group), group_rank(group)
     chunks = [c.clone() for c in tensor.reshape(-1).tensor_split(n)]
@@ -98,12 +83,9 @@ def ring_reduce_scatter(tensor: torch.Tensor, group=None, op: str = "sum") -> to
 
 
 def ring_all_gather(chunk: torch.Tensor, group=None, sizes: list[int] | None = None) -> torch.Tensor:
-    """Concatenate every rank's flattened ``chunk`` in rank order; returns a 1-D tensor.
-
-    Chunks may differ in size (Gloo's own ``all_gather`` refuses that): pass ``sizes``, the
-    number of elements each rank contributes, or leave it ``None`` when all are equal.
-    (n-1)/n·N elements sent per rank for equal chunks, N the gathered size.
-    """
+    """Every rank's flattened ``chunk`` concatenated in rank order (1-D). Chunks may differ in
+    size (Gloo's own ``all_gather`` refuses that): pass ``sizes``, the elements each rank
+    contributes (``None``: all equal). (n-1)/n·N elements sent per rank, N the gathered size."""
     n, r = group_size(group), group_rank(group)
     sizes = sizes or [chunk.numel()] * n
     if len(sizes) != n or sizes[r] != chunk.numel():

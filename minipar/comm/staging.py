@@ -1,19 +1,16 @@
 """GPU tensors over Gloo: staged through pinned host memory, and recorded as such.
 
-When several ranks share one GPU (:func:`minipar.backend.place`), they compute on CUDA
-tensors but talk over Gloo, which moves CPU memory. Every :mod:`minipar.comm` call then
-copies its CUDA input into a page-locked (pinned) host buffer, runs the operation on the
-host buffer and copies the result back::
+When ranks share one GPU (:func:`minipar.backend.place`) they compute on CUDA tensors but talk
+over Gloo, which moves CPU memory: every :mod:`minipar.comm` call copies its CUDA input into a
+page-locked (pinned) host buffer, runs on it and copies the result back::
 
     cuda tensor --(stage to host)--> pinned buffer --Gloo--> pinned buffer --(stage to device)--> cuda tensor
 
-Each copy is a ``comm`` event of its own, named ``"stage to host"`` / ``"stage to device"``
-and labelled ``stage=<operation>``, with no bytes on the wire: the operation's own event
-records the bytes exactly as on the CPU, and the timeline shows what staging costs.
-Under NCCL (``"cpu:gloo,cuda:nccl"``) CUDA tensors go to NCCL directly and CPU tensors to Gloo.
-
-A tensor whose device the group cannot move is a clear error naming both: a CUDA tensor on
-ranks placed on the CPU, a CPU tensor given to an NCCL-only group, a ``meta`` tensor anywhere.
+Each copy is a ``comm`` event, ``"stage to host"`` / ``"stage to device"`` labelled
+``stage=<operation>``, with no bytes (the operation's own event records them as on the CPU), so
+the timeline shows what staging costs. Under ``"cpu:gloo,cuda:nccl"`` CUDA tensors go to NCCL
+and CPU tensors to Gloo. A tensor the group cannot move is an error naming both: a CUDA tensor
+on ranks placed on the CPU, a CPU tensor on an NCCL-only group, a ``meta`` tensor anywhere.
 """
 from __future__ import annotations
 
@@ -30,17 +27,15 @@ _BACKENDS: dict = {}
 def group_backend(group) -> str:
     """``dist.get_backend(group)`` as a string ("gloo", "nccl", "cpu:gloo,cuda:nccl"), cached."""
     g = dist.group.WORLD if group is None else group
-    b = _BACKENDS.get(g)
-    if b is None:
-        b = _BACKENDS[g] = str(dist.get_backend(group))
-    return b
+    if g not in _BACKENDS:
+        _BACKENDS[g] = str(dist.get_backend(group))
+    return _BACKENDS[g]
 
 
 def must_stage(tensor: torch.Tensor, group, op: str) -> bool:
     """Whether ``tensor`` goes through host memory for ``op`` on ``group`` (a CUDA tensor on
     a group without NCCL); raises ``ValueError`` for a tensor this group cannot move."""
-    backend = group_backend(group)
-    kind = tensor.device.type
+    backend, kind = group_backend(group), tensor.device.type
     if kind == "cuda":
         if "nccl" in backend:
             return False
@@ -64,8 +59,7 @@ def must_stage(tensor: torch.Tensor, group, op: str) -> bool:
 def to_host(tensor: torch.Tensor, op: str, labels: dict) -> torch.Tensor:
     """A pinned host copy of ``tensor`` (an event ``"stage to host"``)."""
     t = trace.now()
-    host = host_like(tensor)
-    host.copy_(tensor)
+    host = host_like(tensor).copy_(tensor)
     trace.record("comm", "stage to host", t, trace.now(), stage=op, **labels)
     return host
 
@@ -73,8 +67,7 @@ def to_host(tensor: torch.Tensor, op: str, labels: dict) -> torch.Tensor:
 def host_like(tensor: torch.Tensor) -> torch.Tensor:
     """An empty pinned host buffer shaped like ``tensor`` (for a result to copy back); pinned
     memory comes from PyTorch's caching host allocator, so a step's buffers are reused."""
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                       pin_memory=tensor.is_cuda)
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
 
 
 def copy_back(host: torch.Tensor, tensor: torch.Tensor, op: str, labels: dict):

@@ -1,19 +1,18 @@
 """Broadcast and a latency-optimal all-reduce, from point-to-point calls.
 
-* :func:`broadcast` with ``algorithm="tree"``: a binomial tree. In round k every rank that
-  already has the data sends it to the rank 2^k places further on, so all n ranks have
-  it after ⌈log2 n⌉ rounds.
-* ``algorithm="ring"``: a pipelined chain. The data is cut into pieces; each rank passes
-  piece i to its right neighbour while receiving piece i+1. For large messages this takes
-  about the time of one transfer, however many ranks there are.
-
-  Both send (n-1)·N elements in total; the tree concentrates ⌈log2 n⌉·N on the root.
-* :func:`halving_doubling_all_reduce` (Rabenseifner 2004; Thakur, Rabenseifner & Gropp
-  2005): reduce-scatter by recursive halving, then all-gather by recursive doubling. Same
-  2(n-1)/n·N elements per rank as the ring, but in 2·log2(n) steps instead of 2(n-1): it
-  wins when the per-message latency α dominates (small messages, many ranks).
+* :func:`broadcast`, ``algorithm="tree"``: a binomial tree. In round k every rank that has the
+  data sends it 2^k places on, so all n ranks have it after ⌈log2 n⌉ rounds. ``"ring"``: a
+  pipelined chain, each rank passing piece i to its right while receiving piece i+1, about one
+  transfer's time for a large message, however many ranks. Both send (n-1)·N elements in
+  all; the tree puts ⌈log2 n⌉·N on the root.
+* :func:`halving_doubling_all_reduce` (Rabenseifner 2004; Thakur, Rabenseifner & Gropp 2005):
+  reduce-scatter by recursive halving, all-gather by recursive doubling. The ring's 2(n-1)/n·N
+  elements per rank in 2·log2(n) steps instead of 2(n-1): it wins when the per-message latency
+  α dominates (small messages, many ranks).
 """
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 
@@ -26,21 +25,18 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "
     n, r = group_size(group), group_rank(group)
     if n == 1:
         return tensor
-    flat = tensor.view(-1) if tensor.is_contiguous() else None
-    if flat is None:
+    if not tensor.is_contiguous():
         raise ValueError("broadcast needs a contiguous tensor")
-    vr = (r - src) % n  # rank relative to the root
+    flat, vr = tensor.view(-1), (r - src) % n  # vr: rank relative to the root
     if algorithm == "tree":
-        mask = 1
-        while mask < n:
+        for k in range((n - 1).bit_length()):  # round k, mask = 2^k
+            mask = 1 << k
             if vr < mask and vr + mask < n:
-                isend(flat, (vr + mask + src) % n, group, name="broadcast", round=mask.bit_length() - 1).wait()
+                isend(flat, (vr + mask + src) % n, group, name="broadcast", round=k).wait()
             elif mask <= vr < 2 * mask:
-                recv(flat, (vr - mask + src) % n, group, name="broadcast", round=mask.bit_length() - 1)
-            mask *= 2
+                recv(flat, (vr - mask + src) % n, group, name="broadcast", round=k)
     elif algorithm == "ring":
-        left, right = (r - 1) % n, (r + 1) % n
-        sends = []
+        left, right, sends = (r - 1) % n, (r + 1) % n, []
         for i, piece in enumerate(flat.tensor_split(min(pieces, max(flat.numel(), 1)))):
             if vr > 0:
                 irecv(piece, left, group, name="broadcast", piece=i).wait()
@@ -54,28 +50,23 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "
 
 
 def halving_doubling_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum ``tensor`` over ``group`` in place with recursive halving and doubling.
-
-    Needs a power-of-two number of ranks. At distance d = n/2, n/4, ..., 1 each rank pairs
-    with ``r XOR d``, keeps one half of its current segment, sends the other half and adds
-    what it receives; then the steps run backwards, exchanging the reduced halves.
-    """
+    """Sum ``tensor`` over ``group`` (a power-of-two number of ranks) in place by recursive
+    halving and doubling: at distance d = n/2, n/4, ..., 1 each rank pairs with ``r XOR d``,
+    keeps one half of its current segment, sends the other half and adds what it receives;
+    then the steps run backwards, exchanging the reduced halves."""
     n, r = group_size(group), group_rank(group)
     if n & (n - 1):
         raise ValueError(f"halving_doubling_all_reduce needs a power-of-two group, got {n} ranks")
     if not tensor.is_contiguous():
         raise ValueError("halving_doubling_all_reduce needs a contiguous tensor")
     flat = tensor.view(-1)
-    sizes = [c.numel() for c in flat.tensor_split(n)]
-    offs = [0]
-    for s in sizes:
-        offs.append(offs[-1] + s)
+    offs = list(accumulate((c.numel() for c in flat.tensor_split(n)), initial=0))
 
     def seg(lo, hi):
         return flat[offs[lo]:offs[hi]]
 
-    lo, hi, d, steps = 0, n, n // 2, []
-    while d >= 1:
+    lo, hi, steps = 0, n, []
+    for d in (n >> k for k in range(1, n.bit_length())):  # n/2, n/4, ..., 1
         mid = (lo + hi) // 2
         keep, give = ((mid, hi), (lo, mid)) if r & d else ((lo, mid), (mid, hi))
         buf = torch.empty_like(seg(*keep))
@@ -84,7 +75,6 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tenso
         seg(*keep).add_(buf)
         steps.append((d, keep, give))
         lo, hi = keep
-        d //= 2
     for d, keep, give in reversed(steps):
         exchange(seg(*keep), r ^ d, seg(*give), r ^ d, group, name="halving_doubling_all_reduce",
                  distance=d, phase="all-gather")

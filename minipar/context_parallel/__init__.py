@@ -8,18 +8,13 @@ Only attention needs the other ranks' tokens. The pieces, one file each::
     ring       ring_attention (RingAttention: K/V around the ring, backward written out), schedule
     allgather  all_gather_attention (Llama 3)
     ulysses    ulysses_attention (DeepSpeed-Ulysses: all-to-all, sequence <-> heads), check_heads
+    attention  context_attention(q, k, v, group, causal, layout, variant) -> (O, lse) of this rank's
+               tokens (B, H, T/c, d), equal to full attention; recomputation with every variant
     model      parallelize(gpt, group, variant, layout), local_loss, all_reduce_grads
-    memory     saved_activation_bytes (what autograd keeps for the backward)
+    memory     saved_activation_bytes (what autograd keeps for the backward; cost.cp_activation_bytes)
     plots      ring_schedule_figure, attention_matrix_figure
     train      check / train / run (minipar.strategy's shape), dp × cp on a ProcessMesh;
                check_config (what minipar.hybrid checks for its cp dimension)
-
-Every attention takes this rank's tokens ``q, k, v`` (B, H, T/c, d) and returns ``(O, lse)``
-for them, equal to full attention on the whole sequence:
-``context_attention(q, k, v, group, causal=True, layout="zigzag", variant="ring")``.
-Activation recomputation (``recompute="selective"|"full"``) works with every variant: what
-each mode keeps and recomputes is in :mod:`.attention`, its bytes in
-:func:`minipar.cost.cp_activation_bytes`.
 """
 from .allgather import all_gather_attention
 from .attention import VARIANTS, ContextParallelAttend, context_attention
@@ -35,10 +30,9 @@ from .train import check, check_config, run, train
 from .ulysses import check_heads, ulysses_attention
 
 __all__ = ["shard_sequence", "unshard_sequence", "sequence_positions", "zigzag_chunks", "chunk_ids",
-           "check_sequence", "LAYOUTS", "attention_block", "attention_block_backward",
-           "masked_attention", "merge_partials", "ring_attention", "RingAttention", "ring_step",
-           "schedule", "all_gather_attention", "ulysses_attention", "check_heads",
-           "context_attention", "ContextParallelAttend", "VARIANTS", "parallelize", "local_loss",
-           "all_reduce_grads", "set_positions", "ContextParallelAttention", "PositionedEmbedding",
-           "saved_activation_bytes", "ring_schedule_figure", "attention_matrix_figure",
-           "check", "check_config", "train", "run"]
+           "check_sequence", "LAYOUTS", "attention_block", "attention_block_backward", "masked_attention",
+           "merge_partials", "ring_attention", "RingAttention", "ring_step", "schedule",
+           "all_gather_attention", "ulysses_attention", "check_heads", "context_attention",
+           "ContextParallelAttend", "VARIANTS", "parallelize", "local_loss", "all_reduce_grads",
+           "set_positions", "ContextParallelAttention", "PositionedEmbedding", "saved_activation_bytes",
+           "ring_schedule_figure", "attention_matrix_figure", "check", "check_config", "train", "run"]

@@ -1,10 +1,10 @@
 """All-gather attention (Llama 3's context parallelism, Dubey et al. 2024 §3.3.2).
 
-Every rank all-gathers the keys and values of the whole sequence (one all-gather of K and V
-stacked), then computes its own queries' attention on them, masked by global positions.
-Simpler than the ring and easy to combine with any mask; it holds all T keys and values at
-once (the ring holds two blocks). The backward of the all-gather is a reduce-scatter of dK, dV:
-every rank gets the sum of all ranks' gradients for its own tokens.
+Every rank all-gathers the whole sequence's keys and values (K and V stacked, one all-gather)
+and computes its own queries' attention on them, masked by global positions: simpler than the
+ring and easy to combine with any mask, but it holds all T keys and values at once (the ring
+two blocks). The all-gather's backward is a reduce-scatter of dK, dV: every rank gets the sum
+of all ranks' gradients for its own tokens.
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ class GatherSequence(torch.autograd.Function):
         ctx.group, ctx.shape = group, x.shape
         out = torch.empty(c * x.numel(), device=x.device, dtype=x.dtype)
         comm.all_gather(out, x.contiguous().reshape(-1), group=group, name="cp_all_gather_kv", dim="cp")
-        parts = out.view(c, *x.shape)                         # (c, ..., T/c, d)
-        return torch.cat(list(parts.unbind(0)), dim=-2)
+        return torch.cat(out.view(c, *x.shape).unbind(0), dim=-2)   # (c, ..., T/c, d) -> (..., T, d)
 
     @staticmethod
     def backward(ctx, g):
@@ -39,9 +38,8 @@ class GatherSequence(torch.autograd.Function):
 
 def all_gather_attention(q, k, v, group=None, causal: bool = True, layout: str = "contiguous",
                          selective: bool = False):
-    """``(O, lse)`` of this rank's queries (B, H, T/c, d) on all-gathered keys and values;
-    ``selective``: the masked attention keeps only q and the gathered K, V, and is recomputed
-    in backward (the all-gather is not repeated)."""
+    """``(O, lse)`` of this rank's queries (B, H, T/c, d) on all-gathered keys and values. ``selective``:
+    the masked attention keeps only q and the gathered K, V, recomputed in backward (not the all-gather)."""
     c, r = comm.group_size(group), comm.group_rank(group)
     T = q.shape[-2] * c
     kv = GatherSequence.apply(torch.stack([k, v]), group)      # (2, B, H, T, d), rank order

@@ -1,23 +1,17 @@
 """One entry point for the three context-parallel attentions, and the hook into the GPT.
 
-``context_attention(q, k, v, group, causal, layout, variant)`` dispatches to ring
-(:mod:`.ring`), all-gather (:mod:`.allgather`) or Ulysses (:mod:`.ulysses`) attention; all
-three take this rank's tokens (B, H, T/c, d) and return ``(O, lse)`` for them, equal to
-full attention on the whole sequence restricted to these tokens.
+:func:`context_attention` dispatches to ring (:mod:`.ring`), all-gather (:mod:`.allgather`) or
+Ulysses (:mod:`.ulysses`) attention; :class:`ContextParallelAttend` is what
+:func:`~minipar.context_parallel.parallelize` puts in place of a GPT attention's ``attend(q, k, v)``.
 
-:class:`ContextParallelAttend` is what :func:`~minipar.context_parallel.parallelize` puts in
-place of a GPT attention module's ``attend(q, k, v)``: the rest of the block (the QKV and
-output projections, layer norms, MLP) runs on the local tokens unchanged.
+Recomputation (:mod:`minipar.models.recompute`). ``"full"`` needs nothing here: the block is
+checkpointed whole, so its backward first runs this attention's forward again, communication
+included, in the same order on every rank. ``"selective"`` (``selective=True``) recomputes
+the attention's local core, never its communication:
 
-Recomputation (:mod:`minipar.models.recompute`). ``"full"`` needs nothing here: the GPT block
-is checkpointed whole, so its backward first runs this attention's forward again, its
-communication included, in the same order on every rank. ``"selective"`` (``selective=True``)
-recomputes the attention's local core, never its communication:
-
-* ring: nothing changes. Ring attention already keeps only Q, K, V, O and the lse and its
-  backward recomputes P = exp(S - lse) block by block (FlashAttention): the s² scores that
-  selective recomputation exists to drop are never stored, so it saves the same bytes as
-  ``"none"`` (measured in the tests).
+* ring: nothing changes. Ring attention keeps only Q, K, V, O and the lse, and its backward
+  recomputes P = exp(S - lse) block by block (FlashAttention): the s² scores are never
+  stored, so it saves the same bytes as ``"none"`` (measured in the tests).
 * all-gather and Ulysses: :func:`~minipar.context_parallel.blocks.masked_attention` on the
   gathered (or head-sharded) tensors is checkpointed: it keeps its inputs and drops the
   score-sized tensors and the boolean mask (the T² terms of
@@ -34,15 +28,14 @@ VARIANTS = ("ring", "all_gather", "ulysses")
 
 def context_attention(q, k, v, group=None, causal: bool = True, layout: str = "contiguous",
                       variant: str = "ring", selective: bool = False):
-    """``(O, lse)`` of this rank's queries against the whole sequence, by ``variant``;
+    """``(O, lse)`` of this rank's queries (B, H, T/c, d) against the whole sequence, by ``variant``;
     ``selective``: recompute the local attention core in backward (module docstring)."""
     if variant == "ring":       # already FlashAttention-style: nothing s²-sized is kept
         return ring_attention(q, k, v, group, causal, layout)
-    if variant == "all_gather":
-        return all_gather_attention(q, k, v, group, causal, layout, selective)
-    if variant == "ulysses":
-        return ulysses_attention(q, k, v, group, causal, layout, selective=selective)
-    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    attend = all_gather_attention if variant == "all_gather" else ulysses_attention
+    return attend(q, k, v, group, causal, layout, selective=selective)
 
 
 class ContextParallelAttend:
@@ -54,7 +47,7 @@ class ContextParallelAttend:
         self.group, self.variant, self.layout = group, variant, layout
 
     def __call__(self, q, k, v, selective: bool = False):
-        if self.variant == "ulysses":
+        if self.variant == "ulysses":   # its lse would cost one more all-to-all
             return ulysses_attention(q, k, v, self.group, True, self.layout, return_lse=False,
                                      selective=selective)[0]
         return context_attention(q, k, v, self.group, True, self.layout, self.variant, selective)[0]

@@ -1,10 +1,7 @@
 """Attention on one block of keys, its backward, and the online-softmax merge.
 
-For queries Q (B, H, Tq, d) and one block of keys and values K, V (B, H, Tk, d), with
-scores S = Q Kᵀ / √d (masked entries -inf):
-
-    lse = log Σ_k exp(S_qk)            (the log-sum-exp of each query's row)
-    O   = exp(S - lse) V               (the softmax-weighted values)
+Queries Q (B, H, Tq, d) on one block of keys and values K, V (B, H, Tk, d), with scores
+S = Q Kᵀ / √d (masked entries -inf): lse = log Σ_k exp(S_qk) per query row, O = exp(S - lse) V.
 
 Attention over keys split into blocks a and b is the **merge** of the two partial results
 (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, Alg. 1; ring attention,
@@ -13,9 +10,8 @@ Liu et al. 2023). With the running maximum m = max(lse_a, lse_b):
     lse = m + log(exp(lse_a - m) + exp(lse_b - m))
     O   = exp(lse_a - lse) · O_a + exp(lse_b - lse) · O_b
 
-The backward of one block needs only the final O and lse (FlashAttention, Alg. 2):
-P = exp(S - lse), D = rowsum(dO ∘ O), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - D),
-dQ = dS K / √d, dK = dSᵀ Q / √d.
+One block's backward needs only the final O and lse (FlashAttention, Alg. 2): P = exp(S - lse),
+D = rowsum(dO ∘ O), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - D), dQ = dS K / √d, dK = dSᵀ Q / √d.
 """
 from __future__ import annotations
 
@@ -29,23 +25,18 @@ def scores(q, k, causal: bool = False):
     on the diagonal: query i sees keys 0..i)."""
     s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if causal:
-        Tq, Tk = s.shape[-2:]
-        keep = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return s
 
 
 def attention_block(q, k, v, causal: bool = False):
     """``(O, lse)`` of queries ``q`` on one block of keys/values (no autograd needed)."""
-    s = scores(q, k, causal)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+    return masked_attention(q, k, v, causal=causal)   # the diagonal block: query i sees keys 0..i
 
 
 def merge_partials(o_a, lse_a, o_b, lse_b):
-    """Online-softmax merge of two partial attention results over disjoint key blocks:
-    ``(O, lse)`` of attention over both (equations in the module docstring).
-    ``o_*``: (..., T, d); ``lse_*``: (..., T)."""
+    """Online-softmax merge of two partial results over disjoint key blocks: ``(O, lse)`` of
+    attention over both (equations in the module docstring). ``o_*``: (..., T, d); ``lse_*``: (..., T)."""
     # >>> ex08 A
     # Hint: take the running maximum m = max(lse_a, lse_b) first: exp(lse - m) cannot overflow.
     # Hint: then lse = m + log(exp(lse_a - m) + exp(lse_b - m)), and each O is weighted by exp(lse_x - lse).
@@ -62,23 +53,19 @@ def attention_block_backward(q, k, v, o, lse, do, causal: bool = False, delta=No
     (over all blocks) and the incoming gradient ``do``; ``delta`` = rowsum(dO ∘ O) if known."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     p = torch.exp(scores(q, k, causal) - lse.unsqueeze(-1))
-    if delta is None:
-        delta = (do * o).sum(-1)
+    delta = (do * o).sum(-1) if delta is None else delta
     dv = p.transpose(-2, -1) @ do
     ds = p * (do @ v.transpose(-2, -1) - delta.unsqueeze(-1))
     return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
 
 
 def masked_attention(q, k, v, q_pos=None, k_pos=None, causal: bool = False):
-    """``(O, lse)`` with query i seeing key j iff ``k_pos[j] <= q_pos[i]`` (when ``causal``),
-    differentiable by autograd. Full attention on the whole sequence is
-    ``masked_attention(q, k, v, causal=True)``."""
-    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    """``(O, lse)`` with query i seeing key j iff ``k_pos[j] <= q_pos[i]`` (when ``causal``), by
+    autograd; full attention on the whole sequence is ``masked_attention(q, k, v, causal=True)``."""
+    s = scores(q, k)
     if causal:
-        if q_pos is None:
-            q_pos = torch.arange(q.shape[-2], device=q.device)
-        if k_pos is None:
-            k_pos = torch.arange(k.shape[-2], device=k.device)
+        q_pos = torch.arange(q.shape[-2], device=q.device) if q_pos is None else q_pos
+        k_pos = torch.arange(k.shape[-2], device=k.device) if k_pos is None else k_pos
         s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return torch.exp(s - lse.unsqueeze(-1)) @ v, lse

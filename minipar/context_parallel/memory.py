@@ -1,9 +1,8 @@
 """Measuring activation memory: the bytes autograd saves for the backward.
 
-Every tensor a forward saves for its backward passes through
-``torch.autograd.graph.saved_tensors_hooks``; :func:`saved_activation_bytes` sums the
-distinct storages among them, leaving out the module's parameters (model states, not
-activations). This is what :func:`minipar.cost.cp_activation_bytes` predicts.
+Every tensor a forward saves passes through ``torch.autograd.graph.saved_tensors_hooks``;
+:func:`saved_activation_bytes` sums their distinct storages, leaving out the parameters (model
+states, not activations): what :func:`minipar.cost.cp_activation_bytes` predicts.
 """
 from __future__ import annotations
 

@@ -1,19 +1,18 @@
 """The course GPT with context parallelism: every layer but attention on the local tokens.
 
-Each rank of the cp group holds T/c tokens of every sequence (:func:`shard_sequence`) and the
-whole model (or its tensor-parallel share). The token and position embeddings, layer norms,
-QKV and output projections, MLPs and the head are position-wise: they run on the local tokens
-unchanged, with each token's own global position (:func:`sequence_positions`). Only attention
-mixes tokens. :func:`parallelize` swaps two kinds of modules, keeping their parameters (and
-so their names): each block's attention becomes :class:`ContextParallelAttention` (its own
-QKV and output projections around ring, all-gather or Ulysses attention over the cp group),
-and the embedding becomes :class:`PositionedEmbedding` (positions set per batch).
+Each cp rank holds T/c tokens of every sequence (:func:`shard_sequence`) and the whole model
+(or its tensor-parallel share). Everything but attention is position-wise (embeddings, norms,
+projections, MLPs, head) and runs on the local tokens at their global positions
+(:func:`sequence_positions`). :func:`parallelize` swaps two kinds of modules, keeping their
+parameters and names: each block's attention becomes :class:`ContextParallelAttention` (its
+projections around ring, all-gather or Ulysses attention over the cp group), the embedding
+:class:`PositionedEmbedding` (positions set per batch).
 
-The loss of the global batch is the mean over all B·T tokens. Every rank holds the same
-number of them, so ``L = 1/c Σ_r L_r`` with ``L_r`` the local mean; each rank back-propagates
-``L_r / c`` (times 1/dp with data parallelism), the attention backward carries the
-cross-rank terms, and the gradient of every (replicated) parameter is the **sum** of the
-ranks' gradients: one all-reduce over cp, or over the combined dp × cp group (Megatron-LM).
+The global batch's loss is the mean over all B·T tokens; every rank holds as many, so
+``L = 1/c Σ_r L_r`` with ``L_r`` the local mean. Each rank back-propagates ``L_r / c`` (times
+1/dp with data parallelism), the attention backward carries the cross-rank terms, and every
+replicated parameter's gradient is the **sum** over the ranks: one all-reduce over cp, or over
+the combined dp × cp group (Megatron-LM).
 """
 from __future__ import annotations
 

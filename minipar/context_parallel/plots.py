@@ -21,10 +21,9 @@ def ring_schedule_figure(cp: int = 4, causal: bool = True, layout: str = "contig
                                text=text, texttemplate="%{text}", zmin=0, zmax=1, colorscale="Blues",
                                colorbar=dict(title="work")))
     total = [sum(r) for r in z]
-    fig.update_layout(title=f"Ring attention, cp={cp}, {layout}{', causal' if causal else ''}: "
-                      f"work per rank {', '.join(f'{t:g}' for t in total)} blocks",
-                      yaxis=dict(autorange="reversed"), height=120 + 60 * cp)
-    return fig
+    return fig.update_layout(title=f"Ring attention, cp={cp}, {layout}{', causal' if causal else ''}: "
+                             f"work per rank {', '.join(f'{t:g}' for t in total)} blocks",
+                             yaxis=dict(autorange="reversed"), height=120 + 60 * cp)
 
 
 def attention_matrix_figure(cp: int = 4, layout: str = "contiguous") -> go.Figure:
@@ -36,7 +35,6 @@ def attention_matrix_figure(cp: int = 4, layout: str = "contiguous") -> go.Figur
     text = [[f"rank {owner[qc]}" if kc <= qc else "" for kc in range(n)] for qc in range(n)]
     fig = go.Figure(go.Heatmap(z=z, text=text, texttemplate="%{text}", colorscale="Viridis",
                                showscale=False, x=[f"k{c}" for c in range(n)], y=[f"q{c}" for c in range(n)]))
-    fig.update_layout(title=f"Causal attention in {n} chunks, {layout}: who computes what",
-                      yaxis=dict(autorange="reversed", title="query chunk"), xaxis_title="key chunk",
-                      height=200 + 30 * n, width=260 + 30 * n)
-    return fig
+    return fig.update_layout(title=f"Causal attention in {n} chunks, {layout}: who computes what",
+                             yaxis=dict(autorange="reversed", title="query chunk"), xaxis_title="key chunk",
+                             height=200 + 30 * n, width=260 + 30 * n)

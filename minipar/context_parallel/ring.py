@@ -1,26 +1,23 @@
 """Ring attention: queries stay, key/value blocks travel around the context-parallel ring.
 
 Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
-Context". On a ring of c ranks, at step s = 0 .. c-1 rank r holds the keys and values of
-rank src = (r - s) mod c. It starts sending that block to r+1 (and receiving the next one
-from r-1), and meanwhile computes the partial attention of its queries on the block in hand
-(the transfer is hidden behind the compute), merging it into its running (O, lse) with the
-online-softmax rule (:func:`~minipar.context_parallel.blocks.merge_partials`).
+Context". At step s = 0 .. c-1 of a ring of c ranks, rank r holds the keys and values of rank
+src = (r - s) mod c: it starts sending them on to r+1 (receiving the next block from r-1) and,
+hiding the transfer, merges its queries' attention on them into its running (O, lse) (online
+softmax, :func:`~minipar.context_parallel.blocks.merge_partials`).
 
-Under a causal mask, what rank r's queries do with src's block (:func:`ring_step`):
+What rank r's queries do with src's block under a causal mask (:func:`ring_step`):
 
-* contiguous: ``"causal"`` on the diagonal (src = r), ``"full"`` for earlier blocks
-  (src < r), ``"skip"`` for later ones (entirely masked);
+* contiguous: ``"causal"`` on the diagonal (src = r), ``"full"`` for src < r, ``"skip"``
+  (entirely masked) for src > r;
 * zigzag (rank r holds chunks r and 2c-1-r): ``"causal"`` on the diagonal; for src < r all
-  queries see the **front half** of the keys (chunk src) and none of the back half
-  (``"kv_front"``); for src > r only the **back half** of the queries (chunk 2c-1-r) sees
-  anything, and it sees all keys (``"q_back"``). Every off-diagonal step is half a block,
-  unmasked, on every rank: the work is balanced (zigzag ring attention, Zhu 2024).
+  queries see the **front half** of the keys (``"kv_front"``); for src > r only the **back
+  half** of the queries sees anything, all keys (``"q_back"``). Every off-diagonal step is half
+  a block, unmasked, on every rank: balanced work (zigzag ring attention, Zhu 2024).
 
-The backward (:class:`RingAttention`) is written out: the key/value blocks go around the
-ring again, each travelling with its gradient accumulator dK, dV, to which every rank adds
-the contribution of its queries (FlashAttention's backward with the final O and lse); after
-c steps the accumulators arrive back at their owners.
+The backward (:class:`RingAttention`) is written out: the blocks go around the ring again,
+each with its accumulator dK, dV, to which every rank adds its queries' contribution
+(FlashAttention's backward from the final O and lse); after c steps they are back home.
 """
 from __future__ import annotations
 
@@ -62,9 +59,17 @@ def _views(q, kv, part):
 
 
 def _start_exchange(buf_out, prv, nxt, group, name, tag):
+    """Start sending ``buf_out`` to ``nxt`` and receiving its like from ``prv``; returns ``wait()``,
+    which waits for both and returns the received buffer."""
     buf_in = torch.empty_like(buf_out)
-    return buf_in, [comm.isend(buf_out, nxt, group, name=name, tag=tag, dim="cp"),
-                    comm.irecv(buf_in, prv, group, name=name, tag=tag, dim="cp")]
+    works = [comm.isend(buf_out, nxt, group, name=name, tag=tag, dim="cp"),
+             comm.irecv(buf_in, prv, group, name=name, tag=tag, dim="cp")]
+
+    def wait():
+        for w in works:
+            w.wait()
+        return buf_in
+    return wait
 
 
 def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contiguous"):
@@ -75,7 +80,7 @@ def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contig
     for s in range(c):
         src = (r - s) % c
         if s < c - 1:   # send the block in hand on, receive the next one, while computing
-            nxt_kv, works = _start_exchange(kv, prv, nxt, group, "ring_kv", 0)
+            nxt_kv = _start_exchange(kv, prv, nxt, group, "ring_kv", 0)
         part = ring_step(r, src, c, causal, layout)
         with trace.region("attention", step=s, src=src, part=part, dim="cp"):
             if part != "skip":
@@ -86,10 +91,7 @@ def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contig
                 else:           # merged into the rows this part computed (no autograd here)
                     o[..., rows, :], lse[..., rows] = merge_partials(o[..., rows, :], lse[..., rows],
                                                                      o_b, lse_b)
-        if s < c - 1:
-            for w in works:
-                w.wait()
-            kv = nxt_kv
+        kv = nxt_kv() if s < c - 1 else kv
     return o, lse
 
 
@@ -102,7 +104,7 @@ def ring_backward(q, k, v, o, lse, do, group=None, causal: bool = True, layout: 
     for s in range(c):
         src = (r - s) % c
         if s < c - 1:
-            nxt_kv, kv_works = _start_exchange(kv, prv, nxt, group, "ring_kv", 0)
+            nxt_kv = _start_exchange(kv, prv, nxt, group, "ring_kv", 0)
         part = ring_step(r, src, c, causal, layout)
         contrib = torch.zeros_like(kv)
         with trace.region("attention_backward", step=s, src=src, part=part, dim="cp"):
@@ -115,20 +117,11 @@ def ring_backward(q, k, v, o, lse, do, group=None, causal: bool = True, layout: 
                 contrib[0][..., cols, :] += dk_b
                 contrib[1][..., cols, :] += dv_b
         if pending is not None:     # the accumulator of block src, from rank r-1
-            for w in pending[1]:
-                w.wait()
-            contrib += pending[0]
-        if c == 1:                  # alone: the block is mine already
-            pending = (contrib, [])
-        else:
+            contrib += pending()
+        if c > 1:                   # (alone, the block is mine already)
             pending = _start_exchange(contrib, prv, nxt, group, "ring_dkv", 1)
-        if s < c - 1:
-            for w in kv_works:
-                w.wait()
-            kv = nxt_kv
-    for w in pending[1]:
-        w.wait()
-    dkv = pending[0]                # my own block's gradient, from every rank's queries
+        kv = nxt_kv() if s < c - 1 else kv
+    dkv = pending() if c > 1 else contrib   # my own block's gradient, from every rank's queries
     return dq, dkv[0], dkv[1]
 
 

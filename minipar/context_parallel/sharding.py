@@ -2,16 +2,14 @@
 
 Two layouts of ``T`` tokens over ``c`` ranks:
 
-* ``"contiguous"``: rank r holds tokens [r·T/c, (r+1)·T/c). Simple, but under a causal
-  mask rank 0's queries see only one block of keys and rank c-1's see all c: the ranks
-  do 1, 2, ..., c blocks of work (the causal imbalance).
-* ``"zigzag"``: the sequence is cut into 2c chunks of T/(2c) and rank r holds chunks r and
-  2c-1-r (Brandon et al. 2023, "Striped attention"; the zigzag layout of ring-flash-attention
-  and Llama 3's context parallelism, Dubey et al. 2024 §3.3.2). Every rank holds one early and
-  one late chunk, so every rank does the same causal work.
+* ``"contiguous"``: rank r holds tokens [r·T/c, (r+1)·T/c). Under a causal mask the ranks
+  do 1, 2, ..., c blocks of work (rank 0's queries see one block of keys): the imbalance.
+* ``"zigzag"``: 2c chunks of T/(2c), rank r holds chunks r and 2c-1-r (Brandon et al. 2023,
+  "Striped attention"; the zigzag layout of ring-flash-attention and Llama 3's context
+  parallelism, Dubey et al. 2024 §3.3.2): one early and one late chunk, the same causal work.
 
-Positions follow the tokens: :func:`sequence_positions` gives the global position of every
-local token, which the position embedding and the causal mask use.
+:func:`sequence_positions` gives every local token's global position, which the position
+embedding and the causal mask use.
 """
 from __future__ import annotations
 
@@ -29,10 +27,9 @@ def check_sequence(T: int, cp: int, layout: str = "contiguous") -> None:
         raise ValueError(f"cp must be a positive int, got {cp!r}")
     parts = 2 * cp if layout == "zigzag" else cp
     if T % parts:
-        raise ValueError(f"sequence length T={T} cannot be cut into {parts} equal chunks "
-                         f"({layout} sharding over cp={cp}" + (", 2·cp chunks" if layout == "zigzag" else "")
-                         + "); uneven blocks are not supported: choose T divisible by "
-                         f"{parts}")
+        raise ValueError(f"sequence length T={T} cannot be cut into {parts} equal chunks ({layout} sharding "
+                         f"over cp={cp}{', 2·cp chunks' if layout == 'zigzag' else ''}); uneven blocks are "
+                         f"not supported: choose T divisible by {parts}")
 
 
 def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
@@ -54,14 +51,9 @@ def chunk_ids(rank: int, cp: int, layout: str = "contiguous") -> list[int]:
     return list(zigzag_chunks(rank, cp)) if layout == "zigzag" else [rank]
 
 
-def sequence_positions(T: int, rank: int, cp: int, layout: str = "contiguous",
-                       device=None) -> torch.Tensor:
+def sequence_positions(T: int, rank: int, cp: int, layout: str = "contiguous", device=None) -> torch.Tensor:
     """Global positions (int64, length T/cp) of the tokens ``rank`` holds."""
-    check_sequence(T, cp, layout)
-    n = 2 * cp if layout == "zigzag" else cp
-    size = T // n
-    return torch.cat([torch.arange(i * size, (i + 1) * size, device=device)
-                      for i in chunk_ids(rank, cp, layout)])
+    return shard_sequence(torch.arange(T, device=device), rank, cp, layout, dim=0)
 
 
 def shard_sequence(t: torch.Tensor, rank: int, cp: int, layout: str = "contiguous",
@@ -73,18 +65,14 @@ def shard_sequence(t: torch.Tensor, rank: int, cp: int, layout: str = "contiguou
     return torch.cat([chunks[i] for i in chunk_ids(rank, cp, layout)], dim=dim)
 
 
-def unshard_sequence(shards: list[torch.Tensor], layout: str = "contiguous",
-                     dim: int = 1) -> torch.Tensor:
-    """The whole sequence from every rank's shard (rank order): the inverse of
-    :func:`shard_sequence`."""
-    cp = len(shards)
+def unshard_sequence(shards: list[torch.Tensor], layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's shard (rank order): the inverse of :func:`shard_sequence`."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "contiguous":
         return torch.cat(list(shards), dim=dim)
-    chunks = [None] * (2 * cp)
+    chunks = [None] * (2 * len(shards))
     for r, s in enumerate(shards):
-        a, b = s.chunk(2, dim=dim)
-        i, j = zigzag_chunks(r, cp)
-        chunks[i], chunks[j] = a, b
+        i, j = zigzag_chunks(r, len(shards))
+        chunks[i], chunks[j] = s.chunk(2, dim=dim)
     return torch.cat(chunks, dim=dim)

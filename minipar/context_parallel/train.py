@@ -1,9 +1,9 @@
 """Training the GPT with context parallelism (and data parallelism over it), checked and launched.
 
 ``check`` / ``train`` / ``run`` in the shape of :mod:`minipar.strategy`. With ``dp = 1`` the
-whole job (or ``group``) is one cp group; with ``dp > 1`` the ranks form a dp × cp
-:class:`~minipar.mesh.ProcessMesh` (cp varies faster), each global batch is cut into dp shards
-and each shard's sequences over the cp ranks, and gradients are summed over dp × cp.
+job (or ``group``) is one cp group; with ``dp > 1`` the ranks form a dp × cp
+:class:`~minipar.mesh.ProcessMesh` (cp faster): each global batch is cut into dp shards, each
+shard's sequences over the cp ranks, and gradients are summed over dp × cp.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from .ulysses import check_heads
 def check_config(config, cp: int, seq_len: int | None = None, layout: str = "zigzag",
                  variant: str = "ring", tp: int = 1, sequence_parallel: bool = False,
                  recompute=None) -> None:
-    """Plain ``ValueError`` unless the GPT ``config`` can run context-parallel over ``cp``
-    ranks (with ``tp``-way tensor parallelism inside each cp rank): sequences of ``seq_len``
-    must cut into cp (contiguous) or 2·cp (zigzag) chunks; Ulysses needs cp | heads per tp rank."""
+    """Plain ``ValueError`` unless the GPT ``config`` can run context-parallel over ``cp`` ranks (``tp``-way
+    tensor-parallel inside each): sequences of ``seq_len`` must cut into cp (contiguous) or 2·cp
+    (zigzag) chunks; Ulysses needs cp | heads per tp rank."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if cp > 1 and getattr(config, "moe_every", 0):
@@ -77,11 +77,10 @@ def _groups(dp: int, group):
 
 def train(model, batches, optimizer=None, group=None, variant: str = "ring",
           layout: str = "zigzag", dp: int = 1, dtype=None, recompute=None) -> dict:
-    """On every rank: train the GPT ``model`` with context parallelism on the global
-    ``batches``. Returns ``{"losses", "params" (global rank 0), "measured"}``; ``measured``
-    holds the last step's bytes sent by name and dimension and its seconds. ``recompute``
-    (``None``: the model's own) is set on every block; under ``"full"`` the backward runs
-    each block's attention communication again."""
+    """On every rank: train the GPT ``model`` with context parallelism on the global ``batches``.
+    Returns ``{"losses", "params" (global rank 0), "measured"}``: the last step's bytes sent by
+    name and dimension, and its seconds. ``recompute`` (``None``: the model's own) is set on every
+    block; under ``"full"`` the backward runs each block's attention communication again."""
     if recompute is not None:
         set_recompute(model, recompute)
     cp_group, grad_group, d, dp = _groups(dp, group)
@@ -90,39 +89,35 @@ def train(model, batches, optimizer=None, group=None, variant: str = "ring",
     if not single and cp > 1:
         parallelize(model, cp_group, variant, layout)
     opt = (optimizer or sgd())(list(model.parameters()))
-    dev = next(model.parameters()).device
+    dev, dim = next(model.parameters()).device, "dp_cp" if dp > 1 else "cp"
     losses, measured = [], {}
     for step, (x, y) in enumerate(batches):
         mark, t0 = trace.mark(), time.perf_counter()
         xs, ys = shard(x, d, dp).to(dev), shard(y, d, dp).to(dev)
-        T = xs.shape[1]
         xl, yl = shard_sequence(xs, r, cp, layout), shard_sequence(ys, r, cp, layout)
-        pos = sequence_positions(T, r, cp, layout, device=dev)
+        pos = sequence_positions(xs.shape[1], r, cp, layout, device=dev)
         opt.zero_grad(set_to_none=True)
         with trace.region("forward", step=step), autocast(dtype, dev):
             loss = local_loss(model, xl, yl, pos) / (cp * dp)
         with trace.region("backward", step=step):
             loss.backward()
-        all_reduce_grads(model.parameters(), grad_group, dim="dp_cp" if dp > 1 else "cp")
+        all_reduce_grads(model.parameters(), grad_group, dim=dim)
         with trace.region("optimizer", step=step):
             opt.step()
-        losses.append(strategy.average_loss(loss, grad_group, op="sum",   # loss already / (cp·dp)
-                                            dim="dp_cp" if dp > 1 else "cp"))
+        losses.append(strategy.average_loss(loss, grad_group, op="sum", dim=dim))   # loss already / (cp·dp)
         measured = _measure(trace.since(mark), time.perf_counter() - t0)
     params = full_params(model.named_parameters()) if dist.get_rank() == 0 else None
     return {"losses": losses, "params": params, "measured": measured}
 
 
 def _measure(events, seconds: float) -> dict:
-    by_name, by_dim = {}, {}
+    by_name, by_dim = {}, trace.bytes_by_dim(events)
     for e in events:
         if e["kind"] == "comm":
             by_name[e["name"]] = by_name.get(e["name"], 0) + e["bytes_sent"]
-            dim = e["labels"].get("dim")
-            by_dim[dim] = by_dim.get(dim, 0) + e["bytes_sent"]
     attn = sum(e["end"] - e["start"] for e in events
                if e["kind"] == "compute" and e["name"] in ("attention", "attention_backward"))
-    return {"bytes_sent": sum(by_name.values()), "bytes_by_name": by_name, "bytes_by_dim": by_dim,
+    return {"bytes_sent": by_dim.pop("total"), "bytes_by_name": by_name, "bytes_by_dim": by_dim,
             "attention_seconds": attn, "seconds": seconds}
 
 

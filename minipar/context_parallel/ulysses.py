@@ -1,14 +1,11 @@
 """Ulysses: all-to-all from sequence-sharded to head-sharded attention, and back.
 
 DeepSpeed-Ulysses (Jacobs et al. 2023, "System Optimizations for Enabling Training of
-Extreme Long Sequence Transformer Models"). Each rank holds Q, K, V (B, H, T/c, d) for its
-tokens and all heads. One all-to-all sends head group j (H/c heads) to rank j: afterwards
-each rank holds **all T tokens of H/c heads**, computes ordinary attention on them, and a
-second all-to-all brings the output back to sequence sharding. Its degree is limited by the
-heads: c must divide H. Each all-to-all sends (c-1)/c of the rank's tensor.
-
-Gloo and NCCL both have ``all_to_all_single`` (one tensor cut in c equal parts along
-dimension 0; :func:`minipar.comm.all_to_all_single`, recorded), which is all this module uses.
+Extreme Long Sequence Transformer Models"). Each rank holds Q, K, V (B, H, T/c, d): its tokens,
+all heads. One all-to-all sends head group j (H/c heads) to rank j, which then holds **all T
+tokens of H/c heads** and computes ordinary attention; a second all-to-all brings the output
+back to sequence sharding. c must divide H; each all-to-all sends (c-1)/c of the rank's
+tensor, with ``all_to_all_single`` (Gloo and NCCL; :func:`minipar.comm.all_to_all_single`).
 """
 from __future__ import annotations
 
@@ -42,53 +39,42 @@ def seq_to_heads(x: torch.Tensor, group=None, name: str = "ulysses_seq_to_heads"
     c = comm.group_size(group)
     *lead, H, Tl, d = x.shape
     parts = x.reshape(*lead, c, H // c, Tl, d).movedim(-4, 0)          # (c, ..., H/c, T/c, d)
-    got = all_to_all(parts, group, name)                                 # part j: rank j's tokens
-    return torch.cat(list(got.unbind(0)), dim=-2)
+    return torch.cat(all_to_all(parts, group, name).unbind(0), dim=-2)  # part j: rank j's tokens
 
 
 def heads_to_seq(x: torch.Tensor, group=None, name: str = "ulysses_heads_to_seq") -> torch.Tensor:
     """(..., H/c, T, d) head-sharded -> (..., H, T/c, d) sequence-sharded: the inverse."""
     c = comm.group_size(group)
     parts = torch.stack(x.chunk(c, dim=-2))                              # (c, ..., H/c, T/c, d)
-    got = all_to_all(parts, group, name)                                 # part j: head group j
-    return torch.cat(list(got.unbind(0)), dim=-3)
+    return torch.cat(all_to_all(parts, group, name).unbind(0), dim=-3)  # part j: head group j
 
 
-class SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return seq_to_heads(x, group)
+class Reshard(torch.autograd.Function):
+    """``Reshard.apply(x, group, fn, inverse, grad_name)``: ``fn(x, group)`` (:func:`seq_to_heads` or
+    :func:`heads_to_seq`); the backward sends the gradient through ``inverse``, named ``grad_name``."""
 
     @staticmethod
-    def backward(ctx, g):
-        return heads_to_seq(g.contiguous(), ctx.group, "ulysses_grad_heads_to_seq"), None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return heads_to_seq(x, group)
+    def forward(ctx, x, group, fn, inverse, grad_name):
+        ctx.group, ctx.inverse, ctx.grad_name = group, inverse, grad_name
+        return fn(x, group)
 
     @staticmethod
     def backward(ctx, g):
-        return seq_to_heads(g.contiguous(), ctx.group, "ulysses_grad_seq_to_heads"), None
+        return ctx.inverse(g.contiguous(), ctx.group, ctx.grad_name), None, None, None, None
 
 
 def ulysses_attention(q, k, v, group=None, causal: bool = True, layout: str = "contiguous",
                       return_lse: bool = True, selective: bool = False):
-    """``(O, lse)`` of this rank's tokens (B, H, T/c, d), all heads, by head-sharded attention.
-    ``lse`` costs one more all-to-all (``return_lse=False`` skips it and returns ``None``).
-    ``selective``: the head-sharded attention keeps only its Q, K, V and is recomputed in
-    backward (the all-to-alls are not repeated)."""
+    """``(O, lse)`` of this rank's tokens (B, H, T/c, d), all heads, by head-sharded attention;
+    ``lse`` costs one more all-to-all (``return_lse=False`` skips it: ``None``). ``selective``: the
+    head-sharded attention keeps only its Q, K, V, recomputed in backward (not the all-to-alls)."""
     c = comm.group_size(group)
     check_heads(q.shape[-3], c)
     T = q.shape[-2] * c
-    qkv = SeqToHeads.apply(torch.stack([q, k, v]), group)               # (3, B, H/c, T, d)
+    qkv = Reshard.apply(torch.stack([q, k, v]), group, seq_to_heads, heads_to_seq,
+                        "ulysses_grad_heads_to_seq")                     # (3, B, H/c, T, d)
     pos = torch.cat([sequence_positions(T, i, c, layout, device=q.device) for i in range(c)])
     o, lse = run(masked_attention, selective, qkv[0], qkv[1], qkv[2], pos, pos, causal)
-    o = HeadsToSeq.apply(o, group)
-    if not return_lse:
-        return o, None
-    return o, heads_to_seq(lse.detach().unsqueeze(-1), group, "ulysses_lse").squeeze(-1)
+    o = Reshard.apply(o, group, heads_to_seq, seq_to_heads, "ulysses_grad_seq_to_heads")
+    lse = heads_to_seq(lse.detach().unsqueeze(-1), group, "ulysses_lse").squeeze(-1) if return_lse else None
+    return o, lse

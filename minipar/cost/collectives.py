@@ -11,8 +11,7 @@ Communication Operations in MPICH", 2005):
     broadcast          (n-1)/n · N      (on average: (n-1)·N in total, shared by the senders)
 
 The α-β (latency-bandwidth, "Hockney") model charges α seconds per message step and β
-seconds per byte: T = steps·α + bytes·β, with steps = 2(n-1) for the ring all-reduce and
-n-1 for the others.
+seconds per byte: T = steps·α + bytes·β, steps = 2(n-1) for the ring all-reduce, else n-1.
 """
 from __future__ import annotations
 
@@ -31,19 +30,16 @@ def _check(op: str, world_size: int) -> None:
 def collective_bytes(op: str, nbytes: float, world_size: int) -> float:
     """Bytes each rank sends for ``op`` on a message of ``nbytes`` over ``world_size`` ranks."""
     _check(op, world_size)
-    n = world_size
-    factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-    return factor * nbytes
+    return (2 if op == "all_reduce" else 1) * (world_size - 1) / world_size * nbytes
 
 
 def collective_steps(op: str, world_size: int, algorithm: str = "ring") -> int:
     """Sequential message steps: ring 2(n-1) for all-reduce and n-1 otherwise;
     ``"tree"``/``"halving_doubling"`` ⌈log2 n⌉ per phase."""
     _check(op, world_size)
-    n = world_size
-    if n == 1:
+    if world_size == 1:
         return 0
-    per_phase = n - 1 if algorithm == "ring" else math.ceil(math.log2(n))
+    per_phase = world_size - 1 if algorithm == "ring" else math.ceil(math.log2(world_size))
     return 2 * per_phase if op == "all_reduce" else per_phase
 
 
@@ -56,11 +52,9 @@ def alpha_beta_time(op: str, nbytes: float, world_size: int, alpha: float, beta:
 
 def fit_alpha_beta(op: str, sizes: list[float], seconds: list[float], world_size: int,
                    algorithm: str = "ring") -> tuple[float, float]:
-    """(α, β) that best explain measured times of ``op`` at several message sizes.
-
-    Minimises the *relative* error Σ((T_model - t)/t)², so small and large messages count
-    alike (times span orders of magnitude), with α, β ≥ 0.
-    """
+    """(α, β) that best explain measured times of ``op`` at several message sizes: minimises
+    the *relative* error Σ((T_model - t)/t)², so small and large messages count alike (times
+    span orders of magnitude), with α, β ≥ 0."""
     xs = [(collective_steps(op, world_size, algorithm), collective_bytes(op, s, world_size))
           for s in sizes]
 
@@ -85,9 +79,6 @@ def fit_alpha_beta(op: str, sizes: list[float], seconds: list[float], world_size
 
 
 def bus_bandwidth(op: str, nbytes: float, world_size: int, seconds: float) -> float:
-    """Bytes per second each rank's link carried ("bus bandwidth", as nccl-tests reports).
-
-    It is ``collective_bytes / seconds``, comparable across ranks and operations: the
-    peak a link can do, whatever the collective.
-    """
+    """Bytes per second each rank's link carried, ``collective_bytes / seconds`` ("bus bandwidth",
+    as nccl-tests reports): comparable across ranks and operations, and with the link's peak."""
     return collective_bytes(op, nbytes, world_size) / seconds if seconds > 0 else float("inf")

@@ -3,7 +3,8 @@
 B sequences of T tokens over c context-parallel ranks (T/c tokens each), hidden size h,
 a heads of d = h/a, b bytes per element. Per rank and per transformer layer:
 
-**Bytes sent** (what :mod:`minipar.context_parallel` records):
+**Bytes sent** (what :mod:`minipar.context_parallel` records; Liu et al. 2023; Dubey et al.
+2024 §3.3.2; Jacobs et al. 2023 §3):
 
     ring        forward  (c-1) · 2·B·(T/c)·h·b        K and V passed on c-1 times
                 backward (c-1) · 2·B·(T/c)·h·b        K, V around again
@@ -13,9 +14,8 @@ a heads of d = h/a, b bytes per element. Per rank and per transformer layer:
     Ulysses     forward  (c-1)/c · 4·B·(T/c)·h·b      all-to-all of Q, K, V, and of O back
                 backward (c-1)/c · 4·B·(T/c)·h·b      the same, transposed
 
-(Liu et al. 2023; Dubey et al. 2024 §3.3.2; Jacobs et al. 2023 §3.) Ring and all-gather send
-the same in the forward, ≈ 2·B·T·h·b whatever c; Ulysses sends ≈ 4·B·T·h·b/c, falling as
-1/c, but needs c | a.
+Ring and all-gather send the same in the forward, ≈ 2·B·T·h·b whatever c; Ulysses sends
+≈ 4·B·T·h·b/c, falling as 1/c, but needs c | a.
 
 **Activation memory** saved for the backward by one block of minipar's GPT (fp32, no
 dropout), per rank: every variant keeps the position-wise part, ∝ B·(T/c); all-gather and
@@ -26,18 +26,16 @@ Ulysses also keep score matrices that grow with T² (ring attention keeps only O
     Ulysses     B·(T/c)·(16h + a + 4)·b + 2·B·(a/c)·T²·b + T²
 
 (the last terms: the gathered K, V; two score-sized tensors; the boolean causal mask).
-
 With recomputation (:mod:`minipar.models.recompute`; measured exactly by the tests):
 
-    full        B·(T/c)·h·b                           only the block's input (Korthikanti's 2sbh
-                                                      at b bytes, s = T/c), every variant
+    full        B·(T/c)·h·b     any variant: the block's input only (Korthikanti's 2sbh at b bytes, s = T/c)
     selective   ring        as without: ring attention keeps no scores to drop (its backward
                             already recomputes P from Q, K and lse)
                 all-gather  B·(T/c)·(14h + 4)·b + 2·B·T·h·b + 8·(T/c + T)
                 Ulysses     B·(T/c)·(16h + 4)·b + 8·T
 
-(selective checkpoints the masked attention core: it keeps its inputs Q, K, V and the int64
-positions, and drops the scores, the mask and the lse; the communication is not repeated).
+Selective checkpoints the masked attention core: it keeps its inputs Q, K, V and the int64
+positions, and drops the scores, the mask and the lse; the communication is not repeated.
 
 **Attention FLOPs** (forward; 4·d per query-key pair and head, QKᵀ and PV; the backward is
 2.5 times that: five matmuls instead of two). Rank r of the ring computes, in blocks of
@@ -68,8 +66,7 @@ def cp_comm_bytes(variant: str, batch: int, seq_len: int, hidden: int, cp: int,
 
 def cp_activation_bytes(variant: str, batch: int, seq_len: int, hidden: int, n_head: int,
                         cp: int, bytes_per_element: int = 4, recompute: str = "none") -> int:
-    """Bytes one rank saves for the backward in one GPT block under ``recompute``
-    (module docstring)."""
+    """Bytes one rank saves for the backward in one GPT block under ``recompute`` (module docstring)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if recompute not in ("none", "selective", "full"):

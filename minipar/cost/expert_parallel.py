@@ -30,8 +30,7 @@ def ep_bytes_routed(counts, rank: int, hidden: int, bytes_per_element: int = 4) 
     """Exact bytes ``rank`` sends in the dispatch (and receives back in the combine), given the
     (ep × E) matrix of assignments kept per rank and expert: the rows bound for other ranks."""
     rows = [list(map(int, r)) for r in (counts.tolist() if hasattr(counts, "tolist") else counts)]
-    ep, E = len(rows), len(rows[0])
-    per = E // ep
+    per = len(rows[0]) // len(rows)  # experts per rank, E/ep
     mine = sum(rows[rank][rank * per:(rank + 1) * per])
     return (sum(rows[rank]) - mine) * hidden * bytes_per_element
 
@@ -39,8 +38,7 @@ def ep_bytes_routed(counts, rank: int, hidden: int, bytes_per_element: int = 4) 
 def ep_bytes_received(counts, rank: int, hidden: int, bytes_per_element: int = 4) -> int:
     """Exact bytes ``rank`` receives in the dispatch: rows of other ranks for its experts."""
     rows = [list(map(int, r)) for r in (counts.tolist() if hasattr(counts, "tolist") else counts)]
-    ep, E = len(rows), len(rows[0])
-    per = E // ep
+    per = len(rows[0]) // len(rows)  # experts per rank, E/ep
     return sum(sum(r[rank * per:(rank + 1) * per]) for q, r in enumerate(rows) if q != rank) \
         * hidden * bytes_per_element
 

@@ -54,8 +54,7 @@ def hybrid_comm_bytes(num_params: float, n_layer: int, dp: int, pp: int, tp: int
     """Bytes one rank sends per step, by dimension ``{"dp", "tp", "pp", "total"}`` (ring
     collectives; ``batch_size`` is the global batch B; the pp term is a middle stage's)."""
     _check(dp, pp, tp)
-    m = microbatches
-    b = batch_size / (dp * m)
+    m, b = microbatches, batch_size / (dp * microbatches)
     act = b * seq_len * hidden * dtype_bytes
     out = {"dp": collective_bytes("all_reduce", dtype_bytes * num_params / (pp * tp), dp),
            "tp": m * n_layer / pp * tp_comm_bytes_per_layer(b, seq_len, hidden, tp, dtype_bytes),

@@ -32,7 +32,6 @@ from .collectives import collective_bytes
 def activation_terms(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
                      *, bytes_per_element: int = 2, dropout: bool = True) -> dict[str, float]:
     """Activation bytes per layer and rank, by term (Korthikanti et al. 2022, Section 4.1).
-
     ``bytes_per_element``: 2 for the paper's 16-bit activations, 4 for fp32 (dropout masks
     stay 1 byte). ``dropout=False`` leaves out the masks and the attention-dropout output
     (a model without dropout does not store them)."""
@@ -69,7 +68,5 @@ def tp_comm_bytes_per_layer(b: int, s: int, h: int, t: int, bytes_per_element: i
     collectives: ``8bsh(t-1)/t`` elements (4 all-reduces of bsh), plus ``2bsh(t-1)/t``
     with sequence parallelism (the backward re-gather of the 2 column-parallel inputs)."""
     msg = b * s * h * bytes_per_element
-    total = 4 * collective_bytes("all_reduce", msg, t)
-    if sequence_parallel:
-        total += 2 * collective_bytes("all_gather", msg, t)
-    return total
+    regather = 2 * collective_bytes("all_gather", msg, t) if sequence_parallel else 0
+    return 4 * collective_bytes("all_reduce", msg, t) + regather

@@ -13,11 +13,10 @@ parameter), the model states per rank are
 In fp32 (no master copy) the parameters and gradients take 4 bytes each and Adam's two
 moments K = 8: ``dtype_bytes=4, k=8``; SGD with momentum has K = 4, plain SGD K = 0.
 
-Padding. minipar shards each unit (a layer) separately, padding its Ψ_u elements with
-zeros to a multiple of N. ``num_params`` may be that list of unit sizes; with
-``padded=True`` every flattened quantity uses Ψ̂ = Σ_u N·⌈Ψ_u/N⌉ (a shard is Ψ̂/N
-elements), which is what minipar allocates; stage 0 is not flattened and uses Ψ.
-``padded=False`` gives the paper's formulas with real-valued Ψ/N.
+Padding. minipar shards each unit (a layer) separately, zero-padding its Ψ_u elements to a
+multiple of N; ``num_params`` may be that list of unit sizes. With ``padded=True`` every
+flattened quantity uses Ψ̂ = Σ_u N·⌈Ψ_u/N⌉ (a shard is Ψ̂/N elements), what minipar allocates;
+stage 0 is not flattened and uses Ψ. ``padded=False`` gives the paper's formulas with real-valued Ψ/N.
 
 Communication per rank and step (§7): stages 0-2 move 2Ψ (all-reduce, or reduce-scatter
 of gradients + all-gather of parameters), stage 3 moves 3Ψ (all-gather for the forward,
@@ -51,15 +50,12 @@ def _sizes(num_params, dp: int, stage: int, padded: bool) -> tuple[float, float]
 def zero_bytes_per_rank(num_params, dp: int, stage: int, k: float = 12, dtype_bytes: int = 2,
                         padded: bool = True) -> dict[str, float]:
     """Bytes of model states per rank: ``{"params", "grads", "optimizer", "total"}``.
-
-    ``num_params``: Ψ, or the list of unit sizes Ψ_u. ``dp``: N. ``stage``: 0-3. ``k``:
-    optimizer bytes per parameter (12 mixed-precision Adam, 8 fp32 Adam). ``dtype_bytes``:
-    bytes per parameter and per gradient (2 for fp16/bf16, 4 for fp32).
-    """
+    ``num_params``: Ψ, or the list of unit sizes Ψ_u; ``dp``: N; ``stage``: 0-3; ``k``: optimizer
+    bytes per parameter (12 mixed-precision Adam, 8 fp32 Adam); ``dtype_bytes``: bytes per
+    parameter and per gradient (2 for fp16/bf16, 4 for fp32)."""
     full, shard = _sizes(num_params, dp, stage, padded)
-    b = dtype_bytes
-    params = b * (shard if stage >= 3 else full)
-    grads = b * (shard if stage >= 2 else full)
+    params = dtype_bytes * (shard if stage >= 3 else full)
+    grads = dtype_bytes * (shard if stage >= 2 else full)
     optimizer = k * (shard if stage >= 1 else full)
     return {"params": params, "grads": grads, "optimizer": optimizer,
             "total": params + grads + optimizer}

@@ -1,8 +1,7 @@
 """Data parallelism: replicate the model, split the batch, average the gradients.
 
 * :func:`allreduce_gradients` — naive: one all-reduce per parameter after backward.
-* :func:`assign_buckets`, :class:`Bucket`, :class:`Reducer` — gradient buckets,
-  all-reduced as they fill during backward.
+* :func:`assign_buckets`, :class:`Bucket`, :class:`Reducer` — buckets all-reduced as they fill.
 * :class:`DistributedDataParallel` — the wrapper (naive, bucketed or overlapped: :data:`VERSIONS`).
 * :class:`ShardedBatchSampler`, :func:`shard_batch` — each rank's slice of the global batch.
 * :func:`check`, :func:`train`, :func:`run` — the strategy's API (:mod:`minipar.strategy`).
@@ -19,7 +18,6 @@ from .sampler import ShardedBatchSampler, shard_batch
 from ..strategy import average_loss
 from .train import check, run, train
 
-__all__ = ["allreduce_gradients", "broadcast_module", "trainable", "assign_buckets", "Bucket",
-           "Reducer", "DistributedDataParallel", "VERSIONS", "ShardedBatchSampler",
-           "shard_batch", "train", "run", "check", "average_loss", "parameter_server",
-           "linear_scaled_lr", "warmup_lr"]
+__all__ = ["allreduce_gradients", "broadcast_module", "trainable", "assign_buckets", "Bucket", "Reducer",
+           "DistributedDataParallel", "VERSIONS", "ShardedBatchSampler", "shard_batch", "train", "run",
+           "check", "average_loss", "parameter_server", "linear_scaled_lr", "warmup_lr"]

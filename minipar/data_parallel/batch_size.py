@@ -1,14 +1,10 @@
 """Large global batches: the linear scaling rule and gradual warm-up.
 
-Adding replicas at a fixed per-rank batch b multiplies the global batch: B = n·b. One step
-of SGD with batch kB averages k times more samples, so it can take a k times larger step
-while covering the same ground as k small steps (Goyal et al., "Accurate, Large Minibatch
-SGD: Training ImageNet in 1 Hour", 2017, §2.1):
-
-    η(kB) = k · η(B)                                   (linear scaling rule)
-
-The approximation fails at the start, where the weights change fast; so ramp the rate up
-from η(B) to k·η(B) over the first T steps (§2.2, gradual warm-up):
+More replicas at a fixed per-rank batch b make the global batch B = n·b larger. A step on batch
+kB averages k times more samples, so it can be k times larger and cover the ground of k small
+steps (Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour", 2017, §2.1):
+η(kB) = k · η(B), the linear scaling rule. It fails at the start, where the weights change fast,
+so the rate ramps up from η(B) to k·η(B) over the first T steps (§2.2, gradual warm-up):
 
     η_t = η(B) + (k·η(B) - η(B)) · t / T    for t < T,    k·η(B) afterwards.
 """

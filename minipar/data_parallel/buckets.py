@@ -1,13 +1,10 @@
 """Gradient buckets: many small all-reduces merged into a few large ones.
 
 An all-reduce of N bytes on n ranks costs about ``2(n-1)·α + 2(n-1)/n·N·β`` (α-β model,
-:func:`minipar.cost.alpha_beta_time`). One all-reduce per parameter pays the latency α
-once per parameter; flattening parameters into buckets of about ``bucket_cap_mb`` pays it
-once per bucket, for the same bytes (Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3).
-
-Buckets are filled in **reverse** parameter order, because backward produces gradients
-from the last layer to the first: the first bucket is the first to be complete, so its
-all-reduce can start while backward is still computing the earlier layers.
+:func:`minipar.cost.alpha_beta_time`): one all-reduce per parameter pays the latency α per
+parameter, buckets of about ``bucket_cap_mb`` pay it per bucket, for the same bytes (Li et al.,
+"PyTorch Distributed", VLDB 2020, §3.2.3). Buckets fill in **reverse** parameter order, the order
+of backward's gradients, so the first bucket is complete first and can be all-reduced early.
 """
 from __future__ import annotations
 
@@ -15,14 +12,10 @@ import torch
 
 
 def assign_buckets(params, bucket_cap_mb: float) -> list[list[torch.nn.Parameter]]:
-    """Group ``params`` into buckets, last parameter first.
-
-    Walk the parameters in reverse order and add each to the current bucket; start a new
-    bucket when adding it would take the bucket past ``bucket_cap_mb`` megabytes (2**20
-    bytes). A bucket always holds at least one parameter (a parameter larger than the cap
-    gets a bucket of its own; ``bucket_cap_mb=0`` gives one bucket per parameter). A change
-    of dtype also starts a new bucket, since a bucket is one flat tensor.
-    """
+    """Group ``params`` into buckets, last parameter first. A new bucket starts where the next
+    parameter would take the current one past ``bucket_cap_mb`` megabytes (2**20 bytes), or has
+    another dtype (a bucket is one flat tensor). A bucket holds at least one parameter: one
+    larger than the cap gets its own; ``bucket_cap_mb=0`` gives one bucket per parameter."""
     # >>> ex02 B
     # Hint: walk reversed(list(params)); open a new bucket when the next parameter would take
     # Hint: it past bucket_cap_mb * 2**20 bytes, or has another dtype (a bucket is one tensor).
@@ -43,11 +36,8 @@ def assign_buckets(params, bucket_cap_mb: float) -> list[list[torch.nn.Parameter
 
 
 class Bucket:
-    """A flat buffer holding the gradients of ``params`` back to back.
-
-    ``pack(p)`` copies ``p.grad`` into its slice, ``unpack()`` copies the (reduced) slices
-    back into the ``.grad`` of every parameter. ``buffer`` is what gets all-reduced.
-    """
+    """A flat ``buffer`` (what gets all-reduced) holding the gradients of ``params`` back to
+    back: ``pack(p)`` copies ``p.grad`` into its slice, ``unpack()`` copies the slices back."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         if len({p.dtype for p in params}) != 1:
@@ -64,8 +54,7 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
     def slice(self, p: torch.nn.Parameter) -> torch.Tensor:
-        start, numel = self.offsets[id(p)]
-        return self.buffer[start:start + numel]
+        return self.buffer.narrow(0, *self.offsets[id(p)])
 
     def pack(self, p: torch.nn.Parameter) -> None:
         """Copy ``p.grad`` into this bucket (zeros if ``p`` has no gradient)."""

@@ -1,24 +1,14 @@
 """``DistributedDataParallel``: replicate a module, average its gradients during backward.
 
-What the wrapper does (Li et al., "PyTorch Distributed", VLDB 2020):
-
-1. At wrap time, broadcast every parameter and buffer from group rank 0, so all replicas
-   start equal.
-2. Register a hook on every trainable parameter that fires when its gradient has been
-   accumulated. The hooks feed the :class:`~minipar.data_parallel.reducer.Reducer`, which
-   all-reduces buckets of gradients (during backward with ``overlap=True``).
-3. Queue a callback at the end of the backward pass that waits for the last all-reduce
-   and writes the averages into ``.grad``: when ``loss.backward()`` returns, every rank
-   holds ``1/n Σ_r g_r``, the gradient of the global mean loss.
-
-Three versions, from the same class (see :data:`VERSIONS`):
-
-* naive      ``bucket_cap_mb=None``:               one all-reduce per parameter, after backward
-* bucketed   ``bucket_cap_mb=c,    overlap=False``: flat buckets of ~c MB, after backward
-* overlapped ``bucket_cap_mb=c,    overlap=True``:  a bucket's all-reduce starts as it fills
-
-Frozen parameters (``requires_grad=False``) get no hook and no all-reduce; a parameter
-shared by two layers (tied weights) is one tensor, hooked and reduced once.
+As in Li et al., "PyTorch Distributed", VLDB 2020: at wrap time, broadcast every parameter and
+buffer from group rank 0, so replicas start equal. A hook on every trainable parameter's gradient
+accumulation feeds the :class:`~minipar.data_parallel.reducer.Reducer`, which all-reduces
+buckets of gradients; a callback queued at the end of backward waits for the last all-reduce
+and writes the averages into ``.grad``: after ``loss.backward()`` every rank holds ``1/n Σ_r g_r``,
+the gradient of the global mean loss. One class, three versions (:data:`VERSIONS`): naive (one
+all-reduce per parameter) and bucketed, both after backward, and overlapped (a bucket's
+all-reduce starts as it fills). Frozen parameters get no hook and no all-reduce; tied weights
+are one tensor, reduced once.
 """
 from __future__ import annotations
 
@@ -30,25 +20,19 @@ import torch.nn as nn
 from .naive import allreduce_gradients, broadcast_module, trainable
 from .reducer import Reducer
 
-VERSIONS = {
-    "naive": dict(bucket_cap_mb=None, overlap=False),
-    "bucketed": dict(bucket_cap_mb=25.0, overlap=False),
-    "overlapped": dict(bucket_cap_mb=25.0, overlap=True),
-}
+VERSIONS = {"naive": dict(bucket_cap_mb=None, overlap=False),
+            "bucketed": dict(bucket_cap_mb=25.0, overlap=False),
+            "overlapped": dict(bucket_cap_mb=25.0, overlap=True)}
 
 
 class DistributedDataParallel(nn.Module):
     """Data-parallel wrapper: ``DistributedDataParallel(model, group=None, bucket_cap_mb=25)``.
-
-    ``group``: the process group of the replicas (default: the world); ranks are
-    group-local. ``bucket_cap_mb``: bucket size in MB (2**20 bytes), ``None`` for the naive
-    one-all-reduce-per-parameter version (after backward, whatever ``overlap`` says).
-    ``overlap``: launch bucket all-reduces from the gradient hooks during backward. ``all_reduce_fn(tensor, group)``: sum in place with
-    your own collective instead of the backend's.
-
-    ``.module`` is the wrapped model; ``named_parameters()``, ``parameters()`` and
-    ``state_dict()`` are the module's, with its names and order.
-    """
+    ``group``: the replicas' process group (default: the world; ranks are group-local).
+    ``bucket_cap_mb``: bucket size in MB (2**20 bytes); ``None`` is the naive version (one
+    all-reduce per parameter after backward, whatever ``overlap`` says). ``overlap``: launch
+    bucket all-reduces from the gradient hooks during backward. ``all_reduce_fn(tensor, group)``:
+    sum in place with your own collective instead of the backend's. ``.module`` is the wrapped
+    model; ``named_parameters()``, ``parameters()`` and ``state_dict()`` are its own."""
 
     def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float | None = 25.0,
                  overlap: bool = True, all_reduce_fn=None):
@@ -62,13 +46,10 @@ class DistributedDataParallel(nn.Module):
         self._params = trainable(module.parameters())
         broadcast_module(module, src=0, group=group)
         self.reducer = None if bucket_cap_mb is None else Reducer(  # None: naive
-            self._params, group=group, bucket_cap_mb=bucket_cap_mb or 0.0, overlap=overlap,
-            all_reduce_fn=all_reduce_fn)
-        self.require_sync = True
-        self._finish_queued = False
+            self._params, group, bucket_cap_mb or 0.0, overlap, all_reduce_fn)
+        self.require_sync, self._finish_queued = True, False
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self._params]
 
-    # ------------------------------------------------------------------ backward machinery
     def _grad_hook(self, p: torch.Tensor) -> None:
         if not self.require_sync:
             return
@@ -78,8 +59,7 @@ class DistributedDataParallel(nn.Module):
         if self.reducer is not None:
             self.reducer.grad_ready(p)
 
-    def _finish(self) -> None:
-        """End of backward: every rank's gradients become the average."""
+    def _finish(self) -> None:  # end of backward: every rank's gradients become the average
         self._finish_queued = False
         if self.reducer is None:
             allreduce_gradients(self._params, self.group, self.all_reduce_fn)
@@ -96,7 +76,6 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_sync = before
 
-    # ------------------------------------------------------------------ the module's face
     def forward(self, *args, **kwargs):
         if self._finish_queued:  # the last backward raised before its end: forget it
             self._finish_queued = False

@@ -1,24 +1,20 @@
 """Asynchronous data parallelism: a parameter server and workers that never wait for each other.
 
-Where data parallelism started (Dean et al., "Large Scale Distributed Deep Networks"
-(Downpour SGD), 2012; Li et al., "Scaling Distributed Machine Learning with the Parameter
-Server", 2014). Group rank 0 is the **server**: it owns the weights and the optimizer.
-Ranks 1..W are **workers**; each loops: pull the weights (version v), compute a gradient
-on its own batch, push it. The server applies each gradient as soon as it arrives,
-whoever sent it, so a fast worker never waits for a slow one. The price is **staleness**:
-by the time a gradient computed at version v is applied, the weights are at version t, and
+Where data parallelism started (Dean et al., "Large Scale Distributed Deep Networks" (Downpour
+SGD), 2012; Li et al., "Scaling Distributed Machine Learning with the Parameter Server", 2014).
+Group rank 0, the **server**, owns the weights and the optimizer. Ranks 1..W, the **workers**,
+loop: pull the weights (version v), compute a gradient on their own batch, push it. The server
+applies each gradient as it arrives, so no worker waits for a slower one, at the price of
+**staleness**: a gradient computed at version v is applied to the weights at version t,
 
     w_{t+1} = w_t - η · ∇L(w_{t-τ}),      τ = t - v  (the staleness)
 
 With W equally fast workers τ ≈ W-1 on average (:func:`minipar.cost.expected_staleness`).
-``max_staleness=s`` bounds it: a gradient with τ > s is dropped (the worker gets fresh
-weights), so every applied gradient has τ ≤ s. ``synchronous=True`` is the classic
-synchronous alternative: the server waits for one gradient from every worker, averages
-them and applies one step (τ = 0; equal to single-process SGD on the W batches together).
-
-Messages are flat fp32 tensors: worker -> server ``[v, loss, grad...]``, server -> worker
-``[version, stop, weights...]``; the server receives from *any* worker (Gloo's
-any-source receive), recorded in the trace like every other transfer.
+``max_staleness=s`` drops a gradient with τ > s (its worker gets fresh weights).
+``synchronous=True`` is the classic alternative: the server averages one gradient from every
+worker and applies one step (τ = 0; single-process SGD on the W batches together). Messages are
+flat fp32 tensors, worker -> server ``[v, loss, grad...]`` and server -> worker
+``[version, stop, weights...]``; the server receives from *any* worker (Gloo's any-source receive).
 """
 from __future__ import annotations
 
@@ -29,34 +25,18 @@ import torch.distributed as dist
 
 from .. import comm, trace
 from ..reference import sgd
-from .naive import broadcast_module, trainable
+from .naive import _flat, _load, broadcast_module, trainable
 
 
-def _flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-@torch.no_grad()
-def _load(params, flat: torch.Tensor) -> None:
-    i = 0
-    for p in params:
-        p.copy_(flat[i:i + p.numel()].view_as(p))
-        i += p.numel()
-
-
-def parameter_server(model, batch_fn, steps: int, make_optimizer=None, group=None,
-                     synchronous: bool = False, max_staleness: int | None = None,
-                     delays=None, eval_batch=None) -> dict:
+def parameter_server(model, batch_fn, steps: int, make_optimizer=None, group=None, synchronous: bool = False,
+                     max_staleness: int | None = None, delays=None, eval_batch=None) -> dict:
     """Run on every rank of ``group``: rank 0 serves, the others work, for ``steps`` updates.
-
-    ``batch_fn(i) -> (x, y)`` gives batch number i; worker w (1..W) uses batches
-    ``k·W + w-1`` for k = 0, 1, ... ``delays[w-1]``: extra seconds worker w sleeps per
-    gradient (a simulated straggler). ``eval_batch``: the server records the loss on it
-    after every update. Returns, on the server, ``losses`` (workers' training losses of the
-    applied gradients), ``eval_losses``, ``times`` (seconds since start), ``staleness``
-    and ``workers`` per applied update, ``dropped``, ``seconds``, ``params``; on a worker,
-    ``{"gradients": k}``.
-    """
+    ``batch_fn(i) -> (x, y)`` gives batch i; worker w (1..W) uses batches ``k·W + w-1``, k = 0,
+    1, ... ``delays[w-1]``: extra seconds worker w sleeps per gradient (a simulated straggler).
+    ``eval_batch``: the server records the loss on it after every update. Returns, on the
+    server, ``losses`` (workers' training losses of the applied gradients), ``eval_losses``,
+    ``times`` (seconds since start), ``staleness`` and ``workers`` per applied update,
+    ``dropped``, ``updates``, ``seconds``, ``params``; on a worker, ``{"gradients": k}``."""
     n, r = comm.group_size(group), comm.group_rank(group)
     if n < 2:
         raise ValueError("a parameter server needs at least 2 ranks: one server, one worker")
@@ -72,8 +52,7 @@ def parameter_server(model, batch_fn, steps: int, make_optimizer=None, group=Non
 
 
 def _work(model, params, batch_fn, group, W: int, r: int, delay: float) -> dict:
-    numel = sum(p.numel() for p in params)
-    inbox = torch.empty(2 + numel, device=params[0].device)
+    inbox = torch.empty(2 + sum(p.numel() for p in params), device=params[0].device)
     comm.recv(inbox, 0, group, name="pull")
     k = 0
     while inbox[1] == 0:  # not told to stop
@@ -99,7 +78,7 @@ def _work(model, params, batch_fn, group, W: int, r: int, delay: float) -> dict:
 
 
 def _recv_any(buf: torch.Tensor, group) -> int:
-    """Receive into ``buf`` from whichever rank sends first; return its group rank."""
+    """Receive into ``buf`` from whichever rank sends first (traced); return its group rank."""
     start = trace.now()
     into = comm.staging.host_like(buf) if comm.staging.must_stage(buf, group, "irecv") else buf
     work = dist.irecv(into, src=None, group=group)
@@ -109,32 +88,30 @@ def _recv_any(buf: torch.Tensor, group) -> int:
     return work._source_rank()
 
 
-def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_staleness,
-           eval_batch) -> dict:
+def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_staleness, eval_batch) -> dict:
     opt = make_optimizer(params)
     numel = sum(p.numel() for p in params)
     version = 0
-    out = {"losses": [], "eval_losses": [], "times": [], "staleness": [], "workers": [],
-           "dropped": 0}
+    out = {"losses": [], "eval_losses": [], "times": [], "staleness": [], "workers": [], "dropped": 0}
 
     def reply(dst: int, stop: bool) -> None:
-        msg = torch.cat([torch.tensor([float(version), float(stop)], device=params[0].device),
-                         _flat(params)])
+        msg = torch.cat([torch.tensor([float(version), float(stop)], device=params[0].device), _flat(params)])
         comm.isend(msg, dst, group, name="pull").wait()
 
-    def apply(grad: torch.Tensor) -> None:
+    def apply(grad: torch.Tensor, loss: float, staleness: list[int], worker: int) -> None:
         nonlocal version
         with trace.region("update", version=version):
-            i = 0
-            for p in params:
-                p.grad = grad[i:i + p.numel()].view_as(p).clone()
-                i += p.numel()
+            for p, g in zip(params, grad.split([p.numel() for p in params])):
+                p.grad = g.view_as(p).clone()
             opt.step()
         version += 1
         out["times"].append(time.perf_counter() - t0)
         if eval_batch is not None:
             with torch.no_grad():
                 out["eval_losses"].append(model(*eval_batch).item())
+        out["losses"].append(loss)
+        out["staleness"] += staleness
+        out["workers"].append(worker)
 
     t0 = time.perf_counter()
     for w in range(1, W + 1):
@@ -147,10 +124,7 @@ def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_stal
                 comm.recv(inbox, w, group, name="push")
                 total += inbox[2:]
                 loss += inbox[1].item() / W
-            apply(total / W)
-            out["losses"].append(loss)
-            out["staleness"] += [0] * W
-            out["workers"].append(0)
+            apply(total / W, loss, [0] * W, 0)
             for w in range(1, W + 1):
                 reply(w, step == steps - 1)
     else:
@@ -162,15 +136,11 @@ def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_stal
                 if max_staleness is not None and tau > max_staleness:
                     out["dropped"] += 1
                 else:
-                    apply(inbox[2:])
+                    apply(inbox[2:], inbox[1].item(), [tau], src)
                     applied += 1
-                    out["losses"].append(inbox[1].item())
-                    out["staleness"].append(tau)
-                    out["workers"].append(src)
             stop = applied >= steps
             reply(src, stop)
             stopped += stop
-    out["seconds"] = time.perf_counter() - t0
-    out["updates"] = version
-    out["params"] = {k: v.detach().clone() for k, v in model.named_parameters()}
+    out.update(seconds=time.perf_counter() - t0, updates=version,
+               params={k: v.detach().clone() for k, v in model.named_parameters()})
     return out

@@ -1,17 +1,14 @@
 """The reducer: all-reduce gradient buckets, overlapping communication with backward.
 
-Backward computes gradients from the last layer to the first. As soon as every gradient
-of a bucket is ready, the bucket's all-reduce can start (asynchronously) while autograd
-keeps computing the gradients of earlier layers: communication hides behind computation
-(Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
-VLDB 2020, §3.2.3). The step then costs about
+Once every gradient of a bucket is ready, its all-reduce starts (asynchronously) while autograd
+computes the gradients of earlier layers: communication hides behind computation (Li et al.,
+"PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020, §3.2.3):
 
     T_step ≈ T_forward + max(T_backward, T_comm) + (the last bucket's all-reduce)
 
-instead of ``T_forward + T_backward + T_comm`` (:func:`minipar.cost.ddp_step_time`).
-
-Buckets are launched strictly in order 0, 1, 2, ...: every rank must issue the same
-collectives in the same order, even if gradients become ready in a different order.
+instead of ``T_forward + T_backward + T_comm`` (:func:`minipar.cost.ddp_step_time`). Buckets
+launch strictly in order 0, 1, 2, ...: every rank must issue the same collectives in the same
+order, even if its gradients become ready in another order.
 """
 from __future__ import annotations
 
@@ -22,14 +19,11 @@ from .buckets import Bucket, assign_buckets
 
 
 class Reducer:
-    """Average the gradients of ``params`` over ``group``, bucket by bucket.
-
-    Call :meth:`grad_ready` each time a parameter's gradient is final (DDP does so from a
-    gradient hook) and :meth:`finish` once backward is done. With ``overlap=True`` a full
-    bucket is all-reduced at once (asynchronously); with ``overlap=False`` all buckets are
-    reduced in :meth:`finish`, after backward. ``all_reduce_fn(tensor, group)``, if given,
-    sums in place and synchronously (no overlap possible, but your own collective).
-    """
+    """Average the gradients of ``params`` over ``group``, bucket by bucket: call
+    :meth:`grad_ready` when a parameter's gradient is final (DDP's gradient hook does) and
+    :meth:`finish` after backward. ``overlap=True`` all-reduces a full bucket at once
+    (asynchronously), ``overlap=False`` every bucket in :meth:`finish`. ``all_reduce_fn(tensor,
+    group)``, if given, sums in place and synchronously (your own collective, no overlap)."""
 
     def __init__(self, params, group=None, bucket_cap_mb: float = 25.0, overlap: bool = True,
                  all_reduce_fn=None):

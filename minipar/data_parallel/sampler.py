@@ -1,12 +1,10 @@
 """Sharding the data: each rank reads its own slice of every global batch.
 
-The single process reads global batch k as ``perm[k·B:(k+1)·B]`` of a per-epoch
-permutation. With n ranks, rank r reads the r-th contiguous piece of that same slice,
-``B/n`` indices long: the shards are disjoint, their union (concatenated in rank order)
-is exactly the single-process batch, and everything is a pure function of
-``(seed, epoch, step)``, so no rank needs to talk to another about data. This is what
-``torch.utils.data.DistributedSampler`` achieves (it interleaves instead: same sets per
-step up to order); keeping the order makes the equivalence with one process exact.
+The single process reads global batch k as ``perm[k·B:(k+1)·B]`` of a per-epoch permutation;
+rank r of n reads its r-th contiguous ``B/n`` indices. The shards are disjoint, make the
+single-process batch in rank order, and depend only on ``(seed, epoch, step)``: no rank talks to
+another about data. ``torch.utils.data.DistributedSampler`` interleaves instead (same sets per
+step, another order); keeping the order makes the equivalence with one process exact.
 """
 from __future__ import annotations
 
@@ -18,13 +16,10 @@ from ..data import shard
 
 class ShardedBatchSampler:
     """Yields, for each step of an epoch, this rank's list of dataset indices.
-
-    ``num_samples``: dataset size; ``global_batch_size``: B (divisible by the group's
-    size); ``shuffle``: permute per epoch with ``seed`` (call :meth:`set_epoch`);
-    ``drop_last``: drop a final incomplete global batch (the only mode where every step
-    has B samples; otherwise the last batch is cut evenly, any remainder dropped).
-    Use as ``DataLoader(dataset, batch_sampler=ShardedBatchSampler(...))``.
-    """
+    ``num_samples``: dataset size; ``global_batch_size``: B (divisible by the group's size);
+    ``shuffle``: permute per epoch with ``seed`` (call :meth:`set_epoch`); ``drop_last``: drop
+    a final incomplete global batch (else it is cut evenly, any remainder dropped, so only
+    ``drop_last`` gives B samples every step). Use as ``DataLoader(dataset, batch_sampler=...)``."""
 
     def __init__(self, num_samples: int, global_batch_size: int, group=None, rank: int | None = None,
                  num_replicas: int | None = None, shuffle: bool = True, seed: int = 0,

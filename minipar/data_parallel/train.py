@@ -1,11 +1,10 @@
 """Data-parallel training in the shape of every strategy (:mod:`minipar.strategy`).
 
-On each rank, for every global batch: take this rank's shard, split it into
-``accumulation`` micro-batches, run forward and backward on each (all but the last under
-``no_sync``, each loss scaled by 1/accumulation), then step the optimizer. With equal
-shards the averaged gradient equals the single-process gradient of the global mean loss,
-so the run matches :func:`minipar.reference.train_reference` step for step. The loss
-reported for a step is the mean over ranks, which is the single-process loss.
+On each rank, for every global batch: take this rank's shard, split it into ``accumulation``
+micro-batches, run forward and backward on each (all but the last under ``no_sync``, each loss
+scaled by 1/accumulation), then step: with equal shards the run matches
+:func:`minipar.reference.train_reference` step for step (:mod:`.naive` says why), and a step's
+loss, the mean over ranks, is the single-process loss.
 """
 from __future__ import annotations
 
@@ -23,11 +22,10 @@ from .sampler import shard_batch
 
 def train(model, batches, optimizer=None, group=None, accumulation: int = 1, dtype=None,
           recompute=None, **ddp_options) -> dict:
-    """Run on every rank of ``group``: train ``model`` wrapped in
-    :class:`DistributedDataParallel` (``ddp_options``: ``bucket_cap_mb``, ``overlap``,
-    ``all_reduce_fn``) on the global ``batches``; ``recompute`` is the GPT's
-    (:meth:`~minipar.models.GPT.set_recompute`). ``measured``: the last step's
-    ``bytes_sent``, ``bytes_by_dim`` and ``seconds``."""
+    """Run on every rank of ``group``: train ``model`` wrapped in :class:`DistributedDataParallel`
+    (``ddp_options``: ``bucket_cap_mb``, ``overlap``, ``all_reduce_fn``) on the global ``batches``;
+    ``recompute`` is the GPT's (:meth:`~minipar.models.GPT.set_recompute`). ``measured``: the last
+    step's ``bytes_sent``, ``bytes_by_dim`` and ``seconds``."""
     if recompute is not None:
         model.set_recompute(recompute)
     ddp = DistributedDataParallel(model, group=group, **ddp_options)
@@ -51,12 +49,10 @@ def train(model, batches, optimizer=None, group=None, accumulation: int = 1, dty
         measured = {"bytes_sent": sent["total"], "bytes_by_dim": sent, "seconds": time.perf_counter() - t0}
         losses.append(strategy.average_loss(total, group))
     ddp.remove_hooks()
-    return {"losses": losses, "params": strategy.full_params(ddp.named_parameters()),
-            "measured": measured}
+    return {"losses": losses, "params": strategy.full_params(ddp.named_parameters()), "measured": measured}
 
 
-def check(model, batches, world_size: int, accumulation: int = 1, bucket_cap_mb=25.0,
-          **_) -> None:
+def check(model, batches, world_size: int, accumulation: int = 1, bucket_cap_mb=25.0, **_) -> None:
     """Plain errors for a setup that cannot work, raised before any process starts."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -66,14 +62,12 @@ def check(model, batches, world_size: int, accumulation: int = 1, bucket_cap_mb=
         raise ValueError(f"bucket_cap_mb must be None (naive) or >= 0, got {bucket_cap_mb}")
     for step, (x, _) in enumerate(batches):
         if x.shape[0] % (world_size * accumulation):
-            raise ValueError(
-                f"global batch {step} has {x.shape[0]} samples, which {world_size} ranks x "
-                f"{accumulation} micro-batches cannot split evenly (equal shards are what make "
-                "the averaged gradient equal the single-process one)")
+            raise ValueError(f"global batch {step} has {x.shape[0]} samples, which {world_size} ranks x "
+                             f"{accumulation} micro-batches cannot split evenly (equal shards are what "
+                             "make the averaged gradient equal the single-process one)")
 
 
 def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:
     """Driver: :func:`check`, then :func:`train` on ``world_size`` ranks (a
     :class:`~minipar.strategy.TrainResult`, with the run's ``trace``)."""
-    return strategy.run(train, model, batches, world_size, check=check, optimizer=optimizer,
-                        **options)
+    return strategy.run(train, model, batches, world_size, check=check, optimizer=optimizer, **options)

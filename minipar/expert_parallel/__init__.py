@@ -13,7 +13,6 @@ from .groups import build_ep_groups, ep_layout
 from .layer import ExpertParallelMoE, exchange_counts, shard_experts
 from .train import check, reduce_gradients, run, train
 
-__all__ = ["all_to_all", "count_tokens", "kept_counts", "permutation", "split_sizes",
-           "ExpertParallelMoE", "exchange_counts", "shard_experts", "ep_layout", "build_ep_groups",
-           "reduce_gradients", "check", "train", "run", "load_imbalance", "expert_seconds",
-           "expert_rows", "time_imbalance"]
+__all__ = ["all_to_all", "count_tokens", "kept_counts", "permutation", "split_sizes", "ExpertParallelMoE",
+           "exchange_counts", "shard_experts", "ep_layout", "build_ep_groups", "reduce_gradients", "check",
+           "train", "run", "load_imbalance", "expert_seconds", "expert_rows", "time_imbalance"]

@@ -1,15 +1,14 @@
 """The all-to-all as a differentiable operation (its backward written out).
 
 Forward: chunk j of the input (``send[j]`` rows) goes to rank j; the output is the chunks
-that arrive, in rank order (``recv[i]`` rows from rank i). This is a permutation of rows
-across ranks, so its transpose, which is what the backward must apply to the gradient, is
-the same exchange in the other direction: the gradient of every row that arrived is sent
-back to the rank it came from, with the split sizes swapped:
+that arrive, in rank order (``recv[i]`` rows from rank i). A permutation of rows across ranks,
+so its transpose, which the backward applies to the gradient, is the same exchange the other
+way, split sizes swapped: each arrived row's gradient goes back where the row came from.
 
     y = A2A(x; recv, send)        ∂L/∂x = A2A(∂L/∂y; send, recv)
 
-(GShard's dispatch and combine, Lepikhin et al. 2020; both are recorded, as
-``<name>`` and ``<name>_backward``, in :mod:`minipar.comm`.)
+(GShard's dispatch and combine, Lepikhin et al. 2020; recorded by :mod:`minipar.comm` as
+``<name>`` and ``<name>_backward``.)
 """
 from __future__ import annotations
 

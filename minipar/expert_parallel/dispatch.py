@@ -1,9 +1,8 @@
 """Token dispatch: which rows go to which rank, and how to put them back.
 
-Expert parallelism moves every (token, expert) assignment to the rank that holds the
-expert, with one ``all_to_all_single`` whose split sizes say how many rows go to each rank
-(Lepikhin et al. 2020 §3; the "dispatch" of DeepSpeed-MoE and Megatron's token dispatcher).
-Three pieces, all local to a rank:
+Every (token, expert) assignment moves to the rank that holds the expert, in one
+``all_to_all_single`` whose split sizes say how many rows go to each rank (Lepikhin et al.
+2020 §3; the "dispatch" of DeepSpeed-MoE and Megatron's token dispatcher). Three local pieces:
 
 1. **counts**: ``c[i]`` = assignments this rank routes to expert i, a bincount;
 2. **split sizes** from the (ep × E) matrix ``M`` of every rank's counts (after capacity):
@@ -11,9 +10,8 @@ Three pieces, all local to a rank:
 
        send[j] = Σ_{i on rank j} M[me, i]        recv[j] = Σ_{i on me} M[j, i]
 
-3. **the permutation** that sorts the rows by destination: a *stable* sort by expert
-   (equal keys keep their token order), and its inverse, which puts results back:
-   ``sorted = rows[perm]``, ``rows = sorted[inverse]``.
+3. **the permutation** sorting the rows by destination, a *stable* sort by expert (equal keys
+   keep their token order), and its inverse: ``sorted = rows[perm]``, ``rows = sorted[inverse]``.
 """
 from __future__ import annotations
 
@@ -21,8 +19,7 @@ import torch
 
 
 def count_tokens(expert_of: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """``c[i]`` = number of entries of ``expert_of`` (flat assignments) equal to i, for
-    i = 0..n_experts-1 (int64, on ``expert_of``'s device)."""
+    """``c[i]`` = entries of ``expert_of`` (flat assignments) equal to i < n_experts (int64, same device)."""
     # >>> ex09 A
     # Hint: torch.bincount with minlength, so that experts nobody chose still count 0.
     return torch.bincount(expert_of, minlength=n_experts)
@@ -30,9 +27,8 @@ def count_tokens(expert_of: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 
 def split_sizes(counts: torch.Tensor, rank: int, ep: int) -> tuple[list[int], list[int]]:
-    """``(send, recv)`` row counts per rank for ``all_to_all_single``, from the (ep × E)
-    matrix ``counts`` (row r: what rank r routes to each expert); rank j holds the E/ep
-    experts ``j·E/ep .. (j+1)·E/ep - 1``. Python ints."""
+    """``(send, recv)`` row counts per rank (Python ints) for ``all_to_all_single``, from the (ep × E)
+    matrix ``counts`` (row r: what rank r routes to each expert); rank j holds the j-th E/ep experts."""
     # >>> ex09 B
     # Hint: view the matrix as (ep, ep, E/ep) (source rank, destination rank, local expert) and sum the last axis.
     per_rank = counts.reshape(ep, ep, -1).sum(-1)            # [source, destination]
@@ -53,9 +49,9 @@ def permutation(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def kept_counts(counts: torch.Tensor, cap: int | None) -> torch.Tensor:
-    """The (ep × E) count matrix after capacity ``cap``, by position: expert i keeps the
-    first ``cap`` of its assignments in rank order, so rank r keeps
-    ``min(cum_r, cap) - min(cum_{r-1}, cap)`` with ``cum_r`` the counts of ranks 0..r."""
+    """The (ep × E) count matrix after capacity ``cap``, by position: expert i keeps the first ``cap`` of
+    its assignments in rank order, so rank r keeps ``min(cum_r, cap) - min(cum_{r-1}, cap)`` (cum_r:
+    the counts of ranks 0..r)."""
     if cap is None:
         return counts
     cum = counts.cumsum(0)

@@ -1,11 +1,10 @@
 """The ep groups, carved out of the data-parallel ranks (DeepSpeed-MoE; DeepSeek-V3).
 
-With dp data-parallel ranks and expert-parallel size ep (ep divides dp), consecutive blocks
-of ep ranks form the **ep groups**: each holds all E experts once, E/ep per rank. The ranks
-with the same place in their ep group hold the same experts: they form the **expert-data-
-parallel group** (dp/ep ranks), the only ranks an expert's gradient is reduced over. Dense
-parameters (attention, embeddings, the router) are replicated on all dp ranks as in plain
-data parallelism:
+With dp data-parallel ranks and expert-parallel size ep (ep divides dp), consecutive blocks of
+ep ranks form the **ep groups**, each holding all E experts once, E/ep per rank. The ranks at
+the same place in their ep groups hold the same experts: the **expert-data-parallel group**
+(dp/ep ranks), the only ranks an expert's gradient is reduced over. Dense parameters
+(attention, embeddings, the router) are replicated on all dp ranks, as in data parallelism:
 
     dp = 4, ep = 2:   ep groups [0, 1] [2, 3]      expert-dp groups [0, 2] [1, 3]
 """
@@ -21,11 +20,10 @@ def ep_layout(dp: int, ep: int) -> dict[str, list[list[int]]]:
 
 
 def build_ep_groups(ep: int, dp_groups: list[list[int]] | None = None) -> dict:
-    """Inside a rank (every rank calls it, same order): this rank's ``"ep"`` and
-    ``"expert_dp"`` process groups, carved out of each data-parallel group of ``dp_groups``
-    (global ranks in dp order; default: the whole world is one dp group, also returned as
-    ``"dp"``). With tensor parallelism every tp coordinate has its own dp group, so its own
-    ep groups."""
+    """Inside a rank (every rank calls it, same order): this rank's ``"ep"`` and ``"expert_dp"``
+    process groups, carved out of each data-parallel group of ``dp_groups`` (global ranks in dp
+    order; default: the world is one dp group, also returned as ``"dp"``). With tensor
+    parallelism every tp coordinate has its own dp group, so its own ep groups."""
     import torch.distributed as dist
     me = dist.get_rank()
     groups = {} if dp_groups else {"dp": dist.group.WORLD}

@@ -1,7 +1,7 @@
 """Load imbalance, measured: how unevenly the router spreads tokens, and what it costs.
 
-An ep rank can only finish its experts when its busiest expert has; with capacity the
-overflow is dropped, without it the busiest rank sets the pace. Two figures:
+An ep rank finishes when its busiest expert has: with capacity the overflow is dropped,
+without it the busiest rank sets the pace. Two figures:
 
     token imbalance  = max_i c_i / mean_i c_i     (c_i assignments to expert i; 1 = perfectly even)
     time imbalance   = max_r t_r / mean_r t_r     (t_r the time rank r spent in its experts)

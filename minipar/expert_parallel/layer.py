@@ -3,23 +3,23 @@
 Every rank routes its own tokens with the (replicated) router; rank j holds experts
 ``j·E/ep .. (j+1)·E/ep - 1``. One forward, on every rank:
 
-1. route; count the assignments per expert; **exchange the counts** (an all-gather of E
-   integers per rank gives everyone the (ep × E) matrix M);
-2. **capacity** C = ceil(k·S/E · factor), S the tokens of the whole group (Σ M / k). The
-   policy is the single device's (by position, ranks in order): rank r's assignments to
-   expert i start at Σ_{r' < r} M[r', i], and those past C are dropped before sending;
+1. route, count the assignments per expert, **exchange the counts** (an all-gather of E
+   integers per rank: everyone has the (ep × E) matrix M);
+2. **capacity** C = ceil(k·S/E · factor), S the whole group's tokens (Σ M / k), by the single
+   device's policy (by position, ranks in order): rank r's assignments to expert i start at
+   Σ_{r' < r} M[r', i], and those past C are dropped before sending;
 3. sort the kept assignments by expert (a stable permutation), **all-to-all #1** with the
    split sizes from M: each rank receives the rows for its experts;
 4. group the arrived rows by local expert (source rank, then token order: the single
    device's order), run each expert on its rows, undo that grouping;
-5. **all-to-all #2** (the reverse splits) brings the results home; undo the sort and
-   combine, y = Σ_j w_j · E_{e_j}(x).
+5. **all-to-all #2** (the reverse splits) brings the results home; undo the sort, combine
+   y = Σ_j w_j · E_{e_j}(x).
 
-So the output rows, the dropped tokens and (after summing the router's gradient over the
-ranks) every gradient equal the single-device layer on all ranks' tokens concatenated.
-The load-balancing loss uses the group's f_i (from M, or summed over ``token_group`` when
-the tokens of the single-device batch span more ranks, as under DP × EP) and this rank's
-P_i; its mean over the ranks is the single-device aux.
+So the outputs, the dropped tokens and (with the router's gradient summed over the ranks)
+every gradient equal the single-device layer on all ranks' tokens concatenated. The
+load-balancing loss uses the group's f_i (from M, or summed over ``token_group`` when the
+single-device batch spans more ranks, as under DP × EP) and this rank's P_i; its mean over
+the ranks is the single-device aux.
 """
 from __future__ import annotations
 
@@ -100,8 +100,8 @@ class ExpertParallelMoE(MoE):
 
 
 def shard_experts(model: nn.Module, group=None, token_group=None) -> nn.Module:
-    """Replace every :class:`~minipar.models.moe.MoE` in ``model`` (in place) by its
-    expert-parallel version over ``group``; parameter names are unchanged."""
+    """Replace every :class:`~minipar.models.moe.MoE` in ``model`` (in place) by its expert-parallel
+    version over ``group``; parameter names are unchanged."""
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is MoE:

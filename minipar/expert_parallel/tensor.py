@@ -1,13 +1,12 @@
 """EP × TP: tensor-parallel attention and dense MLPs, experts spread over the dp ranks.
 
-The mesh is dp × tp (Megatron's layout, :class:`~minipar.mesh.ProcessMesh`). The blocks are
-the tensor-parallel ones of :mod:`minipar.tensor_parallel` (heads and MLP columns split over
-tp); an MoE block's MLP is the expert-parallel layer instead, over an ep group carved out of
-the rank's dp group (the ranks with the same tp coordinate). The ranks of a tp group hold
-the same tokens, so each runs the same MoE layer on them (the same router, the same local
-experts, the same all-to-alls on its own ep group): no tp communication in the MoE layer,
-and its input gradient is already whole on every tp rank. Gradients are then reduced as in
-DP × EP, over the dp group (dense and tensor-parallel shards) and the expert-dp group.
+The mesh is dp × tp (Megatron's layout, :class:`~minipar.mesh.ProcessMesh`), the blocks the
+tensor-parallel ones of :mod:`minipar.tensor_parallel` (heads and MLP columns split over tp);
+an MoE block's MLP is the expert-parallel layer, over an ep group carved out of the rank's dp
+group (the ranks with the same tp coordinate). A tp group's ranks hold the same tokens and run
+the same MoE layer on them (same router, local experts, all-to-alls on their own ep groups):
+no tp communication there, and its input gradient is whole on every tp rank. Gradients are
+reduced as in DP × EP, over the dp group (dense and tensor-parallel shards) and expert-dp.
 """
 from __future__ import annotations
 

@@ -1,24 +1,23 @@
 """DP × EP training of a mixture-of-experts GPT: ``check``, ``train``, ``run``.
 
-Every rank trains on its shard of each global batch (contiguous rows, rank order). The MoE
-layers are sharded over the rank's ep group (:func:`~minipar.expert_parallel.shard_experts`),
-the load-balancing counts summed over the dp group so that f_i is the whole batch's. After
-backward:
+Every rank trains on its shard of each global batch (contiguous rows, rank order), the MoE
+layers sharded over its ep group (:func:`~minipar.expert_parallel.shard_experts`) and the
+load-balancing counts summed over the dp group (f_i is the whole batch's). After backward:
 
     dense gradients   all-reduce (mean) over the dp group            (DDP's rule)
     expert gradients  all-reduce (sum) over the expert-dp group, ÷ dp
 
-Why ÷ dp: rank r's loss is the mean over its own S/dp tokens, so every token's contribution
-to an expert's gradient arrives (through the combine all-to-all's backward) scaled by 1/(S/dp);
-summing the dp/ep replicas gathers every token once, and ÷ dp turns 1/(S/dp) into the single
-process's 1/S. The result equals one process training the same model on the whole batch.
-An expert that no token of the batch chose gets no gradient at all (as in one process, where
-it never ran), so that optimizers with state (momentum, Adam) leave it alone too.
+Why ÷ dp: rank r's loss is the mean over its S/dp tokens, so each token's contribution to an
+expert's gradient arrives (through the combine all-to-all's backward) scaled by 1/(S/dp);
+summing the dp/ep replicas gathers every token once, and ÷ dp makes it the single process's
+1/S: the result equals one process training on the whole batch. An expert no token of the
+batch chose gets no gradient at all (as in one process), so stateful optimizers (momentum,
+Adam) leave it alone too.
 
 Options: ``ep`` (divides the world size, which is dp), ``dtype`` (mixed precision),
 ``recompute`` (passed to the GPT's blocks; ``"full"`` runs the two all-to-alls again in
 backward), ``tp`` (tensor parallelism of the dense part, :mod:`.tensor`: world = dp · tp).
-Pipeline parallelism is rejected by :func:`check`.
+:func:`check` rejects pipeline parallelism.
 """
 from __future__ import annotations
 
@@ -35,15 +34,11 @@ from .groups import build_ep_groups
 from .layer import shard_experts
 
 
-def _is_expert(name: str) -> bool:
-    return ".experts." in name
-
-
 def reduce_gradients(model, groups, dp: int) -> None:
     """Dense gradients: mean over dp. Expert gradients: sum over expert-dp, ÷ dp; ``None``
     for an expert that no token of the whole batch chose."""
     for kind, group, op in (("dense", groups["dp"], "avg"), ("expert", groups["expert_dp"], "sum")):
-        ps = [p for n, p in model.named_parameters() if _is_expert(n) == (kind == "expert")]
+        ps = [p for n, p in model.named_parameters() if (".experts." in n) == (kind == "expert")]
         if not ps:
             continue
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
@@ -80,8 +75,7 @@ def train(model, batches, optimizer=None, group=None, ep: int = 1, tp: int = 1, 
         model.set_recompute(recompute)   # "full" reruns a block's forward, all-to-alls included, in backward
     device = next(model.parameters()).device
     opt = (optimizer or sgd())(model.parameters())
-    losses, routed = [], []
-    layers = moe_layers(model)
+    losses, routed, layers = [], [], moe_layers(model)
     for step, (x, y) in enumerate(batches):
         x, y = shard(x, me, dp).to(device), shard(y, me, dp).to(device)
         first, t0 = len(trace.events()), time.perf_counter()
@@ -119,9 +113,8 @@ def train(model, batches, optimizer=None, group=None, ep: int = 1, tp: int = 1, 
 
 
 def check(model, batches, world_size: int, ep: int = 1, tp: int = 1, pp: int = 1, **options) -> None:
-    """Plain errors before launch: a model without MoE layers, E not divisible by ep,
-    top_k > E, ep not dividing dp, uneven batch shards, capacity with dp > ep, a GPT that
-    tp cannot split, pipeline parallelism."""
+    """Plain errors before launch: a model without MoE layers, E not divisible by ep, top_k > E,
+    ep not dividing dp, uneven batch shards, capacity with dp > ep, a GPT that tp cannot split, pp."""
     if pp != 1:
         raise ValueError(f"expert parallelism composes with dp and tp here; pp={pp} is not supported "
                          "(a pipeline's micro-batches would count capacity and the load-balancing loss per "

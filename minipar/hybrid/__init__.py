@@ -1,40 +1,28 @@
 """Hybrid (2D/3D) parallelism: data × pipeline × tensor parallelism on a process mesh,
 with ZeRO-1 over the data-parallel dimension as an option (Narayanan et al. 2021).
 
-The API (every function below is importable from ``minipar.hybrid``), the shape of every
-strategy (:mod:`minipar.strategy`)::
+The API, in the shape of every strategy (:mod:`minipar.strategy`), all from ``minipar.hybrid``::
 
     # driver, before launch: plain errors for a configuration that cannot work
-    check(model, batches, world_size, dp=1, pp=1, tp=1, microbatches=1, schedule="1f1b",
-          virtual_stages=1, sequence_parallel=False, batch_size=None) -> None   # model: GPT or GPTConfig
+    check(model, batches, world_size, dp=1, pp=1, tp=1, microbatches=1, ...)  # model: GPT or GPTConfig
     run(model, batches, optimizer=None, dp=2, pp=2, tp=2, **options) -> TrainResult
-    choose_config(config, world_size, batch_size, microbatches=1, memory_per_rank=None,
-                  ranks_per_node=8, zero1=False) -> {"dp", "pp", "tp"}
+    choose_config(config, world_size, batch_size, memory_per_rank=None, ...) -> {"dp", "pp", "tp"}
     valid_configs(config, world_size, batch_size=None, microbatches=1) -> [{"dp", "pp", "tp"}, ...]
+    compare(config, batches, world_size=8) -> (rows, results)  # every strategy, measured (notebook 07)
 
     # inside every rank
     train(model, batches, optimizer=None, dp=, pp=, tp=, **options) -> {"losses", "params", "measured"}
-    mesh = ProcessMesh(dp=2, pp=2, tp=2)                     # from minipar.mesh
-    hm = build(model, mesh, optimizer=None, zero1=False, schedule="1f1b", microbatches=2,
-               virtual_stages=1, sequence_parallel=False, dtype=None, recompute=None)  # -> HybridModel
+    hm = build(model, ProcessMesh(dp=2, pp=2, tp=2), zero1=False, microbatches=2, ...)  # a HybridModel
     loss = hm.train_step(x, y)          # global batch on every rank -> global mean loss (float)
-    hm.optimizer                        # torch optimizer, or ZeroOptimizer (.optim inside)
-    hm.full_state_dict()                # single-device GPT names, full tensors (collective)
-    hm.load_full_state_dict(sd)         # each rank takes its stages' tp shards
-    hm.local_state_dict()               # this rank's shards, single-device names
-    hm.coords, hm.mesh, hm.groups, hm.stages, hm.memory(), hm.last_step
+    hm.optimizer, hm.full_state_dict(), hm.load_full_state_dict(sd), hm.local_state_dict(),
+    hm.coords, hm.mesh, hm.groups, hm.stages, hm.memory(), hm.last_step   # see HybridModel
 
-    # every strategy side by side, measured (notebook 07)
-    compare(config, batches, world_size=8) -> (rows, results)
-
-Every global batch is cut into ``dp`` shards (:func:`minipar.data.shard`) and each shard
-into ``microbatches``; the loss returned is the single-process loss of the global batch.
-Context parallelism is a fourth dimension: ``cp=`` (with ``variant="ring"|"all_gather"|"ulysses"``
-and ``layout="zigzag"|"contiguous"``, :mod:`minipar.context_parallel`) splits every sequence over
-the cp ranks, and gradients are averaged over the combined dp × cp group.
-``mesh_coordinates`` and ``group_members`` (exercise 07) are re-exported from
-:mod:`minipar.mesh`.
-"""
+Every global batch is cut into ``dp`` shards (:func:`minipar.data.shard`) and each shard into
+``microbatches``; the loss returned is the single-process loss of the global batch. Context
+parallelism is a fourth dimension: ``cp=`` (with ``variant="ring"|"all_gather"|"ulysses"`` and
+``layout="zigzag"|"contiguous"``, :mod:`minipar.context_parallel`) splits every sequence over the
+cp ranks, and gradients are averaged over the combined dp × cp group. ``mesh_coordinates`` and
+``group_members`` (exercise 07) are re-exported from :mod:`minipar.mesh`."""
 from ..cost import hybrid_comm_bytes, hybrid_memory_per_rank
 from ..mesh import ProcessMesh, group_members, mesh_coordinates
 from .config import check, choose_config, num_layers, num_params, valid_configs

@@ -9,14 +9,12 @@ parallelism, ZeRO 1-3, 2D and 3D), all in one launch, and returns one row per st
   formula (:func:`minipar.cost.hybrid_memory_per_rank`, :func:`minipar.cost.zero_bytes_per_rank`);
 * ``sent``: bytes the busiest rank sent in one step (from its trace), beside the formula
   (:func:`minipar.cost.hybrid_comm_bytes`, :func:`minipar.cost.zero_comm_bytes`);
-* ``bubble`` (pipelines only, ``None`` otherwise): the measured bubble of the last step,
-  idle time over compute time ``(T - c)/c`` averaged over the ranks
-  (:meth:`minipar.trace.Trace.bubble`, which chapter 04 measures too), beside the
-  schedule's ``(p-1)/m``;
+* ``bubble`` (pipelines only, else ``None``): the last step's measured bubble, idle over
+  compute time ``(T - c)/c`` averaged over the ranks (:meth:`minipar.trace.Trace.bubble`,
+  as in chapter 04), beside the schedule's ``(p-1)/m``;
 * ``step_ms``: the slowest rank's last step;
-* ``loss_error``: the largest difference from the single-process losses (all the same
-  training).
-"""
+* ``loss_error``: the largest difference from the single-process losses (it is all the same
+  training)."""
 from __future__ import annotations
 
 import statistics
@@ -43,18 +41,14 @@ def strategies(world_size: int = 8, microbatches: int = 4) -> dict[str, dict]:
     """``{name: spec}``: a spec is ``{"dp", "pp", "tp", "m", "zero"}``. Pure strategies use
     all ``world_size`` ranks along one dimension; 2D and 3D split it in halves."""
     n, m, h = world_size, microbatches, world_size // 2
-    q = max(world_size // 4, 1)
+    three = dict(dp=2, pp=max(n // 4, 1), tp=2, m=m) if n >= 8 else dict(dp=2, pp=1, tp=2, m=1)
     return {"DP": dict(dp=n, pp=1, tp=1, m=1, zero=0),
-            "ZeRO-1": dict(dp=n, pp=1, tp=1, m=1, zero=1),
-            "ZeRO-2": dict(dp=n, pp=1, tp=1, m=1, zero=2),
-            "ZeRO-3": dict(dp=n, pp=1, tp=1, m=1, zero=3),
+            **{f"ZeRO-{z}": dict(dp=n, pp=1, tp=1, m=1, zero=z) for z in (1, 2, 3)},
             "TP": dict(dp=1, pp=1, tp=n, m=1, zero=0),
             "PP": dict(dp=1, pp=n, tp=1, m=max(m, n), zero=0),
             "2D DP×TP": dict(dp=h, pp=1, tp=2, m=1, zero=0),
             "2D PP×TP": dict(dp=1, pp=h, tp=2, m=m, zero=0),
-            "3D": dict(dp=2, pp=q, tp=2, m=m, zero=0) if n >= 8 else dict(dp=2, pp=1, tp=2, m=1, zero=0),
-            "3D + ZeRO-1": (dict(dp=2, pp=q, tp=2, m=m, zero=1) if n >= 8
-                            else dict(dp=2, pp=1, tp=2, m=1, zero=1))}
+            "3D": dict(three, zero=0), "3D + ZeRO-1": dict(three, zero=1)}
 
 
 def measure(config, batches, specs: dict[str, dict], seed: int = 0) -> dict[str, dict]:
@@ -64,11 +58,9 @@ def measure(config, batches, specs: dict[str, dict], seed: int = 0) -> dict[str,
     for name, spec in specs.items():
         torch.distributed.barrier()
         model = GPT(config, seed=seed)
-        if spec["zero"] >= 2:
-            out[name] = zero_train(model, batches, adamw, stage=spec["zero"])
-        else:
-            out[name] = hybrid_train(model, batches, adamw, dp=spec["dp"], pp=spec["pp"], tp=spec["tp"],
-                                     zero1=spec["zero"] == 1, microbatches=spec["m"])
+        out[name] = (zero_train(model, batches, adamw, stage=spec["zero"]) if spec["zero"] >= 2 else
+                     hybrid_train(model, batches, adamw, dp=spec["dp"], pp=spec["pp"], tp=spec["tp"],
+                                  zero1=spec["zero"] == 1, microbatches=spec["m"]))
         out[name].pop("params")
     return out
 
@@ -101,14 +93,10 @@ def compare(config, batches, world_size: int = 8, specs: dict | None = None, see
     rows = []
     for name, spec in specs.items():
         runs = [r[name]["measured"] for r in results]
-        losses = [r[name]["losses"] for r in results]
+        bubble = statistics.mean(Trace([r["events"] for r in runs]).bubble()) if spec["pp"] > 1 else None
         row = {"strategy": name, "dp": spec["dp"], "pp": spec["pp"], "tp": spec["tp"], "m": spec["m"],
-               "memory": max(r["memory"]["total"] for r in runs),
-               "sent": max(r["bytes_sent"] for r in runs),
-               "bubble": (statistics.mean(Trace([r["events"] for r in runs]).bubble())
-                          if spec["pp"] > 1 else None),
-               "step_ms": 1e3 * max(r["seconds"] for r in runs),
-               "loss_error": max(abs(a - b) for ls in losses for a, b in zip(ls, want))}
-        row.update(_formulas(config, spec, batch, runs[0].get("unit_sizes")))
-        rows.append(row)
+               "memory": max(r["memory"]["total"] for r in runs), "sent": max(r["bytes_sent"] for r in runs),
+               "bubble": bubble, "step_ms": 1e3 * max(r["seconds"] for r in runs),
+               "loss_error": max(abs(a - b) for r in results for a, b in zip(r[name]["losses"], want))}
+        rows.append(row | _formulas(config, spec, batch, runs[0].get("unit_sizes")))
     return rows, results

@@ -6,16 +6,14 @@ splits heads, hidden size and vocabulary by ``tp``; a pipeline needs at least on
 per stage; the batch must cut into ``dp`` shards of ``m`` equal micro-batches).
 
 :func:`choose_config` applies the rules of thumb of Narayanan et al. 2021 ("Efficient
-Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §3.3):
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §3.3), with the
+memory per rank from :func:`minipar.cost.hybrid_memory_per_rank`:
 
 1. use model parallelism (``t·p``) only as far as needed to fit the model in memory,
    and data parallelism for the rest (it communicates least per useful FLOP);
 2. among model-parallel splits of the same size, keep tensor parallelism inside a node
    (``tp ≤ ranks_per_node``: its all-reduces need NVLink bandwidth), and prefer it to
-   pipeline stages (no bubble);
-
-with the memory per rank from :func:`minipar.cost.hybrid_memory_per_rank`.
-"""
+   pipeline stages (no bubble)."""
 from __future__ import annotations
 
 from .. import precision
@@ -45,12 +43,10 @@ def check(model, batches=None, world_size: int | None = None, dp: int = 1, pp: i
           tp: int = 1, microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
           sequence_parallel: bool = False, batch_size: int | None = None, dtype=None, cp: int = 1,
           layout: str = "zigzag", variant: str = "ring", **_) -> None:
-    """Raise a plain ``ValueError`` if the GPT ``model`` (or its ``GPTConfig``) cannot train
-    on a dp × pp × tp mesh.
-
-    Call it in the driver, before any process starts (:func:`~minipar.hybrid.run` does).
-    ``world_size`` (if given) must be ``dp·pp·tp``; the global batch (``batch_size``, else
-    that of ``batches``) must split into ``dp`` shards of ``microbatches`` equal micro-batches."""
+    """Raise a plain ``ValueError`` if the GPT ``model`` (or its ``GPTConfig``) cannot train on a
+    dp × pp × tp mesh (the rules: the module docstring). Call it in the driver, before any
+    process starts (:func:`~minipar.hybrid.run` does); ``world_size`` is checked if given, the
+    global batch is ``batch_size``, else that of ``batches``."""
     config = getattr(model, "config", model)
     ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp, world_size=world_size)
     if cp > 1:  # context parallelism: T cut over cp (2·cp for zigzag), Ulysses needs cp | heads/tp

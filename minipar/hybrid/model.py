@@ -1,24 +1,21 @@
-"""3D parallelism: the GPT split by layers (pp), within layers (tp), replicated over dp.
-
-Megatron-LM's composition (Narayanan et al. 2021, §3), from minipar's own pieces:
+"""3D parallelism: the GPT split by layers (pp), within layers (tp), replicated over dp, composed
+as in Megatron-LM (Narayanan et al. 2021, §3) from minipar's own pieces:
 
 * **tp**: every rank builds :class:`~minipar.tensor_parallel.TensorParallelGPT` over its
   tensor-parallel group (the single-device GPT itself when ``tp == 1``), with the weights
   of the single-device model it is given;
 * **pp**: the model's ``layers()`` are cut into ``pp·v`` balanced stages
-  (:func:`~minipar.pipeline.partition`); this rank keeps the stages of its pipeline
-  coordinate and runs them with :class:`~minipar.pipeline.Pipeline` over its pipeline
-  group (the loss on the last stage is the vocabulary-parallel cross-entropy);
+  (:func:`~minipar.pipeline.partition`); this rank runs the stages of its pipeline coordinate
+  with :class:`~minipar.pipeline.Pipeline` over its pipeline group (the loss on the last
+  stage is the vocabulary-parallel cross-entropy);
 * **dp**: each global batch is cut into dp shards (:func:`minipar.data.shard`); after the
-  pipeline's flush the gradients are averaged over the data-parallel group, by the
+  pipeline's flush the gradients are averaged over the data-parallel group by the
   :class:`~minipar.data_parallel.Reducer` (one bucketed all-reduce), or with ZeRO-1
-  (:class:`~minipar.zero.ZeroOptimizer`: reduce-scatter, step on this rank's shard,
-  all-gather).
+  (:class:`~minipar.zero.ZeroOptimizer`: reduce-scatter, step on this rank's shard, all-gather).
 
 With equal shards and equal micro-batches the averaged gradient is the single-process
 gradient of the global mean loss, ∇L = 1/(d·m) Σ_shards Σ_micro ∇ℓ, so every step is the
-single-process step (up to the order of floating-point sums).
-"""
+single-process step (up to the order of floating-point sums)."""
 from __future__ import annotations
 
 import time
@@ -41,16 +38,13 @@ from .config import check
 
 
 class HybridModel:
-    """One rank's part of the single-device GPT ``model`` (same weights on every rank)
-    trained on a ``dp × pp × tp`` :class:`ProcessMesh`.
-
-    ``train_step(x, y)`` trains on one global batch and returns its mean loss (the same
-    on every rank); ``optimizer`` (built by the factory ``optimizer``, default SGD) is the
-    torch optimizer or the ZeRO-1 wrapper;
-    ``full_state_dict()`` / ``load_full_state_dict(sd)`` move the single-device GPT's
-    weights in and out (collectives: call them on every rank). ``params`` maps this
-    rank's single-device names to its parameters; ``coords`` is its ``{"pp", "dp", "tp"}``.
-    ``zero1`` with ``dp == 1`` is plain training (there is nothing to shard over)."""
+    """One rank's part of the single-device GPT ``model`` (same weights on every rank) trained on a
+    ``dp × pp × tp`` :class:`ProcessMesh`. ``train_step(x, y)`` trains on one global batch and returns
+    its mean loss (the same on every rank); ``optimizer`` (built by the factory ``optimizer``, default
+    SGD) is the torch optimizer or the ZeRO-1 wrapper; ``full_state_dict()`` /
+    ``load_full_state_dict(sd)`` move the single-device GPT's weights in and out (collectives: call
+    them on every rank). ``params`` maps this rank's single-device names to its parameters; ``coords``
+    is its ``{"pp", "dp", "tp"}``. ``zero1`` with ``dp == 1`` is plain training (nothing to shard over)."""
 
     def __init__(self, model: GPT, mesh: ProcessMesh, *, optimizer=None, zero1: bool = False,
                  schedule: str = "1f1b", microbatches: int = 1, virtual_stages: int = 1,
@@ -65,12 +59,10 @@ class HybridModel:
             mesh.build()
         self.config, self.mesh = config, mesh
         self.coords = mesh.coordinates(dist.get_rank())
-        self.zero1, self.sequence_parallel, self.m = zero1 and mesh.dp * mesh.cp > 1, sequence_parallel, microbatches
-        g = {dim: mesh.group(dim) for dim in ("dp", "pp", "tp", "dp_cp")}  # dp_cp: dp when cp = 1
-        if mesh.cp > 1:
-            g["cp"] = mesh.group("cp")
-        self.layout = layout
-        self.groups = g
+        self.zero1, self.m = zero1 and mesh.dp * mesh.cp > 1, microbatches
+        self.sequence_parallel, self.layout = sequence_parallel, layout
+        dims = ("dp", "pp", "tp", "dp_cp") + (("cp",) if mesh.cp > 1 else ())  # dp_cp: dp when cp = 1
+        self.groups = g = {dim: mesh.group(dim) for dim in dims}
         self.device = current_device()                      # where this rank computes
         if recompute is not None:  # the blocks' recomputation, in the config tp shards are built from
             model.set_recompute(recompute)
@@ -86,8 +78,7 @@ class HybridModel:
             self.model, loss_fn = full, lm_loss
         if mesh.cp > 1:  # cp: attention over the cp group, every other layer on the local tokens
             parallelize(self.model, g["cp"], variant, layout)
-        n_stages = mesh.pp * virtual_stages
-        self.bounds = bounds or partition(layer_costs(full.layers()), n_stages)
+        self.bounds = bounds or partition(layer_costs(full.layers()), mesh.pp * virtual_stages)
         self.stages = build_stages(self.model.layers(), self.bounds, self.coords["pp"], mesh.pp)
         self.schedule = make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
         self._act = (1, config.block_size, config.n_embd)
@@ -106,7 +97,6 @@ class HybridModel:
                             if mesh.dp * mesh.cp > 1 else None)
         self.last_step: dict = {}
 
-    # ------------------------------------------------------------------ training
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One step on the global batch ``(x, y)`` (every rank passes the same batch):
         this rank's dp shard, m micro-batches through the pipeline, gradients averaged over
@@ -142,7 +132,6 @@ class HybridModel:
             comm.all_reduce(t, op="avg", group=self.groups["dp_cp"], name="loss")
         return t.item()
 
-    # ------------------------------------------------------------------ state
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by single-device name (tensor-parallel shards)."""
         return dict(self.params)
@@ -175,8 +164,7 @@ class HybridModel:
         """Load this rank's part (its stages, its tp shards) of a single-device GPT state dict."""
         t, r = self.mesh.tp, self.coords["tp"]
         for k, p in self.params.items():
-            full = state_dict[k]
-            p.copy_(shard_state_dict({k: full}, t, r)[k] if t > 1 else full)
+            p.copy_(shard_state_dict({k: state_dict[k]}, t, r)[k] if t > 1 else state_dict[k])
 
     def memory(self) -> dict[str, int]:
         """Bytes of model states this rank holds: ``{"params", "grads", "optimizer", "total"}``

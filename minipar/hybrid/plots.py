@@ -20,17 +20,11 @@ def _xy(c: dict, mesh: ProcessMesh) -> tuple[float, float]:
 def _path(dim: str, points: list[tuple[float, float]], t: int) -> tuple[list, list]:
     """The line through a group's ranks: straight for tp, beside the labels for dp, arcs
     over the panels for pp (higher for larger t, so that they do not overlap)."""
-    if dim == "tp":
-        return [x for x, _ in points], [y for _, y in points]
-    if dim == "dp":
-        return [x + 0.2 for x, _ in points], [y for _, y in points]
-    xs, ys = [], []
-    for (x0, y0), (x1, y1) in zip(points[:-1], points[1:]):
-        for k in range(21):
-            u = k / 20
-            xs.append(x0 + (x1 - x0) * u)
-            ys.append(y0 + (y1 - y0) * u + (0.25 + 0.12 * t) * 4 * u * (1 - u))
-    return xs, ys
+    if dim != "pp":
+        return [x + (0.2 if dim == "dp" else 0) for x, _ in points], [y for _, y in points]
+    arcs = [(x0 + (x1 - x0) * u, y0 + (y1 - y0) * u + (0.25 + 0.12 * t) * 4 * u * (1 - u))
+            for (x0, y0), (x1, y1) in zip(points[:-1], points[1:]) for u in (k / 20 for k in range(21))]
+    return [x for x, _ in arcs], [y for _, y in arcs]
 
 
 def mesh_figure(mesh: ProcessMesh, highlight: int | None = None, title: str | None = None) -> go.Figure:
@@ -42,23 +36,18 @@ def mesh_figure(mesh: ProcessMesh, highlight: int | None = None, title: str | No
     coords = {r: mesh.coordinates(r) for r in ranks}
     for dim in ("pp", "dp", "tp"):
         groups = mesh.all_groups(dim) if highlight is None else [mesh.members(highlight, dim)]
-        first = True
-        for g in groups:
-            if len(g) < 2:
-                continue
+        for i, g in enumerate(group for group in groups if len(group) > 1):
             xs, ys = _path(dim, [_xy(coords[r], mesh) for r in g], coords[g[0]]["tp"])
-            fig.add_scatter(x=xs, y=ys, mode="lines",
-                            line=GROUP_STYLE[dim], name=f"{dim} group", legendgroup=dim,
-                            showlegend=first, hoverinfo="skip")
-            first = False
+            fig.add_scatter(x=xs, y=ys, mode="lines", line=GROUP_STYLE[dim], name=f"{dim} group",
+                            legendgroup=dim, showlegend=i == 0, hoverinfo="skip")
     xs, ys = zip(*(_xy(coords[r], mesh) for r in ranks))
     text = [f"<b>{r}</b><br>({coords[r]['pp']},{coords[r]['dp']},{coords[r]['tp']})" for r in ranks]
     fig.add_scatter(x=xs, y=ys, mode="markers+text", text=text, textposition="bottom center",
                     marker=dict(size=26, color=["#d62728" if r == highlight else "#444" for r in ranks]),
                     name="rank (p, d, t)", hoverinfo="text")
     for p in range(mesh.pp):
-        x0 = p * (mesh.tp + 0.8)
-        fig.add_annotation(x=x0 + (mesh.tp - 1) / 2, y=0.6, text=f"stage p={p}", showarrow=False)
+        fig.add_annotation(x=p * (mesh.tp + 0.8) + (mesh.tp - 1) / 2, y=0.6, text=f"stage p={p}",
+                           showarrow=False)
     fig.update_layout(title=title or f"dp={mesh.dp} × pp={mesh.pp} × tp={mesh.tp}: "
                       "rank = p·(dp·tp) + d·tp + t",
                       height=180 + 90 * mesh.dp, showlegend=True,
@@ -79,16 +68,13 @@ def comparison_table(rows: list[dict], title: str = "Strategies side by side (me
     def cell(r, key, ref, scale):
         if r[key] is None:
             return "—"
-        v = f"{r[key] * scale:,.1f}" if key != "bubble" else f"{r[key]:.2f}"
-        if ref is not None:
-            v += f" ({r[ref] * scale:,.1f})" if key != "bubble" else f" ({r[ref]:.2f})"
-        return v
+        spec = ".2f" if key == "bubble" else ",.1f"
+        return f"{r[key] * scale:{spec}}" + (f" ({r[ref] * scale:{spec}})" if ref is not None else "")
     header = ["strategy", "dp × pp × tp, m"] + [c[2] for c in COLUMNS] + ["max |Δ loss|"]
     cols = [[r["strategy"] for r in rows], [f"{r['dp']}×{r['pp']}×{r['tp']}, m={r['m']}" for r in rows]]
     cols += [[cell(r, k, ref, s) for r in rows] for k, ref, _, s in COLUMNS]
     cols.append([f"{r['loss_error']:.0e}" for r in rows])
-    fig = go.Figure(go.Table(header=dict(values=header, align="left"),
-                             cells=dict(values=cols, align="left")))
+    fig = go.Figure(go.Table(header=dict(values=header, align="left"), cells=dict(values=cols, align="left")))
     fig.update_layout(title=title, height=120 + 32 * len(rows), margin=dict(t=50, b=10, l=10, r=10))
     return fig
 

@@ -1,13 +1,4 @@
-"""Hybrid training in the shape of every strategy (:mod:`minipar.strategy`).
-
-``train(model, batches, optimizer, dp=, pp=, tp=, ...)`` runs on every rank: it builds the
-mesh and the :class:`~minipar.hybrid.HybridModel` of the single-device GPT ``model``,
-trains on the global ``batches``, and returns the losses, the final single-device
-parameters (gathered, on global rank 0) and what the last step measured: this rank's mesh
-``coords``, ``bytes_by_dim`` (and ``bytes_sent``) by mesh dimension, model-state
-``memory``, ``seconds`` and its trace ``events``. :func:`run` checks the configuration
-(:func:`~minipar.hybrid.check`), then launches ``train``.
-"""
+"""Hybrid training in the shape of every strategy (:mod:`minipar.strategy`)."""
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -20,9 +11,13 @@ from .model import HybridModel
 
 def train(model, batches, optimizer=None, group=None, dp: int = 1, pp: int = 1, tp: int = 1,
           cp: int = 1, **options) -> dict:
-    """Rank function: train the GPT ``model`` on a dp × pp × tp mesh of the whole world
-    (``options``: those of :class:`HybridModel`: ``zero1``, ``schedule``, ``microbatches``,
-    ``virtual_stages``, ``sequence_parallel``, ``bounds``, ``dtype``, ``recompute``, ...)."""
+    """Rank function: build the mesh and the :class:`HybridModel` of the single-device GPT
+    ``model`` over the whole world and train it on the global ``batches`` (``options``: those of
+    :class:`HybridModel`: ``zero1``, ``schedule``, ``microbatches``, ``virtual_stages``,
+    ``sequence_parallel``, ``bounds``, ``dtype``, ``recompute``, ...). Returns the losses, the
+    final single-device parameters (gathered, on global rank 0) and what the last step measured:
+    this rank's mesh ``coords``, ``bytes_by_dim`` (and ``bytes_sent``), model-state ``memory``,
+    ``seconds`` and its trace ``events``."""
     if group is not None:
         raise ValueError("hybrid training lays its mesh over the whole world (group=None)")
     names = [k for k, _ in model.named_parameters()]

@@ -1,14 +1,11 @@
 """A small GPT (decoder-only transformer), the model most chapters train.
 
-The architecture of GPT-2 (Radford et al. 2019) as written in nanoGPT: token and position
-embeddings, ``n_layer`` pre-norm blocks ``x + attn(ln(x))``, ``x + mlp(ln(x))``, a final
-layer norm and a linear head to the vocabulary. Attention is written out (no fused
-kernel) so that tensor parallelism can split it by heads.
-
-The model is three parts, in order, so that pipeline parallelism can cut it anywhere:
-``embed`` (tokens -> hidden states), ``blocks`` (hidden -> hidden), ``head`` (hidden ->
-logits). ``model.layers()`` lists them flat. Initialisation is deterministic given
-``seed`` and does not disturb the global random state.
+GPT-2 (Radford et al. 2019) as in nanoGPT: token and position embeddings, ``n_layer`` pre-norm
+blocks ``x + attn(ln(x))``, ``x + mlp(ln(x))``, a final layer norm and a linear head to the
+vocabulary. Attention is written out (no fused kernel) for tensor parallelism to split by heads.
+Pipeline parallelism can cut the three parts anywhere: ``embed`` (tokens -> hidden states),
+``blocks`` (hidden -> hidden), ``head`` (hidden -> logits), flat in ``model.layers()``.
+Initialisation is deterministic given ``seed`` and leaves the global random state alone.
 """
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ class GPTConfig:
     n_embd: int = 32          # hidden size h
     tie_weights: bool = False  # share the embedding matrix with the output head
     dropout: float = 0.0
-    recompute: str = "none"   # activation recomputation: "none" | "selective" | "full" (minipar.models.recompute)
+    recompute: str = "none"   # activation recomputation: "none" | "selective" | "full" (.recompute)
     # Mixture of experts (minipar.models.moe): every moe_every-th block's MLP (blocks
     # moe_every-1, 2·moe_every-1, ...) becomes n_experts experts, top_k per token. 0 = dense.
     moe_every: int = 0
@@ -49,8 +46,7 @@ class CausalSelfAttention(nn.Module):
         if c.n_embd % c.n_head:
             raise ValueError(f"n_embd={c.n_embd} is not divisible by n_head={c.n_head}")
         self.n_head, self.head_dim = c.n_head, c.n_embd // c.n_head
-        self.qkv = nn.Linear(c.n_embd, 3 * c.n_embd)
-        self.proj = nn.Linear(c.n_embd, c.n_embd)
+        self.qkv, self.proj = nn.Linear(c.n_embd, 3 * c.n_embd), nn.Linear(c.n_embd, c.n_embd)
         self.drop = nn.Dropout(c.dropout)
         self.recompute = check_mode(c.recompute)
 
@@ -77,8 +73,7 @@ class CausalSelfAttention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(c.n_embd, 4 * c.n_embd)
-        self.proj = nn.Linear(4 * c.n_embd, c.n_embd)
+        self.fc, self.proj = nn.Linear(c.n_embd, 4 * c.n_embd), nn.Linear(4 * c.n_embd, c.n_embd)
         self.drop = nn.Dropout(c.dropout)
 
     def forward(self, x):
@@ -88,8 +83,11 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, c: GPTConfig, index: int | None = None):
         super().__init__()
+        moe = c.moe_every and index is not None and index % c.moe_every == c.moe_every - 1
         self.ln1, self.attn = nn.LayerNorm(c.n_embd), CausalSelfAttention(c)
-        self.ln2, self.mlp = nn.LayerNorm(c.n_embd), _mlp(c, index)
+        self.ln2 = nn.LayerNorm(c.n_embd)
+        self.mlp = (MoE(c.n_embd, c.n_experts, c.top_k, c.capacity_factor, c.aux_loss_coef, c.z_loss_coef)
+                    if moe else FeedForward(c))
         self.recompute = check_mode(c.recompute)
 
     def forward(self, x):
@@ -104,13 +102,11 @@ class Block(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
-        self.wte = nn.Embedding(c.vocab_size, c.n_embd)
-        self.wpe = nn.Embedding(c.block_size, c.n_embd)
+        self.wte, self.wpe = nn.Embedding(c.vocab_size, c.n_embd), nn.Embedding(c.block_size, c.n_embd)
         self.drop = nn.Dropout(c.dropout)
 
     def forward(self, idx):
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(pos))
+        return self.drop(self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device)))
 
 
 class Head(nn.Module):
@@ -169,12 +165,6 @@ class GPT(nn.Module):
             return logits
         loss = lm_loss(logits, targets)
         return loss + moe_loss(self) if self.config.moe_every else loss  # + the MoE layers' aux losses
-
-
-def _mlp(c: GPTConfig, index: int | None) -> nn.Module:
-    if c.moe_every and index is not None and index % c.moe_every == c.moe_every - 1:
-        return MoE(c.n_embd, c.n_experts, c.top_k, c.capacity_factor, c.aux_loss_coef, c.z_loss_coef)
-    return FeedForward(c)
 
 
 def lm_loss(logits, targets):

@@ -1,9 +1,5 @@
-"""An LSTM language model: embedding -> LSTM -> dense head.
-
-The model of the classic model-parallel examples (the LSTM language models of Zaremba
-et al. 2014 and of GNMT): on two devices the embedding and LSTM sit on one and the
-large vocabulary head on the other.
-"""
+"""An LSTM language model, embedding -> LSTM -> dense head: the model of the classic
+model-parallel examples (Zaremba et al. 2014, GNMT; :mod:`minipar.model_parallel`)."""
 from __future__ import annotations
 
 import torch
@@ -23,6 +19,5 @@ class LSTMLM(nn.Module):
             self.head = nn.Linear(hidden, vocab_size)
 
     def forward(self, idx, targets=None):
-        h, _ = self.lstm(self.embed(idx))
-        logits = self.head(h)
+        logits = self.head(self.lstm(self.embed(idx))[0])
         return logits if targets is None else lm_loss(logits, targets)

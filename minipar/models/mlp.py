@@ -8,9 +8,7 @@ import torch.nn.functional as F
 
 class MLP(nn.Module):
     """``Linear -> ReLU -> ... -> Linear`` with sizes ``sizes``; deterministic from ``seed``.
-
-    ``model.layers()`` lists the Linear+activation units in order for pipeline splitting.
-    """
+    ``model.layers()`` lists the Linear+activation units in order for pipeline splitting."""
 
     def __init__(self, sizes=(16, 64, 64, 4), seed: int = 0):
         super().__init__()
@@ -18,11 +16,8 @@ class MLP(nn.Module):
             raise ValueError("an MLP needs at least an input and an output size")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            units = []
-            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-                last = i == len(sizes) - 2
-                units.append(nn.Linear(a, b) if last else nn.Sequential(nn.Linear(a, b), nn.ReLU()))
-            self.net = nn.Sequential(*units)
+            hidden = [nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(sizes[:-2], sizes[1:-1])]
+            self.net = nn.Sequential(*hidden, nn.Linear(sizes[-2], sizes[-1]))
 
     def layers(self) -> list[nn.Module]:
         return list(self.net)

@@ -3,29 +3,21 @@
 Shazeer et al. 2017, GShard (Lepikhin et al. 2020), Switch Transformer (Fedus et al. 2021).
 For every token x (S tokens, hidden size h):
 
-    p = softmax(x W_r)                        router probabilities over the E experts (fp32)
-    (w, e) = top_k(p)                         the k chosen experts and their probabilities
-    w <- w / Σ w          (k > 1)             top-k weights renormalised to sum to 1 (GShard, Mixtral);
-                                              with k = 1 the raw probability is kept (Switch),
-                                              since renormalising would make it 1 and cut the
-                                              router off from the loss's gradient
-    y = Σ_j w_j · E_{e_j}(x)                  combine: the weighted outputs of the chosen experts
+    p = softmax(x W_r)               router probabilities over the E experts (fp32)
+    (w, e) = top_k(p)                the k chosen experts and their probabilities
+    w <- w / Σ w     (k > 1 only)    GShard, Mixtral; Switch (k = 1) keeps the raw probability,
+                                     since a weight of 1 would cut the router's gradient off
+    y = Σ_j w_j · E_{e_j}(x)         combine: the weighted outputs of the chosen experts
 
-**Capacity** (GShard §2.2). With ``capacity_factor`` c, every expert takes at most
-
-    C = ceil(k · S / E · c)
-
-assignments. Policy: by position. An expert keeps the first C tokens routed to it in token
-order (the flattened ``(B, T)`` order, which is the ranks' shards concatenated in rank
-order) and drops the rest; a dropped assignment contributes nothing (the other weights are
-not renormalised), and the block's residual connection carries the token on unchanged.
+**Capacity** (GShard §2.2): with ``capacity_factor`` c an expert takes at most C = ceil(k·S/E·c)
+assignments, the first C routed to it in token order (the flattened ``(B, T)`` order: the ranks'
+shards concatenated in rank order), and drops the rest. A dropped assignment contributes nothing
+(the other weights are not renormalised); the block's residual carries the token on unchanged.
 ``capacity_factor=None`` is dropless: every assignment is computed.
 
-**Auxiliary load-balancing loss** (Switch eq. 4, GShard's top-k form):
-
-    aux = E · Σ_i f_i · P_i,   f_i = (assignments routed to i) / (k·S),  P_i = mean_tokens p_i
-
-f_i counts routing before dropping and carries no gradient; aux = 1 when routing is uniform.
+**Auxiliary load-balancing loss** (Switch eq. 4, GShard's top-k form): aux = E · Σ_i f_i · P_i,
+with f_i = (assignments routed to i) / (k·S) and P_i = mean_tokens p_i; f_i counts routing
+before dropping and carries no gradient; aux = 1 when routing is uniform.
 **Router z-loss** (ST-MoE, Zoph et al. 2022 eq. 5): z = mean_tokens (logsumexp(x W_r))².
 The layer leaves ``aux_coef · aux + z_coef · z`` in ``self.loss``; the GPT adds it to its loss.
 """
@@ -51,9 +43,7 @@ class Expert(nn.Module):
 
 def capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float | None) -> int | None:
     """C = ceil(k·S/E · factor) assignments per expert; ``None`` when dropless."""
-    if capacity_factor is None:
-        return None
-    return math.ceil(top_k * n_tokens / n_experts * capacity_factor)
+    return None if capacity_factor is None else math.ceil(top_k * n_tokens / n_experts * capacity_factor)
 
 
 def route(logits: torch.Tensor, top_k: int):
@@ -68,9 +58,8 @@ def route(logits: torch.Tensor, top_k: int):
 def keep_within_capacity(expert_of: torch.Tensor, n_experts: int, cap: int | None,
                          before: torch.Tensor | None = None) -> torch.Tensor:
     """Which assignments (flat, in token order) an expert keeps: the first ``cap`` per expert.
-
-    ``before[i]``: assignments to expert i that come earlier in the global order (those of
-    lower ranks under expert parallelism); zero on one device."""
+    ``before[i]``: assignments to expert i earlier in the global order (those of lower ranks
+    under expert parallelism); zero on one device."""
     if cap is None:
         return torch.ones_like(expert_of, dtype=torch.bool)
     one_hot = F.one_hot(expert_of, n_experts)
@@ -150,5 +139,4 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 def moe_loss(model: nn.Module):
     """Σ over the model's MoE layers of their weighted auxiliary losses (last forward)."""
-    losses = [m.loss for m in moe_layers(model) if m.loss is not None]
-    return sum(losses) if losses else 0.0
+    return sum((m.loss for m in moe_layers(model) if m.loss is not None), 0.0)

@@ -18,9 +18,9 @@ from .split_backward import WeightGrads, deferred
 from .stage_comm import recv_activation, recv_grad, send_activation, send_grad
 from .train import boundary_shapes, check, run, train
 
-__all__ = ["Pipeline", "partition", "balance", "explain", "layer_costs", "stage_costs",
-           "build_stages", "owned_parameters", "SCHEDULES", "Action", "Schedule", "add_comms",
-           "check_config", "make_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1",
-           "Deadlock", "simulate", "check_schedule", "peak_stash", "bubble", "compute_only",
-           "WeightGrads", "deferred", "send_activation", "recv_activation", "send_grad", "recv_grad",
-           "boundary_shapes", "check", "train", "run"]
+__all__ = ["Pipeline", "partition", "balance", "explain", "layer_costs", "stage_costs", "build_stages",
+           "owned_parameters", "SCHEDULES", "Action", "Schedule", "add_comms", "check_config",
+           "make_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "Deadlock", "simulate",
+           "check_schedule", "peak_stash", "bubble", "compute_only", "WeightGrads", "deferred",
+           "send_activation", "recv_activation", "send_grad", "recv_grad", "boundary_shapes", "check",
+           "train", "run"]

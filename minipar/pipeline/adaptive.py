@@ -1,23 +1,16 @@
 """Adaptive re-partitioning: measure each layer on its stage, cut again, move the layers.
 
-A pipeline runs at the pace of its slowest stage (:mod:`.partition`). A cut balanced by
-parameter count is wrong whenever cost is not proportional to parameters: an embedding
-has many parameters and almost no compute, a large-vocabulary head spends its time in the
-loss, a rank may sit on a slower device. :func:`train` fixes the cut while training:
-
-1. train ``probe_steps`` steps on the first cut (default: by parameter count);
-2. every rank times each of its layers, forward and backward, on the inputs its stage
-   really received (the last layer with the loss), and the times are summed over the
-   pipeline group (an all-reduce of one float per layer): the cost of every layer *on the
-   rank that runs it*;
-3. every rank computes the same new cut, :func:`~minipar.pipeline.partition` on the
-   times (the ``by="time"`` costs of :func:`~minipar.pipeline.layer_costs`, measured in place);
-4. each layer that changes rank is sent point-to-point by its old owner to its new one,
-   parameters and optimizer state (``name="repartition"``), and training goes on with the
-   new stages and an optimizer holding the moved state.
-
-The arithmetic of a step does not depend on the cut, so the losses stay those of the
-uninterrupted single-process run; only the time per step changes.
+A cut balanced by parameter count (:mod:`.partition`) is wrong wherever cost is not
+proportional to parameters: an embedding has many parameters and little compute, a
+large-vocabulary head spends its time in the loss, a rank may sit on a slower device.
+:func:`train` fixes the cut while training: (1) it trains ``probe_steps`` steps on the first
+cut; (2) every rank times each of its layers, forward and backward, on the inputs its stage
+really received (the last layer with the loss), and an all-reduce of one float per layer gives
+every rank the cost of each layer *on the rank that runs it*; (3) every rank computes the same
+new cut, :func:`~minipar.pipeline.partition` on those times; (4) each layer that changes rank
+goes point-to-point from its old owner to its new one, parameters and optimizer state
+(``name="repartition"``), and training goes on. A step's arithmetic does not depend on the cut,
+so the losses stay those of the single-process run; only the time per step changes.
 """
 from __future__ import annotations
 
@@ -30,29 +23,17 @@ from ..comm import group_rank, group_size
 from ..models import lm_loss
 from ..reference import sgd
 from .executor import Pipeline
-from .partition import build_stages, layer_costs, owned_parameters, partition
+from .partition import _time_layers, build_stages, layer_costs, owned_parameters, partition
 from .schedules import make_schedule
 from .train import boundary_shapes
 
 
 def time_layers(layers, x, targets=None, loss_fn=lm_loss, repeats: int = 5) -> list[float]:
-    """Seconds of forward + backward of each layer in turn on input ``x`` (median of
-    ``repeats`` after one warm-up: the least disturbed); with ``targets`` the last layer includes the loss."""
-    out = []
-    for j, layer in enumerate(layers):
-        x = x.detach().requires_grad_(x.is_floating_point())
-        ts = []
-        for k in range(repeats + 1):
-            t0 = time.perf_counter()
-            y = layer(x)
-            z = loss_fn(y, targets) if targets is not None and j == len(layers) - 1 else y.float().sum()
-            z.backward()
-            if k:
-                ts.append(time.perf_counter() - t0)
-        layer.zero_grad(set_to_none=True)
-        out.append(min(ts))              # the repeat least disturbed by other work
-        x = y
-    return out
+    """Seconds of forward + backward of each layer in turn on input ``x``: the fastest of
+    ``repeats`` after one warm-up (the least disturbed by other work); with ``targets`` the
+    last layer includes the loss."""
+    last_loss = None if targets is None else (lambda y: loss_fn(y, targets))
+    return _time_layers(layers, x, repeats, min, last_loss)
 
 
 def owners(bounds: list[int], p: int) -> list[int]:
@@ -65,26 +46,21 @@ def move_layers(layers, old: list[int], new: list[int], optimizer, group=None) -
     optimizer state, from its old owner to its new one (every rank holds the full model,
     so receivers write into their own copies). Returns ``{param: state dict}`` received."""
     p, me = group_size(group), group_rank(group)
-    before, after = owners(old, p), owners(new, p)
     ref_q, ref = next(((q, st) for q, st in optimizer.state.items() if st), (None, {}))  # keys, shapes
     handles, received = [], {}
-    for j, layer in enumerate(layers):
-        src, dst = before[j], after[j]
+    for j, (layer, src, dst) in enumerate(zip(layers, owners(old, p), owners(new, p))):
         if src == dst or me not in (src, dst):
             continue
         for q in layer.parameters():
             if me == src:
-                tensors = [q.data] + [optimizer.state[q][k] for k in sorted(ref)]
-                handles += [comm.isend(t.contiguous(), dst, group, name="repartition", tag=j) for t in tensors]
+                handles += [comm.isend(t.contiguous(), dst, group, name="repartition", tag=j)
+                            for t in [q.data] + [optimizer.state[q][k] for k in sorted(ref)]]
             else:
                 comm.recv(q.data, src, group, name="repartition", tag=j)
-                state = {}
-                for k in sorted(ref):
-                    per_element = ref[k].shape == ref_q.shape           # exp_avg, ... (not "step")
-                    buf = torch.empty_like(q.data) if per_element else torch.empty_like(ref[k])
-                    comm.recv(buf, src, group, name="repartition", tag=j)
-                    state[k] = buf
-                received[q] = state
+                received[q] = state = {}
+                for k in sorted(ref):  # exp_avg, ... are shaped like the parameter ("step" is not)
+                    state[k] = torch.empty_like(q.data if ref[k].shape == ref_q.shape else ref[k])
+                    comm.recv(state[k], src, group, name="repartition", tag=j)
     for h in handles:
         h.wait()
     return received
@@ -92,14 +68,12 @@ def move_layers(layers, old: list[int], new: list[int], optimizer, group=None) -
 
 def train(model, batches, optimizer=None, group=None, schedule: str = "1f1b", microbatches: int | None = None,
           probe_steps: int = 2, bounds: list[int] | None = None) -> dict:
-    """Run on every rank of ``group``: pipeline training that re-partitions after
-    ``probe_steps`` steps (module docstring). Returns ``losses`` (rank of the last stage),
-    this rank's final ``params`` and ``measured``: ``bounds_before``/``bounds_after``,
-    ``layer_times``, ``seconds`` of every step, and ``events_before``/``events_after`` (this
-    rank's trace of the last step on each cut)."""
+    """Run on every rank of ``group``: pipeline training that re-partitions after ``probe_steps``
+    steps (module docstring). Returns ``losses`` (rank of the last stage), this rank's final
+    ``params`` and ``measured``: ``bounds_before``/``bounds_after``, ``layer_times``, ``seconds``
+    of every step, ``events_before``/``events_after`` (this rank's last step on each cut)."""
     p, me = group_size(group), group_rank(group)
-    layers = model.layers()
-    make = optimizer or sgd()
+    layers, make = model.layers(), optimizer or sgd()
     sched = make_schedule(schedule, p, microbatches or p, 1, len(layers))
     micro_x, micro_y = batches[0][0].chunk(sched.m)[0], batches[0][1].chunk(sched.m)[0]
 
@@ -107,8 +81,7 @@ def train(model, batches, optimizer=None, group=None, schedule: str = "1f1b", mi
         stages = build_stages(layers, cut, me, p)
         pipe = Pipeline(stages, sched, boundary_shapes(layers, cut, micro_x).__getitem__, group)
         opt = make(list(pipe.parameters()))
-        for q, st in (state or {}).items():
-            opt.state[q] = st
+        opt.state.update(state or {})
         return stages, pipe, opt
 
     cut = bounds or partition(layer_costs(layers), p)
@@ -119,8 +92,7 @@ def train(model, batches, optimizer=None, group=None, schedule: str = "1f1b", mi
         seen.setdefault("x", args[0].detach())
 
     hook = layers[cut[me]].register_forward_pre_hook(keep_input)
-    out = {"bounds_before": cut, "seconds": []}
-    losses = []
+    out, losses = {"bounds_before": cut, "seconds": []}, []
     for step, (x, y) in enumerate(batches):
         mark, t0 = trace.mark(), time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -130,12 +102,10 @@ def train(model, batches, optimizer=None, group=None, schedule: str = "1f1b", mi
         if step == probe_steps - 1:
             hook.remove()
             out["events_before"] = trace.since(mark)
-            mine = range(cut[me], cut[me + 1])
             last = cut[me + 1] == len(layers)
-            ts = time_layers([layers[j] for j in mine], seen["x"], micro_y if last else None)
-            dev = seen["x"].device
-            times = torch.zeros(len(layers), dtype=torch.float64, device=dev)
-            times[cut[me]:cut[me + 1]] = torch.tensor(ts, dtype=torch.float64, device=dev)
+            ts = time_layers(layers[cut[me]:cut[me + 1]], seen["x"], micro_y if last else None)
+            times = torch.tensor([0.0] * cut[me] + ts + [0.0] * (len(layers) - cut[me + 1]),
+                                 dtype=torch.float64, device=seen["x"].device)
             comm.all_reduce(times, group=group, name="layer_times")
             new = partition(times.tolist(), p)
             kept = {q: opt.state[q] for q in pipe.parameters() if q in opt.state}

@@ -1,27 +1,23 @@
 """The executor: one rank walks its list of actions, top to bottom, for one training step.
 
-``Pipeline(stages, schedule, act_shape, group)`` holds this rank's stages (any
-``nn.Module``: ``nn.Sequential`` of GPT blocks, tensor-parallel blocks, ...) and runs
-``schedule.actions[rank]``, ``rank`` being the rank inside ``group`` (the pipeline's own
-process group, so a 2D/3D mesh can run many pipelines side by side). Each action is a
-method of the same name:
+``Pipeline(stages, schedule, act_shape, group)`` holds this rank's stages (any ``nn.Module``)
+and runs ``schedule.actions[rank]`` (:mod:`.schedules`), ``rank`` being the rank inside
+``group``, the pipeline's own process group (so a mesh can run many pipelines side by side).
+Each action is the method of its name:
 
-* ``F i s``: stage s's forward of micro-batch i, its input and output kept in the
-  *stash*; the last stage also computes ``loss_i / m``, so the gradients summed over
-  the m micro-batches are those of the batch's mean loss, as in the single process.
-* ``B i s``: the backward ``out.backward(∂L/∂out)``; ``∂L/∂in`` (the input's ``.grad``)
-  is what ``SEND_B`` sends back. In a schedule with W actions (ZB-H1) the forward ran
-  under :func:`~minipar.pipeline.split_backward.deferred`, so B computes the input
-  gradients only and the stash keeps each linear layer's ``(X, ∂L/∂Y)`` until
-* ``W i s``: the weight gradients ``∂L/∂W = (∂L/∂Y)ᵀ X`` from them, nothing else.
-* ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``: activations and gradients through
-  :mod:`minipar.pipeline.stage_comm`.
+* ``F i s``: stage s's forward of micro-batch i, its input and output kept in the *stash*; the
+  last stage also computes ``loss_i / m``, so the gradients summed over the m micro-batches
+  are those of the batch's mean loss.
+* ``B i s``: ``out.backward(∂L/∂out)``, leaving ``∂L/∂in`` in the input's ``.grad`` for
+  ``SEND_B``. With W actions (ZB-H1) the forward ran under
+  :func:`~minipar.pipeline.split_backward.deferred`: B computes input gradients only, and
+* ``W i s``: the weight gradients ``∂L/∂W = (∂L/∂Y)ᵀ X`` from the ``(X, ∂L/∂Y)`` B kept.
+* ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``: activations and gradients (:mod:`.stage_comm`).
 
 Measurement stays beside the walk: :func:`traced` records each F, B, W as a trace region
-labelled ``phase``, ``microbatch``, ``stage``; :class:`Mailbox` tags each message (so a
-receive matches its send whatever the order of arrival), labels it and counts its bytes;
-:class:`Stash` counts the micro-batches held at once (``peak_stash`` after a step).
-Every message is recorded in the trace by :mod:`minipar.comm`, with its bytes.
+labelled ``phase``, ``microbatch``, ``stage``; :class:`Mailbox` tags the messages so that a
+receive matches its send whatever the order of arrival; :class:`Stash` counts the
+micro-batches held at once (``peak_stash`` after a step).
 """
 from __future__ import annotations
 
@@ -55,8 +51,7 @@ class Pipeline:
 
     def __init__(self, stages: dict[int, nn.Module], schedule: Schedule, act_shape, group=None,
                  loss_fn=lm_loss, dtype=None):
-        self.group, self.schedule, self.loss_fn = group, schedule, loss_fn
-        self.rank = group_rank(group)
+        self.group, self.schedule, self.loss_fn, self.rank = group, schedule, loss_fn, group_rank(group)
         if group_size(group) != schedule.p:
             raise ValueError(f"schedule for p={schedule.p} ranks but the group has {group_size(group)}")
         want = set(range(self.rank, schedule.n_stages, schedule.p))
@@ -64,11 +59,10 @@ class Pipeline:
             raise ValueError(f"rank {self.rank} must hold stages {sorted(want)}, got {sorted(stages)}")
         self.stages, self.last = stages, schedule.n_stages - 1
         first = next((q for st in stages.values() for q in st.parameters()), None)
-        device = first.device if first is not None else None
-        self.compute_dtype, self.device = dtype, device
+        self.compute_dtype, self.device = dtype, first.device if first is not None else None
         self.mail = Mailbox(stage_comm, group, schedule.m,
                             act_shape if callable(act_shape) else (lambda s: tuple(act_shape)),
-                            first.dtype if first is not None else torch.float32, device)
+                            first.dtype if first is not None else torch.float32, self.device)
         self.peak_stash = 0
 
     def parameters(self):
@@ -121,17 +115,13 @@ class Pipeline:
         self.stash.pop((a.microbatch, a.stage)).apply()
 
     # ------------------------------------------------------------------ communication
-    def SEND_F(self, a):
-        self.mail.send(a, self.outbox.pop(("F", a.microbatch, a.stage)))
+    def SEND_F(self, a):  # also SEND_B: a.op[-1] is the kind, "F" or "B"
+        self.mail.send(a, self.outbox.pop((a.op[-1], a.microbatch, a.stage)))
 
-    def SEND_B(self, a):
-        self.mail.send(a, self.outbox.pop(("B", a.microbatch, a.stage)))
+    def RECV_F(self, a):  # also RECV_B
+        self.inbox[a.op[-1], a.microbatch, a.stage] = self.mail.recv(a)
 
-    def RECV_F(self, a):
-        self.inbox["F", a.microbatch, a.stage] = self.mail.recv(a)
-
-    def RECV_B(self, a):
-        self.inbox["B", a.microbatch, a.stage] = self.mail.recv(a)
+    SEND_B, RECV_B = SEND_F, RECV_F
 
 
 class Stash(dict):
@@ -150,38 +140,31 @@ class Mailbox:
 
     def __init__(self, comm, group, m: int, act_shape, dtype, device):
         self.comm, self.group, self.m, self.act_shape = comm, group, m, act_shape
-        self.dtype, self.device = dtype, device
-        self.pending = []
+        self.dtype, self.device, self.pending = dtype, device, []
 
     def _tag(self, kind: str, i: int, sender: int) -> int:
         return 2 * (sender * self.m + i) + (kind == "B")
 
     def send(self, a, tensor: torch.Tensor) -> None:
         fn = self.comm.send_activation if a.op == "SEND_F" else self.comm.send_grad
-        tensor = tensor.detach().to(self.dtype)
-        self.pending.append(fn(tensor, a.peer, self.group, tag=self._tag(a.op[-1], a.microbatch, a.stage),
-                               microbatch=a.microbatch, stage=a.stage))
+        self.pending.append(fn(tensor.detach().to(self.dtype), a.peer, self.group, microbatch=a.microbatch,
+                               stage=a.stage, tag=self._tag(a.op[-1], a.microbatch, a.stage)))
         self._reap()
 
     def recv(self, a) -> torch.Tensor:
         forward = a.op == "RECV_F"
-        sender = a.stage - 1 if forward else a.stage + 1
         fn = self.comm.recv_activation if forward else self.comm.recv_grad
         t = fn(self.act_shape(a.stage - 1 if forward else a.stage), a.peer, self.group, self.dtype,
-               self.device, tag=self._tag(a.op[-1], a.microbatch, sender),
+               self.device, tag=self._tag(a.op[-1], a.microbatch, a.stage - 1 if forward else a.stage + 1),
                microbatch=a.microbatch, stage=a.stage)
         self._reap()
         return t
 
     def _reap(self) -> None:
         """Complete (and record) the sends that have finished; keep the others."""
-        still = []
-        for h in self.pending:
-            if all(w is None or w.is_completed() for w in h.works):
-                h.wait()
-            else:
-                still.append(h)
-        self.pending = still
+        for h in [h for h in self.pending if all(w is None or w.is_completed() for w in h.works)]:
+            h.wait()
+            self.pending.remove(h)
 
     def flush(self) -> None:
         """Wait for every send."""

@@ -1,16 +1,14 @@
 """Cut a model's layers into pipeline stages of balanced cost.
 
-A pipeline runs at the pace of its slowest stage: in the steady state every rank waits
-for the busiest one, so the step time is ``(m + p - 1) · max_s c_s`` for GPipe/1F1B,
-where ``c_s`` is the cost of stage s. With total cost ``C = Σ c_s``, the best possible is
-``c_s = C / p`` for all s, and a split achieves the fraction
+A pipeline runs at the pace of its slowest stage: a GPipe/1F1B step takes
+``(m + p - 1) · max_s c_s``, ``c_s`` the cost of stage s. With ``C = Σ c_s`` the best is
+``c_s = C / p``; a split achieves the fraction
 
     balance = (C / p) / max_s c_s        (1.0 = perfect; 0.5 = the pipeline runs 2x slower)
 
-:func:`partition` finds the contiguous split that minimises ``max_s c_s`` exactly (a
-dynamic programme over "first j layers in k stages", O(p·L²)), and among the splits that
-reach it the most even one (least Σ c_s²), for a per-layer cost that is the parameter
-count (a proxy for FLOPs and memory) or a measured time.
+:func:`partition` finds the contiguous split minimising ``max_s c_s`` exactly (a dynamic
+programme over "first j layers in k stages", O(p·L²)) and, among those, the most even one
+(least Σ c_s²); a layer's cost is its parameter count (a proxy for FLOPs and memory) or a time.
 """
 from __future__ import annotations
 
@@ -101,18 +99,23 @@ def layer_costs(layers: list[nn.Module], by: str = "params", sample=None, repeat
         raise ValueError(f"by must be 'params' or 'time', got {by!r}")
     if sample is None:
         raise ValueError("by='time' needs a sample input for the first layer")
-    out, x = [], sample
-    for layer in layers:
+    return _time_layers(layers, sample, repeats, lambda ts: sorted(ts)[len(ts) // 2])
+
+
+def _time_layers(layers, x, repeats: int, pick, last_loss=None) -> list[float]:
+    """Seconds of forward + backward of each layer in turn: ``pick`` of the times of ``repeats``
+    calls after a warm-up; the last layer's backward starts from ``last_loss(y)`` if given."""
+    out = []
+    for j, layer in enumerate(layers):
         x = x.detach().requires_grad_(x.is_floating_point())
         ts = []
-        for k in range(repeats + 1):   # call 0 warms up (allocations, lazy initialisation)
+        for _ in range(repeats + 1):
             t = time.perf_counter()
             y = layer(x)
-            y.float().sum().backward()
-            if k:
-                ts.append(time.perf_counter() - t)
+            (last_loss(y) if last_loss and j == len(layers) - 1 else y.float().sum()).backward()
+            ts.append(time.perf_counter() - t)
         layer.zero_grad(set_to_none=True)
-        out.append(sorted(ts)[len(ts) // 2])
+        out.append(pick(ts[1:]))   # call 0 warms up (allocations, lazy initialisation)
         x = y
     return out
 

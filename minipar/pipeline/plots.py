@@ -11,11 +11,10 @@ from ..trace import Trace
 def side_by_side(top: Trace, bottom: Trace, titles=("measured", "simulated"), title: str = "",
                  color_by: str = "microbatch") -> go.Figure:
     """Two timelines stacked, coloured by micro-batch (same colours in both)."""
-    figs = [viz.timeline(t, color_by=color_by) for t in (top, bottom)]
     n = max(top.world_size, bottom.world_size)
     fig = make_subplots(rows=2, cols=1, subplot_titles=titles, vertical_spacing=0.28)
-    for row, f in enumerate(figs, 1):
-        for tr in f.data:
+    for row, t in enumerate((top, bottom), 1):
+        for tr in viz.timeline(t, color_by=color_by).data:
             tr.legendgroup, tr.showlegend = tr.name, row == 1
             fig.add_trace(tr, row=row, col=1)
     fig.update_layout(barmode="overlay", title=title, height=260 + 80 * n, bargap=0.3,
@@ -35,7 +34,6 @@ def theory_vs_points(x, curves: dict[str, list[float]], points: dict[str, list[f
         if points and name in points:
             fig.add_scatter(x=x, y=points[name], mode="markers", name=f"{name} (measured)",
                             marker=dict(color=viz.color(k), size=9, symbol="circle-open", line_width=2))
-    fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title=ylabel)
-    if log_x:
-        fig.update_xaxes(type="log")
+    fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title=ylabel,
+                      xaxis_type="log" if log_x else None)
     return fig

@@ -1,34 +1,26 @@
 """Pipeline schedules as data: for every rank, the list of actions it performs in order.
 
-A model cut into ``S = p·v`` stages runs on ``p`` ranks; stage ``s`` lives on rank
-``s % p`` (so with ``v`` virtual stages per rank, rank r holds stages r, r+p, r+2p...).
-A batch is cut into ``m`` micro-batches. An :class:`Action` is one of
+A model cut into ``S = p·v`` stages runs on ``p`` ranks, stage ``s`` on rank ``s % p`` (with
+``v`` virtual stages per rank, rank r holds stages r, r+p, ...); a batch is cut into ``m``
+micro-batches. An :class:`Action` is ``F`` (forward of micro-batch i on stage s), ``B`` (its
+backward), ``W`` (zero-bubble schedules: the weight-gradient part of the backward, B being the
+input-gradient part), ``SEND_F``/``RECV_F`` (the activation leaving/entering stage s) or
+``SEND_B``/``RECV_B`` (the gradient), ``peer`` being the other rank (group-local). The
+generators return each rank's *compute* order; :func:`add_comms` inserts the sends (right after
+the compute that produced the tensor, never waited on) and the receives (right before the
+compute that needs it). One :class:`Schedule` drives both :class:`minipar.pipeline.Pipeline`
+and :func:`minipar.pipeline.simulate`.
 
-* ``F`` forward of micro-batch i on stage s, ``B`` its backward, ``W`` (zero-bubble
-  schedules only) the weight-gradient part of the backward, ``B`` then being the
-  input-gradient part;
-* ``SEND_F``/``RECV_F`` the activation leaving/entering stage s, ``SEND_B``/``RECV_B``
-  the gradient leaving/entering stage s, with ``peer`` the other rank (group-local).
-
-The generators below return each rank's *compute* order; :func:`add_comms` inserts the
-sends (posted right after the compute that produced the tensor, never waited on) and the
-receives (right before the compute that needs it). The same :class:`Schedule` drives
-:class:`minipar.pipeline.Pipeline` (real training) and :func:`minipar.pipeline.simulate`.
-
-* GPipe / all-forward-all-backward (Huang et al. 2019): all m forwards, then all m
-  backwards. Every rank stashes m micro-batches.
-* 1F1B (PipeDream-Flush, Narayanan et al. 2021): ``p - r - 1`` warm-up forwards, then
-  alternate one forward and one backward (steady state), then the remaining backwards
-  (cool-down). Rank r stashes at most ``min(p - r, m)``. Same bubble as GPipe.
+* GPipe (Huang et al. 2019): all m forwards, then all m backwards; every rank stashes m.
+* 1F1B (PipeDream-Flush, Narayanan et al. 2021): GPipe's bubble, but rank r stashes at most
+  ``min(p - r, m)``.
 * Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): v >= 2 virtual stages per rank, the
-  micro-batches go round the ranks v times in groups of p; the bubble shrinks to
-  (p-1)/(v·m). Needs ``m % p == 0``.
-* ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward is split into
-  B (input gradient, on the critical path) and W (weight gradient, free to move); W fills
-  the cool-down bubble. B keeps each linear layer's input X and output gradient ∂L/∂Y, and
-  W computes only ∂L/∂W = (∂L/∂Y)ᵀ X from them (:mod:`minipar.pipeline.split_backward`).
-  Bubble (p-1)(F+B-W) instead of 1F1B's (p-1)(F+B+W), a third of it when F = B = W, at
-  1F1B's peak memory (p micro-batches on the busiest rank).
+  micro-batches going round the ranks v times in groups of p (``m % p == 0``); the bubble
+  shrinks to (p-1)/(v·m).
+* ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): B (input gradient, on the
+  critical path) and W (weight gradient ∂L/∂W = (∂L/∂Y)ᵀ X, free to move:
+  :mod:`minipar.pipeline.split_backward`). Bubble (p-1)(F+B-W) instead of 1F1B's (p-1)(F+B+W),
+  a third of it when F = B = W, at 1F1B's peak memory (p micro-batches on the busiest rank).
 """
 from __future__ import annotations
 
@@ -96,8 +88,7 @@ def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[Action]:
     total = m * v
 
     def unit(k: int, forward: bool) -> tuple[int, int]:
-        chunk = (k // p) % v
-        chunk = chunk if forward else v - 1 - chunk
+        chunk = (k // p) % v if forward else v - 1 - (k // p) % v
         return (k // (p * v)) * p + k % p, chunk * p + rank
 
     warmup = total if m == p else min(2 * (p - rank - 1) + (v - 1) * p, total)
@@ -109,13 +100,12 @@ def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[Action]:
 
 
 def zb_h1(p: int, m: int, rank: int) -> list[Action]:
-    """ZB-H1 on ``rank``: 1F1B's order with the backward split into B (input gradient) and
-    W (weight gradient). Rank r defers its Ws by r micro-batches in the steady state (so it
-    never holds more than p micro-batches, 1F1B's peak), and in the cool-down runs one
-    deferred W after each B and the rest at the end: the Ws fill the cool-down bubble."""
+    """ZB-H1 on ``rank``: 1F1B's order with the backward split into B and W. Rank r defers its
+    Ws by r micro-batches in the steady state (never holding more than 1F1B's p micro-batches)
+    and in the cool-down runs one deferred W after each B, the rest at the end: the Ws fill
+    the cool-down bubble."""
     warmup = min(p - rank - 1, m)
-    out = [Action("F", i, rank) for i in range(warmup)]
-    pending: list[int] = []
+    out, pending = [Action("F", i, rank) for i in range(warmup)], []
     for i in range(m - warmup):
         out += [Action("F", warmup + i, rank), Action("B", i, rank)]
         pending.append(i)
@@ -129,19 +119,16 @@ def zb_h1(p: int, m: int, rank: int) -> list[Action]:
 
 # ------------------------------------------------------------------ the Schedule object
 def add_comms(order: list[Action], p: int, n_stages: int) -> list[Action]:
-    """Insert RECV before and SEND after every compute that crosses a stage boundary."""
+    """Insert RECV before and SEND after every compute that crosses a stage boundary: F
+    receives from stage s-1 and sends to s+1, B the other way round."""
     out = []
     for a in order:
-        s, i = a.stage, a.microbatch
-        if a.op == "F" and s > 0:
-            out.append(Action("RECV_F", i, s, (s - 1) % p))
-        if a.op == "B" and s < n_stages - 1:
-            out.append(Action("RECV_B", i, s, (s + 1) % p))
-        out.append(a)
-        if a.op == "F" and s < n_stages - 1:
-            out.append(Action("SEND_F", i, s, (s + 1) % p))
-        if a.op == "B" and s > 0:
-            out.append(Action("SEND_B", i, s, (s - 1) % p))
+        before = after = []
+        if a.op in ("F", "B"):
+            src, dst = (a.stage - 1, a.stage + 1) if a.op == "F" else (a.stage + 1, a.stage - 1)
+            before = [Action("RECV_" + a.op, a.microbatch, a.stage, src % p)] if 0 <= src < n_stages else []
+            after = [Action("SEND_" + a.op, a.microbatch, a.stage, dst % p)] if 0 <= dst < n_stages else []
+        out += before + [a] + after
     return out
 
 
@@ -180,9 +167,6 @@ def make_schedule(name: str, p: int, m: int, v: int = 1, n_layers: int | None = 
     """Build schedule ``name`` ("gpipe", "1f1b", "interleaved", "zb-h1") for p ranks and m
     micro-batches (v >= 2 virtual stages per rank for "interleaved")."""
     check_config(name, p, m, v, n_layers)
-    if name == "interleaved":
-        orders = [interleaved_1f1b(p, m, r, v) for r in range(p)]
-    else:
-        fn = {"gpipe": gpipe, "zb-h1": zb_h1}.get(name, one_f_one_b)
-        orders = [list(fn(p, m, r)) for r in range(p)]
-    return Schedule(name, p, m, v, [add_comms(o, p, p * v) for o in orders])
+    fns = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1,
+           "interleaved": lambda p, m, r: interleaved_1f1b(p, m, r, v)}
+    return Schedule(name, p, m, v, [add_comms(list(fns[name](p, m, r)), p, p * v) for r in range(p)])

@@ -1,24 +1,18 @@
 """Run a schedule on paper: the ideal timeline, deadlock-freedom, stash sizes, bubbles.
 
-:func:`simulate` executes a :class:`~minipar.pipeline.schedules.Schedule` as the real
-executor would, with fixed costs instead of a model: each rank walks its action list; a
-compute takes ``f``, ``b`` or ``w`` time units (times the stage's weight); a send is
-posted and never blocks; a receive blocks until the matching send happened plus
-``comm`` units. It returns a :class:`minipar.trace.Trace` with the same events as a
-measured run (one time unit is drawn as 1 ms), so ``minipar.viz.timeline`` draws both.
-
-If at some point every unfinished rank waits in a receive whose send is never reached,
-the schedule deadlocks: :func:`simulate` raises :class:`Deadlock` naming the stuck actions.
-:func:`check_schedule` adds the other proofs of a valid schedule.
-
-:func:`bubble` is the theoretical bubble, relative to the ideal time (Narayanan et al.
-2021): for a rank that computes for ``c`` of a step's ``T`` time units, ``(T - c) / c``;
-GPipe and 1F1B give ``(p-1)/m`` when every stage costs the same
-(:func:`minipar.cost.bubble_fraction` has the formulas). The bubble of a measured run,
-with the same definition (``c`` the union of the rank's compute intervals), is the
-trace's own (:class:`minipar.trace.Trace`).
+:func:`simulate` executes a :class:`~minipar.pipeline.schedules.Schedule` as the executor
+would, with fixed costs instead of a model: a compute takes ``f``, ``b`` or ``w`` time units
+(times the stage's weight); a send is posted and never blocks; a receive blocks until the
+matching send happened plus ``comm`` units. It returns a :class:`minipar.trace.Trace` with the
+events of a measured run (one time unit drawn as 1 ms), so ``minipar.viz.timeline`` draws both,
+or raises :class:`Deadlock` naming the stuck actions when every unfinished rank waits for a
+message that is never sent. :func:`bubble` is the theoretical bubble (Narayanan et al. 2021):
+``(T - c) / c`` for a rank busy ``c`` of a step's ``T`` time units, ``(p-1)/m`` for GPipe and
+1F1B with equal stages (:func:`minipar.cost.bubble_fraction`), as a measured trace defines it.
 """
 from __future__ import annotations
+
+from itertools import accumulate
 
 from ..trace import Trace
 from .schedules import COMPUTE, Schedule
@@ -44,14 +38,12 @@ def simulate(schedule: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
     """The timeline of ``schedule`` with forward cost ``f``, backward ``b + w`` (split into
     B = ``b`` and W = ``w`` when the schedule has W actions), per-stage multipliers
     ``stage_weights`` (default ``1/v``: a virtual stage holds 1/v of a rank's layers)."""
-    S, split = schedule.n_stages, schedule.split_backward
+    S, split, p = schedule.n_stages, schedule.split_backward, schedule.p
     weights = stage_weights or [1.0 / schedule.v] * S
     if len(weights) != S:
         raise ValueError(f"stage_weights has {len(weights)} entries for {S} stages")
     cost = {"F": f, "B": b if split else b + w, "W": w}
-    sent: dict[tuple, float] = {}
-    pos, clock = [0] * schedule.p, [0.0] * schedule.p
-    events: list[list[dict]] = [[] for _ in range(schedule.p)]
+    sent, pos, clock, events = {}, [0] * p, [0.0] * p, [[] for _ in range(p)]  # sent: message -> time
     while True:
         progress = False
         for r, acts in enumerate(schedule.actions):
@@ -65,11 +57,10 @@ def simulate(schedule: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
                     sent[_msg_out(a)] = clock[r]
                 else:
                     t = cost[a.op] * weights[a.stage]
+                    labels = {"microbatch": a.microbatch, "stage": a.stage, "phase": a.op}
                     events[r].append({"rank": r, "kind": "compute", "name": NAMES[a.op],
                                       "start": clock[r] * UNIT, "end": (clock[r] + t) * UNIT,
-                                      "bytes_sent": 0, "bytes_recv": 0,
-                                      "labels": {"microbatch": a.microbatch, "stage": a.stage,
-                                                 "phase": a.op}})
+                                      "bytes_sent": 0, "bytes_recv": 0, "labels": labels})
                     clock[r] += t
                 pos[r] += 1
                 progress = True
@@ -77,31 +68,25 @@ def simulate(schedule: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
             return Trace(events)
         if not progress:
             stuck = {r: acts[pos[r]] for r, acts in enumerate(schedule.actions) if pos[r] < len(acts)}
-            raise Deadlock(f"{schedule} deadlocks: " +
-                           ", ".join(f"rank {r} waits in {a}" for r, a in stuck.items()))
+            raise Deadlock(f"{schedule} deadlocks: " + ", ".join(f"rank {r} waits in {a}"
+                                                                 for r, a in stuck.items()))
 
 
 def check_schedule(schedule: Schedule) -> None:
-    """Raise ``AssertionError``/:class:`Deadlock` unless ``schedule`` is valid.
-
-    Checks: every (micro-batch, stage) has exactly one F and one B (and one W when the
-    backward is split) on the rank that owns the stage; on that rank F comes before B and
-    B before W; every send has exactly one receive on its peer, and each channel (sender,
-    receiver, kind) delivers in the order it is read; the simulation finishes (no deadlock).
-    """
+    """Raise ``AssertionError``/:class:`Deadlock` unless ``schedule`` is valid: each (micro-batch,
+    stage) has one F, one B (and one W if the backward is split) on the stage's rank, F before B
+    before W; every send has one receive on its peer, each channel (sender, receiver, kind)
+    delivering in the order it is read; and the simulation finishes (no deadlock)."""
     p, S, m = schedule.p, schedule.n_stages, schedule.m
     ops = ("F", "B", "W") if schedule.split_backward else ("F", "B")
-    seen: dict[tuple, int] = {}
-    sends: dict[tuple, list] = {}
-    recvs: dict[tuple, list] = {}
+    seen, sends, recvs = {}, {}, {}  # (op, i, s) -> position; channel -> messages sent / received
     for r, acts in enumerate(schedule.actions):
         for k, a in enumerate(acts):
             assert a.stage % p == r, f"{a} on rank {r}, but stage {a.stage} lives on rank {a.stage % p}"
             assert 0 <= a.microbatch < m and 0 <= a.stage < S, f"{a} out of range"
             if a.op in COMPUTE:
-                key = (a.op, a.microbatch, a.stage)
-                assert key not in seen, f"{a} appears twice on rank {r}"
-                seen[key] = k
+                assert (a.op, a.microbatch, a.stage) not in seen, f"{a} appears twice on rank {r}"
+                seen[a.op, a.microbatch, a.stage] = k
             elif a.op.startswith("SEND"):
                 sends.setdefault((r, a.peer, a.op[-1]), []).append(_msg_out(a))
             else:
@@ -110,9 +95,8 @@ def check_schedule(schedule: Schedule) -> None:
         for s in range(S):
             for op in ops:
                 assert (op, i, s) in seen, f"{op}{i} on stage {s} is missing"
-            assert seen["F", i, s] < seen["B", i, s], f"B{i} before F{i} on stage {s}"
-            if "W" in ops:
-                assert seen["B", i, s] < seen["W", i, s], f"W{i} before B{i} on stage {s}"
+            for a, b in zip(ops, ops[1:]):
+                assert seen[a, i, s] < seen[b, i, s], f"{b}{i} before {a}{i} on stage {s}"
     assert set(sends) == set(recvs), f"channels with sends but no receives: {set(sends) ^ set(recvs)}"
     for ch, msgs in sends.items():
         assert msgs == recvs[ch], f"channel {ch}: sent {msgs} but received {recvs[ch]}"
@@ -122,16 +106,9 @@ def check_schedule(schedule: Schedule) -> None:
 def peak_stash(schedule: Schedule) -> list[int]:
     """Per rank, the most micro-batch activations held at once (stage inputs/outputs kept
     from F until the backward that frees them: B, or W when the backward is split)."""
-    free = "W" if schedule.split_backward else "B"
-    out = []
-    for r in range(schedule.p):
-        held = peak = 0
-        for a in schedule.compute(r):
-            held += a.op == "F"
-            peak = max(peak, held)
-            held -= a.op == free
-        out.append(peak)
-    return out
+    free = "W" if schedule.split_backward else "B"   # held: +1 at each F, -1 at each freeing action
+    return [max([0, *accumulate((a.op == "F") - (a.op == free) for a in schedule.compute(r))])
+            for r in range(schedule.p)]
 
 
 def bubble(schedule: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0,

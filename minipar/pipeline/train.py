@@ -1,13 +1,8 @@
-"""Train a layered model with a pipeline schedule, in the shape of :mod:`minipar.strategy`.
-
-* :func:`check` (driver, before any process starts): a plain ``ValueError`` for a
-  configuration the pipeline cannot run;
-* :func:`train` (every rank of ``group``): every rank builds the same model (same seed),
-  keeps the stages it owns, and trains them with :class:`~minipar.pipeline.Pipeline`;
-* :func:`run` (driver): ``check``, then ``train`` on ``world_size`` ranks, merged into one
-  :class:`~minipar.strategy.TrainResult` (each rank's parameters are its stages', the
-  merge unions them), which :func:`minipar.reference.assert_same_training` compares with
-  the single process.
+"""Train a layered model with a pipeline schedule, in the shape of :mod:`minipar.strategy`:
+:func:`check` (driver) raises a plain ``ValueError`` before launch; :func:`train` (every rank
+of ``group``) builds the same model everywhere (same seed), keeps the stages it owns and trains
+them with :class:`~minipar.pipeline.Pipeline`; :func:`run` (driver) merges the ranks' results
+(each rank's parameters are its stages') into one :class:`~minipar.strategy.TrainResult`.
 """
 from __future__ import annotations
 
@@ -22,7 +17,7 @@ from ..models.recompute import check_mode
 from ..reference import sgd
 from .executor import Pipeline
 from .partition import build_stages, layer_costs, owned_parameters, partition
-from .schedules import Schedule, check_config, make_schedule
+from .schedules import Schedule, make_schedule
 
 
 @torch.no_grad()
@@ -49,23 +44,20 @@ def _schedule(schedule, p: int, microbatches, virtual_stages: int, n_layers: int
 
 def check(model, batches, world_size: int, schedule="1f1b", microbatches: int | None = None,
           virtual_stages: int = 1, bounds: list[int] | None = None, dtype=None, recompute="none") -> None:
-    """Raise a plain ``ValueError`` before launch: unknown schedule, more stages than
-    layers, interleaving with ``m % p`` or ``v < 2``, a batch that does not cut into m
-    micro-batches, ``bounds`` that are not ``p·v`` stages of the model's layers, an unknown
-    dtype, recomputation for a model without it."""
+    """Raise a plain ``ValueError`` before launch: a schedule that cannot run (:func:`check_config`),
+    a batch that does not cut into m micro-batches, ``bounds`` that are not ``p·v`` stages of
+    the model's layers, an unknown dtype, recomputation for a model without it."""
     n_layers = len(model.layers())
-    if isinstance(schedule, str):
-        check_config(schedule, world_size, microbatches or world_size, virtual_stages, n_layers)
     sched = _schedule(schedule, world_size, microbatches, virtual_stages, n_layers)
     for k, (x, _) in enumerate(batches):
         if x.shape[0] % sched.m:
-            raise ValueError(f"batch {k} has {x.shape[0]} sequences: not divisible into m={sched.m} micro-batches")
-    if bounds is not None:
-        ok = (len(bounds) == sched.n_stages + 1 and bounds[0] == 0 and bounds[-1] == n_layers
-              and all(a < b for a, b in zip(bounds[:-1], bounds[1:])))
-        if not ok:
-            raise ValueError(f"bounds {bounds} must be {sched.n_stages + 1} increasing cuts from 0 to "
-                             f"{n_layers} ({sched.n_stages} non-empty stages)")
+            raise ValueError(f"batch {k} has {x.shape[0]} sequences: "
+                             f"not divisible into m={sched.m} micro-batches")
+    if bounds is not None and not (len(bounds) == sched.n_stages + 1 and bounds[0] == 0
+                                   and bounds[-1] == n_layers
+                                   and all(a < b for a, b in zip(bounds[:-1], bounds[1:]))):
+        raise ValueError(f"bounds {bounds} must be {sched.n_stages + 1} increasing cuts from 0 to "
+                         f"{n_layers} ({sched.n_stages} non-empty stages)")
     precision.resolve(dtype)
     if recompute not in (None, "none"):
         if not hasattr(model, "set_recompute"):
@@ -79,12 +71,10 @@ def train(model, batches, optimizer=None, group=None, schedule="1f1b", microbatc
     balanced by parameter count) into ``p·virtual_stages`` stages, train this rank's with
     ``schedule`` (a name: "gpipe", "1f1b", "interleaved", "zb-h1", or a :class:`Schedule`)
     on ``microbatches`` micro-batches (default p) per batch; forwards in ``dtype`` (autocast,
-    :mod:`minipar.precision`), with the GPT's activation ``recompute`` mode.
-
-    Returns ``losses`` (on the rank holding the last stage, else ``None``), this rank's
-    ``params`` by single-device name, and ``measured``: the last step's ``peak_stash``,
-    ``bytes_sent`` (this rank's messages, from the trace) and ``bytes_by_dim``,
-    ``seconds``, and the ``bounds`` used."""
+    :mod:`minipar.precision`), with the GPT's activation ``recompute`` mode. Returns ``losses``
+    (on the rank holding the last stage, else ``None``), this rank's ``params`` by single-device
+    name, and ``measured``: the last step's ``peak_stash``, ``bytes_sent`` (this rank's messages,
+    from the trace), ``bytes_by_dim`` and ``seconds``, and the ``bounds`` used."""
     model = model.to(device())                 # this rank's copy, where the rank computes
     if recompute not in (None, "none"):
         model.set_recompute(recompute)
@@ -96,8 +86,7 @@ def train(model, batches, optimizer=None, group=None, schedule="1f1b", microbatc
     stages = build_stages(layers, bounds, group_rank(group), sched.p)
     shapes = boundary_shapes(layers, bounds, batches[0][0].chunk(sched.m)[0].to(device()))
     pipe = Pipeline(stages, sched, shapes.__getitem__, group, dtype=dtype)
-    opt = (optimizer or sgd())(list(pipe.parameters()))
-    losses = []
+    opt, losses = (optimizer or sgd())(list(pipe.parameters())), []
     for x, y in batches:
         mark, t0 = trace.mark(), time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -105,14 +94,13 @@ def train(model, batches, optimizer=None, group=None, schedule="1f1b", microbatc
         opt.step()
         seconds = time.perf_counter() - t0
     sent = trace.bytes_by_dim(trace.since(mark))          # the last step's messages
-    holds_loss = sched.n_stages - 1 in stages
-    return {"losses": losses if holds_loss else None,
+    return {"losses": losses if sched.n_stages - 1 in stages else None,
             "params": strategy.full_params(owned_parameters(model, stages).items()),
             "measured": {"peak_stash": pipe.peak_stash, "bytes_sent": sent["total"], "bytes_by_dim": sent,
                          "seconds": seconds, "bounds": bounds}}
 
 
 def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:
-    """Driver: :func:`check`, then :func:`train` on ``world_size`` ranks; one
+    """Driver: :func:`check`, then :func:`train` on ``world_size`` ranks, merged into one
     :class:`~minipar.strategy.TrainResult` (``measured[r]`` is rank r's)."""
     return strategy.run(train, model, batches, world_size, check=check, optimizer=optimizer, **options)

@@ -19,8 +19,8 @@ from .predict import Prediction, predict
 from .search import SearchResult, layouts, search
 from .step_time import comm_times, step_flops, step_time
 
-__all__ = ["ACCELERATORS", "CLUSTERS", "Accelerator", "Cluster", "get_accelerator", "get_cluster",
-           "Layout", "check", "problems", "memory_per_gpu", "model_state_bytes",
-           "layer_activation_bytes", "comm_buffer_bytes", "MODELS", "ModelSpec", "from_gpt_config",
-           "get_model", "Prediction", "predict", "SearchResult", "search", "layouts", "step_time",
-           "step_flops", "comm_times", "fit_efficiency", "measure_machine"]
+__all__ = ["ACCELERATORS", "CLUSTERS", "Accelerator", "Cluster", "get_accelerator", "get_cluster", "Layout",
+           "check", "problems", "memory_per_gpu", "model_state_bytes", "layer_activation_bytes",
+           "comm_buffer_bytes", "MODELS", "ModelSpec", "from_gpt_config", "get_model", "Prediction",
+           "predict", "SearchResult", "search", "layouts", "step_time", "step_flops", "comm_times",
+           "fit_efficiency", "measure_machine"]

@@ -1,13 +1,11 @@
 """Calibrate the planner: fit its efficiency on published runs, or measure this machine.
 
 * :func:`fit_efficiency` — the one free parameter of :func:`minipar.plan.step_time`, the
-  achievable fraction of peak, chosen so that predicted and observed throughputs agree on
-  a few runs: the root of Σ log(predicted/observed) (equal over- and under-prediction in
-  ratio), found by bisection.
+  achievable fraction of peak, such that predicted and observed throughputs agree on a few
+  runs: the root of Σ log(predicted/observed) (over- and under-prediction equal in ratio).
 * :func:`measure_machine` — α and β of this machine's all-reduce (the timing loop of
   ``python -m minipar.bench collectives``, :func:`minipar.cost.fit_alpha_beta`) and the
-  compute rate of a timed GPT block (FLOP/s = its forward+backward FLOPs / seconds), as
-  a :class:`~minipar.plan.Cluster` whose peak is that rate (so efficiency = 1).
+  FLOP/s of a timed GPT block, as a :class:`~minipar.plan.Cluster` with that peak (efficiency 1).
 """
 from __future__ import annotations
 
@@ -66,10 +64,9 @@ def _measure_rank(sizes, repeats, config):
 
 
 def measure_machine(config, world_size: int = 4, sizes=None) -> dict:
-    """``{"alpha", "beta", "flops", "overhead", "cluster"}`` measured here in a few seconds:
-    all-reduce times at a few sizes on ``world_size`` ranks (α, β by
-    :func:`minipar.cost.fit_alpha_beta`), and a GPT block of ``config`` timed on every
-    rank at once (rate and per-layer overhead, :func:`timed_block`)."""
+    """``{"alpha", "beta", "flops", "overhead", "cluster"}`` measured here in a few seconds: all-reduce
+    times at a few sizes on ``world_size`` ranks (α, β by :func:`minipar.cost.fit_alpha_beta`), and
+    a GPT block of ``config`` timed on every rank at once (rate, per-layer overhead: :func:`timed_block`)."""
     from .. import cost
     from ..launch import launch
     sizes = sizes or [2 ** k for k in (12, 16, 20)]

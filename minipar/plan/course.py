@@ -1,21 +1,19 @@
 """The planner on the course's own runs: chapter 07's comparison table, predicted.
 
-:func:`predict_compare` predicts every row of :func:`minipar.hybrid.compare` (the same
-GPT, batch and strategies) before it runs:
+:func:`predict_compare` predicts every row of :func:`minipar.hybrid.compare` (same GPT, batch
+and strategies) before it runs:
 
-* **memory** (model states of the busiest rank, fp32 AdamW: 4 + 4 + 8 bytes per element),
-  exactly, from the GPT's own parameter shapes: each layer's elements on a rank (its
-  tensor-parallel shard, :func:`minipar.tensor_parallel.shard`; layer norms, biases of
-  row-parallel layers and position embeddings replicated), the layers of each pipeline
-  stage (:func:`minipar.pipeline.partition` by parameter count, as the runs cut them), and
-  ZeRO's per-layer shards padded to a multiple of the data-parallel size
-  (:func:`minipar.cost.zero_bytes_per_rank` on the layers' sizes);
-* **step time** from :func:`minipar.plan.step_time` on the machine that
-  :func:`minipar.plan.measure_machine` measured (compute rate of a timed block, α and β of
-  its all-reduce), as a ranking: :func:`spearman` is the rank correlation of predicted
-  and measured step times. On a CPU the software cost of each collective call dominates a
-  tiny model's step; :func:`fit_call_overhead` fits that one number on one measured
-  strategy (as Table 1's efficiency is fitted on published rows) and the others are predicted.
+* **memory** (the busiest rank's model states, fp32 AdamW: 4 + 4 + 8 bytes per element),
+  exactly, from the GPT's parameter shapes: each layer's elements on a rank (its tensor-parallel
+  shard, :func:`minipar.tensor_parallel.shard`; layer norms, row-parallel biases and position
+  embeddings replicated), each pipeline stage's layers (:func:`minipar.pipeline.partition` by
+  parameter count, as the runs cut them), and ZeRO's per-layer shards padded to a multiple of
+  the data-parallel size (:func:`minipar.cost.zero_bytes_per_rank` on the layers' sizes);
+* **step time** from :func:`minipar.plan.step_time` on the machine
+  :func:`minipar.plan.measure_machine` measured, as a ranking (:func:`spearman`: the rank
+  correlation of predicted and measured step times). On a CPU each collective call's software
+  cost dominates a tiny model's step: :func:`fit_call_overhead` fits that one number on one
+  measured strategy (as Table 1's efficiency is fitted on published rows), the rest is predicted.
 """
 from __future__ import annotations
 
@@ -73,7 +71,7 @@ def fit_call_overhead(config, batch: int, specs: dict[str, dict], cluster, measu
                       on: str = "TP"):
     """The cluster with ``call_overhead`` such that strategy ``on`` takes ``measured_ms``
     (the prediction is linear in it: seconds = without + overhead · calls)."""
-    base = {r["strategy"]: r["step_ms"] for r in predict_compare(config, batch, {on: specs[on]}, cluster)}[on]
+    base = predict_compare(config, batch, {on: specs[on]}, cluster)[0]["step_ms"]
     one = replace(cluster, call_overhead=cluster.call_overhead + 1e-3)
     slope = predict_compare(config, batch, {on: specs[on]}, one)[0]["step_ms"] - base   # ms per ms of overhead
     k = cluster.call_overhead + 1e-3 * max(measured_ms - base, 0.0) / slope if slope > 0 else cluster.call_overhead
@@ -82,18 +80,8 @@ def fit_call_overhead(config, batch: int, specs: dict[str, dict], cluster, measu
 
 def spearman(a: list[float], b: list[float]) -> float:
     """Spearman's rank correlation (ties get their mean rank)."""
-    def ranks(x):
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        i = 0
-        while i < len(x):
-            j = i
-            while j + 1 < len(x) and x[order[j + 1]] == x[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
+    def ranks(x):   # 0-based: values below, plus the mean place among the equal ones
+        return [sum(y < v for y in x) + (sum(y == v for y in x) - 1) / 2 for v in x]
     ra, rb = ranks(a), ranks(b)
     ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
     num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))

@@ -1,9 +1,9 @@
 """Accelerators and clusters the planner knows, each with its source; add your own.
 
-An :class:`Accelerator` is a peak rate (dense 16-bit tensor-core FLOP/s, no sparsity), a
-memory (HBM), and the bandwidth of its link to the other GPUs of its node, in bytes/s
-per direction. A :class:`Cluster` is nodes of such GPUs joined by a network, with each
-GPU's share of it (bytes/s per direction) and α, the latency of one message, per level::
+An :class:`Accelerator` is a peak rate (dense 16-bit tensor-core FLOP/s, no sparsity), a memory
+(HBM) and its link's bandwidth to the node's other GPUs (bytes/s per direction). A
+:class:`Cluster` is nodes of such GPUs joined by a network, with each GPU's share of it (bytes/s
+per direction) and α, the latency of one message, per level::
 
     ACCELERATORS["mi300x"] = Accelerator("mi300x", 1307e12, 192e9, 448e9, "Infinity Fabric",
                                          source="AMD MI300X datasheet")
@@ -11,7 +11,7 @@ GPU's share of it (bytes/s per direction) and α, the latency of one message, pe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 GB = 1e9
 
@@ -56,7 +56,6 @@ class Cluster:
         return self.alpha_inter, 1 / self.network_bw
 
     def with_nodes(self, nodes: int) -> "Cluster":
-        from dataclasses import replace
         return replace(self, nodes=nodes)
 
 

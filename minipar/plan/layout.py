@@ -1,14 +1,11 @@
 """One parallel layout, and the checks that reject it before anything is predicted.
 
-A :class:`Layout` is every knob of a training run: the sizes of the five parallel
-dimensions (data dp, tensor tp, pipeline pp with v virtual stages, context cp, expert ep),
-the ZeRO stage, the micro-batch b, the recomputation and the precision. The world is
-``dp·tp·pp·cp`` GPUs; expert parallelism splits the experts over ``ep`` ranks of the
-``dp·cp`` data ranks (as Megatron-LM does), so it adds no GPUs.
-
-Ranks are numbered tp fastest, then cp, then dp, then pp (Megatron-LM's order): a group
-of a dimension spans that many consecutive GPUs, which decides its link
-(:meth:`minipar.plan.Cluster.link`).
+A :class:`Layout` is every knob of a training run: the five parallel sizes (data dp, tensor
+tp, pipeline pp with v virtual stages, context cp, expert ep), the ZeRO stage, the micro-batch
+b, the recomputation and the precision. The world is ``dp·tp·pp·cp`` GPUs; expert parallelism
+splits the experts over ``ep`` of the ``dp·cp`` data ranks (as Megatron-LM does): no more GPUs.
+Ranks are numbered tp fastest, then cp, dp, pp (Megatron-LM's order): a dimension's group
+spans that many consecutive GPUs, which decides its link (:meth:`minipar.plan.Cluster.link`).
 """
 from __future__ import annotations
 
@@ -62,23 +59,17 @@ class Layout:
 
     def __str__(self) -> str:
         dims = [f"{k}{getattr(self, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1]
-        s = "·".join(dims) or "1 GPU"
-        if self.v > 1:
-            s += f" v{self.v}"
-        extra = [f"b={self.micro_batch}", self.dtype]
-        if self.zero:
-            extra.append(f"ZeRO-{self.zero}")
-        if self.recompute != "none":
-            extra.append(f"{self.recompute} recompute")
-        return f"{s} ({', '.join(extra)})"
+        extra = [f"b={self.micro_batch}", self.dtype] + ([f"ZeRO-{self.zero}"] if self.zero else [])
+        extra += [f"{self.recompute} recompute"] if self.recompute != "none" else []
+        v = f" v{self.v}" if self.v > 1 else ""
+        return f"{'·'.join(dims) or '1 GPU'}{v} ({', '.join(extra)})"
 
 
 def problems(model: ModelSpec, layout: Layout, global_batch: int, seq_len: int) -> list[str]:
     """Why ``layout`` cannot run ``model`` (empty when it can), in plain words."""
-    L, out = layout, []
-    for k in ("dp", "tp", "pp", "v", "cp", "ep", "micro_batch"):
-        if not isinstance(getattr(L, k), int) or getattr(L, k) < 1:
-            out.append(f"{k} must be a positive int, got {getattr(L, k)!r}")
+    L, knobs = layout, ("dp", "tp", "pp", "v", "cp", "ep", "micro_batch")
+    out = [f"{k} must be a positive int, got {getattr(L, k)!r}" for k in knobs
+           if not isinstance(getattr(L, k), int) or getattr(L, k) < 1]
     if out:
         return out
     if L.recompute not in RECOMPUTE:
@@ -104,10 +95,8 @@ def problems(model: ModelSpec, layout: Layout, global_batch: int, seq_len: int) 
         out.append(f"ep={L.ep} must divide the {model.n_experts} experts and dp·cp={L.dp * L.cp}")
     if global_batch % (L.dp * L.micro_batch):
         out.append(f"global batch {global_batch} is not a multiple of dp·b={L.dp * L.micro_batch}")
-    else:
-        m = L.microbatches(global_batch)
-        if L.schedule == "interleaved" and m % L.pp:
-            out.append(f"interleaved 1F1B needs m={m} micro-batches to be a multiple of pp={L.pp}")
+    elif L.schedule == "interleaved" and (m := L.microbatches(global_batch)) % L.pp:
+        out.append(f"interleaved 1F1B needs m={m} micro-batches to be a multiple of pp={L.pp}")
     if L.pp > 1 and L.zero >= 2:
         out.append(f"ZeRO-{L.zero} with pipeline parallelism would reduce gradients (and gather "
                    "parameters) at every micro-batch; the planner leaves it out")

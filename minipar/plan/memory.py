@@ -1,22 +1,22 @@
 """Memory per GPU of one layout, by component.
 
-* **Model states** (Rajbhandari et al. 2020, ZeRO, §3.1 and §5): a GPU holds Ψ_local =
-  Ψ/(tp·pp) of the dense parameters and Ψ_experts/(tp·pp·ep) of the experts'. Mixed
-  precision keeps 16-bit parameters and gradients (2 + 2 bytes) and an fp32 master copy
-  with Adam's two moments (K = 12 bytes); in fp32, 4 + 4 and K = 8. ZeRO stage 1/2/3
-  divides the optimizer state / + gradients / + parameters by the data-parallel ranks
-  (dp·cp, or dp·cp/ep for the experts): :func:`minipar.cost.zero_bytes_per_rank`.
+* **Model states** (Rajbhandari et al. 2020, ZeRO, §3.1 and §5): a GPU holds Ψ_local = Ψ/(tp·pp)
+  of the dense parameters and Ψ_experts/(tp·pp·ep) of the experts'. Mixed precision keeps
+  16-bit parameters and gradients (2 + 2 bytes) and an fp32 master copy with Adam's two moments
+  (K = 12 bytes); fp32 4 + 4 and K = 8. ZeRO stage 1/2/3 divides the optimizer state / +
+  gradients / + parameters by the data-parallel ranks (dp·cp, or dp·cp/ep for the experts):
+  :func:`minipar.cost.zero_bytes_per_rank`.
 * **Activations** (Korthikanti et al. 2022, §4-5): per layer and micro-batch
   :func:`minipar.cost.recompute_activation_bytes` — ``sbh(34 + 5as/h)`` and its TP, SP,
-  selective and full forms — on the GPU's s/cp tokens, with the terms scaled to the
-  model's shape (grouped-query K and V, the MLP's width and gating). The first pipeline
-  stage holds the most: ``peak_activations(schedule, p, m, 0, v)/v`` stages' worth of
-  micro-batches of its ``l/p`` layers (Narayanan et al. 2021, §2.2). With full
-  recomputation one layer is rebuilt at a time in backward: one layer's "none" activations
-  more. The last stage also holds one micro-batch's fp32 logits, ``4·s·b·V/t``.
-* **Communication buffers**: a 25 MB gradient bucket with dp > 1 (PyTorch DDP's default),
-  the all-gathered (s, b, h) input of a sequence-parallel layer, the two boundary
-  activations of a pipeline stage, and ZeRO-3's one gathered layer.
+  selective and full forms — on the GPU's s/cp tokens, terms scaled to the model's shape
+  (grouped-query K and V, the MLP's width and gating). The first pipeline stage holds the most:
+  ``peak_activations(schedule, p, m, 0, v)/v`` stages' worth of micro-batches of its ``l/p``
+  layers (Narayanan et al. 2021, §2.2). Full recomputation rebuilds one layer at a time in
+  backward: one layer's "none" activations more. The last stage also holds one micro-batch's
+  fp32 logits, ``4·s·b·V/t``.
+* **Communication buffers**: a 25 MB gradient bucket with dp > 1 (PyTorch DDP's default), a
+  sequence-parallel layer's all-gathered (s, b, h) input, a pipeline stage's two boundary
+  activations, and ZeRO-3's one gathered layer.
 """
 from __future__ import annotations
 
@@ -36,8 +36,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> fl
     """Bytes one layer keeps per micro-batch on one GPU (Korthikanti et al.'s terms, shaped
     for ``model``; for a GPT they are exactly :func:`minipar.cost.recompute_activation_bytes`)."""
     L, h = layout, model.hidden
-    s = seq_len // L.cp
-    e, t = L.bytes_per_element, L.tp
+    s, e, t = seq_len // L.cp, L.bytes_per_element, L.tp
     if L.recompute == "full":
         return e * s * L.micro_batch * h / (t if L.sp else 1)
     terms = activation_terms(s, L.micro_batch, h, model.n_head, t, L.sp,
@@ -52,8 +51,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> fl
 
 def model_state_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
     """``{"params", "grads", "optimizer"}`` bytes per GPU (ZeRO formulas on the local share)."""
-    L = layout
-    e = L.bytes_per_element
+    L, e = layout, layout.bytes_per_element
     k = 12 if e == 2 else 8
     experts = model.n_layer * model.n_experts * model.expert_params() if model.n_experts > 1 else 0
     dense = model.num_params() - experts
@@ -65,8 +63,8 @@ def model_state_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
 
 
 def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch: int) -> dict[str, float]:
-    """Bytes on the busiest GPU: ``{"params", "grads", "optimizer", "activations",
-    "buffers", "total"}`` (formulas in the module docstring)."""
+    """Bytes on the busiest GPU: ``{"params", "grads", "optimizer", "activations", "buffers", "total"}``
+    (formulas in the module docstring)."""
     L = layout
     # >>> ex10 A
     # Hint: model_state_bytes gives params/grads/optimizer; layer_activation_bytes one layer, one micro-batch.

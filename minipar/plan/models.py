@@ -1,10 +1,10 @@
 """Model shapes the planner knows, each with its source; add your own in one line.
 
-A :class:`ModelSpec` is what the formulas need: layers l, hidden size h, heads a (and
-key-value heads for grouped-query attention), the MLP's width and whether it is gated
-(SwiGLU: three matrices instead of two), vocabulary V, and for a mixture of experts the
-number of experts and how many each token visits (top-k). Parameter counts follow from
-the shapes (biases and norms left out, as the papers count them)::
+A :class:`ModelSpec` is what the formulas need: layers l, hidden size h, heads a (and key-value
+heads for grouped-query attention), the MLP's width and whether it is gated (SwiGLU: three
+matrices, not two), vocabulary V, and for a mixture of experts the number of experts and how
+many each token visits (top-k). Parameter counts follow (biases and norms left out, as the
+papers count them)::
 
     MODELS["my-7b"] = ModelSpec("my-7b", n_layer=32, hidden=4096, n_head=32, vocab=32000,
                                 source="my notes")
@@ -37,9 +37,7 @@ class ModelSpec:
 
     @property
     def kv_dim(self) -> int:
-        if self.n_kv_head is None:
-            return self.hidden
-        return self.n_kv_head * (self.hidden // self.n_head)
+        return self.hidden if self.n_kv_head is None else self.n_kv_head * (self.hidden // self.n_head)
 
     def attention_params(self) -> int:
         """Q and the output projection h×h each, K and V h×kv_dim each."""
@@ -63,16 +61,13 @@ class ModelSpec:
         return self.embedding_params() + self.n_layer * per_layer
 
     def forward_flops_per_token(self, s: int | None = None) -> float:
-        """2 FLOPs per active weight of the layers and the head, plus ``4·s·h`` per layer for
-        ``QKᵀ`` and ``attn·V`` (Narayanan et al. 2021's count; for a GPT it is
-        ``(24lh² + 4lsh + 2hV)`` per token)."""
-        s = s or self.seq_len
-        per_layer = self.attention_params() + self.top_k * self.expert_params()
-        return 2 * self.n_layer * per_layer + 4 * self.n_layer * s * self.hidden + 2 * self.hidden * self.vocab
+        """2 FLOPs per active weight of the layers and the head, plus ``4·s·h`` per layer for ``QKᵀ``
+        and ``attn·V`` (Narayanan et al. 2021's count; for a GPT ``(24lh² + 4lsh + 2hV)`` per token)."""
+        return (2 * (self.active_params() - self.embedding_params()) + self.attention_core_flops_per_token(s)
+                + 2 * self.hidden * self.vocab)
 
     def attention_core_flops_per_token(self, s: int | None = None) -> float:
-        """``QKᵀ`` and ``attn·V`` of all layers, per token: ``4·s·h·l`` (what selective
-        recomputation runs again)."""
+        """``QKᵀ`` and ``attn·V`` of all layers per token, ``4·s·h·l`` (selective recomputation's)."""
         return 4 * self.n_layer * (s or self.seq_len) * self.hidden
 
 

@@ -1,16 +1,15 @@
 """Predict one layout: memory per GPU, step time, tokens/s, TFLOP/s per GPU and MFU.
 
-:func:`predict` puts :mod:`.memory` and :mod:`.step_time` together for a model, a cluster
-and a :class:`~minipar.plan.Layout`; the :class:`Prediction` it returns reads as a
-breakdown (``print(prediction)``). Throughput is counted two ways:
+:func:`predict` puts :mod:`.memory` and :mod:`.step_time` together for a model, a cluster and
+a :class:`~minipar.plan.Layout`; the :class:`Prediction` reads as a breakdown
+(``print(prediction)``). Throughput is counted two ways:
 
-* TFLOP/s per GPU = hardware FLOPs (recomputation included, as Narayanan et al. 2021
-  report) / (T · N);
-* MFU = model FLOPs (3 × forward, no recomputation) / (T · N · peak) (Chowdhery et al.
-  2022, "PaLM", Appendix B).
+* TFLOP/s per GPU = hardware FLOPs (with recomputation, as Narayanan et al. 2021 report) / (T · N);
+* MFU = model FLOPs (3 × forward, no recomputation) / (T · N · peak) (Chowdhery et al. 2022,
+  "PaLM", Appendix B).
 
-A layout fits when its total is at most ``usable`` (default 95%) of the GPU's memory;
-the rest goes to the CUDA context and the allocator's fragmentation.
+A layout fits when its total is at most ``usable`` (default 95%) of the GPU's memory; the rest
+goes to the CUDA context and the allocator's fragmentation.
 """
 from __future__ import annotations
 
@@ -68,34 +67,30 @@ class Prediction:
 
     def components(self) -> dict[str, float]:
         """Seconds of the step by part: compute, bubble, and each dimension's exposed comm."""
-        out = {"compute": self.time["compute"], "bubble": self.time["bubble"]}
-        out.update({f"{d} comm": c["exposed"] for d, c in self.time["comm"].items()})
-        return out
+        return {"compute": self.time["compute"], "bubble": self.time["bubble"],
+                **{f"{d} comm": c["exposed"] for d, c in self.time["comm"].items()}}
 
     def __str__(self) -> str:
         GB = 1e9
         mem = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.memory.items() if k != "total")
         parts = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in self.components().items() if v)
-        lines = [f"{self.model} on {self.layout.world} × {self.cluster}: {self.layout}",
-                 f"  memory per GPU {self.memory['total'] / GB:.1f} GB of {self.hbm / GB:.0f} "
-                 f"({mem})" + ("" if self.fits else f"  -- does not fit: {self.reason}"),
-                 f"  step {1e3 * self.step_time:.1f} ms ({parts})",
-                 f"  {self.tokens_per_s:,.0f} tokens/s, {self.tflops_per_gpu:.0f} TFLOP/s per GPU, "
-                 f"MFU {self.mfu:.0%}"]
-        return "\n".join(lines)
+        return "\n".join([f"{self.model} on {self.layout.world} × {self.cluster}: {self.layout}",
+                          f"  memory per GPU {self.memory['total'] / GB:.1f} GB of {self.hbm / GB:.0f} "
+                          f"({mem})" + ("" if self.fits else f"  -- does not fit: {self.reason}"),
+                          f"  step {1e3 * self.step_time:.1f} ms ({parts})",
+                          f"  {self.tokens_per_s:,.0f} tokens/s, {self.tflops_per_gpu:.0f} TFLOP/s per GPU, "
+                          f"MFU {self.mfu:.0%}"])
 
 
 def predict(model, cluster, layout: Layout, global_batch: int, seq_len: int | None = None,
             efficiency: float = 0.5, nodes: int | None = None) -> Prediction:
-    """Memory and step time of ``layout`` (a plain ``ValueError`` if it cannot run at all;
-    a layout that runs but does not fit in memory comes back with ``fits`` False)."""
+    """Memory and step time of ``layout``: a plain ``ValueError`` if it cannot run at all; one that
+    runs but does not fit in memory comes back with ``fits`` False."""
     spec, cl = get_model(model), get_cluster(cluster, nodes)
     s = seq_len or spec.seq_len
     check(spec, layout, global_batch, s)
     if layout.world > cl.world:
         raise ValueError(f"layout {layout} needs {layout.world} GPUs, {cl.name} has {cl.world}")
-    p = Prediction(spec.name, cl.name, layout, s, global_batch,
-                   memory_per_gpu(spec, layout, s, global_batch),
-                   step_time(spec, layout, cl, s, global_batch, efficiency), cl.gpu.hbm,
-                   cl.gpu.peak_flops)
-    return p
+    return Prediction(spec.name, cl.name, layout, s, global_batch,
+                      memory_per_gpu(spec, layout, s, global_batch),
+                      step_time(spec, layout, cl, s, global_batch, efficiency), cl.gpu.hbm, cl.gpu.peak_flops)

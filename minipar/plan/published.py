@@ -1,18 +1,17 @@
 """Published measurements the planner is checked against, each with its source.
 
 **Narayanan et al. 2021**, "Efficient Large-Scale Language Model Training on GPU Clusters
-Using Megatron-LM" (SC21, arXiv:2104.04473), Table 1 (weak scaling on Selene, A100 80GB,
-mixed precision, full activation recomputation, sequence length 2048, vocabulary 51,200):
-parameters (billions), heads, hidden size, layers, tensor-parallel size t, pipeline size p,
-GPUs, global batch, achieved TFLOP/s per GPU (counted with their formula, 96·B·s·l·h²·(...)).
-The micro-batch size and schedule of each row are not in the table; the planner assumes
-b = 1 and 1F1B (:func:`table1_layout`).
+Using Megatron-LM" (SC21, arXiv:2104.04473), Table 1 (weak scaling on Selene, A100 80GB, mixed
+precision, full activation recomputation, sequence length 2048, vocabulary 51,200): parameters
+(billions), heads, hidden size, layers, tensor-parallel size t, pipeline size p, GPUs, global
+batch, achieved TFLOP/s per GPU (by their formula, 96·B·s·l·h²·(...)). The table gives no
+micro-batch size or schedule; the planner assumes b = 1 and 1F1B (:func:`table1_layout`).
 
-**Korthikanti et al. 2022**, "Reducing Activation Recomputation in Large Transformer
-Models" (MLSys 2023, arXiv:2205.05198), §5: sequence parallelism and selective
-recomputation together reduce the activation memory about 5× (to about 20% of the
-memory with tensor parallelism alone), and the cost of recomputation falls from
-36-39% (full) to 4-7% (selective) of the step (Table 4: 22B, +39% full, +7% selective).
+**Korthikanti et al. 2022**, "Reducing Activation Recomputation in Large Transformer Models"
+(MLSys 2023, arXiv:2205.05198), §5: sequence parallelism and selective recomputation together
+cut the activation memory about 5× (to about 20% of tensor parallelism alone's), and the cost
+of recomputation falls from 36-39% (full) to 4-7% (selective) of the step (Table 4: 22B, +39%
+full, +7% selective).
 """
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ KORTHIKANTI_SP_SELECTIVE_MEMORY = 0.2      # "5x" reduction, §1 and §6.1 (Figu
 
 def table1_model(row) -> ModelSpec:
     billions, a, h, l, *_ = row
-    return ModelSpec(f"gpt-{billions}b", l, h, a, 51200, 2048,
-                     source=TABLE1_SOURCE)
+    return ModelSpec(f"gpt-{billions}b", l, h, a, 51200, 2048, source=TABLE1_SOURCE)
 
 
 def table1_layout(row, micro_batch: int = 1) -> tuple[Layout, int]:

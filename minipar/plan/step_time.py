@@ -2,11 +2,10 @@
 
     T = T_compute + T_bubble + Σ_dim T_exposed(dim)
 
-* **Compute.** FLOPs of the step (Narayanan et al. 2021: ``3·(forward)`` plus what the
-  recomputation adds, :mod:`minipar.cost.flops`), shared by the N GPUs, at a fraction
-  ``efficiency`` of the accelerator's peak: ``T_compute = FLOPs / (N · efficiency · peak)``.
-  ``efficiency`` is the one fitted parameter (kernels, memory-bound operations, launch
-  gaps); it is fitted on published runs or on a timed layer (:mod:`minipar.plan.calibrate`).
+* **Compute.** The step's FLOPs (Narayanan et al. 2021: ``3·(forward)`` plus what recomputation
+  adds, :mod:`minipar.cost.flops`) over N GPUs at a fraction ``efficiency`` of the peak:
+  ``T_compute = FLOPs / (N · efficiency · peak)``, ``efficiency`` the one fitted parameter
+  (kernels, memory-bound operations, launch gaps; :mod:`minipar.plan.calibrate`).
 * **Bubble.** ``bubble_fraction(schedule, p, m, v) · T_compute`` (:mod:`minipar.cost.pipeline`).
 * **Communication**, α-β on the link the group uses (:meth:`Cluster.link`), with these
   overlap assumptions:
@@ -28,15 +27,14 @@
                                                                      ``overlap_dp=False``: all
   =====  ==========================================================  =========================
 
-A cluster's ``call_overhead`` (seconds of software per collective or message, 0 for the
-catalogue's GPU clusters; on a CPU machine milliseconds, fitted by
-:func:`minipar.plan.course.fit_call_overhead`) is charged once per call: per layer and
-micro-batch 4 all-reduces (10 gathers/scatters with SP) plus 4 for the embedding and the
-vocabulary-parallel loss, one per 25 MB bucket for DP, two (three for ZeRO-3) per layer for
-ZeRO, two messages per micro-batch for PP. An accelerator's ``layer_overhead`` (seconds per layer pass beyond its FLOPs, 0 for the
-GPUs; measured on a CPU, where dispatching small operations dominates) adds
-``m · ⌈(l+2)/p⌉`` of it (embedding and head count as layers). The optimizer step and data
-loading are left out.
+A cluster's ``call_overhead`` (software seconds per collective or message: 0 for the catalogue's
+GPU clusters, milliseconds on a CPU, fitted by :func:`minipar.plan.course.fit_call_overhead`) is
+charged per call: per layer and micro-batch 4 all-reduces (10 gathers/scatters with SP) plus 4
+for the embedding and the vocabulary-parallel loss, one per 25 MB bucket for DP, two (three for
+ZeRO-3) per layer for ZeRO, two messages per micro-batch for PP. An accelerator's
+``layer_overhead`` (seconds per layer pass beyond its FLOPs: 0 for the GPUs, measured on a CPU,
+where dispatching small operations dominates) adds ``m · ⌈(l+2)/p⌉`` of it (embedding and head
+count as layers). The optimizer step and data loading are left out.
 """
 from __future__ import annotations
 
@@ -76,34 +74,29 @@ def comm_times(model: ModelSpec, layout: Layout, cluster: Cluster, seq_len: int,
     L, e = layout, layout.bytes_per_element
     m, s = L.microbatches(global_batch), seq_len // L.cp
     layers = math.ceil(model.n_layer / L.pp)
-    sbh = s * L.micro_batch * model.hidden
+    n, sbh = m * layers, s * L.micro_batch * model.hidden     # n: layer passes of one stage per step
     out, k = {}, cluster.call_overhead
     if L.tp > 1:
-        per = tp_comm_bytes_per_layer(L.micro_batch, s, model.hidden, L.tp, e, L.sp)
-        steps = (10 if L.sp else 8) * (L.tp - 1)     # ring steps: 10 gathers/scatters or 4 all-reduces
-        if L.recompute == "full":
-            per, steps = 1.5 * per, 1.5 * steps
-        n = m * layers
-        calls = n * (10 if L.sp else 4) * (1.5 if L.recompute == "full" else 1) + 4 * m  # + embedding, loss
+        f = 1.5 if L.recompute == "full" else 1   # full recomputation reruns the forward's all-reduces
+        per = f * tp_comm_bytes_per_layer(L.micro_batch, s, model.hidden, L.tp, e, L.sp)
+        steps = f * ((10 if L.sp else 8) * (L.tp - 1))  # ring steps: 10 gathers/scatters or 4 all-reduces
+        calls = n * (10 if L.sp else 4) * f + 4 * m     # + embedding, loss
         sec = _time(n * per, n * steps, cluster.link(L.span("tp")), calls, k)
         out["tp"] = {"bytes": n * per, "seconds": sec, "exposed": sec, "calls": calls}
     if L.cp > 1:
         per = 3 * (L.cp - 1) * 2 * s * L.micro_batch * model.kv_dim / L.tp * e
-        n = m * layers
         sec = _time(n * per, n * 3 * (L.cp - 1), cluster.link(L.span("cp")), n * 3 * (L.cp - 1), k)
         attn = t_compute * model.attention_core_flops_per_token(seq_len) / model.forward_flops_per_token(seq_len)
         out["cp"] = {"bytes": n * per, "seconds": sec, "exposed": max(0.0, sec - attn)}
     if L.ep > 1:
         per = 4 * (L.ep - 1) / L.ep * model.top_k * sbh * e / L.tp
-        n = m * layers
         sec = _time(n * per, n * 4 * (L.ep - 1), cluster.link(L.span("ep")), 4 * n, k)
         out["ep"] = {"bytes": n * per, "seconds": sec, "exposed": sec}
     if L.pp > 1:
-        msg = e * sbh / (L.tp if L.sp else 1)
+        msg, calls = e * sbh / (L.tp if L.sp else 1), 2 * m * L.v   # one activation each way
         link = cluster.link(L.span("pp"))
-        calls = 2 * m * L.v
-        sec = _time(2 * m * L.v * msg, 2 * m * L.v, link, calls, k)
-        out["pp"] = {"bytes": 2 * m * L.v * msg, "seconds": sec, "calls": calls,   # software is never hidden
+        sec = _time(calls * msg, calls, link, calls, k)
+        out["pp"] = {"bytes": calls * msg, "seconds": sec, "calls": calls,   # software is never hidden
                      "exposed": _time(2 * (L.pp - 1) * msg, 2 * (L.pp - 1), link, calls, k)}
     n_dp = L.dp * L.cp
     if n_dp > 1:

@@ -1,35 +1,28 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism
-(Korthikanti et al. 2022), written on :mod:`minipar.comm`.
-
-* :mod:`.ops`: the conjugate operators f and g, the all-gather / reduce-scatter pair.
-* :mod:`.layers`: ``ColumnParallelLinear``, ``RowParallelLinear``.
-* :mod:`.embedding`, :mod:`.cross_entropy`: the vocabulary-parallel input and loss.
-* :mod:`.sequence`: sequence-parallel regions (layer norms and residuals on s/t tokens).
-* :mod:`.block`, :mod:`.gpt`: the tensor-parallel transformer and the conversion to and
-  from :class:`minipar.models.GPT`.
-* :mod:`.train`: :func:`check`, :func:`train`, :func:`run`, the API of every strategy
-  (:mod:`minipar.strategy`); activation memory is measured with
-  :class:`minipar.activations.SavedActivations`.
+(Korthikanti et al. 2022), written on :mod:`minipar.comm`: the operators f and g and the
+all-gather / reduce-scatter pair (:mod:`.ops`), column- and row-parallel linear layers
+(:mod:`.layers`), the vocabulary-parallel embedding and loss (:mod:`.embedding`,
+:mod:`.cross_entropy`), sequence-parallel regions (:mod:`.sequence`), the transformer and
+its conversion to and from :class:`minipar.models.GPT` (:mod:`.block`, :mod:`.gpt`), and
+:func:`check`, :func:`train`, :func:`run`, the API of every strategy (:mod:`.train`).
 
 Every layer and operator takes ``group`` (the tensor-parallel process group, ``None`` for
-the world) and uses group-local ranks, so the pieces compose with data and pipeline
+the world) with group-local ranks, so the pieces compose with data and pipeline
 parallelism on a process mesh.
 """
 from .block import ParallelAttention, ParallelBlock, ParallelMLP
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
-from .gpt import (ParallelEmbedding, ParallelHead, TensorParallelGPT, check, from_gpt,
-                  full_state_dict, gather_shards, replica_drift, shard_state_dict, to_gpt,
-                  unshard_state_dict)
+from .gpt import (ParallelEmbedding, ParallelHead, TensorParallelGPT, check, from_gpt, full_state_dict,
+                  gather_shards, replica_drift, shard_state_dict, to_gpt, unshard_state_dict)
 from .layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear, row_parallel_linear
 from .ops import all_gather, f, g, gather, reduce_scatter, split, sync_grad
 from .sequence import LayerNorm, gather_seq, reduce_scatter_seq, split_seq
 from .train import run, train
 
-__all__ = ["f", "g", "all_gather", "reduce_scatter", "gather", "split", "sync_grad",
-           "column_parallel_linear", "row_parallel_linear", "ColumnParallelLinear",
-           "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-           "gather_seq", "reduce_scatter_seq", "split_seq", "LayerNorm", "ParallelAttention",
-           "ParallelMLP", "ParallelBlock", "ParallelEmbedding", "ParallelHead",
-           "TensorParallelGPT", "check", "train", "run", "from_gpt", "to_gpt", "full_state_dict", "gather_shards",
-           "replica_drift", "shard_state_dict", "unshard_state_dict"]
+__all__ = ["f", "g", "all_gather", "reduce_scatter", "gather", "split", "sync_grad", "column_parallel_linear",
+           "row_parallel_linear", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy", "gather_seq", "reduce_scatter_seq", "split_seq", "LayerNorm",
+           "ParallelAttention", "ParallelMLP", "ParallelBlock", "ParallelEmbedding", "ParallelHead",
+           "TensorParallelGPT", "check", "train", "run", "from_gpt", "to_gpt", "full_state_dict",
+           "gather_shards", "replica_drift", "shard_state_dict", "unshard_state_dict"]

@@ -2,17 +2,16 @@
 
 * **MLP**: ``fc`` column-parallel (h -> 4h/t per rank), GeLU on the local slice, ``proj``
   row-parallel (4h/t -> h, summed by g). One all-reduce in forward, one in backward.
-* **Self-attention**: heads are independent, so rank r takes heads
-  ``[r·a/t, (r+1)·a/t)``. The fused ``qkv`` projection is column-parallel and its local
-  output is ``[q_r, k_r, v_r]``: this rank's heads' slices of q, k and v (the weight
-  conversion in :mod:`minipar.tensor_parallel.gpt` puts the rows there). Attention runs
-  on the local heads with no communication; ``proj`` is row-parallel.
+* **Self-attention**: heads are independent, so rank r takes heads ``[r·a/t, (r+1)·a/t)``:
+  the fused, column-parallel ``qkv`` outputs ``[q_r, k_r, v_r]``, its heads' slices of q, k
+  and v (:mod:`minipar.tensor_parallel.gpt` puts the weight rows there), attention runs on
+  the local heads with no communication, and ``proj`` is row-parallel.
 * Layer norms and residual adds are replicated (plain tensor parallelism) or act on this
   rank's sequence shard (``sequence_parallel=True``, Korthikanti et al. 2022).
 
 The arithmetic is that of :mod:`minipar.models.gpt`, so the block reproduces the
-single-device block. Dropout is not supported (it would need a random state shared by the
-group, Megatron-LM's RNG tracker); :func:`~minipar.tensor_parallel.check` says so.
+single-device one. Dropout is not supported (it needs a random state shared by the group,
+Megatron-LM's RNG tracker); :func:`~minipar.tensor_parallel.check` says so.
 """
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class ParallelAttention(nn.Module):
 
     def __init__(self, c: GPTConfig, group=None, sequence_parallel: bool = False):
         super().__init__()
-        t, _ = size_and_rank(group)
-        self.n_head = divide(c.n_head, t, "n_head")          # heads on this rank
+        self.n_head = divide(c.n_head, size_and_rank(group)[0], "n_head")   # heads on this rank
         self.head_dim = c.n_embd // c.n_head
         self.local_embd = self.n_head * self.head_dim
         kw = dict(group=group, sequence_parallel=sequence_parallel)

@@ -5,10 +5,8 @@ rows of tokens ``[r·V/t, (r+1)·V/t)``. A lookup is a one-hot matrix multiply, 
 row-parallel: each rank looks up the tokens it owns, writes zeros for the others, and g
 (all-reduce) sums the partial results; exactly one rank contributed each token's row.
 Under sequence parallelism the sum is a reduce-scatter along the sequence instead (ḡ),
-leaving each rank the embeddings of its own s/t tokens.
-
-The output head ``h -> V`` is column-parallel with the same split of the vocabulary, so a
-tied head can share this very weight shard.
+leaving each rank the embeddings of its own s/t tokens. The output head ``h -> V`` is
+column-parallel with the same split, so a tied head can share this very weight shard.
 """
 from __future__ import annotations
 
@@ -41,17 +39,14 @@ class VocabParallelEmbedding(nn.Module):
         """This rank's rows of an existing single-device ``nn.Embedding``."""
         with torch.device(emb.weight.device):  # built where the embedding lives
             m = cls(emb.num_embeddings, emb.embedding_dim, **kwargs)
-        with torch.no_grad():
-            m.weight.copy_(emb.weight[m.start:m.end])
+        m.load_state_dict({"weight": emb.weight[m.start:m.end]})
         return m
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.start) | (idx >= self.end)
         local = (idx - self.start).masked_fill(outside, 0)
         partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return reduce_scatter_seq(partial, self.group)
-        return g(partial, self.group)
+        return (reduce_scatter_seq if self.sequence_parallel else g)(partial, self.group)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.start}, {self.end})"

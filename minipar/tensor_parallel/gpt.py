@@ -5,24 +5,19 @@ ranks of a tensor-parallel ``group`` (Megatron-LM), optionally with sequence par
 Parameter names are those of the single-device model, each holding this rank's shard:
 
     embed.wte.weight        rows (vocabulary)            VocabParallelEmbedding
-    embed.wpe.weight        replicated
-    blocks.i.ln1/ln2.*      replicated
     blocks.i.attn.qkv.*     this rank's heads' rows of q, of k and of v (the fused weight
                             is (3h, h) = [q; k; v], so the shard takes three slices)
     blocks.i.attn.proj.w    columns (input features); its bias replicated
     blocks.i.mlp.fc.*       rows (output features)
     blocks.i.mlp.proj.w     columns; its bias replicated
-    head.ln_f.*             replicated
     head.lm_head.weight     rows (vocabulary), shared with embed.wte when tied
+    everything else         replicated (embed.wpe, the layer norms ln1, ln2, ln_f)
 
-:func:`shard_state_dict` and :func:`unshard_state_dict` are that table as code (pure
-functions); :func:`from_gpt`, :func:`full_state_dict` and :func:`to_gpt` move weights
-between the two forms, so checkpoints and equivalence tests cross over exactly.
-
-Like the single-device GPT the model is ``layers() = [embed, block_0, ..., head]``, so
-pipeline parallelism can place tensor-parallel layers on its stages; the head returns
-this rank's vocabulary slice of the logits and :meth:`TensorParallelGPT.loss` is the
-vocabulary-parallel cross-entropy for the last stage.
+:func:`shard_state_dict` and :func:`unshard_state_dict` are that table as code;
+:func:`from_gpt`, :func:`full_state_dict` and :func:`to_gpt` move weights between the two
+forms exactly. ``layers()`` is ``[embed, block_0, ..., head]`` as in the GPT, so pipeline
+parallelism can place these layers on its stages; the head returns this rank's vocabulary
+slice of the logits, and :meth:`TensorParallelGPT.loss` is the vocabulary-parallel loss.
 """
 from __future__ import annotations
 
@@ -47,15 +42,13 @@ def check(model, batches=None, t: int = 1, sequence_parallel: bool = False, dtyp
     split over ``t`` ranks (call it before launching; :func:`~minipar.tensor_parallel.run`
     does). With sequence parallelism the sequence length (``seq_len``, else the batches',
     else ``block_size``) must be divisible by t too."""
-    config = getattr(model, "config", model)
+    c = getattr(model, "config", model)
     seq_len = seq_len or (batches[0][0].shape[1] if batches else None)
     precision.resolve(dtype)
     if not isinstance(t, int) or t < 1:
         raise ValueError(f"the tensor-parallel size t must be a positive int, got {t!r}")
-    c, problems = config, []
-    for name, value in (("n_head", c.n_head), ("n_embd", c.n_embd), ("vocab_size", c.vocab_size)):
-        if value % t:
-            problems.append(f"{name}={value} is not divisible by t={t}")
+    problems = [f"{name}={value} is not divisible by t={t}" for name, value in
+                (("n_head", c.n_head), ("n_embd", c.n_embd), ("vocab_size", c.vocab_size)) if value % t]
     if c.vocab_size % t:
         problems.append("pad the vocabulary to a multiple of t (Megatron-LM pads it)")
     if sequence_parallel and (seq_len or c.block_size) % t:
@@ -80,31 +73,25 @@ def _layout(name: str):
     return None
 
 
+_DIM = {"rows": 0, "cols": 1}  # the dimension a "rows" or "cols" parameter is split along
+
+
 def shard(name: str, full: torch.Tensor, t: int, r: int) -> torch.Tensor:
     """Rank ``r``'s shard (of ``t``) of the single-device tensor ``full`` called ``name``."""
     kind = _layout(name)
-    if kind == "rows":
-        return full.chunk(t, 0)[r].clone()
-    if kind == "cols":
-        return full.chunk(t, 1)[r].clone()
     if kind == "qkv":  # (3h, ...) = [q; k; v]: this rank's heads in each of q, k and v
         three = full.reshape(3, full.shape[0] // 3, *full.shape[1:])
         return three.chunk(t, 1)[r].reshape(-1, *full.shape[1:]).clone()
-    return full.clone()
+    return full.chunk(t, _DIM[kind])[r].clone() if kind else full.clone()
 
 
 def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     """The single-device tensor ``name`` from every rank's shard, in rank order."""
-    kind = _layout(name)
-    if kind == "rows":
-        return torch.cat(shards, 0)
-    if kind == "cols":
-        return torch.cat(shards, 1)
+    kind, s = _layout(name), shards[0]
     if kind == "qkv":
-        s = shards[0]
         parts = [x.reshape(3, s.shape[0] // 3, *s.shape[1:]) for x in shards]
         return torch.cat(parts, 1).reshape(-1, *s.shape[1:])
-    return shards[0].clone()
+    return torch.cat(shards, _DIM[kind]) if kind else s.clone()
 
 
 def shard_state_dict(state_dict: dict, t: int, r: int) -> dict:
@@ -151,16 +138,14 @@ class ParallelHead(nn.Module):
 
 
 class TensorParallelGPT(nn.Module):
-    """:class:`minipar.models.GPT` split over the ranks of ``group`` (``None``: the world).
-
-    Initialised exactly as ``GPT(config, seed=seed)`` and sharded; ``seed=None`` leaves
-    the weights to be loaded (:func:`from_gpt` does)."""
+    """:class:`minipar.models.GPT` split over the ranks of ``group`` (``None``: the world),
+    initialised exactly as ``GPT(config, seed=seed)`` and sharded; ``seed=None`` leaves the
+    weights to be loaded (:func:`from_gpt` does)."""
 
     def __init__(self, config: GPTConfig, group=None, sequence_parallel: bool = False,
                  seed: int | None = 0):
         super().__init__()
-        t, _ = size_and_rank(group)
-        check(config, None, t)
+        check(config, None, size_and_rank(group)[0])
         self.config, self.group, self.sequence_parallel = config, group, sequence_parallel
         kw = dict(group=group, sequence_parallel=sequence_parallel)
         self.embed = ParallelEmbedding(config, **kw)
@@ -173,8 +158,7 @@ class TensorParallelGPT(nn.Module):
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load this rank's shards of a single-device GPT's ``state_dict``."""
-        t, r = size_and_rank(self.group)
-        self.load_state_dict(shard_state_dict(state_dict, t, r))
+        self.load_state_dict(shard_state_dict(state_dict, *size_and_rank(self.group)))
 
     def layers(self) -> list[nn.Module]:
         """``[embed, block_0, ..., block_{L-1}, head]``, as :meth:`GPT.layers`."""
@@ -210,23 +194,19 @@ def gather_shards(tensors: dict, group) -> list[dict]:
     """Every rank's ``tensors`` (same names and shapes on every rank), one flat all-gather;
     :func:`unshard_state_dict` of them is the single-device state dict."""
     t, _ = size_and_rank(group)
-    names = list(tensors)
-    flat = torch.cat([tensors[k].detach().reshape(-1).float() for k in names])
+    flat = torch.cat([v.detach().reshape(-1).float() for v in tensors.values()])
     out = torch.empty(t * flat.numel(), dtype=flat.dtype, device=flat.device)
     comm.all_gather(out, flat, group=group, name="gather_state")
-    sizes = [tensors[k].numel() for k in names]
-    return [{k: x.view_as(tensors[k]).to(tensors[k].dtype) for k, x in zip(names, row.split(sizes))}
+    sizes = [v.numel() for v in tensors.values()]
+    return [{k: x.view_as(v).to(v.dtype) for (k, v), x in zip(tensors.items(), row.split(sizes))}
             for row in out.view(t, -1)]
 
 
 def full_state_dict(model: TensorParallelGPT, grads: bool = False) -> dict:
     """The single-device state dict (or, with ``grads=True``, the gradients by parameter
     name) assembled from every rank's shards; a collective, every rank gets it."""
-    if grads:
-        tensors = {k: (p.grad if p.grad is not None else torch.zeros_like(p))
-                   for k, p in model.named_parameters()}
-    else:
-        tensors = model.state_dict()
+    tensors = ({k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in model.named_parameters()}
+               if grads else model.state_dict())
     return unshard_state_dict(gather_shards(tensors, model.group))
 
 

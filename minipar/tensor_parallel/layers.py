@@ -1,24 +1,20 @@
 """Column- and row-parallel linear layers (Shoeybi et al. 2019, Section 3, Equations 2-3).
 
-A linear layer computes ``Y = X A`` (PyTorch stores ``Aᵀ`` as ``weight``, shape
-(out, in)). With t ranks, A can be split two ways:
+A linear layer computes ``Y = X A`` (PyTorch stores ``Aᵀ`` as ``weight``, shape (out, in)).
+With t ranks, A can be split two ways:
 
 * **by columns** ``A = [A_1, ..., A_t]`` (output features): ``Y = [X A_1, ..., X A_t]``.
-  Every rank needs all of X and produces its own slice of the output features, no
-  communication in forward. In backward each rank's ``dL/dX = dL/dY_i A_iᵀ`` is only a
-  part of the sum, hence f (all-reduce in backward) in front of the layer. A bias splits
-  with the columns.
+  Every rank needs all of X and produces its own slice of the output features, with no
+  communication in forward. In backward each rank's ``dL/dX = dL/dY_i A_iᵀ`` is only part
+  of the sum, hence f (all-reduce in backward) in front of the layer. A bias splits with them.
 * **by rows** ``A = [A_1; ...; A_t]`` (input features): ``Y = X_1 A_1 + ... + X_t A_t``.
-  Each rank needs only its slice X_i of the input (exactly what a column-parallel layer
-  produced) and computes a partial sum, which g all-reduces. The bias is replicated and
-  added once, after the sum.
+  Each rank needs only its slice X_i of the input (what a column-parallel layer produces)
+  and computes a partial sum, which g all-reduces; the replicated bias is added once, after the sum.
 
-Column then row, ``Z = g(GeLU(f(X) A_i) B_i)``, is the transformer MLP with a single
-all-reduce in forward and a single one in backward: GeLU is elementwise, so it applies
-to the column slices without any communication in between.
-
-The functional forms :func:`column_parallel_linear` and :func:`row_parallel_linear` are
-what the layers call (and what exercise 05 asks you to write).
+Column then row, ``Z = g(GeLU(f(X) A_i) B_i)``, is the transformer MLP with one all-reduce
+in forward and one in backward: GeLU is elementwise, so it applies to the column slices
+with no communication in between. The layers call the functional forms
+:func:`column_parallel_linear` and :func:`row_parallel_linear` (exercise 05 asks you to write them).
 """
 from __future__ import annotations
 
@@ -32,10 +28,9 @@ from .sequence import gather_linear, linear_reduce_scatter
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                            gather_output: bool = False, group=None) -> torch.Tensor:
-    """``f(x) A_iᵀ + b_i`` with this rank's rows of the weight (its output features).
-
-    ``weight`` is (out/t, in), ``bias`` (out/t,). Returns this rank's output features, or
-    all of them (all-gathered along the last dimension) with ``gather_output=True``."""
+    """``f(x) A_iᵀ + b_i`` with this rank's rows of the weight (its output features): ``weight``
+    is (out/t, in), ``bias`` (out/t,). Returns this rank's output features, or all of them
+    (all-gathered along the last dimension) with ``gather_output=True``."""
     # >>> ex05 B
     # Hint: y = F.linear(f(x, group), weight, bias); with gather_output, gather(y, -1, group).
     y = F.linear(f(x, group), weight, bias)
@@ -62,12 +57,11 @@ def _full_linear(in_features: int, out_features: int, bias: bool, seed: int) -> 
 
 
 class ColumnParallelLinear(nn.Module):
-    """``nn.Linear(in_features, out_features)`` with the output features split over ``group``.
-
+    """``nn.Linear(in_features, out_features)`` with the output features split over ``group``,
+    initialised as the single-device layer with ``seed`` would be, then sharded.
     ``gather_output``: return all output features (else this rank's ``out/t``).
     ``sequence_parallel``: the input is this rank's sequence shard; it is all-gathered
-    (sequence parallelism's g) instead of passing through f.
-    Initialised as the single-device layer with ``seed`` would be, then sharded."""
+    (sequence parallelism's g) instead of passing through f."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  gather_output: bool = False, group=None, sequence_parallel: bool = False,
@@ -87,10 +81,7 @@ class ColumnParallelLinear(nn.Module):
         with torch.device(linear.weight.device):  # built where the layer lives
             m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
         t, r = size_and_rank(m.group)
-        with torch.no_grad():
-            m.weight.copy_(linear.weight.chunk(t, 0)[r])
-            if m.bias is not None:
-                m.bias.copy_(linear.bias.chunk(t, 0)[r])
+        m.load_state_dict({k: v.chunk(t, 0)[r] for k, v in linear.state_dict().items()})
         return m
 
     def forward(self, x):
@@ -106,7 +97,6 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """``nn.Linear(in_features, out_features)`` with the input features split over ``group``.
-
     ``input_is_parallel``: the input already is this rank's slice of the features (the
     output of a ColumnParallelLinear); else the full input is split first.
     ``sequence_parallel``: the partial sums are reduce-scattered along the sequence (ḡ)
@@ -130,10 +120,8 @@ class RowParallelLinear(nn.Module):
         with torch.device(linear.weight.device):  # built where the layer lives
             m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
         t, r = size_and_rank(m.group)
-        with torch.no_grad():
-            m.weight.copy_(linear.weight.chunk(t, 1)[r])
-            if m.bias is not None:
-                m.bias.copy_(linear.bias)
+        m.load_state_dict({k: v.chunk(t, 1)[r] if k == "weight" else v  # the bias whole
+                           for k, v in linear.state_dict().items()})
         return m
 
     def forward(self, x):

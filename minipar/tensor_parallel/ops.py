@@ -1,31 +1,25 @@
 """The communication operators of tensor parallelism, as autograd functions.
 
-Megatron-LM (Shoeybi et al. 2019, Section 3, Figure 3) splits the matrix multiplies of a
-layer across the t ranks of a tensor-parallel group and wraps each parallel region in two
+Megatron-LM (Shoeybi et al. 2019, Section 3, Figure 3) splits a layer's matrix multiplies
+over the t ranks of a tensor-parallel group and wraps each parallel region in two
 conjugate operators:
 
-    f   forward: identity      backward: all-reduce    (enters a region: every rank reads
-                                                         the same X, so dL/dX sums the
-                                                         ranks' partial gradients)
-    g   forward: all-reduce    backward: identity      (leaves a region: the partial
-                                                         outputs sum to Y; dL/dY is already
-                                                         the same on every rank)
+    f   forward: identity      backward: all-reduce    (enters a region: every rank reads the
+                                                         same X, so dL/dX sums partial gradients)
+    g   forward: all-reduce    backward: identity      (leaves it: the partial outputs sum to Y;
+                                                         dL/dY is already the same on every rank)
 
 Sequence parallelism (Korthikanti et al. 2022, Section 4.2.2) cuts each all-reduce into its
-two halves along the sequence dimension, again as a conjugate pair:
-
-    all_gather        forward: all-gather        backward: reduce-scatter
-    reduce_scatter    forward: reduce-scatter    backward: all-gather
-
-Two data-movement operators complete the set: :func:`gather` (forward all-gather,
-backward keep this rank's slice) for ``ColumnParallelLinear(gather_output=True)`` and
-:func:`split` (forward keep this rank's slice, backward all-gather), its mirror image.
-
-Everything moves through :mod:`minipar.comm` (flat tensors, recorded with ring bytes), and
-ranks are local to ``group`` (``None``: the world), so the operators compose with other
-process groups.
+two halves along the sequence, again a conjugate pair: :func:`all_gather` (backward
+reduce-scatter) and :func:`reduce_scatter` (backward all-gather). :func:`gather` (backward
+keeps this rank's slice; for ``ColumnParallelLinear(gather_output=True)``) and its mirror
+:func:`split` complete the set.
+Everything goes through :mod:`minipar.comm` (flat tensors, recorded with ring bytes), with ranks
+local to ``group`` (``None``: the world), so the operators compose with other process groups.
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -44,9 +38,7 @@ def divide(n: int, t: int, what: str) -> int:
     return n // t
 
 
-# ---------------------------------------------------------------- collectives on any dim
-# The collectives below work on any dimension with minipar.comm's flat tensors; they are
-# plain functions (no autograd), used by the autograd Functions after them.
+# ---------------------------------------------------------------- collectives on any dim (no autograd)
 def _sum(x: torch.Tensor, group=None, name: str = "all_reduce") -> torch.Tensor:
     """A summed copy of ``x`` over ``group`` (the input is left alone)."""
     # >>> ex05 A
@@ -145,65 +137,36 @@ def sync_grad(p: torch.Tensor, group=None) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- the all-gather / reduce-scatter pair
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group, "sp.all_gather")
+class _Conjugate(torch.autograd.Function):
+    """Forward ``fwd(x, dim, group)``, backward ``bwd(grad, dim, group)``: the four pairs below."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group, "sp.reduce_scatter"), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group, "sp.reduce_scatter")
+    def forward(ctx, x, dim, group, fwd, bwd):
+        ctx.dim, ctx.group, ctx.bwd = dim, group, bwd
+        return fwd(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group, "sp.all_gather"), None, None
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group, "gather")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, ctx.dim, ctx.group), None, None
-
-
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _split(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group, "split.all_gather"), None, None
+        return ctx.bwd(grad, ctx.dim, ctx.group), None, None, None, None
 
 
 def all_gather(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
     """Forward all-gather along ``dim``; backward reduce-scatter (sequence parallelism's g)."""
-    return _AllGather.apply(x, dim, group)
+    return _Conjugate.apply(x, dim, group, partial(_all_gather, name="sp.all_gather"),
+                            partial(_reduce_scatter, name="sp.reduce_scatter"))
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
     """Forward reduce-scatter along ``dim``; backward all-gather (sequence parallelism's ḡ)."""
-    return _ReduceScatter.apply(x, dim, group)
+    return _Conjugate.apply(x, dim, group, partial(_reduce_scatter, name="sp.reduce_scatter"),
+                            partial(_all_gather, name="sp.all_gather"))
 
 
 def gather(x: torch.Tensor, dim: int = -1, group=None) -> torch.Tensor:
     """Forward all-gather along ``dim``; backward keeps this rank's slice of the gradient."""
-    return _Gather.apply(x, dim, group)
+    return _Conjugate.apply(x, dim, group, partial(_all_gather, name="gather"), _split)
 
 
 def split(x: torch.Tensor, dim: int = -1, group=None) -> torch.Tensor:
     """Forward keeps this rank's slice along ``dim``; backward all-gathers the gradient."""
-    return _Split.apply(x, dim, group)
+    return _Conjugate.apply(x, dim, group, _split, partial(_all_gather, name="split.all_gather"))

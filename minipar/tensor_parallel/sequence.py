@@ -3,28 +3,23 @@ Large Transformer Models", Section 4.2.2).
 
 Tensor parallelism leaves the layer norms, dropouts and residual adds replicated: every
 rank holds the whole (b, s, h) activation there, the ``10·sbh`` term of Equation 2 that
-does not shrink with t. Those operations act on each token independently, so they can be
-split along the **sequence** instead. Rank r then holds tokens ``[r·s/t, (r+1)·s/t)``,
-and the all-reduces at the region boundaries become their two halves:
+does not shrink with t. They act on each token independently, so they can be split along
+the **sequence** instead: rank r holds tokens ``[r·s/t, (r+1)·s/t)``, and the all-reduces
+at the region boundaries become their two halves:
 
     g (enter a tensor-parallel region)   forward all-gather,     backward reduce-scatter
     ḡ (leave it)                         forward reduce-scatter, backward all-gather
 
-Same bytes as the all-reduce (an all-reduce *is* a reduce-scatter plus an all-gather),
-and every activation is now divided by t: ``sbh(34/t + 5as/(ht))`` bytes per layer.
-
-Two details this module takes care of:
+Same bytes as the all-reduce (which *is* a reduce-scatter plus an all-gather), and every
+activation is now divided by t: ``sbh(34/t + 5as/(ht))`` bytes per layer. Two details:
 
 * The linear layer after g needs the gathered input in its backward (for dW). Storing it
   would undo the saving, so :func:`gather_linear` keeps only this rank's shard and
-  all-gathers it again in backward (Section 4.2.3); that is one extra all-gather per
+  all-gathers it again in backward (Section 4.2.3): one extra all-gather per
   column-parallel layer, which Megatron-LM overlaps with the gradient computation.
-* Layer-norm weights and the row-parallel biases are replicated but now see only s/t
-  tokens, so their gradients are partial sums: they enter through
-  :func:`~minipar.tensor_parallel.ops.sync_grad` (f on a parameter), which all-reduces
-  them in backward.
-
-Activations are (batch, sequence, hidden), so the sequence dimension is 1.
+* Layer-norm weights and row-parallel biases are replicated but see only s/t tokens, so
+  their gradients are partial sums: they enter through
+  :func:`~minipar.tensor_parallel.ops.sync_grad` (f on a parameter), all-reduced in backward.
 """
 from __future__ import annotations
 
@@ -34,7 +29,7 @@ import torch.nn.functional as F
 
 from .ops import _all_gather, _reduce_scatter, all_gather, reduce_scatter, size_and_rank, split, sync_grad
 
-SEQ_DIM = 1
+SEQ_DIM = 1  # activations are (batch, sequence, hidden)
 
 
 def gather_seq(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -43,8 +38,8 @@ def gather_seq(x: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def reduce_scatter_seq(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Sequence parallelism's ḡ: sum the partial outputs and keep this rank's sequence
-    shard (all-gather in backward)."""
+    """Sequence parallelism's ḡ: sum the partial outputs, keep this rank's sequence shard
+    (all-gather in backward)."""
     return reduce_scatter(x, SEQ_DIM, group)
 
 
@@ -99,10 +94,9 @@ def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias=None, grou
 
 
 class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` (same parameters) that can run on a sequence shard.
-
-    With ``sequence_parallel=True`` the input is this rank's s/t tokens and the weight and
-    bias pass through f, so their gradients are summed over the group."""
+    """``nn.LayerNorm`` (same parameters) that can run on a sequence shard: with
+    ``sequence_parallel=True`` the input is this rank's s/t tokens and the weight and bias
+    pass through f, so their gradients are summed over the group."""
 
     def __init__(self, normalized_shape: int, group=None, sequence_parallel: bool = False,
                  eps: float = 1e-5):

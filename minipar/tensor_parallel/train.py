@@ -40,11 +40,10 @@ def train(model: GPT, batches, optimizer=None, group=None, sequence_parallel: bo
         sent = trace.bytes_by_dim(trace.since(mark))
         measured = {"bytes_sent": sent["total"], "bytes_by_dim": sent, "activations": saved.bytes,
                     "seconds": time.perf_counter() - t0}
-    params = full_state_dict(tp)
-    keep = dict(model.named_parameters())  # a tied head is one parameter, as in the model
-    return {"losses": losses,
-            "params": strategy.full_params((k, params[k]) for k in keep) if size_and_rank(group)[1] == 0 else None,
-            "measured": measured}
+    params = full_state_dict(tp)  # a collective; then group rank 0 keeps the model's parameters
+    keep = (k for k, _ in model.named_parameters())  # a tied head is one parameter, as in the model
+    full = strategy.full_params((k, params[k]) for k in keep) if size_and_rank(group)[1] == 0 else None
+    return {"losses": losses, "params": full, "measured": measured}
 
 
 def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:

@@ -3,14 +3,12 @@
 * :class:`ReplicatedOptimizer` — stage 0, plain data parallelism (the baseline);
 * :class:`ZeroOptimizer` — stage 1, P_os: optimizer state sharded;
 * :class:`Zero2Optimizer` — stage 2, P_os+g: gradients sharded too;
-* :class:`FullyShardedDataParallel` — stage 3, P_os+g+p: parameters sharded and
-  gathered one unit at a time (flat units);
-* :func:`fully_shard` — stage 3 per parameter, the design of PyTorch's FSDP2: the module's
-  own parameters become their shards;
+* :class:`FullyShardedDataParallel` — stage 3, P_os+g+p: parameters sharded too, gathered
+  one flat unit at a time; :func:`fully_shard` — stage 3 per parameter (PyTorch's FSDP2);
 * :mod:`minipar.zero.reduce` — the gradient reduce path all stages share;
   :func:`clip_grad_norm_` — clipping by the global norm under any stage;
-* :mod:`minipar.zero.memory` — the bytes per component one rank holds;
-  :func:`minipar.cost.zero_bytes_per_rank` — the same from the paper's formulas.
+* :mod:`minipar.zero.memory` — the bytes per component one rank holds
+  (:func:`minipar.cost.zero_bytes_per_rank`: the same from the paper's formulas).
 """
 from .clip import clip_grad_norm_
 from .flat import FlatUnit, padded_size, shard_size, split_units
@@ -25,5 +23,6 @@ from .train import train, wrap
 
 __all__ = ["ReplicatedOptimizer", "ZeroOptimizer", "Zero2Optimizer", "FullyShardedDataParallel",
            "sharded_step", "gather_unit", "free_unit", "fully_shard", "full_state", "padded_unit_sizes",
-           "clip_grad_norm_", "reduce_shard", "reduce_unit_grads", "OrderedReduction", "FlatUnit", "shard_size", "padded_size",
-           "split_units", "train", "wrap", "model_state_bytes", "state_tensors", "storage_bytes", "SavedActivations"]
+           "clip_grad_norm_", "reduce_shard", "reduce_unit_grads", "OrderedReduction", "FlatUnit",
+           "shard_size", "padded_size", "split_units", "train", "wrap", "model_state_bytes", "state_tensors",
+           "storage_bytes", "SavedActivations"]

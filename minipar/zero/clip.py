@@ -2,13 +2,12 @@
 
 Clipping rescales the averaged gradient ḡ when its global norm exceeds a bound c:
 
-    ‖ḡ‖ = sqrt(Σ_u ‖ḡ_u‖²),     ḡ ← ḡ · min(1, c / (‖ḡ‖ + ε))
+    ‖ḡ‖ = sqrt(Σ_u ‖ḡ_u‖²),     ḡ ← ḡ · min(1, c / (‖ḡ‖ + ε))      (ε = 1e-6, as PyTorch)
 
 Under ZeRO no rank holds ḡ: rank r holds the disjoint shards ḡ_u[r·k : (r+1)·k] (zero
 padding adds nothing to the sum). So each rank sums the squares of its own shards, one
 all-reduce of that scalar gives ‖ḡ‖² on every rank, and every rank scales its shards by
 the same factor: exactly what ``torch.nn.utils.clip_grad_norm_`` does on one device.
-(ε = 1e-6, as PyTorch.)
 """
 from __future__ import annotations
 

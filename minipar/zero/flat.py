@@ -1,15 +1,14 @@
 """Flat, padded, sharded parameters: the layout every ZeRO stage shares.
 
 A *unit* (a layer, or the whole model) is a list of parameters. Its Ψ_u elements are laid
-end to end in one flat vector, padded with zeros to a multiple of the data-parallel
-degree N, so that every rank owns one equal, contiguous shard of
+end to end in one flat vector, zero-padded to a multiple of the data-parallel degree N
+(collectives need equal sizes), so that every rank owns an equal, contiguous shard of
 
     k_u = ⌈Ψ_u / N⌉ elements:  rank r owns flat[r·k_u : (r+1)·k_u]
 
-(equal sizes are what the backends' reduce-scatter and all-gather need; the padding is at
-most N-1 elements per unit and it stays zero under SGD and Adam(W)). The original
-parameters become *views* into the flat vector, so the model runs unchanged while the
-strategies move whole flat vectors with one collective.
+The padding (at most N-1 elements per unit) stays zero under SGD and Adam(W). The parameters
+become *views* into the flat vector: the model runs unchanged while the strategies move
+whole flat vectors with one collective.
 """
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ class FlatUnit:
     """One unit's parameters as a flat vector padded to N·k elements, and this rank's shard.
 
     ``params``: the unit's parameters (each appears once). ``group``: the data-parallel
-    group (None = world). Nothing is allocated here; the stages decide what to keep.
-    """
+    group (None = world). Nothing is allocated here; the stages decide what to keep."""
 
     def __init__(self, params, group=None):
         self.params = list(params)
@@ -76,14 +74,14 @@ def split_units(model_or_params, units=None) -> list[list[torch.nn.Parameter]]:
     belong to no unit (or are shared between units) go to the first unit that holds them;
     leftovers form a last unit. Only parameters that require a gradient are sharded."""
     if isinstance(model_or_params, torch.nn.Module):
-        model = model_or_params
+        model, everything = model_or_params, list(model_or_params.parameters())
         if units is None:
             units = model.layers() if hasattr(model, "layers") else [model]
-        everything = list(model.parameters())
     else:
         everything = list(model_or_params)
         if everything and not isinstance(everything[0], torch.Tensor):   # already a list of units
-            units, everything = everything, [p for u in everything for p in u]
+            units = [list(u.parameters() if isinstance(u, torch.nn.Module) else u) for u in everything]
+            everything = [p for u in units for p in u]
         elif units is None:
             units = [everything]
     seen, out = set(), []

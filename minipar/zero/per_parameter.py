@@ -1,24 +1,20 @@
 """ZeRO-3 per parameter, the design of PyTorch's FSDP2 (``fully_shard``).
 
-:class:`~minipar.zero.FullyShardedDataParallel` shards *flat units*: a unit's parameters
-laid end to end, cut into N equal pieces, and the module's parameters replaced by views
-of a buffer the wrapper owns. FSDP2 (Zhao et al. 2023; PyTorch 2.4's ``fully_shard``)
-shards **each parameter on its first dimension** instead: a parameter of d₀ rows becomes,
-on rank r, the rows
+:class:`~minipar.zero.FullyShardedDataParallel` shards *flat units* (a unit's parameters
+end to end, cut into N equal pieces, viewed from a buffer the wrapper owns). FSDP2 (Zhao
+et al. 2023; PyTorch 2.4's ``fully_shard``) shards **each parameter on its first
+dimension** instead: a parameter of d₀ rows becomes, on rank r, the rows
 
     [r·c, (r+1)·c)   of the parameter zero-padded to N·c rows,   c = ⌈d₀/N⌉
 
-and that shard *is* the module's parameter (same name). So any optimizer takes
+and that shard *is* the module's parameter (same name): any optimizer takes
 ``model.parameters()``, a checkpoint names shards by their usual names, and after backward
-every parameter's ``.grad`` is its shard's gradient, in the parameter's own dtype (fp32:
-the master weights, also under mixed precision).
+every ``.grad`` is its shard's gradient in the parameter's own dtype (fp32, the master
+weights, also under mixed precision).
 
-The schedule is stage 3's: a unit (``module.layers()``) is all-gathered just before its
-forward and freed right after; gathered again when its output's gradient arrives; its
-gradients are reduce-scattered (mean) once complete (in one order on every rank,
-:class:`~minipar.zero.reduce.OrderedReduction`). One all-gather and one reduce-scatter per
-unit move all its parameters: the shards are concatenated (*copy-in*) before the
-collective and split back per parameter (*copy-out*) after it, the two copies FSDP2 pays
+The schedule is stage 3's (:mod:`minipar.zero.stage3`), a unit being ``module.layers()``.
+One collective per unit moves all its parameters: the shards are concatenated before it
+(*copy-in*) and split back per parameter after it (*copy-out*), the two copies FSDP2 pays
 for keeping parameters whole. Memory and bytes are stage 3's: (2 + 2 + K)Ψ/N and 3Ψ.
 """
 from __future__ import annotations
@@ -33,10 +29,10 @@ from .reduce import OrderedReduction
 class _Param:
     """One parameter of a unit: where it lives, its shard, its gathered (unsharded) form."""
 
-    def __init__(self, owner: nn.Module, attr: str, p: nn.Parameter, n: int, r: int, dtype):
+    def __init__(self, owners: list, p: nn.Parameter, n: int, r: int, dtype):
         if p.dim() == 0:
             raise ValueError("fully_shard shards on the first dimension; a 0-dim parameter has none")
-        self.owners, self.shape, self.n = [(owner, attr)], p.shape, n
+        self.owners, self.shape, self.n = owners, p.shape, n           # owners: [(module, attr)]
         self.c = -(-p.shape[0] // n)                                   # rows per rank
         padded = torch.zeros((n * self.c, *p.shape[1:]), dtype=p.dtype, device=p.device)
         padded[:p.shape[0]] = p.detach()
@@ -54,13 +50,10 @@ class _Unit:
         self.module, self.ps, self.dtype = module, params, dtype
         self.params = [q.unsharded for q in params]                    # what gradients arrive on
         self.S = sum(q.numel for q in params)                          # shard elements per rank
-        numel = sum(q.unsharded.numel() for q in params)
-        self.full = torch.empty(numel, dtype=dtype, device=params[0].shard.device)
-        o = 0
-        for q in params:                                               # unsharded = views of full
-            m = q.unsharded.numel()
-            q.unsharded.data = self.full[o:o + m].view(q.shape)
-            o += m
+        numels = [q.unsharded.numel() for q in params]
+        self.full = torch.empty(sum(numels), dtype=dtype, device=params[0].shard.device)
+        for q, v in zip(params, self.full.split(numels)):              # unsharded = views of full
+            q.unsharded.data = v.view(q.shape)
         self.free()
         self.bw = False
 
@@ -68,15 +61,13 @@ class _Unit:
         self.full.untyped_storage().resize_(0)
 
 
-def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None,
-                reduce_dtype=None) -> nn.Module:
+def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, reduce_dtype=None) -> nn.Module:
     """Shard ``module``'s parameters in place, per parameter, over ``group``; returns it.
 
     ``units``: the modules gathered one at a time (default ``module.layers()``); every
     parameter must belong to one unit. ``param_dtype``: the dtype of the gathered
     parameters and of the compute (e.g. ``torch.bfloat16``); ``reduce_dtype``: of the
-    gradient reduce-scatter (default ``param_dtype``). The shards stay fp32.
-    """
+    gradient reduce-scatter (default ``param_dtype``). The shards stay fp32."""
     _FullyShard(module, group, units, param_dtype, reduce_dtype)
     return module
 
@@ -87,9 +78,9 @@ class _FullyShard:
         self.reduce_dtype = reduce_dtype or self.param_dtype
         mods = list(units if units is not None else
                     (module.layers() if hasattr(module, "layers") else [module]))
-        found, seen = [], {}                                # (owner, attr, p) per unit, checked first
+        found, seen = [], {}                  # per unit {id(p): (p, [(owner, attr)])}, checked first
         for i, m in enumerate(mods):
-            found.append([])
+            found.append({})
             for owner in m.modules():
                 for attr, p in owner._parameters.items():
                     if p is None or not p.requires_grad:
@@ -97,20 +88,13 @@ class _FullyShard:
                     if seen.setdefault(id(p), i) != i:
                         raise ValueError("a parameter is shared by two units (tied weights?); "
                                          "fully_shard needs each parameter in exactly one unit")
-                    found[i].append((owner, attr, p))
+                    found[i].setdefault(id(p), (p, []))[1].append((owner, attr))   # may appear twice
         missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
         if missing:
             raise ValueError(f"parameters in no unit: {missing[:3]}...; pass units= covering them")
         self.group, self.n, self.r = group, group_size(group), group_rank(group)
-        self.units = []
-        for m, entries in zip(mods, found):
-            ps = {}
-            for owner, attr, p in entries:
-                if id(p) in ps:                             # the same parameter twice in a unit
-                    ps[id(p)].owners.append((owner, attr))
-                else:
-                    ps[id(p)] = _Param(owner, attr, p, self.n, self.r, self.param_dtype)
-            self.units.append(_Unit(m, list(ps.values()), self.param_dtype))
+        self.units = [_Unit(m, [_Param(ow, p, self.n, self.r, self.param_dtype) for p, ow in f.values()],
+                            self.param_dtype) for m, f in zip(mods, found)]
         self._order: list[int] = []
         self.peak_gathered_bytes = 0                        # most bytes of gathered units at once
         module.register_forward_pre_hook(lambda m, a: self._order.clear())   # before the units' hooks
@@ -123,24 +107,16 @@ class _FullyShard:
         self.reduction = OrderedReduction(self.units, lambda: list(reversed(self._order)), self._reduce)
         module.__dict__["_fully_shard"] = self            # not an nn.Module attribute
         self.module_ref = lambda: module
-        module.register_forward_pre_hook(lambda m, a: self._order.clear())
 
-    # -- all-gather with copy-in / copy-out
     @torch.no_grad()
     def _unshard(self, u: _Unit, **labels) -> None:
         u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
         mine = torch.cat([q.shard.detach().reshape(-1) for q in u.ps]).to(u.dtype)   # copy-in
         gathered = torch.empty(self.n * u.S, dtype=u.dtype, device=mine.device)
         all_gather(gathered, mine, group=self.group, **labels)
-        blocks, o = gathered.view(self.n, u.S), 0
-        for q in u.ps:                                                               # copy-out
-            rows = blocks[:, o:o + q.numel].reshape(self.n * q.c, *q.shape[1:])
-            q.unsharded.data.copy_(rows[:q.shape[0]])
-            o += q.numel
-        self._track()
-
-    def _track(self) -> None:
-        live = sum(u.full.untyped_storage().nbytes() for u in self.units)
+        for q, block in zip(u.ps, gathered.view(self.n, u.S).split([q.numel for q in u.ps], dim=1)):
+            q.unsharded.data.copy_(block.reshape(self.n * q.c, *q.shape[1:])[:q.shape[0]])  # copy-out
+        live = sum(v.full.untyped_storage().nbytes() for v in self.units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
 
     def _pre_forward(self, i: int) -> None:
@@ -167,7 +143,6 @@ class _FullyShard:
             self.reduction.reached(i)
             self._unshard(u, unit=i, phase="backward")
 
-    # -- reduce-scatter with copy-in / copy-out
     def _reduce(self, i: int) -> None:
         u = self.units[i]
         grads = []
@@ -181,15 +156,12 @@ class _FullyShard:
         u.free()
         mine = flat[self.r * u.S:(self.r + 1) * u.S]
         reduce_scatter(mine, flat, op="avg", group=self.group, unit=i)
-        o = 0
-        for q in u.ps:                                      # copy-out into each shard's .grad
-            g = mine[o:o + q.numel].view(q.shard.shape).to(q.shard.dtype)
+        for q, g in zip(u.ps, mine.split([q.numel for q in u.ps])):   # copy-out into each shard's .grad
+            g = g.view(q.shard.shape).to(q.shard.dtype)
             q.shard.grad = g.clone() if q.shard.grad is None else q.shard.grad.add_(g)
-            o += q.numel
         u.bw = False
 
-
-    # -- what the chapter measures (the same interface as FullyShardedDataParallel)
+    # -- what the chapter measures, FullyShardedDataParallel's interface
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """The full fp32 parameters by their names (a collective: every rank calls it)."""
         where = {}
@@ -215,10 +187,9 @@ class _FullyShard:
 
 def sharded_state(module: nn.Module) -> _FullyShard:
     """The state :func:`fully_shard` attached to ``module``."""
-    try:
-        return module.__dict__["_fully_shard"]
-    except KeyError:
-        raise ValueError("this module was not sharded with fully_shard") from None
+    if "_fully_shard" not in module.__dict__:
+        raise ValueError("this module was not sharded with fully_shard")
+    return module.__dict__["_fully_shard"]
 
 
 def full_state(module: nn.Module) -> dict[str, torch.Tensor]:

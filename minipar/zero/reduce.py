@@ -8,11 +8,10 @@ rank r keeps only
 :func:`reduce_shard` is that one collective. Stages 2 and 3 run it *during* the backward,
 as soon as a unit's gradients are complete, through :class:`OrderedReduction`, which keeps
 the rule every data-parallel reducer needs: **every rank issues the same collectives in the
-same order**. A unit is reduced only when it and every unit before it in the order are
-complete, or when the backward has moved past it (stage 3 knows: it is re-gathering the
-unit before it); whatever is left when the backward ends is reduced then. Parameters that
-got no gradient on this rank (a data-dependent graph) take part with zeros. Deciding on a
-rank-local condition whether a collective runs would leave the other ranks waiting.
+same order** (a collective run on a rank-local condition leaves the other ranks waiting).
+A unit is reduced once it and every unit before it in the order are complete, or once the
+backward has moved past it (stage 3 knows: it re-gathers the unit before it); the rest when
+the backward ends. Parameters with no gradient on this rank take part with zeros.
 """
 from __future__ import annotations
 
@@ -37,8 +36,8 @@ def reduce_shard(flat_grad: torch.Tensor, group=None, **labels) -> torch.Tensor:
 def reduce_unit_grads(flat_unit, dtype=None, **labels) -> torch.Tensor:
     """Flatten ``flat_unit``'s gradients (zeros where a parameter has none on this rank), drop
     the full ones, and return this rank's reduced k elements as a new tensor."""
-    flat = flat_unit.flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in flat_unit.params],
-                        dtype=dtype)
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in flat_unit.params]
+    flat = flat_unit.flatten(grads, dtype=dtype)
     for p in flat_unit.params:
         p.grad = None
     return reduce_shard(flat, flat_unit.group, **labels).clone()     # `flat` is freed
@@ -50,8 +49,7 @@ class OrderedReduction:
     ``units``: the :class:`~minipar.zero.flat.FlatUnit` s; ``order()``: the unit indices in
     the order backward completes them (last layer first); ``reduce(i)``: what reducing unit
     i means for the stage (it calls :func:`reduce_unit_grads`). Call :meth:`grad_ready` from
-    a post-accumulate-grad hook; the backward's end is caught with an autograd callback.
-    """
+    a post-accumulate-grad hook; the backward's end is caught with an autograd callback."""
 
     def __init__(self, units, order, reduce):
         self.units, self.order, self.reduce = units, order, reduce

@@ -1,10 +1,9 @@
 """Stage 0, plain data parallelism: the baseline ZeRO removes redundancy from.
 
-Every rank holds the full parameters, full gradients and full optimizer state
-(2Ψ + 2Ψ + KΨ bytes with mixed-precision Adam; 4Ψ + 4Ψ + 8Ψ in fp32), and the gradients
-are all-reduced, averaged, before every step (2(N-1)/N·Ψ sent per rank). It shares the
-interface of :class:`minipar.zero.ZeroOptimizer` so the chapter can measure all stages
-with the same code.
+Every rank holds the full parameters, gradients and optimizer state (2Ψ + 2Ψ + KΨ bytes
+with mixed-precision Adam; 4Ψ + 4Ψ + 8Ψ in fp32), and the gradients are all-reduced,
+averaged, before every step (2(N-1)/N·Ψ sent per rank). It shares the interface of
+:class:`minipar.zero.ZeroOptimizer`, so the chapter measures all stages with the same code.
 """
 from __future__ import annotations
 

@@ -1,30 +1,23 @@
 """ZeRO stage 1, P_os: each rank keeps optimizer state only for its shard of the parameters.
 
 Rajbhandari et al. 2020, §5.1. With N data-parallel ranks every rank still holds the full
-parameters and full gradients, but the optimizer (its momentum, variance, and under mixed
-precision the fp32 master weights) exists only for this rank's 1/N shard:
+parameters and gradients, but the optimizer (momentum, variance and, under mixed precision,
+the fp32 master weights) exists only for this rank's 1/N shard:
 
     memory per rank   2Ψ + 2Ψ + KΨ/N      (fp32: 4Ψ + 4Ψ + KΨ/N with K = 8 for Adam)
 
 One step, per unit of the flat layout (:mod:`minipar.zero.flat`):
 
-1. reduce-scatter the gradients, averaged (:func:`minipar.zero.reduce.reduce_shard`,
-   the reduce path every stage shares): rank r receives the mean over ranks of its shard
-   only ((N-1)/N·Ψ sent per rank, half an all-reduce);
-2. (optionally) clip by the global gradient norm (:func:`minipar.zero.clip.clip_grad_norm_`:
-   one all-reduce of a scalar);
-3. :func:`sharded_step`: the wrapped optimizer steps this shard (its state has
-   k = ⌈Ψ_u/N⌉ elements), then the updated shards are all-gathered so every rank ends with
-   identical full parameters ((N-1)/N·Ψ): 2Ψ per step in all, the same as plain data
-   parallelism.
+1. reduce-scatter the averaged gradients (:func:`minipar.zero.reduce.reduce_shard`): rank r
+   receives the mean of its shard only ((N-1)/N·Ψ sent per rank, half an all-reduce);
+2. optionally clip by the global norm (:func:`minipar.zero.clip.clip_grad_norm_`);
+3. :func:`sharded_step`: the wrapped optimizer steps this shard (k = ⌈Ψ_u/N⌉ elements of
+   state), then the shards are all-gathered ((N-1)/N·Ψ): 2Ψ per step, as in plain data parallelism.
 
-Works with any *element-wise* torch optimizer (SGD, Adam, AdamW, ...): on a flat shard it
-does exactly what it would do on the parameters.
-
-After :meth:`ZeroOptimizer.step` the parameters' ``.grad`` are **not** the averaged
-gradient (only this rank's chunk was reduced; the rest holds this rank's local sums): a
-gradient norm must come from the reduced shards, which is what ``max_grad_norm=`` does
-(``self.grad_norm`` then holds the norm before clipping).
+Any *element-wise* torch optimizer (SGD, Adam, AdamW, ...) does on a flat shard what it does
+on the parameters. After :meth:`ZeroOptimizer.step` the parameters' ``.grad`` are **not**
+the averaged gradient (only this rank's chunk was reduced): take a gradient norm from the
+reduced shards, as ``max_grad_norm=`` does (``self.grad_norm``: the norm before clipping).
 """
 from __future__ import annotations
 
@@ -44,8 +37,7 @@ def sharded_step(flat_params, grad_shards, shards, optimizer, group=None) -> Non
     this rank's k reduced gradient elements; ``shards[u]``: the k-element leaf tensor the
     ``optimizer`` owns (a view of this rank's slice of ``flat_params[u]`` in fp32, or its
     fp32 master copy under mixed precision); ``flat_params[u]``: the unit's full flat
-    padded parameters (N·k), which afterwards hold every rank's updated shard.
-    """
+    padded parameters (N·k), which afterwards hold every rank's updated shard."""
     # >>> ex06 B
     # Hint: set shards[u].grad (cast to the shard's dtype), step once, then all-gather each shard into flat_params[u].
     for s, g in zip(shards, grad_shards):
@@ -59,24 +51,20 @@ def sharded_step(flat_params, grad_shards, shards, optimizer, group=None) -> Non
 class ZeroOptimizer:
     """``ZeroOptimizer(params, optimizer_cls, group=None, param_dtype=None, max_grad_norm=None, **kwargs)``.
 
-    ``params``: the model's parameters (one unit) or a list of units (lists of
-    parameters, e.g. ``[l.parameters() for l in model.layers()]``). ``optimizer_cls``
-    and ``kwargs`` build the wrapped optimizer, on this rank's shards only (a class such as
+    ``params``: the model's parameters (one unit) or a list of units (lists of parameters,
+    e.g. ``[list(l.parameters()) for l in model.layers()]``). ``optimizer_cls`` and
+    ``kwargs`` build the wrapped optimizer on this rank's shards only (a class such as
     ``torch.optim.AdamW`` with its keywords, or a factory ``params -> optimizer`` such as
     :func:`minipar.reference.adamw`). ``max_grad_norm``: clip by the global norm of the
-    averaged gradient before each step. ``group``:
-    the data-parallel process group (None = world; ranks are group-local). With
-    ``param_dtype=torch.bfloat16`` the model computes in bf16 from bf16 parameters and
-    gradients while the optimizer keeps fp32 master shards (counted as optimizer state).
-
-    Use it like a torch optimizer: ``zero_grad()``, ``loss.backward()``, ``step()``.
-    The model's parameters become views into flat buffers (their ``.data`` changes).
-    """
+    averaged gradient before each step. ``group``: the data-parallel process group (None =
+    world; ranks are group-local). With ``param_dtype=torch.bfloat16`` the model computes in
+    bf16 from bf16 parameters and gradients; the optimizer keeps fp32 master shards (counted
+    as optimizer state). Use it like a torch optimizer: ``zero_grad()``, ``loss.backward()``,
+    ``step()``. The model's parameters become views into flat buffers (their ``.data`` changes)."""
 
     stage = 1
 
-    def __init__(self, params, optimizer_cls, group=None, param_dtype=None, max_grad_norm=None,
-                 **kwargs):
+    def __init__(self, params, optimizer_cls, group=None, param_dtype=None, max_grad_norm=None, **kwargs):
         self.group, self.max_grad_norm, self.grad_norm = group, max_grad_norm, None
         units = split_units(params)
         dtypes = {p.dtype for u in units for p in u}
@@ -100,7 +88,8 @@ class ZeroOptimizer:
 
     # -- gradients: stage 1 keeps full flat gradients; the params' .grad are views into them
     def _setup_grads(self) -> None:
-        self.flat_grads = [torch.zeros(u.padded, dtype=self.param_dtype, device=u.params[0].device) for u in self.units]
+        self.flat_grads = [torch.zeros(u.padded, dtype=self.param_dtype, device=u.params[0].device)
+                           for u in self.units]
         self._point_grads()
 
     def _point_grads(self) -> None:

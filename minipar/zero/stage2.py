@@ -1,9 +1,8 @@
 """ZeRO stage 2, P_os+g: gradients are reduce-scattered, each rank keeps only its shard.
 
-Rajbhandari et al. 2020, §5.2. On top of stage 1, a rank never keeps the full
-gradients: as soon as backward has produced every gradient of a unit (a layer), the unit's
-gradients are flattened, reduce-scattered (averaged) into this rank's k-element gradient
-shard, and the full ones are dropped. Memory per rank:
+Rajbhandari et al. 2020, §5.2. On top of stage 1, a rank never keeps the full gradients: as
+soon as backward has produced a unit's (a layer's) gradients, they are flattened,
+reduce-scattered (averaged) into this rank's k-element gradient shard, and dropped. Memory per rank:
 
     2Ψ + (2 + K)Ψ/N      (fp32: 4Ψ + (4 + K)Ψ/N)
 
@@ -21,7 +20,7 @@ from .stage1 import ZeroOptimizer
 class Zero2Optimizer(ZeroOptimizer):
     """``Zero2Optimizer(params, optimizer_cls, group=None, param_dtype=None, **kwargs)``:
     :class:`ZeroOptimizer` whose gradients are sharded too. Pass the parameters as units
-    (``[l.parameters() for l in model.layers()]``) so each layer's gradients are reduced
+    (``[list(l.parameters()) for l in model.layers()]``) so each layer's gradients are reduced
     and freed as soon as its backward is done; a single unit is reduced at the end.
     The step is stage 1's: :func:`~minipar.zero.stage1.sharded_step` on the gradient shards."""
 
@@ -53,7 +52,5 @@ class Zero2Optimizer(ZeroOptimizer):
         self._step(shards)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        out = super().memory_tensors()
-        out["grads"] = [g for g in self.grad_shards if g is not None]
-        out["grads"] += [p.grad for u in self.units for p in u.params if p.grad is not None]
-        return out
+        return {**super().memory_tensors(), "grads": [g for g in self.grad_shards if g is not None]
+                + [p.grad for u in self.units for p in u.params if p.grad is not None]}

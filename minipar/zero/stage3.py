@@ -1,25 +1,22 @@
 """ZeRO stage 3, P_os+g+p: parameters sharded too, gathered one unit at a time.
 
-Rajbhandari et al. 2020, §5.3; the same design as PyTorch's FSDP (Zhao et al. 2023).
-Each rank keeps only its shard of every unit's (layer's) flat parameters. A unit's full
+Rajbhandari et al. 2020, §5.3; the same design as PyTorch's FSDP (Zhao et al. 2023). Each
+rank keeps only its shard of every unit's (layer's) flat parameters; a unit's full
 parameters exist only while it computes:
 
-* forward: just before a unit runs, all-gather its shards (:func:`gather_unit`); right
-  after, free the gathered buffer (:func:`free_unit`); the next unit's gather is started
-  asynchronously first, so it overlaps with this unit's compute (prefetch);
-* backward: when the gradient of a unit's output arrives, gather its parameters again
-  (prefetching the unit before it); once all its gradients are in, reduce-scatter them
-  (averaged) into this rank's gradient shard and free both full buffers.
+* forward: all-gather a unit's shards just before it runs (:func:`gather_unit`), free the
+  buffer right after (:func:`free_unit`); the next unit's gather starts first,
+  asynchronously, to overlap this unit's compute (prefetch);
+* backward: when the gradient of a unit's output arrives, gather it again (prefetching the
+  unit before it); once all its gradients are in, reduce-scatter them (averaged) into this
+  rank's gradient shard and free both full buffers.
 
 Memory per rank (2 + 2 + K)Ψ/N (fp32: (4 + 4 + K)Ψ/N) plus the gathered units in flight
 (at most two with prefetch); communication 3Ψ per step: all-gather twice, reduce-scatter
-once. Under mixed precision (``param_dtype=torch.bfloat16``) the shards stay fp32 (they
-are the master weights: 4 + 4 + 8 = 16 bytes per element, the paper's 2 + 2 + 12), while
-the gathers, the gathered units, the activations and the reduce-scatter are in bf16.
-
-The gathered buffer keeps its tensor object and only its storage is freed
-(``untyped_storage().resize_(0)``) and re-allocated, so the parameters autograd saved
-in the forward see the re-gathered values in the backward.
+once. Under mixed precision (``param_dtype=torch.bfloat16``) the shards stay fp32 (the
+master weights: 4 + 4 + 8 = 16 bytes per element, the paper's 2 + 2 + 12); gathers,
+gathered units, activations and the reduce-scatter are bf16. Freeing keeps the tensor and
+resizes its storage to 0, so the parameters autograd saved see the re-gathered values.
 """
 from __future__ import annotations
 
@@ -27,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from .. import trace
-from ..comm import all_gather, reduce_scatter
+from ..comm import all_gather
 from .flat import FlatUnit
 from .memory import state_tensors
 from .reduce import OrderedReduction, reduce_unit_grads
@@ -73,11 +70,9 @@ class FullyShardedDataParallel(nn.Module):
     data-parallel group (None = world). The wrapper's ``parameters()`` are this rank's fp32
     shards: give them to any element-wise optimizer. ``gather_full_params()`` returns the
     full parameters by their original names (call it on every rank).
-    ``peak_gathered_bytes``: the most bytes of gathered units alive at once so far.
-    """
+    ``peak_gathered_bytes``: the most bytes of gathered units alive at once so far."""
 
-    def __init__(self, module: nn.Module, group=None, units=None, prefetch: bool = True,
-                 param_dtype=None):
+    def __init__(self, module: nn.Module, group=None, units=None, prefetch: bool = True, param_dtype=None):
         super().__init__()
         object.__setattr__(self, "module", module)        # not a child: its params are not ours
         self.group, self.prefetch = group, prefetch
@@ -106,7 +101,7 @@ class FullyShardedDataParallel(nn.Module):
             u.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
             u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
             for p in u.flat.params:
-                p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p))
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self.reduction.grad_ready(i, p))
 
     def forward(self, *args, **kwargs):
         self._order = []
@@ -116,7 +111,6 @@ class FullyShardedDataParallel(nn.Module):
         self.module.train(mode)
         return super().train(mode)
 
-    # -- gathering and freeing
     def _gather(self, i: int, async_op: bool = False, **labels) -> None:
         u = self.units[i]
         if not u.gathered:
@@ -130,14 +124,11 @@ class FullyShardedDataParallel(nn.Module):
 
     def _free(self, i: int) -> None:
         u = self.units[i]
-        if u.handle is not None:
-            u.handle.wait()
-            u.handle = None
         if u.gathered:
+            self._gather(i)                # already gathered: waits for its gather if in flight
             free_unit(u.full)
             u.gathered = False
 
-    # -- forward
     def _pre_forward(self, i: int) -> None:
         self._gather(i, phase="forward")
         self._order.append(i)
@@ -148,13 +139,11 @@ class FullyShardedDataParallel(nn.Module):
     def _post_forward(self, i: int, out):
         trace.record("compute", "forward", self.units[i].t0, trace.now(), unit=i)
         self._free(i)
-        tensors = [t for t in (out if isinstance(out, (tuple, list)) else [out])
-                   if torch.is_tensor(t) and t.requires_grad]
-        for t in tensors:
-            t.register_hook(lambda g, i=i: self._pre_backward(i))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(lambda g, i=i: self._pre_backward(i))
         return out
 
-    # -- backward
     def _pre_backward(self, i: int) -> None:
         if not self._in_backward:
             self._in_backward = True
@@ -168,9 +157,6 @@ class FullyShardedDataParallel(nn.Module):
         if self.prefetch and pos > 0:
             self._gather(self._order[pos - 1], async_op=True, phase="backward", prefetch=True)
         self.units[i].t0 = trace.now()
-
-    def _on_grad(self, i: int, p) -> None:
-        self.reduction.grad_ready(i, p)
 
     def _reduce(self, i: int) -> None:
         """Reduce-scatter unit i's gradients (mean) into its shard's .grad (accumulating, fp32);
@@ -187,7 +173,6 @@ class FullyShardedDataParallel(nn.Module):
             self._free(i)
         self._in_backward = False
 
-    # -- saving and checking
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """The full fp32 parameters by the wrapped module's names (a collective: every rank

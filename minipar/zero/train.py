@@ -1,14 +1,14 @@
 """One data-parallel training run under any ZeRO stage, in the shape of every strategy
 (:mod:`minipar.strategy`): :func:`check`, :func:`train`, :func:`run`.
 
-``train(model, batches, optimizer, group, stage=1)`` runs on every rank of ``group``:
-rank r of the group trains on its shard ``minipar.data.shard(x, r, N)`` of each global
-batch, so the mean of the ranks' losses is the single-process loss. It returns the
-losses, the final full parameters by name, and ``measured``, what the last step measured:
-``memory``, bytes per component (:func:`minipar.zero.memory.model_state_bytes`,
-``activations`` from :class:`minipar.activations.SavedActivations`, for stage 3 the peak
-bytes of gathered units in flight), ``bytes_sent`` (and ``bytes_by_dim``) by this rank,
-the ``unit_sizes`` the formulas take, and ``seconds``.
+``train(model, batches, optimizer, group, stage=1)`` runs on every rank of ``group``: rank
+r trains on its shard ``minipar.data.shard(x, r, N)`` of each global batch, so the mean of
+the ranks' losses is the single-process loss. It returns the losses, the final full
+parameters by name, and what the last step ``measured``: ``memory``, bytes per component
+(:func:`minipar.zero.memory.model_state_bytes`, ``activations`` from
+:class:`minipar.activations.SavedActivations`, for stage 3 the peak bytes of gathered units
+in flight), ``bytes_sent`` (and ``bytes_by_dim``) by this rank, the ``unit_sizes`` the
+formulas take, and ``seconds``.
 """
 from __future__ import annotations
 

@@ -1,14 +1,22 @@
 """Naive model parallelism: a model too big for one device, cut by layers across ranks.
 
-Rank r holds stage r (some consecutive layers) and nothing else. In forward each rank runs its
-layers and sends the activation to the next; the last computes the loss. In backward each rank
-sends ``∂L/∂(its input)`` to the one before (:mod:`minipar.pipeline.stage_comm`), down to rank 0.
-The answer is exactly the single-process one, but only one rank works at a time: with n equal
-stages each idles (n-1)/n of the step, which pipelining (:mod:`minipar.pipeline`) attacks. The
-classic example (the LSTM language models of Zaremba et al. 2014, GNMT): embedding and LSTM on
-one device, the large vocabulary head on the other (:func:`lstm_stages`). Each rank stores only
-its own parameters, gradients, optimizer state and saved activations (``measured["memory"]`` of
-:func:`train`). The API is every strategy's (:mod:`minipar.strategy`): check, train, run.
+Rank r holds stage r (some consecutive layers) and nothing else. One training step:
+
+1. forward: rank 0 runs its layers on the batch and sends the activation to rank 1,
+   which runs its layers and sends on ... the last rank computes the loss;
+2. backward: the last rank sends ``∂L/∂(its input)`` to the rank before it, which
+   continues the backward from there (:mod:`minipar.pipeline.stage_comm`), down to rank 0.
+
+The answer is exactly the single-process one; the price is time: only one rank works at
+any moment, so with n equal stages each rank idles a fraction (n-1)/n of the step. This
+idle timeline is what pipelining (micro-batches, :mod:`minipar.pipeline`) attacks.
+
+The classic example (the LSTM language models of Zaremba et al. 2014, GNMT): the embedding
+and the LSTM on one device, the large vocabulary head on the other (:func:`lstm_stages`).
+Memory: each rank stores only its own parameters, gradients, optimizer state and the
+activations its layers save for the backward (``measured["memory"]`` of :func:`train`).
+
+The API is every strategy's (:mod:`minipar.strategy`): :func:`check`, :func:`train`, :func:`run`.
 """
 from __future__ import annotations
 

@@ -1,19 +1,25 @@
 """One shape for every strategy: ``check`` before launch, ``train`` on the ranks, ``run`` from
-the driver. Every strategy package (``data_parallel``, ``pipeline``, ``tensor_parallel``,
-``zero``, ``hybrid``, ``context_parallel``, ``expert_parallel``) exposes the same three::
+the driver.
+
+Every strategy package (``data_parallel``, ``pipeline``, ``tensor_parallel``, ``zero``,
+``hybrid``, ``context_parallel``, ``expert_parallel``) exposes the same three functions::
 
     check(model, batches, world_size, **options)              # plain ValueError, no process started
     train(model, batches, optimizer=None, group=None, **options) -> dict     # on every rank
     run(model, batches, world_size, optimizer=None, **options) -> TrainResult  # the driver
 
-``model`` is the single-device model (same seed on every rank), ``batches`` the global batches
-the single process trains on, ``optimizer`` a picklable factory ``params -> torch.optim.Optimizer``
-(:func:`minipar.reference.sgd`, :func:`~minipar.reference.adamw`; default SGD with lr 0.1).
-A rank's ``train`` returns ``{"losses": [float, ...] or None, "params": {name: tensor} or None,
-"measured": {...}}``: the global mean loss of every step (``None`` on ranks that do not hold it),
-the final parameters by single-device name (this rank's share of them) and what the last step
-measured on this rank (bytes, memory, seconds, ...). ``run`` merges the ranks' dicts into a
-:class:`TrainResult`, which :func:`minipar.reference.assert_same_training` compares with one process."""
+``model`` is the single-device model (same seed on every rank), ``batches`` the global
+batches the single process trains on, ``optimizer`` a picklable factory
+``params -> torch.optim.Optimizer`` (:func:`minipar.reference.sgd`, :func:`~minipar.reference.adamw`;
+default SGD with lr 0.1). A rank's ``train`` returns::
+
+    {"losses": [float, ...] or None,   # the global mean loss of every step (None on ranks that do not hold it)
+     "params": {name: tensor} or None, # final parameters by single-device name, this rank's share of them
+     "measured": {...}}                # what the last step measured on this rank (bytes, memory, seconds, ...)
+
+and ``run`` merges the ranks' dicts into one :class:`TrainResult`, which
+:func:`minipar.reference.assert_same_training` compares with the single process.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

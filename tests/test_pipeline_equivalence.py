@@ -161,6 +161,46 @@ def test_split_backward_is_a_fused_backward_in_two(dtype):
         out.backward(dy)                               # B freed the graph: W never walked it
 
 
+
+def _nodes(out) -> list[str]:
+    seen, todo, names = set(), [out.grad_fn], []
+    while todo:
+        f = todo.pop()
+        if f is not None and f not in seen:
+            seen.add(f)
+            names.append(type(f).__name__)
+            todo += [g for g, _ in f.next_functions]
+    return names
+
+
+def test_deferred_reroutes_only_linear_layers_and_restores_them():
+    """Inside ``deferred`` a linear layer runs with its weight detached (autograd's own
+    backward is B) and only while the block is open, even when it raises; under activation
+    recomputation the layers keep X among autograd's saved tensors (DeferredLinear), so
+    recomputation can drop it."""
+    import torch.nn.functional as F
+    plain = F.linear
+    block = GPT(CFG, seed=0).blocks[0]
+    x = torch.randn(2, CFG.block_size, CFG.n_embd, requires_grad=True)
+    with pytest.raises(KeyError), pp.deferred(pp.WeightGrads()):
+        assert F.linear is not plain
+        raise KeyError("inside")
+    assert F.linear is plain
+    for mode, deferred_nodes in (("none", 0), ("full", 4)):
+        block.recompute = mode
+        dw = pp.WeightGrads()
+        with pp.deferred(dw):
+            out = block(x)
+        assert F.linear is plain
+        assert _nodes(out).count("DeferredLinearBackward") == deferred_nodes, mode
+        out.sum().backward()
+        assert len(dw) == 4 and all(lin.weight.grad is None for lin in block.modules()
+                                    if isinstance(lin, torch.nn.Linear)), mode
+        dw.apply()
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+
+
 def _pp_tp(schedule):
     """Rank function: the GPT on pp=2 × tp=2 with ``schedule``; the result of
     hybrid.train, the comm events that start inside a W region, the f all-reduces."""

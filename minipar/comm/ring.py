@@ -1,15 +1,22 @@
 """Ring collectives built only from point-to-point sends and receives.
 
-The ``n`` ranks sit on a ring; rank r talks only to ``right = r+1`` and ``left = r-1`` (mod n).
-A flat tensor of N elements is cut into n chunks (``tensor_split``: sizes differ by at most one).
+The ``n`` ranks sit on a ring; each talks only to its neighbours ``right = r+1`` and
+``left = r-1`` (mod n). A flat tensor of N elements is cut into n chunks (``tensor_split``:
+sizes differ by at most one element when n does not divide N).
 
-* **Reduce-scatter** (n-1 steps): at step s rank r sends chunk (r-s-1) mod n to the right and
-  adds the chunk (r-s-2) mod n arriving from the left; then chunk r on rank r is the full sum.
-* **All-gather** (n-1 steps): at step s rank r sends chunk (r-s) mod n, whose final value it
-  holds, and receives chunk (r-s-1) mod n.
-* **All-reduce** = reduce-scatter + all-gather: 2(n-1) steps, 2 (n-1)/n · N elements sent per
-  rank (Patarasuk & Yuan 2009; ``minipar.cost.collective_bytes``), about N whatever n: the
-  ring is bandwidth-optimal.
+* **Reduce-scatter** (n-1 steps): at step s rank r sends chunk (r-s-1) mod n to the right
+  and adds the chunk (r-s-2) mod n arriving from the left into its own copy. After n-1
+  steps chunk r on rank r holds the sum over all ranks.
+* **All-gather** (n-1 steps): at step s rank r sends chunk (r-s) mod n, whose final value
+  it holds, and receives chunk (r-s-1) mod n.
+* **All-reduce** = reduce-scatter + all-gather: 2(n-1) steps.
+
+Each step moves one chunk (N/n elements) per rank, so per rank (Patarasuk & Yuan 2009;
+``minipar.cost.collective_bytes``):
+
+    reduce-scatter, all-gather:  (n-1)/n · N     all-reduce:  2 (n-1)/n · N
+
+which is independent of n for large n: the reason the ring is bandwidth-optimal.
 """
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """Attention on one block of keys, its backward, and the online-softmax merge.
 
-Queries Q (B, H, Tq, d) on one block of keys and values K, V (B, H, Tk, d), with scores
-S = Q Kᵀ / √d (masked entries -inf): lse = log Σ_k exp(S_qk) per query row, O = exp(S - lse) V.
+For queries Q (B, H, Tq, d) and one block of keys and values K, V (B, H, Tk, d), with
+scores S = Q Kᵀ / √d (masked entries -inf):
+
+    lse = log Σ_k exp(S_qk)            (the log-sum-exp of each query's row)
+    O   = exp(S - lse) V               (the softmax-weighted values)
 
 Attention over keys split into blocks a and b is the **merge** of the two partial results
 (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, Alg. 1; ring attention,
@@ -10,8 +13,9 @@ Liu et al. 2023). With the running maximum m = max(lse_a, lse_b):
     lse = m + log(exp(lse_a - m) + exp(lse_b - m))
     O   = exp(lse_a - lse) · O_a + exp(lse_b - lse) · O_b
 
-One block's backward needs only the final O and lse (FlashAttention, Alg. 2): P = exp(S - lse),
-D = rowsum(dO ∘ O), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - D), dQ = dS K / √d, dK = dSᵀ Q / √d.
+The backward of one block needs only the final O and lse (FlashAttention, Alg. 2):
+P = exp(S - lse), D = rowsum(dO ∘ O), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - D),
+dQ = dS K / √d, dK = dSᵀ Q / √d.
 """
 from __future__ import annotations
 

@@ -1,14 +1,24 @@
 """``DistributedDataParallel``: replicate a module, average its gradients during backward.
 
-As in Li et al., "PyTorch Distributed", VLDB 2020: at wrap time, broadcast every parameter and
-buffer from group rank 0, so replicas start equal. A hook on every trainable parameter's gradient
-accumulation feeds the :class:`~minipar.data_parallel.reducer.Reducer`, which all-reduces
-buckets of gradients; a callback queued at the end of backward waits for the last all-reduce
-and writes the averages into ``.grad``: after ``loss.backward()`` every rank holds ``1/n Σ_r g_r``,
-the gradient of the global mean loss. One class, three versions (:data:`VERSIONS`): naive (one
-all-reduce per parameter) and bucketed, both after backward, and overlapped (a bucket's
-all-reduce starts as it fills). Frozen parameters get no hook and no all-reduce; tied weights
-are one tensor, reduced once.
+What the wrapper does (Li et al., "PyTorch Distributed", VLDB 2020):
+
+1. At wrap time, broadcast every parameter and buffer from group rank 0, so all replicas
+   start equal.
+2. Register a hook on every trainable parameter that fires when its gradient has been
+   accumulated. The hooks feed the :class:`~minipar.data_parallel.reducer.Reducer`, which
+   all-reduces buckets of gradients (during backward with ``overlap=True``).
+3. Queue a callback at the end of the backward pass that waits for the last all-reduce
+   and writes the averages into ``.grad``: when ``loss.backward()`` returns, every rank
+   holds ``1/n Σ_r g_r``, the gradient of the global mean loss.
+
+Three versions, from the same class (see :data:`VERSIONS`):
+
+* naive      ``bucket_cap_mb=None``:               one all-reduce per parameter, after backward
+* bucketed   ``bucket_cap_mb=c,    overlap=False``: flat buckets of ~c MB, after backward
+* overlapped ``bucket_cap_mb=c,    overlap=True``:  a bucket's all-reduce starts as it fills
+
+Frozen parameters (``requires_grad=False``) get no hook and no all-reduce; a parameter
+shared by two layers (tied weights) is one tensor, hooked and reduced once.
 """
 from __future__ import annotations
 

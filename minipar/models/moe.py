@@ -3,21 +3,29 @@
 Shazeer et al. 2017, GShard (Lepikhin et al. 2020), Switch Transformer (Fedus et al. 2021).
 For every token x (S tokens, hidden size h):
 
-    p = softmax(x W_r)               router probabilities over the E experts (fp32)
-    (w, e) = top_k(p)                the k chosen experts and their probabilities
-    w <- w / Σ w     (k > 1 only)    GShard, Mixtral; Switch (k = 1) keeps the raw probability,
-                                     since a weight of 1 would cut the router's gradient off
-    y = Σ_j w_j · E_{e_j}(x)         combine: the weighted outputs of the chosen experts
+    p = softmax(x W_r)                        router probabilities over the E experts (fp32)
+    (w, e) = top_k(p)                         the k chosen experts and their probabilities
+    w <- w / Σ w          (k > 1)             top-k weights renormalised to sum to 1 (GShard, Mixtral);
+                                              with k = 1 the raw probability is kept (Switch),
+                                              since renormalising would make it 1 and cut the
+                                              router off from the loss's gradient
+    y = Σ_j w_j · E_{e_j}(x)                  combine: the weighted outputs of the chosen experts
 
-**Capacity** (GShard §2.2): with ``capacity_factor`` c an expert takes at most C = ceil(k·S/E·c)
-assignments, the first C routed to it in token order (the flattened ``(B, T)`` order: the ranks'
-shards concatenated in rank order), and drops the rest. A dropped assignment contributes nothing
-(the other weights are not renormalised); the block's residual carries the token on unchanged.
+**Capacity** (GShard §2.2). With ``capacity_factor`` c, every expert takes at most
+
+    C = ceil(k · S / E · c)
+
+assignments. Policy: by position. An expert keeps the first C tokens routed to it in token
+order (the flattened ``(B, T)`` order, which is the ranks' shards concatenated in rank
+order) and drops the rest; a dropped assignment contributes nothing (the other weights are
+not renormalised), and the block's residual connection carries the token on unchanged.
 ``capacity_factor=None`` is dropless: every assignment is computed.
 
-**Auxiliary load-balancing loss** (Switch eq. 4, GShard's top-k form): aux = E · Σ_i f_i · P_i,
-with f_i = (assignments routed to i) / (k·S) and P_i = mean_tokens p_i; f_i counts routing
-before dropping and carries no gradient; aux = 1 when routing is uniform.
+**Auxiliary load-balancing loss** (Switch eq. 4, GShard's top-k form):
+
+    aux = E · Σ_i f_i · P_i,   f_i = (assignments routed to i) / (k·S),  P_i = mean_tokens p_i
+
+f_i counts routing before dropping and carries no gradient; aux = 1 when routing is uniform.
 **Router z-loss** (ST-MoE, Zoph et al. 2022 eq. 5): z = mean_tokens (logsumexp(x W_r))².
 The layer leaves ``aux_coef · aux + z_coef · z`` in ``self.loss``; the GPT adds it to its loss.
 """

@@ -1,16 +1,23 @@
 """Adaptive re-partitioning: measure each layer on its stage, cut again, move the layers.
 
-A cut balanced by parameter count (:mod:`.partition`) is wrong wherever cost is not
-proportional to parameters: an embedding has many parameters and little compute, a
-large-vocabulary head spends its time in the loss, a rank may sit on a slower device.
-:func:`train` fixes the cut while training: (1) it trains ``probe_steps`` steps on the first
-cut; (2) every rank times each of its layers, forward and backward, on the inputs its stage
-really received (the last layer with the loss), and an all-reduce of one float per layer gives
-every rank the cost of each layer *on the rank that runs it*; (3) every rank computes the same
-new cut, :func:`~minipar.pipeline.partition` on those times; (4) each layer that changes rank
-goes point-to-point from its old owner to its new one, parameters and optimizer state
-(``name="repartition"``), and training goes on. A step's arithmetic does not depend on the cut,
-so the losses stay those of the single-process run; only the time per step changes.
+A pipeline runs at the pace of its slowest stage (:mod:`.partition`). A cut balanced by
+parameter count is wrong whenever cost is not proportional to parameters: an embedding
+has many parameters and almost no compute, a large-vocabulary head spends its time in the
+loss, a rank may sit on a slower device. :func:`train` fixes the cut while training:
+
+1. train ``probe_steps`` steps on the first cut (default: by parameter count);
+2. every rank times each of its layers, forward and backward, on the inputs its stage
+   really received (the last layer with the loss), and the times are summed over the
+   pipeline group (an all-reduce of one float per layer): the cost of every layer *on the
+   rank that runs it*;
+3. every rank computes the same new cut, :func:`~minipar.pipeline.partition` on the
+   times (the ``by="time"`` costs of :func:`~minipar.pipeline.layer_costs`, measured in place);
+4. each layer that changes rank is sent point-to-point by its old owner to its new one,
+   parameters and optimizer state (``name="repartition"``), and training goes on with the
+   new stages and an optimizer holding the moved state.
+
+The arithmetic of a step does not depend on the cut, so the losses stay those of the
+uninterrupted single-process run; only the time per step changes.
 """
 from __future__ import annotations
 

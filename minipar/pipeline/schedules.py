@@ -1,26 +1,34 @@
 """Pipeline schedules as data: for every rank, the list of actions it performs in order.
 
-A model cut into ``S = p·v`` stages runs on ``p`` ranks, stage ``s`` on rank ``s % p`` (with
-``v`` virtual stages per rank, rank r holds stages r, r+p, ...); a batch is cut into ``m``
-micro-batches. An :class:`Action` is ``F`` (forward of micro-batch i on stage s), ``B`` (its
-backward), ``W`` (zero-bubble schedules: the weight-gradient part of the backward, B being the
-input-gradient part), ``SEND_F``/``RECV_F`` (the activation leaving/entering stage s) or
-``SEND_B``/``RECV_B`` (the gradient), ``peer`` being the other rank (group-local). The
-generators return each rank's *compute* order; :func:`add_comms` inserts the sends (right after
-the compute that produced the tensor, never waited on) and the receives (right before the
-compute that needs it). One :class:`Schedule` drives both :class:`minipar.pipeline.Pipeline`
-and :func:`minipar.pipeline.simulate`.
+A model cut into ``S = p·v`` stages runs on ``p`` ranks; stage ``s`` lives on rank
+``s % p`` (so with ``v`` virtual stages per rank, rank r holds stages r, r+p, r+2p...).
+A batch is cut into ``m`` micro-batches. An :class:`Action` is one of
 
-* GPipe (Huang et al. 2019): all m forwards, then all m backwards; every rank stashes m.
-* 1F1B (PipeDream-Flush, Narayanan et al. 2021): GPipe's bubble, but rank r stashes at most
-  ``min(p - r, m)``.
+* ``F`` forward of micro-batch i on stage s, ``B`` its backward, ``W`` (zero-bubble
+  schedules only) the weight-gradient part of the backward, ``B`` then being the
+  input-gradient part;
+* ``SEND_F``/``RECV_F`` the activation leaving/entering stage s, ``SEND_B``/``RECV_B``
+  the gradient leaving/entering stage s, with ``peer`` the other rank (group-local).
+
+The generators below return each rank's *compute* order; :func:`add_comms` inserts the
+sends (posted right after the compute that produced the tensor, never waited on) and the
+receives (right before the compute that needs it). The same :class:`Schedule` drives
+:class:`minipar.pipeline.Pipeline` (real training) and :func:`minipar.pipeline.simulate`.
+
+* GPipe / all-forward-all-backward (Huang et al. 2019): all m forwards, then all m
+  backwards. Every rank stashes m micro-batches.
+* 1F1B (PipeDream-Flush, Narayanan et al. 2021): ``p - r - 1`` warm-up forwards, then
+  alternate one forward and one backward (steady state), then the remaining backwards
+  (cool-down). Rank r stashes at most ``min(p - r, m)``. Same bubble as GPipe.
 * Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): v >= 2 virtual stages per rank, the
-  micro-batches going round the ranks v times in groups of p (``m % p == 0``); the bubble
-  shrinks to (p-1)/(v·m).
-* ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): B (input gradient, on the
-  critical path) and W (weight gradient ∂L/∂W = (∂L/∂Y)ᵀ X, free to move:
-  :mod:`minipar.pipeline.split_backward`). Bubble (p-1)(F+B-W) instead of 1F1B's (p-1)(F+B+W),
-  a third of it when F = B = W, at 1F1B's peak memory (p micro-batches on the busiest rank).
+  micro-batches go round the ranks v times in groups of p; the bubble shrinks to
+  (p-1)/(v·m). Needs ``m % p == 0``.
+* ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward is split into
+  B (input gradient, on the critical path) and W (weight gradient, free to move); W fills
+  the cool-down bubble. B keeps each linear layer's input X and output gradient ∂L/∂Y, and
+  W computes only ∂L/∂W = (∂L/∂Y)ᵀ X from them (:mod:`minipar.pipeline.split_backward`).
+  Bubble (p-1)(F+B-W) instead of 1F1B's (p-1)(F+B+W), a third of it when F = B = W, at
+  1F1B's peak memory (p micro-batches on the busiest rank).
 """
 from __future__ import annotations
 

@@ -1,14 +1,22 @@
 """Run a schedule on paper: the ideal timeline, deadlock-freedom, stash sizes, bubbles.
 
-:func:`simulate` executes a :class:`~minipar.pipeline.schedules.Schedule` as the executor
-would, with fixed costs instead of a model: a compute takes ``f``, ``b`` or ``w`` time units
-(times the stage's weight); a send is posted and never blocks; a receive blocks until the
-matching send happened plus ``comm`` units. It returns a :class:`minipar.trace.Trace` with the
-events of a measured run (one time unit drawn as 1 ms), so ``minipar.viz.timeline`` draws both,
-or raises :class:`Deadlock` naming the stuck actions when every unfinished rank waits for a
-message that is never sent. :func:`bubble` is the theoretical bubble (Narayanan et al. 2021):
-``(T - c) / c`` for a rank busy ``c`` of a step's ``T`` time units, ``(p-1)/m`` for GPipe and
-1F1B with equal stages (:func:`minipar.cost.bubble_fraction`), as a measured trace defines it.
+:func:`simulate` executes a :class:`~minipar.pipeline.schedules.Schedule` as the real
+executor would, with fixed costs instead of a model: each rank walks its action list; a
+compute takes ``f``, ``b`` or ``w`` time units (times the stage's weight); a send is
+posted and never blocks; a receive blocks until the matching send happened plus
+``comm`` units. It returns a :class:`minipar.trace.Trace` with the same events as a
+measured run (one time unit is drawn as 1 ms), so ``minipar.viz.timeline`` draws both.
+
+If at some point every unfinished rank waits in a receive whose send is never reached,
+the schedule deadlocks: :func:`simulate` raises :class:`Deadlock` naming the stuck actions.
+:func:`check_schedule` adds the other proofs of a valid schedule.
+
+:func:`bubble` is the theoretical bubble, relative to the ideal time (Narayanan et al.
+2021): for a rank that computes for ``c`` of a step's ``T`` time units, ``(T - c) / c``;
+GPipe and 1F1B give ``(p-1)/m`` when every stage costs the same
+(:func:`minipar.cost.bubble_fraction` has the formulas). The bubble of a measured run,
+with the same definition (``c`` the union of the rank's compute intervals), is the
+trace's own (:class:`minipar.trace.Trace`).
 """
 from __future__ import annotations
 

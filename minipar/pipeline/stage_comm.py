@@ -1,12 +1,18 @@
 """Moving activations and gradients between pipeline stages, so autograd spans ranks.
 
-Autograd cannot follow a tensor from one process to another, so the graph is cut at each stage
-boundary and stitched by hand (Huang et al. 2019; Narayanan et al. 2019). Forward: stage s
-sends the values of its output ``y`` to stage s+1, which receives them into a fresh **leaf
-tensor with requires_grad**, ``x``, where its graph starts. Backward: stage s+1's backward
-leaves ``x.grad = ∂L/∂x``, exactly ``∂L/∂y`` on stage s, which receives it and calls
-``y.backward(grad)``. Sends are non-blocking (a :class:`~minipar.comm.Handle` to wait on later),
-so a stage never stalls on a slow receiver; receives block. Ranks are group-local.
+Autograd cannot follow a tensor from one process to another, so the graph is cut at each
+stage boundary and stitched by hand (Huang et al. 2019; Narayanan et al. 2019):
+
+* forward: stage s sends its output ``y`` (detached: only values travel) to stage s+1,
+  which receives it into a fresh **leaf tensor with requires_grad**, ``x``. Stage s+1's
+  graph starts at ``x``.
+* backward: after stage s+1's backward, ``x.grad = ∂L/∂x``, which is exactly ``∂L/∂y``
+  on stage s. Stage s receives it and calls ``y.backward(grad)``, continuing the chain
+  rule where the previous rank left off.
+
+Sends are non-blocking (a :class:`~minipar.comm.Handle` to wait on later) so a stage
+never stalls on a slow receiver; receives block until the data is there. Ranks are
+group-local and every transfer is recorded by :mod:`minipar.comm` with its bytes.
 """
 from __future__ import annotations
 

@@ -1,8 +1,13 @@
-"""Train a layered model with a pipeline schedule, in the shape of :mod:`minipar.strategy`:
-:func:`check` (driver) raises a plain ``ValueError`` before launch; :func:`train` (every rank
-of ``group``) builds the same model everywhere (same seed), keeps the stages it owns and trains
-them with :class:`~minipar.pipeline.Pipeline`; :func:`run` (driver) merges the ranks' results
-(each rank's parameters are its stages') into one :class:`~minipar.strategy.TrainResult`.
+"""Train a layered model with a pipeline schedule, in the shape of :mod:`minipar.strategy`.
+
+* :func:`check` (driver, before any process starts): a plain ``ValueError`` for a
+  configuration the pipeline cannot run;
+* :func:`train` (every rank of ``group``): every rank builds the same model (same seed),
+  keeps the stages it owns, and trains them with :class:`~minipar.pipeline.Pipeline`;
+* :func:`run` (driver): ``check``, then ``train`` on ``world_size`` ranks, merged into one
+  :class:`~minipar.strategy.TrainResult` (each rank's parameters are its stages', the
+  merge unions them), which :func:`minipar.reference.assert_same_training` compares with
+  the single process.
 """
 from __future__ import annotations
 

@@ -1,13 +1,18 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism
-(Korthikanti et al. 2022), written on :mod:`minipar.comm`: the operators f and g and the
-all-gather / reduce-scatter pair (:mod:`.ops`), column- and row-parallel linear layers
-(:mod:`.layers`), the vocabulary-parallel embedding and loss (:mod:`.embedding`,
-:mod:`.cross_entropy`), sequence-parallel regions (:mod:`.sequence`), the transformer and
-its conversion to and from :class:`minipar.models.GPT` (:mod:`.block`, :mod:`.gpt`), and
-:func:`check`, :func:`train`, :func:`run`, the API of every strategy (:mod:`.train`).
+(Korthikanti et al. 2022), written on :mod:`minipar.comm`.
+
+* :mod:`.ops`: the conjugate operators f and g, the all-gather / reduce-scatter pair.
+* :mod:`.layers`: ``ColumnParallelLinear``, ``RowParallelLinear``.
+* :mod:`.embedding`, :mod:`.cross_entropy`: the vocabulary-parallel input and loss.
+* :mod:`.sequence`: sequence-parallel regions (layer norms and residuals on s/t tokens).
+* :mod:`.block`, :mod:`.gpt`: the tensor-parallel transformer and the conversion to and
+  from :class:`minipar.models.GPT`.
+* :mod:`.train`: :func:`check`, :func:`train`, :func:`run`, the API of every strategy
+  (:mod:`minipar.strategy`); activation memory is measured with
+  :class:`minipar.activations.SavedActivations`.
 
 Every layer and operator takes ``group`` (the tensor-parallel process group, ``None`` for
-the world) with group-local ranks, so the pieces compose with data and pipeline
+the world) and uses group-local ranks, so the pieces compose with data and pipeline
 parallelism on a process mesh.
 """
 from .block import ParallelAttention, ParallelBlock, ParallelMLP

@@ -127,6 +127,45 @@ class _Branchy(nn.Module):
         return F.mse_loss(self.head(self.gate(torch.tanh(self.pre(x)), x)), y)
 
 
+def _per_parameter_prefetch():
+    """Every rank: one step of fully_shard with and without prefetch; what each gathered."""
+    from minipar.zero.per_parameter import sharded_state
+    r, n = dist.get_rank(), dist.get_world_size()
+    x, y = _batches()[0]
+    out = {}
+    for prefetch in (True, False):
+        model = fully_shard(GPT(GPTConfig(**EVEN), seed=0), prefetch=prefetch)
+        fs = sharded_state(model)
+        mark = trace.mark()
+        loss = model(data.shard(x, r, n), data.shard(y, r, n))
+        after_forward = [u.full.untyped_storage().nbytes() for u in fs.units]
+        loss.backward()
+        out[prefetch] = {"after_forward": after_forward, "peak": fs.peak_gathered_bytes,
+                         "after_step": [u.full.untyped_storage().nbytes() for u in fs.units],
+                         "unit_bytes": [4 * u.full.numel() for u in fs.units],
+                         "gathers": [e["labels"] for e in trace.since(mark) if e["name"] == "all_gather"],
+                         "grads": [p.grad.clone() for p in model.parameters()]}
+    return out
+
+
+def test_per_parameter_prefetches_the_next_unit():
+    """Like FSDP2, each unit's gather starts while the unit before it computes (forward) or
+    after it (backward): at most two neighbouring units gathered at once, every unit freed
+    after use, and the same gradients as without prefetch."""
+    for res in minipar.launch(_per_parameter_prefetch, 2, timeout=120):
+        on, off = res[True], res[False]
+        n_units = len(on["unit_bytes"])
+        for run in (on, off):
+            assert run["after_forward"] == run["after_step"] == [0] * n_units
+            phases = [g.get("phase") for g in run["gathers"]]
+            assert phases.count("forward") == phases.count("backward") == n_units
+        assert sum(bool(g.get("prefetch")) for g in on["gathers"]) == 2 * (n_units - 1)
+        assert not any(g.get("prefetch") for g in off["gathers"])
+        pairs = [a + b for a, b in zip(on["unit_bytes"], on["unit_bytes"][1:])]
+        assert on["peak"] == max(pairs) and off["peak"] == max(on["unit_bytes"])
+        assert all(torch.equal(a, b) for a, b in zip(on["grads"], off["grads"]))
+
+
 def _branchy_batches():
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
@@ -156,6 +195,11 @@ def _branchy_all_stages():
             loss = fwd(data.shard(x, r, n), data.shard(y, r, n))
             loss.backward()
             opt.step()
+            if stage == "3p":   # no gather left in flight or storage left gathered after a step
+                from minipar.zero.per_parameter import sharded_state
+                out.setdefault("3p idle", []).append(all(
+                    u.pending is None and u.full.untyped_storage().nbytes() == 0
+                    for u in sharded_state(model).units))
             t = loss.detach().reshape(1)
             dist.all_reduce(t)
             losses.append(t.item() / n)
@@ -173,6 +217,7 @@ def test_unused_parameter_on_one_rank_does_not_hang():
     want = reference.train_reference(_Branchy(), _branchy_batches(), reference.sgd(0.1))
     assert want["params"]["gate.b.weight"].ne(_Branchy().gate.b.weight).any()   # the branch does learn
     for res in minipar.launch(_branchy_all_stages, 2, timeout=30):
+        assert res.pop("3p idle") == [True] * len(_branchy_batches())
         for stage, got in res.items():
             reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)
 

@@ -15,7 +15,10 @@ weights, also under mixed precision).
 The schedule is stage 3's (:mod:`minipar.zero.stage3`), a unit being ``module.layers()``.
 One collective per unit moves all its parameters: the shards are concatenated before it
 (*copy-in*) and split back per parameter after it (*copy-out*), the two copies FSDP2 pays
-for keeping parameters whole. Memory and bytes are stage 3's: (2 + 2 + K)Ψ/N and 3Ψ.
+for keeping parameters whole. As FSDP2 does, each gather of the next unit starts while the
+current one computes (``prefetch=True``: in forward the next layer, in backward the previous
+one), so at most two units are gathered at once. Memory and bytes are stage 3's:
+(2 + 2 + K)Ψ/N and 3Ψ.
 """
 from __future__ import annotations
 
@@ -54,27 +57,26 @@ class _Unit:
         self.full = torch.empty(sum(numels), dtype=dtype, device=params[0].shard.device)
         for q, v in zip(params, self.full.split(numels)):              # unsharded = views of full
             q.unsharded.data = v.view(q.shape)
-        self.free()
-        self.bw = False
-
-    def free(self) -> None:
         self.full.untyped_storage().resize_(0)
+        self.bw, self.gathered, self.pending = False, False, None   # pending: (handle, buffer)
 
 
-def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, reduce_dtype=None) -> nn.Module:
+def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, reduce_dtype=None,
+                prefetch: bool = True) -> nn.Module:
     """Shard ``module``'s parameters in place, per parameter, over ``group``; returns it.
 
     ``units``: the modules gathered one at a time (default ``module.layers()``); every
     parameter must belong to one unit. ``param_dtype``: the dtype of the gathered
     parameters and of the compute (e.g. ``torch.bfloat16``); ``reduce_dtype``: of the
-    gradient reduce-scatter (default ``param_dtype``). The shards stay fp32."""
-    _FullyShard(module, group, units, param_dtype, reduce_dtype)
+    gradient reduce-scatter (default ``param_dtype``). The shards stay fp32. ``prefetch``:
+    start the next unit's all-gather while this one computes."""
+    _FullyShard(module, group, units, param_dtype, reduce_dtype, prefetch)
     return module
 
 
 class _FullyShard:
-    def __init__(self, module, group, units, param_dtype, reduce_dtype):
-        self.param_dtype = param_dtype or torch.float32
+    def __init__(self, module, group, units, param_dtype, reduce_dtype, prefetch):
+        self.param_dtype, self.prefetch = param_dtype or torch.float32, prefetch
         self.reduce_dtype = reduce_dtype or self.param_dtype
         mods = list(units if units is not None else
                     (module.layers() if hasattr(module, "layers") else [module]))
@@ -109,28 +111,45 @@ class _FullyShard:
         self.module_ref = lambda: module
 
     @torch.no_grad()
-    def _unshard(self, u: _Unit, **labels) -> None:
-        u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
-        mine = torch.cat([q.shard.detach().reshape(-1) for q in u.ps]).to(u.dtype)   # copy-in
-        gathered = torch.empty(self.n * u.S, dtype=u.dtype, device=mine.device)
-        all_gather(gathered, mine, group=self.group, **labels)
-        for q, block in zip(u.ps, gathered.view(self.n, u.S).split([q.numel for q in u.ps], dim=1)):
-            q.unsharded.data.copy_(block.reshape(self.n * q.c, *q.shape[1:])[:q.shape[0]])  # copy-out
-        live = sum(v.full.untyped_storage().nbytes() for v in self.units)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
+    def _unshard(self, i: int, wait: bool = True, **labels) -> None:
+        """Gather unit i: copy-in and start the all-gather (unless started already); with
+        ``wait``, finish it and copy out into each parameter's unsharded form."""
+        u = self.units[i]
+        if not u.gathered:
+            u.gathered = True
+            u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
+            mine = torch.cat([q.shard.detach().reshape(-1) for q in u.ps]).to(u.dtype)   # copy-in
+            gathered = torch.empty(self.n * u.S, dtype=u.dtype, device=mine.device)
+            u.pending = (all_gather(gathered, mine, group=self.group, async_op=True, unit=i, **labels),
+                         gathered)
+            live = sum(v.full.untyped_storage().nbytes() for v in self.units)
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
+        if wait and u.pending is not None:
+            handle, gathered = u.pending
+            handle.wait()
+            for q, block in zip(u.ps, gathered.view(self.n, u.S).split([q.numel for q in u.ps], dim=1)):
+                q.unsharded.data.copy_(block.reshape(self.n * q.c, *q.shape[1:])[:q.shape[0]])  # copy-out
+            u.pending = None
+
+    def _free(self, i: int) -> None:
+        u = self.units[i]
+        if u.pending is not None:                           # a gather in flight completes first
+            self._unshard(i)
+        u.full.untyped_storage().resize_(0)
+        u.gathered = False
 
     def _pre_forward(self, i: int) -> None:
-        u = self.units[i]
-        self._unshard(u, unit=i, phase="forward")
+        self._unshard(i, phase="forward")
         self._order.append(i)
-        for q in u.ps:
+        for q in self.units[i].ps:
             q.use(q.unsharded)
+        if self.prefetch and i + 1 < len(self.units):
+            self._unshard(i + 1, wait=False, phase="forward", prefetch=True)
 
     def _post_forward(self, i: int, out):
-        u = self.units[i]
-        for q in u.ps:
+        for q in self.units[i].ps:
             q.use(q.shard)
-        u.free()
+        self._free(i)
         for t in (out if isinstance(out, (tuple, list)) else [out]):
             if torch.is_tensor(t) and t.requires_grad:
                 t.register_hook(lambda g, i=i: self._pre_backward(i))
@@ -141,7 +160,10 @@ class _FullyShard:
         if not u.bw:                                        # one re-gather per unit and backward
             u.bw = True
             self.reduction.reached(i)
-            self._unshard(u, unit=i, phase="backward")
+            self._unshard(i, phase="backward")
+            pos = self._order.index(i) if i in self._order else 0
+            if self.prefetch and pos > 0:
+                self._unshard(self._order[pos - 1], wait=False, phase="backward", prefetch=True)
 
     def _reduce(self, i: int) -> None:
         u = self.units[i]
@@ -153,7 +175,7 @@ class _FullyShard:
             grads.append(padded.view(self.n, -1))
             q.unsharded.grad = None
         flat = torch.cat(grads, dim=1).reshape(-1)          # copy-in: rank-major blocks of S
-        u.free()
+        self._free(i)
         mine = flat[self.r * u.S:(self.r + 1) * u.S]
         reduce_scatter(mine, flat, op="avg", group=self.group, unit=i)
         for q, g in zip(u.ps, mine.split([q.numel for q in u.ps])):   # copy-out into each shard's .grad

@@ -12,7 +12,7 @@ and that shard *is* the module's parameter (same name): any optimizer takes
 every ``.grad`` is its shard's gradient in the parameter's own dtype (fp32, the master
 weights, also under mixed precision).
 
-The schedule is stage 3's (:mod:`minipar.zero.stage3`), a unit being ``module.layers()``.
+The schedule is stage 3's own (:class:`minipar.zero.stage3.Schedule`), a unit being a layer.
 One collective per unit moves all its parameters: the shards are concatenated before it
 (*copy-in*) and split back per parameter after it (*copy-out*), the two copies FSDP2 pays
 for keeping parameters whole. As FSDP2 does, each gather of the next unit starts while the
@@ -25,8 +25,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .. import trace
 from ..comm import all_gather, group_rank, group_size, reduce_scatter
 from .reduce import OrderedReduction
+from .stage3 import Schedule
 
 
 class _Param:
@@ -58,7 +60,7 @@ class _Unit:
         for q, v in zip(params, self.full.split(numels)):              # unsharded = views of full
             q.unsharded.data = v.view(q.shape)
         self.full.untyped_storage().resize_(0)
-        self.bw, self.gathered, self.pending = False, False, None   # pending: (handle, buffer)
+        self.bw, self.gathered, self.pending, self.t0 = False, False, None, 0.0   # pending: (handle, buffer)
 
 
 def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, reduce_dtype=None,
@@ -74,7 +76,7 @@ def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, red
     return module
 
 
-class _FullyShard:
+class _FullyShard(Schedule):
     def __init__(self, module, group, units, param_dtype, reduce_dtype, prefetch):
         self.param_dtype, self.prefetch = param_dtype or torch.float32, prefetch
         self.reduce_dtype = reduce_dtype or self.param_dtype
@@ -111,7 +113,7 @@ class _FullyShard:
         self.module_ref = lambda: module
 
     @torch.no_grad()
-    def _unshard(self, i: int, wait: bool = True, **labels) -> None:
+    def _gather(self, i: int, wait: bool = True, **labels) -> None:
         """Gather unit i: copy-in and start the all-gather (unless started already); with
         ``wait``, finish it and copy out into each parameter's unsharded form."""
         u = self.units[i]
@@ -131,42 +133,14 @@ class _FullyShard:
                 q.unsharded.data.copy_(block.reshape(self.n * q.c, *q.shape[1:])[:q.shape[0]])  # copy-out
             u.pending = None
 
-    def _free(self, i: int) -> None:
-        u = self.units[i]
-        if u.pending is not None:                           # a gather in flight completes first
-            self._unshard(i)
-        u.full.untyped_storage().resize_(0)
-        u.gathered = False
-
-    def _pre_forward(self, i: int) -> None:
-        self._unshard(i, phase="forward")
-        self._order.append(i)
+    def _use(self, i: int, gathered: bool) -> None:
+        """The module's parameters are the unsharded ones while the unit computes, else the shards."""
         for q in self.units[i].ps:
-            q.use(q.unsharded)
-        if self.prefetch and i + 1 < len(self.units):
-            self._unshard(i + 1, wait=False, phase="forward", prefetch=True)
-
-    def _post_forward(self, i: int, out):
-        for q in self.units[i].ps:
-            q.use(q.shard)
-        self._free(i)
-        for t in (out if isinstance(out, (tuple, list)) else [out]):
-            if torch.is_tensor(t) and t.requires_grad:
-                t.register_hook(lambda g, i=i: self._pre_backward(i))
-        return out
-
-    def _pre_backward(self, i: int) -> None:
-        u = self.units[i]
-        if not u.bw:                                        # one re-gather per unit and backward
-            u.bw = True
-            self.reduction.reached(i)
-            self._unshard(i, phase="backward")
-            pos = self._order.index(i) if i in self._order else 0
-            if self.prefetch and pos > 0:
-                self._unshard(self._order[pos - 1], wait=False, phase="backward", prefetch=True)
+            q.use(q.unsharded if gathered else q.shard)
 
     def _reduce(self, i: int) -> None:
         u = self.units[i]
+        trace.record("compute", "backward", u.t0, trace.now(), unit=i)
         grads = []
         for q in u.ps:                                      # pad to N·c rows, one chunk per rank
             g = q.unsharded.grad if q.unsharded.grad is not None else torch.zeros_like(q.unsharded)

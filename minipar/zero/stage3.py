@@ -62,7 +62,55 @@ class _Unit:
         self.handle, self.gathered, self.t0, self.bw = None, False, 0.0, False
 
 
-class FullyShardedDataParallel(nn.Module):
+class Schedule:
+    """Stage 3's schedule, the same for both designs (this flat one and
+    :mod:`minipar.zero.per_parameter`): gather a unit before its forward (prefetching the
+    next), free it after; gather it again when its output's gradient arrives (prefetching the
+    one before it in forward order); :class:`OrderedReduction` reduces its gradients. A design
+    gives ``units`` (each with ``full``, ``gathered``, ``bw``, ``t0``), ``_order``,
+    ``prefetch``, ``reduction``, ``_gather(i, wait=True, **labels)`` and ``_reduce(i)``;
+    ``_use(i, gathered)`` switches what the unit's module computes with."""
+
+    def _use(self, i: int, gathered: bool) -> None:
+        pass                                               # the flat design's views never move
+
+    def _free(self, i: int) -> None:
+        u = self.units[i]
+        if u.gathered:
+            self._gather(i)                # already gathered: waits for its gather if in flight
+            free_unit(u.full)
+            u.gathered = False
+
+    def _pre_forward(self, i: int) -> None:
+        self._gather(i, phase="forward")
+        self._order.append(i)
+        self._use(i, True)
+        if self.prefetch and i + 1 < len(self.units):
+            self._gather(i + 1, wait=False, phase="forward", prefetch=True)
+        self.units[i].t0 = trace.now()
+
+    def _post_forward(self, i: int, out):
+        trace.record("compute", "forward", self.units[i].t0, trace.now(), unit=i)
+        self._use(i, False)
+        self._free(i)
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(lambda g, i=i: self._pre_backward(i))
+        return out
+
+    def _pre_backward(self, i: int) -> None:
+        if self.units[i].bw:                               # one hook per output tensor
+            return
+        self.units[i].bw = True
+        self.reduction.reached(i)
+        self._gather(i, phase="backward")
+        pos = self._order.index(i) if i in self._order else 0
+        if self.prefetch and pos > 0:
+            self._gather(self._order[pos - 1], wait=False, phase="backward", prefetch=True)
+        self.units[i].t0 = trace.now()
+
+
+class FullyShardedDataParallel(Schedule, nn.Module):
     """``FullyShardedDataParallel(module, group=None, units=None, prefetch=True, param_dtype=None)``.
 
     ``units``: the modules gathered one at a time (default ``module.layers()``, else the
@@ -111,52 +159,22 @@ class FullyShardedDataParallel(nn.Module):
         self.module.train(mode)
         return super().train(mode)
 
-    def _gather(self, i: int, async_op: bool = False, **labels) -> None:
+    def _gather(self, i: int, wait: bool = True, **labels) -> None:
         u = self.units[i]
         if not u.gathered:
             u.handle = gather_unit(u.full, u.shard, self.group, async_op=True, unit=i, **labels)
             u.gathered = True
             in_flight = sum(v.full.untyped_storage().nbytes() for v in self.units)
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, in_flight)
-        if not async_op and u.handle is not None:
+        if wait and u.handle is not None:
             u.handle.wait()
             u.handle = None
-
-    def _free(self, i: int) -> None:
-        u = self.units[i]
-        if u.gathered:
-            self._gather(i)                # already gathered: waits for its gather if in flight
-            free_unit(u.full)
-            u.gathered = False
-
-    def _pre_forward(self, i: int) -> None:
-        self._gather(i, phase="forward")
-        self._order.append(i)
-        if self.prefetch and i + 1 < len(self.units):
-            self._gather(i + 1, async_op=True, phase="forward", prefetch=True)
-        self.units[i].t0 = trace.now()
-
-    def _post_forward(self, i: int, out):
-        trace.record("compute", "forward", self.units[i].t0, trace.now(), unit=i)
-        self._free(i)
-        for t in (out if isinstance(out, (tuple, list)) else [out]):
-            if torch.is_tensor(t) and t.requires_grad:
-                t.register_hook(lambda g, i=i: self._pre_backward(i))
-        return out
 
     def _pre_backward(self, i: int) -> None:
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if self.units[i].bw:                               # one hook per output tensor
-            return
-        self.units[i].bw = True
-        self.reduction.reached(i)
-        self._gather(i, phase="backward")
-        pos = self._order.index(i) if i in self._order else 0
-        if self.prefetch and pos > 0:
-            self._gather(self._order[pos - 1], async_op=True, phase="backward", prefetch=True)
-        self.units[i].t0 = trace.now()
+        super()._pre_backward(i)
 
     def _reduce(self, i: int) -> None:
         """Reduce-scatter unit i's gradients (mean) into its shard's .grad (accumulating, fp32);

@@ -78,15 +78,17 @@ def _same(got, want, rtol=0.0, atol=0.0, device="cpu"):
 
 
 def test_layer_equals_single_device(ep_run):
-    """Outputs, input gradients, aux and z-loss, every parameter gradient: EP = one device
-    (outputs and input gradients bit-exact on the CPU)."""
+    """Outputs, input gradients, aux and z-loss, every parameter gradient: EP = one device.
+    Outputs and input gradients agree to fp32 rounding (rtol 1e-6, atol 1e-7), not bit for bit:
+    the driver's GEMMs run on all its threads and a rank's on one, and a different thread count
+    sums a dot product in a different order (4.8e-8 apart on 2 cores)."""
     ep, E, results = ep_run
     for c, (k, cf) in enumerate(CASES):
         moe, x, y = _single(E, k, cf)
         ranks = [r[c] for r in results]
         dev = ranks[0]["device"]
-        _same(torch.cat([r["y"] for r in ranks]), y.detach(), device=dev)
-        _same(torch.cat([r["dx"] for r in ranks]), x.grad, device=dev)
+        _same(torch.cat([r["y"] for r in ranks]), y.detach(), rtol=1e-6, atol=1e-7, device=dev)
+        _same(torch.cat([r["dx"] for r in ranks]), x.grad, rtol=1e-6, atol=1e-7, device=dev)
         aux, z = moe.stats["aux"], moe.stats["z"]
         _same(torch.stack([r["aux"] for r in ranks]).mean(), aux, rtol=1e-6, atol=1e-7, device=dev)
         _same(torch.stack([r["z"] for r in ranks]).mean(), z, rtol=1e-6, atol=1e-7, device=dev)

@@ -1,0 +1,116 @@
+"""Challenge 01: an all-reduce that beats gather-to-one, in bytes and in modelled time.
+
+Write ``all_reduce(tensor, group=None)`` in ``exercises/challenges/ch01_all_reduce.py``: the
+sum over the ranks, in place, moving data only with ``minipar.comm``'s recorded
+point-to-point calls. On 4 ranks and a 1 MiB fp32 tensor, measured from the trace: the
+busiest rank sends at most 2(n-1)/n of the tensor's bytes, and its modelled time (each
+recorded call α + β·max(sent, received), α = 5 µs, 1/β = 10 GB/s) is at most half of
+gather-to-one's. Correct on 2 and 4 ranks within fp32 rounding (rtol 1e-5).
+"""
+import importlib
+
+import torch
+import torch.distributed as dist
+
+import minipar
+from minipar import comm, trace
+from minipar.grading import diagnose, expect_close
+
+CHALLENGE = "ch01_all_reduce"
+TIMEOUT = 30
+N = 4
+NUMEL = 2 ** 18                  # 1 MiB of fp32
+ALPHA, BETA = 5e-6, 1 / 10e9     # seconds per call, seconds per byte
+TIME_GOAL = 0.5                  # at most this fraction of gather-to-one's modelled time
+
+
+def naive_all_reduce(x, group=None):
+    """Gather-to-one then send back (notebook 01): rank 0 receives and sends n-1 whole tensors."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    if r == 0:
+        buf = torch.empty_like(x)
+        for src in range(1, n):
+            comm.recv(buf, src)
+            x += buf
+        for dst in range(1, n):
+            comm.send(x, dst)
+    else:
+        comm.send(x, 0)
+        comm.recv(x, 0)
+    return x
+
+
+def _modelled(events):
+    return sum(ALPHA + BETA * max(e["bytes_sent"], e["bytes_recv"]) for e in events)
+
+
+def _run(module, shapes):
+    """On each rank: the sums (against Gloo's) for ``shapes``, then one measured 1 MiB call of
+    the challenge's all-reduce and of gather-to-one."""
+    fn = importlib.import_module(module).all_reduce
+    r = dist.get_rank()
+    cases = []
+    for i, shape in enumerate(shapes):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(100 * r + i))
+        want = x.clone()
+        dist.all_reduce(want)
+        got = x.clone()
+        ret = fn(got)
+        cases.append((shape, got, want, ret is got))
+    measured = {}
+    for name, f in (("yours", fn), ("naive", naive_all_reduce)):
+        x = torch.full((NUMEL,), float(2 ** r))
+        trace.start(r)
+        f(x)
+        evs = [e for e in trace.events() if e["kind"] == "comm"]
+        measured[name] = {"sent": sum(e["bytes_sent"] for e in evs), "recv": sum(e["bytes_recv"] for e in evs),
+                          "calls": len(evs), "time": _modelled(evs), "value": x[0].item()}
+    return cases, measured
+
+
+def _launch(challenge, n, shapes):
+    return minipar.launch(_run, n, args=(challenge.__name__, shapes), timeout=TIMEOUT)
+
+
+def _check_sums(results):
+    for rank, (cases, _) in enumerate(results):
+        for shape, got, want, in_place in cases:
+            expect_close(got, want, "the sum over the ranks", where=f"rank {rank}, shape {shape}",
+                         rtol=1e-5, atol=1e-5)
+            diagnose(not in_place, f"rank {rank}: all_reduce must return the tensor it was given")
+
+
+def test_sums_on_two_ranks(challenge):
+    """Every rank holds the sum on 2 ranks (sizes 8, 1000, 3)."""
+    _check_sums(_launch(challenge, 2, [(8,), (1000,), (3,)]))
+
+
+def test_sums_on_four_ranks(challenge):
+    """Every rank holds the sum on 4 ranks, also for sizes 4 does not divide (10, 3, 7x5)."""
+    _check_sums(_launch(challenge, 4, [(64,), (10,), (3,), (7, 5)]))
+
+
+def test_bandwidth_and_time_beat_gather_to_one(challenge):
+    """4 ranks, 1 MiB: the busiest rank sends <= 2(n-1)/n of it; modelled time <= half the naive's."""
+    results = _launch(challenge, N, [])
+    size = 4 * NUMEL
+    yours = [m["yours"] for _, m in results]
+    naive = [m["naive"] for _, m in results]
+    for rank, m in enumerate(yours):
+        diagnose(m["value"] != 2 ** N - 1, f"rank {rank}: the 1 MiB all-reduce holds {m['value']:g} in "
+                 f"element 0, expected {2 ** N - 1} (rank r contributed 2^r)")
+        diagnose(m["recv"] < size, f"rank {rank} received {m['recv']} B through minipar.comm, less than the "
+                 f"tensor's {size} B: every element of the sum needs data from the other ranks, so "
+                 "some data moved outside minipar.comm's recorded calls")
+    busiest = max(range(N), key=lambda r: yours[r]["sent"])
+    goal = 2 * (N - 1) / N * size
+    diagnose(yours[busiest]["sent"] > goal,
+             f"bandwidth: rank {busiest} sent {yours[busiest]['sent'] / 2**20:.3f} MiB, the goal is at most "
+             f"2(n-1)/n = {goal / 2**20:.3f} MiB (gather-to-one: {max(m['sent'] for m in naive) / 2**20:.3f} MiB "
+             "from rank 0); no rank may forward whole tensors")
+    t_yours, t_naive = max(m["time"] for m in yours), max(m["time"] for m in naive)
+    slow = max(range(N), key=lambda r: yours[r]["time"])
+    diagnose(t_yours > TIME_GOAL * t_naive,
+             f"modelled time: {1e6 * t_yours:.0f} µs on rank {slow} ({yours[slow]['calls']} calls, "
+             f"α = {1e6 * ALPHA:g} µs each, plus β·bytes), the goal is at most {TIME_GOAL:g} x gather-to-one's "
+             f"{1e6 * t_naive:.0f} µs ({max(m['calls'] for m in naive)} calls of the whole tensor)")

@@ -32,8 +32,6 @@ def _check_op(op: str) -> None:
 
 def _reduce_scatter_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
     # >>> ex01
-    # Hint: at step s send chunk (r-s-1) % n to the right and add the chunk (r-s-2) % n from the
-    # Hint: left; exchange(send, right, buf, left, group, name=name) sends and receives in one call.
     n, r = group_size(group), group_rank(group)
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
@@ -46,7 +44,6 @@ def _reduce_scatter_chunks(chunks: list[torch.Tensor], group, name: str) -> None
 
 def _all_gather_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
     # >>> ex01
-    # Hint: at step s send chunk (r-s) % n (its sum is final here) and overwrite chunk (r-s-1) % n.
     n, r = group_size(group), group_rank(group)
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
@@ -62,8 +59,6 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.
     Reduce-scatter then all-gather: 2(n-1) steps, 2(n-1)/n·N elements sent per rank."""
     _check_op(op)
     # >>> ex01
-    # Hint: work on a flat view, cut it with tensor_split(n), reduce-scatter then all-gather the
-    # Hint: chunks; op="avg" divides once at the end; the result must end up in `tensor` itself.
     n = group_size(group)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     if n > 1:

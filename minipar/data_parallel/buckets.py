@@ -17,8 +17,6 @@ def assign_buckets(params, bucket_cap_mb: float) -> list[list[torch.nn.Parameter
     another dtype (a bucket is one flat tensor). A bucket holds at least one parameter: one
     larger than the cap gets its own; ``bucket_cap_mb=0`` gives one bucket per parameter."""
     # >>> ex02 B
-    # Hint: walk reversed(list(params)); open a new bucket when the next parameter would take
-    # Hint: it past bucket_cap_mb * 2**20 bytes, or has another dtype (a bucket is one tensor).
     if bucket_cap_mb < 0:
         raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
     cap = bucket_cap_mb * 2**20

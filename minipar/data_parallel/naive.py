@@ -30,8 +30,6 @@ def allreduce_gradients(params, group=None, all_reduce_fn=None) -> None:
     default is the backend's recorded all-reduce. A parameter with no gradient on this rank takes
     part with zeros (every rank must call the same all-reduces, in the same order)."""
     # >>> ex02 A
-    # Hint: for p in trainable(params): zeros if p.grad is None, then comm.all_reduce(p.grad,
-    # Hint: op="avg", group=group, name="grad_all_reduce"); all_reduce_fn sums: divide by n.
     n = comm.group_size(group)
     for p in trainable(params):
         if p.grad is None:

@@ -43,8 +43,6 @@ class Reducer:
     def grad_ready(self, p: torch.nn.Parameter) -> None:
         """``p.grad`` is final: copy it into its bucket; launch every bucket now complete."""
         # >>> ex02 C
-        # Hint: once per parameter: pack it into its bucket (self.bucket_of), count it in
-        # Hint: self.pending; with self.overlap, launch what is complete: self._launch_ready().
         if id(p) in self.ready:
             return
         self.ready.add(id(p))
@@ -59,8 +57,6 @@ class Reducer:
         """Launch what is left (parameters without a gradient take part with zeros), wait for
         every all-reduce, and write the averaged buckets back into the ``.grad`` tensors."""
         # >>> ex02 C
-        # Hint: pack what never arrived (zeros), launch the rest in order, wait for every handle,
-        # Hint: divide by n if all_reduce_fn summed, unpack every bucket, then self.reset().
         for i, b in enumerate(self.buckets):
             for p in b.params:
                 if id(p) not in self.ready:
@@ -78,8 +74,6 @@ class Reducer:
 
     def _launch_ready(self) -> None:
         # >>> ex02 C
-        # Hint: from self.next_bucket on, while the bucket is complete, in order: comm.all_reduce(
-        # Hint: b.buffer, op="avg", group=..., async_op=True, name="grad_all_reduce"); keep handles.
         while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
             i, b = self.next_bucket, self.buckets[self.next_bucket]
             if self.all_reduce_fn is not None:

@@ -22,8 +22,6 @@ def partition(costs: list[float], p: int) -> list[int]:
     """Stage boundaries ``[0, b_1, ..., L]`` (stage s = layers ``b_s : b_{s+1}``, none empty)
     minimising the cost of the most expensive stage."""
     # >>> ex04 A
-    # Hint: ValueError unless 1 <= p <= len(costs); limit = _min_max(prefix sums, p); then cut
-    # Hint: so that no stage costs more than limit and none is empty; return [0, b_1, ..., L].
     L = len(costs)
     if p < 1:
         raise ValueError(f"need at least one stage, got p={p}")
@@ -54,10 +52,9 @@ def partition(costs: list[float], p: int) -> list[int]:
 
 
 def _min_max(prefix: list[float], p: int) -> float:
-    """The smallest achievable cost of the most expensive stage (dynamic programme:
-    ``best[k][j] = min over i of max(best[k-1][i], cost of layers i..j-1)``)."""
+    """The smallest achievable cost of the most expensive of ``p`` contiguous stages, given the
+    prefix sums of the layer costs (``prefix[j]``: the first j layers), by dynamic programming."""
     # >>> ex04 A
-    # Hint: dynamic programme: best[k][j] = min over i of max(best[k-1][i], prefix[j] - prefix[i]).
     L, inf = len(prefix) - 1, float("inf")
     best = [[inf] * (L + 1) for _ in range(p + 1)]
     best[0][0] = 0.0

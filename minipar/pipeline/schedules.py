@@ -76,10 +76,9 @@ def gpipe(p: int, m: int, rank: int) -> list[Action]:
 
 
 def one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
-    """1F1B on ``rank``: warm-up ``min(p - rank - 1, m)`` forwards, steady F,B pairs, cool-down Bs."""
+    """1F1B's compute order on ``rank`` of ``p`` for ``m`` micro-batches: warm-up forwards, a
+    steady state of one forward and one backward, cool-down backwards."""
     # >>> ex04 B
-    # Hint: min(p - rank - 1, m) warm-up forwards, then pairs (next F, oldest B), then the
-    # Hint: remaining Bs.
     warmup = min(p - rank - 1, m)
     out = [Action("F", i, rank) for i in range(warmup)]
     for i in range(m - warmup):

@@ -32,7 +32,6 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     is (out/t, in), ``bias`` (out/t,). Returns this rank's output features, or all of them
     (all-gathered along the last dimension) with ``gather_output=True``."""
     # >>> ex05 B
-    # Hint: y = F.linear(f(x, group), weight, bias); with gather_output, gather(y, -1, group).
     y = F.linear(f(x, group), weight, bias)
     return gather(y, -1, group) if gather_output else y
     # <<< ex05 B
@@ -43,7 +42,6 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """``g(x_i A_iᵀ) + b``: this rank's input features ``x_i`` times its columns of the
     weight (out, in/t), summed over the group; the full bias (out,) is added once."""
     # >>> ex05 B
-    # Hint: g(F.linear(x, weight), group), then the bias once (before g it would count t times).
     y = g(F.linear(x, weight), group)
     return y if bias is None else y + bias
     # <<< ex05 B

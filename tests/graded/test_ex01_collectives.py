@@ -1,21 +1,23 @@
 """Exercise 01: the ring all-reduce, from point-to-point messages.
 
-Write the ring in ``minipar.comm.ring``: its two halves, ``_reduce_scatter_chunks`` and
-``_all_gather_chunks``, and ``ring_all_reduce``, which runs one after the other. Move data
-only with ``minipar.comm.exchange`` (it sends one tensor to a rank while receiving another
-from a rank, and records the bytes so the grader can check them against the cost model).
+Contract. ``ring_all_reduce(tensor, group=None, op="sum")`` sums (``op="avg"``: averages)
+``tensor`` over the n ranks of ``group``, in place, and returns that same tensor; any shape,
+any size (also one that n does not divide, or smaller than n). Its two halves work on the
+same list of n chunks of the flattened tensor (``tensor_split(n)``):
 
-The algorithm (n ranks on a ring; rank r sends to right = (r+1) % n and receives from
-left = (r-1) % n); the flattened tensor is cut into n chunks with ``tensor_split(n)``:
+* ``_reduce_scatter_chunks(chunks, group, name)``: afterwards chunk r on rank r holds the
+  sum of chunk r over all ranks (the other chunks hold partial sums);
+* ``_all_gather_chunks(chunks, group, name)``: starting from that state, afterwards every
+  rank holds every chunk's full sum.
 
-1. reduce-scatter, n-1 steps: at step s send chunk (r-s-1) % n and add the incoming
-   chunk (r-s-2) % n into yours. Afterwards chunk r holds the sum over all ranks.
-2. all-gather, n-1 steps: at step s send chunk (r-s) % n and overwrite chunk
-   (r-s-1) % n with what arrives.
+Every rank talks only to its two ring neighbours, each step sends one chunk and receives
+one (``minipar.comm.exchange``, so the bytes are recorded), and each half takes n-1 steps.
+The invariant that makes it work, and the picture of the steps for n = 4, are in notebook
+01, "All-reduce around a ring"; the resulting cost is that every rank sends 2(n-1)/n of the
+tensor, whatever n (Patarasuk & Yuan 2009, eq. 1; ``minipar.cost.collective_bytes``).
 
-Each rank then sends 2(n-1)/n of the tensor in total, whatever n is (Patarasuk & Yuan
-2009). The tests call ``minipar.comm.ring_all_reduce`` with your code in place, on 2 to 4
-ranks, and compare with Gloo's all-reduce. Grade it with ``python -m minipar.grade ex01``.
+Graded against Gloo's all-reduce on 2 to 4 ranks, and on the bytes each rank sends.
+Grade it with ``python -m minipar.grade ex01``; stuck? ``minipar.hint("ex01")``.
 """
 import torch
 import torch.distributed as dist
@@ -24,6 +26,20 @@ import minipar
 from minipar import comm, cost
 
 EXERCISE = "ex01_collectives"
+HINTS = {
+    '': (
+        "Work out one rank's view for n = 3 on paper: which chunk must it send at step 0 so that,"
+        ' n-1 steps later, chunk r is complete on rank r? Then ask which chunk it sends next.',
+        'Reduce-scatter: at every step send the chunk you have just added into (it holds the most'
+        ' contributions) and add what arrives from the left into the chunk it belongs to. '
+        'All-gather: at every step forward the complete chunk you received last; start from the '
+        'one you completed.',
+        'At step s, rank r: reduce-scatter sends chunk (r-s-1) % n to the right and adds the '
+        'chunk (r-s-2) % n from the left; all-gather sends chunk (r-s) % n and overwrites chunk '
+        '(r-s-1) % n. ring_all_reduce: flat view, chunks = flat.tensor_split(n), both halves, '
+        "divide once for 'avg', copy back into tensor if the flat view was a copy.",
+    ),
+}
 TIMEOUT = 30
 
 

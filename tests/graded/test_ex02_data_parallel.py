@@ -1,37 +1,35 @@
 """Exercise 02: data parallelism, from a plain all-reduce to overlapped buckets.
 
-Three pieces of ``minipar.data_parallel``; the tests run the library's own
-``DistributedDataParallel`` (and training loops) with your code in place.
+Three pieces of minipar's data parallelism; the tests run the library's own
+``DistributedDataParallel`` and training loops with your code in place. Every rank holds the
+whole model and computes the gradient of the mean loss over its own shard of the batch.
 
-A. ``allreduce_gradients(params, group, all_reduce_fn)`` (``naive.py``): after backward,
-   every rank holds the gradient of the mean loss over *its own* shard. Replace each
-   ``p.grad`` by the average over the ranks of ``group``: with equal shards that is exactly
-   the gradient one process computes on the whole batch (Goyal et al. 2017, eq. 1:
-   g = 1/n Σ_r g_r). One all-reduce per parameter, in order, over ``trainable(params)``
-   (frozen ones skipped, a tied parameter once); a parameter without a gradient takes part
-   with zeros. Use ``comm.all_reduce(t, op="avg", group=group, name="grad_all_reduce")``
-   (recorded), or ``all_reduce_fn(t, group)`` when given (it *sums* in place: divide by n).
+A. ``allreduce_gradients(params, group=None, all_reduce_fn=None)``: afterwards every trainable
+   parameter's ``.grad`` holds the same tensor on every rank, the gradient one process would
+   compute on the whole batch (Goyal et al. 2017, eq. 1; notebook 02, "Why replicate").
+   Frozen parameters stay without a gradient; a parameter without one on some rank still
+   takes part (as zeros); every rank issues the same collectives in the same order. Recorded
+   gradient traffic (``name="grad_all_reduce"``) equals ``cost.ddp_bytes_per_step``; with
+   ``all_reduce_fn`` (e.g. your ring from exercise 01, which sums) the result is the same.
 
-B. ``assign_buckets(params, bucket_cap_mb)`` (``buckets.py``): walk the parameters in
-   **reverse** order (backward produces the last layer's gradients first) and fill buckets:
-   start a new one when adding a parameter would take the current bucket past
-   ``bucket_cap_mb · 2**20`` bytes, or when its dtype differs from the bucket's (a bucket is
-   one flat tensor). Every bucket has at least one parameter; a negative cap is a ValueError.
+B. ``assign_buckets(params, bucket_cap_mb)`` -> a list of buckets (lists of parameters): the
+   order in which backward makes gradients ready, cut so that no bucket exceeds
+   ``bucket_cap_mb`` MiB unless a single parameter does, one dtype per bucket (a bucket is one
+   flat tensor), none empty; a negative cap is a ValueError (notebook 02, "Naive → bucketed →
+   overlapped"; Li et al. 2020, §3.2.2).
 
-C. ``Reducer.grad_ready``, ``Reducer.finish`` and ``Reducer._launch_ready`` (``reducer.py``):
-   all-reduce the buckets *while backward runs* (Li et al. 2020, §3.2.3). The library's
-   ``__init__`` and ``reset`` set ``self.buckets`` (``Bucket`` s: ``pack(p)``, ``unpack()``,
-   ``buffer``), ``self.bucket_of[id(p)]``, ``self.pending[i]`` (gradients bucket i still
-   waits for), ``self.ready`` (ids packed), ``self.next_bucket``, ``self.handles``. DDP calls
-   ``grad_ready(p)`` from a hook once ``p.grad`` is final and ``finish()`` when backward is
-   over. ``grad_ready`` packs and counts; with ``overlap`` it launches every complete bucket,
-   but only in bucket order 0, 1, 2, ... (every rank must issue its collectives in the same
-   order): ``comm.all_reduce(b.buffer, op="avg", group=..., async_op=True,
-   name="grad_all_reduce")``, keeping the handle. ``finish`` packs the parameters that got
-   no gradient (zeros), launches what is left in order, waits for every handle, unpacks
-   every bucket and calls ``reset()``.
+C. ``Reducer.grad_ready(p)``, ``Reducer.finish()`` and ``Reducer._launch_ready()``: overlap the
+   bucket all-reduces with the backward (Li et al. 2020, §3.2.3). DDP calls ``grad_ready(p)``
+   from a hook once ``p.grad`` is final and ``finish()`` when backward is over. With
+   ``overlap`` on, a bucket's asynchronous all-reduce starts as soon as it is complete, yet
+   every rank starts them in the same order; after ``finish()`` every ``.grad`` holds the
+   average and the reducer is ready for the next step. The state the library's ``__init__``
+   and ``reset`` keep (``buckets``, ``bucket_of``, ``pending``, ``ready``, ``next_bucket``,
+   ``handles``) is described in the class.
 
-Grade it with ``python -m minipar.grade ex02``.
+Graded: the averages, training equal to one process (rtol 1e-5), the bucket layout, the
+bytes, and that the first all-reduce starts before the backward ends. Grade it with
+``python -m minipar.grade ex02``; stuck? ``minipar.hint("ex02", "A")`` (parts A, B, C).
 """
 from contextlib import nullcontext
 
@@ -45,6 +43,41 @@ from minipar.data_parallel import (DistributedDataParallel, allreduce_gradients,
 from minipar.models import GPT, MLP, GPTConfig
 
 EXERCISE = "ex02_data_parallel"
+HINTS = {
+    'A': (
+        'What must every rank do with its own gradient so that all ranks end with the full-batch '
+        'gradient? Mind the ranks whose parameter has no gradient.',
+        'One all-reduce per trainable parameter, in the same order everywhere, averaging; a '
+        'missing gradient becomes zeros first; a summing all_reduce_fn needs one division.',
+        'for p in trainable(params): if p.grad is None: p.grad = zeros_like(p); then '
+        "comm.all_reduce(p.grad, op='avg', group=group, name='grad_all_reduce'), or "
+        'all_reduce_fn(p.grad, group) followed by p.grad /= comm.group_size(group).',
+    ),
+    'B': (
+        "Which parameter's gradient does backward produce first?",
+        'Walk the parameters last to first; keep adding to the open bucket until the next one '
+        'would overflow the cap or has another dtype; then open a new bucket.',
+        'cap = bucket_cap_mb * 2**20 bytes; for p in reversed(list(params)): nbytes = p.numel() *'
+        ' p.element_size(); start a new bucket if the current one is non-empty and (size + nbytes'
+        ' > cap or p.dtype differs); append; a negative cap raises ValueError first.',
+    ),
+    'C': (
+        "grad_ready is called once per parameter, in backward's order; a bucket can be reduced "
+        'once all of its gradients are packed. What can go wrong if rank 0 launches bucket 2 '
+        'before bucket 1?',
+        'grad_ready packs p into its bucket and counts it down; _launch_ready walks from '
+        'next_bucket while the bucket is complete and starts its async all-reduce (keeping the '
+        'handle); finish packs zeros for parameters that never came, launches the rest in order, '
+        'waits, unpacks, resets.',
+        'grad_ready: i = self.bucket_of[id(p)]; self.buckets[i].pack(p); self.ready.add(id(p)); '
+        'self.pending[i] -= 1; if self.overlap: self._launch_ready(). _launch_ready: while '
+        'next_bucket < len(buckets) and pending[next_bucket] == 0: '
+        "handles.append(comm.all_reduce(b.buffer, op='avg', group=self.group, async_op=True, "
+        "name='grad_all_reduce')); next_bucket += 1. finish: pack the missing ones as zeros, set "
+        'pending to 0, _launch_ready(), wait every handle, divide if all_reduce_fn summed, unpack'
+        ' every bucket, self.reset().',
+    ),
+}
 TIMEOUT = 30
 RTOL, ATOL = 1e-5, 1e-6  # fp32: only the order of the sums differs from one process
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)

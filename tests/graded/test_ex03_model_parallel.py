@@ -1,23 +1,26 @@
 """Exercise 03: send activations forward and gradients back between pipeline stages.
 
-Write the four functions of ``minipar.pipeline.stage_comm``. Autograd cannot follow a
-tensor from one process to another, so the graph is cut at every stage boundary and
-stitched by hand (Huang et al. 2019; Narayanan et al. 2019):
+Contract. The four functions of minipar's stage communication, used by the naive model
+parallelism and the pipeline executor for every message between stages:
 
-* forward: stage s sends the *values* of its output ``y`` to stage s+1; stage s+1 receives
-  them into a fresh tensor ``x`` that is a **leaf requiring grad**, and runs its layers on it;
-* backward: after stage s+1's backward, ``x.grad`` is ∂L/∂x = ∂L/∂y; it is sent back, and
-  stage s receives it and calls ``y.backward(grad)``, continuing the chain rule.
+* ``send_activation(y, dst, group=None, tag=0, **labels)`` starts sending the *values* of stage
+  output ``y`` and returns the ``Handle`` without waiting;
+* ``recv_activation(shape, src, group=None, dtype, device=None, tag=0, **labels)`` returns the
+  received activation once it has arrived, such that after this stage's backward its
+  ``.grad`` is ∂L/∂(this input), the gradient to send back;
+* ``send_grad(grad, dst, ...)`` / ``recv_grad(shape, src, ...)``: the same for that gradient
+  going backwards; the received gradient is what the sending stage's output must be
+  back-propagated with.
 
-Move data only with ``minipar.comm.isend`` / ``minipar.comm.irecv`` (they return a Handle
-with ``.wait()`` and record every transfer's bytes in the trace). Pass ``tag`` and
-``**labels`` through to them. Sends must not block (return the Handle); receives return
-only once the data is there. ``device=None`` means the CPU.
+Why autograd needs this, and what the graph looks like on each side of the cut, is derived
+in notebook 03, "Autograd across ranks" (GPipe, Huang et al. 2019, §2; the chain rule
+∂L/∂x = ∂L/∂y · ∂y/∂x split across two processes). Data moves only through
+``minipar.comm.isend``/``irecv`` (recorded), passing ``tag`` and ``**labels`` through;
+``device=None`` means the CPU.
 
-The library's naive model parallelism (``minipar.model_parallel``) and pipeline executor
-(``minipar.pipeline``) move every message through these functions, so the last test trains
-an LSTM split over two ranks and a 1F1B-pipelined GPT on your code and compares both with
-one process. Grade it with ``python -m minipar.grade ex03``.
+Graded: the values and gradients that arrive, that sends do not block, and an LSTM split
+over two ranks and a 1F1B-pipelined GPT trained on your code, equal to one process. Grade it
+with ``python -m minipar.grade ex03``; stuck? ``minipar.hint("ex03")``.
 """
 import torch
 import torch.distributed as dist
@@ -31,6 +34,21 @@ from minipar.pipeline import stage_comm
 from minipar.models import GPT, LSTMLM, GPTConfig
 
 EXERCISE = "ex03_model_parallel"
+HINTS = {
+    '': (
+        "Autograd's graph ends at the process boundary. What must the receiving side's tensor be "
+        'for backward to give you ∂L/∂x? What must the sending side not send along with the '
+        'values?',
+        'Send only the values (detached) and return the handle; receive into a fresh tensor, '
+        'wait, and make it a leaf that requires grad, so backward stops there and fills .grad. A '
+        'received gradient needs no grad of its own.',
+        "send_activation: return isend(y.detach(), dst, group, name='send_activation', tag=tag, "
+        '**labels). recv_activation: x = torch.empty(shape, dtype=dtype, device=device); irecv(x,'
+        " src, group, name='recv_activation', tag=tag, **labels).wait(); return "
+        "x.requires_grad_(). send_grad / recv_grad: the same with names 'send_grad' / "
+        "'recv_grad', without requires_grad.",
+    ),
+}
 TIMEOUT = 60
 TOKENS = data.synthetic_tokens(1000)
 

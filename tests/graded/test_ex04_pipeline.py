@@ -1,25 +1,27 @@
 """Exercise 04: balance a model's layers across stages, and write the 1F1B schedule.
 
-A. ``partition(costs, p)`` and its helper ``_min_max(prefix, p)``
-   (``minipar/pipeline/partition.py``): cut L layers with costs ``costs`` into p
-   contiguous, non-empty stages so that the **most expensive stage is as cheap as
-   possible** (a pipeline runs at the pace of its slowest stage). Return the boundaries
-   ``[0, b_1, ..., b_{p-1}, L]``: stage s holds layers ``b_s`` to ``b_{s+1} - 1``. Raise
-   ``ValueError`` unless 1 <= p <= L. Any optimal split is accepted. ``_min_max`` gets the
-   prefix sums (``prefix[j]`` = cost of the first j layers) and returns the optimal cost
-   of the costliest stage, by dynamic programming:
-   best[k][j] = min over i of max(best[k-1][i], prefix[j] - prefix[i]).
+A. ``partition(costs, p)`` and its helper ``_min_max(prefix, p)``: cut L layers with costs
+   ``costs`` into p contiguous, non-empty stages so that the most expensive stage is as cheap
+   as possible (a pipeline runs at the pace of its slowest stage; notebook 04, "Load
+   balancing"). ``partition`` returns the boundaries ``[0, b_1, ..., b_{p-1}, L]`` (stage s holds
+   layers ``b_s`` to ``b_{s+1} - 1``) and raises ``ValueError`` unless 1 <= p <= L; any optimal
+   split is accepted. ``_min_max`` gets the prefix sums (``prefix[j]``: the cost of the first j
+   layers) and returns that optimal cost of the costliest stage, exactly (tested against brute
+   force on random costs).
 
-B. ``one_f_one_b(p, m, rank)`` (``minipar/pipeline/schedules.py``): the compute order of
-   1F1B (PipeDream-Flush, Narayanan et al. 2021) on ``rank`` of p for m micro-batches, as a
-   list of ``Action("F", i, rank)`` / ``Action("B", i, rank)``: warm-up
-   ``min(p - rank - 1, m)`` forwards; steady state: alternate one forward (the next
-   micro-batch) and one backward (the oldest not yet done); cool-down: the remaining
-   backwards. Rank r then never holds more than min(p - r, m) micro-batches, and the
-   bubble is (p-1)/(m+p-1). ``make_schedule("1f1b", p, m)`` adds the sends and receives.
+B. ``one_f_one_b(p, m, rank)``: the compute order of 1F1B (PipeDream-Flush, Narayanan et al.
+   2021, §2.2) on ``rank`` of p for m micro-batches, a list of ``Action("F", i, rank)`` /
+   ``Action("B", i, rank)``. It must be a valid schedule (no deadlock, each F before its B),
+   keep GPipe's bubble, and let rank r hold at most min(p - r, m) micro-batches' activations
+   at once, the least that keeps the pipeline full (notebook 04, "A schedule is data" and
+   "Memory against theory"). Two bubble measures appear in the course, both with one
+   definition each: relative to the ideal time, idle/busy = (p-1)/m (``pipeline.bubble`` and
+   ``cost.bubble_fraction``, what the tests check), and as a fraction of the step,
+   idle/(idle + busy) = (p-1)/(m+p-1); they describe the same idle time.
 
-The last test trains the GPT on 4 ranks with the library's pipeline, cut by your
-partition and scheduled by your 1F1B. Grade it with ``python -m minipar.grade ex04``.
+The last test trains the GPT on 4 ranks with the library's pipeline, cut by your partition
+and scheduled by your 1F1B. Grade it with ``python -m minipar.grade ex04``; stuck?
+``minipar.hint("ex04", "A")`` (parts A, B).
 """
 import itertools
 import random
@@ -32,6 +34,30 @@ from minipar import pipeline as pp
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex04_pipeline"
+HINTS = {
+    'A': (
+        'Suppose you knew the cost limit c of the costliest stage: how would you check, in one '
+        'pass, whether p stages within c exist? And how do you find the best c?',
+        'Dynamic programming over (stages used, layers covered): the best cost of k stages over '
+        'the first j layers is the best over the last cut i of the worse of (k-1 stages over i '
+        'layers) and (layers i..j-1 in one stage). Then cut greedily from the front, never past '
+        'the limit, leaving at least one layer for each remaining stage.',
+        'best[0][0] = 0; best[k][j] = min over i < j of max(best[k-1][i], prefix[j] - prefix[i]);'
+        ' _min_max returns best[p][L]. partition: ValueError unless 1 <= p <= len(costs); limit ='
+        ' _min_max(prefix sums, p); walk the layers, close a stage before a layer would take it '
+        'past the limit (or when only as many layers remain as stages still to fill); return [0, '
+        'b_1, ..., L].',
+    ),
+    'B': (
+        'When may rank r run its first backward? How many forwards has it started by then, and '
+        'what does it gain from starting more?',
+        'Warm-up: as many forwards as the ranks after you (capped at m); steady state: one '
+        'forward of the next micro-batch, then one backward of the oldest unfinished one; '
+        'cool-down: the remaining backwards.',
+        'warmup = min(p - rank - 1, m); F0 .. F(warmup-1); for i in range(m - warmup): '
+        'F(warmup+i), B(i); then B(m - warmup) .. B(m-1); every Action has stage = rank.',
+    ),
+}
 TIMEOUT = 60
 
 

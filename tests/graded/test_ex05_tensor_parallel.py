@@ -1,37 +1,29 @@
 """Exercise 05: tensor parallelism's operators, layers and loss.
 
-``group`` is the tensor-parallel process group (``None``: all ranks); use group-local
-ranks (``size_and_rank(group)``). Megatron-LM (Shoeybi et al. 2019, §3):
+``group`` is the tensor-parallel process group of t ranks (``None``: all ranks); group-local
+ranks come from ``size_and_rank(group)``. Megatron-LM (Shoeybi et al. 2019, §3, eqs. 2-3),
+derived in notebook 05:
 
-A. **f and g**, the conjugate operators (``minipar/tensor_parallel/ops.py``), as
-   ``torch.autograd.Function`` s: ``_F`` (f) is the identity in forward and an all-reduce
-   (sum) of the gradient in backward; ``_G`` (g) all-reduces in forward and passes the
-   gradient through unchanged. Both go through ``_sum(x, group, name)``, a summed *copy*
-   of ``x`` (``comm.all_reduce`` on a contiguous clone: never modify a tensor autograd
-   gave you). ``backward`` returns one gradient per input of ``forward`` (None for the
-   group and the name).
-B. **column_parallel_linear** and **row_parallel_linear** (``layers.py``, what the library's
-   ``ColumnParallelLinear`` and ``RowParallelLinear`` call). Column: this rank holds rows
-   ``weight`` (out/t, in) of the full weight and ``bias`` (out/t); return ``f(x) Wᵀ + b``,
-   this rank's output features, or all of them with ``gather_output=True`` (``gather``).
-   Row: this rank holds columns ``weight`` (out, in/t) and its slice of the input
-   features; sum the partial products with g, then add the full ``bias`` once.
-C. **the vocabulary-parallel cross-entropy** (``cross_entropy.py``,
-   ``_VocabParallelCrossEntropy.forward`` and ``.backward``): ``logits`` (..., V/t) are this
-   rank's slice of the vocabulary (rank r has tokens [r·V/t, (r+1)·V/t)). The mean of
+A. **f and g**, the conjugate operators (``_F``, ``_G`` and their helper ``_sum(x, group,
+   name)``), as ``torch.autograd.Function`` s: f is what a column-parallel layer needs at its
+   input, g what a row-parallel layer needs at its output, each the other's transpose (notebook
+   05, "Two ways to split Y = XA"). Neither modifies a tensor autograd gave it; ``backward``
+   returns one gradient per input of ``forward``.
+B. **column_parallel_linear** and **row_parallel_linear**: with this rank's shard of the weight
+   (column: rows (out/t, in) and bias (out/t); row: columns (out, in/t) and the full bias),
+   return this rank's output features (or all of them with ``gather_output=True``) and,
+   for the row layer, the full output; gradients flow to the input correctly, and a column
+   layer followed by a row layer communicates once in forward and once in backward (notebook
+   05, "Column then row: one all-reduce per MLP").
+C. **the vocabulary-parallel cross-entropy** (``_VocabParallelCrossEntropy.forward`` and
+   ``.backward``): ``logits`` (..., V/t) are this rank's slice of the vocabulary (rank r has
+   tokens [r·V/t, (r+1)·V/t)). Return the mean cross-entropy equal to ``F.cross_entropy`` on the
+   full logits, finite even when logits reach hundreds, communicating a few numbers per
+   position rather than the logits; the backward, written by hand, needs no communication
+   (notebook 05, "The loss without the full logits"; Megatron-LM §3).
 
-       loss = log Σ_v exp(z_v - m) - (z_y - m),   m = max_v z_v
-
-   equals ``F.cross_entropy`` on the full logits, without ever gathering them: all-gather
-   each rank's row maxima for m, then all-reduce Σ exp and the target's logit (only the
-   rank owning y contributes it): N numbers per rank instead of N·V/t. The backward is
-   written by hand and needs no communication: dL/dz_v = (softmax_v - [v = y]) / N for this
-   rank's v, from what forward saved.
-
-The tests call the library's ``minipar.tensor_parallel.f``, ``g``, the two linear
-functions and ``vocab_parallel_cross_entropy`` with your code inside, and compare with the
-single-device computation (fp32, tolerance ``TOL``). Grade it with
-``python -m minipar.grade ex05``.
+Graded against the single-device computation (fp32, tolerance ``TOL``) and on the bytes sent.
+Grade it with ``python -m minipar.grade ex05``; stuck? ``minipar.hint("ex05", "A")`` (parts A, B, C).
 """
 import torch
 import torch.distributed as dist
@@ -42,6 +34,40 @@ from minipar import cost, trace
 from minipar import tensor_parallel as tp
 
 EXERCISE = "ex05_tensor_parallel"
+HINTS = {
+    'A': (
+        'In a column-parallel layer every rank uses the same x but only its slice of the weight: '
+        'what must happen to ∂L/∂x? In a row-parallel layer each rank has a partial product: what'
+        ' must happen to it, and to its gradient?',
+        'f: identity forward, all-reduce (sum) of the gradient backward. g: all-reduce (sum) '
+        'forward, identity backward. _sum returns an all-reduced copy, never the input itself.',
+        '_sum: out = x.contiguous().clone(); comm.all_reduce(out, group=group, name=name); return'
+        ' out. _F.forward: ctx.group, ctx.name = group, name; return x.view_as(x); _F.backward: '
+        'return _sum(grad, ctx.group, ctx.name), None, None. _G.forward: return _sum(x, group, '
+        '...); _G.backward: return grad, None.',
+    ),
+    'B': (
+        "Which of f and g sits at the column layer's input, which at the row layer's output, and "
+        'where must the bias be added so that it counts once?',
+        'Column: apply f to the input, multiply by your rows, add your bias slice; gather the '
+        'last dimension only if asked. Row: multiply your input slice by your columns, sum over '
+        'the group with g, then add the full bias.',
+        'column: y = F.linear(f(x, group), weight, bias); return gather(y, -1, group) if '
+        'gather_output else y. row: y = g(F.linear(x, weight), group); return y + bias if bias is'
+        ' not None else y.',
+    ),
+    'C': (
+        "Softmax needs the maximum and the normaliser over the whole vocabulary, and the target's"
+        ' logit lives on one rank only: which of these are a few numbers per position?',
+        "Forward: the row maximum over all ranks (gather the ranks' maxima), then sum Σ exp(z - "
+        "m) and the target's shifted logit over the ranks (zero where this rank does not own the "
+        'target); loss = log Σ - (z_y - m), averaged. Backward: (softmax - one-hot) / N on this '
+        "rank's slice, from what forward saved.",
+        'loss_i = log Σ_v exp(z_iv - m_i) - (z_iy - m_i), m_i = max_v z_iv over the full '
+        "vocabulary; dL/dz_iv = grad · (softmax_iv - [v = y_i]) / N for this rank's v (the "
+        'one-hot only where this rank owns y_i).',
+    ),
+}
 TIMEOUT = 30
 TOL = dict(rtol=1e-5, atol=1e-5)
 

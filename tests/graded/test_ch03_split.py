@@ -1,0 +1,66 @@
+"""Challenge 03: cut a model over 4 ranks so that they idle less, within their memory.
+
+Write ``plan(cost, memory, budget, n) -> (bounds, m)`` in ``exercises/challenges/ch03_split.py``:
+contiguous, non-empty stages for n = 4 ranks and a number of micro-batches m <= 16. GPipe's
+schedule is simulated (``pipeline.simulate``, a stage's forward costs its layers' cost / m per
+micro-batch, the backward twice that). Goals: every rank's layers within the memory budget,
+and an idle fraction of the step, 1 - Σ busy / (n · step), of at most 0.40.
+"""
+from minipar import pipeline as pp
+from minipar.grading import diagnose
+
+CHALLENGE = "ch03_split"
+N = 4
+IDLE_GOAL = 0.40
+MAX_MICROBATCHES = 16
+
+
+def idle_fraction(cost, bounds, m):
+    """1 - (busy time of all ranks) / (n · step) in GPipe's simulated step."""
+    weights = [sum(cost[i:j]) for i, j in zip(bounds[:-1], bounds[1:])]
+    ranks = pp.simulate(pp.make_schedule("gpipe", len(weights), m), f=1 / m, b=2 / m,
+                        stage_weights=weights).ranks
+    step = max(e["end"] for r in ranks for e in r) - min(e["start"] for r in ranks for e in r)
+    return 1 - sum(e["end"] - e["start"] for r in ranks for e in r) / (len(weights) * step)
+
+
+def _plan(challenge):
+    c = challenge
+    bounds, m = c.plan(list(c.COST), list(c.MEMORY), c.BUDGET, N)
+    bounds = [int(b) for b in bounds]
+    L = len(c.COST)
+    diagnose(len(bounds) != N + 1 or bounds[0] != 0 or bounds[-1] != L,
+             f"bounds {bounds}: expected {N + 1} boundaries from 0 to {L} ({N} stages)")
+    empty = [s for s in range(N) if bounds[s + 1] <= bounds[s]]
+    diagnose(bool(empty), f"bounds {bounds}: stage {empty[0] if empty else ''} is empty (or the "
+             "boundaries decrease); every rank needs at least one layer")
+    diagnose(not (isinstance(m, int) and 1 <= m <= MAX_MICROBATCHES),
+             f"m = {m!r}: the number of micro-batches must be an int from 1 to {MAX_MICROBATCHES}")
+    return bounds, m
+
+
+def test_split_is_valid(challenge):
+    """The plan is 5 boundaries from 0 to 10, no stage empty, and 1 <= m <= 16."""
+    _plan(challenge)
+
+
+def test_memory_goal(challenge):
+    """Every rank's layers fit in the memory budget."""
+    bounds, _ = _plan(challenge)
+    c = challenge
+    mem = [sum(c.MEMORY[i:j]) for i, j in zip(bounds[:-1], bounds[1:])]
+    worst = max(range(N), key=lambda s: mem[s])
+    diagnose(mem[worst] > c.BUDGET, f"memory: rank {worst} holds layers {bounds[worst]}..{bounds[worst + 1] - 1}, "
+             f"{mem[worst]} GiB; the budget is {c.BUDGET} GiB per rank (per rank: {mem})")
+
+
+def test_idle_goal(challenge):
+    """The simulated step's idle fraction is at most 0.40 (layer-count stages, one batch: 0.75)."""
+    bounds, m = _plan(challenge)
+    c = challenge
+    idle = idle_fraction(c.COST, bounds, m)
+    stage = [sum(c.COST[i:j]) for i, j in zip(bounds[:-1], bounds[1:])]
+    diagnose(idle > IDLE_GOAL + 1e-9,
+             f"idle: {idle:.3f} of the step with bounds {bounds} and m = {m}; the goal is at most "
+             f"{IDLE_GOAL}. Stage costs {stage}: the costliest sets the pace "
+             f"(ideal {sum(c.COST) / N:g}); more micro-batches shorten the fill and the drain")

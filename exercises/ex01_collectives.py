@@ -14,7 +14,7 @@ Every rank talks only to its two ring neighbours, each step sends one chunk and 
 one (``minipar.comm.exchange``, so the bytes are recorded), and each half takes n-1 steps.
 The invariant that makes it work, and the picture of the steps for n = 4, are in notebook
 01, "All-reduce around a ring"; the resulting cost is that every rank sends 2(n-1)/n of the
-tensor, whatever n (Patarasuk & Yuan 2009, eq. 1; ``minipar.cost.collective_bytes``).
+tensor, whatever n (Patarasuk & Yuan 2009; ``minipar.cost.collective_bytes``).
 
 Graded against Gloo's all-reduce on 2 to 4 ranks, and on the bytes each rank sends.
 Grade it with ``python -m minipar.grade ex01``; stuck? ``minipar.hint("ex01")``.

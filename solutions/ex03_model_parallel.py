@@ -13,8 +13,8 @@ parallelism and the pipeline executor for every message between stages:
   back-propagated with.
 
 Why autograd needs this, and what the graph looks like on each side of the cut, is derived
-in notebook 03, "Autograd across ranks" (GPipe, Huang et al. 2019, §2; the chain rule
-∂L/∂x = ∂L/∂y · ∂y/∂x split across two processes). Data moves only through
+in notebook 03, "Autograd across ranks" (Huang et al. 2019; Narayanan et al. 2019): the
+chain rule ∂L/∂x = ∂L/∂y · ∂y/∂x, split across two processes. Data moves only through
 ``minipar.comm.isend``/``irecv`` (recorded), passing ``tag`` and ``**labels`` through;
 ``device=None`` means the CPU.
 

@@ -1,7 +1,7 @@
 """Exercise 05: tensor parallelism's operators, layers and loss.
 
 ``group`` is the tensor-parallel process group of t ranks (``None``: all ranks); group-local
-ranks come from ``size_and_rank(group)``. Megatron-LM (Shoeybi et al. 2019, §3, eqs. 2-3),
+ranks come from ``size_and_rank(group)``. Megatron-LM (Shoeybi et al. 2019, §3, eqs. 1-3),
 derived in notebook 05:
 
 A. **f and g**, the conjugate operators (``_F``, ``_G`` and their helper ``_sum(x, group,

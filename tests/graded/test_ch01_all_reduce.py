@@ -17,6 +17,19 @@ from minipar import comm, trace
 from minipar.grading import diagnose, expect_close
 
 CHALLENGE = "ch01_all_reduce"
+HINTS = {
+    '': (
+        "Count what gather-to-one's rank 0 sends: n-1 whole tensors, twice. Which algorithms "
+        'never send a whole tensor from one rank?',
+        'Cut the tensor into n chunks and let every rank send a chunk at every step: the ring '
+        '(2(n-1) steps of N/n) or recursive halving-doubling (2·log2 n steps of halving sizes). '
+        'Both send 2(n-1)/n·N per rank.',
+        'Ring: reduce-scatter, n-1 steps, send the chunk you just added into, add what arrives; '
+        'all-gather, n-1 steps, forward the newest complete chunk. Halving-doubling: at distance '
+        'd = n/2, ..., 1 exchange half of your segment with rank r XOR d and add; then undo in '
+        'reverse, exchanging the reduced halves.',
+    ),
+}
 TIMEOUT = 30
 N = 4
 NUMEL = 2 ** 18                  # 1 MiB of fp32

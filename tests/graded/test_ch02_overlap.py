@@ -19,6 +19,19 @@ from minipar.grading import diagnose, expect_equal
 from minipar.models import GPT, GPTConfig
 
 CHALLENGE = "ch02_overlap"
+HINTS = {
+    '': (
+        'Which gradients does the backward finish first, and what could the network do while the '
+        'backward computes the rest?',
+        "Group parameters into a few buckets in reverse order; when a bucket's last gradient "
+        'arrives (a post-accumulate-grad hook), start its all-reduce asynchronously, in the same '
+        'bucket order on every rank; finish() waits for the handles and copies back.',
+        'Buckets of about total/5 bytes from the last parameter to the first keep the last bucket'
+        " small (the exposed part) and the calls few; comm.all_reduce(buffer, op='avg', "
+        'async_op=True) per complete bucket, in order; finish: launch the rest, wait, unpack, '
+        'reset.',
+    ),
+}
 TIMEOUT = 60
 N, STEPS = 2, 3
 RTOL, ATOL = 1e-5, 1e-6

@@ -10,6 +10,18 @@ from minipar import pipeline as pp
 from minipar.grading import diagnose
 
 CHALLENGE = "ch03_split"
+HINTS = {
+    '': (
+        'Two things make ranks idle: unequal stages (everyone waits for the slowest) and the fill'
+        ' and drain of the pipeline. Which one does the memory budget constrain?',
+        'Among the cuts whose every stage fits the budget, take one whose costliest stage is '
+        'cheapest (there are only 84 cuts to try); then more micro-batches shorten the fill and '
+        'drain.',
+        'Enumerate itertools.combinations(range(1, 10), 3), keep those with max stage memory <= '
+        '12, minimise the max stage cost; the fitting cut [0, 2, 5, 8, 10] has stages 8, 18, 18, '
+        '16; m = 16 (or the smallest m whose simulated idle is <= 0.40).',
+    ),
+}
 N = 4
 IDLE_GOAL = 0.40
 MAX_MICROBATCHES = 16

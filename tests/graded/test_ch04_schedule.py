@@ -12,6 +12,19 @@ from minipar.grading import GradeFailure, diagnose
 from minipar.pipeline.schedules import COMPUTE, Schedule, add_comms
 
 CHALLENGE = "ch04_schedule"
+HINTS = {
+    '': (
+        'In 1F1B, what does the last rank do while rank 0 runs its cool-down backwards? And which'
+        ' part of a backward does the previous stage actually wait for?',
+        'Split the backward: B (input gradient) goes to the previous stage at once, W (weight '
+        'gradient) can wait. Postpone Ws so that each rank has W work to fill its idle slots in '
+        'the cool-down, but free them soon enough to stay within 4 held micro-batches.',
+        "ZB-H1: 1F1B's warm-up (p - r - 1 forwards), then F, B pairs where rank r keeps its Ws r "
+        'micro-batches behind; in the cool-down one deferred W after each B; the last Ws at the '
+        'end. Or a greedy list scheduler: when free, run a ready B, else an F if fewer than 4 are'
+        ' held, else a pending W.',
+    ),
+}
 P, M = 4, 8
 MEMORY_GOAL = 4        # micro-batches of activations per rank
 BUBBLE_GOAL = 0.22     # idle / busy on every rank

@@ -17,6 +17,18 @@ from minipar import cost, trace
 from minipar.grading import diagnose, expect_close
 
 CHALLENGE = "ch05_mlp_layout"
+HINTS = {
+    '': (
+        'The hidden activation is 4 times larger than x: which split of W1 and W2 never moves it '
+        'between ranks?',
+        'Split W1 by its output features (rows) and W2 by its input features (columns): gelu '
+        "applies to each rank's slice of the hidden units, the partial outputs are summed once, "
+        'and in backward the input gradients are summed once.',
+        'shard: W1.chunk(t, 0)[r], b1.chunk(t, 0)[r], W2.chunk(t, 1)[r], b2; forward: h = '
+        'gelu(F.linear(f(x), W1_r, b1_r)); y = g(F.linear(h, W2_r)) + b2, with f and g from '
+        'minipar.tensor_parallel (or your own autograd Function).',
+    ),
+}
 TIMEOUT = 30
 T, H = 4, 32
 SHAPE = (4, 8, H)

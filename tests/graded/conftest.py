@@ -9,13 +9,17 @@ import pytest
 
 
 def pytest_addoption(parser):
-    parser.addoption("--challenge", default="solution,alternative",
-                     help="comma-separated: exercise, solution, alternative")
+    parser.addoption("--challenge", default=None,
+                     help="comma-separated: exercise, solution, alternative (default: exercise "
+                          "under --impl=exercise, as minipar.grade runs, else solution,alternative)")
 
 
 def pytest_generate_tests(metafunc):
     if "challenge" in metafunc.fixturenames:
-        kinds = [k for k in metafunc.config.getoption("challenge").split(",") if k]
+        chosen = metafunc.config.getoption("challenge")
+        if chosen is None:
+            chosen = "exercise" if metafunc.config.getoption("impl") == "exercise" else "solution,alternative"
+        kinds = [k for k in chosen.split(",") if k]
         metafunc.parametrize("challenge", kinds, indirect=True)
 
 

@@ -46,7 +46,7 @@ class Chapter:
 
 CHAPTERS = [
     Chapter("00_welcome.ipynb", "Welcome", "launching ranks, reading their results, failures, timelines, grading",
-            "", "launching ranks, reading their results, grading (this notebook)"),
+            "", "launching ranks, reading their results, grading"),
     Chapter("01_collectives.ipynb", "Collectives",
             "point-to-point and collectives, the ring all-reduce step by step, the α-β cost model, Gloo and NCCL",
             "ex01_collectives", "point-to-point messages and collectives; the ring all-reduce; the α-β cost model"),
@@ -118,7 +118,8 @@ def notebook_table() -> str:
     """Notebook 00's map of the course."""
     rows = ["| chapter | idea | exercise |", "|---|---|---|"]
     for ch in CHAPTERS:
-        rows.append(f"| {ch.number} | {ch.summary} | {('`' + ch.exercise[:4] + '`') if ch.exercise else '—'} |")
+        here = " (this notebook)" if ch is CHAPTERS[0] else ""
+        rows.append(f"| {ch.number} | {ch.summary}{here} | {('`' + ch.exercise[:4] + '`') if ch.exercise else '—'} |")
     return "\n".join(rows)
 
 

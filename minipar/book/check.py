@@ -36,7 +36,7 @@ class _Links(HTMLParser):
 
 def dead_links(html: Path) -> list[str]:
     """Every internal href/src of every page that names a missing file or anchor."""
-    pages = {p: _Links() for p in html.rglob("*.html")}
+    pages = {p: _Links() for p in html.rglob("*.html") if not p.relative_to(html).parts[0].startswith("_")}
     for p, parser in pages.items():
         parser.feed(p.read_text(errors="replace"))
     dead = []
@@ -69,8 +69,10 @@ def missing_figures(html: Path) -> list[str]:
 
 
 def _serve(root: Path):
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-    handler.log_message = lambda *a, **k: None
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+    handler = functools.partial(Quiet, directory=str(root))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
@@ -88,7 +90,8 @@ def browser(html: Path, screenshots: tuple[str, ...] = SCREENSHOTS) -> dict:
     server = _serve(html)
     base = f"http://127.0.0.1:{server.server_address[1]}"
     problems, drawn, equations, pages = [], 0, 0, sorted(p.relative_to(html).as_posix() for p in html.rglob("*.html")
-                                            if not p.name.startswith(("genindex", "search")))
+                                            if not p.name.startswith(("genindex", "search"))
+                                            and not p.relative_to(html).parts[0].startswith("_"))
     try:
         with sync_playwright() as pw:
             chromium = pw.chromium.launch(executable_path=exe, headless=True, args=FLAGS)
@@ -96,6 +99,9 @@ def browser(html: Path, screenshots: tuple[str, ...] = SCREENSHOTS) -> dict:
             errors: list[str] = []
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("response", lambda r: errors.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+            page.on("requestfailed", lambda r: None if "ERR_ABORTED" in (r.failure or "")  # left the page
+                    else errors.append(f"failed {r.url}: {r.failure}"))
             for rel in pages:
                 errors.clear()
                 page.goto(f"{base}/{rel}", wait_until="load")
@@ -116,7 +122,9 @@ def browser(html: Path, screenshots: tuple[str, ...] = SCREENSHOTS) -> dict:
                     equations += maths
                 if errors:
                     problems.append(f"{rel}: console errors: {errors[:3]}")
-                if stem in screenshots:
+                if stem in screenshots:   # the first figure, as a reader scrolls to it
+                    page.evaluate("document.querySelector('.plotly-graph-div')?.scrollIntoView({block: 'center'})")
+                    page.wait_for_timeout(500)
                     page.screenshot(path=str(shots / f"{stem}.png"), full_page=False)
             chromium.close()
     finally:

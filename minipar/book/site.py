@@ -28,6 +28,12 @@ ROOT = chapters.ROOT
 NODE = ROOT / "build" / "node"
 MATHJAX = NODE / "node_modules" / "mathjax" / "es5" / "tex-svg-full.js"
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
+BADGE_IMAGE = "https://colab.research.google.com/assets/colab-badge.svg"
+BADGE_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" width="117" height="20" role="img" aria-label="Open in Colab">'
+             '<rect width="117" height="20" rx="3" fill="#555"/><rect x="24" width="93" height="20" rx="3" fill="#f9ab00"/>'
+             '<circle cx="12" cy="10" r="5" fill="none" stroke="#f9ab00" stroke-width="3"/>'
+             '<text x="70" y="14" fill="#fff" font-family="Verdana,sans-serif" font-size="11" '
+             'text-anchor="middle">Open in Colab</text></svg>\n')
 
 
 def blob_url(path: str) -> str:
@@ -79,6 +85,10 @@ def chapter_page(executed: Path, i: int, out: Path) -> int:
     ch = chapters.CHAPTERS[i]
     nb = nbformat.read(executed / ch.notebook, as_version=4)
     n = figures_to_html(nb, ch.number)
+    # the book carries no outside resource: the Colab badge is drawn by the book itself
+    nb.cells[0].source = nb.cells[0].source.replace(BADGE_IMAGE, "../_static/colab-badge.svg")
+    setup = next(c for c in nb.cells if c.cell_type == "code")
+    setup.metadata.setdefault("tags", []).append("hide-input")   # what it printed stays visible
     nb.cells.insert(1, nbformat.v4.new_markdown_cell(nav_line(i)))
     nb.metadata.setdefault("minipar", {})["figures"] = n
     nbformat.write(nb, out / "notebooks" / ch.notebook)
@@ -123,6 +133,11 @@ def exercise_pages(out: Path) -> None:
 def landing_page(out: Path, figures: dict[str, int]) -> None:
     (out / "_static").mkdir(parents=True, exist_ok=True)
     (out / "_static" / "chapter_map.svg").write_text(chapter_map_svg())
+    (out / "_static" / "colab-badge.svg").write_text(BADGE_SVG)
+    (out / "_static" / "favicon.svg").write_text(   # four ranks, one ring
+        '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32"><circle cx="16" cy="16" r="11" fill="none" '
+        'stroke="#2563eb" stroke-width="3"/>' + "".join(f'<circle cx="{x}" cy="{y}" r="4.5" fill="#d97706"/>'
+                                                          for x, y in ((16, 5), (27, 16), (16, 27), (5, 16))) + "</svg>\n")
     rows = "\n".join(f"| [{c.number} · {c.title}](notebooks/{c.notebook}) | {c.learn} | "
                      f"{figures.get(c.notebook, 0)} |" for c in chapters.CHAPTERS)
     text = f"""\
@@ -187,6 +202,7 @@ author = "the minipar authors"
 extensions = ["myst_nb"]
 html_theme = "sphinx_book_theme"
 html_title = "minipar"
+html_favicon = "_static/favicon.svg"
 nb_execution_mode = "off"                 # the notebooks come executed
 nb_output_stderr = "remove"
 myst_enable_extensions = ["dollarmath", "amsmath"]
@@ -194,6 +210,7 @@ html_static_path = ["_static"]
 html_js_files = ["plotly.min.js"]
 mathjax_path = "mathjax/tex-svg-full.js"
 suppress_warnings = ["myst.header", "mystnb.unknown_mime_type"]
+html_context = {{"default_mode": "light"}}
 exclude_patterns = ["_build"]
 html_theme_options = {{
     "repository_url": "{colab.REPOSITORY}",

@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Set up the course and open it, or run its tests: the README's commands.
 
-    python3 course.py lab                 # make .venv, install, open the notebooks in JupyterLab
+    python3 course.py lab                 # make .venv, install, open notebook 00 in JupyterLab
     python3 course.py test [pytest args]  # make .venv, install, run the test suite
+    python3 course.py book                # the web book: every notebook executed (or reused from
+                                          # the tests' run), a static site, checked in a browser
     python3 course.py test --gpu          # on a GPU machine: equivalence tests and every notebook
                                           # on the GPU, then a report per chapter
     python3 course.py test --torch 2.9.0 -k launch   # the tests under another torch, in its
                                           # own environment (~/.cache/minipar/envs/torch-2.9.0)
+    python3 course.py test --colab        # play Colab: a fresh runtime with its own torch (2.9.0),
+                                          # notebooks 00 and 02 run from outside the repository
 
 Needs only Python >= 3.10. Everything goes into ./.venv; the install is redone only when
 pyproject.toml changes. PyTorch is pinned to the version the course is tested with
@@ -88,13 +92,14 @@ def _free_port(start: int = 8888) -> int:
 def lab(extra: list[str]) -> int:
     """JupyterLab on the notebooks, with a token we print (the URL to open), as root too."""
     port, token = _free_port(), secrets.token_hex(16)
-    cmd = [str(python()), "-m", "jupyter", "lab", "notebooks/", f"--port={port}",
-           f"--IdentityProvider.token={token}"]
+    first = "00_welcome.ipynb"
+    cmd = [str(python()), "-m", "jupyter", "lab", f"--ServerApp.root_dir={ROOT / 'notebooks'}",
+           f"--LabApp.default_url=/lab/tree/{first}", f"--port={port}", f"--IdentityProvider.token={token}"]
     root = hasattr(os, "geteuid") and os.geteuid() == 0
     if root:  # Docker images and rented GPU machines run as root; JupyterLab refuses without this
         cmd += ["--allow-root", "--no-browser"]
     cmd += extra
-    print(f"\nOpen the course at:  http://localhost:{port}/lab?token={token}\n"
+    print(f"\nOpen the course at:  http://localhost:{port}/lab/tree/{first}?token={token}\n"
           f"(on a remote machine: ssh -L {port}:localhost:{port} to it first){' [root]' if root else ''}\n",
           flush=True)
     return subprocess.call(cmd, cwd=ROOT)
@@ -198,9 +203,56 @@ def test_gpu(args: list[str]) -> int:
     return 0 if all(r[1] == "pass" for r in rows) else 1
 
 
+# ------------------------------------------------------------------ no arguments: the map
+def course_map() -> str:
+    """The two commands and the chapters (read from minipar/chapters.py, which needs no torch)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_chapters", ROOT / "minipar" / "chapters.py")
+    chapters = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = chapters   # dataclasses look their module up there
+    spec.loader.exec_module(chapters)
+    return ("minipar: distributed training, built from scratch and run for real.\n\n"
+            "  python3 course.py lab     set up .venv and open the course (notebook 00)\n"
+            "  python3 course.py test    set up .venv and run the tests\n"
+            "  python3 course.py help    every command\n\n"
+            "The chapters (notebooks/), with their exercise and minutes to run on 2 cores:\n"
+            + chapters.course_map())
+
+
+# ------------------------------------------------------------------ book
+def book(extra: list[str]) -> int:
+    """The web book's tools (pyproject's `book` extra) once, then python -m minipar.book."""
+    stamp = VENV / ".minipar-book-installed"
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if not (stamp.exists() and stamp.read_text() == want):
+        run(python(), "-m", "pip", "install", "-q", "-e", ".[test,book]")
+        stamp.write_text(want)
+    return subprocess.call([str(python()), "-m", "minipar.book", *extra], cwd=ROOT)
+
+
+# ------------------------------------------------------------------ test --colab
+def test_colab(version: str, args: list[str]) -> int:
+    """A fresh runtime as Colab's: torch==``version`` (not the pinned one), ipykernel and
+    nbclient, no minipar; tests/test_colab_runtime.py plays notebooks 00 and 02 in it."""
+    env = ENVS / f"colab-torch-{version}"
+    stamp = env / ".minipar-colab"
+    if not stamp.exists():
+        if not python(env).exists():
+            venv.create(env, with_pip=True)
+        print(f"a fresh runtime with torch=={version} in {env} (a CUDA build from PyPI is several GB)", flush=True)
+        run(python(env), "-m", "pip", "install", "-q", f"torch=={version}", "ipykernel", "nbclient", "nbformat")
+        stamp.write_text(version)
+    environ = dict(os.environ, MINIPAR_COLAB_PYTHON=str(python(env)))
+    return subprocess.call([str(python()), "-m", "pytest", "tests/test_colab_runtime.py", "-s", *args],
+                           cwd=ROOT, env=environ)
+
+
 def main(argv) -> int:
-    what = argv[1] if len(argv) > 1 else "help"
-    if what not in ("lab", "test"):
+    what = argv[1] if len(argv) > 1 else "map"
+    if what == "map":
+        print(course_map())
+        return 0
+    if what not in ("lab", "test", "book"):
         print(__doc__)
         return 0 if what in ("help", "-h", "--help") else 2
     rest = argv[2:]
@@ -213,6 +265,12 @@ def main(argv) -> int:
     setup()
     if what == "lab":
         return lab(rest)
+    if what == "book":
+        return book(rest)
+    if "--colab" in rest:
+        i = rest.index("--colab")
+        version = rest[i + 1] if i + 1 < len(rest) and not rest[i + 1].startswith("-") else "2.9.0"
+        return test_colab(version, [a for a in rest if a not in ("--colab", version)])
     if "--gpu" in rest:
         return test_gpu([a for a in rest if a != "--gpu"])
     return subprocess.call([str(python()), "-m", "pytest", *rest], cwd=ROOT)

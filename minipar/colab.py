@@ -21,8 +21,9 @@ import importlib.util, os, subprocess, sys
 if importlib.util.find_spec("minipar") is None:
     REPO = os.environ.get("MINIPAR_REPO", "{repo}")  # or your fork
     subprocess.run(["git", "clone", "-q", "--depth", "1", REPO, "minipar-course"], check=True)
-    try:  # pin the installed torch, so pip keeps it instead of downloading another
-        import torch; keep = [f"torch=={{torch.__version__}}"]
+    try:  # pin the installed torch (its distribution's version, which is what pip matches;
+        # torch.__version__ may carry a local label such as +cu128 that the distribution lacks)
+        from importlib.metadata import version; keep = [f"torch=={{version('torch')}}"]
     except ImportError:
         keep = []
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "minipar-course", *keep],

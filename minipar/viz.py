@@ -171,6 +171,8 @@ def explore(fn, **controls):
     with its defaults instead of through widget messages, which headless executors handle least
     reliably; a read-only copy then shows that figure."""
     if os.environ.get("MINIPAR_STATIC_WIDGETS"):
+        names = ", ".join(controls)
+        print(f"An explorer, drawn at its first setting: run the notebook to explore ({names}).")
         return fn(**{k: p.default for k, p in inspect.signature(fn).parameters.items()
                      if p.default is not inspect.Parameter.empty})
     from ipywidgets import interactive

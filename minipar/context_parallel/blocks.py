@@ -42,8 +42,6 @@ def merge_partials(o_a, lse_a, o_b, lse_b):
     """Online-softmax merge of two partial results over disjoint key blocks: ``(O, lse)`` of
     attention over both (equations in the module docstring). ``o_*``: (..., T, d); ``lse_*``: (..., T)."""
     # >>> ex08 A
-    # Hint: take the running maximum m = max(lse_a, lse_b) first: exp(lse - m) cannot overflow.
-    # Hint: then lse = m + log(exp(lse_a - m) + exp(lse_b - m)), and each O is weighted by exp(lse_x - lse).
     m = torch.maximum(lse_a, lse_b)
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
     lse = m + torch.log(w_a + w_b)

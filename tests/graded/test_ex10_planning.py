@@ -18,7 +18,7 @@ first stage is the last.
 Derived in notebook 10, "Where the memory goes" (ZeRO, Rajbhandari et al. 2020, §3.1;
 Korthikanti et al. 2022, §4-5 and Table 2; Narayanan et al. 2021, §2.2 for the micro-batches
 in flight). The tests compare with the formulas on Llama 3 8B and GPT-3 1.3B. Stuck?
-``minipar.hint("ex10")``. Grade it with ``python -m minipar.grade ex10``.
+``minipar.hint("ex10", "")``. Grade it with ``python -m minipar.grade ex10``.
 """
 import math
 

@@ -15,7 +15,7 @@ B. ``zigzag_chunks(rank, cp)``: the sequence is cut into 2·cp equal chunks, num
    sequence order, and each rank of a cp group holds two of them. Return the two chunk
    numbers ``rank`` holds, the earlier one first.
    Invariant: together the ranks hold each chunk exactly once, and under a causal mask every
-   rank's queries do the same attention work (the sum of the positions they attend from).
+   rank's queries do the same attention work (the query-key pairs they score).
    A rank outside the group is a ``ValueError``.
    Derived in notebook 08, "The causal imbalance, and zigzag" (the Llama 3 report, Dubey et
    al. 2024, §3.3.2).

@@ -12,7 +12,7 @@ B. ``group_members(rank, dim, dp, pp, tp)``: the global ranks of ``rank``'s grou
    the list is its group-local rank). Example: dp = pp = tp = 2, rank 5 has tp group
    [4, 5], dp group [5, 7] and pp group [1, 5]. An unknown ``dim`` is a ``ValueError``.
 C. ``choose_config(config, world_size, batch_size, microbatches=1, memory_per_rank=None,
-   ranks_per_node=8, zero1=False)``: Narayanan et al.'s advice (§3.3, Takeaways 1-3) as a
+   ranks_per_node=8, zero1=False)``: Narayanan et al.'s advice (§3, Takeaways #1 and #2) as a
    rule. Among the configurations ``valid_configs`` allows (every dp·pp·tp = world_size the
    model and the batch accept), keep those whose model states per rank
    (``hybrid_memory_per_rank``, fp32 Adam) fit in ``memory_per_rank`` (no limit when

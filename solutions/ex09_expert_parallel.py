@@ -16,7 +16,7 @@ C. ``permutation(keys)``: ``(perm, inverse)``, with ``keys[perm]`` sorted and ro
    an expert over capacity keeps, and the expert must see its rows in the single device's
    order), and ``inverse`` undoing it, ``x[perm][inverse] == x``.
 
-Derived in notebook 09, "The layer" and "The two all-to-alls" (GShard, Lepikhin et al. 2021,
+Derived in notebook 09, "The layer" and "The two all-to-alls" (GShard, Lepikhin et al. 2020,
 §2; DeepSpeed-MoE, Rajbhandari et al. 2022). The last test runs the library's
 ``ExpertParallelMoE`` on 2 ranks with your code in place and compares it with the MoE layer
 on one device. Stuck? ``minipar.hint("ex09", "A")`` (or "B", "C"). Grade it with

@@ -25,8 +25,7 @@ MESH_DIMS = ("pp", "dp", "cp", "tp")  # with context parallelism, slowest to fas
 def mesh_coordinates(rank: int, dp: int, pp: int, tp: int) -> dict[str, int]:
     """``{"pp": p, "dp": d, "tp": t}`` of global ``rank`` on a dp × pp × tp mesh."""
     # >>> ex07 A
-    # Hint: a rank outside 0 .. dp·pp·tp - 1 is a ValueError; divmod(rank, dp * tp) gives p
-    # Hint: and the rest, divmod(rest, tp) gives d and t.
+    # Hint: a rank outside 0 .. dp·pp·tp - 1 is a ValueError.
     if not 0 <= rank < dp * pp * tp:
         raise ValueError(f"rank {rank} is outside a mesh of {dp * pp * tp} ranks")
     return {"pp": rank // (dp * tp), "dp": rank // tp % dp, "tp": rank % tp}
@@ -36,8 +35,7 @@ def mesh_coordinates(rank: int, dp: int, pp: int, tp: int) -> dict[str, int]:
 def group_members(rank: int, dim: str, dp: int, pp: int, tp: int) -> list[int]:
     """Global ranks of ``rank``'s group along ``dim`` ("dp", "pp" or "tp"), in group order."""
     # >>> ex07 B
-    # Hint: an unknown dim is a ValueError; member i has coordinate i along dim and the rank's
-    # Hint: coordinates along the two other dimensions.
+    # Hint: an unknown dim is a ValueError.
     if dim not in DIMS:
         raise ValueError(f"dim must be one of {DIMS}, got {dim!r}")
     c = mesh_coordinates(rank, dp, pp, tp)

@@ -33,8 +33,10 @@ def timeline(trace: Trace, title: str = "What each rank did", color_by: str = "k
              unit: str = "ms", height: int | None = None) -> go.Figure:
     """One row per rank; bars for compute and communication, grey gaps for idle time.
 
-    Communication is drawn as thin bars behind compute, so a transfer in flight while the rank computes
-    (overlap) stays visible. ``color_by="kind"`` colours compute blue and communication orange;
+    Communication is drawn as thin bars on top of compute, so a transfer in flight while the rank
+    computes (overlap) stays visible. Nested regions stay visible too: the compute groups are drawn
+    longest event first, so what a region contains is drawn over it (a ``region("forward")`` around
+    a layer does not hide the layer's own events). ``color_by="kind"`` colours compute blue and communication orange;
     ``color_by="name"`` (or a label such as ``"microbatch"``) gives each value its own colour.
     Hover a bar for its labels, duration and bytes."""
     scale = {"ms": 1e3, "s": 1.0}[unit]
@@ -53,8 +55,9 @@ def timeline(trace: Trace, title: str = "What each rank did", color_by: str = "k
     keys = sorted(groups)
     colours = {k: COLORS.get(k) if color_by == "kind" else color(i) for i, k in enumerate(keys)}
     shown = set()
-    for is_comm, width in ((True, 0.3), (False, 0.7)):  # communication first, thin, behind compute
-        for key in keys:
+    longest = {k: max(e["end"] - e["start"] for e in groups[k]) for k in keys}
+    for is_comm, width in ((False, 0.7), (True, 0.3)):  # compute, outer regions first; then comm, thin, on top
+        for key in (sorted(keys, key=lambda k: -longest[k]) if not is_comm else keys):
             evs = [e for e in groups[key] if (e["kind"] == "comm") == is_comm]
             if not evs:
                 continue

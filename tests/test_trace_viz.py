@@ -112,3 +112,34 @@ def test_comm_events_end_when_done_and_carry_their_dimension():
         late, world = evs
         assert late["labels"]["dim"] == "tp" and world["labels"]["dim"] == "world"
         assert late["end"] - late["start"] < 0.2, late
+
+
+def _visible(fig, name):
+    """Bars of trace ``name`` not wholly covered by a bar at least as wide drawn after them."""
+    bars = [(i, t) for i, t in enumerate(fig.data) if t.type == "bar" and t.name != "idle"]
+    out = 0
+    for i, t in bars:
+        if t.name != name:
+            continue
+        for y, x, b in zip(t.y, t.x, t.base):
+            covered = any(y2 == y and b2 <= b and b2 + x2 >= b + x and (u.width or 0) >= (t.width or 0)
+                          for j, u in bars if j > i for y2, x2, b2 in zip(u.y, u.x, u.base))
+            out += not covered
+    return out
+
+
+def test_timeline_keeps_what_a_region_contains_visible():
+    """Notebook 09's figure: an outer region around the MoE layer must not hide its two
+    all-to-alls (nor the counts exchange, nor the experts' compute)."""
+    rank = [_ev(0, "compute", "router+experts forward", 0.0, 10.0),
+            _ev(0, "comm", "ep_counts", 1.0, 1.5, sent=64, dim="ep"),
+            _ev(0, "comm", "ep_dispatch", 2.0, 3.0, sent=800, dim="ep"),
+            _ev(0, "compute", "experts", 3.0, 7.0),
+            _ev(0, "comm", "ep_combine", 7.0, 8.0, sent=800, dim="ep"),
+            _ev(0, "compute", "backward", 10.0, 20.0),
+            _ev(0, "comm", "ep_combine_backward", 11.0, 12.0, sent=800, dim="ep"),
+            _ev(0, "comm", "ep_dispatch_backward", 15.0, 16.0, sent=800, dim="ep")]
+    fig = viz.timeline(Trace([rank]), color_by="name")
+    for name in ("ep_counts", "ep_dispatch", "ep_combine", "experts", "ep_combine_backward", "ep_dispatch_backward"):
+        assert _visible(fig, name) == 1, name
+    assert _visible(fig, "router+experts forward") == 1 and _visible(fig, "backward") == 1

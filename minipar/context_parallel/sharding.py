@@ -33,10 +33,10 @@ def check_sequence(T: int, cp: int, layout: str = "contiguous") -> None:
 
 
 def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
-    """The two chunks (of 2·cp) that ``rank`` holds under zigzag sharding: ``(r, 2c-1-r)``."""
+    """The two chunks (of 2·cp, earlier first) that ``rank`` holds under zigzag sharding: one
+    early and one late, so that every rank's causal attention work is the same."""
     # >>> ex08 B
-    # Hint: a rank outside 0 .. cp-1 is a ValueError; then one chunk from the front half of the
-    # Hint: sequence and its mirror image from the back half.
+    # Hint: a rank outside 0 .. cp-1 is a ValueError.
     if not 0 <= rank < cp:
         raise ValueError(f"rank {rank} is outside a cp group of {cp}")
     return rank, 2 * cp - 1 - rank

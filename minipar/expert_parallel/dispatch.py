@@ -21,7 +21,6 @@ import torch
 def count_tokens(expert_of: torch.Tensor, n_experts: int) -> torch.Tensor:
     """``c[i]`` = entries of ``expert_of`` (flat assignments) equal to i < n_experts (int64, same device)."""
     # >>> ex09 A
-    # Hint: torch.bincount with minlength, so that experts nobody chose still count 0.
     return torch.bincount(expert_of, minlength=n_experts)
     # <<< ex09 A
 
@@ -30,7 +29,6 @@ def split_sizes(counts: torch.Tensor, rank: int, ep: int) -> tuple[list[int], li
     """``(send, recv)`` row counts per rank (Python ints) for ``all_to_all_single``, from the (ep × E)
     matrix ``counts`` (row r: what rank r routes to each expert); rank j holds the j-th E/ep experts."""
     # >>> ex09 B
-    # Hint: view the matrix as (ep, ep, E/ep) (source rank, destination rank, local expert) and sum the last axis.
     per_rank = counts.reshape(ep, ep, -1).sum(-1)            # [source, destination]
     return per_rank[rank].tolist(), per_rank[:, rank].tolist()
     # <<< ex09 B
@@ -40,7 +38,6 @@ def permutation(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(perm, inverse)``: ``keys[perm]`` is sorted and rows with equal keys keep their
     order (a stable sort); ``inverse[perm[i]] = i``, so ``x[perm][inverse] == x``."""
     # >>> ex09 C
-    # Hint: torch.sort(..., stable=True) or argsort(stable=True); the inverse scatters arange into perm's slots.
     perm = torch.argsort(keys, stable=True)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)

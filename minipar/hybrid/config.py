@@ -99,8 +99,7 @@ def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatc
     model-parallel size ``tp·pp``; ties go to ``tp ≤ ranks_per_node``, then to the fewest
     pipeline stages. Raises ``ValueError`` if none fits."""
     # >>> ex07 C
-    # Hint: over valid_configs(...), skip those needing more than memory_per_rank (see
-    # Hint: hybrid_memory_per_rank); keep the least (tp·pp, tp > ranks_per_node, pp), else ValueError.
+    # Hint: nothing left is a ValueError.
     best, psi = None, num_params(config)
     for c in valid_configs(config, world_size, batch_size, microbatches):
         need = hybrid_memory_per_rank(psi, c["dp"], c["pp"], c["tp"], zero1=zero1)["total"]

@@ -67,8 +67,6 @@ def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch:
     (formulas in the module docstring)."""
     L = layout
     # >>> ex10 A
-    # Hint: model_state_bytes gives params/grads/optimizer; layer_activation_bytes one layer, one micro-batch.
-    # Hint: the first stage holds peak_activations(schedule, pp, m, 0, v) / v micro-batches of ceil(l/pp) layers.
     out = model_state_bytes(model, L)
     m = L.microbatches(global_batch)
     layers = math.ceil(model.n_layer / L.pp)

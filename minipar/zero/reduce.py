@@ -24,7 +24,6 @@ def reduce_shard(flat_grad: torch.Tensor, group=None, **labels) -> torch.Tensor:
     """Reduce-scatter ``flat_grad`` (N·k elements) with the mean over ``group``; returns
     this rank's k elements, a view of ``flat_grad`` (reduced in place)."""
     # >>> ex06 A
-    # Hint: k = flat_grad.numel() // N; this rank's slice is flat_grad[r·k:(r+1)·k].
     n, r = group_size(group), group_rank(group)
     k = flat_grad.numel() // n
     mine = flat_grad[r * k:(r + 1) * k]

@@ -39,7 +39,6 @@ def sharded_step(flat_params, grad_shards, shards, optimizer, group=None) -> Non
     fp32 master copy under mixed precision); ``flat_params[u]``: the unit's full flat
     padded parameters (N·k), which afterwards hold every rank's updated shard."""
     # >>> ex06 B
-    # Hint: set shards[u].grad (cast to the shard's dtype), step once, then all-gather each shard into flat_params[u].
     for s, g in zip(shards, grad_shards):
         s.grad = g if g.dtype == s.dtype else g.to(s.dtype)
     optimizer.step()

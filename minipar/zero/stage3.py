@@ -35,8 +35,6 @@ def gather_unit(full: torch.Tensor, shard: torch.Tensor, group=None, async_op: b
     its storage back and fill it with every rank's ``shard`` (k elements, cast to
     ``full``'s dtype) in rank order. Returns the all-gather's Handle if ``async_op``."""
     # >>> ex06 C
-    # Hint: give the storage its bytes back (untyped_storage().resize_), then all_gather every shard
-    # Hint: into it, passing async_op and **labels on; return what all_gather returns.
     full.untyped_storage().resize_(full.numel() * full.element_size())
     return all_gather(full, shard.detach().to(full.dtype), group=group, async_op=async_op, **labels)
     # <<< ex06 C
@@ -46,7 +44,6 @@ def free_unit(full: torch.Tensor) -> None:
     """Free-after-use: release ``full``'s memory but keep the tensor (and the parameter
     views into it) so the same buffer can be gathered into again."""
     # >>> ex06 C
-    # Hint: release the memory, keep the tensor: its storage can be resized to 0 bytes.
     full.untyped_storage().resize_(0)
     # <<< ex06 C
 

@@ -1,29 +1,34 @@
 """Exercise 06: ZeRO, the moves that remove redundancy (Rajbhandari et al. 2020).
 
-Layout (``minipar/zero/flat.py``): a unit's parameters (one layer) are one flat vector,
-zero-padded to N·k elements, k = ⌈Ψ_u/N⌉; rank r owns elements [r·k, (r+1)·k). Move data
-only with ``minipar.comm.reduce_scatter`` and ``minipar.comm.all_gather`` (flat tensors;
-they record the bytes for the grader).
+Every stage shares one layout: a unit's (a layer's) parameters are one flat vector,
+zero-padded to N·k elements for N data-parallel ranks, and rank r owns the r-th of N equal
+slices. Data moves only through ``minipar.comm.reduce_scatter`` and
+``minipar.comm.all_gather`` (flat tensors; they record the bytes the grader counts).
 
-A. ``reduce_shard(flat_grad, group, **labels)`` (``minipar/zero/reduce.py``), P_g, the reduce
-   path every stage shares: reduce-scatter ``flat_grad`` with ``op="avg"`` in place, so that
-   this rank's slice ``flat_grad[r·k:(r+1)·k]`` holds ḡ_r = (1/N) Σ_j g_j[r·k:(r+1)·k],
-   and return that slice (a view). Pass ``**labels`` on.
-B. ``sharded_step(flat_params, grad_shards, shards, optimizer, group)``
-   (``minipar/zero/stage1.py``), P_os, the step of stages 1 and 2: for every unit u make
-   ``grad_shards[u]`` the ``.grad`` of ``shards[u]`` (cast to the shard's dtype if it
-   differs), call ``optimizer.step()`` once (it only knows the shards, so its state is
-   1/N), then all-gather every updated shard (cast to ``flat_params[u]``'s dtype) into
-   ``flat_params[u]``.
-C. ``gather_unit`` and ``free_unit`` (``minipar/zero/stage3.py``), P_p. ``gather_unit``,
-   gather-before-use: ``full``'s storage may have been freed; give it back its bytes
-   (``full.untyped_storage().resize_(nbytes)``), then all-gather every rank's ``shard`` into
-   it; return the Handle when ``async_op`` (the library prefetches the next unit that way),
-   else None; pass ``**labels`` on. ``free_unit``, free-after-use: release ``full``'s memory
-   but keep the tensor itself (the model's parameters are views into it).
+A. ``reduce_shard(flat_grad, group=None, **labels)``, P_g, the reduce path every stage
+   shares. In: this rank's full padded flat gradient of one unit. Out: this rank's slice,
+   holding the mean over the group's ranks of that slice, returned as a view of
+   ``flat_grad`` (reduced in place, no copy). Each rank sends (N-1)/N of the unit's bytes;
+   ``**labels`` reach the collective.
+B. ``sharded_step(flat_params, grad_shards, shards, optimizer, group=None)``, P_os, the step
+   of stages 1 and 2. In: per unit, the full flat parameters, this rank's reduced gradient
+   slice, and the leaf tensor (this rank's slice) the optimizer owns. Out: nothing returned;
+   afterwards every rank's ``flat_params`` hold the parameters of one full optimizer step on
+   the mean gradient, while the optimizer only ever saw (and kept state for) this rank's
+   slices. Dtypes may differ between the gradient, the shard and the flat parameters (mixed
+   precision): each tensor keeps its own.
+C. ``gather_unit(full, shard, group=None, async_op=False, **labels)`` and ``free_unit(full)``,
+   P_p, stage 3's gather-before-use and free-after-use. ``free_unit`` releases the memory of
+   ``full`` but keeps the tensor, its shape and every view into it (the model's parameters
+   are such views). ``gather_unit`` makes ``full`` hold every rank's ``shard`` in rank order
+   again, whether or not its memory was released; with ``async_op`` it returns the
+   collective's Handle (the library prefetches the next unit that way), else None.
 
-The last tests train the GPT with the library's own ZeRO stages 1, 2 and 3 running your
-code, and compare with one process. Grade it with ``python -m minipar.grade ex06``.
+Derived in notebook 06, "Each stage removes one redundancy", "What it costs in
+communication" and "Stage 3 in time" (the paper's §5.1-5.3 and Figure 1). The last tests
+train the GPT with the library's ZeRO stages 1, 2 and 3 running your code and compare with
+one process. Stuck? ``minipar.hint("ex06", "A")`` (or "B", "C"). Grade it with
+``python -m minipar.grade ex06``.
 """
 import torch
 import torch.distributed as dist
@@ -33,6 +38,31 @@ from minipar import cost, data, reference, trace, zero
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex06_zero"
+HINTS = {
+    "A": ("Which collective leaves each rank with the reduction of only its own slice? Its "
+          "output can live inside its input.",
+          "A reduce-scatter with the mean (op=\"avg\") whose output is this rank's slice of the "
+          "flat gradient itself: the slice's length is the flat length over the group size, its "
+          "offset the rank's index times that length.",
+          "n, r = group_size(group), group_rank(group); k = flat_grad.numel() // n; "
+          "mine = flat_grad[r*k:(r+1)*k]; reduce_scatter(mine, flat_grad, op=\"avg\", "
+          "group=group, **labels); return mine."),
+    "B": ("The optimizer only knows the shards: what must a shard carry before step() so that the "
+          "optimizer updates it, and how do the other ranks learn the new values?",
+          "Attach each reduced gradient slice as its shard's .grad (in the shard's dtype), step the "
+          "optimizer once for all units, then rebuild every unit's full parameters from all ranks' "
+          "updated shards, unit after unit in the same order on every rank.",
+          "for s, g in zip(shards, grad_shards): s.grad = g.to(s.dtype); optimizer.step(); "
+          "for f, s in zip(flat_params, shards): all_gather(f, s.detach().to(f.dtype), group=group)."),
+    "C": ("A tensor is a view onto a storage; the storage can shrink to nothing and grow back "
+          "without the tensor (or views of it) changing shape.",
+          "free_unit resizes the untyped storage to 0 bytes. gather_unit first resizes it back to "
+          "numel × element_size bytes, then all-gathers every rank's shard into it, forwarding "
+          "async_op and the labels, and returns what the all-gather returns.",
+          "free: full.untyped_storage().resize_(0). gather: full.untyped_storage().resize_("
+          "full.numel() * full.element_size()); return all_gather(full, shard.detach().to("
+          "full.dtype), group=group, async_op=async_op, **labels)."),
+}
 TIMEOUT = 60
 CFG = dict(vocab_size=67, n_embd=30, n_head=2, n_layer=2, block_size=16)  # no unit divisible by 4
 STEPS, BATCH = 3, 8

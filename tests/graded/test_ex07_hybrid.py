@@ -1,33 +1,29 @@
 """Exercise 07: the process mesh, and choosing a configuration.
 
-A. ``mesh_coordinates(rank, dp, pp, tp)`` (``minipar/mesh.py``): the ranks of a
-   dp × pp × tp job are laid out as Megatron-LM does (Narayanan et al. 2021, §3.3):
-   tensor-parallel ranks vary fastest (adjacent ranks, one node), then data-parallel, then
-   pipeline stages::
-
-       rank = p · (dp · tp) + d · tp + t
-
-   Return ``{"pp": p, "dp": d, "tp": t}``. A rank outside ``0 .. dp·pp·tp - 1`` is a
-   ``ValueError``.
-B. ``group_members(rank, dim, dp, pp, tp)`` (``minipar/mesh.py``): the global ranks of
-   ``rank``'s group along ``dim`` (``"dp"``, ``"pp"`` or ``"tp"``): the ranks whose
-   coordinates equal ``rank``'s in the two other dimensions, ordered by their coordinate
-   along ``dim`` (so a rank's index in the list is its group-local rank). An unknown
-   ``dim`` is a ``ValueError``. Example: dp = pp = tp = 2, rank 5 = (p=1, d=0, t=1):
-   tp [4, 5], dp [5, 7], pp [1, 5].
+A. ``mesh_coordinates(rank, dp, pp, tp)``: the ranks of a dp × pp × tp job are laid out as
+   Megatron-LM lays them out (Narayanan et al. 2021, §3.3): tensor-parallel ranks vary
+   fastest (adjacent ranks share a node's fast links), then data-parallel ranks, and the
+   pipeline stage slowest. Return ``{"pp": p, "dp": d, "tp": t}``, the coordinates of global
+   ``rank``. Invariant: every rank 0 .. dp·pp·tp - 1 gets distinct coordinates within the
+   mesh, in that order of variation; a rank outside the mesh is a ``ValueError``.
+B. ``group_members(rank, dim, dp, pp, tp)``: the global ranks of ``rank``'s group along
+   ``dim`` (``"dp"``, ``"pp"`` or ``"tp"``): the ranks that share ``rank``'s coordinates in
+   the two other dimensions, ordered by their coordinate along ``dim`` (a rank's index in
+   the list is its group-local rank). Example: dp = pp = tp = 2, rank 5 has tp group
+   [4, 5], dp group [5, 7] and pp group [1, 5]. An unknown ``dim`` is a ``ValueError``.
 C. ``choose_config(config, world_size, batch_size, microbatches=1, memory_per_rank=None,
-   ranks_per_node=8, zero1=False)`` (``minipar/hybrid/config.py``), Narayanan et al.'s
-   advice as a rule: among ``valid_configs(config, world_size, batch_size, microbatches)``
-   (every dp·pp·tp = world_size the model and batch allow) keep those whose model states
-   fit, ``hybrid_memory_per_rank(num_params(config), dp, pp, tp, zero1=zero1)["total"] <=
-   memory_per_rank`` (no limit when ``None``); pick the smallest model-parallel size tp·pp
-   (data parallelism for the rest); among equals prefer ``tp <= ranks_per_node``, then the
-   fewest pipeline stages; return ``{"dp", "pp", "tp"}``, or raise ``ValueError`` if
-   nothing is left.
+   ranks_per_node=8, zero1=False)``: Narayanan et al.'s advice (§3, Takeaways #1 and #2) as a
+   rule. Among the configurations ``valid_configs`` allows (every dp·pp·tp = world_size the
+   model and the batch accept), keep those whose model states per rank
+   (``hybrid_memory_per_rank``, fp32 Adam) fit in ``memory_per_rank`` (no limit when
+   ``None``); among those take the least model parallelism tp·pp (data parallelism for the
+   rest), then tensor parallelism that stays within a node, then the fewest pipeline
+   stages. Return ``{"dp", "pp", "tp"}``; nothing left is a ``ValueError``.
 
-The last test trains the GPT in 3D (dp = pp = tp = 2) with the library's hybrid training,
-whose process mesh now comes from your functions, and compares with one process. Grade it
-with ``python -m minipar.grade ex07``.
+Derived in notebook 07, "Why combine" and "3D training is still the same training". The
+last test trains the GPT in 3D (dp = pp = tp = 2) with the library's hybrid training, whose
+process mesh then comes from your functions, and compares with one process. Stuck?
+``minipar.hint("ex07", "A")`` (or "B", "C"). Grade it with ``python -m minipar.grade ex07``.
 """
 import dataclasses
 
@@ -38,6 +34,23 @@ from minipar import data, hybrid, mesh, reference
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex07_hybrid"
+HINTS = {
+    "A": ("Think of a mixed-radix number: the fastest-varying coordinate is the last digit.",
+          "A block of dp·tp consecutive ranks shares one pipeline stage; inside it, blocks of tp "
+          "consecutive ranks share one data-parallel index. Check the range first.",
+          "rank = p·(dp·tp) + d·tp + t: p, rest = divmod(rank, dp * tp); d, t = divmod(rest, tp)."),
+    "B": ("Start from the rank's own coordinates: the other members differ from it in one "
+          "coordinate only.",
+          "For i in 0 .. size(dim) - 1, replace the rank's coordinate along dim by i and turn the "
+          "coordinates back into a global rank; the list comes out in group order.",
+          "c = mesh_coordinates(rank, dp, pp, tp); [q[\"pp\"]·dp·tp + q[\"dp\"]·tp + q[\"tp\"] "
+          "for q = c with c[dim] = i, i in range(size[dim])]; an unknown dim is a ValueError."),
+    "C": ("The rule is an order of preference: can you express it as one sort key?",
+          "Skip the configurations whose hybrid_memory_per_rank(num_params(config), dp, pp, tp, "
+          "zero1=zero1)[\"total\"] exceeds the budget; keep the one with the smallest key.",
+          "key = (tp·pp, tp > ranks_per_node, pp); best = min over the fitting valid_configs(config, "
+          "world_size, batch_size, microbatches) by key; none fits: raise ValueError."),
+}
 TIMEOUT = 60
 SHAPES = [(2, 2, 2), (1, 2, 4), (4, 2, 1), (3, 1, 2), (2, 3, 1)]
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=4, n_head=4, n_embd=32)

@@ -1,23 +1,28 @@
 """Exercise 08: context parallelism, the two ideas ring attention stands on.
 
-A. ``merge_partials(o_a, lse_a, o_b, lse_b)`` (``minipar/context_parallel/blocks.py``): the
-   online-softmax merge. ``(o_a, lse_a)`` is attention of some queries over one block of keys
-   (``o`` (..., T, d) the softmax-weighted values, ``lse`` (..., T) the log-sum-exp of each
-   query's scores), ``(o_b, lse_b)`` the same over another block. Return attention over both:
+A. ``merge_partials(o_a, lse_a, o_b, lse_b)``: the online-softmax merge.
+   ``(o_a, lse_a)`` is attention of some queries over one block of keys: ``o`` (..., T, d)
+   the softmax-weighted values, ``lse`` (..., T) the log-sum-exp of each query's scores.
+   ``(o_b, lse_b)`` is the same over another, disjoint block. Return ``(o, lse)``, attention
+   of the same queries over both blocks together.
+   Invariant: merging the blocks of a split key set, in any order, gives attention over the
+   whole set (to fp32 rounding, rtol = atol = 1e-5), and stays finite and exact when the
+   log-sum-exps are near 1000, where a plain ``exp`` overflows.
+   Derived in notebook 08, "The online-softmax merge" (Milakov & Gimelshein 2018;
+   FlashAttention, Dao et al. 2022, Algorithm 1; ring attention, Liu et al. 2023).
 
-       m   = max(lse_a, lse_b)                                (the running maximum)
-       lse = m + log(exp(lse_a - m) + exp(lse_b - m))
-       o   = exp(lse_a - lse) · o_a + exp(lse_b - lse) · o_b
+B. ``zigzag_chunks(rank, cp)``: the sequence is cut into 2·cp equal chunks, numbered in
+   sequence order, and each rank of a cp group holds two of them. Return the two chunk
+   numbers ``rank`` holds, the earlier one first.
+   Invariant: together the ranks hold each chunk exactly once, and under a causal mask every
+   rank's queries do the same attention work (the query-key pairs they score).
+   A rank outside the group is a ``ValueError``.
+   Derived in notebook 08, "The causal imbalance, and zigzag" (the Llama 3 report, Dubey et
+   al. 2024, §3.3.2).
 
-   Subtracting m first is what keeps exp from overflowing when scores are large.
-
-B. ``zigzag_chunks(rank, cp)`` (``minipar/context_parallel/sharding.py``): under zigzag
-   sharding the sequence is cut into 2·cp chunks and rank r holds chunks ``(r, 2·cp-1-r)``,
-   one early and one late, so that every rank does the same work under a causal mask.
-   A rank outside 0 .. cp-1 is a ``ValueError``.
-
-The last tests run the library's ring attention (2 and 4 ranks) and train the GPT with
-context parallelism with your code in place, and compare with one process. Grade it with
+The last tests run the library's ring attention on 2 and 4 ranks and train the GPT with
+context parallelism, your functions in place, and compare with one process. Stuck?
+``minipar.hint("ex08", "A")`` gives a nudge, then the idea, then the formula. Grade it with
 ``python -m minipar.grade ex08``.
 """
 import pytest
@@ -29,6 +34,24 @@ from minipar import context_parallel as cpm
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex08_context_parallel"
+HINTS = {
+    "A": ("Attention over both blocks has one normaliser per query: the sum of exp(score) over "
+          "all keys. Express it, and each block's share of it, with lse_a and lse_b.",
+          "exp(lse) = exp(lse_a) + exp(lse_b); each block's o is weighted by its share of that "
+          "sum. Never call exp on a log-sum-exp itself: shift both by their maximum m first, so "
+          "every exponential is at most 1.",
+          "m = max(lse_a, lse_b); w_a = exp(lse_a - m); w_b = exp(lse_b - m); "
+          "lse = m + log(w_a + w_b); o = (w_a·o_a + w_b·o_b) / (w_a + w_b), the weights broadcast "
+          "over the last axis (unsqueeze(-1)). The same value as exp(lse_a - lse)·o_a + "
+          "exp(lse_b - lse)·o_b, but the division by the sum of the shifted weights keeps the two "
+          "weights summing to 1 in fp32."),
+    "B": ("Under a causal mask a query at position i attends to i + 1 keys: early chunks are "
+          "cheap, late chunks expensive. How can every rank get the same total?",
+          "Pair a chunk from the front half of the sequence with one from the back half, so that "
+          "a cheap chunk and an expensive one always travel together: the chunk numbers of each "
+          "pair sum to the same value.",
+          "Rank r holds chunk r and its mirror image 2·cp - 1 - r; check 0 <= rank < cp first."),
+}
 TIMEOUT = 30
 
 
@@ -138,3 +161,36 @@ def test_training_with_your_code(impl):
     got = cpm.run(GPT(cfg, seed=0), batches, 2, optimizer=reference.sgd(0.1), variant="ring",
                   layout="zigzag", timeout=TIMEOUT)
     reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _documented_merge(o_a, lse_a, o_b, lse_b):
+    """The merge exactly as notebook 08 and the last tier of HINTS["A"] write it."""
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    lse = m + torch.log(w_a + w_b)
+    o = (w_a.unsqueeze(-1) * o_a + w_b.unsqueeze(-1) * o_b) / (w_a + w_b).unsqueeze(-1)
+    return o, lse
+
+
+def test_documented_merge_formula_passes(impl):
+    """The merge formula the notebook documents, coded literally, meets this file's tolerance
+    (rtol = atol = 1e-5) on the test cases above, log-sum-exps near 1000 included, and your
+    merge_partials agrees with it."""
+    from minipar.grading import expect_close
+    q, k, v, _ = _qkv()
+    o, lse = cpm.attention_block(q, k, v)
+    a = cpm.attention_block(q, k[..., :10, :], v[..., :10, :])
+    b = cpm.attention_block(q, k[..., 10:, :], v[..., 10:, :])
+    o_a, o_b = torch.ones(3, 2), torch.full((3, 2), 3.0)
+    lse_a, lse_b = torch.tensor([1000.0, 1000.0, 5.0]), torch.tensor([1000.0, 999.0, 1000.0])
+    w = torch.sigmoid(lse_a - lse_b)
+    doc_big = _documented_merge(o_a, lse_a, o_b, lse_b)
+    expect_close(doc_big[0][:, 0], w * 1 + (1 - w) * 3, "documented merge's O", "lse near 1000",
+                 rtol=1e-5, atol=1e-5)
+    doc = _documented_merge(*a, *b)
+    expect_close(doc[0], o, "documented merge's O", "keys 0..9 and 10..15", rtol=1e-5, atol=1e-5)
+    expect_close(doc[1], lse, "documented merge's lse", "keys 0..9 and 10..15", rtol=1e-5, atol=1e-5)
+    got, got_big = cpm.merge_partials(*a, *b), cpm.merge_partials(o_a, lse_a, o_b, lse_b)
+    for i, name in enumerate(("O", "lse")):
+        expect_close(got[i], doc[i], f"merge_partials' {name}", "keys 0..9 and 10..15", rtol=1e-5, atol=1e-5)
+        expect_close(got_big[i], doc_big[i], f"merge_partials' {name}", "lse near 1000", rtol=1e-5, atol=1e-5)

@@ -1,27 +1,26 @@
 """Exercise 09: the token dispatch of expert parallelism.
 
-Under expert parallelism rank j holds experts ``j·E/ep .. (j+1)·E/ep - 1`` of every MoE
-layer, and each rank's (token, expert) assignments travel to the experts' ranks in one
-``all_to_all_single`` (and back in a second). Three pieces of
-``minipar/expert_parallel/dispatch.py`` decide what goes where:
+Under expert parallelism rank j of ep ranks holds the j-th block of E/ep experts of every
+MoE layer, and each rank's (token, expert) assignments travel to the experts' ranks in one
+``all_to_all_single`` (and back in a second). Three small functions decide what goes where:
 
-A. ``count_tokens(expert_of, n_experts)``: ``c[i]`` = how many entries of the flat
-   assignment tensor ``expert_of`` are expert i, for every i (experts nobody chose count 0).
+A. ``count_tokens(expert_of, n_experts)``: in, a flat int64 tensor of expert indices (one per
+   assignment); out, an int64 tensor of length ``n_experts`` on the same device, the number
+   of assignments to each expert (experts nobody chose count 0).
+B. ``split_sizes(counts, rank, ep)``: in, the (ep × E) matrix whose row r counts what rank r
+   routes to each expert; out, ``(send, recv)``, two lists of ep Python ints: the rows this
+   rank sends to each rank, and the rows it receives from each rank (the split sizes
+   ``all_to_all_single`` takes). Invariant: rank a's ``send[b]`` equals rank b's ``recv[a]``.
+C. ``permutation(keys)``: ``(perm, inverse)``, with ``keys[perm]`` sorted and rows of equal
+   keys kept in their original order (a stable sort: a token's position decides which tokens
+   an expert over capacity keeps, and the expert must see its rows in the single device's
+   order), and ``inverse`` undoing it, ``x[perm][inverse] == x``.
 
-B. ``split_sizes(counts, rank, ep)``: from the (ep × E) matrix of every rank's counts,
-   the rows this rank sends to each rank and receives from each rank:
-
-       send[j] = Σ_{i on rank j} counts[rank, i]        recv[j] = Σ_{i on rank} counts[j, i]
-
-   as two lists of Python ints (what ``all_to_all_single`` takes as split sizes).
-
-C. ``permutation(keys)``: ``(perm, inverse)`` with ``keys[perm]`` sorted by a **stable**
-   sort (equal keys keep their order: a token's position decides which tokens an expert
-   over capacity keeps, and the expert must see its rows in the single device's order) and
-   ``inverse`` the inverse permutation, ``inverse[perm[i]] = i``, so ``x[perm][inverse] == x``.
-
-The last test runs the library's ``ExpertParallelMoE`` on 2 ranks with your code in place
-and compares it with the MoE layer on one device. Grade it with ``python -m minipar.grade ex09``.
+Derived in notebook 09, "The layer" and "The two all-to-alls" (GShard, Lepikhin et al. 2020,
+§2; DeepSpeed-MoE, Rajbhandari et al. 2022). The last test runs the library's
+``ExpertParallelMoE`` on 2 ranks with your code in place and compares it with the MoE layer
+on one device. Stuck? ``minipar.hint("ex09", "A")`` (or "B", "C"). Grade it with
+``python -m minipar.grade ex09``.
 """
 import torch
 import torch.distributed as dist
@@ -31,6 +30,22 @@ from minipar.expert_parallel import ExpertParallelMoE, count_tokens, permutation
 from minipar.models.moe import MoE
 
 EXERCISE = "ex09_expert_parallel"
+HINTS = {
+    "A": ("A histogram of the indices, with one bin per expert, including the empty ones.",
+          "torch has a one-call histogram of non-negative integers; tell it the number of bins so "
+          "that experts nobody chose still appear.",
+          "torch.bincount(expert_of, minlength=n_experts)."),
+    "B": ("Which experts live on rank j? Group the columns of the count matrix by their rank.",
+          "Summing each row's E/ep columns per destination rank gives an (ep × ep) matrix "
+          "[source, destination]; this rank's row is what it sends, its column what it receives.",
+          "per_rank = counts.reshape(ep, ep, E // ep).sum(-1); return per_rank[rank].tolist(), "
+          "per_rank[:, rank].tolist()."),
+    "C": ("Sorting gives the permutation; the inverse permutation answers \"where did row i go?\".",
+          "An argsort with stable=True keeps equal keys in order. The inverse is a scatter: put i "
+          "at position perm[i].",
+          "perm = torch.argsort(keys, stable=True); inverse = torch.empty_like(perm); "
+          "inverse[perm] = torch.arange(perm.numel(), device=perm.device)."),
+}
 TIMEOUT = 20
 
 

@@ -1,24 +1,24 @@
 """Exercise 10: where the memory of one GPU goes, for one parallel layout.
 
-Write the heart of ``memory_per_gpu(model, layout, seq_len, global_batch)`` in
-``minipar/plan/memory.py``: the bytes on the busiest GPU, by component, that the planner
-(``minipar.plan.predict`` and ``search``) uses to reject layouts that do not fit.
+``memory_per_gpu(model, layout, seq_len, global_batch)`` returns the bytes on the busiest
+GPU by component; the planner (``minipar.plan.predict`` and ``search``) rejects every layout
+whose total does not fit. You write its heart: ``params``, ``grads``, ``optimizer`` and
+``activations``. The pieces exist already: ``model_state_bytes(model, layout)`` (the ZeRO
+formulas on this GPU's share), ``layer_activation_bytes(model, layout, seq_len)`` (one layer,
+one micro-batch, under the layout's recomputation), ``peak_activations(schedule, p, m, rank,
+v)`` (micro-batches a pipeline rank holds at its peak) and ``layout.microbatches(global_batch)``.
 
-* Model states: ``model_state_bytes(model, layout)`` already gives ``params``, ``grads`` and
-  ``optimizer`` (ZeRO's 2Ψ + 2Ψ + 12Ψ in mixed precision, divided by tp·pp, and by the
-  data-parallel ranks for what the ZeRO stage shards). Start ``out`` from it.
-* Activations (Korthikanti et al. 2022; Narayanan et al. 2021 for the pipeline): with m =
-  global_batch / (dp·b) micro-batches, the first pipeline stage holds
-  ``peak_activations(schedule, pp, m, 0, v) / v`` micro-batches of its ⌈l/pp⌉ layers, each
-  ``layer_activation_bytes(model, layout, seq_len)``. Full recomputation rebuilds one layer
-  at a time in backward: add one layer's activations without recomputation
-  (``layout.replace(recompute="none")``). The last stage also holds one micro-batch's fp32
-  logits, ``4·(s/cp)·b·V/tp`` bytes (all of its micro-batches' when pp = 1, where the first
-  stage is the last). ``out["activations"]`` is the larger of the first stage's and the
-  last stage's total.
+Contract: the model states are ``model_state_bytes``' as they are. ``activations`` is the
+larger of what the first and the last pipeline stage hold at their peak: each stage holds
+its share of the layers for the micro-batches in flight on it; full recomputation also
+rebuilds one layer's full activations during backward; the last stage also holds one
+micro-batch's fp32 logits (sharded over tp, on the GPU's s/cp tokens); with one stage, the
+first stage is the last.
 
-The tests compare with the formulas on Llama 3 8B and GPT-3 1.3B. Grade it with
-``python -m minipar.grade ex10``.
+Derived in notebook 10, "Where the memory goes" (ZeRO, Rajbhandari et al. 2020, §3.1;
+Korthikanti et al. 2022, §4-5 and Table 2; Narayanan et al. 2021, §2.2 for the micro-batches
+in flight). The tests compare with the formulas on Llama 3 8B and GPT-3 1.3B. Stuck?
+``minipar.hint("ex10", "")``. Grade it with ``python -m minipar.grade ex10``.
 """
 import math
 
@@ -27,6 +27,19 @@ import pytest
 from minipar import cost, plan
 
 EXERCISE = "ex10_planning"
+HINTS = {
+    "": ("Start from the model states, then ask: how many micro-batches of how many layers does "
+         "the first stage hold at once, and what does the last stage hold besides its layers?",
+         "m = global_batch / (dp·b) micro-batches; the first stage holds peak_activations(schedule, "
+         "pp, m, 0, v) / v of them, each ⌈l/pp⌉ layers of layer_activation_bytes; full "
+         "recomputation adds one layer with recompute=\"none\"; the logits are 4·(s/cp)·b·V/tp "
+         "bytes. With pp > 1 the last stage holds one micro-batch of its layers (1F1B's last stage "
+         "runs each backward right after its forward).",
+         "out = model_state_bytes(model, L); in_flight = peak_activations(L.schedule, L.pp, m, 0, "
+         "L.v) / L.v; act = in_flight·layers·per_layer (+ the rebuilt layer under full); last = (1 "
+         "if pp > 1 else in_flight)·layers·per_layer + logits; out[\"activations\"] = max(act + "
+         "(logits if pp == 1 else 0), last)."),
+}
 LLAMA = plan.MODELS["llama3-8b"]
 GPT13 = plan.MODELS["gpt3-1.3b"]
 

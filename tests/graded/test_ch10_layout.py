@@ -1,0 +1,58 @@
+"""Challenge 10: choose a layout as good as the planner's, without the planner's search.
+
+``choose(model, cluster, nodes, global_batch, seq_len)`` returns a ``plan.Layout`` on all
+the cluster's GPUs, with ``plan.search`` disabled while it runs. For Llama 3 8B on 2 DGX H100
+nodes (64 × 8192 tokens), Llama 3 70B on 8 (512 × 8192) and GPT-3 13B on 4 Selene nodes
+(256 × 2048), ``plan.predict`` must find it valid and fitting, with a step time within 10% of
+the best that ``plan.search`` finds for the same job when the test runs.
+"""
+import sys
+
+import pytest
+
+from minipar import plan
+from minipar.grading import GradeFailure
+
+CHALLENGE = "ch10_layout"
+JOBS = [("llama3-8b", "dgx-h100", 2, 64, 8192), ("llama3-70b", "dgx-h100", 8, 512, 8192),
+        ("gpt3-13b", "selene", 4, 256, 2048)]
+WITHIN = 1.10
+
+
+def _no_search(*_, **__):
+    raise GradeFailure("choose() called plan.search: the challenge is to choose without it "
+                       "(plan.predict and plan.memory_per_gpu are allowed)")
+
+
+def _choose(challenge, job, monkeypatch):
+    model, cluster, nodes, batch, seq = job
+    with monkeypatch.context() as m:
+        m.setattr(plan, "search", _no_search)
+        m.setattr(sys.modules["minipar.plan.search"], "search", _no_search)
+        lay = challenge.choose(model, cluster, nodes, batch, seq)
+    if not isinstance(lay, plan.Layout):
+        raise GradeFailure(f"{model} on {nodes} × {cluster}: choose returned {type(lay).__name__}, not a plan.Layout")
+    world = nodes * plan.CLUSTERS[cluster].gpus_per_node
+    if lay.world != world:
+        raise GradeFailure(f"{model} on {nodes} × {cluster}: layout {lay} uses {lay.world} GPUs, the cluster has {world}")
+    try:
+        return lay, plan.predict(model, cluster, lay, batch, seq, nodes=nodes)
+    except ValueError as e:
+        raise GradeFailure(f"{model} on {nodes} × {cluster}: layout {lay} cannot run: {e}") from None
+
+
+@pytest.mark.parametrize("job", JOBS, ids=[j[0] for j in JOBS])
+def test_fits_and_is_near_the_best(challenge, job, monkeypatch):
+    """The chosen layout fits, and its predicted step is within 10% of plan.search's best."""
+    model, cluster, nodes, batch, seq = job
+    lay, got = _choose(challenge, job, monkeypatch)
+    if not got.fits:
+        raise GradeFailure(f"{model} on {nodes} × {cluster}: {lay} does not fit: {got.reason}")
+    best = plan.search(model, cluster, batch, seq, nodes=nodes).best
+    ratio = got.step_time / best.step_time
+    if ratio > WITHIN:
+        raise GradeFailure(f"{model} on {nodes} × {cluster}: predicted step {got.step_time:.2f} s with {lay}, "
+                           f"{ratio:.2f} × the planner's best {best.step_time:.2f} s ({best.layout}); the goal "
+                           f"is at most {WITHIN:.2f} ×\n  where the time goes, yours: "
+                           + ", ".join(f"{k} {v:.2f} s" for k, v in got.components().items() if v)
+                           + "\n  the best's: " + ", ".join(f"{k} {v:.2f} s" for k, v in best.components().items() if v))

@@ -32,18 +32,21 @@ OPTIMIZERS = {0: ReplicatedOptimizer, 1: ZeroOptimizer, 2: Zero2Optimizer}
 
 
 def wrap(stage: int, model: torch.nn.Module, optimizer_cls, group=None, param_dtype=None,
-         sharding: str = "flat", **kwargs):
+         sharding: str = "flat", prefetch: bool = True, reduce_dtype=None, **kwargs):
     """``(forward, optimizer)`` for ``stage``: the model (or its stage-3 wrapper) and an
     optimizer with ``zero_grad()``/``step()``. Units are ``model.layers()``. Stage 3 comes
     in two designs: ``sharding="flat"`` (:class:`FullyShardedDataParallel`, flat units) or
-    ``"per-parameter"`` (:func:`fully_shard`, FSDP2's: the model's own parameters become shards)."""
+    ``"per-parameter"`` (:func:`fully_shard`, FSDP2's: the model's own parameters become shards),
+    with ``prefetch`` (both) and ``reduce_dtype`` (per parameter)."""
     if stage == 3 and sharding == "per-parameter":
-        fully_shard(model, group=group, param_dtype=param_dtype)
+        fully_shard(model, group=group, param_dtype=param_dtype, reduce_dtype=reduce_dtype, prefetch=prefetch)
         return model, optimizer_cls(model.parameters(), **kwargs)
     if sharding != "flat":
         raise ValueError(f"sharding must be 'flat' or (stage 3 only) 'per-parameter', got {sharding!r}")
+    if reduce_dtype is not None:
+        raise ValueError("reduce_dtype is an option of stage 3's per-parameter design (sharding='per-parameter')")
     if stage == 3:
-        fsdp = FullyShardedDataParallel(model, group=group, param_dtype=param_dtype)
+        fsdp = FullyShardedDataParallel(model, group=group, param_dtype=param_dtype, prefetch=prefetch)
         return fsdp, optimizer_cls(fsdp.parameters(), **kwargs)
     if stage not in OPTIMIZERS:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")

@@ -37,6 +37,8 @@ ZERO3_DESIGNS = {
                                       reduce_dtype=torch.float32, dtype=torch.bfloat16),
     "zero-3 flat no prefetch": dict(stage=3, prefetch=False),
     "zero-3 flat bf16": dict(stage=3, param_dtype=torch.bfloat16, dtype=torch.bfloat16),
+    "zero-3 flat persist_below": dict(stage=3, persist_below=100),
+    "zero-3 per-parameter persist_below": dict(stage=3, sharding="per-parameter", persist_below=100),
 }
 
 

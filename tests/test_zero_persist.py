@@ -146,3 +146,38 @@ def test_persistence_clear_errors():
         check(gpt, _batches(), 2, stage=3, persist_below=1.5)
     with pytest.raises(ValueError, match="stage-3 option"):
         cost.zero_bytes_per_rank(1000, 2, 1, persistent=10)
+
+
+def _two_backwards():
+    r, n = dist.get_rank(), dist.get_world_size()
+    x, y = _batches()[0]
+    x, y = data.shard(x, r, n), data.shard(y, r, n)
+    out = {}
+    for design in ("flat", "per-parameter"):
+        model = GPT(CFG, seed=0)
+        shard = FullyShardedDataParallel if design == "flat" else fully_shard
+        fwd = shard(model, units=_units(model, "modules"), persist_below=200)
+        opt = torch.optim.SGD(fwd.parameters(), lr=0.1)
+        losses = [fwd(xm, ym) / 2 for xm, ym in zip(x.chunk(2), y.chunk(2))]   # both graphs alive
+        for loss in losses:
+            loss.backward()                        # each backward all-reduces the accumulated sum
+        opt.step()
+        out[design] = fwd.gather_full_params() if design == "flat" else full_state(model)
+    return out
+
+
+def test_persistent_gradients_accumulate_over_two_backwards():
+    """Gradient accumulation: two micro-batches' backwards before one step. The second
+    all-reduce averages (already averaged first) + (this rank's second): still the mean of
+    both, as one process accumulating gets (rtol 1e-5, atol 1e-6)."""
+    x, y = _batches()[0]
+    model = GPT(CFG, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for xm, ym in zip(x.chunk(4), y.chunk(4)):     # 2 ranks x 2 micro-batches
+        (model(xm, ym) / 4).backward()
+    opt.step()
+    for res in minipar.launch(_two_backwards, 2, timeout=60):
+        for design, got in res.items():
+            for k, v in model.named_parameters():
+                torch.testing.assert_close(got[k], v.detach(), rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, k=k: f"{design} {k}: {m}")

@@ -5,6 +5,11 @@ forward and its loss compute in ``dtype`` under ``torch.autocast``: matrix multi
 reductions such as softmax, layer norm and the loss in fp32. ``dtype=None`` (or ``torch.float32``)
 is plain fp32. Every strategy's ``train(..., dtype=...)`` and the single-process reference wrap
 their forward in :func:`autocast`, so the two compare in the same precision.
+
+``"fp16"`` autocasts to float16 the same way. minipar scales no loss, so gradients below
+float16's smallest subnormal (6e-8) flush to zero: on the course's models a handful of
+elements whose fp32 gradient is ~1e-13; a large model in fp16 needs a loss scale
+(``torch.amp.GradScaler``); bf16, with fp32's exponent range, needs none.
 """
 from __future__ import annotations
 

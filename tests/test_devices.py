@@ -28,6 +28,20 @@ from minipar.models.gpt import GPTConfig
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16)
 
 
+# ZeRO-3's per-parameter design too (its gather and reduce buffers are its own), with and
+# without prefetch, in bf16 (reduced in fp32), and with small parameters kept whole
+ZERO3_DESIGNS = {
+    "zero-3 per-parameter": dict(stage=3, sharding="per-parameter"),
+    "zero-3 per-parameter no prefetch": dict(stage=3, sharding="per-parameter", prefetch=False),
+    "zero-3 per-parameter bf16": dict(stage=3, sharding="per-parameter", param_dtype=torch.bfloat16,
+                                      reduce_dtype=torch.float32, dtype=torch.bfloat16),
+    "zero-3 flat no prefetch": dict(stage=3, prefetch=False),
+    "zero-3 flat bf16": dict(stage=3, param_dtype=torch.bfloat16, dtype=torch.bfloat16),
+    "zero-3 flat persist_below": dict(stage=3, persist_below=100),
+    "zero-3 per-parameter persist_below": dict(stage=3, sharding="per-parameter", persist_below=100),
+}
+
+
 def _cases():
     from minipar import data_parallel, pipeline, tensor_parallel, zero
     from minipar.data_parallel import VERSIONS
@@ -35,6 +49,7 @@ def _cases():
     out = {f"ddp {v}": (data_parallel.train, gpt, dict(opts)) for v, opts in VERSIONS.items()}
     out["ddp accumulation"] = (data_parallel.train, gpt, dict(accumulation=2))
     out.update({f"zero-{s}": (zero.train, gpt, dict(stage=s)) for s in (0, 1, 2, 3)})
+    out.update({name: (zero.train, gpt, dict(opts)) for name, opts in ZERO3_DESIGNS.items()})
     for s in ("gpipe", "1f1b", "zb-h1", "interleaved"):
         v = 2 if s == "interleaved" else 1
         out[f"pipeline {s}"] = (pipeline.train, gpt, dict(schedule=s, microbatches=2, virtual_stages=v,
@@ -124,7 +139,7 @@ def test_every_strategy_runs_a_step_with_meta_as_the_default_device():
     expected = {"ddp naive", "ddp bucketed", "ddp overlapped", "ddp accumulation", "zero-0", "zero-1",
                 "zero-2", "zero-3", "pipeline gpipe", "pipeline 1f1b", "pipeline zb-h1",
                 "pipeline interleaved", "tp vocab-parallel loss", "tp sequence-parallel",
-                "hybrid 2x1x2 (dp, tp)", "hybrid 1x2x2 (pp, tp)", "minipar.train loop"}
+                "hybrid 2x1x2 (dp, tp)", "hybrid 1x2x2 (pp, tp)", "minipar.train loop"} | set(ZERO3_DESIGNS)
     assert expected <= set(res[0]), sorted(expected - set(res[0]))
     for name in res[0]:  # real numbers (a meta loss has none), the same on the ranks that hold it
         losses = [r[name] for r in res if r[name]]

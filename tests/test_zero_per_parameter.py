@@ -177,15 +177,16 @@ def _branchy_batches():
 def _branchy_all_stages():
     r, n = dist.get_rank(), dist.get_world_size()
     out = {}
-    for stage in ("0", "1", "2", "3", "3p"):
+    for stage in ("0", "1", "2", "3", "3p", "3 no prefetch", "3p no prefetch"):
         model = _Branchy()
         units = [list(m.parameters()) for m in model.layers()]
         sgd = reference.sgd(0.1)
+        prefetch, stage = "no prefetch" not in stage, stage.split()[0]
         if stage == "3":
-            fwd = FullyShardedDataParallel(model)
+            fwd = FullyShardedDataParallel(model, prefetch=prefetch)
             opt = sgd(fwd.parameters())
         elif stage == "3p":
-            fwd = fully_shard(model)
+            fwd = fully_shard(model, prefetch=prefetch)
             opt = sgd(model.parameters())
         else:
             fwd, opt = model, {"0": ReplicatedOptimizer, "1": ZeroOptimizer, "2": Zero2Optimizer}[stage](units, sgd, group=None)
@@ -205,19 +206,21 @@ def _branchy_all_stages():
             losses.append(t.item() / n)
         params = (fwd.gather_full_params() if stage == "3" else full_state(model) if stage == "3p"
                   else {k: v.detach().clone() for k, v in model.named_parameters()})
-        out[stage] = {"losses": losses, "params": params}
+        out[stage + ("" if prefetch else " no prefetch")] = {"losses": losses, "params": params}
     return out
 
 
 def test_unused_parameter_on_one_rank_does_not_hang():
     """A unit whose parameters get no gradient on one rank (data-dependent graph): every
     stage still runs the same collectives on every rank (zeros for the missing gradients)
-    and trains like one process. Before the fix, stages 2 and 3 decided on a rank-local
+    and trains like one process; stage 3 in both designs with prefetch and without (where no
+    prefetched gather hides the reduce-scatters' order: ``OrderedReduction.reached``). Before the fix, stages 2 and 3 decided on a rank-local
     condition whether to reduce, and the ranks waited on each other until the timeout."""
     want = reference.train_reference(_Branchy(), _branchy_batches(), reference.sgd(0.1))
     assert want["params"]["gate.b.weight"].ne(_Branchy().gate.b.weight).any()   # the branch does learn
     for res in minipar.launch(_branchy_all_stages, 2, timeout=30):
-        assert res.pop("3p idle") == [True] * len(_branchy_batches())
+        assert res.pop("3p idle") == [True] * 2 * len(_branchy_batches())
+        assert set(res) == {"0", "1", "2", "3", "3p", "3 no prefetch", "3p no prefetch"}
         for stage, got in res.items():
             reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)
 

@@ -21,6 +21,11 @@ stage 0 is not flattened and uses Ψ. ``padded=False`` gives the paper's formula
 Communication per rank and step (§7): stages 0-2 move 2Ψ (all-reduce, or reduce-scatter
 of gradients + all-gather of parameters), stage 3 moves 3Ψ (all-gather for the forward,
 again for the backward, reduce-scatter of gradients); times (N-1)/N for the ring.
+
+Persistent parameters (stage 3; DeepSpeed's ``stage3_param_persistence_threshold``):
+``persistent=Ψ_p`` elements kept whole on every rank, outside ``num_params``, cost
+(2 + 2 + K)Ψ_p per rank (replicated, no 1/N) and one all-reduce of their gradients,
+2(N-1)/N·Ψ_p, instead of the gathers.
 """
 from __future__ import annotations
 
@@ -48,28 +53,35 @@ def _sizes(num_params, dp: int, stage: int, padded: bool) -> tuple[float, float]
 
 
 def zero_bytes_per_rank(num_params, dp: int, stage: int, k: float = 12, dtype_bytes: int = 2,
-                        padded: bool = True) -> dict[str, float]:
+                        padded: bool = True, persistent: float = 0) -> dict[str, float]:
     """Bytes of model states per rank: ``{"params", "grads", "optimizer", "total"}``.
     ``num_params``: Ψ, or the list of unit sizes Ψ_u; ``dp``: N; ``stage``: 0-3; ``k``: optimizer
     bytes per parameter (12 mixed-precision Adam, 8 fp32 Adam); ``dtype_bytes``: bytes per
-    parameter and per gradient (2 for fp16/bf16, 4 for fp32)."""
+    parameter and per gradient (2 for fp16/bf16, 4 for fp32); ``persistent``: Ψ_p elements
+    stage 3 keeps whole (not in ``num_params``)."""
     full, shard = _sizes(num_params, dp, stage, padded)
-    params = dtype_bytes * (shard if stage >= 3 else full)
-    grads = dtype_bytes * (shard if stage >= 2 else full)
-    optimizer = k * (shard if stage >= 1 else full)
+    if persistent and stage != 3:
+        raise ValueError("persistent parameters are a stage-3 option")
+    params = dtype_bytes * ((shard if stage >= 3 else full) + persistent)
+    grads = dtype_bytes * ((shard if stage >= 2 else full) + persistent)
+    optimizer = k * ((shard if stage >= 1 else full) + persistent)
     return {"params": params, "grads": grads, "optimizer": optimizer,
             "total": params + grads + optimizer}
 
 
 def zero_comm_bytes(num_params, dp: int, stage: int, dtype_bytes: int = 4,
-                    padded: bool = True) -> float:
+                    padded: bool = True, persistent: float = 0) -> float:
     """Bytes each rank sends per step (ring algorithms): stage 0 all-reduces the gradients
     (2(N-1)/N·Ψ); stages 1-2 reduce-scatter gradients and all-gather parameters (same
-    total); stage 3 all-gathers the parameters twice and reduce-scatters once (3(N-1)/N·Ψ)."""
+    total); stage 3 all-gathers the parameters twice and reduce-scatters once (3(N-1)/N·Ψ),
+    and all-reduces the ``persistent`` elements' gradients (2(N-1)/N·Ψ_p)."""
     full, _ = _sizes(num_params, dp, stage, padded)
+    if persistent and stage != 3:
+        raise ValueError("persistent parameters are a stage-3 option")
     nbytes = full * dtype_bytes
     if stage == 0:
         return collective_bytes("all_reduce", nbytes, dp)
     gathers = 2 if stage == 3 else 1
     return (gathers * collective_bytes("all_gather", nbytes, dp)
-            + collective_bytes("reduce_scatter", nbytes, dp))
+            + collective_bytes("reduce_scatter", nbytes, dp)
+            + (collective_bytes("all_reduce", persistent * dtype_bytes, dp) if persistent else 0.0))

@@ -31,7 +31,7 @@ The layer leaves ``aux_coef · aux + z_coef · z`` in ``self.loss``; the GPT add
 """
 from __future__ import annotations
 
-import math
+from fractions import Fraction
 
 import torch
 import torch.nn as nn
@@ -50,8 +50,15 @@ class Expert(nn.Module):
 
 
 def capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float | None) -> int | None:
-    """C = ceil(k·S/E · factor) assignments per expert; ``None`` when dropless."""
-    return None if capacity_factor is None else math.ceil(top_k * n_tokens / n_experts * capacity_factor)
+    """C = ceil(k·S/E · factor) assignments per expert; ``None`` when dropless.
+
+    Computed in exact rational arithmetic, the factor taken as the decimal it is written as
+    (``Fraction(str(1.1))`` = 11/10): in floating point ``2·50/2·1.1`` is 55.00000000000001
+    and would round up to 56."""
+    if capacity_factor is None:
+        return None
+    c = Fraction(str(capacity_factor))
+    return -(-(top_k * n_tokens * c.numerator) // (n_experts * c.denominator))
 
 
 def route(logits: torch.Tensor, top_k: int):

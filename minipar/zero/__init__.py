@@ -5,6 +5,7 @@
 * :class:`Zero2Optimizer` — stage 2, P_os+g: gradients sharded too;
 * :class:`FullyShardedDataParallel` — stage 3, P_os+g+p: parameters sharded too, gathered
   one flat unit at a time; :func:`fully_shard` — stage 3 per parameter (PyTorch's FSDP2);
+  both keep small parameters whole with ``persist_below=``/``persist=`` (:mod:`.persist`);
 * :mod:`minipar.zero.reduce` — the gradient reduce path all stages share;
   :func:`clip_grad_norm_` — clipping by the global norm under any stage;
 * :mod:`minipar.zero.memory` — the bytes per component one rank holds
@@ -13,6 +14,7 @@
 from .clip import clip_grad_norm_
 from .flat import FlatUnit, padded_size, shard_size, split_units
 from .per_parameter import full_state, fully_shard, padded_unit_sizes
+from .persist import persistent_parameters
 from .memory import SavedActivations, model_state_bytes, state_tensors, storage_bytes
 from .stage0 import ReplicatedOptimizer
 from .stage1 import ZeroOptimizer, sharded_step
@@ -23,6 +25,6 @@ from .train import train, wrap
 
 __all__ = ["ReplicatedOptimizer", "ZeroOptimizer", "Zero2Optimizer", "FullyShardedDataParallel",
            "sharded_step", "gather_unit", "free_unit", "fully_shard", "full_state", "padded_unit_sizes",
-           "clip_grad_norm_", "reduce_shard", "reduce_unit_grads", "OrderedReduction", "FlatUnit",
+           "clip_grad_norm_", "persistent_parameters", "reduce_shard", "reduce_unit_grads", "OrderedReduction", "FlatUnit",
            "shard_size", "padded_size", "split_units", "train", "wrap", "model_state_bytes", "state_tensors",
            "storage_bytes", "SavedActivations"]

@@ -28,6 +28,7 @@ import torch.nn as nn
 from .. import trace
 from ..comm import all_gather, group_rank, group_size, reduce_scatter
 from .reduce import OrderedReduction
+from .persist import persistent_parameters
 from .stage3 import Schedule
 
 
@@ -64,20 +65,23 @@ class _Unit:
 
 
 def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, reduce_dtype=None,
-                prefetch: bool = True) -> nn.Module:
+                prefetch: bool = True, persist_below: int | None = None, persist=None) -> nn.Module:
     """Shard ``module``'s parameters in place, per parameter, over ``group``; returns it.
 
     ``units``: the modules gathered one at a time (default ``module.layers()``); every
     parameter must belong to one unit. ``param_dtype``: the dtype of the gathered
     parameters and of the compute (e.g. ``torch.bfloat16``); ``reduce_dtype``: of the
     gradient reduce-scatter (default ``param_dtype``). The shards stay fp32. ``prefetch``:
-    start the next unit's all-gather while this one computes."""
-    _FullyShard(module, group, units, param_dtype, reduce_dtype, prefetch)
+    start the next unit's all-gather while this one computes. ``persist_below`` (elements) and
+    ``persist`` (a predicate on modules): parameters left whole, replicated, their gradients
+    all-reduced (:func:`~minipar.zero.stage3.persistent_parameters`)."""
+    _FullyShard(module, group, units, param_dtype, reduce_dtype, prefetch, persist_below, persist)
     return module
 
 
 class _FullyShard(Schedule):
-    def __init__(self, module, group, units, param_dtype, reduce_dtype, prefetch):
+    def __init__(self, module, group, units, param_dtype, reduce_dtype, prefetch, persist_below=None,
+                 persist=None):
         self.param_dtype, self.prefetch = param_dtype or torch.float32, prefetch
         self.reduce_dtype = reduce_dtype or self.param_dtype
         mods = list(units if units is not None else
@@ -97,8 +101,11 @@ class _FullyShard(Schedule):
         if missing:
             raise ValueError(f"parameters in no unit: {missing[:3]}...; pass units= covering them")
         self.group, self.n, self.r = group, group_size(group), group_rank(group)
-        self.units = [_Unit(m, [_Param(ow, p, self.n, self.r, self.param_dtype) for p, ow in f.values()],
-                            self.param_dtype) for m, f in zip(mods, found)]
+        self.persistent = persistent_parameters(module, persist_below, persist, param_dtype)
+        kept = {id(p) for p in self.persistent}        # stay the module's own parameters
+        sharded = [(m, [(p, ow) for p, ow in f.values() if id(p) not in kept]) for m, f in zip(mods, found)]
+        self.units = [_Unit(m, [_Param(ow, p, self.n, self.r, self.param_dtype) for p, ow in ps],
+                            self.param_dtype) for m, ps in sharded if ps]
         self._order: list[int] = []
         self.peak_gathered_bytes = 0                        # most bytes of gathered units at once
         module.register_forward_pre_hook(lambda m, a: self._order.clear())   # before the units' hooks
@@ -108,7 +115,9 @@ class _FullyShard(Schedule):
                 q.unsharded.register_post_accumulate_grad_hook(lambda p, i=i: self.reduction.grad_ready(i, p))
             u.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
             u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
-        self.reduction = OrderedReduction(self.units, lambda: list(reversed(self._order)), self._reduce)
+        self.reduction = OrderedReduction(self.units, lambda: list(reversed(self._order)), self._reduce,
+                                          tail=self._reduce_persistent)
+        self._watch_persistent()
         module.__dict__["_fully_shard"] = self            # not an nn.Module attribute
         self.module_ref = lambda: module
 
@@ -166,14 +175,17 @@ class _FullyShard(Schedule):
                 out = torch.empty(self.n * q.numel, dtype=q.shard.dtype, device=q.shard.device)
                 all_gather(out, q.shard.detach().reshape(-1), group=self.group, name="gather_full_params")
                 where[id(q.shard)] = out.view(self.n * q.c, *q.shape[1:])[:q.shape[0]].clone()
+        where.update({id(p): p.detach().clone() for p in self.persistent})
         return {n: where[id(p)] for n, p in self.module_ref().named_parameters() if id(p) in where}
 
     def memory_tensors(self, optimizer=None) -> dict[str, list[torch.Tensor]]:
-        """Shards and gathered buffers (params), shard and unsharded gradients, optimizer state."""
+        """Shards, gathered buffers and persistent parameters (params), shard, unsharded and
+        persistent gradients, optimizer state."""
         from .memory import state_tensors
         qs = [q for u in self.units for q in u.ps]
-        return {"params": [q.shard for q in qs] + [u.full for u in self.units],
-                "grads": [q.shard.grad for q in qs] + [q.unsharded.grad for q in qs],
+        return {"params": [q.shard for q in qs] + [u.full for u in self.units] + self.persistent,
+                "grads": [q.shard.grad for q in qs] + [q.unsharded.grad for q in qs]
+                + [p.grad for p in self.persistent],
                 "optimizer": state_tensors(optimizer) if optimizer is not None else []}
 
     def unit_sizes(self) -> list[int]:

@@ -11,7 +11,8 @@ the rule every data-parallel reducer needs: **every rank issues the same collect
 same order** (a collective run on a rank-local condition leaves the other ranks waiting).
 A unit is reduced once it and every unit before it in the order are complete, or once the
 backward has moved past it (stage 3 knows: it re-gathers the unit before it); the rest when
-the backward ends. Parameters with no gradient on this rank take part with zeros.
+the backward ends. Parameters with no gradient on this rank take part with zeros. ``tail``
+runs last (stage 3's persistent parameters: one all-reduce after every unit's reduce-scatter).
 """
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ class OrderedReduction:
     i means for the stage (it calls :func:`reduce_unit_grads`). Call :meth:`grad_ready` from
     a post-accumulate-grad hook; the backward's end is caught with an autograd callback."""
 
-    def __init__(self, units, order, reduce):
-        self.units, self.order, self.reduce = units, order, reduce
+    def __init__(self, units, order, reduce, tail=None):
+        self.units, self.order, self.reduce, self.tail = units, order, reduce, tail
         self._reset()
 
     def _reset(self) -> None:
@@ -63,6 +64,11 @@ class OrderedReduction:
         if self.queue is None:                       # the first event of this backward
             self.queue = list(self.order())
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def touch(self) -> None:
+        """A gradient outside every unit arrived (a persistent parameter's): this backward has
+        started, so :meth:`finish` will run at its end."""
+        self._start()
 
     def grad_ready(self, i: int, p) -> None:
         self._start()
@@ -84,6 +90,8 @@ class OrderedReduction:
         for i in (self.queue or []) + [j for j in range(len(self.units)) if j not in (self.queue or [])]:
             if i not in self.done:
                 self._reduce(i)
+        if self.tail is not None:                    # after every unit, the same on every rank
+            self.tail()
         self._reset()
 
     def _reduce(self, i: int) -> None:

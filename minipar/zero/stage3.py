@@ -27,6 +27,7 @@ from .. import trace
 from ..comm import all_gather
 from .flat import FlatUnit
 from .memory import state_tensors
+from .persist import Persistent, persistent_parameters
 from .reduce import OrderedReduction, reduce_unit_grads
 
 
@@ -59,7 +60,7 @@ class _Unit:
         self.handle, self.gathered, self.t0, self.bw = None, False, 0.0, False
 
 
-class Schedule:
+class Schedule(Persistent):
     """Stage 3's schedule, the same for both designs (this flat one and
     :mod:`minipar.zero.per_parameter`): gather a unit before its forward (prefetching the
     next), free it after; gather it again when its output's gradient arrives (prefetching the
@@ -106,18 +107,20 @@ class Schedule:
             self._gather(self._order[pos - 1], wait=False, phase="backward", prefetch=True)
         self.units[i].t0 = trace.now()
 
-
 class FullyShardedDataParallel(Schedule, nn.Module):
-    """``FullyShardedDataParallel(module, group=None, units=None, prefetch=True, param_dtype=None)``.
+    """``FullyShardedDataParallel(module, group=None, units=None, prefetch=True, param_dtype=None,
+    persist_below=None, persist=None)``.
 
     ``units``: the modules gathered one at a time (default ``module.layers()``, else the
-    whole module); every parameter must belong to exactly one unit. ``group``: the
+    whole module); every parameter must belong to exactly one unit. ``persist_below`` (elements)
+    and ``persist`` (a predicate on modules): parameters kept whole (:func:`persistent_parameters`). ``group``: the
     data-parallel group (None = world). The wrapper's ``parameters()`` are this rank's fp32
     shards: give them to any element-wise optimizer. ``gather_full_params()`` returns the
     full parameters by their original names (call it on every rank).
     ``peak_gathered_bytes``: the most bytes of gathered units alive at once so far."""
 
-    def __init__(self, module: nn.Module, group=None, units=None, prefetch: bool = True, param_dtype=None):
+    def __init__(self, module: nn.Module, group=None, units=None, prefetch: bool = True, param_dtype=None,
+                 persist_below: int | None = None, persist=None):
         super().__init__()
         object.__setattr__(self, "module", module)        # not a child: its params are not ours
         self.group, self.prefetch = group, prefetch
@@ -133,15 +136,20 @@ class FullyShardedDataParallel(Schedule, nn.Module):
         missing = [n for n, p in module.named_parameters() if id(p) not in owner]
         if missing:
             raise ValueError(f"parameters in no unit: {missing[:3]}...; pass units= covering them")
-        self.units = [_Unit(m, [p for p in m.parameters() if p.requires_grad], group,
-                            self.param_dtype) for m in units]
+        whole = persistent_parameters(module, persist_below, persist, param_dtype)
+        kept = {id(p) for p in whole}
+        sharded = [(m, [p for p in m.parameters() if p.requires_grad and id(p) not in kept]) for m in units]
+        self.units = [_Unit(m, ps, group, self.param_dtype) for m, ps in sharded if ps]
         self.shards = nn.ParameterList([u.shard for u in self.units])
+        self.persistent = nn.ParameterList(whole)           # the module's own, replicated
         self._order: list[int] = []                        # units in forward order, this step
         self.peak_gathered_bytes = 0                       # most bytes of gathered units at once
         self._in_backward = False
         # backward completes the units in reverse forward order; reduce them in that order
         self.reduction = OrderedReduction([u.flat for u in self.units],
-                                          lambda: list(reversed(self._order)), self._reduce)
+                                          lambda: list(reversed(self._order)), self._reduce,
+                                          tail=self._reduce_persistent)
+        self._watch_persistent()
         for i, u in enumerate(self.units):
             u.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
             u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
@@ -198,13 +206,15 @@ class FullyShardedDataParallel(Schedule, nn.Module):
             all_gather(full, u.shard.detach(), group=self.group, name="gather_full_params")
             for p, v in zip(u.flat.params, u.flat.views(full)):
                 where[id(p)] = v.clone()
+        where.update({id(p): p.detach().clone() for p in self.persistent})
         return {n: where[id(p)] for n, p in self.module.named_parameters() if id(p) in where}
 
     def memory_tensors(self, optimizer=None) -> dict[str, list[torch.Tensor]]:
-        """Shards and any gathered buffers (params), gradient shards, optimizer state."""
-        return {"params": [u.shard for u in self.units] + [u.full for u in self.units],
+        """Shards, any gathered buffers and the persistent parameters (params), gradient shards
+        and persistent gradients, optimizer state."""
+        return {"params": [u.shard for u in self.units] + [u.full for u in self.units] + list(self.persistent),
                 "grads": [u.shard.grad for u in self.units]
-                + [p.grad for u in self.units for p in u.flat.params],
+                + [p.grad for u in self.units for p in u.flat.params] + [p.grad for p in self.persistent],
                 "optimizer": state_tensors(optimizer) if optimizer is not None else []}
 
     def unit_sizes(self) -> list[int]:

@@ -32,18 +32,26 @@ OPTIMIZERS = {0: ReplicatedOptimizer, 1: ZeroOptimizer, 2: Zero2Optimizer}
 
 
 def wrap(stage: int, model: torch.nn.Module, optimizer_cls, group=None, param_dtype=None,
-         sharding: str = "flat", **kwargs):
+         sharding: str = "flat", prefetch: bool = True, reduce_dtype=None, persist_below=None,
+         persist=None, **kwargs):
     """``(forward, optimizer)`` for ``stage``: the model (or its stage-3 wrapper) and an
     optimizer with ``zero_grad()``/``step()``. Units are ``model.layers()``. Stage 3 comes
     in two designs: ``sharding="flat"`` (:class:`FullyShardedDataParallel`, flat units) or
-    ``"per-parameter"`` (:func:`fully_shard`, FSDP2's: the model's own parameters become shards)."""
+    ``"per-parameter"`` (:func:`fully_shard`, FSDP2's: the model's own parameters become shards),
+    with ``prefetch``, ``persist_below``/``persist`` (both: small parameters kept whole) and
+    ``reduce_dtype`` (per parameter)."""
+    keep = dict(persist_below=persist_below, persist=persist)
     if stage == 3 and sharding == "per-parameter":
-        fully_shard(model, group=group, param_dtype=param_dtype)
+        fully_shard(model, group=group, param_dtype=param_dtype, reduce_dtype=reduce_dtype, prefetch=prefetch, **keep)
         return model, optimizer_cls(model.parameters(), **kwargs)
     if sharding != "flat":
         raise ValueError(f"sharding must be 'flat' or (stage 3 only) 'per-parameter', got {sharding!r}")
+    if reduce_dtype is not None:
+        raise ValueError("reduce_dtype is an option of stage 3's per-parameter design (sharding='per-parameter')")
+    if stage != 3 and (persist_below is not None or persist is not None):
+        raise ValueError("persist_below/persist keep parameters whole under stage 3; stages 0-2 never shard them")
     if stage == 3:
-        fsdp = FullyShardedDataParallel(model, group=group, param_dtype=param_dtype)
+        fsdp = FullyShardedDataParallel(model, group=group, param_dtype=param_dtype, prefetch=prefetch, **keep)
         return fsdp, optimizer_cls(fsdp.parameters(), **kwargs)
     if stage not in OPTIMIZERS:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -52,8 +60,18 @@ def wrap(stage: int, model: torch.nn.Module, optimizer_cls, group=None, param_dt
     return model, OPTIMIZERS[stage](units, optimizer_cls, group=group, **extra, **kwargs)
 
 
-def check(model, batches, world_size: int, stage: int = 1, dtype=None, sharding="flat", **_) -> None:
-    """Plain errors before launch: a known stage and design, batches that split into equal shards."""
+def check(model, batches, world_size: int, stage: int = 1, dtype=None, sharding="flat", persist_below=None,
+          persist=None, param_dtype=None, **_) -> None:
+    """Plain errors before launch: a known stage and design, batches that split into equal shards,
+    persistence only under stage 3 and in fp32 parameters."""
+    if persist_below is not None or persist is not None:
+        if stage != 3:
+            raise ValueError("persist_below/persist keep parameters whole under stage 3; stages 0-2 never shard them")
+        if param_dtype not in (None, torch.float32):
+            raise ValueError("persistent parameters stay fp32: use persist_below/persist with dtype= (autocast), "
+                             "not param_dtype=")
+        if persist_below is not None and (not isinstance(persist_below, int) or persist_below < 0):
+            raise ValueError(f"persist_below must be a number of elements (an int >= 0), got {persist_below!r}")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if sharding not in ("flat", "per-parameter") or (sharding == "per-parameter" and stage != 3):
@@ -92,6 +110,7 @@ def train(model, batches, optimizer=None, group=None, stage: int = 1, param_dtyp
             memory["gathered_peak"] = s3.peak_gathered_bytes
         measured = {"memory": memory, "bytes_sent": sent["total"], "bytes_by_dim": sent,
                     "unit_sizes": (s3 if stage == 3 else opt).unit_sizes(),
+                    "persistent": s3.persistent_numel() if stage == 3 else 0,
                     "grad_norm": getattr(opt, "grad_norm", None), "seconds": time.perf_counter() - t0}
         losses.append(strategy.average_loss(loss, group))    # after the step's bytes were read
     params = s3.gather_full_params() if stage == 3 else strategy.full_params(model.named_parameters())

@@ -1,0 +1,73 @@
+"""ZeRO-3's persistent parameters: small parameters kept whole on every rank.
+
+DeepSpeed's ``stage3_param_persistence_threshold`` (its ZeRO stage-3 configuration):
+gathering a 64-element norm weight costs a collective and its latency for almost no bytes,
+so parameters below a size stay unsharded.
+Here, with Ψ_p such elements, each rank holds them whole and
+
+    ḡ_p = (1/N) Σ_j g_p^(j)                 one all-reduce (mean) per backward, after every
+                                            unit's reduce-scatter, the same on every rank
+
+so every rank applies the same update to the same replica. Memory per rank
+(4 + 4 + K)Ψ_p (fp32) on top of stage 3's (4 + 4 + K)(Ψ - Ψ_p)/N; communication
+2(N-1)/N·Ψ_p instead of 3(N-1)/N·Ψ_p, and a unit left with nothing to shard needs no
+gather at all (:func:`minipar.cost.zero_bytes_per_rank`, ``persistent=``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..comm import all_reduce
+
+
+def persistent_parameters(module: nn.Module, persist_below: int | None = None, persist=None,
+                          param_dtype=None) -> list[nn.Parameter]:
+    """The parameters stage 3 keeps whole (DeepSpeed's ``stage3_param_persistence_threshold``):
+    those with fewer than ``persist_below`` elements, and those of the modules for which
+    ``persist(module)`` is true, in ``module``'s order. They are replicated on every rank and
+    never gathered; their gradients are all-reduced (averaged) in one call after every unit's
+    reduce-scatter, so each costs 4 + 4 + K bytes per element on every rank instead of
+    (4 + 4 + K)/N, and a unit left with none to shard costs no collective at all."""
+    if persist_below is None and persist is None:
+        return []
+    if persist_below is not None and (not isinstance(persist_below, int) or persist_below < 0):
+        raise ValueError(f"persist_below must be a number of elements (an int >= 0), got {persist_below!r}")
+    if param_dtype not in (None, torch.float32):
+        raise ValueError("persistent parameters stay fp32 and are not cast: use persist_below/persist "
+                         "with dtype= (autocast) rather than param_dtype=")
+    out = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None and p.requires_grad and (
+                    (persist_below is not None and p.numel() < persist_below) or (persist is not None and persist(m))):
+                out[id(p)] = p
+    return list(out.values())
+
+
+class Persistent:
+    """What both stage-3 designs do with their ``persistent`` parameters (a list, possibly
+    empty); a design gives ``group``, ``reduction`` (whose ``tail`` is
+    :meth:`_reduce_persistent`) and optionally ``reduce_dtype``."""
+
+    @torch.no_grad()
+    def _reduce_persistent(self) -> None:
+        """The persistent parameters' gradients (zeros where this rank has none), averaged over
+        the group in one all-reduce: every rank then holds the same full gradient."""
+        ps = self.persistent
+        if not ps:
+            return
+        dtype = getattr(self, "reduce_dtype", None) or ps[0].dtype
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
+                          for p in ps])
+        all_reduce(flat, op="avg", group=self.group, name="all_reduce", persistent=True)
+        for p, g in zip(ps, flat.split([p.numel() for p in ps])):
+            p.grad = g.view(p.shape).to(p.dtype)
+
+    def _watch_persistent(self) -> None:
+        for p in self.persistent:
+            p.register_post_accumulate_grad_hook(lambda p: self.reduction.touch())
+
+    def persistent_numel(self) -> int:
+        """Ψ_p: the elements kept whole on every rank."""
+        return sum(p.numel() for p in self.persistent)

@@ -128,6 +128,14 @@ def process_group_backend(backend: str) -> str:
     return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
+def init_options(backend: str, here) -> dict:
+    """Extra ``init_process_group`` arguments for a rank computing on ``here``: under NCCL its
+    ``device_id``, which binds the group to that GPU and builds NCCL's communicator at once
+    (eagerly) rather than at the first operation."""
+    here = torch.device(here)
+    return {"device_id": here} if "nccl" in backend and here.type == "cuda" else {}
+
+
 def device_for_rank(backend: str, local_rank: int) -> torch.device:
     """The device a rank computes on: its own GPU under NCCL, the CPU under Gloo."""
     return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import trace as _trace
-from .backend import process_group_backend
+from .backend import init_options, process_group_backend
 
 IN_RANK = "MINIPAR_IN_RANK"
 
@@ -133,8 +133,9 @@ def _run_job(job: dict, rank: int, seed: int, conn) -> None:
             torch.cuda.reset_peak_memory_stats(here)
         pg_timeout = timedelta(seconds=job["timeout"] + 60)  # the driver's timeout fires first
         store = dist.TCPStore("127.0.0.1", job["port"], is_master=False, timeout=pg_timeout)
-        dist.init_process_group(process_group_backend(job["backend"]), store=store, rank=rank,
-                                world_size=job["world_size"], timeout=pg_timeout)
+        backend = process_group_backend(job["backend"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=job["world_size"],
+                                timeout=pg_timeout, **init_options(backend, here))
         _trace.set_origin(job["t0"])
         _trace.start(rank)
         with redirect_stdout(out), redirect_stderr(out), _exercises(job):

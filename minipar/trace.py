@@ -60,6 +60,11 @@ def enable(flag: bool = True) -> None:
     _enabled = flag
 
 
+def recording_on() -> bool:
+    """Whether :func:`record` keeps events now (:func:`enable`, :func:`recording`)."""
+    return _enabled
+
+
 def record(kind: str, name: str, start: float, end: float, bytes_sent: int = 0,
            bytes_recv: int = 0, **labels) -> None:
     """Append one event; ``start``/``end`` come from :func:`now`."""

@@ -44,6 +44,11 @@ class TrainResult:
     def __getitem__(self, key):  # so ``assert_same_training(result, reference)`` reads it like a dict
         return getattr(self, key)
 
+    @property
+    def placement(self):
+        """Where the ranks ran (:class:`minipar.backend.Placement`; ``None`` if not launched)."""
+        return getattr(self.results, "placement", None)
+
     @classmethod
     def merge(cls, results) -> "TrainResult":
         """One result from the ranks' ``train`` dicts: the first rank's losses that are not

@@ -364,3 +364,19 @@ def test_the_parameter_server_receives_from_any_worker_on_the_cpu_through_gloo(m
     monkeypatch.setattr(staging, "group_backend", lambda group: "nccl")
     with pytest.raises(ValueError, match="on a nccl group"):
         ps._recv_any(buf, None)
+
+
+@pytest.mark.parametrize("bench", ["pipeline", "collectives"])
+def test_a_cuda_benchmark_with_fewer_gpus_than_ranks_is_a_plain_error(bench, monkeypatch, capsys):
+    """``--device cuda`` is NCCL with one GPU per rank (PyTorch's pipelining baseline has no
+    CUDA path over Gloo): with 1 GPU and 2 ranks, exit code 2 and why, before any launch."""
+    import importlib
+    from minipar import backend
+    module = importlib.import_module(f"minipar.bench.{bench}")
+    monkeypatch.setattr(backend, "gpu_count", lambda: 1)
+    monkeypatch.setattr(module, "launch", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(SystemExit) as info:
+        module.main(["--device", "cuda", "--ranks", "2", "--quick"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "one GPU per rank over NCCL: 2 ranks need 2 GPUs, this machine has 1" in err

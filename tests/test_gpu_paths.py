@@ -380,3 +380,104 @@ def test_a_cuda_benchmark_with_fewer_gpus_than_ranks_is_a_plain_error(bench, mon
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "one GPU per rank over NCCL: 2 ranks need 2 GPUs, this machine has 1" in err
+
+
+def test_recording_off_means_no_synchronization(monkeypatch):
+    """A region waits for the GPU at both ends only while recording: 10 regions and a
+    backward cost 22 waits recording, none with recording off (``python -m minipar.train``,
+    the benchmarks), and record nothing."""
+    waits = []
+    monkeypatch.setattr(trace, "_sync", lambda: waits.append(1))
+    w = torch.ones(3, requires_grad=True)
+
+    def step():
+        for i in range(10):
+            with trace.region("forward", layer=i):
+                loss = (w * 2).sum()
+        trace.backward(loss)
+    trace.start(0, barrier=False)
+    step()
+    assert len(waits) == 22 and len(trace.events()) == 11
+    waits.clear()
+    trace.start(0, barrier=False)
+    with trace.recording(False):
+        step()
+    assert waits == [] and trace.events() == [] and w.grad is not None
+
+
+def _ep_forward_host_copies():
+    """In a rank: how many ``.cpu()``/``.item()`` an EP layer's forward makes, recording off."""
+    from minipar import expert_parallel
+    from minipar.models.moe import MoE
+    torch.manual_seed(0)
+    layer = expert_parallel.ExpertParallelMoE(MoE(8, 4, 2, 1.0, hidden=16))
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = {name: getattr(torch.Tensor, name) for name in ("cpu", "item")}
+    for name, fn in real.items():
+        setattr(torch.Tensor, name, lambda self, *a, _f=fn, _n=name, **k: (calls.append(_n), _f(self, *a, **k))[1])
+    try:
+        with trace.recording(False):
+            layer(x)
+    finally:
+        for name, fn in real.items():
+            setattr(torch.Tensor, name, fn)
+    return calls, sorted(layer.stats), layer.stats["kept"].tolist()
+
+
+def test_the_ep_layer_copies_nothing_to_the_host_for_its_statistics():
+    """The six routing statistics stay on the device until read: with recording off a
+    forward makes no ``.cpu()`` or ``.item()`` (the split sizes the all-to-all needs are its
+    only host reads); the statistics are still all there."""
+    import minipar
+    res = minipar.launch(_ep_forward_host_copies, 2, device="cpu", timeout=60)
+    for calls, keys, kept in res:
+        assert calls == [], calls
+        assert keys == ["aux", "capacity", "counts", "dropped", "experts", "kept", "matrix", "z"]
+        assert len(kept) == 2 and len(kept[0]) == 4
+
+
+def test_staging_waits_for_queued_kernels_before_its_event_starts(monkeypatch):
+    """``to_host``'s device-to-host copy would first drain the queue (a backward, say): when
+    recording, the stream is synchronized before the start is stamped; not when off."""
+    log = []
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: types.SimpleNamespace(synchronize=lambda: log.append("sync")))
+    monkeypatch.setattr(staging.trace, "now", lambda: log.append("clock") or 0.0)
+
+    class Host:
+        def copy_(self, src):
+            log.append("copy")
+            return self
+    monkeypatch.setattr(staging, "host_like", lambda t: Host())
+    staging.to_host(FakeCudaTensor(), "all_reduce", {"dim": "dp"})
+    assert log == ["sync", "clock", "copy", "clock"]
+    log.clear()
+    with trace.recording(False):
+        staging.to_host(FakeCudaTensor(), "all_reduce", {"dim": "dp"})
+    assert log == ["clock", "copy", "clock"]
+
+
+def test_the_reported_peak_memory_is_a_running_maximum(monkeypatch):
+    """A strategy's ``peak_memory()`` block resets the allocator's peak counter; the job's
+    peak (``max_allocated``, what ``course.py test --gpu`` reports) still counts what came
+    before: 100 MiB, then a block peaking at 30 MiB."""
+    from minipar import gpu
+    alloc = {"peak": 0}
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "synchronize", lambda d=None: None)
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda d=None: alloc.update(peak=0))
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda d=None: alloc["peak"])
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda d=None: alloc["peak"] + 1)
+    mib = 2**20
+    gpu.reset_max_allocated("cuda:0")
+    alloc["peak"] = 100 * mib
+    with gpu.peak_memory("cuda:0") as m:
+        alloc["peak"] = 30 * mib
+    assert m.bytes == 30 * mib
+    assert gpu.max_allocated("cuda:0") == 100 * mib
+    with gpu.peak_memory("cuda:0") as m:
+        alloc["peak"] = 120 * mib
+    assert m.bytes == 120 * mib and gpu.max_allocated("cuda:0") == 120 * mib
+    gpu.reset_max_allocated("cuda:0")  # a new job
+    assert gpu.max_allocated("cuda:0") == 0 and gpu.max_allocated("cpu") is None

@@ -47,7 +47,8 @@ GPU_TESTS = [
     ("10 planning", ["tests/test_plan.py", "tests/test_recompute.py"]),
     ("mixed precision", ["tests/test_precision.py"]),
     ("11 train, checkpoints", ["tests/test_train.py", "tests/test_checkpoint.py"]),
-    ("devices", ["tests/test_devices.py", "tests/test_launch.py", "tests/test_gpu_paths.py"]),
+    ("devices", ["tests/test_devices.py", "tests/test_launch.py", "tests/test_gpu_paths.py",
+                 "tests/test_gpu_run.py"]),
 ]
 
 

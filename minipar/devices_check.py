@@ -5,8 +5,9 @@ Two checks on the test files of its jobs:
 * **No test assumes the CPU.** A test that asserts ``"cpu"`` or ``"gloo"`` (a device, a
   backend, a placement's sentence) must either pin its ranks there (``device="cpu"``,
   ``--device cpu``) or compute what to expect from the placement (``place(...)``,
-  ``gpu_count()``, ``default_device()``, simulated ``gpus=``); otherwise it would fail under
-  ``MINIPAR_DEVICE=cuda`` on a GPU. Read from the source (:func:`cpu_assumptions`).
+  ``gpu_count()``, ``default_device()``, simulated ``gpus=``), or say in a ``# placement-free:``
+  comment why it holds anywhere (it fakes the group or the allocator, say); otherwise it would
+  fail under ``MINIPAR_DEVICE=cuda`` on a GPU. Read from the source (:func:`cpu_assumptions`).
 * **They collect with a GPU.** ``pytest --collect-only`` with ``MINIPAR_DEVICE=cuda`` and
   ``torch.cuda`` reporting ``gpus`` devices (:func:`collect`), so skip conditions and
   module-level code see the GPU machine.
@@ -26,7 +27,8 @@ ASSUMED = re.compile(r"^cpu$|(?<![:\w])gloo\b|Gloo on CPU")  # a device, a backe
 # what makes such an assertion safe: the test pins the CPU, or asks the placement
 PINNED = ('device="cpu"', "device='cpu'", '"--device", "cpu"', "place(", "gpu_count(", "gpus=",
           "default_device(", 'setenv("MINIPAR_DEVICE"', 'delenv("MINIPAR_DEVICE"', "placement",
-          "process_group_backend(", "init_options(", "gpu_identity(")  # the last: pure functions
+          "process_group_backend(", "init_options(", "gpu_identity(",  # pure functions
+          "# placement-free:")
 # the driver's own device follows MINIPAR_DEVICE, whatever the ranks were pinned to
 DRIVER = ("minipar.device()", "backend.device()")
 ASKED = ("gpu_count(", "default_device(", 'setenv("MINIPAR_DEVICE"', 'delenv("MINIPAR_DEVICE"')

@@ -213,7 +213,7 @@ def test_the_parameter_server_receives_from_any_worker_on_the_cpu_through_gloo(m
         return Work([])
     monkeypatch.setattr(ps.dist, "irecv", irecv)
     monkeypatch.setattr(staging, "group_backend", lambda group: "cpu:gloo,cuda:nccl")
-    buf = torch.zeros(5)
+    buf = torch.zeros(5)  # placement-free: the group's backend is faked
     assert ps._recv_any(buf, None) == 2 and got == [("cpu", None)] and buf.eq(1).all()
     with pytest.raises(ValueError, match="needs a CPU tensor on a group with Gloo"):
         ps._recv_any(torch.zeros(2, device="meta"), None)

@@ -178,7 +178,7 @@ def test_the_reported_peak_memory_is_a_running_maximum(monkeypatch):
     monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda d=None: alloc.update(peak=0))
     monkeypatch.setattr(cuda, "max_memory_allocated", lambda d=None: alloc["peak"])
     monkeypatch.setattr(cuda, "max_memory_reserved", lambda d=None: alloc["peak"] + 1)
-    mib = 2**20
+    mib = 2**20  # placement-free: the allocator is faked
     gpu.reset_max_allocated("cuda:0")
     alloc["peak"] = 100 * mib
     with gpu.peak_memory("cuda:0") as m:
@@ -190,3 +190,13 @@ def test_the_reported_peak_memory_is_a_running_maximum(monkeypatch):
     assert m.bytes == 120 * mib and gpu.max_allocated("cuda:0") == 120 * mib
     gpu.reset_max_allocated("cuda:0")  # a new job
     assert gpu.max_allocated("cuda:0") == 0 and gpu.max_allocated("cpu") is None
+
+
+def test_no_test_of_the_gpu_run_assumes_the_cpu(course):
+    """The static half of ``--dry-run`` on this repository's jobs: every assertion on the CPU
+    or Gloo is pinned, reads the placement or says why it holds anywhere."""
+    from pathlib import Path
+    from minipar import devices_check
+    root = Path(course.__file__).parent
+    files = sorted({f for _, args in course.gpu_jobs() for f in args if f.endswith(".py")})
+    assert [f for path in files for f in devices_check.cpu_assumptions(str(root / path))] == []

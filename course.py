@@ -7,6 +7,8 @@
                                           # the tests' run), a static site, checked in a browser
     python3 course.py test --gpu          # on a GPU machine: equivalence tests and every notebook
                                           # on the GPU, then a report per chapter
+    python3 course.py test --gpu --dry-run   # what that would run, and a check (no GPU needed)
+                                          # that none of its tests assumes the CPU
     python3 course.py test --torch 2.9.0 -k launch   # the tests under another torch, in its
                                           # own environment (~/.cache/minipar/envs/torch-2.9.0)
     python3 course.py test --colab        # play Colab: a fresh runtime with its own torch (2.9.0),
@@ -49,7 +51,8 @@ GPU_TESTS = [
     ("10 planning", ["tests/test_plan.py", "tests/test_recompute.py"]),
     ("mixed precision", ["tests/test_precision.py"]),
     ("11 train, checkpoints", ["tests/test_train.py", "tests/test_checkpoint.py"]),
-    ("devices", ["tests/test_devices.py", "tests/test_launch.py"]),
+    ("devices", ["tests/test_devices.py", "tests/test_launch.py", "tests/test_gpu_paths.py",
+                 "tests/test_gpu_run.py"]),
 ]
 
 
@@ -152,24 +155,53 @@ def _peaks(log: Path) -> dict[int, int]:
     return out
 
 
+def gpu_jobs(args: list[str] = ()) -> list[tuple[str, list[str]]]:
+    """``(name, pytest arguments)`` of every job ``test --gpu`` runs: each chapter's tests, then
+    each notebook."""
+    notebooks = sorted(p.stem[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    jobs = [(name, [f for f in files if (ROOT / f).exists()]) for name, files in GPU_TESTS]
+    jobs = [(n, ["-q", "-x", *files, *args]) for n, files in jobs if files]
+    return jobs + [(f"notebook {nb}", ["-q", "-x", "tests/test_notebooks.py", "-k", nb, *args])
+                   for nb in notebooks]
+
+
+def gpu_width(gpus: int) -> int:
+    """Jobs at once: each is a pytest process whose warm ranks hold CUDA contexts (a few hundred
+    MiB each), so one GPU runs one job at a time; with 2 or more, 4 (host cores are then the
+    limit). ``MINIPAR_GPU_JOBS`` overrides."""
+    return int(os.environ.get("MINIPAR_GPU_JOBS", "4" if gpus >= 2 else "1"))
+
+
+def gpu_dry_run(gpus: int, args: list[str]) -> int:
+    """List the jobs and commands of ``test --gpu`` and check, without a GPU, that its tests
+    collect as on one (``minipar.devices_check``) and that none assumes the CPU."""
+    simulated = max(gpus, 1)
+    jobs = gpu_jobs(args)
+    print(f"course.py test --gpu --dry-run: {gpus} GPU(s) here; as on {simulated}: "
+          f"{len(jobs)} jobs, {gpu_width(simulated)} at a time, each with MINIPAR_DEVICE=cuda")
+    for name, pytest_args in jobs:
+        print(f"  {name:<24} {python()} -m pytest {' '.join(pytest_args)}")
+    files = sorted({f for _, a in jobs for f in a if f.startswith("tests/")})
+    return subprocess.call([str(python()), "-m", "minipar.devices_check", "--gpus", str(simulated),
+                            *files], cwd=ROOT)
+
+
 def test_gpu(args: list[str]) -> int:
     """Every chapter's equivalence tests with the ranks on the GPU(s), then every notebook,
-    each timed, with the peak GPU memory of each rank; a report at the end."""
+    each timed, with the peak GPU memory of each rank; a report at the end (``--dry-run``:
+    what it would run, :func:`gpu_dry_run`)."""
     probe = subprocess.run([str(python()), "-c", "import torch; print(torch.cuda.device_count() "
                             "if torch.cuda.is_available() else 0, torch.__version__)"],
                            capture_output=True, text=True)
     gpus, version = (probe.stdout.split() + ["0", "?"])[:2]
+    if "--dry-run" in args:
+        return gpu_dry_run(int(gpus), [a for a in args if a != "--dry-run"])
     if int(gpus) == 0:
         print("course.py test --gpu: no CUDA GPU visible to .venv's torch "
               f"({version}); install a CUDA build (MINIPAR_TORCH) on a machine with a GPU.")
         return 2
-    notebooks = sorted(p.stem[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    jobs = [(name, [f for f in files if (ROOT / f).exists()]) for name, files in GPU_TESTS]
-    jobs = [(n, ["-q", "-x", *files]) for n, files in jobs if files]
-    jobs += [(f"notebook {nb}", ["-q", "-x", "tests/test_notebooks.py", "-k", nb]) for nb in notebooks]
-    # several chapters at once (each a pytest process with its own ranks): the GPU has room for
-    # the course's small models, and the host's cores are the limit; MINIPAR_GPU_JOBS to change
-    width = int(os.environ.get("MINIPAR_GPU_JOBS", "4"))
+    jobs = gpu_jobs()
+    width = gpu_width(int(gpus))
     rows, t_all = {}, time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         running, todo = {}, list(enumerate(jobs))

@@ -128,6 +128,45 @@ def process_group_backend(backend: str) -> str:
     return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
+def init_options(backend: str, here) -> dict:
+    """Extra ``init_process_group`` arguments for a rank computing on ``here``: under NCCL its
+    ``device_id``, which binds the group to that GPU and builds NCCL's communicator at once
+    (eagerly) rather than at the first operation."""
+    here = torch.device(here)
+    return {"device_id": here} if "nccl" in backend and here.type == "cuda" else {}
+
+
+def gpu_identity(here) -> str:
+    """``"host GPU-uuid"``: which physical GPU of which machine ``here`` is (a CPU: unique)."""
+    import socket
+    here = torch.device(here)
+    if here.type != "cuda":
+        return f"{socket.gethostname()} cpu {os.getpid()}"
+    try:
+        gpu = str(torch.cuda.get_device_properties(here).uuid)
+    except (AttributeError, RuntimeError, AssertionError):
+        gpu = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'all')} index {here.index}"
+    return f"{socket.gethostname()} {gpu}"
+
+
+def refuse_shared_gpus(store, rank: int, world_size: int, identity: str, here="cuda") -> None:
+    """Under torchrun each agent places its ranks by ``LOCAL_RANK`` alone, so several agents
+    on one machine (a simulated multi-node run) put ranks of different "nodes" on the same
+    GPUs, which NCCL refuses ("Duplicate GPU detected"). Every rank posts ``identity``
+    (:func:`gpu_identity`) to ``store``; a GPU named twice is a :class:`BackendError` naming
+    the ranks, before the process group is made."""
+    store.set(f"minipar/gpu/{rank}", identity)
+    keys = [f"minipar/gpu/{r}" for r in range(world_size)]
+    store.wait(keys)
+    same = [r for r, k in enumerate(keys) if store.get(k).decode() == identity]
+    if len(same) > 1 and torch.device(here).type == "cuda":
+        raise BackendError(
+            f"ranks {same} would all compute on {here}, the same GPU of {identity.split()[0]}: "
+            "torchrun started several agents on one machine and each places its ranks by "
+            "LOCAL_RANK. Give each agent its own GPUs (CUDA_VISIBLE_DEVICES=0 for one, =1 for the "
+            "next, ...) or pass --device cpu (device='cpu').")
+
+
 def device_for_rank(backend: str, local_rank: int) -> torch.device:
     """The device a rank computes on: its own GPU under NCCL, the CPU under Gloo."""
     return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
@@ -149,6 +188,19 @@ def device() -> torch.device:
 
 
 current_device = device  # the older name
+
+
+def ranks_device() -> torch.device:
+    """Where :func:`minipar.launch`'s ranks compute by default on this machine (``cuda:0``'s
+    kind when there is a GPU, else the CPU; ``MINIPAR_DEVICE`` first): where a single-process
+    reference must run to be compared with them (:func:`minipar.reference.train_reference`)."""
+    d = os.environ.get(DEVICE_ENV)
+    if d and d != "auto":
+        return device()
+    try:
+        return place(1, default_device()).device_for_rank(0)
+    except BackendError:
+        return torch.device("cpu")
 
 
 def describe_machine(world_sizes=(2, 4)) -> list[tuple[str, str]]:

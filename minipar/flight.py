@@ -41,12 +41,24 @@ def started(op: str, name: str | None = None, dim: str | None = None) -> dict:
     return entry
 
 
-def completed(entry: dict | None) -> None:
-    """Note that the operation of ``entry`` (from :func:`started`) finished."""
+def completed(entry: dict | None, pending=None) -> None:
+    """Note that the operation of ``entry`` (from :func:`started`) finished, or, with
+    ``pending`` (a callable that says whether the device finished it: a CUDA event's
+    ``query``), that the host waited for it while the device may still run it (NCCL)."""
     global _progress
     _progress = t = time.monotonic()
     if entry is not None:
-        entry["end"] = t
+        if pending is None:
+            entry["end"] = t
+        else:
+            entry["pending"] = pending
+
+
+def finished(entry: dict) -> bool:
+    """Whether the operation of ``entry`` finished (on the device, for NCCL work)."""
+    if entry["end"] is None and entry.get("pending") is not None and entry["pending"]():
+        entry["end"], entry["pending"] = time.monotonic(), None
+    return entry["end"] is not None
 
 
 def beat() -> None:
@@ -82,7 +94,7 @@ def describe(entry: dict | None, now: float | None = None) -> str:
         return "no collective started yet"
     now = time.monotonic() if now is None else now
     what = f"{entry['op']} {entry['name']!r} on {entry['dim'] or 'an unnamed group'} (seq {entry['seq']})"
-    if entry["end"] is None:
+    if not finished(entry):
         return f"{what}, waiting inside it for {now - entry['start']:.1f} s"
     return (f"{what}, finished {now - entry['end']:.1f} s ago; not in a collective "
             "(stuck before its next one)")
@@ -91,7 +103,7 @@ def describe(entry: dict | None, now: float | None = None) -> str:
 def _summary(rank: int, now: float) -> dict:
     last = _ring[-1] if _ring else None
     per_group = {e["dim"]: e for e in _ring}  # the last entry of each group
-    where = ", ".join(f"{d or 'unnamed'} seq {e['seq']} {'waiting' if e['end'] is None else 'finished'}"
+    where = ", ".join(f"{d or 'unnamed'} seq {e['seq']} {'finished' if finished(e) else 'waiting'}"
                       for d, e in per_group.items())
     return {"rank": rank, "line": describe(last, now) + (f"; last on each group: {where}" if where else "")}
 

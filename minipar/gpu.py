@@ -2,7 +2,7 @@
 
 * **Memory.** ``with gpu.peak_memory() as m: step()`` resets the CUDA caching allocator's peak counter
   (``torch.cuda.reset_peak_memory_stats``) and reads ``torch.cuda.max_memory_allocated`` after the
-  block: ``m.bytes`` is the most memory the block's tensors held at once on this rank's GPU (``None``
+  block (the peak before the reset is kept: :func:`max_allocated` is the running maximum): ``m.bytes`` is the most memory the block's tensors held at once on this rank's GPU (``None``
   on the CPU, where minipar counts tensors itself, e.g. :func:`minipar.zero.model_state_bytes`). It
   exceeds a tensor count by the allocator's rounding (blocks of 512 B, segments of 2 MiB), the
   workspaces of cuBLAS/cuDNN and the activations autograd saves; ``m.reserved`` adds what the
@@ -42,6 +42,25 @@ class Peak:
     device: str = "cpu"
 
 
+_running: dict[str, int] = {}  # device -> the allocator's peaks that resets have cleared
+
+
+def max_allocated(device=None) -> int | None:
+    """The most memory tensors held at once on ``device`` since :func:`reset_max_allocated`
+    (a rank: since its job began), across the resets :func:`peak_memory` makes; ``None`` on
+    the CPU. What ``course.py test --gpu`` reports per rank."""
+    if (d := _cuda(device)) is None:
+        return None
+    return max(_running.get(str(d), 0), torch.cuda.max_memory_allocated(d))
+
+
+def reset_max_allocated(device=None) -> None:
+    """Start :func:`max_allocated` again (and the allocator's own peak counter)."""
+    if (d := _cuda(device)) is not None:
+        _running.pop(str(d), None)
+        torch.cuda.reset_peak_memory_stats(d)
+
+
 @contextmanager
 def peak_memory(device=None):
     """``with peak_memory() as m: ...`` then ``m.bytes``: the allocator's peak during the block."""
@@ -49,6 +68,7 @@ def peak_memory(device=None):
     out = Peak(device=str(d or "cpu"))
     if d is not None:
         torch.cuda.synchronize(d)
+        _running[str(d)] = max_allocated(d)  # the reset below must not lose the peak so far
         torch.cuda.reset_peak_memory_stats(d)
     try:
         yield out

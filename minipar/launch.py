@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from . import trace as _trace
-from .backend import DEVICE_ENV, default_device, place, process_group_backend
+from .backend import (DEVICE_ENV, default_device, gpu_identity, init_options, place,
+                      process_group_backend, refuse_shared_gpus)
 from .pool import (IN_RANK, Pool, cell_sources, deterministic_cuda, get_pool, kill_pool, loopback,
                    shutdown, to_cpu)
 from .rendezvous import free_port as _free_port  # noqa: F401 - bench.launch uses it
@@ -200,21 +201,26 @@ def _root_cause(errors: dict[int, str]) -> int:
     return min(errors, key=lambda r: (kind(errors[r]), r))
 
 
-def _init_under_torchrun(backend: str) -> None:
+def _init_under_torchrun(backend: str, here="cpu") -> None:
     """The default group from torchrun's environment. After a restart (``--max-restarts``)
     the agents' store still holds the previous round's keys, and Gloo would connect to the
     dead ranks' addresses (the restart counts of the agents may differ: one that restarts
     for another's failure does not count it). So each round's keys get their own prefix:
-    the ``k``-th group of ``WORLD_SIZE`` processes to arrive is round ``k``."""
+    the ``k``-th group of ``WORLD_SIZE`` processes to arrive is round ``k``. With several
+    agents (``WORLD_SIZE > LOCAL_WORLD_SIZE``) under NCCL, two ranks on one GPU are refused first
+    (ranks that share GPUs over Gloo do so on purpose)."""
+    extra = init_options(backend, here)  # under NCCL: device_id, the rank's GPU
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **extra)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(minutes=30))
     round_ = (store.add("minipar/arrived", 1) - 1) // world
-    dist.init_process_group(backend, store=dist.PrefixStore(f"minipar/round_{round_}", store),
-                            rank=rank, world_size=world)
+    mine = dist.PrefixStore(f"minipar/round_{round_}", store)
+    if "nccl" in backend and world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):  # several agents
+        refuse_shared_gpus(mine, rank, world, gpu_identity(here), here)
+    dist.init_process_group(backend, store=mine, rank=rank, world_size=world, **extra)
 
 
 def _launch_in_place(fn, world_size, device, backend, args, kwargs) -> Results:
@@ -230,7 +236,7 @@ def _launch_in_place(fn, world_size, device, backend, args, kwargs) -> Results:
         torch.cuda.set_device(here)
         deterministic_cuda()
     if not dist.is_initialized():
-        _init_under_torchrun(process_group_backend(placement.backend))
+        _init_under_torchrun(process_group_backend(placement.backend), here)
     _trace.start(dist.get_rank())
     t_start = time.perf_counter()
     out = to_cpu(fn(*args, **kwargs))

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from . import trace as _trace
-from .backend import process_group_backend
+from .backend import init_options, process_group_backend
+from .gpu import max_allocated, reset_max_allocated
 
 IN_RANK = "MINIPAR_IN_RANK"
 
@@ -87,13 +88,14 @@ def oom_report(rank: int, where: str) -> str:
 
 
 def log_peak_memory(rank: int, where: str) -> None:
-    """Append this job's peak allocated GPU memory to ``$MINIPAR_MEMORY_LOG`` (one JSON line
-    per rank and job; ``course.py test --gpu`` reports the peak per rank)."""
+    """Append this job's peak allocated GPU memory (:func:`minipar.gpu.max_allocated`: the
+    running maximum, whatever ``peak_memory`` blocks reset) to ``$MINIPAR_MEMORY_LOG`` (one
+    JSON line per rank and job; ``course.py test --gpu`` reports the peak per rank)."""
     if path := os.environ.get("MINIPAR_MEMORY_LOG"):
         import json
         with open(path, "a") as f:
             f.write(json.dumps({"rank": rank, "device": where,
-                                "peak": torch.cuda.max_memory_allocated(where)}) + "\n")
+                                "peak": max_allocated(where)}) + "\n")
 
 
 def _user_files() -> dict[str, float]:
@@ -130,11 +132,12 @@ def _run_job(job: dict, rank: int, seed: int, conn) -> None:
         if here.startswith("cuda"):
             torch.cuda.set_device(torch.device(here))
             deterministic_cuda()
-            torch.cuda.reset_peak_memory_stats(here)
+            reset_max_allocated(here)
         pg_timeout = timedelta(seconds=job["timeout"] + 60)  # the driver's timeout fires first
         store = dist.TCPStore("127.0.0.1", job["port"], is_master=False, timeout=pg_timeout)
-        dist.init_process_group(process_group_backend(job["backend"]), store=store, rank=rank,
-                                world_size=job["world_size"], timeout=pg_timeout)
+        backend = process_group_backend(job["backend"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=job["world_size"],
+                                timeout=pg_timeout, **init_options(backend, here))
         _trace.set_origin(job["t0"])
         _trace.start(rank)
         with redirect_stdout(out), redirect_stderr(out), _exercises(job):

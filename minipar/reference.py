@@ -2,14 +2,17 @@
 
 Equivalence tests run a strategy on the same model (same seed), the same global batches and the
 same optimizer as ``train_reference(model, batches, make_optimizer)``, then compare the two with
-:func:`assert_same_training`.
+:func:`assert_same_training`. The reference runs where the ranks run (a notebook's driver
+itself stays on the CPU, but on a GPU machine its ranks compute on the GPU, with other kernels),
+and the comparison's tolerance floor comes from where the result's ranks ran (its placement).
 """
 from __future__ import annotations
 
 import torch
 
 from . import precision
-from .backend import device
+from .backend import device as _driver_device
+from .backend import ranks_device
 
 
 def sgd(lr: float = 0.1):
@@ -21,13 +24,30 @@ def adamw(lr: float = 1e-2, weight_decay: float = 0.1):
     return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
 
-def train_reference(model: torch.nn.Module, batches, make_optimizer=None, dtype=None) -> dict:
+def _where(placed) -> torch.device | None:
+    """The device type a result's ranks computed on: from a :class:`~minipar.backend.Placement`,
+    anything with ``.placement`` (a ``TrainResult``, launch's ``Results``) or a dict with a
+    ``"placement"``/``"device"`` key; ``None`` if it does not say."""
+    if isinstance(placed, dict):
+        placed = placed.get("placement") or placed.get("device")
+    placed = getattr(placed, "placement", placed)
+    placed = getattr(placed, "device", placed)
+    return None if placed is None else torch.device(torch.device(placed).type)
+
+
+def train_reference(model: torch.nn.Module, batches, make_optimizer=None, dtype=None,
+                    device=None) -> dict:
     """Plain training: forward (model returns the loss), backward, step. Returns
-    ``{"losses": [...], "params": {name: tensor}}``. ``dtype`` (e.g. ``torch.bfloat16``):
-    mixed precision, the forward and loss under :func:`minipar.precision.autocast`, fp32
-    parameters, gradients and optimizer state, as every strategy's ``train(dtype=...)``."""
+    ``{"losses": [...], "params": {name: tensor}, "device": where it ran}``. ``dtype`` (e.g.
+    ``torch.bfloat16``): mixed precision, the forward and loss under
+    :func:`minipar.precision.autocast`, fp32 parameters, gradients and optimizer state, as every
+    strategy's ``train(dtype=...)``. ``device``: where to train (a device, or a placement or
+    result to train where its ranks ran); by default where ``minipar.launch`` puts ranks on this
+    machine (:func:`minipar.backend.ranks_device`: the GPU when there is one)."""
     precision.resolve(dtype)
-    here = device()  # the CPU, or the GPU the ranks compute on (MINIPAR_DEVICE=cuda)
+    here = ranks_device() if device is None else _where(device)
+    if here.type == "cuda" and here.index is None:
+        here = torch.device("cuda", torch.cuda.current_device())
     moved = here.type != "cpu"
     if moved:  # a copy on that device: the caller's CPU model is left as it was
         import copy
@@ -45,7 +65,7 @@ def train_reference(model: torch.nn.Module, batches, make_optimizer=None, dtype=
         opt.step()
         losses.append(loss.item())
     return {"losses": losses, "params": {k: (v.detach().cpu() if moved else v.detach().clone())
-                                         for k, v in model.named_parameters()}}
+                                         for k, v in model.named_parameters()}, "device": str(here)}
 
 
 # The least tolerance per device (fp32). On a GPU (TF32 off) the kernels of the sharded run and
@@ -55,8 +75,11 @@ DEVICE_TOLERANCE = {"cpu": (0.0, 0.0), "cuda": (1e-4, 1e-5)}
 
 def assert_same_training(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     """Losses at every step and every final parameter equal within ``rtol``/``atol`` (fp32),
-    or within :data:`DEVICE_TOLERANCE` of the device the run computed on, if that is larger."""
-    floor = DEVICE_TOLERANCE.get(device().type, (0.0, 0.0))
+    or within :data:`DEVICE_TOLERANCE` of the devices the two runs computed on, if that is
+    larger: ``got``'s placement (where its ranks ran) and ``want``'s ``"device"``; a result
+    that does not say is taken to have run on the driver's device."""
+    kinds = {(_where(r) or _driver_device()).type for r in (got, want)}
+    floor = tuple(max(DEVICE_TOLERANCE.get(k, (0.0, 0.0))[i] for k in kinds) for i in (0, 1))
     rtol, atol = max(rtol, floor[0]), max(atol, floor[1])
     gl, wl = torch.tensor(got["losses"], device="cpu"), torch.tensor(want["losses"], device="cpu")
     if gl.shape != wl.shape:

@@ -44,6 +44,11 @@ class TrainResult:
     def __getitem__(self, key):  # so ``assert_same_training(result, reference)`` reads it like a dict
         return getattr(self, key)
 
+    @property
+    def placement(self):
+        """Where the ranks ran (:class:`minipar.backend.Placement`; ``None`` if not launched)."""
+        return getattr(self.results, "placement", None)
+
     @classmethod
     def merge(cls, results) -> "TrainResult":
         """One result from the ranks' ``train`` dicts: the first rank's losses that are not
@@ -95,14 +100,18 @@ def on_device(train, model, batches, **options):
     """Rank side of :func:`run`: the model and the batches arrive on the CPU; put them where
     this rank computes (:func:`minipar.device`) and train there. On a GPU, ``measured`` also
     gets ``"gpu_peak_bytes"``: the caching allocator's peak over the run on this rank
-    (:func:`minipar.gpu.peak_memory`), to show beside the formula and minipar's own count."""
+    (:func:`minipar.gpu.peak_memory`), to show beside the formula and minipar's own count;
+    a dict result gets ``"device"``, where it trained."""
     from .backend import device
     from .gpu import peak_memory
     here = device()
     if here.type == "cpu":
-        return train(model, batches, **options)
-    with peak_memory(here) as peak:
-        out = train(to_device(model, here), to_device(batches, here), **options)
-    if isinstance(out, dict) and isinstance(out.get("measured"), dict):
-        out["measured"]["gpu_peak_bytes"] = peak.bytes
+        out = train(model, batches, **options)
+    else:
+        with peak_memory(here) as peak:
+            out = train(to_device(model, here), to_device(batches, here), **options)
+        if isinstance(out, dict) and isinstance(out.get("measured"), dict):
+            out["measured"]["gpu_peak_bytes"] = peak.bytes
+    if isinstance(out, dict):  # where it ran: assert_same_training's tolerance floor
+        out.setdefault("device", str(here))
     return out

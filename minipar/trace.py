@@ -60,6 +60,11 @@ def enable(flag: bool = True) -> None:
     _enabled = flag
 
 
+def recording_on() -> bool:
+    """Whether :func:`record` keeps events now (:func:`enable`, :func:`recording`)."""
+    return _enabled
+
+
 def record(kind: str, name: str, start: float, end: float, bytes_sent: int = 0,
            bytes_recv: int = 0, **labels) -> None:
     """Append one event; ``start``/``end`` come from :func:`now`."""
@@ -103,7 +108,11 @@ def recording(flag: bool = True):
 def region(name: str, kind: str = "compute", **labels):
     """Record the enclosed block as one event: ``with trace.region("forward", layer=2): ...``.
     On a GPU the block's kernels are waited for at both ends (:func:`synchronize_on`), so
-    the event spans the work, not the host's queueing of it."""
+    the event spans the work, not the host's queueing of it; with recording off
+    (:func:`recording`) a region neither waits nor records: the block runs as it would bare."""
+    if not _enabled:
+        yield
+        return
     _sync()
     t = now()
     try:
@@ -162,8 +171,12 @@ def bytes_by_dim(events) -> dict:
 def backward(loss, **labels) -> None:
     """``loss.backward()``, recorded as one ``backward`` compute event that ends when
     autograd has computed the last gradient: before the callbacks queued later in the same
-    pass (such as DDP's wait for its last all-reduces), which are not computation."""
+    pass (such as DDP's wait for its last all-reduces), which are not computation. With
+    recording off: only ``loss.backward()`` (no wait for the GPU, no hook)."""
     import torch
+    if not _enabled:
+        loss.backward()
+        return
     _sync()
     t, end = now(), []
     if loss.requires_grad:  # the loss's own gradient comes first: queue our callback first

@@ -1,5 +1,6 @@
 """Collectives from scratch against torch.distributed, and their recorded bytes against
-the cost model. One launch per world size checks every operation and size."""
+the cost model. One launch per world size checks every operation and size, on the ranks'
+device (CUDA tensors under ``course.py test --gpu``: NCCL, or staging through host memory)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,8 +12,8 @@ SIZES = [1, 7, 64, 1001, 4096]  # smaller than, not divisible by, and divisible 
 
 
 def _check_all(sizes):
-    r, n = dist.get_rank(), dist.get_world_size()
-    out = {"ok": {}, "bytes": {}}
+    r, n, dev = dist.get_rank(), dist.get_world_size(), minipar.device()
+    out = {"ok": {}, "bytes": {}}  # minipar's calls on this rank's device, torch's reference on the CPU
 
     def bytes_of(fn):
         trace.start(r)
@@ -20,9 +21,10 @@ def _check_all(sizes):
         return sum(e["bytes_sent"] for e in trace.events())
 
     for N in sizes:
-        x = torch.randn(N, generator=torch.Generator().manual_seed(1000 * r + N))
-        total = x.clone()
+        x_cpu = torch.randn(N, generator=torch.Generator().manual_seed(1000 * r + N))
+        total = x_cpu.clone()
         dist.all_reduce(total)
+        x, total = x_cpu.to(dev), total.to(dev)
         y = x.clone()
         out["bytes"][("ring_all_reduce", N)] = bytes_of(lambda: comm.ring_all_reduce(y))
         out["ok"][("ring_all_reduce", N)] = torch.allclose(y, total, atol=1e-5)
@@ -43,8 +45,9 @@ def _check_all(sizes):
                 b = x.clone()
                 out["bytes"][(f"broadcast {algo} src={src}", N)] = bytes_of(
                     lambda: comm.broadcast(b, src=src, algorithm=algo))
-                ref = x.clone()
+                ref = x_cpu.clone()
                 dist.broadcast(ref, src)
+                ref = ref.to(dev)
                 out["ok"][(f"broadcast {algo} src={src}", N)] = torch.equal(b, ref)
         if n & (n - 1) == 0:
             h = x.clone()
@@ -55,14 +58,15 @@ def _check_all(sizes):
         out["bytes"][("all_reduce", N)] = bytes_of(lambda: comm.all_reduce(z, op="avg"))
         out["ok"][("all_reduce", N)] = torch.allclose(z, total / n, atol=1e-5)
     k = 6
-    full = torch.arange(n * k, dtype=torch.float32) * (r + 1)
-    part = torch.empty(k)
+    full = torch.arange(n * k, dtype=torch.float32, device=dev) * (r + 1)
+    part = torch.empty(k, device=dev)
     comm.reduce_scatter(part, full)
-    out["ok"][("reduce_scatter", k)] = torch.equal(part, torch.arange(n * k, dtype=torch.float32)[r * k:(r + 1) * k] * n * (n + 1) / 2)
-    gathered = torch.empty(n * k)
-    h = comm.all_gather(gathered, torch.full((k,), float(r)), async_op=True)
+    out["ok"][("reduce_scatter", k)] = torch.equal(part.cpu(), torch.arange(n * k, dtype=torch.float32)[r * k:(r + 1) * k] * n * (n + 1) / 2)
+    gathered = torch.empty(n * k, device=dev)
+    h = comm.all_gather(gathered, torch.full((k,), float(r), device=dev), async_op=True)
     h.wait()
-    out["ok"][("all_gather async", k)] = torch.equal(gathered, torch.arange(n).repeat_interleave(k).float())
+    out["ok"][("all_gather async", k)] = torch.equal(gathered.cpu(), torch.arange(n).repeat_interleave(k).float())
+    out["device"] = dev.type
     return out
 
 
@@ -72,6 +76,7 @@ def test_collectives_match_torch_and_bytes_match_the_model(n):
     for rank, res in enumerate(results):
         bad = [k for k, ok in res["ok"].items() if not ok]
         assert not bad, f"rank {rank}: wrong result for {bad}"
+        assert res["device"] == results.placement.device  # on a GPU the tensors were CUDA tensors
     for N in SIZES:
         nbytes = 4 * N
         # summed over ranks the ring sends exactly n·formula; per rank exactly when n divides N

@@ -85,7 +85,7 @@ def test_a_rank_killed_mid_step_under_two_torchrun_agents_resumes_with_the_same_
     """Two agents (c10d rendezvous on 127.0.0.1, one rank each, --max-restarts 1); rank 1 is
     SIGKILLed inside step 5. The agents restart the job, minipar.train continues from the
     step-4 checkpoint without --resume, and the 8 losses equal the uninterrupted run's."""
-    run = TINY + ["--dp", "2", "--steps", "8"]
+    run = TINY + ["--dp", "2", "--steps", "8", "--device", "cpu"]  # two "nodes", one machine
     script = tmp_path / "inject.py"
     script.write_text(INJECT)
     ckpt, out = tmp_path / "ckpt", tmp_path / "out.json"

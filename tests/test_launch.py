@@ -10,7 +10,13 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar.backend import BackendError, gpu_count, pick_backend
+from minipar.backend import BackendError, default_device, gpu_count, pick_backend, place
+
+
+def _backend(n: int) -> str:
+    """The backend ``launch`` picks for ``n`` ranks here (Gloo on a CPU machine; NCCL with a
+    GPU per rank, and ``MINIPAR_DEVICE=cuda`` under ``course.py test --gpu``)."""
+    return place(n, default_device()).backend
 
 
 def _whoami(tag):
@@ -22,7 +28,7 @@ def test_results_in_rank_order_with_trace():
     res = minipar.launch(_whoami, 3, args=("x",))
     assert [r["rank"] for r in res] == [0, 1, 2]
     assert all(r["world"] == 3 and r["tag"] == "x" and r["threads"] == 1 for r in res)
-    assert res.backend == "gloo" and res.trace.world_size == 3
+    assert res.backend == _backend(3) and res.trace.world_size == 3
 
 
 def _boom():
@@ -189,7 +195,8 @@ def test_the_same_script_runs_as_a_plain_script_and_under_torchrun(tmp_path, run
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert "RESULT [(0, 3.0), (1, 3.0)] gloo" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    want = f"RESULT [(0, 3.0), (1, 3.0)] {_backend(2)}"
+    assert want in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
 
 
 def test_launch_inside_a_rank_is_refused():

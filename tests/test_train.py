@@ -20,12 +20,13 @@ RTOL, ATOL = 1e-4, 5e-5
 COMMON = ["--steps", "6", "--batch-size", "8", "--no-progress"]
 
 
-def _reference(steps: int, dtype=None, recompute="none") -> dict:
-    """The single-process run the script must reproduce (same model, batches, AdamW)."""
+def _reference(steps: int, dtype=None, recompute="none", device=None) -> dict:
+    """The single-process run the script must reproduce (same model, batches, AdamW), on
+    ``device`` (default: where ``MINIPAR_DEVICE`` puts the ranks)."""
     args = train.parser().parse_args(COMMON)
     data = batches(corpus_tokens()[0], steps, args.batch_size, args.block_size, seed=args.data_seed)
     model = GPT(train.gpt_config(args), seed=args.seed).set_recompute(recompute)
-    return train_reference(model, data, adamw(args.lr, args.weight_decay), dtype=dtype)
+    return train_reference(model, data, adamw(args.lr, args.weight_decay), dtype=dtype, device=device)
 
 
 def _assert_matches(losses, ckpt, want):
@@ -94,7 +95,8 @@ def test_two_torchrun_agents_run_the_same_as_minipar_launch(tmp_path):
     127.0.0.1) trains dp=2, tp=2: it completes, shows the progress bar, gives exactly the
     losses of the same command under minipar.launch, and matches one process."""
     out, ckpt = tmp_path / "torchrun.json", tmp_path / "ckpt"
-    run = ["--dp", "2", "--tp", "2", "--steps", "6", "--batch-size", "8"]
+    # two "nodes" on one machine: on the CPU (each agent would put its ranks on cuda:0, cuda:1)
+    run = ["--dp", "2", "--tp", "2", "--steps", "6", "--batch-size", "8", "--device", "cpu"]
     script = ["-m", "minipar.train", *run, "--checkpoint-dir", str(ckpt), "--out", str(out)]
     port = _free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
@@ -120,4 +122,4 @@ def test_two_torchrun_agents_run_the_same_as_minipar_launch(tmp_path):
     local = tmp_path / "launch.json"
     assert train.main(run + ["--no-progress", "--out", str(local)]) == 0
     assert json.loads(local.read_text())["losses"] == got["losses"]
-    _assert_matches(got["losses"], ckpt, _reference(6))
+    _assert_matches(got["losses"], ckpt, _reference(6, device="cpu"))

@@ -2,42 +2,43 @@
 
 On ``--ranks`` ranks, for message sizes from 1 KiB upwards, times minipar's ring all-reduce (and,
 for a power-of-two number of ranks, recursive halving-doubling) against ``torch.distributed.all_reduce``
-on the same backend (Gloo on CPU), calls interleaved. Reports the fastest of the repeats per size, the
+on the same backend, calls interleaved: Gloo on the CPU, NCCL with ``--device cuda`` (one GPU per
+rank; the tensors are then CUDA tensors, and the reported backend is the one that moved them). Reports the fastest of the repeats per size, the
 bus bandwidth (2(n-1)/n·N / t), the α-β fit of each, and as ``ratio`` minipar's ring time over the
 backend's at the largest size.
 """
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
 
 from .. import comm, cost
 from ..launch import launch
-from .common import parser, report
+from .common import clock, here, one_gpu_per_rank, parser, report
 
 
 def measure(sizes: list[int], repeats: int) -> dict:
-    """Run inside each rank: fastest seconds per size (of `repeats`) for each implementation."""
+    """Run inside each rank: fastest seconds per size (of `repeats`) for each implementation,
+    and ``"backend"``: the one that moves tensors on this rank's device ("gloo" or "nccl")."""
     n = dist.get_world_size()
-    impls = {"ring": comm.ring_all_reduce, "gloo": dist.all_reduce}
+    backend = "nccl" if comm.p2p.moved_by_nccl(torch.empty(0, device=here()), None) else "gloo"
+    impls = {"ring": comm.ring_all_reduce, backend: dist.all_reduce}
     if n & (n - 1) == 0:
         impls["halving_doubling"] = comm.halving_doubling_all_reduce
     out = {k: [] for k in impls}
     for nbytes in sizes:
-        x = torch.ones(nbytes // 4)
+        x = torch.ones(nbytes // 4, device=here())
         times = {k: [] for k in impls}
         for rep in range(repeats + 1):  # round 0 warms up
             for k, f in impls.items():  # interleaved: ring, gloo, ring, gloo, ...
                 dist.barrier()
-                t = time.perf_counter()
+                t = clock()
                 f(x)
                 if rep:
-                    times[k].append(time.perf_counter() - t)
+                    times[k].append(clock() - t)
         for k in impls:  # the fastest repeat: the one least disturbed by other work
             out[k].append(min(times[k]))
-    return out
+    return {"backend": backend, "seconds": out}
 
 
 def main(argv=None) -> dict:
@@ -46,8 +47,10 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     n = a.ranks
     sizes = [2 ** k for k in range(10, (22 if a.quick else 24) + 1, 2)]   # 1 KiB to 4 or 16 MiB
-    res = launch(measure, n, args=(sizes, 5 if a.quick else 10), timeout=600)
-    times = {k: [max(r[k][i] for r in res) for i in range(len(sizes))] for k in res[0]}
+    one_gpu_per_rank(p, a.device, n)
+    res = launch(measure, n, args=(sizes, 5 if a.quick else 10), timeout=600, device=a.device)
+    backend = res[0]["backend"]
+    times = {k: [max(r["seconds"][k][i] for r in res) for i in range(len(sizes))] for k in res[0]["seconds"]}
     fits = {k: cost.fit_alpha_beta("all_reduce", sizes, ts, n, k if k == "halving_doubling" else "ring")
             for k, ts in times.items()}
     rows = []
@@ -56,10 +59,10 @@ def main(argv=None) -> dict:
         for k, ts in times.items():
             row[f"{k} ms"] = 1e3 * ts[i]
             row[f"{k} MB/s"] = cost.bus_bandwidth("all_reduce", s, n, ts[i]) / 1e6
-        row["ring/gloo"] = times["ring"][i] / times["gloo"][i]
+        row[f"ring/{backend}"] = times["ring"][i] / times[backend][i]
         rows.append(row)
-    result = {"benchmark": "collectives", "ranks": n, "backend": res.backend, "baseline": "gloo all_reduce",
-              "sizes": sizes, "seconds": times, "ratio": times["ring"][-1] / times["gloo"][-1],
+    result = {"benchmark": "collectives", "ranks": n, "backend": backend, "baseline": f"{backend} all_reduce",
+              "sizes": sizes, "seconds": times, "ratio": times["ring"][-1] / times[backend][-1],
               "alpha_beta": {k: {"alpha_s": a_, "beta_s_per_byte": b_,
                                  "bandwidth_MBps": (1 / b_ / 1e6) if b_ > 0 else None}
                              for k, (a_, b_) in fits.items()},

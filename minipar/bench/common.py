@@ -24,6 +24,16 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+def one_gpu_per_rank(ap: argparse.ArgumentParser, device: str, ranks: int) -> None:
+    """``--device cuda`` means NCCL with one GPU per rank: PyTorch's baselines have no path for
+    CUDA tensors over Gloo (ranks sharing a GPU), so fewer GPUs than ``ranks`` is a plain
+    error (exit code 2) before any process starts."""
+    from ..backend import gpu_count
+    if device == "cuda" and (g := gpu_count()) < ranks:
+        ap.error(f"--device cuda runs one GPU per rank over NCCL: {ranks} ranks need {ranks} GPUs, "
+                 f"this machine has {g}. Use fewer ranks (--ranks), or --device cpu.")
+
+
 def to_here(obj):
     """``obj`` (module, tensor, batches) on this rank's device."""
     return to_device(obj, here())

@@ -28,7 +28,7 @@ from .. import data, launch, trace
 from ..models import GPT, GPTConfig, lm_loss
 from ..pipeline import Pipeline, WeightGrads, build_stages, deferred, layer_costs, make_schedule, partition
 from ..pipeline.train import boundary_shapes
-from .common import clock, here, parser, report, to_here
+from .common import clock, here, one_gpu_per_rank, parser, report, to_here
 
 SCHEDULES = ("1f1b", "zb-h1")
 
@@ -139,6 +139,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=None)
     args = ap.parse_args(argv)
     ranks, repeats = args.ranks or ([2] if args.quick else [2, 4]), args.repeats or (5 if args.quick else 20)
+    one_gpu_per_rank(ap, args.device, max(ranks))
     cfg = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=256)
     batch, m = 16, args.microbatches
     rows = []

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .. import trace
 from ..cost import collective_bytes
 from . import staging
-from .p2p import Handle, _labels, group_size, nbytes
+from .p2p import Handle, _labels, device_clock, group_size, nbytes
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -60,8 +60,8 @@ def _collective(op: str, fn, output, input, full_bytes: int, avg: bool, group, n
     records the ring's bytes for a ``full_bytes`` tensor; ``avg`` divides by n once complete."""
     out, inp, after = _via_host(op, group, labels, output, input)
     sent = round(collective_bytes(op, full_bytes, group_size(group)))
-    meta = {"name": name or op, "op": op, "start": trace.now(), "sent": sent, "recv": sent,
-            "labels": _labels(group, labels)}
+    meta = {"name": name or op, "op": op, "began": device_clock(out, group), "start": trace.now(),
+            "sent": sent, "recv": sent, "labels": _labels(group, labels)}
     work = fn(*(out,) if inp is None else (out, inp), group=group, async_op=True)
     h = _Averaged(work, output, group_size(group) if avg else 0, after, (out, inp), **meta)
     return h if async_op else h.wait()
@@ -99,9 +99,10 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     row = math.prod(input.shape[1:]) * input.element_size()  # bytes per row
     in_s = list(input_split_sizes) if input_split_sizes is not None else [input.shape[0] // n] * n
     out_s = list(output_split_sizes) if output_split_sizes is not None else [output.shape[0] // n] * n
-    meta = {"name": name or "all_to_all", "start": trace.now(), "sent": (sum(in_s) - in_s[me]) * row,
-            "recv": (sum(out_s) - out_s[me]) * row, "labels": _labels(group, labels), "op": "all_to_all"}
     out, inp, after = _via_host("all_to_all_single", group, labels, output, input.contiguous())
+    meta = {"name": name or "all_to_all", "began": device_clock(out, group), "start": trace.now(),
+            "sent": (sum(in_s) - in_s[me]) * row, "recv": (sum(out_s) - out_s[me]) * row,
+            "labels": _labels(group, labels), "op": "all_to_all"}
     work = dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes,
                                   group=group, async_op=True)
     h = _Averaged(work, output, 0, after, (out, inp), **meta)

@@ -5,7 +5,8 @@ trace (:mod:`minipar.trace`) as a ``comm`` event with its bytes, start and end, 
 its group's mesh dimension (``dim``, :func:`name_group`). Ranks are *group-local* (rank 0 of a
 tensor-parallel group, say); they become global ranks here, once. An event ends when its
 transfer completed, stamped by a callback on the work's future where the backend has one
-(Gloo's collectives do; its send/recv do not, and end at :meth:`Handle.wait`).
+(Gloo's collectives do; its send/recv do not, and end at :meth:`Handle.wait`); NCCL work is
+timed with CUDA events on the device.
 """
 from __future__ import annotations
 
@@ -53,17 +54,23 @@ def group_name(group) -> str | None:
 
 class Handle:
     """Outstanding transfers; :meth:`wait` completes them and records one event, which
-    ends when the last transfer completed (not when it was waited for)."""
+    ends when the last transfer completed (not when it was waited for).
+
+    Under NCCL the work's future completes once the kernels are *queued*, so there the
+    duration comes from CUDA events instead: ``began`` (:func:`device_clock`) was recorded on
+    the rank's stream before the work was posted, :meth:`wait` records one after it (the
+    stream then waits for NCCL's), and the event lasts ``began.elapsed_time(end)``. The flight
+    recorder keeps such work "waiting" until that end event has passed."""
 
     def __init__(self, works, name: str, start: float, sent: int, recv: int, labels: dict,
-                 op: str | None = None):
+                 op: str | None = None, began=None):
         self.works, self.name, self.start = works, name, start
         self.sent, self.recv, self.labels = sent, recv, labels
         op = op or ("send" if not recv else "recv" if not sent else "exchange")
         self._flight = flight.started(op, name, labels.get("dim"))  # what a hang report names
-        self.done, self._ends = False, []
+        self.done, self._ends, self.began = False, [], began
         self.after = []  # run once the transfers completed (copies back from host staging)
-        for w in works:
+        for w in works if began is None else ():
             try:
                 w.get_future().then(lambda _, ends=self._ends: ends.append(trace.now()))
             except (RuntimeError, AttributeError):  # no future (Gloo send/recv): ends at wait
@@ -77,11 +84,42 @@ class Handle:
             if w is not None:
                 w.wait()
         self.done = True
-        flight.completed(self._flight)
-        end = max(self._ends) if self._ends and len(self._ends) == len(self.works) else trace.now()
+        if self.began is not None:
+            end = self._device_end()
+        else:
+            flight.completed(self._flight)
+            end = max(self._ends) if self._ends and len(self._ends) == len(self.works) else trace.now()
         trace.record("comm", self.name, self.start, end, self.sent, self.recv, **self.labels)
         for f in self.after:
             f()
+
+    def _device_end(self) -> float:
+        """The end of NCCL work from CUDA events: when recording, wait for it and return
+        ``start + elapsed``; otherwise hand the flight recorder the event to ask later."""
+        import torch
+        end_ev = torch.cuda.Event(enable_timing=True)
+        end_ev.record()  # the current stream, which w.wait() made wait for NCCL's
+        if not trace.recording_on():
+            flight.completed(self._flight, pending=end_ev.query)
+            return self.start
+        end_ev.synchronize()
+        flight.completed(self._flight)
+        return self.start + self.began.elapsed_time(end_ev) / 1e3
+
+
+def moved_by_nccl(tensor: torch.Tensor, group) -> bool:
+    """Whether NCCL carries ``tensor`` on ``group`` (a CUDA tensor, a group with NCCL)."""
+    return tensor.is_cuda and "nccl" in staging.group_backend(group)
+
+
+def device_clock(tensor: torch.Tensor, group):
+    """A CUDA event recorded now on the current stream when NCCL will move ``tensor`` (its
+    work is timed on the device, :class:`Handle`), else ``None`` (timed by the host)."""
+    if not moved_by_nccl(tensor, group):
+        return None
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
 
 
 def _labels(group, labels: dict) -> dict:
@@ -92,8 +130,9 @@ def isend(tensor: torch.Tensor, dst: int, group=None, name: str = "send", tag: i
     """Start sending ``tensor`` to group rank ``dst``."""
     labels = _labels(group, labels)
     src = staging.to_host(tensor, "isend", labels) if staging.must_stage(tensor, group, "isend") else tensor
+    began, t = device_clock(tensor, group), trace.now()
     w = dist.isend(src.contiguous(), global_rank(group, dst), group=group, tag=tag)
-    h = Handle([w], name, trace.now(), nbytes(tensor), 0, labels)
+    h = Handle([w], name, t, nbytes(tensor), 0, labels, began=began)
     h.staged = src  # kept alive until the send completed
     return h
 
@@ -102,8 +141,9 @@ def irecv(tensor: torch.Tensor, src: int, group=None, name: str = "recv", tag: i
     """Start receiving into ``tensor`` (contiguous) from group rank ``src``."""
     labels = _labels(group, labels)
     into = staging.host_like(tensor) if staging.must_stage(tensor, group, "irecv") else tensor
+    began, t = device_clock(tensor, group), trace.now()
     w = dist.irecv(into, global_rank(group, src), group=group, tag=tag)
-    h = Handle([w], name, trace.now(), 0, nbytes(tensor), labels)
+    h = Handle([w], name, t, 0, nbytes(tensor), labels, began=began)
     if into is not tensor:
         h.after.append(staging.copy_back(into, tensor, "irecv", labels))
     return h
@@ -119,18 +159,37 @@ def recv(tensor: torch.Tensor, src: int, group=None, name: str = "recv", **label
     irecv(tensor, src, group, name, **labels).wait()
 
 
+def start_exchange(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int, group=None,
+                   name: str = "exchange", tag: int = 0, **labels) -> Handle:
+    """Start sending ``send_buf`` to ``dst`` while receiving ``recv_buf`` from ``src``; the
+    :class:`Handle` records one event at ``wait()``. Under NCCL both go in one
+    ``batch_isend_irecv``: NCCL builds a pair's communicator when the pair's first operation
+    is posted and blocks until both peers join, so were every rank of a ring to post its send
+    to the right alone first, each would wait for a neighbour waiting on its own right
+    neighbour: a cycle, from 3 ranks on. A batch joins every peer it names at once."""
+    labels = _labels(group, labels)
+    out = (staging.to_host(send_buf, "exchange", labels)
+           if staging.must_stage(send_buf, group, "exchange") else send_buf)
+    into = staging.host_like(recv_buf) if staging.must_stage(recv_buf, group, "exchange") else recv_buf
+    began, start = device_clock(send_buf, group), trace.now()
+    to, frm = global_rank(group, dst), global_rank(group, src)
+    if moved_by_nccl(out, group) and moved_by_nccl(into, group):
+        ws = dist.batch_isend_irecv([dist.P2POp(dist.isend, out.contiguous(), to, group, tag),
+                                     dist.P2POp(dist.irecv, into, frm, group, tag)])
+    else:  # Gloo: two posts, both before any wait (no rank then waits on its receiver)
+        ws = [dist.isend(out.contiguous(), to, group=group, tag=tag),
+              dist.irecv(into, frm, group=group, tag=tag)]
+    h = Handle(ws, name, start, nbytes(send_buf), nbytes(recv_buf), labels, began=began)
+    h.staged = out  # kept alive until the send completed
+    if into is not recv_buf:
+        h.after.append(staging.copy_back(into, recv_buf, "exchange", labels))
+    return h
+
+
 def exchange(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int, group=None,
              name: str = "exchange", **labels) -> None:
     """Send ``send_buf`` to ``dst`` while receiving ``recv_buf`` from ``src``; one event.
     Posting both before waiting keeps a ring from deadlocking: were every rank to send first,
-    blocking, every rank would wait for a receiver that never comes."""
-    start, labels = trace.now(), _labels(group, labels)
-    out = (staging.to_host(send_buf, "exchange", labels)
-           if staging.must_stage(send_buf, group, "exchange") else send_buf)
-    into = staging.host_like(recv_buf) if staging.must_stage(recv_buf, group, "exchange") else recv_buf
-    ws = [dist.isend(out.contiguous(), global_rank(group, dst), group=group),
-          dist.irecv(into, global_rank(group, src), group=group)]
-    h = Handle(ws, name, start, nbytes(send_buf), nbytes(recv_buf), labels)
-    if into is not recv_buf:
-        h.after.append(staging.copy_back(into, recv_buf, "exchange", labels))
-    h.wait()
+    blocking, every rank would wait for a receiver that never comes (and under NCCL they go
+    in one batch, :func:`start_exchange`)."""
+    start_exchange(send_buf, dst, recv_buf, src, group, name, **labels).wait()

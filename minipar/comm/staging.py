@@ -57,7 +57,11 @@ def must_stage(tensor: torch.Tensor, group, op: str) -> bool:
 
 
 def to_host(tensor: torch.Tensor, op: str, labels: dict) -> torch.Tensor:
-    """A pinned host copy of ``tensor`` (an event ``"stage to host"``)."""
+    """A pinned host copy of ``tensor`` (an event ``"stage to host"``). The copy waits for the
+    kernels queued before it (the backward that made a gradient, say): when recording, those
+    are waited for *before* the event starts, so it spans the copy alone."""
+    if trace.recording_on() and tensor.device.type == "cuda":
+        torch.cuda.current_stream(tensor.device).synchronize()
     t = trace.now()
     host = host_like(tensor).copy_(tensor)
     trace.record("comm", "stage to host", t, trace.now(), stage=op, **labels)

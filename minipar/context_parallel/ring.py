@@ -62,12 +62,11 @@ def _start_exchange(buf_out, prv, nxt, group, name, tag):
     """Start sending ``buf_out`` to ``nxt`` and receiving its like from ``prv``; returns ``wait()``,
     which waits for both and returns the received buffer."""
     buf_in = torch.empty_like(buf_out)
-    works = [comm.isend(buf_out, nxt, group, name=name, tag=tag, dim="cp"),
-             comm.irecv(buf_in, prv, group, name=name, tag=tag, dim="cp")]
+    # one exchange (under NCCL one batch of both: separate posts deadlock a ring of 3+ ranks)
+    pending = comm.start_exchange(buf_out, nxt, buf_in, prv, group, name=name, tag=tag, dim="cp")
 
     def wait():
-        for w in works:
-            w.wait()
+        pending.wait()
         return buf_in
     return wait
 

@@ -14,7 +14,8 @@ With W equally fast workers τ ≈ W-1 on average (:func:`minipar.cost.expected_
 ``synchronous=True`` is the classic alternative: the server averages one gradient from every
 worker and applies one step (τ = 0; single-process SGD on the W batches together). Messages are
 flat fp32 tensors, worker -> server ``[v, loss, grad...]`` and server -> worker
-``[version, stop, weights...]``; the server receives from *any* worker (Gloo's any-source receive).
+``[version, stop, weights...]``; the server receives from *any* worker (Gloo's any-source receive:
+NCCL has none, so pushes travel as CPU tensors, which a ``cpu:gloo,cuda:nccl`` group gives Gloo).
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def _work(model, params, batch_fn, group, W: int, r: int, delay: float) -> dict:
             with trace.region("straggling", step=k):
                 time.sleep(delay)
         msg = torch.cat([torch.tensor([version, loss.item()], device=inbox.device),
-                         _flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)])
+                         _flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)]).cpu()
         pushed = comm.isend(msg, 0, group, name="push", step=k)
         comm.recv(inbox, 0, group, name="pull")
         pushed.wait()
@@ -78,13 +79,16 @@ def _work(model, params, batch_fn, group, W: int, r: int, delay: float) -> dict:
 
 
 def _recv_any(buf: torch.Tensor, group) -> int:
-    """Receive into ``buf`` from whichever rank sends first (traced); return its group rank."""
+    """Receive into the CPU tensor ``buf`` from whichever rank sends first (traced); return
+    its group rank. Only Gloo receives from any source (``src=None``; NCCL cannot), and a
+    ``cpu:gloo,cuda:nccl`` group gives CPU tensors to Gloo: so the pushes are CPU tensors."""
+    backend = comm.staging.group_backend(group)
+    if buf.device.type != "cpu" or "gloo" not in backend:
+        raise ValueError(f"a receive from any source needs a CPU tensor on a group with Gloo; got "
+                         f"a tensor on {buf.device} on a {backend} group")
     start = trace.now()
-    into = comm.staging.host_like(buf) if comm.staging.must_stage(buf, group, "irecv") else buf
-    work = dist.irecv(into, src=None, group=group)
+    work = dist.irecv(buf, src=None, group=group)
     comm.Handle([work], "push", start, 0, comm.p2p.nbytes(buf), {}).wait()
-    if into is not buf:
-        buf.copy_(into)
     return work._source_rank()
 
 
@@ -102,7 +106,7 @@ def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_stal
         nonlocal version
         with trace.region("update", version=version):
             for p, g in zip(params, grad.split([p.numel() for p in params])):
-                p.grad = g.view_as(p).clone()
+                p.grad = g.view_as(p).to(p.device, copy=True)
             opt.step()
         version += 1
         out["times"].append(time.perf_counter() - t0)
@@ -116,13 +120,13 @@ def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_stal
     t0 = time.perf_counter()
     for w in range(1, W + 1):
         reply(w, False)
-    inbox = torch.empty(2 + numel, device=params[0].device)
+    inbox = torch.empty(2 + numel, device="cpu")  # pushes arrive on the CPU (see _recv_any)
     if synchronous:
         for step in range(steps):
-            total, loss = torch.zeros(numel, device=inbox.device), 0.0
+            total, loss = torch.zeros(numel, device=params[0].device), 0.0
             for w in range(1, W + 1):  # wait for every worker: the slowest sets the pace
                 comm.recv(inbox, w, group, name="push")
-                total += inbox[2:]
+                total += inbox[2:].to(total.device)
                 loss += inbox[1].item() / W
             apply(total / W, loss, [0] * W, 0)
             for w in range(1, W + 1):

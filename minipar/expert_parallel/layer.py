@@ -86,16 +86,18 @@ class ExpertParallelMoE(MoE):
         mine = kept[:, self.local]                                     # 4. experts run
         local_of = torch.arange(len(self.local), device=x.device).repeat(self.ep)
         by_expert, back = permutation(local_of.repeat_interleave(mine.reshape(-1)))
-        with trace.region("experts", experts=len(self.local), rows=int(mine.sum())):
-            chunks = arrived[by_expert].split(mine.sum(0).tolist())
+        rows = mine.sum(0).tolist()                                   # rows per local expert
+        with trace.region("experts", experts=len(self.local), rows=sum(rows)):
+            chunks = arrived[by_expert].split(rows)
             out = torch.cat([e(c) for e, c in zip(self.experts.values(), chunks)])[back]
 
         home = all_to_all(out, send, recv, self.group, name="ep_combine", dim="ep")  # 5. back, combine
         result = torch.cat([home, home.new_zeros(N * k - n_kept, h)])[inverse]
         y = torch.zeros_like(x).index_add(0, token_of, result * weights.reshape(-1, 1).to(x.dtype))
-        self.stats = {"counts": totals.cpu(), "matrix": M.cpu(), "kept": kept.cpu(),
-                      "dropped": (~keep).cpu(), "experts": experts.detach().cpu(), "capacity": cap,
-                      "aux": aux.detach(), "z": z.detach()}
+        # for plots and tests, left on the device: a copy to the host here would wait for the GPU
+        # at every forward; whoever reads them (.tolist(), .cpu()) pays that once
+        self.stats = {"counts": totals.detach(), "matrix": M, "kept": kept, "dropped": ~keep,
+                      "experts": experts.detach(), "capacity": cap, "aux": aux.detach(), "z": z.detach()}
         return y.reshape(shape)
 
 

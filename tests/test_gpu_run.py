@@ -1,0 +1,202 @@
+"""The GPU run's machinery, checked on the CPU with mocked placements, GPU counts and
+allocators: torchrun agents sharing GPUs, the reference where the ranks run, the benchmarks'
+device check, ``course.py test --gpu`` (its width and ``--dry-run``), the peak memory reported."""
+import types
+
+import pytest
+import torch
+
+
+def _post_identities(identities, here="cuda:0"):
+    """Run :func:`refuse_shared_gpus` for every rank (threads sharing one store)."""
+    import threading
+    import torch.distributed as dist
+    from minipar.backend import BackendError, refuse_shared_gpus
+    store, errors = dist.HashStore(), {}
+
+    def rank(r):
+        try:
+            refuse_shared_gpus(store, r, len(identities), identities[r], here)
+        except BackendError as e:
+            errors[r] = str(e)
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(identities))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return errors
+
+
+def test_two_torchrun_agents_on_one_host_sharing_gpus_are_refused_plainly():
+    """Two agents on one machine, each placing its 2 ranks by LOCAL_RANK: ranks 0 and 2 land
+    on one GPU, 1 and 3 on another; each rank is told which ranks share and what to do.
+    Agents with their own GPUs (other uuids) or on other hosts pass."""
+    same_host = ["h GPU-a", "h GPU-b", "h GPU-a", "h GPU-b"]
+    errors = _post_identities(same_host)
+    assert sorted(errors) == [0, 1, 2, 3]
+    assert "ranks [0, 2]" in errors[0] and "ranks [1, 3]" in errors[3]
+    assert "CUDA_VISIBLE_DEVICES" in errors[0] and "--device cpu" in errors[0]
+    assert _post_identities(["h GPU-a", "h GPU-b", "h GPU-c", "h GPU-d"]) == {}
+    assert _post_identities(["h1 GPU-a", "h1 GPU-b", "h2 GPU-a", "h2 GPU-b"]) == {}
+
+
+def test_gpu_identity_names_the_host_and_the_physical_gpu(monkeypatch):
+    """Agents with CUDA_VISIBLE_DEVICES=0 and =1 both see cuda:0, yet two GPUs."""
+    from minipar.backend import gpu_identity
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="GPU-x"))
+    assert gpu_identity("cuda:0").endswith(" GPU-x")
+    assert gpu_identity("cpu") != gpu_identity("cuda:0")
+
+
+def test_the_reference_runs_where_the_ranks_run_and_the_floor_follows_the_placement(monkeypatch):
+    """On a machine with a GPU (mocked) a notebook's driver is on the CPU but its ranks on the
+    GPU: the reference defaults to the GPU, and a result whose placement says CUDA is compared
+    at the CUDA floor (rtol 1e-4, atol 1e-5) even when the driver is on the CPU; a CPU result
+    keeps the exact floor."""
+    from minipar import backend, reference
+    from minipar.backend import place
+    monkeypatch.delenv("MINIPAR_DEVICE", raising=False)
+    monkeypatch.setattr(backend, "gpu_count", lambda: 1)
+    assert backend.ranks_device().type == "cuda" and backend.device().type == "cpu"
+    monkeypatch.setattr(backend, "gpu_count", lambda: 0)
+    assert backend.ranks_device() == torch.device("cpu")
+
+    want = {"losses": [1.0, 0.5], "params": {"w": torch.ones(3)}, "device": "cpu"}
+    near = {"losses": [1.00005, 0.5], "params": {"w": torch.ones(3) + 5e-6}}
+    gpu_result = dict(near, placement=place(4, "cuda", gpus=1))
+    reference.assert_same_training(gpu_result, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(AssertionError):
+        reference.assert_same_training(dict(near, placement=place(4, "cpu")), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(AssertionError):  # no placement: the driver's device (the CPU)
+        reference.assert_same_training(near, want, rtol=1e-5, atol=1e-6)
+    reference.assert_same_training(near, dict(want, device="cuda:0"), rtol=1e-5, atol=1e-6)
+
+
+def test_a_train_result_carries_its_placement_and_the_reference_its_device():
+    """``TrainResult.placement`` is the launch's; ``train_reference(device=placement)`` runs there."""
+    from minipar import reference
+    from minipar.backend import place
+    from minipar.models import MLP
+    from minipar.strategy import TrainResult
+    results = types.SimpleNamespace(placement=place(2, "cpu"))
+    assert TrainResult([], {}, results=results).placement.device == "cpu"
+    batches = [(torch.randn(4, 3, generator=torch.Generator().manual_seed(i)), torch.randn(4, 2))
+               for i in range(2)]
+    model = MLP([3, 2], seed=0)
+    want = reference.train_reference(model, batches, device=results.placement)
+    assert want["device"] == "cpu" and len(want["losses"]) == 2
+
+
+@pytest.fixture
+def course():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("course", Path(__file__).parents[1] / "course.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_run_takes_one_job_at_a_time_on_one_gpu(course, monkeypatch):
+    """Each job's warm ranks hold CUDA contexts: one GPU runs one job; MINIPAR_GPU_JOBS wins."""
+    monkeypatch.delenv("MINIPAR_GPU_JOBS", raising=False)
+    assert (course.gpu_width(1), course.gpu_width(2), course.gpu_width(8)) == (1, 4, 4)
+    monkeypatch.setenv("MINIPAR_GPU_JOBS", "2")
+    assert course.gpu_width(1) == 2
+
+
+def test_the_dry_run_lists_the_jobs_and_checks_every_test_file(course, monkeypatch, capsys):
+    """``test --gpu --dry-run`` prints each job's command and hands every test file of the
+    jobs to ``minipar.devices_check`` (as on one GPU where there is none)."""
+    calls = []
+    monkeypatch.setattr(course.subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 0)
+    assert course.gpu_dry_run(0, []) == 0
+    out = capsys.readouterr().out
+    assert "1 at a time" in out and "notebook 11" in out and "tests/test_comm.py" in out
+    (cmd,) = calls
+    assert cmd[1:5] == ["-m", "minipar.devices_check", "--gpus", "1"]
+    files = {f for _, args in course.gpu_jobs() for f in args if f.startswith("tests/")}
+    assert set(cmd[5:]) == files and "tests/test_launch.py" in files
+
+
+CPU_BOUND = '''
+import minipar, torch
+def test_backend():
+    assert minipar.launch(lambda: 0, 2).backend == "gloo"
+def test_driver():
+    assert str(minipar.device()) == "cpu"
+def test_pinned():
+    assert minipar.launch(lambda: 0, 2, device="cpu").backend == "gloo"
+def test_asked():
+    from minipar.backend import default_device, place
+    assert minipar.launch(lambda: 0, 2).backend == place(2, default_device()).backend
+'''
+
+
+def test_the_device_check_finds_tests_that_assume_the_cpu(tmp_path, capsys):
+    """An assertion on Gloo or the CPU is flagged unless its test pins the CPU or asks the
+    placement; the driver's device is flagged even when the ranks are pinned; the files
+    collect as on a GPU machine."""
+    from minipar import devices_check
+    bad = tmp_path / "test_bound.py"
+    bad.write_text(CPU_BOUND)
+    found = devices_check.cpu_assumptions(str(bad))
+    assert [f.split()[1] for f in found] == ["test_backend:", "test_driver:"]
+    assert devices_check.main(["--gpus", "1", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "4 tests collected" in out and "test_driver" in out
+    good = tmp_path / "test_fine.py"
+    good.write_text(CPU_BOUND.split("def test_backend")[0] + "def test_pinned" + CPU_BOUND.split("def test_pinned")[1])
+    assert devices_check.main(["--gpus", "1", str(good)]) == 0
+    assert "no test assumes the CPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bench", ["pipeline", "collectives"])
+def test_a_cuda_benchmark_with_fewer_gpus_than_ranks_is_a_plain_error(bench, monkeypatch, capsys):
+    """``--device cuda`` is NCCL with one GPU per rank (PyTorch's pipelining baseline has no
+    CUDA path over Gloo): with 1 GPU and 2 ranks, exit code 2 and why, before any launch."""
+    import importlib
+    from minipar import backend
+    module = importlib.import_module(f"minipar.bench.{bench}")
+    monkeypatch.setattr(backend, "gpu_count", lambda: 1)
+    monkeypatch.setattr(module, "launch", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(SystemExit) as info:
+        module.main(["--device", "cuda", "--ranks", "2", "--quick"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "one GPU per rank over NCCL: 2 ranks need 2 GPUs, this machine has 1" in err
+
+
+def test_the_reported_peak_memory_is_a_running_maximum(monkeypatch):
+    """A strategy's ``peak_memory()`` block resets the allocator's peak counter; the job's
+    peak (``max_allocated``, what ``course.py test --gpu`` reports) still counts what came
+    before: 100 MiB, then a block peaking at 30 MiB."""
+    from minipar import gpu
+    alloc = {"peak": 0}
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "synchronize", lambda d=None: None)
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda d=None: alloc.update(peak=0))
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda d=None: alloc["peak"])
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda d=None: alloc["peak"] + 1)
+    mib = 2**20  # placement-free: the allocator is faked
+    gpu.reset_max_allocated("cuda:0")
+    alloc["peak"] = 100 * mib
+    with gpu.peak_memory("cuda:0") as m:
+        alloc["peak"] = 30 * mib
+    assert m.bytes == 30 * mib
+    assert gpu.max_allocated("cuda:0") == 100 * mib
+    with gpu.peak_memory("cuda:0") as m:
+        alloc["peak"] = 120 * mib
+    assert m.bytes == 120 * mib and gpu.max_allocated("cuda:0") == 120 * mib
+    gpu.reset_max_allocated("cuda:0")  # a new job
+    assert gpu.max_allocated("cuda:0") == 0 and gpu.max_allocated("cpu") is None
+
+
+def test_no_test_of_the_gpu_run_assumes_the_cpu(course):
+    """The static half of ``--dry-run`` on this repository's jobs: every assertion on the CPU
+    or Gloo is pinned, reads the placement or says why it holds anywhere."""
+    from pathlib import Path
+    from minipar import devices_check
+    root = Path(course.__file__).parent
+    files = sorted({f for _, args in course.gpu_jobs() for f in args if f.endswith(".py")})
+    assert [f for path in files for f in devices_check.cpu_assumptions(str(root / path))] == []

@@ -16,6 +16,8 @@ memory per rank from :func:`minipar.cost.hybrid_memory_per_rank`:
    pipeline stages (no bubble)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .. import precision
 from ..cost import hybrid_memory_per_rank
 from ..mesh import ProcessMesh
@@ -52,7 +54,8 @@ def check(model, batches=None, world_size: int | None = None, dp: int = 1, pp: i
     check_experts(config, dp, cp, ep, sequence_parallel, _.get("recompute"))
     check_zero(zero, pp, cp, tp)
     if cp > 1:  # context parallelism: T cut over cp (2·cp for zigzag), Ulysses needs cp | heads/tp
-        check_context_parallel(config, cp, batches[0][0].shape[1] if batches else None, layout,
+        check_context_parallel(replace(config, moe_every=0),  # the mesh composes the MoE layers itself
+                               cp, batches[0][0].shape[1] if batches else None, layout,
                                variant, tp, sequence_parallel, _.get("recompute"))
     if tp > 1:
         check_tensor_parallel(config, None, tp, sequence_parallel)

@@ -79,8 +79,15 @@ def local_pieces(model, optimizer=None, saved_keys: dict | None = None) -> list[
     if optimizer is None:
         return out
     where = {id(p): (name, full, boxes, p) for name, p, full, boxes in layout}
+    for part in getattr(optimizer, "parts", [optimizer]):   # several stepped as one: each part's
+        out += _optimizer_pieces(part, where, saved_keys)
+    return out
+
+
+def _optimizer_pieces(optimizer, where: dict, saved_keys) -> list[Piece]:
     if _is_zero(optimizer):
-        return out + _zero_pieces(optimizer, where, saved_keys)
+        return _zero_pieces(optimizer, where, saved_keys)
+    out = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in where:

@@ -52,10 +52,11 @@ def check(model, batches=None, world_size: int | None = None, dp: int = 1, pp: i
     config = getattr(model, "config", model)
     ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, world_size=world_size)
     check_experts(config, dp, cp, ep, sequence_parallel, _.get("recompute"))
-    check_zero(zero, pp, cp, tp)
+    check_zero(zero, pp, cp, tp, _.get("sharding", "flat"), config)
     if cp > 1:  # context parallelism: T cut over cp (2·cp for zigzag), Ulysses needs cp | heads/tp
+        seq_len = batches[0][0].shape[1] if batches else _.get("seq_len")
         check_context_parallel(replace(config, moe_every=0),  # the mesh composes the MoE layers itself
-                               cp, batches[0][0].shape[1] if batches else None, layout,
+                               cp, seq_len, layout,
                                variant, tp, sequence_parallel, _.get("recompute"))
     if tp > 1:
         check_tensor_parallel(config, None, tp, sequence_parallel)
@@ -101,7 +102,8 @@ def check_experts(config, dp: int, cp: int, ep: int, sequence_parallel: bool = F
                          "its auxiliary loss) twice per micro-batch; use 'selective' or 'none'")
 
 
-def check_zero(zero: int, pp: int = 1, cp: int = 1, tp: int = 1) -> None:
+def check_zero(zero: int, pp: int = 1, cp: int = 1, tp: int = 1, sharding: str = "flat",
+               config=None) -> None:
     """ZeRO on the mesh: stage 1 everywhere. Stages 2 and 3 are refused with a pipeline: its
     gradients accumulate over the m micro-batches, so stage 2 would reduce-scatter them m times
     per step (or hold them whole, which is stage 1), and stage 3 would all-gather every stage's
@@ -116,6 +118,14 @@ def check_zero(zero: int, pp: int = 1, cp: int = 1, tp: int = 1) -> None:
                          "use ZeRO-1 (zero=1) with a pipeline")
     if zero >= 2 and cp > 1:
         raise ValueError(f"ZeRO-{zero} with cp={cp} is not composed here; use ZeRO-1 with context parallelism")
+    if sharding not in ("flat", "per-parameter"):
+        raise ValueError(f"sharding={sharding!r} must be 'flat' or 'per-parameter'")
+    if zero >= 2 and config is not None and config.moe_every:
+        raise ValueError(f"ZeRO-{zero} with MoE layers: the experts' state is sharded over expert-dp "
+                         "with ZeRO-1 only; use zero=1")
+    if zero == 3 and config is not None and config.tie_weights:
+        raise ValueError("ZeRO-3 gathers one layer at a time and tie_weights=True shares a matrix between "
+                         "the first and the last: use tie_weights=False")
 
 
 def valid_configs(config: GPTConfig, world_size: int, batch_size: int | None = None,

@@ -10,8 +10,8 @@ as in Megatron-LM (Narayanan et al. 2021, §3) from minipar's own pieces:
   stage is the vocabulary-parallel cross-entropy);
 * **dp**: each global batch is cut into dp shards (:func:`minipar.data.shard`); after the
   pipeline's flush the gradients are averaged over the data-parallel group by the
-  :class:`~minipar.data_parallel.Reducer` (one bucketed all-reduce), or with ZeRO-1
-  (:class:`~minipar.zero.ZeroOptimizer`: reduce-scatter, step on this rank's shard, all-gather).
+  :class:`~minipar.data_parallel.Reducer` (one bucketed all-reduce), or with ZeRO
+  (:mod:`.sharding`: stage 1 everywhere, stages 2-3 and ``fully_shard`` on a dp × tp mesh).
 
 With equal shards and equal micro-batches the averaged gradient is the single-process
 gradient of the global mean loss, ∇L = 1/(d·m) Σ_shards Σ_micro ∇ℓ, so every step is the
@@ -33,16 +33,16 @@ from .. import comm, trace
 from ..backend import current_device
 from ..context_parallel import parallelize, sequence_positions, set_positions, shard_sequence
 from ..data import shard
-from ..data_parallel import Reducer
 from ..mesh import ProcessMesh
 from ..models.gpt import GPT, lm_loss
 from ..models.moe import MoE
 from ..pipeline import Pipeline, build_stages, layer_costs, make_schedule, partition
 from ..reference import sgd
 from ..tensor_parallel import TensorParallelGPT, gather_shards, shard_state_dict, unshard_state_dict
-from ..zero import ZeroOptimizer, model_state_bytes, state_tensors, storage_bytes
+from ..zero import model_state_bytes, state_tensors, storage_bytes
 from . import experts
 from .config import check
+from .sharding import build_optimizer
 
 
 class HybridModel:
@@ -55,6 +55,7 @@ class HybridModel:
     is its ``{"pp", "dp", "tp"}``. ``zero1`` with ``dp == 1`` is plain training (nothing to shard over)."""
 
     def __init__(self, model: GPT, mesh: ProcessMesh, *, optimizer=None, zero1: bool = False,
+                 zero: int | None = None, sharding: str = "flat",
                  schedule: str = "1f1b", microbatches: int = 1, virtual_stages: int = 1,
                  sequence_parallel: bool = False, bucket_cap_mb: float = 25.0,
                  bounds: list[int] | None = None, dtype=None, recompute=None,
@@ -62,7 +63,8 @@ class HybridModel:
         config = model.config
         check(config, None, dist.get_world_size(), mesh.dp, mesh.pp, mesh.tp, microbatches, schedule,
               virtual_stages, sequence_parallel, dtype=dtype, cp=mesh.cp, layout=layout, variant=variant,
-              recompute=recompute, ep=mesh.ep, zero=1 if zero1 else 0)
+              recompute=recompute, ep=mesh.ep, zero=zero if zero is not None else int(zero1),
+              sharding=sharding)
         if not mesh.groups:
             mesh.build()
         self.moe = bool(config.moe_every)
@@ -73,7 +75,8 @@ class HybridModel:
                     mesh.groups["ep"] = g
         self.config, self.mesh = config, mesh
         self.coords = mesh.coordinates(dist.get_rank())
-        self.zero1, self.m = zero1 and mesh.dp * mesh.cp > 1, microbatches
+        self.zero = (zero if zero is not None else int(zero1)) if mesh.dp * mesh.cp > 1 else 0
+        self.zero1, self.m = self.zero == 1, microbatches
         self.sequence_parallel, self.layout = sequence_parallel, layout
         dims = (("dp", "pp", "tp", "dp_cp", "expert_dp") + (("cp",) if mesh.cp > 1 else ())
                 + (("ep",) if self.moe else ()))  # dp_cp: dp when cp = 1; expert_dp: dp_cp when ep = 1
@@ -107,22 +110,8 @@ class HybridModel:
                              dtype=dtype)
         mine = {id(q) for st in self.stages.values() for q in st.parameters()}
         self.params = {n: q for n, q in self.model.named_parameters() if id(q) in mine}
-        dense = [q for n, q in self.params.items() if not experts.is_expert(n)]
-        expert = [q for n, q in self.params.items() if experts.is_expert(n)]
-        make = optimizer or sgd()
-        if self.zero1:   # ZeRO-1: dense state sharded over dp·cp, experts' over their expert-dp group
-            units = [[q for q in layer.parameters() if id(q) in {id(d) for d in dense}]
-                     for s in sorted(self.stages) for layer in self.stages[s]]
-            parts = [ZeroOptimizer([u for u in units if u], make, group=g["dp_cp"])]
-            if expert:
-                parts.append(ZeroOptimizer([expert], make, group=g["expert_dp"])
-                             if mesh.expert_dp > 1 else make(expert))
-            self.optimizer = parts[0] if len(parts) == 1 else experts.Optimizers(parts)
-            self.reducer = None
-        else:
-            self.optimizer = make(list(self.params.values()))
-            self.reducer = (Reducer(dense, g["dp_cp"], bucket_cap_mb, overlap=False)
-                            if mesh.dp * mesh.cp > 1 else None)
+        self.optimizer, self.reducer, self.sharded = build_optimizer(self, optimizer or sgd(), self.zero,
+                                                                     sharding, bucket_cap_mb)
         self.last_step: dict = {}
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -181,7 +170,8 @@ class HybridModel:
         """The single-device GPT's state dict (names, full tensors), on every rank: the tp
         shards all-gathered in the tp group, then the experts combined over the ep group and the
         stages over the pp group (all-reduces of disjoint parts). A collective of the whole mesh."""
-        mine = {k: v.detach() for k, v in self.params.items()}
+        mine = ({k: v.detach() for k, v in self.params.items()} if self.sharded is None
+                else self.sharded.gather_full_params())          # ZeRO-3: gathered over dp
         if self.mesh.tp > 1:
             mine = unshard_state_dict(gather_shards(mine, self.groups["tp"]))
         names = [k for k in self.full_names if k in self.full_shapes]
@@ -213,7 +203,9 @@ class HybridModel:
     def memory(self) -> dict[str, int]:
         """Bytes of model states this rank holds: ``{"params", "grads", "optimizer", "total"}``
         (distinct storages, as :func:`minipar.zero.model_state_bytes` counts them)."""
-        if self.zero1:
+        if self.sharded is not None:    # ZeRO-3: shards, gathered buffers, its optimizer's state
+            return model_state_bytes(self.sharded, optimizer=self.optimizer)
+        if self.zero:
             parts = getattr(self.optimizer, "parts", [self.optimizer])
             sizes = [model_state_bytes(o) if hasattr(o, "units") else None for o in parts]
             return {k: sum(s[k] for s in sizes if s) for k in sizes[0]}

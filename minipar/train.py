@@ -85,21 +85,29 @@ def check_resume(args, config) -> dict | None:
     return meta
 
 
+LAYOUT_OPTIONS = ("dp", "cp", "pp", "tp", "ep", "batch_size", "microbatches", "schedule", "virtual_stages",
+                  "block_size", "n_layer", "n_head", "n_embd", "n_experts", "capacity_factor", "cp_variant",
+                  "cp_layout", "recompute", "zero", "sharding", "dtype")  # named in the layout's errors
+
+
 def check(args, world_size: int | None) -> None:
     """Every problem with the arguments (and an existing checkpoint) as a ValueError, before launch."""
     from .hybrid import check as check_mesh
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir")
     check_options(args)   # each option's range was argparse's; here the options against each other
-    flags = " ".join(f"--{k} {getattr(args, k)}" for k in ("dp", "cp", "pp", "tp", "ep") if getattr(args, k) > 1)
+    defaults = parser()
+    flags = " ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in LAYOUT_OPTIONS
+                     if k in ("batch_size", "microbatches")   # always: the batch is cut by both
+                     or getattr(args, k) != (0 if k == "zero" else defaults.get_default(k)))
     try:
         check_mesh(gpt_config(args), None, world_size, args.dp, args.pp, args.tp, args.microbatches,
                    args.schedule, args.virtual_stages, batch_size=args.batch_size, cp=args.cp,
                    layout=args.cp_layout, variant=args.cp_variant, ep=args.ep, zero=args.zero,
-                   recompute=args.recompute, seq_len=args.block_size)
+                   recompute=args.recompute, seq_len=args.block_size, sharding=args.sharding,
+                   dtype=args.dtype)
     except ValueError as e:   # name the options: the layout's rule speaks of dp=, tp=, ...
-        raise ValueError(f"{flags or '--dp 1'} --batch-size {args.batch_size} --microbatches "
-                         f"{args.microbatches}: {e}") from None
+        raise ValueError(f"{flags}: {e}") from None
     check_resume(args, gpt_config(args))
     if args.checkpoint_dir is not None:
         _writable(args.checkpoint_dir)

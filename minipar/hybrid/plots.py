@@ -69,6 +69,44 @@ def mesh_figure(mesh: ProcessMesh, highlight: int | None = None, title: str | No
     return fig
 
 
+def reductions(mesh: ProcessMesh, rank: int = 0) -> list[dict]:
+    """What ``rank`` reduces over which of its groups in one step of the mesh (a mixture-of-experts
+    GPT when ``mesh.ep > 1``): ``[{"what", "group", "ranks", "how"}]``."""
+    rows = []
+    if mesh.tp > 1:
+        rows.append(dict(what="activations and their gradients (inside each tensor-parallel block)",
+                         group="tp", ranks=mesh.members(rank, "tp"), how="all-reduce (sum)"))
+    if mesh.cp > 1:
+        rows.append(dict(what="K, V and their gradients (attention over the whole sequence)",
+                         group="cp", ranks=mesh.members(rank, "cp"), how="ring (send/recv)"))
+    if mesh.pp > 1:
+        rows.append(dict(what="activation gradients between stages", group="pp", ranks=mesh.members(rank, "pp"),
+                         how="send to the previous stage"))
+    if mesh.ep > 1:
+        rows.append(dict(what="tokens to their experts and back (forward and backward)", group="ep",
+                         ranks=mesh.members(rank, "ep"), how="all-to-all"))
+    if mesh.dp * mesh.cp > 1:
+        rows.append(dict(what="gradients of dense parameters (attention, embeddings, router, norms)",
+                         group="dp_cp" if mesh.cp > 1 else "dp", ranks=mesh.members(rank, "dp_cp"),
+                         how="all-reduce (mean), or ZeRO's reduce-scatter"))
+    if mesh.ep > 1:
+        rows.append(dict(what="gradients of this rank's experts (MoE layers)", group="expert_dp",
+                         ranks=mesh.members(rank, "expert_dp"), how="all-reduce (sum) ÷ dp·cp"))
+    return rows
+
+
+def reductions_table(mesh: ProcessMesh, rank: int = 0) -> go.Figure:
+    """:func:`reductions` as a table."""
+    rows = reductions(mesh, rank)
+    cols = [[r["what"] for r in rows], [r["group"] for r in rows], [str(r["ranks"]) for r in rows],
+            [r["how"] for r in rows]]
+    fig = go.Figure(go.Table(columnwidth=[4, 1, 1.3, 2], header=dict(values=["what", "group", "ranks", "how"],
+                                                                        align="left"),
+                             cells=dict(values=cols, align="left")))
+    return fig.update_layout(title=f"Rank {rank} {tuple(mesh.coordinates(rank).values())}: what it reduces, "
+                             "over which group", height=110 + 34 * len(rows), margin=dict(t=40, b=10, l=10, r=10))
+
+
 COLUMNS = [("memory", "memory_formula", "model states / rank (KiB)", 1 / 1024),
            ("sent", "sent_formula", "sent / rank / step (KiB)", 1 / 1024),
            ("bubble", "bubble_formula", "bubble (idle / compute)", 1.0),
@@ -108,4 +146,4 @@ def comparison_bars(rows: list[dict]) -> go.Figure:
     return fig
 
 
-__all__ = ["mesh_figure", "comparison_table", "comparison_bars"]
+__all__ = ["mesh_figure", "reductions", "reductions_table", "comparison_table", "comparison_bars"]

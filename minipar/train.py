@@ -1,10 +1,12 @@
-"""``python -m minipar.train``: train the course GPT on a dp × pp × tp mesh, with checkpoints
-that survive dead ranks, preemption, hangs, corrupt files and NaNs.
+"""``python -m minipar.train``: train the course GPT on a dp × cp × pp × tp mesh (with ep, a
+mixture of experts, and ZeRO), with checkpoints that survive dead ranks, preemption, hangs,
+corrupt files and NaNs.
 
 The same command runs three ways, because :func:`minipar.launch` runs the rank function
 in place when ``torchrun`` started the process::
 
     python -m minipar.train --dp 2 --pp 2 --tp 2 --steps 50          # 8 local ranks
+    python -m minipar.train --dp 2 --cp 2 --pp 2 --ep 2 --n-experts 4 --microbatches 2 --zero 1
     torchrun --standalone --nproc_per_node 8 -m minipar.train --dp 2 --pp 2 --tp 2
     torchrun --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d --max-restarts 3 \\
              --rdzv_endpoint HOST:29500 -m minipar.train --dp 2 --pp 2 --tp 2   # each node

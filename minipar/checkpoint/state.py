@@ -35,6 +35,9 @@ def parameter_layout(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, tu
     if isinstance(model, FullyShardedDataParallel):  # its parameters are flat shards
         raise NotImplementedError("checkpointing a ZeRO-3 (FullyShardedDataParallel) model is not "
                                   "supported; checkpoint the wrapped model after gathering it")
+    if isinstance(model, HybridModel) and getattr(model, "sharded", None) is not None:
+        raise NotImplementedError("checkpointing a ZeRO-3 mesh is not supported: its parameters are "
+                                  "shards of flat or per-parameter units; use zero=1 or 2 to checkpoint")
     if isinstance(model, HybridModel):  # its stages' parameters, by single-device name
         return tensor_parallel_layout(model.params.items(), model.mesh.tp, model.coords["tp"], _layout)
     if isinstance(model, TensorParallelGPT):

@@ -54,9 +54,11 @@ def train_reference(model, batches, make_optimizer=None, dp: int = 1, microbatch
     ``{"losses", "params"}`` as :func:`minipar.reference.train_reference`."""
     precision.resolve(dtype)
     here = rank_device()
-    if here.type != "cpu":
+    if here.type != "cpu":   # a copy on the ranks' device, fp32 as they compute it (no TF32)
         import copy
+        from ..pool import deterministic_cuda
         model = copy.deepcopy(model).to(here)
+        deterministic_cuda()
     opt = (make_optimizer or sgd())(model.parameters())
     losses = []
     for x, y in batches:

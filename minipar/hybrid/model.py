@@ -195,6 +195,9 @@ class HybridModel:
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load this rank's part (its stages, its tp shards) of a single-device GPT state dict."""
+        if self.sharded is not None:
+            raise NotImplementedError("loading weights into a ZeRO-3 mesh is not supported: its parameters "
+                                      "are shards; load them before building it (zero < 3)")
         t, r = self.mesh.tp, self.coords["tp"]
         for k, p in self.params.items():
             p.copy_(shard_state_dict({k: state_dict[k]}, t, r)[k] if t > 1 and not experts.is_expert(k)

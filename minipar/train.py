@@ -148,7 +148,8 @@ def _train(args, signals) -> dict:
     mesh = ProcessMesh(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep).build()
     with torch.device("cpu"):  # seeded on the CPU, identically on every rank; build() places it
         gpt = GPT(config, seed=args.seed)
-    model = hybrid.build(gpt, mesh, zero=args.zero, sharding=args.sharding, schedule=args.schedule,
+    zero = args.zero if args.zero is not None else int(args.zero1)   # parser() alone leaves --zero1 unfolded
+    model = hybrid.build(gpt, mesh, zero=zero, sharding=args.sharding, schedule=args.schedule,
                          microbatches=args.microbatches, virtual_stages=args.virtual_stages,
                          dtype=args.dtype, recompute=args.recompute, layout=args.cp_layout,
                          variant=args.cp_variant, optimizer=reference.adamw(args.lr, args.weight_decay))

@@ -5,7 +5,7 @@ number, infinite, out of range, or inconsistent with another option) is one line
 naming the option, and exit status 2, before any process starts or any file is written::
 
     $ python -m minipar.train --lr nan
-    python -m minipar.train: error: argument --lr: must be a finite number > 0, got nan
+    python -m minipar.train: error: --lr must be > 0 (a finite number), got nan
 
 The checks come in two layers: each option's own range, in its argparse ``type`` (:func:`integer`,
 :func:`real`), and the options against each other, in :func:`check_options`; the layout itself is
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 
 from .context_parallel.attention import VARIANTS
@@ -28,7 +29,8 @@ class Parser(argparse.ArgumentParser):
     """argparse, with its errors as one line (no usage block): ``prog: error: message``."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message.splitlines()[0]}\n")
+        line = re.sub(r"^argument (--[\w-]+): must", r"\1 must", message.splitlines()[0])
+        self.exit(2, f"{self.prog}: error: {line}\n")
 
 
 def integer(low: int):
@@ -37,9 +39,9 @@ def integer(low: int):
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be >= {low} (an integer), got {text!r}") from None
         if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be >= {low} (an integer), got {value}")
         return value
     parse.__name__ = f"integer >= {low}"
     return parse
@@ -53,9 +55,9 @@ def real(low: float, strict: bool):
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a finite number {sign} {low:g}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be {sign} {low:g} (a finite number), got {text!r}") from None
         if not math.isfinite(value) or value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"must be a finite number {sign} {low:g}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {sign} {low:g} (a finite number), got {text}")
         return value
     parse.__name__ = f"number {sign} {low:g}"
     return parse

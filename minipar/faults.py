@@ -88,19 +88,21 @@ class Snapshot:
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer, self.inner = model, optimizer, getattr(optimizer, "optim", optimizer)
+        self.inners = [getattr(o, "optim", o) for o in getattr(optimizer, "parts", [optimizer])]  # several as one
 
     def _pieces(self):
         from .checkpoint import local_pieces
         return local_pieces(self.model, self.optimizer)
 
     def take(self) -> None:
-        self._had = {id(p) for p, st in self.inner.state.items() if st}
+        self._had = {id(p) for inner in self.inners for p, st in inner.state.items() if st}
         self._saved = {p.descriptor(): p.data.clone() for p in self._pieces()}
         self._shards = [s.detach().clone() for s in getattr(self.optimizer, "shards", [])]
 
     def restore(self) -> None:
-        for p in [p for p, st in self.inner.state.items() if st and id(p) not in self._had]:
-            del self.inner.state[p]  # state the undone step created
+        for inner in self.inners:
+            for p in [p for p, st in inner.state.items() if st and id(p) not in self._had]:
+                del inner.state[p]  # state the undone step created
         with torch.no_grad():
             for piece in self._pieces():
                 piece.data.copy_(self._saved[piece.descriptor()])

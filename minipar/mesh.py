@@ -1,4 +1,5 @@
-"""The process mesh: ranks laid out as a (pp, dp, cp, tp) grid, one process group per line.
+"""The process mesh: ranks laid out as a (pp, dp, cp, tp) grid, one process group per line,
+with expert parallelism (``ep``) carved out of the dp · cp ranks.
 
 Megatron-LM's layout (Narayanan et al. 2021, §3.3): tensor-parallel ranks vary fastest, so
 the ``tp`` ranks of one layer are adjacent (one node, NVLink), then data-parallel ranks,
@@ -13,13 +14,21 @@ cp = 1). Gradients of replicated parameters are averaged over the combined ``dp_
 
 Every rank belongs to one group per dimension: the ranks that differ from it only in that
 coordinate. With dp=2, pp=2, tp=2 rank 5 = (p=1, d=0, t=1) has tp group [4, 5], dp group
-[5, 7] and pp group [1, 5]."""
+[5, 7] and pp group [1, 5].
+
+Expert parallelism (``ep``, :mod:`minipar.expert_parallel`) adds no ranks: as in Megatron-Core,
+the dp · cp ranks of one (p, t) (the ``dp_cp`` group, in (d, c) order) are cut into consecutive
+blocks of ``ep``, the **ep groups** (each holds all E experts once, E/ep per rank), and the
+ranks at the same place of their blocks form the **expert-data-parallel group** (``expert_dp``,
+dp·cp/ep ranks): the only ranks an expert's gradient is reduced over. With dp=4, ep=2 (cp=pp=tp=1):
+ep groups [0, 1] [2, 3], expert_dp groups [0, 2] [1, 3]. ``ep`` must divide dp · cp."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 DIMS = ("pp", "dp", "tp")  # slowest to fastest
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # with context parallelism, slowest to fastest
+GROUP_DIMS = MESH_DIMS + ("dp_cp", "ep", "expert_dp")  # every group a rank can ask for
 
 
 def mesh_coordinates(rank: int, dp: int, pp: int, tp: int) -> dict[str, int]:
@@ -50,9 +59,11 @@ def group_members(rank: int, dim: str, dp: int, pp: int, tp: int) -> list[int]:
 
 @dataclass
 class ProcessMesh:
-    """A dp × pp × tp layout of ``world_size`` ranks. Construct it in the driver to validate a
-    configuration before any process starts (``ProcessMesh(dp=2, pp=2, tp=2, world_size=8)``), then
-    inside every rank call :meth:`build` to create the process groups (all ranks must, in the same order)."""
+    """A dp × cp × pp × tp layout of ``world_size`` ranks, with ``ep`` carved out of dp · cp.
+    Construct it in the driver to validate a configuration before any process starts
+    (``ProcessMesh(dp=2, cp=2, pp=2, tp=1, ep=2, world_size=8)``), then inside every rank call
+    :meth:`build` to create the process groups (all ranks must, in the same order). The first
+    three positional fields stay ``(dp, pp, tp)``; ``cp`` and ``ep`` are keywords."""
 
     dp: int = 1
     pp: int = 1
@@ -60,12 +71,16 @@ class ProcessMesh:
     world_size: int | None = None
     groups: dict = field(default_factory=dict, repr=False)
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self):
-        for dim in MESH_DIMS:
+        for dim in MESH_DIMS + ("ep",):
             v = getattr(self, dim)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{dim} must be a positive int, got {v!r}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp·cp = {self.dp}·{self.cp} = {self.dp * self.cp}: "
+                             "the expert-parallel groups are carved out of the data (and context) ranks")
         if self.world_size is not None and self.size != self.world_size:
             cp = f"·{self.cp}" if self.cp > 1 else ""
             raise ValueError(f"dp·pp·{'cp·' if cp else ''}tp = {self.dp}·{self.pp}{cp}·{self.tp} = "
@@ -78,6 +93,11 @@ class ProcessMesh:
     @property
     def shape(self) -> dict[str, int]:
         return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+
+    @property
+    def expert_dp(self) -> int:
+        """Size of the expert-data-parallel group: dp·cp/ep."""
+        return self.dp * self.cp // self.ep
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """``{"pp", "dp", "cp", "tp"}`` of global ``rank`` (tp fastest, then cp, dp, pp)."""
@@ -92,14 +112,21 @@ class ProcessMesh:
 
     def members(self, rank: int, dim: str) -> list[int]:
         """Global ranks of ``rank``'s group along ``dim`` (one of ``MESH_DIMS``, or
-        ``"dp_cp"``: the ranks that differ from it only in d and c), in group order."""
+        ``"dp_cp"``: the ranks that differ from it only in d and c; ``"ep"``, ``"expert_dp"``:
+        the expert groups carved out of ``dp_cp``, module docstring), in group order."""
         if self.cp == 1 and dim in DIMS:
             return group_members(rank, dim, self.dp, self.pp, self.tp)
-        if dim not in MESH_DIMS + ("dp_cp",):
-            raise ValueError(f"dim must be one of {MESH_DIMS + ('dp_cp',)}, got {dim!r}")
+        if dim not in GROUP_DIMS:
+            raise ValueError(f"dim must be one of {GROUP_DIMS}, got {dim!r}")
         c = self.coordinates(rank)
-        if dim == "dp_cp":
-            return [self.rank_of(dict(c, dp=d, cp=k)) for d in range(self.dp) for k in range(self.cp)]
+        if dim in ("dp_cp", "ep", "expert_dp"):
+            dc = [self.rank_of(dict(c, dp=d, cp=k)) for d in range(self.dp) for k in range(self.cp)]
+            if dim == "dp_cp":
+                return dc
+            i = dc.index(rank)
+            if dim == "ep":                       # consecutive blocks of ep
+                return dc[i - i % self.ep:i - i % self.ep + self.ep]
+            return dc[i % self.ep::self.ep]        # the same place in every block
         return [self.rank_of(dict(c, **{dim: i})) for i in range(self.shape[dim])]
 
     def all_groups(self, dim: str) -> list[list[int]]:
@@ -107,13 +134,15 @@ class ProcessMesh:
         return [list(g) for g in dict.fromkeys(tuple(self.members(r, dim)) for r in range(self.size))]
 
     def build(self) -> "ProcessMesh":
-        """Inside a rank: create this rank's dp, pp and tp process groups (and cp, dp_cp when cp > 1)."""
+        """Inside a rank: create this rank's dp, pp and tp process groups (and cp, dp_cp when
+        cp > 1; ep and expert_dp when ep > 1)."""
         import torch.distributed as dist
 
         from .comm import name_group
         if dist.get_world_size() != self.size:
             raise ValueError(f"the mesh has {self.size} ranks but the job has {dist.get_world_size()}")
-        for dim in DIMS + (("cp", "dp_cp") if self.cp > 1 else ()):
+        dims = DIMS + (("cp", "dp_cp") if self.cp > 1 else ()) + (("ep", "expert_dp") if self.ep > 1 else ())
+        for dim in dims:
             for ranks in self.all_groups(dim):  # every rank creates every group, same order
                 g = dist.new_group(ranks)
                 if dist.get_rank() in ranks:
@@ -121,6 +150,8 @@ class ProcessMesh:
                     name_group(g, dim)  # its communication events are labelled dim
         if self.cp == 1:        # no cp groups (a None group would mean the world)
             self.groups["dp_cp"] = self.groups["dp"]
+        if self.ep == 1:        # every rank its own ep group; expert_dp is all of dp·cp
+            self.groups["expert_dp"] = self.groups["dp_cp"]
         return self
 
     def rank(self, dim: str) -> int:

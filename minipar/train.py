@@ -1,10 +1,12 @@
-"""``python -m minipar.train``: train the course GPT on a dp × pp × tp mesh, with checkpoints
-that survive dead ranks, preemption, hangs, corrupt files and NaNs.
+"""``python -m minipar.train``: train the course GPT on a dp × cp × pp × tp mesh (with ep, a
+mixture of experts, and ZeRO), with checkpoints that survive dead ranks, preemption, hangs,
+corrupt files and NaNs.
 
 The same command runs three ways, because :func:`minipar.launch` runs the rank function
 in place when ``torchrun`` started the process::
 
     python -m minipar.train --dp 2 --pp 2 --tp 2 --steps 50          # 8 local ranks
+    python -m minipar.train --dp 2 --cp 2 --pp 2 --ep 2 --n-experts 4 --microbatches 2 --zero 1
     torchrun --standalone --nproc_per_node 8 -m minipar.train --dp 2 --pp 2 --tp 2
     torchrun --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d --max-restarts 3 \\
              --rdzv_endpoint HOST:29500 -m minipar.train --dp 2 --pp 2 --tp 2   # each node
@@ -26,7 +28,6 @@ last started. The configuration and an existing checkpoint are checked before an
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -43,57 +44,7 @@ from tqdm import tqdm
 
 from .faults import EXIT_HUNG, EXIT_NONFINITE, EXIT_PREEMPTED, forward_to_ranks
 
-VOCAB_MULTIPLE = 8  # the corpus's 63 characters padded to 64: any tp up to 8 divides it
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minipar.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    mesh = p.add_argument_group("mesh")
-    for dim, what in (("dp", "data"), ("pp", "pipeline"), ("tp", "tensor")):
-        mesh.add_argument(f"--{dim}", type=int, default=1, help=f"{what}-parallel size")
-    mesh.add_argument("--zero1", action="store_true", help="shard optimizer state over dp (ZeRO-1)")
-    mesh.add_argument("--schedule", default="1f1b", help="pipeline schedule")
-    mesh.add_argument("--microbatches", type=int, default=1, help="micro-batches per dp shard")
-    mesh.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                      help="compute dtype (bf16: autocast, fp32 master weights and optimizer state)")
-    mesh.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
-                      help="activation recomputation in every block")
-    model = p.add_argument_group("model and data")
-    for flag, default in (("--n-layer", 2), ("--n-head", 4), ("--n-embd", 32), ("--block-size", 32)):
-        model.add_argument(flag, type=int, default=default)
-    model.add_argument("--seed", type=int, default=0, help="model initialisation")
-    model.add_argument("--data-seed", type=int, default=0, help="which batches")
-    model.add_argument("--batch-size", type=int, default=8, help="global batch")
-    run = p.add_argument_group("run")
-    run.add_argument("--steps", type=int, default=20, help="train until this many steps are done")
-    run.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
-    run.add_argument("--weight-decay", type=float, default=0.1)
-    run.add_argument("--checkpoint-dir", type=Path, default=None,
-                     help="save here, and continue from its latest checkpoint if there is one")
-    run.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
-    run.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
-    run.add_argument("--resume", action="store_true", help="require a checkpoint to continue from")
-    run.add_argument("--out", type=Path, default=None, help="write the losses here (JSON)")
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                     help="where the ranks compute (minipar.launch's placement: NCCL with a GPU per "
-                          "rank, ranks sharing GPUs over Gloo, or the CPU)")
-    run.add_argument("--timeout", type=float, default=1800.0, help="seconds (minipar.launch only)")
-    faults = p.add_argument_group("faults")
-    faults.add_argument("--hang-timeout", type=float, default=600.0,
-                        help="seconds without progress before a rank stops, naming the collectives (0: never)")
-    faults.add_argument("--nonfinite", choices=("stop", "skip"), default="stop",
-                        help="at a NaN/Inf loss: stop (keep the last good checkpoint) or undo the step and go on")
-    return p
-
-
-def gpt_config(args):
-    from .data import corpus_tokens
-    from .models.gpt import GPTConfig
-    vocab = -(-corpus_tokens()[1].vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # rounded up
-    return GPTConfig(vocab_size=vocab, block_size=args.block_size, n_layer=args.n_layer,
-                     n_head=args.n_head, n_embd=args.n_embd)
+from .train_options import VOCAB_MULTIPLE, check_options, gpt_config, parse, parser  # noqa: F401
 
 
 def data_signature(args) -> dict:
@@ -102,14 +53,13 @@ def data_signature(args) -> dict:
 
 
 def _writable(directory: Path) -> None:
-    probe = directory / f".minipar-probe-{os.getpid()}"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"--checkpoint-dir {directory} is not writable ({e.strerror or e}); "
-                         "give a directory every rank can write to") from None
+    """``directory`` can be created (or written) here; nothing is created before launch."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"--checkpoint-dir {directory} is a file; give a directory")
+    existing = next(d for d in (directory, *directory.absolute().parents) if d.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--checkpoint-dir {directory} is not writable ({existing} is not a writable "
+                         "directory); give a directory every rank can write to")
 
 
 def check_resume(args, config) -> dict | None:
@@ -137,20 +87,32 @@ def check_resume(args, config) -> dict | None:
     return meta
 
 
+LAYOUT_OPTIONS = ("dp", "cp", "pp", "tp", "ep", "batch_size", "microbatches", "schedule", "virtual_stages",
+                  "block_size", "n_layer", "n_head", "n_embd", "n_experts", "capacity_factor", "cp_variant",
+                  "cp_layout", "recompute", "zero", "sharding", "dtype")  # named in the layout's errors
+
+
 def check(args, world_size: int | None) -> None:
     """Every problem with the arguments (and an existing checkpoint) as a ValueError, before launch."""
     from .hybrid import check as check_mesh
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir")
-    if args.steps < 1 or args.save_every < 0 or args.keep < 1:
-        raise ValueError("--steps and --keep must be positive, --save-every >= 0")
-    if args.hang_timeout < 0:
-        raise ValueError("--hang-timeout must be >= 0 seconds (0: no watchdog)")
-    check_mesh(gpt_config(args), None, world_size, args.dp, args.pp, args.tp, args.microbatches,
-               args.schedule, batch_size=args.batch_size)
+    check_options(args)   # each option's range was argparse's; here the options against each other
+    defaults = parser()
+    flags = " ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in LAYOUT_OPTIONS
+                     if k in ("batch_size", "microbatches")   # always: the batch is cut by both
+                     or getattr(args, k) != (0 if k == "zero" else defaults.get_default(k)))
+    try:
+        check_mesh(gpt_config(args), None, world_size, args.dp, args.pp, args.tp, args.microbatches,
+                   args.schedule, args.virtual_stages, batch_size=args.batch_size, cp=args.cp,
+                   layout=args.cp_layout, variant=args.cp_variant, ep=args.ep, zero=args.zero,
+                   recompute=args.recompute, seq_len=args.block_size, sharding=args.sharding,
+                   dtype=args.dtype)
+    except ValueError as e:   # name the options: the layout's rule speaks of dp=, tp=, ...
+        raise ValueError(f"{flags}: {e}") from None
+    check_resume(args, gpt_config(args))
     if args.checkpoint_dir is not None:
         _writable(args.checkpoint_dir)
-    check_resume(args, gpt_config(args))
 
 
 def _stop_message(stopped: dict) -> str:
@@ -183,12 +145,14 @@ def _train(args, signals) -> dict:
     from .mesh import ProcessMesh
     from .models.gpt import GPT
     config, tokens = gpt_config(args), corpus_tokens()[0]
-    mesh = ProcessMesh(dp=args.dp, pp=args.pp, tp=args.tp).build()
+    mesh = ProcessMesh(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep).build()
     with torch.device("cpu"):  # seeded on the CPU, identically on every rank; build() places it
         gpt = GPT(config, seed=args.seed)
-    model = hybrid.build(gpt, mesh, zero1=args.zero1, schedule=args.schedule,
-                         microbatches=args.microbatches, dtype=args.dtype, recompute=args.recompute,
-                         optimizer=reference.adamw(args.lr, args.weight_decay))
+    zero = args.zero if args.zero is not None else int(args.zero1)   # parser() alone leaves --zero1 unfolded
+    model = hybrid.build(gpt, mesh, zero=zero, sharding=args.sharding, schedule=args.schedule,
+                         microbatches=args.microbatches, virtual_stages=args.virtual_stages,
+                         dtype=args.dtype, recompute=args.recompute, layout=args.cp_layout,
+                         variant=args.cp_variant, optimizer=reference.adamw(args.lr, args.weight_decay))
     start, resumed_from, history = 0, None, []
     if args.checkpoint_dir and (args.checkpoint_dir / "latest").exists():
         meta = checkpoint.load(args.checkpoint_dir, model, model.optimizer)
@@ -198,7 +162,7 @@ def _train(args, signals) -> dict:
         start, resumed_from = meta["extra"]["next_step"], meta["mesh"]
         history = list(meta["extra"].get("losses", []))[:start]
     tqdm.set_lock(threading.RLock())  # tqdm's default lock is a process-shared semaphore
-    bar = tqdm(total=args.steps, initial=start, desc=f"dp={args.dp} pp={args.pp} tp={args.tp}",
+    bar = tqdm(total=args.steps, initial=start, desc=layout_name(args),
                unit="step", file=sys.__stderr__, disable=args.no_progress or dist.get_rank() != 0,
                mininterval=0.5)
     snapshot = Snapshot(model, model.optimizer) if args.nonfinite == "skip" else None
@@ -243,10 +207,16 @@ def _train(args, signals) -> dict:
             "seconds": time.perf_counter() - t0, "checkpoint": str(saved) if saved else None}
 
 
+def layout_name(args) -> str:
+    """``dp=2 cp=2 pp=2 tp=1 ep=2`` (and the ZeRO stage, if any)."""
+    zero = f" zero={args.zero}" if args.zero else ""
+    return " ".join(f"{k}={getattr(args, k)}" for k in ("dp", "cp", "pp", "tp", "ep")) + zero
+
+
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    args = parse(argv)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = args.dp * args.pp * args.tp
+    world = args.dp * args.cp * args.pp * args.tp
     try:
         check(args, int(os.environ["WORLD_SIZE"]) if under_torchrun else world)
         from .backend import place  # --device cuda without a GPU: a plain error here
@@ -272,11 +242,11 @@ def main(argv=None) -> int:
         r = results[0]
         where = "torchrun" if under_torchrun else "minipar.launch"
         m = r["resumed_from"]
-        came = f", resumed from a dp={m['dp']} pp={m['pp']} tp={m['tp']} checkpoint" if m else ""
+        came = (", resumed from a " + " ".join(f"{k}={v}" for k, v in m.items()) + " checkpoint") if m else ""
         losses = f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}" if r["losses"] else "nothing to do"
         skipped = f", skipped {len(r['skipped'])} non-finite step(s) {r['skipped']}" if r["skipped"] else ""
-        print(f"trained steps {r['first_step']}..{r['first_step'] + len(r['losses'])} on dp={args.dp} "
-              f"pp={args.pp} tp={args.tp} ({world} rank{'s' * (world > 1)}, {where}, {results.backend}"
+        print(f"trained steps {r['first_step']}..{r['first_step'] + len(r['losses'])} on "
+              f"{layout_name(args)} ({world} rank{'s' * (world > 1)}, {where}, {results.backend}"
               f"{came}): {losses}{skipped} in {r['seconds']:.1f} s")
         if r["checkpoint"]:
             print(f"checkpoint: {r['checkpoint']}")
@@ -285,7 +255,7 @@ def main(argv=None) -> int:
         if args.out:
             args.out.write_text(json.dumps({**r, "steps": args.steps, "world_size": world,
                                             "rss_by_rank": [x["rss"] for x in results],
-                                            "mesh": {"dp": args.dp, "pp": args.pp, "tp": args.tp},
+                                            "mesh": {k: getattr(args, k) for k in ("dp", "cp", "pp", "tp", "ep")},
                                             "launcher": where, "backend": results.backend}))
     stopped = results[0]["stopped"]
     code = (EXIT_PREEMPTED if stopped["reason"] == "preempted" else EXIT_NONFINITE) if stopped else 0

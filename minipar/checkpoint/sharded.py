@@ -49,7 +49,9 @@ def _mesh_dict(mesh, model) -> dict | None:
     mesh = mesh if mesh is not None else getattr(model, "mesh", None)
     if mesh is None or isinstance(mesh, dict):
         return mesh
-    return {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp}
+    out = {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp}
+    out.update({k: getattr(mesh, k) for k in ("cp", "ep") if getattr(mesh, k, 1) > 1})  # 4D, 5D layouts
+    return out
 
 
 def _unique(pieces: list[Piece], rank: int, world: int) -> tuple[list[Piece], list[list]]:

@@ -35,6 +35,9 @@ def parameter_layout(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, tu
     if isinstance(model, FullyShardedDataParallel):  # its parameters are flat shards
         raise NotImplementedError("checkpointing a ZeRO-3 (FullyShardedDataParallel) model is not "
                                   "supported; checkpoint the wrapped model after gathering it")
+    if isinstance(model, HybridModel) and getattr(model, "sharded", None) is not None:
+        raise NotImplementedError("checkpointing a ZeRO-3 mesh is not supported: its parameters are "
+                                  "shards of flat or per-parameter units; use zero=1 or 2 to checkpoint")
     if isinstance(model, HybridModel):  # its stages' parameters, by single-device name
         return tensor_parallel_layout(model.params.items(), model.mesh.tp, model.coords["tp"], _layout)
     if isinstance(model, TensorParallelGPT):
@@ -79,8 +82,15 @@ def local_pieces(model, optimizer=None, saved_keys: dict | None = None) -> list[
     if optimizer is None:
         return out
     where = {id(p): (name, full, boxes, p) for name, p, full, boxes in layout}
+    for part in getattr(optimizer, "parts", [optimizer]):   # several stepped as one: each part's
+        out += _optimizer_pieces(part, where, saved_keys)
+    return out
+
+
+def _optimizer_pieces(optimizer, where: dict, saved_keys) -> list[Piece]:
     if _is_zero(optimizer):
-        return out + _zero_pieces(optimizer, where, saved_keys)
+        return _zero_pieces(optimizer, where, saved_keys)
+    out = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in where:

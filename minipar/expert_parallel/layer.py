@@ -56,6 +56,7 @@ class ExpertParallelMoE(MoE):
         self.router = moe.router
         self.experts = nn.ModuleDict({str(i): moe.experts[i] for i in self.local})
         self.loss, self.stats = None, {}
+        self.aux_scale, self.aux_total, self.routed = moe.aux_scale, 0.0, None
 
     def forward(self, x):
         shape, E, k = x.shape, self.n_experts, self.top_k
@@ -98,7 +99,7 @@ class ExpertParallelMoE(MoE):
         # at every forward; whoever reads them (.tolist(), .cpu()) pays that once
         self.stats = {"counts": totals.detach(), "matrix": M, "kept": kept, "dropped": ~keep,
                       "experts": experts.detach(), "capacity": cap, "aux": aux.detach(), "z": z.detach()}
-        return y.reshape(shape)
+        return self.with_aux_loss(y.reshape(shape))
 
 
 def shard_experts(model: nn.Module, group=None, token_group=None) -> nn.Module:

@@ -17,7 +17,7 @@ Adam) leave it alone too.
 Options: ``ep`` (divides the world size, which is dp), ``dtype`` (mixed precision),
 ``recompute`` (passed to the GPT's blocks; ``"full"`` runs the two all-to-alls again in
 backward), ``tp`` (tensor parallelism of the dense part, :mod:`.tensor`: world = dp · tp).
-:func:`check` rejects pipeline parallelism.
+:func:`check` sends pipeline parallelism to the mesh (:mod:`minipar.hybrid.experts`: EP × PP).
 """
 from __future__ import annotations
 
@@ -116,9 +116,10 @@ def check(model, batches, world_size: int, ep: int = 1, tp: int = 1, pp: int = 1
     """Plain errors before launch: a model without MoE layers, E not divisible by ep, top_k > E,
     ep not dividing dp, uneven batch shards, capacity with dp > ep, a GPT that tp cannot split, pp."""
     if pp != 1:
-        raise ValueError(f"expert parallelism composes with dp and tp here; pp={pp} is not supported "
-                         "(a pipeline's micro-batches would count capacity and the load-balancing loss per "
-                         "micro-batch, where one process counts them per batch): use pp=1")
+        raise ValueError(f"expert_parallel trains DP × EP and EP × TP; for pp={pp} use the mesh, "
+                         "minipar.hybrid.run(..., pp=, ep=), which counts capacity and the load-balancing "
+                         "loss per micro-batch and is checked against one process doing the same "
+                         "(minipar.hybrid.experts)")
     if not isinstance(tp, int) or tp < 1 or world_size % tp:
         raise ValueError(f"tp={tp!r} must be a positive int dividing the {world_size} ranks")
     layers = [m for m in model.modules() if isinstance(m, MoE)]

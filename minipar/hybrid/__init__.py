@@ -1,5 +1,5 @@
-"""Hybrid (2D/3D) parallelism: data × pipeline × tensor parallelism on a process mesh,
-with ZeRO-1 over the data-parallel dimension as an option (Narayanan et al. 2021).
+"""Hybrid parallelism: data × context × pipeline × tensor × expert parallelism on one process
+mesh, with ZeRO over the data-parallel dimension as an option (Narayanan et al. 2021).
 
 The API, in the shape of every strategy (:mod:`minipar.strategy`), all from ``minipar.hybrid``::
 
@@ -7,6 +7,7 @@ The API, in the shape of every strategy (:mod:`minipar.strategy`), all from ``mi
     check(model, batches, world_size, dp=1, pp=1, tp=1, microbatches=1, ...)  # model: GPT or GPTConfig
     run(model, batches, optimizer=None, dp=2, pp=2, tp=2, **options) -> TrainResult
     choose_config(config, world_size, batch_size, memory_per_rank=None, ...) -> {"dp", "pp", "tp"}
+    toy_options(layout) / toy_command(layout) / toy_run(layout)  # a plan.Layout at toy size (.layouts)
     valid_configs(config, world_size, batch_size=None, microbatches=1) -> [{"dp", "pp", "tp"}, ...]
     compare(config, batches, world_size=8) -> (rows, results)  # every strategy, measured (notebook 07)
 
@@ -21,7 +22,11 @@ Every global batch is cut into ``dp`` shards (:func:`minipar.data.shard`) and ea
 ``microbatches``; the loss returned is the single-process loss of the global batch. Context
 parallelism is a fourth dimension: ``cp=`` (with ``variant="ring"|"all_gather"|"ulysses"`` and
 ``layout="zigzag"|"contiguous"``, :mod:`minipar.context_parallel`) splits every sequence over the
-cp ranks, and gradients are averaged over the combined dp × cp group. ``mesh_coordinates`` and
+cp ranks, and gradients are averaged over the combined dp × cp group. Expert parallelism: ``ep=``
+spreads a mixture-of-experts GPT's experts over ep groups carved out of dp × cp, capacity and the
+auxiliary loss counted per micro-batch (:mod:`.experts` defines the reference it equals). ZeRO:
+``zero=1`` everywhere, ``zero=2|3`` (``sharding="flat"|"per-parameter"``) on dp × tp
+(:mod:`.sharding`). ``mesh_coordinates`` and
 ``group_members`` (exercise 07) are re-exported from :mod:`minipar.mesh`."""
 from ..cost import hybrid_comm_bytes, hybrid_memory_per_rank
 from ..mesh import ProcessMesh, group_members, mesh_coordinates
@@ -29,7 +34,10 @@ from .config import check, choose_config, num_layers, num_params, valid_configs
 from .model import HybridModel, build
 from .train import run, train
 from .compare import compare, strategies  # noqa: E402 - needs the model
+from . import experts
+from .layouts import toy_command, toy_options, toy_run
 
 __all__ = ["ProcessMesh", "mesh_coordinates", "group_members", "check", "choose_config",
            "valid_configs", "num_layers", "num_params", "HybridModel", "build", "train", "run",
-           "hybrid_comm_bytes", "hybrid_memory_per_rank", "compare", "strategies"]
+           "hybrid_comm_bytes", "hybrid_memory_per_rank", "compare", "strategies", "experts",
+           "toy_options", "toy_command", "toy_run"]

@@ -16,6 +16,8 @@ memory per rank from :func:`minipar.cost.hybrid_memory_per_rank`:
    pipeline stages (no bubble)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .. import precision
 from ..cost import hybrid_memory_per_rank
 from ..mesh import ProcessMesh
@@ -42,15 +44,19 @@ def num_params(config: GPTConfig) -> int:
 def check(model, batches=None, world_size: int | None = None, dp: int = 1, pp: int = 1,
           tp: int = 1, microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
           sequence_parallel: bool = False, batch_size: int | None = None, dtype=None, cp: int = 1,
-          layout: str = "zigzag", variant: str = "ring", **_) -> None:
+          layout: str = "zigzag", variant: str = "ring", ep: int = 1, zero: int = 0, **_) -> None:
     """Raise a plain ``ValueError`` if the GPT ``model`` (or its ``GPTConfig``) cannot train on a
     dp × pp × tp mesh (the rules: the module docstring). Call it in the driver, before any
     process starts (:func:`~minipar.hybrid.run` does); ``world_size`` is checked if given, the
     global batch is ``batch_size``, else that of ``batches``."""
     config = getattr(model, "config", model)
-    ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp, world_size=world_size)
+    ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, world_size=world_size)
+    check_experts(config, dp, cp, ep, sequence_parallel, _.get("recompute"))
+    check_zero(zero, pp, cp, tp, _.get("sharding", "flat"), config)
     if cp > 1:  # context parallelism: T cut over cp (2·cp for zigzag), Ulysses needs cp | heads/tp
-        check_context_parallel(config, cp, batches[0][0].shape[1] if batches else None, layout,
+        seq_len = batches[0][0].shape[1] if batches else _.get("seq_len")
+        check_context_parallel(replace(config, moe_every=0),  # the mesh composes the MoE layers itself
+                               cp, seq_len, layout,
                                variant, tp, sequence_parallel, _.get("recompute"))
     if tp > 1:
         check_tensor_parallel(config, None, tp, sequence_parallel)
@@ -69,6 +75,57 @@ def check(model, batches=None, world_size: int | None = None, dp: int = 1, pp: i
         raise ValueError(f"global batch {batch_size} cannot be split into dp={dp} shards of "
                          f"m={microbatches} equal micro-batches (need a multiple of {dp * microbatches})")
     precision.resolve(dtype)
+
+
+def check_experts(config, dp: int, cp: int, ep: int, sequence_parallel: bool = False,
+                  recompute=None) -> None:
+    """The rules of expert parallelism on the mesh (:mod:`minipar.hybrid.experts`)."""
+    if not config.moe_every:
+        if ep > 1:
+            raise ValueError(f"ep={ep} needs a mixture-of-experts model (moe_every > 0, n_experts > 1): "
+                             "a dense GPT has no experts to spread")
+        return
+    if config.n_experts % ep:
+        raise ValueError(f"n_experts={config.n_experts} cannot be split evenly over ep={ep} ranks")
+    if not 1 <= config.top_k <= config.n_experts:
+        raise ValueError(f"top_k={config.top_k} must be between 1 and n_experts={config.n_experts}")
+    if config.capacity_factor is not None and (ep != dp or cp > 1):
+        raise ValueError(f"capacity_factor={config.capacity_factor} with dp={dp}, cp={cp}, ep={ep}: "
+                         "capacity is counted over the ep group's tokens in rank order, which is the "
+                         "micro-batch's token order only when ep = dp and cp = 1; use those, or "
+                         "capacity_factor=None (dropless)")
+    if sequence_parallel:
+        raise ValueError("sequence_parallel with MoE layers: the experts expect every tp rank to hold "
+                         "the whole sequence; use sequence_parallel=False")
+    if recompute == "full":
+        raise ValueError("recompute='full' with MoE layers on the mesh would run the routing (and count "
+                         "its auxiliary loss) twice per micro-batch; use 'selective' or 'none'")
+
+
+def check_zero(zero: int, pp: int = 1, cp: int = 1, tp: int = 1, sharding: str = "flat",
+               config=None) -> None:
+    """ZeRO on the mesh: stage 1 everywhere. Stages 2 and 3 are refused with a pipeline: its
+    gradients accumulate over the m micro-batches, so stage 2 would reduce-scatter them m times
+    per step (or hold them whole, which is stage 1), and stage 3 would all-gather every stage's
+    parameters again for each of the m forwards and m backwards, ~m× the communication of
+    ZeRO-1 for a memory saving the pipeline already gives (each stage holds 1/pp of the model)."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero!r} must be 0, 1, 2 or 3")
+    if zero >= 2 and pp > 1:
+        raise ValueError(f"ZeRO-{zero} with pp={pp}: the pipeline accumulates gradients over its "
+                         "micro-batches, so stage 2 would reduce-scatter every micro-batch (m× the "
+                         "traffic) and stage 3 re-gather every stage's weights 2m times per step; "
+                         "use ZeRO-1 (zero=1) with a pipeline")
+    if zero >= 2 and cp > 1:
+        raise ValueError(f"ZeRO-{zero} with cp={cp} is not composed here; use ZeRO-1 with context parallelism")
+    if sharding not in ("flat", "per-parameter"):
+        raise ValueError(f"sharding={sharding!r} must be 'flat' or 'per-parameter'")
+    if zero >= 2 and config is not None and config.moe_every:
+        raise ValueError(f"ZeRO-{zero} with MoE layers: the experts' state is sharded over expert-dp "
+                         "with ZeRO-1 only; use zero=1")
+    if zero == 3 and config is not None and config.tie_weights:
+        raise ValueError("ZeRO-3 gathers one layer at a time and tie_weights=True shares a matrix between "
+                         "the first and the last: use tie_weights=False")
 
 
 def valid_configs(config: GPTConfig, world_size: int, batch_size: int | None = None,

@@ -10,15 +10,21 @@ as in Megatron-LM (Narayanan et al. 2021, §3) from minipar's own pieces:
   stage is the vocabulary-parallel cross-entropy);
 * **dp**: each global batch is cut into dp shards (:func:`minipar.data.shard`); after the
   pipeline's flush the gradients are averaged over the data-parallel group by the
-  :class:`~minipar.data_parallel.Reducer` (one bucketed all-reduce), or with ZeRO-1
-  (:class:`~minipar.zero.ZeroOptimizer`: reduce-scatter, step on this rank's shard, all-gather).
+  :class:`~minipar.data_parallel.Reducer` (one bucketed all-reduce), or with ZeRO
+  (:mod:`.sharding`: stage 1 everywhere, stages 2-3 and ``fully_shard`` on a dp × tp mesh).
 
 With equal shards and equal micro-batches the averaged gradient is the single-process
 gradient of the global mean loss, ∇L = 1/(d·m) Σ_shards Σ_micro ∇ℓ, so every step is the
-single-process step (up to the order of floating-point sums)."""
+single-process step (up to the order of floating-point sums).
+
+* **ep**: a mixture-of-experts GPT's MoE layers are spread over the rank's ep group (carved out of
+  dp·cp, :class:`~minipar.mesh.ProcessMesh`), capacity and the auxiliary loss counted per
+  micro-batch; the step then equals :func:`minipar.hybrid.experts.train_reference` (one process
+  accumulating the same micro-batches), :mod:`.experts` states why and how."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -27,14 +33,16 @@ from .. import comm, trace
 from ..backend import current_device
 from ..context_parallel import parallelize, sequence_positions, set_positions, shard_sequence
 from ..data import shard
-from ..data_parallel import Reducer
 from ..mesh import ProcessMesh
 from ..models.gpt import GPT, lm_loss
+from ..models.moe import MoE
 from ..pipeline import Pipeline, build_stages, layer_costs, make_schedule, partition
 from ..reference import sgd
 from ..tensor_parallel import TensorParallelGPT, gather_shards, shard_state_dict, unshard_state_dict
-from ..zero import ZeroOptimizer, model_state_bytes, state_tensors, storage_bytes
+from ..zero import model_state_bytes, state_tensors, storage_bytes
+from . import experts
 from .config import check
+from .sharding import build_optimizer
 
 
 class HybridModel:
@@ -47,6 +55,7 @@ class HybridModel:
     is its ``{"pp", "dp", "tp"}``. ``zero1`` with ``dp == 1`` is plain training (nothing to shard over)."""
 
     def __init__(self, model: GPT, mesh: ProcessMesh, *, optimizer=None, zero1: bool = False,
+                 zero: int | None = None, sharding: str = "flat",
                  schedule: str = "1f1b", microbatches: int = 1, virtual_stages: int = 1,
                  sequence_parallel: bool = False, bucket_cap_mb: float = 25.0,
                  bounds: list[int] | None = None, dtype=None, recompute=None,
@@ -54,14 +63,23 @@ class HybridModel:
         config = model.config
         check(config, None, dist.get_world_size(), mesh.dp, mesh.pp, mesh.tp, microbatches, schedule,
               virtual_stages, sequence_parallel, dtype=dtype, cp=mesh.cp, layout=layout, variant=variant,
-              recompute=recompute)
+              recompute=recompute, ep=mesh.ep, zero=zero if zero is not None else int(zero1),
+              sharding=sharding)
         if not mesh.groups:
             mesh.build()
+        self.moe = bool(config.moe_every)
+        if self.moe and "ep" not in mesh.groups:   # ep = 1: every rank its own expert group
+            for r in range(dist.get_world_size()):
+                g = dist.new_group([r])
+                if r == dist.get_rank():
+                    mesh.groups["ep"] = g
         self.config, self.mesh = config, mesh
         self.coords = mesh.coordinates(dist.get_rank())
-        self.zero1, self.m = zero1 and mesh.dp * mesh.cp > 1, microbatches
+        self.zero = (zero if zero is not None else int(zero1)) if mesh.dp * mesh.cp > 1 else 0
+        self.zero1, self.m = self.zero == 1, microbatches
         self.sequence_parallel, self.layout = sequence_parallel, layout
-        dims = ("dp", "pp", "tp", "dp_cp") + (("cp",) if mesh.cp > 1 else ())  # dp_cp: dp when cp = 1
+        dims = (("dp", "pp", "tp", "dp_cp", "expert_dp") + (("cp",) if mesh.cp > 1 else ())
+                + (("ep",) if self.moe else ()))  # dp_cp: dp when cp = 1; expert_dp: dp_cp when ep = 1
         self.groups = g = {dim: mesh.group(dim) for dim in dims}
         self.device = current_device()                      # where this rank computes
         if recompute is not None:  # the blocks' recomputation, in the config tp shards are built from
@@ -71,13 +89,19 @@ class HybridModel:
         self.full_shapes = {k: v.shape for k, v in full.state_dict().items()}
         if mesh.tp > 1:
             with torch.device(self.device):
-                self.model = TensorParallelGPT(config, g["tp"], sequence_parallel, seed=None)
+                self.model = TensorParallelGPT(replace(config, moe_every=0), g["tp"], sequence_parallel,
+                                               seed=None)
+            for block, one in zip(self.model.blocks, full.blocks):  # the MoE layers, whole on tp ranks
+                if isinstance(one.mlp, MoE):
+                    block.mlp = one.mlp
             self.model.load_full_state_dict(full.state_dict())
             loss_fn = self.model.loss
         else:
             self.model, loss_fn = full, lm_loss
         if mesh.cp > 1:  # cp: attention over the cp group, every other layer on the local tokens
             parallelize(self.model, g["cp"], variant, layout)
+        if self.moe:     # ep: the experts over the ep group, aux per micro-batch, on the layer's output
+            experts.shard_experts(self.model, g, mesh, microbatches)
         self.bounds = bounds or partition(layer_costs(full.layers()), mesh.pp * virtual_stages)
         self.stages = build_stages(self.model.layers(), self.bounds, self.coords["pp"], mesh.pp)
         self.schedule = make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
@@ -86,15 +110,8 @@ class HybridModel:
                              dtype=dtype)
         mine = {id(q) for st in self.stages.values() for q in st.parameters()}
         self.params = {n: q for n, q in self.model.named_parameters() if id(q) in mine}
-        make = optimizer or sgd()
-        if self.zero1:
-            units = [list(layer.parameters()) for s in sorted(self.stages) for layer in self.stages[s]]
-            self.optimizer = ZeroOptimizer([u for u in units if u], make, group=g["dp_cp"])
-            self.reducer = None
-        else:
-            self.optimizer = make(list(self.params.values()))
-            self.reducer = (Reducer(list(self.params.values()), g["dp_cp"], bucket_cap_mb, overlap=False)
-                            if mesh.dp * mesh.cp > 1 else None)
+        self.optimizer, self.reducer, self.sharded = build_optimizer(self, optimizer or sgd(), self.zero,
+                                                                     sharding, bucket_cap_mb)
         self.last_step: dict = {}
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -112,9 +129,17 @@ class HybridModel:
         self._act = (xs.shape[0] // self.m, seq, self.config.n_embd)
         mark, t0 = trace.mark(), time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
+        experts.begin_step(self.model)
         loss = self.pipe.step(xs, ys)
         if self.reducer is not None:
             self.reducer.finish()                           # mean gradient over dp
+        if self.moe:   # experts: sum over expert-dp ÷ dp·cp (ZeRO-1: ÷ ep, then its mean over expert-dp)
+            if self.zero1:
+                experts.scale_expert_gradients(self.model, self.params, 1.0 / self.mesh.ep)
+            else:
+                experts.reduce_expert_gradients(self.model, self.params, self.groups["expert_dp"],
+                                                self.mesh.dp * self.mesh.cp)
+            loss = (loss or 0.0) + experts.aux_value(self.model)  # this rank's layers' aux losses
         with trace.region("optimizer"):
             self.optimizer.step()                           # ZeRO-1: reduce-scatter, step, gather
         events = trace.since(mark)
@@ -124,7 +149,7 @@ class HybridModel:
         return self._reduce_loss(loss)
 
     def _reduce_loss(self, loss: float | None) -> float:
-        """The last stage's loss, summed over pp (the others hold 0), averaged over dp."""
+        """The last stage's loss (and each stage's auxiliary losses), summed over pp, averaged over dp."""
         t = torch.tensor([loss or 0.0], device=self.device)
         if self.mesh.pp > 1:
             comm.all_reduce(t, group=self.groups["pp"], name="loss")
@@ -143,17 +168,25 @@ class HybridModel:
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-device GPT's state dict (names, full tensors), on every rank: the tp
-        shards all-gathered in the tp group, then the stages combined over the pp group (an
-        all-reduce of disjoint parts). A collective of the whole mesh."""
-        mine = {k: v.detach() for k, v in self.params.items()}
+        shards all-gathered in the tp group, then the experts combined over the ep group and the
+        stages over the pp group (all-reduces of disjoint parts). A collective of the whole mesh."""
+        mine = ({k: v.detach() for k, v in self.params.items()} if self.sharded is None
+                else self.sharded.gather_full_params())          # ZeRO-3: gathered over dp
         if self.mesh.tp > 1:
             mine = unshard_state_dict(gather_shards(mine, self.groups["tp"]))
         names = [k for k in self.full_names if k in self.full_shapes]
-        if self.mesh.pp > 1:
+        if self.mesh.pp > 1 or self.mesh.ep > 1:   # disjoint parts: stages over pp, experts over ep
             sizes = [self.full_shapes[k].numel() for k in names]
             flat = torch.cat([mine[k].reshape(-1).float() if k in mine else torch.zeros(n, device=self.device)
                               for k, n in zip(names, sizes)])
-            comm.all_reduce(flat, group=self.groups["pp"], name="gather_state")
+            if self.mesh.ep > 1:   # each expert on one rank of the ep group: sum the disjoint parts
+                mask = torch.cat([torch.full((n,), experts.is_expert(k), device=self.device)
+                                  for k, n in zip(names, sizes)])
+                part = flat * mask
+                comm.all_reduce(part, group=self.groups["ep"], name="gather_state")
+                flat = torch.where(mask, part, flat)
+            if self.mesh.pp > 1:
+                comm.all_reduce(flat, group=self.groups["pp"], name="gather_state")
             mine = {k: x.view(self.full_shapes[k]).clone() for k, x in zip(names, flat.split(sizes))}
         if self.config.tie_weights:
             mine.setdefault("head.lm_head.weight", mine["embed.wte.weight"])
@@ -162,15 +195,23 @@ class HybridModel:
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load this rank's part (its stages, its tp shards) of a single-device GPT state dict."""
+        if self.sharded is not None:
+            raise NotImplementedError("loading weights into a ZeRO-3 mesh is not supported: its parameters "
+                                      "are shards; load them before building it (zero < 3)")
         t, r = self.mesh.tp, self.coords["tp"]
         for k, p in self.params.items():
-            p.copy_(shard_state_dict({k: state_dict[k]}, t, r)[k] if t > 1 else state_dict[k])
+            p.copy_(shard_state_dict({k: state_dict[k]}, t, r)[k] if t > 1 and not experts.is_expert(k)
+                    else state_dict[k])
 
     def memory(self) -> dict[str, int]:
         """Bytes of model states this rank holds: ``{"params", "grads", "optimizer", "total"}``
         (distinct storages, as :func:`minipar.zero.model_state_bytes` counts them)."""
-        if self.zero1:
-            return model_state_bytes(self.optimizer)
+        if self.sharded is not None:    # ZeRO-3: shards, gathered buffers, its optimizer's state
+            return model_state_bytes(self.sharded, optimizer=self.optimizer)
+        if self.zero:
+            parts = getattr(self.optimizer, "parts", [self.optimizer])
+            sizes = [model_state_bytes(o) if hasattr(o, "units") else None for o in parts]
+            return {k: sum(s[k] for s in sizes if s) for k in sizes[0]}
         ps = list(self.params.values())
         out = {"params": storage_bytes(ps), "grads": storage_bytes([p.grad for p in ps]),
                "optimizer": storage_bytes(state_tensors(self.optimizer))}

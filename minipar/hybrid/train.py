@@ -10,18 +10,20 @@ from .model import HybridModel
 
 
 def train(model, batches, optimizer=None, group=None, dp: int = 1, pp: int = 1, tp: int = 1,
-          cp: int = 1, **options) -> dict:
+          cp: int = 1, ep: int = 1, **options) -> dict:
     """Rank function: build the mesh and the :class:`HybridModel` of the single-device GPT
     ``model`` over the whole world and train it on the global ``batches`` (``options``: those of
-    :class:`HybridModel`: ``zero1``, ``schedule``, ``microbatches``, ``virtual_stages``,
-    ``sequence_parallel``, ``bounds``, ``dtype``, ``recompute``, ...). Returns the losses, the
+    :class:`HybridModel`: ``zero`` (0-3; ``zero1=True`` is ``zero=1``) and ``sharding``
+    (:mod:`.sharding`), ``schedule``, ``microbatches``, ``virtual_stages``,
+    ``sequence_parallel``, ``bounds``, ``dtype``, ``recompute``, ...; ``ep`` spreads a
+    mixture-of-experts GPT's experts, :mod:`.experts`). Returns the losses, the
     final single-device parameters (gathered, on global rank 0) and what the last step measured:
     this rank's mesh ``coords``, ``bytes_by_dim`` (and ``bytes_sent``), model-state ``memory``,
     ``seconds`` and its trace ``events``."""
     if group is not None:
         raise ValueError("hybrid training lays its mesh over the whole world (group=None)")
     names = [k for k, _ in model.named_parameters()]
-    mesh = ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp).build()
+    mesh = ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep).build()
     hybrid = HybridModel(model, mesh, optimizer=optimizer, **options)
     losses = [hybrid.train_step(x, y) for x, y in batches]
     full = hybrid.full_state_dict()                      # a collective: every rank takes part
@@ -29,7 +31,7 @@ def train(model, batches, optimizer=None, group=None, dp: int = 1, pp: int = 1, 
     measured = {"coords": hybrid.coords, "bytes_by_dim": last["bytes"],
                 "bytes_sent": last["bytes"]["total"], "memory": hybrid.memory(),
                 "seconds": last["seconds"], "events": last["events"]}
-    if hybrid.zero1:
+    if hybrid.zero in (1, 2):
         measured["unit_sizes"] = hybrid.optimizer.unit_sizes()
     return {"losses": losses, "measured": measured,
             "params": strategy.full_params((k, full[k]) for k in names) if dist.get_rank() == 0 else None}

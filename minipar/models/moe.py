@@ -28,6 +28,14 @@ not renormalised), and the block's residual connection carries the token on unch
 f_i counts routing before dropping and carries no gradient; aux = 1 when routing is uniform.
 **Router z-loss** (ST-MoE, Zoph et al. 2022 eq. 5): z = mean_tokens (logsumexp(x W_r))².
 The layer leaves ``aux_coef · aux + z_coef · z`` in ``self.loss``; the GPT adds it to its loss.
+
+**Inside a pipeline** a stage holding an MoE layer never sees the model's loss, so the layer
+adds its own: with ``aux_scale`` set (1/m for m micro-batches, :mod:`minipar.hybrid.experts`) the
+output carries ``aux_scale · self.loss`` into backward (:class:`AuxLoss`: forward is the
+identity, backward also gives the auxiliary loss the gradient ``aux_scale``), and
+``aux_total`` sums ``aux_scale · self.loss`` over the micro-batches (the value of its part of
+the batch's loss), ``routed`` the assignments per expert. Capacity and f_i are then counted
+per micro-batch, as in production systems.
 """
 from __future__ import annotations
 
@@ -99,6 +107,21 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().logsumexp(dim=-1).square().mean()
 
 
+class AuxLoss(torch.autograd.Function):
+    """``y`` unchanged; in backward the auxiliary loss ``aux`` gets the gradient ``scale``, as if
+    ``scale · aux`` had been added to the model's loss (the layer's output carries it)."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale: float):
+        ctx.scale, ctx.aux = scale, (aux.shape, aux.dtype, aux.device)
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.aux
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
 class MoE(nn.Module):
     """Drop-in for the GPT's MLP: ``(B, T, h) -> (B, T, h)``; ``self.loss`` the weighted
     auxiliary losses of the last forward, ``self.stats`` its routing (counts, drops)."""
@@ -115,6 +138,16 @@ class MoE(nn.Module):
         self.router = nn.Linear(h, n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(h, hidden or 4 * h) for _ in range(n_experts))
         self.loss, self.stats = None, {}
+        self.aux_scale, self.aux_total, self.routed = None, 0.0, None
+
+    def with_aux_loss(self, y: torch.Tensor) -> torch.Tensor:
+        """``y``, carrying ``aux_scale · self.loss`` into backward when ``aux_scale`` is set."""
+        if self.aux_scale is None or self.loss is None:
+            return y
+        self.aux_total = self.aux_total + self.loss.detach() * self.aux_scale   # stays on the device
+        counts = self.stats["counts"]                     # the micro-batch's, over its ranks
+        self.routed = counts.clone() if self.routed is None else self.routed + counts
+        return AuxLoss.apply(y, self.loss, self.aux_scale)
 
     def aux_losses(self, logits, probs, expert_of, counts=None):
         """Set ``self.loss`` = aux_coef · aux + z_coef · z; returns (aux, z)."""
@@ -144,7 +177,7 @@ class MoE(nn.Module):
                       "kept": torch.bincount(expert_of[keep], minlength=self.n_experts).cpu(),
                       "dropped": (~keep).cpu(), "experts": experts.detach().cpu(),
                       "aux": aux.detach(), "z": z.detach(), "capacity": cap}
-        return y.reshape(shape)
+        return self.with_aux_loss(y.reshape(shape))
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -3,6 +3,9 @@
 * :func:`fit_efficiency` — the one free parameter of :func:`minipar.plan.step_time`, the
   achievable fraction of peak, such that predicted and observed throughputs agree on a few
   runs: the root of Σ log(predicted/observed) (over- and under-prediction equal in ratio).
+* :func:`fit_roofline` — the roofline's two numbers (:class:`~minipar.plan.roofline.Efficiency`:
+  ``f_max`` and ``x_half``) minimising Σ log²(predicted/observed) over a few runs (a grid,
+  then a finer one around its best point).
 * :func:`measure_machine` — α and β of this machine's all-reduce (the timing loop of
   ``python -m minipar.bench collectives``, :func:`minipar.cost.fit_alpha_beta`) and the
   FLOP/s of a timed GPT block, as a :class:`~minipar.plan.Cluster` with that peak (efficiency 1).
@@ -26,6 +29,25 @@ def fit_efficiency(predict_at, observed: list[float], lo: float = 1e-3, hi: floa
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if g(mid) < 0 else (lo, mid)
     return (lo * hi) ** 0.5
+
+
+def fit_roofline(predict_at, observed: list[float], f_range=(0.3, 1.0), x_range=(0.0, 2.0),
+                 steps: int = 15, rounds: int = 3):
+    """``Efficiency(f_max, x_half)`` minimising Σ_i log²(predict_at(eff)[i] / observed[i])."""
+    from .roofline import Efficiency
+
+    def loss(f, x):
+        return sum(math.log(p / o) ** 2 for p, o in zip(predict_at(Efficiency(f, x)), observed))
+    (f0, f1), (x0, x1) = f_range, x_range
+    best = None
+    for _ in range(rounds):
+        grid = [(f0 + (f1 - f0) * i / (steps - 1), x0 + (x1 - x0) * j / (steps - 1))
+                for i in range(steps) for j in range(steps)]
+        best = min(grid, key=lambda fx: loss(*fx))
+        df, dx = (f1 - f0) / (steps - 1), (x1 - x0) / (steps - 1)
+        f0, f1 = max(f_range[0], best[0] - df), min(f_range[1], best[0] + df)
+        x0, x1 = max(x_range[0], best[1] - dx), min(x_range[1], best[1] + dx)
+    return Efficiency(round(best[0], 3), round(best[1], 3))
 
 
 def timed_block(config, batches=(1, 8), repeats: int = 5) -> dict:

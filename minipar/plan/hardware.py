@@ -44,6 +44,7 @@ class Cluster:
     network: str = "InfiniBand"
     source: str = field(default="", compare=False)
     call_overhead: float = 0.0        # seconds of software per collective or message call (CPU: ~ms)
+    cores: int = 0                    # CPU cores the ranks share (0: a device per rank)
 
     @property
     def gpu(self) -> Accelerator:

@@ -8,7 +8,9 @@
   each at the rate its shape allows on the accelerator; per stage ``m · (l/p · layer + head/p)``,
   plus the optimizer step over the elements this GPU updates (its ZeRO shard). A CPU's
   ``layer_overhead`` (seconds of op dispatch per layer pass, measured) adds ``m · ⌈(l+2)/p⌉`` of it.
-* **Bubble.** ``bubble_fraction(schedule, p, m, v)`` of the micro-batches' compute (:mod:`minipar.cost.pipeline`).
+* **Bubble.** ``bubble_fraction(schedule, p, m, v)`` of the micro-batches' compute (:mod:`minipar.cost.pipeline`);
+  none where the ranks outnumber the CPU cores they share (``cluster.cores``): a rank waiting in
+  the bubble yields its core to the others, whose rates were measured with every rank busy.
 * **Communication** and its overlap: :mod:`.overlap`.
 
 FLOPs (:func:`step_flops`) are counted as Narayanan et al. 2021 count them, for TFLOP/s and MFU;
@@ -87,7 +89,8 @@ def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, seq_len: int, 
     L = layout
     c = compute_times(model, L, cluster.gpu, seq_len, global_batch, efficiency)
     m = L.microbatches(global_batch)
-    bubble = bubble_fraction(L.schedule, L.pp, m, L.v) * c["microbatches"] if L.pp > 1 else 0.0
+    shared = cluster.cores and L.world > cluster.cores
+    bubble = bubble_fraction(L.schedule, L.pp, m, L.v) * c["microbatches"] if L.pp > 1 and not shared else 0.0
     comm = _comm_times(model, L, cluster, seq_len, global_batch, c)
     total = c["total"] + bubble + sum(x["exposed"] for x in comm.values())
     return {"compute": c["total"], "bubble": bubble, "comm": comm, "total": total,

@@ -358,3 +358,20 @@ def test_fit_call_overhead_reproduces_the_fitted_row():
     assert t["tp"]["calls"] == 6 * 4 + 4          # 4 all-reduces per block, 4 for embedding and loss
     t = plan.comm_times(plan.from_gpt_config(cfg), plan.Layout(dp=4, zero=1, micro_batch=4), fitted, 16, 16, 0.0)
     assert t["dp"]["calls"] == 2 * 8               # reduce-scatter + all-gather per layer
+
+
+def test_cpu_rates_and_shared_cores():
+    """fit_gemm_curve recovers a known x_half from rates on the roofline; ranks sharing fewer cores lend the bubble."""
+    from minipar.plan.calibrate import fit_gemm_curve, rates
+    cpu = plan.Accelerator("cpu", 1e11, 64e9, 1e9, kind="cpu", hbm_bw=1e10, efficiency=roofline.Efficiency(1.0, 0.8))
+    shapes = [(32, 32, 32), (64, 96, 32), (256, 256, 256), (2048, 2048, 2048)]
+    gemm = {s: roofline.rate(roofline.gemm("g", *s, 4), cpu, None) for s in shapes}
+    peak, eff = fit_gemm_curve(gemm, 1e10)
+    assert eff.x_half == pytest.approx(0.8, abs=0.05) and peak == max(gemm.values())
+    from minipar.models import GPTConfig
+    got = rates(GPTConfig(block_size=16, n_embd=32, n_head=2), micro_batch=2, repeats=1)
+    assert got["bandwidth"] > 0 and got["block"] > 0 and all(r > 0 for r in got["gemm"].values())
+    spec, lay = plan.from_gpt_config(GPTConfig(n_layer=4)), plan.Layout(pp=4, micro_batch=1, dtype="fp32")
+    own = plan.Cluster("own cores", cpu, 4, 1, 1e9)
+    shared = plan.Cluster("2 cores", cpu, 4, 1, 1e9, cores=2)
+    assert plan.step_time(spec, lay, own, 32, 8)["bubble"] > 0 == plan.step_time(spec, lay, shared, 32, 8)["bubble"]

@@ -67,9 +67,12 @@ class Prediction:
 
     def bottlenecks(self) -> dict[str, float]:
         """Seconds of the step by what bounds them: compute-bound and memory-bound operations
-        (the roofline), the bubble, and each dimension's exposed communication on its link."""
+        (the roofline), operator dispatch (a CPU's ``layer_overhead``), the bubble, and each
+        dimension's exposed communication on its link."""
         bound = self.time["detail"]["bound"]
         out = {"compute-bound": bound["compute"], "memory-bound": bound["memory"], "bubble": self.time["bubble"]}
+        if self.time["detail"]["dispatch"]:                      # a CPU: operator dispatch, measured
+            out["operator dispatch"] = self.time["detail"]["dispatch"]
         for d, c in self.time["comm"].items():
             out[f"exposed {d} communication ({c['link']})"] = c["exposed"]
         return out

@@ -69,7 +69,7 @@ def compute_times(model: ModelSpec, layout: Layout, accelerator, seq_len: int, g
     return {"layer_fwd": f, "layer_bwd": b, "layer_rc": r, "attention_fwd": t(core),
             "attention_bwd": t(roofline.backward(core)), "stage_bwd": per_stage * b + hd / L.pp,
             "microbatches": mb + overhead, "optimizer": t([opt]), "total": mb + overhead + t([opt]),
-            "bound": bound, "attention": attn, "global_batch": global_batch}
+            "bound": bound, "dispatch": overhead, "attention": attn, "global_batch": global_batch}
 
 
 def comm_times(model: ModelSpec, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,

@@ -40,11 +40,13 @@ Triggering for Fine-grained Overlap of Compute & Collectives", §2.3: overlapped
 slow the GEMMs they overlap by contending for memory bandwidth). So two layouts tie only
 when they do the same work.
 
-A cluster's ``call_overhead`` (software seconds per collective or message: 0 for the
-catalogue's GPU clusters, milliseconds on a CPU) is charged per call and never hidden: per
-layer and micro-batch 4 all-reduces (10 gathers/scatters with SP) plus 4 for the embedding
-and the loss, one per bucket for DP, two (three for ZeRO-3) per layer for ZeRO, two messages
-per micro-batch for PP.
+A cluster's ``call_overhead`` (software seconds per round of a collective: 0 for the catalogue's
+GPU clusters, milliseconds on a loaded CPU, where each of a ring's rounds waits for a peer the
+scheduler may have set aside) is charged per round and never hidden: a ring all-reduce over k
+ranks has 2(k-1) rounds, a gather, scatter or all-to-all k-1, a message one. Calls per step:
+per layer and micro-batch 4 all-reduces (10 gathers/scatters with SP) plus 4 for the embedding
+and the loss, one per bucket for DP, two (three for ZeRO-3, per micro-batch) per layer for ZeRO,
+two messages per micro-batch for PP.
 """
 from __future__ import annotations
 
@@ -91,7 +93,8 @@ def comm_times(model: ModelSpec, layout: Layout, cluster, seq_len: int, global_b
         per = f * tp_comm_bytes_per_layer(L.micro_batch, s, model.hidden, L.tp, e, L.sp)
         steps = f * ((10 if L.sp else 8) * (L.tp - 1))  # ring steps: 10 gathers/scatters or 4 all-reduces
         calls = n * (10 if L.sp else 4) * f + 4 * m     # + embedding, loss
-        sec = _time(n * per, n * steps, cluster.link(L.span("tp")), calls, k)
+        rounds = calls * (L.tp - 1) * (1 if L.sp else 2)   # a ring all-reduce: 2(t-1) rounds, gather/scatter t-1
+        sec = _time(n * per, n * steps, cluster.link(L.span("tp")), rounds, k)
         out["tp"] = {"bytes": n * per, "seconds": sec, "exposed": sec, "calls": calls}
     if L.cp > 1:
         msg = 2 * s * L.micro_batch * model.kv_dim / L.tp * e
@@ -104,7 +107,7 @@ def comm_times(model: ModelSpec, layout: Layout, cluster, seq_len: int, global_b
                      "calls": n * msgs}
     if L.ep > 1:
         per = 4 * (L.ep - 1) / L.ep * model.top_k * sbh * e / L.tp
-        sec = _time(n * per, n * 4 * (L.ep - 1), cluster.link(L.span("ep")), 4 * n, k)
+        sec = _time(n * per, n * 4 * (L.ep - 1), cluster.link(L.span("ep")), 4 * n * (L.ep - 1), k)
         out["ep"] = {"bytes": n * per, "seconds": sec, "exposed": sec, "calls": 4 * n}
     if L.pp > 1:
         msg, calls = e * sbh / (L.tp if L.sp else 1), 2 * m * L.v   # one activation each way
@@ -136,8 +139,9 @@ def _dp(model, L, cluster, n_dp, layers, compute) -> dict:
         calls = math.ceil(nbytes / 2 / BUCKET)
     else:
         calls = (3 * L.microbatches(compute["global_batch"]) if L.zero == 3 else 2) * units
-    sec = _time(nbytes, messages, link, calls, k)
-    software = calls * k
+    rounds = calls * (n_dp - 1) * (2 if L.zero == 0 else 1)   # all-reduce 2(N-1) rounds, gather/scatter N-1
+    sec = _time(nbytes, messages, link, rounds, k)
+    software = rounds * k
     wire = sec - software
     if not L.overlap_dp:
         exposed = sec

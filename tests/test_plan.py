@@ -1,14 +1,15 @@
 """The planner (minipar.plan) against published results and its own formulas.
 
 Tolerances:
-* Narayanan et al. 2021, Table 1: the one efficiency parameter is fitted on the first and
-  the last row (1.7B and 1T) and the other eight are predicted. Every row within 20% and
-  the mean absolute error under 10%. Why 20%: the published rate itself moves by ±9%
-  (135-163 TFLOP/s) across rows for reasons the one-parameter model has no term for
-  (matrix-multiply efficiency grows with h; the micro-batch size and schedule of each row
-  are not published, b = 1 and 1F1B are assumed). Table 1 alone hardly tells the terms
-  apart (dropping the bubble or the TP traffic and refitting still passes), so
-  test_step_time_terms checks each term of the step time against its formula.
+* Narayanan et al. 2021, Table 1 (the fitting set): the roofline's two numbers (f_max, x_half)
+  are fitted on rows 1, 5 and 10 and every row is reported; each within 10%, the mean absolute
+  error under 5% (the issue's goal; one constant efficiency gave 15.1% / 8.2%). Table 1 alone
+  hardly tells the terms apart, so test_step_time_terms and test_roofline_counts_every_operation
+  check each term against its formula.
+* Korthikanti et al. 2022, Table 5 (not fitted; same A100s, selective recomputation and SP):
+  MFU within 10% per row.
+* Llama Team 2024, Table 4 (not fitted; H100, Llama 3 405B, flash attention, CP at 128K):
+  MFU within 15% per row (the schedule is not published; see the test).
 * Korthikanti et al. 2022: the activation formulas exactly (to rounding, rel 1e-12), their 5x saving.
 * ZeRO (Rajbhandari et al. 2020, Figure 1): 120, 31.4, 16.6, 1.9 GB for 7.5B on 64 GPUs.
 """
@@ -16,8 +17,12 @@ Tolerances:
 import pytest
 
 from minipar import cost, plan
-from minipar.plan.published import (KORTHIKANTI_SP_SELECTIVE_MEMORY, TABLE1, table1_layout,
-                                    table1_model)
+from minipar.plan import roofline
+from minipar.plan.calibrate import fit_roofline
+from minipar.plan.overlap import bucketed
+from minipar.plan.published import (KORTHIKANTI_SP_SELECTIVE_MEMORY, KORTHIKANTI_TABLE5, LLAMA3_TABLE4, TABLE1,
+                                    TABLE1_FIT_ROWS, korthikanti_run, llama3_run, table1_layout, table1_model)
+from minipar.plan.roofline import ATTENTION, TABLE1_FIT
 
 
 def _table1(efficiency, rows=TABLE1):
@@ -27,28 +32,141 @@ def _table1(efficiency, rows=TABLE1):
         out.append(plan.predict(table1_model(r), "selene", lay, B, efficiency=efficiency).tflops_per_gpu)
     return out
 
-def test_table1_throughput_within_20_percent():
-    """Narayanan et al. Table 1: fit on rows 1 and 10, predict TFLOP/s per GPU of all ten."""
-    fit_rows = [TABLE1[0], TABLE1[-1]]
-    e = plan.fit_efficiency(lambda e: _table1(e, fit_rows), [r[-1] for r in fit_rows])
-    assert 0.4 < e < 0.7
-    errors = [p / r[-1] - 1 for p, r in zip(_table1(e), TABLE1)]
-    assert max(abs(x) for x in errors) < 0.20, errors
-    assert sum(abs(x) for x in errors) / len(errors) < 0.10, errors
+
+def test_table1_roofline_fit_within_10_percent():
+    """Narayanan et al. Table 1: two roofline numbers fitted on rows 1, 5, 10; every row within 10%, mean 5%."""
+    fit_rows = [TABLE1[i] for i in TABLE1_FIT_ROWS]
+    eff = fit_roofline(lambda e: _table1(e, fit_rows), [r[-1] for r in fit_rows], steps=9, rounds=3)
+    assert eff.f_max == pytest.approx(TABLE1_FIT.f_max, abs=0.01) and eff.x_half == pytest.approx(TABLE1_FIT.x_half, abs=0.02)
+    errors = [p / r[-1] - 1 for p, r in zip(_table1(None), TABLE1)]   # None: the stored fit
+    assert max(abs(x) for x in errors) < 0.10, errors
+    assert sum(abs(x) for x in errors) / len(errors) < 0.05, errors
     for r in TABLE1:   # the parameter counts of the table, within 5%
         assert table1_model(r).num_params() / 1e9 == pytest.approx(r[0], rel=0.05)
 
 
+def test_korthikanti_table5_mfu_within_10_percent():
+    """Korthikanti et al. Table 5 (not fitted): SP + selective recomputation, MFU 41.5-56.3%, each within 10%.
+    Why 10%: the same chip as the fit but another method (no full recomputation); the MFU the paper
+    reports counts FLOPs as Table 1 does, so what is left is the model's error on another mix of work."""
+    for row in KORTHIKANTI_TABLE5:
+        spec, lay, B = korthikanti_run(row)
+        p = plan.predict(spec, "selene", lay, B)
+        assert p.fits, row
+        assert p.mfu == pytest.approx(row[-1], rel=0.10), (row[0], p.mfu)
+
+
+def test_llama3_table4_mfu_within_15_percent():
+    """Llama 3 405B, Table 4 (not fitted: H100, GQA + SwiGLU, flash attention): MFU 43/41/38% within 15%.
+    Why 15%: the schedule is not published (interleaved 1F1B, tuned; the planner runs v = 2, b = 1),
+    and v moves the bubble, a third of these steps, by half; nor is how Meta counts attention FLOPs."""
+    for row in LLAMA3_TABLE4:
+        lay, B, s = llama3_run(row)
+        p = plan.predict("llama3-405b", "llama3-h100", lay.replace(v=2, schedule="interleaved"), B, s)
+        assert p.mfu == pytest.approx(row[-1], rel=0.15), (row, p.mfu)
+        assert p.time["comm"].get("cp", {"exposed": 0})["exposed"] < 0.05 * p.step_time
+
+
+def test_llama3_published_layout_memory_without_full_recomputation():
+    """The published 405B layout (TP8 PP16, 8K and CP16 at 128K) needs no recomputation under flash attention:
+    no s² term (4.5 TB per GPU materialized at 128K; under 85 GB flash), and it fits with the first stage's
+    7 layers that Llama 3 gave it (§3.3.2: one layer fewer on the first and last stages)."""
+    for row in LLAMA3_TABLE4[1:]:
+        lay, B, s = llama3_run(row)
+        flash = plan.predict("llama3-405b", "llama3-h100", lay, B, s)
+        mat = plan.predict("llama3-405b", "llama3-h100", lay.replace(attention="materialized"), B, s)
+        assert flash.memory["total"] < 85e9 and mat.memory["total"] > (4e12 if s > 8192 else 3e11)
+        per_layer = flash.memory["activations"] / 8                 # ⌈126/16⌉ = 8 layers on the first stage
+        assert flash.memory["total"] - per_layer <= flash.usable * flash.hbm
+
+
+def test_flash_attention_has_no_s2_term():
+    """Flash attention's layer activations grow linearly in s (Q, K, V, O and the log-sum-exp); materialized quadratically."""
+    spec = plan.MODELS["llama3-8b"]
+    for attn, ratio in (("flash", 2.0), ("materialized", None)):
+        lay = plan.Layout(tp=2, attention=attn)
+        a, b = (plan.layer_activation_bytes(spec, lay, s) for s in (4096, 8192))
+        if ratio:
+            assert b / a == pytest.approx(ratio, rel=1e-12)
+        else:
+            assert b / a > 2.5
+    lse = plan.layer_activation_bytes(spec, plan.Layout(attention="flash"), 4096) - \
+        plan.layer_activation_bytes(spec, plan.Layout(attention="materialized", recompute="selective"), 4096)
+    assert lse == 4 * 4096 * spec.n_head                             # fp32 per row and head
+    assert plan.Layout().attention_on(plan.get_accelerator("H100")) == "flash"
+    assert plan.Layout().attention_on() == "materialized"
+
+
+def test_roofline_counts_every_operation():
+    """The layer's GEMMs and attention core add up to Narayanan's 24bsh² + 4bs²h; a GEMM's rate is
+    min(peak, I·bw) × f × waves; memory-bound ops at HBM bandwidth; the backward doubles GEMMs, flash 2.5×."""
+    spec, h, s = table1_model(TABLE1[3]), TABLE1[3][2], 2048
+    for attn in ATTENTION:
+        ops = roofline.layer_ops(spec, plan.Layout(tp=8, attention=attn), s, attn)
+        flops = sum(o.count * o.flops for o in ops)
+        assert flops == pytest.approx((24 * s * h * h + 4 * s * s * h) / 8, rel=1e-12)
+        back = roofline.backward(ops)
+        core = 0 if attn == "materialized" else 4 * s * s * h / 8
+        want = 2 * (flops - core) + 2.5 * core                       # flash's backward recomputes the scores
+        assert sum(o.count * o.flops for o in back) == pytest.approx(want, rel=1e-12)
+    a100, eff = plan.get_accelerator("A100"), roofline.Efficiency(0.7, 0.5)
+    sq, skinny = roofline.gemm("sq", 8192, 8192, 8192, 2), roofline.gemm("skinny", 8192, 8192, 16, 2)
+    assert skinny.intensity == pytest.approx(1 / (1 / 8192 + 1 / 8192 + 1 / 16))
+    x = sq.intensity / (a100.peak_flops / a100.hbm_bw)
+    waves = 4096 / (38 * 108)                                      # 64 × 64 tiles of 128 × 128 on 108 SMs
+    assert roofline.rate(sq, a100, eff) == pytest.approx(a100.peak_flops * 0.7 * x / (x + 0.5) * waves)
+    assert roofline.rate(skinny, a100, eff) < skinny.intensity * a100.hbm_bw
+    mem = roofline.memory("norm", 1e9)
+    assert roofline.op_time(mem, a100) == pytest.approx(1e9 / a100.hbm_bw)
+    assert roofline.waves(roofline.gemm("g", 128 * 109, 128, 64, 2), 108) == pytest.approx(109 / 216)
+
+
+def test_overlap_is_modelled():
+    """DP buckets hide behind the backward except the tail; CP ring steps behind each block's attention; hidden costs HBM."""
+    assert bucketed(1.0, 4, 10.0) == pytest.approx(0.25)          # only the last bucket is past the window
+    assert bucketed(8.0, 4, 2.0) == pytest.approx(6.5)            # starts after a quarter, runs 8
+    spec = plan.MODELS["llama3-8b"]
+    one = plan.predict(spec, "dgx-h100", plan.Layout(dp=8), 8, 8192, nodes=1)
+    dp = one.time["comm"]["dp"]
+    assert 0 < dp["exposed"] < dp["seconds"] and dp["contention"] > 0
+    cp = plan.predict(spec, "dgx-h100", plan.Layout(cp=8), 8, 8192, nodes=1).time["comm"]["cp"]
+    assert cp["exposed"] < 0.5 * cp["seconds"]                    # 8K tokens: most sends behind their blocks
+    slow = plan.get_cluster("dgx-h100").with_nodes(2)
+    cp2 = plan.predict(spec, slow, plan.Layout(cp=16), 16, 8192, nodes=2).time["comm"]["cp"]
+    assert cp2["link"].endswith("per node") and cp2["exposed"] > cp["exposed"]
+
+
+def test_no_ties_by_construction():
+    """Llama 3 8B on one node: the first twelve layouts do not all tie (they did at 13.64 s); near-ties are named."""
+    r = plan.search("llama3-8b", "dgx-h100", global_batch=8, seq_len=8192, nodes=1)
+    top = [p.step_time for p in r.ranked[:12]]
+    assert len(set(top)) >= 10 and r.best.mfu < 0.65
+    text = r.explain()
+    assert "bottleneck" in text and ("near-tie" in text) == r.near_tie(r.ranked[0], r.ranked[1])
+    group = [p for p in r.ranked if r.near_tie(r.ranked[0], p)]
+    assert [p.memory["total"] for p in group] == sorted(p.memory["total"] for p in group)
+
+
+def test_bottlenecks():
+    """Each layout names what bounds it: compute, the bubble, or exposed communication on a link."""
+    big = plan.predict("llama3-405b", "llama3-h100", plan.Layout(dp=128, tp=8, pp=16, zero=1), 2048, 8192)
+    assert set(big.bottlenecks()) >= {"compute-bound", "memory-bound", "bubble"}
+    assert big.bottleneck.startswith("compute-bound")
+    bubbly = plan.predict("llama3-70b", "dgx-h100", plan.Layout(dp=1, tp=8, pp=8, recompute="full"), 4, 8192, nodes=8)
+    assert bubbly.bottleneck.startswith("bubble")
+    cross = plan.predict("llama3-8b", "cloud-l4", plan.Layout(tp=8, dp=4, recompute="full"), 32, 4096)
+    assert "exposed tp communication" in cross.bottleneck
+
+
 def test_step_time_terms():
-    """The 1T row's step: bubble (p-1)/m of compute, TP bytes of 1.5 × m·l/p layers, DP exposed after the flush."""
+    """The 1T row's step: bubble (p-1)/m of the micro-batches, TP bytes of 1.5 × m·l/p layers, DP exposed after the flush."""
     row = TABLE1[-1]
     lay, B = table1_layout(row)
     spec, cl = table1_model(row), plan.get_cluster("selene")
-    t = plan.step_time(spec, lay, cl, 2048, B, efficiency=0.5)
+    t = plan.step_time(spec, lay, cl, 2048, B)
     m = lay.microbatches(B)
-    assert m == 512 and t["bubble"] == pytest.approx(63 / 512 * t["compute"])
-    assert t["compute"] == pytest.approx(cost.narayanan_flops(B, 2048, spec.n_layer, spec.hidden, spec.vocab)
-                                         / (lay.world * 0.5 * 312e12), rel=1e-3)   # biases aside
+    assert m == 512 and t["bubble"] == pytest.approx(63 / 512 * t["detail"]["microbatches"])
+    assert t["compute"] == pytest.approx(t["detail"]["microbatches"] + t["detail"]["optimizer"])
     per = cost.tp_comm_bytes_per_layer(1, 2048, spec.hidden, 8, 2, True)
     assert t["comm"]["tp"]["bytes"] == pytest.approx(1.5 * m * 2 * per)            # 128 layers / 64 stages
     assert t["comm"]["tp"]["exposed"] == t["comm"]["tp"]["seconds"] > 0
@@ -137,6 +255,9 @@ def test_memory_breakdown_llama3_8b():
     # each knob shrinks what it should
     base = plan.predict("llama3-8b", "dgx-h100", plan.Layout(dp=8), 8, nodes=1).memory
     sel = plan.predict("llama3-8b", "dgx-h100", plan.Layout(dp=8, recompute="selective"), 8, nodes=1).memory
+    assert sel == base                                              # flash attention: no scores to drop
+    base, sel = (plan.predict("llama3-8b", "dgx-h100", plan.Layout(dp=8, recompute=rc, attention="materialized"), 8,
+                              nodes=1).memory for rc in ("none", "selective"))
     z3 = plan.predict("llama3-8b", "dgx-h100", plan.Layout(dp=8, zero=3), 8, nodes=1).memory
     assert sel["activations"] < base["activations"] and sel["optimizer"] == base["optimizer"]
     assert z3["params"] == base["params"] / 8 and z3["optimizer"] == base["optimizer"] / 8
@@ -158,7 +279,7 @@ def test_search_rejects_with_reasons_and_ranks():
     """Search: on a node the layouts that fit are ranked and explained, the others rejected with reasons."""
     r = plan.search("llama3-8b", "dgx-h100", global_batch=8, seq_len=4096, nodes=1, micro_batches=(1,))
     times = [p.step_time for p in r.ranked]
-    assert times == sorted(times) and len(times) > 1
+    assert len(times) > 1 and all(b >= a / (1 + plan.search_module.NEAR_TIE) for a, b in zip(times, times[1:]))
     assert all(p.fits for p in r.ranked)
     reasons = [why for _, why in r.rejected]
     assert any(why.startswith("needs ") and "GB per GPU, has 80" in why for why in reasons)
@@ -180,13 +301,17 @@ def test_bad_layout_is_a_plain_error():
 
 def test_405b_needs_four_dimensions():
     """Llama 3 405B on 16K H100: the fastest layout at 8K tokens uses dp, tp and pp; at 128K
-    tokens nothing fits without context parallelism, and the fastest uses all four."""
+    tokens the fastest uses all four, and with materialized attention nothing fits without CP."""
     r = plan.search("llama3-405b", "llama3-h100", global_batch=2048, micro_batches=(1,),
                     recompute=("selective", "full"), zero=(1,), virtual=(1,), max_cp=1)
     assert all(getattr(r.best.layout, d) > 1 for d in ("dp", "tp", "pp"))
     long = plan.search("llama3-405b", "llama3-h100", global_batch=128, seq_len=131072, micro_batches=(1,),
                        recompute=("full",), zero=(1,), virtual=(1,))
-    assert long.ranked and all(p.layout.cp > 1 for p in long.ranked)
+    mat = [lay for lay in plan.layouts("llama3-405b", 16384, 8, 128, 131072, micro_batches=(1,), recompute=("full",),
+                                       zero=(1,), virtual=(1,), max_cp=1)]
+    mat = [lay.replace(attention="materialized") for lay in mat]
+    assert not any(plan.predict("llama3-405b", "llama3-h100", lay, 128, 131072).fits for lay in mat
+                   if not plan.problems(plan.MODELS["llama3-405b"], lay, 128, 131072))
     assert all(getattr(long.best.layout, d) > 1 for d in ("dp", "tp", "pp", "cp"))
 
 
@@ -233,3 +358,20 @@ def test_fit_call_overhead_reproduces_the_fitted_row():
     assert t["tp"]["calls"] == 6 * 4 + 4          # 4 all-reduces per block, 4 for embedding and loss
     t = plan.comm_times(plan.from_gpt_config(cfg), plan.Layout(dp=4, zero=1, micro_batch=4), fitted, 16, 16, 0.0)
     assert t["dp"]["calls"] == 2 * 8               # reduce-scatter + all-gather per layer
+
+
+def test_cpu_rates_and_shared_cores():
+    """fit_gemm_curve recovers a known x_half from rates on the roofline; ranks sharing fewer cores lend the bubble."""
+    from minipar.plan.calibrate import fit_gemm_curve, rates
+    cpu = plan.Accelerator("cpu", 1e11, 64e9, 1e9, kind="cpu", hbm_bw=1e10, efficiency=roofline.Efficiency(1.0, 0.8))
+    shapes = [(32, 32, 32), (64, 96, 32), (256, 256, 256), (2048, 2048, 2048)]
+    gemm = {s: roofline.rate(roofline.gemm("g", *s, 4), cpu, None) for s in shapes}
+    peak, eff = fit_gemm_curve(gemm, 1e10)
+    assert eff.x_half == pytest.approx(0.8, abs=0.05) and peak == max(gemm.values())
+    from minipar.models import GPTConfig
+    got = rates(GPTConfig(block_size=16, n_embd=32, n_head=2), micro_batch=2, repeats=1)
+    assert got["bandwidth"] > 0 and got["block"] > 0 and all(r > 0 for r in got["gemm"].values())
+    spec, lay = plan.from_gpt_config(GPTConfig(n_layer=4)), plan.Layout(pp=4, micro_batch=1, dtype="fp32")
+    own = plan.Cluster("own cores", cpu, 4, 1, 1e9)
+    shared = plan.Cluster("2 cores", cpu, 4, 1, 1e9, cores=2)
+    assert plan.step_time(spec, lay, own, 32, 8)["bubble"] > 0 == plan.step_time(spec, lay, shared, 32, 8)["bubble"]

@@ -4,18 +4,23 @@
 * :mod:`.hardware` — accelerators and clusters, with sources.
 * :mod:`.layout` — one layout (dp, tp, pp, v, cp, ep, ZeRO, b, recomputation, dtype) and its checks.
 * :mod:`.memory` — memory per GPU by component (ZeRO, Korthikanti et al. 2022).
-* :mod:`.step_time` — compute from FLOPs, the bubble, the exposed communication per dimension.
+* :mod:`.roofline` — every operation of a layer at the rate its shape allows (GEMMs, attention
+  flash or materialized, memory-bound operations, the optimizer step).
+* :mod:`.overlap` — communication per dimension and how much of it the schedule hides.
+* :mod:`.step_time` — compute from the roofline, the bubble, the exposed communication.
 * :mod:`.predict` — :func:`predict` and the :class:`Prediction` breakdown.
 * :mod:`.search` — :func:`search`: enumerate, reject with reasons, rank, explain.
 * :mod:`.published` — published measurements the planner is validated against.
-* :mod:`.calibrate` — fit the efficiency; α, β and the compute rate of this machine.
+* :mod:`.calibrate` — fit the roofline on published runs; α, β and the rates of this machine.
 """
-from .calibrate import fit_efficiency, measure_machine
+from . import search as search_module
+from .calibrate import fit_efficiency, fit_roofline, measure_machine
 from .hardware import ACCELERATORS, CLUSTERS, Accelerator, Cluster, get_accelerator, get_cluster
 from .layout import Layout, check, problems
 from .memory import comm_buffer_bytes, layer_activation_bytes, memory_per_gpu, model_state_bytes
 from .models import MODELS, ModelSpec, from_gpt_config, get_model
 from .predict import Prediction, predict
+from .roofline import Efficiency
 from .search import SearchResult, layouts, search
 from .step_time import comm_times, step_flops, step_time
 
@@ -23,4 +28,4 @@ __all__ = ["ACCELERATORS", "CLUSTERS", "Accelerator", "Cluster", "get_accelerato
            "check", "problems", "memory_per_gpu", "model_state_bytes", "layer_activation_bytes",
            "comm_buffer_bytes", "MODELS", "ModelSpec", "from_gpt_config", "get_model", "Prediction",
            "predict", "SearchResult", "search", "layouts", "step_time", "step_flops", "comm_times",
-           "fit_efficiency", "measure_machine"]
+           "fit_efficiency", "fit_roofline", "measure_machine", "Efficiency"]

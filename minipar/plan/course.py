@@ -60,7 +60,7 @@ def predict_compare(config, batch: int, specs: dict[str, dict], cluster) -> list
     rows = []
     for name, spec in specs.items():
         lay = layout_of(spec, batch)
-        t = step_time(spec_m, lay, cluster, config.block_size, batch, efficiency=1.0)
+        t = step_time(spec_m, lay, cluster, config.block_size, batch)
         rows.append({"strategy": name, "memory": exact_memory(config, spec), "step_ms": 1e3 * t["total"],
                      "parts": {"compute": t["compute"], "bubble": t["bubble"],
                                **{k: c["exposed"] for k, c in t["comm"].items()}}})

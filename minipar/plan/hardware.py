@@ -1,13 +1,14 @@
 """Accelerators and clusters the planner knows, each with its source; add your own.
 
 An :class:`Accelerator` is a peak rate (dense 16-bit tensor-core FLOP/s, no sparsity), a memory
-(HBM) and its link's bandwidth to the node's other GPUs (bytes/s per direction). A
+(HBM) with its bandwidth (bytes/s: the roofline's slope, :mod:`minipar.plan.roofline`), and its
+link's bandwidth to the node's other GPUs (bytes/s per direction). A
 :class:`Cluster` is nodes of such GPUs joined by a network, with each GPU's share of it (bytes/s
 per direction) and α, the latency of one message, per level::
 
-    ACCELERATORS["mi300x"] = Accelerator("mi300x", 1307e12, 192e9, 448e9, "Infinity Fabric",
-                                         source="AMD MI300X datasheet")
-    CLUSTERS["mine"] = Cluster("mine", "mi300x", gpus_per_node=8, nodes=16, network_bw=50e9)
+    ACCELERATORS["mine"] = Accelerator("mine", 400e12, 96e9, 200e9, "my link", hbm_bw=3e12,
+                                       source="my datasheet")
+    CLUSTERS["mine"] = Cluster("mine", "mine", gpus_per_node=8, nodes=16, network_bw=50e9)
 """
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ class Accelerator:
     link: str = "NVLink"
     source: str = field(default="", compare=False)
     layer_overhead: float = 0.0   # seconds per layer forward+backward beyond its FLOPs (CPU: op dispatch)
+    hbm_bw: float = 2e12          # bytes/s of its memory (HBM; a CPU's DRAM as measured)
+    kind: str = "gpu"             # "gpu" (fused attention by default) or "cpu"
+    sms: int = 0                  # streaming multiprocessors (compute units): GEMM wave quantization
+    efficiency: object = field(default=None, compare=False)   # roofline.Efficiency (None: the Table 1 fit)
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Cluster:
     network: str = "InfiniBand"
     source: str = field(default="", compare=False)
     call_overhead: float = 0.0        # seconds of software per collective or message call (CPU: ~ms)
+    cores: int = 0                    # CPU cores the ranks share (0: a device per rank)
 
     @property
     def gpu(self) -> Accelerator:
@@ -60,18 +66,28 @@ class Cluster:
 
 
 ACCELERATORS: dict[str, Accelerator] = {
-    "T4": Accelerator("T4", 65e12, 16 * GB, 16e9, "PCIe 3.0 x16",
-                      source="NVIDIA T4 datasheet (fp16 tensor cores; no bf16)"),
-    "L4": Accelerator("L4", 121e12, 24 * GB, 32e9, "PCIe 4.0 x16",
-                      source="NVIDIA L4 datasheet (242 TFLOP/s with sparsity)"),
-    "A100": Accelerator("A100", 312e12, 80 * GB, 300e9, "NVLink 3",
-                        source="NVIDIA A100 datasheet (SXM4 80GB; NVLink 600 GB/s both directions)"),
-    "H100": Accelerator("H100", 989e12, 80 * GB, 450e9, "NVLink 4",
-                        source="NVIDIA H100 datasheet (SXM5; NVLink 900 GB/s both directions)"),
-    "H200": Accelerator("H200", 989e12, 141 * GB, 450e9, "NVLink 4",
-                        source="NVIDIA H200 datasheet (SXM; NVLink 900 GB/s both directions)"),
-    "B200": Accelerator("B200", 2250e12, 180 * GB, 900e9, "NVLink 5",
-                        source="NVIDIA HGX B200 datasheet (per GPU; NVLink 1.8 TB/s both directions)"),
+    "T4": Accelerator("T4", 65e12, 16 * GB, 16e9, "PCIe 3.0 x16", sms=40, hbm_bw=320e9,
+                      source="NVIDIA T4 datasheet (fp16 tensor cores; no bf16; GDDR6 320 GB/s)"),
+    "V100": Accelerator("V100", 125e12, 32 * GB, 150e9, "NVLink 2", sms=80, hbm_bw=900e9,
+                        source="NVIDIA V100 SXM2 datasheet (fp16 tensor cores; HBM2 900 GB/s; "
+                               "NVLink 300 GB/s both directions)"),
+    "L4": Accelerator("L4", 121e12, 24 * GB, 32e9, "PCIe 4.0 x16", sms=58, hbm_bw=300e9,
+                      source="NVIDIA L4 datasheet (242 TFLOP/s with sparsity; GDDR6 300 GB/s)"),
+    "A100-40GB": Accelerator("A100-40GB", 312e12, 40 * GB, 300e9, "NVLink 3", sms=108, hbm_bw=1555e9,
+                             source="NVIDIA A100 datasheet (SXM4 40GB; HBM2 1,555 GB/s)"),
+    "A100": Accelerator("A100", 312e12, 80 * GB, 300e9, "NVLink 3", sms=108, hbm_bw=2039e9,
+                        source="NVIDIA A100 datasheet (SXM4 80GB; 108 SMs; HBM2e 2,039 GB/s; NVLink 600 GB/s "
+                               "both directions)"),
+    "H100": Accelerator("H100", 989e12, 80 * GB, 450e9, "NVLink 4", sms=132, hbm_bw=3.35e12,
+                        source="NVIDIA H100 datasheet (SXM5; 132 SMs; HBM3 3.35 TB/s; NVLink 900 GB/s both directions)"),
+    "H200": Accelerator("H200", 989e12, 141 * GB, 450e9, "NVLink 4", sms=132, hbm_bw=4.8e12,
+                        source="NVIDIA H200 datasheet (SXM; HBM3e 4.8 TB/s; NVLink 900 GB/s both directions)"),
+    "B200": Accelerator("B200", 2250e12, 180 * GB, 900e9, "NVLink 5", sms=148, hbm_bw=8e12,
+                        source="NVIDIA HGX B200 datasheet (per GPU; HBM3e 8 TB/s; NVLink 1.8 TB/s both "
+                               "directions)"),
+    "MI300X": Accelerator("MI300X", 1307e12, 192 * GB, 448e9, "Infinity Fabric", sms=304, hbm_bw=5.3e12,
+                          source="AMD Instinct MI300X datasheet (dense bf16; 304 CUs; HBM3 5.3 TB/s; 7 links of "
+                                 "64 GB/s per direction)"),
 }
 
 CLUSTERS: dict[str, Cluster] = {

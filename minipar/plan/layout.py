@@ -32,7 +32,16 @@ class Layout:
     dtype: str = "bf16"
     schedule: str = "1f1b"
     sequence_parallel: bool = True   # with tp > 1 (Korthikanti et al. 2022)
-    overlap_dp: bool = True          # gradient all-reduce overlapped with the backward (pp = 1)
+    overlap_dp: bool = True          # gradient reduction overlapped with the last micro-batch's backward
+    attention: str = "auto"          # "flash", "materialized", or "auto": flash on a GPU, else materialized
+
+    def attention_on(self, accelerator=None) -> str:
+        """The attention kernel this layout runs: ``"auto"`` is ``"flash"`` on a GPU (as every
+        current training run and ``scaled_dot_product_attention`` there) and ``"materialized"``
+        (Korthikanti et al.'s count) on a CPU or when no accelerator is named."""
+        if self.attention != "auto":
+            return self.attention
+        return "flash" if getattr(accelerator, "kind", "cpu") == "gpu" else "materialized"
 
     @property
     def world(self) -> int:
@@ -61,6 +70,7 @@ class Layout:
         dims = [f"{k}{getattr(self, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1]
         extra = [f"b={self.micro_batch}", self.dtype] + ([f"ZeRO-{self.zero}"] if self.zero else [])
         extra += [f"{self.recompute} recompute"] if self.recompute != "none" else []
+        extra += [f"{self.attention} attention"] if self.attention != "auto" else []
         v = f" v{self.v}" if self.v > 1 else ""
         return f"{'·'.join(dims) or '1 GPU'}{v} ({', '.join(extra)})"
 
@@ -78,6 +88,8 @@ def problems(model: ModelSpec, layout: Layout, global_batch: int, seq_len: int) 
         out.append(f"dtype must be one of {sorted(DTYPES)}, got {L.dtype!r}")
     if L.schedule not in SCHEDULES:
         out.append(f"schedule must be one of {SCHEDULES}, got {L.schedule!r}")
+    if L.attention not in ("auto", "flash", "materialized"):
+        out.append(f"attention must be 'auto', 'flash' or 'materialized', got {L.attention!r}")
     if L.zero not in (0, 1, 2, 3):
         out.append(f"zero must be 0-3, got {L.zero!r}")
     if model.n_head % L.tp or (model.n_kv_head or model.n_head) % L.tp:

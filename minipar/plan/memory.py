@@ -14,6 +14,12 @@
   layers (Narayanan et al. 2021, §2.2). Full recomputation rebuilds one layer at a time in
   backward: one layer's "none" activations more. The last stage also holds one micro-batch's
   fp32 logits, ``4·s·b·V/t``.
+* **Attention** (``layout.attention``, :mod:`minipar.plan.roofline`): ``"materialized"`` keeps
+  Korthikanti et al.'s ``5as/h`` terms (the a·s² scores, their dropout mask and output);
+  ``"flash"`` (Dao et al. 2022) keeps Q, K, V, O, which the terms above already count, and the
+  per-row log-sum-exp, ``4·a·s·b/t`` bytes (fp32): no s² term, so selective recomputation
+  has nothing left to drop. ``"auto"`` here, where no accelerator is named, is materialized;
+  :func:`minipar.plan.predict` resolves it for its GPU first.
 * **Communication buffers**: a 25 MB gradient bucket with dp > 1 (PyTorch DDP's default), a
   sequence-parallel layer's all-gathered (s, b, h) input, a pipeline stage's two boundary
   activations, and ZeRO-3's one gathered layer.
@@ -43,9 +49,12 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> fl
                              bytes_per_element=e, dropout=model.dropout)
     terms["Q, K, V"] *= (h + 2 * model.kv_dim) / (3 * h)
     terms["GeLU input and output"] *= (model.ffn_width / (4 * h)) * (1.5 if model.gated else 1.0) * model.top_k
+    flash = L.attention_on() == "flash"
     for k in ATTENTION_TERMS:            # each GPU's s/cp queries against all s keys
         if k in terms:
-            terms[k] = 0.0 if L.recompute == "selective" else terms[k] * L.cp
+            terms[k] = 0.0 if L.recompute == "selective" or flash else terms[k] * L.cp
+    if flash:                            # the per-row log-sum-exp, fp32, per head
+        terms["log-sum-exp"] = 4 * s * L.micro_batch * model.n_head / t
     return sum(terms.values())
 
 

@@ -65,6 +65,24 @@ class Prediction:
     def mfu(self) -> float:
         return self.time["flops"]["model"] / (self.step_time * self.layout.world * self.peak)
 
+    def bottlenecks(self) -> dict[str, float]:
+        """Seconds of the step by what bounds them: compute-bound and memory-bound operations
+        (the roofline), operator dispatch (a CPU's ``layer_overhead``), the bubble, and each
+        dimension's exposed communication on its link."""
+        bound = self.time["detail"]["bound"]
+        out = {"compute-bound": bound["compute"], "memory-bound": bound["memory"], "bubble": self.time["bubble"]}
+        if self.time["detail"]["dispatch"]:                      # a CPU: operator dispatch, measured
+            out["operator dispatch"] = self.time["detail"]["dispatch"]
+        for d, c in self.time["comm"].items():
+            out[f"exposed {d} communication ({c['link']})"] = c["exposed"]
+        return out
+
+    @property
+    def bottleneck(self) -> str:
+        """The largest of :meth:`bottlenecks`, with its share of the step."""
+        name, sec = max(self.bottlenecks().items(), key=lambda kv: kv[1])
+        return f"{name}, {sec / self.step_time:.0%} of the step"
+
     def components(self) -> dict[str, float]:
         """Seconds of the step by part: compute, bubble, and each dimension's exposed comm."""
         return {"compute": self.time["compute"], "bubble": self.time["bubble"],
@@ -77,18 +95,21 @@ class Prediction:
         return "\n".join([f"{self.model} on {self.layout.world} × {self.cluster}: {self.layout}",
                           f"  memory per GPU {self.memory['total'] / GB:.1f} GB of {self.hbm / GB:.0f} "
                           f"({mem})" + ("" if self.fits else f"  -- does not fit: {self.reason}"),
-                          f"  step {1e3 * self.step_time:.1f} ms ({parts})",
+                          f"  step {1e3 * self.step_time:.1f} ms ({parts}); bottleneck: {self.bottleneck}",
                           f"  {self.tokens_per_s:,.0f} tokens/s, {self.tflops_per_gpu:.0f} TFLOP/s per GPU, "
                           f"MFU {self.mfu:.0%}"])
 
 
 def predict(model, cluster, layout: Layout, global_batch: int, seq_len: int | None = None,
-            efficiency: float = 0.5, nodes: int | None = None) -> Prediction:
+            efficiency=None, nodes: int | None = None) -> Prediction:
     """Memory and step time of ``layout``: a plain ``ValueError`` if it cannot run at all; one that
-    runs but does not fit in memory comes back with ``fits`` False."""
+    runs but does not fit in memory comes back with ``fits`` False. ``attention="auto"`` is
+    resolved for the cluster's accelerator first (flash on a GPU); ``efficiency``: see
+    :func:`minipar.plan.step_time`."""
     spec, cl = get_model(model), get_cluster(cluster, nodes)
     s = seq_len or spec.seq_len
     check(spec, layout, global_batch, s)
+    layout = layout.replace(attention=layout.attention_on(cl.gpu))
     if layout.world > cl.world:
         raise ValueError(f"layout {layout} needs {layout.world} GPUs, {cl.name} has {cl.world}")
     return Prediction(spec.name, cl.name, layout, s, global_batch,

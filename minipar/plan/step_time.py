@@ -1,52 +1,31 @@
-"""Step time of one layout: compute, the pipeline bubble, and the exposed communication.
+"""Step time of one layout: compute from the roofline, the pipeline bubble, the exposed communication.
 
     T = T_compute + T_bubble + Σ_dim T_exposed(dim)
 
-* **Compute.** The step's FLOPs (Narayanan et al. 2021: ``3·(forward)`` plus what recomputation
-  adds, :mod:`minipar.cost.flops`) over N GPUs at a fraction ``efficiency`` of the peak:
-  ``T_compute = FLOPs / (N · efficiency · peak)``, ``efficiency`` the one fitted parameter
-  (kernels, memory-bound operations, launch gaps; :mod:`minipar.plan.calibrate`).
-* **Bubble.** ``bubble_fraction(schedule, p, m, v) · T_compute`` (:mod:`minipar.cost.pipeline`).
-* **Communication**, α-β on the link the group uses (:meth:`Cluster.link`), with these
-  overlap assumptions:
+* **Compute** (:mod:`.roofline`): every operation of a layer, its backward, what recomputation
+  reruns (full: the layer's forward; selective: the attention core when it is materialized,
+  nothing under flash attention, which stores no scores), and the embedding, head and loss,
+  each at the rate its shape allows on the accelerator; per stage ``m · (l/p · layer + head/p)``,
+  plus the optimizer step over the elements this GPU updates (its ZeRO shard). A CPU's
+  ``layer_overhead`` (seconds of op dispatch per layer pass, measured) adds ``m · ⌈(l+2)/p⌉`` of it.
+* **Bubble.** ``bubble_fraction(schedule, p, m, v)`` of the micro-batches' compute (:mod:`minipar.cost.pipeline`);
+  none where the ranks outnumber the CPU cores they share (``cluster.cores``): a rank waiting in
+  the bubble yields its core to the others, whose rates were measured with every rank busy.
+* **Communication** and its overlap: :mod:`.overlap`.
 
-  =====  ==========================================================  =========================
-  dim    bytes per GPU and step                                       exposed
-  =====  ==========================================================  =========================
-  tp     m · l/p · :func:`~minipar.cost.tp_comm_bytes_per_layer`      all (Megatron-LM does not
-         (×1.5 with full recomputation: its forward all-reduces)     overlap it)
-  cp     3(cp-1) K, V blocks of ``2·(s/cp)·b·kv/tp`` per layer and    what exceeds the attention
-         micro-batch (ring attention: forward, and twice backward)   compute it overlaps
-  ep     4 all-to-alls of ``top_k·(s/cp)·b·h`` per MoE layer and      all
-         micro-batch, (ep-1)/ep of it leaves the GPU
-  pp     one activation each way per micro-batch and virtual stage   the pipeline's fill and
-                                                                     drain, 2(p-1) messages
-  dp     :func:`~minipar.cost.zero_comm_bytes` of the local Ψ         without pp: what exceeds
-         (16-bit gradients)                                          the last micro-batch's
-                                                                     backward; with pp or
-                                                                     ``overlap_dp=False``: all
-  =====  ==========================================================  =========================
-
-A cluster's ``call_overhead`` (software seconds per collective or message: 0 for the catalogue's
-GPU clusters, milliseconds on a CPU, fitted by :func:`minipar.plan.course.fit_call_overhead`) is
-charged per call: per layer and micro-batch 4 all-reduces (10 gathers/scatters with SP) plus 4
-for the embedding and the vocabulary-parallel loss, one per 25 MB bucket for DP, two (three for
-ZeRO-3) per layer for ZeRO, two messages per micro-batch for PP. An accelerator's
-``layer_overhead`` (seconds per layer pass beyond its FLOPs: 0 for the GPUs, measured on a CPU,
-where dispatching small operations dominates) adds ``m · ⌈(l+2)/p⌉`` of it (embedding and head
-count as layers). The optimizer step and data loading are left out.
+FLOPs (:func:`step_flops`) are counted as Narayanan et al. 2021 count them, for TFLOP/s and MFU;
+the roofline decides the time they take.
 """
 from __future__ import annotations
 
 import math
 
 from ..cost.pipeline import bubble_fraction
-from ..cost.tensor_parallel import tp_comm_bytes_per_layer
-from ..cost.zero import zero_comm_bytes
+from . import roofline
 from .hardware import Cluster
-from .memory import BUCKET
 from .layout import Layout
 from .models import ModelSpec
+from .overlap import comm_times as _comm_times
 
 
 def step_flops(model: ModelSpec, layout: Layout, seq_len: int, global_batch: int) -> dict[str, float]:
@@ -62,63 +41,57 @@ def step_flops(model: ModelSpec, layout: Layout, seq_len: int, global_batch: int
     return {"model": 3 * fwd, "hardware": 3 * fwd + extra}
 
 
-def _time(nbytes: float, messages: float, link: tuple[float, float], calls: float = 0.0,
-          call_overhead: float = 0.0) -> float:
-    alpha, beta = link
-    return messages * alpha + nbytes * beta + calls * call_overhead
+def compute_times(model: ModelSpec, layout: Layout, accelerator, seq_len: int, global_batch: int,
+                  efficiency=None) -> dict:
+    """Seconds of one GPU's compute: per layer pass (``layer_fwd``, ``layer_bwd``, ``layer_rc``,
+    ``attention_fwd``/``_bwd``), the last micro-batch's backward of a stage (``stage_bwd``), the
+    step's micro-batches (``microbatches``), ``optimizer``, ``total``, and ``bound``: seconds by
+    what bounds them (compute or memory)."""
+    L, acc = layout, accelerator
+    attn = L.attention_on(acc)
+    ops = roofline.layer_ops(model, L, seq_len, attn)
+    core = roofline.attention_ops(model, L, seq_len, attn)
+    bwd = roofline.backward(ops)
+    rc = ops if L.recompute == "full" else core if (L.recompute == "selective" and attn == "materialized") else []
+    head = roofline.head_ops(model, L, seq_len)
+    head += roofline.backward(head)
+    t = lambda o: roofline.ops_time(o, acc, efficiency)           # noqa: E731
+    f, b, r, hd = t(ops), t(bwd), t(rc), t(head)
+    m, per_stage = L.microbatches(global_batch), model.n_layer / L.pp
+    local = model.num_params() / (L.tp * L.pp) / (L.dp * L.cp if L.zero else 1)
+    opt = roofline.optimizer_op(local)
+    mb = m * (per_stage * (f + b + r) + hd / L.pp)
+    overhead = acc.layer_overhead * m * math.ceil((model.n_layer + 2) / L.pp)
+    bound = {"compute": 0.0, "memory": 0.0}
+    for part, scale in ((ops + bwd + rc, m * per_stage), (head, m / L.pp), ([opt], 1.0)):
+        for key, sec in roofline.bottleneck(part, acc, efficiency).items():
+            bound[key] += scale * sec
+    return {"layer_fwd": f, "layer_bwd": b, "layer_rc": r, "attention_fwd": t(core),
+            "attention_bwd": t(roofline.backward(core)), "stage_bwd": per_stage * b + hd / L.pp,
+            "microbatches": mb + overhead, "optimizer": t([opt]), "total": mb + overhead + t([opt]),
+            "bound": bound, "dispatch": overhead, "attention": attn, "global_batch": global_batch}
 
 
 def comm_times(model: ModelSpec, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-               t_compute: float) -> dict[str, dict[str, float]]:
-    """``{dim: {"bytes", "seconds", "exposed"}}`` per GPU and step (table in the docstring)."""
-    L, e = layout, layout.bytes_per_element
-    m, s = L.microbatches(global_batch), seq_len // L.cp
-    layers = math.ceil(model.n_layer / L.pp)
-    n, sbh = m * layers, s * L.micro_batch * model.hidden     # n: layer passes of one stage per step
-    out, k = {}, cluster.call_overhead
-    if L.tp > 1:
-        f = 1.5 if L.recompute == "full" else 1   # full recomputation reruns the forward's all-reduces
-        per = f * tp_comm_bytes_per_layer(L.micro_batch, s, model.hidden, L.tp, e, L.sp)
-        steps = f * ((10 if L.sp else 8) * (L.tp - 1))  # ring steps: 10 gathers/scatters or 4 all-reduces
-        calls = n * (10 if L.sp else 4) * f + 4 * m     # + embedding, loss
-        sec = _time(n * per, n * steps, cluster.link(L.span("tp")), calls, k)
-        out["tp"] = {"bytes": n * per, "seconds": sec, "exposed": sec, "calls": calls}
-    if L.cp > 1:
-        per = 3 * (L.cp - 1) * 2 * s * L.micro_batch * model.kv_dim / L.tp * e
-        sec = _time(n * per, n * 3 * (L.cp - 1), cluster.link(L.span("cp")), n * 3 * (L.cp - 1), k)
-        attn = t_compute * model.attention_core_flops_per_token(seq_len) / model.forward_flops_per_token(seq_len)
-        out["cp"] = {"bytes": n * per, "seconds": sec, "exposed": max(0.0, sec - attn)}
-    if L.ep > 1:
-        per = 4 * (L.ep - 1) / L.ep * model.top_k * sbh * e / L.tp
-        sec = _time(n * per, n * 4 * (L.ep - 1), cluster.link(L.span("ep")), 4 * n, k)
-        out["ep"] = {"bytes": n * per, "seconds": sec, "exposed": sec}
-    if L.pp > 1:
-        msg, calls = e * sbh / (L.tp if L.sp else 1), 2 * m * L.v   # one activation each way
-        link = cluster.link(L.span("pp"))
-        sec = _time(calls * msg, calls, link, calls, k)
-        out["pp"] = {"bytes": calls * msg, "seconds": sec, "calls": calls,   # software is never hidden
-                     "exposed": _time(2 * (L.pp - 1) * msg, 2 * (L.pp - 1), link, calls, k)}
-    n_dp = L.dp * L.cp
-    if n_dp > 1:
-        psi = model.num_params() / (L.tp * L.pp)
-        nbytes = zero_comm_bytes(psi, n_dp, L.zero, dtype_bytes=e, padded=False)
-        units = layers + (2 if L.pp == 1 else 1)      # ZeRO shards layer by layer (embedding, head too)
-        calls = math.ceil(nbytes / 2 / BUCKET) if L.zero == 0 else (3 if L.zero == 3 else 2) * units
-        messages = (3 if L.zero == 3 else 2) * (n_dp - 1) * max(1, layers)
-        sec = _time(nbytes, messages, cluster.link(L.span("dp")), calls, k)
-        hidden = 0.0 if L.pp > 1 or not L.overlap_dp else (2 / 3) * t_compute / m
-        out["dp"] = {"bytes": nbytes, "seconds": sec, "exposed": max(0.0, sec - hidden), "calls": calls}
-    return out
+               compute=None, efficiency=None) -> dict[str, dict[str, float]]:
+    """``{dim: {"bytes", "seconds", "exposed", "link"}}`` per GPU and step (:mod:`.overlap`);
+    ``compute``: :func:`compute_times`'s dict (computed when not given)."""
+    if not isinstance(compute, dict):
+        compute = compute_times(model, layout, cluster.gpu, seq_len, global_batch, efficiency)
+    return _comm_times(model, layout, cluster, seq_len, global_batch, compute)
 
 
 def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-              efficiency: float = 0.5) -> dict:
-    """``{"compute", "bubble", "comm": {dim: {...}}, "total", "flops": {...}}`` in seconds."""
+              efficiency=None) -> dict:
+    """``{"compute", "bubble", "comm": {dim: {...}}, "total", "flops", "detail"}`` in seconds
+    (``efficiency``: a :class:`~minipar.plan.roofline.Efficiency`, one float for every shape, or
+    None for the accelerator's own or the Table 1 fit)."""
     L = layout
-    flops = step_flops(model, L, seq_len, global_batch)
-    t_c = flops["hardware"] / (L.world * efficiency * cluster.gpu.peak_flops)
-    t_c += cluster.gpu.layer_overhead * L.microbatches(global_batch) * math.ceil((model.n_layer + 2) / L.pp)
-    bubble = bubble_fraction(L.schedule, L.pp, L.microbatches(global_batch), L.v) * t_c if L.pp > 1 else 0.0
-    comm = comm_times(model, L, cluster, seq_len, global_batch, t_c)
-    total = t_c + bubble + sum(c["exposed"] for c in comm.values())
-    return {"compute": t_c, "bubble": bubble, "comm": comm, "total": total, "flops": flops}
+    c = compute_times(model, L, cluster.gpu, seq_len, global_batch, efficiency)
+    m = L.microbatches(global_batch)
+    shared = cluster.cores and L.world > cluster.cores
+    bubble = bubble_fraction(L.schedule, L.pp, m, L.v) * c["microbatches"] if L.pp > 1 and not shared else 0.0
+    comm = _comm_times(model, L, cluster, seq_len, global_batch, c)
+    total = c["total"] + bubble + sum(x["exposed"] for x in comm.values())
+    return {"compute": c["total"], "bubble": bubble, "comm": comm, "total": total,
+            "flops": step_flops(model, L, seq_len, global_batch), "detail": c}

@@ -1,0 +1,35 @@
+"""``python -m minipar.bench planner``: the planner's predicted step time against measured ones, here.
+
+The planner is calibrated on this machine (:func:`minipar.plan.measure_machine`: α-β of Gloo's
+all-reduce, GEMM FLOP/s by shape, memory bandwidth, one block's dispatch overhead), then predicts
+one data-parallel training step of a GPT (:func:`minipar.plan.predict`, fp32, the gradients
+all-reduced behind the backward). The same step is timed with minipar's DDP and PyTorch's
+DistributedDataParallel (the loop of ``python -m minipar.bench ddp``: same GPT, same batches,
+alternating blocks of steps, medians). ``ratio`` is minipar / PyTorch, measured; ``error`` is
+predicted / measured - 1 for each, nothing fitted to either.
+"""
+from __future__ import annotations
+
+from .. import launch, plan
+from ..models import GPTConfig
+from .common import median, parser, report
+from .ddp import _rank
+
+
+def main(argv=None) -> dict:
+    p = parser("planner", __doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2)
+    a = p.parse_args(argv)
+    q, n, batch = a.quick, a.ranks, 8
+    cfg = GPTConfig(vocab_size=65, block_size=64 if q else 128, n_layer=4, n_head=4, n_embd=128 if q else 256)
+    machine = plan.measure_machine(cfg, world_size=n, micro_batch=batch)
+    lay = plan.Layout(dp=n, micro_batch=batch, dtype="fp32", sequence_parallel=False)
+    pred = plan.predict(plan.from_gpt_config(cfg), machine["cluster"], lay, batch * n, cfg.block_size)
+    res = launch(_rank, n, args=(cfg, batch, 2 if q else 3, 5 if q else 10, 4.0), timeout=600, device=a.device)[0]
+    mini, torch_ = median(res["times"]["minipar"]), median(res["times"]["pytorch"])
+    row = {"ranks": n, "predicted ms/step": 1e3 * pred.step_time, "minipar ms/step": 1e3 * mini,
+           "pytorch ms/step": 1e3 * torch_, "error vs minipar": pred.step_time / mini - 1,
+           "error vs pytorch": pred.step_time / torch_ - 1, "bottleneck": pred.bottleneck}
+    result = {"name": "planner", "baseline": "torch DDP", "ratio": mini / torch_, "rows": [row],
+              "machine": {k: machine[k] for k in ("alpha", "beta", "flops", "bandwidth", "overhead")}}
+    return report(result, a)

@@ -2,10 +2,11 @@
 
 Start from pure data parallelism with ZeRO-1 and selective recomputation; then, as long as
 one move makes the predicted step faster (or makes an unfit layout fit), take the best move.
-A move trades a factor of 2 between data parallelism and one model-parallel dimension (tp
-within the node, pp, cp), or changes one knob: the ZeRO stage, the micro-batch, the
+A move trades a factor of 2 between any two of the dimensions (dp, tp within the node, pp,
+cp), or changes one knob: the ZeRO stage, the micro-batch, the
 recomputation, the virtual stages. Each step costs a dozen ``plan.predict`` calls, not the
-thousands of the exhaustive search; a few starting points guard against a local minimum."""
+thousands of the exhaustive search; starting from each corner of the space (each
+model-parallel dimension 1 or a node's width) guards against a local minimum."""
 from minipar import plan
 
 
@@ -18,9 +19,10 @@ def _score(model, cluster, nodes, batch, seq, lay):
 
 
 def _moves(lay, per_node):
-    for dim in ("tp", "pp", "cp"):
-        for a, b in ((dim, "dp"), ("dp", dim)):
-            if getattr(lay, a) % 2 == 0 and not (b == "tp" and lay.tp * 2 > per_node):
+    dims = ("dp", "tp", "pp", "cp")
+    for a in dims:
+        for b in dims:
+            if a != b and getattr(lay, a) % 2 == 0 and not (b == "tp" and lay.tp * 2 > per_node):
                 yield lay.replace(**{a: getattr(lay, a) // 2, b: getattr(lay, b) * 2})
     for z in (0, 1, 2, 3):
         yield lay.replace(zero=z)
@@ -35,9 +37,9 @@ def _moves(lay, per_node):
 def choose(model, cluster, nodes, global_batch, seq_len):
     per_node = plan.CLUSTERS[cluster].gpus_per_node
     n = nodes * per_node
-    starts = [plan.Layout(dp=n, zero=1, recompute="selective"),
-              plan.Layout(dp=n // per_node, tp=per_node, zero=1, recompute="selective"),
-              plan.Layout(dp=n // per_node, pp=per_node, zero=1, recompute="selective")]
+    starts = [plan.Layout(dp=n // (tp * pp * cp), tp=tp, pp=pp, cp=cp, zero=1, recompute=rc)
+              for tp in (1, per_node) for pp in (1, per_node) for cp in (1, per_node)
+              for rc in ("none", "selective") if tp * pp * cp <= n]  # corners of the space
     best = None
     for lay in starts:
         score = _score(model, cluster, nodes, global_batch, seq_len, lay) or (2, float("inf"))

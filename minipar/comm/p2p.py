@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import flight, trace
-from . import staging
+from . import checked, staging
 
 
 def group_rank(group=None) -> int:
@@ -125,6 +125,8 @@ def exchange(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int,
     Posting both before waiting keeps a ring from deadlocking: were every rank to send first,
     blocking, every rank would wait for a receiver that never comes."""
     start, labels = trace.now(), _labels(group, labels)
+    if checked.enabled():  # while an exercise runs: a size mismatch said in words, not a Gloo abort
+        checked.check_sizes(send_buf, dst, recv_buf, src, group, name, labels)
     out = (staging.to_host(send_buf, "exchange", labels)
            if staging.must_stage(send_buf, group, "exchange") else send_buf)
     into = staging.host_like(recv_buf) if staging.must_stage(recv_buf, group, "exchange") else recv_buf

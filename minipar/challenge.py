@@ -1,0 +1,49 @@
+"""Challenges: one open task per chapter, graded by a measured goal rather than a fixed answer.
+
+The learner's file is ``exercises/challenges/chNN_topic.py`` (its docstring states the task,
+the goal and how it is measured; its functions raise ``NotImplementedError("Challenge NN:
+name")`` until written). ``solutions/challenges/chNN_topic.py`` is one way to pass and
+``tests/graded/alternatives/chNN_topic.py`` a second, different one: the proof that the goal,
+not an answer, is graded. ``tests/graded/test_chNN_topic.py`` (``CHALLENGE = "chNN_topic"``)
+measures what the ``challenge`` fixture's module does; ``minipar.grade("exNN")`` runs it after
+the chapter's core exercise.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+
+from .exercise import EXERCISES_ENV, GRADED, ROOT
+
+TARGETS = ("exercise", "solution", "alternative")
+
+
+def directory(target: str) -> Path:
+    """Where ``target``'s challenge files live."""
+    if target == "exercise":
+        return Path(os.environ[EXERCISES_ENV]) / "challenges" if os.environ.get(EXERCISES_ENV) \
+            else ROOT / "exercises" / "challenges"
+    if target == "solution":
+        return ROOT / "solutions" / "challenges"
+    if target == "alternative":
+        return GRADED / "alternatives"
+    raise ValueError(f"challenge target must be one of {TARGETS}, got {target!r}")
+
+
+def load(name: str, target: str = "exercise") -> types.ModuleType:
+    """``target``'s module for challenge ``name`` (``"ch04_pipeline"``), freshly imported (edits
+    count); its functions pickle by value, so :func:`minipar.launch` can run them on ranks."""
+    import cloudpickle
+    path = directory(target) / f"{name}.py"
+    if not path.exists():
+        raise FileNotFoundError(f"challenge {name}: no file {path}")
+    mod_name = f"minipar_challenge_{target}_{name}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)
+    return module

@@ -269,3 +269,26 @@ def diagnose(condition, message: str):
         if condition(e) if callable(condition) else condition:
             raise GradeFailure(f"{e}\n  why: {message}").with_traceback(e.__traceback__) from None
         raise
+
+
+# ----------------------------------------------------------------------------- training runs
+def expect_same_training(got: dict, want: dict, where: str = "", rtol: float = 1e-5,
+                         atol: float = 1e-6) -> None:
+    """A training run (``{"losses", "params"}``) equal to the single-process one: the loss at
+    every step, then every final parameter by name, within ``rtol``/``atol`` (raised to
+    :data:`minipar.reference.DEVICE_TOLERANCE` of the device computed on); the first failure
+    names the step or the parameter (:func:`expect_close`)."""
+    from .backend import device
+    from .reference import DEVICE_TOLERANCE
+    floor = DEVICE_TOLERANCE.get(device().type, (0.0, 0.0))
+    rtol, atol = max(rtol, floor[0]), max(atol, floor[1])
+    at = lambda s: f"{where}, {s}" if where else s  # noqa: E731
+    expect_equal(len(got["losses"]), len(want["losses"]), at("number of losses (one per step)"))
+    import torch
+    for step, (g, w) in enumerate(zip(got["losses"], want["losses"])):
+        expect_close(torch.as_tensor(g, dtype=torch.float64), torch.as_tensor(w, dtype=torch.float64),
+                     "loss (the single process's on the same global batch)", at(f"step {step}"), rtol, atol)
+    expect_equal(sorted(got["params"]), sorted(want["params"]), at("parameter names"))
+    for k, w in want["params"].items():
+        expect_close(got["params"][k], w, "parameter after training (the single process's)",
+                     at(f"parameter {k}"), rtol, atol)

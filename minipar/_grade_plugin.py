@@ -71,6 +71,16 @@ def rank_exception(tb: str) -> str:
     return re.sub(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): ", r"\1: ", text)
 
 
+def _without_common_tail(other: str, own: str, limit: int = 300) -> str:
+    """``other``'s first line without the closing sentences it shares with ``own``."""
+    other = other.splitlines()[0] if other else ""
+    a, b = other.split(". "), own.splitlines()[0].split(". ")
+    while len(a) > 1 and len(b) > 1 and a[-1] == b[-1]:
+        a, b = a[:-1], b[:-1]
+    text = ". ".join(a)
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def flight_lines() -> list[str]:
     """Every rank's last recorded operation, from the files the ranks kept."""
     rows = []
@@ -105,7 +115,7 @@ def explain(e: BaseException) -> str:
         if same:
             text += f"\n  (rank{'s' if len(same) > 1 else ''} {', '.join(str(r) for r, _ in same)} failed the same way)"
         for r, other in others:
-            text += f"\n  (rank {r} also failed: {other.splitlines()[0][:200]})"
+            text += f"\n  (rank {r} also failed: {_without_common_tail(other, own)})"
         return text
     if isinstance(e, LaunchTimeout):
         rows = flight_lines()

@@ -118,10 +118,11 @@ def grade(exercise: str, target: str = "exercise", verbose: bool = True, timeout
 
 def grade_many(names: list[str], target: str = "exercise", verbose: bool = True,
                timeout: float = 1800, exercises_dir: str | os.PathLike | None = None,
-               challenge: bool = True) -> list[Report]:
-    """:func:`grade` for several chapters in one pytest process (one start-up for all).
-    ``exercises_dir``: load the learner's files from there instead of ``exercises/`` (same
-    layout: ``exNN_topic.py``, ``challenges/chNN_topic.py``). ``challenge=False``: cores only."""
+               challenge: bool = True, select: str | None = None) -> list[Report]:
+    """:func:`grade` for several chapters in one pytest process (one start-up for all), in the
+    order given. ``exercises_dir``: load the learner's files from there instead of
+    ``exercises/`` (same layout: ``exNN_topic.py``, ``challenges/chNN_topic.py``).
+    ``challenge=False``: cores only. ``select``: only the tests pytest's ``-k`` expression picks."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}")
     chapters = list(dict.fromkeys(_chapter(n) for n in names))
@@ -140,7 +141,7 @@ def grade_many(names: list[str], target: str = "exercise", verbose: bool = True,
         impl = target if target != "alternative" else "solution"
         cmd = [sys.executable, "-m", "pytest", *map(str, core_paths + ch_paths), f"--impl={impl}",
                f"--challenge={challenge_target}", "-q", "-p", "minipar._grade_plugin",
-               "-p", "no:cacheprovider", "--rootdir", str(ROOT)]
+               "-p", "no:cacheprovider", "--rootdir", str(ROOT)] + (["-k", select] if select else [])
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if not out.exists():
             raise RuntimeError(f"the grader could not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

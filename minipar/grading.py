@@ -235,24 +235,37 @@ def contributions(value, n: int) -> str:
     return text + (f"; missing {', '.join(map(str, missing))}" if missing else "")
 
 
-def expect_contributions(got, n: int, want_ranks, where: str) -> None:
-    """Every element of ``got`` (a tensor or number reduced from ranks contributing 2^r) holds
-    exactly the contributions of ``want_ranks``; else the first wrong element, which ranks it
-    holds and which it misses."""
+def expect_contributions(got, n: int, want_ranks, where: str, positions=None) -> None:
+    """Every element of ``got`` (reduced from ranks where rank r contributed 2^r) holds exactly
+    the contributions of ``want_ranks``; else the first wrong element, which ranks it holds and
+    which it misses. With ``positions`` (each element's index in the original tensor), rank r
+    contributed ``2^r + 2^n·i`` at index i, so an element added from the wrong place shows too:
+    the low n bits say which ranks, the rest the sum of the positions they came from."""
     import torch
     want_ranks = sorted(want_ranks)
-    target = float(sum(2 ** r for r in want_ranks))
     t = got if _is_tensor(got) else torch.as_tensor(got)
     flat = t.detach().cpu().double().reshape(-1)
+    pos = None if positions is None else torch.as_tensor(positions).detach().cpu().double().reshape(-1)
+    target = float(sum(2 ** r for r in want_ranks)) + (0 if pos is None else len(want_ranks) * 2 ** n * pos)
     bad = (flat != target).nonzero()
     if len(bad) == 0:
         return
     i = int(bad[0])
+    v = flat[i].item()
     idx = _unravel(i, t.shape) if t.dim() else ()
     element = f"element {idx}" if idx else "the value"
-    _fail([f"{where}: {element} {contributions(flat[i].item(), n)}",
+    want_v = target if pos is None else target[i].item()
+    if pos is None or not (math.isfinite(v) and v == int(v) and v >= 0):
+        first = f"{where}: {element} {contributions(v, n)}"
+    else:
+        low, high = int(v) % 2 ** n, int(v) // 2 ** n
+        first = f"{where}: {element} (position {int(pos[i])}) {contributions(low, n)}"
+        if low == int(want_v) % 2 ** n and high != int(want_v) // 2 ** n:
+            first += (f", but not all from position {int(pos[i])}: the positions it summed add up to {high}, "
+                      f"expected {int(want_v) // 2 ** n}: a chunk came from the wrong place")
+    _fail([first,
            f"  expected the contributions of rank{'s' if len(want_ranks) != 1 else ''} "
-           f"{', '.join(map(str, want_ranks))} (value {target:g}), got {flat[i].item():g}",
+           f"{', '.join(map(str, want_ranks))} (value {want_v:g}), got {v:g}",
            f"  {len(bad)} of {flat.numel()} elements are wrong"])
 
 

@@ -59,11 +59,11 @@ def check_sizes(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: i
     flight.completed(entry)
     problems = []
     if int(src_sends) != recv_buf.numel():
-        problems.append(f"rank {me} receives into a buffer of {recv_buf.numel()} elements from rank {g_src}, "
-                        f"but rank {g_src} sends {int(src_sends)}")
+        problems.append(f"rank {me} receives from rank {g_src}: expected {recv_buf.numel()} elements "
+                        f"(rank {me}'s buffer), got {int(src_sends)} (what rank {g_src} sends)")
     if int(dst_expects) != send_buf.numel():
-        problems.append(f"rank {me} sends {send_buf.numel()} elements to rank {g_dst}, "
-                        f"but rank {g_dst} receives into a buffer of {int(dst_expects)}")
+        problems.append(f"rank {me} sends to rank {g_dst}: expected {int(dst_expects)} elements "
+                        f"(rank {g_dst}'s buffer), got {send_buf.numel()} (what rank {me} sends)")
     if problems:
         raise ValueError(f"{_where(name, labels)}: sizes differ: " + "; ".join(problems) +
                          ". A send and its receive must have the same number of elements: "

@@ -29,11 +29,13 @@ TIMEOUT = 30
 
 
 def _contributions(numel):
-    """Rank r contributes 2^r everywhere: every element of the result says which ranks' data it
-    holds (notebook 01). Reduce-scatter alone, then the whole all-reduce."""
-    r = dist.get_rank()
-    scattered = comm.ring_reduce_scatter(torch.full((numel,), 2.0 ** r))
-    x = torch.full((numel,), 2.0 ** r)
+    """Rank r contributes 2^r + 2^n·i at position i: every element of the result says which
+    ranks' data it holds (notebook 01's 2^r trick) and from which positions. Reduce-scatter
+    alone, then the whole all-reduce."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    mine = 2.0 ** r + 2.0 ** n * torch.arange(numel, dtype=torch.float32)
+    scattered = comm.ring_reduce_scatter(mine.clone())
+    x = mine.clone()
     comm.ring_all_reduce(x)
     return scattered, x
 
@@ -68,12 +70,12 @@ def _assert_contributions(contrib, n):
         ranges = _chunk_ranges(reduced.numel(), n)
         lo, hi = ranges[rank]
         expect_equal(scattered.numel(), hi - lo, f"rank {rank}: elements of its reduce-scatter chunk {rank}")
-        expect_contributions(scattered, n, range(n),
-                             f"rank {rank}, after the reduce-scatter: its chunk {rank} (elements {lo}..{hi - 1})")
+        expect_contributions(scattered, n, range(n), f"rank {rank}, after the reduce-scatter: its chunk {rank} "
+                             f"(elements {lo}..{hi - 1})", positions=torch.arange(lo, hi))
         for c, (lo, hi) in enumerate(ranges):
             if hi > lo:
-                expect_contributions(reduced[lo:hi], n, range(n),
-                                     f"rank {rank}, after the all-reduce: chunk {c} (elements {lo}..{hi - 1})")
+                expect_contributions(reduced[lo:hi], n, range(n), f"rank {rank}, after the all-reduce: chunk {c} "
+                                     f"(elements {lo}..{hi - 1})", positions=torch.arange(lo, hi))
 
 
 def _assert_cases(results, op="sum"):

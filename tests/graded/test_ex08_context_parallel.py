@@ -79,8 +79,10 @@ def test_merge_is_stable_for_large_scores(impl):
 
 def test_zigzag_chunks(impl):
     """Rank r holds chunks r and 2·cp-1-r; together the ranks hold each of the 2·cp chunks once."""
-    expect_equal(tuple(cpm.zigzag_chunks(0, 1)), (0, 1), "zigzag_chunks(0, cp=1)")
-    expect_equal(tuple(cpm.zigzag_chunks(1, 4)), (1, 6), "zigzag_chunks(1, cp=4)")
+    expect_equal(tuple(cpm.zigzag_chunks(0, 1)), (0, 1), "rank 0's chunks for cp = 1 (zigzag_chunks(0, 1))",
+                 keys="entry")
+    expect_equal(tuple(cpm.zigzag_chunks(1, 4)), (1, 6), "rank 1's chunks for cp = 4 (zigzag_chunks(1, 4))",
+                 keys="entry")
     for cp in (2, 3, 4):
         got = {r: tuple(cpm.zigzag_chunks(r, cp)) for r in range(cp)}
         expect_equal(sorted(c for pair in got.values() for c in pair), list(range(2 * cp)),

@@ -45,11 +45,11 @@ def pytest_unconfigure(config):
         shutil.rmtree(_flight_dir, ignore_errors=True)
 
 
-def pytest_collection_modifyitems(items):
-    for item in items:
+def pytest_collection_finish(session):
+    for item in session.items:  # after -k / deselection: only what runs
         doc = (getattr(item, "function", None).__doc__ or "").strip()
         _results[item.nodeid] = {"name": item.name, "doc": doc, "outcome": "not run", "error": "",
-                                 "file": item.nodeid.split("::")[0]}
+                                 "file": str(item.path)}
 
 
 def pytest_runtest_setup(item):
@@ -123,8 +123,8 @@ def explain(e: BaseException) -> str:
                 if rows else "(no rank recorded a collective)") +
                 "\n  A rank that finished an operation and never started the next, while its peers wait "
                 "inside one, is the one stuck (or it called another operation than they did).")
-        _hung = ("skipped: an earlier test hung (" + "; ".join(r.strip() for r in rows[:4]) +
-                 "); fix that hang first") if rows else "skipped: an earlier test hung; fix that hang first"
+        _hung = ("an earlier test hung (" + "; ".join(r.strip() for r in rows[:4]) +
+                 "); fix that hang first") if rows else "an earlier test hung; fix that hang first"
         return text
     if isinstance(e, AssertionError):
         return f"AssertionError: {e}" if str(e) else "AssertionError"
@@ -145,7 +145,7 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_runtest_logreport(report):
     r = _results.setdefault(report.nodeid, {"name": report.nodeid, "doc": "", "error": "",
-                                            "file": report.nodeid.split("::")[0]})
+                                            "file": report.location[0] if report.location else ""})
     if report.failed:
         r["outcome"] = "failed"
         crash = getattr(report.longrepr, "reprcrash", None)
@@ -155,7 +155,7 @@ def pytest_runtest_logreport(report):
     elif report.skipped:
         r["outcome"] = "skipped"
         longrepr = report.longrepr
-        r["error"] = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        r["error"] = (longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)).removeprefix("Skipped: ")
 
 
 def pytest_sessionfinish(session):

@@ -19,6 +19,12 @@ from pathlib import Path
 from .exercise import EXERCISES_ENV, GRADED, ROOT
 
 TARGETS = ("exercise", "solution", "alternative")
+GRADED_ENV = "MINIPAR_GRADED"  # another directory of graded tests (the grader's own tests use one)
+
+
+def graded_dir() -> Path:
+    """The graded tests: ``tests/graded``, or ``$MINIPAR_GRADED``."""
+    return Path(os.environ[GRADED_ENV]) if os.environ.get(GRADED_ENV) else GRADED
 
 
 def directory(target: str) -> Path:
@@ -29,7 +35,7 @@ def directory(target: str) -> Path:
     if target == "solution":
         return ROOT / "solutions" / "challenges"
     if target == "alternative":
-        return GRADED / "alternatives"
+        return graded_dir() / "alternatives"
     raise ValueError(f"challenge target must be one of {TARGETS}, got {target!r}")
 
 

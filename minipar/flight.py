@@ -29,14 +29,24 @@ _ring: deque = deque(maxlen=RING)
 _seq: dict = {}
 _progress = time.monotonic()
 _armed = False  # the watchdog counts only once the work it watches has begun (arm())
+_next_detail: dict | None = None  # detail() for the next operation started
+
+
+def detail(**kw) -> None:
+    """Detail (``step=``, ``phase=``, ``peers=``) for the next operation :func:`started` notes
+    (a check just before an operation knows what the operation's own caller does not pass)."""
+    global _next_detail
+    _next_detail = kw
 
 
 def started(op: str, name: str | None = None, dim: str | None = None, **detail) -> dict:
     """Note that ``op`` (called ``name``) started on the group of dimension ``dim``; ``detail``
     (``step=``, ``phase=``, ``peers=``) is kept for the hang report."""
-    global _progress
+    global _progress, _next_detail
     _seq[dim] = seq = _seq.get(dim, 0) + 1
     _progress = t = time.monotonic()
+    if _next_detail is not None:  # what a check just before this operation knew about it
+        detail, _next_detail = {**_next_detail, **detail}, None
     entry = {"op": op, "name": name or op, "dim": dim, "seq": seq, "start": t, "end": None, **detail}
     _ring.append(entry)
     return entry

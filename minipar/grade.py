@@ -23,7 +23,8 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .exercise import EXERCISES_ENV, GRADED, ROOT  # the repository, and its graded tests
+from .challenge import GRADED_ENV, graded_dir
+from .exercise import EXERCISES_ENV, ROOT  # the repository
 
 TARGETS = ("exercise", "solution", "library", "alternative")
 _LABEL = re.compile(r"(?:Exercise|Challenge) (\d+)(?: ([A-Z]\w*))?:")
@@ -55,10 +56,12 @@ class Report:
         return (self.score + self.challenge.score) / 2
 
     def __str__(self) -> str:
+        if not self.tests and self.challenge is not None:  # a chapter with only a challenge
+            return str(self.challenge)
         lines = [f"{self.exercise} ({self.target}):"]
         for t in self.tests:
             outcome = {"passed": "PASS", "skipped": "SKIP"}.get(t["outcome"], "FAIL")
-            title = t["doc"].splitlines()[0] if t["doc"] else t["name"]
+            title = " ".join(t["doc"].split("\n\n")[0].split()) if t["doc"] else t["name"]
             lines.append(f"  {outcome}  {t['name']}: {title}")
             if t["outcome"] != "passed":
                 lines += ["        " + ln for ln in (t["error"] or t["outcome"]).rstrip().splitlines()]
@@ -84,17 +87,17 @@ def _chapter(name: str) -> str:
 
 def exercises() -> list[str]:
     """Short names of the graded exercises: ['ex01', ...]."""
-    return sorted({p.name.split("_")[1] for p in GRADED.glob("test_ex*_*.py")})
+    return sorted({p.name.split("_")[1] for p in graded_dir().glob("test_ex*_*.py")})
 
 
 def challenges() -> list[str]:
     """Short names of the graded challenges: ['ch01', ...]."""
-    return sorted({p.name.split("_")[1] for p in GRADED.glob("test_ch*_*.py")})
+    return sorted({p.name.split("_")[1] for p in graded_dir().glob("test_ch*_*.py")})
 
 
 def test_file(exercise: str) -> Path:
     kind = "ch" if str(exercise).startswith("ch") else "ex"
-    found = sorted(GRADED.glob(f"test_{kind}{_chapter(exercise)}_*.py"))
+    found = sorted(graded_dir().glob(f"test_{kind}{_chapter(exercise)}_*.py"))
     if not found:
         known = exercises() if kind == "ex" else challenges()
         raise ValueError(f"no graded {'challenge' if kind == 'ch' else 'exercise'} {exercise!r}; "
@@ -103,7 +106,7 @@ def test_file(exercise: str) -> Path:
 
 
 def challenge_file(exercise: str) -> Path | None:
-    found = sorted(GRADED.glob(f"test_ch{_chapter(exercise)}_*.py"))
+    found = sorted(graded_dir().glob(f"test_ch{_chapter(exercise)}_*.py"))
     return found[0] if found else None
 
 
@@ -118,16 +121,25 @@ def grade(exercise: str, target: str = "exercise", verbose: bool = True, timeout
 
 def grade_many(names: list[str], target: str = "exercise", verbose: bool = True,
                timeout: float = 1800, exercises_dir: str | os.PathLike | None = None,
-               challenge: bool = True, select: str | None = None) -> list[Report]:
+               challenge: bool = True, select: str | None = None,
+               graded: str | os.PathLike | None = None) -> list[Report]:
     """:func:`grade` for several chapters in one pytest process (one start-up for all), in the
     order given. ``exercises_dir``: load the learner's files from there instead of
     ``exercises/`` (same layout: ``exNN_topic.py``, ``challenges/chNN_topic.py``).
-    ``challenge=False``: cores only. ``select``: only the tests pytest's ``-k`` expression picks."""
+    ``challenge=False``: cores only. ``select``: only the tests pytest's ``-k`` expression picks.
+    ``graded``: another directory of graded tests (with its own ``conftest.py``)."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}")
+    if graded is not None:  # another directory of graded tests (the grader's own tests)
+        saved = os.environ.get(GRADED_ENV)
+        os.environ[GRADED_ENV] = str(Path(graded).resolve())
+        try:
+            return grade_many(names, target, verbose, timeout, exercises_dir, challenge, select)
+        finally:
+            os.environ.pop(GRADED_ENV) if saved is None else os.environ.__setitem__(GRADED_ENV, saved)
     chapters = list(dict.fromkeys(_chapter(n) for n in names))
     core_paths = [] if target == "alternative" else [test_file(f"ex{c}") for c in chapters
-                                                     if list(GRADED.glob(f"test_ex{c}_*.py"))]
+                                                     if list(graded_dir().glob(f"test_ex{c}_*.py"))]
     ch_paths = [p for c in chapters if challenge and (p := challenge_file(c)) is not None]
     if not core_paths and not ch_paths:
         raise ValueError(f"nothing to grade for {names} (target {target!r})")
@@ -146,6 +158,9 @@ def grade_many(names: list[str], target: str = "exercise", verbose: bool = True,
         if not out.exists():
             raise RuntimeError(f"the grader could not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         results = json.loads(out.read_text())
+        if proc.returncode not in (0, 1) and not any(t["outcome"] in ("passed", "failed") for t in results):
+            raise RuntimeError(f"the grader could not run the tests (pytest exit {proc.returncode}):\n"
+                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
     def of(path: Path, tgt: str) -> Report:
         return Report(path.stem.removeprefix("test_"), tgt,

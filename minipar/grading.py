@@ -86,8 +86,11 @@ def _same(a, b) -> bool:
 
 def _first_difference(got, want, keys: str | None, path: str = ""):
     """(where, explanation) of the first difference between ``got`` and ``want``, or None."""
-    name = (lambda k: f"{keys} {_fmt(k)}") if keys else (lambda k: f"[{_fmt(k)}]")
-    join = (lambda p, k: f"{p}, {name(k)}" if p else name(k)) if keys else (lambda p, k: f"{p}{name(k)}")
+    def join(p, k, in_dict):
+        if keys:
+            return f"{keys} {_fmt(k)}"
+        label = str(k) if in_dict and isinstance(k, str) else f"[{_fmt(k)}]" if not in_dict else _fmt(k)
+        return (f"{p}, {label}" if in_dict else f"{p}{label}") if p else label
     if isinstance(want, dict) and isinstance(got, dict):
         missing = [k for k in want if k not in got]
         extra = [k for k in got if k not in want]
@@ -96,13 +99,13 @@ def _first_difference(got, want, keys: str | None, path: str = ""):
                     ([f"unexpected {', '.join(map(_fmt, extra))}"] if extra else [])
             return path, "; ".join(parts)
         for k in want:
-            found = _first_difference(got[k], want[k], None, join(path, k))
+            found = _first_difference(got[k], want[k], None, join(path, k, True))
             if found:
                 return found
         return None
     if isinstance(want, (list, tuple)) and isinstance(got, (list, tuple)):
         for i, (g, w) in enumerate(zip(got, want)):
-            found = _first_difference(g, w, None, join(path, i))
+            found = _first_difference(g, w, None, join(path, i, False))
             if found:
                 return found
         if len(got) != len(want):

@@ -22,7 +22,8 @@ import json
 import os
 from pathlib import Path
 
-from .exercise import GRADED, key
+from .challenge import graded_dir
+from .exercise import key
 
 
 def home() -> Path:
@@ -33,7 +34,7 @@ def home() -> Path:
 def hints_of(exercise: str) -> dict[str, tuple[str, ...]]:
     """``HINTS`` of the exercise's graded module, read without importing it."""
     k = key(exercise)
-    found = sorted(GRADED.glob(f"test_{k}_*.py"))
+    found = sorted(graded_dir().glob(f"test_{k}_*.py"))
     if not found:
         raise ValueError(f"no graded exercise {k!r}")
     for node in ast.parse(found[0].read_text()).body:

@@ -20,7 +20,7 @@ def pytest_generate_tests(metafunc):
     if "impl" in metafunc.fixturenames:
         kinds = [k for k in metafunc.config.getoption("impl").split(",") if k]
         metafunc.parametrize("impl", kinds, indirect=True)
-    if "challenge" in metafunc.fixturenames:
+    if "challenge" in metafunc.fixturenames and hasattr(metafunc.module, "CHALLENGE"):
         kinds = [k for k in metafunc.config.getoption("challenge").split(",") if k]
         metafunc.parametrize("challenge", kinds, indirect=True)
 

@@ -26,6 +26,10 @@ def test_expect_equal_names_the_first_difference_and_shows_both_labelled():
 def test_expect_equal_nested_dicts_lengths_and_types():
     msg = _message(expect_equal, {0: [1, 2], 1: [1, 5]}, {0: [1, 2], 1: [1, 3]}, "buckets", keys="rank")
     assert msg.splitlines()[0] == "buckets: rank 1[1]: expected 3, got 5"
+    msg = _message(expect_equal, {"send": [3, 11]}, {"send": [3, 7]}, "split sizes")
+    assert msg.splitlines()[0] == "split sizes: send[1]: expected 7, got 11"
+    msg = _message(expect_equal, {1: {"dp": 1}}, {1: {"dp": 0}}, "coordinates", keys="rank")
+    assert msg.splitlines()[0] == "coordinates: rank 1, dp: expected 0, got 1"
     msg = _message(expect_equal, [1, 2], [1, 2, 3], "boundaries")
     assert "expected 3 entries, got 2" in msg.splitlines()[0]
     msg = _message(expect_equal, {"dp": 1}, {"dp": 1, "tp": 0}, "coordinates")

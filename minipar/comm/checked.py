@@ -48,8 +48,9 @@ def check_sizes(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: i
     sends = torch.tensor([send_buf.numel()], dtype=torch.int64, device=dev)
     expects = torch.tensor([recv_buf.numel()], dtype=torch.int64, device=dev)
     src_sends, dst_expects = torch.empty_like(sends), torch.empty_like(expects)
-    entry = flight.started("exchange", name, labels.get("dim"), step=labels.get("step"),
-                           phase=labels.get("phase"), peers=f"sends to rank {g_dst}, receives from rank {g_src}")
+    about = dict(step=labels.get("step"), phase=labels.get("phase"),
+                 peers=f"sends to rank {g_dst}, receives from rank {g_src}")
+    entry = flight.started("exchange", f"{name} (size check)", labels.get("dim"), **about)
     works = [dist.isend(sends, g_dst, group=group, tag=_TAG_SENDS),
              dist.irecv(src_sends, g_src, group=group, tag=_TAG_SENDS),
              dist.isend(expects, g_src, group=group, tag=_TAG_EXPECTS),
@@ -57,6 +58,7 @@ def check_sizes(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: i
     for w in works:
         w.wait()
     flight.completed(entry)
+    flight.detail(**about)  # the exchange itself, started next, is recorded with its step and peers
     problems = []
     if int(src_sends) != recv_buf.numel():
         problems.append(f"rank {me} receives from rank {g_src}: expected {recv_buf.numel()} elements "

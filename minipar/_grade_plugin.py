@@ -49,7 +49,7 @@ def pytest_collection_finish(session):
     for item in session.items:  # after -k / deselection: only what runs
         doc = (getattr(item, "function", None).__doc__ or "").strip()
         _results[item.nodeid] = {"name": item.name, "doc": doc, "outcome": "not run", "error": "",
-                                 "file": str(item.path)}
+                                 "file": str(item.path), "seconds": 0.0}
 
 
 def pytest_runtest_setup(item):
@@ -146,6 +146,7 @@ def pytest_runtest_makereport(item, call):
 def pytest_runtest_logreport(report):
     r = _results.setdefault(report.nodeid, {"name": report.nodeid, "doc": "", "error": "",
                                             "file": report.location[0] if report.location else ""})
+    r["seconds"] = r.get("seconds", 0.0) + report.duration
     if report.failed:
         r["outcome"] = "failed"
         crash = getattr(report.longrepr, "reprcrash", None)

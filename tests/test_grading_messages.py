@@ -78,7 +78,7 @@ def _teaches(msg: str, place: str):
 @pytest.mark.parametrize("chapter", [c for c in PLANTED if c not in ("01", "10")])
 def test_each_planted_bug_names_the_rank_and_place(planted, chapter):
     place = {"04": r"rank 0, position 4", "07": r"rank \d+", "08": r"rank 0's chunks .*entry 1",
-             "09": r"rank 0.*\['send'\]\[1\]", "03": r"rank 1"}.get(
+             "09": r"rank 0.*: send\[1\]: ", "03": r"rank 1"}.get(
         chapter, r"rank \d+.*(element|step|\[)")
     msg = _message(planted, chapter, PLANTED[chapter][0])
     _teaches(msg, place)
@@ -106,4 +106,7 @@ def test_a_hang_costs_one_timeout_and_names_every_rank(planted):
     skipped = results["01"]["test_bytes_match_cost_model"]
     assert skipped["outcome"] == "skipped" and "an earlier test hung" in skipped["error"], skipped
     assert "rank 1" in skipped["error"]
-    assert seconds < 60 + 2 * HANG_TIMEOUT, f"the planted run took {seconds:.0f} s"
+    hung = results["01"]["test_in_place_and_returned"]
+    # one launch timeout, plus starting the ranks and stopping them
+    assert hung["seconds"] < HANG_TIMEOUT + 30, f"the hanging test took {hung['seconds']:.0f} s"
+    assert skipped["seconds"] < 5, f"a test skipped after the hang still took {skipped['seconds']:.0f} s"

@@ -40,5 +40,6 @@ def challenge(request):
     """The test module's ``CHALLENGE`` (e.g. ``"ch04_pipeline"``) as written by the target:
     ``"exercise"`` (exercises/challenges/), ``"solution"`` (solutions/challenges/) or
     ``"alternative"`` (tests/graded/alternatives/: a second, different way that passes)."""
-    from minipar.challenge import load
-    return load(request.module.CHALLENGE, request.param)
+    from minipar.challenge import load, watched
+    with watched(request.module.CHALLENGE):
+        yield load(request.module.CHALLENGE, request.param)

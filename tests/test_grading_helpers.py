@@ -90,6 +90,20 @@ def test_contributions_decode_the_ranks():
     msg = _message(expect_contributions, x, 3, [0, 1, 2], "rank 2, chunk 2")
     assert msg.splitlines()[0] == "rank 2, chunk 2: element (4,) holds ranks 0, 1; missing 2"
     assert "1 of 6 elements are wrong" in msg
+    n, pos = 2, torch.arange(4, 8)                          # rank r contributed 2^r + 2^n·i at i
+    right = 3 + 2 * 4 * pos.double()
+    expect_contributions(right, n, [0, 1], "rank 1, chunk 1", positions=pos)
+    wrong = right.clone()
+    wrong[1] = 3 + 4 * (5 + 1)                              # rank 1's element from position 1
+    msg = _message(expect_contributions, wrong, n, [0, 1], "rank 1, chunk 1", positions=pos)
+    assert msg.splitlines()[0] == ("rank 1, chunk 1: element (1,) (position 5) holds ranks 0, 1, but not all "
+                                   "from position 5: the positions it summed add up to 6, expected 10: a chunk "
+                                   "came from the wrong place")
+    wrong[2] = 1 + 4 * 6                                    # rank 1's contribution missing
+    assert "element (1,)" in _message(expect_contributions, wrong, n, [0, 1], "r", positions=pos)
+    wrong[1] = right[1]
+    assert "(position 6) holds rank 0; missing 1" in _message(expect_contributions, wrong, n, [0, 1], "r",
+                                                              positions=pos)
 
 
 def test_diagnose_only_when_its_condition_is_the_cause():

@@ -111,7 +111,8 @@ def explain(e: BaseException) -> str:
             other = rank_exception(tb)
             if any(s in tb for s in ("Connection", "pair.cc", "Broken pipe")):
                 continue
-            (same if other == own else others).append((r, other))
+            alike = re.sub(r"rank \d+", "rank N", other) == re.sub(r"rank \d+", "rank N", own)
+            (same if alike else others).append((r, other))
         if same:
             text += f"\n  (rank{'s' if len(same) > 1 else ''} {', '.join(str(r) for r, _ in same)} failed the same way)"
         for r, other in others:

@@ -45,10 +45,15 @@ def pytest_unconfigure(config):
         shutil.rmtree(_flight_dir, ignore_errors=True)
 
 
+def _key(location: str, nodeid: str) -> str:
+    """A test's key: its file and node id (files outside the rootdir share empty node-id paths)."""
+    return f"{location}::{nodeid}"
+
+
 def pytest_collection_finish(session):
     for item in session.items:  # after -k / deselection: only what runs
         doc = (getattr(item, "function", None).__doc__ or "").strip()
-        _results[item.nodeid] = {"name": item.name, "doc": doc, "outcome": "not run", "error": "",
+        _results[_key(item.location[0], item.nodeid)] = {"name": item.name, "doc": doc, "outcome": "not run", "error": "",
                                  "file": str(item.path), "seconds": 0.0}
 
 
@@ -145,7 +150,8 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_logreport(report):
-    r = _results.setdefault(report.nodeid, {"name": report.nodeid, "doc": "", "error": "",
+    key = _key(report.location[0] if report.location else "", report.nodeid)
+    r = _results.setdefault(key, {"name": report.nodeid, "doc": "", "error": "",
                                             "file": report.location[0] if report.location else ""})
     r["seconds"] = r.get("seconds", 0.0) + report.duration
     if report.failed:

@@ -92,35 +92,36 @@ WRONG = 'def ring_order(n):\n    return [2 * i % n for i in range(n)]\n'
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """A graded directory holding one tiny challenge, its alternative, and a learner's stub."""
+    """A graded directory holding a tiny challenge twice (chapters 98 and 99) with its alternative,
+    and a learner's files: an unwritten stub for 98, a wrong ring for 99."""
     root = tmp_path_factory.mktemp("graded")
     shutil.copy(ROOT / "tests" / "conftest.py", root / "conftest.py")
-    (root / "test_ch99_demo.py").write_text(textwrap.dedent(DEMO_TEST).lstrip())
     (root / "alternatives").mkdir()
-    (root / "alternatives" / "ch99_demo.py").write_text(ALTERNATIVE)
     mine = tmp_path_factory.mktemp("exercises")
     (mine / "challenges").mkdir()
-    (mine / "challenges" / "ch99_demo.py").write_text(STUB)
+    for chapter, learner in (("98", STUB.replace("99", "98")), ("99", WRONG)):
+        test = textwrap.dedent(DEMO_TEST).lstrip().replace("99", chapter)
+        (root / f"test_ch{chapter}_demo.py").write_text(test)
+        (root / "alternatives" / f"ch{chapter}_demo.py").write_text(ALTERNATIVE)
+        (mine / "challenges" / f"ch{chapter}_demo.py").write_text(learner)
     return root, mine
 
 
 def test_a_challenge_is_graded_by_its_goal(demo, capsys):
-    """The stub scores 0, a wrong ring fails with the measured number against the goal, and a
-    second way passes: the goal is graded, not one answer."""
+    """The stub scores 0, a wrong way fails with the measured number against the goal (one
+    grading run for both), and a second, different way passes: the goal is graded, not one answer."""
     root, mine = demo
-    stub = grade.grade_many(["ch99"], "exercise", graded=root, exercises_dir=mine)[0]
+    stub, wrong = grade.grade_many(["ch98", "ch99"], "exercise", graded=root, exercises_dir=mine)
     assert stub.tests == [] and stub.challenge is not None
     assert stub.challenge.score == 0.0 and len(stub.challenge.tests) == 2
-    assert all("Challenge 99: ring_order" in t["error"] for t in stub.challenge.tests)
-    (mine / "challenges" / "ch99_demo.py").write_text(WRONG)
-    wrong = grade.grade_many(["ch99"], "exercise", graded=root, exercises_dir=mine, verbose=False)[0].challenge
-    hops = next(t for t in wrong.tests if t["name"].startswith("test_no_long_hops"))
+    assert all("Challenge 98: ring_order" in t["error"] for t in stub.challenge.tests)
+    hops = next(t for t in wrong.challenge.tests if t["name"].startswith("test_no_long_hops"))
     assert hops["outcome"] == "failed" and "long hops of your ring (goal 0): n 4: expected 0, got 4" in hops["error"]
     alt = grade.grade_many(["ch99"], "alternative", graded=root, verbose=False)[0]
     assert alt.challenge.score == 1.0, str(alt.challenge)
     assert alt.chapter_score == 1.0
     out = capsys.readouterr().out
-    assert "ch99_demo (exercise):" in out and "score: 0/2 (0%)" in out
+    assert "ch98_demo (exercise):" in out and "score: 0/2 (0%)" in out
 
 
 def test_progress_table():

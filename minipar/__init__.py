@@ -3,13 +3,13 @@ from .backend import device
 from .launch import LaunchTimeout, RankError, launch, shutdown
 
 __version__ = "0.1.0"
-__all__ = ["launch", "device", "shutdown", "RankError", "LaunchTimeout", "grade", "exercise"]
+__all__ = ["launch", "device", "shutdown", "RankError", "LaunchTimeout", "grade", "exercise", "hint"]
 
 
 def __getattr__(name):
-    # minipar.grade("ex01") and minipar.exercise("ex02"): callable modules, imported on first use so
-    # that ``python -m minipar.grade`` (or ``-m minipar.exercise --write``) finds them not yet imported.
-    if name in ("grade", "exercise"):
+    # minipar.grade("ex01"), minipar.exercise("ex02"), minipar.hint("ex08", "A"): callable modules,
+    # imported on first use so that ``python -m minipar.grade`` (or ``-m minipar.exercise --write``) finds them not yet imported.
+    if name in ("grade", "exercise", "hint"):
         import importlib
         return importlib.import_module(f"minipar.{name}")
     raise AttributeError(f"module 'minipar' has no attribute {name!r}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import os
 import re
 import sys
 import tokenize
@@ -37,6 +38,8 @@ PACKAGE = Path(__file__).resolve().parent
 ROOT = PACKAGE.parent
 GRADED = ROOT / "tests" / "graded"
 TARGETS = ("exercise", "solution", "library")
+EXERCISES_ENV = "MINIPAR_EXERCISES"  # a directory to load the learner's files from instead of exercises/
+FLIGHT_ENV = "MINIPAR_FLIGHT_DIR"    # while grading: where ranks keep their last collective
 _MARK = re.compile(r"#\s*(>>>|<<<)\s*(ex\d+)(?:\s+(\w+))?\s*$")
 _HINT = re.compile(r"\s*# Hint:")
 
@@ -192,9 +195,27 @@ def load(exercise: str, target: str = "exercise") -> types.ModuleType | None:
         return None
     package = {"exercise": "exercises", "solution": "solutions"}[target]
     name = f"{package}.{stem(exercise)}"
+    elsewhere = os.environ.get(EXERCISES_ENV) if target == "exercise" else None
+    if elsewhere:  # another directory of exercise files (the grader's own tests plant bugs there)
+        return _load_file(Path(elsewhere) / f"{stem(exercise)}.py", name)
     importlib.import_module(package)
     sys.modules.pop(name, None)
     return importlib.import_module(name)
+
+
+def _load_file(path: Path, name: str) -> types.ModuleType:
+    """The module at ``path``, imported afresh as ``name`` (its functions pickle by value, so
+    ranks need not find the file's package)."""
+    import importlib.util
+    import cloudpickle
+    if not path.exists():
+        raise FileNotFoundError(f"no file {path}")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)
+    return module
 
 
 def _signature(fn) -> list:
@@ -253,8 +274,14 @@ def active() -> list[tuple[str, str]]:
 
 @contextmanager
 def activated(pairs):
-    """Activate the (exercise, target) pairs of :func:`active` (inside a rank)."""
+    """Activate the (exercise, target) pairs of :func:`active` (inside a rank). While grading
+    (``MINIPAR_FLIGHT_DIR`` set) the rank also keeps its last collective in a file there, so a
+    hang can be reported rank by rank (:class:`minipar.flight.Beacon`)."""
     with ExitStack() as stack:
+        if (where := os.environ.get(FLIGHT_ENV)) and "RANK" in os.environ:
+            from . import flight
+            rank = int(os.environ["RANK"])
+            stack.enter_context(flight.Beacon(Path(where) / f"rank{rank}.json", rank))
         for exercise, target in pairs:
             stack.enter_context(Activation(exercise, target))
         yield

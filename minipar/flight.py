@@ -29,14 +29,25 @@ _ring: deque = deque(maxlen=RING)
 _seq: dict = {}
 _progress = time.monotonic()
 _armed = False  # the watchdog counts only once the work it watches has begun (arm())
+_next_detail: dict | None = None  # detail() for the next operation started
 
 
-def started(op: str, name: str | None = None, dim: str | None = None) -> dict:
-    """Note that ``op`` (called ``name``) started on the group of dimension ``dim``."""
-    global _progress
+def detail(**kw) -> None:
+    """Detail (``step=``, ``phase=``, ``peers=``) for the next operation :func:`started` notes
+    (a check just before an operation knows what the operation's own caller does not pass)."""
+    global _next_detail
+    _next_detail = kw
+
+
+def started(op: str, name: str | None = None, dim: str | None = None, **detail) -> dict:
+    """Note that ``op`` (called ``name``) started on the group of dimension ``dim``; ``detail``
+    (``step=``, ``phase=``, ``peers=``) is kept for the hang report."""
+    global _progress, _next_detail
     _seq[dim] = seq = _seq.get(dim, 0) + 1
     _progress = t = time.monotonic()
-    entry = {"op": op, "name": name or op, "dim": dim, "seq": seq, "start": t, "end": None}
+    if _next_detail is not None:  # what a check just before this operation knew about it
+        detail, _next_detail = {**_next_detail, **detail}, None
+    entry = {"op": op, "name": name or op, "dim": dim, "seq": seq, "start": t, "end": None, **detail}
     _ring.append(entry)
     return entry
 
@@ -178,3 +189,61 @@ class Watchdog:
                     with open(self.log, "a") as f:
                         f.write(text + "\n")
                 os._exit(self.exit_code)
+
+
+def _line(entry: dict | None) -> str:
+    """The operation, its step and peers where known, and whether the rank is still inside it
+    (no durations: the line is read later, by another process)."""
+    if entry is None:
+        return "no collective started yet"
+    extra = "".join(f", {k} {entry[k]}" for k in ("phase", "step", "peers") if entry.get(k) is not None)
+    what = f"{entry['op']} {entry['name']!r} on {entry['dim'] or 'an unnamed group'} (seq {entry['seq']}{extra})"
+    return what + (": still inside it" if entry["end"] is None
+                   else ": finished it, and never started the next one")
+
+
+class Beacon:
+    """``with Beacon(path, rank): ...``: a daemon thread that keeps ``path`` (JSON) holding this
+    rank's last recorded operations, rewritten at most every ``every`` seconds when they
+    changed. A driver that gave up waiting (a hang) reads every rank's file to say where each
+    one was stuck, although the ranks themselves never returned. Costs one small write per
+    change, off the rank's own thread; :mod:`minipar.grade` turns it on."""
+
+    def __init__(self, path, rank: int, every: float = 0.5):
+        self.path, self.rank, self.every = str(path), rank, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="minipar-flight-beacon", daemon=True)
+
+    def __enter__(self):
+        reset()  # this job's operations only (a pool worker runs many)
+        self._write()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._write()
+        return False
+
+    def _write(self) -> None:
+        last = dict(_ring[-1]) if _ring else None
+        per_group = {e["dim"]: e for e in list(_ring)}
+        data = {"rank": self.rank, "line": _line(last),
+                "groups": {str(d): f"seq {e['seq']} {'waiting' if e['end'] is None else 'finished'}"
+                           for d, e in per_group.items()}}
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.path)
+
+    def _run(self) -> None:
+        seen = None
+        while not self._stop.wait(self.every):
+            key = (len(_ring), _progress)
+            if key != seen:
+                seen = key
+                try:
+                    self._write()
+                except OSError:
+                    return

@@ -12,12 +12,17 @@ import pytest
 def pytest_addoption(parser):
     parser.addoption("--impl", default="library,solution",
                      help="comma-separated: library, solution, exercise")
+    parser.addoption("--challenge", default="solution,alternative",
+                     help="comma-separated challenge targets: solution, alternative, exercise")
 
 
 def pytest_generate_tests(metafunc):
     if "impl" in metafunc.fixturenames:
         kinds = [k for k in metafunc.config.getoption("impl").split(",") if k]
         metafunc.parametrize("impl", kinds, indirect=True)
+    if "challenge" in metafunc.fixturenames and hasattr(metafunc.module, "CHALLENGE"):
+        kinds = [k for k in metafunc.config.getoption("challenge").split(",") if k]
+        metafunc.parametrize("challenge", kinds, indirect=True)
 
 
 @pytest.fixture
@@ -28,3 +33,13 @@ def impl(request):
     import minipar
     with minipar.exercise(request.module.EXERCISE, target=request.param):
         yield request.param
+
+
+@pytest.fixture
+def challenge(request):
+    """The test module's ``CHALLENGE`` (e.g. ``"ch04_pipeline"``) as written by the target:
+    ``"exercise"`` (exercises/challenges/), ``"solution"`` (solutions/challenges/) or
+    ``"alternative"`` (tests/graded/alternatives/: a second, different way that passes)."""
+    from minipar.challenge import load, watched
+    with watched(request.module.CHALLENGE):
+        yield load(request.module.CHALLENGE, request.param)

@@ -1,17 +1,32 @@
-"""The grader itself: stubs score zero quickly and cleanly, a correct file scores 100%."""
+"""The grader itself: stubs score zero quickly and cleanly (cores and challenges, one grading
+run for all), a correct file scores 100% through it, a challenge is graded by its goal (a
+second, different way passes), and the progress table adds up."""
+import shutil
+import textwrap
 import time
 
 import pytest
 
 from minipar import grade
+from minipar.exercise import ROOT
+
+CHAPTERS = sorted(set(grade.exercises()) | {f"ex{grade._chapter(c)}" for c in grade.challenges()})
 
 
 @pytest.fixture(scope="module")
 def stub_reports():
-    """Every exercise's graded tests on the generated stubs, in one grading run."""
+    """Every chapter's graded tests, cores and challenges, on the stubs, in one grading run."""
     t = time.perf_counter()
-    reports = {r.exercise.split("_")[0]: r for r in grade.grade_many(grade.exercises(), "exercise", verbose=False)}
+    reports = {grade._chapter(r.exercise): r for r in grade.grade_many(CHAPTERS, "exercise", verbose=False)}
     return reports, time.perf_counter() - t
+
+
+def _all_fail_with_their_stub(report, label):
+    assert report.tests, f"{report.exercise}: no graded tests were collected"
+    assert report.score == 0.0
+    assert all(r["outcome"] == "failed" for r in report.tests), [r["outcome"] for r in report.tests]
+    assert all("NotImplementedError" in r["error"] and label in r["error"] for r in report.tests), \
+        [r["error"][:200] for r in report.tests]
 
 
 @pytest.mark.parametrize("exercise", grade.exercises())
@@ -20,16 +35,101 @@ def test_exercise_stubs_score_zero_without_hanging(exercise, stub_reports):
     (in the driver or in a rank), and nothing hangs."""
     reports, seconds = stub_reports
     assert seconds < 60 * len(reports), f"grading the stubs took {seconds:.0f} s"
-    report = reports[exercise]
-    assert report.tests, "no graded tests were collected"
-    assert report.score == 0.0
-    assert all(r["outcome"] == "failed" for r in report.tests), [r["outcome"] for r in report.tests]
-    label = f"Exercise {exercise[2:]}"
-    assert all("NotImplementedError" in r["error"] and label in r["error"] for r in report.tests), \
-        [r["error"][:200] for r in report.tests]
+    _all_fail_with_their_stub(reports[exercise[2:]], f"Exercise {exercise[2:]}")
+
+
+@pytest.mark.parametrize("name", grade.challenges())
+def test_challenge_stubs_score_zero(name, stub_reports):
+    """A challenge's learner file, unwritten, scores 0: each of its functions raises."""
+    reports, _ = stub_reports
+    report = reports[name[2:]].challenge
+    assert report is not None, f"{name} was not graded after its chapter's core"
+    _all_fail_with_their_stub(report, f"Challenge {name[2:]}")
 
 
 def test_the_solution_scores_full_marks_through_the_grader(capsys):
     report = grade.grade("ex01", target="solution")
     assert report.score == 1.0 and len(report.tests) >= 5
-    assert f"score: {len(report.tests)}/{len(report.tests)} (100%)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"score: {len(report.tests)}/{len(report.tests)} (100%)" in out
+    if report.challenge is not None:
+        assert report.challenge.score == 1.0, str(report.challenge)
+    assert "stuck?" not in out, "the grader suggests a hint only on a failure"
+
+
+# ----------------------------------------------------------------------------- a demo challenge
+DEMO_TEST = '''
+    """Challenge 99: order n ranks on a ring so that every hop joins neighbours (|a - b| = 1 mod n).
+    Goal: 0 long hops, measured on 2 ranks and for n = 2..9."""
+    import minipar
+    from minipar.grading import expect_equal
+
+    CHALLENGE = "ch99_demo"
+
+
+    def _long_hops(order):
+        n = len(order)
+        return sum((order[i] - order[(i + 1) % n]) % n not in (1, n - 1) for i in range(n)) if n > 2 else 0
+
+
+    def test_every_rank_agrees_on_a_ring(challenge):
+        """The order computed on 2 ranks (the function travels to them) is the same ring on both."""
+        orders = minipar.launch(challenge.ring_order, 2, args=(6,), timeout=30)
+        expect_equal(orders[1], orders[0], "the ring order, rank 1 against rank 0")
+
+
+    def test_no_long_hops(challenge):
+        """Measured: long hops of the ring for n = 2..9 (goal: 0 each)."""
+        got = {n: _long_hops(challenge.ring_order(n)) for n in range(2, 10)}
+        expect_equal(got, dict.fromkeys(got, 0), "long hops of your ring (goal 0)", keys="n")
+        for n in range(2, 10):
+            expect_equal(sorted(challenge.ring_order(n)), list(range(n)), f"n = {n}: every rank once")
+'''
+STUB = 'def ring_order(n):\n    raise NotImplementedError("Challenge 99: ring_order")\n'
+ALTERNATIVE = 'def ring_order(n):\n    return [(n - i) % n for i in range(n)]  # the other way round\n'
+WRONG = 'def ring_order(n):\n    return [2 * i % n for i in range(n)]\n'
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """A graded directory holding a tiny challenge twice (chapters 98 and 99) with its alternative,
+    and a learner's files: an unwritten stub for 98, a wrong ring for 99."""
+    root = tmp_path_factory.mktemp("graded")
+    shutil.copy(ROOT / "tests" / "conftest.py", root / "conftest.py")
+    (root / "alternatives").mkdir()
+    mine = tmp_path_factory.mktemp("exercises")
+    (mine / "challenges").mkdir()
+    for chapter, learner in (("98", STUB.replace("99", "98")), ("99", WRONG)):
+        test = textwrap.dedent(DEMO_TEST).lstrip().replace("99", chapter)
+        (root / f"test_ch{chapter}_demo.py").write_text(test)
+        (root / "alternatives" / f"ch{chapter}_demo.py").write_text(ALTERNATIVE)
+        (mine / "challenges" / f"ch{chapter}_demo.py").write_text(learner)
+    return root, mine
+
+
+def test_a_challenge_is_graded_by_its_goal(demo, capsys):
+    """The stub scores 0, a wrong way fails with the measured number against the goal (one
+    grading run for both), and a second, different way passes: the goal is graded, not one answer."""
+    root, mine = demo
+    stub, wrong = grade.grade_many(["ch98", "ch99"], "exercise", graded=root, exercises_dir=mine)
+    assert stub.tests == [] and stub.challenge is not None
+    assert stub.challenge.score == 0.0 and len(stub.challenge.tests) == 2
+    assert all("Challenge 98: ring_order" in t["error"] for t in stub.challenge.tests)
+    hops = next(t for t in wrong.challenge.tests if t["name"].startswith("test_no_long_hops"))
+    assert hops["outcome"] == "failed" and "long hops of your ring (goal 0): n 4: expected 0, got 4" in hops["error"]
+    alt = grade.grade_many(["ch99"], "alternative", graded=root, verbose=False)[0]
+    assert alt.challenge.score == 1.0, str(alt.challenge)
+    assert alt.chapter_score == 1.0
+    out = capsys.readouterr().out
+    assert "ch98_demo (exercise):" in out and "score: 0/2 (0%)" in out
+
+
+def test_progress_table():
+    core = grade.Report("ex01_collectives", "exercise", [{"outcome": "passed"}] * 3 + [{"outcome": "failed"}])
+    core.challenge = grade.Report("ch01_x", "exercise", [{"outcome": "passed"}, {"outcome": "failed"}])
+    lone = grade.Report("ex10_planning", "exercise", [{"outcome": "passed"}] * 5)
+    lines = grade.table([core, lone]).splitlines()
+    assert lines[0].split() == ["chapter", "core", "challenge", "score"]
+    assert lines[1].split() == ["01", "3/4", "1/2", "62%"]        # (3/4 + 1/2) / 2
+    assert lines[2].split() == ["10", "5/5", "-", "100%"]
+    assert lines[3].split() == ["all", "81%"]

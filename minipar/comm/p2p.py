@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import flight, trace
-from . import staging
+from . import checked, staging
 
 
 def group_rank(group=None) -> int:
@@ -168,6 +168,8 @@ def start_exchange(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src
     to the right alone first, each would wait for a neighbour waiting on its own right
     neighbour: a cycle, from 3 ranks on. A batch joins every peer it names at once."""
     labels = _labels(group, labels)
+    if checked.enabled():  # while an exercise runs: a size mismatch said in words, not a Gloo abort
+        checked.check_sizes(send_buf, dst, recv_buf, src, group, name, labels)
     out = (staging.to_host(send_buf, "exchange", labels)
            if staging.must_stage(send_buf, group, "exchange") else send_buf)
     into = staging.host_like(recv_buf) if staging.must_stage(recv_buf, group, "exchange") else recv_buf

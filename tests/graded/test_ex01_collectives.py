@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import minipar
 from minipar import comm, cost
+from minipar.grading import diagnose, expect, expect_close, expect_contributions, expect_equal
 
 EXERCISE = "ex01_collectives"
 HINTS = {
@@ -43,8 +44,21 @@ HINTS = {
 TIMEOUT = 30
 
 
+def _contributions(numel):
+    """Rank r contributes 2^r + 2^n·i at position i: every element of the result says which
+    ranks' data it holds (notebook 01's 2^r trick) and from which positions. Reduce-scatter
+    alone, then the whole all-reduce."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    mine = 2.0 ** r + 2.0 ** n * torch.arange(numel, dtype=torch.float32)
+    scattered = comm.ring_reduce_scatter(mine.clone())
+    x = mine.clone()
+    comm.ring_all_reduce(x)
+    return scattered, x
+
+
 def _all_reduce_cases(shapes, op):
-    """On each rank: reduce random tensors with the function under test and with Gloo."""
+    """On each rank: the 2^r contributions, then random tensors reduced with the function
+    under test and with Gloo."""
     r = dist.get_rank()
     out = []
     for i, shape in enumerate(shapes):
@@ -56,45 +70,73 @@ def _all_reduce_cases(shapes, op):
         got = x.clone()
         ret = comm.ring_all_reduce(got, op=op)
         out.append((got, want, ret is got or (ret is not None and ret.data_ptr() == got.data_ptr())))
-    return out
+    return _contributions(max(torch.Size(s).numel() for s in shapes)) if op == "sum" else None, out
 
 
-def _assert_cases(results):
-    for rank, cases in enumerate(results):
+def _chunk_ranges(numel, n):
+    bounds = [0]
+    for c in torch.arange(numel).tensor_split(n):
+        bounds.append(bounds[-1] + c.numel())
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _assert_contributions(contrib, n):
+    """Which ranks' data each chunk holds, after the reduce-scatter half and after the whole."""
+    for rank, (scattered, reduced) in enumerate(contrib):
+        ranges = _chunk_ranges(reduced.numel(), n)
+        lo, hi = ranges[rank]
+        expect_equal(scattered.numel(), hi - lo, f"rank {rank}: elements of its reduce-scatter chunk {rank}")
+        expect_contributions(scattered, n, range(n), f"rank {rank}, after the reduce-scatter: its chunk {rank} "
+                             f"(elements {lo}..{hi - 1})", positions=torch.arange(lo, hi))
+        for c, (lo, hi) in enumerate(ranges):
+            if hi > lo:
+                expect_contributions(reduced[lo:hi], n, range(n), f"rank {rank}, after the all-reduce: chunk {c} "
+                                     f"(elements {lo}..{hi - 1})", positions=torch.arange(lo, hi))
+
+
+def _assert_cases(results, op="sum"):
+    n = len(results)
+    if op == "sum":
+        _assert_contributions([contrib for contrib, _ in results], n)
+    for rank, (_, cases) in enumerate(results):
         for got, want, in_place in cases:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"rank {rank}, shape {tuple(want.shape)}: {m}")
+            expect_close(got, want, "the reduced tensor (compared with Gloo's all-reduce)",
+                         where=f"rank {rank}, shape {tuple(want.shape)}", rtol=1e-5, atol=1e-5)
 
 
 def test_sum_two_ranks(impl):
-    """Sums over 2 ranks for several sizes.
-    Hint: with n=2 there is one reduce-scatter step and one all-gather step."""
+    """Sums over 2 ranks for several sizes."""
     _assert_cases(minipar.launch(_all_reduce_cases, 2, args=([(8,), (1000,)], "sum"),
                                  timeout=TIMEOUT))
 
 
 def test_sum_uneven_sizes(impl):
-    """Sums over 3 ranks when the size is not divisible by 3 (and smaller than 3).
-    Hint: cut with tensor.tensor_split(n), which allows unequal chunks (even empty ones)."""
+    """Sums over 3 ranks when the size is not divisible by 3 (and smaller than 3)."""
     _assert_cases(minipar.launch(_all_reduce_cases, 3,
                                  args=([(10,), (2,), (7, 5)], "sum"), timeout=TIMEOUT))
 
 
 def test_average_four_ranks(impl):
-    """op="avg" divides the sum by the number of ranks (4 here).
-    Hint: reduce the sum first, then divide once."""
-    _assert_cases(minipar.launch(_all_reduce_cases, 4, args=([(64,), (3, 9)], "avg"),
-                                 timeout=TIMEOUT))
+    """op="avg" divides the sum by the number of ranks (4 here)."""
+    results = minipar.launch(_all_reduce_cases, 4, args=([(64,), (3, 9)], "avg"), timeout=TIMEOUT)
+    for rank, (_, cases) in enumerate(results):
+        for got, want, _ in cases:
+            with diagnose(lambda f, got=got, want=want: torch.allclose(got, want * 4, rtol=1e-5, atol=1e-5),
+                          "your result is the sum: op=\"avg\" divides it by the number of ranks"):
+                expect_close(got, want, "the averaged tensor (compared with Gloo's)",
+                             where=f"rank {rank}, shape {tuple(want.shape)}", rtol=1e-5, atol=1e-5)
 
 
 def test_in_place_and_returned(impl):
-    """The input tensor itself holds the result (shape kept) and is returned.
-    Hint: work on a flat view or copy, then copy the result back into `tensor`."""
-    for cases in minipar.launch(_all_reduce_cases, 2, args=([(4, 6)], "sum"),
-                                timeout=TIMEOUT):
+    """The input tensor itself holds the result (shape kept) and is returned."""
+    for rank, (_, cases) in enumerate(minipar.launch(_all_reduce_cases, 2, args=([(4, 6)], "sum"),
+                                                     timeout=TIMEOUT)):
         for got, want, in_place in cases:
-            assert got.shape == want.shape
-            assert in_place, "ring_all_reduce must return the tensor it was given"
+            expect_equal(tuple(got.shape), tuple(want.shape), f"rank {rank}: shape of the tensor after the call")
+            expect(in_place, f"rank {rank}: ring_all_reduce must return the tensor it was given, reduced in "
+                             "place (it returned another tensor, or None)")
+            expect_close(got, want, "the tensor given to ring_all_reduce, after the call",
+                         where=f"rank {rank}", rtol=1e-5, atol=1e-5)
 
 
 def _bytes_run(numel):
@@ -106,11 +148,17 @@ def _bytes_run(numel):
 
 
 def test_bytes_match_cost_model(impl):
-    """Each rank sends exactly 2(n-1)/n of the tensor's bytes (4 ranks, 4096 floats).
-    Hint: send only chunks, one per step, with minipar.comm.exchange (so it is recorded)."""
+    """Each rank sends exactly 2(n-1)/n of the tensor's bytes (4 ranks, 4096 floats)."""
     n, numel = 4, 4096
     results = minipar.launch(_bytes_run, n, args=(numel,), timeout=TIMEOUT)
-    expected = cost.collective_bytes("all_reduce", numel * 4, n)
-    for rank, (sent, value) in enumerate(results):
-        assert value == n, f"rank {rank}: wrong sum {value}"
-        assert sent == expected, f"rank {rank} sent {sent} bytes, the ring sends {expected:.0f}"
+    expected = int(cost.collective_bytes("all_reduce", numel * 4, n))
+    sent, values = [s for s, _ in results], [v for _, v in results]
+    with diagnose(sent == [expected] * n, "the bytes are right, so each step moves one chunk: check which "
+                                          "chunk each step adds into, and that every chunk is gathered"):
+        expect_equal(values, [float(n)] * n, f"x[0] after all-reducing ones over {n} ranks, per rank", keys="rank")
+    with diagnose(lambda f: any(s > expected for s in sent), "more than the ring's bytes: send one chunk per "
+                                                             "step (a slice of tensor_split(n)), never the whole tensor"):
+        with diagnose(lambda f: any(s < expected for s in sent), "fewer than the ring's bytes: every step sends "
+                                                                 "a chunk, 2(n-1) steps in all, through comm.exchange"):
+            expect_equal(sent, [expected] * n, f"bytes sent by each rank (2(n-1)/n of {numel} floats: {expected})",
+                         keys="rank")

@@ -40,6 +40,7 @@ import minipar
 from minipar import cost, data, reference, trace
 from minipar.data_parallel import (DistributedDataParallel, allreduce_gradients, assign_buckets,
                                    shard_batch, trainable)
+from minipar.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
 from minipar.models import GPT, MLP, GPTConfig
 
 EXERCISE = "ex02_data_parallel"
@@ -115,25 +116,30 @@ def _average_once(use_ring):
 
 def _check_average(results, n):
     psi = sum(p.numel() for p in trainable(_mlp_with_frozen_bias().parameters()))
+    expected = int(cost.ddp_bytes_per_step(psi, n))
     for rank, (got, want, frozen_ok, sent) in enumerate(results):
-        assert frozen_ok, "a frozen parameter (requires_grad=False) got a gradient"
-        assert set(got) == set(want), f"rank {rank}: gradients for {sorted(set(got) ^ set(want))}"
+        expect(frozen_ok, f"rank {rank}: a frozen parameter (requires_grad=False) got a gradient: "
+                          "only trainable parameters take part")
+        expect_equal(sorted(got), sorted(want), f"rank {rank}: the parameters that hold a gradient")
         for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, k=k: f"rank {rank}, {k}: {m}")
-        assert sent == cost.ddp_bytes_per_step(psi, n), f"rank {rank} sent {sent} B"
+            with diagnose(lambda f, k=k: torch.allclose(got[k], want[k] * n, rtol=1e-4, atol=1e-6),
+                          f"yours is {n} times the average: the sum over the ranks, not divided by {n}"):
+                expect_close(got[k], want[k], "gradient (the average of the ranks' gradients)",
+                             where=f"rank {rank}, {k}", rtol=1e-5, atol=1e-6)
+        with diagnose(sent > expected, "more bytes than one all-reduce of each trainable parameter: "
+                                       "a parameter reduced twice, or a frozen one included?"):
+            expect_equal(sent, expected, f"rank {rank}: bytes sent by the gradient all-reduces "
+                                         f"(2(n-1)/n · Ψ · 4 with Ψ = {psi})")
 
 
 def test_allreduce_gradients_averages(impl):
-    """allreduce_gradients leaves the average of the ranks' gradients in every p.grad (4 ranks).
-    Hint: comm.all_reduce(p.grad, op="avg", group=group, name="grad_all_reduce") for each trainable p."""
+    """allreduce_gradients leaves the average of the ranks' gradients in every p.grad (4 ranks)."""
     _check_average(minipar.launch(_average_once, 4, args=(False,),
                                   timeout=TIMEOUT), 4)
 
 
 def test_allreduce_gradients_with_your_all_reduce(impl):
-    """With all_reduce_fn (here the ring all-reduce, which sums) the result is still the average.
-    Hint: all_reduce_fn(t, group) sums in place; divide by comm.group_size(group) afterwards."""
+    """With all_reduce_fn (here the ring all-reduce, which sums) the result is still the average."""
     _check_average(minipar.launch(_average_once, 2, args=(True,),
                                   timeout=TIMEOUT), 2)
 
@@ -155,40 +161,46 @@ def _naive_training(model, batches):
 
 
 def test_naive_training_matches_single_process(impl):
-    """Training the small GPT on 4 ranks with your averaging matches one process on the whole batch.
-    Hint: average (not sum); every rank must all-reduce the same parameters in the same order."""
+    """Training the small GPT on 4 ranks with your averaging matches one process on the whole batch."""
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32)
     batches = data.batches(TOKENS, 2, 8, 16)
     results = minipar.launch(_naive_training, 4, args=(GPT(cfg, seed=1), batches), timeout=TIMEOUT)
     want = reference.train_reference(GPT(cfg, seed=1), batches, reference.sgd(0.5))
-    for got in results:
-        reference.assert_same_training(got, want, rtol=RTOL, atol=ATOL)
+    for rank, got in enumerate(results):
+        expect_same_training(got, want, f"rank {rank}", rtol=RTOL, atol=ATOL)
 
 
 # ----------------------------------------------------------------------------- B: buckets
 def test_assign_buckets(impl):
-    """Buckets are filled last parameter first, never past the cap unless one parameter is bigger, one dtype each.
-    Hint: iterate reversed(list(params)); start a new bucket when size + p's bytes > cap·2**20 or the dtype changes."""
+    """Buckets are filled last parameter first, never past the cap unless one parameter is bigger, one dtype each."""
     params = [torch.nn.Parameter(torch.zeros(k)) for k in (10, 300, 20, 20, 5, 1000, 7)]
     index = {id(p): i for i, p in enumerate(params)}
 
     def ids(cap):
         return [[index[id(p)] for p in b] for b in assign_buckets(params, cap)]
 
-    assert ids(1200 / 2**20) == [[6], [5], [4, 3, 2], [1], [0]]
-    assert ids(0) == [[i] for i in range(6, -1, -1)]
-    assert ids(25) == [[6, 5, 4, 3, 2, 1, 0]]
-    assert ids(180 / 2**20) == [[6], [5], [4, 3, 2], [1], [0]]  # 180 B exactly fits
-    assert ids(179 / 2**20) == [[6], [5], [4, 3], [2], [1], [0]]
+    sizes = "parameters of 10, 300, 20, 20, 5, 1000, 7 floats (4 bytes each)"
+    for cap_bytes, want in [(1200, [[6], [5], [4, 3, 2], [1], [0]]), (0, [[i] for i in range(6, -1, -1)]),
+                            (25 * 2**20, [[6, 5, 4, 3, 2, 1, 0]]),
+                            (180, [[6], [5], [4, 3, 2], [1], [0]]),     # 180 B exactly fits
+                            (179, [[6], [5], [4, 3], [2], [1], [0]])]:
+        got = ids(cap_bytes / 2**20)
+        with diagnose(lambda f, got=got: sorted(i for b in got for i in b) == list(range(7)) and
+                      [i for b in got for i in b] != list(range(6, -1, -1)),
+                      "the order of the parameters: backward produces the last one's gradient first"):
+            expect_equal(got, want, f"buckets (indices of the {sizes}) with a cap of {cap_bytes} B",
+                         keys="bucket")
     mixed = [torch.nn.Parameter(torch.zeros(4, dtype=d)) for d in
              (torch.float32, torch.float32, torch.float64, torch.float32)]
-    assert [len(b) for b in assign_buckets(mixed, 25)] == [1, 1, 2], "a change of dtype starts a new bucket"
+    expect_equal([len(b) for b in assign_buckets(mixed, 25)], [1, 1, 2],
+                 "bucket sizes for float32, float32, float64, float32 (a change of dtype starts a new bucket)",
+                 keys="bucket")
     try:
         assign_buckets(params, -1)
     except ValueError:
         pass
     else:
-        raise AssertionError("a negative bucket_cap_mb should raise ValueError")
+        expect(False, "assign_buckets(params, -1) returned; a negative bucket_cap_mb should raise ValueError")
 
 
 # ----------------------------------------------------------------------------- C: reducer
@@ -229,32 +241,34 @@ def _run_reducer(n, kw, accumulation=1, probe=False, cfg=CFG):
     want = reference.train_reference(GPT(cfg, seed=1), batches, reference.sgd(0.5))
     psi = sum(p.numel() for p in GPT(cfg, seed=1).parameters())
     for rank, got in enumerate(results):
-        reference.assert_same_training(got, want, rtol=RTOL, atol=ATOL)
-        assert got["sent"] == STEPS * cost.ddp_bytes_per_step(psi, n), \
-            f"rank {rank} sent {got['sent']} B in gradient all-reduces, expected 2(n-1)/n·Ψ·4 per step"
-        assert got["calls"] == STEPS * got["buckets"], "one all-reduce per bucket per step"
+        expect_same_training(got, want, f"rank {rank}", rtol=RTOL, atol=ATOL)
+        expect_equal(got["sent"], int(STEPS * cost.ddp_bytes_per_step(psi, n)),
+                     f"rank {rank}: bytes sent in gradient all-reduces over {STEPS} steps (2(n-1)/n·Ψ·4 per step)")
+        expect_equal(got["calls"], STEPS * got["buckets"],
+                     f"rank {rank}: gradient all-reduces over {STEPS} steps ({got['buckets']} buckets: one each per step)")
     return results
 
 
 def test_reducer_overlapped_matches_single_process(impl):
-    """DDP with your overlapping Reducer (2 ranks, small buckets) matches one process; bytes 2(n-1)/n·Ψ·4.
-    Hint: launch a bucket only when all its gradients are packed, and only in bucket order."""
+    """DDP with your overlapping Reducer (2 ranks, small buckets) matches one process; bytes 2(n-1)/n·Ψ·4."""
     _run_reducer(2, dict(bucket_cap_mb=0.02, overlap=True))
 
 
 def test_reducer_accumulation_and_no_overlap(impl):
-    """4 ranks, gradient accumulation over 2 micro-batches (no_sync), overlap=False: still equal.
-    Hint: with overlap=False, grad_ready only packs and counts; finish launches every bucket."""
+    """4 ranks, gradient accumulation over 2 micro-batches (no_sync), overlap=False: still equal."""
     _run_reducer(4, dict(bucket_cap_mb=0.02, overlap=False), accumulation=2)
 
 
 def test_reducer_overlaps_with_backward(impl):
-    """With overlap=True the first buckets' all-reduces start before backward computes the last gradient.
-    Hint: launch from grad_ready (async_op=True) as soon as a bucket is complete; wait only in finish."""
+    """With overlap=True the first buckets' all-reduces start before backward computes the last gradient."""
     cfg = GPTConfig(vocab_size=32, block_size=32, n_layer=4, n_head=2, n_embd=64)
     got = _run_reducer(2, dict(bucket_cap_mb=0.05, overlap=True), probe=True, cfg=cfg)[0]
     per_step = got["calls"] // STEPS
+    early = [sum(t < got["ready"][s] for t in got["starts"][s * per_step:(s + 1) * per_step])
+             for s in range(STEPS)]
     for s in range(STEPS):
-        starts = got["starts"][s * per_step:(s + 1) * per_step]
-        early = sum(t < got["ready"][s] for t in starts)
-        assert early >= per_step - 1, f"step {s}: {early} of {per_step} buckets started during backward"
+        with diagnose(early[s] == 0, "no all-reduce started before backward ended: grad_ready must launch "
+                                     "each complete bucket at once (async), and only finish wait"):
+            expect(early[s] >= per_step - 1, f"step {s}: buckets whose all-reduce started while backward still "
+                                             f"ran: expected at least {per_step - 1} of {per_step}, got {early[s]}; "
+                                             f"per step: {early}")

@@ -31,6 +31,7 @@ from minipar import model_parallel as mpar
 from minipar import pipeline as pp
 from minipar import strategy
 from minipar.pipeline import stage_comm
+from minipar.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
 from minipar.models import GPT, LSTMLM, GPTConfig
 
 EXERCISE = "ex03_model_parallel"
@@ -68,13 +69,16 @@ def _activation_case():
 
 
 def test_activation_values(impl):
-    """recv_activation returns the values send_activation sent, as a leaf requiring grad.
-    Hint: send y.detach(); receive into torch.empty(shape, dtype=dtype), wait, then .requires_grad_()."""
+    """recv_activation returns the values send_activation sent, as a leaf requiring grad."""
     sender, got = minipar.launch(_activation_case, 2, timeout=TIMEOUT)
-    assert sender["has_wait"], "send_activation must return the Handle of the isend"
-    torch.testing.assert_close(got["x"], torch.arange(6.0).reshape(2, 3) * 2)
-    assert got["leaf"] and got["requires_grad"], "the received activation must be a leaf requiring grad"
-    assert got["shape"] == (2, 3) and got["dtype"] == torch.float32
+    expect(sender["has_wait"], "rank 0: send_activation must return the Handle of its isend (it has no .wait())")
+    expect_equal((got["shape"], str(got["dtype"])), ((2, 3), "torch.float32"),
+                 "rank 1: (shape, dtype) of the received activation")
+    expect_close(got["x"], torch.arange(6.0).reshape(2, 3) * 2, "the received activation (what rank 0 sent)",
+                 where="rank 1")
+    expect_equal({"is_leaf": got["leaf"], "requires_grad": got["requires_grad"]},
+                 {"is_leaf": True, "requires_grad": True},
+                 "rank 1: the received activation must be a leaf that requires grad (autograd starts again there)")
 
 
 def _mlp_split():
@@ -97,23 +101,27 @@ def _mlp_split():
 
 
 def test_gradient_flows_back(impl):
-    """A two-rank split computes the same weight gradients as one process.
-    Hint: rank 1 sends h.grad of its received activation; rank 0 calls y.backward(grad)."""
+    """A two-rank split computes the same weight gradients as one process."""
     (g0, ev0), (g1, ev1) = minipar.launch(_mlp_split, 2, timeout=TIMEOUT)
     torch.manual_seed(0)
     l1, l2 = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
     l2(l1(torch.randn(6, 4))).pow(2).sum().backward()
-    torch.testing.assert_close(g0, l1.weight.grad)
-    torch.testing.assert_close(g1, l2.weight.grad)
+    expect_close(g1, l2.weight.grad, "weight gradient of the second layer", where="rank 1")
+    with diagnose(lambda f: bool((g0 == 0).all()), "rank 0's gradient is zero: did it receive the gradient and "
+                                                   "call y.backward(grad) with it?"):
+        expect_close(g0, l1.weight.grad, "weight gradient of the first layer (through the gradient rank 1 sent)",
+                     where="rank 0")
 
 
 def test_transfers_are_recorded(impl):
-    """Each transfer goes through minipar.comm: 120 bytes each way in the trace.
-    Hint: use minipar.comm.isend / irecv (not torch.distributed directly)."""
+    """Each transfer goes through minipar.comm: 120 bytes each way in the trace."""
     (_, ev0), (_, ev1) = minipar.launch(_mlp_split, 2, timeout=TIMEOUT)
-    assert sum(e["bytes_sent"] for e in ev0) == 6 * 5 * 4, "rank 0 sends one 6x5 fp32 activation"
-    assert sum(e["bytes_recv"] for e in ev0) == 6 * 5 * 4, "rank 0 receives one 6x5 gradient"
-    assert sum(e["bytes_sent"] for e in ev1) == 6 * 5 * 4
+    got = {"rank 0 sent": sum(e["bytes_sent"] for e in ev0), "rank 0 received": sum(e["bytes_recv"] for e in ev0),
+           "rank 1 sent": sum(e["bytes_sent"] for e in ev1), "rank 1 received": sum(e["bytes_recv"] for e in ev1)}
+    with diagnose(lambda f: 0 in got.values(), "a transfer is missing from the trace: send and receive through "
+                                               "minipar.comm.isend / irecv, not torch.distributed"):
+        expect_equal(got, dict.fromkeys(got, 6 * 5 * 4),
+                     "bytes in the trace (one 6x5 fp32 activation forward, one 6x5 gradient back)")
 
 
 def _lstm_and_pipeline():
@@ -126,14 +134,13 @@ def _lstm_and_pipeline():
 
 
 def test_drives_model_parallel_and_pipeline(impl):
-    """Your functions train the split LSTM and a 1F1B-pipelined GPT like one process.
-    Hint: the tag and labels must be passed through to isend/irecv so messages match."""
+    """Your functions train the split LSTM and a 1F1B-pipelined GPT like one process."""
     results = minipar.launch(_lstm_and_pipeline, 2, timeout=TIMEOUT)
     want = reference.train_reference(LSTMLM(vocab_size=32, seed=0), data.batches(TOKENS, 3, 8, 16),
                                      reference.adamw(1e-2))
-    reference.assert_same_training(strategy.TrainResult.merge([r[0] for r in results]), want,
-                                   rtol=1e-5, atol=1e-6)
+    expect_same_training(strategy.TrainResult.merge([r[0] for r in results]), want,
+                         "the LSTM split over 2 ranks", rtol=1e-5, atol=1e-6)
     cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
     want = reference.train_reference(GPT(cfg, seed=0), data.batches(TOKENS, 3, 8, 8), reference.sgd(0.5))
-    reference.assert_same_training(strategy.TrainResult.merge([r[1] for r in results]), want,
-                                   rtol=1e-5, atol=1e-6)
+    expect_same_training(strategy.TrainResult.merge([r[1] for r in results]), want,
+                         "the 1F1B-pipelined GPT on 2 ranks", rtol=1e-5, atol=1e-6)

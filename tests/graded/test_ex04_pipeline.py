@@ -31,6 +31,7 @@ import pytest
 import minipar
 from minipar import cost, data, reference, strategy
 from minipar import pipeline as pp
+from minipar.grading import diagnose, expect, expect_equal, expect_same_training, expect_schedule
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex04_pipeline"
@@ -70,53 +71,80 @@ def _best(costs, p):
 
 
 def test_partition_is_valid(impl):
-    """partition returns p+1 increasing boundaries from 0 to L (no empty stage).
-    Hint: return [0, b_1, ..., L]; stage s holds layers b_s .. b_{s+1}-1."""
+    """partition returns p+1 increasing boundaries from 0 to L (no empty stage)."""
     for costs, p in [([1, 1, 1, 1], 2), ([5], 1), ([3, 1, 4, 1, 5], 5), ([1, 2, 3], 1)]:
-        b = pp.partition(costs, p)
-        assert len(b) == p + 1 and b[0] == 0 and b[-1] == len(costs), (costs, p, b)
-        assert all(x < y for x, y in zip(b[:-1], b[1:])), f"empty stage in {b} for {costs}, p={p}"
+        b = list(pp.partition(costs, p))
+        case = f"partition({costs}, p={p})"
+        expect_equal(len(b), p + 1, f"{case}: number of boundaries (p + 1) in {b}")
+        expect_equal((b[0], b[-1]), (0, len(costs)), f"{case}: first and last boundary (0 and L) of {b}")
+        empty = [s for s, (x, y) in enumerate(zip(b[:-1], b[1:])) if x >= y]
+        expect(not empty, f"{case} = {b}: stage {empty[0] if empty else ''} is empty "
+                          "(boundaries must increase strictly: every stage holds a layer)")
 
 
 def test_partition_is_balanced(impl):
-    """The costliest stage is as cheap as possible (checked against brute force).
-    Hint: dynamic programming, or binary search on the answer with a greedy check."""
+    """The costliest stage is as cheap as possible (checked against brute force)."""
     rng = random.Random(1)
     for _ in range(60):
         L = rng.randint(1, 9)
         costs = [rng.choice([1, 2, 3, 5, 8, 13, 40]) for _ in range(L)]
         p = rng.randint(1, L)
         b = pp.partition(costs, p)
-        got = max(sum(costs[x:y]) for x, y in zip(b[:-1], b[1:]))
-        assert got == _best(costs, p), f"costs={costs}, p={p}: your split {b} has a stage of {got}"
+        stages = [sum(costs[x:y]) for x, y in zip(b[:-1], b[1:])]
+        expect_equal(max(stages), _best(costs, p),
+                     f"partition({costs}, p={p}) = {b}, stage costs {stages}: the costliest stage "
+                     "(the best split's costliest is the expected)")
 
 
 def test_partition_rejects_too_many_stages(impl):
-    """More stages than layers is a ValueError.
-    Hint: check p <= len(costs) first."""
-    with pytest.raises(ValueError):
-        pp.partition([1.0, 2.0], 3)
+    """More stages than layers is a ValueError."""
+    try:
+        got = pp.partition([1.0, 2.0], 3)
+    except ValueError:
+        return
+    expect(False, f"partition([1.0, 2.0], p=3) returned {got}; 3 stages of 2 layers is a ValueError")
 
 
 def test_one_f_one_b_order(impl):
-    """The 1F1B order on the first and last of 4 ranks, 6 micro-batches.
-    Hint: rank r: min(p-r-1, m) warm-up Fs, then F/B pairs, then the remaining Bs."""
-    fmt = lambda acts: " ".join(f"{a.op}{a.microbatch}" for a in acts)  # noqa: E731
-    assert fmt(pp.one_f_one_b(4, 6, 0)) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5"
-    assert fmt(pp.one_f_one_b(4, 6, 3)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"
-    assert fmt(pp.one_f_one_b(4, 2, 1)) == "F0 F1 B0 B1"
-    assert all(a.stage == 2 for a in pp.one_f_one_b(4, 5, 2))
+    """The 1F1B order on the first and last of 4 ranks, 6 micro-batches."""
+    fmt = lambda acts: [f"{a.op}{a.microbatch}" for a in acts]  # noqa: E731
+    expect_schedule({r: fmt(pp.one_f_one_b(4, 6, r)) for r in (0, 3)},
+                    {0: "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5".split(), 3: "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5".split()},
+                    "1F1B schedule, p = 4, m = 6")
+    expect_schedule({1: fmt(pp.one_f_one_b(4, 2, 1))}, {1: "F0 F1 B0 B1".split()}, "1F1B schedule, p = 4, m = 2")
+    stages = [a.stage for a in pp.one_f_one_b(4, 5, 2)]
+    expect_equal(stages, [2] * len(stages), "the stage of each action one_f_one_b(4, 5, rank=2) returns", keys="action")
 
 
 def test_one_f_one_b_is_a_valid_schedule(impl):
-    """For p = 1..5 and m = 1..9: no deadlock, F before B, 1F1B's bubble and memory.
-    Hint: with m < p the warm-up is only m forwards."""
+    """For p = 1..5 and m = 1..9: no deadlock, F before B, 1F1B's bubble and memory."""
     for p in range(1, 6):
         for m in range(1, 10):
+            fmt = {r: [f"{a.op}{a.microbatch}" for a in pp.one_f_one_b(p, m, r)] for r in range(p)}
+            want = {r: [f"{a.op}{a.microbatch}" for a in _one_f_one_b(p, m, r)] for r in range(p)}
+            with diagnose(m < p, f"m = {m} < p = {p}: the warm-up can only be m forwards"):
+                expect_schedule(fmt, want, f"1F1B schedule, p = {p}, m = {m}")
             s = pp.make_schedule("1f1b", p, m)
             pp.check_schedule(s)
-            assert max(pp.bubble(s)) == pytest.approx(cost.bubble_fraction("1f1b", p, m))
-            assert pp.peak_stash(s) == [min(p - r, m) for r in range(p)], f"p={p}, m={m}"
+            expect_equal(pp.peak_stash(s), [min(p - r, m) for r in range(p)],
+                         f"p = {p}, m = {m}: peak micro-batches held, per rank", keys="rank")
+            bubble = max(pp.bubble(s))
+            expect(bubble == pytest.approx(cost.bubble_fraction("1f1b", p, m)),
+                   f"p = {p}, m = {m}: bubble {bubble:.4f}, expected 1F1B's (p-1)/(m+p-1) = "
+                   f"{cost.bubble_fraction('1f1b', p, m):.4f}")
+
+
+def _one_f_one_b(p, m, rank):
+    """The expected order, written independently: warm-up, alternate, cool-down."""
+    from collections import namedtuple
+    Act = namedtuple("Act", "op microbatch")
+    warm = min(p - rank - 1, m)
+    out = [Act("F", i) for i in range(warm)]
+    f, b = warm, 0
+    while f < m:
+        out += [Act("F", f), Act("B", b)]
+        f, b = f + 1, b + 1
+    return out + [Act("B", i) for i in range(b, m)]
 
 
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
@@ -130,11 +158,11 @@ def _train(p, m):
 
 
 def test_trains_the_gpt(impl):
-    """Your partition and 1F1B train the GPT on 4 ranks like one process (1e-5).
-    Hint: the schedule test above must pass first."""
+    """Your partition and 1F1B train the GPT on 4 ranks like one process (1e-5)."""
     results = minipar.launch(_train, 4, args=(4, 4), timeout=TIMEOUT)
     want = reference.train_reference(GPT(CFG, seed=0), data.batches(data.synthetic_tokens(1000), 3, 8, 8),
                                      reference.sgd(0.5))
     got = strategy.TrainResult.merge(results)
-    reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)
-    assert [m["peak_stash"] for m in got.measured] == [4, 3, 2, 1]
+    expect_same_training(got, want, "the GPT on 4 pipeline stages", rtol=1e-5, atol=1e-6)
+    expect_equal([m["peak_stash"] for m in got.measured], [4, 3, 2, 1],
+                 "peak micro-batches held, per rank (measured while training)", keys="rank")

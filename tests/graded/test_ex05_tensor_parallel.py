@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import minipar
 from minipar import cost, trace
 from minipar import tensor_parallel as tp
+from minipar.grading import diagnose, expect, expect_close, expect_equal
 
 EXERCISE = "ex05_tensor_parallel"
 HINTS = {
@@ -80,8 +81,8 @@ def _comm_bytes(n0):
     return sum(e["bytes_sent"] for e in trace.events()[n0:] if e["kind"] == "comm")
 
 
-def _close(got, want, what):
-    torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{what}: {m}")
+def _close(got, want, what, where=""):
+    expect_close(got, want, what, where=where, **TOL)
 
 
 # ----------------------------------------------------------------------------- f and g
@@ -108,28 +109,29 @@ def _g_case():
 
 
 def test_f_identity_forward_all_reduce_backward(impl):
-    """f returns x unchanged and sums the ranks' gradients in backward (2 ranks).
-    Hint: _F.forward returns x.view_as(x); _F.backward returns (_sum(grad, ...), None, None); _sum all-reduces a clone."""
+    """f returns x unchanged and sums the ranks' gradients in backward (2 ranks)."""
     results = minipar.launch(_f_case, 2, timeout=TIMEOUT)
     total = sum(fo["w"] for fo in results)
     for rank, fo in enumerate(results):
-        _close(fo["y"], fo["x"], f"rank {rank}: f's forward")
-        _close(fo["grad"], total, f"rank {rank}: f's gradient (the sum of the ranks' gradients)")
-        assert fo["bytes"] == cost.collective_bytes("all_reduce", 4 * 12, 2), \
-            f"rank {rank} sent {fo['bytes']} bytes in backward, one all-reduce of 12 floats sends 48"
+        _close(fo["y"], fo["x"], "f's forward (the identity)", f"rank {rank}")
+        with diagnose(lambda e, fo=fo: torch.allclose(fo["grad"], fo["w"]), "the gradient is this rank's own: "
+                      "f's backward sums the ranks' gradients"):
+            _close(fo["grad"], total, "f's gradient (the sum of the ranks' gradients)", f"rank {rank}")
+        expect_equal(fo["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
+                     f"rank {rank}: bytes sent in f's backward (one all-reduce of 12 floats)")
 
 
 def test_g_all_reduce_forward_identity_backward(impl):
-    """g sums the ranks' inputs in forward, leaves its input alone, and passes the gradient unchanged.
-    Hint: _G.forward returns _sum(x, ...), an all-reduced clone (not x itself); _G.backward returns (grad, None)."""
+    """g sums the ranks' inputs in forward, leaves its input alone, and passes the gradient unchanged."""
     results = minipar.launch(_g_case, 2, timeout=TIMEOUT)
     total = sum(go["x"] for go in results)
     for rank, go in enumerate(results):
-        _close(go["z"], total, f"rank {rank}: g's forward (the sum over ranks)")
-        _close(go["x_after"], go["x"], f"rank {rank}: g modified its input")
-        _close(go["grad"], go["w"], f"rank {rank}: g's gradient (identity)")
-        assert go["bytes"] == cost.collective_bytes("all_reduce", 4 * 12, 2), \
-            f"rank {rank} sent {go['bytes']} bytes in forward, one all-reduce of 12 floats sends 48"
+        _close(go["z"], total, "g's forward (the sum over ranks)", f"rank {rank}")
+        with diagnose(True, "g changed the tensor it was given: all-reduce a contiguous clone"):
+            _close(go["x_after"], go["x"], "g's input after the call (unchanged)", f"rank {rank}")
+        _close(go["grad"], go["w"], "g's gradient (the identity)", f"rank {rank}")
+        expect_equal(go["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
+                     f"rank {rank}: bytes sent in g's forward (one all-reduce of 12 floats)")
 
 
 # ----------------------------------------------------------------------------- linear layers
@@ -159,18 +161,18 @@ def _full_linear(x, w, b, up):
 
 
 def test_column_parallel_linear(impl):
-    """Each rank computes its output features (or all of them, gathered); the input gradient is whole.
-    Hint: F.linear(f(x, group), weight, bias), then gather(y, -1, group) if gather_output; pass group everywhere (4 ranks, two groups of 2)."""
+    """Each rank computes its output features (or all of them, gathered); the input gradient is whole."""
     t = 2
     for k, r, out in minipar.launch(_column, 4, args=(t,), timeout=TIMEOUT):
         y, gx, gw, gb = _full_linear(_randn(5, 6, seed=k), _randn(8, 6, seed=10 + k), _randn(8, seed=20 + k),
                                      _randn(5, 8, seed=30 + k))
         for gather_output, (got_y, got_gx, got_gw, got_gb) in out.items():
             what = f"group {k} rank {r}, gather_output={gather_output}"
-            _close(got_y, y if gather_output else y.chunk(t, 1)[r], f"{what}: output")
-            _close(got_gx, gx, f"{what}: input gradient (all-reduced by f)")
-            _close(got_gw, gw.chunk(t, 0)[r], f"{what}: weight gradient")
-            _close(got_gb, gb.chunk(t, 0)[r], f"{what}: bias gradient")
+            _close(got_y, y if gather_output else y.chunk(t, 1)[r],
+                   "output (all features)" if gather_output else f"output (features {r}/{t} of the full layer's)", what)
+            _close(got_gx, gx, "input gradient (the sum of the group's partial ones: f's backward)", what)
+            _close(got_gw, gw.chunk(t, 0)[r], "weight gradient (this rank's rows)", what)
+            _close(got_gb, gb.chunk(t, 0)[r], "bias gradient (this rank's slice)", what)
 
 
 def _row():
@@ -184,17 +186,19 @@ def _row():
 
 
 def test_row_parallel_linear(impl):
-    """The partial products sum to the full output, with the bias added once (4 ranks).
-    Hint: g(F.linear(x, weight)) + bias: adding the bias before g would add it t times."""
+    """The partial products sum to the full output, with the bias added once (4 ranks)."""
     t = 4
     y, gx, gw, gb = _full_linear(_randn(5, 8, seed=1), _randn(6, 8, seed=2), _randn(6, seed=3),
                                  _randn(5, 6, seed=4))
     results = minipar.launch(_row, t, timeout=TIMEOUT)
+    b = _randn(6, seed=3)
     for r, (got_y, got_gx, got_gw, got_gb) in enumerate(results):
-        _close(got_y, y, f"rank {r}: output")
-        _close(got_gx, gx.chunk(t, 1)[r], f"rank {r}: input gradient")
-        _close(got_gw, gw.chunk(t, 1)[r], f"rank {r}: weight gradient")
-        _close(got_gb, gb, f"rank {r}: bias gradient")
+        with diagnose(lambda e: torch.allclose(got_y, y + (t - 1) * b, **TOL), f"the output holds the bias {t} times: "
+                      "add it once, after g sums the partial products"):
+            _close(got_y, y, "output (the sum of the partial products, plus the bias once)", f"rank {r}")
+        _close(got_gx, gx.chunk(t, 1)[r], "input gradient (this rank's input features)", f"rank {r}")
+        _close(got_gw, gw.chunk(t, 1)[r], "weight gradient (this rank's columns)", f"rank {r}")
+        _close(got_gb, gb, "bias gradient", f"rank {r}")
 
 
 def _mlp():
@@ -212,8 +216,7 @@ def _mlp():
 
 
 def test_mlp_needs_one_all_reduce_each_way(impl):
-    """Column then row parallel MLP equals the full MLP, with one all-reduce forward and one backward.
-    Hint: the column layer's output is exactly the row layer's input slice: no gather between."""
+    """Column then row parallel MLP equals the full MLP, with one all-reduce forward and one backward."""
     t = 4
     x = _randn(3, 4, 8, seed=5).requires_grad_()
     hidden = F.gelu(F.linear(x, _randn(32, 8, seed=6), _randn(32, seed=7)))
@@ -222,10 +225,10 @@ def test_mlp_needs_one_all_reduce_each_way(impl):
     one = cost.collective_bytes("all_reduce", 3 * 4 * 8 * 4, t)
     results = minipar.launch(_mlp, t, timeout=TIMEOUT)
     for r, (got_y, got_gx, forward, backward) in enumerate(results):
-        _close(got_y, y.detach(), f"rank {r}: MLP output")
-        _close(got_gx, x.grad, f"rank {r}: MLP input gradient")
-        assert forward == [one], f"rank {r}: forward communication {forward}, expected one all-reduce ({one:.0f} B)"
-        assert backward == [one], f"rank {r}: backward communication {backward}, expected one all-reduce ({one:.0f} B)"
+        _close(got_y, y.detach(), "MLP output", f"rank {r}")
+        _close(got_gx, x.grad, "MLP input gradient", f"rank {r}")
+        expect_equal({"forward": forward, "backward": backward}, {"forward": [int(one)], "backward": [int(one)]},
+                     f"rank {r}: bytes sent by each communication (one all-reduce of {3 * 4 * 8} floats each way)")
 
 
 # ----------------------------------------------------------------------------- cross-entropy
@@ -253,28 +256,28 @@ def _check_ce(scale, t=2):
     want.backward()
     results = minipar.launch(_ce, t, args=(scale,), timeout=TIMEOUT)
     for r, (loss, grad, sent) in enumerate(results):
-        assert torch.isfinite(loss), f"rank {r}: loss is {loss.item()}"
-        _close(loss, want.detach(), f"rank {r}: loss")
-        _close(grad, full.grad.chunk(t, -1)[r], f"rank {r}: gradient of this rank's logits")
+        with diagnose(not bool(torch.isfinite(loss)), "exp overflowed: subtract the maximum over the whole "
+                                                      "vocabulary (every rank's) before exp"):
+            _close(loss, want.detach(), f"loss (F.cross_entropy on the full logits, scale {scale:g})", f"rank {r}")
+        _close(grad, full.grad.chunk(t, -1)[r], "gradient of this rank's logits (rows: positions, columns: "
+               "this rank's vocabulary)", f"rank {r}")
     return results
 
 
 def test_vocab_parallel_cross_entropy(impl):
-    """Loss and gradients equal F.cross_entropy on the full logits (2 ranks, targets on both halves).
-    Hint: loss = log Σ_v exp(z_v - m) - (z_y - m); all-reduce Σexp and z_y (zero on ranks not owning y); backward: (softmax - onehot)/N."""
+    """Loss and gradients equal F.cross_entropy on the full logits (2 ranks, targets on both halves)."""
     _check_ce(scale=1.0)
 
 
 def test_vocab_parallel_cross_entropy_large_logits(impl):
-    """Still exact (and finite) when logits reach hundreds, where exp overflows without the max.
-    Hint: subtract the max over the *whole* vocabulary (all-gather the ranks' row maxima)."""
+    """Still exact (and finite) when logits reach hundreds, where exp overflows without the max."""
     _check_ce(scale=150.0)
 
 
 def test_vocab_parallel_cross_entropy_never_gathers_logits(impl):
-    """Each rank sends far fewer bytes than gathering the logits would (N·V floats, 4 ranks).
-    Hint: communicate a few numbers per position (max, Σexp, target logit), never the logits."""
+    """Each rank sends far fewer bytes than gathering the logits would (N·V floats, 4 ranks)."""
     t = 4
     gathering = cost.collective_bytes("all_gather", N * V * 4, t)
     for r, (_, _, sent) in enumerate(_check_ce(scale=1.0, t=t)):
-        assert 0 < sent < gathering / 8, f"rank {r} sent {sent} bytes; gathering the logits sends {gathering:.0f}"
+        expect(0 < sent < gathering / 8, f"rank {r}: sent {sent} bytes; expected more than 0 and under "
+                                         f"{gathering / 8:.0f} (an eighth of gathering the logits, {gathering:.0f})")

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 import minipar
 from minipar import cost, data, reference, trace, zero
+from minipar.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex06_zero"
@@ -94,14 +95,23 @@ def _reduce(m):
 
 def test_reduce_shard(impl):
     """reduce_shard leaves the mean over ranks of this rank's k elements in its own slice, and
-    returns that slice; each rank sends (N-1)/N of the unit (4 ranks, 10 elements padded to 12).
-    Hint: mine = flat_grad[r*k:(r+1)*k]; reduce_scatter(mine, flat_grad, op="avg", group=group)."""
+    returns that slice; each rank sends (N-1)/N of the unit (4 ranks, 10 elements padded to 12)."""
     n, m = 4, 10
     mean = sum(_grad(q, m, n) for q in range(n)) / n
+    total = sum(_grad(q, m, n) for q in range(n))
     for r, (mine, in_place, sent, numel) in enumerate(minipar.launch(_reduce, n, args=(m,), timeout=TIMEOUT)):
-        torch.testing.assert_close(mine, mean[r * 3:(r + 1) * 3], msg=lambda e: f"rank {r}: {e}")
-        assert in_place, f"rank {r}: return the view flat_grad[r*k:(r+1)*k], reduced in place"
-        assert sent == cost.collective_bytes("reduce_scatter", numel * 4, n), f"rank {r} sent {sent} B"
+        want = mean[r * 3:(r + 1) * 3]
+        with diagnose(lambda e: mine.shape == want.shape and torch.allclose(mine, total[r * 3:(r + 1) * 3]),
+                      f"yours is the sum: op=\"avg\" divides by the {n} ranks"):
+            with diagnose(lambda e: any(mine.shape == want.shape and torch.allclose(mine, mean[q * 3:(q + 1) * 3])
+                                        for q in range(n) if q != r), "that is another rank's slice: rank r "
+                          "owns elements r·k .. (r+1)·k - 1"):
+                expect_close(mine, want, f"the slice reduce_shard returned (the mean of elements {r * 3}..{r * 3 + 2})",
+                             where=f"rank {r}", rtol=1.3e-6, atol=1e-5)
+        expect(in_place, f"rank {r}: reduce_shard must return the view flat_grad[r·k:(r+1)·k], reduced in place "
+                         "(it returned another tensor)")
+        expect_equal(sent, int(cost.collective_bytes("reduce_scatter", numel * 4, n)),
+                     f"rank {r}: bytes sent (one reduce-scatter of {numel} floats)")
 
 
 # ----------------------------------------------------------------------------- B: sharded_step
@@ -130,13 +140,13 @@ def _one_step():
 
 def test_sharded_step_is_a_full_step(impl):
     """After sharded_step every rank holds the full parameters of an Adam step on the mean
-    gradient (4 ranks, unit sizes not divisible by 4), with optimizer state for its shard only.
-    Hint: shard.grad = grad shard; optimizer.step() once; all_gather(flat_params[u], shard, group=group)."""
+    gradient (4 ranks, unit sizes not divisible by 4), with optimizer state for its shard only."""
     for rank, (got, want, state, k) in enumerate(minipar.launch(_one_step, 4, timeout=TIMEOUT)):
         for u, (g, w) in enumerate(zip(got, want)):
-            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}, unit {u}: {m}")
-        assert state == 2 * k, f"rank {rank}: optimizer state has {state} elements, expected 2 x {k}"
+            expect_close(g, w, "full parameters after the step (one Adam step on the mean gradient)",
+                         where=f"rank {rank}, unit {u}", rtol=1e-6, atol=1e-6)
+        expect_equal(state, 2 * k, f"rank {rank}: optimizer state elements (Adam's 2 per element of its "
+                                   f"shards, {k} elements)")
 
 
 # ----------------------------------------------------------------------------- training
@@ -158,17 +168,17 @@ def _want():
 def test_stages_1_and_2_train_like_one_process(impl):
     """The library's ZeRO-1 and ZeRO-2 (both step with your sharded_step on your reduce_shard)
     train the GPT on 4 ranks like one process (AdamW, fp32), with optimizer state
-    K·⌈Ψ_u/N⌉ per unit and 2(N-1)/N·Ψ bytes sent per step.
-    Hint: all ranks must call the collectives in the same order: units first to last."""
+    K·⌈Ψ_u/N⌉ per unit and 2(N-1)/N·Ψ bytes sent per step."""
     results = minipar.launch(_stages, 4, args=([1, 2],), timeout=TIMEOUT)
     want = _want()
     for rank, got in enumerate(results):
         for stage, res in got.items():
-            reference.assert_same_training(res, want, rtol=1e-4, atol=5e-5)
+            expect_same_training(res, want, f"rank {rank}, ZeRO-{stage}", rtol=1e-4, atol=5e-5)
             want_state = cost.zero_bytes_per_rank(res["unit_sizes"], 4, stage, k=8)["optimizer"]
-            assert res["memory"]["optimizer"] == want_state, f"rank {rank}, stage {stage}: optimizer state bytes"
-            assert res["comm_bytes"] == cost.zero_comm_bytes(res["unit_sizes"], 4, stage), \
-                f"rank {rank}, stage {stage}: bytes sent"
+            expect_equal(res["memory"]["optimizer"], want_state,
+                         f"rank {rank}, ZeRO-{stage}: optimizer state bytes (K·⌈Ψ_u/N⌉ per unit)")
+            expect_equal(res["comm_bytes"], cost.zero_comm_bytes(res["unit_sizes"], 4, stage),
+                         f"rank {rank}, ZeRO-{stage}: bytes sent per run (2(N-1)/N·Ψ per step)")
 
 
 # ----------------------------------------------------------------------------- C: gather and free
@@ -190,30 +200,34 @@ def _gather_free():
 
 def test_gather_and_free(impl):
     """free_unit empties the buffer's storage but keeps the tensor; gather_unit refills it with
-    every rank's shard in rank order (views see the values), synchronously or with a Handle.
-    Hint: full.untyped_storage().resize_(0) frees; resize_(numel * element_size) before gathering."""
+    every rank's shard in rank order (views see the values), synchronously or with a Handle."""
     n = 2
     for rank, (freed, (vals, nbytes, is_none, view), (after, shape), async_vals) in enumerate(
             minipar.launch(_gather_free, n, timeout=TIMEOUT)):
         want = torch.cat([torch.arange(3, dtype=torch.float32) + 10 * q for q in range(n)])
-        assert freed == 0, "free_unit should leave the storage with 0 bytes"
-        torch.testing.assert_close(vals, want)
-        assert nbytes == 3 * n * 4 and is_none, "synchronous gather_unit: full storage, returns None"
-        torch.testing.assert_close(view, want[1:4])
-        assert after == 0 and tuple(shape) == (3 * n,), "free_unit must keep the tensor's shape"
-        torch.testing.assert_close(async_vals, 2 * want)
+        where = f"rank {rank}"
+        expect_equal(freed, 0, f"{where}: storage bytes after free_unit")
+        expect_close(vals, want, "the gathered unit (every rank's shard, in rank order)", where=where, rtol=0, atol=0)
+        expect_equal({"storage bytes": nbytes, "returns None": is_none}, {"storage bytes": 3 * n * 4, "returns None": True},
+                     f"{where}: synchronous gather_unit")
+        expect_close(view, want[1:4], "a view into the unit (a parameter) after the gather", where=where, rtol=0, atol=0)
+        expect_equal({"storage bytes": after, "shape": tuple(shape)}, {"storage bytes": 0, "shape": (3 * n,)},
+                     f"{where}: after the second free_unit (memory released, the tensor kept)")
+        expect_close(async_vals, 2 * want, "the unit gathered with async_op=True, after handle.wait()",
+                     where=where, rtol=0, atol=0)
 
 
 def test_stage3_trains_like_one_process(impl):
     """The library's FullyShardedDataParallel with your gather_unit/free_unit (and reduce_shard):
     2 ranks train the GPT like one process, hold only (4+4+8)·⌈Ψ_u/N⌉ bytes per unit after
-    the step, send 3(N-1)/N·Ψ.
-    Hint: gather_unit must pass async_op and **labels on to minipar.comm.all_gather."""
+    the step, send 3(N-1)/N·Ψ."""
     results = minipar.launch(_stages, 2, args=([3],), timeout=TIMEOUT)
     want = _want()
     for rank, got in enumerate(results):
         got = got[3]
-        reference.assert_same_training(got, want, rtol=1e-4, atol=5e-5)
+        expect_same_training(got, want, f"rank {rank}, ZeRO-3", rtol=1e-4, atol=5e-5)
         formula = cost.zero_bytes_per_rank(got["unit_sizes"], 2, 3, k=8, dtype_bytes=4)
-        assert {k: got["memory"][k] for k in formula} == formula, f"rank {rank}"
-        assert got["comm_bytes"] == cost.zero_comm_bytes(got["unit_sizes"], 2, 3)
+        expect_equal({k: got["memory"][k] for k in formula}, formula,
+                     f"rank {rank}, ZeRO-3: bytes held after the step, by kind", keys="kind")
+        expect_equal(got["comm_bytes"], cost.zero_comm_bytes(got["unit_sizes"], 2, 3),
+                     f"rank {rank}, ZeRO-3: bytes sent per run (3(N-1)/N·Ψ per step)")

@@ -31,6 +31,7 @@ import torch
 import minipar
 from minipar import comm, data, reference
 from minipar import context_parallel as cpm
+from minipar.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex08_context_parallel"
@@ -61,71 +62,79 @@ def _qkv(T=16, seed=0):
 
 
 def test_merge_two_blocks(impl):
-    """merge_partials of attention on keys 0..9 and 10..15 equals attention on all 16 keys.
-    Hint: lse = m + log(exp(lse_a - m) + exp(lse_b - m)); o = exp(lse_a - lse)·o_a + exp(lse_b - lse)·o_b."""
+    """merge_partials of attention on keys 0..9 and 10..15 equals attention on all 16 keys."""
     q, k, v, _ = _qkv()
     o, lse = cpm.attention_block(q, k, v)
     a = cpm.attention_block(q, k[..., :10, :], v[..., :10, :])
     b = cpm.attention_block(q, k[..., 10:, :], v[..., 10:, :])
     o_m, lse_m = cpm.merge_partials(*a, *b)
-    torch.testing.assert_close(lse_m, lse, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(o_m, o, rtol=1e-5, atol=1e-5)
+    expect_close(lse_m, lse, "merged lse (attention on all 16 keys), index (batch, head, query)",
+                 where="keys 0..9 merged with 10..15", rtol=1e-5, atol=1e-5)
+    expect_close(o_m, o, "merged o (attention on all 16 keys), index (batch, head, query, feature)",
+                 where="keys 0..9 merged with 10..15", rtol=1e-5, atol=1e-5)
 
 
 def test_merge_many_blocks_any_order(impl):
-    """Merging four blocks one at a time, in either order, gives attention on all of them.
-    Hint: the merge must not care which block comes first (it is symmetric in a and b)."""
+    """Merging four blocks one at a time, in either order, gives attention on all of them."""
     q, k, v, _ = _qkv()
     o, lse = cpm.attention_block(q, k, v)
     parts = [cpm.attention_block(q, k[..., i:i + 4, :], v[..., i:i + 4, :]) for i in range(0, 16, 4)]
-    for order in (parts, parts[::-1]):
+    for name, order in (("first to last", parts), ("last to first", parts[::-1])):
         acc = order[0]
         for p in order[1:]:
             acc = cpm.merge_partials(*acc, *p)
-        torch.testing.assert_close(acc[1], lse, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(acc[0], o, rtol=1e-5, atol=1e-5)
+        expect_close(acc[1], lse, "lse of four blocks of 4 keys merged one at a time", where=name, rtol=1e-5, atol=1e-5)
+        expect_close(acc[0], o, "o of four blocks of 4 keys merged one at a time", where=name, rtol=1e-5, atol=1e-5)
 
 
 def test_merge_is_stable_for_large_scores(impl):
-    """Log-sum-exps near 1000 (exp would overflow) still merge to finite, correct values.
-    Hint: subtract the running maximum m = max(lse_a, lse_b) before calling exp."""
+    """Log-sum-exps near 1000 (exp would overflow) still merge to finite, correct values."""
     o_a, o_b = torch.ones(3, 2), torch.full((3, 2), 3.0)
     lse_a, lse_b = torch.tensor([1000.0, 1000.0, 5.0]), torch.tensor([1000.0, 999.0, 1000.0])
     o, lse = cpm.merge_partials(o_a, lse_a, o_b, lse_b)
-    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     w = torch.sigmoid(lse_a - lse_b)                      # weight of block a
-    torch.testing.assert_close(o[:, 0], w * 1 + (1 - w) * 3)
-    torch.testing.assert_close(lse, torch.logaddexp(lse_a, lse_b))
+    with diagnose(lambda e: not bool(torch.isfinite(lse).all() and torch.isfinite(o).all()),
+                  "exp(1000) overflows in fp32: subtract the larger lse before exp"):
+        expect_close(lse, torch.logaddexp(lse_a, lse_b), "merged lse for lse_a = [1000, 1000, 5], "
+                     "lse_b = [1000, 999, 1000]", where="large scores")
+        expect_close(o[:, 0], w * 1 + (1 - w) * 3, "merged o (o_a = 1, o_b = 3), per query", where="large scores")
 
 
 def test_zigzag_chunks(impl):
-    """Rank r holds chunks r and 2·cp-1-r; together the ranks hold each of the 2·cp chunks once.
-    Hint: return (rank, 2 * cp - 1 - rank)."""
-    assert tuple(cpm.zigzag_chunks(0, 1)) == (0, 1)
-    assert tuple(cpm.zigzag_chunks(1, 4)) == (1, 6)
+    """Rank r holds chunks r and 2·cp-1-r; together the ranks hold each of the 2·cp chunks once."""
+    expect_equal(tuple(cpm.zigzag_chunks(0, 1)), (0, 1), "rank 0's chunks for cp = 1 (zigzag_chunks(0, 1))",
+                 keys="entry")
+    expect_equal(tuple(cpm.zigzag_chunks(1, 4)), (1, 6), "rank 1's chunks for cp = 4 (zigzag_chunks(1, 4))",
+                 keys="entry")
     for cp in (2, 3, 4):
-        got = [tuple(cpm.zigzag_chunks(r, cp)) for r in range(cp)]
-        assert got == [(r, 2 * cp - 1 - r) for r in range(cp)], got
-        assert sorted(c for pair in got for c in pair) == list(range(2 * cp))
+        got = {r: tuple(cpm.zigzag_chunks(r, cp)) for r in range(cp)}
+        expect_equal(sorted(c for pair in got.values() for c in pair), list(range(2 * cp)),
+                     f"cp = {cp}: the chunks all ranks hold together (each of the {2 * cp} once); per rank: {got}")
+        expect_equal(got, {r: (r, 2 * cp - 1 - r) for r in range(cp)}, f"zigzag chunks, cp = {cp}", keys="rank")
 
 
 def test_zigzag_rank_off_the_group(impl):
-    """A rank outside 0 .. cp-1 is a ValueError.
-    Hint: check 0 <= rank < cp first."""
+    """A rank outside 0 .. cp-1 is a ValueError."""
     for bad in (4, -1):
-        with pytest.raises(ValueError):
-            cpm.zigzag_chunks(bad, 4)
+        try:
+            got = cpm.zigzag_chunks(bad, 4)
+        except ValueError:
+            continue
+        expect(False, f"zigzag_chunks({bad}, cp=4) returned {got}; rank {bad} is off the group: a ValueError")
 
 
 def test_zigzag_shards_balance_the_causal_work(impl):
     """With your chunks, shard_sequence and unshard_sequence round-trip and every rank's tokens
-    have the same total position (the causal work each rank's queries do).
-    Hint: shard_sequence(x, r, cp, "zigzag") concatenates the chunks zigzag_chunks(r, cp) names."""
+    have the same total position (the causal work each rank's queries do)."""
     x = torch.arange(16).view(1, 16)
     shards = [cpm.shard_sequence(x, r, 4, "zigzag") for r in range(4)]
-    assert torch.equal(cpm.unshard_sequence(shards, "zigzag"), x)
-    assert len({int(s.sum()) for s in shards}) == 1
-    assert shards[0].tolist() == [[0, 1, 14, 15]]
+    expect_equal({r: sh.tolist()[0] for r, sh in enumerate(shards)},
+                 {r: [2 * r, 2 * r + 1, 14 - 2 * r, 15 - 2 * r] for r in range(4)},
+                 "positions each rank holds (16 tokens, cp = 4, zigzag)", keys="rank")
+    expect_close(cpm.unshard_sequence(shards, "zigzag"), x, "unshard_sequence(shard_sequence(x)) (x = 0..15)",
+                 rtol=0, atol=0)
+    expect_equal([int(sh.sum()) for sh in shards], [int(shards[0].sum())] * 4,
+                 "the sum of the positions each rank holds (its causal work)", keys="rank")
 
 
 def _ring(layout):
@@ -139,28 +148,32 @@ def _ring(layout):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_with_your_code(impl, cp):
-    """The library's ring attention (zigzag, causal) equals full attention: O, lse, dQ, dK, dV.
-    Hint: if only the zigzag cases fail, check B; if every case fails, check A first."""
+    """The library's ring attention (zigzag, causal) equals full attention: O, lse, dQ, dK, dV."""
     q, k, v, w = (t.clone() for t in _qkv(T=16))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     o, lse = cpm.masked_attention(q, k, v, causal=True)
     (o * w).sum().backward()
     want = [o.detach(), lse.detach(), q.grad, k.grad, v.grad]
     results = minipar.launch(_ring, cp, args=("zigzag",), timeout=TIMEOUT)
+    T = 16
     for i, name in enumerate(("O", "lse", "dQ", "dK", "dV")):
-        got = cpm.unshard_sequence([res[i] for res in results], "zigzag", dim=2)
-        torch.testing.assert_close(got, want[i], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        for r, res in enumerate(results):
+            c0, c1 = r, 2 * cp - 1 - r                    # zigzag, written out independently
+            parts = want[i].chunk(2 * cp, dim=2)
+            mine = torch.cat([parts[c0], parts[c1]], dim=2)
+            expect_close(res[i], mine, f"{name}, index (batch, head, position within the rank's shard, ...)",
+                         where=f"cp = {cp}, rank {r} (sequence chunks {c0} and {c1} of {2 * cp}, "
+                               f"{T // (2 * cp)} positions each)", rtol=1e-5, atol=1e-5)
 
 
 def test_training_with_your_code(impl):
-    """The GPT trained with ring attention on 2 ranks (zigzag) matches one process.
-    Hint: the earlier tests isolate the merge and the chunks; make those pass first."""
+    """The GPT trained with ring attention on 2 ranks (zigzag) matches one process."""
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
     batches = data.batches(data.synthetic_tokens(2000, 32), 2, 2, 16)
     want = reference.train_reference(GPT(cfg, seed=0), batches, reference.sgd(0.1))
     got = cpm.run(GPT(cfg, seed=0), batches, 2, optimizer=reference.sgd(0.1), variant="ring",
                   layout="zigzag", timeout=TIMEOUT)
-    reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)
+    expect_same_training(got, want, "the GPT with ring attention on 2 ranks", rtol=1e-5, atol=1e-6)
 
 
 def _documented_merge(o_a, lse_a, o_b, lse_b):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import minipar
 from minipar.expert_parallel import ExpertParallelMoE, count_tokens, permutation, split_sizes
+from minipar.grading import diagnose, expect, expect_close, expect_equal
 from minipar.models.moe import MoE
 
 EXERCISE = "ex09_expert_parallel"
@@ -50,46 +51,56 @@ TIMEOUT = 20
 
 
 def test_count_tokens(impl):
-    """count_tokens: assignments per expert, zeros for experts nobody chose.
-    Hint: torch.bincount(expert_of, minlength=n_experts)."""
+    """count_tokens: assignments per expert, zeros for experts nobody chose."""
     e = torch.tensor([3, 0, 3, 1, 3])
-    assert count_tokens(e, 6).tolist() == [1, 1, 0, 3, 0, 0]
+    expect_equal(count_tokens(e, 6).tolist(), [1, 1, 0, 3, 0, 0], "count_tokens([3, 0, 3, 1, 3], 6)", keys="expert")
     r = torch.randint(0, 8, (200,), generator=torch.Generator().manual_seed(0))
-    c = count_tokens(r, 8)
-    assert c.tolist() == [int((r == i).sum()) for i in range(8)] and int(c.sum()) == 200
-    assert count_tokens(torch.zeros(0, dtype=torch.long), 3).tolist() == [0, 0, 0]
+    expect_equal(count_tokens(r, 8).tolist(), [int((r == i).sum()) for i in range(8)],
+                 "count_tokens of 200 random assignments to 8 experts", keys="expert")
+    expect_equal(count_tokens(torch.zeros(0, dtype=torch.long), 3).tolist(), [0, 0, 0],
+                 "count_tokens of no assignments, 3 experts", keys="expert")
 
 
 def test_split_sizes(impl):
-    """split_sizes: rows sent to and received from every rank, as Python ints.
-    Hint: counts.reshape(ep, ep, E // ep).sum(-1) is the [source, destination] matrix."""
+    """split_sizes: rows sent to and received from every rank, as Python ints."""
     M = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
-    assert split_sizes(M, 0, 2) == ([3, 7], [3, 11])
-    assert split_sizes(M, 1, 2) == ([11, 15], [7, 15])
+    for r, want in ((0, ([3, 7], [3, 11])), (1, ([11, 15], [7, 15]))):
+        got = split_sizes(M, r, 2)
+        with diagnose(lambda e, got=got: tuple(got)[::-1] == want, "send and recv are swapped: send[j] sums this "
+                      "rank's row over rank j's experts; recv[j] rank j's row over this rank's experts"):
+            expect_equal({"send": list(got[0]), "recv": list(got[1])}, {"send": want[0], "recv": want[1]},
+                         f"split_sizes(counts = [[1, 2, 3, 4], [5, 6, 7, 8]], rank {r}, ep = 2)")
     M = torch.arange(32).reshape(4, 8)
     for r in range(4):
         send, recv = split_sizes(M, r, 4)
-        assert send == [int(M[r, 2 * j:2 * j + 2].sum()) for j in range(4)]
-        assert recv == [int(M[j, 2 * r:2 * r + 2].sum()) for j in range(4)]
-        assert all(type(v) is int for v in send + recv)
+        expect_equal({"send": send, "recv": recv},
+                     {"send": [int(M[r, 2 * j:2 * j + 2].sum()) for j in range(4)],
+                      "recv": [int(M[j, 2 * r:2 * r + 2].sum()) for j in range(4)]},
+                     f"split_sizes(counts = arange(32).reshape(4, 8), rank {r}, ep = 4): rows to and from each rank")
+        types = sorted({type(v).__name__ for v in list(send) + list(recv)})
+        expect(types == ["int"], f"rank {r}: split sizes must be Python ints (all_to_all_single takes them); "
+                                 f"got {', '.join(types)}")
 
 
 def test_permutation_is_stable_with_inverse(impl):
-    """permutation: keys[perm] sorted, equal keys in their original order, x[perm][inverse] == x.
-    Hint: torch.argsort(keys, stable=True); inverse[perm] = arange(n)."""
+    """permutation: keys[perm] sorted, equal keys in their original order, x[perm][inverse] == x."""
     keys = torch.tensor([2, 0, 3, 2, 1, 0, 2])
     perm, inv = permutation(keys)
-    assert perm.tolist() == [1, 5, 4, 0, 3, 6, 2]
-    assert inv.tolist() == [3, 0, 6, 4, 2, 1, 5]
+    with diagnose(lambda e: sorted(perm.tolist()) == list(range(7)) and keys[perm].tolist() == sorted(keys.tolist()),
+                  "keys[perm] is sorted, but equal keys changed order: the sort must be stable"):
+        expect_equal(perm.tolist(), [1, 5, 4, 0, 3, 6, 2], "perm for keys [2, 0, 3, 2, 1, 0, 2]", keys="position")
+    expect_equal(inv.tolist(), [3, 0, 6, 4, 2, 1, 5], "inverse for keys [2, 0, 3, 2, 1, 0, 2] "
+                 "(inverse[perm[i]] = i)", keys="position")
     k = torch.randint(0, 4, (300,), generator=torch.Generator().manual_seed(1))
     perm, inv = permutation(k)
     s = k[perm]
-    assert bool((s[1:] >= s[:-1]).all())
+    expect_close(s, torch.sort(k, stable=True).values, "keys[perm] for 300 random keys (sorted)", rtol=0, atol=0)
     for i in range(4):                                  # stable: positions ascending per key
         p = perm[s == i]
-        assert bool((p[1:] > p[:-1]).all())
+        expect_equal(p.tolist(), sorted(p.tolist()), f"positions of key {i} in perm (ascending: a stable sort)",
+                     keys="entry")
     x = torch.randn(300)
-    assert torch.equal(x[perm][inv], x)
+    expect_close(x[perm][inv], x, "x[perm][inverse] (x itself)", rtol=0, atol=0)
 
 
 def _ep_layer(k, cf):
@@ -103,13 +114,16 @@ def _ep_layer(k, cf):
 
 
 def test_expert_parallel_layer(impl):
-    """The expert-parallel MoE layer on 2 ranks equals one device (outputs and dropped tokens).
-    Hint: if A-C pass and this fails, check that permutation is stable and split_sizes' order is [source, destination]."""
+    """The expert-parallel MoE layer on 2 ranks equals one device (outputs and dropped tokens)."""
     for k, cf in [(2, None), (1, 1.0), (2, 1.0)]:
         res = minipar.launch(_ep_layer, 2, args=(k, cf), timeout=TIMEOUT)
         torch.manual_seed(0)
         moe = MoE(8, 4, k, cf, hidden=16)
         x = torch.randn(8, 4, 8, generator=torch.Generator().manual_seed(1))
         y = moe(x)
-        torch.testing.assert_close(torch.cat([r[0] for r in res]), y.detach(), rtol=1e-4, atol=1e-5)
-        assert torch.equal(torch.cat([r[1] for r in res]), moe.stats["dropped"])
+        case = f"top-{k}, capacity factor {cf}"
+        for r, (y_r, dropped_r) in enumerate(res):
+            expect_close(dropped_r.float(), moe.stats["dropped"].chunk(2)[r].float(),
+                         "tokens dropped (over capacity) per assignment", where=f"{case}, rank {r}", rtol=0, atol=0)
+            expect_close(y_r, y.detach().chunk(2)[r], "layer output (the MoE layer on one device), index "
+                         "(sequence, position, feature)", where=f"{case}, rank {r}", rtol=1e-4, atol=1e-5)

@@ -136,6 +136,12 @@ def expect(condition, message: str) -> None:
         _fail([message])
 
 
+def fail_if(condition, message: str) -> None:
+    """A measured goal missed: :class:`GradeFailure` with ``message`` when ``condition`` holds."""
+    if condition:
+        _fail([message])
+
+
 # ----------------------------------------------------------------------------- tensors
 _TOL = {"float16": (1e-3, 1e-5), "bfloat16": (1.6e-2, 1e-5), "float32": (1.3e-6, 1e-5),
         "float64": (1e-7, 1e-7)}

@@ -26,7 +26,8 @@ def test_lab_prints_its_url_and_runs_as_root(course, monkeypatch, capsys, root):
     cmd, out = calls[0], capsys.readouterr().out
     token = next(a.split("=", 1)[1] for a in cmd if a.startswith("--IdentityProvider.token="))
     port = next(a.split("=", 1)[1] for a in cmd if a.startswith("--port="))
-    assert f"http://localhost:{port}/lab?token={token}" in out
+    assert f"http://localhost:{port}/lab/tree/00_welcome.ipynb?token={token}" in out   # opens notebook 00
+    assert "--LabApp.default_url=/lab/tree/00_welcome.ipynb" in cmd
     assert ("--allow-root" in cmd) == root and cmd[-1] == "--ip=0.0.0.0"
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import minipar
 from minipar import comm, trace
-from minipar.grading import diagnose, expect_close
+from minipar.grading import expect_close, fail_if
 
 CHALLENGE = "ch01_all_reduce"
 HINTS = {
@@ -88,7 +88,7 @@ def _check_sums(results):
         for shape, got, want, in_place in cases:
             expect_close(got, want, "the sum over the ranks", where=f"rank {rank}, shape {shape}",
                          rtol=1e-5, atol=1e-5)
-            diagnose(not in_place, f"rank {rank}: all_reduce must return the tensor it was given")
+            fail_if(not in_place, f"rank {rank}: all_reduce must return the tensor it was given")
 
 
 def test_sums_on_two_ranks(challenge):
@@ -108,20 +108,20 @@ def test_bandwidth_and_time_beat_gather_to_one(challenge):
     yours = [m["yours"] for _, m in results]
     naive = [m["naive"] for _, m in results]
     for rank, m in enumerate(yours):
-        diagnose(m["value"] != 2 ** N - 1, f"rank {rank}: the 1 MiB all-reduce holds {m['value']:g} in "
+        fail_if(m["value"] != 2 ** N - 1, f"rank {rank}: the 1 MiB all-reduce holds {m['value']:g} in "
                  f"element 0, expected {2 ** N - 1} (rank r contributed 2^r)")
-        diagnose(m["recv"] < size, f"rank {rank} received {m['recv']} B through minipar.comm, less than the "
+        fail_if(m["recv"] < size, f"rank {rank} received {m['recv']} B through minipar.comm, less than the "
                  f"tensor's {size} B: every element of the sum needs data from the other ranks, so "
                  "some data moved outside minipar.comm's recorded calls")
     busiest = max(range(N), key=lambda r: yours[r]["sent"])
     goal = 2 * (N - 1) / N * size
-    diagnose(yours[busiest]["sent"] > goal,
+    fail_if(yours[busiest]["sent"] > goal,
              f"bandwidth: rank {busiest} sent {yours[busiest]['sent'] / 2**20:.3f} MiB, the goal is at most "
              f"2(n-1)/n = {goal / 2**20:.3f} MiB (gather-to-one: {max(m['sent'] for m in naive) / 2**20:.3f} MiB "
              "from rank 0); no rank may forward whole tensors")
     t_yours, t_naive = max(m["time"] for m in yours), max(m["time"] for m in naive)
     slow = max(range(N), key=lambda r: yours[r]["time"])
-    diagnose(t_yours > TIME_GOAL * t_naive,
+    fail_if(t_yours > TIME_GOAL * t_naive,
              f"modelled time: {1e6 * t_yours:.0f} µs on rank {slow} ({yours[slow]['calls']} calls, "
              f"α = {1e6 * ALPHA:g} µs each, plus β·bytes), the goal is at most {TIME_GOAL:g} x gather-to-one's "
              f"{1e6 * t_naive:.0f} µs ({max(m['calls'] for m in naive)} calls of the whole tensor)")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import minipar
 from minipar import cost, data, reference, trace
 from minipar.data_parallel import shard_batch
-from minipar.grading import diagnose, expect_equal
+from minipar.grading import expect_equal, fail_if
 from minipar.models import GPT, GPTConfig
 
 CHALLENGE = "ch02_overlap"
@@ -90,7 +90,7 @@ def test_exposed_communication_goal(challenge):
     for rank, got in enumerate(_launch(challenge)):
         for step, s in enumerate(got["steps"]):
             share = s["exposed"] / s["sent"] if s["sent"] else 1.0
-            diagnose(share > EXPOSED_GOAL,
+            fail_if(share > EXPOSED_GOAL,
                      f"exposed: rank {rank}, step {step}: {s['exposed']} of {s['sent']} gradient bytes "
                      f"({100 * share:.0f}%) went into collectives started after the backward's last "
                      f"gradient; the goal is at most {100 * EXPOSED_GOAL:.0f}%. Start each part as soon "
@@ -101,6 +101,6 @@ def test_calls_goal(challenge):
     """At most 8 recorded communication calls per step."""
     for rank, got in enumerate(_launch(challenge)):
         calls = [s["calls"] for s in got["steps"]]
-        diagnose(max(calls) > CALLS_GOAL,
+        fail_if(max(calls) > CALLS_GOAL,
                  f"calls: rank {rank} made {calls} recorded communication calls per step; the goal is "
                  f"at most {CALLS_GOAL} (each call pays the link's latency): group gradients")

@@ -7,7 +7,7 @@ micro-batch, the backward twice that). Goals: every rank's layers within the mem
 and an idle fraction of the step, 1 - Σ busy / (n · step), of at most 0.40.
 """
 from minipar import pipeline as pp
-from minipar.grading import diagnose
+from minipar.grading import fail_if
 
 CHALLENGE = "ch03_split"
 HINTS = {
@@ -41,12 +41,12 @@ def _plan(challenge):
     bounds, m = c.plan(list(c.COST), list(c.MEMORY), c.BUDGET, N)
     bounds = [int(b) for b in bounds]
     L = len(c.COST)
-    diagnose(len(bounds) != N + 1 or bounds[0] != 0 or bounds[-1] != L,
+    fail_if(len(bounds) != N + 1 or bounds[0] != 0 or bounds[-1] != L,
              f"bounds {bounds}: expected {N + 1} boundaries from 0 to {L} ({N} stages)")
     empty = [s for s in range(N) if bounds[s + 1] <= bounds[s]]
-    diagnose(bool(empty), f"bounds {bounds}: stage {empty[0] if empty else ''} is empty (or the "
+    fail_if(bool(empty), f"bounds {bounds}: stage {empty[0] if empty else ''} is empty (or the "
              "boundaries decrease); every rank needs at least one layer")
-    diagnose(not (isinstance(m, int) and 1 <= m <= MAX_MICROBATCHES),
+    fail_if(not (isinstance(m, int) and 1 <= m <= MAX_MICROBATCHES),
              f"m = {m!r}: the number of micro-batches must be an int from 1 to {MAX_MICROBATCHES}")
     return bounds, m
 
@@ -62,7 +62,7 @@ def test_memory_goal(challenge):
     c = challenge
     mem = [sum(c.MEMORY[i:j]) for i, j in zip(bounds[:-1], bounds[1:])]
     worst = max(range(N), key=lambda s: mem[s])
-    diagnose(mem[worst] > c.BUDGET, f"memory: rank {worst} holds layers {bounds[worst]}..{bounds[worst + 1] - 1}, "
+    fail_if(mem[worst] > c.BUDGET, f"memory: rank {worst} holds layers {bounds[worst]}..{bounds[worst + 1] - 1}, "
              f"{mem[worst]} GiB; the budget is {c.BUDGET} GiB per rank (per rank: {mem})")
 
 
@@ -72,7 +72,7 @@ def test_idle_goal(challenge):
     c = challenge
     idle = idle_fraction(c.COST, bounds, m)
     stage = [sum(c.COST[i:j]) for i, j in zip(bounds[:-1], bounds[1:])]
-    diagnose(idle > IDLE_GOAL + 1e-9,
+    fail_if(idle > IDLE_GOAL + 1e-9,
              f"idle: {idle:.3f} of the step with bounds {bounds} and m = {m}; the goal is at most "
              f"{IDLE_GOAL}. Stage costs {stage}: the costliest sets the pace "
              f"(ideal {sum(c.COST) / N:g}); more micro-batches shorten the fill and the drain")

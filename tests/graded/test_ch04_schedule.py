@@ -8,7 +8,7 @@ activations (``pipeline.peak_stash``) and idle at most 0.22 of its busy time
 (``pipeline.bubble``; 1F1B: 0.375).
 """
 from minipar import pipeline as pp
-from minipar.grading import GradeFailure, diagnose
+from minipar.grading import GradeFailure, fail_if
 from minipar.pipeline.schedules import COMPUTE, Schedule, add_comms
 
 CHALLENGE = "ch04_schedule"
@@ -34,7 +34,7 @@ def _build(challenge, p=P, m=M) -> Schedule:
     orders = [list(challenge.schedule(p, m, r)) for r in range(p)]
     for r, order in enumerate(orders):
         bad = [a for a in order if getattr(a, "op", None) not in COMPUTE]
-        diagnose(bool(bad), f"rank {r}: only compute actions (F, B, W) belong in the order, got {bad[:3]}")
+        fail_if(bool(bad), f"rank {r}: only compute actions (F, B, W) belong in the order, got {bad[:3]}")
     return Schedule("challenge", p, m, 1, [add_comms(o, p, p) for o in orders])
 
 
@@ -57,7 +57,7 @@ def test_memory_goal(challenge):
     _valid(s)
     peak = pp.peak_stash(s)
     over = [r for r in range(P) if peak[r] > MEMORY_GOAL]
-    diagnose(bool(over), f"memory: peak micro-batches held per rank {peak}; the goal is at most "
+    fail_if(bool(over), f"memory: peak micro-batches held per rank {peak}; the goal is at most "
              f"{MEMORY_GOAL} on every rank (rank {over[0] if over else ''} holds "
              f"{peak[over[0]] if over else ''}). An activation is held from its F until its B "
              "(its W when the backward is split)\n" + s.table())
@@ -69,7 +69,7 @@ def test_bubble_goal(challenge):
     _valid(s)
     bubble = pp.bubble(s, f=1.0, b=1.0, w=1.0)
     worst = max(range(P), key=lambda r: bubble[r])
-    diagnose(bubble[worst] > BUBBLE_GOAL + 1e-9,
+    fail_if(bubble[worst] > BUBBLE_GOAL + 1e-9,
              f"bubble: rank {worst} idles {bubble[worst]:.3f} of its busy time (per rank: "
              f"{[round(b, 3) for b in bubble]}); the goal is at most {BUBBLE_GOAL} "
              f"(1F1B: {pp.bubble(pp.make_schedule('1f1b', P, M))[0]:.3f})\n" + s.table())

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import minipar
 from minipar import cost, trace
-from minipar.grading import diagnose, expect_close
+from minipar.grading import expect_close, fail_if
 
 CHALLENGE = "ch05_mlp_layout"
 HINTS = {
@@ -92,7 +92,7 @@ def test_output_and_input_gradient(challenge):
     y, dx = _reference()
     for rank, got in enumerate(results):
         expect_close(got["y"], y, "the MLP's output y", where=f"rank {rank}", rtol=1e-5, atol=1e-5)
-        diagnose(got["dx"] is None, f"rank {rank}: x.grad is None after y.backward(dy): the output is "
+        fail_if(got["dx"] is None, f"rank {rank}: x.grad is None after y.backward(dy): the output is "
                  "not differentiable back to x")
         expect_close(got["dx"], dx, "the input gradient ∂L/∂x", where=f"rank {rank}", rtol=1e-5, atol=1e-5)
 
@@ -100,7 +100,7 @@ def test_output_and_input_gradient(challenge):
 def test_memory_goal(challenge):
     """Each rank keeps at most a quarter of W1, b1 and W2, plus b2 (8,448 bytes)."""
     for rank, got in enumerate(_launch(challenge)):
-        diagnose(got["kept"] > MEMORY_GOAL,
+        fail_if(got["kept"] > MEMORY_GOAL,
                  f"memory: rank {rank} keeps {got['kept']} bytes of weights; the goal is at most "
                  f"{MEMORY_GOAL} (the whole MLP is {(4 * H * H * 2 + 4 * H + H) * 4})")
 
@@ -109,10 +109,10 @@ def test_traffic_goal(challenge):
     """Each rank sends at most one all-reduce of the activation per direction (12,288 bytes)."""
     for rank, got in enumerate(_launch(challenge)):
         sent = got["forward"] + got["backward"]
-        diagnose(got["forward"] == 0,
+        fail_if(got["forward"] == 0,
                  f"rank {rank} recorded no communication in forward: with a quarter of the weights "
                  "each, the ranks must combine their parts through minipar.comm")
-        diagnose(sent > TRAFFIC_GOAL,
+        fail_if(sent > TRAFFIC_GOAL,
                  f"traffic: rank {rank} sent {sent} bytes ({got['forward']} forward, {got['backward']} "
                  f"backward); the goal is at most {TRAFFIC_GOAL:.0f}, one all-reduce of the "
                  f"{ACT}-byte activation each way. Which split keeps the hidden activation "

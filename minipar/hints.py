@@ -32,10 +32,15 @@ def home() -> Path:
     return Path(os.environ.get("MINIPAR_HOME") or Path.home() / ".cache" / "minipar")
 
 
+def _key(name: str) -> str:
+    """"ex04" or "ch04": a challenge's hints live in its graded module too."""
+    m = re.search(r"ch\d+", str(name))
+    return m[0] if m else key(name)
+
+
 def hints_of(exercise: str) -> dict[str, tuple[str, ...]]:
     """``HINTS`` of the exercise's graded module, read without importing it."""
-    m = re.search(r"ch\d+", str(exercise))   # a challenge's hints live in its graded module too
-    k = m[0] if m else key(exercise)
+    k = _key(exercise)
     found = sorted(graded_dir().glob(f"test_{k}_*.py"))
     if not found:
         raise ValueError(f"no graded exercise or challenge {k!r}")
@@ -53,7 +58,7 @@ def parts(exercise: str) -> dict[str, int]:
 
 def suggestion(exercise: str, part: str | None = None) -> str:
     """The line the grader prints on a failure: how to ask for a hint (never the hint)."""
-    k = key(exercise)
+    k = _key(exercise)
     try:
         known = parts(k)
     except (ValueError, SyntaxError):
@@ -92,7 +97,7 @@ def hint(exercise: str, part: str | None = None, tier: int | None = None, reset:
          verbose: bool = True) -> str:
     """Print (when ``verbose``) and return the next hint for ``part`` of ``exercise``; see the
     module docstring for the forms."""
-    k = key(exercise)
+    k = _key(exercise)
     table = hints_of(k)
     out = _hint(k, table, part, tier, reset)
     if verbose:

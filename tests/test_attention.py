@@ -176,3 +176,19 @@ def test_every_strategy_trains_like_one_process_on_fused_attention(name):
         model.set_recompute(options["recompute"])
     want = reference.train_reference(model, batches, reference.sgd(0.1))
     reference.assert_same_training(got, want, **TOL)
+
+
+def test_selective_recomputation_on_fused_attention_is_the_kernels_own():
+    """Fused, the scores are never kept, so "selective" adds no checkpoint: the same saved bytes as
+    "none", fewer than written out; written out, "selective" drops the score-sized tensors."""
+    from minipar.activations import SavedActivations
+    x = torch.randint(0, 32, (2, 32))
+    saved = {}
+    for a in ("sdpa", "materialized"):
+        for mode in ("none", "selective"):
+            m = GPT(GPTConfig(**{**CFG.__dict__, "attention": a}), seed=0).set_recompute(mode)
+            with SavedActivations(m) as s:
+                m(x, x)
+            saved[a, mode] = s.bytes
+    assert saved["sdpa", "selective"] == saved["sdpa", "none"] < saved["materialized", "none"]
+    assert saved["materialized", "selective"] < saved["materialized", "none"]

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ..models.attention import fused_attention, fused_backward, fused_forward, position_bias, resolve
+from ..models.attention import fused_attention, fused_backward, fused_forward, resolve
 
 
 def scores(q, k, causal: bool = False):
@@ -84,7 +84,7 @@ def masked_attention(q, k, v, q_pos=None, k_pos=None, causal: bool = False, atte
             return fused_attention(q, k, v, causal)
         q_pos = torch.arange(q.shape[-2], device=q.device) if q_pos is None else q_pos
         k_pos = torch.arange(k.shape[-2], device=k.device) if k_pos is None else k_pos
-        return fused_attention(q, k, v, False, position_bias(q_pos, k_pos, q.dtype))
+        return fused_attention(q, k, v, False, q_pos, k_pos)
     s = scores(q, k)
     if causal:
         q_pos = torch.arange(q.shape[-2], device=q.device) if q_pos is None else q_pos

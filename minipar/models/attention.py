@@ -83,6 +83,16 @@ def position_bias(q_pos, k_pos, dtype):
     return torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill(~allowed, float("-inf"))
 
 
+def _cuda_bias(bias, q):
+    """The memory-efficient kernel reads the bias with its rows aligned to 16 elements (padded, then
+    sliced back, as SDPA does), broadcast over batch and heads."""
+    if bias is None:
+        return None
+    pad = -bias.shape[-1] % 16
+    aligned = F.pad(bias, (0, pad))[..., :bias.shape[-1]] if pad else bias
+    return aligned.expand(*q.shape[:-2], *bias.shape[-2:])
+
+
 def _pad32(lse, q):
     """CUDA's memory-efficient kernel keeps lse rows padded to a multiple of 32."""
     pad = -q.shape[-2] % 32
@@ -94,8 +104,7 @@ def fused_forward(q, k, v, causal: bool = False, bias=None):
     ``bias``: an additive (Tq, Tk) mask, of q's dtype."""
     if q.device.type == "cuda":
         o, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None if bias is None else bias.expand(*q.shape[:-2], *bias.shape[-2:]),
-            True, 0.0, causal)
+            q, k, v, _cuda_bias(bias, q), True, 0.0, causal)
         return o, lse[..., :q.shape[-2]]
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
 
@@ -105,32 +114,37 @@ def fused_backward(do, q, k, v, o, lse, causal: bool = False, bias=None):
     do, o, lse = do.contiguous(), o.contiguous(), lse.contiguous()
     if q.device.type == "cuda":
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
-        full = None if bias is None else bias.expand(*q.shape[:-2], *bias.shape[-2:])
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            do, q, k, v, full, o, _pad32(lse.float(), q), seed, seed, 0.0, [True, True, True, False], causal)
+            do, q, k, v, _cuda_bias(bias, q), o, _pad32(lse.float(), q), seed, seed, 0.0, [True, True, True, False], causal)
         return dq, dk, dv
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         do, q, k, v, o, lse, 0.0, causal, attn_mask=bias)
 
 
 class FusedAttention(torch.autograd.Function):
-    """``O, lse = FusedAttention.apply(q, k, v, causal, bias)``: the fused kernel under autograd
-    (its backward :func:`fused_backward`); ``lse`` is not differentiated."""
+    """``O, lse = FusedAttention.apply(q, k, v, causal, q_pos, k_pos)``: the fused kernel under
+    autograd (its backward :func:`fused_backward`); ``lse`` is not differentiated. With positions,
+    the mask is :func:`position_bias`, built again in backward rather than kept: the Tq × Tk bias
+    would be the one score-sized tensor held between forward and backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, bias):
+    def forward(ctx, q, k, v, causal, q_pos, k_pos):
+        bias = None if q_pos is None else position_bias(q_pos, k_pos, q.dtype)
         o, lse = fused_forward(q, k, v, causal, bias)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.bias = causal, bias
+        ctx.causal, ctx.pos = causal, (q_pos, k_pos)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        return (*fused_backward(do, q, k, v, o, lse, ctx.causal, ctx.bias), None, None)
+        q_pos, k_pos = ctx.pos
+        bias = None if q_pos is None else position_bias(q_pos, k_pos, q.dtype)
+        return (*fused_backward(do, q, k, v, o, lse, ctx.causal, bias), None, None, None)
 
 
-def fused_attention(q, k, v, causal: bool = False, bias=None):
-    """``(O, lse)`` by the fused kernel, differentiable in O."""
-    return FusedAttention.apply(q, k, v, causal, bias)
+def fused_attention(q, k, v, causal: bool = False, q_pos=None, k_pos=None):
+    """``(O, lse)`` by the fused kernel, differentiable in O; with ``q_pos``, ``k_pos``: query i sees
+    key j iff ``k_pos[j] <= q_pos[i]`` (instead of ``causal``)."""
+    return FusedAttention.apply(q, k, v, causal, q_pos, k_pos)

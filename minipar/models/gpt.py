@@ -57,8 +57,10 @@ class CausalSelfAttention(nn.Module):
 
     def attend(self, q, k, v):
         """softmax(q kᵀ / √d + causal mask) v, per head; (B, heads, T, d) tensors; with
-        selective recomputation only q, k, v are kept for backward."""
-        return run(self._attend, self.recompute == "selective", q, k, v)
+        selective recomputation only q, k, v are kept for backward (fused, the kernel itself keeps
+        only q, k, v, O, lse and recomputes the scores in backward: nothing more to drop)."""
+        fused = resolve(self.attention, q.device) == "sdpa"
+        return run(self._attend, self.recompute == "selective" and not fused, q, k, v)
 
     def _attend(self, q, k, v):
         if resolve(self.attention, q.device) == "sdpa":   # the fused kernel

@@ -48,7 +48,8 @@ class ParallelAttention(nn.Module):
         q, k, v = self.qkv(x).split(self.local_embd, dim=2)   # (B, T, h/t) each; T is the full length
         B, T, _ = q.shape
         q, k, v = (u.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for u in (q, k, v))
-        y = run(self._attend, self.recompute == "selective", q, k, v)   # selective: keeps q, k, v only
+        selective = self.recompute == "selective" and resolve(self.attention, q.device) != "sdpa"
+        y = run(self._attend, selective, q, k, v)   # selective: keeps q, k, v only (fused: the kernel's own)
         return self.proj(y.transpose(1, 2).reshape(B, T, self.local_embd))
 
     def _attend(self, q, k, v):

@@ -43,10 +43,12 @@ def _close(got, want, what):
 def test_the_fused_kernels_have_the_signatures_minipar_calls():
     """The aten kernels minipar calls exist on this torch with the arguments it passes."""
     ops = torch.ops.aten
-    for op, args in [(ops._scaled_dot_product_flash_attention_for_cpu, ("dropout_p", "is_causal", "attn_mask")),
+    for op, args in [(ops._scaled_dot_product_flash_attention_for_cpu,
+                      ("dropout_p", "is_causal", "attn_mask")),
                      (ops._scaled_dot_product_flash_attention_for_cpu_backward,
                       ("grad_out", "out", "logsumexp", "is_causal", "attn_mask")),
-                     (ops._scaled_dot_product_efficient_attention, ("attn_bias", "compute_log_sumexp", "is_causal")),
+                     (ops._scaled_dot_product_efficient_attention,
+                      ("attn_bias", "compute_log_sumexp", "is_causal")),
                      (ops._scaled_dot_product_efficient_attention_backward,
                       ("grad_out_", "logsumexp", "philox_seed", "grad_input_mask", "is_causal"))]:
         names = [a.name for a in op.default._schema.arguments]

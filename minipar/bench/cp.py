@@ -9,9 +9,10 @@ each on fused blocks (``sdpa``, :mod:`minipar.models.attention`) and on written-
 ``scaled_dot_product_attention``, minipar's written-out ``masked_attention``). Each row also gives
 the activation bytes its forward keeps for the backward on the rank that keeps most, against one
 rank's: context parallelism's other reason to exist. Goals (one-rank SDPA = 1): ring at most 1.2
-at T = 2048 and below 1 at T = 8192 (``--seq 8192 --attention sdpa``), Ulysses at most 1.3. PyTorch's ``torch.distributed.tensor.experimental.context_parallel``
-is tried too; on Gloo/CPU it has no CPU attention kernel to shard (the output says why), and the
-ratio is then against full attention on one rank.
+at T = 2048 and below 1 at T = 8192 (``--seq 8192 --attention sdpa``), Ulysses at most 1.3.
+PyTorch's ``torch.distributed.tensor.experimental.context_parallel`` is tried too; on Gloo/CPU it
+has no CPU attention kernel to shard (the output says why), and the ratio is then against full
+attention on one rank.
 """
 from __future__ import annotations
 
@@ -99,8 +100,8 @@ def main(argv=None) -> dict:
     err = max(r["max_abs_diff"] for r in res)
     if err > 1e-4:
         raise RuntimeError(f"context-parallel attention disagrees with full attention: {err:.2e}")
-    slowest = {k: max(r[k] for r in res) for k in res[0] if k not in ("torch_cp_error", "max_abs_diff", "saved")
-               and res[0][k] is not None}
+    slowest = {k: max(r[k] for r in res) for k in res[0]
+               if k not in ("torch_cp_error", "max_abs_diff", "saved") and res[0][k] is not None}
     peak = {k: max(r["saved"][k] for r in res) for k in res[0]["saved"]}   # the rank that keeps most
     torch_cp = slowest.get("torch cp")
     base_name = "torch context_parallel" if torch_cp else "torch sdpa, 1 rank"

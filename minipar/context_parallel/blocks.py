@@ -78,7 +78,8 @@ def attention_block_backward(q, k, v, o, lse, do, causal: bool = False, delta=No
 
 def masked_attention(q, k, v, q_pos=None, k_pos=None, causal: bool = False, attention="materialized"):
     """``(O, lse)`` with query i seeing key j iff ``k_pos[j] <= q_pos[i]`` (when ``causal``), by
-    autograd (O only, fused); full attention on the whole sequence is ``masked_attention(q, k, v, causal=True)``."""
+    autograd (O only, fused); full attention on the whole sequence is
+    ``masked_attention(q, k, v, causal=True)``."""
     if resolve(attention, q.device) == "sdpa":
         if not causal or (q_pos is None and k_pos is None):
             return fused_attention(q, k, v, causal)

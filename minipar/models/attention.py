@@ -115,7 +115,8 @@ def fused_backward(do, q, k, v, o, lse, causal: bool = False, bias=None):
     if q.device.type == "cuda":
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            do, q, k, v, _cuda_bias(bias, q), o, _pad32(lse.float(), q), seed, seed, 0.0, [True, True, True, False], causal)
+            do, q, k, v, _cuda_bias(bias, q), o, _pad32(lse.float(), q), seed, seed, 0.0,
+            [True, True, True, False], causal)
         return dq, dk, dv
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         do, q, k, v, o, lse, 0.0, causal, attn_mask=bias)

@@ -32,8 +32,8 @@ class GPTConfig:
     tie_weights: bool = False  # share the embedding matrix with the output head
     dropout: float = 0.0
     recompute: str = "none"   # activation recomputation: "none" | "selective" | "full" (.recompute)
-    # "sdpa" (fused) | "materialized" (written out) | "auto": "sdpa" on a GPU, "materialized" on the CPU (.attention)
-    attention: str = "auto"
+    attention: str = "auto"   # "sdpa" (fused) | "materialized" (written out) | "auto" (.attention):
+    #                           "sdpa" on a GPU, "materialized" on the CPU
     # Mixture of experts (minipar.models.moe): every moe_every-th block's MLP (blocks
     # moe_every-1, 2·moe_every-1, ...) becomes n_experts experts, top_k per token. 0 = dense.
     moe_every: int = 0

@@ -5,7 +5,7 @@ outputs, lse and every gradient (dQ, dK, dV; a GPT's loss and parameter gradient
 not, with a positions' mask, and block by block as ring attention uses them (observed ≤ 1e-6):
 the two sum in different orders, so not bit for bit. Strategies run with ``attention="sdpa"``
 against one process with ``attention="sdpa"``, within each strategy's own test tolerance
-(rtol 1e-5, atol 1e-6; observed ≤ 1e-7).
+(rtol 1e-5, atol 1e-6).
 """
 import pytest
 import torch

@@ -62,6 +62,10 @@ def _cases():
         return out
     for v in context_parallel.VARIANTS:
         out[f"cp {v}"] = (context_parallel.train, gpt, dict(variant=v))
+    fused = GPT(GPTConfig(**{**CONFIG.__dict__, "attention": "sdpa"}), seed=0)   # PyTorch's fused kernels
+    out["ddp sdpa"] = (data_parallel.train, fused, dict(recompute="selective"))
+    out["tp sdpa"] = (tensor_parallel.train, fused, dict())
+    out.update({f"cp {v} sdpa": (context_parallel.train, fused, dict(variant=v)) for v in context_parallel.VARIANTS})
     moe = GPT(GPTConfig(**{**CONFIG.__dict__, "moe_every": 1, "n_experts": 4, "top_k": 2}), seed=0)
     out["ep 4"] = (expert_parallel.train, moe, dict(ep=4))
     out["ep 2 x tp 2"] = (expert_parallel.train, moe, dict(ep=2, tp=2))
@@ -139,7 +143,8 @@ def test_every_strategy_runs_a_step_with_meta_as_the_default_device():
     expected = {"ddp naive", "ddp bucketed", "ddp overlapped", "ddp accumulation", "zero-0", "zero-1",
                 "zero-2", "zero-3", "pipeline gpipe", "pipeline 1f1b", "pipeline zb-h1",
                 "pipeline interleaved", "tp vocab-parallel loss", "tp sequence-parallel",
-                "hybrid 2x1x2 (dp, tp)", "hybrid 1x2x2 (pp, tp)", "minipar.train loop"} | set(ZERO3_DESIGNS)
+                "hybrid 2x1x2 (dp, tp)", "hybrid 1x2x2 (pp, tp)", "minipar.train loop", "ddp sdpa",
+                "tp sdpa"} | set(ZERO3_DESIGNS)
     assert expected <= set(res[0]), sorted(expected - set(res[0]))
     for name in res[0]:  # real numbers (a meta loss has none), the same on the ranks that hold it
         losses = [r[name] for r in res if r[name]]

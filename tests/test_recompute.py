@@ -27,7 +27,8 @@ from minipar.reference import assert_same_training, sgd, train_reference
 
 RTOL, ATOL = 1e-6, 1e-7
 MODES = ("none", "selective", "full")
-CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=4, n_head=4, n_embd=32)
+CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=4, n_head=4, n_embd=32,
+                attention="materialized")   # what the formulas count (the CPU default; a GPU's is sdpa)
 B, STEPS = 4, 3
 BATCHES = data.batches(data.synthetic_tokens(4000, CFG.vocab_size), STEPS, B, CFG.block_size)
 

@@ -37,12 +37,13 @@ class GatherSequence(torch.autograd.Function):
 
 
 def all_gather_attention(q, k, v, group=None, causal: bool = True, layout: str = "contiguous",
-                         selective: bool = False):
+                         selective: bool = False, attention="auto"):
     """``(O, lse)`` of this rank's queries (B, H, T/c, d) on all-gathered keys and values. ``selective``:
-    the masked attention keeps only q and the gathered K, V, recomputed in backward (not the all-gather)."""
+    the masked attention keeps only q and the gathered K, V, recomputed in backward (not the all-gather).
+    ``attention``: the masked attention written out or fused (with the positions' mask as a bias)."""
     c, r = comm.group_size(group), comm.group_rank(group)
     T = q.shape[-2] * c
     kv = GatherSequence.apply(torch.stack([k, v]), group)      # (2, B, H, T, d), rank order
     q_pos = sequence_positions(T, r, c, layout, device=q.device)
     k_pos = torch.cat([sequence_positions(T, i, c, layout, device=q.device) for i in range(c)])
-    return run(masked_attention, selective, q, kv[0], kv[1], q_pos, k_pos, causal)
+    return run(masked_attention, selective, q, kv[0], kv[1], q_pos, k_pos, causal, attention)

@@ -27,27 +27,29 @@ VARIANTS = ("ring", "all_gather", "ulysses")
 
 
 def context_attention(q, k, v, group=None, causal: bool = True, layout: str = "contiguous",
-                      variant: str = "ring", selective: bool = False):
+                      variant: str = "ring", selective: bool = False, attention="auto"):
     """``(O, lse)`` of this rank's queries (B, H, T/c, d) against the whole sequence, by ``variant``;
-    ``selective``: recompute the local attention core in backward (module docstring)."""
+    ``selective``: recompute the local attention core in backward (module docstring); ``attention``:
+    the local blocks fused (``"sdpa"``) or written out (``"materialized"``), :mod:`.blocks`."""
     if variant == "ring":       # already FlashAttention-style: nothing s²-sized is kept
-        return ring_attention(q, k, v, group, causal, layout)
+        return ring_attention(q, k, v, group, causal, layout, attention)
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     attend = all_gather_attention if variant == "all_gather" else ulysses_attention
-    return attend(q, k, v, group, causal, layout, selective=selective)
+    return attend(q, k, v, group, causal, layout, selective=selective, attention=attention)
 
 
 class ContextParallelAttend:
-    """Callable ``attend(q, k, v, selective=False) -> O`` (causal) over the cp ``group``."""
+    """Callable ``attend(q, k, v, selective=False, attention="auto") -> O`` (causal) over the cp ``group``."""
 
     def __init__(self, group=None, variant: str = "ring", layout: str = "zigzag"):
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         self.group, self.variant, self.layout = group, variant, layout
 
-    def __call__(self, q, k, v, selective: bool = False):
+    def __call__(self, q, k, v, selective: bool = False, attention="auto"):
         if self.variant == "ulysses":   # its lse would cost one more all-to-all
             return ulysses_attention(q, k, v, self.group, True, self.layout, return_lse=False,
-                                     selective=selective)[0]
-        return context_attention(q, k, v, self.group, True, self.layout, self.variant, selective)[0]
+                                     selective=selective, attention=attention)[0]
+        return context_attention(q, k, v, self.group, True, self.layout, self.variant, selective,
+                                 attention)[0]

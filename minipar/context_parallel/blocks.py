@@ -19,12 +19,19 @@ weights' own sum keeps them adding up to 1 in fp32 (the other form loses ~3e-5 a
 The backward of one block needs only the final O and lse (FlashAttention, Alg. 2):
 P = exp(S - lse), D = rowsum(dO ∘ O), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - D),
 dQ = dS K / √d, dK = dSᵀ Q / √d.
+
+Each function takes ``attention`` (:mod:`minipar.models.attention`): ``"materialized"`` computes
+the equations above as written, S held whole; ``"sdpa"`` runs PyTorch's fused kernels, which return
+the same O and lse (and take the same final O and lse in backward) without storing S; ``"auto"``
+is the device's default. Ring, all-gather and Ulysses attention call only these.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+from ..models.attention import fused_attention, fused_backward, fused_forward, resolve
 
 
 def scores(q, k, causal: bool = False):
@@ -36,8 +43,10 @@ def scores(q, k, causal: bool = False):
     return s
 
 
-def attention_block(q, k, v, causal: bool = False):
+def attention_block(q, k, v, causal: bool = False, attention="materialized"):
     """``(O, lse)`` of queries ``q`` on one block of keys/values (no autograd needed)."""
+    if resolve(attention, q.device) == "sdpa":
+        return fused_forward(q, k, v, causal)
     return masked_attention(q, k, v, causal=causal)   # the diagonal block: query i sees keys 0..i
 
 
@@ -53,9 +62,13 @@ def merge_partials(o_a, lse_a, o_b, lse_b):
     # <<< ex08 A
 
 
-def attention_block_backward(q, k, v, o, lse, do, causal: bool = False, delta=None):
+def attention_block_backward(q, k, v, o, lse, do, causal: bool = False, delta=None,
+                             attention="materialized"):
     """``(dQ, dK, dV)`` of one block, given the **final** ``o`` and ``lse`` of these queries
-    (over all blocks) and the incoming gradient ``do``; ``delta`` = rowsum(dO ∘ O) if known."""
+    (over all blocks) and the incoming gradient ``do``; ``delta`` = rowsum(dO ∘ O) if known
+    (the fused kernel computes it itself)."""
+    if resolve(attention, q.device) == "sdpa":
+        return fused_backward(do, q, k, v, o, lse, causal)
     scale = 1.0 / math.sqrt(q.shape[-1])
     p = torch.exp(scores(q, k, causal) - lse.unsqueeze(-1))
     delta = (do * o).sum(-1) if delta is None else delta
@@ -64,9 +77,16 @@ def attention_block_backward(q, k, v, o, lse, do, causal: bool = False, delta=No
     return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
 
 
-def masked_attention(q, k, v, q_pos=None, k_pos=None, causal: bool = False):
+def masked_attention(q, k, v, q_pos=None, k_pos=None, causal: bool = False, attention="materialized"):
     """``(O, lse)`` with query i seeing key j iff ``k_pos[j] <= q_pos[i]`` (when ``causal``), by
-    autograd; full attention on the whole sequence is ``masked_attention(q, k, v, causal=True)``."""
+    autograd (O only, fused); full attention on the whole sequence is
+    ``masked_attention(q, k, v, causal=True)``."""
+    if resolve(attention, q.device) == "sdpa":
+        if not causal or (q_pos is None and k_pos is None):
+            return fused_attention(q, k, v, causal)
+        q_pos = torch.arange(q.shape[-2], device=q.device) if q_pos is None else q_pos
+        k_pos = torch.arange(k.shape[-2], device=k.device) if k_pos is None else k_pos
+        return fused_attention(q, k, v, False, q_pos, k_pos)
     s = scores(q, k)
     if causal:
         q_pos = torch.arange(q.shape[-2], device=q.device) if q_pos is None else q_pos

@@ -34,13 +34,14 @@ class ContextParallelAttention(nn.Module):
         self.n_head, self.head_dim = attn.n_head, attn.head_dim   # heads on this rank
         self.attend = ContextParallelAttend(group, variant, layout)
         self.recompute = getattr(attn, "recompute", "none")      # "selective": see .attention
+        self.attention = getattr(attn, "attention", "auto")      # each block fused or materialised
 
     def forward(self, x):
         B, T, _ = x.shape                      # T = this rank's tokens
         width = self.n_head * self.head_dim
         q, k, v = self.qkv(x).split(width, dim=2)
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        o = self.attend(q, k, v, selective=self.recompute == "selective")
+        o = self.attend(q, k, v, selective=self.recompute == "selective", attention=self.attention)
         return self.proj(o.transpose(1, 2).reshape(B, T, width))
 
 

@@ -18,6 +18,7 @@ What rank r's queries do with src's block under a causal mask (:func:`ring_step`
 The backward (:class:`RingAttention`) is written out: the blocks go around the ring again,
 each with its accumulator dK, dV, to which every rank adds its queries' contribution
 (FlashAttention's backward from the final O and lse); after c steps they are back home.
+Each block's step is fused or materialised (``attention``, :mod:`.blocks`); the ring is the same.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def _start_exchange(buf_out, prv, nxt, group, name, tag):
     return wait
 
 
-def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contiguous"):
+def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contiguous", attention="auto"):
     """``(O, lse)`` of this rank's queries over the whole sequence's keys (no autograd)."""
     c, r = comm.group_size(group), comm.group_rank(group)
     nxt, prv = (r + 1) % c, (r - 1) % c
@@ -84,7 +85,7 @@ def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contig
         with trace.region("attention", step=s, src=src, part=part, dim="cp"):
             if part != "skip":
                 qs, ks, vs, rows, _ = _views(q, kv, part)
-                o_b, lse_b = attention_block(qs, ks, vs, causal=part == "causal")
+                o_b, lse_b = attention_block(qs, ks, vs, part == "causal", attention)
                 if o is None:   # step 0 is the diagonal: every query has at least itself
                     o, lse = o_b, lse_b
                 else:           # merged into the rows this part computed (no autograd here)
@@ -94,7 +95,8 @@ def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contig
     return o, lse
 
 
-def ring_backward(q, k, v, o, lse, do, group=None, causal: bool = True, layout: str = "contiguous"):
+def ring_backward(q, k, v, o, lse, do, group=None, causal: bool = True, layout: str = "contiguous",
+                  attention="auto"):
     """``(dQ, dK, dV)``: the key/value blocks travel the ring again with their dK, dV."""
     c, r = comm.group_size(group), comm.group_rank(group)
     nxt, prv = (r + 1) % c, (r - 1) % c
@@ -111,7 +113,7 @@ def ring_backward(q, k, v, o, lse, do, group=None, causal: bool = True, layout: 
                 qs, ks, vs, rows, cols = _views(q, kv, part)
                 dq_b, dk_b, dv_b = attention_block_backward(
                     qs, ks, vs, o[..., rows, :], lse[..., rows], do[..., rows, :],
-                    causal=part == "causal", delta=delta[..., rows])
+                    causal=part == "causal", delta=delta[..., rows], attention=attention)
                 dq[..., rows, :] += dq_b
                 contrib[0][..., cols, :] += dk_b
                 contrib[1][..., cols, :] += dv_b
@@ -125,24 +127,26 @@ def ring_backward(q, k, v, o, lse, do, group=None, causal: bool = True, layout: 
 
 
 class RingAttention(torch.autograd.Function):
-    """``O, lse = RingAttention.apply(q, k, v, group, causal, layout)``; q, k, v (B, H, T/c, d)
-    are this rank's tokens, ``lse`` is not differentiated."""
+    """``O, lse = RingAttention.apply(q, k, v, group, causal, layout, attention)``; q, k, v
+    (B, H, T/c, d) are this rank's tokens, ``lse`` is not differentiated."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout):
-        o, lse = ring_forward(q, k, v, group, causal, layout)
+    def forward(ctx, q, k, v, group, causal, layout, attention="auto"):
+        o, lse = ring_forward(q, k, v, group, causal, layout, attention)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.group, ctx.causal, ctx.layout = group, causal, layout
+        ctx.group, ctx.causal, ctx.layout, ctx.attention = group, causal, layout, attention
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(q, k, v, o, lse, do.contiguous(), ctx.group, ctx.causal, ctx.layout)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = ring_backward(q, k, v, o, lse, do.contiguous(), ctx.group, ctx.causal, ctx.layout,
+                                   ctx.attention)
+        return dq, dk, dv, None, None, None, None
 
 
-def ring_attention(q, k, v, group=None, causal: bool = True, layout: str = "contiguous"):
-    """``(O, lse)`` of this rank's queries (B, H, T/c, d) against the whole sequence."""
-    return RingAttention.apply(q, k, v, group, causal, layout)
+def ring_attention(q, k, v, group=None, causal: bool = True, layout: str = "contiguous", attention="auto"):
+    """``(O, lse)`` of this rank's queries (B, H, T/c, d) against the whole sequence; each block's step
+    fused or materialised (``attention``)."""
+    return RingAttention.apply(q, k, v, group, causal, layout, attention)

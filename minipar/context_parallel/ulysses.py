@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from .. import comm
+from ..models.attention import resolve
 from ..models.recompute import run
 from .blocks import masked_attention
 from .sharding import sequence_positions
@@ -63,8 +64,21 @@ class Reshard(torch.autograd.Function):
         return ctx.inverse(g.contiguous(), ctx.group, ctx.grad_name), None, None, None, None
 
 
+def head_attention(q, k, v, pos, causal: bool = True, attention="auto"):
+    """``(O, lse)`` of all T tokens of some heads, the tokens at global positions ``pos``. Fused,
+    the tokens are put in sequence order first, so that the mask is the plain causal one the
+    kernel skips blocks of (a zigzag order would need an explicit mask); materialised, ``pos``
+    masks the scores directly."""
+    if not causal or resolve(attention, q.device) != "sdpa":
+        return masked_attention(q, k, v, pos, pos, causal, attention)
+    order = torch.argsort(pos)
+    back = torch.argsort(order)
+    o, lse = masked_attention(*(t.index_select(-2, order) for t in (q, k, v)), causal=True, attention="sdpa")
+    return o.index_select(-2, back), lse.index_select(-1, back)
+
+
 def ulysses_attention(q, k, v, group=None, causal: bool = True, layout: str = "contiguous",
-                      return_lse: bool = True, selective: bool = False):
+                      return_lse: bool = True, selective: bool = False, attention="auto"):
     """``(O, lse)`` of this rank's tokens (B, H, T/c, d), all heads, by head-sharded attention;
     ``lse`` costs one more all-to-all (``return_lse=False`` skips it: ``None``). ``selective``: the
     head-sharded attention keeps only its Q, K, V, recomputed in backward (not the all-to-alls)."""
@@ -74,7 +88,7 @@ def ulysses_attention(q, k, v, group=None, causal: bool = True, layout: str = "c
     qkv = Reshard.apply(torch.stack([q, k, v]), group, seq_to_heads, heads_to_seq,
                         "ulysses_grad_heads_to_seq")                     # (3, B, H/c, T, d)
     pos = torch.cat([sequence_positions(T, i, c, layout, device=q.device) for i in range(c)])
-    o, lse = run(masked_attention, selective, qkv[0], qkv[1], qkv[2], pos, pos, causal)
+    o, lse = run(head_attention, selective, qkv[0], qkv[1], qkv[2], pos, causal, attention)
     o = Reshard.apply(o, group, heads_to_seq, seq_to_heads, "ulysses_grad_seq_to_heads")
     lse = heads_to_seq(lse.detach().unsqueeze(-1), group, "ulysses_lse").squeeze(-1) if return_lse else None
     return o, lse

@@ -2,7 +2,8 @@
 
 GPT-2 (Radford et al. 2019) as in nanoGPT: token and position embeddings, ``n_layer`` pre-norm
 blocks ``x + attn(ln(x))``, ``x + mlp(ln(x))``, a final layer norm and a linear head to the
-vocabulary. Attention is written out (no fused kernel) for tensor parallelism to split by heads.
+vocabulary. Attention is ``GPTConfig.attention``: PyTorch's fused kernel (``"sdpa"``) or written
+out (``"materialized"``, the readable reference), :mod:`.attention`; tensor parallelism splits it by heads.
 Pipeline parallelism can cut the three parts anywhere: ``embed`` (tokens -> hidden states),
 ``blocks`` (hidden -> hidden), ``head`` (hidden -> logits), flat in ``model.layers()``.
 Initialisation is deterministic given ``seed`` and leaves the global random state alone.
@@ -16,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .attention import causal_attention, check_attention, resolve
 from .moe import MoE, moe_loss
 from .recompute import check_mode, run, set_recompute
 
@@ -30,6 +32,8 @@ class GPTConfig:
     tie_weights: bool = False  # share the embedding matrix with the output head
     dropout: float = 0.0
     recompute: str = "none"   # activation recomputation: "none" | "selective" | "full" (.recompute)
+    attention: str = "auto"   # "sdpa" (fused) | "materialized" (written out) | "auto" (.attention):
+    #                           "sdpa" on a GPU, "materialized" on the CPU
     # Mixture of experts (minipar.models.moe): every moe_every-th block's MLP (blocks
     # moe_every-1, 2·moe_every-1, ...) becomes n_experts experts, top_k per token. 0 = dense.
     moe_every: int = 0
@@ -49,13 +53,18 @@ class CausalSelfAttention(nn.Module):
         self.qkv, self.proj = nn.Linear(c.n_embd, 3 * c.n_embd), nn.Linear(c.n_embd, c.n_embd)
         self.drop = nn.Dropout(c.dropout)
         self.recompute = check_mode(c.recompute)
+        self.attention = check_attention(getattr(c, "attention", "auto"))
 
     def attend(self, q, k, v):
         """softmax(q kᵀ / √d + causal mask) v, per head; (B, heads, T, d) tensors; with
-        selective recomputation only q, k, v are kept for backward."""
-        return run(self._attend, self.recompute == "selective", q, k, v)
+        selective recomputation only q, k, v are kept for backward (fused, the kernel itself keeps
+        only q, k, v, O, lse and recomputes the scores in backward: nothing more to drop)."""
+        fused = resolve(self.attention, q.device) == "sdpa"
+        return run(self._attend, self.recompute == "selective" and not fused, q, k, v)
 
     def _attend(self, q, k, v):
+        if resolve(self.attention, q.device) == "sdpa":   # the fused kernel
+            return causal_attention(q, k, v, "sdpa", self.drop.p if self.training else 0.0)
         T = q.shape[-2]
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
         mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
@@ -155,6 +164,11 @@ class GPT(nn.Module):
         self.config = replace(self.config, recompute=check_mode(mode))   # copies made from the config follow
         return set_recompute(self, mode)
 
+    def set_attention(self, attention) -> "GPT":
+        """``"sdpa"``, ``"materialized"`` or ``"auto"`` attention in every block (:mod:`.attention`)."""
+        self.config = replace(self.config, attention=check_attention(attention))
+        return set_attention(self, attention)
+
     def forward(self, idx, targets=None):
         """Logits ``(B, T, vocab)``; with ``targets``, the mean cross-entropy loss instead."""
         x = self.embed(idx)
@@ -165,6 +179,15 @@ class GPT(nn.Module):
             return logits
         loss = lm_loss(logits, targets)
         return loss + moe_loss(self) if self.config.moe_every else loss  # + the MoE layers' aux losses
+
+
+def set_attention(model: nn.Module, attention) -> nn.Module:
+    """Set ``attention`` on every attention of ``model`` (single-device, tensor- or context-parallel)."""
+    attention = check_attention(attention)
+    for m in model.modules():
+        if hasattr(m, "attention"):
+            m.attention = attention
+    return model
 
 
 def lm_loss(logits, targets):

@@ -7,7 +7,11 @@ forward again during backward:
 * ``"none"``: keep everything.
 * ``"selective"``: the attention core ``softmax(QKᵀ/√d + mask)·V`` (with its dropout) keeps
   only Q, K and V and is recomputed in backward; those are the ``5as/h`` terms, which grow
-  with s², for a few percent of the FLOPs.
+  with s², for a few percent of the FLOPs. With fused attention (``GPTConfig.attention="sdpa"``)
+  this is what the kernel does by itself (FlashAttention's backward recomputes P = exp(S - lse)
+  from Q, K, V, O and lse; the scores are never stored), so "selective" then adds nothing:
+  the core is not checkpointed a second time (it would keep 0.2% fewer bytes for one more
+  attention forward; measured in ``python -m minipar.bench recompute``).
 * ``"full"``: a block keeps only its input (2sbh in 16-bit; (B, T/t, h) with sequence
   parallelism) and its whole forward runs again in backward, about one third more FLOPs.
 

@@ -5,7 +5,8 @@
 * **Self-attention**: heads are independent, so rank r takes heads ``[r·a/t, (r+1)·a/t)``:
   the fused, column-parallel ``qkv`` outputs ``[q_r, k_r, v_r]``, its heads' slices of q, k
   and v (:mod:`minipar.tensor_parallel.gpt` puts the weight rows there), attention runs on
-  the local heads with no communication, and ``proj`` is row-parallel.
+  the local heads with no communication (fused or materialised, ``GPTConfig.attention``,
+  :mod:`minipar.models.attention`), and ``proj`` is row-parallel.
 * Layer norms and residual adds are replicated (plain tensor parallelism) or act on this
   rank's sequence shard (``sequence_parallel=True``, Korthikanti et al. 2022).
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..models.attention import causal_attention, check_attention, resolve
 from ..models.gpt import GPTConfig
 from ..models.recompute import check_mode, run
 from .layers import ColumnParallelLinear, RowParallelLinear
@@ -40,15 +42,19 @@ class ParallelAttention(nn.Module):
         self.qkv = ColumnParallelLinear(c.n_embd, 3 * c.n_embd, **kw)
         self.proj = RowParallelLinear(c.n_embd, c.n_embd, **kw)
         self.recompute = check_mode(getattr(c, "recompute", "none"))
+        self.attention = check_attention(getattr(c, "attention", "auto"))
 
     def forward(self, x):
         q, k, v = self.qkv(x).split(self.local_embd, dim=2)   # (B, T, h/t) each; T is the full length
         B, T, _ = q.shape
         q, k, v = (u.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for u in (q, k, v))
-        y = run(self._attend, self.recompute == "selective", q, k, v)   # selective: keeps q, k, v only
+        selective = self.recompute == "selective" and resolve(self.attention, q.device) != "sdpa"
+        y = run(self._attend, selective, q, k, v)   # selective: keeps q, k, v only (fused: the kernel's own)
         return self.proj(y.transpose(1, 2).reshape(B, T, self.local_embd))
 
     def _attend(self, q, k, v):
+        if resolve(self.attention, q.device) == "sdpa":   # the fused kernel
+            return causal_attention(q, k, v, "sdpa")
         T = q.shape[-2]
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
         mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()

@@ -10,15 +10,13 @@ the chapter's core exercise.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import sys
 import types
 from contextlib import contextmanager
 from pathlib import Path
 
-from .exercise import EXERCISES_ENV, GRADED, ROOT
+from .exercise import EXERCISES_ENV, GRADED, ROOT, load_file
 
 TARGETS = ("exercise", "solution", "alternative")
 GRADED_ENV = "MINIPAR_GRADED"  # another directory of graded tests (the grader's own tests use one)
@@ -44,17 +42,10 @@ def directory(target: str) -> Path:
 def load(name: str, target: str = "exercise") -> types.ModuleType:
     """``target``'s module for challenge ``name`` (``"ch04_pipeline"``), freshly imported (edits
     count); its functions pickle by value, so :func:`minipar.launch` can run them on ranks."""
-    import cloudpickle
     path = directory(target) / f"{name}.py"
     if not path.exists():
         raise FileNotFoundError(f"challenge {name}: no file {path}")
-    mod_name = f"minipar_challenge_{target}_{name}"
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
-    spec.loader.exec_module(module)
-    cloudpickle.register_pickle_by_value(module)
-    return module
+    return load_file(path, f"minipar_challenge_{target}_{name}")
 
 
 @contextmanager

@@ -197,13 +197,13 @@ def load(exercise: str, target: str = "exercise") -> types.ModuleType | None:
     name = f"{package}.{stem(exercise)}"
     elsewhere = os.environ.get(EXERCISES_ENV) if target == "exercise" else None
     if elsewhere:  # another directory of exercise files (the grader's own tests plant bugs there)
-        return _load_file(Path(elsewhere) / f"{stem(exercise)}.py", name)
+        return load_file(Path(elsewhere) / f"{stem(exercise)}.py", name)
     importlib.import_module(package)
     sys.modules.pop(name, None)
     return importlib.import_module(name)
 
 
-def _load_file(path: Path, name: str) -> types.ModuleType:
+def load_file(path: Path, name: str) -> types.ModuleType:
     """The module at ``path``, imported afresh as ``name`` (its functions pickle by value, so
     ranks need not find the file's package)."""
     import importlib.util

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from dataclasses import dataclass
@@ -99,7 +98,7 @@ def minutes() -> dict[str, float]:
 
 def _minutes_cell(ch: Chapter, measured: dict[str, float]) -> str:
     m = measured.get(ch.notebook)
-    return "—" if m is None else f"{max(1, math.ceil(m))}"
+    return "—" if m is None else f"{m:.1f}"
 
 
 def readme_table(repository: str | None = None) -> str:

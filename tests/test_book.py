@@ -28,7 +28,7 @@ def test_minutes_are_measured_not_typed(tmp_path, monkeypatch):
     nb.metadata["minipar"] = {"seconds": 90.0}
     nbformat.write(nb, tmp_path / "03_model_parallel.ipynb")
     assert chapters.record_minutes(tmp_path) == {"03_model_parallel.ipynb": 1.5}
-    assert "| `03_model_parallel` |" in chapters.readme_table() and "| 2 |" in chapters.readme_table()
+    assert "| `03_model_parallel` |" in chapters.readme_table() and "| 1.5 |" in chapters.readme_table()
 
 
 def test_plotly_outputs_become_html_that_draws_itself():

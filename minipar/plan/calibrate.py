@@ -162,7 +162,8 @@ def measure_machine(config, world_size: int = 4, sizes=None, micro_batch: int = 
     from .roofline import backward, layer_ops, ops_time
     sizes = sizes or [2 ** k for k in (12, 16, 20)]
     res = launch(_measure_rank, world_size, args=(sizes, 5, config, micro_batch), timeout=180)
-    ts = [max(r["gloo"][i] for r in res) for i in range(len(sizes))]
+    native = res[0]["backend"]                # the library's own all-reduce: Gloo here, NCCL on GPUs
+    ts = [max(r["seconds"][native][i] for r in res) for i in range(len(sizes))]
     alpha, beta = cost.fit_alpha_beta("all_reduce", sizes, ts, world_size)
     if beta <= 0:   # latency swamped the sizes (a loaded machine): bound β by the largest message
         beta = ts[-1] / cost.collective_bytes("all_reduce", sizes[-1], world_size)

@@ -81,3 +81,13 @@ def test_exercise_pages_carry_the_statement_and_the_file(chapter, tmp_path):
     site.exercise_pages(tmp_path)
     page = (tmp_path / "exercises" / f"{chapter.exercise}.md").read_text()
     assert f"python -m minipar.grade {chapter.exercise[:4]}" in page and "raise NotImplementedError" in page
+
+
+def test_widget_views_leave_the_page_but_their_text_stays():
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["widgets"] = {"state": {}}
+    nb.cells = [nbformat.v4.new_code_cell("w", outputs=[
+        nbformat.v4.new_output("display_data", data={site.WIDGET_MIME: {"model_id": "x"}, "text/plain": "Tab()"}),
+        nbformat.v4.new_output("display_data", data={site.WIDGET_MIME: {"model_id": "y"}})])]
+    assert site.drop_widget_views(nb) == 2
+    assert [o["data"] for o in nb.cells[0].outputs] == [{"text/plain": "Tab()"}] and "widgets" not in nb.metadata

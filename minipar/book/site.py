@@ -61,6 +61,29 @@ def figures_to_html(nb, stem: str) -> int:
     return n
 
 
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+
+
+def drop_widget_views(nb) -> int:
+    """Live widget views need a kernel (and the widget manager from a CDN): a page keeps what
+    else the output carried (its text form) and drops the rest; returns how many were dropped."""
+    n = 0
+    for cell in nb.cells:
+        kept = []
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if WIDGET_MIME in data:
+                del data[WIDGET_MIME]
+                n += 1
+                if not data:
+                    continue
+            kept.append(out)
+        if "outputs" in cell:
+            cell["outputs"] = kept
+    nb.metadata.pop("widgets", None)
+    return n
+
+
 def nav_line(i: int) -> str:
     """Markdown under a chapter's title: its place, its exercise and challenge, Colab."""
     ch, parts = chapters.CHAPTERS[i], []
@@ -85,6 +108,7 @@ def chapter_page(executed: Path, i: int, out: Path) -> int:
     ch = chapters.CHAPTERS[i]
     nb = nbformat.read(executed / ch.notebook, as_version=4)
     n = figures_to_html(nb, ch.number)
+    drop_widget_views(nb)
     # the book carries no outside resource: the Colab badge is drawn by the book itself
     nb.cells[0].source = nb.cells[0].source.replace(BADGE_IMAGE, "../_static/colab-badge.svg")
     setup = next(c for c in nb.cells if c.cell_type == "code")

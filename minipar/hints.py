@@ -136,7 +136,7 @@ def _hint(k: str, table: dict, part: str | None, tier: int | None, reset: bool) 
     seen[part] = max(seen.get(part, 0), n)
     _save(state)
     more = ("" if n < len(tiers) else
-            "  (that is the last hint" + ("" if tier else f"; reset=True starts over") + ")")
+            "  (that is the last hint" + ("" if tier else "; reset=True starts over") + ")")
     return f"{_label(k, part)}, hint {n} of {len(tiers)}: {tiers[n - 1]}" + more
 
 

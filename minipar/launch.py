@@ -39,7 +39,6 @@ from .backend import (DEVICE_ENV, default_device, gpu_identity, init_options, pl
                       process_group_backend, refuse_shared_gpus)
 from .pool import (IN_RANK, Pool, cell_sources, deterministic_cuda, get_pool, kill_pool, loopback,
                    shutdown, to_cpu)
-from .rendezvous import free_port as _free_port  # noqa: F401 - bench.launch uses it
 from .rendezvous import serve_store
 
 __all__ = ["launch", "shutdown", "RankError", "LaunchTimeout", "Results"]

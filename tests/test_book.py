@@ -7,7 +7,7 @@ import pytest
 
 from minipar import chapters
 from minipar.book import check, site
-from minipar.book.execute import fresh
+from minipar.book.execute import fresh, source_hash
 
 
 def test_readme_and_notebook_00_tables_come_from_the_one_list():
@@ -64,16 +64,11 @@ def test_an_executed_copy_is_fresh_only_for_the_source_it_came_from(tmp_path):
     out.mkdir()
     assert not fresh(src, out)
     copy = nbformat.v4.new_notebook()
-    copy.metadata["minipar"] = {"source_sha256": site_hash(src)}
+    copy.metadata["minipar"] = {"source_sha256": source_hash(src)}
     nbformat.write(copy, out / "nb.ipynb")
     assert fresh(src, out)
     src.write_text(src.read_text().replace("}", " }", 1))
     assert not fresh(src, out)
-
-
-def site_hash(path):
-    from minipar.book.execute import source_hash
-    return source_hash(path)
 
 
 @pytest.mark.parametrize("chapter", [c for c in chapters.CHAPTERS if c.exercise], ids=lambda c: c.number)

@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     n, reps = a.ranks, (1 if a.quick else a.repeats)
     got: dict[str, list] = {"minipar": [], "spawn": []}
-    from ..launch import _free_port  # noqa: PLC0415
+    from ..rendezvous import free_port as _free_port  # noqa: PLC0415
     interleaved({"minipar": lambda: got["minipar"].append(_run(_MINIPAR.format(n=n))),
                  "spawn": lambda: got["spawn"].append(
                      _run(_SPAWN.format(n=n, port=_free_port())))}, repeats=reps, warmup=0)

@@ -174,7 +174,7 @@ def gpu_width(gpus: int) -> int:
 
 def gpu_dry_run(gpus: int, args: list[str]) -> int:
     """List the jobs and commands of ``test --gpu`` and check, without a GPU, that its tests
-    collect as on one (``minipar.devices_check``) and that none assumes the CPU."""
+    collect as on one (``minipar.runtime.devices_check``) and that none assumes the CPU."""
     simulated = max(gpus, 1)
     jobs = gpu_jobs(args)
     print(f"course.py test --gpu --dry-run: {gpus} GPU(s) here; as on {simulated}: "
@@ -182,7 +182,7 @@ def gpu_dry_run(gpus: int, args: list[str]) -> int:
     for name, pytest_args in jobs:
         print(f"  {name:<24} {python()} -m pytest {' '.join(pytest_args)}")
     files = sorted({f for _, a in jobs for f in a if f.startswith("tests/")})
-    return subprocess.call([str(python()), "-m", "minipar.devices_check", "--gpus", str(simulated),
+    return subprocess.call([str(python()), "-m", "minipar.runtime.devices_check", "--gpus", str(simulated),
                             *files], cwd=ROOT)
 
 
@@ -237,9 +237,9 @@ def test_gpu(args: list[str]) -> int:
 
 # ------------------------------------------------------------------ no arguments: the map
 def course_map() -> str:
-    """The two commands and the chapters (read from minipar/chapters.py, which needs no torch)."""
+    """The two commands and the chapters (read from minipar/course/chapters.py, which needs no torch)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("_chapters", ROOT / "minipar" / "chapters.py")
+    spec = importlib.util.spec_from_file_location("_chapters", ROOT / "minipar" / "course" / "chapters.py")
     chapters = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = chapters   # dataclasses look their module up there
     spec.loader.exec_module(chapters)
@@ -253,13 +253,13 @@ def course_map() -> str:
 
 # ------------------------------------------------------------------ book
 def book(extra: list[str]) -> int:
-    """The web book's tools (pyproject's `book` extra) once, then python -m minipar.book."""
+    """The web book's tools (pyproject's `book` extra) once, then python -m minipar.course.book."""
     stamp = VENV / ".minipar-book-installed"
     want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
     if not (stamp.exists() and stamp.read_text() == want):
         run(python(), "-m", "pip", "install", "-q", "-e", ".[test,book]")
         stamp.write_text(want)
-    return subprocess.call([str(python()), "-m", "minipar.book", *extra], cwd=ROOT)
+    return subprocess.call([str(python()), "-m", "minipar.course.book", *extra], cwd=ROOT)
 
 
 # ------------------------------------------------------------------ test --colab

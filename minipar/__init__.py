@@ -1,6 +1,6 @@
 """minipar: data, pipeline, tensor and hybrid parallelism and ZeRO, from scratch."""
-from .backend import device
-from .launch import LaunchTimeout, RankError, launch, shutdown
+from .runtime.backend import device
+from .runtime.launch import LaunchTimeout, RankError, launch, shutdown
 
 __version__ = "0.1.0"
 __all__ = ["launch", "device", "shutdown", "RankError", "LaunchTimeout", "grade", "exercise", "hint"]
@@ -8,8 +8,9 @@ __all__ = ["launch", "device", "shutdown", "RankError", "LaunchTimeout", "grade"
 
 def __getattr__(name):
     # minipar.grade("ex01"), minipar.exercise("ex02"), minipar.hint("ex08", "A"): callable modules,
-    # imported on first use so that ``python -m minipar.grade`` (or ``-m minipar.exercise --write``) finds them not yet imported.
+    # imported on first use so that ``python -m minipar.grade`` (or ``-m minipar.course.exercise --write``) finds them not yet imported.
+    # The commands a learner types stay short: ``python -m minipar.grade`` / ``minipar.hint`` / ``minipar.train``.
     if name in ("grade", "exercise", "hint"):
         import importlib
-        return importlib.import_module(f"minipar.{name}")
+        return importlib.import_module(f"minipar.course.{name}")
     raise AttributeError(f"module 'minipar' has no attribute {name!r}")

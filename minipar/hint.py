@@ -1,21 +1,8 @@
-"""``minipar.hint("ex08", "A")`` and ``python -m minipar.hint ex08 A``: see :mod:`minipar.hints`."""
+"""``python -m minipar.hint``: tiered hints, :mod:`minipar.course.hint` (the command's short name)."""
 import sys
-import types
 
-from .hints import hint, main
-
-__all__ = ["hint", "main"]
-
-
-class _CallableModule(types.ModuleType):
-    """``minipar.hint(...)`` calls :func:`minipar.hints.hint`; ``python -m minipar.hint`` runs it."""
-
-    def __call__(self, exercise: str, part: str | None = None, tier: int | None = None,
-                 reset: bool = False, verbose: bool = True) -> str:
-        return hint(exercise, part, tier=tier, reset=reset, verbose=verbose)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+from .course import hint as _hint
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_hint.main())
+sys.modules[__name__] = _hint   # ``import minipar.hint`` is the module itself

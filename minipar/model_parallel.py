@@ -25,7 +25,8 @@ import time
 import torch
 import torch.nn as nn
 
-from . import strategy, trace
+from . import strategy
+from .runtime import trace
 from .activations import SavedActivations
 from .comm import group_rank, group_size
 from .models import lm_loss

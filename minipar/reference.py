@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from . import precision
-from .backend import device as _driver_device
-from .backend import ranks_device
+from .runtime.backend import device as _driver_device
+from .runtime.backend import ranks_device
 
 
 def sgd(lr: float = 0.1):
@@ -25,7 +25,7 @@ def adamw(lr: float = 1e-2, weight_decay: float = 0.1):
 
 
 def _where(placed) -> torch.device | None:
-    """The device type a result's ranks computed on: from a :class:`~minipar.backend.Placement`,
+    """The device type a result's ranks computed on: from a :class:`~minipar.runtime.backend.Placement`,
     anything with ``.placement`` (a ``TrainResult``, launch's ``Results``) or a dict with a
     ``"placement"``/``"device"`` key; ``None`` if it does not say."""
     if isinstance(placed, dict):
@@ -42,8 +42,8 @@ def train_reference(model: torch.nn.Module, batches, make_optimizer=None, dtype=
     ``torch.bfloat16``): mixed precision, the forward and loss under
     :func:`minipar.precision.autocast`, fp32 parameters, gradients and optimizer state, as every
     strategy's ``train(dtype=...)``. ``device``: where to train (a device, or a placement or
-    result to train where its ranks ran); by default where ``minipar.launch`` puts ranks on this
-    machine (:func:`minipar.backend.ranks_device`: the GPU when there is one)."""
+    result to train where its ranks ran); by default where ``minipar.runtime.launch`` puts ranks on this
+    machine (:func:`minipar.runtime.backend.ranks_device`: the GPU when there is one)."""
     precision.resolve(dtype)
     here = ranks_device() if device is None else _where(device)
     if here.type == "cuda" and here.index is None:
@@ -53,7 +53,7 @@ def train_reference(model: torch.nn.Module, batches, make_optimizer=None, dtype=
         import copy
         model = copy.deepcopy(model).to(here)
         batches = [tuple(t.to(here) for t in b) for b in batches]
-        from .pool import deterministic_cuda
+        from .runtime.pool import deterministic_cuda
         deterministic_cuda()  # fp32 as the ranks compute it: no TF32
     opt = (make_optimizer or sgd())(model.parameters())
     losses = []

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .launch import launch
-from .trace import Trace
+from .runtime.launch import launch
+from .runtime.trace import Trace
 
 
 @dataclass
@@ -46,7 +46,7 @@ class TrainResult:
 
     @property
     def placement(self):
-        """Where the ranks ran (:class:`minipar.backend.Placement`; ``None`` if not launched)."""
+        """Where the ranks ran (:class:`minipar.runtime.backend.Placement`; ``None`` if not launched)."""
         return getattr(self.results, "placement", None)
 
     @classmethod
@@ -100,10 +100,10 @@ def on_device(train, model, batches, **options):
     """Rank side of :func:`run`: the model and the batches arrive on the CPU; put them where
     this rank computes (:func:`minipar.device`) and train there. On a GPU, ``measured`` also
     gets ``"gpu_peak_bytes"``: the caching allocator's peak over the run on this rank
-    (:func:`minipar.gpu.peak_memory`), to show beside the formula and minipar's own count;
+    (:func:`minipar.runtime.gpu.peak_memory`), to show beside the formula and minipar's own count;
     a dict result gets ``"device"``, where it trained."""
-    from .backend import device
-    from .gpu import peak_memory
+    from .runtime.backend import device
+    from .runtime.gpu import peak_memory
     here = device()
     if here.type == "cpu":
         out = train(model, batches, **options)

@@ -1,2 +1,2 @@
 """The library's own code for every piece of ``exercises/``, generated from the same markers
-(``python -m minipar.exercise --write``), so it can never drift from minipar."""
+(``python -m minipar.course.exercise --write``), so it can never drift from minipar."""

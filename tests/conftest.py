@@ -2,7 +2,7 @@
 
 ``--impl`` chooses which implementations the graded tests (tests/graded) run against:
 ``library`` (minipar itself), ``solution`` (solutions/) and ``exercise`` (exercises/,
-what ``minipar.grade`` uses); the ``impl`` fixture puts that implementation's marked
+what ``minipar.course.grade`` uses); the ``impl`` fixture puts that implementation's marked
 functions in the library for the test. CI runs library and solution; a separate test checks that
 the exercise stubs score zero.
 """
@@ -40,6 +40,6 @@ def challenge(request):
     """The test module's ``CHALLENGE`` (e.g. ``"ch04_pipeline"``) as written by the target:
     ``"exercise"`` (exercises/challenges/), ``"solution"`` (solutions/challenges/) or
     ``"alternative"`` (tests/graded/alternatives/: a second, different way that passes)."""
-    from minipar.challenge import load, watched
+    from minipar.course.challenge import load, watched
     with watched(request.module.CHALLENGE):
         yield load(request.module.CHALLENGE, request.param)

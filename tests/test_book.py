@@ -5,14 +5,14 @@ import nbformat
 import plotly.graph_objects as go
 import pytest
 
-from minipar import chapters
-from minipar.book import check, site
-from minipar.book.execute import fresh, source_hash
+from minipar.course import chapters
+from minipar.course.book import check, site
+from minipar.course.book.execute import fresh, source_hash
 
 
 def test_readme_and_notebook_00_tables_come_from_the_one_list():
     stale = [p.name for p, text in chapters.expected_files().items() if p.read_text() != text]
-    assert not stale, f"{stale} differ from minipar.chapters.CHAPTERS: python -m minipar.chapters --write"
+    assert not stale, f"{stale} differ from minipar.course.chapters.CHAPTERS: python -m minipar.course.chapters --write"
     names = sorted(p.name for p in (chapters.ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     assert [c.notebook for c in chapters.CHAPTERS] == names, "every notebook is a chapter, in order"
     for c in chapters.CHAPTERS:

@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from minipar.grading import GradeFailure
+from minipar.course.grading import GradeFailure
 from minipar.pipeline import schedules
 
 from graded import test_ch03_split as ch03

@@ -1,4 +1,4 @@
-"""minipar.checkpoint: pieces cover the full tensors exactly; resume is exact; a checkpoint
+"""minipar.production.checkpoint: pieces cover the full tensors exactly; resume is exact; a checkpoint
 saved on one mesh loads on another (and on one process); a crash mid-save leaves the
 previous checkpoint as the one that loads."""
 import os
@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import checkpoint, hybrid
-from minipar.checkpoint import atomic
-from minipar.checkpoint.placement import assemble, pieces_of, tensor_parallel_boxes
+from minipar.production import checkpoint
+from minipar import hybrid
+from minipar.production.checkpoint import atomic
+from minipar.production.checkpoint.placement import assemble, pieces_of, tensor_parallel_boxes
 from minipar.data import batches, corpus_tokens
 from minipar.mesh import ProcessMesh
 from minipar.models.gpt import GPT, GPTConfig
@@ -233,7 +234,7 @@ def _crash_mid_save(root, crash_rank):
                 f.write(b"PK\x03\x04 half a zip file")
                 f.flush()
             os._exit(3)
-        from minipar.checkpoint import sharded
+        from minipar.production.checkpoint import sharded
         sharded.write_file = half_then_die
     dist.barrier()
     checkpoint.save(root, model, model.optimizer, step=2, extra={"next_step": 2})

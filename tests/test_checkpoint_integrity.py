@@ -1,4 +1,4 @@
-"""minipar.checkpoint integrity: a damaged, missing, foreign or mismatched checkpoint is a
+"""minipar.production.checkpoint integrity: a damaged, missing, foreign or mismatched checkpoint is a
 clear error naming the file and the reason, never a silent load. A fuzz test mutates the
 files of a real two-rank checkpoint hundreds of times: every case either loads bit-exact or
 raises CheckpointError naming the file it damaged."""
@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import checkpoint, hybrid
-from minipar.checkpoint import CheckpointError, CheckpointNotFound
+from minipar.production import checkpoint
+from minipar import hybrid
+from minipar.production.checkpoint import CheckpointError, CheckpointNotFound
 from minipar.data import batches, corpus_tokens
 from minipar.mesh import ProcessMesh
 from minipar.models.gpt import GPT, GPTConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minipar import colab
+from minipar.course import colab
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -21,7 +21,7 @@ def test_notebook_starts_with_the_colab_link_and_the_setup_cell(path):
     assert nb.cells[0].cell_type == "markdown" and colab.badge(path.name) in nb.cells[0].source, \
         f"{path.name}: the first cell must carry {colab.badge(path.name)}"
     first_code = next(c for c in nb.cells if c.cell_type == "code")
-    assert first_code.source == colab.setup_cell(), f"{path.name}: the setup cell differs from minipar.colab.setup_cell()"
+    assert first_code.source == colab.setup_cell(), f"{path.name}: the setup cell differs from minipar.course.colab.setup_cell()"
 
 
 def test_the_repository_is_named_once():
@@ -47,7 +47,7 @@ def test_setup_cell_on_a_fresh_runtime_clones_the_repository_and_keeps_its_torch
     monkeypatch.setenv("MINIPAR_REPO", "https://example.org/fork.git")
     path = list(sys.path)
     try:
-        exec(compile(colab.setup_cell().replace("print(minipar.backend.summary())", ""), "setup", "exec"), {})
+        exec(compile(colab.setup_cell().replace("print(minipar.runtime.backend.summary())", ""), "setup", "exec"), {})
         added = sys.path[0]
     finally:
         sys.path[:] = path

@@ -58,6 +58,6 @@ def test_a_fresh_runtime_installs_the_course_keeps_its_torch_and_grades(tmp_path
     assert _torch(work) == before, f"the runtime's torch changed: {before} -> {_torch(work)}"
     where = _py("-c", "import minipar; print(minipar.__file__)", cwd=tmp_path, env=env).stdout.strip()
     assert where.startswith(str(work / "minipar-course")), f"minipar imported from {where}"
-    graded = _py("-m", "minipar.grade", "ex01", "--solution", cwd=tmp_path, env=env)
+    graded = _py("-m", "minipar.course.grade", "ex01", "--solution", cwd=tmp_path, env=env)
     assert graded.returncode == 0 and "(100%)" in graded.stdout, graded.stdout[-3000:] + graded.stderr[-3000:]
     print(json.dumps({"torch": before, "seconds": {k: round(v["seconds"]) for k, v in runs.items()}}))

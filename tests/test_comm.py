@@ -6,8 +6,10 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import comm, cost, trace
+from minipar import comm
 
+from minipar.analysis import cost
+from minipar.runtime import trace
 SIZES = [1, 7, 64, 1001, 4096]  # smaller than, not divisible by, and divisible by n
 
 

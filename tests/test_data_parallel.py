@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import cost, data, reference, trace
+from minipar.analysis import cost
+from minipar import data, reference
+from minipar.runtime import trace
 from minipar.comm import ring_all_reduce
 from minipar.data_parallel import DistributedDataParallel, assign_buckets, run, train, trainable
 from minipar.models import GPT, MLP, GPTConfig

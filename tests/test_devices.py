@@ -7,7 +7,7 @@ without following its model's device fails its step (a ``meta`` tensor given to 
 collective is an error naming it). One step of every strategy (and of context and expert
 parallelism where present) runs in one launch of 4 ranks.
 
-Placement is tested with simulated GPU counts (:func:`minipar.backend.place` takes
+Placement is tested with simulated GPU counts (:func:`minipar.runtime.backend.place` takes
 ``gpus=``), host staging with CPU tensors forced through the staging path, and the
 out-of-memory report with a simulated ``torch.cuda.OutOfMemoryError``.
 """
@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import comm, trace
-from minipar.backend import BackendError, place
+from minipar import comm
+from minipar.runtime import trace
+from minipar.runtime.backend import BackendError, place
 from minipar.data import batches as make_batches
 from minipar.data import synthetic_tokens
 from minipar.models import GPT
@@ -81,7 +82,7 @@ def _hybrid_step(gpt, dp, pp, tp, x, y):
 
 
 def _train_loop():
-    from minipar import train
+    from minipar.production import train
     args = train.parser().parse_args(["--dp", "2", "--tp", "2", "--steps", "1", "--no-progress",
                                       "--n-embd", "16", "--n-head", "4", "--block-size", "8"])
     return train.rank_main(args)["losses"]
@@ -133,7 +134,7 @@ def _every_strategy(batches):
     gpt = GPT(CONFIG, seed=0)
     attempt("hybrid 2x1x2 (dp, tp)", lambda: _hybrid_step(gpt, 2, 1, 2, x, y))
     attempt("hybrid 1x2x2 (pp, tp)", lambda: _hybrid_step(gpt, 1, 2, 2, x, y))
-    attempt("minipar.train loop", _train_loop)
+    attempt("minipar.production.train loop", _train_loop)
     return results
 
 
@@ -143,7 +144,7 @@ def test_every_strategy_runs_a_step_with_meta_as_the_default_device():
     expected = {"ddp naive", "ddp bucketed", "ddp overlapped", "ddp accumulation", "zero-0", "zero-1",
                 "zero-2", "zero-3", "pipeline gpipe", "pipeline 1f1b", "pipeline zb-h1",
                 "pipeline interleaved", "tp vocab-parallel loss", "tp sequence-parallel",
-                "hybrid 2x1x2 (dp, tp)", "hybrid 1x2x2 (pp, tp)", "minipar.train loop", "ddp sdpa",
+                "hybrid 2x1x2 (dp, tp)", "hybrid 1x2x2 (pp, tp)", "minipar.production.train loop", "ddp sdpa",
                 "tp sdpa"} | set(ZERO3_DESIGNS)
     assert expected <= set(res[0]), sorted(expected - set(res[0]))
     for name in res[0]:  # real numbers (a meta loss has none), the same on the ranks that hold it
@@ -175,15 +176,15 @@ def test_placement_for_every_gpu_count():
         place(4, backend="nccl", gpus=2)
     with pytest.raises(BackendError, match="device must be one of"):
         place(2, device="tpu")
-    from minipar.backend import device_for_rank  # the older helper still answers
+    from minipar.runtime.backend import device_for_rank  # the older helper still answers
     assert str(device_for_rank("nccl", 3)) == "cuda:3" and str(device_for_rank("gloo", 3)) == "cpu"
 
 
 def test_cuda_without_a_gpu_fails_before_any_process_starts(monkeypatch, capsys):
-    monkeypatch.setattr(minipar.backend, "gpu_count", lambda: 0)
+    monkeypatch.setattr(minipar.runtime.backend, "gpu_count", lambda: 0)
     with pytest.raises(BackendError, match="no CUDA GPU is visible"):
         minipar.launch(_where, 2, device="cuda")
-    assert "minipar.launch" not in capsys.readouterr().out  # nothing was launched
+    assert "minipar.runtime.launch" not in capsys.readouterr().out  # nothing was launched
 
 
 def _where():
@@ -194,9 +195,9 @@ def test_ranks_know_where_to_compute_and_the_choice_is_printed_once(capsys):
     a = minipar.launch(_where, 2, device="cpu")
     minipar.launch(_where, 2, device="cpu")
     assert list(a) == [("cpu", "cpu"), ("cpu", "cpu")] and a.placement.device == "cpu"
-    assert capsys.readouterr().out.count("minipar.launch: Gloo on CPU (device='cpu' asked for)") <= 1
+    assert capsys.readouterr().out.count("minipar.runtime.launch: Gloo on CPU (device='cpu' asked for)") <= 1
     # the driver: the CPU, unless MINIPAR_DEVICE=cuda (course.py test --gpu) puts it on the GPU
-    gpu_driver = minipar.backend.default_device() == "cuda" and minipar.backend.gpu_count() > 0
+    gpu_driver = minipar.runtime.backend.default_device() == "cuda" and minipar.runtime.backend.gpu_count() > 0
     assert minipar.device().type == ("cuda" if gpu_driver else "cpu")
 
 
@@ -299,7 +300,7 @@ def test_a_rank_out_of_gpu_memory_is_reported_with_the_allocator_and_a_hint():
 # ------------------------------------------------------------------ allocator figures
 def test_allocator_peaks_join_a_memory_figure_only_on_a_gpu():
     import plotly.graph_objects as go
-    from minipar import gpu
+    from minipar.runtime import gpu
     cpu_run = [{"bytes_sent": 4}, {"bytes_sent": 4}]
     fig = go.Figure(go.Bar(x=["rank 0", "rank 1"], y=[1, 2]))
     assert gpu.allocator_peaks(cpu_run) is None and gpu.allocator_peaks([None, None]) is None

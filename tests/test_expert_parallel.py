@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import cost, data, expert_parallel, trace
+from minipar.analysis import cost
+from minipar import data, expert_parallel
+from minipar.runtime import trace
 from minipar.expert_parallel import count_tokens, kept_counts, permutation, split_sizes
 from minipar.models import GPT, GPTConfig
 from minipar.models.moe import MoE, capacity, route

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import checkpoint, faults, flight, train
+from minipar.production import checkpoint, faults, flight, train
 from minipar.data import batches, corpus_tokens
 from minipar.models.gpt import GPT
 from minipar.reference import adamw, train_reference
@@ -29,12 +29,12 @@ TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16
 RTOL, ATOL = 1e-4, 5e-5  # one process vs dp=2 under AdamW (tests/test_train.py)
 ENV = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
 
-# Runs minipar.train with one fault injected on one rank, only in the first attempt
+# Runs minipar.production.train with one fault injected on one rank, only in the first attempt
 # (torchrun sets TORCHELASTIC_RESTART_COUNT): argv = FAULT RANK STEP minipar.train-args...
 INJECT = textwrap.dedent("""
     import os, signal, sys, time
     import torch
-    from minipar import train
+    from minipar.production import train
     from minipar.hybrid.model import HybridModel
     fault, rank, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     calls = [0]
@@ -83,7 +83,7 @@ def _communicate(procs, timeout):
 
 def test_a_rank_killed_mid_step_under_two_torchrun_agents_resumes_with_the_same_losses(tmp_path):
     """Two agents (c10d rendezvous on 127.0.0.1, one rank each, --max-restarts 1); rank 1 is
-    SIGKILLed inside step 5. The agents restart the job, minipar.train continues from the
+    SIGKILLed inside step 5. The agents restart the job, minipar.production.train continues from the
     step-4 checkpoint without --resume, and the 8 losses equal the uninterrupted run's."""
     run = TINY + ["--dp", "2", "--steps", "8", "--device", "cpu"]  # two "nodes", one machine
     script = tmp_path / "inject.py"
@@ -110,7 +110,7 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_continues_with_the_same_loss
     loss equals an uninterrupted run's."""
     run = TINY + ["--dp", "2", "--steps", "150"]
     ckpt, out = tmp_path / "ckpt", tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "minipar.train", *run, "--checkpoint-dir", str(ckpt),
+    cmd = [sys.executable, "-m", "minipar.production.train", *run, "--checkpoint-dir", str(ckpt),
            "--save-every", "5", "--out", str(out)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.monotonic() + 120
@@ -172,7 +172,7 @@ def test_flight_recorder_names_operation_group_and_sequence():
 
 
 def test_a_nan_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
-    """AdamW with lr 1e30 makes step 1's forward overflow: minipar.train stops there (exit 3)
+    """AdamW with lr 1e30 makes step 1's forward overflow: minipar.production.train stops there (exit 3)
     naming step 1, and `latest` is step 0's checkpoint, finite."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "out.json"
     argv = TINY + ["--steps", "6", "--lr", "1e30", "--save-every", "1", "--checkpoint-dir", str(ckpt),
@@ -240,7 +240,7 @@ MEMORY_BOUND = 3 * 2**20  # bytes: a recorder that keeps every event grows ~15 M
 @pytest.mark.slow
 def test_a_5000_step_run_holds_its_memory_flat(tmp_path):
     """dp=2, 5,000 steps of a tiny GPT: each rank's resident memory after step 5,000 is
-    within 3 MiB of what it was after step 500 (the trace recorder is off in minipar.train)."""
+    within 3 MiB of what it was after step 500 (the trace recorder is off in minipar.production.train)."""
     out = tmp_path / "out.json"
     argv = ["--n-layer", "1", "--n-embd", "8", "--n-head", "1", "--block-size", "8",
             "--batch-size", "2", "--no-progress", "--dp", "2", "--steps", "5000", "--out", str(out)]
@@ -292,7 +292,7 @@ def test_every_bad_configuration_is_exit_code_2_before_any_process(tmp_path, cap
 
 
 def test_the_trace_recorder_is_a_bounded_ring_and_records_only_where_asked():
-    from minipar import trace
+    from minipar.runtime import trace
     trace.start(0, barrier=False)
     try:
         trace.set_limit(100)
@@ -325,7 +325,7 @@ def _stuck_rank_1(log):
 
 
 def test_the_watchdog_stops_every_rank_of_a_launch_with_one_report(tmp_path):
-    """Under minipar.launch too: both ranks exit 124 within ~1 s of no progress, and rank 0
+    """Under minipar.runtime.launch too: both ranks exit 124 within ~1 s of no progress, and rank 0
     reports both ranks' last collectives (shared through the rendezvous store)."""
     log = tmp_path / "hang.log"
     t = time.monotonic()

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import checkpoint, data
-from minipar.faults import Snapshot
+from minipar.production import checkpoint
+from minipar import data
+from minipar.production.faults import Snapshot
 from minipar.models import GPT, GPTConfig
 from minipar.reference import adamw
 from minipar.zero import Zero2Optimizer, ZeroOptimizer

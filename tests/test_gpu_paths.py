@@ -10,7 +10,9 @@ import types
 import pytest
 import torch
 
-from minipar import flight, trace
+from minipar.production import flight
+
+from minipar.runtime import trace
 from minipar.comm import p2p, staging
 
 
@@ -157,7 +159,7 @@ def test_context_parallel_ring_posts_one_exchange(monkeypatch):
 
 def test_nccl_ranks_bind_their_gpu_at_init():
     """``init_process_group`` gets ``device_id`` under NCCL (eager init), nothing otherwise."""
-    from minipar.backend import init_options
+    from minipar.runtime.backend import init_options
     assert init_options("cpu:gloo,cuda:nccl", "cuda:1") == {"device_id": torch.device("cuda", 1)}
     assert init_options("gloo", "cuda:0") == {} and init_options("gloo", "cpu") == {}
 

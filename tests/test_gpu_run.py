@@ -11,7 +11,7 @@ def _post_identities(identities, here="cuda:0"):
     """Run :func:`refuse_shared_gpus` for every rank (threads sharing one store)."""
     import threading
     import torch.distributed as dist
-    from minipar.backend import BackendError, refuse_shared_gpus
+    from minipar.runtime.backend import BackendError, refuse_shared_gpus
     store, errors = dist.HashStore(), {}
 
     def rank(r):
@@ -42,7 +42,7 @@ def test_two_torchrun_agents_on_one_host_sharing_gpus_are_refused_plainly():
 
 def test_gpu_identity_names_the_host_and_the_physical_gpu(monkeypatch):
     """Agents with CUDA_VISIBLE_DEVICES=0 and =1 both see cuda:0, yet two GPUs."""
-    from minipar.backend import gpu_identity
+    from minipar.runtime.backend import gpu_identity
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="GPU-x"))
     assert gpu_identity("cuda:0").endswith(" GPU-x")
     assert gpu_identity("cpu") != gpu_identity("cuda:0")
@@ -53,8 +53,9 @@ def test_the_reference_runs_where_the_ranks_run_and_the_floor_follows_the_placem
     GPU: the reference defaults to the GPU, and a result whose placement says CUDA is compared
     at the CUDA floor (rtol 1e-4, atol 1e-5) even when the driver is on the CPU; a CPU result
     keeps the exact floor."""
-    from minipar import backend, reference
-    from minipar.backend import place
+    from minipar.runtime import backend
+    from minipar import reference
+    from minipar.runtime.backend import place
     monkeypatch.delenv("MINIPAR_DEVICE", raising=False)
     monkeypatch.setattr(backend, "gpu_count", lambda: 1)
     assert backend.ranks_device().type == "cuda" and backend.device().type == "cpu"
@@ -75,7 +76,7 @@ def test_the_reference_runs_where_the_ranks_run_and_the_floor_follows_the_placem
 def test_a_train_result_carries_its_placement_and_the_reference_its_device():
     """``TrainResult.placement`` is the launch's; ``train_reference(device=placement)`` runs there."""
     from minipar import reference
-    from minipar.backend import place
+    from minipar.runtime.backend import place
     from minipar.models import MLP
     from minipar.strategy import TrainResult
     results = types.SimpleNamespace(placement=place(2, "cpu"))
@@ -107,14 +108,14 @@ def test_the_gpu_run_takes_one_job_at_a_time_on_one_gpu(course, monkeypatch):
 
 def test_the_dry_run_lists_the_jobs_and_checks_every_test_file(course, monkeypatch, capsys):
     """``test --gpu --dry-run`` prints each job's command and hands every test file of the
-    jobs to ``minipar.devices_check`` (as on one GPU where there is none)."""
+    jobs to ``minipar.runtime.devices_check`` (as on one GPU where there is none)."""
     calls = []
     monkeypatch.setattr(course.subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 0)
     assert course.gpu_dry_run(0, []) == 0
     out = capsys.readouterr().out
     assert "1 at a time" in out and "notebook 11" in out and "tests/test_comm.py" in out
     (cmd,) = calls
-    assert cmd[1:5] == ["-m", "minipar.devices_check", "--gpus", "1"]
+    assert cmd[1:5] == ["-m", "minipar.runtime.devices_check", "--gpus", "1"]
     files = {f for _, args in course.gpu_jobs() for f in args if f.startswith("tests/")}
     assert set(cmd[5:]) == files and "tests/test_launch.py" in files
 
@@ -128,7 +129,7 @@ def test_driver():
 def test_pinned():
     assert minipar.launch(lambda: 0, 2, device="cpu").backend == "gloo"
 def test_asked():
-    from minipar.backend import default_device, place
+    from minipar.runtime.backend import default_device, place
     assert minipar.launch(lambda: 0, 2).backend == place(2, default_device()).backend
 '''
 
@@ -137,7 +138,7 @@ def test_the_device_check_finds_tests_that_assume_the_cpu(tmp_path, capsys):
     """An assertion on Gloo or the CPU is flagged unless its test pins the CPU or asks the
     placement; the driver's device is flagged even when the ranks are pinned; the files
     collect as on a GPU machine."""
-    from minipar import devices_check
+    from minipar.runtime import devices_check
     bad = tmp_path / "test_bound.py"
     bad.write_text(CPU_BOUND)
     found = devices_check.cpu_assumptions(str(bad))
@@ -156,7 +157,7 @@ def test_a_cuda_benchmark_with_fewer_gpus_than_ranks_is_a_plain_error(bench, mon
     """``--device cuda`` is NCCL with one GPU per rank (PyTorch's pipelining baseline has no
     CUDA path over Gloo): with 1 GPU and 2 ranks, exit code 2 and why, before any launch."""
     import importlib
-    from minipar import backend
+    from minipar.runtime import backend
     module = importlib.import_module(f"minipar.bench.{bench}")
     monkeypatch.setattr(backend, "gpu_count", lambda: 1)
     monkeypatch.setattr(module, "launch", lambda *a, **k: pytest.fail("launched"))
@@ -171,7 +172,7 @@ def test_the_reported_peak_memory_is_a_running_maximum(monkeypatch):
     """A strategy's ``peak_memory()`` block resets the allocator's peak counter; the job's
     peak (``max_allocated``, what ``course.py test --gpu`` reports) still counts what came
     before: 100 MiB, then a block peaking at 30 MiB."""
-    from minipar import gpu
+    from minipar.runtime import gpu
     alloc = {"peak": 0}
     cuda = torch.cuda
     monkeypatch.setattr(cuda, "synchronize", lambda d=None: None)
@@ -196,7 +197,7 @@ def test_no_test_of_the_gpu_run_assumes_the_cpu(course):
     """The static half of ``--dry-run`` on this repository's jobs: every assertion on the CPU
     or Gloo is pinned, reads the placement or says why it holds anywhere."""
     from pathlib import Path
-    from minipar import devices_check
+    from minipar.runtime import devices_check
     root = Path(course.__file__).parent
     files = sorted({f for _, args in course.gpu_jobs() for f in args if f.endswith(".py")})
     assert [f for path in files for f in devices_check.cpu_assumptions(str(root / path))] == []

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from minipar import grade
-from minipar.exercise import ROOT
+from minipar.course import grade
+from minipar.course.exercise import ROOT
 
 CHAPTERS = sorted(set(grade.exercises()) | {f"ex{grade._chapter(c)}" for c in grade.challenges()})
 
@@ -62,7 +62,7 @@ DEMO_TEST = '''
     """Challenge 99: order n ranks on a ring so that every hop joins neighbours (|a - b| = 1 mod n).
     Goal: 0 long hops, measured on 2 ranks and for n = 2..9."""
     import minipar
-    from minipar.grading import expect_equal
+    from minipar.course.grading import expect_equal
 
     CHALLENGE = "ch99_demo"
 

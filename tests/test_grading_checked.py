@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import comm, flight
+from minipar import comm
+from minipar.production import flight
 from minipar.comm import checked
 
 

@@ -3,7 +3,7 @@ and never an object's repr (no launch: fast)."""
 import pytest
 import torch
 
-from minipar.grading import (GradeFailure, contributions, diagnose, expect, expect_close,
+from minipar.course.grading import (GradeFailure, contributions, diagnose, expect, expect_close,
                              expect_contributions, expect_equal, expect_schedule)
 
 

@@ -1,4 +1,4 @@
-"""minipar.hint: tiers on request, one more per call, kept under $MINIPAR_HOME; read from the
+"""minipar.course.hint: tiers on request, one more per call, kept under $MINIPAR_HOME; read from the
 graded module's HINTS without importing it; the grader only suggests asking (fast, no launch)."""
 import subprocess
 import sys
@@ -6,8 +6,8 @@ import sys
 import pytest
 
 import minipar
-from minipar import hints
-from minipar.exercise import ROOT
+from minipar.course import hints
+from minipar.course.exercise import ROOT
 
 GRADED = '''"""Exercise 98: a demo."""
 EXERCISE = "ex98_demo"
@@ -63,7 +63,7 @@ def test_one_part_exercise_and_none(graded):
 
 
 def test_command_line(graded, capsys):
-    out = subprocess.run([sys.executable, "-m", "minipar.hint", "ex98", "A"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "minipar.course.hint", "ex98", "A"], cwd=ROOT, capture_output=True,
                          text=True)
     assert out.stdout.strip() == "ex98 A, hint 1 of 3: a nudge", out.stderr
     assert hints.main(["ex98", "A", "--tier", "3"]) == 0
@@ -74,6 +74,6 @@ def test_command_line(graded, capsys):
 def test_every_graded_module_hints_are_well_formed(monkeypatch):
     """The real graded modules: HINTS, where present, map parts to 2-4 plain-string tiers."""
     monkeypatch.delenv("MINIPAR_GRADED", raising=False)
-    for ex in minipar.grade.exercises():
+    for ex in minipar.course.grade.exercises():
         for part, tiers in hints.hints_of(ex).items():
             assert 2 <= len(tiers) <= 4 and all(isinstance(t, str) and t for t in tiers), (ex, part)

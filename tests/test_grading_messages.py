@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from minipar import grade
-from minipar.exercise import ROOT
+from minipar.course import grade
+from minipar.course.exercise import ROOT
 
 # chapter -> (the cheapest graded test that meets the bug, [(solution text, planted text)])
 PLANTED = {

@@ -1,4 +1,4 @@
-"""minipar.launch: results, failures, hangs, backends, the pool, torchrun."""
+"""minipar.runtime.launch: results, failures, hangs, backends, the pool, torchrun."""
 import os
 import subprocess
 import sys
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar.backend import BackendError, default_device, gpu_count, pick_backend, place
+from minipar.runtime.backend import BackendError, default_device, gpu_count, pick_backend, place
 
 
 def _backend(n: int) -> str:
@@ -155,7 +155,7 @@ def test_auto_backend_explains_its_choice():
 
 def test_rendezvous_falls_back_where_libuv_refuses_a_listening_socket(monkeypatch):
     """torch releases whose libuv store takes no listen fd (2.6, for one) get the classic store."""
-    import minipar.rendezvous as L
+    import minipar.runtime.rendezvous as L
     real, calls = dist.TCPStore, []
 
     def store(*a, use_libuv=True, **kw):
@@ -224,6 +224,6 @@ def test_what_ranks_print_comes_back_prefixed(capsys):
 
 
 def test_nccl_groups_keep_gloo_for_cpu_tensors():
-    from minipar.backend import process_group_backend
+    from minipar.runtime.backend import process_group_backend
     assert process_group_backend("nccl") == "cpu:gloo,cuda:nccl"  # CPU tensors still work on GPUs
     assert process_group_backend("gloo") == "gloo"

@@ -107,11 +107,11 @@ def test_zero_stages_1_to_3_on_a_dp_tp_mesh():
 
 def test_a_planner_layout_runs_at_toy_size():
     """The planner's dp8·tp8·pp16·cp2·ep8 with ZeRO-1 becomes dp2·cp2·pp2 with ep2 and ZeRO-1 (tp
-    set back to 1 to fit 8 ranks, and said); its command line passes minipar.train's checks, and
+    set back to 1 to fit 8 ranks, and said); its command line passes minipar.production.train's checks, and
     the hybrid.run call trains like the micro-batched single process (rtol 1e-4, atol 5e-5)."""
-    from minipar import train
+    from minipar.production import train
     from minipar.hybrid.layouts import toy_command, toy_options, toy_run
-    from minipar.plan import Layout
+    from minipar.analysis.plan import Layout
     layout = Layout(dp=8, tp=8, pp=16, cp=2, ep=8, zero=1, dtype="fp32")
     config, options, notes = toy_options(layout)
     assert {k: options[k] for k in ("dp", "cp", "pp", "tp", "ep", "zero")} == \
@@ -120,7 +120,7 @@ def test_a_planner_layout_runs_at_toy_size():
     _, o3, n3 = toy_options(Layout(dp=4, pp=4, zero=3, recompute="full", dtype="fp32"))
     assert o3["zero"] == 1 and "ZeRO-3 runs as ZeRO-1" in n3[0]
     argv = toy_command(layout)
-    assert argv[1:3] == ["-m", "minipar.train"]
+    assert argv[1:3] == ["-m", "minipar.production.train"]
     args = train.parse(argv[3:])
     train.check(args, args.dp * args.cp * args.pp * args.tp)          # accepted before launch
     assert (args.dp, args.cp, args.pp, args.tp, args.ep, args.zero, args.n_experts) == (2, 2, 2, 1, 2, 1, 4)

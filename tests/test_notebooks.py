@@ -9,14 +9,14 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minipar.book.execute import execute
+from minipar.course.book.execute import execute
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch):
-    monkeypatch.setenv("MINIPAR_STATIC_WIDGETS", "1")  # see minipar.viz.explore
+    monkeypatch.setenv("MINIPAR_STATIC_WIDGETS", "1")  # see minipar.runtime.viz.explore
     nb = nbformat.read(path, as_version=4)
     assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
         f"{path.name} is committed with outputs; clear them"

@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import cost, data, precision, reference, trace
+from minipar.analysis import cost
+from minipar import data, precision, reference
+from minipar.runtime import trace
 from minipar import pipeline as pp
 from minipar.models import GPT, GPTConfig
 from minipar.strategy import TrainResult

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from minipar import cost
+from minipar.analysis import cost
 from minipar import pipeline as pp
 from minipar.pipeline.schedules import Action, Schedule, add_comms
 from minipar.pipeline.simulate import UNIT
@@ -137,6 +137,6 @@ def test_bad_configurations_are_clear_errors():
     with pytest.raises(ValueError, match="v >= 2"):          # v=1 interleaved is not 1F1B
         pp.make_schedule("interleaved", 2, 4, v=1)
     with pytest.raises(TypeError, match="order_fn"):         # once ignored by all but 1F1B; exercises
-        pp.make_schedule("gpipe", 2, 4, order_fn=pp.gpipe)   # plug in through minipar.exercise
+        pp.make_schedule("gpipe", 2, 4, order_fn=pp.gpipe)   # plug in through minipar.course.exercise
     with pytest.raises(ValueError):
         cost.bubble_fraction("nope", 2, 2)

@@ -8,8 +8,8 @@ different order).
 """
 import pytest
 
-from minipar import plan
-from minipar.plan.step_time import comm_times
+from minipar.analysis import plan
+from minipar.analysis.plan.step_time import comm_times
 
 MOE = plan.ModelSpec("tiny-moe", n_layer=2, hidden=64, n_head=4, vocab=100, seq_len=128,
                      n_experts=8, top_k=2, tied=True, dropout=False)
@@ -73,7 +73,7 @@ def test_dp_overlap_window_at_pp1_is_the_last_microbatch_backward():
 
 def test_tp_term_alone_at_pp1():
     """tp alone: m·l layer passes of the tensor-parallel bytes, all exposed."""
-    from minipar import cost
+    from minipar.analysis import cost
     lay = plan.Layout(tp=4, micro_batch=2)
     t, _ = _step(lay, global_batch=8)
     assert set(t["comm"]) == {"tp"}

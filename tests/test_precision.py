@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from minipar import context_parallel, data, data_parallel, expert_parallel, hybrid, model_parallel, pipeline
 from minipar import tensor_parallel, zero
-from minipar.launch import launch
+from minipar.runtime.launch import launch
 from minipar.models import GPT, GPTConfig
 from minipar.reference import assert_same_training, sgd, train_reference
 from minipar.strategy import TrainResult

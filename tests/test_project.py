@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from minipar import exercise, grade
+from minipar.course import exercise, grade
 
 ROOT = Path(__file__).resolve().parent.parent
 CONDA_NAMES = {"torch": "pytorch"}
@@ -120,7 +120,7 @@ def test_stub_is_the_library_minus_its_marked_regions(key):
 
 
 def test_exercise_swaps_the_library_functions_and_restores_them():
-    """Inside ``minipar.exercise`` the library's own function object runs the stub (or the
+    """Inside ``minipar.course.exercise`` the library's own function object runs the stub (or the
     solution), through any reference to it; outside, the library's code is back."""
     import minipar
     from minipar import pipeline
@@ -134,17 +134,17 @@ def test_exercise_swaps_the_library_functions_and_restores_them():
             pipeline.make_schedule("1f1b", 4, 6)
         with minipar.exercise("ex04", target="solution"):        # nested: the innermost wins
             assert [(a.op, a.microbatch) for a in held(4, 6, 1)] == want
-            assert minipar.exercise.active() == [("ex04", "exercise"), ("ex04", "solution")]
+            assert minipar.course.exercise.active() == [("ex04", "exercise"), ("ex04", "solution")]
         with pytest.raises(NotImplementedError):
             held(4, 6, 1)
-    assert held.__code__ is code and minipar.exercise.active() == []
+    assert held.__code__ is code and minipar.course.exercise.active() == []
     with pytest.raises(ValueError, match="target"):
         minipar.exercise("ex04", target="mine").__enter__()
 
 
 def test_committed_exercises_and_solutions_are_generated():
-    """exercises/ and solutions/ are exactly what ``python -m minipar.exercise --write`` writes."""
-    out = subprocess.run([sys.executable, "-m", "minipar.exercise", "--check"], capture_output=True,
+    """exercises/ and solutions/ are exactly what ``python -m minipar.course.exercise --write`` writes."""
+    out = subprocess.run([sys.executable, "-m", "minipar.course.exercise", "--check"], capture_output=True,
                          text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     names = {p.name for folder in ("exercises", "solutions") for p in (ROOT / folder).glob("ex*.py")}

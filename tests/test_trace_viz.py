@@ -1,8 +1,8 @@
 """Trace bookkeeping (compute, comm, overlap, idle) and the figures built from it."""
 import plotly.graph_objects as go
 
-from minipar import viz
-from minipar.trace import Trace
+from minipar.runtime import viz
+from minipar.runtime.trace import Trace
 
 
 def _ev(rank, kind, name, s, e, sent=0, **labels):
@@ -73,7 +73,7 @@ def test_bubble_is_idle_over_the_union_of_compute():
 def test_marks_and_bytes_by_dimension():
     """trace.since(mark) returns only what was recorded after the mark; bytes add up by the
     events' dim label."""
-    from minipar import trace
+    from minipar.runtime import trace
     trace.start(0, barrier=False)
     trace.record("comm", "a", 0.0, 1.0, 10, dim="tp")
     m = trace.mark()
@@ -92,7 +92,9 @@ def _comm_events():
     import torch
     import torch.distributed as dist
 
-    from minipar import comm, trace
+    from minipar import comm
+
+    from minipar.runtime import trace
     g = dist.new_group([0, 1])
     comm.name_group(g, "tp")
     t = torch.ones(1000)

@@ -1,5 +1,5 @@
 """``python -m minipar.train``: checked before launching, trains like one process under
-minipar.launch, resumes on another mesh, and runs the same under two torchrun agents
+minipar.runtime.launch, resumes on another mesh, and runs the same under two torchrun agents
 (``--nnodes 2`` on one machine over loopback)."""
 import json
 import os
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from minipar import checkpoint, train
+from minipar.production import checkpoint, train
 from minipar.data import batches, corpus_tokens
 from minipar.models.gpt import GPT
 from minipar.reference import adamw, train_reference
@@ -93,11 +93,11 @@ def _free_port() -> int:
 def test_two_torchrun_agents_run_the_same_as_minipar_launch(tmp_path):
     """``torchrun --nnodes 2 --nproc_per_node 2`` (two agents, c10d rendezvous on
     127.0.0.1) trains dp=2, tp=2: it completes, shows the progress bar, gives exactly the
-    losses of the same command under minipar.launch, and matches one process."""
+    losses of the same command under minipar.runtime.launch, and matches one process."""
     out, ckpt = tmp_path / "torchrun.json", tmp_path / "ckpt"
     # two "nodes" on one machine: on the CPU (each agent would put its ranks on cuda:0, cuda:1)
     run = ["--dp", "2", "--tp", "2", "--steps", "6", "--batch-size", "8", "--device", "cpu"]
-    script = ["-m", "minipar.train", *run, "--checkpoint-dir", str(ckpt), "--out", str(out)]
+    script = ["-m", "minipar.production.train", *run, "--checkpoint-dir", str(ckpt), "--out", str(out)]
     port = _free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "minipar-test"]

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from minipar import checkpoint, train
+from minipar.production import checkpoint, train
 from minipar.data import batches, corpus_tokens
 from minipar.hybrid import experts
 from minipar.models.gpt import GPT
@@ -64,7 +64,7 @@ INCONSISTENT = [  # (argv, the option the message must name)
 def no_launch(monkeypatch):
     """Fails the test if a rank would start."""
     import importlib
-    module = importlib.import_module("minipar.launch")   # the module (minipar.launch is also the function)
+    module = importlib.import_module("minipar.runtime.launch")   # the module (minipar.launch is the function)
 
     def refuse(*a, **k):
         raise AssertionError("a rank was launched")
@@ -113,7 +113,7 @@ def test_paths_are_checked_without_creating_anything(capsys, tmp_path, no_launch
 @pytest.mark.parametrize("argv", [["--lr", "nan"], ["--n-experts", "4", "--top-k", "5"]])
 def test_the_command_exits_2_with_one_line(argv, tmp_path):
     """As a new user runs it: exit status 2, one line on stderr, no traceback, nothing written."""
-    done = subprocess.run([sys.executable, "-m", "minipar.train", *argv, "--out", str(tmp_path / "o.json")],
+    done = subprocess.run([sys.executable, "-m", "minipar.production.train", *argv, "--out", str(tmp_path / "o.json")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr

@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import cost, data, reference, trace
+from minipar.analysis import cost
+from minipar import data, reference
+from minipar.runtime import trace
 from minipar.models import GPT, GPTConfig
 from minipar.zero import (FullyShardedDataParallel, ReplicatedOptimizer, Zero2Optimizer, ZeroOptimizer,
                           clip_grad_norm_, full_state, fully_shard, padded_unit_sizes)

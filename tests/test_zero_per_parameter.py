@@ -11,7 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import minipar
-from minipar import cost, data, reference, trace
+from minipar.analysis import cost
+from minipar import data, reference
+from minipar.runtime import trace
 from minipar.models import GPT, GPTConfig
 from minipar.zero import (FullyShardedDataParallel, ReplicatedOptimizer, Zero2Optimizer,
                           ZeroOptimizer, clip_grad_norm_, fully_shard, full_state,

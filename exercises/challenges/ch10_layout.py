@@ -1,9 +1,9 @@
 """Challenge 10: choose a layout as good as the planner's, without the planner's search.
 
-``minipar.plan.search`` tries every combination of the knobs (dp, tp, pp, v, cp, ZeRO stage,
+``minipar.analysis.plan.search`` tries every combination of the knobs (dp, tp, pp, v, cp, ZeRO stage,
 micro-batch, recomputation) and ranks what fits. You know what each knob costs: use it.
 
-Write ``choose(model, cluster, nodes, global_batch, seq_len)``: a ``minipar.plan.Layout``
+Write ``choose(model, cluster, nodes, global_batch, seq_len)``: a ``minipar.analysis.plan.Layout``
 that uses all ``nodes × gpus_per_node`` GPUs of ``cluster`` for ``model`` (catalogue names,
 ``plan.MODELS`` and ``plan.CLUSTERS``). You may call ``plan.predict`` and
 ``plan.memory_per_gpu`` to compare candidates, but not ``plan.search`` (the grader disables
@@ -18,7 +18,7 @@ it while ``choose`` runs). The graded tests, for Llama 3 8B on 2 DGX H100 nodes 
 
 Grade it with ``python -m minipar.grade ex10`` (the core exercise, then this challenge).
 """
-from minipar import plan
+from minipar.analysis import plan
 
 
 def choose(model: str, cluster: str, nodes: int, global_batch: int, seq_len: int) -> "plan.Layout":

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import comm, cost
-from ..launch import launch
+from .. import comm
+from ..analysis import cost
+from ..runtime.launch import launch
 from .common import clock, here, one_gpu_per_rank, parser, report
 
 

@@ -9,8 +9,8 @@ from statistics import median  # noqa: F401 - the benchmarks import it from here
 import torch
 import torch.distributed as dist
 
-from ..backend import device as here  # this rank's device (minipar.device())
-from ..gpu import synchronize
+from ..runtime.backend import device as here  # this rank's device (minipar.device())
+from ..runtime.gpu import synchronize
 from ..strategy import to_device
 
 
@@ -28,7 +28,7 @@ def one_gpu_per_rank(ap: argparse.ArgumentParser, device: str, ranks: int) -> No
     """``--device cuda`` means NCCL with one GPU per rank: PyTorch's baselines have no path for
     CUDA tensors over Gloo (ranks sharing a GPU), so fewer GPUs than ``ranks`` is a plain
     error (exit code 2) before any process starts."""
-    from ..backend import gpu_count
+    from ..runtime.backend import gpu_count
     if device == "cuda" and (g := gpu_count()) < ranks:
         ap.error(f"--device cuda runs one GPU per rank over NCCL: {ranks} ranks need {ranks} GPUs, "
                  f"this machine has {g}. Use fewer ranks (--ranks), or --device cpu.")

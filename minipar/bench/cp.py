@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from .. import context_parallel as cpm
-from ..launch import launch
+from ..runtime.launch import launch
 from .common import backward_step, here, interleaved, median, parser, report
 
 

@@ -13,7 +13,8 @@ import gc
 import torch
 import torch.distributed as dist
 
-from .. import data, launch, trace
+from .. import data
+from ..runtime import launch, trace
 from ..models import GPT, GPTConfig
 from .common import median, parser, report, step_blocks, to_here
 

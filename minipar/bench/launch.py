@@ -1,4 +1,4 @@
-"""Launch cost: ``minipar.launch`` against ``torch.multiprocessing.spawn``.
+"""Launch cost: ``minipar.runtime.launch`` against ``torch.multiprocessing.spawn``.
 
 Each measurement runs in a fresh Python process that has already imported torch (as a notebook
 kernel has): the time of minipar's first launch (cold: forkserver and pool start), of its next launch
@@ -55,14 +55,14 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     n, reps = a.ranks, (1 if a.quick else a.repeats)
     got: dict[str, list] = {"minipar": [], "spawn": []}
-    from ..rendezvous import free_port as _free_port  # noqa: PLC0415
+    from ..runtime.rendezvous import free_port as _free_port  # noqa: PLC0415
     interleaved({"minipar": lambda: got["minipar"].append(_run(_MINIPAR.format(n=n))),
                  "spawn": lambda: got["spawn"].append(
                      _run(_SPAWN.format(n=n, port=_free_port())))}, repeats=reps, warmup=0)
     cold, warm = (median([g[k] for g in got["minipar"]]) for k in ("cold", "warm"))
     spawn = median([g["spawn"] for g in got["spawn"]])
     rows = [{"launcher": name, "ranks": n, "seconds": t, "vs spawn": t / spawn}
-            for name, t in (("minipar.launch, first (cold)", cold), ("minipar.launch, again (warm)", warm),
+            for name, t in (("minipar.runtime.launch, first (cold)", cold), ("minipar.runtime.launch, again (warm)", warm),
                             ("torch.multiprocessing.spawn", spawn))]
     result = {"benchmark": "launch", "ranks": n, "baseline": "torch.multiprocessing.spawn",
               "minipar_cold_s": cold, "minipar_warm_s": warm, "spawn_s": spawn,

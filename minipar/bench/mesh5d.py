@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import hybrid, trace
+from .. import hybrid
+from ..runtime import trace
 from ..data import batches, synthetic_tokens
-from ..launch import launch
+from ..runtime.launch import launch
 from ..mesh import ProcessMesh
 from ..models.gpt import GPT, GPTConfig
 from ..reference import adamw

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import expert_parallel as xp
-from ..launch import launch
+from ..runtime.launch import launch
 from ..models.moe import MoE, route
 from .common import backward_step, interleaved, median, parser, report, to_here
 

@@ -24,7 +24,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .. import data, launch, trace
+from .. import data
+from ..runtime import launch, trace
 from ..models import GPT, GPTConfig, lm_loss
 from ..pipeline import Pipeline, WeightGrads, build_stages, deferred, layer_costs, make_schedule, partition
 from ..pipeline.train import boundary_shapes

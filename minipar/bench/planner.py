@@ -1,8 +1,8 @@
 """``python -m minipar.bench planner``: the planner's predicted step time against measured ones, here.
 
-The planner is calibrated on this machine (:func:`minipar.plan.measure_machine`: α-β of Gloo's
+The planner is calibrated on this machine (:func:`minipar.analysis.plan.measure_machine`: α-β of Gloo's
 all-reduce, GEMM FLOP/s by shape, memory bandwidth, one block's dispatch overhead), then predicts
-one data-parallel training step of a GPT (:func:`minipar.plan.predict`, fp32, the gradients
+one data-parallel training step of a GPT (:func:`minipar.analysis.plan.predict`, fp32, the gradients
 all-reduced behind the backward). The same step is timed with minipar's DDP and PyTorch's
 DistributedDataParallel (the loop of ``python -m minipar.bench ddp``: same GPT, same batches,
 alternating blocks of steps, medians). ``ratio`` is minipar / PyTorch, measured; ``error`` is
@@ -10,7 +10,8 @@ predicted / measured - 1 for each, nothing fitted to either.
 """
 from __future__ import annotations
 
-from .. import launch, plan
+from ..runtime import launch
+from ..analysis import plan
 from ..models import GPTConfig
 from .common import median, parser, report
 from .ddp import _rank

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from .. import tensor_parallel as tp
-from ..launch import launch
+from ..runtime.launch import launch
 from ..models import Block, GPTConfig
 from .common import backward_step, here, interleaved, median, parser, report, to_here
 

@@ -28,8 +28,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from .. import data, trace
-from ..gpu import peak_memory
+from .. import data
+from ..runtime import trace
+from ..runtime.gpu import peak_memory
 from ..models import GPT, GPTConfig
 from ..zero import FullyShardedDataParallel, ZeroOptimizer, full_state, fully_shard
 from .common import here, median, parser, report, step_blocks, to_here, train_step
@@ -121,7 +122,7 @@ def _rank(cfg: GPTConfig, batch: int, steps: int, repeats: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    from ..launch import launch
+    from ..runtime.launch import launch
     p = parser("zero", __doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=None)
     a = p.parse_args(argv)

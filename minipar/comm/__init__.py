@@ -1,5 +1,5 @@
 """Communication in minipar: recorded point-to-point calls, ring/tree/halving-doubling collectives
-built from them, and the backend's own collectives; all write ``comm`` events to :mod:`minipar.trace`."""
+built from them, and the backend's own collectives; all write ``comm`` events to :mod:`minipar.runtime.trace`."""
 from .native import all_gather, all_reduce, all_to_all_single, reduce_scatter
 from .p2p import (Handle, exchange, global_rank, group_name, group_rank, group_size, irecv,
                   isend, name_group, recv, send, start_exchange)

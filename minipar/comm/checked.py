@@ -18,17 +18,17 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .. import flight
+from ..production import flight
 
 ENV = "MINIPAR_CHECKED_COMM"
 _TAG_SENDS, _TAG_EXPECTS = 31_001, 31_002
 
 
 def enabled() -> bool:
-    """True while grading or while an exercise is active (``minipar.exercise``)."""
+    """True while grading or while an exercise is active (``minipar.course.exercise``)."""
     if os.environ.get(ENV) == "1":
         return True
-    ex = sys.modules.get("minipar.exercise")
+    ex = sys.modules.get("minipar.course.exercise")
     return bool(ex is not None and ex.active())
 
 

@@ -2,7 +2,7 @@
 
 The strategies call these for speed: the same operations as :mod:`minipar.comm.ring`, run by
 the backend's optimised code. The backend does not report what it sent, so each event records
-the bytes the **ring algorithm** would send (:func:`minipar.cost.collective_bytes`), the figure
+the bytes the **ring algorithm** would send (:func:`minipar.analysis.cost.collective_bytes`), the figure
 the literature's formulas use. Only the forms Gloo accepts are used: flat (1-D) tensors for
 all-gather and reduce-scatter, equal sizes on every rank, and SUM (averaging divides afterwards).
 """
@@ -13,8 +13,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import trace
-from ..cost import collective_bytes
+from ..runtime import trace
+from ..analysis.cost import collective_bytes
 from . import staging
 from .p2p import Handle, _labels, device_clock, group_size, nbytes
 

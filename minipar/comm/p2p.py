@@ -1,7 +1,7 @@
 """Point-to-point communication, recorded.
 
 Thin wrappers over ``torch.distributed.isend/irecv`` that write every transfer to the rank's
-trace (:mod:`minipar.trace`) as a ``comm`` event with its bytes, start and end, labelled with
+trace (:mod:`minipar.runtime.trace`) as a ``comm`` event with its bytes, start and end, labelled with
 its group's mesh dimension (``dim``, :func:`name_group`). Ranks are *group-local* (rank 0 of a
 tensor-parallel group, say); they become global ranks here, once. An event ends when its
 transfer completed, stamped by a callback on the work's future where the backend has one
@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import flight, trace
+from ..production import flight
+from ..runtime import trace
 from . import checked, staging
 
 

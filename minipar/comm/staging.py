@@ -1,6 +1,6 @@
 """GPU tensors over Gloo: staged through pinned host memory, and recorded as such.
 
-When ranks share one GPU (:func:`minipar.backend.place`) they compute on CUDA tensors but talk
+When ranks share one GPU (:func:`minipar.runtime.backend.place`) they compute on CUDA tensors but talk
 over Gloo, which moves CPU memory: every :mod:`minipar.comm` call copies its CUDA input into a
 page-locked (pinned) host buffer, runs on it and copies the result back::
 
@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .. import trace
+from ..runtime import trace
 
 _BACKENDS: dict = {}
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm, trace
+from .. import comm
+from ..runtime import trace
 from .blocks import attention_block, attention_block_backward, merge_partials
 
 PARTS = ("full", "causal", "skip", "kv_front", "q_back")

@@ -11,7 +11,8 @@ import time
 
 import torch.distributed as dist
 
-from .. import comm, strategy, trace
+from .. import comm, strategy
+from ..runtime import trace
 from ..data import shard
 from ..mesh import ProcessMesh
 from ..models.recompute import check_mode, set_recompute

@@ -13,7 +13,8 @@ from contextlib import nullcontext
 
 import torch
 
-from .. import strategy, trace
+from .. import strategy
+from ..runtime import trace
 from ..precision import autocast
 from ..reference import sgd
 from .ddp import DistributedDataParallel

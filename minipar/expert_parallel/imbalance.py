@@ -10,7 +10,7 @@ The auxiliary loss E·Σ f_i P_i (Switch Transformer eq. 4) pushes the first tow
 """
 from __future__ import annotations
 
-from ..trace import Trace
+from ..runtime.trace import Trace
 
 
 def load_imbalance(counts) -> float:

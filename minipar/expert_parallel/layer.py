@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .. import comm, trace
+from .. import comm
+from ..runtime import trace
 from ..models.moe import MoE, capacity, keep_within_capacity, route
 from .all_to_all import all_to_all
 from .dispatch import count_tokens, kept_counts, permutation, split_sizes

@@ -4,8 +4,8 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .. import cost
-from ..viz import color
+from ..analysis import cost
+from ..runtime.viz import color
 from .groups import ep_layout
 from .imbalance import load_imbalance
 

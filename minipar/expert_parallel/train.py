@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from .. import comm, strategy, trace
+from .. import comm, strategy
+from ..runtime import trace
 from ..data import shard
 from ..models.moe import MoE, moe_layers, moe_loss
 from ..precision import autocast

@@ -28,7 +28,7 @@ auxiliary loss counted per micro-batch (:mod:`.experts` defines the reference it
 ``zero=1`` everywhere, ``zero=2|3`` (``sharding="flat"|"per-parameter"``) on dp × tp
 (:mod:`.sharding`). ``mesh_coordinates`` and
 ``group_members`` (exercise 07) are re-exported from :mod:`minipar.mesh`."""
-from ..cost import hybrid_comm_bytes, hybrid_memory_per_rank
+from ..analysis.cost import hybrid_comm_bytes, hybrid_memory_per_rank
 from ..mesh import ProcessMesh, group_members, mesh_coordinates
 from .config import check, choose_config, num_layers, num_params, valid_configs
 from .model import HybridModel, build

@@ -6,11 +6,11 @@ parallelism, ZeRO 1-3, 2D and 3D), all in one launch, and returns one row per st
 
 * ``memory``: the model states (parameters, gradients, optimizer state) the busiest rank
   holds, counted tensor by tensor (:func:`minipar.zero.model_state_bytes`), beside the
-  formula (:func:`minipar.cost.hybrid_memory_per_rank`, :func:`minipar.cost.zero_bytes_per_rank`);
+  formula (:func:`minipar.analysis.cost.hybrid_memory_per_rank`, :func:`minipar.analysis.cost.zero_bytes_per_rank`);
 * ``sent``: bytes the busiest rank sent in one step (from its trace), beside the formula
-  (:func:`minipar.cost.hybrid_comm_bytes`, :func:`minipar.cost.zero_comm_bytes`);
+  (:func:`minipar.analysis.cost.hybrid_comm_bytes`, :func:`minipar.analysis.cost.zero_comm_bytes`);
 * ``bubble`` (pipelines only, else ``None``): the last step's measured bubble, idle over
-  compute time ``(T - c)/c`` averaged over the ranks (:meth:`minipar.trace.Trace.bubble`,
+  compute time ``(T - c)/c`` averaged over the ranks (:meth:`minipar.runtime.trace.Trace.bubble`,
   as in chapter 04), beside the schedule's ``(p-1)/m``;
 * ``step_ms``: the slowest rank's last step;
 * ``loss_error``: the largest difference from the single-process losses (it is all the same
@@ -21,11 +21,11 @@ import statistics
 
 import torch
 
-from .. import cost
-from ..launch import launch
+from ..analysis import cost
+from ..runtime.launch import launch
 from ..models.gpt import GPT
 from ..reference import train_reference
-from ..trace import Trace
+from ..runtime.trace import Trace
 from ..zero import train as zero_train
 from .config import check, num_params
 from .train import train as hybrid_train

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm, precision
-from ..backend import device as rank_device
+from ..runtime.backend import device as rank_device
 from ..data import shard
 from ..models.moe import MoE, moe_layers
 from ..reference import sgd
@@ -56,7 +56,7 @@ def train_reference(model, batches, make_optimizer=None, dp: int = 1, microbatch
     here = rank_device()
     if here.type != "cpu":   # a copy on the ranks' device, fp32 as they compute it (no TF32)
         import copy
-        from ..pool import deterministic_cuda
+        from ..runtime.pool import deterministic_cuda
         model = copy.deepcopy(model).to(here)
         deterministic_cuda()
     opt = (make_optimizer or sgd())(model.parameters())
@@ -142,7 +142,7 @@ def scale_expert_gradients(model, params: dict, factor: float) -> None:
 class Optimizers:
     """Several optimizers stepped as one (ZeRO-1 of the dense parameters over dp·cp and of the
     experts over expert-dp): ``parts``; ``optim``/``shards`` are the first part's (the
-    checkpoint reads every part, :func:`minipar.checkpoint.local_pieces`)."""
+    checkpoint reads every part, :func:`minipar.production.checkpoint.local_pieces`)."""
 
     def __init__(self, parts):
         self.parts = list(parts)

@@ -1,6 +1,6 @@
 """From the planner's layout to a run: the same five dimensions at toy size.
 
-:class:`minipar.plan.Layout` describes a production layout (say dp8 · tp8 · pp16 · cp2 · ep8
+:class:`minipar.analysis.plan.Layout` describes a production layout (say dp8 · tp8 · pp16 · cp2 · ep8
 with ZeRO-1 on 2048 GPUs); the mesh (:class:`~minipar.mesh.ProcessMesh`) and
 ``python -m minipar.train`` take the same dimensions. At toy size every dimension the layout
 uses keeps size 2 (so each of its groups, collectives and rules is exercised), those it does not
@@ -9,7 +9,7 @@ least are set back to 1, tensor then context parallelism (the notes say which). 
 (layers enough for the stages, heads enough for tp and cp, 2 experts per ep rank) trains on it:
 
     toy_options(layout) -> (GPTConfig, options for hybrid.run, notes)
-    toy_command(layout) -> ["python", "-m", "minipar.train", "--dp", "2", ...]
+    toy_command(layout) -> ["python", "-m", "minipar.production.train", "--dp", "2", ...]
     toy_run(layout, steps=3) -> {"result", "reference", "notes", "options"}
 
 What the mesh refuses is mapped to what it runs, and said: ZeRO-2/3 with a pipeline, context
@@ -60,7 +60,7 @@ def toy_options(layout, max_ranks: int = 8):
 def toy_command(layout, steps: int = 4, max_ranks: int = 8) -> list[str]:
     """The ``python -m minipar.train`` command line that trains ``layout`` at toy size."""
     config, o, _ = toy_options(layout, max_ranks)
-    argv = [sys.executable, "-m", "minipar.train", "--steps", str(steps)]
+    argv = [sys.executable, "-m", "minipar.production.train", "--steps", str(steps)]
     for k in ("dp", "cp", "pp", "tp", "ep", "zero", "microbatches", "virtual_stages", "schedule", "recompute"):
         argv += [f"--{k.replace('_', '-')}", str(o[k])]
     argv += ["--dtype", o["dtype"] or "fp32", "--batch-size", str(o["dp"] * o["microbatches"]),

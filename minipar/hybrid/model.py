@@ -29,8 +29,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from .. import comm, trace
-from ..backend import current_device
+from .. import comm
+from ..runtime import trace
+from ..runtime.backend import current_device
 from ..context_parallel import parallelize, sequence_positions, set_positions, shard_sequence
 from ..data import shard
 from ..mesh import ProcessMesh

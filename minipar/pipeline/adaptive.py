@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from .. import comm, strategy, trace
+from .. import comm, strategy
+from ..runtime import trace
 from ..comm import group_rank, group_size
 from ..models import lm_loss
 from ..reference import sgd

@@ -27,7 +27,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from .. import precision, trace
+from .. import precision
+from ..runtime import trace
 from ..comm import group_rank, group_size
 from ..models import lm_loss
 from . import stage_comm

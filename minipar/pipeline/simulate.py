@@ -4,8 +4,8 @@
 executor would, with fixed costs instead of a model: each rank walks its action list; a
 compute takes ``f``, ``b`` or ``w`` time units (times the stage's weight); a send is
 posted and never blocks; a receive blocks until the matching send happened plus
-``comm`` units. It returns a :class:`minipar.trace.Trace` with the same events as a
-measured run (one time unit is drawn as 1 ms), so ``minipar.viz.timeline`` draws both.
+``comm`` units. It returns a :class:`minipar.runtime.trace.Trace` with the same events as a
+measured run (one time unit is drawn as 1 ms), so ``minipar.runtime.viz.timeline`` draws both.
 
 If at some point every unfinished rank waits in a receive whose send is never reached,
 the schedule deadlocks: :func:`simulate` raises :class:`Deadlock` naming the stuck actions.
@@ -14,15 +14,15 @@ the schedule deadlocks: :func:`simulate` raises :class:`Deadlock` naming the stu
 :func:`bubble` is the theoretical bubble, relative to the ideal time (Narayanan et al.
 2021): for a rank that computes for ``c`` of a step's ``T`` time units, ``(T - c) / c``;
 GPipe and 1F1B give ``(p-1)/m`` when every stage costs the same
-(:func:`minipar.cost.bubble_fraction` has the formulas). The bubble of a measured run,
+(:func:`minipar.analysis.cost.bubble_fraction` has the formulas). The bubble of a measured run,
 with the same definition (``c`` the union of the rank's compute intervals), is the
-trace's own (:class:`minipar.trace.Trace`).
+trace's own (:class:`minipar.runtime.trace.Trace`).
 """
 from __future__ import annotations
 
 from itertools import accumulate
 
-from ..trace import Trace
+from ..runtime.trace import Trace
 from .schedules import COMPUTE, Schedule
 
 NAMES = {"F": "forward", "B": "backward", "W": "weight-grad"}

@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from .. import precision, strategy, trace
-from ..backend import device
+from .. import precision, strategy
+from ..runtime import trace
+from ..runtime.backend import device
 from ..comm import group_rank, group_size
 from ..models.recompute import check_mode
 from ..reference import sgd

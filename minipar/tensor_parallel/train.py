@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 
-from .. import precision, strategy, trace
+from .. import precision, strategy
+from ..runtime import trace
 from ..activations import SavedActivations
 from ..models.gpt import GPT
 from ..reference import sgd

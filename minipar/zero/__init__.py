@@ -9,7 +9,7 @@
 * :mod:`minipar.zero.reduce` — the gradient reduce path all stages share;
   :func:`clip_grad_norm_` — clipping by the global norm under any stage;
 * :mod:`minipar.zero.memory` — the bytes per component one rank holds
-  (:func:`minipar.cost.zero_bytes_per_rank`: the same from the paper's formulas).
+  (:func:`minipar.analysis.cost.zero_bytes_per_rank`: the same from the paper's formulas).
 """
 from .clip import clip_grad_norm_
 from .flat import FlatUnit, padded_size, shard_size, split_units

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .. import trace
+from ..runtime import trace
 from ..comm import all_gather, group_rank, group_size, reduce_scatter
 from .reduce import OrderedReduction
 from .persist import persistent_parameters

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .. import trace
+from ..runtime import trace
 from ..comm import all_gather
 from .flat import FlatUnit
 from .memory import state_tensors

@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from .. import precision, strategy, trace
+from .. import precision, strategy
+from ..runtime import trace
 from ..activations import SavedActivations
 from ..comm import group_rank, group_size
 from ..data import shard

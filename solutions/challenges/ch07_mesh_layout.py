@@ -2,9 +2,10 @@
 
 Filter by the two hard goals (memory, bubble), then take the fewest bytes: the cost functions
 are cheap, and the configurations of 8 ranks are a handful."""
-from minipar import cost, hybrid
+from minipar.analysis import cost
 
 
+from minipar import hybrid
 def layout(config, world_size, batch_size, microbatches, memory_per_rank):
     psi, best = hybrid.num_params(config), None
     for c in hybrid.valid_configs(config, world_size, batch_size, microbatches):

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import comm, trace
-from minipar.grading import expect_close, fail_if
+from minipar import comm
+from minipar.runtime import trace
+from minipar.course.grading import expect_close, fail_if
 
 CHALLENGE = "ch01_all_reduce"
 HINTS = {

@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import cost, data, reference, trace
+from minipar.analysis import cost
+from minipar import data, reference
+from minipar.runtime import trace
 from minipar.data_parallel import shard_batch
-from minipar.grading import expect_equal, fail_if
+from minipar.course.grading import expect_equal, fail_if
 from minipar.models import GPT, GPTConfig
 
 CHALLENGE = "ch02_overlap"

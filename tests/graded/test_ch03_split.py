@@ -7,7 +7,7 @@ micro-batch, the backward twice that). Goals: every rank's layers within the mem
 and an idle fraction of the step, 1 - Σ busy / (n · step), of at most 0.40.
 """
 from minipar import pipeline as pp
-from minipar.grading import fail_if
+from minipar.course.grading import fail_if
 
 CHALLENGE = "ch03_split"
 HINTS = {

@@ -8,7 +8,7 @@ activations (``pipeline.peak_stash``) and idle at most 0.22 of its busy time
 (``pipeline.bubble``; 1F1B: 0.375).
 """
 from minipar import pipeline as pp
-from minipar.grading import GradeFailure, fail_if
+from minipar.course.grading import GradeFailure, fail_if
 from minipar.pipeline.schedules import COMPUTE, Schedule, add_comms
 
 CHALLENGE = "ch04_schedule"

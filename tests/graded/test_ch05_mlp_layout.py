@@ -12,8 +12,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import minipar
-from minipar import cost, trace
-from minipar.grading import expect_close, fail_if
+from minipar.analysis import cost
+from minipar.runtime import trace
+from minipar.course.grading import expect_close, fail_if
 
 CHALLENGE = "ch05_mlp_layout"
 HINTS = {

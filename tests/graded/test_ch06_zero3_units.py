@@ -10,8 +10,9 @@ the recorded trace (four pieces per block: 40).
 import torch.distributed as dist
 
 import minipar
-from minipar import data, reference, strategy, trace
-from minipar.grading import GradeFailure, expect_equal
+from minipar import data, reference, strategy
+from minipar.runtime import trace
+from minipar.course.grading import GradeFailure, expect_equal
 from minipar.models import GPT, GPTConfig
 
 CHALLENGE = "ch06_zero3_units"

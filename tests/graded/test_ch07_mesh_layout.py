@@ -10,8 +10,10 @@ import dataclasses
 
 import pytest
 
-from minipar import cost, hybrid
-from minipar.grading import GradeFailure
+from minipar.analysis import cost
+
+from minipar import hybrid
+from minipar.course.grading import GradeFailure
 from minipar.models import GPTConfig
 
 CHALLENGE = "ch07_mesh_layout"

@@ -10,7 +10,7 @@ the mean there, zigzag on unequal chunks up to 1.17 ×.
 import torch
 
 from minipar import context_parallel as cpm
-from minipar.grading import GradeFailure, expect_close, expect_equal
+from minipar.course.grading import GradeFailure, expect_close, expect_equal
 
 CHALLENGE = "ch08_sequence_layout"
 CASES = [(48, 3), (50, 3), (77, 5), (90, 6), (37, 5), (200, 8)]

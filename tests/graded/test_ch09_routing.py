@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from minipar import data
-from minipar.grading import GradeFailure, expect_equal
+from minipar.course.grading import GradeFailure, expect_equal
 from minipar.models import GPT, GPTConfig
 
 CHALLENGE = "ch09_routing"

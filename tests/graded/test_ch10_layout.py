@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from minipar import plan
-from minipar.grading import GradeFailure
+from minipar.analysis import plan
+from minipar.course.grading import GradeFailure
 
 CHALLENGE = "ch10_layout"
 JOBS = [("llama3-8b", "dgx-h100", 2, 64, 8192), ("llama3-70b", "dgx-h100", 8, 512, 8192),
@@ -28,7 +28,7 @@ def _choose(challenge, job, monkeypatch):
     model, cluster, nodes, batch, seq = job
     with monkeypatch.context() as m:
         m.setattr(plan, "search", _no_search)
-        m.setattr(sys.modules["minipar.plan.search"], "search", _no_search)
+        m.setattr(sys.modules["minipar.analysis.plan.search"], "search", _no_search)
         lay = challenge.choose(model, cluster, nodes, batch, seq)
     if not isinstance(lay, plan.Layout):
         raise GradeFailure(f"{model} on {nodes} × {cluster}: choose returned {type(lay).__name__}, not a plan.Layout")

@@ -14,7 +14,7 @@ Every rank talks only to its two ring neighbours, each step sends one chunk and 
 one (``minipar.comm.exchange``, so the bytes are recorded), and each half takes n-1 steps.
 The invariant that makes it work, and the picture of the steps for n = 4, are in notebook
 01, "All-reduce around a ring"; the resulting cost is that every rank sends 2(n-1)/n of the
-tensor, whatever n (Patarasuk & Yuan 2009; ``minipar.cost.collective_bytes``).
+tensor, whatever n (Patarasuk & Yuan 2009; ``minipar.analysis.cost.collective_bytes``).
 
 Graded against Gloo's all-reduce on 2 to 4 ranks, and on the bytes each rank sends.
 Grade it with ``python -m minipar.grade ex01``; stuck? ``minipar.hint("ex01")``.
@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import comm, cost
-from minipar.grading import diagnose, expect, expect_close, expect_contributions, expect_equal
+from minipar import comm
+from minipar.analysis import cost
+from minipar.course.grading import diagnose, expect, expect_close, expect_contributions, expect_equal
 
 EXERCISE = "ex01_collectives"
 HINTS = {
@@ -140,7 +141,7 @@ def test_in_place_and_returned(impl):
 
 
 def _bytes_run(numel):
-    from minipar import trace
+    from minipar.runtime import trace
     x = torch.ones(numel)
     trace.start(dist.get_rank())  # count only the all-reduce
     comm.ring_all_reduce(x)

@@ -37,10 +37,12 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import cost, data, reference, trace
+from minipar.analysis import cost
+from minipar import data, reference
+from minipar.runtime import trace
 from minipar.data_parallel import (DistributedDataParallel, allreduce_gradients, assign_buckets,
                                    shard_batch, trainable)
-from minipar.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
 from minipar.models import GPT, MLP, GPTConfig
 
 EXERCISE = "ex02_data_parallel"

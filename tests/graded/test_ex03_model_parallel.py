@@ -26,12 +26,13 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import data, reference, trace
+from minipar import data, reference
+from minipar.runtime import trace
 from minipar import model_parallel as mpar
 from minipar import pipeline as pp
 from minipar import strategy
 from minipar.pipeline import stage_comm
-from minipar.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
 from minipar.models import GPT, LSTMLM, GPTConfig
 
 EXERCISE = "ex03_model_parallel"

@@ -29,9 +29,10 @@ import random
 import pytest
 
 import minipar
-from minipar import cost, data, reference, strategy
+from minipar.analysis import cost
+from minipar import data, reference, strategy
 from minipar import pipeline as pp
-from minipar.grading import diagnose, expect, expect_equal, expect_same_training, expect_schedule
+from minipar.course.grading import diagnose, expect, expect_equal, expect_same_training, expect_schedule
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex04_pipeline"

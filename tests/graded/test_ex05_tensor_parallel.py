@@ -30,9 +30,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import minipar
-from minipar import cost, trace
+from minipar.analysis import cost
+from minipar.runtime import trace
 from minipar import tensor_parallel as tp
-from minipar.grading import diagnose, expect, expect_close, expect_equal
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal
 
 EXERCISE = "ex05_tensor_parallel"
 HINTS = {

@@ -34,8 +34,10 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import cost, data, reference, trace, zero
-from minipar.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
+from minipar.analysis import cost
+from minipar import data, reference, zero
+from minipar.runtime import trace
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex06_zero"

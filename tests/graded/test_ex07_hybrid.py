@@ -30,7 +30,7 @@ import dataclasses
 
 import minipar
 from minipar import data, hybrid, mesh, reference
-from minipar.grading import diagnose, expect, expect_equal, expect_same_training
+from minipar.course.grading import diagnose, expect, expect_equal, expect_same_training
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex07_hybrid"

@@ -31,7 +31,7 @@ import torch
 import minipar
 from minipar import comm, data, reference
 from minipar import context_parallel as cpm
-from minipar.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex08_context_parallel"
@@ -189,7 +189,7 @@ def test_documented_merge_formula_passes(impl):
     """The merge formula the notebook documents, coded literally, meets this file's tolerance
     (rtol = atol = 1e-5) on the test cases above, log-sum-exps near 1000 included, and your
     merge_partials agrees with it."""
-    from minipar.grading import expect_close
+    from minipar.course.grading import expect_close
     q, k, v, _ = _qkv()
     o, lse = cpm.attention_block(q, k, v)
     a = cpm.attention_block(q, k[..., :10, :], v[..., :10, :])

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import minipar
 from minipar.expert_parallel import ExpertParallelMoE, count_tokens, permutation, split_sizes
-from minipar.grading import diagnose, expect, expect_close, expect_equal
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal
 from minipar.models.moe import MoE
 
 EXERCISE = "ex09_expert_parallel"

@@ -1,7 +1,7 @@
 """Exercise 10: where the memory of one GPU goes, for one parallel layout.
 
 ``memory_per_gpu(model, layout, seq_len, global_batch)`` returns the bytes on the busiest
-GPU by component; the planner (``minipar.plan.predict`` and ``search``) rejects every layout
+GPU by component; the planner (``minipar.analysis.plan.predict`` and ``search``) rejects every layout
 whose total does not fit. You write its heart: ``params``, ``grads``, ``optimizer`` and
 ``activations``. The pieces exist already: ``model_state_bytes(model, layout)`` (the ZeRO
 formulas on this GPU's share), ``layer_activation_bytes(model, layout, seq_len)`` (one layer,
@@ -24,8 +24,8 @@ import math
 
 import pytest
 
-from minipar import cost, plan
-from minipar.grading import expect_equal
+from minipar.analysis import cost, plan
+from minipar.course.grading import expect_equal
 
 EXERCISE = "ex10_planning"
 HINTS = {

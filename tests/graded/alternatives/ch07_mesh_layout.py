@@ -5,9 +5,10 @@ parallelism's all-reduces in every layer, and it divides the model states as wel
 its price is the bubble. So: the deepest pipeline the bubble allows ((p-1)/m <= 0.5),
 then the least tp that makes the model states fit, and data parallelism for the rest. The
 model's own limits (heads divisible by tp, layers by pp) come from ``hybrid.valid_configs``."""
-from minipar import cost, hybrid
+from minipar.analysis import cost
 
 
+from minipar import hybrid
 def layout(config, world_size, batch_size, microbatches, memory_per_rank):
     psi = hybrid.num_params(config)
     valid = hybrid.valid_configs(config, world_size, batch_size, microbatches)

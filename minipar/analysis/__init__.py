@@ -1,0 +1,1 @@
+"""The cost model (formulas per dimension) and the planner that searches layouts."""

@@ -1,0 +1,89 @@
+"""The planner on the course's own runs: chapter 07's comparison table, predicted.
+
+:func:`predict_compare` predicts every row of :func:`minipar.hybrid.compare` (same GPT, batch
+and strategies) before it runs:
+
+* **memory** (the busiest rank's model states, fp32 AdamW: 4 + 4 + 8 bytes per element),
+  exactly, from the GPT's parameter shapes: each layer's elements on a rank (its tensor-parallel
+  shard, :func:`minipar.tensor_parallel.shard`; layer norms, row-parallel biases and position
+  embeddings replicated), each pipeline stage's layers (:func:`minipar.pipeline.partition` by
+  parameter count, as the runs cut them), and ZeRO's per-layer shards padded to a multiple of
+  the data-parallel size (:func:`minipar.analysis.cost.zero_bytes_per_rank` on the layers' sizes);
+* **step time** from :func:`minipar.analysis.plan.step_time` on the machine
+  :func:`minipar.analysis.plan.measure_machine` measured, as a ranking (:func:`spearman`: the rank
+  correlation of predicted and measured step times). On a CPU each collective call's software
+  cost dominates a tiny model's step: :func:`fit_call_overhead` fits that one number on one
+  measured strategy (as Table 1's efficiency is fitted on published rows), the rest is predicted.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .. import cost
+from ...models.gpt import GPT
+from ...pipeline import layer_costs, partition
+from ...tensor_parallel.gpt import shard
+from .layout import Layout
+from .models import from_gpt_config
+from .step_time import step_time
+
+
+def layer_elements(config, tp: int) -> list[int]:
+    """Elements of each layer (embed, blocks, head) on one tensor-parallel rank."""
+    gpt = GPT(config)
+    names = {id(p): n for n, p in gpt.named_parameters()}
+    return [sum(shard(names[id(p)], p.detach(), tp, 0).numel() for p in layer.parameters())
+            for layer in gpt.layers()]
+
+
+def exact_memory(config, spec: dict) -> int:
+    """Model-state bytes of the busiest rank of a :func:`minipar.hybrid.strategies` spec
+    (``dp``, ``pp``, ``tp``, ``zero``), fp32 AdamW."""
+    d, p, t, z = spec["dp"], spec["pp"], spec["tp"], spec["zero"]
+    units = layer_elements(config, t)
+    bounds = partition(layer_costs(GPT(config).layers()), p)
+    stages = [units[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    if z == 0 or d == 1:
+        return max(16 * sum(s) for s in stages)
+    return max(int(cost.zero_bytes_per_rank(s, d, z, k=8, dtype_bytes=4)["total"]) for s in stages)
+
+
+def layout_of(spec: dict, batch: int) -> Layout:
+    d, m = spec["dp"], spec["m"]
+    return Layout(dp=d, tp=spec["tp"], pp=spec["pp"], zero=spec["zero"], micro_batch=max(1, batch // (d * m)),
+                  dtype="fp32", sequence_parallel=False, overlap_dp=False)
+
+
+def predict_compare(config, batch: int, specs: dict[str, dict], cluster) -> list[dict]:
+    """One row per strategy: ``{"strategy", "memory", "step_ms", "parts"}`` predicted."""
+    spec_m = from_gpt_config(config)
+    rows = []
+    for name, spec in specs.items():
+        lay = layout_of(spec, batch)
+        t = step_time(spec_m, lay, cluster, config.block_size, batch)
+        rows.append({"strategy": name, "memory": exact_memory(config, spec), "step_ms": 1e3 * t["total"],
+                     "parts": {"compute": t["compute"], "bubble": t["bubble"],
+                               **{k: c["exposed"] for k, c in t["comm"].items()}}})
+    return rows
+
+
+def fit_call_overhead(config, batch: int, specs: dict[str, dict], cluster, measured_ms: float,
+                      on: str = "TP"):
+    """The cluster with ``call_overhead`` such that strategy ``on`` takes ``measured_ms``
+    (the prediction is linear in it: seconds = without + overhead · calls)."""
+    base = predict_compare(config, batch, {on: specs[on]}, cluster)[0]["step_ms"]
+    one = replace(cluster, call_overhead=cluster.call_overhead + 1e-3)
+    slope = predict_compare(config, batch, {on: specs[on]}, one)[0]["step_ms"] - base   # ms per ms of overhead
+    k = cluster.call_overhead + 1e-3 * max(measured_ms - base, 0.0) / slope if slope > 0 else cluster.call_overhead
+    return replace(cluster, call_overhead=k)
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (ties get their mean rank)."""
+    def ranks(x):   # 0-based: values below, plus the mean place among the equal ones
+        return [sum(y < v for y in x) + (sum(y == v for y in x) - 1) / 2 for v in x]
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    den = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return num / den if den else 0.0

@@ -1,0 +1,107 @@
+"""Memory per GPU of one layout, by component.
+
+* **Model states** (Rajbhandari et al. 2020, ZeRO, §3.1 and §5): a GPU holds Ψ_local = Ψ/(tp·pp)
+  of the dense parameters and Ψ_experts/(tp·pp·ep) of the experts'. Mixed precision keeps
+  16-bit parameters and gradients (2 + 2 bytes) and an fp32 master copy with Adam's two moments
+  (K = 12 bytes); fp32 4 + 4 and K = 8. ZeRO stage 1/2/3 divides the optimizer state / +
+  gradients / + parameters by the data-parallel ranks (dp·cp, or dp·cp/ep for the experts):
+  :func:`minipar.analysis.cost.zero_bytes_per_rank`.
+* **Activations** (Korthikanti et al. 2022, §4-5): per layer and micro-batch
+  :func:`minipar.analysis.cost.recompute_activation_bytes` — ``sbh(34 + 5as/h)`` and its TP, SP,
+  selective and full forms — on the GPU's s/cp tokens, terms scaled to the model's shape
+  (grouped-query K and V, the MLP's width and gating). The first pipeline stage holds the most:
+  ``peak_activations(schedule, p, m, 0, v)/v`` stages' worth of micro-batches of its ``l/p``
+  layers (Narayanan et al. 2021, §2.2). Full recomputation rebuilds one layer at a time in
+  backward: one layer's "none" activations more. The last stage also holds one micro-batch's
+  fp32 logits, ``4·s·b·V/t``.
+* **Attention** (``layout.attention``, :mod:`minipar.analysis.plan.roofline`): ``"materialized"`` keeps
+  Korthikanti et al.'s ``5as/h`` terms (the a·s² scores, their dropout mask and output);
+  ``"flash"`` (Dao et al. 2022) keeps Q, K, V, O, which the terms above already count, and the
+  per-row log-sum-exp, ``4·a·s·b/t`` bytes (fp32): no s² term, so selective recomputation
+  has nothing left to drop. ``"auto"`` here, where no accelerator is named, is materialized;
+  :func:`minipar.analysis.plan.predict` resolves it for its GPU first.
+* **Communication buffers**: a 25 MB gradient bucket with dp > 1 (PyTorch DDP's default), a
+  sequence-parallel layer's all-gathered (s, b, h) input, a pipeline stage's two boundary
+  activations, and ZeRO-3's one gathered layer.
+"""
+from __future__ import annotations
+
+import math
+
+from ..cost.pipeline import peak_activations
+from ..cost.recompute import ATTENTION_TERMS
+from ..cost.tensor_parallel import activation_terms
+from ..cost.zero import zero_bytes_per_rank
+from .layout import Layout
+from .models import ModelSpec
+
+BUCKET = 25e6
+
+
+def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
+    """Bytes one layer keeps per micro-batch on one GPU (Korthikanti et al.'s terms, shaped
+    for ``model``; for a GPT they are exactly :func:`minipar.analysis.cost.recompute_activation_bytes`)."""
+    L, h = layout, model.hidden
+    s, e, t = seq_len // L.cp, L.bytes_per_element, L.tp
+    if L.recompute == "full":
+        return e * s * L.micro_batch * h / (t if L.sp else 1)
+    terms = activation_terms(s, L.micro_batch, h, model.n_head, t, L.sp,
+                             bytes_per_element=e, dropout=model.dropout)
+    terms["Q, K, V"] *= (h + 2 * model.kv_dim) / (3 * h)
+    terms["GeLU input and output"] *= (model.ffn_width / (4 * h)) * (1.5 if model.gated else 1.0) * model.top_k
+    flash = L.attention_on() == "flash"
+    for k in ATTENTION_TERMS:            # each GPU's s/cp queries against all s keys
+        if k in terms:
+            terms[k] = 0.0 if L.recompute == "selective" or flash else terms[k] * L.cp
+    if flash:                            # the per-row log-sum-exp, fp32, per head
+        terms["log-sum-exp"] = 4 * s * L.micro_batch * model.n_head / t
+    return sum(terms.values())
+
+
+def model_state_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
+    """``{"params", "grads", "optimizer"}`` bytes per GPU (ZeRO formulas on the local share)."""
+    L, e = layout, layout.bytes_per_element
+    k = 12 if e == 2 else 8
+    experts = model.n_layer * model.n_experts * model.expert_params() if model.n_experts > 1 else 0
+    dense = model.num_params() - experts
+    parts = [zero_bytes_per_rank(dense / (L.tp * L.pp), L.dp * L.cp, L.zero, k, e, padded=False)]
+    if experts:
+        parts.append(zero_bytes_per_rank(experts / (L.tp * L.pp * L.ep), L.dp * L.cp // L.ep,
+                                         L.zero, k, e, padded=False))
+    return {c: sum(p[c] for p in parts) for c in ("params", "grads", "optimizer")}
+
+
+def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch: int) -> dict[str, float]:
+    """Bytes on the busiest GPU: ``{"params", "grads", "optimizer", "activations", "buffers", "total"}``
+    (formulas in the module docstring)."""
+    L = layout
+    # >>> ex10 A
+    out = model_state_bytes(model, L)
+    m = L.microbatches(global_batch)
+    layers = math.ceil(model.n_layer / L.pp)
+    in_flight = peak_activations(L.schedule, L.pp, m, 0, L.v) / L.v
+    per_layer = layer_activation_bytes(model, L, seq_len)
+    act = in_flight * layers * per_layer
+    if L.recompute == "full":                 # the layer rebuilt during backward
+        act += layer_activation_bytes(model, L.replace(recompute="none"), seq_len)
+    logits = 4 * (seq_len // L.cp) * L.micro_batch * model.vocab / L.tp
+    last = (1 if L.pp > 1 else in_flight) * layers * per_layer + logits
+    out["activations"] = max(act + (logits if L.pp == 1 else 0.0), last)
+    # <<< ex10 A
+    out["buffers"] = comm_buffer_bytes(model, L, seq_len)
+    out["total"] = sum(out.values())
+    return out
+
+
+def comm_buffer_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
+    """The buffers collectives need beside the model states and activations (docstring)."""
+    L = layout
+    e, sbh = L.bytes_per_element, (seq_len // L.cp) * L.micro_batch * model.hidden
+    out = BUCKET if L.dp * L.cp > 1 else 0.0
+    if L.tp > 1:
+        out += e * sbh
+    if L.pp > 1:
+        out += 2 * e * sbh / (L.tp if L.sp else 1)
+    if L.zero == 3:
+        out += e * (model.num_params() / model.n_layer) / L.tp
+    return out

@@ -1,0 +1,157 @@
+"""Communication per dimension, and how much of it the schedule hides behind compute.
+
+α-β on the link the group uses (:meth:`Cluster.link`); each dimension overlaps what its
+schedule lets it overlap, the compute windows timed by the roofline (:mod:`.roofline`),
+and pays the rest ("exposed"):
+
+=====  ==============================================  =============================================
+dim    bytes per GPU and step                          overlapped with / exposed
+=====  ==============================================  =============================================
+tp     m·l/p · :func:`~minipar.analysis.cost.tp_comm_bytes_      nothing: Megatron-LM's all-reduces (or SP's
+       per_layer` (×1.5 with full recomputation)       gathers and scatters) sit between the GEMMs
+                                                       that need them (Shoeybi et al. 2019, §3)
+cp     per layer pass (cp-1) K,V blocks forward,        ring attention (Liu et al. 2023, §3.1): step
+       2(cp-1) backward (K,V and dK,dV), each           i's transfer runs behind block i's attention,
+       ``2·(s/cp)·b·kv/tp`` elements                    so each step pays ``max(0, t_send - t_block)``;
+                                                       t_block = the layer's attention (roofline) / cp
+ep     4 all-to-alls of ``top_k·(s/cp)·b·h`` per MoE    nothing (dispatch and combine wait for them)
+       layer and micro-batch, (ep-1)/ep leaves the GPU
+pp     one activation each way per micro-batch and      steady-state sends run behind the other
+       virtual stage                                   micro-batches; the fill and drain's 2(p-1)
+                                                       messages are exposed
+dp     :func:`~minipar.analysis.cost.zero_comm_bytes` of the     ZeRO 0-2: gradients reduced in 25 MB buckets
+       local Ψ (16-bit gradients; ZeRO-3 ×m)           as the last micro-batch's backward produces
+                                                       them (PyTorch DDP, Li et al. 2020, §3.2.3):
+                                                       bucket i is ready after (i+1)/k of the
+                                                       backward, the link is serial, the tail after
+                                                       the backward is exposed; ZeRO-1/2's parameter
+                                                       all-gather after the step is exposed. ZeRO-3:
+                                                       layer i+1's gather prefetched behind layer i's
+                                                       forward, gather + reduce-scatter behind its
+                                                       backward (FSDP), for every micro-batch: per
+                                                       layer ``max(0, c - t)``, plus the first gather. ``overlap_dp=False``:
+                                                       all exposed (Megatron-LM 2021 with pp > 1)
+=====  ==============================================  =============================================
+
+**Hidden is not free.** An overlapped transfer still reads its bytes from HBM and writes what it
+receives there while the compute it hides behind runs (and NCCL's kernels take SMs): each
+hidden byte charges ``2/HBM bandwidth`` seconds (Pati et al. 2024, "T3: Transparent Tracking &
+Triggering for Fine-grained Overlap of Compute & Collectives", §2.3: overlapped collectives
+slow the GEMMs they overlap by contending for memory bandwidth). So two layouts tie only
+when they do the same work.
+
+A cluster's ``call_overhead`` (software seconds per round of a collective: 0 for the catalogue's
+GPU clusters, milliseconds on a loaded CPU, where each of a ring's rounds waits for a peer the
+scheduler may have set aside) is charged per round and never hidden: a ring all-reduce over k
+ranks has 2(k-1) rounds, a gather, scatter or all-to-all k-1, a message one. Calls per step:
+per layer and micro-batch 4 all-reduces (10 gathers/scatters with SP) plus 4 for the embedding
+and the loss, one per bucket for DP, two (three for ZeRO-3, per micro-batch) per layer for ZeRO,
+two messages per micro-batch for PP.
+"""
+from __future__ import annotations
+
+import math
+
+from ..cost.tensor_parallel import tp_comm_bytes_per_layer
+from ..cost.zero import zero_comm_bytes
+from .layout import Layout
+from .memory import BUCKET
+from .models import ModelSpec
+
+
+def _time(nbytes: float, messages: float, link: tuple[float, float], calls: float = 0.0,
+          call_overhead: float = 0.0) -> float:
+    alpha, beta = link
+    return messages * alpha + nbytes * beta + calls * call_overhead
+
+
+def bucketed(total: float, buckets: int, window: float) -> float:
+    """Exposed seconds of ``buckets`` equal transfers (``total`` seconds in all) on one serial link,
+    bucket i ready at ``(i+1)/buckets`` of a ``window`` of compute: the time past the window."""
+    t, c = 0.0, total / buckets
+    for i in range(buckets):
+        t = max(t, window * (i + 1) / buckets) + c
+    return max(0.0, t - window)
+
+
+def comm_times(model: ModelSpec, layout: Layout, cluster, seq_len: int, global_batch: int,
+               compute: dict) -> dict[str, dict[str, float]]:
+    """``{dim: {"bytes", "seconds", "exposed", "link", ...}}`` per GPU and step (table above);
+    ``compute`` the per-pass seconds of :func:`minipar.analysis.plan.step_time.compute_times`."""
+    L, e, k = layout, layout.bytes_per_element, cluster.call_overhead
+    m, s = L.microbatches(global_batch), seq_len // L.cp
+    layers = math.ceil(model.n_layer / L.pp)
+    n, sbh = m * layers, s * L.micro_batch * model.hidden     # n: layer passes of one stage per step
+    rc = 1 if L.recompute == "full" else 0
+    out = {}
+
+    def link_name(dim):
+        return cluster.gpu.link if L.span(dim) <= cluster.gpus_per_node else cluster.network
+
+    if L.tp > 1:
+        f = 1.5 if rc else 1   # full recomputation reruns the forward's all-reduces
+        per = f * tp_comm_bytes_per_layer(L.micro_batch, s, model.hidden, L.tp, e, L.sp)
+        steps = f * ((10 if L.sp else 8) * (L.tp - 1))  # ring steps: 10 gathers/scatters or 4 all-reduces
+        calls = n * (10 if L.sp else 4) * f + 4 * m     # + embedding, loss
+        rounds = calls * (L.tp - 1) * (1 if L.sp else 2)   # a ring all-reduce: 2(t-1) rounds, gather/scatter t-1
+        sec = _time(n * per, n * steps, cluster.link(L.span("tp")), rounds, k)
+        out["tp"] = {"bytes": n * per, "seconds": sec, "exposed": sec, "calls": calls}
+    if L.cp > 1:
+        msg = 2 * s * L.micro_batch * model.kv_dim / L.tp * e
+        link = cluster.link(L.span("cp"))
+        send = _time(msg, 1, link, 1, k)
+        fwd_block, bwd_block = compute["attention_fwd"] / L.cp, compute["attention_bwd"] / L.cp
+        per_pass = (1 + rc) * (L.cp - 1) * max(0.0, send - fwd_block) + (L.cp - 1) * max(0.0, 2 * send - bwd_block)
+        msgs = (3 + rc) * (L.cp - 1)
+        out["cp"] = {"bytes": n * msgs * msg, "seconds": n * msgs * send, "exposed": n * per_pass,
+                     "calls": n * msgs}
+    if L.ep > 1:
+        per = 4 * (L.ep - 1) / L.ep * model.top_k * sbh * e / L.tp
+        sec = _time(n * per, n * 4 * (L.ep - 1), cluster.link(L.span("ep")), 4 * n * (L.ep - 1), k)
+        out["ep"] = {"bytes": n * per, "seconds": sec, "exposed": sec, "calls": 4 * n}
+    if L.pp > 1:
+        msg, calls = e * sbh / (L.tp if L.sp else 1), 2 * m * L.v   # one activation each way
+        link = cluster.link(L.span("pp"))
+        sec = _time(calls * msg, calls, link, calls, k)
+        out["pp"] = {"bytes": calls * msg, "seconds": sec, "calls": calls,   # software is never hidden
+                     "exposed": _time(2 * (L.pp - 1) * msg, 2 * (L.pp - 1), link, calls, k)}
+    n_dp = L.dp * L.cp
+    if n_dp > 1:
+        out["dp"] = _dp(model, L, cluster, n_dp, layers, compute)
+    for dim, c in out.items():
+        c["link"] = link_name(dim)
+        hidden = c["bytes"] * (1 - min(1.0, c["exposed"] / c["seconds"])) if c["seconds"] else 0.0
+        c["contention"] = 2 * hidden / cluster.gpu.hbm_bw
+        c["exposed"] += c["contention"]
+    return out
+
+
+def _dp(model, L, cluster, n_dp, layers, compute) -> dict:
+    e, k = L.bytes_per_element, cluster.call_overhead
+    link = cluster.link(L.span("dp"))
+    psi = model.num_params() / (L.tp * L.pp)
+    nbytes = zero_comm_bytes(psi, n_dp, L.zero, dtype_bytes=e, padded=False)
+    if L.zero == 3:                               # FSDP gathers and scatters again for every micro-batch
+        nbytes *= L.microbatches(compute["global_batch"])
+    units = layers + (2 if L.pp == 1 else 1)      # ZeRO shards layer by layer (embedding, head too)
+    messages = (3 if L.zero == 3 else 2) * (n_dp - 1) * max(1, layers)
+    if L.zero == 0:
+        calls = math.ceil(nbytes / 2 / BUCKET)
+    else:
+        calls = (3 * L.microbatches(compute["global_batch"]) if L.zero == 3 else 2) * units
+    rounds = calls * (n_dp - 1) * (2 if L.zero == 0 else 1)   # all-reduce 2(N-1) rounds, gather/scatter N-1
+    sec = _time(nbytes, messages, link, rounds, k)
+    software = rounds * k
+    wire = sec - software
+    if not L.overlap_dp:
+        exposed = sec
+    elif L.zero == 3:                              # per layer: gather (forward), gather + scatter (backward)
+        mb = L.microbatches(compute["global_batch"])
+        c_f, c_b = wire / (3 * units * mb), 2 * wire / (3 * units * mb)
+        exposed = mb * (c_f + units * (max(0.0, c_f - compute["layer_fwd"]) + max(0.0, c_b - compute["layer_bwd"])))
+        exposed += software
+    else:
+        grads = wire if L.zero == 0 else wire / 2   # ZeRO-1/2: the reduce-scatter half overlaps
+        buckets = max(1, math.ceil(psi * e / BUCKET))
+        exposed = bucketed(grads, buckets, compute["stage_bwd"]) + (wire - grads) + software
+    return {"bytes": nbytes, "seconds": sec, "exposed": exposed, "calls": calls}

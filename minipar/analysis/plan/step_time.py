@@ -1,0 +1,97 @@
+"""Step time of one layout: compute from the roofline, the pipeline bubble, the exposed communication.
+
+    T = T_compute + T_bubble + Σ_dim T_exposed(dim)
+
+* **Compute** (:mod:`.roofline`): every operation of a layer, its backward, what recomputation
+  reruns (full: the layer's forward; selective: the attention core when it is materialized,
+  nothing under flash attention, which stores no scores), and the embedding, head and loss,
+  each at the rate its shape allows on the accelerator; per stage ``m · (l/p · layer + head/p)``,
+  plus the optimizer step over the elements this GPU updates (its ZeRO shard). A CPU's
+  ``layer_overhead`` (seconds of op dispatch per layer pass, measured) adds ``m · ⌈(l+2)/p⌉`` of it.
+* **Bubble.** ``bubble_fraction(schedule, p, m, v)`` of the micro-batches' compute (:mod:`minipar.analysis.cost.pipeline`);
+  none where the ranks outnumber the CPU cores they share (``cluster.cores``): a rank waiting in
+  the bubble yields its core to the others, whose rates were measured with every rank busy.
+* **Communication** and its overlap: :mod:`.overlap`.
+
+FLOPs (:func:`step_flops`) are counted as Narayanan et al. 2021 count them, for TFLOP/s and MFU;
+the roofline decides the time they take.
+"""
+from __future__ import annotations
+
+import math
+
+from ..cost.pipeline import bubble_fraction
+from . import roofline
+from .hardware import Cluster
+from .layout import Layout
+from .models import ModelSpec
+from .overlap import comm_times as _comm_times
+
+
+def step_flops(model: ModelSpec, layout: Layout, seq_len: int, global_batch: int) -> dict[str, float]:
+    """``{"model", "hardware"}`` FLOPs of one step: model = 3 × forward (what MFU counts),
+    hardware = model + recomputation."""
+    tokens = global_batch * seq_len
+    fwd = model.forward_flops_per_token(seq_len) * tokens
+    extra = 0.0
+    if layout.recompute == "full":
+        extra = fwd - 2 * model.hidden * model.vocab * tokens   # every layer again, not the head
+    elif layout.recompute == "selective":
+        extra = model.attention_core_flops_per_token(seq_len) * tokens
+    return {"model": 3 * fwd, "hardware": 3 * fwd + extra}
+
+
+def compute_times(model: ModelSpec, layout: Layout, accelerator, seq_len: int, global_batch: int,
+                  efficiency=None) -> dict:
+    """Seconds of one GPU's compute: per layer pass (``layer_fwd``, ``layer_bwd``, ``layer_rc``,
+    ``attention_fwd``/``_bwd``), the last micro-batch's backward of a stage (``stage_bwd``), the
+    step's micro-batches (``microbatches``), ``optimizer``, ``total``, and ``bound``: seconds by
+    what bounds them (compute or memory)."""
+    L, acc = layout, accelerator
+    attn = L.attention_on(acc)
+    ops = roofline.layer_ops(model, L, seq_len, attn)
+    core = roofline.attention_ops(model, L, seq_len, attn)
+    bwd = roofline.backward(ops)
+    rc = ops if L.recompute == "full" else core if (L.recompute == "selective" and attn == "materialized") else []
+    head = roofline.head_ops(model, L, seq_len)
+    head += roofline.backward(head)
+    t = lambda o: roofline.ops_time(o, acc, efficiency)           # noqa: E731
+    f, b, r, hd = t(ops), t(bwd), t(rc), t(head)
+    m, per_stage = L.microbatches(global_batch), model.n_layer / L.pp
+    local = model.num_params() / (L.tp * L.pp) / (L.dp * L.cp if L.zero else 1)
+    opt = roofline.optimizer_op(local)
+    mb = m * (per_stage * (f + b + r) + hd / L.pp)
+    overhead = acc.layer_overhead * m * math.ceil((model.n_layer + 2) / L.pp)
+    bound = {"compute": 0.0, "memory": 0.0}
+    for part, scale in ((ops + bwd + rc, m * per_stage), (head, m / L.pp), ([opt], 1.0)):
+        for key, sec in roofline.bottleneck(part, acc, efficiency).items():
+            bound[key] += scale * sec
+    return {"layer_fwd": f, "layer_bwd": b, "layer_rc": r, "attention_fwd": t(core),
+            "attention_bwd": t(roofline.backward(core)), "stage_bwd": per_stage * b + hd / L.pp,
+            "microbatches": mb + overhead, "optimizer": t([opt]), "total": mb + overhead + t([opt]),
+            "bound": bound, "dispatch": overhead, "attention": attn, "global_batch": global_batch}
+
+
+def comm_times(model: ModelSpec, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
+               compute=None, efficiency=None) -> dict[str, dict[str, float]]:
+    """``{dim: {"bytes", "seconds", "exposed", "link"}}`` per GPU and step (:mod:`.overlap`);
+    ``compute``: :func:`compute_times`'s dict (computed when not given)."""
+    if not isinstance(compute, dict):
+        compute = compute_times(model, layout, cluster.gpu, seq_len, global_batch, efficiency)
+    return _comm_times(model, layout, cluster, seq_len, global_batch, compute)
+
+
+def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
+              efficiency=None) -> dict:
+    """``{"compute", "bubble", "comm": {dim: {...}}, "total", "flops", "detail"}`` in seconds
+    (``efficiency``: a :class:`~minipar.analysis.plan.roofline.Efficiency`, one float for every shape, or
+    None for the accelerator's own or the Table 1 fit)."""
+    L = layout
+    c = compute_times(model, L, cluster.gpu, seq_len, global_batch, efficiency)
+    m = L.microbatches(global_batch)
+    shared = cluster.cores and L.world > cluster.cores
+    bubble = bubble_fraction(L.schedule, L.pp, m, L.v) * c["microbatches"] if L.pp > 1 and not shared else 0.0
+    comm = _comm_times(model, L, cluster, seq_len, global_batch, c)
+    total = c["total"] + bubble + sum(x["exposed"] for x in comm.values())
+    return {"compute": c["total"], "bubble": bubble, "comm": comm, "total": total,
+            "flops": step_flops(model, L, seq_len, global_batch), "detail": c}

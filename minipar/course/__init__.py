@@ -1,0 +1,1 @@
+"""The course around the library: exercises, grading, hints, challenges, chapters, the web book."""

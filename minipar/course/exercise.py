@@ -1,0 +1,302 @@
+"""Exercises are minipar's own code: ``with minipar.exercise("ex02"): ...`` runs yours.
+
+The code a learner writes lives once, in the library, between two marker comments inside
+a function or method (optional hint lines right after the opening marker)::
+
+    def assign_buckets(params, bucket_cap_mb):
+        \"\"\"...\"\"\"
+        # >>> ex02 B
+        # Hint: walk reversed(list(params)) ...
+        ...the library's code...
+        # <<< ex02 B
+
+``python -m minipar.course.exercise --write`` generates ``exercises/exNN_topic.py`` (each region
+replaced by its hints and a ``raise NotImplementedError``) and ``solutions/exNN_topic.py`` (the
+marked code kept); ``--check`` fails on a stale file (:mod:`minipar.course.exercise_files`).
+
+``with minipar.exercise("ex02"):`` (or ``target="solution"`` / ``"library"``) makes every
+marked function and method of the library run that version for the duration, in this process
+and in every rank :func:`minipar.runtime.launch` starts inside the block: the library function's code
+is swapped for a two-line trampoline into the learner's function, so every caller (and every
+reference to the function, wherever it is held) runs the learner's code."""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import os
+import re
+import sys
+import tokenize
+import types
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from itertools import takewhile
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1]   # minipar/
+ROOT = PACKAGE.parent
+GRADED = ROOT / "tests" / "graded"
+TARGETS = ("exercise", "solution", "library")
+EXERCISES_ENV = "MINIPAR_EXERCISES"  # a directory to load the learner's files from instead of exercises/
+FLIGHT_ENV = "MINIPAR_FLIGHT_DIR"    # while grading: where ranks keep their last collective
+_MARK = re.compile(r"#\s*(>>>|<<<)\s*(ex\d+)(?:\s+(\w+))?\s*$")
+_HINT = re.compile(r"\s*# Hint:")
+
+
+# ----------------------------------------------------------------------------- markers
+@dataclass
+class Region:
+    """Lines ``start`` (the ``# >>>`` marker) to ``end`` (``# <<<``) of a library file, 0-based."""
+    exercise: str                 # "ex02"
+    part: str                     # "B", or "" for a one-part exercise
+    start: int
+    end: int
+    indent: str
+    hints: list[str]
+
+    def label(self) -> str:
+        return f"Exercise {self.exercise[2:]}{' ' + self.part if self.part else ''}"
+
+
+@dataclass
+class Piece:
+    """A library function or method (``qualname`` in ``module``) holding marked regions."""
+    module: str
+    path: Path
+    qualname: str
+    first: int                    # first line of the def (its decorators included), 0-based
+    last: int                     # last line of the def, 0-based
+    classes: list                 # the ast.ClassDef nodes around a method, outermost first
+    regions: list[Region] = field(default_factory=list)
+
+
+def _regions(path: Path, lines: list[str]) -> list[Region]:
+    with tokenize.open(path) as f:
+        marks = [(t.start[0] - 1, m) for t in tokenize.generate_tokens(f.readline)
+                 if t.type == tokenize.COMMENT and (m := _MARK.match(t.string))]
+    out, open_ = [], None
+    for i, m in marks:
+        where = f"{path.relative_to(ROOT)}:{i + 1}"
+        if m[1] == ">>>":
+            if open_:
+                raise SyntaxError(f"{where}: marker opened inside {open_.exercise} {open_.part}")
+            hints = [h.rstrip() for h in takewhile(_HINT.match, lines[i + 1:])]
+            open_ = Region(m[2], m[3] or "", i, -1, re.match(r"\s*", lines[i])[0], hints)
+        else:
+            if not open_ or (open_.exercise, open_.part) != (m[2], m[3] or ""):
+                raise SyntaxError(f"{where}: closing marker without its opening one")
+            open_.end = i
+            out.append(open_)
+            open_ = None
+    if open_:
+        raise SyntaxError(f"{path.relative_to(ROOT)}:{open_.start + 1}: marker never closed")
+    return out
+
+
+def _defs(body, classes=()):
+    """(qualname, def node, enclosing classes) for module functions and (nested) class methods."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield ".".join([c.name for c in classes] + [node.name]), node, list(classes)
+        elif isinstance(node, ast.ClassDef):
+            yield from _defs(node.body, (*classes, node))
+
+
+def _pieces_of(path: Path) -> list[Piece]:
+    text = path.read_text()
+    if ">>>" not in text:
+        return []
+    regions = _regions(path, text.splitlines())
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    pieces = []
+    for qualname, node, classes in _defs(ast.parse(text).body):
+        first = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+        # the opening marker sits in the body; the closing one may follow its last statement
+        inside = [r for r in regions if node.lineno - 1 < r.start < node.end_lineno - 1]
+        if inside:
+            last = max([node.end_lineno - 1] + [r.end for r in inside])
+            pieces.append(Piece(module, path, qualname, first, last, classes, inside))
+    for r in regions:
+        if not any(r in p.regions for p in pieces):
+            raise SyntaxError(f"{path.relative_to(ROOT)}:{r.start + 1}: a marked region must sit "
+                              "inside the body of a function or method")
+    return pieces
+
+
+_cache: dict = {}
+
+
+def pieces(exercise: str | None = None) -> list[Piece]:
+    """Every marked piece of the library (of ``exercise``, e.g. "ex02", if given), in the
+    order of the exercise's parts, then module, then line."""
+    files = sorted(p for p in PACKAGE.rglob("*.py") if p != Path(__file__).resolve())
+    key = tuple((p, p.stat().st_mtime_ns) for p in files)
+    if _cache.get("key") != key:
+        _cache.update(key=key, pieces=[pc for p in files for pc in _pieces_of(p)])
+    out = [p for p in _cache["pieces"] if exercise is None or any(r.exercise == exercise for r in p.regions)]
+    return sorted(out, key=lambda p: (min(r.part for r in p.regions), p.module, p.first))
+
+
+def exercises() -> list[str]:
+    """Short names of the exercises that have markers in the library: ["ex01", ...]."""
+    return sorted({r.exercise for p in pieces() for r in p.regions})
+
+
+def key(exercise: str) -> str:
+    """"ex02" from "ex02", "ex02_data_parallel" or "exercises/ex02_data_parallel.py"."""
+    m = re.search(r"ex\d+", str(exercise))
+    if not m:
+        raise ValueError(f"not an exercise name: {exercise!r} (e.g. 'ex02')")
+    return m[0]
+
+
+def stem(exercise: str) -> str:
+    """"ex02_data_parallel": the name of the graded test file without ``test_``."""
+    k = key(exercise)
+    found = sorted(GRADED.glob(f"test_{k}_*.py"))
+    if not found:
+        raise ValueError(f"no graded tests for {k}: tests/graded/test_{k}_<topic>.py")
+    return found[0].stem.removeprefix("test_")
+
+
+# ----------------------------------------------------------------------------- activation
+_active: list[tuple[str, str]] = []
+_SLOT = "__minipar_exercise__"    # the library module's global that the trampolines read
+
+
+def _get(obj, qualname: str):
+    """The raw function at ``qualname`` in module or class ``obj`` (staticmethod, classmethod,
+    property and ``functools.wraps`` decorators unwrapped)."""
+    for name in qualname.split("."):
+        obj = vars(obj)[name] if isinstance(obj, type) else getattr(obj, name)
+    if isinstance(obj, (staticmethod, classmethod, property)):
+        obj = obj.fget if isinstance(obj, property) else obj.__func__
+    return inspect.unwrap(obj)
+
+
+def _trampoline(fn: types.FunctionType, qualname: str) -> types.CodeType:
+    """A code object for ``fn`` that calls the function registered for ``qualname``."""
+    cells = "".join(f"    {v} = None\n" for v in fn.__code__.co_freevars)
+    uses = "".join(f"        {v}\n" for v in fn.__code__.co_freevars)
+    src = (f"def _outer():\n{cells}    def {fn.__name__}(*args, **kwargs):\n{uses}"
+           f"        return {_SLOT}[{qualname!r}](*args, **kwargs)\n    return {fn.__name__}\n")
+    ns: dict = {}
+    exec(compile(src, f"<exercise {qualname}>", "exec"), ns)
+    return ns["_outer"]().__code__
+
+
+def load(exercise: str, target: str = "exercise") -> types.ModuleType | None:
+    """The learner's (``target="exercise"``) or the solution's module for ``exercise``,
+    freshly imported (edits to the file count); ``None`` for ``target="library"``."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if target == "library":
+        return None
+    package = {"exercise": "exercises", "solution": "solutions"}[target]
+    name = f"{package}.{stem(exercise)}"
+    elsewhere = os.environ.get(EXERCISES_ENV) if target == "exercise" else None
+    if elsewhere:  # another directory of exercise files (the grader's own tests plant bugs there)
+        return load_file(Path(elsewhere) / f"{stem(exercise)}.py", name)
+    importlib.import_module(package)
+    sys.modules.pop(name, None)
+    return importlib.import_module(name)
+
+
+def load_file(path: Path, name: str) -> types.ModuleType:
+    """The module at ``path``, imported afresh as ``name`` (its functions pickle by value, so
+    ranks need not find the file's package)."""
+    import importlib.util
+    import cloudpickle
+    if not path.exists():
+        raise FileNotFoundError(f"no file {path}")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)
+    return module
+
+
+def _signature(fn) -> list:
+    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+class Activation:
+    """``with minipar.exercise("ex02", target="exercise"):`` -- see the module docstring."""
+
+    def __init__(self, exercise: str, target: str = "exercise"):
+        self.exercise, self.target = key(exercise), target
+        self._saved: list = []
+
+    def __enter__(self):
+        source = load(self.exercise, self.target)
+        marked = pieces(self.exercise)
+        if not marked:
+            raise ValueError(f"{self.exercise}: no marked code in minipar (known: {', '.join(exercises())})")
+        swaps = []
+        for p in marked if source is not None else []:
+            lib = _get(importlib.import_module(p.module), p.qualname)
+            try:
+                mine = _get(source, p.qualname)
+            except (KeyError, AttributeError):
+                raise AttributeError(f"{source.__file__} has no {p.qualname}: keep every function "
+                                     "and class of the generated file") from None
+            nested = lib.__code__.co_filename.startswith("<exercise ")   # already a trampoline
+            now = lib.__globals__[_SLOT][p.qualname] if nested else lib
+            if _signature(mine) != _signature(now):
+                raise TypeError(f"{p.qualname}{inspect.signature(mine)} in {source.__file__} must "
+                                f"take the library's arguments {inspect.signature(now)}")
+            swaps.append((lib, mine, p.qualname))
+        for lib, mine, qualname in swaps:
+            slot = lib.__globals__.setdefault(_SLOT, {})
+            self._saved.append((lib, lib.__code__, qualname, slot.get(qualname)))
+            slot[qualname] = mine
+            lib.__code__ = _trampoline(lib, qualname)
+        _active.append((self.exercise, self.target))
+        return source
+
+    def __exit__(self, *exc):
+        while self._saved:
+            lib, code, qualname, before = self._saved.pop()
+            lib.__code__ = code
+            lib.__globals__[_SLOT].pop(qualname)
+            if before is not None:   # an enclosing activation's function
+                lib.__globals__[_SLOT][qualname] = before
+        _active.remove((self.exercise, self.target))
+        return False
+
+
+def active() -> list[tuple[str, str]]:
+    """The (exercise, target) pairs active now, outermost first (launch carries them to ranks)."""
+    return list(_active)
+
+
+@contextmanager
+def activated(pairs):
+    """Activate the (exercise, target) pairs of :func:`active` (inside a rank). While grading
+    (``MINIPAR_FLIGHT_DIR`` set) the rank also keeps its last collective in a file there, so a
+    hang can be reported rank by rank (:class:`minipar.production.flight.Beacon`)."""
+    with ExitStack() as stack:
+        if (where := os.environ.get(FLIGHT_ENV)) and "RANK" in os.environ:
+            from ..production import flight
+            rank = int(os.environ["RANK"])
+            stack.enter_context(flight.Beacon(Path(where) / f"rank{rank}.json", rank))
+        for exercise, target in pairs:
+            stack.enter_context(Activation(exercise, target))
+        yield
+
+
+class _CallableModule(types.ModuleType):
+    """``minipar.exercise("ex02")`` is :class:`Activation`; ``python -m minipar.course.exercise`` runs
+    the generator's command line."""
+
+    def __call__(self, exercise: str, target: str = "exercise") -> Activation:
+        return Activation(exercise, target)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    from minipar.course.exercise_files import main
+    sys.exit(main())

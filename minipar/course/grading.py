@@ -1,0 +1,316 @@
+"""Grading helpers: comparisons whose failure says what is wrong, where, and by how much.
+
+Every helper raises :class:`GradeFailure` (an ``AssertionError``) with a multi-line message
+that :mod:`minipar.course.grade` shows whole. A message names the place first (the rank, the chunk,
+the step), then the first difference, expected against got, then both values whole and
+labelled, so a learner never reads an unlabelled list or an object's repr:
+
+    peak micro-batches held, per rank: rank 1: expected 3, got 4
+      expected: [4, 3, 2, 1]
+      got:      [4, 4, 3, 2]
+
+* :func:`expect_equal` scalars, lists, tuples and dicts (nested);
+* :func:`expect_close` tensors, within a tolerance (``torch.testing``'s defaults per dtype);
+* :func:`expect_schedule` pipeline schedules, rank by rank, expected and got aligned;
+* :func:`contributions` / :func:`expect_contributions` notebook 01's 2^r trick: rank r
+  contributes 2^r, so a reduced value's bits say which ranks' data it holds;
+* :func:`expect` a plain condition with its explanation;
+* :func:`diagnose` an explanation added to a failure only when its condition is the cause.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+__all__ = ["GradeFailure", "expect", "expect_equal", "expect_close", "expect_schedule",
+           "contributions", "expect_contributions", "diagnose"]
+
+_WIDE = 100  # values longer than this are shown one entry per line
+
+
+class GradeFailure(AssertionError):
+    """A graded check failed; ``str(e)`` is the whole explanation, meant to be shown as is."""
+
+
+def _fail(lines) -> None:
+    raise GradeFailure("\n".join(lines))
+
+
+# ----------------------------------------------------------------------------- formatting
+def _is_tensor(x) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "tolist")
+
+
+def _fmt(x) -> str:
+    """A value as a learner reads it: floats in %g, tensors as their values, never a repr."""
+    if _is_tensor(x):
+        x = x.detach().cpu().tolist()
+    if isinstance(x, float):
+        return f"{x:.6g}"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{_fmt(k)}: {_fmt(v)}" for k, v in x.items()) + "}"
+    if isinstance(x, (list, tuple)):
+        inner = ", ".join(_fmt(v) for v in x)
+        return f"[{inner}]" if isinstance(x, list) else f"({inner}{',' if len(x) == 1 else ''})"
+    if isinstance(x, str):
+        return repr(x)
+    if callable(x) and not isinstance(x, type):
+        return f"<function {getattr(x, '__qualname__', '?')}>"
+    return str(x)
+
+
+def _whole(label: str, x) -> list[str]:
+    """``label: value``, or one entry per line when the value is long."""
+    text = _fmt(x)
+    if len(text) <= _WIDE or not isinstance(x, (list, tuple, dict)):
+        return [f"  {label}{text}"]
+    items = x.items() if isinstance(x, dict) else enumerate(x)
+    return [f"  {label.rstrip()}"] + [f"      {_fmt(k)}: {_fmt(v)}" for k, v in items]
+
+
+def _where(where: str, what: str) -> str:
+    return f"{where}: {what}" if where else what
+
+
+# ----------------------------------------------------------------------------- equality
+def _same(a, b) -> bool:
+    if _is_tensor(a) or _is_tensor(b):
+        return _is_tensor(a) and _is_tensor(b) and a.shape == b.shape and bool((a == b).all())
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable values differ
+        return False
+
+
+def _first_difference(got, want, keys: str | None, path: str = ""):
+    """(where, explanation) of the first difference between ``got`` and ``want``, or None."""
+    def join(p, k, in_dict):
+        if keys:
+            return f"{keys} {_fmt(k)}"
+        label = str(k) if in_dict and isinstance(k, str) else f"[{_fmt(k)}]" if not in_dict else _fmt(k)
+        return (f"{p}, {label}" if in_dict else f"{p}{label}") if p else label
+    if isinstance(want, dict) and isinstance(got, dict):
+        missing = [k for k in want if k not in got]
+        extra = [k for k in got if k not in want]
+        if missing or extra:
+            parts = ([f"missing {', '.join(map(_fmt, missing))}"] if missing else []) + \
+                    ([f"unexpected {', '.join(map(_fmt, extra))}"] if extra else [])
+            return path, "; ".join(parts)
+        for k in want:
+            found = _first_difference(got[k], want[k], None, join(path, k, True))
+            if found:
+                return found
+        return None
+    if isinstance(want, (list, tuple)) and isinstance(got, (list, tuple)):
+        for i, (g, w) in enumerate(zip(got, want)):
+            found = _first_difference(g, w, None, join(path, i, False))
+            if found:
+                return found
+        if len(got) != len(want):
+            return path, f"expected {len(want)} entries, got {len(got)}"
+        return None
+    if _same(got, want):
+        return None
+    if type(got) is not type(want) and not (isinstance(got, (int, float)) and isinstance(want, (int, float))
+                                            and not isinstance(got, bool)):
+        return path, f"expected {_fmt(want)} ({type(want).__name__}), got {_fmt(got)} ({type(got).__name__})"
+    return path, f"expected {_fmt(want)}, got {_fmt(got)}"
+
+
+def expect_equal(got, want, what: str, keys: str | None = None) -> None:
+    """``got == want`` (scalars, lists, tuples, dicts, nested), else a :class:`GradeFailure`
+    naming the first difference ("rank 1: expected 3, got 4", ``keys`` naming the outer
+    index), then both values whole, labelled with ``what``."""
+    found = _first_difference(got, want, keys)
+    if found is None:
+        return
+    path, why = found
+    _fail([f"{what}: {path + ': ' if path else ''}{why}", *_whole("expected: ", want), *_whole("got:      ", got)])
+
+
+def expect(condition, message: str) -> None:
+    """A plain check: :class:`GradeFailure` with ``message`` unless ``condition`` holds."""
+    if not condition:
+        _fail([message])
+
+
+def fail_if(condition, message: str) -> None:
+    """A measured goal missed: :class:`GradeFailure` with ``message`` when ``condition`` holds."""
+    if condition:
+        _fail([message])
+
+
+# ----------------------------------------------------------------------------- tensors
+_TOL = {"float16": (1e-3, 1e-5), "bfloat16": (1.6e-2, 1e-5), "float32": (1.3e-6, 1e-5),
+        "float64": (1e-7, 1e-7)}
+
+
+def _unravel(i: int, shape) -> tuple:
+    out = []
+    for d in reversed(shape):
+        out.append(i % d)
+        i //= d
+    return tuple(reversed(out))
+
+
+def expect_close(got, want, what: str, where: str = "", rtol: float | None = None,
+                 atol: float | None = None) -> None:
+    """Tensors ``got`` and ``want`` equal within ``|got - want| <= atol + rtol·|want|``
+    (``torch.testing.assert_close``'s defaults for the dtype when not given). The failure
+    names ``where`` and ``what``, the first differing element's index, expected against got,
+    how many elements differ and the largest difference; small tensors are shown whole."""
+    import torch
+    head = _where(where, what)
+    if not _is_tensor(got):
+        _fail([f"{head}: expected a tensor of shape {tuple(want.shape)}, got {_fmt(got)}"
+               f" ({type(got).__name__})"])
+    want_t = want if _is_tensor(want) else torch.as_tensor(want)
+    if tuple(got.shape) != tuple(want_t.shape):
+        _fail([f"{head}: expected shape {tuple(want_t.shape)}, got shape {tuple(got.shape)}"])
+    dtype = str(want_t.dtype).removeprefix("torch.")
+    drt, dat = _TOL.get(dtype, (0.0, 0.0))
+    rtol, atol = drt if rtol is None else rtol, dat if atol is None else atol
+    g, w = got.detach().cpu().double(), want_t.detach().cpu().double()
+    if not w.is_floating_point() and not w.is_complex():
+        rtol = atol = 0.0
+    bad = ~torch.isclose(g, w, rtol=rtol, atol=atol, equal_nan=True)
+    n_bad = int(bad.sum())
+    if n_bad == 0:
+        return
+    flat_bad = bad.reshape(-1)
+    first = int(flat_bad.nonzero()[0])
+    idx = _unravel(first, g.shape)
+    diff = (g - w).abs().reshape(-1)
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
+    worst = int(diff.argmax())
+    at = lambda t, i: _fmt(t.reshape(-1)[i].item())  # noqa: E731
+    lines = [f"{head}: element {idx}: expected {at(w, first)}, got {at(g, first)}",
+             f"  {n_bad} of {g.numel()} elements differ (tolerance rtol={rtol:g}, atol={atol:g}); "
+             f"the largest difference is {diff[worst].item():.3g} at {_unravel(worst, g.shape)}"]
+    if g.numel() <= 16:
+        lines += [f"  expected: {_fmt(want_t.detach().cpu().reshape(-1))}",
+                  f"  got:      {_fmt(got.detach().cpu().reshape(-1))}"]
+    if not bool(torch.isfinite(g).all()) and bool(torch.isfinite(w).all()):
+        lines.append(f"  {int((~torch.isfinite(g)).sum())} of the values you computed are inf or nan")
+    _fail(lines)
+
+
+# ----------------------------------------------------------------------------- schedules
+def expect_schedule(got: dict, want: dict, what: str = "1F1B schedule") -> None:
+    """Schedules as ``{rank: [action, ...]}`` (strings such as ``"F0"``, ``"B3"``): equal, else
+    both shown whole, rank by rank, expected and got aligned action by action, with the
+    first differing action marked ``>>`` and its rank and position named."""
+    if set(got) != set(want):
+        _fail([f"{what}: expected ranks {sorted(want)}, got ranks {sorted(got)}"])
+    first = None
+    for r in sorted(want):
+        g, w = [str(a) for a in got[r]], [str(a) for a in want[r]]
+        if g != w:
+            pos = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+            first = first or (r, pos, g, w)
+    if first is None:
+        return
+    r, pos, g, w = first
+    exp_a = w[pos] if pos < len(w) else "(nothing: the schedule ends)"
+    got_a = g[pos] if pos < len(g) else "(nothing: the schedule ends)"
+    lines = [f"{what}: rank {r}, position {pos}: expected {exp_a}, got {got_a}"]
+    for q in sorted(want):
+        gq, wq = [str(a) for a in got[q]], [str(a) for a in want[q]]
+        width = max([len(a) for a in gq + wq] + [1])
+        mark = pos if q == r else -1
+        cell = lambda seq, i: (">>" if i == mark else "  ") + (seq[i] if i < len(seq) else "").ljust(width)  # noqa: E731
+        n = max(len(gq), len(wq))
+        lines.append(f"  rank {q}  expected:" + "".join(cell(wq, i) for i in range(n)).rstrip())
+        lines.append(f"  {'':>{len(str(q)) + 5}}  got:     " + "".join(cell(gq, i) for i in range(n)).rstrip()
+                     + ("" if gq != wq else "   (same)"))
+    _fail(lines)
+
+
+# ----------------------------------------------------------------------------- the 2^r trick
+def contributions(value, n: int) -> str:
+    """Which ranks' contributions a reduced value holds, when rank r contributed 2^r
+    (notebook 01): ``"holds ranks 0, 2; missing 1"``. A value that is no sum of distinct
+    powers below 2^n (a rank counted twice, a wrong scale) says so."""
+    v = float(value.item() if _is_tensor(value) else value)
+    if not math.isfinite(v) or v < 0 or v != int(v) or int(v) >= 2 ** n:
+        return (f"holds {v:g}, which is no sum of distinct ranks' contributions 2^r (r < {n}): "
+                "a rank's data counted twice, a scale, or garbage")
+    bits = int(v)
+    held = [r for r in range(n) if bits >> r & 1]
+    missing = [r for r in range(n) if not bits >> r & 1]
+    text = f"holds rank{'s' if len(held) != 1 else ''} {', '.join(map(str, held))}" if held else "holds no rank's data"
+    return text + (f"; missing {', '.join(map(str, missing))}" if missing else "")
+
+
+def expect_contributions(got, n: int, want_ranks, where: str, positions=None) -> None:
+    """Every element of ``got`` (reduced from ranks where rank r contributed 2^r) holds exactly
+    the contributions of ``want_ranks``; else the first wrong element, which ranks it holds and
+    which it misses. With ``positions`` (each element's index in the original tensor), rank r
+    contributed ``2^r + 2^n·i`` at index i, so an element added from the wrong place shows too:
+    the low n bits say which ranks, the rest the sum of the positions they came from."""
+    import torch
+    want_ranks = sorted(want_ranks)
+    t = got if _is_tensor(got) else torch.as_tensor(got)
+    flat = t.detach().cpu().double().reshape(-1)
+    pos = None if positions is None else torch.as_tensor(positions).detach().cpu().double().reshape(-1)
+    target = float(sum(2 ** r for r in want_ranks)) + (0 if pos is None else len(want_ranks) * 2 ** n * pos)
+    bad = (flat != target).nonzero()
+    if len(bad) == 0:
+        return
+    i = int(bad[0])
+    v = flat[i].item()
+    idx = _unravel(i, t.shape) if t.dim() else ()
+    element = f"element {idx}" if idx else "the value"
+    want_v = target if pos is None else target[i].item()
+    if pos is None or not (math.isfinite(v) and v == int(v) and v >= 0):
+        first = f"{where}: {element} {contributions(v, n)}"
+    else:
+        low, high = int(v) % 2 ** n, int(v) // 2 ** n
+        first = f"{where}: {element} (position {int(pos[i])}) {contributions(low, n)}"
+        if low == int(want_v) % 2 ** n and high != int(want_v) // 2 ** n:
+            first += (f", but not all from position {int(pos[i])}: the positions it summed add up to {high}, "
+                      f"expected {int(want_v) // 2 ** n}: a chunk came from the wrong place")
+    _fail([first,
+           f"  expected the contributions of rank{'s' if len(want_ranks) != 1 else ''} "
+           f"{', '.join(map(str, want_ranks))} (value {want_v:g}), got {v:g}",
+           f"  {len(bad)} of {flat.numel()} elements are wrong"])
+
+
+# ----------------------------------------------------------------------------- explanations
+@contextmanager
+def diagnose(condition, message: str):
+    """``with diagnose(condition, message): <checks>``: when a check inside fails and
+    ``condition`` holds (a bool, or a callable taking the :class:`GradeFailure` and returning
+    one, evaluated only then), ``message`` is appended to the failure, so an explanation
+    appears only when its cause is the one that failed. Blocks nest; each adds its own."""
+    try:
+        yield
+    except GradeFailure as e:
+        if condition(e) if callable(condition) else condition:
+            raise GradeFailure(f"{e}\n  why: {message}").with_traceback(e.__traceback__) from None
+        raise
+
+
+# ----------------------------------------------------------------------------- training runs
+def expect_same_training(got: dict, want: dict, where: str = "", rtol: float = 1e-5,
+                         atol: float = 1e-6) -> None:
+    """A training run (``{"losses", "params"}``) equal to the single-process one: the loss at
+    every step, then every final parameter by name, within ``rtol``/``atol`` (raised to
+    :data:`minipar.reference.DEVICE_TOLERANCE` of the device computed on); the first failure
+    names the step or the parameter (:func:`expect_close`)."""
+    from ..runtime.backend import device
+    from ..reference import DEVICE_TOLERANCE
+    floor = DEVICE_TOLERANCE.get(device().type, (0.0, 0.0))
+    rtol, atol = max(rtol, floor[0]), max(atol, floor[1])
+    at = lambda s: f"{where}, {s}" if where else s  # noqa: E731
+    expect_equal(len(got["losses"]), len(want["losses"]), at("number of losses (one per step)"))
+    import torch
+    for step, (g, w) in enumerate(zip(got["losses"], want["losses"])):
+        expect_close(torch.as_tensor(g, dtype=torch.float64), torch.as_tensor(w, dtype=torch.float64),
+                     "loss (the single process's on the same global batch)", at(f"step {step}"), rtol, atol)
+    expect_equal(sorted(got["params"]), sorted(want["params"]), at("parameter names"))
+    for k, w in want["params"].items():
+        expect_close(got["params"][k], w, "parameter after training (the single process's)",
+                     at(f"parameter {k}"), rtol, atol)

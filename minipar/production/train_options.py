@@ -1,0 +1,187 @@
+"""The options of ``python -m minipar.train`` and their validation, before any rank starts.
+
+Every option is checked in the driver: a value that cannot be right (zero, negative, not a
+number, infinite, out of range, or inconsistent with another option) is one line on stderr
+naming the option, and exit status 2, before any process starts or any file is written::
+
+    $ python -m minipar.train --lr nan
+    python -m minipar.train: error: --lr must be > 0 (a finite number), got nan
+
+The checks come in two layers: each option's own range, in its argparse ``type`` (:func:`integer`,
+:func:`real`), and the options against each other, in :func:`check_options`; the layout itself is
+then :func:`minipar.hybrid.check`'s.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from pathlib import Path
+
+from ..context_parallel.attention import VARIANTS
+from ..context_parallel.sharding import LAYOUTS
+from ..pipeline.schedules import SCHEDULES
+
+VOCAB_MULTIPLE = 8  # the corpus's 63 characters padded to 64: any tp up to 8 divides it
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (no usage block): ``prog: error: message``."""
+
+    def error(self, message):
+        line = re.sub(r"^argument (--[\w-]+): must", r"\1 must", message.splitlines()[0])
+        self.exit(2, f"{self.prog}: error: {line}\n")
+
+
+def integer(low: int):
+    """An argparse type: an int ≥ ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be >= {low} (an integer), got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low} (an integer), got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def real(low: float, strict: bool):
+    """An argparse type: a finite float > ``low`` (``strict``) or ≥ ``low``."""
+    sign = ">" if strict else ">="
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {sign} {low:g} (a finite number), got {text!r}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {sign} {low:g} (a finite number), got {text}")
+        return value
+    parse.__name__ = f"number {sign} {low:g}"
+    return parse
+
+
+POSITIVE, NATURAL = integer(1), integer(0)
+
+
+def parser() -> argparse.ArgumentParser:
+    from . import train
+    p = Parser(prog="python -m minipar.train", description=train.__doc__.split("\n\n")[0],
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    mesh = p.add_argument_group("mesh")
+    for dim, what in (("dp", "data"), ("pp", "pipeline"), ("tp", "tensor"), ("cp", "context"),
+                      ("ep", "expert")):
+        mesh.add_argument(f"--{dim}", type=POSITIVE, default=1,
+                          help=f"{what}-parallel size" + (" (carved out of dp·cp)" if dim == "ep" else ""))
+    mesh.add_argument("--cp-variant", choices=VARIANTS, default="ring", help="context-parallel attention")
+    mesh.add_argument("--cp-layout", choices=LAYOUTS, default="zigzag", help="how sequences are cut over cp")
+    mesh.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
+                      help="ZeRO stage over the data-parallel ranks (2, 3: without pp or cp)")
+    mesh.add_argument("--zero1", action="store_true", help="the same as --zero 1")
+    mesh.add_argument("--sharding", choices=("flat", "per-parameter"), default="flat",
+                      help="ZeRO-3's storage: flat units (FSDP1) or per-parameter shards (fully_shard, FSDP2)")
+    mesh.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    mesh.add_argument("--virtual-stages", type=POSITIVE, default=1, help="stages per rank (interleaved)")
+    mesh.add_argument("--microbatches", type=POSITIVE, default=1, help="micro-batches per dp shard")
+    mesh.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                      help="compute dtype (bf16: autocast, fp32 master weights and optimizer state)")
+    mesh.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                      help="activation recomputation in every block")
+    model = p.add_argument_group("model and data")
+    for flag, default in (("--n-layer", 2), ("--n-head", 4), ("--n-embd", 32), ("--block-size", 32)):
+        model.add_argument(flag, type=POSITIVE, default=default)
+    model.add_argument("--n-experts", type=NATURAL, default=0, help="experts per MoE layer (0: a dense GPT)")
+    model.add_argument("--moe-every", type=POSITIVE, default=1, help="every k-th block's MLP is an MoE layer")
+    model.add_argument("--top-k", type=POSITIVE, default=2, help="experts per token")
+    model.add_argument("--capacity-factor", type=real(0, strict=True), default=None,
+                       help="expert capacity C = ceil(k·S/E · factor) per micro-batch (default: dropless)")
+    model.add_argument("--seed", type=NATURAL, default=0, help="model initialisation")
+    model.add_argument("--data-seed", type=NATURAL, default=0, help="which batches")
+    model.add_argument("--batch-size", type=POSITIVE, default=8, help="global batch")
+    run = p.add_argument_group("run")
+    run.add_argument("--steps", type=POSITIVE, default=20, help="train until this many steps are done")
+    run.add_argument("--lr", type=real(0, strict=True), default=1e-2, help="AdamW learning rate")
+    run.add_argument("--weight-decay", type=real(0, strict=False), default=0.1)
+    run.add_argument("--checkpoint-dir", type=Path, default=None,
+                     help="save here, and continue from its latest checkpoint if there is one")
+    run.add_argument("--save-every", type=NATURAL, default=0, help="steps between checkpoints (0: at the end only)")
+    run.add_argument("--keep", type=POSITIVE, default=2, help="checkpoints to keep")
+    run.add_argument("--resume", action="store_true", help="require a checkpoint to continue from")
+    run.add_argument("--out", type=Path, default=None, help="write the losses here (JSON)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="where the ranks compute (minipar.runtime.launch's placement: NCCL with a GPU per "
+                          "rank, ranks sharing GPUs over Gloo, or the CPU)")
+    run.add_argument("--timeout", type=real(0, strict=True), default=1800.0, help="seconds (minipar.runtime.launch only)")
+    faults = p.add_argument_group("faults")
+    faults.add_argument("--hang-timeout", type=real(0, strict=False), default=600.0,
+                        help="seconds without progress before a rank stops, naming the collectives (0: never)")
+    faults.add_argument("--nonfinite", choices=("stop", "skip"), default="stop",
+                        help="at a NaN/Inf loss: stop (keep the last good checkpoint) or undo the step and go on")
+    return p
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The arguments, with ``--zero1`` folded into ``zero`` (exit 2 on a bad option)."""
+    p = parser()
+    args = p.parse_args(argv)
+    if args.zero1 and args.zero not in (None, 1):
+        p.error(f"argument --zero1: means --zero 1, but --zero {args.zero} was given too")
+    args.zero = 1 if args.zero1 else (args.zero or 0)
+    args.zero1 = args.zero == 1
+    return args
+
+
+def gpt_config(args):
+    """The course GPT these options describe (a mixture of experts with ``--n-experts``)."""
+    from ..data import corpus_tokens
+    from ..models.gpt import GPTConfig
+    vocab = -(-corpus_tokens()[1].vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # rounded up
+    moe = dict(moe_every=args.moe_every, n_experts=args.n_experts, top_k=args.top_k,
+               capacity_factor=args.capacity_factor) if args.n_experts else {}
+    return GPTConfig(vocab_size=vocab, block_size=args.block_size, n_layer=args.n_layer,
+                     n_head=args.n_head, n_embd=args.n_embd, **moe)
+
+
+def check_options(args) -> None:
+    """The options against each other: a ``ValueError`` naming them."""
+    if args.n_embd % args.n_head:
+        raise ValueError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
+    if not args.n_experts:
+        for flag, value, default in (("--ep", args.ep, 1), ("--capacity-factor", args.capacity_factor, None)):
+            if value != default:
+                raise ValueError(f"{flag} {value} needs experts: give --n-experts (0 is a dense GPT)")
+    else:
+        if args.n_experts < 2:
+            raise ValueError(f"--n-experts {args.n_experts}: a mixture needs at least 2 experts (0: dense)")
+        if args.top_k > args.n_experts:
+            raise ValueError(f"--top-k {args.top_k} exceeds --n-experts {args.n_experts}")
+        if args.n_experts % args.ep:
+            raise ValueError(f"--n-experts {args.n_experts} cannot be split evenly over --ep {args.ep}")
+        if args.moe_every > args.n_layer:
+            raise ValueError(f"--moe-every {args.moe_every} > --n-layer {args.n_layer}: no block would be MoE")
+    if (args.dp * args.cp) % args.ep:
+        raise ValueError(f"--ep {args.ep} must divide --dp × --cp = {args.dp * args.cp} "
+                         "(the expert groups are carved out of the data and context ranks)")
+    if args.sharding == "per-parameter" and args.zero != 3:
+        raise ValueError(f"--sharding per-parameter is ZeRO-3's storage: it needs --zero 3 (got --zero {args.zero})")
+    if args.zero >= 2 and (args.pp > 1 or args.cp > 1):
+        raise ValueError(f"--zero {args.zero} with --pp {args.pp} --cp {args.cp}: with a pipeline stage 2 "
+                         "would reduce-scatter every micro-batch and stage 3 re-gather every stage's weights "
+                         "2m times a step; use --zero 1 there (stages 2 and 3 run with --dp and --tp)")
+    if args.zero >= 2 and args.n_experts:
+        raise ValueError(f"--zero {args.zero} with --n-experts: the experts' state is sharded with --zero 1 only")
+    if args.zero == 3 and args.checkpoint_dir is not None:
+        raise ValueError("--zero 3 with --checkpoint-dir: ZeRO-3's sharded parameters are not checkpointed; "
+                         "use --zero 1 or 2 to save and resume")
+    if args.zero == 3 and args.nonfinite == "skip":
+        raise ValueError("--nonfinite skip with --zero 3: the undo snapshot needs whole parameters; "
+                         "use --zero 1 or 2")
+    if args.virtual_stages > 1 and args.schedule != "interleaved":
+        raise ValueError(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved")
+    if args.out is not None and not args.out.parent.is_dir():
+        raise ValueError(f"--out {args.out}: the directory {args.out.parent} does not exist")
+    if args.out is not None and args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a directory; give a file name")

@@ -1,0 +1,48 @@
+"""The rendezvous of ``minipar.runtime.launch``: a ``TCPStore`` served by the launching process.
+
+The store listens on a socket bound to 127.0.0.1 only, on a port the OS chooses, so that a
+course machine never exposes it; the ranks connect to it to find each other.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import suppress
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for launchers that need a number)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_store(world_size: int, timeout: float):
+    """The rendezvous store, served here on a socket bound to 127.0.0.1 only, and its port.
+    TCPStore's libuv server (the default since torch 2.4) refuses a listening socket handed to
+    it on some releases ("does not support initialization with an listen fd"); the classic
+    server accepts one, so that one is used where libuv refuses (decided once)."""
+    global _libuv_takes_fd
+    for use_libuv in ((True, False) if _libuv_takes_fd else (False,)):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(world_size + 8)
+        port = sock.getsockname()[1]
+        fd = sock.detach()
+        try:
+            return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                 master_listen_fd=fd, timeout=timedelta(seconds=timeout),
+                                 use_libuv=use_libuv), port
+        except (NotImplementedError, RuntimeError) as e:
+            with suppress(OSError):
+                os.close(fd)
+            if not use_libuv or "listen fd" not in str(e):
+                raise
+            _libuv_takes_fd = False  # torch < 2.9 or so: the classic server from now on
+    raise AssertionError("unreachable")
+
+
+_libuv_takes_fd = True

@@ -133,17 +133,19 @@ def course_map() -> str:
     return "\n".join(lines)
 
 
-def _replace_between(text: str, body: str, where: str) -> str:
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+def _replace_between(text: str, body: str, where: str, begin: str = BEGIN, end: str = END) -> str:
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
     if not pattern.search(text):
-        raise ValueError(f"{where} has no generated chapter table ({BEGIN} ... {END})")
-    return pattern.sub(lambda _: f"{BEGIN}\n{body}\n{END}", text, count=1)
+        raise ValueError(f"{where} has no generated table ({begin} ... {end})")
+    return pattern.sub(lambda _: f"{begin}\n{body}\n{end}", text, count=1)
 
 
 def expected_files() -> dict[Path, str]:
     """README.md and notebooks/00_welcome.ipynb as this list writes them."""
     readme = ROOT / "README.md"
-    out = {readme: _replace_between(readme.read_text(), readme_table(), "README.md")}
+    from . import core_map  # noqa: PLC0415  (stdlib-only too)
+    text = _replace_between(readme.read_text(), readme_table(), "README.md")
+    out = {readme: _replace_between(text, core_map.readme_map(), "README.md", core_map.BEGIN, core_map.END)}
     nb_path = ROOT / "notebooks" / CHAPTERS[0].notebook
     nb = json.loads(nb_path.read_text())
     cell = next((c for c in nb["cells"] if c["cell_type"] == "markdown" and BEGIN in "".join(c["source"])), None)
@@ -169,7 +171,7 @@ def record_minutes(executed: Path) -> dict[str, float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m minipar.course.chapters", description=__doc__.splitlines()[0])
-    p.add_argument("--write", action="store_true", help="rewrite README's and notebook 00's tables")
+    p.add_argument("--write", action="store_true", help="rewrite README's tables (chapters, core map) and notebook 00's")
     p.add_argument("--check", action="store_true", help="exit 1 if a table differs from this list")
     p.add_argument("--minutes", type=Path, metavar="DIR", help="take run times from executed notebooks in DIR")
     a = p.parse_args(argv)

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from minipar.production import flight
+from minipar.runtime import flight
 
 from minipar.runtime import trace
 from minipar.comm import p2p, staging

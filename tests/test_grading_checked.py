@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import minipar
 from minipar import comm
-from minipar.production import flight
+from minipar.runtime import flight
 from minipar.comm import checked
 
 

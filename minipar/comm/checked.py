@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..production import flight
+from ..runtime import flight
 
 ENV = "MINIPAR_CHECKED_COMM"
 _TAG_SENDS, _TAG_EXPECTS = 31_001, 31_002

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..production import flight
+from ..runtime import flight
 from ..runtime import trace
 from . import checked, staging
 

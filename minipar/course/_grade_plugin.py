@@ -5,7 +5,7 @@
 * Transfers are checked (``MINIPAR_CHECKED_COMM``): a send and a receive of different sizes
   raise in words on both ranks instead of aborting Gloo.
 * **A hang fails fast.** Each rank keeps its last collective in a file (``MINIPAR_FLIGHT_DIR``,
-  :class:`minipar.production.flight.Beacon`); when a launch times out, the failure lists every rank's last
+  :class:`minipar.runtime.flight.Beacon`); when a launch times out, the failure lists every rank's last
   collective, step and peers, and every later test that launches ranks is skipped with that
   reason: one timeout, not one per test.
 """

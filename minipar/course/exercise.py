@@ -276,10 +276,10 @@ def active() -> list[tuple[str, str]]:
 def activated(pairs):
     """Activate the (exercise, target) pairs of :func:`active` (inside a rank). While grading
     (``MINIPAR_FLIGHT_DIR`` set) the rank also keeps its last collective in a file there, so a
-    hang can be reported rank by rank (:class:`minipar.production.flight.Beacon`)."""
+    hang can be reported rank by rank (:class:`minipar.runtime.flight.Beacon`)."""
     with ExitStack() as stack:
         if (where := os.environ.get(FLIGHT_ENV)) and "RANK" in os.environ:
-            from ..production import flight
+            from ..runtime import flight
             rank = int(os.environ["RANK"])
             stack.enter_context(flight.Beacon(Path(where) / f"rank{rank}.json", rank))
         for exercise, target in pairs:

@@ -14,7 +14,7 @@ verdict per step, and a snapshot to undo a step whose loss is not finite.
 Exit codes of ``python -m minipar.train`` (each rank's under ``torchrun``): 0 done; 1 an
 error; 2 bad configuration or checkpoint, before training; :data:`EXIT_NONFINITE` (3) a
 NaN/Inf loss; :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: try again) stopped by a signal
-after checkpointing; ``124`` no progress for the hang timeout (:mod:`minipar.production.flight`).
+after checkpointing; ``124`` no progress for the hang timeout (:mod:`minipar.runtime.flight`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import signal
 
 import torch
 
-from .flight import EXIT_HUNG
+from ..runtime.flight import EXIT_HUNG
 
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3

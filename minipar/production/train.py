@@ -19,7 +19,7 @@ latest one by itself** (after a ``torchrun --max-restarts`` restart or a Slurm r
 mesh, with the losses the uninterrupted run would have had; ``--resume`` insists on one. Rank 0
 shows a tqdm progress bar; ``--out`` writes the losses (``history``: every step's, across restarts).
 
-Faults (:mod:`minipar.production.faults`, :mod:`minipar.production.flight`): ``SIGTERM``/``SIGUSR1`` finish the step in
+Faults (:mod:`minipar.production.faults`, :mod:`minipar.runtime.flight`): ``SIGTERM``/``SIGUSR1`` finish the step in
 flight, checkpoint and exit 75; a NaN/Inf loss stops at that step (exit 3, the last good
 checkpoint stays ``latest``) or, with ``--nonfinite skip``, undoes the step and counts it; a rank
 without progress for ``--hang-timeout`` seconds stops (exit 124) naming the collective every rank
@@ -130,7 +130,7 @@ def _stop_message(stopped: dict) -> str:
 
 def rank_main(args) -> dict:
     """Every rank: build the mesh and the model, resume, train, save. Returns the losses."""
-    from . import flight
+    from ..runtime import flight
     from ..runtime import trace
     from .faults import StopSignals
     with trace.recording(False), StopSignals() as signals, \
@@ -140,7 +140,8 @@ def rank_main(args) -> dict:
 
 
 def _train(args, signals) -> dict:
-    from . import checkpoint, flight
+    from . import checkpoint
+    from ..runtime import flight
     from .. import hybrid, reference
     from ..data import corpus_tokens, get_batch
     from .faults import Snapshot, agree, rss_bytes

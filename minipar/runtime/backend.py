@@ -155,8 +155,8 @@ def refuse_shared_gpus(store, rank: int, world_size: int, identity: str, here="c
     GPUs, which NCCL refuses ("Duplicate GPU detected"). Every rank posts ``identity``
     (:func:`gpu_identity`) to ``store``; a GPU named twice is a :class:`BackendError` naming
     the ranks, before the process group is made."""
-    store.set(f"minipar/runtime/gpu/{rank}", identity)
-    keys = [f"minipar/runtime/gpu/{r}" for r in range(world_size)]
+    store.set(f"minipar/gpu/{rank}", identity)
+    keys = [f"minipar/gpu/{r}" for r in range(world_size)]
     store.wait(keys)
     same = [r for r, k in enumerate(keys) if store.get(k).decode() == identity]
     if len(same) > 1 and torch.device(here).type == "cuda":

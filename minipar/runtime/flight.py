@@ -127,7 +127,7 @@ def _share(summary: dict, grace: float) -> list[dict]:
         store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
     except Exception:  # noqa: BLE001 - no process group: report this rank alone
         return [summary]
-    prefix = f"minipar/production/flight/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    prefix = f"minipar/flight/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     try:
         store.set(prefix + str(summary["rank"]), json.dumps(summary))
         out, deadline = {}, time.monotonic() + grace

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from .faults import EXIT_HUNG, EXIT_NONFINITE, EXIT_PREEMPTED, forward_to_ranks
 
-from .train_options import VOCAB_MULTIPLE, check_options, gpt_config, parse, parser  # noqa: F401
+from .train_options import check_options, gpt_config, parse, parser  # noqa: F401
 
 
 def data_signature(args) -> dict:

@@ -66,9 +66,11 @@ def real(low: float, strict: bool):
 POSITIVE, NATURAL = integer(1), integer(0)
 
 
+DESCRIPTION = "The course GPT on any mesh of dp, cp, pp, tp and ep, resumable from its checkpoints."
+
+
 def parser() -> argparse.ArgumentParser:
-    from . import train
-    p = Parser(prog="python -m minipar.train", description=train.__doc__.split("\n\n")[0],
+    p = Parser(prog="python -m minipar.train", description=DESCRIPTION,
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     mesh = p.add_argument_group("mesh")
     for dim, what in (("dp", "data"), ("pp", "pipeline"), ("tp", "tensor"), ("cp", "context"),

@@ -17,8 +17,8 @@ activation is now divided by t: ``sbh(34/t + 5as/(ht))`` bytes per layer. Two de
   would undo the saving, so :func:`gather_linear` keeps only this rank's shard and
   all-gathers it again in backward (Section 4.2.3): one extra all-gather per
   column-parallel layer, which Megatron-LM overlaps with the gradient computation.
-* Layer-norm weights and row-parallel biases are replicated but see only s/t tokens, so
-  their gradients are partial sums: they enter through
+* Layer-norm weights, row-parallel biases and the position embedding are replicated but
+  see only s/t tokens, so their gradients are partial sums: they enter through
   :func:`~minipar.tensor_parallel.ops.sync_grad` (f on a parameter), all-reduced in backward.
 """
 from __future__ import annotations

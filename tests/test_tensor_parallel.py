@@ -287,3 +287,18 @@ def test_run_trains_like_one_device(sp, tied):
     assert_same_training(res, want, rtol=RTOL, atol=ATOL)
     for m in res.measured:
         assert m["bytes_by_dim"]["world"] == m["bytes_sent"] > 0 and m["activations"] > 0
+
+
+def test_the_tensor_parallel_gpt_is_the_gpt_built_from_parallel_layers():
+    """Each tensor-parallel module subclasses the GPT's and defines only its constructor: the
+    forward code (block, attention, MLP, embedding, head, the GPT's loop) is the GPT's, not a copy."""
+    from minipar.models import gpt
+    pairs = {tp.ParallelAttention: gpt.CausalSelfAttention, tp.ParallelMLP: gpt.FeedForward,
+             tp.ParallelBlock: gpt.Block, tp.ParallelEmbedding: gpt.Embedding, tp.ParallelHead: gpt.Head,
+             tp.TensorParallelGPT: gpt.GPT}
+    own = {tp.TensorParallelGPT: {"parts", "loss", "forward", "load_full_state_dict"}}  # forward: + gather
+    for parallel, single in pairs.items():
+        assert issubclass(parallel, single), parallel
+        defined = {k for k in vars(parallel) if not k.startswith("__")}
+        assert defined <= own.get(parallel, set()), f"{parallel.__name__} redefines {defined}"
+    assert tp.TensorParallelGPT.layers is gpt.GPT.layers and tp.ParallelBlock._forward is gpt.Block._forward

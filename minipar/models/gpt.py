@@ -7,6 +7,13 @@ out (``"materialized"``, the readable reference), :mod:`.attention`; tensor para
 Pipeline parallelism can cut the three parts anywhere: ``embed`` (tokens -> hidden states),
 ``blocks`` (hidden -> hidden), ``head`` (hidden -> logits), flat in ``model.layers()``.
 Initialisation is deterministic given ``seed`` and leaves the global random state alone.
+
+The seams a parallel GPT uses to stay this model (Megatron-LM's way: the model is the model, its
+layers are swapped for parallel ones): each module takes its layers as optional arguments
+(``CausalSelfAttention(c, qkv=, proj=, n_head=)``, ``FeedForward(c, fc=, proj=)``,
+``Block(c, attn=, mlp=, norm=)``, ``Embedding(c, wte=, wpe=)``, ``Head(c, ln_f=, lm_head=)``),
+:meth:`GPT.parts` builds the three parts and :meth:`GPT.loss` is the loss of the head's
+logits. :mod:`minipar.tensor_parallel` overrides those two and passes its parallel layers.
 """
 from __future__ import annotations
 
@@ -45,12 +52,18 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, c: GPTConfig):
+    """``proj(attend(qkv(x)))`` over ``n_head`` heads. ``qkv``, ``proj`` and ``n_head`` default
+    to the whole layer; tensor parallelism passes its column- and row-parallel projections and
+    this rank's share of the heads (:class:`minipar.tensor_parallel.ParallelAttention`)."""
+
+    def __init__(self, c: GPTConfig, qkv: nn.Module | None = None, proj: nn.Module | None = None,
+                 n_head: int | None = None):
         super().__init__()
         if c.n_embd % c.n_head:
             raise ValueError(f"n_embd={c.n_embd} is not divisible by n_head={c.n_head}")
-        self.n_head, self.head_dim = c.n_head, c.n_embd // c.n_head
-        self.qkv, self.proj = nn.Linear(c.n_embd, 3 * c.n_embd), nn.Linear(c.n_embd, c.n_embd)
+        self.n_head, self.head_dim = n_head or c.n_head, c.n_embd // c.n_head
+        self.qkv = qkv if qkv is not None else nn.Linear(c.n_embd, 3 * c.n_embd)
+        self.proj = proj if proj is not None else nn.Linear(c.n_embd, c.n_embd)
         self.drop = nn.Dropout(c.dropout)
         self.recompute = check_mode(c.recompute)
         self.attention = check_attention(getattr(c, "attention", "auto"))
@@ -72,17 +85,23 @@ class CausalSelfAttention(nn.Module):
         return att @ v
 
     def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
+        qkv = self.qkv(x)        # (B, T, 3·width), T the full length (sequence parallelism gathers it)
+        B, T, _ = qkv.shape
+        width = self.n_head * self.head_dim   # h, or this rank's h/t with tensor parallelism
+        q, k, v = qkv.split(width, dim=2)
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = self.attend(q, k, v).transpose(1, 2).reshape(B, T, C)
+        y = self.attend(q, k, v).transpose(1, 2).reshape(B, T, width)
         return self.drop(self.proj(y))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, c: GPTConfig):
+    """``proj(GeLU(fc(x)))``; ``fc`` and ``proj`` default to ``nn.Linear`` (tensor parallelism:
+    column- then row-parallel)."""
+
+    def __init__(self, c: GPTConfig, fc: nn.Module | None = None, proj: nn.Module | None = None):
         super().__init__()
-        self.fc, self.proj = nn.Linear(c.n_embd, 4 * c.n_embd), nn.Linear(4 * c.n_embd, c.n_embd)
+        self.fc = fc if fc is not None else nn.Linear(c.n_embd, 4 * c.n_embd)
+        self.proj = proj if proj is not None else nn.Linear(4 * c.n_embd, c.n_embd)
         self.drop = nn.Dropout(c.dropout)
 
     def forward(self, x):
@@ -90,13 +109,19 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, c: GPTConfig, index: int | None = None):
+    """``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``. ``attn``, ``mlp`` and the layer norms'
+    class ``norm`` default to the single-device ones (block ``index``'s MLP an MoE layer where
+    ``GPTConfig.moe_every`` says); a parallel block passes its own."""
+
+    def __init__(self, c: GPTConfig, index: int | None = None, *, attn: nn.Module | None = None,
+                 mlp: nn.Module | None = None, norm=nn.LayerNorm):
         super().__init__()
         moe = c.moe_every and index is not None and index % c.moe_every == c.moe_every - 1
-        self.ln1, self.attn = nn.LayerNorm(c.n_embd), CausalSelfAttention(c)
-        self.ln2 = nn.LayerNorm(c.n_embd)
-        self.mlp = (MoE(c.n_embd, c.n_experts, c.top_k, c.capacity_factor, c.aux_loss_coef, c.z_loss_coef)
-                    if moe else FeedForward(c))
+        self.ln1, self.attn = norm(c.n_embd), attn if attn is not None else CausalSelfAttention(c)
+        self.ln2 = norm(c.n_embd)
+        self.mlp = mlp if mlp is not None else (
+            MoE(c.n_embd, c.n_experts, c.top_k, c.capacity_factor, c.aux_loss_coef, c.z_loss_coef)
+            if moe else FeedForward(c))
         self.recompute = check_mode(c.recompute)
 
     def forward(self, x):
@@ -109,9 +134,13 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    def __init__(self, c: GPTConfig):
+    """``wte(tokens) + wpe(positions)``; tensor parallelism passes the vocabulary-parallel
+    ``wte`` and a ``wpe`` that looks up its sequence shard's positions."""
+
+    def __init__(self, c: GPTConfig, wte: nn.Module | None = None, wpe: nn.Module | None = None):
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(c.vocab_size, c.n_embd), nn.Embedding(c.block_size, c.n_embd)
+        self.wte = wte if wte is not None else nn.Embedding(c.vocab_size, c.n_embd)
+        self.wpe = wpe if wpe is not None else nn.Embedding(c.block_size, c.n_embd)
         self.drop = nn.Dropout(c.dropout)
 
     def forward(self, idx):
@@ -119,10 +148,12 @@ class Embedding(nn.Module):
 
 
 class Head(nn.Module):
-    def __init__(self, c: GPTConfig):
+    """``lm_head(ln_f(x))``: the logits (tensor parallelism: this rank's vocabulary slice)."""
+
+    def __init__(self, c: GPTConfig, ln_f: nn.Module | None = None, lm_head: nn.Module | None = None):
         super().__init__()
-        self.ln_f = nn.LayerNorm(c.n_embd)
-        self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self.ln_f = ln_f if ln_f is not None else nn.LayerNorm(c.n_embd)
+        self.lm_head = lm_head if lm_head is not None else nn.Linear(c.n_embd, c.vocab_size, bias=False)
 
     def forward(self, x):
         return self.lm_head(self.ln_f(x))
@@ -148,12 +179,16 @@ class GPT(nn.Module):
             raise ValueError("pass either a GPTConfig or keyword overrides, not both")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.embed = Embedding(c)
-            self.blocks = nn.ModuleList(Block(c, i) for i in range(c.n_layer))
-            self.head = Head(c)
+            embed, blocks, head = self.parts(c)
+            self.embed, self.blocks, self.head = embed, nn.ModuleList(blocks), head
             init_weights(self)
         if c.tie_weights:
             self.head.lm_head.weight = self.embed.wte.weight
+
+    def parts(self, c: GPTConfig) -> tuple[nn.Module, list[nn.Module], nn.Module]:
+        """``(embed, blocks, head)`` for config ``c``, built in that order: the one place the GPT
+        names its layers' classes (a parallel GPT overrides it to build its parallel layers)."""
+        return Embedding(c), [Block(c, i) for i in range(c.n_layer)], Head(c)
 
     def layers(self) -> list[nn.Module]:
         """``[embed, block_0, ..., block_{L-1}, head]``: applied in order, tokens -> logits."""
@@ -177,8 +212,13 @@ class GPT(nn.Module):
         logits = self.head(x)
         if targets is None:
             return logits
-        loss = lm_loss(logits, targets)
+        loss = self.loss(logits, targets)
         return loss + moe_loss(self) if self.config.moe_every else loss  # + the MoE layers' aux losses
+
+    def loss(self, logits, targets):
+        """The mean cross-entropy of the head's ``logits`` (:func:`lm_loss`); the vocabulary-parallel
+        GPT overrides it (its head returns a slice of the vocabulary)."""
+        return lm_loss(logits, targets)
 
 
 def set_attention(model: nn.Module, attention) -> nn.Module:

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .ops import divide, g, size_and_rank
-from .sequence import reduce_scatter_seq
+from .sequence import check_seq_len, reduce_scatter_seq
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,6 +43,8 @@ class VocabParallelEmbedding(nn.Module):
         return m
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:   # a plain error before any communication
+            check_seq_len(idx.shape[1], self.group)
         outside = (idx < self.start) | (idx >= self.end)
         local = (idx - self.start).masked_fill(outside, 0)
         partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)

@@ -1,8 +1,10 @@
 """The tensor-parallel GPT, and conversion to and from the single-device GPT.
 
-:class:`TensorParallelGPT` is :class:`minipar.models.GPT` with every block split over the
-ranks of a tensor-parallel ``group`` (Megatron-LM), optionally with sequence parallelism.
-Parameter names are those of the single-device model, each holding this rank's shard:
+:class:`TensorParallelGPT` is :class:`minipar.models.GPT` (a subclass: the same forward,
+blocks and recomputation) built from parallel layers, split over the ranks of a
+tensor-parallel ``group`` (Megatron-LM), optionally with sequence parallelism; only its parts
+(:meth:`~TensorParallelGPT.parts`) and its loss differ. Parameter names are those of the
+single-device model, each holding this rank's shard:
 
     embed.wte.weight        rows (vocabulary)            VocabParallelEmbedding
     blocks.i.attn.qkv.*     this rank's heads' rows of q, of k and of v (the fused weight
@@ -22,18 +24,15 @@ slice of the logits, and :meth:`TensorParallelGPT.loss` is the vocabulary-parall
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from .. import comm, precision
-from ..models.gpt import GPT, GPTConfig
-from ..models.recompute import set_recompute
+from ..models.gpt import GPT, Embedding, GPTConfig, Head
 from .block import ParallelBlock
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear
-from .ops import gather, size_and_rank, sync_grad
-from .sequence import LayerNorm, check_seq_len
+from .ops import gather, size_and_rank
+from .sequence import LayerNorm, PositionEmbedding
 
 
 def check(model, batches=None, t: int = 1, sequence_parallel: bool = False, dtype=None,
@@ -105,81 +104,59 @@ def unshard_state_dict(shards: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------ the model
-class ParallelEmbedding(nn.Module):
-    """Vocabulary-parallel token embedding plus (replicated) position embedding."""
+class ParallelEmbedding(Embedding):
+    """The GPT's embedding with the vocabulary-parallel token embedding and a (replicated)
+    position embedding; with sequence parallelism both give this rank's tokens."""
 
     def __init__(self, c: GPTConfig, group=None, sequence_parallel: bool = False):
-        super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.wte = VocabParallelEmbedding(c.vocab_size, c.n_embd, group, sequence_parallel)
-        self.wpe = nn.Embedding(c.block_size, c.n_embd)
-
-    def forward(self, idx):
-        T = idx.shape[1]
-        pos, wpe = torch.arange(T, device=idx.device), self.wpe.weight
-        if self.sequence_parallel:  # this rank's tokens; wpe's gradient is then partial
-            Ts, r = check_seq_len(T, self.group), size_and_rank(self.group)[1]
-            pos, wpe = pos[r * Ts:(r + 1) * Ts], sync_grad(wpe, self.group)
-        return self.wte(idx) + F.embedding(pos, wpe)
+        super().__init__(c, wte=VocabParallelEmbedding(c.vocab_size, c.n_embd, group, sequence_parallel),
+                         wpe=PositionEmbedding(c.block_size, c.n_embd, group, sequence_parallel))
 
 
-class ParallelHead(nn.Module):
-    """Final layer norm and the column-parallel output layer: this rank's vocabulary slice
-    of the logits, (B, T, V/t), for all T positions."""
+class ParallelHead(Head):
+    """The GPT's head, final layer norm then the column-parallel output layer: this rank's
+    vocabulary slice of the logits, (B, T, V/t), for all T positions."""
 
     def __init__(self, c: GPTConfig, group=None, sequence_parallel: bool = False):
-        super().__init__()
-        self.ln_f = LayerNorm(c.n_embd, group, sequence_parallel)
-        self.lm_head = ColumnParallelLinear(c.n_embd, c.vocab_size, bias=False, group=group,
-                                            sequence_parallel=sequence_parallel)
-
-    def forward(self, x):
-        return self.lm_head(self.ln_f(x))
+        super().__init__(c, ln_f=LayerNorm(c.n_embd, group, sequence_parallel),
+                         lm_head=ColumnParallelLinear(c.n_embd, c.vocab_size, bias=False, group=group,
+                                                      sequence_parallel=sequence_parallel))
 
 
-class TensorParallelGPT(nn.Module):
-    """:class:`minipar.models.GPT` split over the ranks of ``group`` (``None``: the world),
-    initialised exactly as ``GPT(config, seed=seed)`` and sharded; ``seed=None`` leaves the
-    weights to be loaded (:func:`from_gpt` does)."""
+class TensorParallelGPT(GPT):
+    """:class:`minipar.models.GPT` split over the ranks of ``group`` (``None``: the world): the
+    GPT itself (its forward, ``layers()``, recomputation, tied head) built from the parallel
+    parts (:meth:`parts`), with the vocabulary-parallel loss (:meth:`loss`). Initialised exactly
+    as ``GPT(config, seed=seed)`` and sharded; ``seed=None`` leaves the weights to be loaded
+    (:func:`from_gpt` does)."""
 
     def __init__(self, config: GPTConfig, group=None, sequence_parallel: bool = False,
                  seed: int | None = 0):
-        super().__init__()
         check(config, None, size_and_rank(group)[0])
-        self.config, self.group, self.sequence_parallel = config, group, sequence_parallel
-        kw = dict(group=group, sequence_parallel=sequence_parallel)
-        self.embed = ParallelEmbedding(config, **kw)
-        self.blocks = nn.ModuleList(ParallelBlock(config, **kw) for _ in range(config.n_layer))
-        self.head = ParallelHead(config, **kw)
-        if config.tie_weights:
-            self.head.lm_head.weight = self.embed.wte.weight
+        self.group, self.sequence_parallel = group, sequence_parallel  # read by parts(), inside GPT's __init__
+        super().__init__(config)
         if seed is not None:
             self.load_full_state_dict(GPT(config, seed=seed).state_dict())
+
+    def parts(self, c: GPTConfig):
+        """The GPT's three parts, tensor-parallel over ``self.group``."""
+        kw = dict(group=self.group, sequence_parallel=self.sequence_parallel)
+        return (ParallelEmbedding(c, **kw), [ParallelBlock(c, **kw) for _ in range(c.n_layer)],
+                ParallelHead(c, **kw))
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load this rank's shards of a single-device GPT's ``state_dict``."""
         self.load_state_dict(shard_state_dict(state_dict, *size_and_rank(self.group)))
-
-    def layers(self) -> list[nn.Module]:
-        """``[embed, block_0, ..., block_{L-1}, head]``, as :meth:`GPT.layers`."""
-        return [self.embed, *self.blocks, self.head]
-
-    def set_recompute(self, mode) -> "TensorParallelGPT":
-        """``"none"``, ``"selective"`` or ``"full"`` recomputation in every block
-        (:mod:`minipar.models.recompute`)."""
-        return set_recompute(self, mode)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of this rank's vocabulary slice of the logits (no gather)."""
         return vocab_parallel_cross_entropy(logits, targets, self.group)
 
     def forward(self, idx, targets=None):
-        """The mean loss with ``targets``; without, the full logits (B, T, V), all-gathered."""
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(x)
-        return gather(logits, -1, self.group) if targets is None else self.loss(logits, targets)
+        """The GPT's forward: the mean loss with ``targets``; without, the full logits
+        (B, T, V), all-gathered from the ranks' vocabulary slices."""
+        out = super().forward(idx, targets)
+        return out if targets is not None else gather(out, -1, self.group)
 
 
 def from_gpt(model: GPT, group=None, sequence_parallel: bool = False) -> TensorParallelGPT:

@@ -17,8 +17,8 @@ activation is now divided by t: ``sbh(34/t + 5as/(ht))`` bytes per layer. Two de
   would undo the saving, so :func:`gather_linear` keeps only this rank's shard and
   all-gathers it again in backward (Section 4.2.3): one extra all-gather per
   column-parallel layer, which Megatron-LM overlaps with the gradient computation.
-* Layer-norm weights and row-parallel biases are replicated but see only s/t tokens, so
-  their gradients are partial sums: they enter through
+* Layer-norm weights, row-parallel biases and the position embedding are replicated but
+  see only s/t tokens, so their gradients are partial sums: they enter through
   :func:`~minipar.tensor_parallel.ops.sync_grad` (f on a parameter), all-reduced in backward.
 """
 from __future__ import annotations
@@ -110,5 +110,21 @@ class LayerNorm(nn.LayerNorm):
                             sync_grad(self.bias, self.group), self.eps)
 
 
+class PositionEmbedding(nn.Embedding):
+    """``nn.Embedding`` of positions (same parameter) that can run on a sequence shard: with
+    ``sequence_parallel=True`` it is given all T positions and looks up this rank's T/t of
+    them, the weight through f (its gradient is partial, as the layer norms')."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, sequence_parallel: bool = False):
+        super().__init__(num_embeddings, embedding_dim)
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, pos):
+        if not self.sequence_parallel:
+            return super().forward(pos)
+        Ts, r = check_seq_len(pos.shape[-1], self.group), size_and_rank(self.group)[1]
+        return F.embedding(pos[..., r * Ts:(r + 1) * Ts], sync_grad(self.weight, self.group))
+
+
 __all__ = ["gather_seq", "reduce_scatter_seq", "split_seq", "check_seq_len", "gather_linear",
-           "linear_reduce_scatter", "LayerNorm"]
+           "linear_reduce_scatter", "LayerNorm", "PositionEmbedding"]

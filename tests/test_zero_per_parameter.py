@@ -200,9 +200,9 @@ def _branchy_all_stages():
             opt.step()
             if stage == "3p":   # no gather left in flight or storage left gathered after a step
                 from minipar.zero.per_parameter import sharded_state
-                out.setdefault("3p idle", []).append(all(
-                    u.pending is None and u.full.untyped_storage().nbytes() == 0
-                    for u in sharded_state(model).units))
+                state = sharded_state(model)
+                out.setdefault("3p idle", []).append(all(state.pending[i] is None and u.full.untyped_storage().nbytes() == 0
+                                                         for i, u in enumerate(state.units)))
             t = loss.detach().reshape(1)
             dist.all_reduce(t)
             losses.append(t.item() / n)

@@ -73,6 +73,16 @@ class FlatUnit:
         for p, v in zip(self.params, self.views(flat)):
             p.data = v
 
+    def shard_spans(self) -> list[tuple[torch.nn.Parameter, int, int, int]]:
+        """The parameters this rank's shard overlaps, as ``(param, a, b, s)``: elements [a, b)
+        of the flattened parameter are elements [s, s + b - a) of the shard (padding left out)."""
+        lo, hi, out = self.rank * self.k, (self.rank + 1) * self.k, []
+        for p, o, m in zip(self.params, self.offsets, self.numels):
+            a, b = max(lo, o), min(hi, o + m)
+            if a < b:
+                out.append((p, a - o, b - o, a - lo))
+        return out
+
 
 def split_units(model_or_params, units=None) -> list[list[torch.nn.Parameter]]:
     """The units to shard: ``units`` (lists of parameters or modules) if given, else the

@@ -38,8 +38,8 @@ def persistent_parameters(module: nn.Module, persist_below: int | None = None, p
                          "with dtype= (autocast) rather than param_dtype=")
     out = {}
     for m in module.modules():
-        for p in m._parameters.values():
-            if p is not None and p.requires_grad and (
+        for p in m.parameters(recurse=False):
+            if p.requires_grad and (
                     (persist_below is not None and p.numel() < persist_below) or (persist is not None and persist(m))):
                 out[id(p)] = p
     return list(out.values())

@@ -63,6 +63,16 @@ class Storage(Protocol):
     def reduce(self, i: int) -> None:
         """Reduce-scatter unit i's gradients (mean) into its shards' ``.grad`` (accumulating)."""
 
+    # what the chapter measures
+    def full_params(self) -> dict:
+        """``{id(p): full fp32 value}`` for the parameters the model names (a collective)."""
+
+    def tensors(self) -> dict:
+        """``{"params": [...], "grads": [...]}``: the tensors this rank holds (memory anatomy)."""
+
+    def unit_sizes(self) -> list[int]:
+        """The unit sizes the cost formulas take."""
+
 
 def unit_parameters(module: nn.Module, units=None) -> list[tuple[nn.Module, dict]]:
     """The units stage 3 gathers one at a time (``units``, default ``module.layers()``, else
@@ -74,8 +84,8 @@ def unit_parameters(module: nn.Module, units=None) -> list[tuple[nn.Module, dict
     for i, m in enumerate(mods):
         found = {}
         for owner in m.modules():
-            for attr, p in owner._parameters.items():
-                if p is None or not p.requires_grad:
+            for attr, p in owner.named_parameters(recurse=False, remove_duplicate=False):
+                if not p.requires_grad:
                     continue
                 if seen.setdefault(id(p), i) != i:
                     raise ValueError("a parameter is shared by two units (tied weights?); "
@@ -236,7 +246,7 @@ class FullyShardedDataParallel(nn.Module):
                               group, self.param_dtype)
         self.shards = nn.ParameterList([u.shard for u in storage.units])
         self.persistent = nn.ParameterList(whole)           # the module's own, replicated
-        object.__setattr__(self, "schedule", Schedule(storage, module, group, prefetch, whole))
+        self.schedule = Schedule(storage, module, group, prefetch, whole)
 
     units = property(lambda self: self.schedule.units)
     peak_gathered_bytes = property(lambda self: self.schedule.peak_gathered_bytes)
@@ -263,4 +273,3 @@ class FullyShardedDataParallel(nn.Module):
 
     def persistent_numel(self) -> int:
         return self.schedule.persistent_numel()
-

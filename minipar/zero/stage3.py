@@ -1,6 +1,6 @@
 """ZeRO stage 3, P_os+g+p: parameters sharded too, gathered one unit at a time.
 
-Rajbhandari et al. 2020, §5.3; the same design as PyTorch's FSDP (Zhao et al. 2023, §3.2).
+Rajbhandari et al. 2020, §5.3; the same design as PyTorch's FSDP (Zhao et al. 2023, §3).
 Each rank keeps only its shard of every unit's (layer's) parameters; a unit's full
 parameters exist only while it computes. :class:`Schedule` is the whole algorithm, the
 FSDP paper's pseudo-code in the order it runs:

@@ -75,7 +75,7 @@ def sharded_step(flat_params, grad_shards, shards, optimizer, group=None) -> Non
 
 
 # ------------------------------------------------------------------------------------------------
-# from minipar/zero/stage3.py: these run as module minipar.zero.stage3's own
+# from minipar/zero/flat.py: these run as module minipar.zero.flat's own
 # ------------------------------------------------------------------------------------------------
 import torch
 from minipar.comm import all_gather

@@ -214,6 +214,79 @@ def test_stage3_gathers_and_frees():
         assert sum(bool(e["labels"].get("prefetch")) for e in res["gathers"]) == 2 * (res["n_units"] - 1)
 
 
+class _Recording:
+    """A stage-3 storage that logs what the schedule asks of it, then does it."""
+
+    def __init__(self, inner, log):
+        self.inner, self.units, self.log = inner, inner.units, log
+
+    def gather(self, i, **labels):
+        self.log.append(("gather", i))
+        return self.inner.gather(i, **labels)
+
+    def use(self, i, gathered):
+        self.log.append(("use" if gathered else "unuse", i))
+        self.inner.use(i, gathered)
+
+    def free(self, i):
+        self.log.append(("free", i))
+        self.inner.free(i)
+
+    def reduce(self, i):
+        self.log.append(("reduce", i))
+        self.inner.reduce(i)
+
+
+def _schedule_calls():
+    """Every rank: one step of stage 3's Schedule over each design's storage, logged."""
+    from minipar.zero.flat import FlatStorage
+    from minipar.zero.per_parameter import PerParameterStorage
+    from minipar.zero.stage3 import Schedule, unit_parameters
+    r, n = dist.get_rank(), dist.get_world_size()
+    x, y = _batches()[0]
+    out = {}
+    for design in ("flat", "per-parameter"):
+        model, log = GPT(GPTConfig(**EVEN), seed=0), []
+        found = unit_parameters(model)
+        if design == "flat":
+            storage = FlatStorage([(m, [p for p, _ in f.values()]) for m, f in found])
+            shards = [u.shard for u in storage.units]
+        else:
+            storage = PerParameterStorage([(m, list(f.values())) for m, f in found])
+            shards = [q.shard for u in storage.units for q in u.ps]
+        schedule = Schedule(_Recording(storage, log), model)
+        opt = torch.optim.SGD(shards, lr=0.1)
+        model(data.shard(x, r, n), data.shard(y, r, n)).backward()
+        opt.step()
+        out[design] = {"log": log, "units": len(storage.units), "left": schedule.gathered_bytes,
+                       "live": [u.full.untyped_storage().nbytes() for u in storage.units]}
+    return out
+
+
+def _paper_order(L):
+    """Stage 3 with prefetch, as the FSDP paper's pseudo-code runs it on L units: forward
+    gathers unit i, computes with it while unit i+1 is gathered, frees it; backward gathers
+    unit i while unit i-1 is prefetched, then frees it and reduce-scatters its gradients."""
+    fwd = []
+    for i in range(L):
+        fwd += ([("gather", 0)] if i == 0 else []) + [("use", i)] + ([("gather", i + 1)] if i + 1 < L else [])
+        fwd += [("unuse", i), ("free", i)]
+    bwd = [("gather", L - 1)]
+    for i in reversed(range(L)):
+        bwd += ([("gather", i - 1)] if i > 0 else []) + [("free", i), ("reduce", i)]
+    return fwd + bwd
+
+
+def test_schedule_runs_gather_use_free_reduce_in_the_papers_order():
+    """Both storages see exactly the calls of the paper's schedule, in its order, for one
+    step (prefetch on): each unit gathered twice, freed twice, reduced once; nothing left
+    gathered, and the gathered bytes counted back to 0."""
+    for res in minipar.launch(_schedule_calls, 2, timeout=60):
+        for design, got in res.items():
+            assert got["log"] == _paper_order(got["units"]), design
+            assert got["left"] == 0 and got["live"] == [0] * got["units"], design
+
+
 def test_clear_errors():
     """Bad configurations fail with a plain message, without starting any process."""
     with pytest.raises(ValueError, match="shared by two units"):

@@ -200,9 +200,9 @@ def _branchy_all_stages():
             opt.step()
             if stage == "3p":   # no gather left in flight or storage left gathered after a step
                 from minipar.zero.per_parameter import sharded_state
-                out.setdefault("3p idle", []).append(all(
-                    u.pending is None and u.full.untyped_storage().nbytes() == 0
-                    for u in sharded_state(model).units))
+                state = sharded_state(model)
+                out.setdefault("3p idle", []).append(all(state.pending[i] is None and u.full.untyped_storage().nbytes() == 0
+                                                         for i, u in enumerate(state.units)))
             t = loss.detach().reshape(1)
             dist.all_reduce(t)
             losses.append(t.item() / n)
@@ -327,9 +327,15 @@ def test_gradient_clipping_under_every_stage():
 
 
 def test_per_parameter_clear_errors():
-    """Tied weights across units, and parameters outside every unit, are refused."""
-    with pytest.raises(ValueError, match="shared by two units"):
-        fully_shard(GPT(GPTConfig(**EVEN, tie_weights=True)))
-    with pytest.raises(ValueError, match="in no unit"):
-        m = GPT(GPTConfig(**EVEN))
-        fully_shard(m, units=m.layers()[:1])
+    """Tied weights across units, and parameters outside every unit, are refused, by both
+    designs in the same words (one check, ``stage3.unit_parameters``)."""
+    for shard in (fully_shard, FullyShardedDataParallel):
+        with pytest.raises(ValueError, match="shared by two units") as tied:
+            shard(GPT(GPTConfig(**EVEN, tie_weights=True)))
+        with pytest.raises(ValueError, match="in no unit") as missing:
+            m = GPT(GPTConfig(**EVEN))
+            shard(m, units=m.layers()[:1])
+        assert (str(tied.value), str(missing.value)) == (
+            "a parameter is shared by two units (tied weights?); stage 3 needs each parameter in exactly one unit",
+            "parameters in no unit: ['blocks.0.ln1.weight', 'blocks.0.ln1.bias', 'blocks.0.attn.qkv.weight']...; "
+            "pass units= covering them"), shard

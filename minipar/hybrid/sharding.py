@@ -58,5 +58,5 @@ def build_optimizer(hm, make, zero: int, sharding: str = "flat", bucket_cap_mb: 
         state = FullyShardedDataParallel(hm.model, group=g["dp"], units=layers)
         params = list(state.parameters())
     # the pipeline calls the layers one by one, never the model: start each forward's unit order
-    layers[0].register_forward_pre_hook(lambda m, a: state._order.clear())
+    layers[0].register_forward_pre_hook(lambda m, a: state.start_forward(), prepend=True)
     return make(params), None, state

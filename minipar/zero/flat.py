@@ -9,12 +9,18 @@ end to end in one flat vector, zero-padded to a multiple of the data-parallel de
 The padding (at most N-1 elements per unit) stays zero under SGD and Adam(W). The parameters
 become *views* into the flat vector: the model runs unchanged while the strategies move
 whole flat vectors with one collective.
+
+Stage 3 keeps only the shard and gives the flat vector its memory only while the unit
+computes (:func:`gather_unit`, :func:`free_unit`): :class:`FlatStorage` is that storage,
+FSDP's flat parameters, for :class:`minipar.zero.stage3.Schedule`.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
-from ..comm import group_rank, group_size
+from ..comm import all_gather, group_rank, group_size
+from .reduce import reduce_unit_grads
 
 
 def shard_size(numel: int, n: int) -> int:
@@ -67,6 +73,16 @@ class FlatUnit:
         for p, v in zip(self.params, self.views(flat)):
             p.data = v
 
+    def shard_spans(self) -> list[tuple[torch.nn.Parameter, int, int, int]]:
+        """The parameters this rank's shard overlaps, as ``(param, a, b, s)``: elements [a, b)
+        of the flattened parameter are elements [s, s + b - a) of the shard (padding left out)."""
+        lo, hi, out = self.rank * self.k, (self.rank + 1) * self.k, []
+        for p, o, m in zip(self.params, self.offsets, self.numels):
+            a, b = max(lo, o), min(hi, o + m)
+            if a < b:
+                out.append((p, a - o, b - o, a - lo))
+        return out
+
 
 def split_units(model_or_params, units=None) -> list[list[torch.nn.Parameter]]:
     """The units to shard: ``units`` (lists of parameters or modules) if given, else the
@@ -95,3 +111,82 @@ def split_units(model_or_params, units=None) -> list[list[torch.nn.Parameter]]:
     if rest:
         out.append(list({id(p): p for p in rest}.values()))
     return out
+
+
+# ----------------------------------------------------------------- stage 3's flat storage
+def gather_unit(full: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False, **labels):
+    """Gather-before-use: give ``full`` (flat, N·k elements, its storage possibly freed)
+    its storage back and fill it with every rank's ``shard`` (k elements, cast to
+    ``full``'s dtype) in rank order. Returns the all-gather's Handle if ``async_op``."""
+    # >>> ex06 C
+    full.untyped_storage().resize_(full.numel() * full.element_size())
+    return all_gather(full, shard.detach().to(full.dtype), group=group, async_op=async_op, **labels)
+    # <<< ex06 C
+
+
+def free_unit(full: torch.Tensor) -> None:
+    """Free-after-use: release ``full``'s memory but keep the tensor (and the parameter
+    views into it) so the same buffer can be gathered into again."""
+    # >>> ex06 C
+    full.untyped_storage().resize_(0)
+    # <<< ex06 C
+
+
+class ShardedFlatUnit:
+    """A unit under stage 3: its fp32 ``shard`` (k elements, what the optimizer steps) and the
+    ``full`` buffer of N·k elements the parameters are views of, its storage freed until gathered."""
+
+    def __init__(self, module: nn.Module, params, group, dtype):
+        self.module, self.flat = module, FlatUnit(params, group)
+        self.params = self.flat.params                     # what the gradients arrive on
+        master = self.flat.flatten(self.params)
+        self.shard = nn.Parameter(self.flat.shard_of(master).clone())
+        self.full = torch.empty(self.flat.padded, dtype=dtype, device=master.device)
+        self.flat.use(self.full)
+        free_unit(self.full)
+
+
+class FlatStorage:
+    """Stage 3's storage in flat units (:class:`minipar.zero.stage3.Storage`): ``units`` is
+    ``[(module, params)]`` (a unit without parameters is dropped), ``dtype`` that of the
+    gathered buffers and of the gradients' reduce-scatter. The parameters are views of the
+    buffers all along, so :meth:`use` has nothing to do; freeing keeps the tensor and
+    resizes its storage to 0, so the views autograd saved see the re-gathered values."""
+
+    def __init__(self, units, group=None, dtype=torch.float32):
+        self.group, self.dtype = group, dtype
+        self.units = [ShardedFlatUnit(m, ps, group, dtype) for m, ps in units if ps]
+
+    def gather(self, i: int, **labels):
+        u = self.units[i]
+        return gather_unit(u.full, u.shard, self.group, async_op=True, **labels)
+
+    def use(self, i: int, gathered: bool) -> None:
+        pass
+
+    def free(self, i: int) -> None:
+        free_unit(self.units[i].full)
+
+    def reduce(self, i: int) -> None:
+        u = self.units[i]
+        g = reduce_unit_grads(u.flat, dtype=self.dtype, unit=i).to(torch.float32)
+        u.shard.grad = g if u.shard.grad is None else u.shard.grad.add_(g)
+
+    @torch.no_grad()
+    def full_params(self) -> dict[int, torch.Tensor]:
+        """``{id(parameter): its full fp32 value}`` (a collective: every rank calls it)."""
+        where = {}
+        for u in self.units:
+            full = torch.empty(u.flat.padded, dtype=u.shard.dtype, device=u.shard.device)
+            all_gather(full, u.shard.detach(), group=self.group, name="gather_full_params")
+            where.update({id(p): v.clone() for p, v in zip(u.params, u.flat.views(full))})
+        return where
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Shards and gathered buffers; the shards' and the parameters' gradients."""
+        return {"params": [u.shard for u in self.units] + [u.full for u in self.units],
+                "grads": [u.shard.grad for u in self.units] + [p.grad for u in self.units for p in u.params]}
+
+    def unit_sizes(self) -> list[int]:
+        """Ψ_u of every unit (unpadded)."""
+        return [u.flat.numel for u in self.units]

@@ -38,36 +38,24 @@ def persistent_parameters(module: nn.Module, persist_below: int | None = None, p
                          "with dtype= (autocast) rather than param_dtype=")
     out = {}
     for m in module.modules():
-        for p in m._parameters.values():
-            if p is not None and p.requires_grad and (
+        for p in m.parameters(recurse=False):
+            if p.requires_grad and (
                     (persist_below is not None and p.numel() < persist_below) or (persist is not None and persist(m))):
                 out[id(p)] = p
     return list(out.values())
 
 
-class Persistent:
-    """What both stage-3 designs do with their ``persistent`` parameters (a list, possibly
-    empty); a design gives ``group``, ``reduction`` (whose ``tail`` is
-    :meth:`_reduce_persistent`) and optionally ``reduce_dtype``."""
-
-    @torch.no_grad()
-    def _reduce_persistent(self) -> None:
-        """The persistent parameters' gradients (zeros where this rank has none), averaged over
-        the group in one all-reduce: every rank then holds the same full gradient."""
-        ps = self.persistent
-        if not ps:
-            return
-        dtype = getattr(self, "reduce_dtype", None) or ps[0].dtype
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
-                          for p in ps])
-        all_reduce(flat, op="avg", group=self.group, name="all_reduce", persistent=True)
-        for p, g in zip(ps, flat.split([p.numel() for p in ps])):
-            p.grad = g.view(p.shape).to(p.dtype)
-
-    def _watch_persistent(self) -> None:
-        for p in self.persistent:
-            p.register_post_accumulate_grad_hook(lambda p: self.reduction.touch())
-
-    def persistent_numel(self) -> int:
-        """Ψ_p: the elements kept whole on every rank."""
-        return sum(p.numel() for p in self.persistent)
+@torch.no_grad()
+def reduce_persistent(params, group=None, dtype=None) -> None:
+    """ḡ_p = (1/N) Σ_j g_p^(j): the persistent parameters' gradients (zeros where this rank has
+    none) averaged over ``group`` in one all-reduce (in ``dtype``, default theirs), so every
+    rank then holds the same full gradient. Stage 3 calls it after every unit's reduce-scatter."""
+    ps = list(params)
+    if not ps:
+        return
+    dtype = dtype or ps[0].dtype
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
+                      for p in ps])
+    all_reduce(flat, op="avg", group=group, name="all_reduce", persistent=True)
+    for p, g in zip(ps, flat.split([p.numel() for p in ps])):
+        p.grad = g.view(p.shape).to(p.dtype)

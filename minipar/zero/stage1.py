@@ -128,3 +128,10 @@ class ZeroOptimizer:
     def unit_sizes(self) -> list[int]:
         """Ψ_u of every unit (for :func:`minipar.analysis.cost.zero_bytes_per_rank`)."""
         return [u.numel for u in self.units]
+
+    # -- what a checkpoint saves (minipar.production.checkpoint)
+    def shard_states(self) -> list[tuple[FlatUnit, torch.Tensor, dict]]:
+        """Per unit: its layout (:meth:`FlatUnit.shard_spans`: the parameters this rank's shard
+        covers), the shard the wrapped optimizer steps, and that optimizer's state of it (a dict,
+        empty before the first step: a loader fills it in place)."""
+        return [(u, s, self.optim.state[s]) for u, s in zip(self.units, self.shards)]

@@ -1,122 +1,236 @@
 """ZeRO stage 3, P_os+g+p: parameters sharded too, gathered one unit at a time.
 
-Rajbhandari et al. 2020, §5.3; the same design as PyTorch's FSDP (Zhao et al. 2023). Each
-rank keeps only its shard of every unit's (layer's) flat parameters; a unit's full
-parameters exist only while it computes:
+Rajbhandari et al. 2020, §5.3; the same design as PyTorch's FSDP (Zhao et al. 2023, §3).
+Each rank keeps only its shard of every unit's (layer's) parameters; a unit's full
+parameters exist only while it computes. :class:`Schedule` is the whole algorithm, the
+FSDP paper's pseudo-code in the order it runs:
 
-* forward: all-gather a unit's shards just before it runs (:func:`gather_unit`), free the
-  buffer right after (:func:`free_unit`); the next unit's gather starts first,
-  asynchronously, to overlap this unit's compute (prefetch);
-* backward: when the gradient of a unit's output arrives, gather it again (prefetching the
-  unit before it); once all its gradients are in, reduce-scatter them (averaged) into this
-  rank's gradient shard and free both full buffers.
+* forward of unit i: ``gather(i)`` (all-gather its shards, waiting for them), start
+  ``gather(i + 1)`` without waiting (prefetch, to overlap this unit's compute), ``use(i)``
+  the gathered parameters, compute, back to the shards, ``free(i)``;
+* backward of unit i (when the gradient of its output arrives): ``gather(i)`` again, start
+  the gather of the unit before it in forward order, compute the gradients; once they are
+  all in, ``reduce(i)``: free the unit, reduce-scatter its gradients (averaged) into this
+  rank's gradient shard.
+
+What gathering, using, freeing and reducing mean is the :class:`Storage`'s: flat units
+(:class:`~minipar.zero.flat.FlatStorage`, FSDP's flat parameters, behind
+:class:`FullyShardedDataParallel`) or every parameter sharded on its first dimension
+(:class:`~minipar.zero.per_parameter.PerParameterStorage`, FSDP2's, behind
+:func:`~minipar.zero.fully_shard`).
 
 Memory per rank (2 + 2 + K)Ψ/N (fp32: (4 + 4 + K)Ψ/N) plus the gathered units in flight
-(at most two with prefetch); communication 3Ψ per step: all-gather twice, reduce-scatter
-once. Under mixed precision (``param_dtype=torch.bfloat16``) the shards stay fp32 (the
-master weights: 4 + 4 + 8 = 16 bytes per element, the paper's 2 + 2 + 12); gathers,
-gathered units, activations and the reduce-scatter are bf16. Freeing keeps the tensor and
-resizes its storage to 0, so the parameters autograd saved see the re-gathered values.
+(at most two with prefetch: ``peak_gathered_bytes``, added on gather, taken off on free);
+communication 3Ψ per step: all-gather twice, reduce-scatter once. Under mixed precision
+(``param_dtype=torch.bfloat16``) the shards stay fp32 (the master weights: 4 + 4 + 8 = 16
+bytes per element, the paper's 2 + 2 + 12); gathers, gathered units, activations and the
+reduce-scatter are bf16. Small parameters may stay whole (:mod:`.persist`).
 """
 from __future__ import annotations
+
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn as nn
 
 from ..runtime import trace
-from ..comm import all_gather
-from .flat import FlatUnit
+from .flat import FlatStorage, free_unit, gather_unit  # noqa: F401 - gather_unit/free_unit re-exported
 from .memory import state_tensors
-from .persist import Persistent, persistent_parameters
-from .reduce import OrderedReduction, reduce_unit_grads
+from .persist import persistent_parameters, reduce_persistent
+from .reduce import OrderedReduction
 
 
-def gather_unit(full: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False, **labels):
-    """Gather-before-use: give ``full`` (flat, N·k elements, its storage possibly freed)
-    its storage back and fill it with every rank's ``shard`` (k elements, cast to
-    ``full``'s dtype) in rank order. Returns the all-gather's Handle if ``async_op``."""
-    # >>> ex06 C
-    full.untyped_storage().resize_(full.numel() * full.element_size())
-    return all_gather(full, shard.detach().to(full.dtype), group=group, async_op=async_op, **labels)
-    # <<< ex06 C
+class Unit(Protocol):
+    module: nn.Module          # what computes (its forward hooks drive the schedule)
+    params: list               # the tensors its gradients arrive on
+    full: torch.Tensor         # the gathered buffer (storage freed between uses)
 
 
-def free_unit(full: torch.Tensor) -> None:
-    """Free-after-use: release ``full``'s memory but keep the tensor (and the parameter
-    views into it) so the same buffer can be gathered into again."""
-    # >>> ex06 C
-    full.untyped_storage().resize_(0)
-    # <<< ex06 C
+class Storage(Protocol):
+    """How a design keeps its units; the :class:`Schedule` calls only these."""
+    units: Sequence[Unit]
+
+    def gather(self, i: int, **labels):
+        """Give unit i's buffer its storage back and start the all-gather of every rank's
+        shard into it; returns a handle whose ``wait()`` completes it (``labels``: the trace's)."""
+
+    def use(self, i: int, gathered: bool) -> None:
+        """Make unit i's module compute with its gathered parameters (or its shards again)."""
+
+    def free(self, i: int) -> None:
+        """Release unit i's gathered buffer (the tensors, and the views autograd saved, stay)."""
+
+    def reduce(self, i: int) -> None:
+        """Reduce-scatter unit i's gradients (mean) into its shards' ``.grad`` (accumulating)."""
+
+    # what the chapter measures
+    def full_params(self) -> dict:
+        """``{id(p): full fp32 value}`` for the parameters the model names (a collective)."""
+
+    def tensors(self) -> dict:
+        """``{"params": [...], "grads": [...]}``: the tensors this rank holds (memory anatomy)."""
+
+    def unit_sizes(self) -> list[int]:
+        """The unit sizes the cost formulas take."""
 
 
-class _Unit:
-    def __init__(self, module, params, group, dtype):
-        self.module, self.flat = module, FlatUnit(params, group)
-        master = self.flat.flatten(params)
-        self.shard = nn.Parameter(self.flat.shard_of(master).clone())   # fp32, k elements
-        self.full = torch.empty(self.flat.padded, dtype=dtype, device=master.device)  # gathered buffer
-        self.flat.use(self.full)
-        free_unit(self.full)
-        self.handle, self.gathered, self.t0, self.bw = None, False, 0.0, False
+def unit_parameters(module: nn.Module, units=None) -> list[tuple[nn.Module, dict]]:
+    """The units stage 3 gathers one at a time (``units``, default ``module.layers()``, else
+    the whole module), each with ``{id(p): (p, [(owner, attribute), ...])}`` of its trainable
+    parameters in ``module.parameters()`` order (one parameter may be registered twice).
+    Both designs check here that every trainable parameter lies in exactly one unit."""
+    mods = list(units if units is not None else (module.layers() if hasattr(module, "layers") else [module]))
+    out, seen = [], {}
+    for i, m in enumerate(mods):
+        found = {}
+        for owner in m.modules():
+            for attr, p in owner.named_parameters(recurse=False, remove_duplicate=False):
+                if not p.requires_grad:
+                    continue
+                if seen.setdefault(id(p), i) != i:
+                    raise ValueError("a parameter is shared by two units (tied weights?); "
+                                     "stage 3 needs each parameter in exactly one unit")
+                found.setdefault(id(p), (p, []))[1].append((owner, attr))
+        out.append((m, found))
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
+    if missing:
+        raise ValueError(f"parameters in no unit: {missing[:3]}...; pass units= covering them")
+    return out
 
 
-class Schedule(Persistent):
-    """Stage 3's schedule, the same for both designs (this flat one and
-    :mod:`minipar.zero.per_parameter`): gather a unit before its forward (prefetching the
-    next), free it after; gather it again when its output's gradient arrives (prefetching the
-    one before it in forward order); :class:`OrderedReduction` reduces its gradients. A design
-    gives ``units`` (each with ``full``, ``gathered``, ``bw``, ``t0``), ``_order``,
-    ``prefetch``, ``reduction``, ``_gather(i, wait=True, **labels)`` and ``_reduce(i)``;
-    ``_use(i, gathered)`` switches what the unit's module computes with."""
+class Schedule:
+    """Stage 3's schedule over a :class:`Storage`, the same for both designs.
 
-    def _use(self, i: int, gathered: bool) -> None:
-        pass                                               # the flat design's views never move
+    ``module``: the whole model (a forward of it starts a new unit order); ``persistent``:
+    parameters kept whole (their gradients averaged in one all-reduce after every unit's
+    reduce-scatter, in ``reduce_dtype``); ``prefetch``: start the next unit's gather early."""
 
-    def _free(self, i: int) -> None:
-        u = self.units[i]
-        if u.gathered:
-            self._gather(i)                # already gathered: waits for its gather if in flight
-            free_unit(u.full)
-            u.gathered = False
+    def __init__(self, storage: Storage, module: nn.Module, group=None, prefetch: bool = True,
+                 persistent=(), reduce_dtype=None):
+        self.storage, self.units, self.module = storage, storage.units, module
+        self.group, self.prefetch, self.persistent, self.reduce_dtype = group, prefetch, list(persistent), reduce_dtype
+        n = len(self.units)
+        self.gathered, self.pending, self.bw, self.t0 = [False] * n, [None] * n, [False] * n, [0.0] * n
+        self.nbytes = [u.full.numel() * u.full.element_size() for u in self.units]
+        self.gathered_bytes = self.peak_gathered_bytes = 0     # gathered units alive now / at most
+        self.order: list[int] = []                            # units in forward order, this forward
+        self.in_backward = False
+        # backward completes the units in reverse forward order; reduce them in that order
+        self.reduction = OrderedReduction(self.units, lambda: list(reversed(self.order)), self.reduce,
+                                          tail=lambda: reduce_persistent(self.persistent, self.group,
+                                                                         self.reduce_dtype))
+        module.register_forward_pre_hook(lambda m, a: self.start_forward())   # before the units' hooks
+        for i, u in enumerate(self.units):
+            u.module.register_forward_pre_hook(lambda m, a, i=i: self.pre_forward(i))
+            u.module.register_forward_hook(lambda m, a, out, i=i: self.post_forward(i, out))
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self.reduction.grad_ready(i, p))
+        for p in self.persistent:
+            p.register_post_accumulate_grad_hook(lambda p: self.reduction.touch())
 
-    def _pre_forward(self, i: int) -> None:
-        self._gather(i, phase="forward")
-        self._order.append(i)
-        self._use(i, True)
+    def start_forward(self) -> None:
+        """A new forward of the model: the units' order starts again."""
+        self.order = []
+
+    # -- the schedule, in the order it runs
+    def pre_forward(self, i: int) -> None:
+        self.gather(i, phase="forward")
+        self.order.append(i)
+        self.storage.use(i, True)
         if self.prefetch and i + 1 < len(self.units):
-            self._gather(i + 1, wait=False, phase="forward", prefetch=True)
-        self.units[i].t0 = trace.now()
+            self.gather(i + 1, wait=False, phase="forward", prefetch=True)
+        self.t0[i] = trace.now()
 
-    def _post_forward(self, i: int, out):
-        trace.record("compute", "forward", self.units[i].t0, trace.now(), unit=i)
-        self._use(i, False)
-        self._free(i)
+    def post_forward(self, i: int, out):
+        trace.record("compute", "forward", self.t0[i], trace.now(), unit=i)
+        self.storage.use(i, False)
+        self.free(i)
         for t in (out if isinstance(out, (tuple, list)) else [out]):
             if torch.is_tensor(t) and t.requires_grad:
-                t.register_hook(lambda g, i=i: self._pre_backward(i))
+                t.register_hook(lambda g, i=i: self.pre_backward(i))
         return out
 
-    def _pre_backward(self, i: int) -> None:
-        if self.units[i].bw:                               # one hook per output tensor
+    def pre_backward(self, i: int) -> None:
+        if not self.in_backward:                           # the first unit of this backward
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+        if self.bw[i]:                                     # one hook per output tensor
             return
-        self.units[i].bw = True
+        self.bw[i] = True
         self.reduction.reached(i)
-        self._gather(i, phase="backward")
-        pos = self._order.index(i) if i in self._order else 0
+        self.gather(i, phase="backward")
+        pos = self.order.index(i) if i in self.order else 0
         if self.prefetch and pos > 0:
-            self._gather(self._order[pos - 1], wait=False, phase="backward", prefetch=True)
-        self.units[i].t0 = trace.now()
+            self.gather(self.order[pos - 1], wait=False, phase="backward", prefetch=True)
+        self.t0[i] = trace.now()
 
-class FullyShardedDataParallel(Schedule, nn.Module):
+    def reduce(self, i: int) -> None:
+        """Unit i's gradients are complete (:class:`OrderedReduction`): free it, reduce-scatter
+        them. Its next backward gathers it again (``bw`` is per backward)."""
+        trace.record("compute", "backward", self.t0[i], trace.now(), unit=i)
+        self.free(i)
+        self.storage.reduce(i)
+        self.bw[i] = False
+
+    def end_backward(self) -> None:
+        for i in range(len(self.units)):
+            self.free(i)
+        self.in_backward = False
+
+    # -- gather and free, once each per use; the gathered bytes counted as they change
+    def gather(self, i: int, wait: bool = True, **labels) -> None:
+        """Start unit i's gather unless it is gathered (or on its way); with ``wait``, finish it."""
+        if not self.gathered[i]:
+            self.pending[i] = self.storage.gather(i, unit=i, **labels)
+            self.gathered[i] = True
+            self.gathered_bytes += self.nbytes[i]
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        if wait and self.pending[i] is not None:
+            self.pending[i].wait()
+            self.pending[i] = None
+
+    def free(self, i: int) -> None:
+        if self.gathered[i]:
+            self.gather(i)                                 # a gather still in flight completes first
+            self.storage.free(i)
+            self.gathered[i] = False
+            self.gathered_bytes -= self.nbytes[i]
+
+    # -- what the chapter measures, both designs alike
+    @torch.no_grad()
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """The full fp32 parameters by the model's names (a collective: every rank calls it
+        and gets the whole dict)."""
+        where = self.storage.full_params()
+        where.update({id(p): p.detach().clone() for p in self.persistent})
+        return {n: where[id(p)] for n, p in self.module.named_parameters() if id(p) in where}
+
+    def memory_tensors(self, optimizer=None) -> dict[str, list[torch.Tensor]]:
+        """Shards, gathered buffers and persistent parameters (params); the shards', the
+        gathered parameters' and the persistent gradients (grads); optimizer state."""
+        parts = self.storage.tensors()
+        return {"params": parts["params"] + self.persistent,
+                "grads": parts["grads"] + [p.grad for p in self.persistent],
+                "optimizer": state_tensors(optimizer) if optimizer is not None else []}
+
+    def unit_sizes(self) -> list[int]:
+        return self.storage.unit_sizes()
+
+    def persistent_numel(self) -> int:
+        """Ψ_p: the elements kept whole on every rank."""
+        return sum(p.numel() for p in self.persistent)
+
+
+class FullyShardedDataParallel(nn.Module):
     """``FullyShardedDataParallel(module, group=None, units=None, prefetch=True, param_dtype=None,
-    persist_below=None, persist=None)``.
+    persist_below=None, persist=None)``: stage 3 over flat units.
 
     ``units``: the modules gathered one at a time (default ``module.layers()``, else the
     whole module); every parameter must belong to exactly one unit. ``persist_below`` (elements)
-    and ``persist`` (a predicate on modules): parameters kept whole (:func:`persistent_parameters`). ``group``: the
-    data-parallel group (None = world). The wrapper's ``parameters()`` are this rank's fp32
-    shards: give them to any element-wise optimizer. ``gather_full_params()`` returns the
-    full parameters by their original names (call it on every rank).
+    and ``persist`` (a predicate on modules): parameters kept whole (:func:`persistent_parameters`).
+    ``group``: the data-parallel group (None = world). The wrapper's ``parameters()`` are this
+    rank's fp32 shards: give them to any element-wise optimizer. ``gather_full_params()``
+    returns the full parameters by their original names (call it on every rank).
     ``peak_gathered_bytes``: the most bytes of gathered units alive at once so far."""
 
     def __init__(self, module: nn.Module, group=None, units=None, prefetch: bool = True, param_dtype=None,
@@ -125,97 +239,37 @@ class FullyShardedDataParallel(Schedule, nn.Module):
         object.__setattr__(self, "module", module)        # not a child: its params are not ours
         self.group, self.prefetch = group, prefetch
         self.param_dtype = param_dtype or torch.float32
-        units = list(units if units is not None else
-                     (module.layers() if hasattr(module, "layers") else [module]))
-        owner = {}
-        for i, m in enumerate(units):
-            for p in m.parameters():
-                if owner.setdefault(id(p), i) != i:
-                    raise ValueError("a parameter is shared by two units (tied weights?); "
-                                     "stage 3 needs each parameter in exactly one unit")
-        missing = [n for n, p in module.named_parameters() if id(p) not in owner]
-        if missing:
-            raise ValueError(f"parameters in no unit: {missing[:3]}...; pass units= covering them")
+        found = unit_parameters(module, units)
         whole = persistent_parameters(module, persist_below, persist, param_dtype)
         kept = {id(p) for p in whole}
-        sharded = [(m, [p for p in m.parameters() if p.requires_grad and id(p) not in kept]) for m in units]
-        self.units = [_Unit(m, ps, group, self.param_dtype) for m, ps in sharded if ps]
-        self.shards = nn.ParameterList([u.shard for u in self.units])
+        storage = FlatStorage([(m, [p for p, _ in f.values() if id(p) not in kept]) for m, f in found],
+                              group, self.param_dtype)
+        self.shards = nn.ParameterList([u.shard for u in storage.units])
         self.persistent = nn.ParameterList(whole)           # the module's own, replicated
-        self._order: list[int] = []                        # units in forward order, this step
-        self.peak_gathered_bytes = 0                       # most bytes of gathered units at once
-        self._in_backward = False
-        # backward completes the units in reverse forward order; reduce them in that order
-        self.reduction = OrderedReduction([u.flat for u in self.units],
-                                          lambda: list(reversed(self._order)), self._reduce,
-                                          tail=self._reduce_persistent)
-        self._watch_persistent()
-        for i, u in enumerate(self.units):
-            u.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
-            u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
-            for p in u.flat.params:
-                p.register_post_accumulate_grad_hook(lambda p, i=i: self.reduction.grad_ready(i, p))
+        self.schedule = Schedule(storage, module, group, prefetch, whole)
+
+    units = property(lambda self: self.schedule.units)
+    peak_gathered_bytes = property(lambda self: self.schedule.peak_gathered_bytes)
 
     def forward(self, *args, **kwargs):
-        self._order = []
         return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True):
         self.module.train(mode)
         return super().train(mode)
 
-    def _gather(self, i: int, wait: bool = True, **labels) -> None:
-        u = self.units[i]
-        if not u.gathered:
-            u.handle = gather_unit(u.full, u.shard, self.group, async_op=True, unit=i, **labels)
-            u.gathered = True
-            in_flight = sum(v.full.untyped_storage().nbytes() for v in self.units)
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, in_flight)
-        if wait and u.handle is not None:
-            u.handle.wait()
-            u.handle = None
+    def start_forward(self) -> None:
+        self.schedule.start_forward()
 
-    def _pre_backward(self, i: int) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        super()._pre_backward(i)
-
-    def _reduce(self, i: int) -> None:
-        """Reduce-scatter unit i's gradients (mean) into its shard's .grad (accumulating, fp32);
-        free the unit. Its next backward gathers it again (``bw`` is per backward)."""
-        u = self.units[i]
-        trace.record("compute", "backward", u.t0, trace.now(), unit=i)
-        self._free(i)
-        g = reduce_unit_grads(u.flat, dtype=self.param_dtype, unit=i).to(torch.float32)
-        u.shard.grad = g if u.shard.grad is None else u.shard.grad.add_(g)
-        u.bw = False
-
-    def _end_backward(self) -> None:
-        for i in range(len(self.units)):
-            self._free(i)
-        self._in_backward = False
-
-    @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
-        """The full fp32 parameters by the wrapped module's names (a collective: every rank
-        calls it; every rank gets the whole dict)."""
-        where = {}
-        for u in self.units:
-            full = torch.empty(u.flat.padded, device=u.shard.device)
-            all_gather(full, u.shard.detach(), group=self.group, name="gather_full_params")
-            for p, v in zip(u.flat.params, u.flat.views(full)):
-                where[id(p)] = v.clone()
-        where.update({id(p): p.detach().clone() for p in self.persistent})
-        return {n: where[id(p)] for n, p in self.module.named_parameters() if id(p) in where}
+        return self.schedule.gather_full_params()
 
     def memory_tensors(self, optimizer=None) -> dict[str, list[torch.Tensor]]:
-        """Shards, any gathered buffers and the persistent parameters (params), gradient shards
-        and persistent gradients, optimizer state."""
-        return {"params": [u.shard for u in self.units] + [u.full for u in self.units] + list(self.persistent),
-                "grads": [u.shard.grad for u in self.units]
-                + [p.grad for u in self.units for p in u.flat.params] + [p.grad for p in self.persistent],
-                "optimizer": state_tensors(optimizer) if optimizer is not None else []}
+        return self.schedule.memory_tensors(optimizer)
 
     def unit_sizes(self) -> list[int]:
-        return [u.flat.numel for u in self.units]
+        """Ψ_u of every unit (unpadded)."""
+        return self.schedule.unit_sizes()
+
+    def persistent_numel(self) -> int:
+        return self.schedule.persistent_numel()

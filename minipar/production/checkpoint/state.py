@@ -58,7 +58,7 @@ def tensor_parallel_layout(named_parameters, t: int, r: int, layout) -> list:
 
 
 def _is_zero(optimizer) -> bool:
-    return all(hasattr(optimizer, a) for a in ("units", "shards", "optim"))
+    return hasattr(optimizer, "shard_states")   # ZeroOptimizer, Zero2Optimizer
 
 
 def _state_pieces(name, full_shape, boxes, param, key, value, lo=0, hi=None, flat=None):
@@ -108,21 +108,17 @@ def _optimizer_pieces(optimizer, where: dict, saved_keys) -> list[Piece]:
 def _zero_pieces(opt, where: dict, saved_keys) -> list[Piece]:
     """Flat-range pieces of each unit's shard of optimizer state (ZeRO stage 1 or 2)."""
     out = []
-    for unit, shard in zip(opt.units, opt.shards):
-        lo_u, hi_u = unit.rank * unit.k, (unit.rank + 1) * unit.k  # this rank's flat range
-        spans = [(p, o, max(lo_u, o), min(hi_u, o + m))
-                 for p, o, m in zip(unit.params, unit.offsets, unit.numels)]
-        spans = [(p, o, a, b) for p, o, a, b in spans if a < b]  # the parameters the range overlaps
-        state = opt.optim.state[shard]
+    for unit, shard, state in opt.shard_states():
+        spans = unit.shard_spans()   # (parameter, its elements [a, b), from shard element s)
         if saved_keys is not None:   # the keys of every parameter the shard spans
             keys = {k: v for p, *_ in spans for k, v in saved_keys.get(where[id(p)][0], {}).items()}
             _create_state(state, keys, shard)
-        for p, o, a, b in spans:
+        for p, a, b, s in spans:
             name, full, boxes, _ = where[id(p)]
             for key, value in state.items():
                 if value is not None:
-                    flat = value.detach().reshape(-1)[a - lo_u:b - lo_u] if value.dim() else None
-                    out += _state_pieces(name, full, boxes, p.detach(), key, value, a - o, b - o, flat)
+                    flat = value.detach().reshape(-1)[s:s + b - a] if value.dim() else None
+                    out += _state_pieces(name, full, boxes, p.detach(), key, value, a, b, flat)
     return out
 
 

@@ -133,6 +133,7 @@ def rank_correlation(config, batches, world_size: int = 4, rounds: int = 5, spec
     load = [os.getloadavg()[0]]
     res = launch(timed_strategies, world_size, args=(config, batches, specs, rounds), timeout=900)
     machine = machine_from([median_of_rounds(r["_calibration"]) for r in res], config)
+    machine["cluster"] = replace(machine["cluster"], background=load[0])   # the others' load, before ours
     measured = {k: 1e3 * max(statistics.median(r[k]) for r in res) for k in specs}
     batch = batches[0][0].shape[0]
     here = fit_call_overhead(config, batch, specs, machine["cluster"], measured[on], on=on)

@@ -47,6 +47,7 @@ class Cluster:
     source: str = field(default="", compare=False)
     call_overhead: float = 0.0        # seconds of software per collective or message call (CPU: ~ms)
     cores: int = 0                    # CPU cores the ranks share (0: a device per rank)
+    background: float = 0.0           # runnable threads of other work on those cores (load average)
 
     @property
     def gpu(self) -> Accelerator:

@@ -133,7 +133,7 @@ def fit_gemm_curve(gemm: dict, bandwidth: float):
     return peak, roofline.Efficiency(1.0, min(grid, key=loss))
 
 
-def _measure_rank(sizes, repeats, config, micro_batch):
+def measure_rank(sizes, repeats, config, micro_batch):
     from ...bench.collectives import measure
     out = measure(sizes, repeats)
     out["rates"] = rates(config, micro_batch)   # every rank at once: the cores are shared as in training
@@ -157,12 +157,12 @@ def measure_machine(config, world_size: int = 4, sizes=None, micro_batch: int = 
     in the pipeline's bubble lends its core to the others (:func:`minipar.analysis.plan.step_time`)."""
     from ...runtime.launch import launch
     sizes = sizes or SIZES
-    res = launch(_measure_rank, world_size, args=(sizes, 5, config, micro_batch), timeout=180)
+    res = launch(measure_rank, world_size, args=(sizes, 5, config, micro_batch), timeout=180)
     return machine_from(res, config, sizes, micro_batch)
 
 
 def median_of_rounds(rounds: list[dict]) -> dict:
-    """One rank's :func:`_measure_rank` results of several rounds, each number their median."""
+    """One rank's :func:`measure_rank` results of several rounds, each number their median."""
     first = rounds[0]
     if isinstance(first, dict):
         return {k: median_of_rounds([r[k] for r in rounds]) for k in first}
@@ -174,7 +174,7 @@ def median_of_rounds(rounds: list[dict]) -> dict:
 
 
 def machine_from(res: list[dict], config, sizes=None, micro_batch: int = 4) -> dict:
-    """:func:`measure_machine`'s result from each rank's :func:`_measure_rank` (or
+    """:func:`measure_machine`'s result from each rank's :func:`measure_rank` (or
     :func:`median_of_rounds` of several, taken between other work)."""
     import os
 

@@ -14,6 +14,12 @@ and strategies) before it runs:
   correlation of predicted and measured step times). On a CPU each collective call's software
   cost dominates a tiny model's step: :func:`fit_call_overhead` fits that one number on one
   measured strategy (as Table 1's efficiency is fitted on published rows), the rest is predicted.
+
+:func:`rank_correlation` measures that ranking so that a loaded machine does not decide it: every
+strategy trained through one code path and one clock (:func:`timed_strategies`, the
+:class:`~minipar.hybrid.HybridModel` step, ZeRO 2-3 included), the calibration and the strategies
+interleaved in rounds, medians, the load average before and after (``python -m minipar.bench
+planner --rho`` runs it twice).
 """
 from __future__ import annotations
 
@@ -93,18 +99,18 @@ def timed_strategies(config, batches, specs: dict[str, dict], rounds: int, seed:
     """Rank function: seconds of each training step of every strategy in ``specs``, all through
     one code path and one clock (:class:`minipar.hybrid.HybridModel`'s ``train_step``, ZeRO 2-3
     included), interleaved: ``rounds`` times the calibration (:func:`minipar.analysis.plan.calibrate.
-    _measure_rank`, under ``"_calibration"``) and then every strategy in turn, so a change of the
+    measure_rank`, under ``"_calibration"``) and then every strategy in turn, so a change of the
     machine's load falls on all of them alike. Each round's first step (warm-up) is left out."""
     import torch
 
     from ...hybrid.compare import adamw
     from ...hybrid.model import HybridModel
     from ...mesh import ProcessMesh
-    from .calibrate import SIZES, _measure_rank
+    from .calibrate import SIZES, measure_rank
     out = {name: [] for name in specs}
     out["_calibration"] = []
     for _ in range(rounds):
-        out["_calibration"].append(_measure_rank(SIZES, 5, config, 4))
+        out["_calibration"].append(measure_rank(SIZES, 5, config, 4))
         for name, spec in specs.items():
             torch.distributed.barrier()
             mesh = ProcessMesh(dp=spec["dp"], pp=spec["pp"], tp=spec["tp"]).build()

@@ -59,7 +59,9 @@ def test_korthikanti_table5_mfu_within_10_percent():
 def test_llama3_table4_mfu_within_15_percent():
     """Llama 3 405B, Table 4 (not fitted: H100, GQA + SwiGLU, flash attention): MFU 43/41/38% within 15%.
     Why 15%: the schedule is not published (interleaved 1F1B, tuned; the planner runs v = 2, b = 1),
-    and v moves the bubble, a third of these steps, by half; nor is how Meta counts attention FLOPs."""
+    and v moves the bubble, a third of these steps, by half; nor is how Meta counts attention FLOPs.
+    Megatron's interleaving with v = 2 would not fit these layouts here (at m = p every stage starts all 16
+    micro-batches: 81.6 GB of 81.2 usable at 16K GPUs); the time, not the memory, is what is checked."""
     for row in LLAMA3_TABLE4:
         lay, B, s = llama3_run(row)
         p = plan.predict("llama3-405b", "llama3-h100", lay.replace(v=2, schedule="interleaved"), B, s)

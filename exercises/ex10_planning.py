@@ -6,14 +6,14 @@ whose total does not fit. You write its heart: ``params``, ``grads``, ``optimize
 ``activations``. The pieces exist already: ``model_state_bytes(model, layout)`` (the ZeRO
 formulas on this GPU's share), ``layer_activation_bytes(model, layout, seq_len)`` (one layer,
 one micro-batch, under the layout's recomputation), ``peak_activations(schedule, p, m, rank,
-v)`` (micro-batches a pipeline rank holds at its peak) and ``layout.microbatches(global_batch)``.
+v)`` (micro-batches a pipeline rank holds at its peak), ``stage_layers(l, p)`` (each stage's
+layers) and ``layout.microbatches(global_batch)``.
 
-Contract: the model states are ``model_state_bytes``' as they are. ``activations`` is the
-larger of what the first and the last pipeline stage hold at their peak: each stage holds
-its share of the layers for the micro-batches in flight on it; full recomputation also
-rebuilds one layer's full activations during backward; the last stage also holds one
-micro-batch's fp32 logits (sharded over tp, on the GPU's s/cp tokens); with one stage, the
-first stage is the last.
+Contract: the model states are ``model_state_bytes``' as they are. ``activations`` is what the
+busiest pipeline stage holds at its peak: stage r holds its ``stage_layers`` for the micro-batches
+in flight on it, the last stage (with pp > 1) one; full recomputation also rebuilds one layer's
+full activations during backward; the last stage also holds one micro-batch's fp32 logits
+(sharded over tp, on the GPU's s/cp tokens); with one stage, the first stage is the last.
 
 Derived in notebook 10, "Where the memory goes" (ZeRO, Rajbhandari et al. 2020, §3.1;
 Korthikanti et al. 2022, §4-5 and Table 2; Narayanan et al. 2021, §2.2 for the micro-batches
@@ -29,10 +29,9 @@ from __future__ import annotations
 # ------------------------------------------------------------------------------------------------
 # from minipar/analysis/plan/memory.py: these run as module minipar.analysis.plan.memory's own
 # ------------------------------------------------------------------------------------------------
-import math
 from minipar.analysis.cost.pipeline import peak_activations
 from minipar.analysis.plan.layout import Layout
-from minipar.analysis.plan.memory import comm_buffer_bytes, layer_activation_bytes, model_state_bytes
+from minipar.analysis.plan.memory import comm_buffer_bytes, layer_activation_bytes, model_state_bytes, stage_layers
 from minipar.analysis.plan.models import ModelSpec
 
 

@@ -112,3 +112,43 @@ def test_ep_term_alone_at_pp1():
     per = 4 * (3 / 4) * 2 * 128 * 1 * 64 * 2
     assert t["comm"]["ep"]["bytes"] == pytest.approx(m * MOE.n_layer * per, rel=REL)
     assert t["comm"]["ep"]["exposed"] == t["comm"]["ep"]["seconds"] > 0
+
+
+def test_uneven_stages_and_the_busiest_one():
+    """Layers that p does not divide: one fewer on the first and last stages (Llama 3's 7, 8 × 14, 7), then the
+    second, third ...; the activations are the busiest stage's, by hand: 1F1B stage r holds p - r micro-batches."""
+    from minipar.analysis.plan.memory import stage_layers
+    assert stage_layers(126, 16) == [7] + [8] * 14 + [7] and stage_layers(24, 4) == [6] * 4
+    assert stage_layers(5, 2) == [2, 3] and stage_layers(7, 4) == [1, 2, 2, 2] and stage_layers(9, 4) == [2, 2, 3, 2]
+    spec = plan.ModelSpec("seven", n_layer=7, hidden=256, n_head=8, vocab=1000, seq_len=512, tied=True, dropout=False)
+    lay = plan.Layout(pp=4, recompute="selective")
+    per = plan.layer_activation_bytes(spec, lay, 512)
+    logits = 4 * 512 * 1000
+    want = max(4 * 1 * per, 3 * 2 * per, 2 * 2 * per, 1 * 2 * per + logits)   # stages [1, 2, 2, 2]
+    assert plan.memory_per_gpu(spec, lay, 512, 8)["activations"] == pytest.approx(want, rel=REL)
+    assert want == 3 * 2 * per                                               # the second stage
+
+
+def test_bubble_is_lent_only_on_a_quiet_machine():
+    """Ranks outnumbering the cores lend the bubble to each other; other work (the load before they started)
+    takes that share instead: charged min(1, background / cores)."""
+    from minipar.analysis.plan.step_time import charged
+    cpu = plan.Accelerator("cpu", 1e11, 64e9, 1e9, kind="cpu", hbm_bw=1e10)
+    for background, share in ((0.0, 0.0), (1.0, 0.5), (8.0, 1.0)):
+        cl = plan.Cluster("2 cores", cpu, 4, 1, 1e9, cores=2, background=background)
+        assert charged(cl, 4) == share
+        lay = plan.Layout(pp=4, micro_batch=1, dtype="fp32")
+        t = plan.step_time(DENSE, lay, cl, 64, 8)
+        full = plan.step_time(DENSE, lay, plan.Cluster("own", cpu, 4, 1, 1e9), 64, 8)["bubble"]
+        assert t["bubble"] == pytest.approx(share * full, rel=REL)
+    assert charged(plan.Cluster("gpus", "H100", 8, 1, 50e9), 8) == 1.0
+
+
+def test_median_of_rounds():
+    """Calibration rounds taken between the strategies: every number its median, the rest as in the first round."""
+    from minipar.analysis.plan.calibrate import median_of_rounds
+    rounds = [{"backend": "gloo", "seconds": {"gloo": [3.0, 30.0]}, "rates": {"gemm": {(1, 2, 3): 5.0}}},
+              {"backend": "gloo", "seconds": {"gloo": [1.0, 10.0]}, "rates": {"gemm": {(1, 2, 3): 7.0}}},
+              {"backend": "gloo", "seconds": {"gloo": [2.0, 90.0]}, "rates": {"gemm": {(1, 2, 3): 6.0}}}]
+    assert median_of_rounds(rounds) == {"backend": "gloo", "seconds": {"gloo": [2.0, 30.0]},
+                                        "rates": {"gemm": {(1, 2, 3): 6.0}}}

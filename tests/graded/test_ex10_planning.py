@@ -6,14 +6,14 @@ whose total does not fit. You write its heart: ``params``, ``grads``, ``optimize
 ``activations``. The pieces exist already: ``model_state_bytes(model, layout)`` (the ZeRO
 formulas on this GPU's share), ``layer_activation_bytes(model, layout, seq_len)`` (one layer,
 one micro-batch, under the layout's recomputation), ``peak_activations(schedule, p, m, rank,
-v)`` (micro-batches a pipeline rank holds at its peak) and ``layout.microbatches(global_batch)``.
+v)`` (micro-batches a pipeline rank holds at its peak), ``stage_layers(l, p)`` (each stage's
+layers) and ``layout.microbatches(global_batch)``.
 
-Contract: the model states are ``model_state_bytes``' as they are. ``activations`` is the
-larger of what the first and the last pipeline stage hold at their peak: each stage holds
-its share of the layers for the micro-batches in flight on it; full recomputation also
-rebuilds one layer's full activations during backward; the last stage also holds one
-micro-batch's fp32 logits (sharded over tp, on the GPU's s/cp tokens); with one stage, the
-first stage is the last.
+Contract: the model states are ``model_state_bytes``' as they are. ``activations`` is what the
+busiest pipeline stage holds at its peak: stage r holds its ``stage_layers`` for the micro-batches
+in flight on it, the last stage (with pp > 1) one; full recomputation also rebuilds one layer's
+full activations during backward; the last stage also holds one micro-batch's fp32 logits
+(sharded over tp, on the GPU's s/cp tokens); with one stage, the first stage is the last.
 
 Derived in notebook 10, "Where the memory goes" (ZeRO, Rajbhandari et al. 2020, §3.1;
 Korthikanti et al. 2022, §4-5 and Table 2; Narayanan et al. 2021, §2.2 for the micro-batches
@@ -31,15 +31,15 @@ EXERCISE = "ex10_planning"
 HINTS = {
     "": ("Start from the model states, then ask: how many micro-batches of how many layers does "
          "the first stage hold at once, and what does the last stage hold besides its layers?",
-         "m = global_batch / (dp·b) micro-batches; the first stage holds peak_activations(schedule, "
-         "pp, m, 0, v) / v of them, each ⌈l/pp⌉ layers of layer_activation_bytes; full "
-         "recomputation adds one layer with recompute=\"none\"; the logits are 4·(s/cp)·b·V/tp "
+         "m = global_batch / (dp·b) micro-batches; stage r holds peak_activations(schedule, "
+         "pp, m, r, v) / v of them, each of its stage_layers(l, pp)[r] layers of layer_activation_bytes; "
+         "full recomputation adds one layer with recompute=\"none\"; the logits are 4·(s/cp)·b·V/tp "
          "bytes. With pp > 1 the last stage holds one micro-batch of its layers (1F1B's last stage "
          "runs each backward right after its forward).",
-         "out = model_state_bytes(model, L); in_flight = peak_activations(L.schedule, L.pp, m, 0, "
-         "L.v) / L.v; act = in_flight·layers·per_layer (+ the rebuilt layer under full); last = (1 "
-         "if pp > 1 else in_flight)·layers·per_layer + logits; out[\"activations\"] = max(act + "
-         "(logits if pp == 1 else 0), last)."),
+         "out = model_state_bytes(model, L); for r, layers in enumerate(stage_layers(l, pp)): in_flight "
+         "= 1 on the last of several stages, else peak_activations(L.schedule, L.pp, m, r, L.v) / L.v; "
+         "held = in_flight·layers·per_layer (+ the rebuilt layer under full) (+ logits on the last "
+         "stage); out[\"activations\"] = the largest held."),
 }
 LLAMA = plan.MODELS["llama3-8b"]
 GPT13 = plan.MODELS["gpt3-1.3b"]

@@ -133,11 +133,14 @@ def fit_gemm_curve(gemm: dict, bandwidth: float):
     return peak, roofline.Efficiency(1.0, min(grid, key=loss))
 
 
-def _measure_rank(sizes, repeats, config, micro_batch):
+def measure_rank(sizes, repeats, config, micro_batch):
     from ...bench.collectives import measure
     out = measure(sizes, repeats)
     out["rates"] = rates(config, micro_batch)   # every rank at once: the cores are shared as in training
     return out
+
+
+SIZES = [2 ** k for k in (12, 16, 20)]
 
 
 def measure_machine(config, world_size: int = 4, sizes=None, micro_batch: int = 4) -> dict:
@@ -152,16 +155,34 @@ def measure_machine(config, world_size: int = 4, sizes=None, micro_batch: int = 
 
     The cluster has ``cores`` = this machine's CPU count: with more ranks than cores a rank waiting
     in the pipeline's bubble lends its core to the others (:func:`minipar.analysis.plan.step_time`)."""
+    from ...runtime.launch import launch
+    sizes = sizes or SIZES
+    res = launch(measure_rank, world_size, args=(sizes, 5, config, micro_batch), timeout=180)
+    return machine_from(res, config, sizes, micro_batch)
+
+
+def median_of_rounds(rounds: list[dict]) -> dict:
+    """One rank's :func:`measure_rank` results of several rounds, each number their median."""
+    first = rounds[0]
+    if isinstance(first, dict):
+        return {k: median_of_rounds([r[k] for r in rounds]) for k in first}
+    if isinstance(first, list):
+        return [median_of_rounds([r[i] for r in rounds]) for i in range(len(first))]
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return sorted(rounds)[len(rounds) // 2]
+    return first
+
+
+def machine_from(res: list[dict], config, sizes=None, micro_batch: int = 4) -> dict:
+    """:func:`measure_machine`'s result from each rank's :func:`measure_rank` (or
+    :func:`median_of_rounds` of several, taken between other work)."""
     import os
 
     from .. import cost
-    from ...runtime.launch import launch
-    from ...models.gpt import GPTConfig  # noqa: F401  (config is one)
     from .layout import Layout
     from .models import from_gpt_config
     from .roofline import backward, layer_ops, ops_time
-    sizes = sizes or [2 ** k for k in (12, 16, 20)]
-    res = launch(_measure_rank, world_size, args=(sizes, 5, config, micro_batch), timeout=180)
+    sizes, world_size = sizes or SIZES, len(res)
     native = res[0]["backend"]                # the library's own all-reduce: Gloo here, NCCL on GPUs
     ts = [max(r["seconds"][native][i] for r in res) for i in range(len(sizes))]
     alpha, beta = cost.fit_alpha_beta("all_reduce", sizes, ts, world_size)

@@ -14,6 +14,12 @@ and strategies) before it runs:
   correlation of predicted and measured step times). On a CPU each collective call's software
   cost dominates a tiny model's step: :func:`fit_call_overhead` fits that one number on one
   measured strategy (as Table 1's efficiency is fitted on published rows), the rest is predicted.
+
+:func:`rank_correlation` measures that ranking so that a loaded machine does not decide it: every
+strategy trained through one code path and one clock (:func:`timed_strategies`, the
+:class:`~minipar.hybrid.HybridModel` step, ZeRO 2-3 included), the calibration and the strategies
+interleaved in rounds, medians, the load average before and after (``python -m minipar.bench
+planner --rho`` runs it twice).
 """
 from __future__ import annotations
 
@@ -87,3 +93,59 @@ def spearman(a: list[float], b: list[float]) -> float:
     num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
     den = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
     return num / den if den else 0.0
+
+
+def timed_strategies(config, batches, specs: dict[str, dict], rounds: int, seed: int = 0) -> dict:
+    """Rank function: seconds of each training step of every strategy in ``specs``, all through
+    one code path and one clock (:class:`minipar.hybrid.HybridModel`'s ``train_step``, ZeRO 2-3
+    included), interleaved: ``rounds`` times the calibration (:func:`minipar.analysis.plan.calibrate.
+    measure_rank`, under ``"_calibration"``) and then every strategy in turn, so a change of the
+    machine's load falls on all of them alike. Each round's first step (warm-up) is left out."""
+    import torch
+
+    from ...hybrid.compare import adamw
+    from ...hybrid.model import HybridModel
+    from ...mesh import ProcessMesh
+    from .calibrate import SIZES, measure_rank
+    out = {name: [] for name in specs}
+    out["_calibration"] = []
+    for _ in range(rounds):
+        out["_calibration"].append(measure_rank(SIZES, 5, config, 4))
+        for name, spec in specs.items():
+            torch.distributed.barrier()
+            mesh = ProcessMesh(dp=spec["dp"], pp=spec["pp"], tp=spec["tp"]).build()
+            hm = HybridModel(GPT(config, seed=seed), mesh, optimizer=adamw, zero=spec["zero"],
+                             microbatches=spec["m"])
+            for k, (x, y) in enumerate(batches):
+                hm.train_step(x, y)
+                if k:
+                    out[name].append(hm.last_step["seconds"])
+    return out
+
+
+def rank_correlation(config, batches, world_size: int = 4, rounds: int = 5, specs=None, on: str = "TP") -> dict:
+    """Chapter 07's table on this machine, predicted against measured: calibrate (as
+    :func:`minipar.analysis.plan.measure_machine`, the median of rounds taken between the
+    strategies) and time every strategy (:func:`timed_strategies`; the slowest rank's median step), fit the one CPU number on strategy ``on``
+    (:func:`fit_call_overhead`) and return ``{"rho", "predicted", "measured", "call_overhead",
+    "load"}``: Spearman's ρ over the other strategies, and the load average before and after."""
+    import os
+    import statistics
+
+    from ...hybrid.compare import strategies
+    from ...runtime.launch import launch
+    from .calibrate import machine_from, median_of_rounds
+    specs = specs or strategies(world_size)
+    load = [os.getloadavg()[0]]
+    res = launch(timed_strategies, world_size, args=(config, batches, specs, rounds), timeout=900)
+    machine = machine_from([median_of_rounds(r["_calibration"]) for r in res], config)
+    machine["cluster"] = replace(machine["cluster"], background=load[0])   # the others' load, before ours
+    measured = {k: 1e3 * max(statistics.median(r[k]) for r in res) for k in specs}
+    batch = batches[0][0].shape[0]
+    here = fit_call_overhead(config, batch, specs, machine["cluster"], measured[on], on=on)
+    predicted = {p["strategy"]: p["step_ms"] for p in predict_compare(config, batch, specs, here)}
+    others = [k for k in specs if k != on]
+    load.append(os.getloadavg()[0])
+    return {"rho": spearman([predicted[k] for k in others], [measured[k] for k in others]),
+            "predicted": predicted, "measured": measured, "call_overhead": here.call_overhead,
+            "load": load, "machine": {k: machine[k] for k in ("alpha", "beta", "flops", "bandwidth", "overhead")}}

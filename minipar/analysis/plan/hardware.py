@@ -1,7 +1,8 @@
 """Accelerators and clusters the planner knows, each with its source; add your own.
 
 An :class:`Accelerator` is a peak rate (dense 16-bit tensor-core FLOP/s, no sparsity), a memory
-(HBM) with its bandwidth (bytes/s: the roofline's slope, :mod:`minipar.analysis.plan.roofline`), and its
+(HBM, in bytes: where known, what the driver reports, ``nvidia-smi``'s MiB; "80 GB" on an H100 is
+81,559 MiB, 85.5e9 bytes, not 80e9) with its bandwidth (bytes/s: the roofline's slope, :mod:`minipar.analysis.plan.roofline`), and its
 link's bandwidth to the node's other GPUs (bytes/s per direction). A
 :class:`Cluster` is nodes of such GPUs joined by a network, with each GPU's share of it (bytes/s
 per direction) and α, the latency of one message, per level::
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 GB = 1e9
+MiB = 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Cluster:
     source: str = field(default="", compare=False)
     call_overhead: float = 0.0        # seconds of software per collective or message call (CPU: ~ms)
     cores: int = 0                    # CPU cores the ranks share (0: a device per rank)
+    background: float = 0.0           # runnable threads of other work on those cores (load average)
 
     @property
     def gpu(self) -> Accelerator:
@@ -65,21 +68,26 @@ class Cluster:
         return replace(self, nodes=nodes)
 
 
+_SMI = ("the total nvidia-smi reports (MiB): H100 80GB HBM3 81559, A100 80GB 81920, A100 40GB 40960, "
+        "L4 23034, T4 15360 (modal-labs/modal-client#2797; H100 also wilicc/gpu-burn#114); the others: "
+        "the datasheet's GB")
+
 ACCELERATORS: dict[str, Accelerator] = {
-    "T4": Accelerator("T4", 65e12, 16 * GB, 16e9, "PCIe 3.0 x16", sms=40, hbm_bw=320e9,
-                      source="NVIDIA T4 datasheet (fp16 tensor cores; no bf16; GDDR6 320 GB/s)"),
+    "T4": Accelerator("T4", 65e12, 15360 * MiB, 16e9, "PCIe 3.0 x16", sms=40, hbm_bw=320e9,
+                      source="NVIDIA T4 datasheet (fp16 tensor cores; no bf16; GDDR6 320 GB/s); memory: " + _SMI),
     "V100": Accelerator("V100", 125e12, 32 * GB, 150e9, "NVLink 2", sms=80, hbm_bw=900e9,
                         source="NVIDIA V100 SXM2 datasheet (fp16 tensor cores; HBM2 900 GB/s; "
                                "NVLink 300 GB/s both directions)"),
-    "L4": Accelerator("L4", 121e12, 24 * GB, 32e9, "PCIe 4.0 x16", sms=58, hbm_bw=300e9,
-                      source="NVIDIA L4 datasheet (242 TFLOP/s with sparsity; GDDR6 300 GB/s)"),
-    "A100-40GB": Accelerator("A100-40GB", 312e12, 40 * GB, 300e9, "NVLink 3", sms=108, hbm_bw=1555e9,
-                             source="NVIDIA A100 datasheet (SXM4 40GB; HBM2 1,555 GB/s)"),
-    "A100": Accelerator("A100", 312e12, 80 * GB, 300e9, "NVLink 3", sms=108, hbm_bw=2039e9,
+    "L4": Accelerator("L4", 121e12, 23034 * MiB, 32e9, "PCIe 4.0 x16", sms=58, hbm_bw=300e9,
+                      source="NVIDIA L4 datasheet (242 TFLOP/s with sparsity; GDDR6 300 GB/s); memory: " + _SMI),
+    "A100-40GB": Accelerator("A100-40GB", 312e12, 40960 * MiB, 300e9, "NVLink 3", sms=108, hbm_bw=1555e9,
+                             source="NVIDIA A100 datasheet (SXM4 40GB; HBM2 1,555 GB/s); memory: " + _SMI),
+    "A100": Accelerator("A100", 312e12, 81920 * MiB, 300e9, "NVLink 3", sms=108, hbm_bw=2039e9,
                         source="NVIDIA A100 datasheet (SXM4 80GB; 108 SMs; HBM2e 2,039 GB/s; NVLink 600 GB/s "
-                               "both directions)"),
-    "H100": Accelerator("H100", 989e12, 80 * GB, 450e9, "NVLink 4", sms=132, hbm_bw=3.35e12,
-                        source="NVIDIA H100 datasheet (SXM5; 132 SMs; HBM3 3.35 TB/s; NVLink 900 GB/s both directions)"),
+                               "both directions); memory: " + _SMI),
+    "H100": Accelerator("H100", 989e12, 81559 * MiB, 450e9, "NVLink 4", sms=132, hbm_bw=3.35e12,
+                        source="NVIDIA H100 datasheet (SXM5; 132 SMs; HBM3 3.35 TB/s; NVLink 900 GB/s both directions); "
+                               "memory: " + _SMI),
     "H200": Accelerator("H200", 989e12, 141 * GB, 450e9, "NVLink 4", sms=132, hbm_bw=4.8e12,
                         source="NVIDIA H200 datasheet (SXM; HBM3e 4.8 TB/s; NVLink 900 GB/s both directions)"),
     "B200": Accelerator("B200", 2250e12, 180 * GB, 900e9, "NVLink 5", sms=148, hbm_bw=8e12,

@@ -9,11 +9,13 @@
 * **Activations** (Korthikanti et al. 2022, §4-5): per layer and micro-batch
   :func:`minipar.analysis.cost.recompute_activation_bytes` — ``sbh(34 + 5as/h)`` and its TP, SP,
   selective and full forms — on the GPU's s/cp tokens, terms scaled to the model's shape
-  (grouped-query K and V, the MLP's width and gating). The first pipeline stage holds the most:
-  ``peak_activations(schedule, p, m, 0, v)/v`` stages' worth of micro-batches of its ``l/p``
-  layers (Narayanan et al. 2021, §2.2). Full recomputation rebuilds one layer at a time in
-  backward: one layer's "none" activations more. The last stage also holds one micro-batch's
-  fp32 logits, ``4·s·b·V/t``.
+  (grouped-query K and V, the MLP's width and gating). Stage r holds
+  ``peak_activations(schedule, p, m, r, v)/v`` stages' worth of micro-batches of its layers
+  (Narayanan et al. 2021, §2.2; :func:`stage_layers`: ``l/p``, or Llama 3's cut with one layer
+  fewer on the first and last stages when p does not divide l), the last stage one micro-batch
+  (1F1B runs each of its backwards right after the forward); the busiest stage counts. Full
+  recomputation rebuilds one layer at a time in backward: one layer's "none" activations more.
+  The last stage also holds one micro-batch's fp32 logits, ``4·s·b·V/t``.
 * **Attention** (``layout.attention``, :mod:`minipar.analysis.plan.roofline`): ``"materialized"`` keeps
   Korthikanti et al.'s ``5as/h`` terms (the a·s² scores, their dropout mask and output);
   ``"flash"`` (Dao et al. 2022) keeps Q, K, V, O, which the terms above already count, and the
@@ -78,18 +80,31 @@ def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch:
     # >>> ex10 A
     out = model_state_bytes(model, L)
     m = L.microbatches(global_batch)
-    layers = math.ceil(model.n_layer / L.pp)
-    in_flight = peak_activations(L.schedule, L.pp, m, 0, L.v) / L.v
     per_layer = layer_activation_bytes(model, L, seq_len)
-    act = in_flight * layers * per_layer
-    if L.recompute == "full":                 # the layer rebuilt during backward
-        act += layer_activation_bytes(model, L.replace(recompute="none"), seq_len)
+    rebuilt = layer_activation_bytes(model, L.replace(recompute="none"), seq_len) if L.recompute == "full" else 0.0
     logits = 4 * (seq_len // L.cp) * L.micro_batch * model.vocab / L.tp
-    last = (1 if L.pp > 1 else in_flight) * layers * per_layer + logits
-    out["activations"] = max(act + (logits if L.pp == 1 else 0.0), last)
+    act = 0.0
+    for r, layers in enumerate(stage_layers(model.n_layer, L.pp)):
+        in_flight = 1 if (r == L.pp - 1 and r > 0) else peak_activations(L.schedule, L.pp, m, r, L.v) / L.v
+        held = in_flight * layers * per_layer + rebuilt + (logits if r == L.pp - 1 else 0.0)
+        act = max(act, held)
+    out["activations"] = act
     # <<< ex10 A
     out["buffers"] = comm_buffer_bytes(model, L, seq_len)
     out["total"] = sum(out.values())
+    return out
+
+
+def stage_layers(n_layer: int, pp: int) -> list[int]:
+    """Layers of each pipeline stage: ``l/p`` each when p divides l; otherwise ``⌈l/p⌉``, but the
+    ``p·⌈l/p⌉ - l`` stages that hold one fewer are the first and the last (then the second, third, ...):
+    the first stage holds the most micro-batches in flight and the last adds the head and the loss,
+    which is how Llama 3 cut its 126 layers over 16 stages (Llama Team 2024, §3.3.2, "we reduce
+    one Transformer layer each from the first and the last stages": 7, 8 × 14, 7)."""
+    q, fewer = -(-n_layer // pp), -(-n_layer // pp) * pp - n_layer
+    out = [q] * pp
+    for r in ([0, pp - 1] + list(range(1, pp - 1)))[:fewer]:
+        out[r] -= 1
     return out
 
 

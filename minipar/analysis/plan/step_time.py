@@ -10,7 +10,10 @@
   ``layer_overhead`` (seconds of op dispatch per layer pass, measured) adds ``m · ⌈(l+2)/p⌉`` of it.
 * **Bubble.** ``bubble_fraction(schedule, p, m, v)`` of the micro-batches' compute (:mod:`minipar.analysis.cost.pipeline`);
   none where the ranks outnumber the CPU cores they share (``cluster.cores``): a rank waiting in
-  the bubble yields its core to the others, whose rates were measured with every rank busy.
+  the bubble yields its core to the others, whose rates were measured with every rank busy. That
+  holds on a quiet machine; where other work keeps ``cluster.background`` threads runnable (the
+  load average before the ranks started), a yielded core goes to them in proportion, and the
+  bubble is charged ``min(1, background/cores)`` of its length (:func:`charged`).
 * **Communication** and its overlap: :mod:`.overlap`.
 
 FLOPs (:func:`step_flops`) are counted as Narayanan et al. 2021 count them, for TFLOP/s and MFU;
@@ -72,6 +75,14 @@ def compute_times(model: ModelSpec, layout: Layout, accelerator, seq_len: int, g
             "bound": bound, "dispatch": overhead, "attention": attn, "global_batch": global_batch}
 
 
+def charged(cluster: Cluster, world: int) -> float:
+    """Share of the pipeline bubble a step pays (module docstring): 1 with a device per rank or
+    more cores than ranks; else the share of a yielded core that other work takes."""
+    if not cluster.cores or world <= cluster.cores:
+        return 1.0
+    return min(1.0, cluster.background / cluster.cores)
+
+
 def comm_times(model: ModelSpec, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
                compute=None, efficiency=None) -> dict[str, dict[str, float]]:
     """``{dim: {"bytes", "seconds", "exposed", "link"}}`` per GPU and step (:mod:`.overlap`);
@@ -89,8 +100,7 @@ def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, seq_len: int, 
     L = layout
     c = compute_times(model, L, cluster.gpu, seq_len, global_batch, efficiency)
     m = L.microbatches(global_batch)
-    shared = cluster.cores and L.world > cluster.cores
-    bubble = bubble_fraction(L.schedule, L.pp, m, L.v) * c["microbatches"] if L.pp > 1 and not shared else 0.0
+    bubble = bubble_fraction(L.schedule, L.pp, m, L.v) * c["microbatches"] * charged(cluster, L.world) if L.pp > 1 else 0.0
     comm = _comm_times(model, L, cluster, seq_len, global_batch, c)
     total = c["total"] + bubble + sum(x["exposed"] for x in comm.values())
     return {"compute": c["total"], "bubble": bubble, "comm": comm, "total": total,

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..analysis.cost.pipeline import SCHEDULES  # the schedules' names, one list for the formulas too
+
 COMPUTE = ("F", "B", "W")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 @dataclass(frozen=True)

@@ -255,6 +255,11 @@ def get_pool(n: int, reuse: bool) -> Pool:
     return _pool
 
 
+def rank_pids(n: int) -> list[int]:
+    """The process ids of the first ``n`` warm ranks (none while no pool is running)."""
+    return [p.pid for p in _pool.procs[:n]] if _pool is not None else []
+
+
 def kill_pool() -> None:
     global _pool
     if _pool is not None:

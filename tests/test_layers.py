@@ -90,10 +90,24 @@ def _resolve(source: str, name: str | None) -> str:
     return source
 
 
-def _scan(name: str, path: Path):
+def _named_module(node) -> str | None:
+    """The module a hidden import names: ``sys.modules["minipar.x"]``, ``sys.modules.get("minipar.x")``
+    or ``importlib.import_module("minipar.x")`` with a constant name."""
+    arg = None
+    if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "sys.modules":
+        arg = node.slice
+    elif isinstance(node, ast.Call) and node.args and ast.unparse(node.func) in (
+            "sys.modules.get", "importlib.import_module", "import_module", "__import__"):
+        arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.split(".")[0] == "minipar":
+        return arg.value
+    return None
+
+
+def _scan(name: str, path: Path, text: str | None = None):
     """(imports, private attribute reads) of one module."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    tree = ast.parse(path.read_text())
+    tree = ast.parse(path.read_text() if text is None else text)
     in_function = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
@@ -120,6 +134,8 @@ def _scan(name: str, path: Path):
                     imports.append(Import(name, target, (), node.lineno, top))
                     if a.asname:
                         aliases[a.asname] = target
+        elif hidden := _named_module(node):   # a module found by name counts as an import of it
+            imports.append(Import(name, _resolve(hidden, None), (), node.lineno, False))
     reads = []   # (target module, attribute, line) for alias._name
     for node in ast.walk(tree):
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
@@ -246,8 +262,27 @@ def test_allowances_are_still_needed():
     assert not stale, _report("allow-list entries that match nothing", stale)
 
 
+PLANTED = """
+import sys
+from .pool import _pool
+from ..course import exercise as ex
+
+def f():
+    from ..models import gpt
+    return sys.modules.get("minipar.course.grade"), ex._active, gpt
+"""
+
+
 def test_the_checker_sees_what_it_checks():
-    """The scan itself: it finds known imports (relative, in functions, of a submodule)."""
+    """The scan itself: on a planted module of the runtime it sees every way in (relative,
+    inside a function, a module found through ``sys.modules``, ``alias._name``), and on the
+    package the imports it is known to hold."""
+    imports, reads = _scan("minipar.runtime.planted", PACKAGE / "runtime" / "planted.py", PLANTED)
+    assert {(i.target, i.top) for i in imports} == {
+        ("minipar.runtime.pool", True), ("minipar.course.exercise", True), ("minipar.models.gpt", False),
+        ("minipar.course.grade", False)}, imports
+    assert [n for i in imports for n in i.names] == ["_pool"] and [(t, a) for t, a, _ in reads] == [
+        ("minipar.course.exercise", "_active")]
     got = {(i.module, i.target, i.top) for i in IMPORTS}
     assert ("minipar.runtime.launch", "minipar.runtime.trace", True) in got   # from . import trace
     assert ("minipar.course.grade", "minipar.course.challenge", True) in got  # from .challenge import

@@ -7,8 +7,8 @@ import pytest
 from minipar.course.grading import GradeFailure
 from minipar.pipeline import schedules
 
-from graded import test_ch03_split as ch03
-from graded import test_ch04_schedule as ch04
+from minipar.course.graded import test_ch03_split as ch03
+from minipar.course.graded import test_ch04_schedule as ch04
 
 
 def _module(**attrs):

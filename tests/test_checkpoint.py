@@ -16,7 +16,7 @@ from minipar.production.checkpoint.placement import assemble, pieces_of, tensor_
 from minipar.data import batches, corpus_tokens
 from minipar.mesh import ProcessMesh
 from minipar.models.gpt import GPT, GPTConfig
-from minipar.tensor_parallel.gpt import _layout, shard
+from minipar.tensor_parallel.gpt import shard, weight_layout
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 STEPS, SAVE_AT = 6, 3
@@ -38,7 +38,7 @@ def test_tensor_parallel_boxes_are_the_shards_of_tensor_parallel_gpt(t):
         full = torch.arange(p.numel(), dtype=torch.float32).view(p.shape)
         pieces = []
         for r in range(t):
-            boxes = tensor_parallel_boxes(_layout(name), p.shape, t, r)
+            boxes = tensor_parallel_boxes(weight_layout(name), p.shape, t, r)
             mine = pieces_of(name, "param", p.shape, boxes, shard(name, full, t, r))
             pieces += mine
             for q in mine:  # the piece's data is the full tensor's elements at its box

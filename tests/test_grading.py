@@ -8,7 +8,7 @@ import time
 import pytest
 
 from minipar.course import grade
-from minipar.course.exercise import ROOT
+from minipar.course.markers import GRADED
 
 CHAPTERS = sorted(set(grade.exercises()) | {f"ex{grade._chapter(c)}" for c in grade.challenges()})
 
@@ -95,7 +95,7 @@ def demo(tmp_path_factory):
     """A graded directory holding a tiny challenge twice (chapters 98 and 99) with its alternative,
     and a learner's files: an unwritten stub for 98, a wrong ring for 99."""
     root = tmp_path_factory.mktemp("graded")
-    shutil.copy(ROOT / "tests" / "conftest.py", root / "conftest.py")
+    shutil.copy(GRADED / "conftest.py", root / "conftest.py")
     (root / "alternatives").mkdir()
     mine = tmp_path_factory.mktemp("exercises")
     (mine / "challenges").mkdir()

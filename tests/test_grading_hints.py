@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import minipar
-from minipar.course import hints
+from minipar.course import grade, hints
 from minipar.course.exercise import ROOT
 
 GRADED = '''"""Exercise 98: a demo."""
@@ -74,6 +74,6 @@ def test_command_line(graded, capsys):
 def test_every_graded_module_hints_are_well_formed(monkeypatch):
     """The real graded modules: HINTS, where present, map parts to 2-4 plain-string tiers."""
     monkeypatch.delenv("MINIPAR_GRADED", raising=False)
-    for ex in minipar.course.grade.exercises():
+    for ex in grade.exercises():
         for part, tiers in hints.hints_of(ex).items():
             assert 2 <= len(tiers) <= 4 and all(isinstance(t, str) and t for t in tiers), (ex, part)

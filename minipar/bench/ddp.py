@@ -19,7 +19,8 @@ from ..models import GPT, GPTConfig
 from .common import median, parser, report, step_blocks, to_here
 
 
-def _rank(cfg: GPTConfig, batch: int, steps: int, repeats: int, bucket_mb: float) -> dict:
+def measure_rank(cfg: GPTConfig, batch: int, steps: int, repeats: int, bucket_mb: float) -> dict:
+    """On each rank: time minipar's DDP against PyTorch's on the same GPT (also the planner's probe)."""
     from ..data_parallel import DistributedDataParallel as MiniDDP
     trace.enable(False)  # time the machinery, not the recorder's bookkeeping
     r = dist.get_rank()
@@ -50,7 +51,7 @@ def main(argv=None) -> dict:
     n_params = sum(p.numel() for p in GPT(cfg).parameters())
     rows = []
     for n in sizes:
-        res = launch(_rank, n, args=(cfg, 8, steps, repeats, a.bucket_mb), timeout=600, device=a.device)[0]
+        res = launch(measure_rank, n, args=(cfg, 8, steps, repeats, a.bucket_mb), timeout=600, device=a.device)[0]
         mini, torch_ = median(res["times"]["minipar"]), median(res["times"]["pytorch"])
         rows.append({"ranks": n, "params": n_params, "minipar ms/step": 1e3 * mini,
                      "pytorch ms/step": 1e3 * torch_, "ratio": mini / torch_,

@@ -20,7 +20,7 @@ from ..runtime import launch
 from ..analysis import plan
 from ..models import GPTConfig
 from .common import median, parser, report
-from .ddp import _rank
+from .ddp import measure_rank
 
 
 def main(argv=None) -> dict:
@@ -37,7 +37,7 @@ def main(argv=None) -> dict:
     machine = plan.measure_machine(cfg, world_size=n, micro_batch=batch)
     lay = plan.Layout(dp=n, micro_batch=batch, dtype="fp32", sequence_parallel=False)
     pred = plan.predict(plan.from_gpt_config(cfg), machine["cluster"], lay, batch * n, cfg.block_size)
-    res = launch(_rank, n, args=(cfg, batch, 2 if q else 3, 5 if q else 10, 4.0), timeout=600, device=a.device)[0]
+    res = launch(measure_rank, n, args=(cfg, batch, 2 if q else 3, 5 if q else 10, 4.0), timeout=600, device=a.device)[0]
     mini, torch_ = median(res["times"]["minipar"]), median(res["times"]["pytorch"])
     row = {"ranks": n, "predicted ms/step": 1e3 * pred.step_time, "minipar ms/step": 1e3 * mini,
            "pytorch ms/step": 1e3 * torch_, "error vs minipar": pred.step_time / mini - 1,

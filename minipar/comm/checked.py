@@ -1,9 +1,10 @@
 """Checked point-to-point: a send and a receive of different sizes, said in words.
 
 Gloo aborts the whole process when a send and its matching receive differ in size (the
-rank dies of SIGABRT, its Python traceback lost). While a learner's code runs (inside
-``minipar.exercise(...)``, in the driver and in every rank it launches) or while grading
-(``MINIPAR_CHECKED_COMM=1``), :func:`minipar.comm.exchange` first calls :func:`check_sizes`:
+rank dies of SIGABRT, its Python traceback lost). Inside :func:`required` (which
+``minipar.exercise(...)`` enters while a learner's code runs, in the driver and in every rank
+it launches) or while grading (``MINIPAR_CHECKED_COMM=1``), :func:`minipar.comm.exchange`
+first calls :func:`check_sizes`:
 the two ranks of each transfer swap the element counts they are about to send and receive
 (two tiny messages each way, recorded in the flight recorder but not in the trace, so the
 bytes a test counts stay the algorithm's own) and, on a mismatch, both raise a
@@ -13,7 +14,7 @@ bytes a test counts stay the algorithm's own) and, on a mismatch, both raise a
 from __future__ import annotations
 
 import os
-import sys
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -22,14 +23,23 @@ from ..runtime import flight
 
 ENV = "MINIPAR_CHECKED_COMM"
 _TAG_SENDS, _TAG_EXPECTS = 31_001, 31_002
+_required = 0   # how many required() blocks are open
+
+
+@contextmanager
+def required():
+    """Check every exchange's sizes inside the block (blocks nest)."""
+    global _required
+    _required += 1
+    try:
+        yield
+    finally:
+        _required -= 1
 
 
 def enabled() -> bool:
-    """True while grading or while an exercise is active (``minipar.course.exercise``)."""
-    if os.environ.get(ENV) == "1":
-        return True
-    ex = sys.modules.get("minipar.course.exercise")
-    return bool(ex is not None and ex.active())
+    """True while grading or inside :func:`required` (an exercise is active)."""
+    return _required > 0 or os.environ.get(ENV) == "1"
 
 
 def _where(name: str, labels: dict) -> str:

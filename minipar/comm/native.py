@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..runtime import trace
 from ..analysis.cost import collective_bytes
 from . import staging
-from .p2p import Handle, _labels, device_clock, group_size, nbytes
+from .p2p import Handle, labels_for, device_clock, group_size, nbytes
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -46,7 +46,7 @@ def _via_host(op: str, group, labels: dict, output: torch.Tensor, input: torch.T
     s_in = input is not None and staging.must_stage(input, group, op)
     if not (s_out or s_in):
         return output, input, []
-    labels = _labels(group, labels)
+    labels = labels_for(group, labels)
     if input is None:  # in place
         host = staging.to_host(output, op, labels)
         return host, None, [staging.copy_back(host, output, op, labels)]
@@ -61,7 +61,7 @@ def _collective(op: str, fn, output, input, full_bytes: int, avg: bool, group, n
     out, inp, after = _via_host(op, group, labels, output, input)
     sent = round(collective_bytes(op, full_bytes, group_size(group)))
     meta = {"name": name or op, "op": op, "began": device_clock(out, group), "start": trace.now(),
-            "sent": sent, "recv": sent, "labels": _labels(group, labels)}
+            "sent": sent, "recv": sent, "labels": labels_for(group, labels)}
     work = fn(*(out,) if inp is None else (out, inp), group=group, async_op=True)
     h = _Averaged(work, output, group_size(group) if avg else 0, after, (out, inp), **meta)
     return h if async_op else h.wait()
@@ -102,7 +102,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     out, inp, after = _via_host("all_to_all_single", group, labels, output, input.contiguous())
     meta = {"name": name or "all_to_all", "began": device_clock(out, group), "start": trace.now(),
             "sent": (sum(in_s) - in_s[me]) * row, "recv": (sum(out_s) - out_s[me]) * row,
-            "labels": _labels(group, labels), "op": "all_to_all"}
+            "labels": labels_for(group, labels), "op": "all_to_all"}
     work = dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes,
                                   group=group, async_op=True)
     h = _Averaged(work, output, 0, after, (out, inp), **meta)

@@ -123,13 +123,14 @@ def device_clock(tensor: torch.Tensor, group):
     return ev
 
 
-def _labels(group, labels: dict) -> dict:
+def labels_for(group, labels: dict) -> dict:
+    """An event's labels: ``labels`` with the group's mesh dimension as ``dim``."""
     return {"dim": group_name(group), **labels}
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None, name: str = "send", tag: int = 0, **labels) -> Handle:
     """Start sending ``tensor`` to group rank ``dst``."""
-    labels = _labels(group, labels)
+    labels = labels_for(group, labels)
     src = staging.to_host(tensor, "isend", labels) if staging.must_stage(tensor, group, "isend") else tensor
     began, t = device_clock(tensor, group), trace.now()
     w = dist.isend(src.contiguous(), global_rank(group, dst), group=group, tag=tag)
@@ -140,7 +141,7 @@ def isend(tensor: torch.Tensor, dst: int, group=None, name: str = "send", tag: i
 
 def irecv(tensor: torch.Tensor, src: int, group=None, name: str = "recv", tag: int = 0, **labels) -> Handle:
     """Start receiving into ``tensor`` (contiguous) from group rank ``src``."""
-    labels = _labels(group, labels)
+    labels = labels_for(group, labels)
     into = staging.host_like(tensor) if staging.must_stage(tensor, group, "irecv") else tensor
     began, t = device_clock(tensor, group), trace.now()
     w = dist.irecv(into, global_rank(group, src), group=group, tag=tag)
@@ -168,7 +169,7 @@ def start_exchange(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src
     is posted and blocks until both peers join, so were every rank of a ring to post its send
     to the right alone first, each would wait for a neighbour waiting on its own right
     neighbour: a cycle, from 3 ranks on. A batch joins every peer it names at once."""
-    labels = _labels(group, labels)
+    labels = labels_for(group, labels)
     if checked.enabled():  # while an exercise runs: a size mismatch said in words, not a Gloo abort
         checked.check_sizes(send_buf, dst, recv_buf, src, group, name, labels)
     out = (staging.to_host(send_buf, "exchange", labels)

@@ -3,8 +3,8 @@
 The learner's file is ``exercises/challenges/chNN_topic.py`` (its docstring states the task,
 the goal and how it is measured; its functions raise ``NotImplementedError("Challenge NN:
 name")`` until written). ``solutions/challenges/chNN_topic.py`` is one way to pass and
-``tests/graded/alternatives/chNN_topic.py`` a second, different one: the proof that the goal,
-not an answer, is graded. ``tests/graded/test_chNN_topic.py`` (``CHALLENGE = "chNN_topic"``)
+``minipar/course/graded/alternatives/chNN_topic.py`` a second, different one: the proof that the goal,
+not an answer, is graded. ``minipar/course/graded/test_chNN_topic.py`` (``CHALLENGE = "chNN_topic"``)
 measures what the ``challenge`` fixture's module does; ``minipar.grade("exNN")`` runs it after
 the chapter's core exercise.
 """
@@ -16,14 +16,15 @@ import types
 from contextlib import contextmanager
 from pathlib import Path
 
-from .exercise import EXERCISES_ENV, GRADED, ROOT, load_file
+from .exercise import EXERCISES_ENV, load_file
+from .markers import GRADED, ROOT
 
 TARGETS = ("exercise", "solution", "alternative")
 GRADED_ENV = "MINIPAR_GRADED"  # another directory of graded tests (the grader's own tests use one)
 
 
 def graded_dir() -> Path:
-    """The graded tests: ``tests/graded``, or ``$MINIPAR_GRADED``."""
+    """The graded tests: ``minipar/course/graded`` (shipped with the package), or ``$MINIPAR_GRADED``."""
     return Path(os.environ[GRADED_ENV]) if os.environ.get(GRADED_ENV) else GRADED
 
 

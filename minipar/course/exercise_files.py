@@ -1,12 +1,12 @@
 """Write ``exercises/exNN_topic.py`` and ``solutions/exNN_topic.py`` from the library's markers.
 
 ``python -m minipar.course.exercise --write`` (or ``--check``). For every exercise (see
-:mod:`minipar.course.exercise`), both files hold, module by module, the library's functions and
+:mod:`minipar.course.markers`), both files hold, module by module, the library's functions and
 methods that contain the exercise's marked regions, whole, under a comment naming their module
 and with the imports their code needs; a method comes inside its class, which holds only the
 marked methods. In the exercise file each region is replaced by its hint lines and
 ``raise NotImplementedError("Exercise NN X: qualname")``; in the solution file it is the
-library's code. Both files' docstring is that of ``tests/graded/test_exNN_topic.py``."""
+library's code. Both files' docstring is that of ``minipar/course/graded/test_exNN_topic.py``."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +18,7 @@ import textwrap
 from itertools import groupby
 from pathlib import Path
 
-from .exercise import GRADED, ROOT, Piece, exercises, key, pieces, stem
+from .markers import GRADED, ROOT, Piece, exercises, key, pieces, stem
 
 BANNER = "# " + "-" * 96
 

@@ -1,10 +1,10 @@
 """Grade a chapter: ``python -m minipar.grade ex01`` or ``minipar.grade("ex01")``.
 
 Runs the chapter's graded tests in a fresh pytest process: the core exercise's
-(``tests/graded/test_ex01_*.py``) against your file in ``exercises/`` (``--solution``: against
-``solutions/``), then the chapter's challenge (``tests/graded/test_ch01_*.py``) against
+(``minipar/course/graded/test_ex01_*.py``) against your file in ``exercises/`` (``--solution``: against
+``solutions/``), then the chapter's challenge (``minipar/course/graded/test_ch01_*.py``) against
 ``exercises/challenges/`` (``solutions/challenges/``; target ``"alternative"``: the second
-way in ``tests/graded/alternatives/``). It prints one line per test and, for each failure,
+way in ``minipar/course/graded/alternatives/``). It prints one line per test and, for each failure,
 the whole explanation (the rank, the place, expected against got) and how to ask for a
 hint; never the hint itself. ``--all`` grades every chapter and ends with a progress table.
 A chapter's score weighs its core and its challenge equally. The same tests check the
@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .challenge import GRADED_ENV, graded_dir
-from .exercise import EXERCISES_ENV, ROOT  # the repository
+from .exercise import EXERCISES_ENV
+from .markers import ROOT  # the repository (site-packages once installed): exercises/, solutions/
 
 TARGETS = ("exercise", "solution", "library", "alternative")
 _LABEL = re.compile(r"(?:Exercise|Challenge) (\d+)(?: ([A-Z]\w*))?:")

@@ -1,6 +1,6 @@
 """Hints in tiers, on request: ``minipar.hint("ex08", "A")`` (or ``python -m minipar.hint ex08 A``).
 
-Each graded module (``tests/graded/test_exNN_topic.py``) defines, right after ``EXERCISE``,
+Each graded module (``minipar/course/graded/test_exNN_topic.py``) defines, right after ``EXERCISE``,
 ``HINTS = {"A": ("a nudge", "the idea", "the formula or pseudo-code"), ...}`` (the key ``""``
 for a one-part exercise). Each call prints the next tier of that part, so a learner asks for
 exactly as much help as they need; what was shown is kept in ``$MINIPAR_HOME/hints.json``

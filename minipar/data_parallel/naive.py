@@ -42,12 +42,14 @@ def allreduce_gradients(params, group=None, all_reduce_fn=None) -> None:
     # <<< ex02 A
 
 
-def _flat(tensors) -> torch.Tensor:
+def flatten(tensors) -> torch.Tensor:
+    """The tensors' values, concatenated into one flat (detached) tensor."""
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
 @torch.no_grad()
-def _load(tensors, flat: torch.Tensor) -> None:
+def unflatten_into(tensors, flat: torch.Tensor) -> None:
+    """Copy ``flat`` (as :func:`flatten` laid it out) back into ``tensors``."""
     for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(piece.view_as(t))
 
@@ -62,6 +64,6 @@ def broadcast_module(module: torch.nn.Module, src: int = 0, group=None) -> None:
     tensors = list(dict.fromkeys([*module.parameters(), *module.buffers()]))  # once each
     for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
         ts = [t for t in tensors if t.dtype == dtype]
-        flat = _flat(ts)
+        flat = flatten(ts)
         comm.broadcast(flat, src=src, group=group)
-        _load(ts, flat)
+        unflatten_into(ts, flat)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .. import comm
 from ..runtime import trace
 from ..reference import sgd
-from .naive import _flat, _load, broadcast_module, trainable
+from .naive import flatten, unflatten_into, broadcast_module, trainable
 
 
 def parameter_server(model, batch_fn, steps: int, make_optimizer=None, group=None, synchronous: bool = False,
@@ -59,7 +59,7 @@ def _work(model, params, batch_fn, group, W: int, r: int, delay: float) -> dict:
     k = 0
     while inbox[1] == 0:  # not told to stop
         version = inbox[0].item()
-        _load(params, inbox[2:])
+        unflatten_into(params, inbox[2:])
         x, y = batch_fn(k * W + r - 1)
         for p in params:
             p.grad = None
@@ -71,7 +71,7 @@ def _work(model, params, batch_fn, group, W: int, r: int, delay: float) -> dict:
             with trace.region("straggling", step=k):
                 time.sleep(delay)
         msg = torch.cat([torch.tensor([version, loss.item()], device=inbox.device),
-                         _flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)]).cpu()
+                         flatten(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)]).cpu()
         pushed = comm.isend(msg, 0, group, name="push", step=k)
         comm.recv(inbox, 0, group, name="pull")
         pushed.wait()
@@ -100,7 +100,7 @@ def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_stal
     out = {"losses": [], "eval_losses": [], "times": [], "staleness": [], "workers": [], "dropped": 0}
 
     def reply(dst: int, stop: bool) -> None:
-        msg = torch.cat([torch.tensor([float(version), float(stop)], device=params[0].device), _flat(params)])
+        msg = torch.cat([torch.tensor([float(version), float(stop)], device=params[0].device), flatten(params)])
         comm.isend(msg, dst, group, name="pull").wait()
 
     def apply(grad: torch.Tensor, loss: float, staleness: list[int], worker: int) -> None:

@@ -27,6 +27,8 @@ from contextlib import nullcontext
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..autograd import split_backward
+
 MODES = ("none", "selective", "full")
 
 
@@ -41,11 +43,10 @@ def check_mode(mode) -> str:
 def run(fn, mode_is_on: bool, *args):
     """``fn(*args)``, recomputed in backward when ``mode_is_on`` and a graph is being built.
 
-    Inside the pipeline's :func:`~minipar.pipeline.deferred` block, the forward and its
-    recomputation both defer the linear layers' weight gradients, keeping X among the saved
-    tensors that recomputation drops and rebuilds."""
+    Inside :func:`~minipar.autograd.split_backward.deferred` (the pipeline's split backward),
+    the forward and its recomputation both defer the linear layers' weight gradients, keeping
+    X among the saved tensors that recomputation drops and rebuilds."""
     if mode_is_on and torch.is_grad_enabled():
-        from ..pipeline import split_backward
         dw = split_backward.current()
         ctx = (lambda: split_backward.deferred(dw, saved=True)) if dw is not None else nullcontext
         return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (ctx(), ctx()))

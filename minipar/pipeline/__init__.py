@@ -3,7 +3,8 @@
 * :mod:`.partition` — balanced cuts of a model's layers into stages.
 * :mod:`.schedules` — GPipe, 1F1B, interleaved 1F1B, ZB-H1 as lists of actions per rank.
 * :mod:`.stage_comm` — activations forward, gradients back, across ranks.
-* :mod:`.split_backward` — the backward split into B (input gradients) and W (weight gradients).
+* :mod:`minipar.autograd.split_backward` — the backward split into B (input gradients) and W
+  (weight gradients), re-exported here: the pipeline's zero-bubble schedules use it.
 * :mod:`.executor` — :class:`Pipeline` runs one rank's actions on real stages.
 * :mod:`.simulate` — the same schedules on paper: ideal timeline, deadlocks, stash, bubble.
 * :mod:`.train` — ``check`` / ``train`` / ``run``, the shape of every strategy (:mod:`minipar.strategy`).
@@ -14,7 +15,7 @@ from .partition import (balance, build_stages, explain, layer_costs, owned_param
 from .schedules import (SCHEDULES, Action, Schedule, add_comms, check_config, gpipe,
                         interleaved_1f1b, make_schedule, one_f_one_b, zb_h1)
 from .simulate import Deadlock, bubble, check_schedule, compute_only, peak_stash, simulate
-from .split_backward import WeightGrads, deferred
+from ..autograd.split_backward import WeightGrads, deferred
 from .stage_comm import recv_activation, recv_grad, send_activation, send_grad
 from .train import boundary_shapes, check, run, train
 

@@ -10,7 +10,7 @@ Each action is the method of its name:
   are those of the batch's mean loss.
 * ``B i s``: ``out.backward(∂L/∂out)``, leaving ``∂L/∂in`` in the input's ``.grad`` for
   ``SEND_B``. With W actions (ZB-H1) the forward ran under
-  :func:`~minipar.pipeline.split_backward.deferred`: B computes input gradients only, and
+  :func:`~minipar.autograd.split_backward.deferred`: B computes input gradients only, and
 * ``W i s``: the weight gradients ``∂L/∂W = (∂L/∂Y)ᵀ X`` from the ``(X, ∂L/∂Y)`` B kept.
 * ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``: activations and gradients (:mod:`.stage_comm`).
 
@@ -34,7 +34,7 @@ from ..models import lm_loss
 from . import stage_comm
 from .schedules import Schedule
 from .simulate import NAMES
-from .split_backward import WeightGrads, deferred
+from ..autograd.split_backward import WeightGrads, deferred
 
 
 def traced(action):

@@ -26,7 +26,7 @@ receives (right before the compute that needs it). The same :class:`Schedule` dr
 * ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward is split into
   B (input gradient, on the critical path) and W (weight gradient, free to move); W fills
   the cool-down bubble. B keeps each linear layer's input X and output gradient ∂L/∂Y, and
-  W computes only ∂L/∂W = (∂L/∂Y)ᵀ X from them (:mod:`minipar.pipeline.split_backward`).
+  W computes only ∂L/∂W = (∂L/∂Y)ᵀ X from them (:mod:`minipar.autograd.split_backward`).
   Bubble (p-1)(F+B-W) instead of 1F1B's (p-1)(F+B+W), a third of it when F = B = W, at
   1F1B's peak memory (p micro-batches on the busiest rank).
 """
@@ -34,8 +34,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..analysis.cost.pipeline import SCHEDULES  # the schedules' names, one list for the formulas too
+
 COMPUTE = ("F", "B", "W")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 @dataclass(frozen=True)

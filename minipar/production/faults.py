@@ -60,9 +60,9 @@ def forward_to_ranks(world: int) -> dict:
     from ..runtime import pool
 
     def forward(signum, frame):
-        for p in (pool._pool.procs[:world] if pool._pool is not None else []):
+        for pid in pool.rank_pids(world):
             try:
-                os.kill(p.pid, signum)
+                os.kill(pid, signum)
             except (ProcessLookupError, TypeError):
                 pass
     return {s: signal.signal(s, forward) for s in STOP_SIGNALS}

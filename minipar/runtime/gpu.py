@@ -104,25 +104,12 @@ def elapsed(device=None):
 
 
 def model_size(device=None) -> str:
-    """``"gpu"`` or ``"cpu"``: which of a chapter's model sizes to use (see :data:`SIZES`)."""
+    """``"gpu"`` or ``"cpu"``: which of a chapter's model sizes to use
+    (:data:`minipar.models.sizes.SIZES`)."""
     if device is None:
         from .backend import default_device, gpu_count
         return "gpu" if default_device() != "cpu" and gpu_count() else "cpu"
     return "gpu" if torch.device(device).type == "cuda" else "cpu"
-
-
-SIZES = {
-    # the course GPT per device: 2 CPU cores finish a chapter in minutes; a T4 (16 GB, ~8
-    # TFLOP/s fp32) does the bigger one in about the same time
-    "cpu": dict(n_layer=2, n_head=4, n_embd=32, block_size=32),
-    "gpu": dict(n_layer=4, n_head=8, n_embd=256, block_size=128),
-}
-
-
-def gpt_config(vocab_size: int = 64, device=None, **overrides):
-    """The course GPT's :class:`~minipar.models.GPTConfig` for this machine (:data:`SIZES`)."""
-    from ..models.gpt import GPTConfig
-    return GPTConfig(vocab_size=vocab_size, **{**SIZES[model_size(device)], **overrides})
 
 
 def allocator_peaks(measured) -> list | None:

@@ -34,6 +34,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from . import rank_setup
 from . import trace as _trace
 from .backend import (DEVICE_ENV, default_device, gpu_identity, init_options, place, process_group_backend,
     refuse_shared_gpus)
@@ -117,11 +118,10 @@ def launch(fn, world_size: int, *, device: str | None = None, backend: str = "au
            "LOCAL_WORLD_SIZE": str(world_size)}
     if loopback():
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = loopback()
-    ex = sys.modules.get("minipar.course.exercise")  # the exercises active here: the ranks activate them too
     job = {"payload": payload, "port": port, "backend": placement.backend, "world_size": world_size,
            "devices": [str(placement.device_for_rank(r)) for r in range(world_size)],
            "timeout": timeout, "threads": threads, "sys_path": list(sys.path), "env": env,
-           "exercises": ex.active() if ex else [], "sources": cell_sources(), "t0": time.perf_counter()}
+           "setup": rank_setup.collect(), "sources": cell_sources(), "t0": time.perf_counter()}
     try:
         replies = _collect(pool, job, world_size, timeout, grace)
     except BaseException:

@@ -18,13 +18,14 @@ import signal
 import socket
 import sys
 import traceback
-from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from datetime import timedelta
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 
+from . import rank_setup
 from . import trace as _trace
 from .backend import init_options, process_group_backend
 from .gpu import max_allocated, reset_max_allocated
@@ -106,14 +107,6 @@ def _user_files() -> dict[str, float]:
             if f and f.endswith(".py") and not f.startswith(roots) and os.path.exists(f)}
 
 
-def _exercises(job: dict):
-    """The driver's active exercises (``with minipar.exercise(...)``), active in this rank too."""
-    if not job.get("exercises"):
-        return nullcontext()
-    from ..course.exercise import activated
-    return activated(job["exercises"])
-
-
 def _run_job(job: dict, rank: int, seed: int, conn) -> None:
     """Run one job and reply; on success keep the group up until the driver releases us, so a
     rank that finishes early never breaks a peer still waiting on it (that peer *hangs*, as
@@ -140,7 +133,7 @@ def _run_job(job: dict, rank: int, seed: int, conn) -> None:
                                 timeout=pg_timeout, **init_options(backend, here))
         _trace.set_origin(job["t0"])
         _trace.start(rank)
-        with redirect_stdout(out), redirect_stderr(out), _exercises(job):
+        with redirect_stdout(out), redirect_stderr(out), rank_setup.entered(job.get("setup")):
             value = fn(*args, **kwargs)
         reply = ("ok", cloudpickle.dumps(to_cpu(value)), _trace.events(), _user_files())
         if here.startswith("cuda"):
@@ -253,6 +246,11 @@ def get_pool(n: int, reuse: bool) -> Pool:
         _pool = Pool()
     _pool.grow(n)
     return _pool
+
+
+def rank_pids(n: int) -> list[int]:
+    """The process ids of the first ``n`` warm ranks (none while no pool is running)."""
+    return [p.pid for p in _pool.procs[:n]] if _pool is not None else []
 
 
 def kill_pool() -> None:

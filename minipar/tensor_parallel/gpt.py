@@ -61,7 +61,7 @@ def check(model, batches=None, t: int = 1, sequence_parallel: bool = False, dtyp
 
 
 # ------------------------------------------------------------------ weight layout
-def _layout(name: str):
+def weight_layout(name: str):
     """How parameter ``name`` is split: ``("rows"|"cols"|"qkv")`` or ``None`` (replicated)."""
     if name.endswith(("wte.weight", "lm_head.weight", "mlp.fc.weight", "mlp.fc.bias")):
         return "rows"
@@ -77,7 +77,7 @@ _DIM = {"rows": 0, "cols": 1}  # the dimension a "rows" or "cols" parameter is s
 
 def shard(name: str, full: torch.Tensor, t: int, r: int) -> torch.Tensor:
     """Rank ``r``'s shard (of ``t``) of the single-device tensor ``full`` called ``name``."""
-    kind = _layout(name)
+    kind = weight_layout(name)
     if kind == "qkv":  # (3h, ...) = [q; k; v]: this rank's heads in each of q, k and v
         three = full.reshape(3, full.shape[0] // 3, *full.shape[1:])
         return three.chunk(t, 1)[r].reshape(-1, *full.shape[1:]).clone()
@@ -86,7 +86,7 @@ def shard(name: str, full: torch.Tensor, t: int, r: int) -> torch.Tensor:
 
 def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     """The single-device tensor ``name`` from every rank's shard, in rank order."""
-    kind, s = _layout(name), shards[0]
+    kind, s = weight_layout(name), shards[0]
     if kind == "qkv":
         parts = [x.reshape(3, s.shape[0] // 3, *s.shape[1:]) for x in shards]
         return torch.cat(parts, 1).reshape(-1, *s.shape[1:])
@@ -190,7 +190,7 @@ def full_state_dict(model: TensorParallelGPT, grads: bool = False) -> dict:
 def replica_drift(model: TensorParallelGPT) -> float:
     """Largest difference between the ranks' copies of a replicated parameter (0 when the
     group keeps them in step); a collective."""
-    reps = {k: p for k, p in model.named_parameters() if _layout(k) is None}
+    reps = {k: p for k, p in model.named_parameters() if weight_layout(k) is None}
     shards = gather_shards(reps, model.group)
     return max((float((s[k] - shards[0][k]).abs().max()) for s in shards[1:] for k in reps), default=0.0)
 

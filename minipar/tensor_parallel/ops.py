@@ -49,7 +49,7 @@ def _sum(x: torch.Tensor, group=None, name: str = "all_reduce") -> torch.Tensor:
     # <<< ex05 A
 
 
-def _all_gather(x: torch.Tensor, dim: int, group=None, name: str = "all_gather") -> torch.Tensor:
+def gather_along(x: torch.Tensor, dim: int, group=None, name: str = "all_gather") -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order (one flat all-gather)."""
     n = comm.group_size(group)
     if n == 1:
@@ -60,7 +60,7 @@ def _all_gather(x: torch.Tensor, dim: int, group=None, name: str = "all_gather")
     return out.view(n * xt.shape[0], *xt.shape[1:]).movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group=None, name: str = "reduce_scatter") -> torch.Tensor:
+def reduce_scatter_along(x: torch.Tensor, dim: int, group=None, name: str = "reduce_scatter") -> torch.Tensor:
     """This rank's block (along ``dim``) of the sum of ``x`` over ``group``."""
     n = comm.group_size(group)
     if n == 1:
@@ -147,21 +147,21 @@ class _Conjugate(torch.autograd.Function):
 
 def all_gather(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
     """Forward all-gather along ``dim``; backward reduce-scatter (sequence parallelism's g)."""
-    return _Conjugate.apply(x, dim, group, partial(_all_gather, name="sp.all_gather"),
-                            partial(_reduce_scatter, name="sp.reduce_scatter"))
+    return _Conjugate.apply(x, dim, group, partial(gather_along, name="sp.all_gather"),
+                            partial(reduce_scatter_along, name="sp.reduce_scatter"))
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
     """Forward reduce-scatter along ``dim``; backward all-gather (sequence parallelism's ḡ)."""
-    return _Conjugate.apply(x, dim, group, partial(_reduce_scatter, name="sp.reduce_scatter"),
-                            partial(_all_gather, name="sp.all_gather"))
+    return _Conjugate.apply(x, dim, group, partial(reduce_scatter_along, name="sp.reduce_scatter"),
+                            partial(gather_along, name="sp.all_gather"))
 
 
 def gather(x: torch.Tensor, dim: int = -1, group=None) -> torch.Tensor:
     """Forward all-gather along ``dim``; backward keeps this rank's slice of the gradient."""
-    return _Conjugate.apply(x, dim, group, partial(_all_gather, name="gather"), _split)
+    return _Conjugate.apply(x, dim, group, partial(gather_along, name="gather"), _split)
 
 
 def split(x: torch.Tensor, dim: int = -1, group=None) -> torch.Tensor:
     """Forward keeps this rank's slice along ``dim``; backward all-gathers the gradient."""
-    return _Conjugate.apply(x, dim, group, _split, partial(_all_gather, name="split.all_gather"))
+    return _Conjugate.apply(x, dim, group, _split, partial(gather_along, name="split.all_gather"))

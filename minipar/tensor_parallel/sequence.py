@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .ops import _all_gather, _reduce_scatter, all_gather, reduce_scatter, size_and_rank, split, sync_grad
+from .ops import all_gather, gather_along, reduce_scatter, reduce_scatter_along, size_and_rank, split, sync_grad
 
 SEQ_DIM = 1  # activations are (batch, sequence, hidden)
 
@@ -64,16 +64,16 @@ class _GatherLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group):
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(x, weight)
-        return F.linear(_all_gather(x, SEQ_DIM, group, "sp.all_gather"), weight, bias)
+        return F.linear(gather_along(x, SEQ_DIM, group, "sp.all_gather"), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:   # under autocast grad is 16-bit, weight and x fp32: compute in grad's dtype
-            grad_x = _reduce_scatter(grad @ weight.to(grad.dtype), SEQ_DIM, ctx.group, "sp.reduce_scatter").to(x.dtype)
+            grad_x = reduce_scatter_along(grad @ weight.to(grad.dtype), SEQ_DIM, ctx.group, "sp.reduce_scatter").to(x.dtype)
         if ctx.needs_input_grad[1]:
-            total = _all_gather(x, SEQ_DIM, ctx.group, "sp.all_gather (recompute)").to(grad.dtype)
+            total = gather_along(x, SEQ_DIM, ctx.group, "sp.all_gather (recompute)").to(grad.dtype)
             grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ total.reshape(-1, total.shape[-1])).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype)

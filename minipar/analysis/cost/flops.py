@@ -26,7 +26,8 @@ from __future__ import annotations
 RECOMPUTE = ("none", "selective", "full")
 
 
-def _check(recompute: str) -> None:
+def check_recompute(recompute: str) -> None:
+    """A plain ``ValueError`` for a recomputation mode not in :data:`RECOMPUTE`."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
 
@@ -38,7 +39,7 @@ def layer_forward_flops(B: float, s: float, h: float) -> float:
 
 def recompute_flops(B: float, s: float, h: float, l: int, recompute: str = "full") -> float:
     """FLOPs recomputation adds per step: l layer forwards (full), l·4Bs²h (selective), 0."""
-    _check(recompute)
+    check_recompute(recompute)
     if recompute == "full":
         return l * layer_forward_flops(B, s, h)
     return l * 4 * B * s * s * h if recompute == "selective" else 0.0
@@ -59,7 +60,7 @@ def narayanan_flops(B: float, s: float, l: int, h: float, V: float) -> float:
 def checkpoint_recompute_flops(B: float, s: float, h: float, l: int, recompute: str = "full") -> float:
     """FLOPs the checkpointed recomputation actually runs (early stop, see above):
     ``l·(16Bsh² + 4Bs²h)`` full, ``l·2Bs²h`` selective."""
-    _check(recompute)
+    check_recompute(recompute)
     if recompute == "full":
         return l * (16 * B * s * h * h + 4 * B * s * s * h)
     return l * 2 * B * s * s * h if recompute == "selective" else 0.0

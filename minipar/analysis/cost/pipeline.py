@@ -21,13 +21,13 @@ holds 1/v of the rank's layers, so divide by v for the rank's share):
 """
 from __future__ import annotations
 
-_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # the one list: the pipeline and the planner read it
 
 
 def _name(schedule) -> str:
     name = getattr(schedule, "name", schedule)
-    if name not in _NAMES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {_NAMES}")
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {SCHEDULES}")
     return name
 
 

@@ -16,7 +16,7 @@ is :func:`minipar.analysis.cost.activation_bytes_per_layer`.
 """
 from __future__ import annotations
 
-from .flops import _check
+from .flops import check_recompute
 from .tensor_parallel import activation_terms
 
 ATTENTION_TERMS = ("softmax output", "attention dropout mask and output")
@@ -27,7 +27,7 @@ def recompute_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
                                bytes_per_element: int = 2, dropout: bool = True) -> float:
     """Activation bytes per layer and rank under ``recompute`` (table above; ``bytes_per_element``
     and ``dropout`` as in :func:`minipar.analysis.cost.activation_terms`)."""
-    _check(recompute)
+    check_recompute(recompute)
     if recompute == "full":
         return bytes_per_element * s * b * h / (t if sequence_parallel else 1)
     terms = activation_terms(s, b, h, a, t, sequence_parallel,

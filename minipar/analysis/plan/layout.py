@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..cost.flops import RECOMPUTE
-from ..cost.pipeline import _NAMES as SCHEDULES
+from ..cost.pipeline import SCHEDULES
 from .models import ModelSpec
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}

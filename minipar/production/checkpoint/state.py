@@ -29,7 +29,7 @@ def parameter_layout(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, tu
     if hasattr(model, "checkpoint_layout"):
         return list(model.checkpoint_layout())
     from ...hybrid import HybridModel
-    from ...tensor_parallel.gpt import TensorParallelGPT, _layout
+    from ...tensor_parallel.gpt import TensorParallelGPT, weight_layout
     from ...tensor_parallel.ops import size_and_rank
     from ...zero import FullyShardedDataParallel
     if isinstance(model, FullyShardedDataParallel):  # its parameters are flat shards
@@ -39,10 +39,10 @@ def parameter_layout(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, tu
         raise NotImplementedError("checkpointing a ZeRO-3 mesh is not supported: its parameters are "
                                   "shards of flat or per-parameter units; use zero=1 or 2 to checkpoint")
     if isinstance(model, HybridModel):  # its stages' parameters, by single-device name
-        return tensor_parallel_layout(model.params.items(), model.mesh.tp, model.coords["tp"], _layout)
+        return tensor_parallel_layout(model.params.items(), model.mesh.tp, model.coords["tp"], weight_layout)
     if isinstance(model, TensorParallelGPT):
         t, r = size_and_rank(model.group)
-        return tensor_parallel_layout(model.named_parameters(), t, r, _layout)
+        return tensor_parallel_layout(model.named_parameters(), t, r, weight_layout)
     return [(n, p, tuple(p.shape), whole(p.shape)) for n, p in model.named_parameters()]
 
 

@@ -35,7 +35,7 @@ from ..runtime.backend import current_device
 from ..context_parallel import parallelize, sequence_positions, set_positions, shard_sequence
 from ..data import shard
 from ..mesh import ProcessMesh
-from ..models.gpt import GPT, lm_loss
+from ..models.gpt import GPT
 from ..models.moe import MoE
 from ..pipeline import Pipeline, build_stages, layer_costs, make_schedule, partition
 from ..reference import sgd
@@ -96,9 +96,8 @@ class HybridModel:
                 if isinstance(one.mlp, MoE):
                     block.mlp = one.mlp
             self.model.load_full_state_dict(full.state_dict())
-            loss_fn = self.model.loss
         else:
-            self.model, loss_fn = full, lm_loss
+            self.model = full
         if mesh.cp > 1:  # cp: attention over the cp group, every other layer on the local tokens
             parallelize(self.model, g["cp"], variant, layout)
         if self.moe:     # ep: the experts over the ep group, aux per micro-batch, on the layer's output
@@ -107,8 +106,8 @@ class HybridModel:
         self.stages = build_stages(self.model.layers(), self.bounds, self.coords["pp"], mesh.pp)
         self.schedule = make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
         self._act = (1, config.block_size, config.n_embd)
-        self.pipe = Pipeline(self.stages, self.schedule, lambda s: self._act, g["pp"], loss_fn=loss_fn,
-                             dtype=dtype)
+        self.pipe = Pipeline(self.stages, self.schedule, lambda s: self._act, g["pp"],
+                             loss_fn=self.model.loss, dtype=dtype)   # the GPT's (tp: vocabulary-parallel)
         mine = {id(q) for st in self.stages.values() for q in st.parameters()}
         self.params = {n: q for n, q in self.model.named_parameters() if id(q) in mine}
         self.optimizer, self.reducer, self.sharded = build_optimizer(self, optimizer or sgd(), self.zero,

@@ -217,6 +217,27 @@ def test_bad_setups_fail_before_launch():
         cpm.check(GPT(CFG), batches, 2, recompute="sometimes")
 
 
+def test_the_context_parallel_modules_are_the_gpts_with_one_seam_overridden():
+    """The CP attention is the GPT's attention overriding only its core (``attend``), the positioned
+    embedding the GPT's embedding overriding only ``positions``: their forward is the GPT's, not a
+    copy; parallelize keeps every parameter (the same objects under the same names)."""
+    from minipar.models import gpt
+    pairs = {cpm.ContextParallelAttention: (gpt.CausalSelfAttention, {"attend"}),
+             cpm.PositionedEmbedding: (gpt.Embedding, {"positions"})}
+    for cls, (single, seam) in pairs.items():
+        assert issubclass(cls, single), cls
+        defined = {k for k in vars(cls) if not k.startswith("__")}
+        assert defined == seam, f"{cls.__name__} defines {defined}, not only {seam}"
+        assert cls.forward is single.forward
+    model = GPT(CFG, seed=0)
+    before = dict(model.named_parameters())
+    cpm.parallelize(model, None, "ring", "zigzag")
+    assert isinstance(model.embed, cpm.PositionedEmbedding)
+    assert all(isinstance(b.attn, cpm.ContextParallelAttention) for b in model.blocks)
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+
+
 def test_mesh_has_cp_between_tp_and_dp():
     """rank = p·(dp·cp·tp) + d·(cp·tp) + c·tp + t; cp groups and dp_cp groups tile the grid."""
     mesh = ProcessMesh(dp=2, pp=2, tp=2, cp=2, world_size=16)

@@ -236,6 +236,22 @@ def test_the_context_parallel_modules_are_the_gpts_with_one_seam_overridden():
     assert all(isinstance(b.attn, cpm.ContextParallelAttention) for b in model.blocks)
     after = dict(model.named_parameters())
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    for layers, same, heads in minipar.launch(_cp_over_tp, 2, timeout=60):   # CP × TP
+        assert layers == ("ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding")
+        assert same and heads == CFG.n_head // 2
+
+
+def _cp_over_tp():
+    """The tensor-parallel GPT made context-parallel: its attention keeps the column- and
+    row-parallel projections and this rank's heads, every parameter object kept."""
+    from minipar import tensor_parallel
+    model = tensor_parallel.TensorParallelGPT(CFG)
+    before = dict(model.named_parameters())
+    cpm.parallelize(model, None, "ring", "zigzag")
+    attn, after = model.blocks[0].attn, dict(model.named_parameters())
+    same = after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    layers = tuple(type(m).__name__ for m in (attn.qkv, attn.proj, model.embed.wte))
+    return layers, same and isinstance(attn, cpm.ContextParallelAttention), attn.n_head
 
 
 def test_mesh_has_cp_between_tp_and_dp():

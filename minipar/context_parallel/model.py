@@ -46,7 +46,7 @@ class ContextParallelAttention(CausalSelfAttention):
 
 class PositionedEmbedding(Embedding):
     """The GPT's token plus position embedding of this rank's tokens at their global positions
-    ``self.positions_of_tokens`` (:func:`set_positions`); takes over ``embed``'s ``wte``,
+    ``self.global_positions`` (:func:`set_positions`); takes over ``embed``'s ``wte``,
     ``wpe`` and dropout."""
 
     def __init__(self, c: GPTConfig, embed: Embedding):
@@ -54,6 +54,7 @@ class PositionedEmbedding(Embedding):
         self.drop, self.global_positions = embed.drop, None
 
     def positions(self, idx):
+        """The global positions of this rank's tokens ``idx`` (B, T/c), set for this batch."""
         pos = self.global_positions
         if pos is None or pos.numel() != idx.shape[1]:
             raise RuntimeError("set the global positions of this rank's tokens first (set_positions)")

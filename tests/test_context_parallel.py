@@ -217,6 +217,43 @@ def test_bad_setups_fail_before_launch():
         cpm.check(GPT(CFG), batches, 2, recompute="sometimes")
 
 
+def test_the_context_parallel_modules_are_the_gpts_with_one_seam_overridden():
+    """The CP attention is the GPT's attention overriding only its core (``attend``), the positioned
+    embedding the GPT's embedding overriding only ``positions``: their forward is the GPT's, not a
+    copy; parallelize keeps every parameter (the same objects under the same names)."""
+    from minipar.models import gpt
+    pairs = {cpm.ContextParallelAttention: (gpt.CausalSelfAttention, {"attend"}),
+             cpm.PositionedEmbedding: (gpt.Embedding, {"positions"})}
+    for cls, (single, seam) in pairs.items():
+        assert issubclass(cls, single), cls
+        defined = {k for k in vars(cls) if not k.startswith("__")}
+        assert defined == seam, f"{cls.__name__} defines {defined}, not only {seam}"
+        assert cls.forward is single.forward
+    model = GPT(CFG, seed=0)
+    before = dict(model.named_parameters())
+    cpm.parallelize(model, None, "ring", "zigzag")
+    assert isinstance(model.embed, cpm.PositionedEmbedding)
+    assert all(isinstance(b.attn, cpm.ContextParallelAttention) for b in model.blocks)
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    for layers, same, heads in minipar.launch(_cp_over_tp, 2, timeout=60):   # CP × TP
+        assert layers == ("ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding")
+        assert same and heads == CFG.n_head // 2
+
+
+def _cp_over_tp():
+    """The tensor-parallel GPT made context-parallel: its attention keeps the column- and
+    row-parallel projections and this rank's heads, every parameter object kept."""
+    from minipar import tensor_parallel
+    model = tensor_parallel.TensorParallelGPT(CFG)
+    before = dict(model.named_parameters())
+    cpm.parallelize(model, None, "ring", "zigzag")
+    attn, after = model.blocks[0].attn, dict(model.named_parameters())
+    same = after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    layers = tuple(type(m).__name__ for m in (attn.qkv, attn.proj, model.embed.wte))
+    return layers, same and isinstance(attn, cpm.ContextParallelAttention), attn.n_head
+
+
 def test_mesh_has_cp_between_tp_and_dp():
     """rank = p·(dp·cp·tp) + d·(cp·tp) + c·tp + t; cp groups and dp_cp groups tile the grid."""
     mesh = ProcessMesh(dp=2, pp=2, tp=2, cp=2, world_size=16)

@@ -24,7 +24,6 @@ single-process step (up to the order of floating-point sums).
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -34,12 +33,12 @@ from ..runtime import trace
 from ..runtime.backend import current_device
 from ..context_parallel import parallelize, sequence_positions, set_positions, shard_sequence
 from ..data import shard
+from ..expert_parallel.tensor import tensor_parallel_dense
 from ..mesh import ProcessMesh
-from ..models.gpt import GPT, lm_loss
-from ..models.moe import MoE
+from ..models.gpt import GPT
 from ..pipeline import Pipeline, build_stages, layer_costs, make_schedule, partition
 from ..reference import sgd
-from ..tensor_parallel import TensorParallelGPT, gather_shards, shard_state_dict, unshard_state_dict
+from ..tensor_parallel import gather_shards, shard_state_dict, unshard_state_dict
 from ..zero import model_state_bytes, state_tensors, storage_bytes
 from . import experts
 from .config import check
@@ -88,17 +87,8 @@ class HybridModel:
         full = model.to(self.device)                        # the single-device model
         self.full_names = list(full.state_dict())
         self.full_shapes = {k: v.shape for k, v in full.state_dict().items()}
-        if mesh.tp > 1:
-            with torch.device(self.device):
-                self.model = TensorParallelGPT(replace(config, moe_every=0), g["tp"], sequence_parallel,
-                                               seed=None)
-            for block, one in zip(self.model.blocks, full.blocks):  # the MoE layers, whole on tp ranks
-                if isinstance(one.mlp, MoE):
-                    block.mlp = one.mlp
-            self.model.load_full_state_dict(full.state_dict())
-            loss_fn = self.model.loss
-        else:
-            self.model, loss_fn = full, lm_loss
+        # tp: the dense layers split over the tp group, the MoE layers whole on its ranks
+        self.model = tensor_parallel_dense(full, g["tp"], sequence_parallel) if mesh.tp > 1 else full
         if mesh.cp > 1:  # cp: attention over the cp group, every other layer on the local tokens
             parallelize(self.model, g["cp"], variant, layout)
         if self.moe:     # ep: the experts over the ep group, aux per micro-batch, on the layer's output
@@ -107,8 +97,8 @@ class HybridModel:
         self.stages = build_stages(self.model.layers(), self.bounds, self.coords["pp"], mesh.pp)
         self.schedule = make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
         self._act = (1, config.block_size, config.n_embd)
-        self.pipe = Pipeline(self.stages, self.schedule, lambda s: self._act, g["pp"], loss_fn=loss_fn,
-                             dtype=dtype)
+        self.pipe = Pipeline(self.stages, self.schedule, lambda s: self._act, g["pp"],
+                             loss_fn=self.model.loss, dtype=dtype)   # the GPT's (tp: vocabulary-parallel)
         mine = {id(q) for st in self.stages.values() for q in st.parameters()}
         self.params = {n: q for n, q in self.model.named_parameters() if id(q) in mine}
         self.optimizer, self.reducer, self.sharded = build_optimizer(self, optimizer or sgd(), self.zero,

@@ -12,8 +12,10 @@ The seams a parallel GPT uses to stay this model (Megatron-LM's way: the model i
 layers are swapped for parallel ones): each module takes its layers as optional arguments
 (``CausalSelfAttention(c, qkv=, proj=, n_head=)``, ``FeedForward(c, fc=, proj=)``,
 ``Block(c, attn=, mlp=, norm=)``, ``Embedding(c, wte=, wpe=)``, ``Head(c, ln_f=, lm_head=)``),
+the attention's core ``CausalSelfAttention.attend(q, k, v)``, the embedding's ``positions(idx)``,
 :meth:`GPT.parts` builds the three parts and :meth:`GPT.loss` is the loss of the head's
-logits. :mod:`minipar.tensor_parallel` overrides those two and passes its parallel layers.
+logits. :mod:`minipar.tensor_parallel` overrides those two and passes its parallel layers;
+:mod:`minipar.context_parallel` overrides ``attend`` and ``positions``.
 """
 from __future__ import annotations
 
@@ -135,7 +137,8 @@ class Block(nn.Module):
 
 class Embedding(nn.Module):
     """``wte(tokens) + wpe(positions)``; tensor parallelism passes the vocabulary-parallel
-    ``wte`` and a ``wpe`` that looks up its sequence shard's positions."""
+    ``wte`` and a ``wpe`` that looks up its sequence shard's positions; context parallelism
+    overrides :meth:`positions` (its tokens' global positions)."""
 
     def __init__(self, c: GPTConfig, wte: nn.Module | None = None, wpe: nn.Module | None = None):
         super().__init__()
@@ -143,8 +146,12 @@ class Embedding(nn.Module):
         self.wpe = wpe if wpe is not None else nn.Embedding(c.block_size, c.n_embd)
         self.drop = nn.Dropout(c.dropout)
 
+    def positions(self, idx):
+        """The positions of the tokens ``idx`` (B, T): ``0 .. T-1``."""
+        return torch.arange(idx.shape[1], device=idx.device)
+
     def forward(self, idx):
-        return self.drop(self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device)))
+        return self.drop(self.wte(idx) + self.wpe(self.positions(idx)))
 
 
 class Head(nn.Module):

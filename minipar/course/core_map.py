@@ -25,7 +25,7 @@ CORE: dict[str, tuple[tuple[str, ...], str]] = {
             "data_parallel/parameter_server.py"), "data_parallel/data_parallel.py (170)"),
     "03": (("model_parallel.py", "pipeline/stage_comm.py"), ""),
     "04": (("pipeline/schedules.py", "pipeline/executor.py", "pipeline/partition.py",
-            "pipeline/split_backward.py", "pipeline/train.py"),
+            "autograd/split_backward.py", "pipeline/train.py"),
            "pipeline_parallel/pipeline_parallel.py (221) + pp_communications.py (45)"),
     "05": (("tensor_parallel/ops.py", "tensor_parallel/layers.py", "tensor_parallel/embedding.py",
             "tensor_parallel/cross_entropy.py", "tensor_parallel/block.py", "tensor_parallel/gpt.py",

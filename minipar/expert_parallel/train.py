@@ -131,8 +131,8 @@ def check(model, batches, world_size: int, ep: int = 1, tp: int = 1, pp: int = 1
     dp = world_size // tp
     if tp > 1:
         from dataclasses import replace
-        from ..tensor_parallel.gpt import check as tp_check
-        tp_check(replace(model.config, moe_every=0), batches, tp)
+        from ..tensor_parallel.config import check_config
+        check_config(replace(model.config, moe_every=0), tp)
     for m in layers:
         if m.n_experts % ep:
             raise ValueError(f"{m.n_experts} experts cannot be split evenly over ep={ep} ranks")

@@ -88,7 +88,7 @@ def average_loss(loss: torch.Tensor, group=None, op: str = "avg", **labels) -> f
 
 
 def loop(batches, step, *, group=None, op: str | None = "avg", reduce=None, events: bool = False,
-         **labels) -> tuple[list, dict]:
+         history: bool = False, **labels) -> tuple[list, dict]:
     """The one step loop of every strategy: ``(losses, measured)`` of training on ``batches``.
 
     ``step(i, batch)`` is the strategy's step body (zero_grad, forward, backward, optimizer
@@ -101,19 +101,20 @@ def loop(batches, step, *, group=None, op: str | None = "avg", reduce=None, even
       step by mesh dimension, read through the trace's public API
       (:func:`~minipar.runtime.trace.mark`, :func:`~minipar.runtime.trace.since`,
       :func:`~minipar.runtime.trace.bytes_by_dim`); ``events=True`` keeps the step's
-      ``events`` too;
+      ``events`` too, ``history=True`` the ``step_seconds`` of every step;
     * the loss record: ``reduce(loss)`` if given, else :func:`reduced_loss` over ``group``
       with ``op`` (``op=None``: the loss is already the record, e.g. a pipeline's float on
       the last stage and ``None`` elsewhere). Records stay tensors on the device during the
       loop and become floats once, after it (no wait for a GPU per step).
 
     ``measured`` holds the last step's entries."""
-    records, measured = [], {}
+    records, measured, seconds_each = [], {}, []
     n = len(batches) if hasattr(batches, "__len__") else None
     for i, batch in enumerate(batches):
         mark, t0 = trace.mark(), time.perf_counter()
         out = step(i, batch)
         seconds = time.perf_counter() - t0
+        seconds_each.append(seconds)
         loss, extra = out if isinstance(out, tuple) else (out, {})
         if n is None or i == n - 1:
             evs = trace.since(mark)
@@ -122,6 +123,8 @@ def loop(batches, step, *, group=None, op: str | None = "avg", reduce=None, even
                         **(extra(evs) if callable(extra) else extra), "seconds": seconds}
             if events:
                 measured["events"] = evs
+            if history:
+                measured["step_seconds"] = seconds_each
         if reduce is not None:
             loss = reduce(loss)
         elif op is not None and loss is not None:

@@ -130,3 +130,14 @@ def owned_parameters(model: nn.Module, stages: dict[int, nn.Module]) -> dict[str
     """``{name in model: parameter}`` for the parameters that live in ``stages``."""
     mine = {id(q) for st in stages.values() for q in st.parameters()}
     return {n: q for n, q in model.named_parameters() if id(q) in mine}
+
+
+@torch.no_grad()
+def boundary_shapes(layers, bounds: list[int], micro_input: torch.Tensor) -> dict[int, tuple]:
+    """Shape of each stage's output for one micro-batch (runs the layers once)."""
+    shapes, x = {}, micro_input
+    for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for layer in layers[a:b]:
+            x = layer(x)
+        shapes[s] = tuple(x.shape)
+    return shapes

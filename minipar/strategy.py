@@ -181,6 +181,12 @@ def run(train, model, batches, world_size: int, *, check=None, optimizer=None,
     (a plain error before any process starts), then ``train`` on ``world_size`` ranks, merged."""
     if check is not None:
         check(model, batches, world_size, **options)
+    params = inspect.signature(train).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = [k for k in options if k not in params or k in ("model", "batches", "optimizer", "group")]
+        if unknown:  # an option only check takes (e.g. seq_len): nothing the ranks could use
+            raise ValueError(f"{train.__module__.removeprefix('minipar.')}.train takes no option "
+                             f"{', '.join(map(repr, unknown))}")
     return TrainResult.merge(launch(on_device, world_size, args=(train, model, batches),
                                     kwargs=dict(optimizer=optimizer, **options), timeout=timeout,
                                     **(launch_options or {})))

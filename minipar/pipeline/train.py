@@ -11,8 +11,6 @@
 """
 from __future__ import annotations
 
-import torch
-
 from .. import strategy
 from ..runtime.backend import device
 from ..comm import group_rank, group_size

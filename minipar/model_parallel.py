@@ -20,7 +20,7 @@ The API is every strategy's (:mod:`minipar.strategy`): :func:`check`, :func:`tra
 """
 from __future__ import annotations
 
-import time
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -31,8 +31,7 @@ from .activations import SavedActivations
 from .comm import group_rank, group_size
 from .models import lm_loss
 from .pipeline import stage_comm
-from .pipeline.partition import layer_costs, owned_parameters, partition
-from .pipeline.train import boundary_shapes
+from .pipeline.partition import boundary_shapes, layer_costs, owned_parameters, partition
 from .precision import autocast
 from .reference import sgd
 from .zero.memory import model_state_bytes
@@ -89,22 +88,28 @@ class NaiveModelParallel:
         return out.item() if r == n - 1 else None
 
 
-def check(model, batches, world_size: int, stages=None, **_) -> None:
-    """Plain errors before launch: one stage per rank."""
+@strategy.checks
+def check(model, batches, world_size: int, stages=None, dtype=None, recompute=None) -> None:
+    """Plain errors before launch: one stage per rank, a known dtype and recompute mode."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if stages is None and len(model.layers()) < world_size:
         raise ValueError(f"{len(model.layers())} layers cannot make {world_size} stages")
     if stages is not None and len(parts := stages(model)) != world_size:
         raise ValueError(f"{len(parts)} stages for {world_size} ranks: one stage per rank")
+    strategy.check_options(model, dtype, recompute)
 
 
-def train(model, batches, optimizer=None, group=None, stages=None, dtype=None) -> dict:
+def train(model, batches, optimizer=None, group=None, stages=None, dtype=None, recompute=None) -> dict:
     """Run on every rank of ``group``: train stage ``rank`` of ``model`` (the same on every rank).
     ``stages``: a function ``model -> [stage modules]``, one per rank (e.g. :func:`lstm_stages`;
-    default :func:`balanced_stages`). Returns ``losses`` (last rank), this rank's ``params`` by
-    model name, and ``measured``: this rank's ``memory`` (``params``, ``grads``, ``optimizer``,
-    ``activations`` bytes) and the last step's ``seconds``."""
+    default :func:`balanced_stages`); ``recompute``: the GPT's (``None``: the model's own).
+    Returns ``losses`` (last rank), this rank's ``params`` by model name, and ``measured``: this
+    rank's ``memory`` (``params``, ``grads``, ``optimizer``, ``activations`` bytes, counted in the
+    first step), the last step's ``bytes_sent``, ``bytes_by_dim`` and ``seconds``
+    (:func:`minipar.strategy.loop`)."""
+    if recompute is not None:
+        model.set_recompute(recompute)
     parts = stages(model) if stages is not None else balanced_stages(model, group_size(group))
     if len(parts) != group_size(group):
         raise ValueError(f"{len(parts)} stages for {group_size(group)} ranks: one stage per rank")
@@ -112,19 +117,21 @@ def train(model, batches, optimizer=None, group=None, stages=None, dtype=None) -
     shapes = boundary_shapes(parts, list(range(len(parts) + 1)), batches[0][0])
     mp = NaiveModelParallel(parts[rank], shapes, group, dtype=dtype)
     opt = (optimizer or sgd())(list(parts[rank].parameters()))
-    losses = []
-    for x, y in batches:
-        t0 = time.perf_counter()
+    saved = SavedActivations(parts[rank])
+
+    def step(i, batch):
         opt.zero_grad(set_to_none=True)
-        with SavedActivations(parts[rank]) as saved:
-            losses.append(mp.step(x, y))
+        with saved if i == 0 else nullcontext():  # every step saves the same: count it once
+            loss = mp.step(*batch)
         opt.step()
-        seconds = time.perf_counter() - t0
+        return loss                               # the last rank's float, None elsewhere
+
+    losses, measured = strategy.loop(batches, step, op=None)
     state = model_state_bytes(parts[rank], optimizer=opt)
-    memory = {k: state[k] for k in ("params", "grads", "optimizer")} | {"activations": saved.bytes}
+    measured["memory"] = {k: state[k] for k in ("params", "grads", "optimizer")} | {"activations": saved.bytes}
     return {"losses": losses if rank == len(parts) - 1 else None,
             "params": strategy.full_params(owned_parameters(model, {rank: parts[rank]}).items()),
-            "measured": {"memory": memory, "seconds": seconds}}
+            "measured": measured}
 
 
 def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:

@@ -1,12 +1,17 @@
 """One shape for every strategy: ``check`` before launch, ``train`` on the ranks, ``run`` from
 the driver.
 
-Every strategy package (``data_parallel``, ``pipeline``, ``tensor_parallel``, ``zero``,
-``hybrid``, ``context_parallel``, ``expert_parallel``) exposes the same three functions::
+Every strategy module of :data:`STRATEGIES` exposes the same three functions::
 
     check(model, batches, world_size, **options)              # plain ValueError, no process started
     train(model, batches, optimizer=None, group=None, **options) -> dict     # on every rank
     run(model, batches, world_size, optimizer=None, **options) -> TrainResult  # the driver
+
+``check`` takes every option ``train`` takes and rejects any other by name (:func:`checks`);
+``group`` is a parameter only where a group other than the world works (hybrid and expert
+parallelism lay their mesh over the whole world and have none); ``recompute=None`` everywhere
+means the model's own configuration. Each ``train`` writes only its step body and hands it to
+:func:`loop`, the one step loop: timing, bytes by dimension, the loss record, ``measured``.
 
 ``model`` is the single-device model (same seed on every rank), ``batches`` the global
 batches the single process trains on, ``optimizer`` a picklable factory
@@ -22,12 +27,20 @@ and ``run`` merges the ranks' dicts into one :class:`TrainResult`, which
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from .runtime import trace
 from .runtime.launch import launch
 from .runtime.trace import Trace
+
+STRATEGIES = ("data_parallel", "model_parallel", "pipeline", "tensor_parallel", "zero",
+              "context_parallel", "expert_parallel", "hybrid")
+"""Every strategy, by module name under ``minipar`` (each has ``check``, ``train`` and ``run``)."""
 
 
 @dataclass
@@ -59,14 +72,102 @@ class TrainResult:
                    getattr(results, "trace", None), results)
 
 
-def average_loss(loss: torch.Tensor, group=None, op: str = "avg", **labels) -> float:
-    """The step's loss for the record: ``loss`` all-reduced over ``group`` with ``op``
-    (``"avg"``: the ranks' mean losses; ``"sum"``: losses already divided by the ranks), one
-    tiny recorded all-reduce named ``"loss"``."""
+def reduced_loss(loss: torch.Tensor, group=None, op: str = "avg", **labels) -> torch.Tensor:
+    """The step's loss for the record, as a one-element fp32 tensor on the loss's device:
+    ``loss`` all-reduced over ``group`` with ``op`` (``"avg"``: the ranks' mean losses;
+    ``"sum"``: losses already divided by the ranks), one tiny recorded all-reduce named ``"loss"``."""
     from . import comm
     t = loss.detach().float().reshape(1).clone()
     comm.all_reduce(t, op=op, group=group, name="loss", **labels)
-    return t.item()
+    return t
+
+
+def average_loss(loss: torch.Tensor, group=None, op: str = "avg", **labels) -> float:
+    """:func:`reduced_loss` as a float (one wait for the device)."""
+    return reduced_loss(loss, group, op, **labels).item()
+
+
+def loop(batches, step, *, group=None, op: str | None = "avg", reduce=None, events: bool = False,
+         history: bool = False, **labels) -> tuple[list, dict]:
+    """The one step loop of every strategy: ``(losses, measured)`` of training on ``batches``.
+
+    ``step(i, batch)`` is the strategy's step body (zero_grad, forward, backward, optimizer
+    step). It returns the step's loss, or ``(loss, extra)``: ``extra`` is a dict of measured
+    entries, or a function of the step's trace events returning one, evaluated on the last
+    step only. The loop owns the rest, the same for every strategy:
+
+    * ``seconds``: the step body's wall time (the loss record below is not part of it);
+    * ``bytes_by_dim`` (with ``"total"``, also ``bytes_sent``): what this rank sent in the
+      step by mesh dimension, read through the trace's public API
+      (:func:`~minipar.runtime.trace.mark`, :func:`~minipar.runtime.trace.since`,
+      :func:`~minipar.runtime.trace.bytes_by_dim`); ``events=True`` keeps the step's
+      ``events`` too, ``history=True`` the ``step_seconds`` of every step;
+    * the loss record: ``reduce(loss)`` if given, else :func:`reduced_loss` over ``group``
+      with ``op`` (``op=None``: the loss is already the record, e.g. a pipeline's float on
+      the last stage and ``None`` elsewhere). Records stay tensors on the device during the
+      loop and become floats once, after it (no wait for a GPU per step).
+
+    ``measured`` holds the last step's entries."""
+    records, measured, seconds_each = [], {}, []
+    n = len(batches) if hasattr(batches, "__len__") else None
+    for i, batch in enumerate(batches):
+        mark, t0 = trace.mark(), time.perf_counter()
+        out = step(i, batch)
+        seconds = time.perf_counter() - t0
+        seconds_each.append(seconds)
+        loss, extra = out if isinstance(out, tuple) else (out, {})
+        if n is None or i == n - 1:
+            evs = trace.since(mark)
+            sent = trace.bytes_by_dim(evs)
+            measured = {"bytes_sent": sent["total"], "bytes_by_dim": sent,
+                        **(extra(evs) if callable(extra) else extra), "seconds": seconds}
+            if events:
+                measured["events"] = evs
+            if history:
+                measured["step_seconds"] = seconds_each
+        if reduce is not None:
+            loss = reduce(loss)
+        elif op is not None and loss is not None:
+            loss = reduced_loss(loss, group, op, **labels)
+        records.append(loss)
+    return floats(records), measured
+
+
+def floats(records: list) -> list:
+    """``records`` with every tensor turned into a float, all in one copy from the device."""
+    tensors = [r.reshape(()) for r in records if isinstance(r, torch.Tensor)]
+    values = iter(torch.stack(tensors).tolist() if tensors else ())
+    return [next(values) if isinstance(r, torch.Tensor) else r for r in records]
+
+
+def check_options(model, dtype=None, recompute=None) -> None:
+    """The checks of the options every strategy takes: a known ``dtype``
+    (:func:`minipar.precision.resolve`) and, unless ``None`` (the model's own), a known
+    ``recompute`` mode on a model that has one (the GPT)."""
+    from .models.recompute import check_mode
+    from .precision import resolve
+    resolve(dtype)
+    if recompute is not None:
+        if not hasattr(model, "set_recompute"):
+            raise ValueError(f"recompute={recompute!r} needs a model with set_recompute (the GPT)")
+        check_mode(recompute)
+
+
+def checks(fn):
+    """Decorator of a strategy's ``check``: an option it does not name is a plain ``ValueError``
+    naming it (and the options there are), before any process starts."""
+    sig = inspect.signature(fn)
+    known = [k for k, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY
+             or (p.kind is p.POSITIONAL_OR_KEYWORD and k not in ("model", "batches", "world_size"))]
+
+    @functools.wraps(fn)
+    def check(model, batches, world_size, *args, **options):
+        unknown = [k for k in options if k not in sig.parameters]
+        if unknown:
+            raise ValueError(f"{fn.__module__.removeprefix('minipar.')}: unknown option "
+                             f"{', '.join(map(repr, unknown))} (the options are {', '.join(known)})")
+        return fn(model, batches, world_size, *args, **options)
+    return check
 
 
 def full_params(named) -> dict[str, torch.Tensor]:
@@ -80,6 +181,12 @@ def run(train, model, batches, world_size: int, *, check=None, optimizer=None,
     (a plain error before any process starts), then ``train`` on ``world_size`` ranks, merged."""
     if check is not None:
         check(model, batches, world_size, **options)
+    params = inspect.signature(train).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = [k for k in options if k not in params or k in ("model", "batches", "optimizer", "group")]
+        if unknown:  # an option only check takes (e.g. seq_len): nothing the ranks could use
+            raise ValueError(f"{train.__module__.removeprefix('minipar.')}.train takes no option "
+                             f"{', '.join(map(repr, unknown))}")
     return TrainResult.merge(launch(on_device, world_size, args=(train, model, batches),
                                     kwargs=dict(optimizer=optimizer, **options), timeout=timeout,
                                     **(launch_options or {})))

@@ -14,6 +14,7 @@ import torch
 
 from minipar import data
 from minipar.models import GPT, GPTConfig
+from minipar import pipeline
 from minipar.pipeline import adaptive, partition
 from minipar.reference import assert_same_training, train_reference
 
@@ -28,7 +29,7 @@ def sgd_momentum(params):
 
 def test_repartition_keeps_training_and_moves_layers():
     """Re-cut after 2 steps: same losses and parameters as one process; new cut = partition(times); bytes moved = the layers'."""
-    res = adaptive.run(GPT(CFG, seed=0), BATCHES, 2, optimizer=sgd_momentum, microbatches=2,
+    res = pipeline.run(GPT(CFG, seed=0), BATCHES, 2, optimizer=sgd_momentum, microbatches=2,
                        probe_steps=2, bounds=BAD)
     want = train_reference(GPT(CFG, seed=0), BATCHES, sgd_momentum)
     assert_same_training(res, want, 1e-5, 1e-6)

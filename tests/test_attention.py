@@ -15,7 +15,7 @@ from minipar import data, data_parallel, expert_parallel, hybrid, pipeline, refe
 from minipar import tensor_parallel as tp
 from minipar.models import GPT, GPTConfig
 from minipar.models import attention as attn
-from minipar.zero.train import run as zero_run
+from minipar.zero import run as zero_run
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 CFG = GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=4, n_embd=32, attention="sdpa")

@@ -129,7 +129,8 @@ def _every_strategy(batches):
 
     for name, (train, model, opts) in _cases().items():
         group = pair[r // 2] if opts.pop("pair", False) else None
-        attempt(name, lambda: train(copy.deepcopy(model), batches, group=group, **opts)["losses"] or [])
+        grp = {} if group is None else {"group": group}   # hybrid and EP train over the world: no group
+        attempt(name, lambda: train(copy.deepcopy(model), batches, **grp, **opts)["losses"] or [])
     x, y = batches[0]
     gpt = GPT(CONFIG, seed=0)
     attempt("hybrid 2x1x2 (dp, tp)", lambda: _hybrid_step(gpt, 2, 1, 2, x, y))

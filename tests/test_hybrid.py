@@ -151,7 +151,7 @@ def test_bytes_and_memory_match_the_formulas(launched):
     (dict(dp=1, pp=1, tp=3, world_size=3), "divisible"),
     (dict(dp=1, pp=7, tp=1, world_size=7), "more stages than layers|only 6 layers"),
     (dict(dp=4, pp=1, tp=1, world_size=4, microbatches=4), "cannot be split"),
-    (dict(dp=1, pp=0, tp=1), "positive"),
+    (dict(dp=1, pp=0, tp=1, world_size=None), "positive"),
 ])
 def test_bad_configurations_fail_before_launch(bad, message):
     """Plain errors before any process starts: product, divisibility, stages, batch."""
@@ -163,7 +163,7 @@ def test_tied_weights_and_pipeline_is_refused():
     """Tied embedding/head across pipeline stages is refused with a reason."""
     import dataclasses
     with pytest.raises(ValueError, match="tie_weights"):
-        hybrid.run(GPT(dataclasses.replace(CFG, tie_weights=True)), BATCHES, pp=2)
+        hybrid.run(GPT(dataclasses.replace(CFG, tie_weights=True)), BATCHES, 2, pp=2)
     with pytest.raises(ValueError, match="world_size|dp·pp·tp"):
         hybrid.check(CFG, BATCHES, 6, dp=2, pp=2, tp=2)
 

@@ -6,6 +6,8 @@ same m micro-batches, capacity and the auxiliary loss counted per micro-batch. T
 AdamW magnifies last-bit differences of reordered sums (tests/test_zero.py), so losses and
 final parameters agree within rtol 1e-4, atol 5e-5 (measured: ~5e-6 on the parameters); the
 per-batch reference (auxiliary loss over the whole batch) is ~1e-2 away, far outside it."""
+import math
+
 import pytest
 import torch
 
@@ -57,7 +59,7 @@ def test_check_rejects_impossible_combinations(config, options, message):
 
 
 def _compare(options: dict, config=MOE):
-    got = hybrid.run(GPT(config, seed=0), DATA, optimizer=adamw(1e-2, 0.1), **options)
+    got = hybrid.run(GPT(config, seed=0), DATA, math.prod(options.get(d, 1) for d in ("dp", "pp", "tp", "cp")), optimizer=adamw(1e-2, 0.1), **options)
     m, dp = options["microbatches"], options["dp"]
     want = experts.train_reference(GPT(config, seed=0), DATA, adamw(1e-2, 0.1), dp=dp, microbatches=m)
     assert_same_training(got, want, rtol=RTOL, atol=ATOL)
@@ -99,7 +101,7 @@ def test_zero_stages_1_to_3_on_a_dp_tp_mesh():
     totals = []
     for options in (dict(zero=0), dict(zero=1), dict(zero=2, microbatches=2), dict(zero=3),
                     dict(zero=3, sharding="per-parameter", microbatches=2)):
-        got = hybrid.run(GPT(DENSE, seed=0), DATA, optimizer=adamw(1e-2, 0.1), dp=2, tp=2, **options)
+        got = hybrid.run(GPT(DENSE, seed=0), DATA, 4, optimizer=adamw(1e-2, 0.1), dp=2, tp=2, **options)
         assert_same_training(got, want, rtol=RTOL, atol=ATOL)
         totals.append(got.measured[0]["memory"]["total"])
     assert totals[0] > totals[1] > totals[2] > totals[3] == totals[4], totals

@@ -138,7 +138,7 @@ def test_persistence_memory_and_bytes_match_the_formulas(runs):
 
 def test_persistence_clear_errors():
     """Persistence is a stage-3 option for fp32 parameters, with a whole number of elements."""
-    from minipar.zero.train import check
+    from minipar.zero import check
     gpt = GPT(CFG, seed=0)
     with pytest.raises(ValueError, match="stage 3"):
         check(gpt, _batches(), 2, stage=2, persist_below=100)

@@ -28,7 +28,7 @@ from .. import data
 from ..runtime import launch, trace
 from ..models import GPT, GPTConfig, lm_loss
 from ..pipeline import Pipeline, WeightGrads, build_stages, deferred, layer_costs, make_schedule, partition
-from ..pipeline.train import boundary_shapes
+from ..pipeline.partition import boundary_shapes
 from .common import clock, here, one_gpu_per_rank, parser, report, to_here
 
 SCHEDULES = ("1f1b", "zb-h1")

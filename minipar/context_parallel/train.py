@@ -7,8 +7,6 @@ shard's sequences over the cp ranks, and gradients are summed over dp × cp.
 """
 from __future__ import annotations
 
-import time
-
 import torch.distributed as dist
 
 from .. import comm, strategy
@@ -45,8 +43,9 @@ def check_config(config, cp: int, seq_len: int | None = None, layout: str = "zig
         check_sequence(seq_len, cp, layout)
 
 
+@strategy.checks
 def check(model, batches, world_size: int, variant: str = "ring", layout: str = "zigzag",
-          dp: int = 1, **options) -> None:
+          dp: int = 1, dtype=None, recompute=None) -> None:
     """Plain ``ValueError`` before launch for a setup context parallelism cannot train."""
     if not isinstance(dp, int) or dp < 1 or world_size % dp:
         raise ValueError(f"dp={dp} must be a positive int dividing world_size={world_size}")
@@ -56,7 +55,8 @@ def check(model, batches, world_size: int, variant: str = "ring", layout: str = 
         raise ValueError("context parallelism trains the course GPT (minipar.models.GPT)")
     if c.dropout:
         raise ValueError(f"dropout={c.dropout}: training is checked against one process and needs dropout=0")
-    check_config(c, cp, None, layout, variant, recompute=options.get("recompute"))
+    check_config(c, cp, None, layout, variant, recompute=recompute)
+    strategy.check_options(model, dtype, recompute)
     for step, (x, _) in enumerate(batches):
         check_sequence(x.shape[1], cp, layout)
         if x.shape[0] % dp:
@@ -79,8 +79,9 @@ def _groups(dp: int, group):
 def train(model, batches, optimizer=None, group=None, variant: str = "ring",
           layout: str = "zigzag", dp: int = 1, dtype=None, recompute=None) -> dict:
     """On every rank: train the GPT ``model`` with context parallelism on the global ``batches``.
-    Returns ``{"losses", "params" (global rank 0), "measured"}``: the last step's bytes sent by
-    name and dimension, and its seconds. ``recompute`` (``None``: the model's own) is set on every
+    Returns ``{"losses", "params" (rank 0 of the gradient group), "measured"}``: the last step's
+    bytes sent by name and dimension, its attention seconds and seconds (:func:`minipar.strategy.loop`).
+    ``group``: the cp group when ``dp = 1``; ``dp > 1`` lays a dp × cp mesh over the world. ``recompute`` (``None``: the model's own) is set on every
     block; under ``"full"`` the backward runs each block's attention communication again."""
     if recompute is not None:
         set_recompute(model, recompute)
@@ -91,35 +92,36 @@ def train(model, batches, optimizer=None, group=None, variant: str = "ring",
         parallelize(model, cp_group, variant, layout)
     opt = (optimizer or sgd())(list(model.parameters()))
     dev, dim = next(model.parameters()).device, "dp_cp" if dp > 1 else "cp"
-    losses, measured = [], {}
-    for step, (x, y) in enumerate(batches):
-        mark, t0 = trace.mark(), time.perf_counter()
+
+    def step(i, batch):
+        x, y = batch
         xs, ys = shard(x, d, dp).to(dev), shard(y, d, dp).to(dev)
         xl, yl = shard_sequence(xs, r, cp, layout), shard_sequence(ys, r, cp, layout)
         pos = sequence_positions(xs.shape[1], r, cp, layout, device=dev)
         opt.zero_grad(set_to_none=True)
-        with trace.region("forward", step=step), autocast(dtype, dev):
+        with trace.region("forward", step=i), autocast(dtype, dev):
             loss = local_loss(model, xl, yl, pos) / (cp * dp)
-        with trace.region("backward", step=step):
-            loss.backward()
+        trace.backward(loss, step=i)
         all_reduce_grads(model.parameters(), grad_group, dim=dim)
-        with trace.region("optimizer", step=step):
+        with trace.region("optimizer", step=i):
             opt.step()
-        losses.append(strategy.average_loss(loss, grad_group, op="sum", dim=dim))   # loss already / (cp·dp)
-        measured = _measure(trace.since(mark), time.perf_counter() - t0)
-    params = full_params(model.named_parameters()) if dist.get_rank() == 0 else None
+        return loss, _measure
+
+    # the loss is already / (cp·dp): the record sums it over the gradient group
+    losses, measured = strategy.loop(batches, step, group=grad_group, op="sum", dim=dim)
+    params = full_params(model.named_parameters()) if comm.group_rank(grad_group) == 0 else None
     return {"losses": losses, "params": params, "measured": measured}
 
 
-def _measure(events, seconds: float) -> dict:
-    by_name, by_dim = {}, trace.bytes_by_dim(events)
+def _measure(events) -> dict:
+    """The step's bytes by operation name and its attention seconds (forward and backward)."""
+    by_name = {}
     for e in events:
         if e["kind"] == "comm":
             by_name[e["name"]] = by_name.get(e["name"], 0) + e["bytes_sent"]
     attn = sum(e["end"] - e["start"] for e in events
                if e["kind"] == "compute" and e["name"] in ("attention", "attention_backward"))
-    return {"bytes_sent": by_dim.pop("total"), "bytes_by_name": by_name, "bytes_by_dim": by_dim,
-            "attention_seconds": attn, "seconds": seconds}
+    return {"bytes_by_name": by_name, "attention_seconds": attn}
 
 
 def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:

@@ -8,7 +8,6 @@ loss, the mean over ranks, is the single-process loss.
 """
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
 import torch
@@ -22,38 +21,42 @@ from .sampler import shard_batch
 
 
 def train(model, batches, optimizer=None, group=None, accumulation: int = 1, dtype=None,
-          recompute=None, **ddp_options) -> dict:
+          recompute=None, bucket_cap_mb: float | None = 25.0, overlap: bool = True,
+          all_reduce_fn=None) -> dict:
     """Run on every rank of ``group``: train ``model`` wrapped in :class:`DistributedDataParallel`
-    (``ddp_options``: ``bucket_cap_mb``, ``overlap``, ``all_reduce_fn``) on the global ``batches``;
-    ``recompute`` is the GPT's (:meth:`~minipar.models.GPT.set_recompute`). ``measured``: the last
-    step's ``bytes_sent``, ``bytes_by_dim`` and ``seconds``."""
+    (``bucket_cap_mb``, ``overlap``, ``all_reduce_fn``: its options) on the global ``batches``;
+    ``recompute`` is the GPT's (:meth:`~minipar.models.GPT.set_recompute`; ``None``: the model's
+    own). ``measured``: the last step's ``bytes_sent``, ``bytes_by_dim`` and ``seconds``
+    (:func:`minipar.strategy.loop`)."""
     if recompute is not None:
         model.set_recompute(recompute)
-    ddp = DistributedDataParallel(model, group=group, **ddp_options)
+    ddp = DistributedDataParallel(model, group=group, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
+                                  all_reduce_fn=all_reduce_fn)
     opt = (optimizer or sgd())(ddp.parameters())
     device = next(model.parameters()).device
-    losses, measured = [], {}
-    for step, batch in enumerate(batches):
-        mark, t0 = trace.mark(), time.perf_counter()
+
+    def step(i, batch):
         x, y = shard_batch(tuple(batch), group)
         opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=device)
         for j, (xm, ym) in enumerate(zip(x.chunk(accumulation), y.chunk(accumulation))):
             with nullcontext() if j == accumulation - 1 else ddp.no_sync():
-                with trace.region("forward", step=step, microbatch=j), autocast(dtype, device):
+                with trace.region("forward", step=i, microbatch=j), autocast(dtype, device):
                     loss = ddp(xm, ym) / accumulation
-                trace.backward(loss, step=step, microbatch=j)  # gradients averaged if synced
+                trace.backward(loss, step=i, microbatch=j)  # gradients averaged if synced
             total += loss.detach().float()
-        with trace.region("optimizer", step=step):
+        with trace.region("optimizer", step=i):
             opt.step()
-        sent = trace.bytes_by_dim(trace.since(mark))
-        measured = {"bytes_sent": sent["total"], "bytes_by_dim": sent, "seconds": time.perf_counter() - t0}
-        losses.append(strategy.average_loss(total, group))
+        return total
+
+    losses, measured = strategy.loop(batches, step, group=group)
     ddp.remove_hooks()
     return {"losses": losses, "params": strategy.full_params(ddp.named_parameters()), "measured": measured}
 
 
-def check(model, batches, world_size: int, accumulation: int = 1, bucket_cap_mb=25.0, **_) -> None:
+@strategy.checks
+def check(model, batches, world_size: int, accumulation: int = 1, dtype=None, recompute=None,
+          bucket_cap_mb: float | None = 25.0, overlap: bool = True, all_reduce_fn=None) -> None:
     """Plain errors for a setup that cannot work, raised before any process starts."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -61,6 +64,7 @@ def check(model, batches, world_size: int, accumulation: int = 1, bucket_cap_mb=
         raise ValueError(f"accumulation must be a positive int, got {accumulation!r}")
     if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
         raise ValueError(f"bucket_cap_mb must be None (naive) or >= 0, got {bucket_cap_mb}")
+    strategy.check_options(model, dtype, recompute)
     for step, (x, _) in enumerate(batches):
         if x.shape[0] % (world_size * accumulation):
             raise ValueError(f"global batch {step} has {x.shape[0]} samples, which {world_size} ranks x "

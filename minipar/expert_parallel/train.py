@@ -21,8 +21,6 @@ backward), ``tp`` (tensor parallelism of the dense part, :mod:`.tensor`: world =
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from .. import comm, strategy
@@ -56,13 +54,14 @@ def reduce_gradients(model, groups, dp: int) -> None:
                     p.grad = None
 
 
-def train(model, batches, optimizer=None, group=None, ep: int = 1, tp: int = 1, dtype=None,
-          recompute="none") -> dict:
-    """On every rank: DP × EP training (ep groups carved from the dp ranks); with ``tp > 1``
-    the dense part is tensor-parallel over a dp × tp mesh (:mod:`.tensor`)."""
+def train(model, batches, optimizer=None, ep: int = 1, tp: int = 1, dtype=None, recompute=None) -> dict:
+    """On every rank of the world: DP × EP training (ep groups carved from the dp ranks); with
+    ``tp > 1`` the dense part is tensor-parallel over a dp × tp mesh (:mod:`.tensor`).
+    ``recompute``: the GPT's (``None``: the model's own). ``measured``: the last step's
+    ``bytes_sent``, ``bytes_by_dim`` and ``seconds`` (:func:`minipar.strategy.loop`), the tokens
+    each expert received in every step, the last step's kept matrix, this rank's experts and
+    parameter count."""
     import torch.distributed as dist
-    if group is not None and group is not dist.group.WORLD:
-        raise ValueError("expert_parallel.train runs over the whole world (group=None)")
     if tp > 1:
         from .tensor import build_mesh, tensor_parallel_moe_gpt
         mesh, groups = build_mesh(tp, ep)
@@ -72,38 +71,32 @@ def train(model, batches, optimizer=None, group=None, ep: int = 1, tp: int = 1, 
         groups = build_ep_groups(ep)
         dp, me = dist.get_world_size(), dist.get_rank()
         shard_experts(model, groups["ep"], token_group=groups["dp"] if dp > ep else None)
-    if hasattr(model, "set_recompute"):
+    if recompute is not None:
         model.set_recompute(recompute)   # "full" reruns a block's forward, all-to-alls included, in backward
     device = next(model.parameters()).device
     opt = (optimizer or sgd())(model.parameters())
-    losses, routed, layers = [], [], moe_layers(model)
-    for step, (x, y) in enumerate(batches):
-        x, y = shard(x, me, dp).to(device), shard(y, me, dp).to(device)
-        first, t0 = len(trace.events()), time.perf_counter()
+    routed, layers = [], moe_layers(model)
+
+    def step(i, batch):
+        x, y = (shard(t, me, dp).to(device) for t in batch)
         opt.zero_grad(set_to_none=True)
-        with trace.region("forward", step=step), autocast(dtype, device):
+        with trace.region("forward", step=i), autocast(dtype, device):
             loss = model(x, y)
             if tp > 1:
                 loss = loss + moe_loss(model)   # the tensor-parallel GPT returns the cross-entropy only
-        with trace.region("backward", step=step):
-            loss.backward()
+        trace.backward(loss, step=i)
         reduce_gradients(model, groups, dp)
-        with trace.region("optimizer", step=step):
+        with trace.region("optimizer", step=i):
             opt.step()
-        losses.append(strategy.average_loss(loss, groups["dp"], dim="dp"))
-        seconds = time.perf_counter() - t0
-        routed.append([m.stats["counts"].tolist() for m in layers])
-    last = [e for e in trace.events()[first:] if e["kind"] == "comm"] if batches else []
-    by_dim = {}
-    for e in last:
-        d = e["labels"].get("dim", "?")
-        by_dim[d] = by_dim.get(d, 0) + e["bytes_sent"]
-    measured = {"tokens_per_expert": routed,                       # [step][layer][expert], whole batch
-                "kept_matrix": [m.stats["kept"].tolist() for m in layers],  # last step, this ep group
-                "local_experts": [m.local for m in layers],
-                "parameters": sum(p.numel() for p in model.parameters()),   # this rank's (experts sharded)
-                "bytes_sent": sum(e["bytes_sent"] for e in last), "bytes_by_dim": by_dim,
-                "seconds": seconds if batches else 0.0}
+        routed.append([m.stats["counts"].clone() for m in layers])   # read once, after the loop
+        return loss
+
+    losses, measured = strategy.loop(batches, step, group=groups["dp"], dim="dp")
+    measured.update({"tokens_per_expert": [[c.tolist() for c in step] for step in routed],  # [step][layer][expert]
+                     "kept_matrix": [m.stats["kept"].tolist() for m in layers],  # last step, this ep group
+                     "local_experts": [m.local for m in layers],
+                     "parameters": sum(p.numel() for p in model.parameters())})  # this rank's (experts sharded)
+    measured.setdefault("seconds", 0.0)
     if tp > 1:
         from ..tensor_parallel.gpt import full_state_dict
         full = full_state_dict(model)                     # a tp collective: every tp rank takes part
@@ -113,7 +106,9 @@ def train(model, batches, optimizer=None, group=None, ep: int = 1, tp: int = 1, 
     return {"losses": losses, "params": params, "measured": measured}
 
 
-def check(model, batches, world_size: int, ep: int = 1, tp: int = 1, pp: int = 1, **options) -> None:
+@strategy.checks
+def check(model, batches, world_size: int, ep: int = 1, tp: int = 1, dtype=None, recompute=None,
+          pp: int = 1) -> None:
     """Plain errors before launch: a model without MoE layers, E not divisible by ep, top_k > E,
     ep not dividing dp, uneven batch shards, capacity with dp > ep, a GPT that tp cannot split, pp."""
     if pp != 1:
@@ -131,8 +126,8 @@ def check(model, batches, world_size: int, ep: int = 1, tp: int = 1, pp: int = 1
     dp = world_size // tp
     if tp > 1:
         from dataclasses import replace
-        from ..tensor_parallel.gpt import check as tp_check
-        tp_check(replace(model.config, moe_every=0), batches, tp)
+        from ..tensor_parallel.config import check_config
+        check_config(replace(model.config, moe_every=0), tp)
     for m in layers:
         if m.n_experts % ep:
             raise ValueError(f"{m.n_experts} experts cannot be split evenly over ep={ep} ranks")
@@ -145,6 +140,7 @@ def check(model, batches, world_size: int, ep: int = 1, tp: int = 1, pp: int = 1
                 "capacity_factor=None (dropless) or ep = dp")
     if dp % ep:
         raise ValueError(f"ep={ep} must divide the {dp} data-parallel ranks")
+    strategy.check_options(model, dtype, recompute)
     for step, (x, _) in enumerate(batches):
         if x.shape[0] % dp:
             raise ValueError(f"global batch {step} has {x.shape[0]} rows, not divisible by dp={dp}")

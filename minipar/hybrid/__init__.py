@@ -5,7 +5,7 @@ The API, in the shape of every strategy (:mod:`minipar.strategy`), all from ``mi
 
     # driver, before launch: plain errors for a configuration that cannot work
     check(model, batches, world_size, dp=1, pp=1, tp=1, microbatches=1, ...)  # model: GPT or GPTConfig
-    run(model, batches, optimizer=None, dp=2, pp=2, tp=2, **options) -> TrainResult
+    run(model, batches, world_size, optimizer=None, dp=2, pp=2, tp=2, **options) -> TrainResult  # dp·pp·tp·cp
     choose_config(config, world_size, batch_size, memory_per_rank=None, ...) -> {"dp", "pp", "tp"}
     toy_options(layout) / toy_command(layout) / toy_run(layout)  # a plan.Layout at toy size (.layouts)
     valid_configs(config, world_size, batch_size=None, microbatches=1) -> [{"dp", "pp", "tp"}, ...]
@@ -15,6 +15,7 @@ The API, in the shape of every strategy (:mod:`minipar.strategy`), all from ``mi
     train(model, batches, optimizer=None, dp=, pp=, tp=, **options) -> {"losses", "params", "measured"}
     hm = build(model, ProcessMesh(dp=2, pp=2, tp=2), zero1=False, microbatches=2, ...)  # a HybridModel
     loss = hm.train_step(x, y)          # global batch on every rank -> global mean loss (float)
+    hm.step(x, y), hm.reduce_loss(l)    # the step body and the loss record (minipar.strategy.loop)
     hm.optimizer, hm.full_state_dict(), hm.load_full_state_dict(sd), hm.local_state_dict(),
     hm.coords, hm.mesh, hm.groups, hm.stages, hm.memory(), hm.last_step   # see HybridModel
 

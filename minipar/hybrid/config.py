@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import precision
+from .. import precision, strategy
 from ..analysis.cost import hybrid_memory_per_rank
 from ..mesh import ProcessMesh
 from ..models.gpt import GPTConfig
@@ -41,23 +41,29 @@ def num_params(config: GPTConfig) -> int:
     return embed + c.n_layer * block + head
 
 
-def check(model, batches=None, world_size: int | None = None, dp: int = 1, pp: int = 1,
+@strategy.checks
+def check(model, batches, world_size: int | None, dp: int = 1, pp: int = 1,
           tp: int = 1, microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
           sequence_parallel: bool = False, batch_size: int | None = None, dtype=None, cp: int = 1,
-          layout: str = "zigzag", variant: str = "ring", ep: int = 1, zero: int = 0, **_) -> None:
+          layout: str = "zigzag", variant: str = "ring", ep: int = 1, zero: int | None = None,
+          recompute=None, sharding: str = "flat", seq_len: int | None = None, zero1: bool = False,
+          bucket_cap_mb: float = 25.0, bounds: list[int] | None = None) -> None:
     """Raise a plain ``ValueError`` if the GPT ``model`` (or its ``GPTConfig``) cannot train on a
-    dp × pp × tp mesh (the rules: the module docstring). Call it in the driver, before any
-    process starts (:func:`~minipar.hybrid.run` does); ``world_size`` is checked if given, the
-    global batch is ``batch_size``, else that of ``batches``."""
+    dp × pp × tp (× cp, ep) mesh of ``world_size`` ranks (the rules: the module docstring). Call it
+    in the driver, before any process starts (:func:`~minipar.hybrid.run` does); ``world_size=None``
+    checks the layout alone; the global batch is ``batch_size``, else that of ``batches``; the
+    sequence length that of ``batches``, else ``seq_len``. Every option of :func:`~minipar.hybrid.train`
+    is one here; any other is refused by name."""
     config = getattr(model, "config", model)
+    zero = zero if zero is not None else int(zero1)
     ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, world_size=world_size)
-    check_experts(config, dp, cp, ep, sequence_parallel, _.get("recompute"))
-    check_zero(zero, pp, cp, tp, _.get("sharding", "flat"), config)
+    check_experts(config, dp, cp, ep, sequence_parallel, recompute)
+    check_zero(zero, pp, cp, tp, sharding, config)
     if cp > 1:  # context parallelism: T cut over cp (2·cp for zigzag), Ulysses needs cp | heads/tp
-        seq_len = batches[0][0].shape[1] if batches else _.get("seq_len")
+        seq_len = batches[0][0].shape[1] if batches else seq_len
         check_context_parallel(replace(config, moe_every=0),  # the mesh composes the MoE layers itself
                                cp, seq_len, layout,
-                               variant, tp, sequence_parallel, _.get("recompute"))
+                               variant, tp, sequence_parallel, recompute)
     if tp > 1:
         check_tensor_parallel(config, None, tp, sequence_parallel)
     elif sequence_parallel:

@@ -83,7 +83,8 @@ def toy_run(layout, steps: int = 3, max_ranks: int = 8, seed: int = 0) -> dict:
     config, options, notes = toy_options(layout, max_ranks)
     data = batches(synthetic_tokens(vocab_size=config.vocab_size), steps,
                    options["dp"] * options["microbatches"], config.block_size)
-    result = run(GPT(config, seed=seed), data, optimizer=adamw(1e-2, 0.1), **options)
+    world = options["dp"] * options["pp"] * options["tp"] * options["cp"]   # ep lies inside dp·cp
+    result = run(GPT(config, seed=seed), data, world, optimizer=adamw(1e-2, 0.1), **options)
     reference = experts.train_reference(GPT(config, seed=seed), data, adamw(1e-2, 0.1), dp=options["dp"],
                                         microbatches=options["microbatches"], dtype=options["dtype"])
     return {"result": result, "reference": reference, "notes": notes, "options": options, "config": config}

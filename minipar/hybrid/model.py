@@ -23,12 +23,11 @@ single-process step (up to the order of floating-point sums).
   accumulating the same micro-batches), :mod:`.experts` states why and how."""
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from .. import comm, strategy
 from ..runtime import trace
 from ..runtime.backend import current_device
 from ..context_parallel import parallelize, sequence_positions, set_positions, shard_sequence
@@ -105,11 +104,12 @@ class HybridModel:
                                                                      sharding, bucket_cap_mb)
         self.last_step: dict = {}
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One step on the global batch ``(x, y)`` (every rank passes the same batch):
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        """The step body on the global batch ``(x, y)`` (every rank passes the same batch):
         this rank's dp shard, m micro-batches through the pipeline, gradients averaged over
-        dp, optimizer step. Returns the global mean loss; ``last_step`` holds this rank's
-        ``bytes`` sent by mesh dimension (the trace's labels), its ``events`` and ``seconds``."""
+        dp, optimizer step. Returns this rank's part of the loss (:meth:`reduce_loss` makes it
+        the global mean); :meth:`train_step` and :func:`minipar.hybrid.train` run it in
+        :func:`minipar.strategy.loop`."""
         dp, d = self.mesh.dp, self.coords["dp"]
         xs, ys = shard(x.to(self.device), d, dp), shard(y.to(self.device), d, dp)
         if self.mesh.cp > 1:  # this rank's tokens of every sequence, at their global positions
@@ -118,7 +118,6 @@ class HybridModel:
             set_positions(self.model, sequence_positions(T, r, c, self.layout, device=self.device))
         seq = xs.shape[1] // (self.mesh.tp if self.sequence_parallel else 1)
         self._act = (xs.shape[0] // self.m, seq, self.config.n_embd)
-        mark, t0 = trace.mark(), time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         experts.begin_step(self.model)
         loss = self.pipe.step(xs, ys)
@@ -133,20 +132,34 @@ class HybridModel:
             loss = (loss or 0.0) + experts.aux_value(self.model)  # this rank's layers' aux losses
         with trace.region("optimizer"):
             self.optimizer.step()                           # ZeRO-1: reduce-scatter, step, gather
-        events = trace.since(mark)
-        sent = trace.bytes_by_dim(events)
-        self.last_step = {"seconds": time.perf_counter() - t0, "events": events,
-                          "bytes": {**{d: sent.get(d, 0) for d in ("dp", "pp", "tp")}, **sent}}
-        return self._reduce_loss(loss)
+        return loss
 
-    def _reduce_loss(self, loss: float | None) -> float:
-        """The last stage's loss (and each stage's auxiliary losses), summed over pp, averaged over dp."""
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One step on the global batch ``(x, y)`` (:meth:`step` in :func:`minipar.strategy.loop`).
+        Returns the global mean loss; ``last_step`` holds this rank's ``bytes`` sent by mesh
+        dimension (the trace's labels), its ``events`` and ``seconds``."""
+        losses, measured = strategy.loop([(x, y)], lambda i, batch: self.step(*batch),
+                                         reduce=self.reduce_loss, events=True)
+        self.last_step = self.step_record(measured)
+        return losses[0]
+
+    @staticmethod
+    def step_record(measured: dict) -> dict:
+        """``last_step`` from the loop's ``measured``: ``seconds``, ``events`` and ``bytes``
+        (by dimension, dp, pp and tp always present)."""
+        sent = measured["bytes_by_dim"]
+        return {"seconds": measured["seconds"], "events": measured["events"],
+                "bytes": {**{d: sent.get(d, 0) for d in ("dp", "pp", "tp")}, **sent}}
+
+    def reduce_loss(self, loss: float | None) -> torch.Tensor:
+        """The last stage's loss (and each stage's auxiliary losses), summed over pp, averaged over
+        dp: the global mean loss, a one-element tensor on this rank's device."""
         t = torch.tensor([loss or 0.0], device=self.device)
         if self.mesh.pp > 1:
             comm.all_reduce(t, group=self.groups["pp"], name="loss")
         if self.mesh.dp * self.mesh.cp > 1:   # each cp rank holds the mean of its own tokens
             comm.all_reduce(t, op="avg", group=self.groups["dp_cp"], name="loss")
-        return t.item()
+        return t
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by single-device name (tensor-parallel shards)."""

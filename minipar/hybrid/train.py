@@ -1,4 +1,9 @@
-"""Hybrid training in the shape of every strategy (:mod:`minipar.strategy`)."""
+"""Hybrid training in the shape of every strategy (:mod:`minipar.strategy`).
+
+The mesh is laid over the whole world, so :func:`train` takes no ``group`` and :func:`run`
+takes the ``world_size`` every strategy takes: the product of the mesh's dimensions
+(``dp·pp·tp·cp``; ep is carved out of dp·cp), checked before launch.
+"""
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -9,37 +14,42 @@ from .config import check
 from .model import HybridModel
 
 
-def train(model, batches, optimizer=None, group=None, dp: int = 1, pp: int = 1, tp: int = 1,
-          cp: int = 1, ep: int = 1, **options) -> dict:
+def train(model, batches, optimizer=None, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1,
+          zero: int | None = None, zero1: bool = False, sharding: str = "flat", schedule: str = "1f1b",
+          microbatches: int = 1, virtual_stages: int = 1, sequence_parallel: bool = False,
+          bucket_cap_mb: float = 25.0, bounds: list[int] | None = None, dtype=None, recompute=None,
+          layout: str = "zigzag", variant: str = "ring") -> dict:
     """Rank function: build the mesh and the :class:`HybridModel` of the single-device GPT
-    ``model`` over the whole world and train it on the global ``batches`` (``options``: those of
-    :class:`HybridModel`: ``zero`` (0-3; ``zero1=True`` is ``zero=1``) and ``sharding``
+    ``model`` over the whole world and train it on the global ``batches`` (the options are
+    :class:`HybridModel`'s: ``zero`` (0-3; ``zero1=True`` is ``zero=1``) and ``sharding``
     (:mod:`.sharding`), ``schedule``, ``microbatches``, ``virtual_stages``,
-    ``sequence_parallel``, ``bounds``, ``dtype``, ``recompute``, ...; ``ep`` spreads a
-    mixture-of-experts GPT's experts, :mod:`.experts`). Returns the losses, the
-    final single-device parameters (gathered, on global rank 0) and what the last step measured:
-    this rank's mesh ``coords``, ``bytes_by_dim`` (and ``bytes_sent``), model-state ``memory``,
-    ``seconds`` and its trace ``events``."""
-    if group is not None:
-        raise ValueError("hybrid training lays its mesh over the whole world (group=None)")
+    ``sequence_parallel``, ``bounds``, ``dtype``, ``recompute`` (``None``: the model's own), cp's
+    ``layout`` and ``variant``; ``ep`` spreads a mixture-of-experts GPT's experts, :mod:`.experts`).
+    Every step is :meth:`HybridModel.step` in :func:`minipar.strategy.loop`. Returns the losses,
+    the final single-device parameters (gathered, on global rank 0) and what the last step
+    measured: this rank's mesh ``coords``, ``bytes_by_dim`` (and ``bytes_sent``), model-state
+    ``memory``, ``seconds`` and its trace ``events``."""
     names = [k for k, _ in model.named_parameters()]
     mesh = ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep).build()
-    hybrid = HybridModel(model, mesh, optimizer=optimizer, **options)
-    losses = [hybrid.train_step(x, y) for x, y in batches]
+    hybrid = HybridModel(model, mesh, optimizer=optimizer, zero=zero, zero1=zero1, sharding=sharding,
+                         schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+                         sequence_parallel=sequence_parallel, bucket_cap_mb=bucket_cap_mb, bounds=bounds,
+                         dtype=dtype, recompute=recompute, layout=layout, variant=variant)
+    losses, measured = strategy.loop(batches, lambda i, batch: hybrid.step(*batch),
+                                     reduce=hybrid.reduce_loss, events=True)
+    if measured:
+        hybrid.last_step = hybrid.step_record(measured)
+        measured["bytes_by_dim"] = hybrid.last_step["bytes"]
     full = hybrid.full_state_dict()                      # a collective: every rank takes part
-    last = hybrid.last_step
-    measured = {"coords": hybrid.coords, "bytes_by_dim": last["bytes"],
-                "bytes_sent": last["bytes"]["total"], "memory": hybrid.memory(),
-                "seconds": last["seconds"], "events": last["events"]}
+    measured |= {"coords": hybrid.coords, "memory": hybrid.memory()}
     if hybrid.zero in (1, 2):
         measured["unit_sizes"] = hybrid.optimizer.unit_sizes()
     return {"losses": losses, "measured": measured,
             "params": strategy.full_params((k, full[k]) for k in names) if dist.get_rank() == 0 else None}
 
 
-def run(model, batches, world_size: int | None = None, optimizer=None, **options) -> strategy.TrainResult:
-    """Driver: :func:`~minipar.hybrid.check` (a plain error before any process starts),
-    then :func:`train` on ``world_size`` (default ``dp·pp·tp``) ranks."""
-    world_size = world_size or (options.get("dp", 1) * options.get("pp", 1) * options.get("tp", 1)
-                                * options.get("cp", 1))
+def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:
+    """Driver: :func:`~minipar.hybrid.check` (a plain error before any process starts: the
+    product of the mesh's dimensions must be ``world_size``), then :func:`train` on
+    ``world_size`` ranks."""
     return strategy.run(train, model, batches, world_size, check=check, optimizer=optimizer, **options)

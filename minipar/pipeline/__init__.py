@@ -7,21 +7,23 @@
   (weight gradients), re-exported here: the pipeline's zero-bubble schedules use it.
 * :mod:`.executor` — :class:`Pipeline` runs one rank's actions on real stages.
 * :mod:`.simulate` — the same schedules on paper: ideal timeline, deadlocks, stash, bubble.
-* :mod:`.train` — ``check`` / ``train`` / ``run``, the shape of every strategy (:mod:`minipar.strategy`).
+* :mod:`.train` — ``check`` / ``train`` / ``run``, the shape of every strategy (:mod:`minipar.strategy`);
+  ``probe_steps=k`` re-partitions by measured time after k steps (:mod:`.adaptive`).
 """
 from .executor import Pipeline
-from .partition import (balance, build_stages, explain, layer_costs, owned_parameters, partition,
+from .partition import (balance, boundary_shapes, build_stages, explain, layer_costs, owned_parameters, partition,
                         stage_costs)
 from .schedules import (SCHEDULES, Action, Schedule, add_comms, check_config, gpipe,
                         interleaved_1f1b, make_schedule, one_f_one_b, zb_h1)
 from .simulate import Deadlock, bubble, check_schedule, compute_only, peak_stash, simulate
 from ..autograd.split_backward import WeightGrads, deferred
 from .stage_comm import recv_activation, recv_grad, send_activation, send_grad
-from .train import boundary_shapes, check, run, train
+from .adaptive import train_adaptive
+from .train import check, run, train
 
 __all__ = ["Pipeline", "partition", "balance", "explain", "layer_costs", "stage_costs", "build_stages",
            "owned_parameters", "SCHEDULES", "Action", "Schedule", "add_comms", "check_config",
            "make_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "Deadlock", "simulate",
            "check_schedule", "peak_stash", "bubble", "compute_only", "WeightGrads", "deferred",
-           "send_activation", "recv_activation", "send_grad", "recv_grad", "boundary_shapes", "check",
+           "send_activation", "recv_activation", "send_grad", "recv_grad", "boundary_shapes", "train_adaptive", "check",
            "train", "run"]

@@ -3,7 +3,8 @@
 A pipeline runs at the pace of its slowest stage (:mod:`.partition`). A cut balanced by
 parameter count is wrong whenever cost is not proportional to parameters: an embedding
 has many parameters and almost no compute, a large-vocabulary head spends its time in the
-loss, a rank may sit on a slower device. :func:`train` fixes the cut while training:
+loss, a rank may sit on a slower device. :func:`train_adaptive` fixes the cut while training
+(``minipar.pipeline.run(model, batches, p, probe_steps=k)``, an option of the pipeline's own API):
 
 1. train ``probe_steps`` steps on the first cut (default: by parameter count);
 2. every rank times each of its layers, forward and backward, on the inputs its stage
@@ -21,19 +22,15 @@ uninterrupted single-process run; only the time per step changes.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from .. import comm, strategy
-from ..runtime import trace
 from ..comm import group_rank, group_size
 from ..models import lm_loss
 from ..reference import sgd
 from .executor import Pipeline
-from .partition import _time_layers, build_stages, layer_costs, owned_parameters, partition
+from .partition import time_layers, boundary_shapes, build_stages, layer_costs, owned_parameters, partition
 from .schedules import make_schedule
-from .train import boundary_shapes
 
 
 def time_layers(layers, x, targets=None, loss_fn=lm_loss, repeats: int = 5) -> list[float]:
@@ -41,7 +38,7 @@ def time_layers(layers, x, targets=None, loss_fn=lm_loss, repeats: int = 5) -> l
     ``repeats`` after one warm-up (the least disturbed by other work); with ``targets`` the
     last layer includes the loss."""
     last_loss = None if targets is None else (lambda y: loss_fn(y, targets))
-    return _time_layers(layers, x, repeats, min, last_loss)
+    return time_layers(layers, x, repeats, min, last_loss)
 
 
 def owners(bounds: list[int], p: int) -> list[int]:
@@ -74,12 +71,15 @@ def move_layers(layers, old: list[int], new: list[int], optimizer, group=None) -
     return received
 
 
-def train(model, batches, optimizer=None, group=None, schedule: str = "1f1b", microbatches: int | None = None,
-          probe_steps: int = 2, bounds: list[int] | None = None) -> dict:
+def train_adaptive(model, batches, optimizer=None, group=None, schedule: str = "1f1b",
+                   microbatches: int | None = None, probe_steps: int = 2, bounds: list[int] | None = None,
+                   dtype=None) -> dict:
     """Run on every rank of ``group``: pipeline training that re-partitions after ``probe_steps``
-    steps (module docstring). Returns ``losses`` (rank of the last stage), this rank's final
-    ``params`` and ``measured``: ``bounds_before``/``bounds_after``, ``layer_times``, ``seconds``
-    of every step, ``events_before``/``events_after`` (this rank's last step on each cut)."""
+    steps (module docstring); :func:`minipar.pipeline.train` with ``probe_steps=`` calls it, and
+    ``pipeline.run(model, batches, p, probe_steps=k)`` launches it. Returns ``losses`` (rank of the
+    last stage), this rank's final ``params`` and ``measured``: ``bounds_before``/``bounds_after``,
+    ``layer_times``, ``seconds`` of every step, ``events_before``/``events_after`` (this rank's
+    last step on each cut) and the last step's ``bytes_by_dim``."""
     p, me = group_size(group), group_rank(group)
     layers, make = model.layers(), optimizer or sgd()
     sched = make_schedule(schedule, p, microbatches or p, 1, len(layers))
@@ -87,48 +87,47 @@ def train(model, batches, optimizer=None, group=None, schedule: str = "1f1b", mi
 
     def build(cut, state=None):
         stages = build_stages(layers, cut, me, p)
-        pipe = Pipeline(stages, sched, boundary_shapes(layers, cut, micro_x).__getitem__, group)
+        pipe = Pipeline(stages, sched, boundary_shapes(layers, cut, micro_x).__getitem__, group, dtype=dtype)
         opt = make(list(pipe.parameters()))
         opt.state.update(state or {})
         return stages, pipe, opt
 
     cut = bounds or partition(layer_costs(layers), p)
-    stages, pipe, opt = build(cut)
+    now = dict(zip(("stages", "pipe", "opt"), build(cut)))
     seen = {}
 
     def keep_input(module, args):        # the stage's first real input, for timing its layers
         seen.setdefault("x", args[0].detach())
 
+    def step(i, batch):
+        now["opt"].zero_grad(set_to_none=True)
+        loss = now["pipe"].step(*batch)
+        now["opt"].step()
+        return loss
+
     hook = layers[cut[me]].register_forward_pre_hook(keep_input)
-    out, losses = {"bounds_before": cut, "seconds": []}, []
-    for step, (x, y) in enumerate(batches):
-        mark, t0 = trace.mark(), time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        losses.append(pipe.step(x, y))
-        opt.step()
-        out["seconds"].append(time.perf_counter() - t0)
-        if step == probe_steps - 1:
-            hook.remove()
-            out["events_before"] = trace.since(mark)
-            last = cut[me + 1] == len(layers)
-            ts = time_layers(layers[cut[me]:cut[me + 1]], seen["x"], micro_y if last else None)
-            times = torch.tensor([0.0] * cut[me] + ts + [0.0] * (len(layers) - cut[me + 1]),
-                                 dtype=torch.float64, device=seen["x"].device)
-            comm.all_reduce(times, group=group, name="layer_times")
-            new = partition(times.tolist(), p)
-            kept = {q: opt.state[q] for q in pipe.parameters() if q in opt.state}
-            moved = move_layers(layers, cut, new, opt, group)
-            cut = new
-            stages, pipe, opt = build(cut, {**kept, **moved})
-            out["layer_times"], out["bounds_after"] = times.tolist(), cut
-    out["events_after"] = trace.since(mark)
+    losses, before = strategy.loop(batches[:probe_steps], step, op=None, events=True, history=True)
+    hook.remove()
+    out = {"bounds_before": cut, "seconds": before.get("step_seconds", []),
+           "events_before": before.get("events", [])}
+    if probe_steps < len(batches):       # steps remain: time, re-cut, move, go on
+        last = cut[me + 1] == len(layers)
+        ts = time_layers(layers[cut[me]:cut[me + 1]], seen["x"], micro_y if last else None)
+        times = torch.tensor([0.0] * cut[me] + ts + [0.0] * (len(layers) - cut[me + 1]),
+                             dtype=torch.float64, device=seen["x"].device)
+        comm.all_reduce(times, group=group, name="layer_times")
+        new = partition(times.tolist(), p)
+        opt = now["opt"]
+        kept = {q: opt.state[q] for q in now["pipe"].parameters() if q in opt.state}
+        moved = move_layers(layers, cut, new, opt, group)
+        cut = new
+        now.update(zip(("stages", "pipe", "opt"), build(cut, {**kept, **moved})))
+        more, after = strategy.loop(batches[probe_steps:], step, op=None, events=True, history=True)
+        losses += more
+        out.update(layer_times=times.tolist(), bounds_after=cut, seconds=out["seconds"] + after["step_seconds"])
+        before = after
+    out.update(events_after=before.get("events", []), bytes_by_dim=before.get("bytes_by_dim", {}),
+               bytes_sent=before.get("bytes_sent", 0))
     return {"losses": losses if (len(cut) - 2) % p == me else None,     # the rank of the last stage
-            "params": strategy.full_params(owned_parameters(model, stages).items()),
+            "params": strategy.full_params(owned_parameters(model, now["stages"]).items()),
             "measured": out}
-
-
-def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:
-    """Driver: :func:`train` on ``world_size`` ranks, merged (:class:`~minipar.strategy.TrainResult`)."""
-    if len(model.layers()) < world_size:
-        raise ValueError(f"cannot cut {len(model.layers())} layers into {world_size} stages")
-    return strategy.run(train, model, batches, world_size, optimizer=optimizer, **options)

@@ -96,10 +96,10 @@ def layer_costs(layers: list[nn.Module], by: str = "params", sample=None, repeat
         raise ValueError(f"by must be 'params' or 'time', got {by!r}")
     if sample is None:
         raise ValueError("by='time' needs a sample input for the first layer")
-    return _time_layers(layers, sample, repeats, lambda ts: sorted(ts)[len(ts) // 2])
+    return time_layers(layers, sample, repeats, lambda ts: sorted(ts)[len(ts) // 2])
 
 
-def _time_layers(layers, x, repeats: int, pick, last_loss=None) -> list[float]:
+def time_layers(layers, x, repeats: int, pick, last_loss=None) -> list[float]:
     """Seconds of forward + backward of each layer in turn: ``pick`` of the times of ``repeats``
     calls after a warm-up; the last layer's backward starts from ``last_loss(y)`` if given."""
     out = []
@@ -130,3 +130,14 @@ def owned_parameters(model: nn.Module, stages: dict[int, nn.Module]) -> dict[str
     """``{name in model: parameter}`` for the parameters that live in ``stages``."""
     mine = {id(q) for st in stages.values() for q in st.parameters()}
     return {n: q for n, q in model.named_parameters() if id(q) in mine}
+
+
+@torch.no_grad()
+def boundary_shapes(layers, bounds: list[int], micro_input: torch.Tensor) -> dict[int, tuple]:
+    """Shape of each stage's output for one micro-batch (runs the layers once)."""
+    shapes, x = {}, micro_input
+    for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for layer in layers[a:b]:
+            x = layer(x)
+        shapes[s] = tuple(x.shape)
+    return shapes

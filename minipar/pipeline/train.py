@@ -11,30 +11,14 @@
 """
 from __future__ import annotations
 
-import time
-
-import torch
-
-from .. import precision, strategy
-from ..runtime import trace
+from .. import strategy
 from ..runtime.backend import device
 from ..comm import group_rank, group_size
-from ..models.recompute import check_mode
 from ..reference import sgd
 from .executor import Pipeline
-from .partition import build_stages, layer_costs, owned_parameters, partition
+from .adaptive import train_adaptive
+from .partition import boundary_shapes, build_stages, layer_costs, owned_parameters, partition
 from .schedules import Schedule, make_schedule
-
-
-@torch.no_grad()
-def boundary_shapes(layers, bounds: list[int], micro_input: torch.Tensor) -> dict[int, tuple]:
-    """Shape of each stage's output for one micro-batch (runs the layers once)."""
-    shapes, x = {}, micro_input
-    for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        for layer in layers[a:b]:
-            x = layer(x)
-        shapes[s] = tuple(x.shape)
-    return shapes
 
 
 def _schedule(schedule, p: int, microbatches, virtual_stages: int, n_layers: int) -> Schedule:
@@ -48,11 +32,14 @@ def _schedule(schedule, p: int, microbatches, virtual_stages: int, n_layers: int
     return make_schedule(schedule, p, microbatches or p, virtual_stages, n_layers)
 
 
+@strategy.checks
 def check(model, batches, world_size: int, schedule="1f1b", microbatches: int | None = None,
-          virtual_stages: int = 1, bounds: list[int] | None = None, dtype=None, recompute="none") -> None:
+          virtual_stages: int = 1, bounds: list[int] | None = None, dtype=None, recompute=None,
+          probe_steps: int | None = None) -> None:
     """Raise a plain ``ValueError`` before launch: a schedule that cannot run (:func:`check_config`),
     a batch that does not cut into m micro-batches, ``bounds`` that are not ``p·v`` stages of
-    the model's layers, an unknown dtype, recomputation for a model without it."""
+    the model's layers, an unknown dtype, recomputation for a model without it, re-partitioning
+    (``probe_steps``, :mod:`.adaptive`) with virtual stages or a schedule object."""
     n_layers = len(model.layers())
     sched = _schedule(schedule, world_size, microbatches, virtual_stages, n_layers)
     for k, (x, _) in enumerate(batches):
@@ -64,26 +51,34 @@ def check(model, batches, world_size: int, schedule="1f1b", microbatches: int | 
                                    and all(a < b for a, b in zip(bounds[:-1], bounds[1:]))):
         raise ValueError(f"bounds {bounds} must be {sched.n_stages + 1} increasing cuts from 0 to "
                          f"{n_layers} ({sched.n_stages} non-empty stages)")
-    precision.resolve(dtype)
-    if recompute not in (None, "none"):
-        if not hasattr(model, "set_recompute"):
-            raise ValueError(f"recompute={recompute!r} needs a model with set_recompute (the GPT)")
-        check_mode(recompute)
+    strategy.check_options(model, dtype, recompute)
+    if probe_steps is not None:
+        if not isinstance(probe_steps, int) or probe_steps < 1:
+            raise ValueError(f"probe_steps must be a positive int (steps before re-partitioning), got {probe_steps!r}")
+        if sched.n_stages != world_size or not isinstance(schedule, str):
+            raise ValueError("re-partitioning (probe_steps=) moves whole stages of one rank each: "
+                             "use virtual_stages=1 and a schedule by name")
 
 
 def train(model, batches, optimizer=None, group=None, schedule="1f1b", microbatches: int | None = None,
-          virtual_stages: int = 1, bounds: list[int] | None = None, dtype=None, recompute="none") -> dict:
+          virtual_stages: int = 1, bounds: list[int] | None = None, dtype=None, recompute=None,
+          probe_steps: int | None = None) -> dict:
     """Run on every rank of ``group``: cut ``model.layers()`` at ``bounds`` (default:
     balanced by parameter count) into ``p·virtual_stages`` stages, train this rank's with
     ``schedule`` (a name: "gpipe", "1f1b", "interleaved", "zb-h1", or a :class:`Schedule`)
     on ``microbatches`` micro-batches (default p) per batch; forwards in ``dtype`` (autocast,
-    :mod:`minipar.precision`), with the GPT's activation ``recompute`` mode. Returns ``losses``
-    (on the rank holding the last stage, else ``None``), this rank's ``params`` by single-device
-    name, and ``measured``: the last step's ``peak_stash``, ``bytes_sent`` (this rank's messages,
-    from the trace), ``bytes_by_dim`` and ``seconds``, and the ``bounds`` used."""
+    :mod:`minipar.precision`), with the GPT's activation ``recompute`` mode (``None``: the model's
+    own). ``probe_steps=k``: re-partition by measured time after k steps (:func:`.adaptive.train_adaptive`).
+    Returns ``losses`` (on the rank holding the last stage, else ``None``), this rank's ``params``
+    by single-device name, and ``measured``: the last step's ``peak_stash``, ``bytes_sent`` (this
+    rank's messages, from the trace), ``bytes_by_dim`` and ``seconds`` (:func:`minipar.strategy.loop`),
+    and the ``bounds`` used."""
     model = model.to(device())                 # this rank's copy, where the rank computes
-    if recompute not in (None, "none"):
+    if recompute is not None:
         model.set_recompute(recompute)
+    if probe_steps is not None:
+        return train_adaptive(model, batches, optimizer, group, schedule, microbatches, probe_steps, bounds,
+                              dtype)
     layers = model.layers()
     sched = _schedule(schedule, group_size(group), microbatches, virtual_stages, len(layers))
     bounds = bounds or partition(layer_costs(layers), sched.n_stages)
@@ -92,18 +87,19 @@ def train(model, batches, optimizer=None, group=None, schedule="1f1b", microbatc
     stages = build_stages(layers, bounds, group_rank(group), sched.p)
     shapes = boundary_shapes(layers, bounds, batches[0][0].chunk(sched.m)[0].to(device()))
     pipe = Pipeline(stages, sched, shapes.__getitem__, group, dtype=dtype)
-    opt, losses = (optimizer or sgd())(list(pipe.parameters())), []
-    for x, y in batches:
-        mark, t0 = trace.mark(), time.perf_counter()
+    opt = (optimizer or sgd())(list(pipe.parameters()))
+
+    def step(i, batch):
+        x, y = batch
         opt.zero_grad(set_to_none=True)
-        losses.append(pipe.step(x.to(device()), y.to(device())))
+        loss = pipe.step(x.to(device()), y.to(device()))  # the last stage's float, None elsewhere
         opt.step()
-        seconds = time.perf_counter() - t0
-    sent = trace.bytes_by_dim(trace.since(mark))          # the last step's messages
+        return loss, {"peak_stash": pipe.peak_stash}
+
+    losses, measured = strategy.loop(batches, step, op=None)
     return {"losses": losses if sched.n_stages - 1 in stages else None,
             "params": strategy.full_params(owned_parameters(model, stages).items()),
-            "measured": {"peak_stash": pipe.peak_stash, "bytes_sent": sent["total"], "bytes_by_dim": sent,
-                         "seconds": seconds, "bounds": bounds}}
+            "measured": measured | {"bounds": bounds}}
 
 
 def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:

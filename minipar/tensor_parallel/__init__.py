@@ -7,6 +7,7 @@
 * :mod:`.sequence`: sequence-parallel regions (layer norms and residuals on s/t tokens).
 * :mod:`.block`, :mod:`.gpt`: the tensor-parallel transformer and the conversion to and
   from :class:`minipar.models.GPT`.
+* :mod:`.config`: :func:`check_config`, the splitting rules.
 * :mod:`.train`: :func:`check`, :func:`train`, :func:`run`, the API of every strategy
   (:mod:`minipar.strategy`); activation memory is measured with
   :class:`minipar.activations.SavedActivations`.
@@ -18,16 +19,17 @@ parallelism on a process mesh.
 from .block import ParallelAttention, ParallelBlock, ParallelMLP
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
-from .gpt import (ParallelEmbedding, ParallelHead, TensorParallelGPT, check, from_gpt, full_state_dict,
+from .gpt import (ParallelEmbedding, ParallelHead, TensorParallelGPT, from_gpt, full_state_dict,
                   gather_shards, replica_drift, shard_state_dict, to_gpt, unshard_state_dict)
 from .layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear, row_parallel_linear
 from .ops import all_gather, f, g, gather, reduce_scatter, split, sync_grad
 from .sequence import LayerNorm, gather_seq, reduce_scatter_seq, split_seq
-from .train import run, train
+from .config import check_config
+from .train import check, run, train
 
 __all__ = ["f", "g", "all_gather", "reduce_scatter", "gather", "split", "sync_grad", "column_parallel_linear",
            "row_parallel_linear", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "gather_seq", "reduce_scatter_seq", "split_seq", "LayerNorm",
            "ParallelAttention", "ParallelMLP", "ParallelBlock", "ParallelEmbedding", "ParallelHead",
-           "TensorParallelGPT", "check", "train", "run", "from_gpt", "to_gpt", "full_state_dict",
+           "TensorParallelGPT", "check_config", "check", "train", "run", "from_gpt", "to_gpt", "full_state_dict",
            "gather_shards", "replica_drift", "shard_state_dict", "unshard_state_dict"]

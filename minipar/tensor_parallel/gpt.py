@@ -25,39 +25,15 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm, precision
+from .. import comm
 from ..models.gpt import GPT, Embedding, GPTConfig, Head
 from .block import ParallelBlock
+from .config import check_config
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear
 from .ops import gather, size_and_rank
 from .sequence import LayerNorm, PositionEmbedding
-
-
-def check(model, batches=None, t: int = 1, sequence_parallel: bool = False, dtype=None,
-          seq_len: int | None = None, **_) -> None:
-    """Raise a plain ``ValueError`` if the GPT ``model`` (or its ``GPTConfig``) cannot be
-    split over ``t`` ranks (call it before launching; :func:`~minipar.tensor_parallel.run`
-    does). With sequence parallelism the sequence length (``seq_len``, else the batches',
-    else ``block_size``) must be divisible by t too."""
-    c = getattr(model, "config", model)
-    seq_len = seq_len or (batches[0][0].shape[1] if batches else None)
-    precision.resolve(dtype)
-    if not isinstance(t, int) or t < 1:
-        raise ValueError(f"the tensor-parallel size t must be a positive int, got {t!r}")
-    problems = [f"{name}={value} is not divisible by t={t}" for name, value in
-                (("n_head", c.n_head), ("n_embd", c.n_embd), ("vocab_size", c.vocab_size)) if value % t]
-    if c.vocab_size % t:
-        problems.append("pad the vocabulary to a multiple of t (Megatron-LM pads it)")
-    if sequence_parallel and (seq_len or c.block_size) % t:
-        problems.append(f"sequence length {seq_len or c.block_size} is not divisible by t={t} "
-                        "(sequence parallelism splits it)")
-    if c.dropout:
-        problems.append(f"dropout={c.dropout} is not supported (it needs a random state shared "
-                        "by the tensor-parallel group); use dropout=0")
-    if problems:
-        raise ValueError(f"cannot split this GPT over t={t} ranks: " + "; ".join(problems))
 
 
 # ------------------------------------------------------------------ weight layout
@@ -132,7 +108,7 @@ class TensorParallelGPT(GPT):
 
     def __init__(self, config: GPTConfig, group=None, sequence_parallel: bool = False,
                  seed: int | None = 0):
-        check(config, None, size_and_rank(group)[0])
+        check_config(config, size_and_rank(group)[0])
         self.group, self.sequence_parallel = group, sequence_parallel  # read by parts(), inside GPT's __init__
         super().__init__(config)
         if seed is not None:

@@ -7,40 +7,56 @@ and the single-process step, up to the order of floating-point sums.
 """
 from __future__ import annotations
 
-import time
+from contextlib import nullcontext
 
 from .. import precision, strategy
-from ..runtime import trace
 from ..activations import SavedActivations
 from ..models.gpt import GPT
+from ..models.recompute import check_mode
 from ..reference import sgd
-from .gpt import check, from_gpt, full_state_dict
+from .config import check_config
+from .gpt import from_gpt, full_state_dict
 from .ops import size_and_rank
+
+
+@strategy.checks
+def check(model, batches, world_size: int, sequence_parallel: bool = False, dtype=None,
+          recompute=None, seq_len: int | None = None) -> None:
+    """Raise a plain ``ValueError`` if the GPT ``model`` (or its ``GPTConfig``) cannot be
+    split over ``world_size`` tensor-parallel ranks (:func:`.config.check_config`; call it
+    before launching, :func:`run` does). With sequence parallelism the sequence length
+    (``seq_len``, else the batches', else ``block_size``) must be divisible by it too."""
+    c = getattr(model, "config", model)
+    seq_len = seq_len or (batches[0][0].shape[1] if batches else None)
+    precision.resolve(dtype)
+    check_mode(recompute)  # None: the model's own
+    check_config(c, world_size, sequence_parallel, seq_len)
 
 
 def train(model: GPT, batches, optimizer=None, group=None, sequence_parallel: bool = False,
           dtype=None, recompute=None) -> dict:
     """Run on every rank of ``group``: train this rank's shards of ``model`` on ``batches``.
     Returns the losses, the full parameters (gathered, on group rank 0) and ``measured``:
-    the last step's ``bytes_sent``, ``bytes_by_dim``, ``activations`` (bytes saved for
-    backward, :class:`~minipar.activations.SavedActivations`) and ``seconds``."""
+    the last step's ``bytes_sent``, ``bytes_by_dim`` and ``seconds`` (:func:`minipar.strategy.loop`)
+    and ``activations``, the bytes saved for backward (:class:`~minipar.activations.SavedActivations`),
+    counted in the first step (every step saves the same; the count stays off the timed steps)."""
     if recompute is not None:  # the blocks' recomputation, in the config the shards are built from
         model.set_recompute(recompute)
     tp = from_gpt(model, group, sequence_parallel)
     opt = (optimizer or sgd())(tp.parameters())
     device = next(tp.parameters()).device
-    losses, measured = [], {}
-    for x, y in batches:
-        mark, t0 = trace.mark(), time.perf_counter()
+    saved = SavedActivations(tp)
+
+    def step(i, batch):
+        x, y = batch
         opt.zero_grad(set_to_none=True)
-        with SavedActivations(tp) as saved, precision.autocast(dtype, device):
+        with saved if i == 0 else nullcontext(), precision.autocast(dtype, device):
             loss = tp(x.to(device), y.to(device))
         loss.backward()
         opt.step()
-        losses.append(loss.item())
-        sent = trace.bytes_by_dim(trace.since(mark))
-        measured = {"bytes_sent": sent["total"], "bytes_by_dim": sent, "activations": saved.bytes,
-                    "seconds": time.perf_counter() - t0}
+        return loss.detach(), {"activations": saved.bytes}  # every rank has the global loss
+
+    losses, measured = strategy.loop(batches, step, op=None)
     params = full_state_dict(tp)  # a collective; then group rank 0 keeps the model's parameters
     keep = (k for k, _ in model.named_parameters())  # a tied head is one parameter, as in the model
     full = strategy.full_params((k, params[k]) for k in keep) if size_and_rank(group)[1] == 0 else None
@@ -48,6 +64,6 @@ def train(model: GPT, batches, optimizer=None, group=None, sequence_parallel: bo
 
 
 def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:
-    """Driver: :func:`~minipar.tensor_parallel.check`, then :func:`train` on ``world_size`` ranks (one group)."""
+    """Driver: :func:`check`, then :func:`train` on ``world_size`` ranks (one group)."""
     return strategy.run(train, model, batches, world_size, check=check, optimizer=optimizer,
                         **options)

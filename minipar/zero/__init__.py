@@ -8,6 +8,8 @@
   both keep small parameters whole with ``persist_below=``/``persist=`` (:mod:`.persist`);
 * :mod:`minipar.zero.reduce` — the gradient reduce path all stages share;
   :func:`clip_grad_norm_` — clipping by the global norm under any stage;
+* :func:`check`, :func:`train`, :func:`run` (:mod:`.training`) — the strategy's API
+  (:mod:`minipar.strategy`), :func:`wrap` — a model and optimizer under any stage;
 * :mod:`minipar.zero.memory` — the bytes per component one rank holds
   (:func:`minipar.analysis.cost.zero_bytes_per_rank`: the same from the paper's formulas).
 """
@@ -21,10 +23,10 @@ from .stage1 import ZeroOptimizer, sharded_step
 from .stage2 import Zero2Optimizer
 from .reduce import OrderedReduction, reduce_shard, reduce_unit_grads
 from .stage3 import FullyShardedDataParallel, free_unit, gather_unit
-from .train import train, wrap
+from .training import check, run, train, wrap
 
 __all__ = ["ReplicatedOptimizer", "ZeroOptimizer", "Zero2Optimizer", "FullyShardedDataParallel",
            "sharded_step", "gather_unit", "free_unit", "fully_shard", "full_state", "padded_unit_sizes",
            "clip_grad_norm_", "persistent_parameters", "reduce_shard", "reduce_unit_grads", "OrderedReduction", "FlatUnit",
-           "shard_size", "padded_size", "split_units", "train", "wrap", "model_state_bytes", "state_tensors",
+           "shard_size", "padded_size", "split_units", "check", "train", "run", "wrap", "model_state_bytes", "state_tensors",
            "storage_bytes", "SavedActivations"]

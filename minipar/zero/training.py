@@ -8,16 +8,16 @@ parameters by name, and what the last step ``measured``: ``memory``, bytes per c
 (:func:`minipar.zero.memory.model_state_bytes`, ``activations`` from
 :class:`minipar.activations.SavedActivations`, for stage 3 the peak bytes of gathered units
 in flight), ``bytes_sent`` (and ``bytes_by_dim``) by this rank, the ``unit_sizes`` the
-formulas take, and ``seconds``.
+formulas take, and ``seconds`` (:func:`minipar.strategy.loop`). Activation bytes are
+counted in the first step, so the saved-tensor hooks stay off the timed last step.
 """
 from __future__ import annotations
 
-import time
+from contextlib import nullcontext
 
 import torch
 
 from .. import precision, strategy
-from ..runtime import trace
 from ..activations import SavedActivations
 from ..comm import group_rank, group_size
 from ..data import shard
@@ -26,7 +26,7 @@ from .memory import model_state_bytes
 from .stage0 import ReplicatedOptimizer
 from .stage1 import ZeroOptimizer
 from .stage2 import Zero2Optimizer
-from .per_parameter import fully_shard
+from .per_parameter import fully_shard, sharded_state
 from .stage3 import FullyShardedDataParallel
 
 OPTIMIZERS = {0: ReplicatedOptimizer, 1: ZeroOptimizer, 2: Zero2Optimizer}
@@ -61,8 +61,10 @@ def wrap(stage: int, model: torch.nn.Module, optimizer_cls, group=None, param_dt
     return model, OPTIMIZERS[stage](units, optimizer_cls, group=group, **extra, **kwargs)
 
 
-def check(model, batches, world_size: int, stage: int = 1, dtype=None, sharding="flat", persist_below=None,
-          persist=None, param_dtype=None, **_) -> None:
+@strategy.checks
+def check(model, batches, world_size: int, stage: int = 1, param_dtype=None, dtype=None, recompute=None,
+          sharding: str = "flat", prefetch: bool = True, reduce_dtype=None, persist_below=None,
+          persist=None, max_grad_norm=None) -> None:
     """Plain errors before launch: a known stage and design, batches that split into equal shards,
     persistence only under stage 3 and in fp32 parameters."""
     if persist_below is not None or persist is not None:
@@ -77,43 +79,53 @@ def check(model, batches, world_size: int, stage: int = 1, dtype=None, sharding=
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if sharding not in ("flat", "per-parameter") or (sharding == "per-parameter" and stage != 3):
         raise ValueError(f"sharding must be 'flat' or, with stage 3, 'per-parameter'; got {sharding!r} at stage {stage}")
+    if reduce_dtype is not None and sharding != "per-parameter":
+        raise ValueError("reduce_dtype is an option of stage 3's per-parameter design (sharding='per-parameter')")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     for k, (x, _) in enumerate(batches):
         if x.shape[0] % world_size:
             raise ValueError(f"global batch {k} has {x.shape[0]} samples: not {world_size} equal shards")
-    precision.resolve(dtype)
+    strategy.check_options(model, dtype, recompute)
 
 
 def train(model, batches, optimizer=None, group=None, stage: int = 1, param_dtype=None,
-          dtype=None, recompute=None, **options) -> dict:
-    """Train ``model`` on ``batches`` under ZeRO ``stage`` (``options``: the stage's, e.g.
-    ``max_grad_norm``); every rank returns ``{"losses", "params", "measured"}`` (see the
-    module doc). ``optimizer``: a factory ``params -> Optimizer`` (default SGD, lr 0.1)."""
+          dtype=None, recompute=None, sharding: str = "flat", prefetch: bool = True, reduce_dtype=None,
+          persist_below=None, persist=None, max_grad_norm=None) -> dict:
+    """Train ``model`` on ``batches`` under ZeRO ``stage`` (``sharding``, ``prefetch``,
+    ``reduce_dtype``, ``persist_below``, ``persist``: :func:`wrap`'s; ``max_grad_norm``: clipping);
+    every rank returns ``{"losses", "params", "measured"}`` (see the module doc). ``optimizer``:
+    a factory ``params -> Optimizer`` (default SGD, lr 0.1)."""
     if recompute is not None:  # the GPT's blocks (minipar.models.GPT.set_recompute)
         model.set_recompute(recompute)
     r, n = group_rank(group), group_size(group)
-    fwd, opt = wrap(stage, model, optimizer or sgd(), group, param_dtype, **options)
-    s3 = fwd.__dict__.get("_fully_shard", fwd)            # stage 3's state, either design
+    clip = {} if max_grad_norm is None else {"max_grad_norm": max_grad_norm}
+    fwd, opt = wrap(stage, model, optimizer or sgd(), group, param_dtype, sharding=sharding, prefetch=prefetch,
+                    reduce_dtype=reduce_dtype, persist_below=persist_below, persist=persist, **clip)
+    s3 = (sharded_state(fwd) if sharding == "per-parameter" else fwd) if stage == 3 else None  # stage 3's state
     device = next(model.parameters()).device
-    losses, measured = [], {}
-    for x, y in batches:
-        mark, t0 = trace.mark(), time.perf_counter()
-        opt.zero_grad()
-        with SavedActivations(model) as acts, precision.autocast(dtype, device):
-            loss = fwd(shard(x, r, n), shard(y, r, n))
-        loss.backward()
-        opt.step()
-        sent = trace.bytes_by_dim(trace.since(mark))
+    acts = SavedActivations(model)
+
+    def measure(events) -> dict:          # the last step's figures, read after it
         memory = model_state_bytes(s3, optimizer=opt) if stage == 3 else model_state_bytes(opt)
         memory["activations"] = acts.bytes
         if stage == 3:
             memory["gathered_peak"] = s3.peak_gathered_bytes
-        measured = {"memory": memory, "bytes_sent": sent["total"], "bytes_by_dim": sent,
-                    "unit_sizes": (s3 if stage == 3 else opt).unit_sizes(),
-                    "persistent": s3.persistent_numel() if stage == 3 else 0,
-                    "grad_norm": getattr(opt, "grad_norm", None), "seconds": time.perf_counter() - t0}
-        losses.append(strategy.average_loss(loss, group))    # after the step's bytes were read
+        return {"memory": memory, "unit_sizes": (s3 if stage == 3 else opt).unit_sizes(),
+                "persistent": s3.persistent_numel() if stage == 3 else 0,
+                "grad_norm": getattr(opt, "grad_norm", None)}
+
+    def step(i, batch):
+        x, y = batch
+        opt.zero_grad()
+        # activation bytes: counted in the first step (every step saves the same), off the timed ones
+        with acts if i == 0 else nullcontext(), precision.autocast(dtype, device):
+            loss = fwd(shard(x, r, n), shard(y, r, n))
+        loss.backward()
+        opt.step()
+        return loss, measure
+
+    losses, measured = strategy.loop(batches, step, group=group)
     params = s3.gather_full_params() if stage == 3 else strategy.full_params(model.named_parameters())
     return {"losses": losses, "params": params, "measured": measured}
 

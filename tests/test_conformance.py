@@ -1,0 +1,164 @@
+"""Every strategy of ``minipar.strategy.STRATEGIES`` has the one API in fact, not only on paper.
+
+* the list is every strategy: each module exports ``check``, ``train`` and ``run``, and no other
+  top-level module of minipar exports all three;
+* the same parameters: ``check(model, batches, world_size, ...)``, ``train(model, batches,
+  optimizer=None, [group=None], ...)``, ``run(model, batches, world_size, optimizer=None, ...)``;
+  ``dtype=None`` and ``recompute=None`` in ``train`` and ``check``; ``check`` names every option
+  ``train`` takes;
+* an unknown option is a ``ValueError`` naming it from ``check`` and from ``run``, and ``run``
+  starts no process for it;
+* ``group=``: where it is a parameter, training on a group of 2 ranks of a 3-rank world (global
+  ranks 1 and 2) equals one process (losses and parameters, rtol 1e-4, atol 1e-5: the strategies'
+  own tests hold them tighter); hybrid and expert parallelism lay their mesh over the world and
+  take no group;
+* with recording off (``trace.recording(False)``) a 2-step run of every strategy on 2 ranks calls
+  the trace's sync hook (``trace._sync``, what waits for a GPU) zero times; with recording on the
+  count is positive (the counter sees the regions' calls).
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+import torch
+
+import minipar
+from minipar import data, reference, strategy
+from minipar.models import GPT, GPTConfig
+from minipar.runtime import trace
+
+launch = minipar.launch
+
+MODULES = {name: importlib.import_module(f"minipar.{name}") for name in strategy.STRATEGIES}
+WORLD_ONLY = {"hybrid", "expert_parallel"}          # a mesh over the whole world: no group
+
+CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+MOE = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, moe_every=1, n_experts=4, top_k=2)
+BATCHES = data.batches(data.synthetic_tokens(2000, CFG.vocab_size), 2, 4, CFG.block_size)
+OPTIONS = {  # a 2-rank run of each strategy
+    "data_parallel": {}, "model_parallel": {}, "pipeline": {"microbatches": 2}, "tensor_parallel": {},
+    "zero": {"stage": 3}, "context_parallel": {}, "expert_parallel": {"ep": 2}, "hybrid": {"dp": 2},
+}
+
+
+def _model(name):
+    return GPT(MOE if name == "expert_parallel" else CFG, seed=0)
+
+
+def test_the_list_is_every_strategy():
+    """STRATEGIES names every top-level module of minipar with check, train and run, and only those."""
+    found = set()
+    for info in pkgutil.iter_modules(minipar.__path__):
+        if info.name in ("train", "grade", "hint"):      # the command shims
+            continue
+        mod = importlib.import_module(f"minipar.{info.name}")
+        if all(callable(getattr(mod, f, None)) for f in ("check", "train", "run")):
+            found.add(info.name)
+    assert found == set(strategy.STRATEGIES)
+
+
+@pytest.mark.parametrize("name", strategy.STRATEGIES)
+def test_same_parameters(name):
+    """The same parameter names and defaults: world_size, optimizer, group, dtype, recompute."""
+    mod = MODULES[name]
+    check, train, run = (inspect.signature(getattr(mod, f)).parameters for f in ("check", "train", "run"))
+    empty = inspect.Parameter.empty
+    assert list(check)[:3] == ["model", "batches", "world_size"], name
+    assert list(run)[:4] == ["model", "batches", "world_size", "optimizer"], name
+    assert run["world_size"].default is empty and check["world_size"].default is empty, name
+    assert run["optimizer"].default is None and train["optimizer"].default is None, name
+    assert list(train)[:3] == ["model", "batches", "optimizer"], name
+    if name in WORLD_ONLY:
+        assert "group" not in train, name
+    else:
+        assert list(train)[3] == "group" and train["group"].default is None, name
+    for p in (train, check):
+        assert p["dtype"].default is None and p["recompute"].default is None, name
+    assert not any(p.kind is p.VAR_KEYWORD for p in check.values()), f"{name}.check swallows options"
+    assert not any(p.kind is p.VAR_KEYWORD for p in train.values()), f"{name}.train swallows options"
+    options = set(train) - {"model", "batches", "optimizer", "group"}
+    assert options <= set(check), f"{name}.check does not take {options - set(check)}"
+
+
+@pytest.mark.parametrize("name", strategy.STRATEGIES)
+def test_unknown_option_is_refused_before_launch(name, monkeypatch):
+    """check and run refuse an unknown option with a ValueError naming it; no process starts."""
+    launched = []
+    monkeypatch.setattr(strategy, "launch", lambda *a, **k: launched.append(a))
+    mod = MODULES[name]
+    mod.check(_model(name), BATCHES, 2, **OPTIONS[name])            # the valid setup passes
+    with pytest.raises(ValueError, match="'bucket_cap_MB'"):
+        mod.check(_model(name), BATCHES, 2, bucket_cap_MB=1, **OPTIONS[name])
+    with pytest.raises(ValueError, match="'bucket_cap_MB'"):
+        mod.run(_model(name), BATCHES, 2, bucket_cap_MB=1, **OPTIONS[name])
+    assert launched == []
+
+
+def _on_group():
+    """Rank function: every strategy that takes a group trains on global ranks 1 and 2."""
+    import torch.distributed as dist
+    group = dist.new_group([1, 2])
+    out = {}
+    for name, mod in MODULES.items():
+        if name in WORLD_ONLY or dist.get_rank() == 0:
+            continue
+        res = mod.train(_model(name), BATCHES, reference.sgd(0.5), group=group, **OPTIONS[name])
+        out[name] = {k: res[k] for k in ("losses", "params")}
+    return out
+
+
+def test_group_works_where_it_is_a_parameter():
+    """Training on a group of 2 of 3 ranks equals one process (rtol 1e-4, atol 1e-5)."""
+    results = launch(_on_group, 3, timeout=240)
+    assert results[0] == {}
+    want = reference.train_reference(GPT(CFG, seed=0), BATCHES, reference.sgd(0.5))
+    for name in set(strategy.STRATEGIES) - WORLD_ONLY:
+        got = strategy.TrainResult.merge([r[name] for r in results[1:]])
+        reference.assert_same_training(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _sync_calls(on: bool):
+    """Rank function: calls of the trace's sync hook per strategy, 2 steps each, recording ``on``."""
+    calls = [0]
+
+    def counting():
+        calls[0] += 1
+
+    before, trace._sync = trace._sync, counting
+    out = {}
+    try:
+        with trace.recording(on):
+            for name, mod in MODULES.items():
+                calls[0] = 0
+                mod.train(_model(name), copy.deepcopy(BATCHES), reference.sgd(0.5), **OPTIONS[name])
+                out[name] = calls[0]
+            calls[0] = 0
+            minipar.pipeline.train(GPT(CFG, seed=0), BATCHES, reference.sgd(0.5), microbatches=2, probe_steps=1)
+            out["pipeline probe_steps=1"] = calls[0]
+    finally:
+        trace._sync = before
+    return out
+
+
+def test_no_synchronization_with_recording_off():
+    """With recording off, zero calls to trace._sync in a 2-step run of every strategy (on: some)."""
+    off = launch(_sync_calls, 2, args=(False,), timeout=240)
+    assert all(n == 0 for r in off for n in r.values()), list(off)
+    on = launch(_sync_calls, 2, args=(True,), timeout=240)
+    assert sum(n for r in on for n in r.values()) > 0, list(on)   # the counter sees the regions' calls
+
+
+def test_loop_measures_the_last_step_and_records_the_losses():
+    """strategy.loop: losses in step order, the last step's measured entries, extra evaluated once."""
+    seen = []
+
+    def step(i, batch):
+        return torch.tensor(float(i)), (lambda events: seen.append(i) or {"step": i})
+
+    losses, measured = strategy.loop([None, None, None], step, op=None)
+    assert losses == [0.0, 1.0, 2.0] and seen == [2]
+    assert measured["step"] == 2 and measured["bytes_by_dim"] == {"total": 0} and measured["seconds"] >= 0

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar.production import checkpoint, faults, flight, train
+from minipar.production import checkpoint, faults, train
+from minipar.runtime import flight
 from minipar.data import batches, corpus_tokens
 from minipar.models.gpt import GPT
 from minipar.reference import adamw, train_reference

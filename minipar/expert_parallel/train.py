@@ -48,8 +48,9 @@ def reduce_gradients(model, groups, dp: int) -> None:
         for p, g in zip(ps, flat.split([p.numel() for p in ps])):
             p.grad = g.view_as(p).clone()
     for m in moe_layers(model):  # an expert no token chose has no gradient, as in one process
-        for i in m.local:          # (an optimizer skips it: Adam's moments do not move)
-            if int(m.stats["counts"][i]) == 0:
+        counts = m.stats["counts"].tolist()   # (an optimizer skips it: Adam's moments do not move);
+        for i in m.local:                     # one copy to the host per layer, not one per expert
+            if counts[i] == 0:
                 for p in m.experts[str(i)].parameters():
                     p.grad = None
 

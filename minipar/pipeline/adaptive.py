@@ -29,7 +29,7 @@ from ..comm import group_rank, group_size
 from ..models import lm_loss
 from ..reference import sgd
 from .executor import Pipeline
-from .partition import time_layers, boundary_shapes, build_stages, layer_costs, owned_parameters, partition
+from .partition import boundary_shapes, build_stages, layer_costs, owned_parameters, partition, time_each_layer
 from .schedules import make_schedule
 
 
@@ -38,7 +38,7 @@ def time_layers(layers, x, targets=None, loss_fn=lm_loss, repeats: int = 5) -> l
     ``repeats`` after one warm-up (the least disturbed by other work); with ``targets`` the
     last layer includes the loss."""
     last_loss = None if targets is None else (lambda y: loss_fn(y, targets))
-    return time_layers(layers, x, repeats, min, last_loss)
+    return time_each_layer(layers, x, repeats, min, last_loss)
 
 
 def owners(bounds: list[int], p: int) -> list[int]:

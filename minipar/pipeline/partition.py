@@ -96,10 +96,10 @@ def layer_costs(layers: list[nn.Module], by: str = "params", sample=None, repeat
         raise ValueError(f"by must be 'params' or 'time', got {by!r}")
     if sample is None:
         raise ValueError("by='time' needs a sample input for the first layer")
-    return time_layers(layers, sample, repeats, lambda ts: sorted(ts)[len(ts) // 2])
+    return time_each_layer(layers, sample, repeats, lambda ts: sorted(ts)[len(ts) // 2])
 
 
-def time_layers(layers, x, repeats: int, pick, last_loss=None) -> list[float]:
+def time_each_layer(layers, x, repeats: int, pick, last_loss=None) -> list[float]:
     """Seconds of forward + backward of each layer in turn: ``pick`` of the times of ``repeats``
     calls after a warm-up; the last layer's backward starts from ``last_loss(y)`` if given."""
     out = []

@@ -110,10 +110,11 @@ def lab(extra: list[str]) -> int:
 
 # ------------------------------------------------------------------ test --torch X.Y.Z
 def _runtime_deps() -> list[str]:
-    """pyproject's dependencies and test extras, without torch (a small parser: py3.10 has no tomllib)."""
+    """pyproject's build requirements, dependencies and test extras, without torch (the tests build
+    a wheel, so the build backend is one of them; a small parser: py3.10 has no tomllib)."""
     text = (ROOT / "pyproject.toml").read_text()
     deps = []
-    for block in re.findall(r"(?:dependencies|test)\s*=\s*\[(.*?)\]", text, re.S):
+    for block in re.findall(r"(?:requires|dependencies|test)\s*=\s*\[(.*?)\]", text, re.S):
         deps += re.findall(r'"([^"]+)"', block)
     return [d for d in deps if not re.match(r"torch\b", d)]
 

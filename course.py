@@ -275,6 +275,9 @@ def test_colab(version: str, args: list[str]) -> int:
         print(f"a fresh runtime with torch=={version} in {env} (a CUDA build from PyPI is several GB)", flush=True)
         run(python(env), "-m", "pip", "install", "-q", f"torch=={version}", "ipykernel", "nbclient", "nbformat")
         stamp.write_text(version)
+    # the notebooks' setup cell installs the course into the runtime: undo the last run's, so
+    # every run starts as a new Colab runtime does, without minipar
+    subprocess.run([str(python(env)), "-m", "pip", "uninstall", "-q", "-y", "minipar"], capture_output=True)
     environ = dict(os.environ, MINIPAR_COLAB_PYTHON=str(python(env)))
     return subprocess.call([str(python()), "-m", "pytest", "tests/test_colab_runtime.py", "-s", *args],
                            cwd=ROOT, env=environ)

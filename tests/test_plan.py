@@ -10,6 +10,13 @@ Tolerances:
   MFU within 10% per row.
 * Llama Team 2024, Table 4 (not fitted; H100, Llama 3 405B, flash attention, CP at 128K):
   MFU within 15% per row (the schedule is not published; see the test).
+* NVIDIA DGX Cloud Benchmarking 25.02.01 (not fitted; H100 BF16, NeMo, six models from Llama 3.1 8B
+  to 405B, GPT-3 175B and Nemotron-4 15B/340B, 32 measured step times from 16 to 2,304 GPUs): each
+  within 10%, the mean under 5% (the fitting set's own bar: a measured step time, not a derived
+  rate, and the configuration published with it). The planner errs low on 31 of the 32 (it models no
+  kernel-launch gaps, stragglers or clock throttling), so the test also bounds the bias.
+  The search puts NVIDIA's tuned layout within 2% of its fastest (a near-tie) for 5 of the 6
+  jobs, and within 8% for all.
 * Korthikanti et al. 2022: the activation formulas exactly (to rounding, rel 1e-12), their 5x saving.
 * ZeRO (Rajbhandari et al. 2020, Figure 1): 120, 31.4, 16.6, 1.9 GB for 7.5B on 64 GPUs.
 """
@@ -20,8 +27,9 @@ from minipar.analysis import cost, plan
 from minipar.analysis.plan import roofline
 from minipar.analysis.plan.calibrate import fit_roofline
 from minipar.analysis.plan.overlap import bucketed
-from minipar.analysis.plan.published import (KORTHIKANTI_SP_SELECTIVE_MEMORY, KORTHIKANTI_TABLE5, LLAMA3_TABLE4, TABLE1,
-                                    TABLE1_FIT_ROWS, korthikanti_run, llama3_run, table1_layout, table1_model)
+from minipar.analysis.plan.published import (DGXC_H100_BF16, KORTHIKANTI_SP_SELECTIVE_MEMORY, KORTHIKANTI_TABLE5,
+                                             LLAMA3_TABLE4, TABLE1, TABLE1_FIT_ROWS, dgxc_run, korthikanti_run,
+                                             llama3_run, table1_layout, table1_model)
 from minipar.analysis.plan.roofline import ATTENTION, TABLE1_FIT
 
 
@@ -67,6 +75,53 @@ def test_llama3_table4_mfu_within_15_percent():
         p = plan.predict("llama3-405b", "llama3-h100", lay.replace(v=2, schedule="interleaved"), B, s)
         assert p.mfu == pytest.approx(row[-1], rel=0.15), (row, p.mfu)
         assert p.time["comm"].get("cp", {"exposed": 0})["exposed"] < 0.05 * p.step_time
+
+
+def test_nvidia_dgx_cloud_h100_step_times_within_10_percent():
+    """NVIDIA DGX Cloud Benchmarking, H100 BF16 (not fitted): 32 measured step times of 6 models, each
+    within 10%, mean under 5%, bias under 8%; every published layout fits in memory as the planner counts it."""
+    errors = {}
+    for row in DGXC_H100_BF16:
+        for k, (gpus, _batch, seconds) in enumerate(row[-1]):
+            model, lay, B, s, nodes = dgxc_run(row, k)
+            p = plan.predict(model, "dgx-h100", lay, B, s, nodes=nodes)
+            assert p.fits and lay.world == gpus, (row[0], gpus, p.reason)
+            errors[row[0], gpus] = p.step_time / seconds - 1
+    assert len(errors) == 32 and max(map(abs, errors.values())) < 0.10, errors
+    assert sum(map(abs, errors.values())) / len(errors) < 0.05, errors
+    assert abs(sum(errors.values()) / len(errors)) < 0.08, errors
+
+
+def test_search_ranks_nvidias_tuned_layouts_at_the_top():
+    """Asked for the fastest layout of each NVIDIA job (its cluster, batch and sequence; the framework's
+    TP overlap: "auto" on a GPU; its v among the virtual stages tried), the search puts the tuned
+    layout within 2% of its fastest, a near-tie it cannot rank, for 5 of the 6, and within 8% for all."""
+    gaps = {}
+    for row in DGXC_H100_BF16:
+        model, tuned, B, s, nodes = dgxc_run(row)
+        r = plan.search(model, "dgx-h100", B, s, nodes=nodes, virtual=tuple(sorted({1, 2, 4, tuned.v})))
+        same = [p for p in r.ranked if (p.layout.tp, p.layout.pp, p.layout.cp, p.layout.v, p.layout.micro_batch,
+                                        p.layout.zero) == (tuned.tp, tuned.pp, tuned.cp, tuned.v, tuned.micro_batch, 1)]
+        assert same, row[0]
+        gaps[row[0]] = min(p.step_time for p in same) / min(p.step_time for p in r.ranked) - 1
+    assert max(gaps.values()) < 0.08 and sum(g <= plan.search_module.NEAR_TIE for g in gaps.values()) >= 5, gaps
+
+
+def test_the_busiest_stage_sets_the_pace():
+    """A pipeline runs at its busiest stage's pace: the last holds the head and the loss (a 32K
+    vocabulary here, more than a layer), the first the embedding; spreading them over the stages
+    would predict a faster step."""
+    spec = plan.ModelSpec("head-heavy", n_layer=8, hidden=1024, n_head=16, vocab=32768, seq_len=1024, dropout=False)
+    lay = plan.Layout(pp=4, micro_batch=1)
+    t = plan.step_time(spec, lay, plan.get_cluster("dgx-h100"), 1024, 8)["detail"]
+    from minipar.analysis.plan import roofline
+    gpu = plan.get_accelerator("H100")
+    head = roofline.head_ops(spec, lay, 1024)
+    last = 2 * (t["layer_fwd"] + t["layer_bwd"]) + roofline.ops_time(head + roofline.backward(head), gpu)
+    assert roofline.ops_time(head, gpu) > t["layer_fwd"]                 # the head outweighs a layer
+    assert t["microbatches"] == pytest.approx(8 * last, rel=1e-12)
+    assert t["stage_bwd"] == pytest.approx(2 * t["layer_bwd"] + roofline.ops_time(roofline.backward(head), gpu),
+                                           rel=1e-12)
 
 
 def test_llama3_published_layout_memory_without_full_recomputation():
@@ -160,8 +215,11 @@ def test_bottlenecks():
     assert big.bottleneck.startswith("compute-bound")
     bubbly = plan.predict("llama3-70b", "dgx-h100", plan.Layout(dp=1, tp=8, pp=8, recompute="full"), 4, 8192, nodes=8)
     assert bubbly.bottleneck.startswith("bubble")
-    cross = plan.predict("llama3-8b", "cloud-l4", plan.Layout(tp=8, dp=4, recompute="full"), 32, 4096)
+    slow_link = plan.Layout(tp=8, dp=4, recompute="full", overlap_tp=False)   # PCIe, nothing hidden
+    cross = plan.predict("llama3-8b", "cloud-l4", slow_link, 32, 4096)
     assert "exposed tp communication" in cross.bottleneck
+    hidden = plan.predict("llama3-8b", "cloud-l4", slow_link.replace(overlap_tp=True), 32, 4096)
+    assert hidden.time["comm"]["tp"]["exposed"] < cross.time["comm"]["tp"]["exposed"]
 
 
 def test_step_time_terms():
@@ -319,6 +377,22 @@ def test_405b_needs_four_dimensions():
     assert not any(plan.predict("llama3-405b", "llama3-h100", lay, 128, 131072).fits for lay in mat
                    if not plan.problems(plan.MODELS["llama3-405b"], lay, 128, 131072))
     assert all(getattr(long.best.layout, d) > 1 for d in ("dp", "tp", "pp", "cp"))
+
+
+def test_405b_at_8k_on_16k_gpus_keeps_production_tp_and_pp():
+    """Llama 3 405B at 8K tokens on 16K H100s, the search as a user runs it: the fastest layouts keep the
+    published TP 8 and PP 16 or more (TP's gathers and scatters hidden behind their GEMMs, as current
+    frameworks run them) and trade data parallelism for context parallelism: 2048 sequences over DP 128
+    leave 16 micro-batches for 16 stages, and a 1F1B bubble of (p-1)/m = 15/16 of the compute. The
+    published layout fits without recomputation only under 1F1B; interleaving it needs full recomputation."""
+    r = plan.search("llama3-405b", "llama3-h100", global_batch=2048, seq_len=8192)
+    assert all(p.layout.tp == 8 and p.layout.pp >= 16 for p in r.ranked[:5])
+    assert r.best.layout.cp > 1 and r.best.layout.microbatches(2048) >= 4 * 16
+    published = [p for p in r.ranked if (p.layout.dp, p.layout.tp, p.layout.pp, p.layout.cp) == (128, 8, 16, 1)]
+    plain = [p for p in published if p.layout.v == 1 and p.layout.recompute == "none"]
+    assert plain and plain[0].time["bubble"] == pytest.approx(15 / 16 * plain[0].time["detail"]["microbatches"])
+    assert all(p.layout.recompute == "full" for p in published if p.layout.v > 1)
+    assert min(p.step_time for p in published) > 1.3 * r.best.step_time
 
 
 def test_predicts_chapter07_memory_exactly():

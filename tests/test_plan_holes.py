@@ -74,12 +74,38 @@ def test_dp_overlap_window_at_pp1_is_the_last_microbatch_backward():
 def test_tp_term_alone_at_pp1():
     """tp alone: m·l layer passes of the tensor-parallel bytes, all exposed."""
     from minipar.analysis import cost
-    lay = plan.Layout(tp=4, micro_batch=2)
+    lay = plan.Layout(tp=4, micro_batch=2, overlap_tp=False)
     t, _ = _step(lay, global_batch=8)
     assert set(t["comm"]) == {"tp"}
     m, per = 4, cost.tp_comm_bytes_per_layer(2, 512, 256, 4, 2, True)
     assert t["comm"]["tp"]["bytes"] == pytest.approx(m * DENSE.n_layer * per, rel=REL)
     assert t["comm"]["tp"]["exposed"] == t["comm"]["tp"]["seconds"] > 0
+
+
+def test_tp_overlap_by_hand():
+    """overlap_tp: each of the layer's 4 forward and 6 backward gathers and scatters (c seconds: t-1
+    steps of (t-1)/t of the bf16 (s, b, h) activation) runs behind its GEMM and pays max(0, c - GEMM)
+    + c/t; the bytes it hides cost 2 bytes of HBM traffic each. "auto" is on for a GPU, and the
+    planner says no to it without sequence parallelism."""
+    lay = plan.Layout(tp=4, micro_batch=2, overlap_tp=True)
+    t, cl = _step(lay, global_batch=8)
+    alpha, beta = cl.link(4)
+    c = 3 * alpha + 3 / 4 * 2 * (512 * 2 * 256) * beta
+    ops = t["detail"]["ops"]
+    windows = ["QKV", "attention out", "MLP up", "MLP down",
+               "QKV dX", "QKV dW", "MLP up dX", "MLP up dW", "attention out dX", "MLP down dX"]
+    wire = 4 * DENSE.n_layer * sum(max(0.0, c - ops[g]) + c / 4 for g in windows)
+    tp = t["comm"]["tp"]
+    hidden = tp["bytes"] * (1 - wire / tp["seconds"])
+    assert 0 < wire < tp["seconds"]
+    assert tp["exposed"] == pytest.approx(wire + 2 * hidden / cl.gpu.hbm_bw, rel=REL)
+    off, _ = _step(lay.replace(overlap_tp=False), global_batch=8)
+    auto, _ = _step(lay.replace(overlap_tp="auto"), global_batch=8)
+    assert auto["comm"]["tp"]["exposed"] == tp["exposed"] < off["comm"]["tp"]["exposed"]
+    assert not lay.replace(overlap_tp="auto").tp_overlap_on(None)      # no accelerator named: a CPU's rule
+    assert lay.replace(overlap_tp="auto").tp_overlap_on(cl.gpu) and not lay.replace(tp=1).tp_overlap_on(cl.gpu)
+    assert any("needs sequence_parallel" in p for p in
+               plan.problems(DENSE, lay.replace(sequence_parallel=False), 8, 512))
 
 
 def test_cp_term_alone_at_pp1():

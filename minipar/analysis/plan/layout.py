@@ -2,7 +2,8 @@
 
 A :class:`Layout` is every knob of a training run: the five parallel sizes (data dp, tensor
 tp, pipeline pp with v virtual stages, context cp, expert ep), the ZeRO stage, the micro-batch
-b, the recomputation and the precision. The world is ``dp·tp·pp·cp`` GPUs; expert parallelism
+b, the recomputation, the precision, and what the framework overlaps (``overlap_dp``, ``overlap_tp``:
+:mod:`minipar.analysis.plan.overlap`). The world is ``dp·tp·pp·cp`` GPUs; expert parallelism
 splits the experts over ``ep`` of the ``dp·cp`` data ranks (as Megatron-LM does): no more GPUs.
 Ranks are numbered tp fastest, then cp, dp, pp (Megatron-LM's order): a dimension's group
 spans that many consecutive GPUs, which decides its link (:meth:`minipar.analysis.plan.Cluster.link`).
@@ -33,6 +34,7 @@ class Layout:
     schedule: str = "1f1b"
     sequence_parallel: bool = True   # with tp > 1 (Korthikanti et al. 2022)
     overlap_dp: bool = True          # gradient reduction overlapped with the last micro-batch's backward
+    overlap_tp: object = "auto"      # SP's gathers and scatters behind their GEMMs: True, False, "auto" (on a GPU)
     attention: str = "auto"          # "flash", "materialized", or "auto": flash on a GPU, else materialized
 
     def attention_on(self, accelerator=None) -> str:
@@ -42,6 +44,17 @@ class Layout:
         if self.attention != "auto":
             return self.attention
         return "flash" if getattr(accelerator, "kind", "cpu") == "gpu" else "materialized"
+
+    def tp_overlap_on(self, accelerator=None) -> bool:
+        """Whether sequence parallelism's gathers and scatters run behind their GEMMs
+        (:mod:`minipar.analysis.plan.overlap`): ``"auto"`` is on for a GPU with tp > 1 and sequence
+        parallelism (Megatron-Core's ``--tp-comm-overlap``, PyTorch's async TP), off on a CPU (the
+        course's own tensor parallelism does not overlap)."""
+        if not self.sp:
+            return False
+        if self.overlap_tp != "auto":
+            return bool(self.overlap_tp)
+        return getattr(accelerator, "kind", "cpu") == "gpu"
 
     @property
     def world(self) -> int:
@@ -71,6 +84,7 @@ class Layout:
         extra = [f"b={self.micro_batch}", self.dtype] + ([f"ZeRO-{self.zero}"] if self.zero else [])
         extra += [f"{self.recompute} recompute"] if self.recompute != "none" else []
         extra += [f"{self.attention} attention"] if self.attention != "auto" else []
+        extra += ["TP overlapped"] if self.overlap_tp is True and self.sp else []
         v = f" v{self.v}" if self.v > 1 else ""
         return f"{'·'.join(dims) or '1 GPU'}{v} ({', '.join(extra)})"
 
@@ -109,6 +123,11 @@ def problems(model: ModelSpec, layout: Layout, global_batch: int, seq_len: int) 
         out.append(f"global batch {global_batch} is not a multiple of dp·b={L.dp * L.micro_batch}")
     elif L.schedule == "interleaved" and (m := L.microbatches(global_batch)) % L.pp:
         out.append(f"interleaved 1F1B needs m={m} micro-batches to be a multiple of pp={L.pp}")
+    if L.overlap_tp not in (True, False, "auto"):
+        out.append(f"overlap_tp must be True, False or 'auto', got {L.overlap_tp!r}")
+    elif L.overlap_tp is True and L.tp > 1 and not L.sequence_parallel:
+        out.append("overlap_tp splits sequence parallelism's gathers and scatters: it needs "
+                   "sequence_parallel=True")
     if L.pp > 1 and L.zero >= 2:
         out.append(f"ZeRO-{L.zero} with pipeline parallelism would reduce gradients (and gather "
                    "parameters) at every micro-batch; the planner leaves it out")

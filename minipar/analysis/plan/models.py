@@ -93,6 +93,12 @@ MODELS: dict[str, ModelSpec] = {
                             gated=True, dropout=False, source=_LLAMA3),
     "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 128256, 8192, ffn=53248, n_kv_head=8,
                              gated=True, dropout=False, source=_LLAMA3),
+    "nemotron4-15b": ModelSpec("nemotron4-15b", 32, 6144, 48, 256000, 4096, ffn=24576, n_kv_head=8,
+                               dropout=False, source="Parmar et al. 2024, 'Nemotron-4 15B Technical Report', "
+                               "Table 1 (squared-ReLU MLP of 4h, as NVIDIA's benchmark configuration sets it)"),
+    "nemotron4-340b": ModelSpec("nemotron4-340b", 96, 18432, 96, 256000, 4096, ffn=73728, n_kv_head=8,
+                                dropout=False, source="NVIDIA 2024, 'Nemotron-4 340B Technical Report', Table 1 "
+                                "(squared-ReLU MLP of 4h, as NVIDIA's benchmark configuration sets it)"),
     "mixtral-8x7b": ModelSpec("mixtral-8x7b", 32, 4096, 32, 32000, 4096, ffn=14336, n_kv_head=8,
                               gated=True, n_experts=8, top_k=2, dropout=False,
                               source="Jiang et al. 2024, 'Mixtral of Experts', Table 1"),

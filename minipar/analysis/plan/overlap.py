@@ -7,9 +7,24 @@ and pays the rest ("exposed"):
 =====  ==============================================  =============================================
 dim    bytes per GPU and step                          overlapped with / exposed
 =====  ==============================================  =============================================
-tp     m·l/p · :func:`~minipar.analysis.cost.tp_comm_bytes_      nothing: Megatron-LM's all-reduces (or SP's
-       per_layer` (×1.5 with full recomputation)       gathers and scatters) sit between the GEMMs
-                                                       that need them (Shoeybi et al. 2019, §3)
+tp     m·l/p · :func:`~minipar.analysis.cost.tp_comm_bytes_      nothing by default: Megatron-LM's all-reduces
+       per_layer` (×1.5 with full recomputation)       (or SP's gathers and scatters) sit between the
+                                                       GEMMs that need them (Shoeybi et al. 2019, §3).
+                                                       ``overlap_tp`` (with SP): each gather or scatter
+                                                       is cut into t chunks pipelined with the GEMM
+                                                       that consumes or produces it (Wang et al. 2022,
+                                                       "Overlap Communication with Dependent
+                                                       Computation via Decomposition", ASPLOS '23;
+                                                       Megatron-Core's ``--tp-comm-overlap``, PyTorch's
+                                                       async TP): forward the gathers behind QKV and
+                                                       MLP-up, the scatters behind attention-out and
+                                                       MLP-down; backward the re-gather behind ∂X and
+                                                       the scatter of ∂X behind ∂W of the column-
+                                                       parallel GEMMs, the gather of ∂Y behind ∂X of
+                                                       the row-parallel ones (:data:`TP_WINDOWS_FWD`,
+                                                       :data:`TP_WINDOWS_BWD`); each pays
+                                                       ``max(0, c - t_GEMM) + c/t``, its first or last
+                                                       chunk having nothing to hide behind
 cp     per layer pass (cp-1) K,V blocks forward,        ring attention (Liu et al. 2023, §3.1): step
        2(cp-1) backward (K,V and dK,dV), each           i's transfer runs behind block i's attention,
        ``2·(s/cp)·b·kv/tp`` elements                    so each step pays ``max(0, t_send - t_block)``;
@@ -59,6 +74,11 @@ from .memory import BUCKET
 from .models import ModelSpec
 
 
+# the GEMM each of sequence parallelism's gathers and scatters runs behind, per layer (module docstring)
+TP_WINDOWS_FWD = ("QKV", "attention out", "MLP up", "MLP down")
+TP_WINDOWS_BWD = ("QKV dX", "QKV dW", "MLP up dX", "MLP up dW", "attention out dX", "MLP down dX")
+
+
 def _time(nbytes: float, messages: float, link: tuple[float, float], calls: float = 0.0,
           call_overhead: float = 0.0) -> float:
     alpha, beta = link
@@ -95,7 +115,13 @@ def comm_times(model: ModelSpec, layout: Layout, cluster, seq_len: int, global_b
         calls = n * (10 if L.sp else 4) * f + 4 * m     # + embedding, loss
         rounds = calls * (L.tp - 1) * (1 if L.sp else 2)   # a ring all-reduce: 2(t-1) rounds, gather/scatter t-1
         sec = _time(n * per, n * steps, cluster.link(L.span("tp")), rounds, k)
-        out["tp"] = {"bytes": n * per, "seconds": sec, "exposed": sec, "calls": calls}
+        exposed = sec
+        if L.tp_overlap_on(cluster.gpu):
+            c = _time((L.tp - 1) / L.tp * e * sbh, L.tp - 1, cluster.link(L.span("tp")))   # one gather or scatter
+            windows = [compute["ops"][g] for g in TP_WINDOWS_FWD] * (1 + rc) + \
+                [compute["ops"][g] for g in TP_WINDOWS_BWD]
+            exposed = n * sum(max(0.0, c - g) + c / L.tp for g in windows) + rounds * k
+        out["tp"] = {"bytes": n * per, "seconds": sec, "exposed": exposed, "calls": calls}
     if L.cp > 1:
         msg = 2 * s * L.micro_batch * model.kv_dim / L.tp * e
         link = cluster.link(L.span("cp"))

@@ -109,7 +109,7 @@ def predict(model, cluster, layout: Layout, global_batch: int, seq_len: int | No
     spec, cl = get_model(model), get_cluster(cluster, nodes)
     s = seq_len or spec.seq_len
     check(spec, layout, global_batch, s)
-    layout = layout.replace(attention=layout.attention_on(cl.gpu))
+    layout = layout.replace(attention=layout.attention_on(cl.gpu), overlap_tp=layout.tp_overlap_on(cl.gpu))
     if layout.world > cl.world:
         raise ValueError(f"layout {layout} needs {layout.world} GPUs, {cl.name} has {cl.world}")
     return Prediction(spec.name, cl.name, layout, s, global_batch,

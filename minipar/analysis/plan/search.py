@@ -83,9 +83,12 @@ class SearchResult:
 
 def layouts(model, n_gpus: int, gpus_per_node: int, global_batch: int, seq_len: int,
             dtype: str = "bf16", micro_batches=(1, 2, 4, 8), recompute=("none", "selective", "full"),
-            zero=(0, 1, 2, 3), virtual=(1, 2, 4), max_cp: int = 16, flash: bool = False):
+            zero=(0, 1, 2, 3), virtual=(1, 2, 4), max_cp: int = 16, flash: bool = False,
+            overlap_tp="auto"):
     """Every combination of the knobs (invalid ones included; :func:`search` filters);
-    ``flash``: leave out selective recomputation, which flash attention makes the same run as none."""
+    ``flash``: leave out selective recomputation, which flash attention makes the same run as none;
+    ``overlap_tp``: whether the framework overlaps sequence parallelism's gathers and scatters with
+    their GEMMs (:meth:`Layout.tp_overlap_on`; ``"auto"``: on a GPU)."""
     spec = get_model(model)
     for tp, cp, pp in itertools.product(_divisors(min(n_gpus, gpus_per_node)), _divisors(n_gpus),
                                         _divisors(n_gpus)):
@@ -97,7 +100,7 @@ def layouts(model, n_gpus: int, gpus_per_node: int, global_batch: int, seq_len: 
             if (pp == 1 and v > 1) or (dp * cp == 1 and z) or (rc == "selective" and flash):
                 continue   # under flash attention selective recomputation is "none" (no scores to drop)
             yield Layout(dp=dp, tp=tp, pp=pp, v=v, cp=cp, ep=ep, zero=z, micro_batch=b, recompute=rc,
-                         dtype=dtype, schedule="interleaved" if v > 1 else "1f1b")
+                         dtype=dtype, schedule="interleaved" if v > 1 else "1f1b", overlap_tp=overlap_tp)
 
 
 def search(model, cluster, global_batch: int, seq_len: int | None = None, nodes: int | None = None,

@@ -5,8 +5,10 @@
 * **Compute** (:mod:`.roofline`): every operation of a layer, its backward, what recomputation
   reruns (full: the layer's forward; selective: the attention core when it is materialized,
   nothing under flash attention, which stores no scores), and the embedding, head and loss,
-  each at the rate its shape allows on the accelerator; per stage ``m · (l/p · layer + head/p)``,
-  plus the optimizer step over the elements this GPU updates (its ZeRO shard). A CPU's
+  each at the rate its shape allows on the accelerator. A pipeline runs at the pace of its busiest
+  stage: ``m · max_r (l_r · layer + ends_r)``, with ``l_r`` the layers of stage r
+  (:func:`minipar.analysis.plan.memory.stage_layers`: Llama 3's cut when p does not divide l), the
+  embedding on the first stage and the head and loss on the last; plus the optimizer step over the elements this GPU updates (its ZeRO shard). A CPU's
   ``layer_overhead`` (seconds of op dispatch per layer pass, measured) adds ``m · ⌈(l+2)/p⌉`` of it.
 * **Bubble.** ``bubble_fraction(schedule, p, m, v)`` of the micro-batches' compute (:mod:`minipar.analysis.cost.pipeline`);
   none where the ranks outnumber the CPU cores they share (``cluster.cores``): a rank waiting in
@@ -27,6 +29,7 @@ from ..cost.pipeline import bubble_fraction
 from . import roofline
 from .hardware import Cluster
 from .layout import Layout
+from .memory import stage_layers
 from .models import ModelSpec
 from .overlap import comm_times as _comm_times
 
@@ -47,32 +50,42 @@ def step_flops(model: ModelSpec, layout: Layout, seq_len: int, global_batch: int
 def compute_times(model: ModelSpec, layout: Layout, accelerator, seq_len: int, global_batch: int,
                   efficiency=None) -> dict:
     """Seconds of one GPU's compute: per layer pass (``layer_fwd``, ``layer_bwd``, ``layer_rc``,
-    ``attention_fwd``/``_bwd``), the last micro-batch's backward of a stage (``stage_bwd``), the
-    step's micro-batches (``microbatches``), ``optimizer``, ``total``, and ``bound``: seconds by
-    what bounds them (compute or memory)."""
+    ``attention_fwd``/``_bwd``), the busiest stage's backward of one micro-batch (``stage_bwd``), the
+    step's micro-batches (``microbatches``), ``optimizer``, ``total``, ``bound`` (seconds by what
+    bounds them: compute or memory), and ``ops``: each forward and backward operation of a layer
+    pass, by name (the windows communication hides behind, :mod:`.overlap`)."""
     L, acc = layout, accelerator
     attn = L.attention_on(acc)
     ops = roofline.layer_ops(model, L, seq_len, attn)
     core = roofline.attention_ops(model, L, seq_len, attn)
     bwd = roofline.backward(ops)
     rc = ops if L.recompute == "full" else core if (L.recompute == "selective" and attn == "materialized") else []
-    head = roofline.head_ops(model, L, seq_len)
-    head += roofline.backward(head)
     t = lambda o: roofline.ops_time(o, acc, efficiency)           # noqa: E731
-    f, b, r, hd = t(ops), t(bwd), t(rc), t(head)
-    m, per_stage = L.microbatches(global_batch), model.n_layer / L.pp
+    f, b, r = t(ops), t(bwd), t(rc)
+
+    def ends(i):   # what stage i runs beside its layers: the embedding on the first, head and loss on the last
+        return (roofline.embedding_ops(model, L, seq_len) if i == 0 else []) + \
+            (roofline.head_ops(model, L, seq_len) if i == L.pp - 1 else [])
+    # the pipeline runs at the pace of its busiest stage
+    work = [(n * (f + b + r) + t(ends(i) + roofline.backward(ends(i))), n, ends(i))
+            for i, n in enumerate(stage_layers(model.n_layer, L.pp))]
+    _, layers, ends_fwd = max(work, key=lambda w: w[0])
+    ends_bwd = roofline.backward(ends_fwd)
+    ends = ends_fwd + ends_bwd
+    m = L.microbatches(global_batch)
     local = model.num_params() / (L.tp * L.pp) / (L.dp * L.cp if L.zero else 1)
     opt = roofline.optimizer_op(local)
-    mb = m * (per_stage * (f + b + r) + hd / L.pp)
+    mb = m * (layers * (f + b + r) + t(ends))
     overhead = acc.layer_overhead * m * math.ceil((model.n_layer + 2) / L.pp)
     bound = {"compute": 0.0, "memory": 0.0}
-    for part, scale in ((ops + bwd + rc, m * per_stage), (head, m / L.pp), ([opt], 1.0)):
+    for part, scale in ((ops + bwd + rc, m * layers), (ends, m), ([opt], 1.0)):
         for key, sec in roofline.bottleneck(part, acc, efficiency).items():
             bound[key] += scale * sec
     return {"layer_fwd": f, "layer_bwd": b, "layer_rc": r, "attention_fwd": t(core),
-            "attention_bwd": t(roofline.backward(core)), "stage_bwd": per_stage * b + hd / L.pp,
+            "attention_bwd": t(roofline.backward(core)), "stage_bwd": layers * b + t(ends_bwd),
             "microbatches": mb + overhead, "optimizer": t([opt]), "total": mb + overhead + t([opt]),
-            "bound": bound, "dispatch": overhead, "attention": attn, "global_batch": global_batch}
+            "bound": bound, "dispatch": overhead, "attention": attn, "global_batch": global_batch,
+            "ops": {op.name: roofline.op_time(op, acc, efficiency) for op in ops + bwd}}
 
 
 def charged(cluster: Cluster, world: int) -> float:

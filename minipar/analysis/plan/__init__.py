@@ -1,16 +1,19 @@
 """Planning at scale: predict memory and step time of a layout, and search for the best.
 
-* :mod:`.models` — model shapes (GPT-3, Llama 3, Mixtral, the course GPT), with sources.
+* :mod:`.models` — model shapes (GPT-3, Llama 3, Nemotron-4, Mixtral, the course GPT), with sources.
 * :mod:`.hardware` — accelerators and clusters, with sources.
 * :mod:`.layout` — one layout (dp, tp, pp, v, cp, ep, ZeRO, b, recomputation, dtype) and its checks.
 * :mod:`.memory` — memory per GPU by component (ZeRO, Korthikanti et al. 2022).
 * :mod:`.roofline` — every operation of a layer at the rate its shape allows (GEMMs, attention
   flash or materialized, memory-bound operations, the optimizer step).
 * :mod:`.overlap` — communication per dimension and how much of it the schedule hides.
-* :mod:`.step_time` — compute from the roofline, the bubble, the exposed communication.
+* :mod:`.step_time` — compute from the roofline at the busiest stage's pace, the bubble, the exposed
+  communication.
 * :mod:`.predict` — :func:`predict` and the :class:`Prediction` breakdown.
 * :mod:`.search` — :func:`search`: enumerate, reject with reasons, rank, explain.
-* :mod:`.published` — published measurements the planner is validated against.
+* :mod:`.published` — published measurements the planner is validated against (Narayanan et al.'s
+  Table 1, the fitting set; Korthikanti et al.'s Table 5, Llama 3's Table 4 and NVIDIA's measured
+  H100 step times, never fitted).
 * :mod:`.calibrate` — fit the roofline on published runs; α, β and the rates of this machine.
 """
 from . import search as search_module

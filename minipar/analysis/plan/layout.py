@@ -19,6 +19,11 @@ from .models import ModelSpec
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
+def _is_gpu(accelerator) -> bool:
+    """Where ``"auto"`` settings resolve: a GPU, or (no accelerator named, or a CPU) not."""
+    return getattr(accelerator, "kind", "cpu") == "gpu"
+
+
 @dataclass(frozen=True)
 class Layout:
     dp: int = 1
@@ -43,7 +48,7 @@ class Layout:
         (Korthikanti et al.'s count) on a CPU or when no accelerator is named."""
         if self.attention != "auto":
             return self.attention
-        return "flash" if getattr(accelerator, "kind", "cpu") == "gpu" else "materialized"
+        return "flash" if _is_gpu(accelerator) else "materialized"
 
     def tp_overlap_on(self, accelerator=None) -> bool:
         """Whether sequence parallelism's gathers and scatters run behind their GEMMs
@@ -54,7 +59,7 @@ class Layout:
             return False
         if self.overlap_tp != "auto":
             return bool(self.overlap_tp)
-        return getattr(accelerator, "kind", "cpu") == "gpu"
+        return _is_gpu(accelerator)
 
     @property
     def world(self) -> int:

@@ -8,8 +8,9 @@
   each at the rate its shape allows on the accelerator. A pipeline runs at the pace of its busiest
   stage: ``m · max_r (l_r · layer + ends_r)``, with ``l_r`` the layers of stage r
   (:func:`minipar.analysis.plan.memory.stage_layers`: Llama 3's cut when p does not divide l), the
-  embedding on the first stage and the head and loss on the last; plus the optimizer step over the elements this GPU updates (its ZeRO shard). A CPU's
-  ``layer_overhead`` (seconds of op dispatch per layer pass, measured) adds ``m · ⌈(l+2)/p⌉`` of it.
+  embedding on the first stage and the head and loss on the last; plus the optimizer step over the
+  elements this GPU updates (its ZeRO shard). A CPU's ``layer_overhead`` (seconds of op dispatch
+  per layer pass, measured) adds ``m · ⌈(l+2)/p⌉`` of it.
 * **Bubble.** ``bubble_fraction(schedule, p, m, v)`` of the micro-batches' compute (:mod:`minipar.analysis.cost.pipeline`);
   none where the ranks outnumber the CPU cores they share (``cluster.cores``): a rank waiting in
   the bubble yields its core to the others, whose rates were measured with every rank busy. That
@@ -61,15 +62,18 @@ def compute_times(model: ModelSpec, layout: Layout, accelerator, seq_len: int, g
     bwd = roofline.backward(ops)
     rc = ops if L.recompute == "full" else core if (L.recompute == "selective" and attn == "materialized") else []
     t = lambda o: roofline.ops_time(o, acc, efficiency)           # noqa: E731
-    f, b, r = t(ops), t(bwd), t(rc)
+    each = [roofline.op_time(op, acc, efficiency) for op in ops + bwd]   # timed once: summed, and the windows
+    f, b, r = sum(each[:len(ops)]), sum(each[len(ops):]), t(rc)
+    embedding, head = roofline.embedding_ops(model, L, seq_len), roofline.head_ops(model, L, seq_len)
 
-    def ends(i):   # what stage i runs beside its layers: the embedding on the first, head and loss on the last
-        return (roofline.embedding_ops(model, L, seq_len) if i == 0 else []) + \
-            (roofline.head_ops(model, L, seq_len) if i == L.pp - 1 else [])
+    def beside(i):   # what stage i runs beside its layers: the embedding on the first, head and loss on the last
+        return (embedding if i == 0 else []) + (head if i == L.pp - 1 else [])
+
+    def work(i, n):
+        return n * (f + b + r) + t(beside(i) + roofline.backward(beside(i)))
     # the pipeline runs at the pace of its busiest stage
-    work = [(n * (f + b + r) + t(ends(i) + roofline.backward(ends(i))), n, ends(i))
-            for i, n in enumerate(stage_layers(model.n_layer, L.pp))]
-    _, layers, ends_fwd = max(work, key=lambda w: w[0])
+    busiest, layers = max(enumerate(stage_layers(model.n_layer, L.pp)), key=lambda stage: work(*stage))
+    ends_fwd = beside(busiest)
     ends_bwd = roofline.backward(ends_fwd)
     ends = ends_fwd + ends_bwd
     m = L.microbatches(global_batch)
@@ -85,7 +89,7 @@ def compute_times(model: ModelSpec, layout: Layout, accelerator, seq_len: int, g
             "attention_bwd": t(roofline.backward(core)), "stage_bwd": layers * b + t(ends_bwd),
             "microbatches": mb + overhead, "optimizer": t([opt]), "total": mb + overhead + t([opt]),
             "bound": bound, "dispatch": overhead, "attention": attn, "global_batch": global_batch,
-            "ops": {op.name: roofline.op_time(op, acc, efficiency) for op in ops + bwd}}
+            "ops": {op.name: sec for op, sec in zip(ops + bwd, each)}}
 
 
 def charged(cluster: Cluster, world: int) -> float:

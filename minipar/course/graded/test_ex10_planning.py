@@ -108,6 +108,11 @@ def test_last_stage_with_big_logits(impl):
     first, last = 16 * per, 16 * per + _logits(LLAMA, lay, s)
     _approx(plan.memory_per_gpu(LLAMA, lay, s, 1)["activations"], last,
             "Llama 3 8B, pp = 2, one micro-batch: activation bytes (the last stage: 16 layers + the logits)")
+    lay = plan.Layout(pp=2, tp=2, cp=2, recompute="selective")             # logits: s/cp tokens, V/tp each
+    per = plan.layer_activation_bytes(LLAMA, lay, s)
+    _approx(plan.memory_per_gpu(LLAMA, lay, s, 1)["activations"], 16 * per + _logits(LLAMA, lay, s),
+            "Llama 3 8B, pp = 2, tp = 2, cp = 2, one micro-batch: activation bytes of the last stage (16 layers "
+            "+ the logits of its s/cp = 4096 tokens over V/tp = 64128 columns)")
     lay = plan.Layout(pp=2, recompute="selective", schedule="gpipe")      # 4 micro-batches in flight
     _approx(plan.memory_per_gpu(LLAMA, lay, s, 4)["activations"], 4 * first,
             "Llama 3 8B, pp = 2, GPipe, 4 micro-batches: activation bytes (the first stage: 4 x 16 layers)")

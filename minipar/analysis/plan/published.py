@@ -148,3 +148,19 @@ def dgxc_run(row, scale: int = 0) -> tuple[ModelSpec, Layout, int, int, int]:
     layout = Layout(dp=gpus // (t * p * c), tp=t, pp=p, cp=c, v=v, micro_batch=b, zero=1, recompute=recompute,
                     schedule="interleaved" if v > 1 else "1f1b", attention="flash", overlap_tp=overlap_tp)
     return model, layout, batch, s, gpus // 8
+
+
+def dgxc_against_search(row):
+    """The search's answer to a :data:`DGXC_H100_BF16` job (its model, cluster, batch and sequence at
+    the first scale; the tuned v added to the virtual stages tried): ``(tuned, fastest, same)``, the
+    tuned layout, the search's fastest plan, and the fastest plan with the tuned layout's knobs
+    (tp, pp, cp, v, micro-batch, ZeRO-1) among those it ranked."""
+    from .search import search
+
+    model, tuned, B, s, nodes = dgxc_run(row)
+    ranked = search(model, "dgx-h100", B, s, nodes=nodes, virtual=tuple(sorted({1, 2, 4, tuned.v}))).ranked
+    knobs = lambda lay: (lay.tp, lay.pp, lay.cp, lay.v, lay.micro_batch, lay.zero)  # noqa: E731
+    same = [p for p in ranked if knobs(p.layout) == knobs(tuned)]
+    if not same:
+        raise ValueError(f"{row[0]}: the search ranked no layout with the tuned knobs {knobs(tuned)}")
+    return tuned, min(ranked, key=lambda p: p.step_time), min(same, key=lambda p: p.step_time)

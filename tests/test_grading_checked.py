@@ -40,6 +40,23 @@ def test_a_size_mismatch_is_said_in_words_on_both_ranks():
     assert "rank 1 also failed" in msg and "died without a result" not in msg, msg
 
 
+def _mismatch_in_a_subgroup():
+    pair = dist.new_group([2, 3])
+    r = dist.get_rank()
+    if r >= 2:  # group ranks 0 and 1 are global ranks 2 and 3
+        send = torch.zeros(5 if r == 3 else 3)
+        comm.exchange(send, 3 - r, torch.empty(3), 3 - r, group=pair, name="halo", step=1)
+    return "no error"
+
+
+def test_a_size_mismatch_in_a_subgroup_names_global_ranks():
+    with minipar.exercise("ex01", target="library"):
+        with pytest.raises(minipar.RankError) as e:
+            minipar.launch(_mismatch_in_a_subgroup, 4, timeout=30)
+    msg = str(e.value)
+    assert "rank 3 sends to rank 2: expected 3 elements (rank 2's buffer), got 5" in msg, msg
+
+
 def test_beacon_keeps_the_last_operation(tmp_path):
     path = tmp_path / "rank3.json"
     with flight.Beacon(path, 3, every=0.05):

@@ -47,12 +47,12 @@ def _where(name: str, labels: dict) -> str:
     return f"exchange {name!r}" + (f" ({extra})" if extra else "")
 
 
-def check_sizes(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int, group,
+def check_sizes(send_buf: torch.Tensor, g_dst: int, recv_buf: torch.Tensor, g_src: int, group,
                 name: str, labels: dict) -> None:
-    """Before ``exchange(send_buf -> dst, recv_buf <- src)``: tell ``dst`` how many elements it
-    will get and ``src`` how many this rank expects; raise on both sides of a mismatch."""
-    from .p2p import global_rank
-    me, g_dst, g_src = dist.get_rank(), global_rank(group, dst), global_rank(group, src)
+    """Before ``exchange(send_buf -> g_dst, recv_buf <- g_src)`` (global ranks, as ``dist.isend``
+    takes them): tell ``g_dst`` how many elements it will get and ``g_src`` how many this rank
+    expects; raise on both sides of a mismatch."""
+    me = dist.get_rank()
     cuda = send_buf.is_cuda and "nccl" in str(dist.get_backend(group))
     dev = send_buf.device if cuda else torch.device("cpu")
     sends = torch.tensor([send_buf.numel()], dtype=torch.int64, device=dev)

@@ -170,13 +170,13 @@ def start_exchange(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src
     to the right alone first, each would wait for a neighbour waiting on its own right
     neighbour: a cycle, from 3 ranks on. A batch joins every peer it names at once."""
     labels = labels_for(group, labels)
+    to, frm = global_rank(group, dst), global_rank(group, src)
     if checked.enabled():  # while an exercise runs: a size mismatch said in words, not a Gloo abort
-        checked.check_sizes(send_buf, dst, recv_buf, src, group, name, labels)
+        checked.check_sizes(send_buf, to, recv_buf, frm, group, name, labels)
     out = (staging.to_host(send_buf, "exchange", labels)
            if staging.must_stage(send_buf, group, "exchange") else send_buf)
     into = staging.host_like(recv_buf) if staging.must_stage(recv_buf, group, "exchange") else recv_buf
     began, start = device_clock(send_buf, group), trace.now()
-    to, frm = global_rank(group, dst), global_rank(group, src)
     if moved_by_nccl(out, group) and moved_by_nccl(into, group):
         ws = dist.batch_isend_irecv([dist.P2POp(dist.isend, out.contiguous(), to, group, tag),
                                      dist.P2POp(dist.irecv, into, frm, group, tag)])

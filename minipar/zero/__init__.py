@@ -14,7 +14,7 @@
   (:func:`minipar.analysis.cost.zero_bytes_per_rank`: the same from the paper's formulas).
 """
 from .clip import clip_grad_norm_
-from .flat import FlatUnit, padded_size, shard_size, split_units
+from .flat import FlatUnit, free_unit, gather_unit, padded_size, shard_size, split_units
 from .per_parameter import full_state, fully_shard, padded_unit_sizes
 from .persist import persistent_parameters
 from .memory import SavedActivations, model_state_bytes, state_tensors, storage_bytes
@@ -22,7 +22,7 @@ from .stage0 import ReplicatedOptimizer
 from .stage1 import ZeroOptimizer, sharded_step
 from .stage2 import Zero2Optimizer
 from .reduce import OrderedReduction, reduce_shard, reduce_unit_grads
-from .stage3 import FullyShardedDataParallel, free_unit, gather_unit
+from .stage3 import FullyShardedDataParallel
 from .training import check, run, train, wrap
 
 __all__ = ["ReplicatedOptimizer", "ZeroOptimizer", "Zero2Optimizer", "FullyShardedDataParallel",

@@ -26,9 +26,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..comm import all_gather, group_rank, group_size, reduce_scatter
+from ..comm import all_gather, group_rank, group_size
 from .flat import free_unit
 from .persist import persistent_parameters
+from .reduce import reduce_shard
 from .stage3 import Schedule, unit_parameters
 
 
@@ -118,8 +119,7 @@ class PerParameterStorage:
             grads.append(padded.view(self.n, -1))
             q.unsharded.grad = None
         flat = torch.cat(grads, dim=1).reshape(-1)          # copy-in: rank-major blocks of S
-        mine = flat[self.r * u.S:(self.r + 1) * u.S]
-        reduce_scatter(mine, flat, op="avg", group=self.group, unit=i)
+        mine = reduce_shard(flat, self.group, unit=i)       # this rank's S elements, averaged
         for q, g in zip(u.ps, mine.split([q.numel for q in u.ps])):   # copy-out into each shard's .grad
             g = g.view(q.shard.shape).to(q.shard.dtype)
             q.shard.grad = g.clone() if q.shard.grad is None else q.shard.grad.add_(g)

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime import trace
-from .flat import FlatStorage, free_unit, gather_unit  # noqa: F401 - gather_unit/free_unit re-exported
+from .flat import FlatStorage
 from .memory import state_tensors
 from .persist import persistent_parameters, reduce_persistent
 from .reduce import OrderedReduction
@@ -237,13 +237,11 @@ class FullyShardedDataParallel(nn.Module):
                  persist_below: int | None = None, persist=None):
         super().__init__()
         object.__setattr__(self, "module", module)        # not a child: its params are not ours
-        self.group, self.prefetch = group, prefetch
-        self.param_dtype = param_dtype or torch.float32
         found = unit_parameters(module, units)
         whole = persistent_parameters(module, persist_below, persist, param_dtype)
         kept = {id(p) for p in whole}
         storage = FlatStorage([(m, [p for p, _ in f.values() if id(p) not in kept]) for m, f in found],
-                              group, self.param_dtype)
+                              group, param_dtype or torch.float32)
         self.shards = nn.ParameterList([u.shard for u in storage.units])
         self.persistent = nn.ParameterList(whole)           # the module's own, replicated
         self.schedule = Schedule(storage, module, group, prefetch, whole)

@@ -10,13 +10,10 @@ reduced as in DP × EP, over the dp group (dense and tensor-parallel shards) and
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
-import torch
 import torch.distributed as dist
 
 from ..mesh import ProcessMesh
-from ..models.moe import MoE
+from ..tensor_parallel.gpt import from_gpt
 from .groups import build_ep_groups
 from .layer import shard_experts
 
@@ -30,22 +27,7 @@ def build_mesh(tp: int, ep: int) -> tuple[ProcessMesh, dict]:
     return mesh, groups
 
 
-def tensor_parallel_dense(model, group, sequence_parallel: bool = False):
-    """``model`` (a GPT, mixture of experts or not) tensor-parallel over ``group``: the
-    :class:`~minipar.tensor_parallel.TensorParallelGPT` of its dense part, each MoE layer the
-    model's own module, whole on every tp rank; the weights are ``model``'s (same parameter
-    names). :func:`tensor_parallel_moe_gpt` and :mod:`minipar.hybrid` then spread the experts."""
-    from ..tensor_parallel.gpt import TensorParallelGPT
-    with torch.device(next(model.parameters()).device):  # built where the model lives
-        tpm = TensorParallelGPT(replace(model.config, moe_every=0), group, sequence_parallel, seed=None)
-    for block, full in zip(tpm.blocks, model.blocks):
-        if isinstance(full.mlp, MoE):
-            block.mlp = full.mlp
-    tpm.load_full_state_dict(model.state_dict())
-    return tpm
-
-
 def tensor_parallel_moe_gpt(model, groups, token_group=None):
     """This rank's model: ``model``'s dense part split over the tp group, its MoE layers
     expert-parallel over the ep group (same parameter names as ``model``)."""
-    return shard_experts(tensor_parallel_dense(model, groups["tp"]), groups["ep"], token_group)
+    return shard_experts(from_gpt(model, groups["tp"]), groups["ep"], token_group)

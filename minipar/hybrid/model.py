@@ -32,12 +32,11 @@ from ..runtime import trace
 from ..runtime.backend import current_device
 from ..context_parallel import parallelize, sequence_positions, set_positions, shard_sequence
 from ..data import shard
-from ..expert_parallel.tensor import tensor_parallel_dense
 from ..mesh import ProcessMesh
 from ..models.gpt import GPT
 from ..pipeline import Pipeline, build_stages, layer_costs, make_schedule, partition
 from ..reference import sgd
-from ..tensor_parallel import gather_shards, shard_state_dict, unshard_state_dict
+from ..tensor_parallel import from_gpt, gather_shards, shard_state_dict, unshard_state_dict
 from ..zero import model_state_bytes, state_tensors, storage_bytes
 from . import experts
 from .config import check
@@ -87,7 +86,7 @@ class HybridModel:
         self.full_names = list(full.state_dict())
         self.full_shapes = {k: v.shape for k, v in full.state_dict().items()}
         # tp: the dense layers split over the tp group, the MoE layers whole on its ranks
-        self.model = tensor_parallel_dense(full, g["tp"], sequence_parallel) if mesh.tp > 1 else full
+        self.model = from_gpt(full, g["tp"], sequence_parallel) if mesh.tp > 1 else full
         if mesh.cp > 1:  # cp: attention over the cp group, every other layer on the local tokens
             parallelize(self.model, g["cp"], variant, layout)
         if self.moe:     # ep: the experts over the ep group, aux per micro-batch, on the layer's output

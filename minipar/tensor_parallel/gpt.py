@@ -23,10 +23,13 @@ slice of the logits, and :meth:`TensorParallelGPT.loss` is the vocabulary-parall
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .. import comm
 from ..models.gpt import GPT, Embedding, GPTConfig, Head
+from ..models.moe import MoE
 from .block import ParallelBlock
 from .config import check_config
 from .cross_entropy import vocab_parallel_cross_entropy
@@ -136,9 +139,15 @@ class TensorParallelGPT(GPT):
 
 
 def from_gpt(model: GPT, group=None, sequence_parallel: bool = False) -> TensorParallelGPT:
-    """This rank's part of ``model`` (call on every rank of ``group`` with the same model)."""
+    """This rank's part of ``model`` (call on every rank of ``group`` with the same model): its
+    dense layers split over ``group``; a mixture-of-experts model's MoE layers stay the model's
+    own modules, whole on every rank (:mod:`minipar.expert_parallel` and :mod:`minipar.hybrid`
+    then spread their experts)."""
     with torch.device(next(model.parameters()).device):  # built where the model lives
-        tp = TensorParallelGPT(model.config, group, sequence_parallel, seed=None)
+        tp = TensorParallelGPT(replace(model.config, moe_every=0), group, sequence_parallel, seed=None)
+    for block, full in zip(tp.blocks, model.blocks):
+        if isinstance(full.mlp, MoE):
+            block.mlp = full.mlp
     tp.load_full_state_dict(model.state_dict())
     return tp
 

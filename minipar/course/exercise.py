@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..comm import checked
 from ..runtime import rank_setup
-from .markers import GRADED, PACKAGE, ROOT, Piece, Region, exercises, key, pieces, stem  # noqa: F401
+from .markers import ROOT, exercises, key, pieces, stem  # noqa: F401  (ROOT, key: read from here too)
 
 TARGETS = ("exercise", "solution", "library")
 EXERCISES_ENV = "MINIPAR_EXERCISES"  # a directory to load the learner's files from instead of exercises/

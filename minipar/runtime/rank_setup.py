@@ -28,10 +28,6 @@ def register(name: str, provider: Callable) -> None:
     _providers[name] = provider
 
 
-def unregister(name: str) -> None:
-    _providers.pop(name, None)
-
-
 def collect() -> bytes:
     """In the driver, at launch: the context factories of every provider, in registration
     order, serialised for the job."""

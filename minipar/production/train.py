@@ -262,7 +262,8 @@ def main(argv=None) -> int:
                                             "launcher": where, "backend": results.backend}))
     stopped = results[0]["stopped"]
     code = (EXIT_PREEMPTED if stopped["reason"] == "preempted" else EXIT_NONFINITE) if stopped else 0
-    if under_torchrun:
+    if under_torchrun:   # every rank done (rank 0 has written) before any tears down: a rank that exits
+        dist.barrier()   # first closes its sockets under the others' teardown, which can abort them
         dist.destroy_process_group()
     return code
 

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from .. import data
-from ..runtime import launch, trace
+from ..runtime import trace
+from ..runtime.launch import launch
 from ..models import GPT, GPTConfig
 from .common import median, parser, report, step_blocks, to_here
 

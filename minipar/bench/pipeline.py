@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from .. import data
-from ..runtime import launch, trace
+from ..runtime import trace
+from ..runtime.launch import launch
 from ..models import GPT, GPTConfig, lm_loss
 from ..pipeline import Pipeline, WeightGrads, build_stages, deferred, layer_costs, make_schedule, partition
 from ..pipeline.partition import boundary_shapes

@@ -16,7 +16,7 @@ before and after each run (the goal: ρ ≥ 0.8 in two runs; a loaded machine's 
 """
 from __future__ import annotations
 
-from ..runtime import launch
+from ..runtime.launch import launch
 from ..analysis import plan
 from ..models import GPTConfig
 from .common import median, parser, report

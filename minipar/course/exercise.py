@@ -156,15 +156,21 @@ def active() -> list[tuple[str, str]]:
 
 def _for_ranks():
     """At each launch (:mod:`minipar.runtime.rank_setup`): the ranks activate what is active here."""
-    return partial(activated, active()) if _active else None
+    return partial(activated, active(), os.environ.get(EXERCISES_ENV)) if _active else None
 
 
 @contextmanager
-def activated(pairs):
-    """Activate the (exercise, target) pairs of :func:`active` (inside a rank). While grading
-    (``MINIPAR_FLIGHT_DIR`` set) the rank also keeps its last collective in a file there, so a
-    hang can be reported rank by rank (:class:`minipar.runtime.flight.Beacon`)."""
+def activated(pairs, elsewhere: str | None = None):
+    """Activate the (exercise, target) pairs of :func:`active` (inside a rank), with the
+    learner's files from ``elsewhere`` (the driver's ``MINIPAR_EXERCISES``) if given. While
+    grading (``MINIPAR_FLIGHT_DIR`` set) the rank also keeps its last collective in a file there,
+    so a hang can be reported rank by rank (:class:`minipar.runtime.flight.Beacon`)."""
+    saved = os.environ.get(EXERCISES_ENV)
+    if elsewhere:
+        os.environ[EXERCISES_ENV] = elsewhere
     with ExitStack() as stack:
+        stack.callback(lambda: os.environ.pop(EXERCISES_ENV, None) if saved is None
+                       else os.environ.__setitem__(EXERCISES_ENV, saved))
         if (where := os.environ.get(FLIGHT_ENV)) and "RANK" in os.environ:
             from ..runtime import flight
             rank = int(os.environ["RANK"])

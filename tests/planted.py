@@ -1,0 +1,50 @@
+"""Planted wrong answers: an exercise's solution with a few lines changed, run as a learner's
+file, in the driver and in every rank it launches. The graded tests must fail on it, naming the
+clause of the contract the change breaks (issue: a grader that lets no wrong answer through)."""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+import minipar
+from minipar.course.exercise import EXERCISES_ENV
+from minipar.course.grading import GradeFailure
+from minipar.course.markers import ROOT, stem
+from minipar.runtime.launch import RankError
+
+
+def source(exercise: str, *edits: tuple[str, str]) -> str:
+    """solutions/exNN_topic.py with each ``(old, new)`` applied; ``old`` must occur exactly once,
+    so a plant cannot silently stop applying when the solution changes."""
+    text = (ROOT / "solutions" / f"{stem(exercise)}.py").read_text()
+    for old, new in edits:
+        assert text.count(old) == 1, f"{stem(exercise)}: {old!r} occurs {text.count(old)} times"
+        text = text.replace(old, new)
+    return text
+
+
+@contextmanager
+def planted(exercise: str, directory: Path, *edits: tuple[str, str]):
+    """Activate the solution of ``exercise`` with ``edits`` as the learner's file (written to
+    ``directory``), so the graded tests called inside run it, in the driver and in the ranks."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{stem(exercise)}.py").write_text(source(exercise, *edits))
+    saved = os.environ.get(EXERCISES_ENV)
+    os.environ[EXERCISES_ENV] = str(directory)
+    try:
+        with minipar.exercise(exercise, "exercise"):
+            yield
+    finally:
+        os.environ.pop(EXERCISES_ENV) if saved is None else os.environ.__setitem__(EXERCISES_ENV, saved)
+
+
+def fails(test, *args, match: str, **kwargs) -> str:
+    """Run graded ``test("exercise", *args)`` and expect it to fail as the grader would report
+    it (a ``GradeFailure``, or a rank's error) with a message matching ``match`` (a regular
+    expression); returns the message."""
+    with pytest.raises((GradeFailure, RankError), match=match) as e:
+        test("exercise", *args, **kwargs)
+    return str(e.value)

@@ -15,7 +15,7 @@ labelled, so a learner never reads an unlabelled list or an object's repr:
 * :func:`contributions` / :func:`expect_contributions` notebook 01's 2^r trick: rank r
   contributes 2^r, so a reduced value's bits say which ranks' data it holds;
 * :func:`expect` a plain condition with its explanation;
-* :func:`diagnose` an explanation added to a failure only when its condition is the cause.
+* :func:`diagnose` an observation added to a failure only when its condition is the cause.
 """
 from __future__ import annotations
 
@@ -283,13 +283,15 @@ def expect_contributions(got, n: int, want_ranks, where: str, positions=None) ->
 def diagnose(condition, message: str):
     """``with diagnose(condition, message): <checks>``: when a check inside fails and
     ``condition`` holds (a bool, or a callable taking the :class:`GradeFailure` and returning
-    one, evaluated only then), ``message`` is appended to the failure, so an explanation
-    appears only when its cause is the one that failed. Blocks nest; each adds its own."""
+    one, evaluated only then), ``message`` is appended to the failure as ``  seen: message``,
+    so an observation appears only when its cause is the one that failed. ``message`` states
+    what was observed (a symptom, one line), never what to change: the fix belongs in the
+    module's ``HINTS`` tiers, shown only when asked. Blocks nest; each adds its own."""
     try:
         yield
     except GradeFailure as e:
         if condition(e) if callable(condition) else condition:
-            raise GradeFailure(f"{e}\n  why: {message}").with_traceback(e.__traceback__) from None
+            raise GradeFailure(f"{e}\n  seen: {message}").with_traceback(e.__traceback__) from None
         raise
 
 

@@ -5,11 +5,18 @@ the goal and how it is measured; its functions raise ``NotImplementedError("Chal
 name")`` until written). ``solutions/challenges/chNN_topic.py`` is one way to pass and
 ``minipar/course/graded/alternatives/chNN_topic.py`` a second, different one: the proof that the goal,
 not an answer, is graded. ``minipar/course/graded/test_chNN_topic.py`` (``CHALLENGE = "chNN_topic"``)
-measures what the ``challenge`` fixture's module does; ``minipar.grade("exNN")`` runs it after
-the chapter's core exercise.
+measures what the ``challenge`` fixture's module does; ``minipar.grade("chNN")`` grades it
+alone, ``minipar.grade("exNN")`` after the chapter's core exercise.
+
+A challenge must not be passable by calling the library's own answer: its graded module may
+set ``FORBIDDEN = ("minipar.pipeline.schedules", ...)`` (modules, or names inside one), and
+:func:`load` then refuses a learner's file that imports any of them, in any form (``import
+a.b``, ``from a import b``, ``from a.b import c``, ``importlib.import_module("a.b")``, or a
+dotted use ``a.b.c`` of an imported package), naming the line.
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 import types
@@ -46,7 +53,62 @@ def load(name: str, target: str = "exercise") -> types.ModuleType:
     path = directory(target) / f"{name}.py"
     if not path.exists():
         raise FileNotFoundError(f"challenge {name}: no file {path}")
+    if target == "exercise" and (banned := forbidden(name)):
+        refuse_imports(path, banned)
     return load_file(path, f"minipar_challenge_{target}_{name}")
+
+
+def forbidden(name: str) -> tuple[str, ...]:
+    """The graded module's ``FORBIDDEN`` (read without importing it): what the learner's file of
+    challenge ``name`` may not import; ``()`` when it sets none."""
+    m = re.match(r"ch\d+", name)
+    found = sorted(graded_dir().glob(f"test_{m[0]}_*.py")) if m else []
+    for node in ast.parse(found[0].read_text()).body if found else []:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "FORBIDDEN" for t in node.targets):
+            value = ast.literal_eval(node.value)
+            return (value,) if isinstance(value, str) else tuple(value)
+    return ()
+
+
+def _dotted(node) -> str | None:
+    """``a.b.c`` for an attribute chain on a plain name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def imported(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted name) of everything the file at ``path`` imports or names by a dotted path:
+    ``import a.b`` gives a.b; ``from a import b`` gives a and a.b; ``importlib.import_module("a.b")``
+    and ``__import__("a.b")`` with a literal give a.b; an expression ``a.b.c`` gives a.b.c."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) \
+                and (_dotted(node.func) or "").split(".")[-1] in ("import_module", "__import__"):
+            out.append((node.lineno, node.args[0].value))
+        elif isinstance(node, ast.Attribute) and (d := _dotted(node)):
+            out.append((node.lineno, d))
+    return sorted(set(out))
+
+
+def refuse_imports(path: Path, banned) -> None:
+    """A :class:`minipar.course.grading.GradeFailure` naming the first line of ``path`` that
+    imports a ``banned`` module or name (or one inside it)."""
+    from .grading import GradeFailure
+    for line, name in imported(path):
+        hit = next((b for b in banned if name == b or name.startswith(b + ".")), None)
+        if hit:
+            shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+            code = path.read_text().splitlines()[line - 1].strip()
+            raise GradeFailure(f"{shown}:{line}  {code}\n  this challenge is graded without {hit} "
+                               f"(the library's own answer); your file imports it")
 
 
 @contextmanager

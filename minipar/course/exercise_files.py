@@ -1,6 +1,7 @@
 """Write ``exercises/exNN_topic.py`` and ``solutions/exNN_topic.py`` from the library's markers.
 
-``python -m minipar.course.exercise --write`` (or ``--check``). For every exercise (see
+``python -m minipar.course.exercise --write`` (or ``--check``; ``--count`` prints the lines a
+learner writes per exercise, :func:`minipar.course.markers.learner_lines`, and their total). For every exercise (see
 :mod:`minipar.course.markers`), both files hold, module by module, the library's functions and
 methods that contain the exercise's marked regions, whole, under a comment naming their module
 and with the imports their code needs; a method comes inside its class, which holds only the
@@ -18,7 +19,7 @@ import textwrap
 from itertools import groupby
 from pathlib import Path
 
-from .markers import GRADED, ROOT, Piece, exercises, key, pieces, stem
+from .markers import GRADED, ROOT, Piece, exercises, key, learner_lines, pieces, stem
 
 BANNER = "# " + "-" * 96
 
@@ -129,13 +130,28 @@ def outputs() -> tuple[dict, list[str]]:
     return out, problems
 
 
+def count_table() -> str:
+    """The lines a learner writes, per exercise and in all (Markdown)."""
+    counts = {k: learner_lines(k) for k in exercises()}
+    return "\n".join(["| exercise | learner lines |", "|---|---|",
+                      *[f"| {k} | {n} |" for k, n in counts.items()],
+                      f"| all | {sum(counts.values())} |"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minipar.course.exercise", description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true", help="(re)write exercises/ and solutions/")
     ap.add_argument("--check", action="store_true", help="fail if a committed file differs")
+    ap.add_argument("--count", action="store_true",
+                    help="print the lines a learner writes per exercise (non-blank, non-comment lines "
+                         "of its marked regions) and the total")
     a = ap.parse_args(argv)
+    if a.count:
+        print(count_table())
+        if not (a.write or a.check):
+            return 0
     if not (a.write or a.check):
-        ap.error("give --write or --check")
+        ap.error("give --write, --check or --count")
     stale, (files, problems) = [], outputs()
     for problem in problems:
         print(f"cannot generate: {problem}")

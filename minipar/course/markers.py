@@ -137,3 +137,17 @@ def stem(exercise: str) -> str:
     if not found:
         raise ValueError(f"no graded tests for {k}: minipar/course/graded/test_{k}_<topic>.py")
     return found[0].stem.removeprefix("test_")
+
+
+def learner_lines(exercise: str) -> int:
+    """The lines a learner writes for ``exercise``: the non-blank, non-comment lines inside its
+    marked regions (markers and ``# Hint:`` lines excluded)."""
+    k = key(exercise)
+    count = 0
+    for p in pieces(k):
+        lines = p.path.read_text().splitlines()
+        for r in p.regions:
+            if r.exercise == k:
+                count += sum(1 for ln in lines[r.start + 1 + len(r.hints):r.end]
+                             if ln.strip() and not ln.strip().startswith("#"))
+    return count

@@ -1,0 +1,185 @@
+"""Each graded module states its contract and a test per clause (issue 30's conventions 1-4).
+
+* A core module ``test_exNN_*.py`` has ``CONTRACT = {clause: test name(s)}``: every clause is a
+  phrase of its docstring (verbatim, up to line breaks), every named test is a function of the
+  module taking ``impl``.
+* Every core exercise has at least 40 learner lines (:func:`minipar.course.markers.learner_lines`),
+  the ten at least 600.
+* A challenge module ``test_chNN_*.py`` has three ``HINTS`` tiers per part and its docstring says
+  ``python -m minipar.grade chNN``.
+* Every core has ``tests/test_planted_exNN.py``, every challenge ``tests/test_challenge_goals_chNN.py``
+  (ch03 and ch04: or ``tests/test_challenges.py``).
+
+Each check is a function returning the problems it finds, so that the last test can show each
+one passing a module written as the conventions say and failing one that is not.
+"""
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from minipar.course import markers
+from minipar.course.markers import GRADED
+
+TESTS = Path(__file__).resolve().parent
+CORES = sorted(GRADED.glob("test_ex[0-9][0-9]_*.py"))
+CHALLENGES = sorted(GRADED.glob("test_ch[0-9][0-9]_*.py"))
+MIN_LINES, MIN_TOTAL = 40, 600
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _assigned(tree: ast.Module, name: str):
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(getattr(t, "id", None) == name for t in targets) and node.value is not None:
+                return ast.literal_eval(node.value)
+    return None
+
+
+def contract_problems(path: Path) -> list[str]:
+    """What is wrong with a core graded module's ``CONTRACT`` (empty: nothing)."""
+    tree = ast.parse(path.read_text())
+    contract = _assigned(tree, "CONTRACT")
+    if not isinstance(contract, dict) or not contract:
+        return [f"{path.name}: no CONTRACT dict {{clause: test name(s)}}"]
+    doc = _flat(ast.get_docstring(tree) or "")
+    tests = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    problems = []
+    for clause, names in contract.items():
+        if not isinstance(clause, str) or _flat(clause) not in doc:
+            problems.append(f"{path.name}: clause {clause!r} is not in the module docstring")
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if not names:
+            problems.append(f"{path.name}: clause {clause!r} names no test")
+        for n in names:
+            if n not in tests:
+                problems.append(f"{path.name}: clause {clause!r}: no test function {n}")
+            elif "impl" not in [a.arg for a in tests[n].args.args]:
+                problems.append(f"{path.name}: clause {clause!r}: {n} does not take impl")
+    return problems
+
+
+def line_problems(counts: dict[str, int]) -> list[str]:
+    """Cores under :data:`MIN_LINES` learner lines, or all of them under :data:`MIN_TOTAL`."""
+    out = [f"{k}: {n} learner lines, fewer than {MIN_LINES}" for k, n in counts.items() if n < MIN_LINES]
+    total = sum(counts.values())
+    return out + ([f"all cores: {total} learner lines, fewer than {MIN_TOTAL}"] if total < MIN_TOTAL else [])
+
+
+def challenge_problems(path: Path) -> list[str]:
+    """What is wrong with a challenge graded module's hints and grading command."""
+    tree = ast.parse(path.read_text())
+    name = re.match(r"test_(ch\d+)_", path.name)[1]
+    hints = _assigned(tree, "HINTS")
+    problems = []
+    if not isinstance(hints, dict) or not hints:
+        problems.append(f"{path.name}: no HINTS")
+    else:
+        problems += [f"{path.name}: HINTS part {p!r} has {len(t) if isinstance(t, (list, tuple)) else 1} tiers, not 3"
+                     for p, t in hints.items() if not isinstance(t, (list, tuple)) or len(t) != 3
+                     or not all(isinstance(x, str) and x.strip() for x in t)]
+    if f"python -m minipar.grade {name}" not in _flat(ast.get_docstring(tree) or ""):
+        problems.append(f"{path.name}: the docstring does not say `python -m minipar.grade {name}`")
+    return problems
+
+
+def planted_problems(graded: Path, tests: Path) -> list[str]:
+    """Cores without ``test_planted_exNN.py``, challenges without ``test_challenge_goals_chNN.py``."""
+    shared = (tests / "test_challenges.py").read_text() if (tests / "test_challenges.py").exists() else ""
+    out = []
+    for path in sorted(graded.glob("test_ex[0-9][0-9]_*.py")):
+        k = path.name.split("_")[1]
+        if not (tests / f"test_planted_{k}.py").exists():
+            out.append(f"{k}: no tests/test_planted_{k}.py")
+    for path in sorted(graded.glob("test_ch[0-9][0-9]_*.py")):
+        k = path.name.split("_")[1]
+        in_shared = k in ("ch03", "ch04") and f"test_{k}_" in shared
+        if not (tests / f"test_challenge_goals_{k}.py").exists() and not in_shared:
+            out.append(f"{k}: no tests/test_challenge_goals_{k}.py")
+    return out
+
+
+@pytest.mark.parametrize("path", CORES, ids=[p.stem for p in CORES])
+def test_every_clause_has_a_graded_test(path):
+    assert contract_problems(path) == []
+
+
+def test_every_core_is_a_unit_the_learner_writes():
+    counts = {k: markers.learner_lines(k) for k in markers.exercises()}
+    assert len(counts) == 10, sorted(counts)
+    assert line_problems(counts) == [], counts
+
+
+@pytest.mark.parametrize("path", CHALLENGES, ids=[p.stem for p in CHALLENGES])
+def test_every_challenge_has_three_hint_tiers_and_says_how_to_grade_it(path):
+    assert challenge_problems(path) == []
+
+
+def test_every_clause_and_goal_has_a_planted_failure():
+    assert planted_problems(GRADED, TESTS) == []
+
+
+# ----------------------------------------------------------------------------- the checks themselves
+GOOD_CORE = '''"""Exercise 98: a demo.
+
+Each rank returns the sum of every rank's
+tensor, in place; a parameter without a gradient takes part as zeros.
+"""
+EXERCISE = "ex98_demo"
+CONTRACT = {
+    "the sum of every rank's tensor": "test_sum",
+    "a parameter without a gradient takes part as zeros": ("test_sum", "test_no_grad"),
+}
+
+
+def test_sum(impl):
+    pass
+
+
+def test_no_grad(impl, tmp_path):
+    pass
+'''
+GOOD_CHALLENGE = '''"""Challenge 98: a demo.
+
+Grade it with ``python -m minipar.grade
+ch98``.
+"""
+CHALLENGE = "ch98_demo"
+HINTS = {"": ("a nudge", "the idea", "the pseudo-code")}
+'''
+
+
+def test_the_checks_pass_a_module_written_as_the_conventions_say(tmp_path):
+    graded, tests = tmp_path / "graded", tmp_path / "tests"
+    graded.mkdir(), tests.mkdir()
+    core, ch = graded / "test_ex98_demo.py", graded / "test_ch98_demo.py"
+    core.write_text(GOOD_CORE)
+    ch.write_text(GOOD_CHALLENGE)
+    assert contract_problems(core) == [] and challenge_problems(ch) == []
+    assert planted_problems(graded, tests) == ["ex98: no tests/test_planted_ex98.py",
+                                               "ch98: no tests/test_challenge_goals_ch98.py"]
+    (tests / "test_planted_ex98.py").write_text("")
+    (tests / "test_challenge_goals_ch98.py").write_text("")
+    assert planted_problems(graded, tests) == []
+    assert line_problems({f"ex{i:02}": 60 for i in range(1, 11)}) == []
+
+    # and each fails what breaks the convention
+    for bad, want in ((GOOD_CORE.replace("takes part as zeros\":", "is skipped\":"), "is not in the module docstring"),
+                      (GOOD_CORE.replace('"test_no_grad")', '"test_missing")'), "no test function test_missing"),
+                      (GOOD_CORE.replace("def test_sum(impl)", "def test_sum(challenge)"), "test_sum does not take impl"),
+                      (GOOD_CORE.replace("CONTRACT", "CONTRACTS"), "no CONTRACT")):
+        core.write_text(bad)
+        assert any(want in p for p in contract_problems(core)), (want, contract_problems(core))
+    for bad, want in ((GOOD_CHALLENGE.replace(', "the pseudo-code"', ""), "has 2 tiers, not 3"),
+                      (GOOD_CHALLENGE.replace("grade\nch98", "grade ex98"), "python -m minipar.grade ch98"),
+                      (GOOD_CHALLENGE.replace("HINTS", "TIPS"), "no HINTS")):
+        ch.write_text(bad)
+        assert any(want in p for p in challenge_problems(ch)), (want, challenge_problems(ch))
+    assert line_problems({"ex01": 39, **{f"ex{i:02}": 70 for i in range(2, 11)}}) == \
+        ["ex01: 39 learner lines, fewer than 40"]
+    assert line_problems({f"ex{i:02}": 59 for i in range(1, 11)}) == ["all cores: 590 learner lines, fewer than 600"]

@@ -1,23 +1,40 @@
 """The grader itself: stubs score zero quickly and cleanly (cores and challenges, one grading
 run for all), a correct file scores 100% through it, a challenge is graded by its goal (a
-second, different way passes), and the progress table adds up."""
+second, different way passes) and alone (``ch99``: the core is not run), the progress table
+adds up and states its formula, and ``--reset`` puts a stub back.
+
+The stubs graded are freshly generated ones (:func:`minipar.course.exercise_files.write_stubs`
+into a temporary directory), never the learner's ``exercises/``: a learner who solved
+some exercises still sees these tests pass."""
 import shutil
+import subprocess
+import sys
 import textwrap
 import time
 
 import pytest
 
-from minipar.course import grade
-from minipar.course.markers import GRADED
+from minipar.course import exercise_files, grade
+from minipar.course.markers import GRADED, ROOT
 
 CHAPTERS = sorted(set(grade.exercises()) | {f"ex{grade._chapter(c)}" for c in grade.challenges()})
 
 
 @pytest.fixture(scope="module")
-def stub_reports():
-    """Every chapter's graded tests, cores and challenges, on the stubs, in one grading run."""
+def fresh_stubs(tmp_path_factory):
+    """Freshly generated stubs in a temporary directory (the layout of exercises/), and the
+    challenges with no pristine copy to be found (no git history and a written file)."""
+    where = tmp_path_factory.mktemp("stubs")
+    return where, exercise_files.write_stubs(where)
+
+
+@pytest.fixture(scope="module")
+def stub_reports(fresh_stubs):
+    """Every chapter's graded tests, cores and challenges, on fresh stubs, in one grading run."""
+    where, _ = fresh_stubs
     t = time.perf_counter()
-    reports = {grade._chapter(r.exercise): r for r in grade.grade_many(CHAPTERS, "exercise", verbose=False)}
+    reports = {grade._chapter(r.exercise): r
+               for r in grade.grade_many(CHAPTERS, "exercise", verbose=False, exercises_dir=where)}
     return reports, time.perf_counter() - t
 
 
@@ -39,8 +56,10 @@ def test_exercise_stubs_score_zero_without_hanging(exercise, stub_reports):
 
 
 @pytest.mark.parametrize("name", grade.challenges())
-def test_challenge_stubs_score_zero(name, stub_reports):
+def test_challenge_stubs_score_zero(name, stub_reports, fresh_stubs):
     """A challenge's learner file, unwritten, scores 0: each of its functions raises."""
+    if name in fresh_stubs[1]:
+        pytest.skip(f"{name}: no pristine stub here (no git history, and the file is written)")
     reports, _ = stub_reports
     report = reports[name[2:]].challenge
     assert report is not None, f"{name} was not graded after its chapter's core"
@@ -90,10 +109,18 @@ ALTERNATIVE = 'def ring_order(n):\n    return [(n - i) % n for i in range(n)]  #
 WRONG = 'def ring_order(n):\n    return [2 * i % n for i in range(n)]\n'
 
 
+DEMO_CORE = '''"""Exercise 99: a core that always passes."""
+
+
+def test_core_runs():
+    """The core's one test."""
+'''
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """A graded directory holding a tiny challenge twice (chapters 98 and 99) with its alternative,
-    and a learner's files: an unwritten stub for 98, a wrong ring for 99."""
+    chapter 99 with a core too, and a learner's files: an unwritten stub for 98, a wrong ring for 99."""
     root = tmp_path_factory.mktemp("graded")
     shutil.copy(GRADED / "conftest.py", root / "conftest.py")
     (root / "alternatives").mkdir()
@@ -104,6 +131,7 @@ def demo(tmp_path_factory):
         (root / f"test_ch{chapter}_demo.py").write_text(test)
         (root / "alternatives" / f"ch{chapter}_demo.py").write_text(ALTERNATIVE)
         (mine / "challenges" / f"ch{chapter}_demo.py").write_text(learner)
+    (root / "test_ex99_demo.py").write_text(DEMO_CORE)
     return root, mine
 
 
@@ -122,7 +150,18 @@ def test_a_challenge_is_graded_by_its_goal(demo, capsys):
     assert alt.chapter_score == 1.0
     out = capsys.readouterr().out
     assert "ch98_demo (exercise):" in out and "score: 0/2 (0%)" in out
+    assert "ex99_demo" not in out and "test_core_runs" not in out, "ch99 grades the challenge alone"
 
+
+def test_ex_grades_core_then_challenge_and_states_the_chapter_score(demo, capsys):
+    root, mine = demo
+    rep = grade.grade_many(["ex99"], "exercise", graded=root, exercises_dir=mine, select="core or long_hops")[0]
+    assert [t["name"] for t in rep.tests] == ["test_core_runs"] and rep.score == 1.0
+    assert [t["name"].split("[")[0] for t in rep.challenge.tests] == ["test_no_long_hops"]
+    assert rep.challenge.score == 0.0 and rep.chapter_score == 0.5
+    out = capsys.readouterr().out
+    assert out.index("ex99_demo (exercise):") < out.index("ch99_demo (exercise):")
+    assert "chapter 99: 50% = (core 100% + challenge 0%) / 2" in out
 
 def test_progress_table():
     core = grade.Report("ex01_collectives", "exercise", [{"outcome": "passed"}] * 3 + [{"outcome": "failed"}])
@@ -133,3 +172,44 @@ def test_progress_table():
     assert lines[1].split() == ["01", "3/4", "1/2", "62%"]        # (3/4 + 1/2) / 2
     assert lines[2].split() == ["10", "5/5", "-", "100%"]
     assert lines[3].split() == ["all", "81%"]
+    assert lines[4] == f"({grade.FORMULA}; all = the mean over the chapters)"
+    assert "(core + challenge) / 2" in grade.FORMULA
+    alone = grade.Report("ch01", "exercise")
+    alone.challenge = grade.Report("ch01_x", "exercise", [{"outcome": "passed"}, {"outcome": "failed"}])
+    assert alone.chapter_score == 0.5 and grade.table([alone]).splitlines()[1].split() == ["01", "-", "1/2", "50%"]
+
+
+def test_help_documents_ch_alone_reset_and_the_score():
+    out = subprocess.run([sys.executable, "-m", "minipar.grade", "--help"], capture_output=True, text=True,
+                         cwd=ROOT).stdout
+    assert "the challenge of chapter 04 alone" in out and "--reset" in out and "(core + challenge) / 2" in out
+    for doc in (grade.__doc__, grade.grade.__doc__):
+        assert "the challenge alone" in doc
+
+
+def test_reset_restores_a_stub_and_keeps_the_learners_file(tmp_path):
+    """``python -m minipar.grade --reset ex02`` / ``ch04``: asks nothing, writes the stub, says
+    what it overwrote and keeps it in .backup/; an unknown name is refused."""
+    mine = tmp_path / "exercises"
+    (mine / "challenges").mkdir(parents=True)
+    solved = (ROOT / "solutions" / f"{grade.test_file('ex02').stem.removeprefix('test_')}.py").read_text()
+    ex02 = mine / f"{grade.test_file('ex02').stem.removeprefix('test_')}.py"
+    ex02.write_text(solved)
+    ch04 = mine / "challenges" / f"{grade.test_file('ch04').stem.removeprefix('test_')}.py"
+    ch04.write_text("def schedule(p, m, rank):\n    return []\n")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "minipar.grade", *a, "--exercises-dir", str(mine)],  # noqa: E731
+                                    capture_output=True, text=True, cwd=ROOT, stdin=subprocess.DEVNULL, timeout=120)
+    out = run("--reset", "ex02")
+    assert out.returncode == 0, out.stderr
+    assert ex02.read_text() == exercise_files.render("ex02", solution=False)
+    backups = list((mine / ".backup").glob("ex02_*.py"))
+    assert len(backups) == 1 and backups[0].read_text() == solved
+    assert f"reset {ex02}" in out.stdout and f"kept as {backups[0]}" in out.stdout
+    assert "already the stub" in run("--reset", "ex02").stdout and len(list((mine / ".backup").iterdir())) == 1
+    out = run("--reset", "ch04")
+    assert out.returncode == 0, out.stderr
+    assert exercise_files.is_challenge_stub(ch04.read_text()) and "Challenge 04" in ch04.read_text()
+    assert [p.read_text() for p in (mine / ".backup").glob("ch04_*.py")] == ["def schedule(p, m, rank):\n    return []\n"]
+    for bad in ("ex99", "ch99", "nope"):
+        out = run("--reset", bad)
+        assert out.returncode == 2 and "error:" in out.stderr, (bad, out.stderr)

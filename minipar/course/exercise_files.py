@@ -7,7 +7,14 @@ methods that contain the exercise's marked regions, whole, under a comment namin
 and with the imports their code needs; a method comes inside its class, which holds only the
 marked methods. In the exercise file each region is replaced by its hint lines and
 ``raise NotImplementedError("Exercise NN X: qualname")``; in the solution file it is the
-library's code. Both files' docstring is that of ``minipar/course/graded/test_exNN_topic.py``."""
+library's code. Both files' docstring is that of ``minipar/course/graded/test_exNN_topic.py``.
+
+The learner's own folder is theirs: the course's tests grade *fresh* stubs
+(:func:`write_stubs` into a temporary directory), and check a committed ``exercises/`` file
+against the generator only in CI or while it is identical to git HEAD's (:func:`untouched`).
+:func:`reset` (``python -m minipar.grade --reset ex02``) puts a stub back, keeping the
+learner's file in ``exercises/.backup/``. A challenge's stub is not generated: its pristine
+text is git HEAD's (:func:`stub_text`)."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +22,11 @@ import ast
 import builtins
 import importlib
 import importlib.util
+import os
+import re
+import subprocess
 import textwrap
+import time
 from itertools import groupby
 from pathlib import Path
 
@@ -128,6 +139,125 @@ def outputs() -> tuple[dict, list[str]]:
         except (ValueError, ImportError) as e:
             problems.append(f"{k}: {e}")
     return out, problems
+
+
+# ----------------------------------------------------------------------------- the learner's folder
+def head_text(path: Path, root: Path = ROOT) -> str | None:
+    """``path``'s text at git HEAD of the repository ``root``; None where there is no git, no
+    repository or no such committed file (an installed package, a fresh file)."""
+    try:
+        rel = Path(path).resolve().relative_to(Path(root).resolve())
+        out = subprocess.run(["git", "-C", str(root), "show", f"HEAD:{rel.as_posix()}"],
+                             capture_output=True, timeout=30)
+    except (ValueError, OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.decode() if out.returncode == 0 else None
+
+
+def untouched(path: Path, root: Path = ROOT) -> bool:
+    """Whether ``path`` is identical to its committed version at git HEAD (False without git)."""
+    committed = head_text(path, root)
+    return committed is not None and Path(path).exists() and Path(path).read_text() == committed
+
+
+def is_challenge_stub(text: str) -> bool:
+    """Whether a challenge file is still unwritten: every function and method body (after its
+    docstring) is one ``raise NotImplementedError(...)``."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return False
+    defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    def raises(d):
+        body = d.body[1:] if d.body and isinstance(d.body[0], ast.Expr) and \
+            isinstance(getattr(d.body[0], "value", None), ast.Constant) else d.body
+        return len(body) == 1 and isinstance(body[0], ast.Raise) and \
+            "NotImplementedError" in ast.unparse(body[0])
+    return bool(defs) and all(raises(d) for d in defs)
+
+
+def challenge_names() -> list[str]:
+    """"ch04_schedule", ...: the challenges with a graded module."""
+    return sorted(p.stem.removeprefix("test_") for p in GRADED.glob("test_ch[0-9][0-9]_*.py"))
+
+
+def stub_text(name: str, root: Path = ROOT) -> str | None:
+    """The pristine learner's file for ``name`` ("ex02", "ch04"): an exercise's from the
+    generator; a challenge's from git HEAD, else the file itself if it is still a stub (None:
+    no pristine copy to be found)."""
+    if re.match(r"ex\d+", name):
+        return render(name, solution=False)
+    m = re.match(r"ch\d+", name)
+    full = next((c for c in challenge_names() if m and c.startswith(m[0] + "_")), None)
+    if full is None:
+        raise ValueError(f"no exercise or challenge {name!r}; known: "
+                         f"{', '.join(exercises() + [c[:4] for c in challenge_names()])}")
+    path = Path(root) / "exercises" / "challenges" / f"{full}.py"
+    committed = head_text(path, root)
+    if committed is not None:
+        return committed
+    return path.read_text() if path.exists() and is_challenge_stub(path.read_text()) else None
+
+
+def learner_path(name: str, exercises_dir: str | os.PathLike | None = None) -> Path:
+    """The learner's file for ``name`` ("ex02" or "ch04") in ``exercises_dir`` (default
+    ``$MINIPAR_EXERCISES``, else ``exercises/``)."""
+    base = Path(exercises_dir or os.environ.get("MINIPAR_EXERCISES") or ROOT / "exercises")
+    if re.match(r"ex\d+", name):
+        return base / f"{stem(name)}.py"
+    m = re.match(r"ch\d+", name)
+    full = next((c for c in challenge_names() if m and c.startswith(m[0] + "_")), None)
+    if full is None:
+        raise ValueError(f"no exercise or challenge {name!r}; known: "
+                         f"{', '.join(exercises() + [c[:4] for c in challenge_names()])}")
+    return base / "challenges" / f"{full}.py"
+
+
+def write_stubs(directory: str | os.PathLike) -> list[str]:
+    """Every pristine learner's file (:func:`stub_text`) into ``directory``, in the layout of
+    ``exercises/``; returns the challenges left out for want of a pristine copy."""
+    directory = Path(directory)
+    (directory / "challenges").mkdir(parents=True, exist_ok=True)
+    for k in exercises():
+        (directory / f"{stem(k)}.py").write_text(stub_text(k))
+    missing = []
+    for full in challenge_names():
+        text = stub_text(full[:4])
+        if text is None:
+            missing.append(full[:4])
+        else:
+            (directory / "challenges" / f"{full}.py").write_text(text)
+    return missing
+
+
+def reset(name: str, exercises_dir: str | os.PathLike | None = None) -> str:
+    """Put the stub of ``name`` ("ex02", "ch04") back in the learner's folder, the learner's
+    file kept in ``.backup/`` beside it (``exercises/.backup/ex02_data_parallel.<time>.py``);
+    returns what was done, in words. Unknown names raise ``ValueError``."""
+    if not re.fullmatch(r"(ex|ch)\d+\w*", str(name)):
+        raise ValueError(f"not an exercise or challenge name: {name!r} (e.g. 'ex02' or 'ch04')")
+    name = str(name)[:4]
+    path = learner_path(name, exercises_dir)
+    text = stub_text(name)
+    if text is None:
+        raise ValueError(f"{name}: no pristine copy of {path.name} (no git history here)")
+    base = path.parent.parent if path.parent.name == "challenges" else path.parent
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    if path.exists() and path.read_text() == text:
+        return f"{shown} is already the stub; nothing changed"
+    said = f"reset {shown} to its stub"
+    if path.exists():
+        backup = base / ".backup" / f"{path.stem}.{time.strftime('%Y%m%d-%H%M%S')}.py"
+        i = 1
+        while backup.exists():
+            backup = backup.with_name(f"{path.stem}.{time.strftime('%Y%m%d-%H%M%S')}-{i}.py")
+            i += 1
+        backup.parent.mkdir(parents=True, exist_ok=True)
+        backup.write_text(path.read_text())
+        said += f"; your file is kept as {backup.relative_to(ROOT) if backup.is_relative_to(ROOT) else backup}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return said
 
 
 def count_table() -> str:

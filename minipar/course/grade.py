@@ -1,14 +1,21 @@
 """Grade a chapter: ``python -m minipar.grade ex01`` or ``minipar.grade("ex01")``.
 
-Runs the chapter's graded tests in a fresh pytest process: the core exercise's
+``ex01`` runs the chapter's graded tests in a fresh pytest process: the core exercise's
 (``minipar/course/graded/test_ex01_*.py``) against your file in ``exercises/`` (``--solution``: against
 ``solutions/``), then the chapter's challenge (``minipar/course/graded/test_ch01_*.py``) against
 ``exercises/challenges/`` (``solutions/challenges/``; target ``"alternative"``: the second
-way in ``minipar/course/graded/alternatives/``). It prints one line per test and, for each failure,
-the whole explanation (the rank, the place, expected against got) and how to ask for a
-hint; never the hint itself. ``--all`` grades every chapter and ends with a progress table.
-A chapter's score weighs its core and its challenge equally. The same tests check the
-library and the solutions in CI.
+way in ``minipar/course/graded/alternatives/``). ``ch01`` (``python -m minipar.grade ch01``,
+``minipar.grade("ch01")``) grades the challenge alone, without re-running the core.
+
+It prints one line per test and, for each failure, the whole explanation (the rank, the
+place, expected against got; a rank's error at the line of your file where it was raised)
+and how to ask for a hint; never the hint itself. ``--all`` grades every chapter and ends
+with a progress table. A chapter's score is the mean of its core's and its challenge's
+scores (each the fraction of its tests passed); the core's alone when the chapter has no
+challenge, the challenge's alone when it is graded alone.
+
+``--reset ex02`` (or ``ch04``) puts the stub back in ``exercises/``, keeping your file in
+``exercises/.backup/``. The same tests check the library and the solutions in CI.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from .exercise import EXERCISES_ENV
 from .markers import ROOT  # the repository (site-packages once installed): exercises/, solutions/
 
 TARGETS = ("exercise", "solution", "library", "alternative")
+FORMULA = "chapter score = (core + challenge) / 2 (the core alone without a challenge; the challenge alone when graded alone)"
 _LABEL = re.compile(r"(?:Exercise|Challenge) (\d+)(?: ([A-Z]\w*))?:")
 
 
@@ -49,7 +57,8 @@ class Report:
 
     @property
     def chapter_score(self) -> float:
-        """Core and challenge weighed equally (the core alone when there is no challenge)."""
+        """The mean of the core's and the challenge's scores (the core's alone when there is no
+        challenge, the challenge's alone when graded alone): :data:`FORMULA`."""
         if self.challenge is None or not self.challenge.tests:
             return self.score
         if not self.tests:
@@ -70,7 +79,13 @@ class Report:
                     lines.append("        " + _suggest(self.exercise, t["error"]))
         lines.append(f"score: {self.passed}/{len(self.tests)} ({100 * self.score:.0f}%)")
         text = "\n".join(lines)
-        return text + ("\n" + str(self.challenge) if self.challenge is not None else "")
+        if self.challenge is None:
+            return text
+        text += "\n" + str(self.challenge)
+        if self.challenge.tests:
+            text += (f"\nchapter {_chapter(self.exercise)}: {100 * self.chapter_score:.0f}% = "
+                     f"(core {100 * self.score:.0f}% + challenge {100 * self.challenge.score:.0f}%) / 2")
+        return text
 
 
 def _suggest(exercise: str, error: str) -> str:
@@ -113,10 +128,11 @@ def challenge_file(exercise: str) -> Path | None:
 
 def grade(exercise: str, target: str = "exercise", verbose: bool = True, timeout: float = 600,
           exercises_dir: str | os.PathLike | None = None) -> Report:
-    """Grade chapter ``exercise`` (e.g. ``"ex01"``): its core exercise, then its challenge, for
-    ``target`` ``"exercise"`` (your files), ``"solution"``, ``"library"`` or ``"alternative"``
-    (challenges only); prints the report when ``verbose``; returns it (the challenge's report as
-    ``.challenge``)."""
+    """Grade chapter ``exercise``: ``"ex01"`` its core exercise, then its challenge; ``"ch01"``
+    the challenge alone (the core is not run). ``target``: ``"exercise"`` (your files),
+    ``"solution"``, ``"library"`` or ``"alternative"`` (challenges only); prints the report when
+    ``verbose``; returns it (the challenge's report as ``.challenge``; for ``"ch01"`` the core's
+    part is empty). Its ``chapter_score`` is :data:`FORMULA`."""
     return grade_many([exercise], target, verbose, timeout, exercises_dir=exercises_dir)[0]
 
 
@@ -125,7 +141,7 @@ def grade_many(names: list[str], target: str = "exercise", verbose: bool = True,
                challenge: bool = True, select: str | None = None,
                graded: str | os.PathLike | None = None) -> list[Report]:
     """:func:`grade` for several chapters in one pytest process (one start-up for all), in the
-    order given. ``exercises_dir``: load the learner's files from there instead of
+    order given (``"exNN"``: core then challenge; ``"chNN"``: the challenge alone). ``exercises_dir``: load the learner's files from there instead of
     ``exercises/`` (same layout: ``exNN_topic.py``, ``challenges/chNN_topic.py``).
     ``challenge=False``: cores only. ``select``: only the tests pytest's ``-k`` expression picks.
     ``graded``: another directory of graded tests (with its own ``conftest.py``)."""
@@ -139,9 +155,14 @@ def grade_many(names: list[str], target: str = "exercise", verbose: bool = True,
         finally:
             os.environ.pop(GRADED_ENV) if saved is None else os.environ.__setitem__(GRADED_ENV, saved)
     chapters = list(dict.fromkeys(_chapter(n) for n in names))
-    core_paths = [] if target == "alternative" else [test_file(f"ex{c}") for c in chapters
-                                                     if list(graded_dir().glob(f"test_ex{c}_*.py"))]
-    ch_paths = [p for c in chapters if challenge and (p := challenge_file(c)) is not None]
+    alone = {_chapter(n) for n in names if str(n).startswith("ch")} - \
+        {_chapter(n) for n in names if not str(n).startswith("ch")}   # challenges graded alone
+    for c in sorted(alone):
+        if challenge_file(c) is None:
+            test_file(f"ch{c}")   # raises, naming the known challenges
+    core_paths = [] if target == "alternative" else [test_file(f"ex{c}") for c in chapters if c not in alone
+                                                     and list(graded_dir().glob(f"test_ex{c}_*.py"))]
+    ch_paths = [p for c in chapters if (challenge or c in alone) and (p := challenge_file(c)) is not None]
     if not core_paths and not ch_paths:
         raise ValueError(f"nothing to grade for {names} (target {target!r})")
     challenge_target = "solution" if target == "library" else target
@@ -171,7 +192,7 @@ def grade_many(names: list[str], target: str = "exercise", verbose: bool = True,
     for c in chapters:
         core = next((p for p in core_paths if p.name.startswith(f"test_ex{c}_")), None)
         ch = next((p for p in ch_paths if p.name.startswith(f"test_ch{c}_")), None)
-        rep = of(core, target) if core else Report(f"ex{c}", target)
+        rep = of(core, target) if core else Report(f"{'ch' if c in alone else 'ex'}{c}", target)
         rep.challenge = of(ch, challenge_target) if ch else None
         reports.append(rep)
     for report in reports if verbose else []:
@@ -190,17 +211,34 @@ def table(reports: list[Report]) -> str:
     total = sum(r.chapter_score for r in reports) / len(reports) if reports else 0.0
     rows.append(("all", "", "", f"{100 * total:.0f}%"))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join(["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows] +
+                     [f"({FORMULA}; all = the mean over the chapters)"])
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minipar.grade", description=__doc__.splitlines()[0])
-    p.add_argument("exercise", nargs="?", help="e.g. ex01 (omit with --all)")
+    p = argparse.ArgumentParser(
+        prog="python -m minipar.grade", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="  ex04         the core exercise of chapter 04, then its challenge\n"
+               "  ch04         the challenge of chapter 04 alone (the core is not run)\n"
+               "  --reset ex02 put the stub of ex02 (or ch04) back; your file goes to exercises/.backup/\n"
+               f"score: {FORMULA}")
+    p.add_argument("exercise", nargs="?", help="ex01 (core, then challenge) or ch01 (the challenge alone); "
+                   "omit with --all")
     p.add_argument("--solution", action="store_true", help="grade solutions/ instead of exercises/")
     p.add_argument("--alternative", action="store_true", help="grade the challenges' second solutions")
     p.add_argument("--all", action="store_true", help="grade every chapter, then print the progress table")
     p.add_argument("--exercises-dir", help="load your files from this directory instead of exercises/")
+    p.add_argument("--reset", metavar="NAME", help="restore the stub of exercise NAME (ex02) or challenge "
+                   "NAME (ch04) from the generator, without asking; your file is kept in .backup/")
     a = p.parse_args(argv)
+    if a.reset:
+        from .exercise_files import reset
+        try:
+            print(reset(a.reset, a.exercises_dir))
+        except ValueError as e:
+            p.error(str(e))
+        return 0
     names = sorted(set(exercises()) | {f"ex{_chapter(c)}" for c in challenges()}) \
         if a.all or not a.exercise else [a.exercise]
     target = "alternative" if a.alternative else "solution" if a.solution else "exercise"

@@ -91,7 +91,9 @@ def test_planning_bug_names_the_stage_and_numbers(planted):
 
 def test_the_size_mismatch_names_both_ranks_the_step_and_the_sizes(planted):
     msg = _message(planted, "01", "test_sum_uneven_sizes")
-    _teaches(msg, r"rank 0 failed: ValueError: exchange 'ring_all_reduce' \(phase reduce-scatter, step 0\)")
+    # the place in the learner's file where the exchange was called, then the exception
+    _teaches(msg, r"rank 0: \S+ex01_collectives\.py:\d+  .+  ValueError: exchange 'ring_all_reduce' "
+                  r"\(phase reduce-scatter, step 0\)")
     assert re.search(r"rank 0 sends to rank 1: expected \d+ elements .*got \d+", msg), msg
     assert "died without a result" not in msg
 

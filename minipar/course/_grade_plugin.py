@@ -2,6 +2,10 @@
 
 * A failure keeps its whole explanation: a :class:`minipar.course.grading.GradeFailure`'s message,
   a rank's own exception (not the launcher's wrapper), a hang's report.
+* **An error names the place in the learner's file**: when a rank (or the driver) raised inside
+  the learner's code (``exercises/`` or ``$MINIPAR_EXERCISES``), the message starts with that
+  file, line and code: ``rank 1: exercises/ex02_data_parallel.py:57  bucket.flat.copy_(g)
+  AttributeError: ...``.
 * Transfers are checked (``MINIPAR_CHECKED_COMM``): a send and a receive of different sizes
   raise in words on both ranks instead of aborting Gloo.
 * **A hang fails fast.** Each rank keeps its last collective in a file (``MINIPAR_FLIGHT_DIR``,
@@ -76,6 +80,58 @@ def rank_exception(tb: str) -> str:
     return re.sub(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): ", r"\1: ", text)
 
 
+_FRAME = re.compile(r'  File "(.+)", line (\d+), in ')
+
+
+def learner_dirs() -> list[Path]:
+    """Where the learner's files live: ``exercises/`` and ``$MINIPAR_EXERCISES``."""
+    from minipar.course.markers import ROOT
+    dirs = [ROOT / "exercises"]
+    if os.environ.get("MINIPAR_EXERCISES"):
+        dirs.append(Path(os.environ["MINIPAR_EXERCISES"]))
+    return [d.resolve() for d in dirs]
+
+
+def _shown(path: str) -> str | None:
+    """``path`` as the learner reads it (relative to the repository when inside it), or None
+    when it is no learner's file."""
+    from minipar.course.markers import ROOT
+    try:
+        p = Path(path).resolve()
+    except (OSError, ValueError):
+        return None
+    if not any(p.is_relative_to(d) for d in learner_dirs()):
+        return None
+    return str(p.relative_to(ROOT.resolve())) if p.is_relative_to(ROOT.resolve()) else str(p)
+
+
+def place_in_traceback(tb: str) -> str | None:
+    """``file:line  code`` of the innermost frame of a formatted traceback (its last exception)
+    that runs in the learner's file; None when no frame does."""
+    lines = tb.splitlines()
+    start = max((i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")), default=0)
+    found = None
+    for i in range(start, len(lines)):
+        m = _FRAME.match(lines[i])
+        if m and (shown := _shown(m[1])):
+            code = lines[i + 1].strip() if i + 1 < len(lines) and lines[i + 1].startswith("    ") \
+                and not _FRAME.match(lines[i + 1]) else ""
+            found = f"{shown}:{m[2]}  {code}".rstrip()
+    return found
+
+
+def place_of(e: BaseException) -> str | None:
+    """:func:`place_in_traceback` of an exception raised in this process."""
+    import linecache
+    import traceback
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if _shown(f.filename)]
+    if not frames:
+        return None
+    f = frames[-1]
+    code = (f.line or linecache.getline(f.filename, f.lineno)).strip()
+    return f"{_shown(f.filename)}:{f.lineno}  {code}".rstrip()
+
+
 def _without_common_tail(other: str, own: str, limit: int = 300) -> str:
     """``other``'s first line without the closing sentences it shares with ``own``."""
     other = other.splitlines()[0] if other else ""
@@ -106,7 +162,8 @@ def explain(e: BaseException) -> str:
         return str(e)
     if isinstance(e, RankError):
         own = rank_exception(e.remote_traceback)
-        text = f"rank {e.rank} failed: {own}"
+        where = place_in_traceback(e.remote_traceback)
+        text = f"rank {e.rank}: {where}  {own}" if where else f"rank {e.rank} failed: {own}"
         if "died without a result" in own:
             last = [ln for ln in flight_lines() if ln.startswith(f"  rank {e.rank}:")]
             if last:
@@ -133,8 +190,10 @@ def explain(e: BaseException) -> str:
                  "); fix that hang first") if rows else "an earlier test hung; fix that hang first"
         return text
     if isinstance(e, AssertionError):
-        return f"AssertionError: {e}" if str(e) else "AssertionError"
-    lines = f"{type(e).__name__}: {e}".splitlines()
+        where = place_of(e)
+        return (f"{where}  " if where else "") + (f"AssertionError: {e}" if str(e) else "AssertionError")
+    where = place_of(e)
+    lines = ((f"{where}  " if where else "") + f"{type(e).__name__}: {e}").splitlines()
     return "\n".join(lines[:20] + (["..."] if len(lines) > 20 else []))
 
 

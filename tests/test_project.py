@@ -1,6 +1,12 @@
-"""The project's own consistency: dependencies, exercises generated from the library, CLI entry points."""
+"""The project's own consistency: dependencies, exercises generated from the library, CLI entry points.
+
+A learner's ``exercises/`` is theirs: the stubs are checked as the generator writes them (in a
+temporary directory), and a committed ``exercises/`` file's freshness only in CI (``$CI`` set) or
+while it is identical to git HEAD's; ``solutions/`` always."""
 import ast
+import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -9,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from minipar.course import exercise, grade
+from minipar.course import exercise, exercise_files, grade
 
 ROOT = Path(__file__).resolve().parent.parent
 CONDA_NAMES = {"torch": "pytorch"}
@@ -96,15 +102,19 @@ def _minus_stubs(ln, inside):
 
 
 @pytest.mark.parametrize("key", exercise.exercises())
-def test_stub_is_the_library_minus_its_marked_regions(key):
-    """Every function and method of exercises/exNN (classes and _-prefixed names included) is
+def test_stub_is_the_library_minus_its_marked_regions(key, tmp_path):
+    """Every function and method of the stub exNN (classes and _-prefixed names included) is
     the library's minus its marked regions, and solutions/exNN has the library's code itself;
-    the files hold nothing else."""
+    the files hold nothing else. The stub checked is the generator's (freshly written to a
+    temporary directory), not the learner's exercises/ file (its freshness:
+    :func:`test_committed_exercises_and_solutions_are_generated`)."""
     name = exercise.stem(key)
     marked = {p.qualname: p for p in exercise.pieces(key)}
     assert marked, f"{key}: no marked regions"
+    (tmp_path / "exercises").mkdir()
+    (tmp_path / "exercises" / f"{name}.py").write_text(exercise_files.render(key, solution=False))
     for folder, drop in (("exercises", _minus_stubs), ("solutions", _minus_markers)):
-        path = ROOT / folder / f"{name}.py"
+        path = (tmp_path if folder == "exercises" else ROOT) / folder / f"{name}.py"
         defs = _defs(ast.parse(path.read_text()))
         assert set(defs) == set(marked), f"{path.name}: {sorted(set(defs) ^ set(marked))}"
         for qualname, piece in marked.items():
@@ -143,12 +153,47 @@ def test_exercise_swaps_the_library_functions_and_restores_them():
 
 
 def test_committed_exercises_and_solutions_are_generated():
-    """exercises/ and solutions/ are exactly what ``python -m minipar.course.exercise --write`` writes."""
-    out = subprocess.run([sys.executable, "-m", "minipar.course.exercise", "--check"], capture_output=True,
-                         text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr
-    names = {p.name for folder in ("exercises", "solutions") for p in (ROOT / folder).glob("ex*.py")}
-    assert names == {f"{exercise.stem(k)}.py" for k in exercise.exercises()}, "a file no exercise generates"
+    """solutions/ is exactly what ``python -m minipar.course.exercise --write`` writes, and so is
+    every exercises/ file in CI (``$CI`` set) or while it is identical to git HEAD's: a learner's
+    solved or broken file is theirs (:func:`minipar.course.exercise_files.stale`)."""
+    assert exercise_files.stale(ROOT) == []
+
+
+def _git(root, *args):
+    subprocess.run(["git", "-C", str(root), "-c", "user.name=course", "-c", "user.email=course@localhost",
+                    "-c", "commit.gpgsign=false", *args], check=True, capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_solved_or_broken_workspace_keeps_the_freshness_check_green(tmp_path):
+    """A copy of the repository's exercises/ and solutions/, committed, then every solution
+    copied into exercises/ and one file broken: the check passes (CI unset), and names every
+    changed exercise in CI. An untouched committed stub that is stale is still caught, without
+    CI; without git, exercises/ is checked in CI only and solutions/ always."""
+    for folder in ("exercises", "solutions"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__", ".backup"))
+    for k in exercise.exercises():          # the pristine stubs, committed
+        (tmp_path / "exercises" / f"{exercise.stem(k)}.py").write_text(exercise_files.render(k, solution=False))
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-q", "-m", "stubs")
+    names = [exercise.stem(k) for k in exercise.exercises()]
+    assert exercise_files.stale(tmp_path, ci=False) == [] and exercise_files.stale(tmp_path, ci=True) == []
+    for name in names:                       # every solution copied in; the first broken
+        shutil.copy(tmp_path / "solutions" / f"{name}.py", tmp_path / "exercises" / f"{name}.py")
+    (tmp_path / "exercises" / f"{names[0]}.py").write_text("def broken(:\n")
+    assert exercise_files.stale(tmp_path, ci=False) == []
+    assert exercise_files.stale(tmp_path, ci=True) == [f"exercises/{n}.py" for n in names]
+    # an untouched stub that the generator no longer writes: caught without CI
+    _git(tmp_path, "checkout", "-q", "--", f"exercises/{names[1]}.py")
+    (tmp_path / "exercises" / f"{names[1]}.py").write_text("# stale\n")
+    _git(tmp_path, "commit", "-q", "-m", "a stale stub", "--", f"exercises/{names[1]}.py")
+    assert exercise_files.stale(tmp_path, ci=False) == [f"exercises/{names[1]}.py"]
+    # no git (an installed course): exercises/ only in CI; solutions/ always
+    shutil.rmtree(tmp_path / ".git")
+    assert exercise_files.stale(tmp_path, ci=False) == []
+    (tmp_path / "solutions" / f"{names[2]}.py").write_text("# stale\n")
+    assert exercise_files.stale(tmp_path, ci=False) == [f"solutions/{names[2]}.py"]
 
 
 def test_bench_lists_its_benchmarks():
@@ -161,7 +206,7 @@ def test_bench_lists_its_benchmarks():
 def test_grade_knows_every_exercise():
     names = grade.exercises()
     assert names[0] == "ex01"
-    assert names == sorted({p.stem.split("_")[0] for p in (ROOT / "exercises").glob("ex*.py")})
+    assert names == sorted({p.stem.split("_")[0] for p in (ROOT / "solutions").glob("ex*.py")})
     assert names == exercise.exercises(), "every graded exercise has marked code, and the other way round"
     with pytest.raises(ValueError, match="no graded exercise"):
         grade.test_file("ex99")

@@ -260,6 +260,30 @@ def reset(name: str, exercises_dir: str | os.PathLike | None = None) -> str:
     return said
 
 
+def stale(root: str | os.PathLike = ROOT, ci: bool | None = None) -> list[str]:
+    """The generated files under ``root`` (a copy of the repository's layout) that differ from
+    the generator, as paths relative to it. A learner's ``exercises/`` file counts only in CI
+    (``ci``; default: ``$CI`` set) or while it is identical to git HEAD's (so an untouched stub
+    that is stale is caught, a learner's work never is; without git, only in CI); ``solutions/``
+    always counts, and so does a file no exercise generates there."""
+    root = Path(root)
+    ci = bool(os.environ.get("CI")) if ci is None else ci
+    files, problems = outputs()
+    out = [f"cannot generate: {p}" for p in problems]
+    for path, text in files.items():
+        rel = path.relative_to(ROOT)
+        target = root / rel
+        if rel.parts[0] == "exercises" and not ci and not untouched(target, root):
+            continue
+        if not target.exists() or target.read_text() != text:
+            out.append(str(rel))
+    want = {p.relative_to(ROOT) for p in files}
+    for folder in ("solutions",) + (("exercises",) if ci else ()):
+        out += sorted(str(p.relative_to(root)) + " (no exercise generates it)"
+                      for p in (root / folder).glob("ex*.py") if p.relative_to(root) not in want)
+    return out
+
+
 def count_table() -> str:
     """The lines a learner writes, per exercise and in all (Markdown)."""
     counts = {k: learner_lines(k) for k in exercises()}

@@ -129,9 +129,12 @@ def test_stub_is_the_library_minus_its_marked_regions(key, tmp_path):
                         assert f'raise NotImplementedError("{r.label()}: {qualname}")' in text
 
 
-def test_exercise_swaps_the_library_functions_and_restores_them():
+def test_exercise_swaps_the_library_functions_and_restores_them(tmp_path, monkeypatch):
     """Inside ``minipar.course.exercise`` the library's own function object runs the stub (or the
-    solution), through any reference to it; outside, the library's code is back."""
+    solution), through any reference to it; outside, the library's code is back. The stub is the
+    generator's, in a temporary directory (``$MINIPAR_EXERCISES``), not the learner's file."""
+    (tmp_path / f"{exercise.stem('ex04')}.py").write_text(exercise_files.render("ex04", solution=False))
+    monkeypatch.setenv(exercise.EXERCISES_ENV, str(tmp_path))
     import minipar
     from minipar import pipeline
     from minipar.pipeline import schedules

@@ -219,3 +219,24 @@ def test_readme_quick_start_is_what_ci_runs():
     readme = (ROOT / "README.md").read_text()
     assert "python3 course.py lab" in readme and "python3 course.py test" in readme
     assert "python3 course.py test" in (ROOT / ".ci" / "run").read_text()
+
+
+def _code_lines(text: str) -> int:
+    return sum(1 for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#"))
+
+
+def test_learner_lines_are_the_solutions_lines_the_stub_leaves_out():
+    """``markers.learner_lines``: the solution's code lines minus the stub's (each region's one
+    ``raise`` aside), and ``--count`` prints them with their total."""
+    from minipar.course import markers
+    counts = {}
+    for k in exercise.exercises():
+        regions = sum(1 for p in exercise.pieces(k) for r in p.regions if r.exercise == k)
+        stub, solution = exercise_files.render(k, solution=False), exercise_files.render(k, solution=True)
+        counts[k] = markers.learner_lines(k)
+        assert counts[k] == _code_lines(solution) - (_code_lines(stub) - regions) > 0, k
+    out = subprocess.run([sys.executable, "-m", "minipar.course.exercise", "--count"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert [f"| {k} | {n} |" for k, n in counts.items()] + [f"| all | {sum(counts.values())} |"] == \
+        out.stdout.splitlines()[2:]

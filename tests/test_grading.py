@@ -84,6 +84,7 @@ DEMO_TEST = '''
     from minipar.course.grading import expect_equal
 
     CHALLENGE = "ch99_demo"
+    HINTS = {"": ("Which neighbours does rank i have?", "Walk the ranks in order.", "range(n)")}
 
 
     def _long_hops(order):
@@ -150,6 +151,7 @@ def test_a_challenge_is_graded_by_its_goal(demo, capsys):
     assert alt.chapter_score == 1.0
     out = capsys.readouterr().out
     assert "ch98_demo (exercise):" in out and "score: 0/2 (0%)" in out
+    assert 'stuck? minipar.hint("ch98")' in out and "Walk the ranks" not in out, "how to ask, never the hint"
     assert "ex99_demo" not in out and "test_core_runs" not in out, "ch99 grades the challenge alone"
 
 

@@ -75,7 +75,7 @@ class Report:
             lines.append(f"  {outcome}  {t['name']}: {title}")
             if t["outcome"] != "passed":
                 lines += ["        " + ln for ln in (t["error"] or t["outcome"]).rstrip().splitlines()]
-                if t["outcome"] == "failed" and self.exercise.startswith("ex"):
+                if t["outcome"] == "failed" and (self.exercise.startswith("ex") or _has_hints(self.exercise)):
                     lines.append("        " + _suggest(self.exercise, t["error"]))
         lines.append(f"score: {self.passed}/{len(self.tests)} ({100 * self.score:.0f}%)")
         text = "\n".join(lines)
@@ -86,6 +86,14 @@ class Report:
             text += (f"\nchapter {_chapter(self.exercise)}: {100 * self.chapter_score:.0f}% = "
                      f"(core {100 * self.score:.0f}% + challenge {100 * self.challenge.score:.0f}%) / 2")
         return text
+
+
+def _has_hints(name: str) -> bool:
+    from .hints import parts
+    try:
+        return bool(parts(name))
+    except (ValueError, SyntaxError):
+        return False
 
 
 def _suggest(exercise: str, error: str) -> str:

@@ -1,4 +1,5 @@
-"""``python -m minipar.grade``: the grader, :mod:`minipar.course.grade` (the command's short name)."""
+"""``python -m minipar.grade ex04`` (core, then challenge), ``ch04`` (the challenge alone),
+``--reset ex02``: the grader, :mod:`minipar.course.grade` (the command's short name)."""
 import sys
 
 from .course import grade as _grade

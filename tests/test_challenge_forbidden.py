@@ -7,7 +7,7 @@ from minipar.course import challenge
 from minipar.course.challenge import EXERCISES_ENV, GRADED_ENV
 from minipar.course.grading import GradeFailure
 
-GRADED = '"""Challenge 97: demo."""\nCHALLENGE = "ch97_demo"\nFORBIDDEN = ("minipar.pipeline.schedules", "minipar.plan.search")\n'
+GRADED = '"""Challenge 97: demo."""\nCHALLENGE = "ch97_demo"\nFORBIDDEN = ("minipar.pipeline.schedules", "minipar.plan.search", "minipar.pipeline.zb_h1")\n'
 HEAD = '"""Mine."""\nimport math\nfrom minipar.pipeline import Action  # fine\n'
 BODY = "\n\ndef schedule(p, m, rank):\n    return []\n"
 REFUSED = {
@@ -19,6 +19,9 @@ REFUSED = {
     "import importlib\nS = importlib.import_module('minipar.pipeline.schedules')\n": 5,
     "from importlib import import_module\nS = import_module('minipar.plan.search')\n": 5,
     "import minipar\n\nS = minipar.pipeline.schedules.zb_h1\n": 6,
+    "from minipar.pipeline import zb_h1\n": 4,
+    "import minipar.pipeline as pp\nS = pp.zb_h1\n": 5,
+    "from minipar import pipeline as pp\nS = pp.schedules\n": 5,
 }
 
 
@@ -50,7 +53,10 @@ def test_other_imports_and_other_targets_load(dirs, tmp_path):
     challenge.refuse_imports(path, challenge.forbidden("ch97_demo"))         # a name is no prefix of it
     path.write_text(HEAD + BODY)
     assert challenge.load("ch97_demo", "exercise").schedule(4, 8, 0) == []
-    assert challenge.forbidden("ch97_demo") == ("minipar.pipeline.schedules", "minipar.plan.search")
+    assert challenge.forbidden("ch97_demo") == ("minipar.pipeline.schedules", "minipar.plan.search",
+                                                "minipar.pipeline.zb_h1")
+    path.write_text(HEAD + "import minipar.pipeline as pp\nS = pp.gpipe\n" + BODY)
+    challenge.refuse_imports(path, challenge.forbidden("ch97_demo"))         # another name of the package
     (graded / "test_ch97_demo.py").write_text(GRADED.replace("FORBIDDEN", "NOT_FORBIDDEN"))
     path.write_text(HEAD + "import minipar.pipeline.schedules\n" + BODY)
     assert challenge.load("ch97_demo", "exercise").schedule(4, 8, 0) == []   # no FORBIDDEN: loads

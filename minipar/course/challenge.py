@@ -12,7 +12,9 @@ A challenge must not be passable by calling the library's own answer: its graded
 set ``FORBIDDEN = ("minipar.pipeline.schedules", ...)`` (modules, or names inside one), and
 :func:`load` then refuses a learner's file that imports any of them, in any form (``import
 a.b``, ``from a import b``, ``from a.b import c``, ``importlib.import_module("a.b")``, or a
-dotted use ``a.b.c`` of an imported package), naming the line.
+dotted use ``a.b.c`` of an imported package, through its alias too), naming the line. List
+the names a package re-exports as well (``"minipar.pipeline.zb_h1"`` beside
+``"minipar.pipeline.schedules"``): ``from minipar.pipeline import zb_h1`` names no module.
 """
 from __future__ import annotations
 
@@ -82,19 +84,30 @@ def _dotted(node) -> str | None:
 def imported(path: Path) -> list[tuple[int, str]]:
     """(line, dotted name) of everything the file at ``path`` imports or names by a dotted path:
     ``import a.b`` gives a.b; ``from a import b`` gives a and a.b; ``importlib.import_module("a.b")``
-    and ``__import__("a.b")`` with a literal give a.b; an expression ``a.b.c`` gives a.b.c."""
+    and ``__import__("a.b")`` with a literal give a.b; an expression ``x.c`` gives a.b.c where
+    ``x`` was bound to a.b by an import (``import a.b as x``, ``from a import b as x``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    bound: dict[str, str] = {}
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
+            for a in node.names:
+                out.append((node.lineno, a.name))
+                if a.asname:
+                    bound[a.asname] = a.name
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            out += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+            out.append((node.lineno, node.module))
+            for a in node.names:
+                out.append((node.lineno, f"{node.module}.{a.name}"))
+                bound[a.asname or a.name] = f"{node.module}.{a.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
                 and isinstance(node.args[0].value, str) \
                 and (_dotted(node.func) or "").split(".")[-1] in ("import_module", "__import__"):
             out.append((node.lineno, node.args[0].value))
         elif isinstance(node, ast.Attribute) and (d := _dotted(node)):
-            out.append((node.lineno, d))
+            head, _, rest = d.partition(".")
+            out.append((node.lineno, f"{bound[head]}.{rest}" if head in bound else d))
     return sorted(set(out))
 
 

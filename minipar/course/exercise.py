@@ -12,7 +12,8 @@ a function or method (optional hint lines right after the opening marker)::
 
 ``python -m minipar.course.exercise --write`` generates ``exercises/exNN_topic.py`` (each region
 replaced by its hints and a ``raise NotImplementedError``) and ``solutions/exNN_topic.py`` (the
-marked code kept); ``--check`` fails on a stale file (:mod:`minipar.course.exercise_files`).
+marked code kept); ``--check`` fails on a stale file; ``--count`` prints the lines a learner
+writes per exercise (:mod:`minipar.course.exercise_files`).
 
 ``with minipar.exercise("ex02"):`` (or ``target="solution"`` / ``"library"``) makes every
 marked function and method of the library run that version for the duration, in this process

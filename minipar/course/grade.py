@@ -262,6 +262,7 @@ class _CallableModule(types.ModuleType):
     runs this module: the module and the function share one name."""
 
     def __call__(self, exercise: str, target: str = "exercise", verbose: bool = True) -> Report:
+        """``minipar.grade("ex04")``: core then challenge; ``minipar.grade("ch04")``: the challenge alone."""
         return grade(exercise, target=target, verbose=verbose)
 
 

@@ -16,6 +16,7 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow   # every benchmark
 def test_every_benchmark_runs_at_its_smallest_size_and_reports_its_ratio(capsys):
     names = bench.available()
     assert {"collectives", "ddp", "pipeline", "planner", "zero", "mesh5d"} <= set(names), names
@@ -43,6 +44,7 @@ def test_every_benchmark_runs_at_its_smallest_size_and_reports_its_ratio(capsys)
     assert not bad, bad
 
 
+@pytest.mark.slow   # ten strategies ranked
 def test_the_planners_ranking_runs_at_its_smallest_size(capsys):
     """``bench planner --rho``: chapter 07's strategies ranked, one round, one run."""
     from minipar.bench import planner

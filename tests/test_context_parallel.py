@@ -77,7 +77,7 @@ def _rank_checks():
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["cp2", "cp4"])
 def checks(request):
     return request.param, minipar.launch(_rank_checks, request.param, timeout=120)
 

@@ -150,6 +150,7 @@ def test_a_run_past_its_time_fails_with_what_it_printed_and_leaves_nothing_runni
     assert state in ("gone", "Z"), f"the worker {worker} is still running ({state})"
 
 
+@pytest.mark.slow   # torchrun agents, two runs
 def test_a_rank_killed_mid_step_under_two_torchrun_agents_resumes_with_the_same_losses(tmp_path):
     """Two agents (c10d rendezvous on 127.0.0.1, one rank each, --max-restarts 1); rank 1 is
     SIGKILLed inside step 5. The agents restart the job, minipar.production.train continues from the
@@ -173,6 +174,7 @@ def test_a_rank_killed_mid_step_under_two_torchrun_agents_resumes_with_the_same_
     assert got["history"] == _uninterrupted(tmp_path, run), report
 
 
+@pytest.mark.slow   # two runs of the training command
 def test_sigterm_checkpoints_exits_75_and_the_rerun_continues_with_the_same_losses(tmp_path):
     """SIGTERM to the driver mid-run (as Slurm preempts): the ranks finish the step, save,
     and the command exits 75; the same command again continues at the next step, and every
@@ -200,6 +202,7 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_continues_with_the_same_loss
     assert second["history"] == _uninterrupted(tmp_path, run)
 
 
+@pytest.mark.slow   # torchrun
 def test_a_rank_stuck_before_a_collective_stops_every_rank_naming_the_collectives(tmp_path):
     """torchrun, 2 ranks, --hang-timeout 3: rank 1 sleeps before step 3. Both ranks stop
     (exit 124, the watchdog's: rank 1 would sleep for an hour); the report names each rank's last

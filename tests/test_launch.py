@@ -203,6 +203,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # torchrun
 @pytest.mark.parametrize("runner", ["python", "torchrun"])
 def test_the_same_script_runs_as_a_plain_script_and_under_torchrun(tmp_path, runner):
     """Plain: ``fn`` from ``__main__`` travels by value to 2 new ranks. torchrun: the

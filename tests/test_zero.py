@@ -55,7 +55,7 @@ def _all_stages():
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["2ranks", "4ranks"])
 def runs(request):
     return request.param, minipar.launch(_all_stages, request.param, timeout=240)
 

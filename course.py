@@ -3,6 +3,8 @@
 
     python3 course.py lab                 # make .venv, install, open notebook 00 in JupyterLab
     python3 course.py test [pytest args]  # make .venv, install, run the test suite
+    python3 course.py test --quick        # all but the slow tier (the notebooks, multi-minute
+                                          # launches: pytest -m "not slow"), a few minutes
     python3 course.py book                # the web book: every notebook executed (or reused from
                                           # the tests' run), a static site, checked in a browser
     python3 course.py test --gpu          # on a GPU machine: equivalence tests and every notebook
@@ -309,6 +311,8 @@ def main(argv) -> int:
         return test_colab(version, [a for a in rest if a not in ("--colab", version)])
     if "--gpu" in rest:
         return test_gpu([a for a in rest if a != "--gpu"])
+    if "--quick" in rest:   # the tests marked slow (pyproject's markers) left out
+        rest = [a for a in rest if a != "--quick"] + ["-m", "not slow"]
     return subprocess.call([str(python()), "-m", "pytest", *rest], cwd=ROOT)
 
 

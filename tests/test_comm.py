@@ -55,18 +55,18 @@ def _check_all(sizes):
             h = x.clone()
             out["bytes"][("halving_doubling_all_reduce", N)] = bytes_of(lambda: comm.halving_doubling_all_reduce(h))
             out["ok"][("halving_doubling_all_reduce", N)] = torch.allclose(h, total, atol=1e-5)
-        # the backend's collectives, recorded with the ring's bytes
+        # the backend's collectives, recorded with the bytes their tensors move
         z = x.clone()
         out["bytes"][("all_reduce", N)] = bytes_of(lambda: comm.all_reduce(z, op="avg"))
         out["ok"][("all_reduce", N)] = torch.allclose(z, total / n, atol=1e-5)
     k = 6
     full = torch.arange(n * k, dtype=torch.float32, device=dev) * (r + 1)
     part = torch.empty(k, device=dev)
-    comm.reduce_scatter(part, full)
+    out["bytes"][("reduce_scatter", n * k)] = bytes_of(lambda: comm.reduce_scatter(part, full))
     out["ok"][("reduce_scatter", k)] = torch.equal(part.cpu(), torch.arange(n * k, dtype=torch.float32)[r * k:(r + 1) * k] * n * (n + 1) / 2)
     gathered = torch.empty(n * k, device=dev)
-    h = comm.all_gather(gathered, torch.full((k,), float(r), device=dev), async_op=True)
-    h.wait()
+    out["bytes"][("all_gather", n * k)] = bytes_of(
+        lambda: comm.all_gather(gathered, torch.full((k,), float(r), device=dev), async_op=True).wait())
     out["ok"][("all_gather async", k)] = torch.equal(gathered.cpu(), torch.arange(n).repeat_interleave(k).float())
     out["device"] = dev.type
     return out
@@ -93,7 +93,65 @@ def test_collectives_match_torch_and_bytes_match_the_model(n):
         for algo in ("tree", "ring"):
             sent = [res["bytes"][(f"broadcast {algo} src=0", N)] for res in results]
             assert sum(sent) == (n - 1) * nbytes  # every rank but the root receives N once
-        assert results[0]["bytes"][("all_reduce", N)] == round(cost.collective_bytes("all_reduce", nbytes, n))
+        _formula_agrees(results, "all_reduce", N, cost.collective_bytes)
+    for op in ("reduce_scatter", "all_gather"):
+        _formula_agrees(results, op, 6 * n, cost.collective_bytes)
+
+
+def _formula_agrees(results, op, N, formula):
+    """The backend's ``op`` on N float32s: the bytes each rank recorded (counted from the tensors
+    it handed the backend) against ``formula``: summed over the ranks n·formula, and on each rank
+    the formula when n divides N."""
+    n, nbytes = len(results), 4 * N
+    sent = [res["bytes"][(op, N)] for res in results]
+    assert sum(sent) == pytest.approx(n * formula(op, nbytes, n)), (op, N, sent)
+    if N % n == 0:
+        assert sent == [formula(op, nbytes, n)] * n, (op, N, sent)
+
+
+def _native_bytes_under(formula):
+    """The bytes the backend's collectives record on this rank while the cost formula (everywhere
+    it can be reached from) is ``formula``."""
+    import minipar.analysis.cost as cost_pkg
+    import minipar.analysis.cost.collectives as cost_mod
+    from minipar.comm import native
+    n, r = dist.get_world_size(), dist.get_rank()
+    homes = [m for m in (cost_pkg, cost_mod, native) if hasattr(m, "collective_bytes")]
+    saved = [m.collective_bytes for m in homes]
+    for m in homes:
+        m.collective_bytes = formula
+    out = {}
+    try:
+        for N in (12, 7):
+            trace.start(r)
+            comm.all_reduce(torch.ones(N))
+            out[("all_reduce", N)] = sum(e["bytes_sent"] for e in trace.events())
+        trace.start(r)
+        comm.reduce_scatter(torch.empty(4), torch.ones(4 * n))
+        comm.all_gather(torch.empty(4 * n), torch.ones(4))
+        ev = trace.events()
+        out[("reduce_scatter", 4 * n)], out[("all_gather", 4 * n)] = (e["bytes_sent"] for e in ev)
+    finally:
+        for m, f in zip(homes, saved):
+            m.collective_bytes = f
+    return {"bytes": out}
+
+
+def _wrong_formula(op, nbytes, n):
+    """A planted mistake: the all-reduce's factor 2 dropped."""
+    return (n - 1) / n * nbytes
+
+
+def test_recorded_bytes_come_from_the_tensors_so_a_wrong_formula_fails():
+    """Not circular: with the formula replaced by a wrong one inside the ranks, the recorded bytes
+    do not change (they are counted from the tensors moved), so the check against the right
+    formula passes and the check against the planted one fails (3 ranks: 12 elements divide
+    evenly, 7 do not)."""
+    results = minipar.launch(_native_bytes_under, 3, args=(_wrong_formula,), timeout=120)
+    for op, N in results[0]["bytes"]:
+        _formula_agrees(results, op, N, cost.collective_bytes)
+    with pytest.raises(AssertionError):
+        _formula_agrees(results, "all_reduce", 12, _wrong_formula)
 
 
 def _halving_on_three():

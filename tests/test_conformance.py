@@ -152,6 +152,27 @@ def test_no_synchronization_with_recording_off():
     assert sum(n for r in on for n in r.values()) > 0, list(on)   # the counter sees the regions' calls
 
 
+def _loop_that_communicates():
+    """strategy.loop over 3 steps, step i all-reducing 4(i+1) floats along "dp"."""
+    from minipar import comm
+
+    def step(i, batch):
+        comm.all_reduce(torch.ones(4 * (i + 1)), dim="dp")
+        return torch.tensor(float(i + torch.distributed.get_rank()))
+
+    losses, measured = strategy.loop([None, None, None], step)
+    return losses, measured["bytes_by_dim"], measured["bytes_sent"]
+
+
+def test_loop_measures_the_bytes_of_the_last_step_only():
+    """On 2 ranks the last step all-reduces 12 floats: 2·(1/2)·48 = 48 bytes sent per rank, and
+    that alone is the step's ``bytes_by_dim`` (not the earlier steps' 16 + 32 nor the loss
+    records' all-reduces); the losses are the ranks' mean, step by step."""
+    for losses, by_dim, sent in launch(_loop_that_communicates, 2, timeout=120):
+        assert losses == [0.5, 1.5, 2.5]
+        assert by_dim == {"dp": 48, "total": 48} and sent == 48
+
+
 def test_loop_measures_the_last_step_and_records_the_losses():
     """strategy.loop: losses in step order, the last step's measured entries, extra evaluated once."""
     seen = []

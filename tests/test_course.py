@@ -53,3 +53,14 @@ def test_another_torch_gets_the_other_dependencies_and_this_checkout(course, mon
     assert cmd[1:3] == ["-m", "pytest"] and cmd[-2:] == ["-k", "launch"]
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
     assert course.test_torch("2.9.0", []) == 0 and len(installs) == 1  # made once, reused
+
+
+def test_quick_runs_the_suite_without_the_slow_tier(course, monkeypatch):
+    """``course.py test --quick -x``: pytest with ``-x -m "not slow"``; without ``--quick``
+    everything (CI's run), the arguments as given."""
+    calls = []
+    monkeypatch.setattr(course, "setup", lambda: None)
+    monkeypatch.setattr(course.subprocess, "call", lambda cmd, **kw: calls.append(cmd[3:]) or 0)
+    assert course.main(["course.py", "test", "--quick", "-x"]) == 0
+    assert course.main(["course.py", "test", "-q"]) == 0
+    assert calls == [["-x", "-m", "not slow"], ["-q"]]

@@ -89,7 +89,7 @@ def _train_cases(cases, subgroups):
     return out
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_matches_single_process(n):
     cases = _cases(n)
     subgroups = [[0, 1], [2, 3]] if n == 4 else None

@@ -46,6 +46,7 @@ def _all_fail_with_their_stub(report, label):
         [r["error"][:200] for r in report.tests]
 
 
+@pytest.mark.slow   # grades every stub
 @pytest.mark.parametrize("exercise", grade.exercises())
 def test_exercise_stubs_score_zero_without_hanging(exercise, stub_reports):
     """Every graded test of a generated stub fails, within the stub's own NotImplementedError
@@ -55,6 +56,7 @@ def test_exercise_stubs_score_zero_without_hanging(exercise, stub_reports):
     _all_fail_with_their_stub(reports[exercise[2:]], f"Exercise {exercise[2:]}")
 
 
+@pytest.mark.slow   # grades every stub
 @pytest.mark.parametrize("name", grade.challenges())
 def test_challenge_stubs_score_zero(name, stub_reports, fresh_stubs):
     """A challenge's learner file, unwritten, scores 0: each of its functions raises."""
@@ -66,6 +68,7 @@ def test_challenge_stubs_score_zero(name, stub_reports, fresh_stubs):
     _all_fail_with_their_stub(report, f"Challenge {name[2:]}")
 
 
+@pytest.mark.slow   # the grader as a learner runs it
 def test_the_solution_scores_full_marks_through_the_grader(capsys):
     report = grade.grade("ex01", target="solution")
     assert report.score == 1.0 and len(report.tests) >= 5
@@ -136,6 +139,7 @@ def demo(tmp_path_factory):
     return root, mine
 
 
+@pytest.mark.slow   # the grader as a learner runs it
 def test_a_challenge_is_graded_by_its_goal(demo, capsys):
     """The stub scores 0, a wrong way fails with the measured number against the goal (one
     grading run for both), and a second, different way passes: the goal is graded, not one answer."""

@@ -13,6 +13,8 @@ import pytest
 from minipar.course import grade
 from minipar.course.exercise import ROOT
 
+pytestmark = pytest.mark.slow   # every test reads one fixture that grades every planted bug
+
 # chapter -> (the cheapest graded test that meets the bug, [(solution text, planted text)])
 PLANTED = {
     "02": ("test_allreduce_gradients_averages",   # a missing scale: the sum, not the average

@@ -81,7 +81,7 @@ def references():
     return {k: train_reference(GPT(CFG, seed=SEED), BATCHES, make) for k, make in OPTIMIZERS.items()}
 
 
-@pytest.fixture(scope="module", params=[4, 8])
+@pytest.fixture(scope="module", params=[4, pytest.param(8, marks=pytest.mark.slow)])
 def launched(request):
     return request.param, minipar.launch(_run_cases, request.param, args=(request.param,), timeout=TIMEOUT)
 

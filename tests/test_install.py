@@ -14,6 +14,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
                                      ".pytest_cache", ".ipynb_checkpoints", "checkpoints")
@@ -35,6 +37,7 @@ sys.addaudithook(_hook)
 '''
 
 
+@pytest.mark.slow   # builds and installs a wheel
 def test_an_installed_course_grades_from_anywhere(tmp_path):
     src, site, away, hook = (tmp_path / d for d in ("src", "site", "elsewhere", "hook"))
     shutil.copytree(ROOT, src, ignore=COPY_IGNORE)

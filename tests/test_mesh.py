@@ -78,3 +78,19 @@ def test_process_groups_inside_ranks():
             members = group_members(r, dim, 2, 2, 2)
             assert coord == mesh_coordinates(r, 2, 2, 2)[dim] == local
             assert size == 2 and total == sum(members)
+
+
+def test_context_parallel_sits_between_tp_and_dp():
+    """rank = p·(dp·cp·tp) + d·(cp·tp) + c·tp + t (Megatron-LM's order, module docstring), with
+    cp and tp of different sizes so that swapping them shows: dp=2, cp=2, tp=3, pp=2 (24 ranks)."""
+    mesh = ProcessMesh(dp=2, pp=2, tp=3, cp=2)
+    for rank in range(mesh.size):
+        p, d, c, t = rank // 12, rank // 6 % 2, rank // 3 % 2, rank % 3
+        assert mesh.coordinates(rank) == {"pp": p, "dp": d, "cp": c, "tp": t}, rank
+        assert mesh.rank_of(mesh.coordinates(rank)) == rank
+    # rank 10 = (p=0, d=1, c=1, t=1): tp neighbours adjacent, cp ones tp apart, dp ones cp·tp apart
+    assert mesh.members(10, "tp") == [9, 10, 11]
+    assert mesh.members(10, "cp") == [7, 10]
+    assert mesh.members(10, "dp") == [4, 10]
+    assert mesh.members(10, "pp") == [10, 22]
+    assert mesh.members(10, "dp_cp") == [1, 4, 7, 10]

@@ -1,9 +1,14 @@
-"""Every notebook runs top to bottom, headless, without an error.
+"""Every notebook runs top to bottom, headless, without an error, and shows its figures.
 
 Executed with nbclient in a fresh kernel from the notebooks/ folder, as a learner would
 run them; any cell that raises fails the test with the cell's error. Each executed copy is
 kept in build/executed/ (with its run time), and the web book is built from those copies.
+Every code cell whose last statement is a figure expression (:func:`figure_cells`: ``fig``,
+``viz.timeline(...)``, ``....show()``, ``plots.routing(...)`` ...) must have displayed a figure
+(a Plotly figure, or an image). Executing the notebooks is the slow tier (``-m slow``).
 """
+import ast
+import re
 from pathlib import Path
 
 import nbformat
@@ -14,12 +19,67 @@ from minipar.course.book.execute import execute
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
+FIGURE = re.compile(r"(?i)\bfig\b|figure|timeline|diagram|curves|heatmap|update_layout|\.show\(|\bplots\.|\bdraw_|"
+                    r"\bexplore\(|\bviz\.(?!color\b)\w+\(")
+FIGURE_DATA = ("application/vnd.plotly.v1+json", "image/png", "image/svg+xml")
+
+
+def figure_cells(nb) -> list[int]:
+    """Indices of the code cells whose last top-level statement is an expression that makes a
+    figure (its source matches :data:`FIGURE`; a call of ``print`` is none)."""
+    out = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        src = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
+        try:
+            body = ast.parse(src).body
+        except SyntaxError:
+            continue
+        last = body[-1] if body else None
+        if not isinstance(last, ast.Expr):
+            continue
+        call = last.value.func if isinstance(last.value, ast.Call) else None
+        if isinstance(call, ast.Name) and call.id in ("print", "display"):
+            continue
+        if FIGURE.search(ast.get_source_segment(src, last) or ""):
+            out.append(i)
+    return out
+
+
+def missing_figures(nb) -> list[int]:
+    """The :func:`figure_cells` of an executed notebook that displayed no figure."""
+    return [i for i in figure_cells(nb)
+            if not any(k in o.get("data", {}) for o in nb.cells[i].get("outputs", []) for k in FIGURE_DATA)]
+
+
+def test_a_figure_cell_without_its_figure_is_found():
+    """The check itself, on a notebook made here: a figure cell with a Plotly output passes,
+    the same without one is found; a print, an assignment and a plain number are no figure cells."""
+    v4 = nbformat.v4
+    plotly = v4.new_output("display_data", data={"application/vnd.plotly.v1+json": {}})
+    nb = v4.new_notebook(cells=[
+        v4.new_code_cell("fig = make()\nfig", outputs=[plotly]),
+        v4.new_code_cell("viz.timeline(res.trace,\n             title='x')"),
+        v4.new_code_cell("print(fig)"),
+        v4.new_code_cell("fig = viz.timeline(t)"),
+        v4.new_markdown_cell("fig"),
+        v4.new_code_cell("%matplotlib inline\nplots.routing(x).show()"),
+        v4.new_code_cell("1 + 1", outputs=[v4.new_output("execute_result", data={"text/plain": "2"})]),
+    ])
+    assert figure_cells(nb) == [0, 1, 5]
+    assert missing_figures(nb) == [1, 5]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch):
     monkeypatch.setenv("MINIPAR_STATIC_WIDGETS", "1")  # see minipar.runtime.viz.explore
     nb = nbformat.read(path, as_version=4)
     assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
         f"{path.name} is committed with outputs; clear them"
-    _, elapsed = execute(path)
+    executed, elapsed = execute(path)
     print(f"{path.name}: {elapsed:.1f} s")
+    missing = missing_figures(executed)
+    assert not missing, f"{path.name}: cell(s) {missing} end in a figure expression but showed no figure"
     assert elapsed < 300, f"{path.name} took {elapsed:.0f} s; a chapter should run in a few minutes"

@@ -93,7 +93,7 @@ def _check_events(evs_per_rank, p, m, v, split):
     assert count == m * S * (3 if split else 2)
 
 
-@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("p", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_schedules_match_single_process(p, reference_run):
     """GPipe, 1F1B, interleaved (v=2), ZB-H1: same losses and parameters as one process
     (also with recomputation), the stash and the bytes sent as the formulas say."""

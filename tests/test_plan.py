@@ -92,6 +92,7 @@ def test_nvidia_dgx_cloud_h100_step_times_within_10_percent():
     assert abs(sum(errors.values()) / len(errors)) < 0.08, errors
 
 
+@pytest.mark.slow   # a full search
 def test_search_ranks_nvidias_tuned_layouts_at_the_top():
     """Asked for the fastest layout of each NVIDIA job (its cluster, batch and sequence; the framework's
     TP overlap: "auto" on a GPU; its v among the virtual stages tried), the search puts the tuned

@@ -90,6 +90,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow   # torchrun agents
 def test_two_torchrun_agents_run_the_same_as_minipar_launch(tmp_path):
     """``torchrun --nnodes 2 --nproc_per_node 2`` (two agents, c10d rendezvous on
     127.0.0.1) trains dp=2, tp=2: it completes, shows the progress bar, gives exactly the

@@ -55,7 +55,7 @@ def _all_stages():
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["2ranks", "4ranks"])
 def runs(request):
     return request.param, minipar.launch(_all_stages, request.param, timeout=240)
 
@@ -105,11 +105,17 @@ def test_memory_equals_formula(runs, stage):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_communication_per_step(runs, stage):
-    """Bytes sent per rank per step: 2(N-1)/N·Ψ for stages 0-2, 3(N-1)/N·Ψ for stage 3 (fp32)."""
+    """Bytes sent per rank per step: 2(N-1)/N·Ψ for stages 0-2, 3(N-1)/N·Ψ for stage 3 (fp32),
+    as recorded from the tensors moved. Stages 1-3 move padded units, the same on every rank;
+    stage 0 all-reduces unpadded buckets, in which each rank keeps its own share (the larger
+    ones on the first ranks where N does not divide a bucket), so there the ranks together send
+    N times the formula."""
     n, results = runs
-    for res in results:
-        got = res["odd", stage, "adamw"]
-        assert got["comm_bytes"] == cost.zero_comm_bytes(got["unit_sizes"], n, stage, dtype_bytes=4)
+    want = cost.zero_comm_bytes(results[0]["odd", stage, "adamw"]["unit_sizes"], n, stage, dtype_bytes=4)
+    sent = [res["odd", stage, "adamw"]["comm_bytes"] for res in results]
+    assert sum(sent) == pytest.approx(n * want, abs=0.5), sent
+    if stage:
+        assert sent == [want] * n
     ratio = results[0]["even", 3, "sgd"]["comm_bytes"] / results[0]["even", 1, "sgd"]["comm_bytes"]
     assert ratio == pytest.approx(1.5)
 

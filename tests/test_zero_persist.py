@@ -183,3 +183,14 @@ def test_persistent_gradients_accumulate_over_two_backwards():
             for k, v in model.named_parameters():
                 torch.testing.assert_close(got[k], v.detach(), rtol=1e-5, atol=1e-6,
                                            msg=lambda m, k=k: f"{design} {k}: {m}")
+
+
+def test_persist_below_keeps_only_fewer_elements_than_the_threshold():
+    """``persist_below=N`` keeps parameters of *fewer* than N elements (DeepSpeed's threshold):
+    one of exactly N is sharded. Linear(4, 5) and Linear(5, 3): weights of 20 and 15, biases of 5, 3."""
+    from minipar.zero.persist import persistent_parameters
+    model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3))
+    kept = lambda below: sorted(p.numel() for p in persistent_parameters(model, below))   # noqa: E731
+    assert kept(15) == [3, 5]            # the 15-element weight is exactly the threshold: sharded
+    assert kept(16) == [3, 5, 15]
+    assert kept(5) == [3] and kept(3) == [] and kept(21) == [3, 5, 15, 20]

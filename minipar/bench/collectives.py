@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .. import comm
 from ..analysis import cost
 from ..runtime.launch import launch
-from .common import clock, here, one_gpu_per_rank, parser, report
+from .common import clock, here, one_gpu_per_rank, parser, report, row, size
 
 
 def measure(sizes: list[int], repeats: int) -> dict:
@@ -44,24 +44,24 @@ def measure(sizes: list[int], repeats: int) -> dict:
 
 def main(argv=None) -> dict:
     p = parser("collectives", __doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=None, help="ranks (default 4, --smoke 2)")
     a = p.parse_args(argv)
-    n = a.ranks
-    sizes = [2 ** k for k in range(10, (22 if a.quick else 24) + 1, 2)]   # 1 KiB to 4 or 16 MiB
+    n = a.ranks or size(a, 4, 4, 2)
+    sizes = [2 ** k for k in range(10, size(a, 24, 22, 14) + 1, 2)]   # 1 KiB to 16, 4 MiB (16 KiB)
     one_gpu_per_rank(p, a.device, n)
-    res = launch(measure, n, args=(sizes, 5 if a.quick else 10), timeout=600, device=a.device)
+    res = launch(measure, n, args=(sizes, size(a, 10, 5, 1)), timeout=600, device=a.device)
     backend = res[0]["backend"]
     times = {k: [max(r["seconds"][k][i] for r in res) for i in range(len(sizes))] for k in res[0]["seconds"]}
     fits = {k: cost.fit_alpha_beta("all_reduce", sizes, ts, n, k if k == "halving_doubling" else "ring")
             for k, ts in times.items()}
     rows = []
     for i, s in enumerate(sizes):
-        row = {"bytes": s}
+        r = row(times["ring"][i], times[backend][i], bytes=s)   # minipar's ring against the backend's
         for k, ts in times.items():
-            row[f"{k} ms"] = 1e3 * ts[i]
-            row[f"{k} MB/s"] = cost.bus_bandwidth("all_reduce", s, n, ts[i]) / 1e6
-        row[f"ring/{backend}"] = times["ring"][i] / times[backend][i]
-        rows.append(row)
+            if k == "halving_doubling":
+                r["halving_doubling ms/step"] = 1e3 * ts[i]
+            r[f"{k} MB/s"] = cost.bus_bandwidth("all_reduce", s, n, ts[i]) / 1e6
+        rows.append(r)
     result = {"benchmark": "collectives", "ranks": n, "backend": backend, "baseline": f"{backend} all_reduce",
               "sizes": sizes, "seconds": times, "ratio": times["ring"][-1] / times[backend][-1],
               "alpha_beta": {k: {"alpha_s": a_, "beta_s_per_byte": b_,

@@ -1,4 +1,11 @@
-"""Shared benchmark helpers: argument parsing, interleaved timing, tables, JSON output."""
+"""Shared benchmark helpers: argument parsing, interleaved timing, tables, JSON output.
+
+Every benchmark's rows speak one vocabulary (:func:`row`): ``minipar ms/step`` (minipar's time of
+the benchmark's timed unit, its "step"), ``baseline ms/step`` (the same unit done by the result's
+``baseline``, named in the result) and ``ratio`` (minipar / baseline, lower is better), beside the
+columns that say what the row is. Three sizes: the default, ``--quick`` (under a minute) and
+``--smoke`` (the smallest that runs every code path once: one repeat, times that mean nothing;
+what ``tests/test_bench.py`` runs)."""
 from __future__ import annotations
 
 import argparse
@@ -17,11 +24,27 @@ from ..strategy import to_device
 def parser(name: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m minipar.bench {name}", description=description)
     p.add_argument("--quick", action="store_true", help="small sizes, finishes in under a minute")
+    p.add_argument("--smoke", action="store_true",
+                   help="the smallest sizes and one repeat: checks that the benchmark runs, its times mean nothing")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the ranks compute: cuda puts each rank on a GPU (NCCL with one GPU "
                         "per rank), PyTorch's baseline on the same GPUs; times then synchronize")
     return p
+
+
+MINIPAR, BASELINE, RATIO = "minipar ms/step", "baseline ms/step", "ratio"
+
+
+def row(minipar: float, baseline: float, **columns) -> dict:
+    """One row of a benchmark's table: ``columns`` (what the row is), then minipar's and the
+    baseline's milliseconds per step from seconds, and their ``ratio``."""
+    return {**columns, MINIPAR: 1e3 * minipar, BASELINE: 1e3 * baseline, RATIO: minipar / baseline}
+
+
+def size(args, full, quick, smoke):
+    """The value of one size for the run's tier: ``--smoke``, ``--quick`` or the default."""
+    return smoke if args.smoke else quick if args.quick else full
 
 
 def one_gpu_per_rank(ap: argparse.ArgumentParser, device: str, ranks: int) -> None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .. import comm
 from .. import context_parallel as cpm
 from ..runtime.launch import launch
-from .common import backward_step, here, interleaved, median, parser, report
+from .common import backward_step, here, interleaved, median, parser, report, row, size
 
 
 def _try_torch_cp(q, k, v, repeats):
@@ -83,16 +83,17 @@ def _saved_bytes(fn, inputs):
 def main(argv=None) -> dict:
     p = parser("cp", __doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2, help="context-parallel size c (default 2)")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=None, help="sequence length T (default 2048, --quick 512)")
-    p.add_argument("--repeats", type=int, default=None, help="timed steps each (default 10, --quick 4)")
+    p.add_argument("--heads", type=int, default=None, help="default 8, --smoke 2")
+    p.add_argument("--head-dim", type=int, default=None, help="default 32, --smoke 8")
+    p.add_argument("--batch", type=int, default=None, help="default 2, --smoke 1")
+    p.add_argument("--seq", type=int, default=None, help="sequence length T (default 2048, --quick 512, --smoke 32)")
+    p.add_argument("--repeats", type=int, default=None, help="timed steps each (default 10, --quick 4, --smoke 1)")
     p.add_argument("--attention", choices=("both", *PATHS), default="both",
                    help="the per-block attention of minipar's rows: both (default), fused or written out")
     a = p.parse_args(argv)
     paths = PATHS if a.attention == "both" else (a.attention,)
-    T, repeats = a.seq or (512 if a.quick else 2048), a.repeats or (4 if a.quick else 10)
+    T, repeats = a.seq or size(a, 2048, 512, 32), a.repeats or size(a, 10, 4, 1)
+    a.heads, a.head_dim, a.batch = a.heads or size(a, 8, 8, 2), a.head_dim or size(a, 32, 32, 8), a.batch or size(a, 2, 2, 1)
     cpm.check_sequence(T, a.ranks, "zigzag")
     cpm.check_heads(a.heads, a.ranks)
     res = launch(_rank, a.ranks, args=(a.batch, T, a.heads, a.head_dim, repeats, paths), timeout=1800,
@@ -107,11 +108,9 @@ def main(argv=None) -> dict:
     base_name = "torch context_parallel" if torch_cp else "torch sdpa, 1 rank"
     base = torch_cp or slowest["torch sdpa, 1 rank"]
     one = slowest["torch sdpa, 1 rank"]
-    rows = [{"attention": k, "ranks": 1 if k.endswith("1 rank") else a.ranks, "ms": 1e3 * t,
-             "ratio": t / base, "vs 1-rank sdpa": t / one,
-             "saved MB/rank": peak[k] / 1e6 if k in peak else float("nan"),
-             "vs 1 rank's": peak[k] / peak["torch sdpa, 1 rank"] if k in peak else float("nan")}
-            for k, t in slowest.items()]
+    rows = [{**row(t, base, attention=k, ranks=1 if k.endswith("1 rank") else a.ranks), "vs 1-rank sdpa": t / one,
+             "saved MB/rank": peak[k] / 1e6, "vs 1 rank's": peak[k] / peak["torch sdpa, 1 rank"]}
+            for k, t in slowest.items() if k.startswith("minipar")]   # the baselines: the intro's line
     ring = slowest[f"minipar ring ({paths[0]})"]
     goals = {"ring (sdpa) at most 1.2x one-rank sdpa": ring / one <= 1.2 if paths[0] == "sdpa" else None,
              "ulysses (sdpa) at most 1.3x one-rank sdpa":
@@ -126,6 +125,9 @@ def main(argv=None) -> dict:
         f"causal attention, c={a.ranks} ranks x 1 thread, B={a.batch} T={T} heads={a.heads} "
         f"d={a.head_dim}; forward+backward, median of {repeats}, slowest rank; agree to {err:.1e}",
         f"torch.distributed.tensor.experimental.context_parallel: {result['torch_cp']}",
+        f"torch sdpa, 1 rank (the whole sequence): {1e3 * one:.3g} ms/step, saved "
+        f"{peak['torch sdpa, 1 rank'] / 1e6:.3g} MB" + (f"; torch context_parallel: {1e3 * torch_cp:.3g} ms/step"
+                                                     if torch_cp else ""),
         "saved MB/rank: activation bytes kept for the backward on the rank that keeps most, "
         "and against one rank's (torch sdpa on the whole sequence)"],
         notes=[f"goal {k}: {'met' if ok else 'NOT met'}" for k, ok in goals.items() if ok is not None])

@@ -17,7 +17,7 @@ from .. import data
 from ..runtime import trace
 from ..runtime.launch import launch
 from ..models import GPT, GPTConfig
-from .common import median, parser, report, step_blocks, to_here
+from .common import median, parser, report, row, size, step_blocks, to_here
 
 
 def measure_rank(cfg: GPTConfig, batch: int, steps: int, repeats: int, bucket_mb: float) -> dict:
@@ -41,21 +41,25 @@ def measure_rank(cfg: GPTConfig, batch: int, steps: int, repeats: int, bucket_mb
     return {"times": times, "max_diff": diff}
 
 
+def config(a) -> GPTConfig:
+    """The benchmark's GPT at the run's size (``a``: parsed arguments; also the planner's)."""
+    return GPTConfig(vocab_size=65, block_size=size(a, 128, 64, 16), n_layer=size(a, 4, 4, 2),
+                     n_head=size(a, 4, 4, 2), n_embd=size(a, 256, 128, 32))
+
+
 def main(argv=None) -> dict:
     p = parser("ddp", __doc__.splitlines()[0])
     p.add_argument("--world-sizes", type=int, nargs="+", default=None)
     p.add_argument("--bucket-mb", type=float, default=4.0)
     a = p.parse_args(argv)
-    q = a.quick
-    cfg = GPTConfig(vocab_size=65, block_size=64 if q else 128, n_layer=4, n_head=4, n_embd=128 if q else 256)
-    sizes, steps, repeats = a.world_sizes or ([2] if q else [2, 4]), 2 if q else 3, 10
+    cfg = config(a)
+    sizes, steps, repeats = a.world_sizes or size(a, [2, 4], [2], [2]), size(a, 3, 2, 1), size(a, 10, 10, 1)
     n_params = sum(p.numel() for p in GPT(cfg).parameters())
     rows = []
     for n in sizes:
         res = launch(measure_rank, n, args=(cfg, 8, steps, repeats, a.bucket_mb), timeout=600, device=a.device)[0]
         mini, torch_ = median(res["times"]["minipar"]), median(res["times"]["pytorch"])
-        rows.append({"ranks": n, "params": n_params, "minipar ms/step": 1e3 * mini,
-                     "pytorch ms/step": 1e3 * torch_, "ratio": mini / torch_,
+        rows.append({**row(mini, torch_, ranks=n, params=n_params),
                      "minipar no-overlap ms/step": 1e3 * median(res["times"]["no overlap"]),
                      "max |Δw|": res["max_diff"]})
     result = {"name": "ddp", "baseline": "torch DDP", "ratio": max(r["ratio"] for r in rows), "rows": rows,

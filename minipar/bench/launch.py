@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 
-from .common import interleaved, median, parser, report
+from .common import interleaved, median, parser, report, row, size
 
 _MINIPAR = """
 import json, time, torch, torch.distributed as dist, minipar
@@ -50,10 +50,10 @@ def _run(code: str) -> dict:
 
 def main(argv=None) -> dict:
     p = parser("launch", __doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=None, help="ranks (default 4, --smoke 2)")
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)
-    n, reps = a.ranks, (1 if a.quick else a.repeats)
+    n, reps = a.ranks or size(a, 4, 4, 2), size(a, a.repeats, 1, 1)
     got: dict[str, list] = {"minipar": [], "spawn": []}
     from ..runtime.rendezvous import free_port as _free_port  # noqa: PLC0415
     interleaved({"minipar": lambda: got["minipar"].append(_run(_MINIPAR.format(n=n))),
@@ -61,9 +61,9 @@ def main(argv=None) -> dict:
                      _run(_SPAWN.format(n=n, port=_free_port())))}, repeats=reps, warmup=0)
     cold, warm = (median([g[k] for g in got["minipar"]]) for k in ("cold", "warm"))
     spawn = median([g["spawn"] for g in got["spawn"]])
-    rows = [{"launcher": name, "ranks": n, "seconds": t, "vs spawn": t / spawn}
-            for name, t in (("minipar.runtime.launch, first (cold)", cold), ("minipar.runtime.launch, again (warm)", warm),
-                            ("torch.multiprocessing.spawn", spawn))]
+    rows = [row(t, spawn, launcher=name, ranks=n)   # a "step" here is one launch
+            for name, t in (("minipar.runtime.launch, first (cold)", cold),
+                            ("minipar.runtime.launch, again (warm)", warm))]
     result = {"benchmark": "launch", "ranks": n, "baseline": "torch.multiprocessing.spawn",
               "minipar_cold_s": cold, "minipar_warm_s": warm, "spawn_s": spawn,
               "ratio": cold / spawn, "warm_ratio": warm / spawn, "rows": rows}

@@ -23,7 +23,7 @@ from ..data import synthetic_tokens
 from ..models.gpt import GPT, GPTConfig
 from ..runtime import trace
 from ..runtime.launch import launch
-from .common import clock, median, one_gpu_per_rank, parser, report, to_here
+from .common import clock, median, one_gpu_per_rank, parser, report, row, size, to_here
 
 
 def _ranks(config, data, repeats: int) -> dict:
@@ -76,14 +76,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=7)
     a = ap.parse_args(argv)
     one_gpu_per_rank(ap, a.device, a.ranks)
-    steps, repeats = (4, 3) if a.quick else (a.steps, a.repeats)
-    config = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
+    steps, repeats = size(a, a.steps, 4, 2), size(a, a.repeats, 3, 1)
+    config = GPTConfig(vocab_size=256, block_size=size(a, 64, 64, 16), n_layer=2, n_head=size(a, 4, 4, 2),
+                       n_embd=size(a, 64, 64, 16))
     data = make_batches(synthetic_tokens(20000, config.vocab_size), steps, 8 * a.ranks, config.block_size)
     times = launch(_ranks, a.ranks, device=a.device, args=(config, data, repeats), timeout=600)[0]
-    ms = {k: 1e3 * median(v) for k, v in times.items()}
-    base = ms["torch loop"]
-    rows = [{"loop": k, "ms/step": v, "vs torch loop": v / base} for k, v in ms.items()]
-    result = {"rows": rows, "baseline": "torch loop", "ratio": ms["strategy.loop, recording off"] / base,
+    s = {k: median(v) for k, v in times.items()}
+    rows = [row(s[k], s["torch loop"], loop=k) for k in s if k != "torch loop"]
+    result = {"rows": rows, "baseline": "torch loop", "ratio": s["strategy.loop, recording off"] / s["torch loop"],
               "device": a.device, "ranks": a.ranks, "steps": steps, "repeats": repeats}
     return report(result, a, intro=[f"{a.ranks} ranks, DDP step of a small GPT, {steps} steps per block, "
                                     f"median of {repeats} rounds"],

@@ -26,7 +26,7 @@ from ..runtime.launch import launch
 from ..mesh import ProcessMesh
 from ..models.gpt import GPT, GPTConfig
 from ..reference import adamw
-from .common import clock, median, parser, report, to_here
+from .common import clock, median, parser, report, row, size, to_here
 
 FIVE = dict(dp=2, cp=2, pp=2, tp=1, ep=2)
 
@@ -71,19 +71,20 @@ def _rank(n_embd, block, batch, repeats):
 
 def main(argv=None) -> dict:
     p = parser("mesh5d", __doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=None, help="n_embd (default 64, --quick 32)")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per sequence (default 64, --quick 32)")
+    p.add_argument("--hidden", type=int, default=None, help="n_embd (default 64, --quick 32, --smoke 16)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per sequence (default 64, --quick 32, --smoke 16)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch (a multiple of 8)")
-    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 6, --quick 3)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 6, --quick 3, --smoke 1)")
     a = p.parse_args(argv)
-    h, T = a.hidden or (32 if a.quick else 64), a.block_size or (32 if a.quick else 64)
-    repeats = a.repeats or (3 if a.quick else 6)
+    h, T = a.hidden or size(a, 64, 32, 16), a.block_size or size(a, 64, 32, 16)
+    repeats = a.repeats or size(a, 6, 3, 1)
     hybrid.check(_config(h, T), None, 8, batch_size=a.batch_size, microbatches=2, zero=1, seq_len=T, **FIVE)
     res = launch(_rank, 8, args=(h, T, a.batch_size, repeats), timeout=900, device=a.device)
     seconds = res[0]
-    rows = [{"implementation": k, "ms per step": 1000 * v} for k, v in seconds.items()]
+    rows = [row(seconds[k], seconds["torch DDP dp8"], implementation=k) for k in ("minipar 5D", "minipar dp8")]
     result = {"rows": rows, "ratio": seconds["minipar 5D"] / seconds["torch DDP dp8"], "baseline": "torch DDP dp8",
               "layout": FIVE, "hidden": h, "block_size": T, "batch_size": a.batch_size,
               "ratio_dp8": seconds["minipar dp8"] / seconds["torch DDP dp8"]}
-    return report(result, a, ["implementation", "ms per step"], notes=[
+    return report(result, a, notes=[
         f"minipar dp8 / torch DDP dp8: {result['ratio_dp8']:.3f} (the same layout on both)"])

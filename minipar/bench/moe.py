@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .. import expert_parallel as xp
 from ..runtime.launch import launch
 from ..models.moe import MoE, route
-from .common import backward_step, interleaved, median, parser, report, to_here
+from .common import backward_step, interleaved, median, parser, report, row, size, to_here
 
 
 def _torch_dispatch(moe, x, group=None):
@@ -77,16 +77,18 @@ def _rank(tokens, h, E, k, repeats):
 
 def main(argv=None) -> dict:
     p = parser("moe", __doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 2048, --quick 512)")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 2048, --quick 512, --smoke 32)")
+    p.add_argument("--hidden", type=int, default=None, help="default 128, --smoke 16")
+    p.add_argument("--experts", type=int, default=None, help="default 8, --smoke 4")
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=None, help="timed steps each (default 20, --quick 6)")
+    p.add_argument("--repeats", type=int, default=None, help="timed steps each (default 20, --quick 6, --smoke 1)")
     a = p.parse_args(argv)
-    tokens, repeats = a.tokens or (512 if a.quick else 2048), a.repeats or (6 if a.quick else 20)
+    tokens, repeats = a.tokens or size(a, 2048, 512, 32), a.repeats or size(a, 20, 6, 1)
+    a.hidden, a.experts = a.hidden or size(a, 128, 128, 16), a.experts or size(a, 8, 8, 4)
     res = launch(_rank, 2, args=(tokens, a.hidden, a.experts, a.top_k, repeats), timeout=600, device=a.device)
     slowest = {nm: max(r[nm] for r in res) for nm in res[0] if nm != "max_abs_diff"}  # the slowest rank's
-    rows = [{"implementation": nm, "seconds": t, "ms": 1000 * t} for nm, t in slowest.items()]
+    rows = [row(slowest["minipar EP"], slowest[nm], implementation="minipar EP", against=nm)
+            for nm in ("torch dispatch EP", "one rank, all tokens")]
     err = max(r["max_abs_diff"] for r in res)
     if err > 1e-4:
         raise AssertionError(f"the implementations disagree (max abs diff {err:g})")
@@ -94,5 +96,5 @@ def main(argv=None) -> dict:
               "baseline": "torch dispatch EP", "ep": 2, "tokens_per_rank": tokens, "hidden": a.hidden,
               "experts": a.experts, "top_k": a.top_k, "max_abs_diff": err,
               "speedup_vs_one_rank": slowest["one rank, all tokens"] / slowest["minipar EP"]}
-    return report(result, a, ["implementation", "ms"], notes=[
+    return report(result, a, notes=[
         f"EP (ep=2) vs one rank holding all experts and tokens: {result['speedup_vs_one_rank']:.2f}x"])

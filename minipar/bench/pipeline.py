@@ -30,7 +30,7 @@ from ..runtime.launch import launch
 from ..models import GPT, GPTConfig, lm_loss
 from ..pipeline import Pipeline, WeightGrads, build_stages, deferred, layer_costs, make_schedule, partition
 from ..pipeline.partition import boundary_shapes
-from .common import clock, here, one_gpu_per_rank, parser, report, to_here
+from .common import clock, here, one_gpu_per_rank, parser, report, row, size, to_here
 
 SCHEDULES = ("1f1b", "zb-h1")
 
@@ -137,13 +137,15 @@ def _ours(pipe: Pipeline, opt, x, y):
 def main(argv=None) -> dict:
     ap = parser("pipeline", __doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=None, help="pipeline sizes (default 2 4)")
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--microbatches", type=int, default=None, help="default 8, --smoke 2")
+    ap.add_argument("--repeats", type=int, default=None, help="default 20, --quick 5, --smoke 1")
     args = ap.parse_args(argv)
-    ranks, repeats = args.ranks or ([2] if args.quick else [2, 4]), args.repeats or (5 if args.quick else 20)
+    ranks = args.ranks or size(args, [2, 4], [2], [2])
+    repeats = args.repeats or size(args, 20, 5, 1)
     one_gpu_per_rank(ap, args.device, max(ranks))
-    cfg = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=256)
-    batch, m = 16, args.microbatches
+    cfg = GPTConfig(vocab_size=65, block_size=size(args, 64, 64, 16), n_layer=4, n_head=size(args, 4, 4, 2),
+                    n_embd=size(args, 256, 256, 32))
+    batch, m = size(args, 16, 16, 4), args.microbatches or size(args, 8, 8, 2)
     rows = []
     for p in ranks:
         res = launch(_rank, p, args=(cfg, p, m, batch, repeats), timeout=600, device=args.device)
@@ -154,9 +156,8 @@ def main(argv=None) -> dict:
                                      f"but torch's {losses['torch']}")
         t = {k: statistics.median(v) for k, v in res[0]["times"].items()}
         ph = res[0]["phases"]
-        rows.append({"ranks": p, "microbatches": m, "1f1b ms": 1e3 * t["1f1b"], "zb-h1 ms": 1e3 * t["zb-h1"],
-                     "torch 1f1b ms": 1e3 * t["torch"], "ratio": t["1f1b"] / t["torch"],
-                     "zb-h1 / 1f1b": t["zb-h1"] / t["1f1b"],
+        rows.append({**row(t["1f1b"], t["torch"], ranks=p, microbatches=m),   # minipar's 1F1B against torch's
+                     "zb-h1 ms/step": 1e3 * t["zb-h1"], "zb-h1 / 1f1b": t["zb-h1"] / t["1f1b"],
                      "(B+W) / B": (ph["zb-h1"]["B"] + ph["zb-h1"]["W"]) / ph["1f1b"]["B"],
                      "F zb / F": ph["zb-h1"]["F"] / ph["1f1b"]["F"]})
     split = split_backward(cfg, batch // m, 3 * repeats)

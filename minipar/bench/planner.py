@@ -19,8 +19,8 @@ from __future__ import annotations
 from ..runtime.launch import launch
 from ..analysis import plan
 from ..models import GPTConfig
-from .common import median, parser, report
-from .ddp import measure_rank
+from .common import RATIO, median, parser, report, row, size
+from .ddp import config, measure_rank
 
 
 def main(argv=None) -> dict:
@@ -32,17 +32,19 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     if a.rho:
         return _rho(a)
-    q, n, batch = a.quick, a.ranks, 8
-    cfg = GPTConfig(vocab_size=65, block_size=64 if q else 128, n_layer=4, n_head=4, n_embd=128 if q else 256)
-    machine = plan.measure_machine(cfg, world_size=n, micro_batch=batch)
+    n, batch = a.ranks, size(a, 8, 8, 2)
+    cfg = config(a)
+    machine = plan.measure_machine(cfg, world_size=n, micro_batch=batch,
+                                   sizes=[2 ** 10, 2 ** 14, 2 ** 18] if a.smoke else None)
     lay = plan.Layout(dp=n, micro_batch=batch, dtype="fp32", sequence_parallel=False)
     pred = plan.predict(plan.from_gpt_config(cfg), machine["cluster"], lay, batch * n, cfg.block_size)
-    res = launch(measure_rank, n, args=(cfg, batch, 2 if q else 3, 5 if q else 10, 4.0), timeout=600, device=a.device)[0]
+    res = launch(measure_rank, n, args=(cfg, batch, size(a, 3, 2, 1), size(a, 10, 5, 1), 4.0), timeout=600,
+                 device=a.device)[0]
     mini, torch_ = median(res["times"]["minipar"]), median(res["times"]["pytorch"])
-    row = {"ranks": n, "predicted ms/step": 1e3 * pred.step_time, "minipar ms/step": 1e3 * mini,
-           "pytorch ms/step": 1e3 * torch_, "error vs minipar": pred.step_time / mini - 1,
-           "error vs pytorch": pred.step_time / torch_ - 1, "bottleneck": pred.bottleneck}
-    result = {"name": "planner", "baseline": "torch DDP", "ratio": mini / torch_, "rows": [row],
+    r = {**row(mini, torch_, ranks=n, **{"predicted ms/step": 1e3 * pred.step_time}),
+         "error vs minipar": pred.step_time / mini - 1, "error vs baseline": pred.step_time / torch_ - 1,
+         "bottleneck": pred.bottleneck}
+    result = {"name": "planner", "baseline": "torch DDP", "ratio": mini / torch_, "rows": [r],
               "machine": {k: machine[k] for k in ("alpha", "beta", "flops", "bandwidth", "overhead")}}
     return report(result, a)
 
@@ -56,12 +58,13 @@ def _rho(a) -> dict:
     batches = data.batches(data.synthetic_tokens(4000, cfg.vocab_size), steps=4, batch_size=16,
                            block_size=cfg.block_size)
     rows = []
-    for run in range(a.runs):
+    for run in range(1 if a.smoke else a.runs):
         t = time.perf_counter()
-        r = rank_correlation(cfg, batches, 4, rounds=2 if a.quick else a.rounds)
-        rows.append({"run": run + 1, "rho": r["rho"], "load before": r["load"][0], "load after": r["load"][1],
+        r = rank_correlation(cfg, batches, 4, rounds=size(a, a.rounds, 2, 1))
+        rows.append({"run": run + 1, "rho": r["rho"], RATIO: 0.8 / r["rho"] if r["rho"] > 0 else float("inf"),
+                     "load before": r["load"][0], "load after": r["load"][1],
                      "seconds": time.perf_counter() - t,
                      **{f"{k} pred/meas ms": f"{r['predicted'][k]:.0f}/{r['measured'][k]:.0f}" for k in r["measured"]}})
-    low = min(x["rho"] for x in rows)   # no PyTorch baseline: the goal over the worse run's rho, <= 1 met
-    return report({"name": "planner", "baseline": "goal rho 0.8", "ratio": 0.8 / low if low > 0 else float("inf"),
+    # no PyTorch baseline and no times: a row's ratio is the goal over its run's rho (at most 1: met)
+    return report({"name": "planner", "baseline": "goal rho 0.8", "ratio": max(x[RATIO] for x in rows),
                    "rows": rows}, a)

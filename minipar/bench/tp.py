@@ -20,7 +20,7 @@ import torch.nn as nn
 from .. import tensor_parallel as tp
 from ..runtime.launch import launch
 from ..models import Block, GPTConfig
-from .common import backward_step, here, interleaved, median, parser, report, to_here
+from .common import backward_step, here, interleaved, median, parser, report, row, size, to_here
 
 
 class _LocalHeadsAttention(nn.Module):
@@ -94,23 +94,22 @@ def _rank(b: int, s: int, h: int, n_head: int, repeats: int) -> dict:
 def main(argv=None) -> dict:
     p = parser("tp", __doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2, help="tensor-parallel size t (default 2)")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default 128, --quick 64)")
-    p.add_argument("--repeats", type=int, default=None, help="timed steps each (default 20, --quick 8)")
+    p.add_argument("--hidden", type=int, default=None, help="default 256, --smoke 32")
+    p.add_argument("--heads", type=int, default=None, help="default 8, --smoke 2")
+    p.add_argument("--batch", type=int, default=None, help="default 8, --smoke 2")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 128, --quick 64, --smoke 16)")
+    p.add_argument("--repeats", type=int, default=None, help="timed steps each (default 20, --quick 8, --smoke 1)")
     a = p.parse_args(argv)
-    s, repeats = a.seq or (64 if a.quick else 128), a.repeats or (8 if a.quick else 20)
+    s, repeats = a.seq or size(a, 128, 64, 16), a.repeats or size(a, 20, 8, 1)
+    a.hidden, a.heads, a.batch = a.hidden or size(a, 256, 256, 32), a.heads or size(a, 8, 8, 2), a.batch or size(a, 8, 8, 2)
     tp.check(GPTConfig(vocab_size=64, block_size=s, n_head=a.heads, n_embd=a.hidden), None, a.ranks)
     res = launch(_rank, a.ranks, args=(a.batch, s, a.hidden, a.heads, repeats), timeout=600, device=a.device)
     r0, err = res[0], max(r["max_abs_diff"] for r in res)
     if err > 1e-4:
         raise RuntimeError(f"minipar and PyTorch disagree: max |diff| = {r0['max_abs_diff']:.2e}")
-    rows = [{"layer": layer, "minipar_ms": 1e3 * r0[f"minipar {layer}"],
-             "torch_ms": 1e3 * r0[f"torch {layer}"], "ratio": r0[f"minipar {layer}"] / r0[f"torch {layer}"]}
+    rows = [row(r0[f"minipar {layer}"], r0[f"torch {layer}"], layer=layer, against="torch tensor parallel")
             for layer in ("mlp", "block")]
-    rows.append({"layer": "block, 1 device", "minipar_ms": "-",
-                 "torch_ms": 1e3 * r0["single-device block"], "ratio": "-"})
+    rows.append(row(r0["minipar block"], r0["single-device block"], layer="block", against="one device, whole layer"))
     result = {"name": "tp", "baseline": "torch.distributed.tensor.parallel", "ranks": a.ranks,
               "shape": {"b": a.batch, "s": s, "h": a.hidden, "heads": a.heads}, "rows": rows,
               "ratio": rows[1]["ratio"], "mlp_ratio": rows[0]["ratio"], "max_abs_diff": err}

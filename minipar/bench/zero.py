@@ -33,7 +33,7 @@ from ..runtime import trace
 from ..runtime.gpu import peak_memory
 from ..models import GPT, GPTConfig
 from ..zero import FullyShardedDataParallel, ZeroOptimizer, full_state, fully_shard
-from .common import here, median, parser, report, step_blocks, to_here, train_step
+from .common import here, median, parser, report, row, size, step_blocks, to_here, train_step
 
 IMPLS = ("minipar zero1", "torch ZeroRedundancyOptimizer", "minipar zero3", "torch FSDP2",
          "minipar zero3 per-parameter")
@@ -126,14 +126,13 @@ def main(argv=None) -> dict:
     p = parser("zero", __doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=None)
     a = p.parse_args(argv)
-    q = a.quick
-    cfg = GPTConfig(vocab_size=65, block_size=64 if q else 128, n_layer=4, n_head=4, n_embd=128 if q else 256)
-    n, steps, repeats = a.ranks or (2 if q else 4), 2 if q else 3, 3 if q else 5
+    cfg = GPTConfig(vocab_size=65, block_size=size(a, 128, 64, 16), n_layer=size(a, 4, 4, 2),
+                    n_head=size(a, 4, 4, 2), n_embd=size(a, 256, 128, 32))
+    n, steps, repeats = a.ranks or size(a, 4, 2, 2), size(a, 3, 2, 2), size(a, 5, 3, 1)   # two steps at least
     n_params = sum(p.numel() for p in GPT(cfg).parameters())
     res = launch(_rank, n, args=(cfg, 8, steps, repeats), timeout=900, device=a.device)[0]
     t, peak = {k: median(v) for k, v in res["times"].items()}, res["peaks"]  # peak: (peak, held) bytes
-    rows = [{"stage": stage, "ranks": n, "params": n_params, "minipar ms/step": 1e3 * t[mini],
-             "pytorch ms/step": 1e3 * t[base], "time ratio": t[mini] / t[base],
+    rows = [{**row(t[mini], t[base], stage=stage, ranks=n, params=n_params),
              "minipar peak MiB": peak[mini][0] / 2**20, "pytorch peak MiB": peak[base][0] / 2**20,
              "memory ratio": peak[mini][0] / peak[base][0],
              "minipar held MiB": peak[mini][1] / 2**20, "pytorch held MiB": peak[base][1] / 2**20,
@@ -143,7 +142,7 @@ def main(argv=None) -> dict:
     diffs = {"zero1_vs_torch": res["diff_zero1"], "zero3_vs_zero1": res["diff_zero3"],
              "zero3_per_param_vs_zero1": res["diff_zero3p"]}
     result = {"name": "zero", "baseline": "torch ZeroRedundancyOptimizer / FSDP2",
-              "ratio": max(r["time ratio"] for r in rows), "rows": rows,
+              "ratio": max(r["ratio"] for r in rows), "rows": rows,
               "memory_ratio": {f"stage{r['stage']}": r["memory ratio"] for r in rows},
               "max_param_diff": diffs}
     return report(result, a, list(rows[0])[:-1],  # every key but "baseline"

@@ -2,8 +2,10 @@
 
 The strategies call these for speed: the same operations as :mod:`minipar.comm.ring`, run by
 the backend's optimised code. The backend does not report what it sent, so each event records
-the bytes the **ring algorithm** would send (:func:`minipar.analysis.cost.collective_bytes`), the figure
-the literature's formulas use. Only the forms Gloo accepts are used: flat (1-D) tensors for
+what this rank's buffers, as handed to the backend, must send and receive in a bandwidth-optimal
+schedule (:func:`moved_bytes`): counted from the tensors (their elements, their dtype, this rank's
+share), not from the cost formula, which the tests check against these counts
+(:func:`minipar.analysis.cost.collective_bytes`). Only the forms Gloo accepts are used: flat (1-D) tensors for
 all-gather and reduce-scatter, equal sizes on every rank, and SUM (averaging divides afterwards).
 """
 from __future__ import annotations
@@ -14,9 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import trace
-from ..analysis.cost import collective_bytes
 from . import staging
-from .p2p import Handle, labels_for, device_clock, group_size, nbytes
+from .p2p import Handle, labels_for, device_clock, group_rank, group_size, nbytes
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -55,11 +56,28 @@ def _via_host(op: str, group, labels: dict, output: torch.Tensor, input: torch.T
     return hout, hin, [staging.copy_back(hout, output, op, labels)] if s_out else []
 
 
-def _collective(op: str, fn, output, input, full_bytes: int, avg: bool, group, name, labels, async_op):
+def moved_bytes(op: str, out: torch.Tensor, inp: torch.Tensor | None, n: int, rank: int) -> int:
+    """Bytes this rank sends, and as many it receives, in ``op`` over ``n`` ranks, counted from the
+    buffers the backend moves: an all-gather brings every share but this rank's own ``inp`` into
+    ``out``; a reduce-scatter sends every share of ``inp`` but the ``out`` it keeps; an all-reduce
+    is both on its tensor, whose share here is slice ``rank`` of ``tensor_split(n)`` (as the
+    ring's). Summed over the ranks, or on each rank when n divides the elements, this is the
+    ring's count: 2(n-1)/n·N for an all-reduce, (n-1)/n·N otherwise (Patarasuk & Yuan 2009)."""
+    if n == 1:
+        return 0
+    if op == "all_gather":
+        return nbytes(out) - nbytes(inp)
+    if op == "reduce_scatter":
+        return nbytes(inp) - nbytes(out)
+    share = out.numel() // n + (rank < out.numel() % n)
+    return 2 * (out.numel() - share) * out.element_size()
+
+
+def _collective(op: str, fn, output, input, avg: bool, group, name, labels, async_op):
     """Run ``fn`` (the backend's ``op``) on the buffers it can move (:func:`_via_host`); the event
-    records the ring's bytes for a ``full_bytes`` tensor; ``avg`` divides by n once complete."""
+    records the bytes those buffers move (:func:`moved_bytes`); ``avg`` divides by n once complete."""
     out, inp, after = _via_host(op, group, labels, output, input)
-    sent = round(collective_bytes(op, full_bytes, group_size(group)))
+    sent = moved_bytes(op, out, inp, group_size(group), group_rank(group))
     meta = {"name": name or op, "op": op, "began": device_clock(out, group), "start": trace.now(),
             "sent": sent, "recv": sent, "labels": labels_for(group, labels)}
     work = fn(*(out,) if inp is None else (out, inp), group=group, async_op=True)
@@ -70,21 +88,21 @@ def _collective(op: str, fn, output, input, full_bytes: int, avg: bool, group, n
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False,
                name: str | None = None, **labels):
     """In-place sum (``op="sum"``) or mean (``"avg"``) over ``group``; a Handle if async."""
-    return _collective("all_reduce", dist.all_reduce, tensor, None, nbytes(tensor), op == "avg",
+    return _collective("all_reduce", dist.all_reduce, tensor, None, op == "avg",
                        group, name, labels, async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None,
                    async_op: bool = False, name: str | None = None, **labels):
     """``output`` (k elements) = this rank's chunk of the sum of flat ``input`` (n·k)."""
-    return _collective("reduce_scatter", _reduce_scatter, output, input, nbytes(input), op == "avg",
+    return _collective("reduce_scatter", _reduce_scatter, output, input, op == "avg",
                        group, name, labels, async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
                name: str | None = None, **labels):
     """Flat ``output`` (n·k elements) = every rank's flat ``input`` (k) in rank order."""
-    return _collective("all_gather", _all_gather, output, input, nbytes(output), False,
+    return _collective("all_gather", _all_gather, output, input, False,
                        group, name, labels, async_op)
 
 

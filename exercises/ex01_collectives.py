@@ -48,6 +48,33 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.
     raise NotImplementedError("Exercise 01: ring_all_reduce")
 
 
+def ring_reduce_scatter(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
+    """Rank r's chunk r (``tensor_split(n)`` of the flattened tensor) of the sum of ``tensor``
+    over ``group``; ``tensor`` itself is left unchanged. (n-1)/n·N elements sent per rank."""
+    _check_op(op)
+    raise NotImplementedError("Exercise 01: ring_reduce_scatter")
+
+
+def ring_all_gather(chunk: torch.Tensor, group=None, sizes: list[int] | None = None) -> torch.Tensor:
+    """Every rank's flattened ``chunk`` concatenated in rank order (1-D). Chunks may differ in
+    size (Gloo's own ``all_gather`` refuses that): pass ``sizes``, the elements each rank
+    contributes (``None``: all equal). (n-1)/n·N elements sent per rank, N the gathered size."""
+    raise NotImplementedError("Exercise 01: ring_all_gather")
+
+
+# ------------------------------------------------------------------------------------------------
+# from minipar/comm/tree.py: these run as module minipar.comm.tree's own
+# ------------------------------------------------------------------------------------------------
+import torch
+from minipar.comm.p2p import group_rank, group_size, irecv, isend, recv
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "tree",
+              pieces: int = 4) -> torch.Tensor:
+    """Copy ``tensor`` from group rank ``src`` to every rank of ``group`` in place."""
+    raise NotImplementedError("Exercise 01: broadcast")
+
+
 if __name__ == "__main__":  # python exercises/ex01_collectives.py grades this file
     import minipar
     minipar.grade("ex01")

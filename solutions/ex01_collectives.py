@@ -70,6 +70,70 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.
     return tensor
 
 
+def ring_reduce_scatter(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
+    """Rank r's chunk r (``tensor_split(n)`` of the flattened tensor) of the sum of ``tensor``
+    over ``group``; ``tensor`` itself is left unchanged. (n-1)/n·N elements sent per rank."""
+    _check_op(op)
+    n, r = group_size(group), group_rank(group)
+    chunks = [c.clone() for c in tensor.reshape(-1).tensor_split(n)]
+    if n > 1:
+        _reduce_scatter_chunks(chunks, group, "ring_reduce_scatter")
+    return chunks[r] / n if op == "avg" else chunks[r]
+
+
+def ring_all_gather(chunk: torch.Tensor, group=None, sizes: list[int] | None = None) -> torch.Tensor:
+    """Every rank's flattened ``chunk`` concatenated in rank order (1-D). Chunks may differ in
+    size (Gloo's own ``all_gather`` refuses that): pass ``sizes``, the elements each rank
+    contributes (``None``: all equal). (n-1)/n·N elements sent per rank, N the gathered size."""
+    n, r = group_size(group), group_rank(group)
+    sizes = sizes or [chunk.numel()] * n
+    if len(sizes) != n or sizes[r] != chunk.numel():
+        raise ValueError(f"sizes={sizes} does not match {n} ranks / this rank's {chunk.numel()} elements")
+    out = torch.empty(sum(sizes), dtype=chunk.dtype, device=chunk.device)
+    chunks = list(out.split(sizes))
+    chunks[r].copy_(chunk.reshape(-1))
+    if n > 1:
+        _all_gather_chunks(chunks, group, "ring_all_gather")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# from minipar/comm/tree.py: these run as module minipar.comm.tree's own
+# ------------------------------------------------------------------------------------------------
+import torch
+from minipar.comm.p2p import group_rank, group_size, irecv, isend, recv
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "tree",
+              pieces: int = 4) -> torch.Tensor:
+    """Copy ``tensor`` from group rank ``src`` to every rank of ``group`` in place."""
+    n, r = group_size(group), group_rank(group)
+    if n == 1:
+        return tensor
+    if not tensor.is_contiguous():
+        raise ValueError("broadcast needs a contiguous tensor")
+    flat, vr = tensor.view(-1), (r - src) % n  # vr: rank relative to the root
+    if algorithm == "tree":
+        for k in range((n - 1).bit_length()):  # round k, mask = 2^k
+            mask = 1 << k
+            if vr < mask and vr + mask < n:
+                isend(flat, (vr + mask + src) % n, group, name="broadcast", round=k).wait()
+            elif mask <= vr < 2 * mask:
+                recv(flat, (vr - mask + src) % n, group, name="broadcast", round=k)
+    elif algorithm == "ring":
+        left, right, sends = (r - 1) % n, (r + 1) % n, []
+        for i, piece in enumerate(flat.tensor_split(min(pieces, max(flat.numel(), 1)))):
+            if vr > 0:
+                irecv(piece, left, group, name="broadcast", piece=i).wait()
+            if vr < n - 1:
+                sends.append(isend(piece, right, group, name="broadcast", piece=i))
+        for h in sends:
+            h.wait()
+    else:
+        raise ValueError(f"algorithm must be 'tree' or 'ring', got {algorithm!r}")
+    return tensor
+
+
 if __name__ == "__main__":  # python solutions/ex01_collectives.py grades this file
     import minipar
     minipar.grade("ex01", target="solution")

@@ -117,13 +117,14 @@ def _assert_contributions(contrib, n):
     """Which ranks' data each chunk holds, after the reduce-scatter half and after the whole."""
     for rank, (scattered, reduced) in enumerate(contrib):
         ranges = _chunk_ranges(reduced.numel(), n)
+        size = f"{reduced.numel()} elements" + (f", a size {n} does not divide" if reduced.numel() % n else "")
         lo, hi = ranges[rank]
         expect_equal(scattered.numel(), hi - lo, f"rank {rank}: elements of its reduce-scatter chunk {rank}")
-        expect_contributions(scattered, n, range(n), f"rank {rank}, after the reduce-scatter: its chunk {rank} "
+        expect_contributions(scattered, n, range(n), f"rank {rank}, after the reduce-scatter ({size}): its chunk {rank} "
                              f"(elements {lo}..{hi - 1})", positions=torch.arange(lo, hi))
         for c, (lo, hi) in enumerate(ranges):
             if hi > lo:
-                expect_contributions(reduced[lo:hi], n, range(n), f"rank {rank}, after the all-reduce: chunk {c} "
+                expect_contributions(reduced[lo:hi], n, range(n), f"rank {rank}, after the all-reduce ({size}): chunk {c} "
                                      f"(elements {lo}..{hi - 1})", positions=torch.arange(lo, hi))
 
 

@@ -23,8 +23,8 @@ on **any group**: a sub-group of the ranks too, with group-local ranks. Contract
   **sizes that do not match this rank's chunk are a ValueError**, raised before anything is sent.
 * ``broadcast(tensor, src=0, group=None, algorithm="tree")`` copies group rank ``src``'s
   tensor to every rank in place, **from any src**: ``"tree"`` a binomial tree (⌈log2 n⌉
-  rounds), ``"ring"`` a pipelined chain of ``pieces`` pieces; any other algorithm is a
-  ValueError.
+  rounds), ``"ring"`` a pipelined chain of ``pieces`` pieces;
+  **any other algorithm is a ValueError**.
 
 The invariants, and the picture of the ring for n = 4, are in notebook 01, "All-reduce around
 a ring" and "Broadcast: a tree". Graded against Gloo on 2 to 4 ranks and a group of 3 of 4

@@ -34,6 +34,10 @@ CASES = {
     "src ignored": ("test_pieces_on_any_group",
                     [("flat, vr = tensor.view(-1), (r - src) % n", "src = 0; flat, vr = tensor.view(-1), r")],
                     r"from any src"),
+    "an unknown algorithm accepted": ("test_pieces_on_any_group",
+                                      [("raise ValueError(f\"algorithm must be 'tree' or 'ring', got {algorithm!r}\")",
+                                        "pass")],
+                                      r"any other algorithm is a ValueError"),
 }
 
 

@@ -23,8 +23,8 @@ on **any group**: a sub-group of the ranks too, with group-local ranks. Contract
   **sizes that do not match this rank's chunk are a ValueError**, raised before anything is sent.
 * ``broadcast(tensor, src=0, group=None, algorithm="tree")`` copies group rank ``src``'s
   tensor to every rank in place, **from any src**: ``"tree"`` a binomial tree (⌈log2 n⌉
-  rounds), ``"ring"`` a pipelined chain of ``pieces`` pieces; any other algorithm is a
-  ValueError.
+  rounds), ``"ring"`` a pipelined chain of ``pieces`` pieces;
+  **any other algorithm is a ValueError**.
 
 The invariants, and the picture of the ring for n = 4, are in notebook 01, "All-reduce around
 a ring" and "Broadcast: a tree". Graded against Gloo on 2 to 4 ranks and a group of 3 of 4
@@ -73,6 +73,7 @@ CONTRACT = {
     "chunks of different sizes": "test_pieces_on_any_group",
     "sizes that do not match this rank's chunk are a ValueError": "test_pieces_on_any_group",
     "from any src": "test_pieces_on_any_group",
+    "any other algorithm is a ValueError": "test_pieces_on_any_group",
 }
 TIMEOUT = 30
 
@@ -220,6 +221,13 @@ def _pieces():
         out["bad_sizes"] = "ValueError"
     except Exception as e:  # noqa: BLE001 - reported as seen
         out["bad_sizes"] = f"{type(e).__name__}: {e}"
+    try:
+        comm.broadcast(torch.zeros(3), algorithm="star")
+        out["bad_algorithm"] = "returned"
+    except ValueError:
+        out["bad_algorithm"] = "ValueError"
+    except Exception as e:  # noqa: BLE001 - reported as seen
+        out["bad_algorithm"] = f"{type(e).__name__}: {e}"
     for algorithm in ("tree", "ring"):
         t = torch.arange(6.0) + 100 * r
         out[f"broadcast {algorithm}, src 2, 4 ranks"] = (comm.broadcast(t, src=2, algorithm=algorithm),
@@ -251,6 +259,8 @@ def test_pieces_on_any_group(impl):
                      "chunk all r)", where=f"rank {rank}")
         expect_equal(out["bad_sizes"], "ValueError", f"rank {rank}: ring_all_gather(2 elements, sizes=[3, 3, 3, 3])"
                      " (sizes that do not match this rank's chunk are a ValueError)")
+        expect_equal(out["bad_algorithm"], "ValueError", f"rank {rank}: broadcast(..., algorithm='star') "
+                     "(any other algorithm is a ValueError)")
         for key in [k for k in out if k.startswith("broadcast")]:
             got, want = out[key]
             expect_close(got, want, f"{key}: the root's tensor, in place (from any src)", where=f"rank {rank}")

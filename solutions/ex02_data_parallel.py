@@ -1,34 +1,51 @@
-"""Exercise 02: data parallelism, from a plain all-reduce to overlapped buckets.
+"""Exercise 02: data parallelism, from a plain all-reduce to an overlapped, bucketed DDP.
 
-Three pieces of minipar's data parallelism; the tests run the library's own
-``DistributedDataParallel`` and training loops with your code in place. Every rank holds the
-whole model and computes the gradient of the mean loss over its own shard of the batch.
+Every rank holds the whole model and computes the gradient of the mean loss over its own
+shard of the batch; after the backward, every rank must hold the gradient one process would
+compute on the whole batch (Goyal et al. 2017, eq. 1; notebook 02, "Why replicate"). The tests
+run the library's own ``DistributedDataParallel`` and training loops with your code in place.
+The contract, for every part:
 
-A. ``allreduce_gradients(params, group=None, all_reduce_fn=None)``: afterwards every trainable
-   parameter's ``.grad`` holds the same tensor on every rank, the gradient one process would
-   compute on the whole batch (Goyal et al. 2017, eq. 1; notebook 02, "Why replicate").
-   Frozen parameters stay without a gradient; a parameter without one on some rank still
-   takes part (as zeros); every rank issues the same collectives in the same order. Recorded
-   gradient traffic (``name="grad_all_reduce"``) equals ``cost.ddp_bytes_per_step``; with
-   ``all_reduce_fn`` (e.g. your ring from exercise 01, which sums) the result is the same.
+* **every trainable parameter's ``.grad`` holds the average** of the ranks' gradients, the same
+  tensor on every rank; **frozen parameters stay without a gradient**;
+* **a parameter without a gradient still takes part, as zeros** (on a rank where backward
+  did not reach it): afterwards it holds the average, and
+  **every rank issues the same collectives in the same order**;
+* **each tensor's dtype is kept** (a float64 parameter's gradient stays float64);
+* **any group**: averages over ``group``'s ranks (a sub-group of the world too), dividing by
+  its size;
+* **gradient traffic equals cost.ddp_bytes_per_step**: each gradient is all-reduced once
+  per step (``name="grad_all_reduce"``); with ``all_reduce_fn(tensor, group)`` (your ring from
+  exercise 01, which sums in place) the result is the same.
 
-B. ``assign_buckets(params, bucket_cap_mb)`` -> a list of buckets (lists of parameters): the
-   order in which backward makes gradients ready, cut so that no bucket exceeds
-   ``bucket_cap_mb`` MiB unless a single parameter does, one dtype per bucket (a bucket is one
-   flat tensor), none empty; a negative cap is a ValueError (notebook 02, "Naive → bucketed →
-   overlapped"; Li et al. 2020, §3.2.2).
+A. ``allreduce_gradients(params, group=None, all_reduce_fn=None)``: after the backward, one
+   all-reduce per trainable parameter.
 
-C. ``Reducer.grad_ready(p)``, ``Reducer.finish()`` and ``Reducer._launch_ready()``: overlap the
-   bucket all-reduces with the backward (Li et al. 2020, §3.2.3). DDP calls ``grad_ready(p)``
-   from a hook once ``p.grad`` is final and ``finish()`` when backward is over. With
-   ``overlap`` on, a bucket's asynchronous all-reduce starts as soon as it is complete, yet
-   every rank starts them in the same order; after ``finish()`` every ``.grad`` holds the
-   average and the reducer is ready for the next step. The state the library's ``__init__``
-   and ``reset`` keep (``buckets``, ``bucket_of``, ``pending``, ``ready``, ``next_bucket``,
-   ``handles``) is described in the class.
+B. ``assign_buckets(params, bucket_cap_mb)`` -> a list of buckets (lists of parameters):
+   **the order in which backward makes gradients ready**, cut so that
+   **no bucket exceeds the cap unless a single parameter does** (sizes the cap does not
+   divide), **one dtype per bucket** (a bucket is one flat tensor), none empty;
+   **a negative cap is a ValueError** (Li et al. 2020, §3.2.2).
+
+C. The overlapped reducer and the hooks that feed it (Li et al. 2020, §3.2.3): design the
+   ``Reducer``'s state (``__init__``, ``reset``) and its ``grad_ready(p)``, ``finish()`` and
+   ``_launch_ready()``, and ``DistributedDataParallel``'s hooks (``_attach``, ``_grad_hook``, ``_finish``,
+   ``forward``). The library's ``Bucket`` (``pack``,
+   ``unpack``, ``buffer``) is yours to use. The reducer takes the parameters, ``group``,
+   ``bucket_cap_mb``, ``overlap`` and ``all_reduce_fn``; DDP calls ``grad_ready(p)`` once
+   ``p.grad`` is final and ``finish()`` once backward is over (a callback queued on
+   autograd's engine).
+   **With overlap, a bucket's all-reduce starts during the backward**, asynchronously, as
+   soon as the bucket is complete, yet in the same bucket order on every rank;
+   ``overlap=False`` all-reduces every bucket in ``finish``; with ``all_reduce_fn`` the
+   reducer calls it, synchronously, once per bucket.
+   **A second step starts from a clean state** (the reducer is reset after each ``finish``).
+   **Under no_sync, backward only accumulates** (``require_sync`` is False): the first
+   synced backward after it all-reduces the accumulated sum (gradient accumulation).
 
 Graded: the averages, training equal to one process (rtol 1e-5), the bucket layout, the
-bytes, and that the first all-reduce starts before the backward ends. Grade it with
+bytes, a 3-rank run whose group is 2 of them with a gradient-less float64 parameter, and that
+the first all-reduces start before the backward ends. Grade it with
 ``python -m minipar.grade ex02``; stuck? ``minipar.hint("ex02", "A")`` (parts A, B, C).
 """
 # Generated by `python -m minipar.course.exercise --write` from minipar's marked code.
@@ -89,15 +106,75 @@ def assign_buckets(params, bucket_cap_mb: float) -> list[list[torch.nn.Parameter
 
 
 # ------------------------------------------------------------------------------------------------
+# from minipar/data_parallel/ddp.py: these run as module minipar.data_parallel.ddp's own
+# ------------------------------------------------------------------------------------------------
+import torch
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Only the marked methods of ``minipar.data_parallel.ddp.DistributedDataParallel``; the rest
+    of the class is the library's."""
+
+    def _attach(self) -> None:
+        """Hook every trainable parameter (``self._hooks``, the handles :meth:`remove_hooks`
+        removes) so that the reducer hears of each final gradient, and set up the state one
+        backward needs."""
+        self._finish_queued = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self._params]
+
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        """``p.grad`` is final (accumulated): feed the reducer, once per backward make sure
+        :meth:`_finish` runs when the backward ends; nothing under :meth:`no_sync`."""
+        if not self.require_sync:
+            return
+        if not self._finish_queued:  # first gradient of this backward pass
+            self._finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        if self.reducer is not None:
+            self.reducer.grad_ready(p)
+
+    def _finish(self) -> None:
+        """End of backward: every rank's gradients become the average."""
+        self._finish_queued = False
+        if self.reducer is None:
+            allreduce_gradients(self._params, self.group, self.all_reduce_fn)
+        else:
+            self.reducer.finish()
+
+    def forward(self, *args, **kwargs):
+        if self._finish_queued:  # the last backward raised before its end: forget it
+            self._finish_queued = False
+            if self.reducer is not None:
+                self.reducer.reset()
+        return self.module(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
 # from minipar/data_parallel/reducer.py: these run as module minipar.data_parallel.reducer's own
 # ------------------------------------------------------------------------------------------------
 import torch
 from minipar import comm
+from minipar.data_parallel.buckets import Bucket
 
 
 class Reducer:
     """Only the marked methods of ``minipar.data_parallel.reducer.Reducer``; the rest of the class
     is the library's."""
+
+    def __init__(self, params, group=None, bucket_cap_mb: float = 25.0, overlap: bool = True,
+                 all_reduce_fn=None):
+        self.group, self.overlap, self.all_reduce_fn = group, overlap, all_reduce_fn
+        self.n = comm.group_size(group)
+        self.buckets = [Bucket(ps) for ps in assign_buckets(params, bucket_cap_mb)]
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the last backward pass: no gradient ready, no bucket launched."""
+        self.pending = [len(b.params) for b in self.buckets]  # gradients still to come
+        self.ready: set[int] = set()
+        self.next_bucket = 0                                  # next bucket to launch
+        self.handles: list = []                               # in-flight all-reduces
 
     def grad_ready(self, p: torch.nn.Parameter) -> None:
         """``p.grad`` is final: copy it into its bucket; launch every bucket now complete."""

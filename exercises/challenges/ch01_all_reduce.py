@@ -14,6 +14,10 @@ Measured on 4 ranks, one all-reduce of a 1 MiB fp32 tensor, from the recorded tr
   α + β·max(bytes sent, bytes received) in that call (α = 5 µs, 1/β = 10 GB/s, a
   fast link); a rank's time is the sum over its calls, the all-reduce's is the slowest rank's.
   The naive's rank 0 makes 2(n-1) calls of the whole tensor.
+* **your own**: the trace must not show minipar's collectives (``comm.ring_all_reduce`` and
+  the other ring and tree functions of exercise 01, or a native collective such as
+  ``comm.all_reduce``): the library already has a ring; the challenge is to write one, or
+  another algorithm, yourself.
 * **correct**: on 2 and 4 ranks, for sizes that 4 does not divide (10 and 3 elements too),
   within fp32 rounding (rtol 1e-5), and every rank receives at least the tensor's size
   (the data really moved through ``minipar.comm``).

@@ -19,6 +19,9 @@ Measured on 2 ranks training the small GPT of exercise 02 for 3 steps (SGD), fro
 * **exposed**: at most 25% of each step's gradient bytes go into collectives started after
   the backward has produced its last gradient (the grader records when each gradient
   becomes final). All-reducing after ``backward`` exposes 100%: nothing can overlap;
+* **your own**: the trace must not show minipar's reducer or ``DistributedDataParallel``
+  (events named ``grad_all_reduce``, the replicas' ``broadcast``): exercise 02 is the
+  library's answer; here you design one;
 * **calls**: at most 8 recorded communication calls per step (one per parameter would be
   about 30 small messages, each paying the link's latency).
 

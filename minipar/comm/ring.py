@@ -77,17 +77,20 @@ def ring_reduce_scatter(tensor: torch.Tensor, group=None, op: str = "sum") -> to
     """Rank r's chunk r (``tensor_split(n)`` of the flattened tensor) of the sum of ``tensor``
     over ``group``; ``tensor`` itself is left unchanged. (n-1)/n·N elements sent per rank."""
     _check_op(op)
+    # >>> ex01
     n, r = group_size(group), group_rank(group)
     chunks = [c.clone() for c in tensor.reshape(-1).tensor_split(n)]
     if n > 1:
         _reduce_scatter_chunks(chunks, group, "ring_reduce_scatter")
     return chunks[r] / n if op == "avg" else chunks[r]
+    # <<< ex01
 
 
 def ring_all_gather(chunk: torch.Tensor, group=None, sizes: list[int] | None = None) -> torch.Tensor:
     """Every rank's flattened ``chunk`` concatenated in rank order (1-D). Chunks may differ in
     size (Gloo's own ``all_gather`` refuses that): pass ``sizes``, the elements each rank
     contributes (``None``: all equal). (n-1)/n·N elements sent per rank, N the gathered size."""
+    # >>> ex01
     n, r = group_size(group), group_rank(group)
     sizes = sizes or [chunk.numel()] * n
     if len(sizes) != n or sizes[r] != chunk.numel():
@@ -98,3 +101,4 @@ def ring_all_gather(chunk: torch.Tensor, group=None, sizes: list[int] | None = N
     if n > 1:
         _all_gather_chunks(chunks, group, "ring_all_gather")
     return out
+    # <<< ex01

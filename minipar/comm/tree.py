@@ -22,6 +22,7 @@ from .p2p import exchange, group_rank, group_size, irecv, isend, recv
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "tree",
               pieces: int = 4) -> torch.Tensor:
     """Copy ``tensor`` from group rank ``src`` to every rank of ``group`` in place."""
+    # >>> ex01
     n, r = group_size(group), group_rank(group)
     if n == 1:
         return tensor
@@ -47,6 +48,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "
     else:
         raise ValueError(f"algorithm must be 'tree' or 'ring', got {algorithm!r}")
     return tensor
+    # <<< ex01
 
 
 def halving_doubling_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:

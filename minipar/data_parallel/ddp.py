@@ -35,7 +35,7 @@ VERSIONS = {"naive": dict(bucket_cap_mb=None, overlap=False),
             "overlapped": dict(bucket_cap_mb=25.0, overlap=True)}
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(torch.nn.Module):
     """Data-parallel wrapper: ``DistributedDataParallel(model, group=None, bucket_cap_mb=25)``.
     ``group``: the replicas' process group (default: the world; ranks are group-local).
     ``bucket_cap_mb``: bucket size in MB (2**20 bytes); ``None`` is the naive version (one
@@ -57,10 +57,22 @@ class DistributedDataParallel(nn.Module):
         broadcast_module(module, src=0, group=group)
         self.reducer = None if bucket_cap_mb is None else Reducer(  # None: naive
             self._params, group, bucket_cap_mb or 0.0, overlap, all_reduce_fn)
-        self.require_sync, self._finish_queued = True, False
+        self.require_sync = True
+        self._attach()
+
+    def _attach(self) -> None:
+        """Hook every trainable parameter (``self._hooks``, the handles :meth:`remove_hooks`
+        removes) so that the reducer hears of each final gradient, and set up the state one
+        backward needs."""
+        # >>> ex02 C
+        self._finish_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self._params]
+        # <<< ex02 C
 
     def _grad_hook(self, p: torch.Tensor) -> None:
+        """``p.grad`` is final (accumulated): feed the reducer, once per backward make sure
+        :meth:`_finish` runs when the backward ends; nothing under :meth:`no_sync`."""
+        # >>> ex02 C
         if not self.require_sync:
             return
         if not self._finish_queued:  # first gradient of this backward pass
@@ -68,13 +80,17 @@ class DistributedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         if self.reducer is not None:
             self.reducer.grad_ready(p)
+        # <<< ex02 C
 
-    def _finish(self) -> None:  # end of backward: every rank's gradients become the average
+    def _finish(self) -> None:
+        """End of backward: every rank's gradients become the average."""
+        # >>> ex02 C
         self._finish_queued = False
         if self.reducer is None:
             allreduce_gradients(self._params, self.group, self.all_reduce_fn)
         else:
             self.reducer.finish()
+        # <<< ex02 C
 
     @contextmanager
     def no_sync(self):
@@ -87,10 +103,12 @@ class DistributedDataParallel(nn.Module):
             self.require_sync = before
 
     def forward(self, *args, **kwargs):
+        # >>> ex02 C
         if self._finish_queued:  # the last backward raised before its end: forget it
             self._finish_queued = False
             if self.reducer is not None:
                 self.reducer.reset()
+        # <<< ex02 C
         return self.module(*args, **kwargs)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):

@@ -28,17 +28,21 @@ class Reducer:
     def __init__(self, params, group=None, bucket_cap_mb: float = 25.0, overlap: bool = True,
                  all_reduce_fn=None):
         self.group, self.overlap, self.all_reduce_fn = group, overlap, all_reduce_fn
+        # >>> ex02 C
         self.n = comm.group_size(group)
         self.buckets = [Bucket(ps) for ps in assign_buckets(params, bucket_cap_mb)]
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.reset()
+        # <<< ex02 C
 
     def reset(self) -> None:
         """Forget the last backward pass: no gradient ready, no bucket launched."""
+        # >>> ex02 C
         self.pending = [len(b.params) for b in self.buckets]  # gradients still to come
         self.ready: set[int] = set()
         self.next_bucket = 0                                  # next bucket to launch
         self.handles: list = []                               # in-flight all-reduces
+        # <<< ex02 C
 
     def grad_ready(self, p: torch.nn.Parameter) -> None:
         """``p.grad`` is final: copy it into its bucket; launch every bucket now complete."""

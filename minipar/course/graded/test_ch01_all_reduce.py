@@ -5,7 +5,12 @@ sum over the ranks, in place, moving data only with ``minipar.comm``'s recorded
 point-to-point calls. On 4 ranks and a 1 MiB fp32 tensor, measured from the trace: the
 busiest rank sends at most 2(n-1)/n of the tensor's bytes, and its modelled time (each
 recorded call α + β·max(sent, received), α = 5 µs, 1/β = 10 GB/s) is at most half of
-gather-to-one's. Correct on 2 and 4 ranks within fp32 rounding (rtol 1e-5).
+gather-to-one's. Correct on 2 and 4 ranks within fp32 rounding (rtol 1e-5). The algorithm is yours: a trace
+that shows minipar's own collectives (``comm.ring_all_reduce``, ``halving_doubling_all_reduce``,
+the ring's halves, ``broadcast``, or a native collective) does not count.
+
+Grade it alone with ``python -m minipar.grade ch01`` (``minipar.hint("ch01")`` for the next of
+three hint tiers).
 """
 
 import torch
@@ -53,6 +58,10 @@ def naive_all_reduce(x, group=None):
     return x
 
 
+LIBRARY = ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "halving_doubling_all_reduce",
+           "broadcast", "all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
 def _modelled(events):
     return sum(ALPHA + BETA * max(e["bytes_sent"], e["bytes_recv"]) for e in events)
 
@@ -76,7 +85,8 @@ def _run(fn, shapes):
         f(x)
         evs = [e for e in trace.events() if e["kind"] == "comm"]
         measured[name] = {"sent": sum(e["bytes_sent"] for e in evs), "recv": sum(e["bytes_recv"] for e in evs),
-                          "calls": len(evs), "time": _modelled(evs), "value": x[0].item()}
+                          "calls": len(evs), "time": _modelled(evs), "value": x[0].item(),
+                          "library": sorted({e["name"] for e in evs if e["name"] in LIBRARY})}
     return cases, measured
 
 
@@ -114,12 +124,14 @@ def test_bandwidth_and_time_beat_gather_to_one(challenge):
         fail_if(m["recv"] < size, f"rank {rank} received {m['recv']} B through minipar.comm, less than the "
                  f"tensor's {size} B: every element of the sum needs data from the other ranks, so "
                  "some data moved outside minipar.comm's recorded calls")
+        fail_if(m["library"], f"rank {rank}: the trace of your all-reduce holds minipar's own collectives "
+                 f"(events named {', '.join(m['library'])}), not an algorithm of your own")
     busiest = max(range(N), key=lambda r: yours[r]["sent"])
     goal = 2 * (N - 1) / N * size
     fail_if(yours[busiest]["sent"] > goal,
              f"bandwidth: rank {busiest} sent {yours[busiest]['sent'] / 2**20:.3f} MiB, the goal is at most "
              f"2(n-1)/n = {goal / 2**20:.3f} MiB (gather-to-one: {max(m['sent'] for m in naive) / 2**20:.3f} MiB "
-             "from rank 0); no rank may forward whole tensors")
+             "from rank 0)")
     t_yours, t_naive = max(m["time"] for m in yours), max(m["time"] for m in naive)
     slow = max(range(N), key=lambda r: yours[r]["time"])
     fail_if(t_yours > TIME_GOAL * t_naive,

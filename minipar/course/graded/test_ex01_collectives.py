@@ -1,23 +1,35 @@
-"""Exercise 01: the ring all-reduce, from point-to-point messages.
+"""Exercise 01: ring collectives and a broadcast tree, from point-to-point messages.
 
-Contract. ``ring_all_reduce(tensor, group=None, op="sum")`` sums (``op="avg"``: averages)
-``tensor`` over the n ranks of ``group``, in place, and returns that same tensor; any shape,
-any size (also one that n does not divide, or smaller than n). Its two halves work on the
-same list of n chunks of the flattened tensor (``tensor_split(n)``):
+Build minipar's collectives from ``minipar.comm.exchange`` (one send and one receive, recorded),
+``isend``, ``irecv`` and ``recv``. Every function takes ``group`` (``None``: the world) and works
+on **any group**: a sub-group of the ranks too, with group-local ranks. Contract:
 
-* ``_reduce_scatter_chunks(chunks, group, name)``: afterwards chunk r on rank r holds the
-  sum of chunk r over all ranks (the other chunks hold partial sums);
-* ``_all_gather_chunks(chunks, group, name)``: starting from that state, afterwards every
-  rank holds every chunk's full sum.
+* ``ring_all_reduce(tensor, group=None, op="sum")`` sums ``tensor`` over the n ranks of the
+  group **in place, and returns that same tensor** (shape kept);
+  **``op="avg"`` divides by n**, the size of the group;
+  **any size, also one that n does not divide** (or smaller than n).
+  It is two halves over the n chunks of the flattened tensor (``tensor_split(n)``):
+  ``_reduce_scatter_chunks(chunks, group, name)``, after which
+  **chunk r on rank r holds the sum of chunk r over all ranks**, and
+  ``_all_gather_chunks(chunks, group, name)``, after which
+  **every rank holds every chunk's full sum**.
+* **Each step sends one chunk** to the right neighbour and receives one from the left; each
+  half takes n-1 steps, so every rank sends 2(n-1)/n of the tensor, whatever n (Patarasuk &
+  Yuan 2009; ``minipar.analysis.cost.collective_bytes``).
+* ``ring_reduce_scatter(tensor, group=None, op="sum")`` returns rank r's chunk r of the sum;
+  **the input tensor is left unchanged**.
+* ``ring_all_gather(chunk, group=None, sizes=None)`` returns every rank's chunk concatenated
+  in rank order, **chunks of different sizes** too when ``sizes`` lists them;
+  **sizes that do not match this rank's chunk are a ValueError**, raised before anything is sent.
+* ``broadcast(tensor, src=0, group=None, algorithm="tree")`` copies group rank ``src``'s
+  tensor to every rank in place, **from any src**: ``"tree"`` a binomial tree (⌈log2 n⌉
+  rounds), ``"ring"`` a pipelined chain of ``pieces`` pieces;
+  **any other algorithm is a ValueError**.
 
-Every rank talks only to its two ring neighbours, each step sends one chunk and receives
-one (``minipar.comm.exchange``, so the bytes are recorded), and each half takes n-1 steps.
-The invariant that makes it work, and the picture of the steps for n = 4, are in notebook
-01, "All-reduce around a ring"; the resulting cost is that every rank sends 2(n-1)/n of the
-tensor, whatever n (Patarasuk & Yuan 2009; ``minipar.analysis.cost.collective_bytes``).
-
-Graded against Gloo's all-reduce on 2 to 4 ranks, and on the bytes each rank sends.
-Grade it with ``python -m minipar.grade ex01``; stuck? ``minipar.hint("ex01")``.
+The invariants, and the picture of the ring for n = 4, are in notebook 01, "All-reduce around
+a ring" and "Broadcast: a tree". Graded against Gloo on 2 to 4 ranks and a group of 3 of 4
+ranks, and on the bytes each rank sends. Grade it with ``python -m minipar.grade ex01``;
+stuck? ``minipar.hint("ex01")``.
 """
 import torch
 import torch.distributed as dist
@@ -31,16 +43,37 @@ EXERCISE = "ex01_collectives"
 HINTS = {
     '': (
         "Work out one rank's view for n = 3 on paper: which chunk must it send at step 0 so that,"
-        ' n-1 steps later, chunk r is complete on rank r? Then ask which chunk it sends next.',
+        ' n-1 steps later, chunk r is complete on rank r? Then ask which chunk it sends next. '
+        'The broadcast tree: in round k, which ranks already hold the data?',
         'Reduce-scatter: at every step send the chunk you have just added into (it holds the most'
         ' contributions) and add what arrives from the left into the chunk it belongs to. '
         'All-gather: at every step forward the complete chunk you received last; start from the '
-        'one you completed.',
+        'one you completed. Work with group ranks (comm.group_rank/group_size(group)) throughout, '
+        'and count broadcast ranks relative to src.',
         'At step s, rank r: reduce-scatter sends chunk (r-s-1) % n to the right and adds the '
         'chunk (r-s-2) % n from the left; all-gather sends chunk (r-s) % n and overwrites chunk '
         '(r-s-1) % n. ring_all_reduce: flat view, chunks = flat.tensor_split(n), both halves, '
-        "divide once for 'avg', copy back into tensor if the flat view was a copy.",
+        "divide once for 'avg', copy back into tensor if the flat view was a copy. "
+        'ring_reduce_scatter: clones of the chunks, then the first half. ring_all_gather: check '
+        'sizes, an output of sum(sizes), out.split(sizes), copy your chunk in, the second half. '
+        'broadcast tree: vr = (r - src) % n; in round k (mask 2^k) ranks vr < mask send to '
+        'vr + mask, ranks mask <= vr < 2·mask receive from vr - mask; ring: receive piece i from '
+        'the left, then isend it right.',
     ),
+}
+CONTRACT = {
+    "in place, and returns that same tensor": "test_in_place_and_returned",
+    "any size, also one that n does not divide": "test_sum_uneven_sizes",
+    '``op="avg"`` divides by n': ("test_average_four_ranks", "test_pieces_on_any_group"),
+    "chunk r on rank r holds the sum of chunk r over all ranks": ("test_sum_two_ranks", "test_sum_uneven_sizes"),
+    "every rank holds every chunk's full sum": ("test_sum_two_ranks", "test_sum_uneven_sizes"),
+    "Each step sends one chunk": "test_bytes_match_cost_model",
+    "any group": "test_pieces_on_any_group",
+    "the input tensor is left unchanged": "test_pieces_on_any_group",
+    "chunks of different sizes": "test_pieces_on_any_group",
+    "sizes that do not match this rank's chunk are a ValueError": "test_pieces_on_any_group",
+    "from any src": "test_pieces_on_any_group",
+    "any other algorithm is a ValueError": "test_pieces_on_any_group",
 }
 TIMEOUT = 30
 
@@ -85,13 +118,14 @@ def _assert_contributions(contrib, n):
     """Which ranks' data each chunk holds, after the reduce-scatter half and after the whole."""
     for rank, (scattered, reduced) in enumerate(contrib):
         ranges = _chunk_ranges(reduced.numel(), n)
+        size = f"{reduced.numel()} elements" + (f", a size {n} does not divide" if reduced.numel() % n else "")
         lo, hi = ranges[rank]
         expect_equal(scattered.numel(), hi - lo, f"rank {rank}: elements of its reduce-scatter chunk {rank}")
-        expect_contributions(scattered, n, range(n), f"rank {rank}, after the reduce-scatter: its chunk {rank} "
+        expect_contributions(scattered, n, range(n), f"rank {rank}, after the reduce-scatter ({size}): its chunk {rank} "
                              f"(elements {lo}..{hi - 1})", positions=torch.arange(lo, hi))
         for c, (lo, hi) in enumerate(ranges):
             if hi > lo:
-                expect_contributions(reduced[lo:hi], n, range(n), f"rank {rank}, after the all-reduce: chunk {c} "
+                expect_contributions(reduced[lo:hi], n, range(n), f"rank {rank}, after the all-reduce ({size}): chunk {c} "
                                      f"(elements {lo}..{hi - 1})", positions=torch.arange(lo, hi))
 
 
@@ -101,8 +135,9 @@ def _assert_cases(results, op="sum"):
         _assert_contributions([contrib for contrib, _ in results], n)
     for rank, (_, cases) in enumerate(results):
         for got, want, in_place in cases:
+            uneven = f", a size {n} does not divide" if want.numel() % n else ""
             expect_close(got, want, "the reduced tensor (compared with Gloo's all-reduce)",
-                         where=f"rank {rank}, shape {tuple(want.shape)}", rtol=1e-5, atol=1e-5)
+                         where=f"rank {rank}, shape {tuple(want.shape)}{uneven}", rtol=1e-5, atol=1e-5)
 
 
 def test_sum_two_ranks(impl):
@@ -123,7 +158,7 @@ def test_average_four_ranks(impl):
     for rank, (_, cases) in enumerate(results):
         for got, want, _ in cases:
             with diagnose(lambda f, got=got, want=want: torch.allclose(got, want * 4, rtol=1e-5, atol=1e-5),
-                          "your result is the sum: op=\"avg\" divides it by the number of ranks"):
+                          "the result equals the sum over the 4 ranks, not divided by n (op=\"avg\" divides by n)"):
                 expect_close(got, want, "the averaged tensor (compared with Gloo's)",
                              where=f"rank {rank}, shape {tuple(want.shape)}", rtol=1e-5, atol=1e-5)
 
@@ -134,8 +169,8 @@ def test_in_place_and_returned(impl):
                                                      timeout=TIMEOUT)):
         for got, want, in_place in cases:
             expect_equal(tuple(got.shape), tuple(want.shape), f"rank {rank}: shape of the tensor after the call")
-            expect(in_place, f"rank {rank}: ring_all_reduce must return the tensor it was given, reduced in "
-                             "place (it returned another tensor, or None)")
+            expect(in_place, f"rank {rank}: ring_all_reduce returned another tensor, or None, not the tensor "
+                             "it was given (in place, and returns that same tensor)")
             expect_close(got, want, "the tensor given to ring_all_reduce, after the call",
                          where=f"rank {rank}", rtol=1e-5, atol=1e-5)
 
@@ -154,12 +189,83 @@ def test_bytes_match_cost_model(impl):
     results = minipar.launch(_bytes_run, n, args=(numel,), timeout=TIMEOUT)
     expected = int(cost.collective_bytes("all_reduce", numel * 4, n))
     sent, values = [s for s, _ in results], [v for _, v in results]
-    with diagnose(sent == [expected] * n, "the bytes are right, so each step moves one chunk: check which "
-                                          "chunk each step adds into, and that every chunk is gathered"):
+    with diagnose(sent == [expected] * n, "the bytes sent are the ring's, one chunk per step; the values "
+                                          "are not the sum"):
         expect_equal(values, [float(n)] * n, f"x[0] after all-reducing ones over {n} ranks, per rank", keys="rank")
-    with diagnose(lambda f: any(s > expected for s in sent), "more than the ring's bytes: send one chunk per "
-                                                             "step (a slice of tensor_split(n)), never the whole tensor"):
-        with diagnose(lambda f: any(s < expected for s in sent), "fewer than the ring's bytes: every step sends "
-                                                                 "a chunk, 2(n-1) steps in all, through comm.exchange"):
-            expect_equal(sent, [expected] * n, f"bytes sent by each rank (2(n-1)/n of {numel} floats: {expected})",
+    with diagnose(lambda f: any(s > expected for s in sent), "a rank sent more than the ring's 2(n-1) chunks "
+                                                             "(each step sends one chunk)"):
+        with diagnose(lambda f: any(s < expected for s in sent), "a rank sent fewer bytes through "
+                                                                 "minipar.comm than 2(n-1) chunks"):
+            expect_equal(sent, [expected] * n, f"bytes sent by each rank (each step sends one chunk: 2(n-1)/n of {numel} floats, {expected})",
                          keys="rank")
+
+
+def _pieces():
+    """On 4 ranks: the reduce-scatter, the uneven all-gather and the broadcasts on the world,
+    then the all-reduce (averaging) and both broadcasts on the group of ranks 1, 2, 3."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    sub = dist.new_group([1, 2, 3])
+    out = {}
+    x = torch.randn(10, generator=torch.Generator().manual_seed(7 + r))
+    before, total = x.clone(), x.clone()
+    dist.all_reduce(total)
+    got = comm.ring_reduce_scatter(x, op="avg")
+    out["reduce_scatter"] = (got, (total / n).tensor_split(n)[r], torch.equal(x, before))
+    sizes = [1, 2, 3, 4]
+    out["all_gather"] = (comm.ring_all_gather(torch.full((sizes[r],), float(r)), sizes=sizes),
+                         torch.cat([torch.full((k,), float(i)) for i, k in enumerate(sizes)]))
+    try:
+        comm.ring_all_gather(torch.zeros(2), sizes=[3, 3, 3, 3])
+        out["bad_sizes"] = "returned"
+    except ValueError:
+        out["bad_sizes"] = "ValueError"
+    except Exception as e:  # noqa: BLE001 - reported as seen
+        out["bad_sizes"] = f"{type(e).__name__}: {e}"
+    try:
+        comm.broadcast(torch.zeros(3), algorithm="star")
+        out["bad_algorithm"] = "returned"
+    except ValueError:
+        out["bad_algorithm"] = "ValueError"
+    except Exception as e:  # noqa: BLE001 - reported as seen
+        out["bad_algorithm"] = f"{type(e).__name__}: {e}"
+    for algorithm in ("tree", "ring"):
+        t = torch.arange(6.0) + 100 * r
+        out[f"broadcast {algorithm}, src 2, 4 ranks"] = (comm.broadcast(t, src=2, algorithm=algorithm),
+                                                         torch.arange(6.0) + 200)
+    if r in (1, 2, 3):
+        g = r - 1
+        y = torch.randn(7, generator=torch.Generator().manual_seed(50 + r))
+        want = y.clone()
+        dist.all_reduce(want, group=sub)
+        out["group avg"] = (comm.ring_all_reduce(y, sub, op="avg"), want / 3)
+        for algorithm in ("tree", "ring"):
+            t = torch.arange(5.0) + 100 * g
+            out[f"broadcast {algorithm}, src 1, group"] = (comm.broadcast(t, src=1, group=sub,
+                                                                          algorithm=algorithm),
+                                                           torch.arange(5.0) + 100)
+    return out
+
+
+def test_pieces_on_any_group(impl):
+    """ring_reduce_scatter, an uneven ring_all_gather and both broadcasts on 4 ranks; the all-reduce and broadcasts on a group of 3 of them."""
+    for rank, out in enumerate(minipar.launch(_pieces, 4, timeout=TIMEOUT)):
+        got, want, unchanged = out["reduce_scatter"]
+        expect_close(got, want, "ring_reduce_scatter(x, op='avg'): chunk r of the average (10 elements)",
+                     where=f"rank {rank}", rtol=1e-5, atol=1e-5)
+        expect(unchanged, f"rank {rank}: ring_reduce_scatter changed its input x (the input tensor is left "
+                          "unchanged)")
+        got, want = out["all_gather"]
+        expect_close(got, want, "ring_all_gather of chunks of different sizes (sizes=[1, 2, 3, 4], rank r's "
+                     "chunk all r)", where=f"rank {rank}")
+        expect_equal(out["bad_sizes"], "ValueError", f"rank {rank}: ring_all_gather(2 elements, sizes=[3, 3, 3, 3])"
+                     " (sizes that do not match this rank's chunk are a ValueError)")
+        expect_equal(out["bad_algorithm"], "ValueError", f"rank {rank}: broadcast(..., algorithm='star') "
+                     "(any other algorithm is a ValueError)")
+        for key in [k for k in out if k.startswith("broadcast")]:
+            got, want = out[key]
+            expect_close(got, want, f"{key}: the root's tensor, in place (from any src)", where=f"rank {rank}")
+        if rank:
+            got, want = out["group avg"]
+            expect_close(got, want, "ring_all_reduce(y, group, op='avg') on the group of ranks 1, 2, 3 "
+                         "(any group; op=\"avg\" divides by n = 3, the group's size)",
+                         where=f"rank {rank} (group rank {rank - 1})", rtol=1e-5, atol=1e-5)

@@ -1,34 +1,51 @@
-"""Exercise 02: data parallelism, from a plain all-reduce to overlapped buckets.
+"""Exercise 02: data parallelism, from a plain all-reduce to an overlapped, bucketed DDP.
 
-Three pieces of minipar's data parallelism; the tests run the library's own
-``DistributedDataParallel`` and training loops with your code in place. Every rank holds the
-whole model and computes the gradient of the mean loss over its own shard of the batch.
+Every rank holds the whole model and computes the gradient of the mean loss over its own
+shard of the batch; after the backward, every rank must hold the gradient one process would
+compute on the whole batch (Goyal et al. 2017, eq. 1; notebook 02, "Why replicate"). The tests
+run the library's own ``DistributedDataParallel`` and training loops with your code in place.
+The contract, for every part:
 
-A. ``allreduce_gradients(params, group=None, all_reduce_fn=None)``: afterwards every trainable
-   parameter's ``.grad`` holds the same tensor on every rank, the gradient one process would
-   compute on the whole batch (Goyal et al. 2017, eq. 1; notebook 02, "Why replicate").
-   Frozen parameters stay without a gradient; a parameter without one on some rank still
-   takes part (as zeros); every rank issues the same collectives in the same order. Recorded
-   gradient traffic (``name="grad_all_reduce"``) equals ``cost.ddp_bytes_per_step``; with
-   ``all_reduce_fn`` (e.g. your ring from exercise 01, which sums) the result is the same.
+* **every trainable parameter's ``.grad`` holds the average** of the ranks' gradients, the same
+  tensor on every rank; **frozen parameters stay without a gradient**;
+* **a parameter without a gradient still takes part, as zeros** (on a rank where backward
+  did not reach it): afterwards it holds the average, and
+  **every rank issues the same collectives in the same order**;
+* **each tensor's dtype is kept** (a float64 parameter's gradient stays float64);
+* **any group**: averages over ``group``'s ranks (a sub-group of the world too), dividing by
+  its size;
+* **gradient traffic equals cost.ddp_bytes_per_step**: each gradient is all-reduced once
+  per step (``name="grad_all_reduce"``); with ``all_reduce_fn(tensor, group)`` (your ring from
+  exercise 01, which sums in place) the result is the same.
 
-B. ``assign_buckets(params, bucket_cap_mb)`` -> a list of buckets (lists of parameters): the
-   order in which backward makes gradients ready, cut so that no bucket exceeds
-   ``bucket_cap_mb`` MiB unless a single parameter does, one dtype per bucket (a bucket is one
-   flat tensor), none empty; a negative cap is a ValueError (notebook 02, "Naive → bucketed →
-   overlapped"; Li et al. 2020, §3.2.2).
+A. ``allreduce_gradients(params, group=None, all_reduce_fn=None)``: after the backward, one
+   all-reduce per trainable parameter.
 
-C. ``Reducer.grad_ready(p)``, ``Reducer.finish()`` and ``Reducer._launch_ready()``: overlap the
-   bucket all-reduces with the backward (Li et al. 2020, §3.2.3). DDP calls ``grad_ready(p)``
-   from a hook once ``p.grad`` is final and ``finish()`` when backward is over. With
-   ``overlap`` on, a bucket's asynchronous all-reduce starts as soon as it is complete, yet
-   every rank starts them in the same order; after ``finish()`` every ``.grad`` holds the
-   average and the reducer is ready for the next step. The state the library's ``__init__``
-   and ``reset`` keep (``buckets``, ``bucket_of``, ``pending``, ``ready``, ``next_bucket``,
-   ``handles``) is described in the class.
+B. ``assign_buckets(params, bucket_cap_mb)`` -> a list of buckets (lists of parameters):
+   **the order in which backward makes gradients ready**, cut so that
+   **no bucket exceeds the cap unless a single parameter does** (sizes the cap does not
+   divide), **one dtype per bucket** (a bucket is one flat tensor), none empty;
+   **a negative cap is a ValueError** (Li et al. 2020, §3.2.2).
+
+C. The overlapped reducer and the hooks that feed it (Li et al. 2020, §3.2.3): design the
+   ``Reducer``'s state (``__init__``, ``reset``) and its ``grad_ready(p)``, ``finish()`` and
+   ``_launch_ready()``, and ``DistributedDataParallel``'s hooks (``_attach``, ``_grad_hook``, ``_finish``,
+   ``forward``). The library's ``Bucket`` (``pack``,
+   ``unpack``, ``buffer``) is yours to use. The reducer takes the parameters, ``group``,
+   ``bucket_cap_mb``, ``overlap`` and ``all_reduce_fn``; DDP calls ``grad_ready(p)`` once
+   ``p.grad`` is final and ``finish()`` once backward is over (a callback queued on
+   autograd's engine).
+   **With overlap, a bucket's all-reduce starts during the backward**, asynchronously, as
+   soon as the bucket is complete, yet in the same bucket order on every rank;
+   ``overlap=False`` all-reduces every bucket in ``finish``; with ``all_reduce_fn`` the
+   reducer calls it, synchronously, once per bucket.
+   **A second step starts from a clean state** (the reducer is reset after each ``finish``).
+   **Under no_sync, backward only accumulates** (``require_sync`` is False): the first
+   synced backward after it all-reduces the accumulated sum (gradient accumulation).
 
 Graded: the averages, training equal to one process (rtol 1e-5), the bucket layout, the
-bytes, and that the first all-reduce starts before the backward ends. Grade it with
+bytes, a 3-rank run whose group is 2 of them with a gradient-less float64 parameter, and that
+the first all-reduces start before the backward ends. Grade it with
 ``python -m minipar.grade ex02``; stuck? ``minipar.hint("ex02", "A")`` (parts A, B, C).
 """
 from contextlib import nullcontext
@@ -65,21 +82,52 @@ HINTS = {
         ' > cap or p.dtype differs); append; a negative cap raises ValueError first.',
     ),
     'C': (
-        "grad_ready is called once per parameter, in backward's order; a bucket can be reduced "
-        'once all of its gradients are packed. What can go wrong if rank 0 launches bucket 2 '
-        'before bucket 1?',
-        'grad_ready packs p into its bucket and counts it down; _launch_ready walks from '
-        'next_bucket while the bucket is complete and starts its async all-reduce (keeping the '
-        'handle); finish packs zeros for parameters that never came, launches the rest in order, '
-        'waits, unpacks, resets.',
-        'grad_ready: i = self.bucket_of[id(p)]; self.buckets[i].pack(p); self.ready.add(id(p)); '
-        'self.pending[i] -= 1; if self.overlap: self._launch_ready(). _launch_ready: while '
-        'next_bucket < len(buckets) and pending[next_bucket] == 0: '
-        "handles.append(comm.all_reduce(b.buffer, op='avg', group=self.group, async_op=True, "
-        "name='grad_all_reduce')); next_bucket += 1. finish: pack the missing ones as zeros, set "
-        'pending to 0, _launch_ready(), wait every handle, divide if all_reduce_fn summed, unpack'
-        ' every bucket, self.reset().',
+        'Which state does one backward need (a bucket per parameter, how many gradients each '
+        'bucket still waits for, which bucket is next, the in-flight handles), and which of it '
+        'must be fresh for the next step? What can go wrong if rank 0 launches bucket 2 before '
+        'bucket 1, or if a rank never sees one parameter\'s gradient?',
+        '__init__: the Bucket list from assign_buckets and a map parameter -> bucket; reset: '
+        'the counters. grad_ready packs p into its bucket and counts it down; _launch_ready walks '
+        'from next_bucket while the bucket is complete and starts its async all-reduce (keeping '
+        'the handle); finish packs zeros for parameters that never came, launches the rest in '
+        'order, waits, unpacks, resets. DDP: a post-accumulate-grad hook per parameter; the first '
+        'hook of a backward queues finish on autograd\'s engine; a forward after a failed '
+        'backward forgets it.',
+        "Reducer.__init__: self.n = comm.group_size(group); self.buckets = [Bucket(ps) for ps in "
+        "assign_buckets(params, bucket_cap_mb)]; self.bucket_of = {id(p): i ...}; self.reset(). "
+        "reset: pending = [len(b.params) ...], ready = set(), next_bucket = 0, handles = []. "
+        'grad_ready: skip a repeated p; i = self.bucket_of[id(p)]; pack; pending[i] -= 1; if '
+        'overlap: _launch_ready(). _launch_ready: while next_bucket < len(buckets) and '
+        "pending[next_bucket] == 0: all_reduce_fn(b.buffer, group) or handles.append("
+        "comm.all_reduce(b.buffer, op='avg', group=self.group, async_op=True, "
+        "name='grad_all_reduce', bucket=i)) (wait at once without overlap); next_bucket += 1. "
+        'finish: pack the missing ones, pending = 0, _launch_ready(), wait every handle, divide '
+        'if all_reduce_fn summed, unpack, reset(). DDP: self._hooks = '
+        '[p.register_post_accumulate_grad_hook(self._grad_hook) for p in self._params]; '
+        '_grad_hook: return under no_sync; on the first call '
+        'torch.autograd.Variable._execution_engine.queue_callback(self._finish); '
+        'reducer.grad_ready(p) (naive: nothing); _finish: allreduce_gradients(...) for the naive '
+        'version, else reducer.finish().',
     ),
+}
+CONTRACT = {
+    "every trainable parameter's ``.grad`` holds the average": (
+        "test_allreduce_gradients_averages", "test_reducer_overlapped_matches_single_process"),
+    "frozen parameters stay without a gradient": "test_allreduce_gradients_averages",
+    "a parameter without a gradient still takes part, as zeros": "test_gradient_less_parameter_dtype_group_two_steps",
+    "every rank issues the same collectives in the same order": "test_gradient_less_parameter_dtype_group_two_steps",
+    "each tensor's dtype is kept": "test_gradient_less_parameter_dtype_group_two_steps",
+    "any group": "test_gradient_less_parameter_dtype_group_two_steps",
+    "gradient traffic equals cost.ddp_bytes_per_step": (
+        "test_allreduce_gradients_averages", "test_reducer_accumulation_and_no_overlap"),
+    "the order in which backward makes gradients ready": "test_assign_buckets",
+    "no bucket exceeds the cap unless a single parameter does": "test_assign_buckets",
+    "one dtype per bucket": "test_assign_buckets",
+    "a negative cap is a ValueError": "test_assign_buckets",
+    "With overlap, a bucket's all-reduce starts during the backward": "test_reducer_overlaps_with_backward",
+    "A second step starts from a clean state": (
+        "test_gradient_less_parameter_dtype_group_two_steps", "test_reducer_overlapped_matches_single_process"),
+    "Under no_sync, backward only accumulates": "test_reducer_accumulation_and_no_overlap",
 }
 TIMEOUT = 30
 RTOL, ATOL = 1e-5, 1e-6  # fp32: only the order of the sums differs from one process
@@ -120,18 +168,17 @@ def _check_average(results, n):
     psi = sum(p.numel() for p in trainable(_mlp_with_frozen_bias().parameters()))
     expected = int(cost.ddp_bytes_per_step(psi, n))
     for rank, (got, want, frozen_ok, sent) in enumerate(results):
-        expect(frozen_ok, f"rank {rank}: a frozen parameter (requires_grad=False) got a gradient: "
-                          "only trainable parameters take part")
+        expect(frozen_ok, f"rank {rank}: a frozen parameter (requires_grad=False) holds a gradient after the "
+                          "call (frozen parameters stay without a gradient)")
         expect_equal(sorted(got), sorted(want), f"rank {rank}: the parameters that hold a gradient")
         for k in want:
             with diagnose(lambda f, k=k: torch.allclose(got[k], want[k] * n, rtol=1e-4, atol=1e-6),
-                          f"yours is {n} times the average: the sum over the ranks, not divided by {n}"):
+                          f"the gradient is {n} times the average: the sum over the {n} ranks"):
                 expect_close(got[k], want[k], "gradient (the average of the ranks' gradients)",
                              where=f"rank {rank}, {k}", rtol=1e-5, atol=1e-6)
-        with diagnose(sent > expected, "more bytes than one all-reduce of each trainable parameter: "
-                                       "a parameter reduced twice, or a frozen one included?"):
+        with diagnose(sent > expected, "more bytes than one all-reduce of each trainable parameter"):
             expect_equal(sent, expected, f"rank {rank}: bytes sent by the gradient all-reduces "
-                                         f"(2(n-1)/n · Ψ · 4 with Ψ = {psi})")
+                                         f"(gradient traffic equals cost.ddp_bytes_per_step: 2(n-1)/n · Ψ · 4 with Ψ = {psi})")
 
 
 def test_allreduce_gradients_averages(impl):
@@ -162,6 +209,103 @@ def _naive_training(model, batches):
     return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
 
 
+class _Mixed(torch.nn.Module):
+    """A float32 layer, a frozen bias and a float64 parameter that ``use_extra=False`` leaves
+    out of the graph (no gradient on that rank)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.lin = torch.nn.Linear(4, 3)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.randn(3, 4, generator=g))
+            self.lin.bias.copy_(torch.randn(3, generator=g))
+        self.frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+        self.extra = torch.nn.Parameter(torch.randn(5, generator=g, dtype=torch.float64))
+
+    def forward(self, x, use_extra):
+        loss = (self.lin(x) + self.frozen).pow(2).mean().double()
+        return loss + (self.extra * x.sum().double()).pow(2).sum() if use_extra else loss
+
+
+def _participation():
+    """3 ranks; the group is global ranks 1 and 2; on group rank 1 ``extra`` gets no gradient.
+    Per version (A directly, C bucketed and overlapped), 2 steps with an ``all_reduce_fn`` that
+    records each call and leaves the tensor as it is (no communication, so a rank that skips a
+    tensor cannot hang the other): the calls, and each .grad against the local gradient / 2."""
+    import copy
+    sub = dist.new_group([1, 2])
+    if dist.get_rank() == 0:
+        return None
+    g = comm_rank = dist.get_rank(sub)
+    out = {}
+    for version, cap, overlap in (("A: allreduce_gradients", None, False),
+                                  ("C: Reducer, overlap=False, 2 buckets", 6e-5, False),
+                                  ("C: Reducer, overlap=True, one bucket per parameter", 0.0, True)):
+        model, calls, steps = _Mixed(), [], []
+
+        def record(t, group, calls=calls):
+            calls[-1].append((str(t.dtype), t.numel(), dist.get_world_size(group)))
+        try:
+            ddp = None if cap is None else DistributedDataParallel(model, group=sub, bucket_cap_mb=cap,
+                                                                    overlap=overlap, all_reduce_fn=record)
+            for step in range(2):
+                x = torch.randn(2, 4, generator=torch.Generator().manual_seed(100 * step + comm_rank))
+                use_extra = g == 0
+                local = copy.deepcopy(model)
+                local(x, use_extra).backward()
+                want = {k: (p.grad if p.grad is not None else torch.zeros_like(p)) / 2
+                        for k, p in local.named_parameters() if p.requires_grad}
+                for p in model.parameters():
+                    p.grad = None
+                calls.append([])
+                (ddp or model)(x, use_extra).backward()
+                if ddp is None:
+                    allreduce_gradients(model.parameters(), sub, record)
+                got = {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()
+                       if p.requires_grad}
+                steps.append((got, want, model.frozen.grad is None))
+            if ddp is not None:
+                ddp.remove_hooks()
+            out[version] = (calls, steps, None)
+        except Exception as e:  # noqa: BLE001 - reported with the version it broke
+            out[version] = (calls, steps, f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_gradient_less_parameter_dtype_group_two_steps(impl):
+    """On a group of 2 of 3 ranks, two steps: a float64 parameter without a gradient on one rank takes part as zeros, dtypes kept, divided by the group's size."""
+    results = minipar.launch(_participation, 3, timeout=TIMEOUT)[1:]
+    for version in results[0]:
+        for g, res in enumerate(results):
+            err = res[version][2]
+            expect(err is None, f"{version}: group rank {g} (global rank {g + 1}) raised {err}")
+        calls = [res[version][0] for res in results]
+        for step in range(2):
+            clean = " (a second step starts from a clean state)" if step else ""
+            expect_equal(calls[1][step], calls[0][step],
+                         f"{version}, step {step}: the all_reduce_fn calls (dtype, elements, group size) of "
+                         "group rank 1, whose float64 parameter 'extra' has no gradient, against group rank 0's "
+                         "(a parameter without a gradient still takes part, as zeros; every rank issues the "
+                         f"same collectives in the same order){clean}", keys="call")
+            expect(all(k == 2 for _, _, k in calls[0][step]),
+                   f"{version}, step {step}: all_reduce_fn was given a group of sizes "
+                   f"{[k for _, _, k in calls[0][step]]}, expected the group of 2 (any group)")
+            for g, res in enumerate(results):
+                got, want, frozen_ok = res[version][1][step]
+                expect(frozen_ok, f"{version}, step {step}, group rank {g}: the frozen parameter holds a "
+                                  "gradient (frozen parameters stay without a gradient)")
+                for k, w in want.items():
+                    expect(got[k] is not None, f"{version}, step {step}, group rank {g}: {k} has no .grad after "
+                                               "the step (a parameter without a gradient still takes part, as zeros)")
+                    expect_equal(str(got[k].dtype), str(w.dtype), f"{version}, step {step}, group rank {g}: dtype "
+                                 f"of {k}.grad (each tensor's dtype is kept)")
+                    expect_close(got[k], w, "gradient: this rank's own (zeros without one) divided by 2, the "
+                                 "group's size, as all_reduce_fn here leaves each tensor unchanged (any group)"
+                                 + clean, where=f"{version}, step {step}, group rank {g}, {k}",
+                                 rtol=1e-5, atol=1e-7)
+
+
 def test_naive_training_matches_single_process(impl):
     """Training the small GPT on 4 ranks with your averaging matches one process on the whole batch."""
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32)
@@ -189,20 +333,22 @@ def test_assign_buckets(impl):
         got = ids(cap_bytes / 2**20)
         with diagnose(lambda f, got=got: sorted(i for b in got for i in b) == list(range(7)) and
                       [i for b in got for i in b] != list(range(6, -1, -1)),
-                      "the order of the parameters: backward produces the last one's gradient first"):
-            expect_equal(got, want, f"buckets (indices of the {sizes}) with a cap of {cap_bytes} B",
+                      "every parameter is in a bucket, not in the order backward makes gradients ready (the last "
+                      "parameter's first)"):
+            expect_equal(got, want, f"buckets (indices of the {sizes}) with a cap of {cap_bytes} B (no bucket exceeds the cap unless a "
+                         "single parameter does; the order in which backward makes gradients ready)",
                          keys="bucket")
     mixed = [torch.nn.Parameter(torch.zeros(4, dtype=d)) for d in
              (torch.float32, torch.float32, torch.float64, torch.float32)]
     expect_equal([len(b) for b in assign_buckets(mixed, 25)], [1, 1, 2],
-                 "bucket sizes for float32, float32, float64, float32 (a change of dtype starts a new bucket)",
+                 "bucket sizes for float32, float32, float64, float32 (one dtype per bucket)",
                  keys="bucket")
     try:
         assign_buckets(params, -1)
     except ValueError:
         pass
     else:
-        expect(False, "assign_buckets(params, -1) returned; a negative bucket_cap_mb should raise ValueError")
+        expect(False, "assign_buckets(params, -1) returned (a negative cap is a ValueError)")
 
 
 # ----------------------------------------------------------------------------- C: reducer
@@ -233,7 +379,7 @@ def _ddp_training(model, batches, kw, accumulation, probe):
     return {"losses": losses, "params": {k: v.detach().clone() for k, v in ddp.named_parameters()},
             "sent": sum(e["bytes_sent"] for e in evs), "calls": len(evs),
             "starts": [e["start"] for e in evs], "ready": ready,
-            "buckets": len(ddp.reducer.buckets)}
+            "buckets": len(assign_buckets(trainable(model.parameters()), kw["bucket_cap_mb"]))}
 
 
 def _run_reducer(n, kw, accumulation=1, probe=False, cfg=CFG):
@@ -245,7 +391,8 @@ def _run_reducer(n, kw, accumulation=1, probe=False, cfg=CFG):
     for rank, got in enumerate(results):
         expect_same_training(got, want, f"rank {rank}", rtol=RTOL, atol=ATOL)
         expect_equal(got["sent"], int(STEPS * cost.ddp_bytes_per_step(psi, n)),
-                     f"rank {rank}: bytes sent in gradient all-reduces over {STEPS} steps (2(n-1)/n·Ψ·4 per step)")
+                     f"rank {rank}: bytes sent in gradient all-reduces over {STEPS} steps (gradient traffic equals "
+                     "cost.ddp_bytes_per_step, 2(n-1)/n·Ψ·4 per step; under no_sync, backward only accumulates)")
         expect_equal(got["calls"], STEPS * got["buckets"],
                      f"rank {rank}: gradient all-reduces over {STEPS} steps ({got['buckets']} buckets: one each per step)")
     return results
@@ -269,8 +416,9 @@ def test_reducer_overlaps_with_backward(impl):
     early = [sum(t < got["ready"][s] for t in got["starts"][s * per_step:(s + 1) * per_step])
              for s in range(STEPS)]
     for s in range(STEPS):
-        with diagnose(early[s] == 0, "no all-reduce started before backward ended: grad_ready must launch "
-                                     "each complete bucket at once (async), and only finish wait"):
+        with diagnose(early[s] == 0, "no gradient all-reduce of this step started before the backward's "
+                                     "last gradient"):
             expect(early[s] >= per_step - 1, f"step {s}: buckets whose all-reduce started while backward still "
-                                             f"ran: expected at least {per_step - 1} of {per_step}, got {early[s]}; "
+                                             "ran (with overlap, a bucket's all-reduce starts during the backward): "
+                                             f"expected at least {per_step - 1} of {per_step}, got {early[s]}; "
                                              f"per step: {early}")

@@ -55,6 +55,34 @@ def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
     raise NotImplementedError("Exercise 08 B: zigzag_chunks")
 
 
+# ------------------------------------------------------------------------------------------------
+# from minipar/context_parallel/ring.py: these run as module minipar.context_parallel.ring's own
+# ------------------------------------------------------------------------------------------------
+import torch
+from minipar import comm
+from minipar.context_parallel.blocks import attention_block, attention_block_backward
+from minipar.context_parallel.ring import _start_exchange, _views
+from minipar.runtime import trace
+
+
+def ring_step(rank: int, src: int, cp: int, causal: bool = True, layout: str = "contiguous") -> str:
+    """What ``rank``'s queries compute with the key/value block of ``src`` (one of ``PARTS``)."""
+    raise NotImplementedError("Exercise 08 C: ring_step")
+
+
+def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contiguous", attention="auto"):
+    """``(O, lse)`` of this rank's queries over the whole sequence's keys (no autograd)."""
+    # Hint: _start_exchange, ring_step, _views, attention_block and merge_partials are given.
+    raise NotImplementedError("Exercise 08 C: ring_forward")
+
+
+def ring_backward(q, k, v, o, lse, do, group=None, causal: bool = True, layout: str = "contiguous",
+                  attention="auto"):
+    """``(dQ, dK, dV)``: the key/value blocks travel the ring again with their dK, dV."""
+    # Hint: attention_block_backward takes the final o and lse; use tag 1 for the dK, dV exchange.
+    raise NotImplementedError("Exercise 08 D: ring_backward")
+
+
 if __name__ == "__main__":  # python exercises/ex08_context_parallel.py grades this file
     import minipar
     minipar.grade("ex08")

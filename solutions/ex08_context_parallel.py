@@ -60,6 +60,81 @@ def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
+# ------------------------------------------------------------------------------------------------
+# from minipar/context_parallel/ring.py: these run as module minipar.context_parallel.ring's own
+# ------------------------------------------------------------------------------------------------
+import torch
+from minipar import comm
+from minipar.context_parallel.blocks import attention_block, attention_block_backward
+from minipar.context_parallel.ring import _start_exchange, _views
+from minipar.runtime import trace
+
+
+def ring_step(rank: int, src: int, cp: int, causal: bool = True, layout: str = "contiguous") -> str:
+    """What ``rank``'s queries compute with the key/value block of ``src`` (one of ``PARTS``)."""
+    if not causal:
+        return "full"
+    if src == rank:
+        return "causal"
+    if layout == "contiguous":
+        return "full" if src < rank else "skip"
+    return "kv_front" if src < rank else "q_back"
+
+
+def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contiguous", attention="auto"):
+    """``(O, lse)`` of this rank's queries over the whole sequence's keys (no autograd)."""
+    c, r = comm.group_size(group), comm.group_rank(group)
+    nxt, prv = (r + 1) % c, (r - 1) % c
+    kv, o, lse = torch.stack([k, v]), None, None
+    for s in range(c):
+        src = (r - s) % c
+        if s < c - 1:   # send the block in hand on, receive the next one, while computing
+            nxt_kv = _start_exchange(kv, prv, nxt, group, "ring_kv", 0)
+        part = ring_step(r, src, c, causal, layout)
+        with trace.region("attention", step=s, src=src, part=part, dim="cp"):
+            if part != "skip":
+                qs, ks, vs, rows, _ = _views(q, kv, part)
+                o_b, lse_b = attention_block(qs, ks, vs, part == "causal", attention)
+                if o is None:   # step 0 is the diagonal: every query has at least itself
+                    o, lse = o_b, lse_b
+                else:           # merged into the rows this part computed (no autograd here)
+                    o[..., rows, :], lse[..., rows] = merge_partials(o[..., rows, :], lse[..., rows],
+                                                                     o_b, lse_b)
+        kv = nxt_kv() if s < c - 1 else kv
+    return o, lse
+
+
+def ring_backward(q, k, v, o, lse, do, group=None, causal: bool = True, layout: str = "contiguous",
+                  attention="auto"):
+    """``(dQ, dK, dV)``: the key/value blocks travel the ring again with their dK, dV."""
+    c, r = comm.group_size(group), comm.group_rank(group)
+    nxt, prv = (r + 1) % c, (r - 1) % c
+    delta = (do * o).sum(-1)
+    kv, dq, pending = torch.stack([k, v]), torch.zeros_like(q), None
+    for s in range(c):
+        src = (r - s) % c
+        if s < c - 1:
+            nxt_kv = _start_exchange(kv, prv, nxt, group, "ring_kv", 0)
+        part = ring_step(r, src, c, causal, layout)
+        contrib = torch.zeros_like(kv)
+        with trace.region("attention_backward", step=s, src=src, part=part, dim="cp"):
+            if part != "skip":
+                qs, ks, vs, rows, cols = _views(q, kv, part)
+                dq_b, dk_b, dv_b = attention_block_backward(
+                    qs, ks, vs, o[..., rows, :], lse[..., rows], do[..., rows, :],
+                    causal=part == "causal", delta=delta[..., rows], attention=attention)
+                dq[..., rows, :] += dq_b
+                contrib[0][..., cols, :] += dk_b
+                contrib[1][..., cols, :] += dv_b
+        if pending is not None:     # the accumulator of block src, from rank r-1
+            contrib += pending()
+        if c > 1:                   # (alone, the block is mine already)
+            pending = _start_exchange(contrib, prv, nxt, group, "ring_dkv", 1)
+        kv = nxt_kv() if s < c - 1 else kv
+    dkv = pending() if c > 1 else contrib   # my own block's gradient, from every rank's queries
+    return dq, dkv[0], dkv[1]
+
+
 if __name__ == "__main__":  # python solutions/ex08_context_parallel.py grades this file
     import minipar
     minipar.grade("ex08", target="solution")

@@ -283,6 +283,9 @@ def _on_subgroups():
         q, k, v, w = _subgroup_case(10 * gi + i, dtype, causal, layout)
         ql, kl, vl = (cpm.shard_sequence(t, r, 2, layout, dim=2).requires_grad_() for t in (q, k, v))
         o, lse = cpm.ring_attention(ql, kl, vl, group, causal, layout, "materialized")
+        if o.dtype != dtype or lse.dtype != dtype:     # reported by the driver, before any backward
+            out.append([o.detach(), lse, None, None, None])
+            continue
         (o * cpm.shard_sequence(w, r, 2, layout, dim=2)).sum().backward()
         out.append([o.detach(), lse, ql.grad, kl.grad, vl.grad])
     return out

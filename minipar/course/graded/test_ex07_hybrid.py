@@ -107,8 +107,10 @@ CONTRACT = {
     "every rank creates every group in the same order": "test_mesh_build_reaches_the_members",
     "a collective on ``self.groups[dim]`` reaches exactly ``members(rank, dim)``":
         "test_mesh_build_reaches_the_members",
-    "with cp = 1 the dp_cp group is the dp group": "test_3d_training_on_your_mesh",
-    "with ep = 1 the expert_dp group is the dp_cp group": "test_3d_training_on_your_mesh",
+    "with cp = 1 the dp_cp group is the dp group": ("test_mesh_build_reaches_the_members",
+                                                     "test_3d_training_on_your_mesh"),
+    "with ep = 1 the expert_dp group is the dp_cp group": ("test_mesh_build_reaches_the_members",
+                                                            "test_3d_training_on_your_mesh"),
 }
 TIMEOUT = 60
 SHAPES = [(2, 2, 2), (1, 2, 4), (4, 2, 1), (3, 1, 2), (2, 3, 1)]
@@ -267,6 +269,7 @@ def test_mesh_members_every_dim(impl):
 
 
 BUILT = dict(dp=2, pp=2, cp=2, tp=1, ep=2)
+PLAIN = dict(dp=2, pp=2, cp=1, tp=2, ep=1)
 
 
 def _reduce_over_groups():
@@ -278,18 +281,29 @@ def _reduce_over_groups():
         x = torch.tensor([2.0 ** dist.get_rank()], dtype=torch.float64)   # one bit per rank
         dist.all_reduce(x, group=pm.group(dim))
         out[dim] = [q for q in range(8) if int(x.item()) >> q & 1]
+    plain = mesh.ProcessMesh(**PLAIN, world_size=8).build()      # cp = ep = 1: the aliases
+    for dim in ("dp_cp", "expert_dp"):
+        x = torch.tensor([2.0 ** dist.get_rank()], dtype=torch.float64)
+        dist.all_reduce(x, group=plain.group(dim))
+        out["plain " + dim] = [q for q in range(8) if int(x.item()) >> q & 1]
     return out
 
 
 def test_mesh_build_reaches_the_members(impl):
     """8 ranks build ProcessMesh(dp=2, pp=2, cp=2, tp=1, ep=2) with your code; an all-reduce over
-    each rank's group along every dim reaches exactly members(rank, dim)."""
+    each rank's group along every dim reaches exactly members(rank, dim); so do the dp_cp and
+    expert_dp groups of ProcessMesh(dp=2, pp=2, tp=2), where cp = ep = 1."""
     test_mesh_members_every_dim(impl)                 # fail fast, before starting 8 ranks
     results = minipar.launch(_reduce_over_groups, 8, timeout=TIMEOUT)
     for dim in mesh.GROUP_DIMS:
         expect_equal({r: res[dim] for r, res in enumerate(results)},
                      {r: _want_members(r, dim, BUILT) for r in range(8)},
                      f"the ranks an all-reduce over self.groups[{dim!r}] reached, {_mesh_name(BUILT)}",
+                     keys="rank")
+    for dim in ("dp_cp", "expert_dp"):
+        expect_equal({r: res["plain " + dim] for r, res in enumerate(results)},
+                     {r: _want_members(r, dim, PLAIN) for r in range(8)},
+                     f"the ranks an all-reduce over self.groups[{dim!r}] reached, {_mesh_name(PLAIN)}",
                      keys="rank")
 
 

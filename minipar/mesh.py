@@ -101,19 +101,25 @@ class ProcessMesh:
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """``{"pp", "dp", "cp", "tp"}`` of global ``rank`` (tp fastest, then cp, dp, pp)."""
+        # >>> ex07 D
         out = mesh_coordinates(rank, self.dp, self.pp, self.tp * self.cp)  # cp·tp as one fast dimension
         if self.cp == 1:
             return {**out, "cp": 0}
         return {"pp": out["pp"], "dp": out["dp"], "cp": out["tp"] // self.tp, "tp": out["tp"] % self.tp}
+        # <<< ex07 D
 
     def rank_of(self, coords: dict[str, int]) -> int:
         """The global rank at ``coords`` (the inverse of :meth:`coordinates`)."""
+        # >>> ex07 D
         return ((coords["pp"] * self.dp + coords["dp"]) * self.cp + coords.get("cp", 0)) * self.tp + coords["tp"]
+        # <<< ex07 D
 
     def members(self, rank: int, dim: str) -> list[int]:
         """Global ranks of ``rank``'s group along ``dim`` (one of ``MESH_DIMS``, or
         ``"dp_cp"``: the ranks that differ from it only in d and c; ``"ep"``, ``"expert_dp"``:
         the expert groups carved out of ``dp_cp``, module docstring), in group order."""
+        # >>> ex07 D
+        # Hint: an unknown dim is a ValueError; ep must divide dp·cp (checked at construction).
         if self.cp == 1 and dim in DIMS:
             return group_members(rank, dim, self.dp, self.pp, self.tp)
         if dim not in GROUP_DIMS:
@@ -128,19 +134,24 @@ class ProcessMesh:
                 return dc[i - i % self.ep:i - i % self.ep + self.ep]
             return dc[i % self.ep::self.ep]        # the same place in every block
         return [self.rank_of(dict(c, **{dim: i})) for i in range(self.shape[dim])]
+        # <<< ex07 D
 
     def all_groups(self, dim: str) -> list[list[int]]:
         """Every group along ``dim``, each a list of global ranks, without repeats."""
+        # >>> ex07 D
         return [list(g) for g in dict.fromkeys(tuple(self.members(r, dim)) for r in range(self.size))]
+        # <<< ex07 D
 
     def build(self) -> "ProcessMesh":
         """Inside a rank: create this rank's dp, pp and tp process groups (and cp, dp_cp when
         cp > 1; ep and expert_dp when ep > 1)."""
         import torch.distributed as dist
 
-        from .comm import name_group
+        from minipar.comm import name_group
         if dist.get_world_size() != self.size:
             raise ValueError(f"the mesh has {self.size} ranks but the job has {dist.get_world_size()}")
+        # >>> ex07 E
+        # Hint: dist.new_group is collective over the world; name_group(g, dim) labels its events.
         dims = DIMS + (("cp", "dp_cp") if self.cp > 1 else ()) + (("ep", "expert_dp") if self.ep > 1 else ())
         for dim in dims:
             for ranks in self.all_groups(dim):  # every rank creates every group, same order
@@ -153,6 +164,7 @@ class ProcessMesh:
         if self.ep == 1:        # every rank its own ep group; expert_dp is all of dp·cp
             self.groups["expert_dp"] = self.groups["dp_cp"]
         return self
+        # <<< ex07 E
 
     def rank(self, dim: str) -> int:
         """This rank's coordinate along ``dim`` (after :meth:`build`)."""

@@ -22,7 +22,8 @@ configuration ``{"dp", "pp", "tp"}`` with dp·pp·tp = world_size that the libra
 * **bytes**: at most **1.25 ×** the fewest bytes per rank of any valid configuration that
   meets the two goals above.
 
-Grade it with ``python -m minipar.grade ex07`` (the core exercise, then this challenge).
+Grade it with ``python -m minipar.grade ch07`` (this challenge alone; ``grade ex07`` grades the core
+exercise, then this challenge). Stuck? ``minipar.hint("ch07")``.
 """
 
 

@@ -18,7 +18,8 @@ positions to ranks is allowed; the graded tests measure it, for (T, cp) in (48, 
   of p + 1 over its positions (the query-key pairs it scores). Goal: the busiest rank's work
   at most **1.03 ×** the mean over ranks (contiguous shards are 1.6-1.9 × here).
 
-Grade it with ``python -m minipar.grade ex08`` (the core exercise, then this challenge).
+Grade it with ``python -m minipar.grade ch08`` (this challenge alone; ``grade ex08`` grades the core
+exercise, then this challenge). Stuck? ``minipar.hint("ch08")``.
 """
 
 

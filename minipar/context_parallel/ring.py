@@ -33,6 +33,7 @@ PARTS = ("full", "causal", "skip", "kv_front", "q_back")
 
 def ring_step(rank: int, src: int, cp: int, causal: bool = True, layout: str = "contiguous") -> str:
     """What ``rank``'s queries compute with the key/value block of ``src`` (one of ``PARTS``)."""
+    # >>> ex08 C
     if not causal:
         return "full"
     if src == rank:
@@ -40,6 +41,7 @@ def ring_step(rank: int, src: int, cp: int, causal: bool = True, layout: str = "
     if layout == "contiguous":
         return "full" if src < rank else "skip"
     return "kv_front" if src < rank else "q_back"
+    # <<< ex08 C
 
 
 def schedule(cp: int, causal: bool = True, layout: str = "contiguous") -> list[list[tuple[int, str]]]:
@@ -75,6 +77,8 @@ def _start_exchange(buf_out, prv, nxt, group, name, tag):
 
 def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contiguous", attention="auto"):
     """``(O, lse)`` of this rank's queries over the whole sequence's keys (no autograd)."""
+    # >>> ex08 C
+    # Hint: _start_exchange, ring_step, _views, attention_block and merge_partials are given.
     c, r = comm.group_size(group), comm.group_rank(group)
     nxt, prv = (r + 1) % c, (r - 1) % c
     kv, o, lse = torch.stack([k, v]), None, None
@@ -94,11 +98,14 @@ def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contig
                                                                      o_b, lse_b)
         kv = nxt_kv() if s < c - 1 else kv
     return o, lse
+    # <<< ex08 C
 
 
 def ring_backward(q, k, v, o, lse, do, group=None, causal: bool = True, layout: str = "contiguous",
                   attention="auto"):
     """``(dQ, dK, dV)``: the key/value blocks travel the ring again with their dK, dV."""
+    # >>> ex08 D
+    # Hint: attention_block_backward takes the final o and lse; use tag 1 for the dK, dV exchange.
     c, r = comm.group_size(group), comm.group_rank(group)
     nxt, prv = (r + 1) % c, (r - 1) % c
     delta = (do * o).sum(-1)
@@ -125,6 +132,7 @@ def ring_backward(q, k, v, o, lse, do, group=None, causal: bool = True, layout: 
         kv = nxt_kv() if s < c - 1 else kv
     dkv = pending() if c > 1 else contrib   # my own block's gradient, from every rank's queries
     return dq, dkv[0], dkv[1]
+    # <<< ex08 D
 
 
 class RingAttention(torch.autograd.Function):

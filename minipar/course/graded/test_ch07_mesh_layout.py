@@ -4,7 +4,9 @@
 ``{"dp", "pp", "tp"}`` on 8 ranks for four GPTs and budgets. Measured with the cost model:
 the model states per rank (``hybrid_memory_per_rank``) within the budget, the 1F1B bubble at
 most 0.5, and the bytes one rank sends per step (``hybrid_comm_bytes``) at most 1.25 × the
-fewest of any valid configuration meeting the first two goals.
+fewest of any valid configuration meeting the first two goals. Exercise 07 C's rule (the
+least model parallelism) does not meet them. Grade it with ``python -m minipar.grade ch07``;
+``minipar.hint("ch07")`` gives a nudge, then the idea, then the method.
 """
 import dataclasses
 
@@ -17,6 +19,18 @@ from minipar.course.grading import GradeFailure
 from minipar.models import GPTConfig
 
 CHALLENGE = "ch07_mesh_layout"
+HINTS = {
+    "": ("Which dimension sends the fewest bytes for the memory it saves, and what does that "
+         "dimension cost instead?",
+         "tp and pp both divide the model states; tp all-reduces activations in every layer, pp sends "
+         "one activation per micro-batch, but its bubble (p-1)/m grows with the stages. dp divides no "
+         "model state and all-reduces the gradients. The configurations of 8 ranks are a handful.",
+         "For every c in hybrid.valid_configs(config, world_size, batch_size, microbatches): keep it if "
+         "cost.hybrid_memory_per_rank(Ψ, dp, pp, tp)['total'] <= memory_per_rank and "
+         "cost.bubble_fraction('1f1b', pp, microbatches) <= 0.5; return the one with the fewest "
+         "cost.hybrid_comm_bytes(Ψ, n_layer, dp, pp, tp, batch_size, block_size, n_embd, "
+         "microbatches)['total']."),
+}
 BUBBLE, BYTES = 0.5, 1.25
 SMALL = GPTConfig(vocab_size=32, block_size=16, n_layer=4, n_head=4, n_embd=32)
 WIDE = GPTConfig(vocab_size=64, block_size=64, n_layer=8, n_head=8, n_embd=64)

@@ -5,7 +5,10 @@
 whose per-rank causal attention equals full attention, the ranks' token counts must differ
 by at most 1, and the busiest rank's causal work (the sum of p + 1 over its positions: the
 query-key pairs it scores) must be at most 1.03 × the mean. Contiguous shards are 1.6-1.9 ×
-the mean there, zigzag on unequal chunks up to 1.17 ×.
+the mean there; the library's zigzag refuses lengths 2·cp does not divide, and zigzag on
+unequal chunks misses both the token and the work goal. Grade it with
+``python -m minipar.grade ch08``; ``minipar.hint("ch08")`` gives a nudge, then the idea, then
+the method.
 """
 import torch
 
@@ -13,6 +16,18 @@ from minipar import context_parallel as cpm
 from minipar.course.grading import GradeFailure, expect_close, expect_equal
 
 CHALLENGE = "ch08_sequence_layout"
+HINTS = {
+    "": ("Zigzag balances because a cheap chunk travels with an expensive one. With no equal chunks "
+         "to pair, what else could you pair, or hand out?",
+         "Think of it as scheduling jobs of size p + 1 on cp machines with a cap on how many each "
+         "takes: the expensive positions matter most, so place them first, and let the many cheap "
+         "ones even out what is left. Any causal layout is exact as long as each rank's queries keep "
+         "their global positions.",
+         "quota[r] = ⌊T/cp⌋ + (r < T mod cp); for p from T-1 down to 0, give p to the rank with the least "
+         "work so far among those below their quota, and add p + 1 to its work (Graham's "
+         "longest-processing-time rule); return each rank's positions sorted. Or: zigzag on 2·cp chunks, "
+         "then move single positions from the busiest rank to the idlest."),
+}
 CASES = [(48, 3), (50, 3), (77, 5), (90, 6), (37, 5), (200, 8)]
 GOAL = 1.03
 

@@ -20,10 +20,33 @@ C. ``choose_config(config, world_size, batch_size, microbatches=1, memory_per_ra
    rest), then tensor parallelism that stays within a node, then the fewest pipeline
    stages. Return ``{"dp", "pp", "tp"}``; nothing left is a ``ValueError``.
 
+D. ``ProcessMesh.coordinates``, ``rank_of``, ``members`` and ``all_groups``: the same layout
+   with context parallelism and expert parallelism. The ranks form a (pp, dp, cp, tp) grid,
+   tp fastest, then cp, dp, pp: rank = ((p·dp + d)·cp + c)·tp + t. ``members(rank, dim)``
+   takes every dim of ``GROUP_DIMS``: along "pp", "dp", "cp" or "tp" the ranks that differ
+   only in that coordinate; "dp_cp" the dp·cp ranks that differ only in (d, c),
+   in (d, c) order; "ep" its block of ``ep`` consecutive members of that dp_cp list, and
+   "expert_dp" the members at the same place of every block (dp·cp/ep ranks).
+   ``all_groups(dim)`` lists every group along dim once.
+   Invariant: coordinates and rank_of are inverse;
+   the groups along any dim partition the ranks;
+   the ep groups of every (p, t) are carved out of their own dp_cp list,
+   not only those of rank 0 (a non-world group);
+   an unknown dim is a ``ValueError`` here too.
+E. ``ProcessMesh.build()``, inside every rank: create the process group of every group along
+   each dimension in use (dp, pp, tp; cp and dp_cp when cp > 1; ep and expert_dp when
+   ep > 1) and keep this rank's own in ``self.groups[dim]``;
+   with cp = 1 the dp_cp group is the dp group,
+   with ep = 1 the expert_dp group is the dp_cp group.
+   Invariant: every rank creates every group in the same order (a group's creation is
+   collective over the world), and
+   a collective on ``self.groups[dim]`` reaches exactly ``members(rank, dim)``.
+
 Derived in notebook 07, "Why combine" and "3D training is still the same training". The
-last test trains the GPT in 3D (dp = pp = tp = 2) with the library's hybrid training, whose
-process mesh then comes from your functions, and compares with one process. Stuck?
-``minipar.hint("ex07", "A")`` (or "B", "C"). Grade it with ``python -m minipar.grade ex07``.
+last tests build a mesh with cp and ep on 8 ranks and reduce over each of its groups, and
+train the GPT in 3D (dp = pp = tp = 2) with the library's hybrid training, whose process mesh
+then comes from your functions, and compare with one process. Stuck?
+``minipar.hint("ex07", "A")`` (or "B" .. "E"). Grade it with ``python -m minipar.grade ex07``.
 """
 import dataclasses
 
@@ -50,6 +73,44 @@ HINTS = {
           "zero1=zero1)[\"total\"] exceeds the budget; keep the one with the smallest key.",
           "key = (tp·pp, tp > ranks_per_node, pp); best = min over the fitting valid_configs(config, "
           "world_size, batch_size, microbatches) by key; none fits: raise ValueError."),
+    "D": ("The mesh with cp is the 3D mesh with cp·tp as its fastest dimension: the part A you wrote "
+          "already does half the work. The expert groups are a list cut into pieces.",
+          "coordinates: mesh_coordinates(rank, dp, pp, tp·cp), then split its fast coordinate into "
+          "(c, t) = divmod(fast, tp); rank_of is the mixed-radix number read back. members: change "
+          "one coordinate through its range, rank_of each; for dp_cp change (d, c) together, in "
+          "(d, c) order; ep and expert_dp are slices of that dp_cp list.",
+          "dc = [rank_of(c with dp=d, cp=k) for d in range(dp) for k in range(cp)]; i = dc.index(rank); "
+          "ep: dc[i - i % ep : i - i % ep + ep]; expert_dp: dc[i % ep :: ep]; all_groups: the distinct "
+          "tuples of members(r, dim) over every r, in first-seen order (dict.fromkeys)."),
+    "E": ("dist.new_group must be called by every rank of the job, even by ranks not in the group.",
+          "Loop over the dims in use, and over all_groups(dim) for each; every rank calls new_group on "
+          "every list, and keeps the group only when its own rank is in it.",
+          "for dim in DIMS + cp dims + ep dims: for ranks in self.all_groups(dim): g = dist.new_group(ranks); "
+          "if dist.get_rank() in ranks: self.groups[dim] = g; name_group(g, dim). Then, when cp == 1, "
+          "groups['dp_cp'] = groups['dp']; when ep == 1, groups['expert_dp'] = groups['dp_cp']."),
+}
+CONTRACT = {
+    "tensor-parallel ranks vary": "test_coordinates",
+    "a rank outside the mesh is a ``ValueError``": "test_coordinates_off_the_grid",
+    "ordered by their coordinate along ``dim``": "test_group_members_every_mesh",
+    "An unknown ``dim`` is a ``ValueError``": "test_group_members_example",
+    "fit in ``memory_per_rank``": "test_choose_config",
+    "then tensor parallelism that stays within a node": "test_choose_config",
+    "nothing left is a ``ValueError``": "test_choose_config_respects_the_model",
+    "tp fastest, then cp, dp, pp": "test_mesh_coordinates_with_cp",
+    "coordinates and rank_of are inverse": "test_mesh_coordinates_with_cp",
+    "in (d, c) order": "test_mesh_members_every_dim",
+    "the groups along any dim partition the ranks": "test_mesh_members_every_dim",
+    "not only those of rank 0 (a non-world group)": ("test_mesh_members_every_dim",
+                                                     "test_mesh_build_reaches_the_members"),
+    "an unknown dim is a ``ValueError`` here too": "test_mesh_members_every_dim",
+    "every rank creates every group in the same order": "test_mesh_build_reaches_the_members",
+    "a collective on ``self.groups[dim]`` reaches exactly ``members(rank, dim)``":
+        "test_mesh_build_reaches_the_members",
+    "with cp = 1 the dp_cp group is the dp group": ("test_mesh_build_reaches_the_members",
+                                                     "test_3d_training_on_your_mesh"),
+    "with ep = 1 the expert_dp group is the dp_cp group": ("test_mesh_build_reaches_the_members",
+                                                            "test_3d_training_on_your_mesh"),
 }
 TIMEOUT = 60
 SHAPES = [(2, 2, 2), (1, 2, 4), (4, 2, 1), (3, 1, 2), (2, 3, 1)]
@@ -101,8 +162,8 @@ def _check_groups(dp, pp, tp):
             c = _want_coords(r, dp, pp, tp)
             want = sorted(range(n), key=lambda q: _want_coords(q, dp, pp, tp)[dim])
             want = [q for q in want if all(_want_coords(q, dp, pp, tp)[d] == c[d] for d in c if d != dim)]
-            with diagnose(lambda e: sorted(g) == sorted(want), "the right ranks in the wrong order: order them "
-                          "by their coordinate along dim (a rank's index is its group-local rank)"):
+            with diagnose(lambda e: sorted(g) == sorted(want), "the group holds the right ranks, in another order "
+                          "than their coordinate along dim"):
                 expect_equal(g, want, f"group_members({r}, {dim!r}) on dp = {dp}, pp = {pp}, tp = {tp} "
                                       f"(rank {r} = p {c['pp']}, d {c['dp']}, t {c['tp']})", keys="member")
 
@@ -147,6 +208,103 @@ def test_choose_config_respects_the_model(impl):
     except ValueError:
         return
     expect(False, f"choose_config(memory_per_rank=1000) returned {got}; nothing fits in 1000 bytes: a ValueError")
+
+
+MESHES = [dict(dp=2, pp=1, cp=2, tp=2, ep=2), dict(dp=4, pp=2, cp=1, tp=1, ep=2),
+          dict(dp=3, pp=2, cp=2, tp=1, ep=3), dict(dp=1, pp=2, cp=3, tp=2, ep=1)]
+
+
+def _want4(r, m):
+    t, c = r % m["tp"], r // m["tp"] % m["cp"]
+    d, p = r // (m["tp"] * m["cp"]) % m["dp"], r // (m["tp"] * m["cp"] * m["dp"])
+    return {"pp": p, "dp": d, "cp": c, "tp": t}
+
+
+def _want_members(r, dim, m):
+    n = m["dp"] * m["pp"] * m["cp"] * m["tp"]
+    c = _want4(r, m)
+    if dim in ("pp", "dp", "cp", "tp"):
+        same = [q for q in range(n) if all(_want4(q, m)[x] == c[x] for x in c if x != dim)]
+        return sorted(same, key=lambda q: _want4(q, m)[dim])
+    dc = sorted((q for q in range(n) if _want4(q, m)["pp"] == c["pp"] and _want4(q, m)["tp"] == c["tp"]),
+                key=lambda q: (_want4(q, m)["dp"], _want4(q, m)["cp"]))
+    if dim == "dp_cp":
+        return dc
+    i, ep = dc.index(r), m["ep"]
+    return dc[i - i % ep:i - i % ep + ep] if dim == "ep" else dc[i % ep::ep]
+
+
+def _mesh_name(m):
+    return "ProcessMesh(" + ", ".join(f"{k}={v}" for k, v in m.items()) + ")"
+
+
+def test_mesh_coordinates_with_cp(impl):
+    """coordinates follows rank = ((p·dp + d)·cp + c)·tp + t, and rank_of is its inverse."""
+    for m in MESHES:
+        pm, n = mesh.ProcessMesh(**m), m["dp"] * m["pp"] * m["cp"] * m["tp"]
+        got = {r: pm.coordinates(r) for r in range(n)}
+        expect_equal(got, {r: _want4(r, m) for r in range(n)}, f"{_mesh_name(m)}.coordinates", keys="rank")
+        back = {r: pm.rank_of(_want4(r, m)) for r in range(n)}
+        expect_equal(back, {r: r for r in range(n)}, f"{_mesh_name(m)}.rank_of(coordinates of rank)",
+                     keys="rank")
+
+
+def test_mesh_members_every_dim(impl):
+    """members along every dim of GROUP_DIMS on meshes with cp and ep, at every rank; all_groups
+    lists each group once and partitions the ranks; an unknown dim is a ValueError."""
+    for m in MESHES:
+        pm, n = mesh.ProcessMesh(**m), m["dp"] * m["pp"] * m["cp"] * m["tp"]
+        for dim in mesh.GROUP_DIMS:
+            got = {r: list(pm.members(r, dim)) for r in range(n)}
+            want = {r: _want_members(r, dim, m) for r in range(n)}
+            expect_equal(got, want, f"{_mesh_name(m)}.members(rank, {dim!r})", keys="rank")
+            groups = [list(g) for g in pm.all_groups(dim)]
+            want_groups = [list(g) for g in dict.fromkeys(tuple(want[r]) for r in range(n))]
+            expect_equal(groups, want_groups, f"{_mesh_name(m)}.all_groups({dim!r})", keys="group")
+    try:
+        bad = mesh.ProcessMesh(dp=2, cp=2).members(0, "xp")
+    except ValueError:
+        return
+    expect(False, f"ProcessMesh(dp=2, cp=2).members(0, 'xp') returned {bad}; an unknown dim is a ValueError")
+
+
+BUILT = dict(dp=2, pp=2, cp=2, tp=1, ep=2)
+PLAIN = dict(dp=2, pp=2, cp=1, tp=2, ep=1)
+
+
+def _reduce_over_groups():
+    import torch
+    import torch.distributed as dist
+    pm = mesh.ProcessMesh(**BUILT, world_size=8).build()
+    out = {}
+    for dim in mesh.GROUP_DIMS:
+        x = torch.tensor([2.0 ** dist.get_rank()], dtype=torch.float64)   # one bit per rank
+        dist.all_reduce(x, group=pm.group(dim))
+        out[dim] = [q for q in range(8) if int(x.item()) >> q & 1]
+    plain = mesh.ProcessMesh(**PLAIN, world_size=8).build()      # cp = ep = 1: the aliases
+    for dim in ("dp_cp", "expert_dp"):
+        x = torch.tensor([2.0 ** dist.get_rank()], dtype=torch.float64)
+        dist.all_reduce(x, group=plain.group(dim))
+        out["plain " + dim] = [q for q in range(8) if int(x.item()) >> q & 1]
+    return out
+
+
+def test_mesh_build_reaches_the_members(impl):
+    """8 ranks build ProcessMesh(dp=2, pp=2, cp=2, tp=1, ep=2) with your code; an all-reduce over
+    each rank's group along every dim reaches exactly members(rank, dim); so do the dp_cp and
+    expert_dp groups of ProcessMesh(dp=2, pp=2, tp=2), where cp = ep = 1."""
+    test_mesh_members_every_dim(impl)                 # fail fast, before starting 8 ranks
+    results = minipar.launch(_reduce_over_groups, 8, timeout=TIMEOUT)
+    for dim in mesh.GROUP_DIMS:
+        expect_equal({r: res[dim] for r, res in enumerate(results)},
+                     {r: _want_members(r, dim, BUILT) for r in range(8)},
+                     f"the ranks an all-reduce over self.groups[{dim!r}] reached, {_mesh_name(BUILT)}",
+                     keys="rank")
+    for dim in ("dp_cp", "expert_dp"):
+        expect_equal({r: res["plain " + dim] for r, res in enumerate(results)},
+                     {r: _want_members(r, dim, PLAIN) for r in range(8)},
+                     f"the ranks an all-reduce over self.groups[{dim!r}] reached, {_mesh_name(PLAIN)}",
+                     keys="rank")
 
 
 def test_3d_training_on_your_mesh(impl):

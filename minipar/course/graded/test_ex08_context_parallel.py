@@ -1,10 +1,10 @@
-"""Exercise 08: context parallelism, the two ideas ring attention stands on.
+"""Exercise 08: context parallelism: ring attention, forward and backward, and its layout.
 
 A. ``merge_partials(o_a, lse_a, o_b, lse_b)``: the online-softmax merge.
    ``(o_a, lse_a)`` is attention of some queries over one block of keys: ``o`` (..., T, d)
    the softmax-weighted values, ``lse`` (..., T) the log-sum-exp of each query's scores.
    ``(o_b, lse_b)`` is the same over another, disjoint block. Return ``(o, lse)``, attention
-   of the same queries over both blocks together.
+   of the same queries over both blocks together. The blocks may be of unequal length.
    Invariant: merging the blocks of a split key set, in any order, gives attention over the
    whole set (to fp32 rounding, rtol = atol = 1e-5), and stays finite and exact when the
    log-sum-exps are near 1000, where a plain ``exp`` overflows.
@@ -20,10 +20,37 @@ B. ``zigzag_chunks(rank, cp)``: the sequence is cut into 2·cp equal chunks, num
    Derived in notebook 08, "The causal imbalance, and zigzag" (the Llama 3 report, Dubey et
    al. 2024, §3.3.2).
 
-The last tests run the library's ring attention on 2 and 4 ranks and train the GPT with
-context parallelism, your functions in place, and compare with one process. Stuck?
-``minipar.hint("ex08", "A")`` gives a nudge, then the idea, then the formula. Grade it with
-``python -m minipar.grade ex08``.
+C. ``ring_step(rank, src, cp, causal, layout)`` and ``ring_forward(q, k, v, group, causal,
+   layout, attention)``: ring attention's forward (Liu et al. 2023). Each rank of the cp
+   ``group`` holds its queries and one key/value block; at step s = 0 .. c-1 it holds the block
+   of group rank src = (r - s) mod c, starts passing it on to r+1 (and receiving the next from
+   r-1) with ``_start_exchange``, and merges its queries' attention on the block into a running
+   ``(o, lse)``. ``ring_step`` says what a step computes, one of ``PARTS``: without a mask
+   "full"; causal and contiguous, "causal" on the diagonal, "full" for an earlier block and
+   "skip" for a later one (no work at all, the block is wholly masked); causal and zigzag,
+   "causal" on the diagonal, "kv_front" (every query, the block's first half of keys) for
+   src < r and "q_back" (the second half of the queries, every key) for src > r
+   (``_views`` cuts those out). Return ``(o, lse)`` of this rank's queries over the whole
+   sequence.
+   Invariant: on every rank, O and lse equal full attention's rows of that rank's tokens (fp32,
+   rtol = atol = 1e-5), contiguous or zigzag, causal or not;
+   a later block under the causal mask is skipped, never computed;
+   on a non-world group (a cp group of 2 out of 4 ranks), ranks count within their group;
+   each dtype kept (float64 and bfloat16 in, the same dtype out).
+D. ``ring_backward(q, k, v, o, lse, do, group, causal, layout, attention)``: the written-out
+   backward. The key/value blocks go around the ring again, each travelling with an
+   accumulator of its dK, dV; at every step the rank adds its queries' contribution
+   (``attention_block_backward``, from the final o and lse) to dQ and to the accumulator, and
+   passes the accumulator on (tag 1); after c steps each block's accumulator is back on its
+   owner, with every rank's contribution. Return ``(dQ, dK, dV)``.
+   Invariant: dQ, dK, dV equal full attention's gradients of the rank's tokens (fp32,
+   rtol = atol = 1e-5) on 2 and 4 ranks, on a non-world group and with a skipped block;
+   a second step after the first (another q, k, v and dO) is as exact as the first.
+
+The last tests run the library's ring attention on 2 and 4 ranks (and on two cp groups of 2
+out of 4) and train the GPT with context parallelism, your functions in place, and compare
+with one process. Stuck? ``minipar.hint("ex08", "A")`` (or "B", "C", "D") gives a nudge, then
+the idea, then the formula. Grade it with ``python -m minipar.grade ex08``.
 """
 import pytest
 import torch
@@ -52,6 +79,50 @@ HINTS = {
           "a cheap chunk and an expensive one always travel together: the chunk numbers of each "
           "pair sum to the same value.",
           "Rank r holds chunk r and its mirror image 2·cp - 1 - r; check 0 <= rank < cp first."),
+    "C": ("Every rank runs the same loop of c steps: at each, start the exchange of the block in hand "
+          "first, then compute on it, then take the received block for the next step. Under a causal "
+          "mask, which blocks lie wholly in a query's future?",
+          "Step 0 is always the diagonal (src = r): its result starts the running (o, lse); every later "
+          "part merges into it, and a part that covers only some rows (q_back) merges only those rows. "
+          "Contiguous: src > r is the future (skip). Zigzag: rank r holds chunks r and 2c-1-r, so an "
+          "earlier rank's block is visible only through its front chunk, and a later rank's block only "
+          "to this rank's back chunk.",
+          "c, r = group_size, group_rank; kv = stack([k, v]); for s in range(c): src = (r - s) % c; "
+          "if s < c-1: nxt = _start_exchange(kv, prv, r+1, group, 'ring_kv', 0); part = ring_step(...); "
+          "if part != 'skip': qs, ks, vs, rows, _ = _views(q, kv, part); o_b, lse_b = attention_block(qs, "
+          "ks, vs, part == 'causal', attention); o, lse = (o_b, lse_b) at s = 0, else o[..., rows, :], "
+          "lse[..., rows] = merge_partials(o[..., rows, :], lse[..., rows], o_b, lse_b); kv = nxt()."),
+    "D": ("The gradient of a key block is a sum over every rank's queries: who can add to it, and how "
+          "does it get home?",
+          "dQ stays on its rank; dK, dV of a block travel with the block. At each step compute this rank's "
+          "contribution on the block in hand (zeros for a skipped part), add what arrived from r-1 for "
+          "that same block, and send the sum on with tag 1. After c steps the accumulator arriving is "
+          "the rank's own block's. D = rowsum(dO ∘ O) once, before the loop.",
+          "delta = (do * o).sum(-1); for each step: contrib = zeros_like(kv); dq_b, dk_b, dv_b = "
+          "attention_block_backward(qs, ks, vs, o[rows], lse[rows], do[rows], causal=part == 'causal', "
+          "delta=delta[rows], attention=attention); dq[rows] += dq_b; contrib[0][cols] += dk_b; "
+          "contrib[1][cols] += dv_b; contrib += pending() if one is pending; pending = _start_exchange("
+          "contrib, prv, nxt, group, 'ring_dkv', 1) when c > 1. At the end dkv = pending() (contrib when "
+          "c == 1); return dq, dkv[0], dkv[1]."),
+}
+CONTRACT = {
+    "The blocks may be of unequal length": "test_merge_two_blocks",
+    "merging the blocks of a split key set, in any order": "test_merge_many_blocks_any_order",
+    "log-sum-exps are near 1000, where a plain ``exp`` overflows": ("test_merge_is_stable_for_large_scores",
+                                                                 "test_documented_merge_formula_passes"),
+    "together the ranks hold each chunk exactly once": "test_zigzag_chunks",
+    "rank's queries do the same attention work": "test_zigzag_shards_balance_the_causal_work",
+    "A rank outside the group is a ``ValueError``": "test_zigzag_rank_off_the_group",
+    "O and lse equal full attention's rows of that rank's tokens": ("test_ring_attention_with_your_code",
+                                                                    "test_ring_attention_on_subgroups"),
+    "a later block under the causal mask is skipped, never computed": "test_ring_step_parts",
+    "on a non-world group (a cp group of 2 out of 4 ranks), ranks count within their group":
+        "test_ring_attention_on_subgroups",
+    "each dtype kept (float64 and bfloat16 in, the same dtype out)": "test_ring_attention_on_subgroups",
+    "dQ, dK, dV equal full attention's gradients of the rank's tokens": ("test_ring_attention_with_your_code",
+                                                                         "test_ring_attention_on_subgroups"),
+    "a second step after the first (another q, k, v and dO) is as exact as the first":
+        ("test_ring_attention_on_subgroups", "test_training_with_your_code"),
 }
 TIMEOUT = 30
 
@@ -94,7 +165,7 @@ def test_merge_is_stable_for_large_scores(impl):
     o, lse = cpm.merge_partials(o_a, lse_a, o_b, lse_b)
     w = torch.sigmoid(lse_a - lse_b)                      # weight of block a
     with diagnose(lambda e: not bool(torch.isfinite(lse).all() and torch.isfinite(o).all()),
-                  "exp(1000) overflows in fp32: subtract the larger lse before exp"):
+                  "the merged lse or o holds inf or nan: an exp of a log-sum-exp near 1000 overflows fp32"):
         expect_close(lse, torch.logaddexp(lse_a, lse_b), "merged lse for lse_a = [1000, 1000, 5], "
                      "lse_b = [1000, 999, 1000]", where="large scores")
         expect_close(o[:, 0], w * 1 + (1 - w) * 3, "merged o (o_a = 1, o_b = 3), per query", where="large scores")
@@ -164,6 +235,83 @@ def test_ring_attention_with_your_code(impl, cp):
             expect_close(res[i], mine, f"{name}, index (batch, head, position within the rank's shard, ...)",
                          where=f"cp = {cp}, rank {r} (sequence chunks {c0} and {c1} of {2 * cp}, "
                                f"{T // (2 * cp)} positions each)", rtol=1e-5, atol=1e-5)
+
+
+def _want_step(r, src, c, causal, layout):
+    if not causal:
+        return "full"
+    if src == r:
+        return "causal"
+    if layout == "contiguous":
+        return "full" if src < r else "skip"
+    return "kv_front" if src < r else "q_back"
+
+
+def test_ring_step_parts(impl):
+    """ring_step on rings of 1 to 5 ranks: full without a mask; causal on the diagonal; contiguous
+    skips later blocks; zigzag takes kv_front from earlier ranks and q_back from later ones."""
+    for causal in (False, True):
+        for layout in ("contiguous", "zigzag"):
+            for c in range(1, 6):
+                got = {(r, src): cpm.ring_step(r, src, c, causal, layout) for r in range(c) for src in range(c)}
+                want = {(r, src): _want_step(r, src, c, causal, layout) for r in range(c) for src in range(c)}
+                expect_equal(got, want, f"ring_step(rank, src, cp={c}, causal={causal}, layout={layout!r})",
+                             keys="(rank, src)")
+
+
+def _subgroup_case(seed, dtype, causal, layout, T=12):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, w = (torch.randn(1, 2, T, 4, generator=g).to(dtype) for _ in range(4))
+    return q, k, v, w
+
+
+SUB_CASES = [  # (name, dtype, causal, layout): run in turn, so the later ones are later steps
+    ("float64, causal, contiguous (rank 1's future block skipped)", torch.float64, True, "contiguous"),
+    ("float64, no mask, contiguous", torch.float64, False, "contiguous"),
+    ("float64, causal, zigzag (a second step)", torch.float64, True, "zigzag"),
+    ("bfloat16, causal, zigzag", torch.bfloat16, True, "zigzag"),
+]
+
+
+def _on_subgroups():
+    import torch.distributed as dist
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]   # every rank creates both
+    gi = dist.get_rank() // 2
+    group, r = groups[gi], dist.get_rank() % 2
+    out = []
+    for i, (_, dtype, causal, layout) in enumerate(SUB_CASES):
+        q, k, v, w = _subgroup_case(10 * gi + i, dtype, causal, layout)
+        ql, kl, vl = (cpm.shard_sequence(t, r, 2, layout, dim=2).requires_grad_() for t in (q, k, v))
+        o, lse = cpm.ring_attention(ql, kl, vl, group, causal, layout, "materialized")
+        if o.dtype != dtype or lse.dtype != dtype:     # reported by the driver, before any backward
+            out.append([o.detach(), lse, None, None, None])
+            continue
+        (o * cpm.shard_sequence(w, r, 2, layout, dim=2)).sum().backward()
+        out.append([o.detach(), lse, ql.grad, kl.grad, vl.grad])
+    return out
+
+
+def test_ring_attention_on_subgroups(impl):
+    """4 ranks in two cp groups of 2 ([0, 1] and [2, 3], each its own sequence): float64 causal
+    contiguous, float64 without a mask, float64 zigzag, bfloat16 zigzag, one after another. O, lse,
+    dQ, dK, dV equal full attention's (float64: rtol = atol = 1e-10), in the inputs' dtype."""
+    results = minipar.launch(_on_subgroups, 4, timeout=TIMEOUT)
+    for i, (name, dtype, causal, layout) in enumerate(SUB_CASES):
+        for gi in range(2):
+            q, k, v, w = (t.double().requires_grad_() for t in _subgroup_case(10 * gi + i, dtype, causal, layout))
+            o, lse = cpm.masked_attention(q, k, v, causal=causal)
+            (o * w).sum().backward()
+            want = [o.detach(), lse.detach(), q.grad, k.grad, v.grad]
+            for rr in range(2):
+                res, rank = results[2 * gi + rr][i], 2 * gi + rr
+                where = (f"{name}: rank {rank} (rank {rr} of cp group {[2 * gi, 2 * gi + 1]}, "
+                         f"12 tokens over 2 ranks)")
+                for j, part in enumerate(("O", "lse", "dQ", "dK", "dV")):
+                    expect_equal(str(res[j].dtype), str(dtype), f"the dtype of {part}, {where}")
+                    mine = cpm.shard_sequence(want[j], rr, 2, layout, dim=2)
+                    tol = 1e-10 if dtype == torch.float64 else 5e-2
+                    expect_close(res[j].double(), mine, f"{part}, index (batch, head, position within the "
+                                 "rank's shard, ...)", where=where, rtol=tol, atol=tol)
 
 
 def test_training_with_your_code(impl):

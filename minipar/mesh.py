@@ -147,7 +147,7 @@ class ProcessMesh:
         cp > 1; ep and expert_dp when ep > 1)."""
         import torch.distributed as dist
 
-        from minipar.comm import name_group
+        from .comm import name_group
         if dist.get_world_size() != self.size:
             raise ValueError(f"the mesh has {self.size} ranks but the job has {dist.get_world_size()}")
         # >>> ex07 E

@@ -109,9 +109,10 @@ def assign_buckets(params, bucket_cap_mb: float) -> list[list[torch.nn.Parameter
 # from minipar/data_parallel/ddp.py: these run as module minipar.data_parallel.ddp's own
 # ------------------------------------------------------------------------------------------------
 import torch
+import torch.nn as nn
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(nn.Module):
     """Only the marked methods of ``minipar.data_parallel.ddp.DistributedDataParallel``; the rest
     of the class is the library's."""
 

@@ -77,6 +77,19 @@ def _imports(module: str, code: str, defined: set[str]) -> list[str]:
     return sorted(plain) + [f"from {m} import {', '.join(sorted(ns))}" for m, ns in sorted(froms.items())]
 
 
+_RELATIVE = re.compile(r"^(\s*)from (\.+)([\w.]*) import ")
+
+
+def absolute_import(line: str, package: str) -> str:
+    """``line`` with a relative ``from .x import y`` made absolute: the generated file runs the
+    code as its library module's own, but is itself no module of that package."""
+    m = _RELATIVE.match(line)
+    if not m:
+        return line
+    source = importlib.util.resolve_name(m[2] + m[3], package)
+    return f"{m[1]}from {source} import " + line[m.end():]
+
+
 def _section(module: str, group: list[Piece], exercise: str, solution: bool,
              defined: set[str]) -> list[str]:
     """One library module's pieces: a banner naming the module, imports, then the code."""
@@ -94,10 +107,13 @@ def _section(module: str, group: list[Piece], exercise: str, solution: bool,
             doc = textwrap.wrap(f"Only the marked methods of ``{module}.{qual}``; the rest of the "
                                 "class is the library's.", 92 - len(pad))
             doc[0], doc[-1] = '"""' + doc[0], doc[-1] + '"""'
+            full.append(f"class {c.name}({bases}): pass")   # the names its bases use need imports too
             chunks += ["", "", f"{pad}class {c.name}({bases}):" if bases else f"{pad}class {c.name}:",
                        *[f"{pad}    {ln}" for ln in doc]]
             classes.append(c)
-        body = textwrap.dedent("\n".join(_body(p, exercise, solution))).splitlines()
+        package = importlib.import_module(module).__package__ or ""
+        body = [absolute_import(ln, package) for ln in
+                textwrap.dedent("\n".join(_body(p, exercise, solution))).splitlines()]
         full.append(textwrap.dedent("\n".join(_body(p, exercise, True))))
         chunks += [""] * (1 if depth else 2) + ["    " * depth + ln if ln else "" for ln in body]
     head = ["", "", BANNER, f"# from {p.path.relative_to(ROOT)}: these run as module {module}'s own", BANNER]

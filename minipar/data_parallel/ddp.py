@@ -35,7 +35,7 @@ VERSIONS = {"naive": dict(bucket_cap_mb=None, overlap=False),
             "overlapped": dict(bucket_cap_mb=25.0, overlap=True)}
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(nn.Module):
     """Data-parallel wrapper: ``DistributedDataParallel(model, group=None, bucket_cap_mb=25)``.
     ``group``: the replicas' process group (default: the world; ranks are group-local).
     ``bucket_cap_mb``: bucket size in MB (2**20 bytes); ``None`` is the naive version (one

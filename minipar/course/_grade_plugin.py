@@ -85,10 +85,11 @@ _FRAME = re.compile(r'  File "(.+)", line (\d+), in ')
 
 def learner_dirs() -> list[Path]:
     """Where the learner's files live: ``exercises/`` and ``$MINIPAR_EXERCISES``."""
+    from minipar.course.exercise import EXERCISES_ENV
     from minipar.course.markers import ROOT
     dirs = [ROOT / "exercises"]
-    if os.environ.get("MINIPAR_EXERCISES"):
-        dirs.append(Path(os.environ["MINIPAR_EXERCISES"]))
+    if os.environ.get(EXERCISES_ENV):
+        dirs.append(Path(os.environ[EXERCISES_ENV]))
     return [d.resolve() for d in dirs]
 
 
@@ -122,14 +123,8 @@ def place_in_traceback(tb: str) -> str | None:
 
 def place_of(e: BaseException) -> str | None:
     """:func:`place_in_traceback` of an exception raised in this process."""
-    import linecache
     import traceback
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if _shown(f.filename)]
-    if not frames:
-        return None
-    f = frames[-1]
-    code = (f.line or linecache.getline(f.filename, f.lineno)).strip()
-    return f"{_shown(f.filename)}:{f.lineno}  {code}".rstrip()
+    return place_in_traceback("".join(traceback.format_exception(type(e), e, e.__traceback__)))
 
 
 def _without_common_tail(other: str, own: str, limit: int = 300) -> str:

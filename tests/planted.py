@@ -3,14 +3,13 @@ file, in the driver and in every rank it launches. The graded tests must fail on
 clause of the contract the change breaks (issue: a grader that lets no wrong answer through)."""
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 import minipar
-from minipar.course.exercise import EXERCISES_ENV
+from minipar.course.exercise import EXERCISES_ENV, environ
 from minipar.course.grading import GradeFailure
 from minipar.course.markers import ROOT, stem
 from minipar.runtime.launch import RankError
@@ -32,13 +31,8 @@ def planted(exercise: str, directory: Path, *edits: tuple[str, str]):
     ``directory``), so the graded tests called inside run it, in the driver and in the ranks."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{stem(exercise)}.py").write_text(source(exercise, *edits))
-    saved = os.environ.get(EXERCISES_ENV)
-    os.environ[EXERCISES_ENV] = str(directory)
-    try:
-        with minipar.exercise(exercise, "exercise"):
-            yield
-    finally:
-        os.environ.pop(EXERCISES_ENV) if saved is None else os.environ.__setitem__(EXERCISES_ENV, saved)
+    with environ(EXERCISES_ENV, str(directory)), minipar.exercise(exercise, "exercise"):
+        yield
 
 
 def fails(test, *args, match: str, **kwargs) -> str:

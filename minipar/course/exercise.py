@@ -155,6 +155,19 @@ def active() -> list[tuple[str, str]]:
     return list(_active)
 
 
+@contextmanager
+def environ(name: str, value: str | None):
+    """``os.environ[name] = value`` inside the block (nothing set when ``value`` is None), and
+    ``name`` alone put back as it was after it."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None) if saved is None else os.environ.__setitem__(name, saved)
+
+
 def _for_ranks():
     """At each launch (:mod:`minipar.runtime.rank_setup`): the ranks activate what is active here."""
     return partial(activated, active(), os.environ.get(EXERCISES_ENV)) if _active else None
@@ -166,12 +179,8 @@ def activated(pairs, elsewhere: str | None = None):
     learner's files from ``elsewhere`` (the driver's ``MINIPAR_EXERCISES``) if given. While
     grading (``MINIPAR_FLIGHT_DIR`` set) the rank also keeps its last collective in a file there,
     so a hang can be reported rank by rank (:class:`minipar.runtime.flight.Beacon`)."""
-    saved = os.environ.get(EXERCISES_ENV)
-    if elsewhere:
-        os.environ[EXERCISES_ENV] = elsewhere
     with ExitStack() as stack:
-        stack.callback(lambda: os.environ.pop(EXERCISES_ENV, None) if saved is None
-                       else os.environ.__setitem__(EXERCISES_ENV, saved))
+        stack.enter_context(environ(EXERCISES_ENV, elsewhere or None))
         if (where := os.environ.get(FLIGHT_ENV)) and "RANK" in os.environ:
             from ..runtime import flight
             rank = int(os.environ["RANK"])

@@ -197,17 +197,23 @@ def challenge_names() -> list[str]:
     return sorted(p.stem.removeprefix("test_") for p in GRADED.glob("test_ch[0-9][0-9]_*.py"))
 
 
+def challenge_name(name: str) -> str:
+    """"ch04_schedule" for "ch04"; a ``ValueError`` naming the known ones for anything else."""
+    m = re.match(r"ch\d+", name)
+    full = next((c for c in challenge_names() if m and c.startswith(m[0] + "_")), None)
+    if full is None:
+        raise ValueError(f"no exercise or challenge {name!r}; known: "
+                         f"{', '.join(exercises() + [c[:4] for c in challenge_names()])}")
+    return full
+
+
 def stub_text(name: str, root: Path = ROOT) -> str | None:
     """The pristine learner's file for ``name`` ("ex02", "ch04"): an exercise's from the
     generator; a challenge's from git HEAD, else the file itself if it is still a stub (None:
     no pristine copy to be found)."""
     if re.match(r"ex\d+", name):
         return render(name, solution=False)
-    m = re.match(r"ch\d+", name)
-    full = next((c for c in challenge_names() if m and c.startswith(m[0] + "_")), None)
-    if full is None:
-        raise ValueError(f"no exercise or challenge {name!r}; known: "
-                         f"{', '.join(exercises() + [c[:4] for c in challenge_names()])}")
+    full = challenge_name(name)
     path = Path(root) / "exercises" / "challenges" / f"{full}.py"
     committed = head_text(path, root)
     if committed is not None:
@@ -221,11 +227,7 @@ def learner_path(name: str, exercises_dir: str | os.PathLike | None = None) -> P
     base = Path(exercises_dir or os.environ.get("MINIPAR_EXERCISES") or ROOT / "exercises")
     if re.match(r"ex\d+", name):
         return base / f"{stem(name)}.py"
-    m = re.match(r"ch\d+", name)
-    full = next((c for c in challenge_names() if m and c.startswith(m[0] + "_")), None)
-    if full is None:
-        raise ValueError(f"no exercise or challenge {name!r}; known: "
-                         f"{', '.join(exercises() + [c[:4] for c in challenge_names()])}")
+    full = challenge_name(name)
     return base / "challenges" / f"{full}.py"
 
 
@@ -263,11 +265,10 @@ def reset(name: str, exercises_dir: str | os.PathLike | None = None) -> str:
         return f"{shown} is already the stub; nothing changed"
     said = f"reset {shown} to its stub"
     if path.exists():
-        backup = base / ".backup" / f"{path.stem}.{time.strftime('%Y%m%d-%H%M%S')}.py"
-        i = 1
+        stamp = f"{path.stem}.{time.strftime('%Y%m%d-%H%M%S')}"
+        backup, i = base / ".backup" / f"{stamp}.py", 1
         while backup.exists():
-            backup = backup.with_name(f"{path.stem}.{time.strftime('%Y%m%d-%H%M%S')}-{i}.py")
-            i += 1
+            backup, i = backup.with_name(f"{stamp}-{i}.py"), i + 1
         backup.parent.mkdir(parents=True, exist_ok=True)
         backup.write_text(path.read_text())
         said += f"; your file is kept as {backup.relative_to(ROOT) if backup.is_relative_to(ROOT) else backup}"

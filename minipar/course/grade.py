@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .challenge import GRADED_ENV, graded_dir
-from .exercise import EXERCISES_ENV
+from .exercise import EXERCISES_ENV, environ
 from .markers import ROOT  # the repository (site-packages once installed): exercises/, solutions/
 
 TARGETS = ("exercise", "solution", "library", "alternative")
@@ -156,12 +156,8 @@ def grade_many(names: list[str], target: str = "exercise", verbose: bool = True,
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}")
     if graded is not None:  # another directory of graded tests (the grader's own tests)
-        saved = os.environ.get(GRADED_ENV)
-        os.environ[GRADED_ENV] = str(Path(graded).resolve())
-        try:
+        with environ(GRADED_ENV, str(Path(graded).resolve())):
             return grade_many(names, target, verbose, timeout, exercises_dir, challenge, select)
-        finally:
-            os.environ.pop(GRADED_ENV) if saved is None else os.environ.__setitem__(GRADED_ENV, saved)
     chapters = list(dict.fromkeys(_chapter(n) for n in names))
     alone = {_chapter(n) for n in names if str(n).startswith("ch")} - \
         {_chapter(n) for n in names if not str(n).startswith("ch")}   # challenges graded alone

@@ -21,7 +21,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from .. import chapters, colab
+from .. import chapters, colab, exercise_files
 from .picture import chapter_map_svg
 
 ROOT = chapters.ROOT
@@ -119,9 +119,9 @@ def chapter_page(executed: Path, i: int, out: Path) -> int:
     return n
 
 
-def _module_doc(path: Path) -> str:
+def _module_doc(text: str) -> str:
     import ast
-    return ast.get_docstring(ast.parse(path.read_text())) or ""
+    return ast.get_docstring(ast.parse(text)) or ""
 
 
 def exercise_pages(out: Path) -> None:
@@ -148,10 +148,13 @@ def exercise_pages(out: Path) -> None:
                 ## The task
 
                 """)
-            doc = _module_doc(src)
+            # the stub as the course ships it, never the learner's own file (a solved workspace
+            # must not put its answers into the book); without a pristine copy, the statement only
+            stub = exercise_files.stub_text(name[:4])
+            doc = _module_doc(stub if stub is not None else src.read_text())
             fence = "````"
-            (out / "exercises" / f"{name}.md").write_text(
-                body + f"{fence}text\n{doc}\n{fence}\n\n## The file\n\n{fence}python\n{src.read_text()}{fence}\n")
+            shown = f"\n\n## The file\n\n{fence}python\n{stub}{fence}\n" if stub is not None else "\n"
+            (out / "exercises" / f"{name}.md").write_text(body + f"{fence}text\n{doc}\n{fence}" + shown)
 
 
 def landing_page(out: Path, figures: dict[str, int]) -> None:

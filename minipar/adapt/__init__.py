@@ -1,0 +1,14 @@
+"""Chapter 12: parallelism that adapts while it trains.
+
+* :mod:`.layout`: a layout written ``"dp=2,tp=2,zero=1"``, parsed and checked before launch;
+* :mod:`.holdings`: which global elements of every parameter and optimizer slot a rank holds;
+* :mod:`.moves`: the plan of moves between two layouts (local copies first, bytes counted);
+* :mod:`.switch`: the live switch that carries the plan out with one all-to-all;
+* :mod:`.train`: a run that switches layout at given steps (``check``/``train``/``run``)."""
+from .layout import Layout, parse, parse_switches
+from .moves import Move, Plan, plan
+from .switch import reshard
+from .train import check, run, segments, train
+
+__all__ = ["Layout", "parse", "parse_switches", "Move", "Plan", "plan", "reshard",
+           "check", "run", "segments", "train"]

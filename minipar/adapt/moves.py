@@ -1,0 +1,90 @@
+"""The plan of moves between two layouts, computed once, the same on every rank.
+
+A rank's *holding* says which elements of the job's state it keeps: for every key (a parameter,
+``param/<name>``, or a slot of its optimizer state, ``exp_avg/<name>``, ...) the global flat
+indices of the single-device tensor that its local tensor holds, in local order (its
+tensor-parallel shard, its stage's layers, its ZeRO-1 slice). Two layouts give two holdings per
+rank; the plan gives every element of the new holdings one source:
+
+    src(q, e) = q                     if rank q already holds e   (a local copy, no bytes)
+              = the first holder r of e after q, in the ring order q+1, q+2, ...  (otherwise)
+
+so a switch never sends what a rank has, and the sources of one element spread over its
+holders. The plan's bytes, Σ over moves with src ≠ dst of elements × element size, are what the
+switch must send and nothing more: :func:`minipar.adapt.switch.reshard` sends exactly these
+(a test counts them independently). An element that no rank holds is an error, never a zero."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Move:
+    """``src``'s elements ``src_pos`` (local positions) of ``key`` become ``dst``'s ``dst_pos``."""
+    src: int
+    dst: int
+    key: str
+    src_pos: torch.Tensor
+    dst_pos: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        return len(self.dst_pos)
+
+
+@dataclass
+class Plan:
+    world_size: int
+    moves: list[Move] = field(default_factory=list)
+
+    def sent(self, itemsize: dict[str, int] | int = 4) -> list[int]:
+        """Bytes each rank sends (local copies cost nothing)."""
+        out = [0] * self.world_size
+        for mv in self.moves:
+            if mv.src != mv.dst:
+                out[mv.src] += mv.numel * (itemsize if isinstance(itemsize, int) else itemsize[mv.key])
+        return out
+
+    def bytes(self, itemsize: dict[str, int] | int = 4) -> int:
+        """Σ of :meth:`sent`: the bytes the whole switch moves between ranks."""
+        return sum(self.sent(itemsize))
+
+    def between(self, src: int, dst: int) -> list[Move]:
+        return [mv for mv in self.moves if mv.src == src and mv.dst == dst]
+
+
+def plan(old: list[dict[str, torch.Tensor]], new: list[dict[str, torch.Tensor]],
+         sizes: dict[str, int]) -> Plan:
+    """The plan from the ranks' ``old`` holdings to their ``new`` ones (lists by global rank;
+    ``sizes[key]``: the single-device tensor's number of elements). Moves come in (dst, key, src)
+    order, the order every rank packs and unpacks them in."""
+    world = len(old)
+    if len(new) != world:
+        raise ValueError(f"{len(old)} old holdings but {len(new)} new ones: a switch keeps the world size")
+    out = Plan(world)
+    for key, n in sizes.items():
+        where = torch.full((world, n), -1, dtype=torch.long)       # where[r, e]: r's local position of e
+        for r, h in enumerate(old):
+            if key in h:
+                where[r, h[key]] = torch.arange(len(h[key]))
+        for q, h in enumerate(new):
+            if key not in h:
+                continue
+            need = h[key]
+            order = torch.tensor([(q + j) % world for j in range(world)])   # q itself first
+            cand = where[order][:, need]                                       # [world, len(need)]
+            held = cand >= 0
+            if not bool(held.any(0).all()):
+                lost = need[~held.any(0)]
+                raise ValueError(f"{key}: elements {lost[:4].tolist()} (of {len(lost)}) are held by no rank "
+                                 f"of the old layout")
+            first = held.int().argmax(0)                                       # the first holder
+            src = order[first]
+            pos = cand[first, torch.arange(len(need))]
+            for s in sorted(set(src.tolist())):
+                mask = src == s
+                out.moves.append(Move(s, q, key, pos[mask], torch.arange(len(need))[mask]))
+    out.moves.sort(key=lambda mv: (mv.dst, mv.src))             # stable: keys keep their order
+    return out

@@ -1,0 +1,107 @@
+"""Chapter 12: a live layout switch trains exactly like one process, and moves only what it must.
+
+One launch of 4 ranks runs two jobs of 6 steps on the small GPT, each compared with
+:func:`minipar.reference.train_reference` (same seed, batches, optimizer), losses of every step
+and final parameters, fp32 on CPU:
+
+* AdamW under ZeRO-1, dp4 → dp2·tp2 → pp2·tp2 (switches after steps 2 and 4): ``rtol=1e-4,
+  atol=5e-5`` (Adam magnifies rounding near eps, as in test_hybrid);
+* SGD with momentum, pp2·tp2 → dp4 → dp2·tp2 with ZeRO-1 (into and out of sharded optimizer
+  state): ``rtol=1e-5, atol=1e-6``.
+
+The bytes of the switch into dp4 are counted independently of the plan: every rank ends with
+every element of every parameter and momentum buffer, and had only its stage's tensor-parallel
+shard, so it must receive (Ψ − held) elements of each, 4 bytes each, and nothing more."""
+import pytest
+import torch
+
+import minipar
+from minipar import adapt, data, hybrid
+from minipar.adapt.moves import plan
+from minipar.models import GPT, GPTConfig
+from minipar.reference import assert_same_training, train_reference
+
+CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=4, n_head=4, n_embd=32)
+SEED, STEPS, BATCH = 1, 6, 8
+BATCHES = data.batches(data.synthetic_tokens(3000, CFG.vocab_size), STEPS, BATCH, CFG.block_size)
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
+MOMENTUM = {"lr": 0.2, "momentum": 0.9}
+OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, **ADAMW),
+              "momentum": lambda ps: torch.optim.SGD(ps, **MOMENTUM)}
+TOL = {"adamw": dict(rtol=1e-4, atol=5e-5), "momentum": dict(rtol=1e-5, atol=1e-6)}
+JOBS = {"adamw": ("dp=4,zero=1", ["2=dp=2,tp=2,zero=1", "4=pp=2,tp=2,zero=1"]),
+        "momentum": ("pp=2,tp=2", ["2=dp=4", "4=dp=2,tp=2,zero=1"])}
+
+
+def _jobs() -> dict:
+    out = {name: adapt.train(GPT(CFG, seed=SEED), BATCHES, OPTIMIZERS[name], layout=first, switches=sw)
+           for name, (first, sw) in JOBS.items()}
+    old = hybrid.build(GPT(CFG, seed=SEED), hybrid.ProcessMesh(pp=2, tp=2), microbatches=2)
+    out["held"] = sum(v.numel() for v in old.local_state_dict().values())   # pp2·tp2's share
+    return out
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return minipar.launch(_jobs, 4, timeout=240)
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_switches_train_like_one_process(launched, name):
+    want = train_reference(GPT(CFG, seed=SEED), BATCHES, OPTIMIZERS[name])
+    got = launched[0][name]
+    assert_same_training(got, want, **TOL[name])
+    assert all(r[name]["losses"] == got["losses"] for r in launched), "ranks disagree on the loss"
+    steps = [s["step"] for s in got["measured"]["switches"]]
+    assert steps == [2, 4], steps
+
+
+def test_switch_sends_the_plan_and_only_what_is_missing(launched):
+    psi = sum(p.numel() for p in GPT(CFG, seed=SEED).parameters())
+    held = [r["held"] for r in launched]
+    into_dp4 = [r["momentum"]["measured"]["switches"][0] for r in launched]
+    want = sum((psi - h) * 2 * 4 for h in held)             # params + momentum, fp32
+    assert into_dp4[0]["plan_bytes"] == want, (into_dp4[0]["plan_bytes"], want)
+    for job in JOBS:
+        for r in launched:
+            for s in r[job]["measured"]["switches"]:
+                assert s["sent_observed"] == s["bytes_sent"], (job, s)
+        per_switch = zip(*[r[job]["measured"]["switches"] for r in launched])
+        for ranks in per_switch:
+            assert sum(s["bytes_sent"] for s in ranks) == ranks[0]["plan_bytes"]
+
+
+def test_plan_copies_locally_and_spreads_sources():
+    """Two ranks: rank 0 held all of a, rank 1 its second half; now rank 0 keeps the second half
+    (a local copy) and rank 1 takes the first (from rank 0, the only holder): 8 bytes, by rank 0."""
+    old = [{"a": torch.arange(4)}, {"a": torch.tensor([2, 3])}]
+    new = [{"a": torch.tensor([2, 3])}, {"a": torch.tensor([0, 1])}]
+    p = plan(old, new, {"a": 4})
+    assert [(m.src, m.dst, m.src_pos.tolist(), m.dst_pos.tolist()) for m in p.moves] == \
+        [(0, 0, [2, 3], [0, 1]), (0, 1, [0, 1], [0, 1])]
+    assert p.sent() == [8, 0]
+    # every rank holds everything, everyone needs everything: no bytes at all
+    full = [{"a": torch.arange(4)}] * 3
+    assert plan(full, full, {"a": 4}).bytes() == 0
+    # three ranks need what only ranks 0 and 1 hold: each asks the first holder after itself
+    old = [{"a": torch.arange(4)}, {"a": torch.arange(4)}, {}]
+    p = plan(old, [{}, {}, {"a": torch.arange(4)}], {"a": 4})
+    assert [(m.src, m.dst) for m in p.moves] == [(0, 2)]
+
+
+def test_an_element_no_rank_holds_is_an_error():
+    with pytest.raises(ValueError, match=r"a: elements \[3\] .* held by no rank"):
+        plan([{"a": torch.tensor([0, 1, 2])}], [{"a": torch.arange(4)}], {"a": 4})
+
+
+@pytest.mark.parametrize("layout, switches, message", [
+    ("dp=2", (), "dp·pp·tp·cp = 2, but the job has 4 ranks"),
+    ("dp=4", ["6=dp=2,tp=2"], "outside the run's 6 steps"),
+    ("dp=4", ["2=dp=2,tq=2"], "'tq=2' is not KEY=N"),
+    ("dp=4", ["2=dp=4,zero=3"], "zero=0 or 1"),
+    ("dp=4", ["2=dp=4", "2=dp=2,tp=2"], "two switches after step 2"),
+    ("dp=4", ["x=dp=4"], "expected STEP=LAYOUT"),
+])
+def test_bad_layouts_are_refused_before_launch(layout, switches, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        adapt.run(GPT(CFG, seed=SEED), BATCHES, 4, layout=layout, switches=switches)

@@ -12,6 +12,8 @@ and final parameters, fp32 on CPU:
 The bytes of the switch into dp4 are counted independently of the plan: every rank ends with
 every element of every parameter and momentum buffer, and had only its stage's tensor-parallel
 shard, so it must receive (Ψ − held) elements of each, 4 bytes each, and nothing more."""
+import json
+
 import pytest
 import torch
 
@@ -105,3 +107,31 @@ def test_an_element_no_rank_holds_is_an_error():
 def test_bad_layouts_are_refused_before_launch(layout, switches, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         adapt.run(GPT(CFG, seed=SEED), BATCHES, 4, layout=layout, switches=switches)
+
+
+def test_training_command_switches_twice_and_resumes_past_a_switch(tmp_path):
+    """``python -m minipar.train --dp 4 --zero 1 --switch-at 2=dp=2,tp=2,zero=1 --switch-at
+    4=pp=2,tp=2,zero=1``, 6 steps, run as 3 (checkpointed on dp2·tp2) then resumed to 6: the
+    resumed run starts in the layout of step 3 and switches again after step 4. The 6 losses and
+    final weights are one process's (AdamW: rtol 1e-4, atol 5e-5)."""
+    from minipar.data import batches, corpus_tokens
+    from minipar.production import checkpoint, train
+    from minipar.reference import adamw
+    ckpt, a, b = tmp_path / "ckpt", tmp_path / "a.json", tmp_path / "b.json"
+    common = ["--dp", "4", "--zero", "1", "--no-progress", "--checkpoint-dir", str(ckpt),
+              "--n-layer", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
+              "--switch-at", "2=dp=2,tp=2,zero=1", "--steps"]
+    assert train.main(common + ["3", "--out", str(a)]) == 0       # a switch beyond --steps is refused
+    assert train.main(common + ["6", "--switch-at", "4=pp=2,tp=2,zero=1", "--resume", "--out", str(b)]) == 0
+    first, second = json.loads(a.read_text()), json.loads(b.read_text())
+    assert [(s["step"], s["to"]) for s in first["switches"]] == [(2, "dp=2,tp=2,zero=1")]
+    assert [(s["step"], s["to"]) for s in second["switches"]] == [(3, "dp=2,tp=2,zero=1"),
+                                                                   (4, "pp=2,tp=2,zero=1")]
+    args = train.parse(common + ["6"])
+    data = batches(corpus_tokens()[0], 6, args.batch_size, args.block_size, seed=args.data_seed)
+    want = train_reference(GPT(train.gpt_config(args), seed=args.seed), data, adamw(args.lr, args.weight_decay))
+    torch.testing.assert_close(torch.tensor(first["losses"] + second["losses"]),
+                               torch.tensor(want["losses"]), rtol=1e-4, atol=5e-5)
+    got = checkpoint.load_full_state_dict(ckpt)
+    for k, v in want["params"].items():
+        torch.testing.assert_close(got[k], v, rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")

@@ -147,15 +147,20 @@ def _train(args, signals) -> dict:
     from .faults import Snapshot, agree, rss_bytes
     from ..mesh import ProcessMesh
     from ..models.gpt import GPT
+    from ..adapt import parse_switches, reshard
     config, tokens = gpt_config(args), corpus_tokens()[0]
     mesh = ProcessMesh(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep).build()
     with torch.device("cpu"):  # seeded on the CPU, identically on every rank; build() places it
         gpt = GPT(config, seed=args.seed)
     zero = args.zero if args.zero is not None else int(args.zero1)   # parser() alone leaves --zero1 unfolded
-    model = hybrid.build(gpt, mesh, zero=zero, sharding=args.sharding, schedule=args.schedule,
-                         microbatches=args.microbatches, virtual_stages=args.virtual_stages,
-                         dtype=args.dtype, recompute=args.recompute, layout=args.cp_layout,
-                         variant=args.cp_variant, optimizer=reference.adamw(args.lr, args.weight_decay))
+
+    def build(mesh, zero, microbatches, gpt):
+        return hybrid.build(gpt, mesh, zero=zero, sharding=args.sharding, schedule=args.schedule,
+                            microbatches=microbatches, virtual_stages=args.virtual_stages,
+                            dtype=args.dtype, recompute=args.recompute, layout=args.cp_layout,
+                            variant=args.cp_variant, optimizer=reference.adamw(args.lr, args.weight_decay))
+    model = build(mesh, zero, args.microbatches, gpt)
+    switches = dict(parse_switches(args.switch_at, args.steps))
     start, resumed_from, history = 0, None, []
     if args.checkpoint_dir and (args.checkpoint_dir / "latest").exists():
         meta = checkpoint.load(args.checkpoint_dir, model, model.optimizer)
@@ -164,6 +169,18 @@ def _train(args, signals) -> dict:
                              f"this run asks for {data_signature(args)}")
         start, resumed_from = meta["extra"]["next_step"], meta["mesh"]
         history = list(meta["extra"].get("losses", []))[:start]
+    moved = []
+
+    def switch(model, lay, step):
+        with torch.device("cpu"):
+            fresh = GPT(config, seed=args.seed)
+        new = build(ProcessMesh(dp=lay.dp, pp=lay.pp, tp=lay.tp, cp=lay.cp).build(), lay.zero,
+                    lay.microbatches, fresh)
+        moved.append({"step": step, "to": str(lay)} | reshard(model, new))
+        return new
+    due = [s for s in switches if s <= start]   # resumed past a switch: into the layout of step `start`
+    if due:
+        model = switch(model, switches[max(due)], start)
     tqdm.set_lock(threading.RLock())  # tqdm's default lock is a process-shared semaphore
     bar = tqdm(total=args.steps, initial=start, desc=layout_name(args),
                unit="step", file=sys.__stderr__, disable=args.no_progress or dist.get_rank() != 0,
@@ -194,6 +211,9 @@ def _train(args, signals) -> dict:
         done = step + 1
         if done % every == 0 or done == args.steps:
             rss.append([done, rss_bytes()])
+        if done in switches:   # a live switch: the new layout's mesh and model, the state moved in
+            model = switch(model, switches[done], done)
+            snapshot = Snapshot(model, model.optimizer) if snapshot is not None else None
         if args.checkpoint_dir and (done == args.steps or stop or
                                     args.save_every and done % args.save_every == 0):
             saved = checkpoint.save(args.checkpoint_dir, model, model.optimizer, step=done, keep=args.keep,
@@ -205,7 +225,7 @@ def _train(args, signals) -> dict:
             break
     bar.close()
     return {"losses": losses, "first_step": start, "resumed_from": resumed_from,
-            "history": history + losses, "skipped": skipped, "stopped": stopped, "rss": rss,
+            "history": history + losses, "skipped": skipped, "stopped": stopped, "rss": rss, "switches": moved,
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             "seconds": time.perf_counter() - t0, "checkpoint": str(saved) if saved else None}
 
@@ -251,6 +271,9 @@ def main(argv=None) -> int:
         print(f"trained steps {r['first_step']}..{r['first_step'] + len(r['losses'])} on "
               f"{layout_name(args)} ({world} rank{'s' * (world > 1)}, {where}, {results.backend}"
               f"{came}): {losses}{skipped} in {r['seconds']:.1f} s")
+        for sw in r["switches"]:
+            print(f"switched to {sw['to']} after step {sw['step']}: {sw['plan_bytes']} bytes moved "
+                  f"in {sw['seconds'] * 1e3:.1f} ms")
         if r["checkpoint"]:
             print(f"checkpoint: {r['checkpoint']}")
         if r["stopped"]:

@@ -116,6 +116,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                      help="where the ranks compute (minipar.runtime.launch's placement: NCCL with a GPU per "
                           "rank, ranks sharing GPUs over Gloo, or the CPU)")
+    run.add_argument("--switch-at", action="append", default=[], metavar="STEP=LAYOUT",
+                     help="after STEP, move live to LAYOUT (e.g. 4=pp=2,tp=2,zero=1); repeatable")
     run.add_argument("--timeout", type=real(0, strict=True), default=1800.0, help="seconds (minipar.runtime.launch only)")
     faults = p.add_argument_group("faults")
     faults.add_argument("--hang-timeout", type=real(0, strict=False), default=600.0,
@@ -187,3 +189,24 @@ def check_options(args) -> None:
         raise ValueError(f"--out {args.out}: the directory {args.out.parent} does not exist")
     if args.out is not None and args.out.is_dir():
         raise ValueError(f"--out {args.out} is a directory; give a file name")
+    if args.switch_at:
+        check_switches(args)
+
+
+def check_switches(args) -> None:
+    """``--switch-at``: every layout fits the world and the global batch, every step the run; the
+    switch moves a dense GPT's fp32 state under ZeRO 0 or 1 (:mod:`minipar.adapt`)."""
+    from ..adapt.layout import check as check_layout, parse_switches
+    try:
+        switches = parse_switches(args.switch_at, args.steps)
+    except ValueError as e:
+        raise ValueError(f"--switch-at: {e}") from None
+    if args.n_experts or args.dtype != "fp32" or (args.zero or 0) > 1:
+        raise ValueError("--switch-at moves a dense GPT's fp32 state under ZeRO 0 or 1: drop --n-experts, "
+                         f"--dtype {args.dtype} or --zero {args.zero}")
+    world = args.dp * args.cp * args.pp * args.tp
+    for step, layout in switches:
+        try:
+            check_layout(layout, world, args.batch_size)
+        except ValueError as e:
+            raise ValueError(f"--switch-at {step}={layout}: {e}") from None

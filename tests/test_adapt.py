@@ -38,6 +38,8 @@ JOBS = {"adamw": ("dp=4,zero=1", ["2=dp=2,tp=2,zero=1", "4=pp=2,tp=2,zero=1"]),
 def _jobs() -> dict:
     out = {name: adapt.train(GPT(CFG, seed=SEED), BATCHES, OPTIMIZERS[name], layout=first, switches=sw)
            for name, (first, sw) in JOBS.items()}
+    out["auto"] = adapt.train(GPT(CFG, seed=SEED), BATCHES, OPTIMIZERS["momentum"],
+                              candidates=["dp=4", "pp=2,tp=2", "dp=2,tp=2,zero=1"], probe=2)
     old = hybrid.build(GPT(CFG, seed=SEED), hybrid.ProcessMesh(pp=2, tp=2), microbatches=2)
     out["held"] = sum(v.numel() for v in old.local_state_dict().values())   # pp2·tp2's share
     return out
@@ -56,6 +58,22 @@ def test_switches_train_like_one_process(launched, name):
     assert all(r[name]["losses"] == got["losses"] for r in launched), "ranks disagree on the loss"
     steps = [s["step"] for s in got["measured"]["switches"]]
     assert steps == [2, 4], steps
+
+
+def test_candidates_are_measured_and_the_fastest_kept(launched):
+    """Three candidates, 2 steps each (real training steps), then the fastest measured for the
+    rest: the losses stay one process's, every rank logs the same decision."""
+    want = train_reference(GPT(CFG, seed=SEED), BATCHES, OPTIMIZERS["momentum"])
+    got = launched[0]["auto"]
+    assert_same_training(got, want, **TOL["momentum"])
+    log = got["measured"]["decisions"]
+    assert [d["layout"] for d in log] == ["dp=4", "pp=2,tp=2", "dp=2,tp=2,zero=1"]
+    assert all(d["measured_ms"] > 0 for d in log)
+    fastest = min(log, key=lambda d: d["measured_ms"])["layout"]
+    assert got["measured"]["layout"] == fastest
+    assert all(r["auto"]["measured"]["decisions"] == log for r in launched), "ranks decided differently"
+    moved = [s["to"] for s in got["measured"]["switches"]]
+    assert moved[:2] == ["pp=2,tp=2", "dp=2,tp=2,zero=1"] and (len(moved) == 2) == (fastest == log[-1]["layout"])
 
 
 def test_switch_sends_the_plan_and_only_what_is_missing(launched):
@@ -135,3 +153,36 @@ def test_training_command_switches_twice_and_resumes_past_a_switch(tmp_path):
     got = checkpoint.load_full_state_dict(ckpt)
     for k, v in want["params"].items():
         torch.testing.assert_close(got[k], v, rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_training_command_chooses_its_layout_by_measuring(tmp_path, capsys):
+    """``--layout auto --candidates 3 --probe-steps 2`` on 4 ranks, 8 steps: the log names three
+    candidates with both numbers, the losses are one process's (AdamW: rtol 1e-4, atol 5e-5)."""
+    from minipar.data import batches, corpus_tokens
+    from minipar.production import train
+    from minipar.reference import adamw
+    out = tmp_path / "auto.json"
+    argv = ["--dp", "4", "--layout", "auto", "--candidates", "3", "--probe-steps", "2", "--steps", "8",
+            "--n-layer", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8", "--no-progress"]
+    assert train.main(argv + ["--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert len(r["decisions"]) == 3 and all(d["predicted_ms"] > 0 < d["measured_ms"] for d in r["decisions"])
+    assert "layout auto: " in capsys.readouterr().out
+    args = train.parse(argv)
+    data = batches(corpus_tokens()[0], 8, args.batch_size, args.block_size, seed=args.data_seed)
+    want = train_reference(GPT(train.gpt_config(args), seed=args.seed), data, adamw(args.lr, args.weight_decay))
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want["losses"]), rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dp", "4", "--switch-at", "2=pp=2,tp=3"], "dp·pp·tp·cp = 6, but the job has 4 ranks"),
+    (["--dp", "4", "--switch-at", "9=dp=4"], "outside the run's 4 steps"),
+    (["--dp", "4", "--switch-at", "2=dp=4,ep=2"], "'ep=2' is not KEY=N"),
+    (["--dp", "4", "--layout", "auto", "--candidates", "3"], "exceed --steps 4"),
+    (["--dp", "4", "--switch-at", "2=dp=4", "--n-experts", "4"], "dense GPT"),
+])
+def test_training_command_refuses_bad_switches_before_launch(argv, message, capsys):
+    from minipar.production import train
+    with pytest.raises(SystemExit) as e:
+        train.main(argv + ["--steps", "4", "--no-progress"])
+    assert e.value.code == 2 and message in capsys.readouterr().err

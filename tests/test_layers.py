@@ -34,7 +34,7 @@ LAYERS = [
     ("core", ["minipar.comm", "minipar.models", "minipar.autograd", "minipar.activations",
               "minipar.data", "minipar.precision", "minipar.mesh", "minipar.reference",
               "minipar.strategy", *STRATEGIES]),
-    ("built on the core", ["minipar.production", "minipar.analysis.plan", "minipar.bench",
+    ("built on the core", ["minipar.production", "minipar.adapt", "minipar.analysis.plan", "minipar.bench",
                            "minipar.analysis"]),
     ("course", ["minipar.course", "minipar.grade", "minipar.hint", "minipar.train", "minipar"]),
 ]

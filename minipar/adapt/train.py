@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .. import hybrid, strategy
 from ..mesh import ProcessMesh
 from .layout import check as check_layout, parse, parse_switches
+from .auto import decide, slowest_median
 from .switch import reshard
 
 
@@ -25,41 +26,81 @@ def segments(layout, switches, steps: int):
     return [(a, b, lay) for (a, lay), b in zip(starts, ends)]
 
 
-def check(model, batches, world_size: int | None, layout="dp=1", switches=(), **options) -> None:
+def check(model, batches, world_size: int | None, layout="dp=1", switches=(), candidates=(),
+          probe: int = 3, **options) -> None:
     """Plain errors before any process starts: every layout's product is ``world_size``, every switch
-    lies inside the run, and the hybrid options fit every layout."""
+    lies inside the run, the candidates' probes fit in it, and the hybrid options fit every layout."""
     if getattr(getattr(model, "config", model), "moe_every", 0):
         raise ValueError("a live switch moves dense GPTs (moe_every = 0)")
     steps = len(batches) if batches is not None else None
-    parts = segments(layout, switches, steps) if steps else [(0, 0, parse(layout))]
+    if candidates:
+        if probe < 2:
+            raise ValueError(f"probe = {probe}: a candidate needs at least 2 steps (the first is a warm-up)")
+        if steps is not None and len(candidates) * probe > steps:
+            raise ValueError(f"{len(candidates)} candidates × {probe} probe steps exceed the run's {steps} steps")
+        lays = [parse(c["layout"] if isinstance(c, dict) else c) for c in candidates]
+    else:
+        lays = [lay for _, _, lay in (segments(layout, switches, steps) if steps else [(0, 0, parse(layout))])]
     batch = batches[0][0].shape[0] if batches else None
-    for _, _, lay in parts:
+    for lay in lays:
         if world_size is not None:
             check_layout(lay, world_size, batch)
         hybrid.check(model, batches, world_size, dp=lay.dp, pp=lay.pp, tp=lay.tp, cp=lay.cp,
                      **lay.options(), **options)
 
 
-def train(model, batches, optimizer=None, layout="dp=1", switches=(), **options) -> dict:
+def train(model, batches, optimizer=None, layout="dp=1", switches=(), candidates=(), probe: int = 3,
+          **options) -> dict:
     """Rank function: train ``model`` on ``batches`` through every layout of the run. Returns the
     losses of every step, the final single-device parameters (on rank 0) and ``measured``: the
     last step's, plus ``switches`` (this rank's record of each switch: step, layouts, bytes by the
-    plan and as observed, seconds) and ``step_seconds`` of every step."""
-    losses, records, seconds, hm, measured = [], [], [], None, {}
-    for start, end, lay in segments(layout, switches, len(batches)):
+    plan and as observed, seconds) and ``step_seconds`` of every step.
+
+    ``candidates`` (layouts, or :func:`~minipar.adapt.auto.propose`'s rows): train ``probe`` steps
+    on each in turn, then the rest on the one measured fastest (:func:`~minipar.adapt.auto.decide`);
+    ``measured["decisions"]`` is the log. ``layout`` and ``switches`` are then not used."""
+    state = {"hm": None, "lay": None, "losses": [], "seconds": [], "records": [], "measured": {}}
+
+    def into(lay, step):
         mesh = ProcessMesh(dp=lay.dp, pp=lay.pp, tp=lay.tp, cp=lay.cp).build()
         new = hybrid.HybridModel(copy.deepcopy(model), mesh, optimizer=optimizer, **lay.options(), **options)
-        if hm is not None:
-            records.append({"step": start, "from": str(previous), "to": str(lay)} | reshard(hm, new))
-        hm, previous = new, lay
-        part, measured = strategy.loop(batches[start:end], lambda i, b: hm.step(*b),
-                                       reduce=hm.reduce_loss, history=True)
-        losses += part
-        seconds += measured.pop("step_seconds", [])
+        if state["hm"] is not None:
+            state["records"].append({"step": step, "from": str(state["lay"]), "to": str(lay)}
+                                    | reshard(state["hm"], new))
+        state["hm"], state["lay"] = new, lay
+
+    def steps(a, b) -> list[float]:
+        hm = state["hm"]
+        part, measured = strategy.loop(batches[a:b], lambda i, x: hm.step(*x), reduce=hm.reduce_loss,
+                                       history=True)
+        state["losses"] += part
+        each = measured.pop("step_seconds", [])
+        state["seconds"] += each
+        state["measured"] = measured
+        return each
+
+    decisions = []
+    if candidates:
+        rows = [c if isinstance(c, dict) else {"layout": c, "predicted_ms": None} for c in candidates]
+        for i, row in enumerate(rows):
+            into(parse(row["layout"]), i * probe)
+            ms = 1e3 * slowest_median(steps(i * probe, (i + 1) * probe))
+            decisions.append({"layout": str(row["layout"]), "predicted_ms": row["predicted_ms"],
+                              "measured_ms": ms})
+        best = decide(decisions)
+        if best["layout"] != str(state["lay"]):
+            into(parse(best["layout"]), len(rows) * probe)
+        steps(len(rows) * probe, len(batches))
+    else:
+        for start, end, lay in segments(layout, switches, len(batches)):
+            into(lay, start)
+            steps(start, end)
+    hm = state["hm"]
     full = hm.full_state_dict()
     names = [k for k, _ in model.named_parameters()]
-    measured |= {"switches": records, "step_seconds": seconds, "coords": hm.coords}
-    return {"losses": losses, "measured": measured,
+    measured = state["measured"] | {"switches": state["records"], "step_seconds": state["seconds"],
+                                    "coords": hm.coords, "layout": str(state["lay"]), "decisions": decisions}
+    return {"losses": state["losses"], "measured": measured,
             "params": strategy.full_params((k, full[k]) for k in names) if dist.get_rank() == 0 else None}
 
 

@@ -147,9 +147,16 @@ def _train(args, signals) -> dict:
     from .faults import Snapshot, agree, rss_bytes
     from ..mesh import ProcessMesh
     from ..models.gpt import GPT
-    from ..adapt import parse_switches, reshard
+    from ..adapt import parse as parse_layout, parse_switches, reshard
+    from ..adapt.auto import decide, slowest_median
     config, tokens = gpt_config(args), corpus_tokens()[0]
-    mesh = ProcessMesh(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep).build()
+    proposed = [dict(r, layout=parse_layout(r["layout"])) for r in getattr(args, "proposed", None) or []]
+    if proposed:           # --layout auto: the first candidate's mesh; the others are switched to
+        first = proposed[0]["layout"]
+        args.zero, args.microbatches = first.zero, first.microbatches
+        mesh = ProcessMesh(dp=first.dp, pp=first.pp, tp=first.tp, cp=first.cp).build()
+    else:
+        mesh = ProcessMesh(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep).build()
     with torch.device("cpu"):  # seeded on the CPU, identically on every rank; build() places it
         gpt = GPT(config, seed=args.seed)
     zero = args.zero if args.zero is not None else int(args.zero1)   # parser() alone leaves --zero1 unfolded
@@ -161,6 +168,7 @@ def _train(args, signals) -> dict:
                             variant=args.cp_variant, optimizer=reference.adamw(args.lr, args.weight_decay))
     model = build(mesh, zero, args.microbatches, gpt)
     switches = dict(parse_switches(args.switch_at, args.steps))
+    probe, decisions, seconds = args.probe_steps, [], []
     start, resumed_from, history = 0, None, []
     if args.checkpoint_dir and (args.checkpoint_dir / "latest").exists():
         meta = checkpoint.load(args.checkpoint_dir, model, model.optimizer)
@@ -211,6 +219,15 @@ def _train(args, signals) -> dict:
         done = step + 1
         if done % every == 0 or done == args.steps:
             rss.append([done, rss_bytes()])
+        seconds.append(model.last_step["seconds"])
+        if proposed and done <= len(proposed) * probe and done % probe == 0:   # a candidate measured
+            row = proposed[done // probe - 1]
+            decisions.append({"layout": str(row["layout"]), "predicted_ms": row["predicted_ms"],
+                              "measured_ms": 1e3 * slowest_median(seconds[-probe:], model.device)})
+            if done // probe < len(proposed):
+                model = switch(model, proposed[done // probe]["layout"], done)
+            elif decide(decisions)["layout"] != decisions[-1]["layout"]:
+                model = switch(model, parse_layout(decide(decisions)["layout"]), done)
         if done in switches:   # a live switch: the new layout's mesh and model, the state moved in
             model = switch(model, switches[done], done)
             snapshot = Snapshot(model, model.optimizer) if snapshot is not None else None
@@ -226,6 +243,7 @@ def _train(args, signals) -> dict:
     bar.close()
     return {"losses": losses, "first_step": start, "resumed_from": resumed_from,
             "history": history + losses, "skipped": skipped, "stopped": stopped, "rss": rss, "switches": moved,
+            "decisions": decisions,
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             "seconds": time.perf_counter() - t0, "checkpoint": str(saved) if saved else None}
 
@@ -234,6 +252,17 @@ def layout_name(args) -> str:
     """``dp=2 cp=2 pp=2 tp=1 ep=2`` (and the ZeRO stage, if any)."""
     zero = f" zero={args.zero}" if args.zero else ""
     return " ".join(f"{k}={getattr(args, k)}" for k in ("dp", "cp", "pp", "tp", "ep")) + zero
+
+
+def propose_layouts(args, world: int) -> list[dict]:
+    """``--layout auto``: this machine measured (:func:`minipar.analysis.plan.measure_machine`), then
+    the planner's ``--candidates`` best layouts (:func:`minipar.adapt.auto.propose`)."""
+    from ..adapt.auto import propose
+    from ..analysis.plan import measure_machine
+    config = gpt_config(args)
+    cluster = measure_machine(config, world)["cluster"]
+    return [{"layout": str(r["layout"]), "predicted_ms": r["predicted_ms"]}
+            for r in propose(config, args.batch_size, world, cluster, k=args.candidates)]
 
 
 def main(argv=None) -> int:
@@ -246,6 +275,8 @@ def main(argv=None) -> int:
         place(int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun else world, args.device)
     except ValueError as e:
         parser().error(str(e))  # exit code 2, before any process starts
+    if args.layout == "auto":     # the planner's k best on this machine, measured here first
+        args.proposed = propose_layouts(args, world)
     from . import train as this  # the workers import the rank function by name
     from ..runtime.launch import RankError, launch
     before = {} if under_torchrun else forward_to_ranks(world)
@@ -268,9 +299,15 @@ def main(argv=None) -> int:
         came = (", resumed from a " + " ".join(f"{k}={v}" for k, v in m.items()) + " checkpoint") if m else ""
         losses = f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}" if r["losses"] else "nothing to do"
         skipped = f", skipped {len(r['skipped'])} non-finite step(s) {r['skipped']}" if r["skipped"] else ""
+        ended = f", ended on {r['switches'][-1]['to']}" if r["switches"] else ""
         print(f"trained steps {r['first_step']}..{r['first_step'] + len(r['losses'])} on "
-              f"{layout_name(args)} ({world} rank{'s' * (world > 1)}, {where}, {results.backend}"
+              f"{layout_name(args)}{ended} ({world} rank{'s' * (world > 1)}, {where}, {results.backend}"
               f"{came}): {losses}{skipped} in {r['seconds']:.1f} s")
+        if r["decisions"]:
+            from ..adapt.auto import decide
+            print("layout auto: " + "; ".join(f"{d['layout']} predicted {d['predicted_ms']:.1f} ms, measured "
+                                              f"{d['measured_ms']:.1f} ms" for d in r["decisions"])
+                  + f" -> {decide(r['decisions'])['layout']}")
         for sw in r["switches"]:
             print(f"switched to {sw['to']} after step {sw['step']}: {sw['plan_bytes']} bytes moved "
                   f"in {sw['seconds'] * 1e3:.1f} ms")

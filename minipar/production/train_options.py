@@ -118,6 +118,11 @@ def parser() -> argparse.ArgumentParser:
                           "rank, ranks sharing GPUs over Gloo, or the CPU)")
     run.add_argument("--switch-at", action="append", default=[], metavar="STEP=LAYOUT",
                      help="after STEP, move live to LAYOUT (e.g. 4=pp=2,tp=2,zero=1); repeatable")
+    run.add_argument("--layout", choices=("given", "auto"), default="given",
+                     help="auto: train --probe-steps on each of the planner's --candidates best layouts "
+                          "of the mesh's ranks, then on the fastest measured")
+    run.add_argument("--candidates", type=POSITIVE, default=3, help="layouts --layout auto measures")
+    run.add_argument("--probe-steps", type=POSITIVE, default=3, help="steps per candidate (the first: warm-up)")
     run.add_argument("--timeout", type=real(0, strict=True), default=1800.0, help="seconds (minipar.runtime.launch only)")
     faults = p.add_argument_group("faults")
     faults.add_argument("--hang-timeout", type=real(0, strict=False), default=600.0,
@@ -191,6 +196,19 @@ def check_options(args) -> None:
         raise ValueError(f"--out {args.out} is a directory; give a file name")
     if args.switch_at:
         check_switches(args)
+    if args.layout == "auto":
+        check_auto(args)
+
+
+def check_auto(args) -> None:
+    """``--layout auto``: a dense fp32 GPT, the probes inside the run, nothing it would override."""
+    if args.switch_at or args.n_experts or args.dtype != "fp32" or args.checkpoint_dir or args.nonfinite != "stop":
+        raise ValueError("--layout auto measures live switches of a dense fp32 GPT from step 0: it does not "
+                         "combine with --switch-at, --n-experts, --dtype bf16, --checkpoint-dir or --nonfinite skip")
+    if args.probe_steps < 2:
+        raise ValueError(f"--probe-steps {args.probe_steps}: a candidate needs 2 steps (the first is a warm-up)")
+    if args.candidates * args.probe_steps > args.steps:
+        raise ValueError(f"--candidates {args.candidates} × --probe-steps {args.probe_steps} exceed --steps {args.steps}")
 
 
 def check_switches(args) -> None:

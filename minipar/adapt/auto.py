@@ -1,0 +1,66 @@
+"""Measure, then choose: the planner proposes, a few real steps decide.
+
+:func:`candidates` lists the layouts a live switch can move between on ``world_size`` ranks
+(dp·pp·tp = world, tp dividing the heads, pp at most the layers, the global batch split into
+dp·m equal micro-batches, ZeRO 0 or 1). :func:`propose` ranks them by the planner's predicted step
+time on the machine :func:`minipar.analysis.plan.measure_machine` measured
+(:func:`minipar.analysis.plan.course.predict_compare`), and keeps the ``k`` best. The run then
+trains ``probe`` steps on each, switching live between them (the steps are real training steps:
+nothing is thrown away, the losses stay one process's), measures each one's step time (the
+slowest rank's median, leaving out the first step after a switch) and :func:`decide` keeps the
+fastest measured. The decision log holds both numbers per candidate, because they differ: the
+planner's model of a CPU job is fitted on one strategy, and a loaded machine moves the rest."""
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from .layout import Layout
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(config, world_size: int, batch_size: int) -> list[Layout]:
+    """Every layout of ``world_size`` ranks a switch can take for the GPT ``config`` and batch."""
+    out = []
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            m = pp
+            if config.n_head % tp or pp > config.n_layer or batch_size % (dp * m):
+                continue
+            if pp > 1 and config.tie_weights:
+                continue
+            for zero in ((0, 1) if dp > 1 else (0,)):
+                out.append(Layout(dp=dp, pp=pp, tp=tp, zero=zero))
+    return out
+
+
+def propose(config, batch_size: int, world_size: int, cluster, k: int = 3) -> list[dict]:
+    """The ``k`` layouts with the least predicted step time: ``[{"layout", "predicted_ms"}]``."""
+    from ..analysis.plan.course import predict_compare
+    lays = candidates(config, world_size, batch_size)
+    specs = {str(lay): {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "zero": lay.zero, "m": lay.microbatches}
+             for lay in lays}
+    rows = predict_compare(config, batch_size, specs, cluster)
+    ranked = sorted(zip(lays, rows), key=lambda r: r[1]["step_ms"])
+    return [{"layout": lay, "predicted_ms": row["step_ms"]} for lay, row in ranked[:k]]
+
+
+def slowest_median(seconds: list[float], device=None) -> float:
+    """The median of this rank's step ``seconds`` (the first left out when there are several),
+    maxed over the world: the step time every rank agrees on. A collective."""
+    kept = seconds[1:] if len(seconds) > 1 else seconds
+    t = torch.tensor([statistics.median(kept)], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def decide(log: list[dict]) -> dict:
+    """The entry of ``log`` (``{"layout", "predicted_ms", "measured_ms"}``) measured fastest."""
+    return min(log, key=lambda r: r["measured_ms"])

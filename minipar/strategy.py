@@ -39,7 +39,7 @@ from .runtime.launch import launch
 from .runtime.trace import Trace
 
 STRATEGIES = ("data_parallel", "model_parallel", "pipeline", "tensor_parallel", "zero",
-              "context_parallel", "expert_parallel", "hybrid")
+              "context_parallel", "expert_parallel", "hybrid", "adapt")
 """Every strategy, by module name under ``minipar`` (each has ``check``, ``train`` and ``run``)."""
 
 

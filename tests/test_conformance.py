@@ -34,7 +34,7 @@ from minipar.runtime import trace
 launch = minipar.launch
 
 MODULES = {name: importlib.import_module(f"minipar.{name}") for name in strategy.STRATEGIES}
-WORLD_ONLY = {"hybrid", "expert_parallel"}          # a mesh over the whole world: no group
+WORLD_ONLY = {"hybrid", "expert_parallel", "adapt"}          # a mesh over the whole world: no group
 
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
 MOE = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, moe_every=1, n_experts=4, top_k=2)
@@ -42,6 +42,7 @@ BATCHES = data.batches(data.synthetic_tokens(2000, CFG.vocab_size), 2, 4, CFG.bl
 OPTIONS = {  # a 2-rank run of each strategy
     "data_parallel": {}, "model_parallel": {}, "pipeline": {"microbatches": 2}, "tensor_parallel": {},
     "zero": {"stage": 3}, "context_parallel": {}, "expert_parallel": {"ep": 2}, "hybrid": {"dp": 2},
+    "adapt": {"layout": "dp=2", "switches": ["1=tp=2"]},
 }
 
 

@@ -26,8 +26,10 @@ def segments(layout, switches, steps: int):
     return [(a, b, lay) for (a, lay), b in zip(starts, ends)]
 
 
+@strategy.checks
 def check(model, batches, world_size: int | None, layout="dp=1", switches=(), candidates=(),
-          probe: int = 3, **options) -> None:
+          probe: int = 3, dtype=None, recompute=None, schedule: str = "1f1b",
+          sequence_parallel: bool = False, bucket_cap_mb: float = 25.0) -> None:
     """Plain errors before any process starts: every layout's product is ``world_size``, every switch
     lies inside the run, the candidates' probes fit in it, and the hybrid options fit every layout."""
     if getattr(getattr(model, "config", model), "moe_every", 0):
@@ -42,6 +44,8 @@ def check(model, batches, world_size: int | None, layout="dp=1", switches=(), ca
     else:
         lays = [lay for _, _, lay in (segments(layout, switches, steps) if steps else [(0, 0, parse(layout))])]
     batch = batches[0][0].shape[0] if batches else None
+    options = dict(dtype=dtype, recompute=recompute, schedule=schedule, sequence_parallel=sequence_parallel,
+                   bucket_cap_mb=bucket_cap_mb)
     for lay in lays:
         if world_size is not None:
             check_layout(lay, world_size, batch)
@@ -50,7 +54,8 @@ def check(model, batches, world_size: int | None, layout="dp=1", switches=(), ca
 
 
 def train(model, batches, optimizer=None, layout="dp=1", switches=(), candidates=(), probe: int = 3,
-          **options) -> dict:
+          dtype=None, recompute=None, schedule: str = "1f1b", sequence_parallel: bool = False,
+          bucket_cap_mb: float = 25.0) -> dict:
     """Rank function: train ``model`` on ``batches`` through every layout of the run. Returns the
     losses of every step, the final single-device parameters (on rank 0) and ``measured``: the
     last step's, plus ``switches`` (this rank's record of each switch: step, layouts, bytes by the
@@ -58,7 +63,10 @@ def train(model, batches, optimizer=None, layout="dp=1", switches=(), candidates
 
     ``candidates`` (layouts, or :func:`~minipar.adapt.auto.propose`'s rows): train ``probe`` steps
     on each in turn, then the rest on the one measured fastest (:func:`~minipar.adapt.auto.decide`);
-    ``measured["decisions"]`` is the log. ``layout`` and ``switches`` are then not used."""
+    ``measured["decisions"]`` is the log. ``layout`` and ``switches`` are then not used. The other
+    options are :class:`~minipar.hybrid.HybridModel`'s, the same in every layout."""
+    options = dict(dtype=dtype, recompute=recompute, schedule=schedule, sequence_parallel=sequence_parallel,
+                   bucket_cap_mb=bucket_cap_mb)
     state = {"hm": None, "lay": None, "losses": [], "seconds": [], "records": [], "measured": {}}
 
     def into(lay, step):

@@ -40,6 +40,8 @@ def _jobs() -> dict:
            for name, (first, sw) in JOBS.items()}
     out["auto"] = adapt.train(GPT(CFG, seed=SEED), BATCHES, OPTIMIZERS["momentum"],
                               candidates=["dp=4", "pp=2,tp=2", "dp=2,tp=2,zero=1"], probe=2)
+    out["straggler"] = adapt.train(GPT(CFG, seed=SEED), BATCHES, OPTIMIZERS["momentum"], layout="pp=4",
+                                   slow_rank="0:4", adapt_every=2, switch_cost=0.0)
     old = hybrid.build(GPT(CFG, seed=SEED), hybrid.ProcessMesh(pp=2, tp=2), microbatches=2)
     out["held"] = sum(v.numel() for v in old.local_state_dict().values())   # pp2·tp2's share
     return out
@@ -74,6 +76,24 @@ def test_candidates_are_measured_and_the_fastest_kept(launched):
     assert all(r["auto"]["measured"]["decisions"] == log for r in launched), "ranks decided differently"
     moved = [s["to"] for s in got["measured"]["switches"]]
     assert moved[:2] == ["pp=2,tp=2", "dp=2,tp=2,zero=1"] and (len(moved) == 2) == (fastest == log[-1]["layout"])
+
+
+def test_a_straggler_gets_fewer_layers(launched):
+    """Rank 0 of pp=4 computes 4× slower: after 2 steps its layers measure slowest, the cut moves
+    layers off its stage (the partition of the measured costs), the switch happens (charged 0 s
+    here, so that the decision does not depend on this machine's speed) and the losses stay one
+    process's."""
+    want = train_reference(GPT(CFG, seed=SEED), BATCHES, OPTIMIZERS["momentum"])
+    got = launched[0]["straggler"]
+    assert_same_training(got, want, **TOL["momentum"])
+    first = got["measured"]["repartitions"][0]
+    before, after = first["bounds_before"], first["bounds_after"]
+    assert first["step"] == 2 and first["switch"], first
+    width = lambda b, s: b[s + 1] - b[s]
+    assert width(after, 0) < width(before, 0), (before, after)
+    assert first["stage_ms_after"] < first["stage_ms_before"]
+    assert got["measured"]["switches"][0]["bounds"] == after
+    assert all(r["straggler"]["measured"]["repartitions"][0]["bounds_after"] == after for r in launched)
 
 
 def test_switch_sends_the_plan_and_only_what_is_missing(launched):

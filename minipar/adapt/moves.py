@@ -65,26 +65,45 @@ def plan(old: list[dict[str, torch.Tensor]], new: list[dict[str, torch.Tensor]],
         raise ValueError(f"{len(old)} old holdings but {len(new)} new ones: a switch keeps the world size")
     out = Plan(world)
     for key, n in sizes.items():
-        where = torch.full((world, n), -1, dtype=torch.long)       # where[r, e]: r's local position of e
+        where = torch.full((world, n), -1, dtype=torch.int32)      # where[r, e]: r's local position of e
         for r, h in enumerate(old):
             if key in h:
-                where[r, h[key]] = torch.arange(len(h[key]))
+                where[r, h[key]] = torch.arange(len(h[key]), dtype=torch.int32)
         for q, h in enumerate(new):
             if key not in h:
                 continue
             need = h[key]
-            order = torch.tensor([(q + j) % world for j in range(world)])   # q itself first
-            cand = where[order][:, need]                                       # [world, len(need)]
-            held = cand >= 0
-            if not bool(held.any(0).all()):
-                lost = need[~held.any(0)]
+            pos = torch.arange(len(need))
+            mine = where[q, need]
+            kept = mine >= 0                                               # a local copy
+            if bool(kept.any()):
+                out.moves.append(Move(q, q, key, mine[kept].long(), pos[kept]))
+            rest, at = need[~kept], pos[~kept]
+            if len(rest) == 0:
+                continue
+            src = torch.full((len(rest),), -1, dtype=torch.long)
+            spos = torch.full((len(rest),), -1, dtype=torch.long)
+            for r in [(q + j) % world for j in range(1, world)]:            # the first holder after q
+                at_r = where[r, rest]
+                take = (src < 0) & (at_r >= 0)
+                src[take], spos[take] = r, at_r[take].long()
+            if bool((src < 0).any()):
+                lost = rest[src < 0]
                 raise ValueError(f"{key}: elements {lost[:4].tolist()} (of {len(lost)}) are held by no rank "
                                  f"of the old layout")
-            first = held.int().argmax(0)                                       # the first holder
-            src = order[first]
-            pos = cand[first, torch.arange(len(need))]
-            for s in sorted(set(src.tolist())):
-                mask = src == s
-                out.moves.append(Move(s, q, key, pos[mask], torch.arange(len(need))[mask]))
+            for r in range(world):
+                mask = src == r
+                if bool(mask.any()):
+                    out.moves.append(Move(r, q, key, spos[mask], at[mask]))
     out.moves.sort(key=lambda mv: (mv.dst, mv.src))             # stable: keys keep their order
     return out
+
+
+def concatenated(holdings: list[dict[str, torch.Tensor]], sizes: dict[str, int]) -> list[torch.Tensor]:
+    """Every rank's holding as one index into the keys laid end to end (``sizes``' order): the
+    plan of all keys at once (one key, ``"state"``, of Σ sizes elements), in few operations."""
+    offset, at = {}, 0
+    for k, n in sizes.items():
+        offset[k], at = at, at + n
+    return [torch.cat([h[k] + offset[k] for k in sizes if k in h] or [torch.zeros(0, dtype=torch.long)])
+            for h in holdings]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .. import comm
 from ..runtime import trace
 from .holdings import holdings, prime, slot_names
-from .moves import plan
+from .moves import concatenated, plan
 
 
 @torch.no_grad()
@@ -26,23 +26,68 @@ def reshard(old, new) -> dict:
     ``new`` (another layout of the same model and world). A collective of the whole world.
     Returns the switch's record on this rank: ``bytes_sent`` (by the plan, and ``sent_observed``
     by the all-to-all's own event), ``plan_bytes`` (the whole switch), ``moves`` and ``seconds``."""
-    t0 = time.perf_counter()
+    phases, t = {}, time.perf_counter()
+
+    def done(phase):
+        nonlocal t
+        phases[phase], t = time.perf_counter() - t, time.perf_counter()
     with trace.region("reshard"):
         index, tensors, scalars = holdings(old)
         olds = [None] * dist.get_world_size()
-        dist.all_gather_object(olds, (index, scalars))
+        dist.all_gather_object(olds, (runs_of(index), scalars))
+        olds = [(from_runs(i), sc) for i, sc in olds]
         slots = sorted({s for i, _ in olds for s in slot_names(i)})
         prime(new, slots, next((sc for _, sc in olds if sc), {}))
         new_index, new_tensors, _ = holdings(new)
         news = [None] * dist.get_world_size()
-        dist.all_gather_object(news, new_index)
+        dist.all_gather_object(news, runs_of(new_index))
+        news = [from_runs(i) for i in news]
+        done("describe")
         sizes = {f"{kind}/{n}": s.numel() for n, s in new.full_shapes.items()
                  for kind in ["param"] + slots}
         sizes = {k: n for k, n in sizes.items() if any(k in h for h in news)}
-        p = plan([i for i, _ in olds], news, sizes)
-        observed = _execute(p, tensors, new_tensors)
+        mine_old = [k for k in sizes if k in index]            # this rank's keys, in the plan's order
+        mine_new = [k for k in sizes if k in new_index]
+        p = plan([{"state": i} for i in concatenated([i for i, _ in olds], sizes)],
+                 [{"state": i} for i in concatenated(news, sizes)], {"state": sum(sizes.values())})
+        done("plan")
+        flat_new = torch.empty(sum(new_tensors[k].numel() for k in mine_new), dtype=torch.float32,
+                               device=_device(tensors))
+        observed = _execute(p, {"state": torch.cat([tensors[k].float() for k in mine_old])}, {"state": flat_new})
+        at = 0
+        for k in mine_new:
+            n = new_tensors[k].numel()
+            new_tensors[k].copy_(flat_new[at:at + n])
+            at += n
+        done("move")
     return {"bytes_sent": p.sent()[dist.get_rank()], "sent_observed": observed, "plan_bytes": p.bytes(),
-            "moves": len(p.moves), "seconds": time.perf_counter() - t0}
+            "moves": len(p.moves), "seconds": sum(phases.values()), "phases": phases}
+
+
+def runs_of(index: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each index tensor as its runs of consecutive elements, ``[[start, length], ...]``: a shard
+    of a contiguous range is one run, a column shard one run per row (what travels, not 8 bytes
+    per element)."""
+    out = {}
+    for k, i in index.items():
+        if len(i) == 0:
+            out[k] = torch.zeros(0, 2, dtype=torch.long)
+            continue
+        breaks = torch.nonzero(i[1:] != i[:-1] + 1).flatten() + 1
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), breaks])
+        ends = torch.cat([breaks, torch.tensor([len(i)])])
+        out[k] = torch.stack([i[starts], ends - starts], 1)
+    return out
+
+
+def from_runs(runs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The index tensors back from :func:`runs_of`."""
+    out = {}
+    for k, r in runs.items():
+        n = int(r[:, 1].sum()) if len(r) else 0
+        offsets = torch.repeat_interleave(r[:, 0] - torch.cumsum(r[:, 1], 0) + r[:, 1], r[:, 1])
+        out[k] = offsets + torch.arange(n)
+    return out
 
 
 def _execute(p, tensors, new_tensors) -> int:

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from .. import hybrid, strategy
 from ..mesh import ProcessMesh
 from .layout import check as check_layout, parse, parse_switches
-from .auto import decide, slowest_median
-from .switch import reshard
+from .runner import Adaptive
+from .straggler import parse_slow
 
 
 def segments(layout, switches, steps: int):
@@ -28,8 +28,9 @@ def segments(layout, switches, steps: int):
 
 @strategy.checks
 def check(model, batches, world_size: int | None, layout="dp=1", switches=(), candidates=(),
-          probe: int = 3, dtype=None, recompute=None, schedule: str = "1f1b",
-          sequence_parallel: bool = False, bucket_cap_mb: float = 25.0) -> None:
+          probe: int = 3, slow_rank=None, adapt_every: int | None = None, switch_cost: float | None = None,
+          dtype=None, recompute=None,
+          schedule: str = "1f1b", sequence_parallel: bool = False, bucket_cap_mb: float = 25.0) -> None:
     """Plain errors before any process starts: every layout's product is ``world_size``, every switch
     lies inside the run, the candidates' probes fit in it, and the hybrid options fit every layout."""
     if getattr(getattr(model, "config", model), "moe_every", 0):
@@ -43,6 +44,11 @@ def check(model, batches, world_size: int | None, layout="dp=1", switches=(), ca
         lays = [parse(c["layout"] if isinstance(c, dict) else c) for c in candidates]
     else:
         lays = [lay for _, _, lay in (segments(layout, switches, steps) if steps else [(0, 0, parse(layout))])]
+    slow = parse_slow(slow_rank)
+    if slow is not None and world_size is not None and slow[0] >= world_size:
+        raise ValueError(f"slow rank {slow[0]}: the job has ranks 0..{world_size - 1}")
+    if adapt_every is not None and (adapt_every < 1 or candidates):
+        raise ValueError("adapt_every: a positive number of steps, not combined with candidates")
     batch = batches[0][0].shape[0] if batches else None
     options = dict(dtype=dtype, recompute=recompute, schedule=schedule, sequence_parallel=sequence_parallel,
                    bucket_cap_mb=bucket_cap_mb)
@@ -54,7 +60,8 @@ def check(model, batches, world_size: int | None, layout="dp=1", switches=(), ca
 
 
 def train(model, batches, optimizer=None, layout="dp=1", switches=(), candidates=(), probe: int = 3,
-          dtype=None, recompute=None, schedule: str = "1f1b", sequence_parallel: bool = False,
+          slow_rank=None, adapt_every: int | None = None, switch_cost: float | None = None, dtype=None,
+          recompute=None, schedule: str = "1f1b", sequence_parallel: bool = False,
           bucket_cap_mb: float = 25.0) -> dict:
     """Rank function: train ``model`` on ``batches`` through every layout of the run. Returns the
     losses of every step, the final single-device parameters (on rank 0) and ``measured``: the
@@ -64,51 +71,31 @@ def train(model, batches, optimizer=None, layout="dp=1", switches=(), candidates
     ``candidates`` (layouts, or :func:`~minipar.adapt.auto.propose`'s rows): train ``probe`` steps
     on each in turn, then the rest on the one measured fastest (:func:`~minipar.adapt.auto.decide`);
     ``measured["decisions"]`` is the log. ``layout`` and ``switches`` are then not used. The other
-    options are :class:`~minipar.hybrid.HybridModel`'s, the same in every layout."""
+    options are :class:`~minipar.hybrid.HybridModel`'s, the same in every layout.
+
+    ``slow_rank="R:F"`` makes rank R's compute F times slower (:func:`~minipar.adapt.straggler.slow_down`);
+    ``adapt_every=N`` times every layer every N steps and, under a pipeline, moves to the cut of the
+    measured costs when the gain pays for the switch (``switch_cost`` seconds; ``None``: the last
+    switch's measured time, before any the first build's) (:func:`~minipar.adapt.straggler.worth_it`;
+    ``measured["repartitions"]`` is the log)."""
     options = dict(dtype=dtype, recompute=recompute, schedule=schedule, sequence_parallel=sequence_parallel,
                    bucket_cap_mb=bucket_cap_mb)
-    state = {"hm": None, "lay": None, "losses": [], "seconds": [], "records": [], "measured": {}}
 
-    def into(lay, step):
+    def build(lay, bounds):
         mesh = ProcessMesh(dp=lay.dp, pp=lay.pp, tp=lay.tp, cp=lay.cp).build()
-        new = hybrid.HybridModel(copy.deepcopy(model), mesh, optimizer=optimizer, **lay.options(), **options)
-        if state["hm"] is not None:
-            state["records"].append({"step": step, "from": str(state["lay"]), "to": str(lay)}
-                                    | reshard(state["hm"], new))
-        state["hm"], state["lay"] = new, lay
-
-    def steps(a, b) -> list[float]:
-        hm = state["hm"]
-        part, measured = strategy.loop(batches[a:b], lambda i, x: hm.step(*x), reduce=hm.reduce_loss,
-                                       history=True)
-        state["losses"] += part
-        each = measured.pop("step_seconds", [])
-        state["seconds"] += each
-        state["measured"] = measured
-        return each
-
-    decisions = []
-    if candidates:
-        rows = [c if isinstance(c, dict) else {"layout": c, "predicted_ms": None} for c in candidates]
-        for i, row in enumerate(rows):
-            into(parse(row["layout"]), i * probe)
-            ms = 1e3 * slowest_median(steps(i * probe, (i + 1) * probe))
-            decisions.append({"layout": str(row["layout"]), "predicted_ms": row["predicted_ms"],
-                              "measured_ms": ms})
-        best = decide(decisions)
-        if best["layout"] != str(state["lay"]):
-            into(parse(best["layout"]), len(rows) * probe)
-        steps(len(rows) * probe, len(batches))
-    else:
-        for start, end, lay in segments(layout, switches, len(batches)):
-            into(lay, start)
-            steps(start, end)
-    hm = state["hm"]
+        return hybrid.HybridModel(copy.deepcopy(model), mesh, optimizer=optimizer, bounds=bounds,
+                                  **lay.options(), **options)
+    run_ = Adaptive(build, len(batches), parse_switches(switches, len(batches)), candidates, probe,
+                    parse_slow(slow_rank), adapt_every, switch_cost)
+    hm = run_.into(run_.first_layout(layout), 0)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        losses.append(hm.train_step(x, y))
+        hm = run_.after(i + 1, hm.last_step["seconds"])
     full = hm.full_state_dict()
     names = [k for k, _ in model.named_parameters()]
-    measured = state["measured"] | {"switches": state["records"], "step_seconds": state["seconds"],
-                                    "coords": hm.coords, "layout": str(state["lay"]), "decisions": decisions}
-    return {"losses": state["losses"], "measured": measured,
+    measured = hm.last_step | run_.log() | {"coords": hm.coords}
+    return {"losses": losses, "measured": measured,
             "params": strategy.full_params((k, full[k]) for k in names) if dist.get_rank() == 0 else None}
 
 

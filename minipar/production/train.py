@@ -147,28 +147,32 @@ def _train(args, signals) -> dict:
     from .faults import Snapshot, agree, rss_bytes
     from ..mesh import ProcessMesh
     from ..models.gpt import GPT
-    from ..adapt import parse as parse_layout, parse_switches, reshard
-    from ..adapt.auto import decide, slowest_median
+    from ..adapt import Layout, parse_switches
+    from ..adapt.runner import Adaptive
+    from ..adapt.straggler import parse_slow
     config, tokens = gpt_config(args), corpus_tokens()[0]
-    proposed = [dict(r, layout=parse_layout(r["layout"])) for r in getattr(args, "proposed", None) or []]
-    if proposed:           # --layout auto: the first candidate's mesh; the others are switched to
-        first = proposed[0]["layout"]
-        args.zero, args.microbatches = first.zero, first.microbatches
-        mesh = ProcessMesh(dp=first.dp, pp=first.pp, tp=first.tp, cp=first.cp).build()
-    else:
-        mesh = ProcessMesh(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep).build()
-    with torch.device("cpu"):  # seeded on the CPU, identically on every rank; build() places it
-        gpt = GPT(config, seed=args.seed)
-    zero = args.zero if args.zero is not None else int(args.zero1)   # parser() alone leaves --zero1 unfolded
 
-    def build(mesh, zero, microbatches, gpt):
-        return hybrid.build(gpt, mesh, zero=zero, sharding=args.sharding, schedule=args.schedule,
-                            microbatches=microbatches, virtual_stages=args.virtual_stages,
-                            dtype=args.dtype, recompute=args.recompute, layout=args.cp_layout,
-                            variant=args.cp_variant, optimizer=reference.adamw(args.lr, args.weight_decay))
-    model = build(mesh, zero, args.microbatches, gpt)
-    switches = dict(parse_switches(args.switch_at, args.steps))
-    probe, decisions, seconds = args.probe_steps, [], []
+    def build(lay, bounds=None, mesh=None, zero=None, microbatches=None):
+        """A model of layout ``lay`` (with the pipeline cut ``bounds``), or of the flags' ``mesh``."""
+        with torch.device("cpu"):  # seeded on the CPU, identically on every rank; build() places it
+            gpt = GPT(config, seed=args.seed)
+        mesh = mesh or ProcessMesh(dp=lay.dp, pp=lay.pp, tp=lay.tp, cp=lay.cp).build()
+        return hybrid.build(gpt, mesh, zero=lay.zero if zero is None else zero, sharding=args.sharding,
+                            schedule=args.schedule, bounds=bounds,
+                            microbatches=lay.microbatches if microbatches is None else microbatches,
+                            virtual_stages=args.virtual_stages, dtype=args.dtype, recompute=args.recompute,
+                            layout=args.cp_layout, variant=args.cp_variant,
+                            optimizer=reference.adamw(args.lr, args.weight_decay))
+    adaptive = Adaptive(build, args.steps, parse_switches(args.switch_at, args.steps),
+                        getattr(args, "proposed", None) or [], args.probe_steps, parse_slow(args.slow_rank),
+                        args.adapt_every)
+    zero = args.zero if args.zero is not None else int(args.zero1)   # parser() alone leaves --zero1 unfolded
+    if adaptive.proposed:   # --layout auto: the first candidate; the others are switched to
+        model = adaptive.into(adaptive.first_layout(None), 0)
+    else:
+        given = Layout(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, zero=zero, m=args.microbatches)
+        mesh = ProcessMesh(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep).build()
+        model = adaptive.into(given, 0, model=lambda: build(given, mesh=mesh, zero=zero, microbatches=args.microbatches))
     start, resumed_from, history = 0, None, []
     if args.checkpoint_dir and (args.checkpoint_dir / "latest").exists():
         meta = checkpoint.load(args.checkpoint_dir, model, model.optimizer)
@@ -177,18 +181,9 @@ def _train(args, signals) -> dict:
                              f"this run asks for {data_signature(args)}")
         start, resumed_from = meta["extra"]["next_step"], meta["mesh"]
         history = list(meta["extra"].get("losses", []))[:start]
-    moved = []
-
-    def switch(model, lay, step):
-        with torch.device("cpu"):
-            fresh = GPT(config, seed=args.seed)
-        new = build(ProcessMesh(dp=lay.dp, pp=lay.pp, tp=lay.tp, cp=lay.cp).build(), lay.zero,
-                    lay.microbatches, fresh)
-        moved.append({"step": step, "to": str(lay)} | reshard(model, new))
-        return new
-    due = [s for s in switches if s <= start]   # resumed past a switch: into the layout of step `start`
+    due = [s for s in adaptive.switches if s <= start]   # resumed past a switch: its layout first
     if due:
-        model = switch(model, switches[max(due)], start)
+        model = adaptive.into(adaptive.switches[max(due)], start)
     tqdm.set_lock(threading.RLock())  # tqdm's default lock is a process-shared semaphore
     bar = tqdm(total=args.steps, initial=start, desc=layout_name(args),
                unit="step", file=sys.__stderr__, disable=args.no_progress or dist.get_rank() != 0,
@@ -219,18 +214,10 @@ def _train(args, signals) -> dict:
         done = step + 1
         if done % every == 0 or done == args.steps:
             rss.append([done, rss_bytes()])
-        seconds.append(model.last_step["seconds"])
-        if proposed and done <= len(proposed) * probe and done % probe == 0:   # a candidate measured
-            row = proposed[done // probe - 1]
-            decisions.append({"layout": str(row["layout"]), "predicted_ms": row["predicted_ms"],
-                              "measured_ms": 1e3 * slowest_median(seconds[-probe:], model.device)})
-            if done // probe < len(proposed):
-                model = switch(model, proposed[done // probe]["layout"], done)
-            elif decide(decisions)["layout"] != decisions[-1]["layout"]:
-                model = switch(model, parse_layout(decide(decisions)["layout"]), done)
-        if done in switches:   # a live switch: the new layout's mesh and model, the state moved in
-            model = switch(model, switches[done], done)
-            snapshot = Snapshot(model, model.optimizer) if snapshot is not None else None
+        before = model
+        model = adaptive.after(done, model.last_step["seconds"])   # probe, switch, re-partition
+        if model is not before and snapshot is not None:
+            snapshot = Snapshot(model, model.optimizer)
         if args.checkpoint_dir and (done == args.steps or stop or
                                     args.save_every and done % args.save_every == 0):
             saved = checkpoint.save(args.checkpoint_dir, model, model.optimizer, step=done, keep=args.keep,
@@ -242,8 +229,8 @@ def _train(args, signals) -> dict:
             break
     bar.close()
     return {"losses": losses, "first_step": start, "resumed_from": resumed_from,
-            "history": history + losses, "skipped": skipped, "stopped": stopped, "rss": rss, "switches": moved,
-            "decisions": decisions,
+            "history": history + losses, "skipped": skipped, "stopped": stopped, "rss": rss,
+            **{k: v for k, v in adaptive.log().items() if k in ("switches", "decisions", "repartitions")},
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             "seconds": time.perf_counter() - t0, "checkpoint": str(saved) if saved else None}
 

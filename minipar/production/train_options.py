@@ -118,6 +118,8 @@ def parser() -> argparse.ArgumentParser:
                           "rank, ranks sharing GPUs over Gloo, or the CPU)")
     run.add_argument("--switch-at", action="append", default=[], metavar="STEP=LAYOUT",
                      help="after STEP, move live to LAYOUT (e.g. 4=pp=2,tp=2,zero=1); repeatable")
+    run.add_argument("--adapt-every", type=POSITIVE, default=None, metavar="N",
+                     help="every N steps, re-cut the pipeline from measured layer times if it pays")
     run.add_argument("--layout", choices=("given", "auto"), default="given",
                      help="auto: train --probe-steps on each of the planner's --candidates best layouts "
                           "of the mesh's ranks, then on the fastest measured")
@@ -127,6 +129,8 @@ def parser() -> argparse.ArgumentParser:
     faults = p.add_argument_group("faults")
     faults.add_argument("--hang-timeout", type=real(0, strict=False), default=600.0,
                         help="seconds without progress before a rank stops, naming the collectives (0: never)")
+    faults.add_argument("--slow-rank", default=None, metavar="R:FACTOR",
+                        help="fault injection: rank R computes FACTOR times slower (a straggler)")
     faults.add_argument("--nonfinite", choices=("stop", "skip"), default="stop",
                         help="at a NaN/Inf loss: stop (keep the last good checkpoint) or undo the step and go on")
     return p
@@ -198,6 +202,17 @@ def check_options(args) -> None:
         check_switches(args)
     if args.layout == "auto":
         check_auto(args)
+    if args.slow_rank is not None:
+        from ..adapt.straggler import parse_slow
+        try:
+            rank, _ = parse_slow(args.slow_rank)
+        except ValueError as e:
+            raise ValueError(f"--slow-rank: {e}") from None
+        if rank >= args.dp * args.cp * args.pp * args.tp:
+            raise ValueError(f"--slow-rank {args.slow_rank}: the job has ranks 0..{args.dp * args.cp * args.pp * args.tp - 1}")
+    if args.adapt_every is not None and (args.n_experts or args.dtype != "fp32" or (args.zero or 0) > 1):
+        raise ValueError("--adapt-every re-cuts a dense GPT's fp32 pipeline under ZeRO 0 or 1: drop --n-experts, "
+                         f"--dtype {args.dtype} or --zero {args.zero}")
 
 
 def check_auto(args) -> None:

@@ -64,3 +64,13 @@ def slowest_median(seconds: list[float], device=None) -> float:
 def decide(log: list[dict]) -> dict:
     """The entry of ``log`` (``{"layout", "predicted_ms", "measured_ms"}``) measured fastest."""
     return min(log, key=lambda r: r["measured_ms"])
+
+
+def fit(config, world_size: int, batch_size: int, zero: int = 0) -> Layout:
+    """The layout an elastic job takes on the ``world_size`` ranks it finds (after a shrink or a
+    grow): the most data parallelism the global batch allows (the least communication per step
+    for a small model), then tensor parallelism, then a pipeline; ``zero`` where dp > 1."""
+    lays = [lay for lay in candidates(config, world_size, batch_size) if lay.zero == (zero if lay.dp > 1 else 0)]
+    if not lays:
+        raise ValueError(f"no layout of {world_size} ranks fits the GPT and the global batch {batch_size}")
+    return min(lays, key=lambda lay: (-lay.dp, lay.pp, -lay.tp))

@@ -150,6 +150,7 @@ def _train(args, signals) -> dict:
     from ..adapt import Layout, parse_switches
     from ..adapt.runner import Adaptive
     from ..adapt.straggler import parse_slow
+    started_at, t_start = time.time(), time.perf_counter()
     config, tokens = gpt_config(args), corpus_tokens()[0]
 
     def build(lay, bounds=None, mesh=None, zero=None, microbatches=None):
@@ -173,14 +174,19 @@ def _train(args, signals) -> dict:
         given = Layout(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, zero=zero, m=args.microbatches)
         mesh = ProcessMesh(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep).build()
         model = adaptive.into(given, 0, model=lambda: build(given, mesh=mesh, zero=zero, microbatches=args.microbatches))
-    start, resumed_from, history = 0, None, []
+    start, resumed_from, history, earlier = 0, None, [], []
+    recovery = {"started_at": started_at, "world": dist.get_world_size(), "layout": layout_name(args),
+                "build_s": time.perf_counter() - t_start, "load_s": 0.0}
     if args.checkpoint_dir and (args.checkpoint_dir / "latest").exists():
+        t_load = time.perf_counter()
         meta = checkpoint.load(args.checkpoint_dir, model, model.optimizer)
+        recovery["load_s"] = time.perf_counter() - t_load
         if meta["extra"].get("data") != data_signature(args):
             raise ValueError(f"the checkpoint was trained on other batches {meta['extra'].get('data')}; "
                              f"this run asks for {data_signature(args)}")
         start, resumed_from = meta["extra"]["next_step"], meta["mesh"]
         history = list(meta["extra"].get("losses", []))[:start]
+        earlier = list(meta["extra"].get("recoveries", []))   # every start of this run so far
     due = [s for s in adaptive.switches if s <= start]   # resumed past a switch: its layout first
     if due:
         model = adaptive.into(adaptive.switches[max(due)], start)
@@ -214,6 +220,8 @@ def _train(args, signals) -> dict:
         done = step + 1
         if done % every == 0 or done == args.steps:
             rss.append([done, rss_bytes()])
+        if step == start:
+            recovery |= {"step": start, "first_step_s": model.last_step["seconds"], "first_step_at": time.time()}
         before = model
         model = adaptive.after(done, model.last_step["seconds"])   # probe, switch, re-partition
         if model is not before and snapshot is not None:
@@ -222,7 +230,8 @@ def _train(args, signals) -> dict:
                                     args.save_every and done % args.save_every == 0):
             saved = checkpoint.save(args.checkpoint_dir, model, model.optimizer, step=done, keep=args.keep,
                                     extra={"next_step": done, "data": data_signature(args),
-                                           "config": asdict(config), "losses": history + losses})
+                                           "config": asdict(config), "losses": history + losses,
+                                           "recoveries": earlier + [recovery]})
         if stop:
             stopped = {"reason": "preempted", "step": step, "signal": signals.received or "a signal",
                        "checkpoint": str(saved) if saved else None}
@@ -230,6 +239,7 @@ def _train(args, signals) -> dict:
     bar.close()
     return {"losses": losses, "first_step": start, "resumed_from": resumed_from,
             "history": history + losses, "skipped": skipped, "stopped": stopped, "rss": rss,
+            "recoveries": earlier + [recovery],
             **{k: v for k, v in adaptive.log().items() if k in ("switches", "decisions", "repartitions")},
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             "seconds": time.perf_counter() - t0, "checkpoint": str(saved) if saved else None}
@@ -252,10 +262,24 @@ def propose_layouts(args, world: int) -> list[dict]:
             for r in propose(config, args.batch_size, world, cluster, k=args.candidates)]
 
 
+def elastic(args, world: int) -> int:
+    """``--elastic``: set the mesh flags to the layout :func:`minipar.adapt.auto.fit` takes on ``world``
+    ranks (a plain error if none fits). Returns ``world``."""
+    from ..adapt.auto import fit
+    try:
+        lay = fit(gpt_config(args), world, args.batch_size, zero=min(args.zero or 0, 1))
+    except ValueError as e:
+        parser().error(f"--elastic: {e}")
+    args.dp, args.pp, args.tp, args.cp, args.microbatches = lay.dp, lay.pp, lay.tp, 1, lay.microbatches
+    return world
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = args.dp * args.cp * args.pp * args.tp
+    if args.elastic and under_torchrun:   # the world found decides the layout (shrunk or grown)
+        world = elastic(args, int(os.environ["WORLD_SIZE"]))
     try:
         check(args, int(os.environ["WORLD_SIZE"]) if under_torchrun else world)
         from ..runtime.backend import place  # --device cuda without a GPU: a plain error here

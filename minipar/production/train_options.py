@@ -120,6 +120,9 @@ def parser() -> argparse.ArgumentParser:
                      help="after STEP, move live to LAYOUT (e.g. 4=pp=2,tp=2,zero=1); repeatable")
     run.add_argument("--adapt-every", type=POSITIVE, default=None, metavar="N",
                      help="every N steps, re-cut the pipeline from measured layer times if it pays")
+    run.add_argument("--elastic", action="store_true",
+                     help="take a layout for the ranks found at each (re)start, e.g. under torchrun --nnodes 3:4; "
+                          "the mesh flags give the first world")
     run.add_argument("--layout", choices=("given", "auto"), default="given",
                      help="auto: train --probe-steps on each of the planner's --candidates best layouts "
                           "of the mesh's ranks, then on the fastest measured")

@@ -205,7 +205,8 @@ def _init_under_torchrun(backend: str, here="cpu") -> None:
     the agents' store still holds the previous round's keys, and Gloo would connect to the
     dead ranks' addresses (the restart counts of the agents may differ: one that restarts
     for another's failure does not count it). So each round's keys get their own prefix:
-    the ``k``-th group of ``WORLD_SIZE`` processes to arrive is round ``k``. With several
+    the ``k``-th group of ``WORLD_SIZE`` processes to arrive is round ``k`` of that world size
+    (an elastic job shrinks and grows: each size counts its own rounds). With several
     agents (``WORLD_SIZE > LOCAL_WORLD_SIZE``) under NCCL, two ranks on one GPU are refused first
     (ranks that share GPUs over Gloo do so on purpose)."""
     extra = init_options(backend, here)  # under NCCL: device_id, the rank's GPU
@@ -215,8 +216,8 @@ def _init_under_torchrun(backend: str, here="cpu") -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(minutes=30))
-    round_ = (store.add("minipar/arrived", 1) - 1) // world
-    mine = dist.PrefixStore(f"minipar/round_{round_}", store)
+    round_ = (store.add(f"minipar/arrived/{world}", 1) - 1) // world   # by world: an elastic job's
+    mine = dist.PrefixStore(f"minipar/round_{world}_{round_}", store)   # rounds differ in size
     if "nccl" in backend and world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):  # several agents
         refuse_shared_gpus(mine, rank, world, gpu_identity(here), here)
     dist.init_process_group(backend, store=mine, rank=rank, world_size=world, **extra)

@@ -88,6 +88,10 @@ CHAPTERS = [
             "the same chapter code on the CPU, a shared GPU and a GPU per rank; NCCL; `minipar.production.train` "
             "under `torchrun` and Slurm; sharded checkpoints; a rank killed and the job resuming",
             "", "real hardware: GPUs and NCCL, `torchrun` on several machines, Slurm, checkpoints"),
+    Chapter("12_adaptive.ipynb", "Parallelism that adapts",
+            "a live layout switch exact to one process (the plan of moves, its bytes), the fastest layout "
+            "measured, a straggler given fewer layers, a job that shrinks and grows under `torchrun`",
+            "", "adaptive parallelism: switch layouts live, measure, beat a straggler, shrink and grow"),
 ]
 
 

@@ -162,11 +162,18 @@ def _grad(r, m, n):
 
 
 def _attempt(fn, *args):
-    """``fn(*args)``, or the exception it raised as text (so the driver reports it per case)."""
+    """``fn(*args)``, or the exception it raised as text, with the innermost line outside torch
+    and minipar (the learner's), so the driver reports it per case."""
     try:
         return fn(*args)
     except Exception as e:                               # noqa: BLE001: reported by the driver
-        return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        import traceback
+        from pathlib import Path
+        libs = [Path(torch.__file__).parent, Path(minipar.__file__).parent]
+        own = [fr for fr in traceback.extract_tb(e.__traceback__)
+               if not any(Path(fr.filename).resolve().is_relative_to(d.resolve()) for d in libs)]
+        at = f" (at {Path(own[-1].filename).name}:{own[-1].lineno}  {own[-1].line})" if own else ""
+        return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{at}"
 
 
 def _raised(got, where):

@@ -27,8 +27,8 @@ C. The vocabulary-parallel cross-entropy (``_VocabParallelCrossEntropy.forward``
    tokens [r·V/t, (r+1)·V/t)). The loss and the gradient equal ``F.cross_entropy`` on the full
    logits, with targets on every rank's slice; finite even when logits reach hundreds; the
    forward communicates a few numbers per position, never the logits, and the backward,
-   written by hand, communicates nothing; the gradient has the logits' dtype (bf16 logits, a
-   bf16 gradient) (notebook 05, "The loss without the full logits").
+   written by hand, communicates nothing; the loss is computed in fp32, from bf16 logits too
+   (the gradient in the logits' dtype) (notebook 05, "The loss without the full logits").
 
 Graded against the single-device computation (fp32, tolerance ``TOL``) and on the bytes sent.
 Grade it with ``python -m minipar.grade ex05``; stuck? ``minipar.hint("ex05", "A")`` (parts A, B, C).
@@ -116,7 +116,7 @@ CONTRACT = {
     "forward communicates a few numbers per position, never the logits":
         "test_vocab_parallel_cross_entropy_never_gathers_logits",
     "the backward, written by hand, communicates nothing": "test_vocab_parallel_cross_entropy_never_gathers_logits",
-    "the gradient has the logits' dtype": "test_vocab_parallel_cross_entropy_on_subgroups",
+    "the loss is computed in fp32, from bf16 logits too": "test_vocab_parallel_cross_entropy_on_subgroups",
 }
 TIMEOUT = 30
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -197,6 +197,9 @@ def _column(t):
         x = x_full.clone().requires_grad_()
         wr, br = (w.chunk(t, 0)[r].clone().requires_grad_(), b.chunk(t, 0)[r].clone().requires_grad_())
         y = tp.column_parallel_linear(x, wr, br, gather_output=gather_output, group=group)
+        if tuple(y.shape) != (5, 8 if gather_output else 8 // t):     # reported by the driver
+            out[gather_output] = (y.detach(), None, None, None)
+            continue
         (y * (up if gather_output else up.chunk(t, 1)[r])).sum().backward()
         out[gather_output] = (y.detach(), x.grad, wr.grad, br.grad)
     return k, r, out
@@ -421,16 +424,16 @@ def _state(m):
     return {"weight": m.weight.detach().clone(), "bias": None if m.bias is None else m.bias.detach().clone()}
 
 
-def _shard_case(group, gi):
-    return {f"{kind}.from_linear(nn.Linear(6, 4{'' if bias else ', bias=False'}))":
-            _state(cls.from_linear(_given(gi, bias), group=group, seed=99))      # the seed is not the layer's
-            for kind, cls in (("ColumnParallelLinear", tp.ColumnParallelLinear), ("RowParallelLinear", tp.RowParallelLinear))
-            for bias in (True, False)}
+def _shard_case(cls, gi, bias, group):
+    return _state(cls.from_linear(_given(gi, bias), group=group, seed=99))      # the seed is not the layer's
 
 
 def _shards():
     group, gi, gr = _pairs()
-    return _attempt(_shard_case, group, gi)
+    return {f"{kind}.from_linear(nn.Linear(6, 4{'' if bias else ', bias=False'}))":
+            _attempt(_shard_case, cls, gi, bias, group)
+            for kind, cls in (("ColumnParallelLinear", tp.ColumnParallelLinear), ("RowParallelLinear", tp.RowParallelLinear))
+            for bias in (True, False)}
 
 
 def test_layers_shard_the_single_device_layer(impl):
@@ -440,8 +443,8 @@ def test_layers_shard_the_single_device_layer(impl):
     results = minipar.launch(_shards, 4, timeout=TIMEOUT)
     for rank, got in enumerate(results):
         where, gi, gr = _in_group(rank), rank // 2, rank % 2
-        _raised(got, where)
         for name, got_state in got.items():
+            _raised(got_state, f"{where}, {name}")
             full = _given(gi, bias="bias=False" not in name)
             column = name.startswith("Column")
             want_w = full.weight.detach().chunk(2, 0 if column else 1)[gr]
@@ -473,7 +476,8 @@ def _ce_groups():
 
 def test_vocab_parallel_cross_entropy_on_subgroups(impl):
     """The loss and gradient on two groups of 2 out of 4 ranks (each group its own logits), in
-    fp32 and with bf16 logits (the gradient in bf16)."""
+    fp32 and with bf16 logits: the loss within 1e-5 of F.cross_entropy on those bf16 values in
+    fp32, the gradient in bf16."""
     results = minipar.launch(_ce_groups, 4, timeout=TIMEOUT)
     for rank, cases in enumerate(results):
         where, gi, gr = _in_group(rank), rank // 2, rank % 2
@@ -485,8 +489,8 @@ def test_vocab_parallel_cross_entropy_on_subgroups(impl):
             full = full.to(dtype).float().requires_grad_()
             want = F.cross_entropy(full, targets)
             want.backward()
-            tol = TOL if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
-            expect_close(loss, want.detach(), "loss (F.cross_entropy on the group's full logits)", where=w, **tol)
+            tol = TOL if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-4)     # a bf16 gradient
+            expect_close(loss, want.detach(), "loss (F.cross_entropy on the group's full logits, in fp32)", where=w, **TOL)
             expect_equal(grad_dtype, str(dtype), f"{w}: the dtype of the logits' gradient")
             expect_close(grad, full.grad.chunk(2, -1)[gr], "gradient of this rank's logits (rows: positions, "
                          "columns: this rank's vocabulary)", where=w, **tol)

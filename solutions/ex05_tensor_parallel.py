@@ -27,8 +27,8 @@ C. The vocabulary-parallel cross-entropy (``_VocabParallelCrossEntropy.forward``
    tokens [r·V/t, (r+1)·V/t)). The loss and the gradient equal ``F.cross_entropy`` on the full
    logits, with targets on every rank's slice; finite even when logits reach hundreds; the
    forward communicates a few numbers per position, never the logits, and the backward,
-   written by hand, communicates nothing; the gradient has the logits' dtype (bf16 logits, a
-   bf16 gradient) (notebook 05, "The loss without the full logits").
+   written by hand, communicates nothing; the loss is computed in fp32, from bf16 logits too
+   (the gradient in the logits' dtype) (notebook 05, "The loss without the full logits").
 
 Graded against the single-device computation (fp32, tolerance ``TOL``) and on the bytes sent.
 Grade it with ``python -m minipar.grade ex05``; stuck? ``minipar.hint("ex05", "A")`` (parts A, B, C).

@@ -225,12 +225,12 @@ def test_reduce_shard(impl):
 UNIT_DTYPES = [(None, torch.float32), (torch.float64, torch.float64)]   # (dtype asked, dtype returned)
 
 
-def _unit_grads(gr, dtype):
+def _unit_grads(group, gr, dtype):
     ps = [torch.nn.Parameter(torch.zeros(3)) for _ in range(3)]      # 9 elements: padded to 10 on 2 ranks
     for i, p in enumerate(ps):
         if not (gr == 1 and i == 0):                                  # group rank 1: no gradient on ps[0]
             p.grad = torch.arange(3, dtype=torch.float32) + 10 * i + 100 * dist.get_rank()
-    unit = FlatUnit(ps, _unit_grads.group)
+    unit = FlatUnit(ps, group)
     out = zero.reduce_unit_grads(unit, dtype=dtype)
     return {"value": out.clone(), "dtype": str(out.dtype), "numel": out.numel(),
             "storage": out.untyped_storage().nbytes(), "grads": [p.grad is None for p in ps]}
@@ -238,8 +238,7 @@ def _unit_grads(gr, dtype):
 
 def _reduce_units():
     group, gi, gr = _pairs()
-    _unit_grads.group = group
-    return [_attempt(_unit_grads, gr, dtype) for dtype, _ in UNIT_DTYPES]
+    return [_attempt(_unit_grads, group, gr, dtype) for dtype, _ in UNIT_DTYPES]
 
 
 def test_reduce_unit_grads(impl):

@@ -16,7 +16,8 @@ it while ``choose`` runs). The graded tests, for Llama 3 8B on 2 DGX H100 nodes 
   computed when the test runs (the planner's model of the step may improve; the goal
   follows it).
 
-Grade it with ``python -m minipar.grade ex10`` (the core exercise, then this challenge).
+Grade it with ``python -m minipar.grade ch10`` (this challenge alone; ``grade ex10`` grades the core
+exercise, then this challenge). Stuck? ``minipar.hint("ch10")``.
 """
 from minipar.analysis import plan
 

@@ -208,17 +208,17 @@ def _rows(a, b, n, dtype):
 
 def _exchanges():
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]          # every rank creates both
-    rank = dist.get_rank()
-    counts = torch.tensor([rank, 2 * rank, 0, 7 - rank, 1, 5])
-    out = {"counts": [exchange_counts(counts, None), exchange_counts(counts, groups[rank // 2])]}
+    rank, dev = dist.get_rank(), minipar.device()
+    counts = torch.tensor([rank, 2 * rank, 0, 7 - rank, 1, 5], device=dev)
+    out = {"counts": [exchange_counts(counts, None).cpu(), exchange_counts(counts, groups[rank // 2]).cpu()]}
     for case, (_, dtype, sub) in enumerate(EXCHANGES):
         group, n, r = (groups[rank // 2], 2, rank % 2) if sub else (None, 4, rank)
         send, recv = [_split(r, b, case) for b in range(n)], [_split(a, r, case) for a in range(n)]
-        x = torch.cat([_rows(r, b, send[b], dtype) for b in range(n)]).requires_grad_()
+        x = torch.cat([_rows(r, b, send[b], dtype) for b in range(n)]).to(dev).requires_grad_()
         try:                    # an error every rank raises alike is reported with its case
             y = all_to_all(x, recv, send, group, name="graded_a2a", dim="ep")
             (y * (0.5 * y.detach() + r)).sum().backward()              # ∂/∂row = 0.5·row + its receiver
-            out[case] = (y.detach(), x.grad)
+            out[case] = (y.detach().cpu(), x.grad.cpu())
         except Exception as e:  # noqa: BLE001
             out[case] = f"{type(e).__name__}: {e}"
     return out
@@ -264,8 +264,8 @@ def _tokens(step, seed=1):
 
 
 def _grads(layer, x):
-    return {"input": x.grad, "router": layer.router.weight.grad,
-            **{f"expert {i}": torch.cat([p.grad.reshape(-1) for p in e.parameters()])
+    return {"input": x.grad.cpu(), "router": layer.router.weight.grad.cpu(),
+            **{f"expert {i}": torch.cat([p.grad.reshape(-1) for p in e.parameters()]).cpu()
                for i, e in layer.experts.items()}}
 
 
@@ -277,16 +277,16 @@ LAYERS = [(2, None), (1, 1.0), (2, 1.0)]
 
 
 def _ep_layer(steps):
-    r, n = dist.get_rank(), dist.get_world_size()
+    r, n, dev = dist.get_rank(), dist.get_world_size(), minipar.device()
     out = []
     for k, cf in LAYERS:
-        layer = ExpertParallelMoE(_moe(k, cf))
+        layer = ExpertParallelMoE(_moe(k, cf).to(dev))
         for step in range(steps):
             layer.zero_grad()
-            x = _tokens(step).chunk(n)[r].clone().requires_grad_()
+            x = _tokens(step).chunk(n)[r].to(dev).requires_grad_()
             y = layer(x)
-            (y * _weights(_tokens(step)).chunk(n)[r]).sum().backward()
-            out.append((y.detach(), layer.stats["dropped"], _grads(layer, x)))
+            (y * _weights(_tokens(step)).chunk(n)[r].to(dev)).sum().backward()
+            out.append((y.detach().cpu(), layer.stats["dropped"].cpu(), _grads(layer, x)))
     return out
 
 
@@ -329,10 +329,10 @@ def test_expert_parallel_layer(impl):
 
 def _on_subgroups():
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    g, r = dist.get_rank() // 2, dist.get_rank() % 2
-    layer = ExpertParallelMoE(_moe(2, 1.0), group=groups[g])
-    y = layer(_tokens(0, seed=5 + g).chunk(2)[r])
-    return y.detach(), layer.stats["dropped"], layer.stats["matrix"]
+    g, r, dev = dist.get_rank() // 2, dist.get_rank() % 2, minipar.device()
+    layer = ExpertParallelMoE(_moe(2, 1.0).to(dev), group=groups[g])
+    y = layer(_tokens(0, seed=5 + g).chunk(2)[r].to(dev))
+    return y.detach().cpu(), layer.stats["dropped"].cpu(), layer.stats["matrix"].cpu()
 
 
 def test_layer_on_subgroups(impl):

@@ -22,16 +22,20 @@ C. The exchange. ``exchange(x, recv, send, group)`` and the autograd function ``
    0's first), a rank may send or receive no rows, each dtype kept (float64 and bfloat16 in,
    the same dtype out); in backward each arrived row's gradient goes back where the row came
    from.
-D. ``ExpertParallelMoE.forward``'s dispatch and combine, from the routed assignments to the
-   output ``y``: count and exchange, keep within capacity (``keep``, per assignment, in token
-   order), send the kept rows to their experts' ranks, run every local expert on its rows in
-   the single device's order, bring the results home and combine them with the router's
-   weights. The code after your part reads ``counts``, ``M``, ``cap``, ``kept``, ``keep`` and
-   ``y``. Invariant: outputs and dropped assignments equal the MoE layer on one device, on all
-   ranks' tokens concatenated; every gradient equals the single device's (the input's, each
-   expert's, the router's summed over the ranks); a second step (other tokens) is as exact as
-   the first; on a non-world group (two ep groups of 2 out of 4 ranks) each group is its own
-   layer.
+D. The layer. ``ExpertParallelMoE.__init__``: rank j of the group holds experts j·E/ep ..
+   (j+1)·E/ep - 1 of ``moe`` (``self.local``, ``self.experts`` keyed by their own indices) and
+   its router; E that ep does not divide is a ``ValueError``. ``ExpertParallelMoE.forward``,
+   from the routed assignments to the output ``y`` and the auxiliary losses: count and exchange,
+   keep within capacity (``keep``, per assignment, in token order), send the kept rows to their
+   experts' ranks, run every local expert on its rows in the single device's order, bring the
+   results home, combine them with the router's weights, and set the losses with
+   ``self.aux_losses`` (the code after your part reads ``counts``, ``M``, ``cap``, ``kept``,
+   ``keep``, ``totals``, ``aux``, ``z`` and ``y``). Invariant: outputs and dropped assignments
+   equal the MoE layer on one device, on all ranks' tokens concatenated; every gradient equals
+   the single device's (the input's, each expert's, the router's summed over the ranks); the
+   load-balancing loss, averaged over the ranks, is one device's, and with a ``token_group``
+   its f_i count that group's tokens; a second step (other tokens) is as exact as the first;
+   on a non-world group (two ep groups of 2 out of 4 ranks) each group is its own layer.
 
 Derived in notebook 09, "The layer" and "The two all-to-alls" (GShard, Lepikhin et al. 2020,
 §2-3; DeepSpeed-MoE, Rajbhandari et al. 2022). The last tests run the library's
@@ -123,6 +127,7 @@ class AllToAll(torch.autograd.Function):
 # from minipar/expert_parallel/layer.py: these run as module minipar.expert_parallel.layer's own
 # ------------------------------------------------------------------------------------------------
 import torch
+import torch.nn as nn
 from minipar import comm
 from minipar.expert_parallel.all_to_all import all_to_all
 from minipar.models.moe import MoE, capacity, keep_within_capacity, route
@@ -132,6 +137,15 @@ from minipar.runtime import trace
 class ExpertParallelMoE(MoE):
     """Only the marked methods of ``minipar.expert_parallel.layer.ExpertParallelMoE``; the rest of
     the class is the library's."""
+
+    def __init__(self, moe: MoE, group=None, token_group=None):
+        nn.Module.__init__(self)
+        self.n_experts, self.top_k, self.capacity_factor = moe.n_experts, moe.top_k, moe.capacity_factor
+        self.aux_coef, self.z_coef = moe.aux_coef, moe.z_coef
+        self.group, self.token_group = group, token_group
+        raise NotImplementedError("Exercise 09 D: ExpertParallelMoE.__init__")
+        self.loss, self.stats = None, {}
+        self.aux_scale, self.aux_total, self.routed = moe.aux_scale, 0.0, None
 
     def forward(self, x):
         shape, E, k = x.shape, self.n_experts, self.top_k
@@ -143,11 +157,6 @@ class ExpertParallelMoE(MoE):
         token_of = torch.arange(N, device=x.device).repeat_interleave(k)
 
         raise NotImplementedError("Exercise 09 D: ExpertParallelMoE.forward")
-        totals = M.sum(0)                                              # the load-balancing loss
-        if self.token_group is not None:
-            totals = counts.clone()
-            comm.all_reduce(totals, group=self.token_group, name="ep_token_counts", dim="dp")
-        aux, z = self.aux_losses(logits, probs, expert_of, totals)
         # for plots and tests, left on the device: a copy to the host here would wait for the GPU
         # at every forward; whoever reads them (.tolist(), .cpu()) pays that once
         self.stats = {"counts": totals.detach(), "matrix": M, "kept": kept, "dropped": ~keep,

@@ -54,6 +54,19 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         [("perm, inverse = permutation(torch.where(keep, expert_of, E))",
           "perm, inverse = self.__dict__.setdefault('_p', permutation(torch.where(keep, expert_of, E)))")],
         g.test_expert_parallel_layer, r"top-2, capacity factor None, step 2 of 2 \(other tokens\), rank \d: layer output"),
+    "rank j of the group holds experts j·E/ep .. (j+1)·E/ep - 1 of ``moe``": (
+        [("        self.experts = nn.ModuleDict({str(i): moe.experts[i] for i in self.local})",
+          "        self.experts = nn.ModuleDict({str(i): moe.experts[j] for i, j in zip(self.local, self.local[::-1])})")],
+        g.test_layer_on_subgroups, r"rank 0 \(rank 0 of ep group \[0, 1\]\): the experts it holds"),
+    "E that ep does not divide is a ``ValueError``": (
+        [("        if self.n_experts % self.ep:\n", "        if False:\n")],
+        g.test_layer_on_subgroups, r"rank 0: ExpertParallelMoE\(MoE\(8, n_experts=6\)\) over the world of 4 ranks was built"),
+    "the load-balancing loss, averaged over the ranks, is one device's": (
+        [("        totals = M.sum(0)", "        totals = counts")],
+        g.test_expert_parallel_layer, r"top-2, capacity factor None, step 1 of 2: the load-balancing loss \(aux\) averaged"),
+    "with a ``token_group`` its f_i count that group's tokens": (
+        [("comm.all_reduce(totals, group=self.token_group", "comm.all_reduce(totals, group=self.group")],
+        g.test_layer_on_subgroups, r"the load-balancing loss \(aux\) averaged over the 4 ranks \(token_group"),
     "on a non-world group (two ep groups of 2 out of 4 ranks) each group is its own layer": (
         [("    ep = comm.group_size(group)\n", "    ep = comm.group_size()\n"),
          ('comm.all_gather(out, counts.contiguous(), group=group', 'comm.all_gather(out, counts.contiguous(), group=None')],

@@ -22,16 +22,20 @@ C. The exchange. ``exchange(x, recv, send, group)`` and the autograd function ``
    0's first), a rank may send or receive no rows, each dtype kept (float64 and bfloat16 in,
    the same dtype out); in backward each arrived row's gradient goes back where the row came
    from.
-D. ``ExpertParallelMoE.forward``'s dispatch and combine, from the routed assignments to the
-   output ``y``: count and exchange, keep within capacity (``keep``, per assignment, in token
-   order), send the kept rows to their experts' ranks, run every local expert on its rows in
-   the single device's order, bring the results home and combine them with the router's
-   weights. The code after your part reads ``counts``, ``M``, ``cap``, ``kept``, ``keep`` and
-   ``y``. Invariant: outputs and dropped assignments equal the MoE layer on one device, on all
-   ranks' tokens concatenated; every gradient equals the single device's (the input's, each
-   expert's, the router's summed over the ranks); a second step (other tokens) is as exact as
-   the first; on a non-world group (two ep groups of 2 out of 4 ranks) each group is its own
-   layer.
+D. The layer. ``ExpertParallelMoE.__init__``: rank j of the group holds experts j·E/ep ..
+   (j+1)·E/ep - 1 of ``moe`` (``self.local``, ``self.experts`` keyed by their own indices) and
+   its router; E that ep does not divide is a ``ValueError``. ``ExpertParallelMoE.forward``,
+   from the routed assignments to the output ``y`` and the auxiliary losses: count and exchange,
+   keep within capacity (``keep``, per assignment, in token order), send the kept rows to their
+   experts' ranks, run every local expert on its rows in the single device's order, bring the
+   results home, combine them with the router's weights, and set the losses with
+   ``self.aux_losses`` (the code after your part reads ``counts``, ``M``, ``cap``, ``kept``,
+   ``keep``, ``totals``, ``aux``, ``z`` and ``y``). Invariant: outputs and dropped assignments
+   equal the MoE layer on one device, on all ranks' tokens concatenated; every gradient equals
+   the single device's (the input's, each expert's, the router's summed over the ranks); the
+   load-balancing loss, averaged over the ranks, is one device's, and with a ``token_group``
+   its f_i count that group's tokens; a second step (other tokens) is as exact as the first;
+   on a non-world group (two ep groups of 2 out of 4 ranks) each group is its own layer.
 
 Derived in notebook 09, "The layer" and "The two all-to-alls" (GShard, Lepikhin et al. 2020,
 §2-3; DeepSpeed-MoE, Rajbhandari et al. 2022). The last tests run the library's
@@ -83,10 +87,14 @@ HINTS = {
           "Capacity counts every rank's tokens: C from the matrix's total over k, and this rank's "
           "assignments to expert i come after the lower ranks' (M[:rank].sum(0)). Sort the kept "
           "assignments by expert with the dropped ones last, so the first sum(send) rows go out in "
-          "rank order. The rows that arrive are grouped by source rank; regroup them by local expert "
+          "rank order. The layer keeps only its block of experts, by their own indices. The rows that arrive are grouped by source rank; regroup them by local expert "
           "(stable: source rank, then token order), run each expert on its block, undo the "
           "regrouping, send back with the splits swapped, put zeros for the dropped rows, undo the "
-          "sort, and add w·E(x) into each token's row.",
+          "sort, and add w·E(x) into each token's row. The auxiliary loss's f_i count every token of "
+          "the group (the matrix's column sums), or of token_group when one is given.",
+          "__init__: ep, rank = comm.group_size(group), comm.group_rank(group); E % ep: ValueError; "
+          "local = range(rank·E/ep, (rank+1)·E/ep); router = moe.router; experts = ModuleDict({str(i): "
+          "moe.experts[i] for i in local}). forward: "
           "counts = count_tokens(expert_of, E); M = exchange_counts(counts, group); cap = capacity("
           "M.sum() // k, E, k, factor); kept = kept_counts(M, cap); keep = keep_within_capacity("
           "expert_of, E, cap, before=M[:rank].sum(0)); send, recv = split_sizes(kept, rank, ep); perm, "
@@ -95,7 +103,9 @@ HINTS = {
           "arange(len(local)).repeat(ep).repeat_interleave(mine.reshape(-1))); out = cat(expert(chunk) "
           "for chunks of arrived[by_expert].split(mine.sum(0)))[back]; home = all_to_all(out, send, "
           "recv, group); result = cat([home, zeros(N·k - sum(send), h)])[inverse]; y = zeros_like(x)."
-          "index_add(0, token_of, result · weights.reshape(-1, 1))."),
+          "index_add(0, token_of, result · weights.reshape(-1, 1)); totals = M.sum(0), or counts "
+          "all-reduced over token_group when there is one; aux, z = self.aux_losses(logits, probs, "
+          "expert_of, totals)."),
 }
 CONTRACT = {
     "experts nobody chose count 0": "test_count_tokens",
@@ -114,6 +124,11 @@ CONTRACT = {
                                                                           "test_layer_on_subgroups"),
     "every gradient equals the single device's": "test_expert_parallel_layer",
     "a second step (other tokens) is as exact as the first": "test_expert_parallel_layer",
+    "rank j of the group holds experts j·E/ep .. (j+1)·E/ep - 1 of ``moe``": "test_layer_on_subgroups",
+    "E that ep does not divide is a ``ValueError``": "test_layer_on_subgroups",
+    "the load-balancing loss, averaged over the ranks, is one device's": ("test_expert_parallel_layer",
+                                                                        "test_layer_on_subgroups"),
+    "with a ``token_group`` its f_i count that group's tokens": "test_layer_on_subgroups",
     "on a non-world group (two ep groups of 2 out of 4 ranks) each group is its own layer":
         ("test_exchanges_on_ranks", "test_layer_on_subgroups"),
 }
@@ -286,7 +301,7 @@ def _ep_layer(steps):
             x = _tokens(step).chunk(n)[r].to(dev).requires_grad_()
             y = layer(x)
             (y * _weights(_tokens(step)).chunk(n)[r].to(dev)).sum().backward()
-            out.append((y.detach().cpu(), layer.stats["dropped"].cpu(), _grads(layer, x)))
+            out.append((y.detach().cpu(), layer.stats["dropped"].cpu(), _grads(layer, x), layer.stats["aux"].cpu()))
     return out
 
 
@@ -295,7 +310,7 @@ def _single(k, cf, step, x=None):
     x = (_tokens(step) if x is None else x).clone().requires_grad_()
     y = moe(x)
     (y * _weights(x)).sum().backward()
-    return y.detach(), moe.stats["dropped"], {"input": x.grad, "router": moe.router.weight.grad,
+    return y.detach(), moe.stats["dropped"], moe.stats["aux"], {"input": x.grad, "router": moe.router.weight.grad,
                                               **{f"expert {i}": torch.cat([p.grad.reshape(-1) for p in e.parameters()])
                                                  for i, e in enumerate(moe.experts)}}
 
@@ -307,10 +322,10 @@ def test_expert_parallel_layer(impl):
     res = minipar.launch(_ep_layer, 2, args=(steps,), timeout=TIMEOUT)
     for c, (k, cf) in enumerate(LAYERS):
         for step in range(steps):
-            y, dropped, grads = _single(k, cf, step)
+            y, dropped, aux, grads = _single(k, cf, step)
             case = f"top-{k}, capacity factor {cf}, step {step + 1} of {steps}" + (" (other tokens)" if step else "")
             ranks = [res[r][c * steps + step] for r in range(2)]
-            for r, (y_r, dropped_r, _) in enumerate(ranks):
+            for r, (y_r, dropped_r, _, _) in enumerate(ranks):
                 where = f"{case}, rank {r}"
                 expect_close(dropped_r.float(), dropped.chunk(2)[r].float(), "assignments dropped (over capacity), "
                              "index (token·k + j)", where=where, rtol=0, atol=0)
@@ -322,6 +337,8 @@ def test_expert_parallel_layer(impl):
                     if name.startswith("expert"):
                         expect_close(g, grads[name], f"{name}'s gradient (its parameters flattened)", where=where,
                                      rtol=1e-8, atol=1e-10)
+            expect_close((ranks[0][3] + ranks[1][3]) / 2, aux, "the load-balancing loss (aux) averaged over the "
+                         "2 ranks", where=case, rtol=1e-6, atol=1e-7)
             expect_close(ranks[0][2]["router"] + ranks[1][2]["router"], grads["router"],
                          "the router's gradient summed over the 2 ranks, index (expert, feature)", where=case,
                          rtol=1e-5, atol=1e-7)
@@ -330,22 +347,43 @@ def test_expert_parallel_layer(impl):
 def _on_subgroups():
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     g, r, dev = dist.get_rank() // 2, dist.get_rank() % 2, minipar.device()
-    layer = ExpertParallelMoE(_moe(2, 1.0).to(dev), group=groups[g])
+    try:
+        ExpertParallelMoE(MoE(8, 6, 2), group=groups[g])              # 6 experts over 2 ranks: fine
+        ExpertParallelMoE(MoE(8, 6, 2))                               # over the world of 4: refused
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    layer = ExpertParallelMoE(_moe(2, 1.0).to(dev), group=groups[g], token_group=dist.group.WORLD)
     y = layer(_tokens(0, seed=5 + g).chunk(2)[r].to(dev))
-    return y.detach().cpu(), layer.stats["dropped"].cpu(), layer.stats["matrix"].cpu()
+    return (y.detach().cpu(), layer.stats["dropped"].cpu(), layer.stats["matrix"].cpu(), refused,
+            {int(i): float(e.fc.weight.detach().sum()) for i, e in layer.experts.items()}, layer.local, layer.stats["aux"].cpu())
 
 
 def test_layer_on_subgroups(impl):
     """4 ranks in two ep groups of 2 ([0, 1] and [2, 3]), each with its own tokens: every group's
-    layer equals one device on that group's tokens (top-2, capacity factor 1)."""
+    layer equals one device on that group's tokens (top-2, capacity factor 1); its experts are the
+    group rank's block; the aux loss (token_group: all 4 ranks) averages to one device's on all
+    tokens; 6 experts over 4 ranks are refused."""
     res = minipar.launch(_on_subgroups, 4, timeout=TIMEOUT)
+    fc = {i: float(e.fc.weight.detach().sum()) for i, e in enumerate(_moe(2, 1.0).experts)}
+    for rank, out in enumerate(res):
+        expect(isinstance(out[3], str), f"rank {rank}: ExpertParallelMoE(MoE(8, n_experts=6)) over the world of 4 "
+                                        "ranks was built; 6 experts over 4 ranks: a ValueError")
+        want = [2 * (rank % 2), 2 * (rank % 2) + 1]
+        expect_equal({"local": list(out[5]), "experts": out[4]}, {"local": want, "experts": {i: fc[i] for i in want}},
+                     f"rank {rank} (rank {rank % 2} of ep group [{rank // 2 * 2}, {rank // 2 * 2 + 1}]): the experts "
+                     "it holds, of 4 (self.local, and self.experts by index: the sum of each one's fc weight)")
+    one = _moe(2, 1.0)
+    one(torch.cat([_tokens(0, seed=5), _tokens(0, seed=6)]))
+    expect_close(sum(out[6] for out in res) / 4, one.stats["aux"], "the load-balancing loss (aux) averaged over "
+                 "the 4 ranks (token_group: all of them), against one device on all 32 sequences", rtol=1e-6, atol=1e-7)
     for g in range(2):
         x = _tokens(0, seed=5 + g)
         moe = _moe(2, 1.0)
         y = moe(x).detach()
         for r in range(2):
             rank = 2 * g + r
-            y_r, dropped_r, M = res[rank]
+            y_r, dropped_r, M = res[rank][:3]
             where = f"rank {rank} (rank {r} of ep group [{2 * g}, {2 * g + 1}], its own 16 tokens)"
             expect_equal(list(M.shape), [2, 4], f"the shape of the count matrix (ep × E), {where}")
             expect_close(dropped_r.float(), moe.stats["dropped"].chunk(2)[r].float(),

@@ -46,8 +46,9 @@ def test_ep_groups_are_carved_out_of_dp_cp():
     (MOE, dict(dp=2, ep=4), "must divide dp·cp"),
     (GPTConfig(**{**MOE.__dict__, "capacity_factor": 1.0}), dict(dp=4, ep=2), "ep = dp and cp = 1"),
     (GPTConfig(**{**MOE.__dict__, "capacity_factor": 1.0}), dict(dp=1, cp=2, ep=2), "ep = dp and cp = 1"),
-    (MOE, dict(dp=2, pp=2, zero=2), "use ZeRO-1"),
-    (MOE, dict(dp=2, pp=2, zero=3), "use ZeRO-1"),
+    (MOE, dict(dp=2, pp=2, zero=2), "ZeRO-2 with MoE layers"),
+    (MOE, dict(dp=2, pp=2, zero=3), "ZeRO-3 with MoE layers"),
+    (GPTConfig(), dict(dp=2, pp=2, zero=3, reshard_after_forward="sometimes"), "must be one of"),
     (MOE, dict(dp=2, zero=4), "must be 0, 1, 2 or 3"),
     (MOE, dict(tp=2, sequence_parallel=True), "sequence_parallel with MoE"),
     (MOE, dict(dp=2, ep=2, recompute="full"), "twice per micro-batch"),
@@ -120,7 +121,9 @@ def test_a_planner_layout_runs_at_toy_size():
         dict(dp=2, cp=2, pp=2, tp=1, ep=2, zero=1)
     assert notes == ["tp=8 runs as tp=1 (a toy world of at most 8 ranks)"]
     _, o3, n3 = toy_options(Layout(dp=4, pp=4, zero=3, recompute="full", dtype="fp32"))
-    assert o3["zero"] == 1 and "ZeRO-3 runs as ZeRO-1" in n3[0]
+    assert o3["zero"] == 3 and n3 == []                      # ZeRO-3 composes with a pipeline
+    _, oe, ne = toy_options(Layout(dp=4, ep=2, zero=3, dtype="fp32"))
+    assert oe["zero"] == 1 and "ZeRO-3 runs as ZeRO-1" in ne[0]
     argv = toy_command(layout)
     assert argv[1:3] == ["-m", "minipar.production.train"]
     args = train.parse(argv[3:])

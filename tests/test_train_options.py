@@ -22,7 +22,7 @@ NATURAL_INT = ["--n-experts", "--seed", "--data-seed", "--save-every"]
 POSITIVE_REAL = ["--lr", "--timeout", "--capacity-factor"]
 NATURAL_REAL = ["--weight-decay", "--hang-timeout"]
 CHOICES = {"--cp-variant": ["ringg", "1"], "--cp-layout": ["zig"], "--zero": ["4", "-1", "1.5", "x"],
-           "--sharding": ["fsdp"], "--schedule": ["1F1B", "zb"], "--dtype": ["fp16"],
+           "--sharding": ["fsdp"], "--reshard-after-forward": ["sometimes"], "--schedule": ["1F1B", "zb"], "--dtype": ["fp16"],
            "--recompute": ["some"], "--device": ["tpu"], "--nonfinite": ["ignore"]}
 OWN_RANGE = ([(f, v) for f in POSITIVE_INT for v in ("0", "-1", "1.5", "x", "nan")]
              + [(f, v) for f in NATURAL_INT for v in ("-1", "2.5", "x", "inf")]
@@ -42,8 +42,7 @@ INCONSISTENT = [  # (argv, the option the message must name)
     (MOE + ["--dp", "4", "--ep", "2", "--capacity-factor", "1.0"], "--capacity-factor"),
     (MOE + ["--dp", "2", "--ep", "2", "--recompute", "full"], "--recompute"),
     (["--sharding", "per-parameter"], "--sharding"),
-    (["--zero", "2", "--pp", "2"], "--zero"),
-    (["--zero", "3", "--cp", "2"], "--zero"),
+    (["--reshard-after-forward", "never", "--zero", "1", "--dp", "2"], "--reshard-after-forward"),
     (MOE + ["--zero", "2", "--dp", "2"], "--zero"),
     (["--zero", "3", "--dp", "2", "--nonfinite", "skip"], "--nonfinite"),
     (["--zero1", "--zero", "2"], "--zero1"),

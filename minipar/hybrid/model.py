@@ -57,12 +57,12 @@ class HybridModel:
                  schedule: str = "1f1b", microbatches: int = 1, virtual_stages: int = 1,
                  sequence_parallel: bool = False, bucket_cap_mb: float = 25.0,
                  bounds: list[int] | None = None, dtype=None, recompute=None,
-                 layout: str = "zigzag", variant: str = "ring"):
+                 layout: str = "zigzag", variant: str = "ring", reshard_after_forward: str = "auto"):
         config = model.config
         check(config, None, dist.get_world_size(), mesh.dp, mesh.pp, mesh.tp, microbatches, schedule,
               virtual_stages, sequence_parallel, dtype=dtype, cp=mesh.cp, layout=layout, variant=variant,
               recompute=recompute, ep=mesh.ep, zero=zero if zero is not None else int(zero1),
-              sharding=sharding)
+              sharding=sharding, reshard_after_forward=reshard_after_forward)
         if not mesh.groups:
             mesh.build()
         self.moe = bool(config.moe_every)
@@ -100,7 +100,8 @@ class HybridModel:
         mine = {id(q) for st in self.stages.values() for q in st.parameters()}
         self.params = {n: q for n, q in self.model.named_parameters() if id(q) in mine}
         self.optimizer, self.reducer, self.sharded = build_optimizer(self, optimizer or sgd(), self.zero,
-                                                                     sharding, bucket_cap_mb)
+                                                                     sharding, bucket_cap_mb,
+                                                                     reshard_after_forward)
         self.last_step: dict = {}
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
@@ -120,6 +121,8 @@ class HybridModel:
         self.optimizer.zero_grad(set_to_none=True)
         experts.begin_step(self.model)
         loss = self.pipe.step(xs, ys)
+        if self.sharded is not None:                        # ZeRO-3 kept gathered: reduce-scatter once
+            self.sharded.finish_step()
         if self.reducer is not None:
             self.reducer.finish()                           # mean gradient over dp
         if self.moe:   # experts: sum over expert-dp ÷ dp·cp (ZeRO-1: ÷ ep, then its mean over expert-dp)

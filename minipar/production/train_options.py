@@ -80,10 +80,13 @@ def parser() -> argparse.ArgumentParser:
     mesh.add_argument("--cp-variant", choices=VARIANTS, default="ring", help="context-parallel attention")
     mesh.add_argument("--cp-layout", choices=LAYOUTS, default="zigzag", help="how sequences are cut over cp")
     mesh.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
-                      help="ZeRO stage over the data-parallel ranks (2, 3: without pp or cp)")
+                      help="ZeRO stage over the data-parallel ranks (sharded over dp·cp; 2, 3: dense GPT)")
     mesh.add_argument("--zero1", action="store_true", help="the same as --zero 1")
     mesh.add_argument("--sharding", choices=("flat", "per-parameter"), default="flat",
                       help="ZeRO-3's storage: flat units (FSDP1) or per-parameter shards (fully_shard, FSDP2)")
+    mesh.add_argument("--reshard-after-forward", choices=("auto", "always", "never"), default="auto",
+                      help="ZeRO-3: free a layer's gathered weights after each use (always) or keep them "
+                           "across the step's micro-batches (never); auto: never with --pp, else always")
     mesh.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
     mesh.add_argument("--virtual-stages", type=POSITIVE, default=1, help="stages per rank (interleaved)")
     mesh.add_argument("--microbatches", type=POSITIVE, default=1, help="micro-batches per dp shard")
@@ -169,10 +172,9 @@ def check_options(args) -> None:
                          "(the expert groups are carved out of the data and context ranks)")
     if args.sharding == "per-parameter" and args.zero != 3:
         raise ValueError(f"--sharding per-parameter is ZeRO-3's storage: it needs --zero 3 (got --zero {args.zero})")
-    if args.zero >= 2 and (args.pp > 1 or args.cp > 1):
-        raise ValueError(f"--zero {args.zero} with --pp {args.pp} --cp {args.cp}: with a pipeline stage 2 "
-                         "would reduce-scatter every micro-batch and stage 3 re-gather every stage's weights "
-                         "2m times a step; use --zero 1 there (stages 2 and 3 run with --dp and --tp)")
+    if args.reshard_after_forward != "auto" and args.zero != 3:
+        raise ValueError(f"--reshard-after-forward {args.reshard_after_forward} is ZeRO-3's policy: "
+                         f"it needs --zero 3 (got --zero {args.zero})")
     if args.zero >= 2 and args.n_experts:
         raise ValueError(f"--zero {args.zero} with --n-experts: the experts' state is sharded with --zero 1 only")
     if args.zero == 3 and args.checkpoint_dir is not None:

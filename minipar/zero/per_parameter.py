@@ -147,7 +147,8 @@ class PerParameterStorage:
 
 
 def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, reduce_dtype=None,
-                prefetch: bool = True, persist_below: int | None = None, persist=None) -> nn.Module:
+                prefetch: bool = True, persist_below: int | None = None, persist=None,
+                reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``module``'s parameters in place, per parameter, over ``group``; returns it.
 
     ``units``: the modules gathered one at a time (default ``module.layers()``); every
@@ -156,7 +157,9 @@ def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, red
     gradient reduce-scatter (default ``param_dtype``). The shards stay fp32. ``prefetch``:
     start the next unit's all-gather while this one computes. ``persist_below`` (elements) and
     ``persist`` (a predicate on modules): parameters left whole, replicated, their gradients
-    all-reduced (:func:`~minipar.zero.persist.persistent_parameters`). The stage-3 state
+    all-reduced (:func:`~minipar.zero.persist.persistent_parameters`). ``reshard_after_forward``:
+    free each unit after each use, or keep it gathered until the state's ``finish_step()``
+    (:mod:`minipar.zero.stage3`: the policy under a pipeline). The stage-3 state
     (:class:`~minipar.zero.stage3.Schedule`) is :func:`sharded_state` ``(module)``."""
     found = unit_parameters(module, units)
     persistent = persistent_parameters(module, persist_below, persist, param_dtype)
@@ -164,7 +167,8 @@ def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, red
     storage = PerParameterStorage([(m, [(p, ow) for p, ow in f.values() if id(p) not in kept]) for m, f in found],
                                   group, param_dtype or torch.float32, reduce_dtype)
     module.__dict__["_fully_shard"] = Schedule(storage, module, group, prefetch, persistent,
-                                               reduce_dtype=storage.reduce_dtype)   # not a submodule
+                                               reduce_dtype=storage.reduce_dtype,
+                                               reshard_after_forward=reshard_after_forward)   # not a submodule
     return module
 
 

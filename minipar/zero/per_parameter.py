@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from ..comm import all_gather, group_rank, group_size
 from .flat import free_unit
-from .persist import persistent_parameters
+from .persist import compute_in_fp32, persistent_parameters
 from .reduce import reduce_shard
 from .stage3 import Schedule, unit_parameters
 
@@ -154,7 +154,8 @@ def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, red
     ``units``: the modules gathered one at a time (default ``module.layers()``); every
     parameter must belong to one unit. ``param_dtype``: the dtype of the gathered
     parameters and of the compute (e.g. ``torch.bfloat16``); ``reduce_dtype``: of the
-    gradient reduce-scatter (default ``param_dtype``). The shards stay fp32. ``prefetch``:
+    gradient reduce-scatter (default ``param_dtype``). The shards stay fp32, and so do the
+    persistent parameters, their modules' compute and their gradients' average. ``prefetch``:
     start the next unit's all-gather while this one computes. ``persist_below`` (elements) and
     ``persist`` (a predicate on modules): parameters left whole, replicated, their gradients
     all-reduced (:func:`~minipar.zero.persist.persistent_parameters`). ``reshard_after_forward``:
@@ -169,6 +170,7 @@ def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, red
     module.__dict__["_fully_shard"] = Schedule(storage, module, group, prefetch, persistent,
                                                reduce_dtype=storage.reduce_dtype,
                                                reshard_after_forward=reshard_after_forward)   # not a submodule
+    compute_in_fp32(module, persistent, param_dtype)      # the persistent modules in fp32
     return module
 
 

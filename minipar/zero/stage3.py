@@ -47,7 +47,7 @@ import torch.nn as nn
 from ..runtime import trace
 from .flat import FlatStorage
 from .memory import state_tensors
-from .persist import persistent_parameters, reduce_persistent
+from .persist import compute_in_fp32, persistent_parameters, reduce_persistent
 from .reduce import OrderedReduction
 
 
@@ -114,8 +114,8 @@ class Schedule:
 
     ``module``: the whole model (a forward of it starts a new unit order); ``persistent``:
     parameters kept whole (their gradients averaged in one all-reduce after every unit's
-    reduce-scatter, in ``reduce_dtype``); ``prefetch``: start the next unit's gather early;
-    ``reshard_after_forward``: free a unit after each use (``True``) or keep it gathered until
+    reduce-scatter, in their own dtype, fp32); ``reduce_dtype``: the sharded gradients';
+    ``prefetch``: start the next unit's gather early; ``reshard_after_forward``: free a unit after each use (``True``) or keep it gathered until
     :meth:`finish_step` (``False``, module docstring)."""
 
     def __init__(self, storage: Storage, module: nn.Module, group=None, prefetch: bool = True,
@@ -132,8 +132,7 @@ class Schedule:
         self.in_backward = False
         # backward completes the units in reverse forward order; reduce them in that order
         self.reduction = OrderedReduction(self.units, lambda: list(reversed(self.order)), self.reduce,
-                                          tail=lambda: reduce_persistent(self.persistent, self.group,
-                                                                         self.reduce_dtype))
+                                          tail=lambda: reduce_persistent(self.persistent, self.group))
         module.register_forward_pre_hook(lambda m, a: self.start_forward())   # before the units' hooks
         for i, u in enumerate(self.units):
             u.module.register_forward_pre_hook(lambda m, a, i=i: self.pre_forward(i))
@@ -214,7 +213,7 @@ class Schedule:
         for i in reversed(range(len(self.units))):
             self.free(i)
             self.storage.reduce(i)
-        reduce_persistent(self.persistent, self.group, self.reduce_dtype)
+        reduce_persistent(self.persistent, self.group)
         self.bw = [False] * len(self.units)
 
     # -- gather and free, once each per use; the gathered bytes counted as they change
@@ -286,6 +285,7 @@ class FullyShardedDataParallel(nn.Module):
         self.persistent = nn.ParameterList(whole)           # the module's own, replicated
         self.schedule = Schedule(storage, module, group, prefetch, whole,
                                  reshard_after_forward=reshard_after_forward)
+        compute_in_fp32(module, whole, param_dtype)
 
     units = property(lambda self: self.schedule.units)
     peak_gathered_bytes = property(lambda self: self.schedule.peak_gathered_bytes)

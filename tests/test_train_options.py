@@ -43,7 +43,6 @@ INCONSISTENT = [  # (argv, the option the message must name)
     (MOE + ["--dp", "2", "--ep", "2", "--recompute", "full"], "--recompute"),
     (["--sharding", "per-parameter"], "--sharding"),
     (["--reshard-after-forward", "never", "--zero", "1", "--dp", "2"], "--reshard-after-forward"),
-    (MOE + ["--zero", "2", "--dp", "2"], "--zero"),
     (["--zero", "3", "--dp", "2", "--nonfinite", "skip"], "--nonfinite"),
     (["--zero1", "--zero", "2"], "--zero1"),
     (["--virtual-stages", "2"], "--virtual-stages"),

@@ -112,8 +112,8 @@ def check_experts(config, dp: int, cp: int, ep: int, sequence_parallel: bool = F
 
 def check_zero(zero: int, pp: int = 1, cp: int = 1, tp: int = 1, sharding: str = "flat",
                config=None, reshard_after_forward: str = "auto") -> None:
-    """ZeRO on the mesh: stage 1 everywhere; stages 2 and 3 on dense layers with any dp, cp, tp
-    and pp, sharded over dp·cp. Under a pipeline stage 2 reduce-scatters each micro-batch into
+    """ZeRO on the mesh: every stage with any dp, cp, tp, pp and ep; the dense parameters sharded
+    over dp·cp, the experts' over their expert-dp group (dp·cp/ep ranks). Under a pipeline stage 2 reduce-scatters each micro-batch into
     the sharded gradient, and stage 3 keeps a stage's units gathered across its micro-batches
     unless ``reshard_after_forward="always"`` (:mod:`.sharding`)."""
     if zero not in (0, 1, 2, 3):
@@ -121,9 +121,6 @@ def check_zero(zero: int, pp: int = 1, cp: int = 1, tp: int = 1, sharding: str =
     reshard_policy(reshard_after_forward, pp)
     if sharding not in ("flat", "per-parameter"):
         raise ValueError(f"sharding={sharding!r} must be 'flat' or 'per-parameter'")
-    if zero >= 2 and config is not None and config.moe_every:
-        raise ValueError(f"ZeRO-{zero} with MoE layers: the experts' state is sharded over expert-dp "
-                         "with ZeRO-1 only; use zero=1")
     if zero == 3 and config is not None and config.tie_weights:
         raise ValueError("ZeRO-3 gathers one layer at a time and tie_weights=True shares a matrix between "
                          "the first and the last: use tie_weights=False")

@@ -40,7 +40,7 @@ from ..tensor_parallel import from_gpt, gather_shards, shard_state_dict, unshard
 from ..zero import model_state_bytes, state_tensors, storage_bytes
 from . import experts
 from .config import check
-from .sharding import build_optimizer
+from .sharding import build_optimizer, scale_expert_shards
 
 
 class HybridModel:
@@ -125,9 +125,11 @@ class HybridModel:
             self.sharded.finish_step()
         if self.reducer is not None:
             self.reducer.finish()                           # mean gradient over dp
-        if self.moe:   # experts: sum over expert-dp ÷ dp·cp (ZeRO-1: ÷ ep, then its mean over expert-dp)
+        if self.moe:   # experts: sum over expert-dp ÷ dp·cp (ZeRO 1-3: ÷ ep, and their mean over expert-dp)
             if self.zero1:
                 experts.scale_expert_gradients(self.model, self.params, 1.0 / self.mesh.ep)
+            elif self.zero >= 2:
+                scale_expert_shards(self, 1.0 / self.mesh.ep)
             else:
                 experts.reduce_expert_gradients(self.model, self.params, self.groups["expert_dp"],
                                                 self.mesh.dp * self.mesh.cp)

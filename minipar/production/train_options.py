@@ -80,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
     mesh.add_argument("--cp-variant", choices=VARIANTS, default="ring", help="context-parallel attention")
     mesh.add_argument("--cp-layout", choices=LAYOUTS, default="zigzag", help="how sequences are cut over cp")
     mesh.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
-                      help="ZeRO stage over the data-parallel ranks (sharded over dp·cp; 2, 3: dense GPT)")
+                      help="ZeRO stage (dense parameters sharded over dp·cp, experts' over expert-dp)")
     mesh.add_argument("--zero1", action="store_true", help="the same as --zero 1")
     mesh.add_argument("--sharding", choices=("flat", "per-parameter"), default="flat",
                       help="ZeRO-3's storage: flat units (FSDP1) or per-parameter shards (fully_shard, FSDP2)")
@@ -175,8 +175,6 @@ def check_options(args) -> None:
     if args.reshard_after_forward != "auto" and args.zero != 3:
         raise ValueError(f"--reshard-after-forward {args.reshard_after_forward} is ZeRO-3's policy: "
                          f"it needs --zero 3 (got --zero {args.zero})")
-    if args.zero >= 2 and args.n_experts:
-        raise ValueError(f"--zero {args.zero} with --n-experts: the experts' state is sharded with --zero 1 only")
     if args.zero == 3 and args.checkpoint_dir is not None:
         raise ValueError("--zero 3 with --checkpoint-dir: ZeRO-3's sharded parameters are not checkpointed; "
                          "use --zero 1 or 2 to save and resume")

@@ -148,7 +148,7 @@ class PerParameterStorage:
 
 def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, reduce_dtype=None,
                 prefetch: bool = True, persist_below: int | None = None, persist=None,
-                reshard_after_forward: bool = True) -> nn.Module:
+                reshard_after_forward: bool = True, ignored_params=()) -> nn.Module:
     """Shard ``module``'s parameters in place, per parameter, over ``group``; returns it.
 
     ``units``: the modules gathered one at a time (default ``module.layers()``); every
@@ -160,9 +160,10 @@ def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, red
     ``persist`` (a predicate on modules): parameters left whole, replicated, their gradients
     all-reduced (:func:`~minipar.zero.persist.persistent_parameters`). ``reshard_after_forward``:
     free each unit after each use, or keep it gathered until the state's ``finish_step()``
-    (:mod:`minipar.zero.stage3`: the policy under a pipeline). The stage-3 state
+    (:mod:`minipar.zero.stage3`: the policy under a pipeline). ``ignored_params``: left whole,
+    to another state (FSDP2's name). The stage-3 state
     (:class:`~minipar.zero.stage3.Schedule`) is :func:`sharded_state` ``(module)``."""
-    found = unit_parameters(module, units)
+    found = unit_parameters(module, units, ignored_params)
     persistent = persistent_parameters(module, persist_below, persist, param_dtype)
     kept = {id(p) for p in persistent}                      # stay the module's own parameters
     storage = PerParameterStorage([(m, [(p, ow) for p, ow in f.values() if id(p) not in kept]) for m, f in found],

@@ -85,25 +85,29 @@ class Storage(Protocol):
         """The unit sizes the cost formulas take."""
 
 
-def unit_parameters(module: nn.Module, units=None) -> list[tuple[nn.Module, dict]]:
+def unit_parameters(module: nn.Module, units=None, ignored_params=()) -> list[tuple[nn.Module, dict]]:
     """The units stage 3 gathers one at a time (``units``, default ``module.layers()``, else
     the whole module), each with ``{id(p): (p, [(owner, attribute), ...])}`` of its trainable
     parameters in ``module.parameters()`` order (one parameter may be registered twice).
-    Both designs check here that every trainable parameter lies in exactly one unit."""
+    Both designs check here that every trainable parameter lies in exactly one unit;
+    ``ignored_params`` (FSDP2's name) are left out, to another state (the experts' over their
+    expert-dp group)."""
+    ignored = {id(p) for p in ignored_params}
     mods = list(units if units is not None else (module.layers() if hasattr(module, "layers") else [module]))
     out, seen = [], {}
     for i, m in enumerate(mods):
         found = {}
         for owner in m.modules():
             for attr, p in owner.named_parameters(recurse=False, remove_duplicate=False):
-                if not p.requires_grad:
+                if not p.requires_grad or id(p) in ignored:
                     continue
                 if seen.setdefault(id(p), i) != i:
                     raise ValueError("a parameter is shared by two units (tied weights?); "
                                      "stage 3 needs each parameter in exactly one unit")
                 found.setdefault(id(p), (p, []))[1].append((owner, attr))
         out.append((m, found))
-    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
+    missing = [n for n, p in module.named_parameters()
+               if p.requires_grad and id(p) not in seen and id(p) not in ignored]
     if missing:
         raise ValueError(f"parameters in no unit: {missing[:3]}...; pass units= covering them")
     return out
@@ -262,7 +266,8 @@ class Schedule:
 
 class FullyShardedDataParallel(nn.Module):
     """``FullyShardedDataParallel(module, group=None, units=None, prefetch=True, param_dtype=None,
-    persist_below=None, persist=None, reshard_after_forward=True)``: stage 3 over flat units.
+    persist_below=None, persist=None, reshard_after_forward=True, ignored_params=())``: stage 3
+    over flat units (``ignored_params``: left to another state, :func:`unit_parameters`).
 
     ``units``: the modules gathered one at a time (default ``module.layers()``, else the
     whole module); every parameter must belong to exactly one unit. ``persist_below`` (elements)
@@ -273,10 +278,11 @@ class FullyShardedDataParallel(nn.Module):
     ``peak_gathered_bytes``: the most bytes of gathered units alive at once so far."""
 
     def __init__(self, module: nn.Module, group=None, units=None, prefetch: bool = True, param_dtype=None,
-                 persist_below: int | None = None, persist=None, reshard_after_forward: bool = True):
+                 persist_below: int | None = None, persist=None, reshard_after_forward: bool = True,
+                 ignored_params=()):
         super().__init__()
         object.__setattr__(self, "module", module)        # not a child: its params are not ours
-        found = unit_parameters(module, units)
+        found = unit_parameters(module, units, ignored_params)
         whole = persistent_parameters(module, persist_below, persist, param_dtype)
         kept = {id(p) for p in whole}
         storage = FlatStorage([(m, [p for p, _ in f.values() if id(p) not in kept]) for m, f in found],

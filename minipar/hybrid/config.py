@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import precision, strategy
+from .hsdp import check_hsdp
 from .sharding import reshard_policy
 from ..analysis.cost import hybrid_memory_per_rank
 from ..mesh import ProcessMesh
@@ -49,7 +50,7 @@ def check(model, batches, world_size: int | None, dp: int = 1, pp: int = 1,
           layout: str = "zigzag", variant: str = "ring", ep: int = 1, zero: int | None = None,
           recompute=None, sharding: str = "flat", seq_len: int | None = None, zero1: bool = False,
           bucket_cap_mb: float = 25.0, bounds: list[int] | None = None,
-          reshard_after_forward: str = "auto") -> None:
+          reshard_after_forward: str = "auto", dp_shard: int | None = None) -> None:
     """Raise a plain ``ValueError`` if the GPT ``model`` (or its ``GPTConfig``) cannot train on a
     dp × pp × tp (× cp, ep) mesh of ``world_size`` ranks (the rules: the module docstring). Call it
     in the driver, before any process starts (:func:`~minipar.hybrid.run` does); ``world_size=None``
@@ -61,6 +62,7 @@ def check(model, batches, world_size: int | None, dp: int = 1, pp: int = 1,
     ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, world_size=world_size)
     check_experts(config, dp, cp, ep, sequence_parallel, recompute)
     check_zero(zero, pp, cp, tp, sharding, config, reshard_after_forward)
+    check_hsdp(dp, dp_shard, zero, ep)
     if cp > 1:  # context parallelism: T cut over cp (2·cp for zigzag), Ulysses needs cp | heads/tp
         seq_len = batches[0][0].shape[1] if batches else seq_len
         check_context_parallel(replace(config, moe_every=0),  # the mesh composes the MoE layers itself

@@ -40,6 +40,7 @@ from ..tensor_parallel import from_gpt, gather_shards, shard_state_dict, unshard
 from ..zero import model_state_bytes, state_tensors, storage_bytes
 from . import experts
 from .config import check
+from .hsdp import hsdp_groups, reduce_replicas
 from .sharding import build_optimizer, scale_expert_shards
 
 
@@ -57,12 +58,13 @@ class HybridModel:
                  schedule: str = "1f1b", microbatches: int = 1, virtual_stages: int = 1,
                  sequence_parallel: bool = False, bucket_cap_mb: float = 25.0,
                  bounds: list[int] | None = None, dtype=None, recompute=None,
-                 layout: str = "zigzag", variant: str = "ring", reshard_after_forward: str = "auto"):
+                 layout: str = "zigzag", variant: str = "ring", reshard_after_forward: str = "auto",
+                 dp_shard: int | None = None):
         config = model.config
         check(config, None, dist.get_world_size(), mesh.dp, mesh.pp, mesh.tp, microbatches, schedule,
               virtual_stages, sequence_parallel, dtype=dtype, cp=mesh.cp, layout=layout, variant=variant,
               recompute=recompute, ep=mesh.ep, zero=zero if zero is not None else int(zero1),
-              sharding=sharding, reshard_after_forward=reshard_after_forward)
+              sharding=sharding, reshard_after_forward=reshard_after_forward, dp_shard=dp_shard)
         if not mesh.groups:
             mesh.build()
         self.moe = bool(config.moe_every)
@@ -79,6 +81,9 @@ class HybridModel:
         dims = (("dp", "pp", "tp", "dp_cp", "expert_dp") + (("cp",) if mesh.cp > 1 else ())
                 + (("ep",) if self.moe else ()))  # dp_cp: dp when cp = 1; expert_dp: dp_cp when ep = 1
         self.groups = g = {dim: mesh.group(dim) for dim in dims}
+        self.hsdp = dp_shard is not None and dp_shard < mesh.dp   # ZeRO-3 within dp_shard, replicated across
+        if self.hsdp:
+            g.update(hsdp_groups(mesh, dp_shard))
         self.device = current_device()                      # where this rank computes
         if recompute is not None:  # the blocks' recomputation, in the config tp shards are built from
             model.set_recompute(recompute)
@@ -123,6 +128,9 @@ class HybridModel:
         loss = self.pipe.step(xs, ys)
         if self.sharded is not None:                        # ZeRO-3 kept gathered: reduce-scatter once
             self.sharded.finish_step()
+        if self.hsdp:                                       # HSDP: the blocks' shards averaged
+            reduce_replicas([p for group in self.optimizer.param_groups for p in group["params"]],
+                            self.groups["dp_replicate"])
         if self.reducer is not None:
             self.reducer.finish()                           # mean gradient over dp
         if self.moe:   # experts: sum over expert-dp ÷ dp·cp (ZeRO 1-3: ÷ ep, and their mean over expert-dp)

@@ -132,7 +132,8 @@ def build_optimizer(hm, make, zero: int, sharding: str = "flat", bucket_cap_mb: 
     where = {id(q): n for n, q in hm.model.named_parameters()}
     names = {n: where[id(q)] for n, q in module.named_parameters()}
     parts, params, expert_shards = [], [], []
-    for j, group in enumerate([g["dp_cp"]] + ([g["expert_dp"]] if expert else [])):   # dense, experts
+    dense_group = g.get("dp_shard", g["dp_cp"])     # HSDP: within the block (:mod:`.hsdp`)
+    for j, group in enumerate([dense_group] + ([g["expert_dp"]] if expert else [])):   # dense, experts
         # each state ignores the other's parameters (per-parameter: the dense ones are shards by now)
         ignored = [q for n, q in module.named_parameters() if experts.is_expert(names[n]) != (j == 1)]
         if sharding == "per-parameter":

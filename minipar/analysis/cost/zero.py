@@ -35,6 +35,10 @@ during the step: the stage's gathered parameters and its whole accumulated gradi
 i.e. ZeRO-1's 4Ψ + 4Ψ + KΨ/N plus the 4Ψ/N of parameter shards kept beside their gathered
 copies; resharding holds at most two gathered units (prefetch) and one unit's gradients.
 
+HSDP (:func:`hsdp_comm_bytes`): stage 3 within blocks of S = dp_shard ranks, replicated over
+R = dp_replicate blocks: memory that of stage 3 with N = S, bytes 3(S-1)/S·Ψ in the block and
+2(R-1)/R·Ψ/S across blocks.
+
 Persistent parameters (stage 3; DeepSpeed's ``stage3_param_persistence_threshold``):
 ``persistent=Ψ_p`` elements kept whole on every rank, outside ``num_params``, cost
 (2 + 2 + K)Ψ_p per rank (replicated, no 1/N) and one all-reduce of their gradients,
@@ -132,3 +136,13 @@ def zero3_pipeline_peak_bytes(units: Sequence, dp: int, reshard_after_forward: b
     out = {"shards": shards, "gathered": dtype_bytes * gathered, "grads": dtype_bytes * grads}
     out["total"] = sum(out.values())
     return out
+
+
+def hsdp_comm_bytes(num_params, dp_shard: int, dp_replicate: int, dtype_bytes: int = 4,
+                    padded: bool = True) -> dict[str, float]:
+    """Bytes each rank sends per step under HSDP (Zhao et al. 2023, §3.2.3): stage 3 within the
+    ``dp_shard`` block, 3(S-1)/S·Ψ, then one all-reduce of its Ψ/S gradient shard across the
+    ``dp_replicate`` blocks, 2(R-1)/R·Ψ/S: ``{"dp_shard", "dp_replicate"}``."""
+    full, shard = _sizes(num_params, dp_shard, 3, padded)
+    return {"dp_shard": zero_comm_bytes(num_params, dp_shard, 3, dtype_bytes, padded),
+            "dp_replicate": collective_bytes("all_reduce", shard * dtype_bytes, dp_replicate)}

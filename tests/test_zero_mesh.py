@@ -1,4 +1,5 @@
-"""ZeRO-2 and ZeRO-3 composed with pipeline and context parallelism on the mesh, against one process.
+"""ZeRO-2 and ZeRO-3 composed with pipeline and context parallelism on the mesh, and HSDP, against
+one process.
 
 Under a pipeline each step runs m micro-batches through a rank's stage. ZeRO-2 reduce-scatters
 each micro-batch's gradients into the sharded gradient; ZeRO-3 follows ``reshard_after_forward``:
@@ -6,7 +7,8 @@ each micro-batch's gradients into the sharded gradient; ZeRO-3 follows ``reshard
 and reduce-scatters the accumulated gradients once, ``"always"`` reshards after every use. Both
 train as one process; the bytes and the memory per rank are those of
 :func:`minipar.analysis.cost.zero3_pipeline_comm_bytes` and ``zero3_pipeline_peak_bytes``.
-SGD with momentum (K = 4 bytes of state per parameter), rtol 1e-4, atol 1e-5 (AdamW magnifies
+HSDP (``dp_shard``) shards within blocks and all-reduces the shards across them
+(:func:`minipar.analysis.cost.hsdp_comm_bytes`). SGD with momentum (K = 4 bytes of state per parameter), rtol 1e-4, atol 1e-5 (AdamW magnifies
 last-bit differences of reordered sums past atol 5e-5 on one element of the deeper model)."""
 from collections import Counter
 from functools import partial
@@ -89,3 +91,27 @@ def test_zero3_with_cp_tp_and_pp():
         assert_same_training(got, want, rtol=RTOL, atol=ATOL)
         sent = got.measured[0]["bytes_by_dim"]
         assert sent["dp_cp" if options.get("cp") else "dp"] > 0, (options, sent)
+
+
+def test_hsdp_2x2_zero3():
+    """HSDP, dp4 = 2 replicas × 2 shards, ZeRO-3 (4 ranks, flat and per-parameter): trains as one
+    process; each rank holds stage 3's bytes for N = 2, not 4, and sends the formula's bytes:
+    3(S-1)/S·Ψ̂ within its block, one all-reduce of its Ψ̂/S shard across blocks (fewer in all than
+    ZeRO-3 over 4 ranks, of which only the replicas' all-reduce crosses the blocks)."""
+    want = train_reference(GPT(DENSE, seed=0), DATA, MOMENTUM)
+    plain = _run(DENSE, 4, dp=4, zero=3).measured[0]
+    for sharding in ("flat", "per-parameter"):
+        got = _run(DENSE, 4, dp=4, zero=3, dp_shard=2, sharding=sharding)
+        assert_same_training(got, want, rtol=RTOL, atol=ATOL)
+        m = got.measured[0]
+        units = plain["unit_sizes"]
+        assert m["memory"]["total"] == cost.zero_bytes_per_rank(units, 2, 3, k=K, dtype_bytes=4)["total"]
+        assert m["memory"]["total"] > plain["memory"]["total"]
+        if sharding == "flat":
+            want_bytes = cost.hsdp_comm_bytes(units, 2, 2)
+            assert {d: m["bytes_by_dim"][d] for d in want_bytes} == pytest.approx(want_bytes)
+            assert sum(want_bytes.values()) < plain["bytes_by_dim"]["dp"]
+    with pytest.raises(ValueError, match="divisor of dp=4"):
+        hybrid.check(DENSE, None, 4, dp=4, zero=3, dp_shard=3)
+    with pytest.raises(ValueError, match="needs zero=3"):
+        hybrid.check(DENSE, None, 4, dp=4, zero=1, dp_shard=2)

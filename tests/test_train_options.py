@@ -16,7 +16,7 @@ from minipar.hybrid import experts
 from minipar.models.gpt import GPT
 from minipar.reference import adamw
 
-POSITIVE_INT = ["--dp", "--pp", "--tp", "--cp", "--ep", "--virtual-stages", "--microbatches", "--n-layer",
+POSITIVE_INT = ["--dp-shard", "--dp-replicate", "--dp", "--pp", "--tp", "--cp", "--ep", "--virtual-stages", "--microbatches", "--n-layer",
                 "--n-head", "--n-embd", "--block-size", "--top-k", "--moe-every", "--batch-size", "--steps", "--keep"]
 NATURAL_INT = ["--n-experts", "--seed", "--data-seed", "--save-every"]
 POSITIVE_REAL = ["--lr", "--timeout", "--capacity-factor"]
@@ -43,6 +43,9 @@ INCONSISTENT = [  # (argv, the option the message must name)
     (MOE + ["--dp", "2", "--ep", "2", "--recompute", "full"], "--recompute"),
     (["--sharding", "per-parameter"], "--sharding"),
     (["--reshard-after-forward", "never", "--zero", "1", "--dp", "2"], "--reshard-after-forward"),
+    (["--dp", "2", "--dp-shard", "2", "--dp-replicate", "2", "--zero", "3"], "--dp"),
+    (["--dp-shard", "2", "--dp-replicate", "2", "--zero", "1"], "--dp-shard"),
+    (MOE + ["--dp-shard", "2", "--dp-replicate", "2", "--ep", "2", "--zero", "3"], "--dp-shard"),
     (["--zero", "3", "--dp", "2", "--nonfinite", "skip"], "--nonfinite"),
     (["--zero1", "--zero", "2"], "--zero1"),
     (["--virtual-stages", "2"], "--virtual-stages"),
@@ -141,3 +144,24 @@ def test_moe_5d_run_resumes_on_another_layout_like_one_process(tmp_path):
     assert set(got) == set(want["params"])
     for k, v in want["params"].items():
         torch.testing.assert_close(got[k], v, rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_zero3_layouts_through_the_command_train_like_one_process(tmp_path):
+    """``python -m minipar.train`` (3 steps, fp32): dp2·pp2 ZeRO-3 (kept gathered over m=2 micro-batches),
+    dp2·cp2·pp2 ZeRO-3 flat, HSDP 2×2 ZeRO-3 per-parameter: the losses it writes equal one
+    process's (rtol 1e-4, atol 5e-5: AdamW, as tests/test_train.py)."""
+    from minipar.reference import train_reference
+    common = ["--batch-size", "8", "--steps", "3", "--no-progress", "--n-layer", "2", "--n-embd", "16",
+              "--block-size", "16", "--zero", "3"]
+    layouts = [["--dp", "2", "--pp", "2", "--microbatches", "2"],
+               ["--dp", "2", "--cp", "2", "--pp", "2", "--microbatches", "2"],
+               ["--dp-shard", "2", "--dp-replicate", "2", "--sharding", "per-parameter"]]
+    args = train.parse(common)
+    data = batches(corpus_tokens()[0], 3, args.batch_size, args.block_size, seed=args.data_seed)
+    want = train_reference(GPT(train.gpt_config(args), seed=args.seed), data, adamw(args.lr, args.weight_decay))
+    for i, layout in enumerate(layouts):
+        out = tmp_path / f"{i}.json"
+        assert train.main(common + layout + ["--out", str(out)]) == 0
+        got = json.loads(out.read_text())
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
+                                   rtol=1e-4, atol=5e-5, msg=lambda m, layout=layout: f"{layout}: {m}")

@@ -77,6 +77,10 @@ def parser() -> argparse.ArgumentParser:
                       ("ep", "expert")):
         mesh.add_argument(f"--{dim}", type=POSITIVE, default=1,
                           help=f"{what}-parallel size" + (" (carved out of dp·cp)" if dim == "ep" else ""))
+    mesh.add_argument("--dp-shard", type=POSITIVE, default=None,
+                      help="HSDP: ZeRO-3 within blocks of this many data-parallel ranks (dp = R·S)")
+    mesh.add_argument("--dp-replicate", type=POSITIVE, default=None,
+                      help="HSDP: the blocks' replicas, their gradient shards all-reduced (dp = R·S)")
     mesh.add_argument("--cp-variant", choices=VARIANTS, default="ring", help="context-parallel attention")
     mesh.add_argument("--cp-layout", choices=LAYOUTS, default="zigzag", help="how sequences are cut over cp")
     mesh.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
@@ -136,6 +140,12 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"argument --zero1: means --zero 1, but --zero {args.zero} was given too")
     args.zero = 1 if args.zero1 else (args.zero or 0)
     args.zero1 = args.zero == 1
+    if args.dp_shard is not None or args.dp_replicate is not None:   # HSDP: dp = R·S
+        shard, replicas = args.dp_shard or 1, args.dp_replicate or 1
+        if args.dp != 1 and args.dp != shard * replicas:
+            p.error(f"argument --dp: --dp {args.dp} but --dp-replicate {replicas} × --dp-shard {shard} "
+                    f"= {shard * replicas}; give one or the other")
+        args.dp, args.dp_shard, args.dp_replicate = shard * replicas, shard, replicas
     return args
 
 

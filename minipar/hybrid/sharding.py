@@ -34,6 +34,7 @@ ep group routed to it, so the mean over expert-dp is × 1/ep to make it the sum 
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from ..data_parallel import Reducer
@@ -60,8 +61,20 @@ class ShardedStates:
     or its wrapper), their parameters' names given back as the single-device GPT's (``names``),
     ``expert_shards`` the experts' shards (what :func:`scale_expert_shards` scales)."""
 
-    def __init__(self, parts, names: dict[str, str], expert_shards=()):
+    def __init__(self, parts, names: dict[str, str], expert_shards=(), where=None, modules=None):
         self.parts, self.names, self.expert_shards = list(parts), names, list(expert_shards)
+        self.where, self.modules = where or {}, modules or {}   # id(parameter), id(module) -> GPT name
+
+    def shard_spans(self) -> list[tuple[str, torch.Tensor, int, int, int]]:
+        """``(single-device name, shard, a, b, s)``: elements [a, b) of the (tp-local) parameter's
+        flattening are elements [s, s + b - a) of ``shard``, over every part (checkpoints)."""
+        out = []
+        for part in self.parts:
+            for key, shard, a, b, s in part.shard_spans():
+                name = (self.where[id(key)] if not isinstance(key, tuple)
+                        else f"{self.modules[id(key[0])]}.{key[1]}".lstrip("."))
+                out.append((name, shard, a, b, s))
+        return out
 
     def start_forward(self) -> None:
         for p in self.parts:
@@ -146,7 +159,8 @@ def build_optimizer(hm, make, zero: int, sharding: str = "flat", bucket_cap_mb: 
             mine = list(parts[-1].parameters())
         params += mine
         expert_shards += mine if j == 1 else []
-    state = ShardedStates(parts, names, expert_shards)
+    state = ShardedStates(parts, names, expert_shards, where,
+                          {id(m): n for n, m in hm.model.named_modules()})
     # the pipeline calls the layers one by one, never the model: start each forward's unit order
     layers[0].register_forward_pre_hook(lambda m, a: state.start_forward(), prepend=True)
     return make(params), None, state

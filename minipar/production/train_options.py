@@ -185,9 +185,6 @@ def check_options(args) -> None:
     if args.reshard_after_forward != "auto" and args.zero != 3:
         raise ValueError(f"--reshard-after-forward {args.reshard_after_forward} is ZeRO-3's policy: "
                          f"it needs --zero 3 (got --zero {args.zero})")
-    if args.zero == 3 and args.checkpoint_dir is not None:
-        raise ValueError("--zero 3 with --checkpoint-dir: ZeRO-3's sharded parameters are not checkpointed; "
-                         "use --zero 1 or 2 to save and resume")
     if args.zero == 3 and args.nonfinite == "skip":
         raise ValueError("--nonfinite skip with --zero 3: the undo snapshot needs whole parameters; "
                          "use --zero 1 or 2")

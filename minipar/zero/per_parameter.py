@@ -135,6 +135,18 @@ class PerParameterStorage:
                 where[id(q.shard)] = out.view(self.n * q.c, *q.shape[1:])[:q.shape[0]].clone()
         return where
 
+    def shard_spans(self) -> list[tuple]:
+        """``((module, attribute), shard, a, b, 0)``: elements [a, b) of the flattened parameter
+        registered there are this rank's rows of it, its ``shard`` (padding rows left out)."""
+        out = []
+        for u in self.units:
+            for q in u.ps:
+                row = q.numel // q.c if q.c else 0
+                lo, hi = self.r * q.c, min((self.r + 1) * q.c, q.shape[0])
+                if lo < hi:
+                    out.append((q.owners[0], q.shard, lo * row, hi * row, 0))
+        return out
+
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """Shards and gathered buffers; the shards' and the unsharded parameters' gradients."""
         qs = [q for u in self.units for q in u.ps]

@@ -259,6 +259,11 @@ class Schedule:
     def unit_sizes(self) -> list[int]:
         return self.storage.unit_sizes()
 
+    def shard_spans(self) -> list[tuple]:
+        """The storage's ``(parameter or (module, attribute), shard, a, b, s)``: which elements of
+        which parameter each shard holds (checkpoints)."""
+        return self.storage.shard_spans()
+
     def persistent_numel(self) -> int:
         """Ψ_p: the elements kept whole on every rank."""
         return sum(p.numel() for p in self.persistent)
@@ -319,6 +324,9 @@ class FullyShardedDataParallel(nn.Module):
     def unit_sizes(self) -> list[int]:
         """Ψ_u of every unit (unpadded)."""
         return self.schedule.unit_sizes()
+
+    def shard_spans(self) -> list[tuple]:
+        return self.schedule.shard_spans()
 
     def persistent_numel(self) -> int:
         return self.schedule.persistent_numel()

@@ -145,20 +145,29 @@ def test_moe_5d_run_resumes_on_another_layout_like_one_process(tmp_path):
         torch.testing.assert_close(got[k], v, rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def test_zero3_layouts_through_the_command_train_like_one_process(tmp_path):
-    """``python -m minipar.train`` (3 steps, fp32): dp2·pp2 ZeRO-3 (kept gathered over m=2 micro-batches),
-    dp2·cp2·pp2 ZeRO-3 flat, HSDP 2×2 ZeRO-3 per-parameter: the losses it writes equal one
-    process's (rtol 1e-4, atol 5e-5: AdamW, as tests/test_train.py)."""
+def test_zero2_and_zero3_layouts_through_the_command_train_like_one_process(tmp_path):
+    """``python -m minipar.train`` (3 steps, fp32): dp2·pp2 ZeRO-3 (kept gathered over m=2 micro-batches)
+    and ZeRO-2, dp2·tp2·pp2 ZeRO-3, dp2·cp2 ZeRO-3 per-parameter, dp2·cp2·pp2 ZeRO-3 flat, HSDP 2×2
+    ZeRO-3 per-parameter, and dp2·ep2 MoE ZeRO-3: the losses it writes equal one process's
+    (rtol 1e-4, atol 5e-5: AdamW, as tests/test_train.py; the MoE's reference accumulates the
+    same micro-batches, :func:`minipar.hybrid.experts.train_reference`)."""
     from minipar.reference import train_reference
     common = ["--batch-size", "8", "--steps", "3", "--no-progress", "--n-layer", "2", "--n-embd", "16",
               "--block-size", "16", "--zero", "3"]
     layouts = [["--dp", "2", "--pp", "2", "--microbatches", "2"],
+               ["--dp", "2", "--pp", "2", "--microbatches", "2", "--zero", "2"],
+               ["--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2"],
+               ["--dp", "2", "--cp", "2", "--sharding", "per-parameter"],
                ["--dp", "2", "--cp", "2", "--pp", "2", "--microbatches", "2"],
                ["--dp-shard", "2", "--dp-replicate", "2", "--sharding", "per-parameter"]]
     args = train.parse(common)
     data = batches(corpus_tokens()[0], 3, args.batch_size, args.block_size, seed=args.data_seed)
     want = train_reference(GPT(train.gpt_config(args), seed=args.seed), data, adamw(args.lr, args.weight_decay))
-    for i, layout in enumerate(layouts):
+    moe = train.parse(common + MOE)
+    want_moe = experts.train_reference(GPT(train.gpt_config(moe), seed=args.seed), data,
+                                       adamw(args.lr, args.weight_decay), dp=2, microbatches=1)
+    for i, layout in enumerate(layouts + [MOE + ["--dp", "2", "--ep", "2"]]):
+        want = want_moe if layout[:2] == MOE else want
         out = tmp_path / f"{i}.json"
         assert train.main(common + layout + ["--out", str(out)]) == 0
         got = json.loads(out.read_text())

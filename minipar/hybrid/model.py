@@ -51,7 +51,9 @@ class HybridModel:
     SGD) is the torch optimizer or the ZeRO-1 wrapper; ``full_state_dict()`` /
     ``load_full_state_dict(sd)`` move the single-device GPT's weights in and out (collectives: call
     them on every rank). ``params`` maps this rank's single-device names to its parameters; ``coords``
-    is its ``{"pp", "dp", "tp"}``. ``zero1`` with ``dp == 1`` is plain training (nothing to shard over)."""
+    is its ``{"pp", "dp", "tp"}``. ``zero1`` with ``dp == 1`` is plain training (nothing to shard over).
+    ``zero=2|3`` compose with every dimension (:mod:`.sharding`): ``reshard_after_forward`` is stage 3's
+    policy under a pipeline, ``dp_shard`` < dp makes it HSDP (:mod:`.hsdp`)."""
 
     def __init__(self, model: GPT, mesh: ProcessMesh, *, optimizer=None, zero1: bool = False,
                  zero: int | None = None, sharding: str = "flat",

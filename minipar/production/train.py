@@ -89,7 +89,7 @@ def check_resume(args, config) -> dict | None:
 
 LAYOUT_OPTIONS = ("dp", "cp", "pp", "tp", "ep", "batch_size", "microbatches", "schedule", "virtual_stages",
                   "block_size", "n_layer", "n_head", "n_embd", "n_experts", "capacity_factor", "cp_variant",
-                  "cp_layout", "recompute", "zero", "sharding", "dtype")  # named in the layout's errors
+                  "cp_layout", "recompute", "zero", "sharding", "reshard_after_forward", "dp_shard", "dtype")  # named in the layout's errors
 
 
 def check(args, world_size: int | None) -> None:
@@ -107,6 +107,7 @@ def check(args, world_size: int | None) -> None:
                    args.schedule, args.virtual_stages, batch_size=args.batch_size, cp=args.cp,
                    layout=args.cp_layout, variant=args.cp_variant, ep=args.ep, zero=args.zero,
                    recompute=args.recompute, seq_len=args.block_size, sharding=args.sharding,
+                   reshard_after_forward=args.reshard_after_forward, dp_shard=getattr(args, "dp_shard", None),
                    dtype=args.dtype)
     except ValueError as e:   # name the options: the layout's rule speaks of dp=, tp=, ...
         raise ValueError(f"{flags}: {e}") from None
@@ -152,7 +153,9 @@ def _train(args, signals) -> dict:
     with torch.device("cpu"):  # seeded on the CPU, identically on every rank; build() places it
         gpt = GPT(config, seed=args.seed)
     zero = args.zero if args.zero is not None else int(args.zero1)   # parser() alone leaves --zero1 unfolded
-    model = hybrid.build(gpt, mesh, zero=zero, sharding=args.sharding, schedule=args.schedule,
+    model = hybrid.build(gpt, mesh, zero=zero, sharding=args.sharding,
+                         reshard_after_forward=args.reshard_after_forward,
+                         dp_shard=getattr(args, "dp_shard", None), schedule=args.schedule,
                          microbatches=args.microbatches, virtual_stages=args.virtual_stages,
                          dtype=args.dtype, recompute=args.recompute, layout=args.cp_layout,
                          variant=args.cp_variant, optimizer=reference.adamw(args.lr, args.weight_decay))

@@ -190,6 +190,11 @@ class FlatStorage:
             where.update({id(p): v.clone() for p, v in zip(u.params, u.flat.views(full))})
         return where
 
+    def shard_spans(self) -> list[tuple]:
+        """``(parameter, shard, a, b, s)``: elements [a, b) of the flattened parameter are elements
+        [s, s + b - a) of this rank's ``shard`` (what a checkpoint saves and loads in place)."""
+        return [(p, u.shard, a, b, s) for u in self.units for p, a, b, s in u.flat.shard_spans()]
+
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """Shards and gathered buffers; the shards' and the parameters' gradients."""
         return {"params": [u.shard for u in self.units] + [u.full for u in self.units],

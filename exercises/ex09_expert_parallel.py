@@ -1,26 +1,47 @@
-"""Exercise 09: the token dispatch of expert parallelism.
+"""Exercise 09: dispatch and combine, the two all-to-alls of expert parallelism.
 
-Under expert parallelism rank j of ep ranks holds the j-th block of E/ep experts of every
-MoE layer, and each rank's (token, expert) assignments travel to the experts' ranks in one
-``all_to_all_single`` (and back in a second). Three small functions decide what goes where:
+Under expert parallelism rank j of an ep group holds the j-th block of E/ep experts of an MoE
+layer. Every rank routes its own tokens; each (token, expert) assignment travels to the rank
+holding its expert, is computed there and comes back. You write the whole exchange:
 
-A. ``count_tokens(expert_of, n_experts)``: in, a flat int64 tensor of expert indices (one per
-   assignment); out, an int64 tensor of length ``n_experts`` on the same device, the number
-   of assignments to each expert (experts nobody chose count 0).
-B. ``split_sizes(counts, rank, ep)``: in, the (ep × E) matrix whose row r counts what rank r
-   routes to each expert; out, ``(send, recv)``, two lists of ep Python ints: the rows this
-   rank sends to each rank, and the rows it receives from each rank (the split sizes
-   ``all_to_all_single`` takes). Invariant: rank a's ``send[b]`` equals rank b's ``recv[a]``.
-C. ``permutation(keys)``: ``(perm, inverse)``, with ``keys[perm]`` sorted and rows of equal
-   keys kept in their original order (a stable sort: a token's position decides which tokens
-   an expert over capacity keeps, and the expert must see its rows in the single device's
-   order), and ``inverse`` undoing it, ``x[perm][inverse] == x``.
+A. The counts the ranks agree on. ``count_tokens(expert_of, n_experts)``: the assignments per
+   expert, an int64 tensor of length ``n_experts`` on the input's device, where experts nobody
+   chose count 0. ``exchange_counts(counts, group)``: every rank of the group holds the same
+   (ep × E) matrix, row r the counts of group rank r. ``kept_counts(counts, cap)``: that
+   matrix after a capacity of ``cap`` assignments per expert (``None``: no limit), by
+   position: expert i keeps the first cap of its assignments in rank order (all of rank 0's,
+   then rank 1's, ...).
+B. Where the rows go. ``split_sizes(counts, rank, ep)``: ``(send, recv)``, two lists of ep
+   Python ints, the rows this rank sends to and receives from each rank, where rank a's
+   ``send[b]`` equals rank b's ``recv[a]``. ``permutation(keys)``: ``(perm, inverse)``, with
+   ``keys[perm]`` sorted, rows of equal keys kept in their original order, and
+   ``x[perm][inverse] == x``.
+C. The exchange. ``exchange(x, recv, send, group)`` and the autograd function ``AllToAll``
+   behind ``all_to_all``: ``x`` holds ``sum(send)`` rows, the first ``send[0]`` for group rank 0
+   and so on; the result holds ``sum(recv)`` rows where the rows arrive in rank order (group rank
+   0's first), a rank may send or receive no rows, each dtype kept (float64 and bfloat16 in,
+   the same dtype out); in backward each arrived row's gradient goes back where the row came
+   from.
+D. The layer. ``ExpertParallelMoE.__init__``: rank j of the group holds experts j·E/ep ..
+   (j+1)·E/ep - 1 of ``moe`` (``self.local``, ``self.experts`` keyed by their own indices) and
+   its router; E that ep does not divide is a ``ValueError``. ``ExpertParallelMoE.forward``,
+   from the routed assignments to the output ``y`` and the auxiliary losses: count and exchange,
+   keep within capacity (``keep``, per assignment, in token order), send the kept rows to their
+   experts' ranks, run every local expert on its rows in the single device's order, bring the
+   results home, combine them with the router's weights, and set the losses with
+   ``self.aux_losses`` (the code after your part reads ``counts``, ``M``, ``cap``, ``kept``,
+   ``keep``, ``totals``, ``aux``, ``z`` and ``y``). Invariant: outputs and dropped assignments
+   equal the MoE layer on one device, on all ranks' tokens concatenated; every gradient equals
+   the single device's (the input's, each expert's, the router's summed over the ranks); the
+   load-balancing loss, averaged over the ranks, is one device's, and with a ``token_group``
+   its f_i count that group's tokens; a second step (other tokens) is as exact as the first;
+   on a non-world group (two ep groups of 2 out of 4 ranks) each group is its own layer.
 
 Derived in notebook 09, "The layer" and "The two all-to-alls" (GShard, Lepikhin et al. 2020,
-§2; DeepSpeed-MoE, Rajbhandari et al. 2022). The last test runs the library's
-``ExpertParallelMoE`` on 2 ranks with your code in place and compares it with the MoE layer
-on one device. Stuck? ``minipar.hint("ex09", "A")`` (or "B", "C"). Grade it with
-``python -m minipar.grade ex09``.
+§2-3; DeepSpeed-MoE, Rajbhandari et al. 2022). The last tests run the library's
+``ExpertParallelMoE`` with your code in place, in float64, and compare it with the MoE layer on
+one device. Stuck? ``minipar.hint("ex09", "A")`` (or "B", "C", "D") gives a nudge, then the
+idea, then the pseudo-code. Grade it with ``python -m minipar.grade ex09``.
 """
 # Generated by `python -m minipar.course.exercise --write` from minipar's marked code.
 # Replace each `raise NotImplementedError` with your code; `with minipar.exercise("ex09"):`
@@ -39,6 +60,31 @@ def count_tokens(expert_of: torch.Tensor, n_experts: int) -> torch.Tensor:
     raise NotImplementedError("Exercise 09 A: count_tokens")
 
 
+def kept_counts(counts: torch.Tensor, cap: int | None) -> torch.Tensor:
+    """The (ep × E) count matrix after capacity ``cap``, by position: expert i keeps the first ``cap`` of
+    its assignments in rank order, so rank r keeps ``min(cum_r, cap) - min(cum_{r-1}, cap)`` (cum_r:
+    the counts of ranks 0..r)."""
+    raise NotImplementedError("Exercise 09 A: kept_counts")
+
+
+# ------------------------------------------------------------------------------------------------
+# from minipar/expert_parallel/layer.py: these run as module minipar.expert_parallel.layer's own
+# ------------------------------------------------------------------------------------------------
+import torch
+from minipar import comm
+
+
+def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
+    """The (ep × E) matrix of every rank's counts (a recorded all-gather, ``ep_counts``)."""
+    raise NotImplementedError("Exercise 09 A: exchange_counts")
+
+
+# ------------------------------------------------------------------------------------------------
+# from minipar/expert_parallel/dispatch.py: these run as module minipar.expert_parallel.dispatch's own
+# ------------------------------------------------------------------------------------------------
+import torch
+
+
 def split_sizes(counts: torch.Tensor, rank: int, ep: int) -> tuple[list[int], list[int]]:
     """``(send, recv)`` row counts per rank (Python ints) for ``all_to_all_single``, from the (ep × E)
     matrix ``counts`` (row r: what rank r routes to each expert); rank j holds the j-th E/ep experts."""
@@ -48,7 +94,74 @@ def split_sizes(counts: torch.Tensor, rank: int, ep: int) -> tuple[list[int], li
 def permutation(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(perm, inverse)``: ``keys[perm]`` is sorted and rows with equal keys keep their
     order (a stable sort); ``inverse[perm[i]] = i``, so ``x[perm][inverse] == x``."""
-    raise NotImplementedError("Exercise 09 C: permutation")
+    raise NotImplementedError("Exercise 09 B: permutation")
+
+
+# ------------------------------------------------------------------------------------------------
+# from minipar/expert_parallel/all_to_all.py: these run as module minipar.expert_parallel.all_to_all's own
+# ------------------------------------------------------------------------------------------------
+import torch
+from minipar import comm
+
+
+def exchange(x: torch.Tensor, recv: list[int], send: list[int], group=None, name: str = "all_to_all",
+             **labels) -> torch.Tensor:
+    """One recorded ``all_to_all_single``: ``x`` has ``sum(send)`` rows, the result ``sum(recv)``."""
+    raise NotImplementedError("Exercise 09 C: exchange")
+
+
+class AllToAll(torch.autograd.Function):
+    """Only the marked methods of ``minipar.expert_parallel.all_to_all.AllToAll``; the rest of the
+    class is the library's."""
+
+    @staticmethod
+    def forward(ctx, x, recv, send, group, name, labels):
+        raise NotImplementedError("Exercise 09 C: AllToAll.forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("Exercise 09 C: AllToAll.backward")
+
+
+# ------------------------------------------------------------------------------------------------
+# from minipar/expert_parallel/layer.py: these run as module minipar.expert_parallel.layer's own
+# ------------------------------------------------------------------------------------------------
+import torch
+import torch.nn as nn
+from minipar import comm
+from minipar.expert_parallel.all_to_all import all_to_all
+from minipar.models.moe import MoE, capacity, keep_within_capacity, route
+from minipar.runtime import trace
+
+
+class ExpertParallelMoE(MoE):
+    """Only the marked methods of ``minipar.expert_parallel.layer.ExpertParallelMoE``; the rest of
+    the class is the library's."""
+
+    def __init__(self, moe: MoE, group=None, token_group=None):
+        nn.Module.__init__(self)
+        self.n_experts, self.top_k, self.capacity_factor = moe.n_experts, moe.top_k, moe.capacity_factor
+        self.aux_coef, self.z_coef = moe.aux_coef, moe.z_coef
+        self.group, self.token_group = group, token_group
+        raise NotImplementedError("Exercise 09 D: ExpertParallelMoE.__init__")
+        self.loss, self.stats = None, {}
+        self.aux_scale, self.aux_total, self.routed = moe.aux_scale, 0.0, None
+
+    def forward(self, x):
+        shape, E, k = x.shape, self.n_experts, self.top_k
+        x = x.reshape(-1, shape[-1])
+        N, h = x.shape
+        logits = self.router(x)
+        probs, weights, experts = route(logits, k)
+        expert_of = experts.reshape(-1)
+        token_of = torch.arange(N, device=x.device).repeat_interleave(k)
+
+        raise NotImplementedError("Exercise 09 D: ExpertParallelMoE.forward")
+        # for plots and tests, left on the device: a copy to the host here would wait for the GPU
+        # at every forward; whoever reads them (.tolist(), .cpu()) pays that once
+        self.stats = {"counts": totals.detach(), "matrix": M, "kept": kept, "dropped": ~keep,
+                      "experts": experts.detach(), "capacity": cap, "aux": aux.detach(), "z": z.detach()}
+        return self.with_aux_loss(y.reshape(shape))
 
 
 if __name__ == "__main__":  # python exercises/ex09_expert_parallel.py grades this file

@@ -1,26 +1,34 @@
-"""Exercise 05: tensor parallelism's operators, layers and loss.
+"""Exercise 05: tensor parallelism: the conjugate operators, the column- and row-parallel
+layers and the vocabulary-parallel cross-entropy, forward and backward.
 
-``group`` is the tensor-parallel process group of t ranks (``None``: all ranks); group-local
-ranks come from ``size_and_rank(group)``. Megatron-LM (Shoeybi et al. 2019, §3, eqs. 1-3),
-derived in notebook 05:
+``group`` is the tensor-parallel process group of t ranks (``None``: all ranks); ranks count
+within it (``size_and_rank(group)``), so on a non-world group (two groups of 2 out of 4 ranks)
+every group computes its own layer. Megatron-LM (Shoeybi et al. 2019, §3, eqs. 1-3), derived
+in notebook 05.
 
-A. **f and g**, the conjugate operators (``_F``, ``_G`` and their helper ``_sum(x, group,
-   name)``), as ``torch.autograd.Function`` s: f is what a column-parallel layer needs at its
-   input, g what a row-parallel layer needs at its output, each the other's transpose (notebook
-   05, "Two ways to split Y = XA"). Neither modifies a tensor autograd gave it; ``backward``
-   returns one gradient per input of ``forward``.
-B. **column_parallel_linear** and **row_parallel_linear**: with this rank's shard of the weight
-   (column: rows (out/t, in) and bias (out/t); row: columns (out, in/t) and the full bias),
-   return this rank's output features (or all of them with ``gather_output=True``) and,
-   for the row layer, the full output; gradients flow to the input correctly, and a column
-   layer followed by a row layer communicates once in forward and once in backward (notebook
-   05, "Column then row: one all-reduce per MLP").
-C. **the vocabulary-parallel cross-entropy** (``_VocabParallelCrossEntropy.forward`` and
+A. The operators: ``_sum``, ``_F`` and ``_G`` (``torch.autograd.Function`` s behind ``f`` and
+   ``g``), ``gather_along`` and ``_split`` (behind ``gather`` and ``split``). f is the identity
+   forward and sums the ranks' gradients backward; g sums the ranks' inputs forward and passes
+   the gradient unchanged; each is one all-reduce of the tensor, and neither modifies a tensor
+   autograd gave it. ``gather_along(x, dim, group)`` concatenates every rank's ``x`` along
+   ``dim`` in rank order; ``_split(x, dim, group)`` keeps this rank's block along ``dim``, and
+   a size t does not divide is a ``ValueError``.
+B. The layers: ``column_parallel_linear`` (this rank's rows of the weight, (out/t, in), and of
+   the bias) returns this rank's output features (all of them with ``gather_output=True``) and
+   the whole input gradient; ``row_parallel_linear`` (this rank's columns, (out, in/t), and the
+   full bias) returns the full output, with the full bias added once; a column layer followed
+   by a row layer communicates once in forward and once in backward (notebook 05, "Column then
+   row: one all-reduce per MLP"). ``ColumnParallelLinear.from_linear`` and
+   ``RowParallelLinear.from_linear`` load into the module this rank's shard of a given
+   single-device ``nn.Linear`` (column: rows of the weight and of the bias; row: columns of the
+   weight, the bias whole), from a layer with ``bias=False`` too.
+C. The vocabulary-parallel cross-entropy (``_VocabParallelCrossEntropy.forward`` and
    ``.backward``): ``logits`` (..., V/t) are this rank's slice of the vocabulary (rank r has
-   tokens [r·V/t, (r+1)·V/t)). Return the mean cross-entropy equal to ``F.cross_entropy`` on the
-   full logits, finite even when logits reach hundreds, communicating a few numbers per
-   position rather than the logits; the backward, written by hand, needs no communication
-   (notebook 05, "The loss without the full logits"; Megatron-LM §3).
+   tokens [r·V/t, (r+1)·V/t)). The loss and the gradient equal ``F.cross_entropy`` on the full
+   logits, with targets on every rank's slice; finite even when logits reach hundreds; the
+   forward communicates a few numbers per position, never the logits, and the backward,
+   written by hand, communicates nothing; the loss is computed in fp32, from bf16 logits too
+   (the gradient in the logits' dtype) (notebook 05, "The loss without the full logits").
 
 Graded against the single-device computation (fp32, tolerance ``TOL``) and on the bytes sent.
 Grade it with ``python -m minipar.grade ex05``; stuck? ``minipar.hint("ex05", "A")`` (parts A, B, C).
@@ -36,6 +44,7 @@ from __future__ import annotations
 # ------------------------------------------------------------------------------------------------
 import torch
 from minipar import comm
+from minipar.tensor_parallel.ops import divide, size_and_rank
 
 
 def _sum(x: torch.Tensor, group=None, name: str = "all_reduce") -> torch.Tensor:
@@ -44,6 +53,26 @@ def _sum(x: torch.Tensor, group=None, name: str = "all_reduce") -> torch.Tensor:
     if comm.group_size(group) > 1:
         comm.all_reduce(out, group=group, name=name)
     return out
+
+
+def gather_along(x: torch.Tensor, dim: int, group=None, name: str = "all_gather") -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in rank order (one flat all-gather)."""
+    n = comm.group_size(group)
+    if n == 1:
+        return x
+    xt = x.movedim(dim, 0).contiguous()          # rank r's block becomes a flat run
+    out = torch.empty(n * xt.numel(), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, xt.reshape(-1), group=group, name=name)
+    return out.view(n * xt.shape[0], *xt.shape[1:]).movedim(0, dim).contiguous()
+
+
+def _split(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """This rank's block of ``x`` along ``dim`` (no communication)."""
+    n, r = size_and_rank(group)
+    if n == 1:
+        return x
+    divide(x.shape[dim], n, f"size along dim {dim}")
+    return x.chunk(n, dim)[r].contiguous()
 
 
 class _F(torch.autograd.Function):
@@ -77,8 +106,9 @@ class _G(torch.autograd.Function):
 # from minipar/tensor_parallel/layers.py: these run as module minipar.tensor_parallel.layers's own
 # ------------------------------------------------------------------------------------------------
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
-from minipar.tensor_parallel.ops import f, g, gather
+from minipar.tensor_parallel.ops import f, g, gather, size_and_rank
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -96,6 +126,35 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     weight (out, in/t), summed over the group; the full bias (out,) is added once."""
     y = g(F.linear(x, weight), group)
     return y if bias is None else y + bias
+
+
+class ColumnParallelLinear(nn.Module):
+    """Only the marked methods of ``minipar.tensor_parallel.layers.ColumnParallelLinear``; the rest
+    of the class is the library's."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
+        """This rank's shard of an existing single-device ``nn.Linear``."""
+        with torch.device(linear.weight.device):  # built where the layer lives
+            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+        t, r = size_and_rank(m.group)
+        m.load_state_dict({k: v.chunk(t, 0)[r] for k, v in linear.state_dict().items()})
+        return m
+
+
+class RowParallelLinear(nn.Module):
+    """Only the marked methods of ``minipar.tensor_parallel.layers.RowParallelLinear``; the rest of
+    the class is the library's."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":
+        """This rank's shard of an existing single-device ``nn.Linear``."""
+        with torch.device(linear.weight.device):  # built where the layer lives
+            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+        t, r = size_and_rank(m.group)
+        m.load_state_dict({k: v.chunk(t, 1)[r] if k == "weight" else v  # the bias whole
+                           for k, v in linear.state_dict().items()})
+        return m
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,28 +1,46 @@
-"""Exercise 06: ZeRO, the moves that remove redundancy (Rajbhandari et al. 2020).
+"""Exercise 06: ZeRO: a sharded optimizer step, and stage 3's gather, compute, free
+(Rajbhandari et al. 2020).
 
 Every stage shares one layout: a unit's (a layer's) parameters are one flat vector,
-zero-padded to N·k elements for N data-parallel ranks, and rank r owns the r-th of N equal
-slices. Data moves only through ``minipar.comm.reduce_scatter`` and
+zero-padded to N·k elements for the N ranks of the data-parallel ``group`` (``None``: the
+world), and rank r of the group owns the r-th of N equal slices: on a non-world group, ranks
+count within it. Data moves only through ``minipar.comm.reduce_scatter`` and
 ``minipar.comm.all_gather`` (flat tensors; they record the bytes the grader counts).
 
-A. ``reduce_shard(flat_grad, group=None, **labels)``, P_g, the reduce path every stage
-   shares. In: this rank's full padded flat gradient of one unit. Out: this rank's slice,
-   holding the mean over the group's ranks of that slice, returned as a view of
-   ``flat_grad`` (reduced in place, no copy). Each rank sends (N-1)/N of the unit's bytes;
-   ``**labels`` reach the collective.
-B. ``sharded_step(flat_params, grad_shards, shards, optimizer, group=None)``, P_os, the step
-   of stages 1 and 2. In: per unit, the full flat parameters, this rank's reduced gradient
-   slice, and the leaf tensor (this rank's slice) the optimizer owns. Out: nothing returned;
-   afterwards every rank's ``flat_params`` hold the parameters of one full optimizer step on
-   the mean gradient, while the optimizer only ever saw (and kept state for) this rank's
-   slices. Dtypes may differ between the gradient, the shard and the flat parameters (mixed
-   precision): each tensor keeps its own.
-C. ``gather_unit(full, shard, group=None, async_op=False, **labels)`` and ``free_unit(full)``,
-   P_p, stage 3's gather-before-use and free-after-use. ``free_unit`` releases the memory of
-   ``full`` but keeps the tensor, its shape and every view into it (the model's parameters
-   are such views). ``gather_unit`` makes ``full`` hold every rank's ``shard`` in rank order
-   again, whether or not its memory was released; with ``async_op`` it returns the
-   collective's Handle (the library prefetches the next unit that way), else None.
+A. The reduce path, P_g: ``reduce_shard(flat_grad, group=None, **labels)`` and
+   ``reduce_unit_grads(flat_unit, dtype=None, **labels)``.
+   ``reduce_shard`` returns this rank's slice holding the mean over the group's ranks of that
+   slice, as a view of ``flat_grad`` (reduced in place, no copy); each rank sends (N-1)/N of
+   the unit's bytes; ``**labels`` reach the collective.
+   ``reduce_unit_grads`` reduces a ``FlatUnit``'s gradients that way: a parameter without a
+   gradient on this rank takes part as zeros; the result is in the dtype asked for (the
+   parameters' by default), a new tensor of k elements (the full flat gradient is not kept);
+   afterwards every parameter's ``.grad`` is None.
+B. The ZeRO-1 optimizer, P_os: ``sharded_step(flat_params, grad_shards, shards, optimizer,
+   group=None)`` and ``ZeroOptimizer``'s flat layout (in ``__init__``), ``step`` and ``_step``.
+   After ``sharded_step`` every rank's ``flat_params`` hold the parameters of one full
+   optimizer step on the mean gradient, while the optimizer only ever saw (and kept state for)
+   this rank's slices. Dtypes may differ between the gradient, the shard and the flat
+   parameters (mixed precision): each tensor keeps its own dtype.
+   ``ZeroOptimizer(units, optimizer_cls, group, param_dtype, max_grad_norm, **kwargs)``: the
+   model's parameters become views into the flat parameters, in ``param_dtype``; the
+   optimizer's shards are fp32 (this rank's slices of the flat parameters, or their own master
+   copies under ``param_dtype=torch.bfloat16``); ``step()`` equals the wrapped optimizer's
+   step on the mean gradient over the group, clipped by its global norm with
+   ``max_grad_norm``; after a bf16 step no fp32 gradient copy is left on the shards; a second
+   step after the first (another gradient) is as exact as the first.
+C. Stage 3's gather, compute, free, P_p: ``gather_unit(full, shard, group=None,
+   async_op=False, **labels)``, ``free_unit(full)``, ``ShardedFlatUnit.__init__`` and
+   ``FlatStorage.gather``, ``.free``, ``.reduce``.
+   ``free_unit`` releases the memory of ``full`` but keeps the tensor, its shape and every
+   view into it (the model's parameters are such views). ``gather_unit`` makes ``full`` hold
+   every rank's ``shard`` in rank order again, in ``full``'s dtype, whether or not its memory
+   was released; with ``async_op`` it returns the collective's Handle, else None.
+   A ``ShardedFlatUnit`` keeps a leaf fp32 shard (this rank's slice of the unit's flattened
+   parameters) and a ``full`` buffer of N·k elements in ``dtype`` that the parameters are
+   views of, its memory freed from the start. ``FlatStorage.gather(i)`` returns the Handle of
+   unit i's gather, ``free(i)`` releases it, and ``reduce(i)`` adds this rank's mean gradient
+   slice, in fp32, to the shard's ``.grad``: a second backward before the step accumulates.
 
 Derived in notebook 06, "Each stage removes one redundancy", "What it costs in
 communication" and "Stage 3 in time" (the paper's §5.1-5.3 and Figure 1). The last tests
@@ -53,10 +71,23 @@ def reduce_shard(flat_grad: torch.Tensor, group=None, **labels) -> torch.Tensor:
     return mine
 
 
+def reduce_unit_grads(flat_unit, dtype=None, **labels) -> torch.Tensor:
+    """Flatten ``flat_unit``'s gradients (zeros where a parameter has none on this rank), drop
+    the full ones, and return this rank's reduced k elements as a new tensor."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in flat_unit.params]
+    flat = flat_unit.flatten(grads, dtype=dtype)
+    for p in flat_unit.params:
+        p.grad = None
+    return reduce_shard(flat, flat_unit.group, **labels).clone()     # `flat` is freed
+
+
 # ------------------------------------------------------------------------------------------------
 # from minipar/zero/stage1.py: these run as module minipar.zero.stage1's own
 # ------------------------------------------------------------------------------------------------
+import torch
 from minipar.comm import all_gather
+from minipar.zero.clip import clip_grad_norm_
+from minipar.zero.flat import FlatUnit, split_units
 
 
 def sharded_step(flat_params, grad_shards, shards, optimizer, group=None) -> None:
@@ -74,11 +105,53 @@ def sharded_step(flat_params, grad_shards, shards, optimizer, group=None) -> Non
         all_gather(f, s.detach().to(f.dtype), group=group)      # in place for the fp32 view
 
 
+class ZeroOptimizer:
+    """Only the marked methods of ``minipar.zero.stage1.ZeroOptimizer``; the rest of the class is
+    the library's."""
+
+    def __init__(self, params, optimizer_cls, group=None, param_dtype=None, max_grad_norm=None, **kwargs):
+        self.group, self.max_grad_norm, self.grad_norm = group, max_grad_norm, None
+        units = split_units(params)
+        dtypes = {p.dtype for u in units for p in u}
+        if dtypes != {torch.float32}:
+            raise ValueError(f"{type(self).__name__} expects fp32 parameters (they become the "
+                             f"master weights), got {dtypes}")
+        self.units = [FlatUnit(ps, group) for ps in units]
+        self.param_dtype = param_dtype or torch.float32
+        self.mixed = self.param_dtype != torch.float32
+        self.flat_params, self.shards = [], []
+        for u in self.units:
+            master = u.flatten(u.params)                       # fp32, N·k
+            flat = master.to(self.param_dtype) if self.mixed else master
+            shard = u.shard_of(master).clone() if self.mixed else u.shard_of(flat)
+            u.use(flat)
+            self.flat_params.append(flat)
+            self.shards.append(torch.nn.Parameter(shard))      # shares memory with `shard`
+        self._setup_grads()
+        self.optim = optimizer_cls(self.shards, **kwargs)
+        self.param_groups, self.state = self.optim.param_groups, self.optim.state
+
+    def step(self) -> None:
+        self._point_grads()
+        self._step([reduce_shard(g, self.group) for g in self.flat_grads])
+
+    def _step(self, grad_shards) -> None:
+        """Clip (if asked) by the norm of the averaged gradient, then :func:`sharded_step`."""
+        if self.max_grad_norm is not None:
+            self.grad_norm = clip_grad_norm_(grad_shards, self.max_grad_norm, self.group)
+        sharded_step(self.flat_params, grad_shards, self.shards, self.optim, self.group)
+        if self.mixed:
+            for s in self.shards:
+                s.grad = None                                  # the fp32 copy was temporary
+
+
 # ------------------------------------------------------------------------------------------------
 # from minipar/zero/flat.py: these run as module minipar.zero.flat's own
 # ------------------------------------------------------------------------------------------------
 import torch
+import torch.nn as nn
 from minipar.comm import all_gather
+from minipar.zero.flat import FlatUnit
 
 
 def gather_unit(full: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False, **labels):
@@ -93,6 +166,37 @@ def free_unit(full: torch.Tensor) -> None:
     """Free-after-use: release ``full``'s memory but keep the tensor (and the parameter
     views into it) so the same buffer can be gathered into again."""
     full.untyped_storage().resize_(0)
+
+
+class ShardedFlatUnit:
+    """Only the marked methods of ``minipar.zero.flat.ShardedFlatUnit``; the rest of the class is
+    the library's."""
+
+    def __init__(self, module: nn.Module, params, group, dtype):
+        self.module, self.flat = module, FlatUnit(params, group)
+        self.params = self.flat.params                     # what the gradients arrive on
+        master = self.flat.flatten(self.params)
+        self.shard = nn.Parameter(self.flat.shard_of(master).clone())
+        self.full = torch.empty(self.flat.padded, dtype=dtype, device=master.device)
+        self.flat.use(self.full)
+        free_unit(self.full)
+
+
+class FlatStorage:
+    """Only the marked methods of ``minipar.zero.flat.FlatStorage``; the rest of the class is the
+    library's."""
+
+    def gather(self, i: int, **labels):
+        u = self.units[i]
+        return gather_unit(u.full, u.shard, self.group, async_op=True, **labels)
+
+    def free(self, i: int) -> None:
+        free_unit(self.units[i].full)
+
+    def reduce(self, i: int) -> None:
+        u = self.units[i]
+        g = reduce_unit_grads(u.flat, dtype=self.dtype, unit=i).to(torch.float32)
+        u.shard.grad = g if u.shard.grad is None else u.shard.grad.add_(g)
 
 
 if __name__ == "__main__":  # python solutions/ex06_zero.py grades this file

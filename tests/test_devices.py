@@ -73,11 +73,11 @@ def _cases():
     return out
 
 
-def _hybrid_step(gpt, dp, pp, tp, x, y):
+def _hybrid_step(gpt, dp, pp, tp, x, y, **options):
     from minipar import hybrid
     from minipar.mesh import ProcessMesh
     mesh = ProcessMesh(dp=dp, pp=pp, tp=tp).build()
-    model = hybrid.build(copy.deepcopy(gpt), mesh, microbatches=2)
+    model = hybrid.build(copy.deepcopy(gpt), mesh, microbatches=2, **options)
     return [model.train_step(x, y)]
 
 
@@ -135,6 +135,7 @@ def _every_strategy(batches):
     gpt = GPT(CONFIG, seed=0)
     attempt("hybrid 2x1x2 (dp, tp)", lambda: _hybrid_step(gpt, 2, 1, 2, x, y))
     attempt("hybrid 1x2x2 (pp, tp)", lambda: _hybrid_step(gpt, 1, 2, 2, x, y))
+    attempt("hybrid 2x2x1 (dp, pp) zero-3", lambda: _hybrid_step(gpt, 2, 2, 1, x, y, zero=3))
     attempt("minipar.production.train loop", _train_loop)
     return results
 
@@ -145,7 +146,8 @@ def test_every_strategy_runs_a_step_with_meta_as_the_default_device():
     expected = {"ddp naive", "ddp bucketed", "ddp overlapped", "ddp accumulation", "zero-0", "zero-1",
                 "zero-2", "zero-3", "pipeline gpipe", "pipeline 1f1b", "pipeline zb-h1",
                 "pipeline interleaved", "tp vocab-parallel loss", "tp sequence-parallel",
-                "hybrid 2x1x2 (dp, tp)", "hybrid 1x2x2 (pp, tp)", "minipar.production.train loop", "ddp sdpa",
+                "hybrid 2x1x2 (dp, tp)", "hybrid 1x2x2 (pp, tp)", "hybrid 2x2x1 (dp, pp) zero-3",
+                "minipar.production.train loop", "ddp sdpa",
                 "tp sdpa"} | set(ZERO3_DESIGNS)
     assert expected <= set(res[0]), sorted(expected - set(res[0]))
     for name in res[0]:  # real numbers (a meta loss has none), the same on the ranks that hold it

@@ -251,6 +251,15 @@ def test_cost_formulas_match_the_model():
     assert cost.ep_memory_per_rank(1000, 8000, 4) == (1000 + 2000) * 16
 
 
+def test_all_to_all_bytes_are_elements_times_their_size():
+    """ep_all_to_all_bytes returns bytes: k·S·h·(ep-1)/ep elements times bytes_per_element
+    (fp32 by default), and its docstring says so."""
+    elements = 2 * 256 * 64 * 3 / 4
+    assert cost.ep_all_to_all_bytes(256, 64, 2, 4) == elements * 4 == 98304
+    assert cost.ep_all_to_all_bytes(256, 64, 2, 4, bytes_per_element=2) == elements * 2
+    assert "bytes_per_element" in cost.ep_all_to_all_bytes.__doc__
+
+
 def test_ep_tp_training_matches_single_process():
     """EP × TP (dp=2, tp=2, ep=2; a dense block and an MoE block) trains like one process."""
     model = lambda: GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=16, vocab_size=32, moe_every=2,

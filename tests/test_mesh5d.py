@@ -46,8 +46,7 @@ def test_ep_groups_are_carved_out_of_dp_cp():
     (MOE, dict(dp=2, ep=4), "must divide dp·cp"),
     (GPTConfig(**{**MOE.__dict__, "capacity_factor": 1.0}), dict(dp=4, ep=2), "ep = dp and cp = 1"),
     (GPTConfig(**{**MOE.__dict__, "capacity_factor": 1.0}), dict(dp=1, cp=2, ep=2), "ep = dp and cp = 1"),
-    (MOE, dict(dp=2, pp=2, zero=2), "use ZeRO-1"),
-    (MOE, dict(dp=2, pp=2, zero=3), "use ZeRO-1"),
+    (GPTConfig(), dict(dp=2, pp=2, zero=3, reshard_after_forward="sometimes"), "must be one of"),
     (MOE, dict(dp=2, zero=4), "must be 0, 1, 2 or 3"),
     (MOE, dict(tp=2, sequence_parallel=True), "sequence_parallel with MoE"),
     (MOE, dict(dp=2, ep=2, recompute="full"), "twice per micro-batch"),
@@ -92,6 +91,26 @@ def test_5d_dp_cp_pp_ep():
 DENSE = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
 
 
+def test_zero2_and_zero3_with_experts():
+    """ZeRO 2 and 3 with experts: the dense parameters sharded over dp·cp, the experts' over their
+    expert-dp group (dp·cp/ep ranks), their mean there × 1/ep (the sum ÷ dp·cp). dp2·ep2 ZeRO-3
+    (expert-dp of one rank) and dp4·ep2 ZeRO-1, 2, 3 (flat and per-parameter; expert-dp of two)
+    train as the micro-batched single process; dp4·ep2's experts move bytes over expert-dp, each
+    stage holds fewer bytes than the one before, and both ZeRO-3 designs hold the same."""
+    def run(dp, **options):
+        got = hybrid.run(GPT(MOE, seed=0), DATA, dp, optimizer=adamw(1e-2, 0.1), dp=dp, ep=2, **options)
+        want = experts.train_reference(GPT(MOE, seed=0), DATA, adamw(1e-2, 0.1), dp=dp, microbatches=1)
+        assert_same_training(got, want, rtol=RTOL, atol=ATOL)
+        return got.measured[0]
+    assert run(2, zero=3)["bytes_by_dim"]["dp"] > 0
+    totals = []
+    for options in (dict(zero=1), dict(zero=2), dict(zero=3), dict(zero=3, sharding="per-parameter")):
+        m = run(4, **options)
+        assert m["bytes_by_dim"]["expert_dp"] > 0 and m["bytes_by_dim"]["dp"] > 0, (options, m["bytes_by_dim"])
+        totals.append(m["memory"]["total"])
+    assert totals[0] > totals[1] > totals[2] == totals[3], totals
+
+
 def test_zero_stages_1_to_3_on_a_dp_tp_mesh():
     """dp2·tp2 (4 ranks): ZeRO 1, 2, 3 (flat units and per-parameter fully_shard, with m=2) shard
     the tp shards' states over dp and train as one process (rtol 1e-4, atol 5e-5, AdamW); each
@@ -120,7 +139,9 @@ def test_a_planner_layout_runs_at_toy_size():
         dict(dp=2, cp=2, pp=2, tp=1, ep=2, zero=1)
     assert notes == ["tp=8 runs as tp=1 (a toy world of at most 8 ranks)"]
     _, o3, n3 = toy_options(Layout(dp=4, pp=4, zero=3, recompute="full", dtype="fp32"))
-    assert o3["zero"] == 1 and "ZeRO-3 runs as ZeRO-1" in n3[0]
+    assert o3["zero"] == 3 and n3 == []                      # ZeRO-3 composes with a pipeline
+    _, oe, ne = toy_options(Layout(dp=4, ep=2, zero=3, dtype="fp32"))
+    assert oe["zero"] == 3 and ne == []                      # and with experts
     argv = toy_command(layout)
     assert argv[1:3] == ["-m", "minipar.production.train"]
     args = train.parse(argv[3:])

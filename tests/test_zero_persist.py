@@ -137,13 +137,12 @@ def test_persistence_memory_and_bytes_match_the_formulas(runs):
 
 
 def test_persistence_clear_errors():
-    """Persistence is a stage-3 option for fp32 parameters, with a whole number of elements."""
+    """Persistence is a stage-3 option, with a whole number of elements (and combines with param_dtype)."""
     from minipar.zero import check
     gpt = GPT(CFG, seed=0)
     with pytest.raises(ValueError, match="stage 3"):
         check(gpt, _batches(), 2, stage=2, persist_below=100)
-    with pytest.raises(ValueError, match="stay fp32"):
-        check(gpt, _batches(), 2, stage=3, persist_below=100, param_dtype=torch.bfloat16)
+    check(gpt, _batches(), 2, stage=3, persist_below=100, param_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="number of elements"):
         check(gpt, _batches(), 2, stage=3, persist_below=1.5)
     with pytest.raises(ValueError, match="stage-3 option"):
@@ -194,3 +193,40 @@ def test_persist_below_keeps_only_fewer_elements_than_the_threshold():
     assert kept(15) == [3, 5]            # the 15-element weight is exactly the threshold: sharded
     assert kept(16) == [3, 5, 15]
     assert kept(5) == [3] and kept(3) == [] and kept(21) == [3, 5, 15, 20]
+
+
+def _mixed_precision():
+    r, n = dist.get_rank(), dist.get_world_size()
+    x, y = _batches()[0]
+    x, y = data.shard(x, r, n), data.shard(y, r, n)
+    out = {}
+    for design in ("flat", "per-parameter"):
+        model, seen = GPT(CFG, seed=0), {}
+        shard = FullyShardedDataParallel if design == "flat" else fully_shard
+        wrapped = shard(model, param_dtype=torch.float16, persist=lambda m: isinstance(m, nn.LayerNorm))
+        fc, ln = model.blocks[0].mlp.fc, model.blocks[0].ln1
+        fc.register_forward_hook(lambda m, a, o: seen.update(fc=(m.weight.dtype, a[0].dtype, o.dtype)))
+        ln.register_forward_pre_hook(lambda m, a: seen.update(ln=(m.weight.dtype, a[0].dtype)))
+        loss = wrapped(x, y)
+        loss.backward()
+        params = list(wrapped.parameters())
+        out[design] = {"seen": seen, "loss": loss.item(), "grads": {(p.dtype, p.grad.dtype, p.grad.shape == p.shape)
+                                                                    for p in params},
+                       "ln_grad": ln.weight.grad.clone(), "ln_dtype": ln.weight.dtype, "n": len(params)}
+    return out
+
+
+def test_mixed_precision_casts_only_the_sharded_parameters():
+    """FSDP2's mixed precision with ``persist=`` (2 ranks, fp16, both designs): the sharded Linear
+    weights compute in fp16, the persistent LayerNorms stay fp32 and compute in fp32, and every
+    gradient lands in fp32 with its parameter's shape; the persistent gradient is averaged, the
+    same on both ranks, and the loss is the fp32 one within fp16's precision."""
+    res = minipar.launch(_mixed_precision, 2, device="cpu", timeout=120)
+    want = GPT(CFG, seed=0)(*_batches()[0]).item()
+    for design in ("flat", "per-parameter"):
+        got = [r[design] for r in res]
+        assert got[0]["seen"] == {"fc": (torch.float16,) * 3, "ln": (torch.float32, torch.float32)}, design
+        assert got[0]["grads"] == {(torch.float32, torch.float32, True)}, design
+        assert got[0]["ln_dtype"] == torch.float32
+        torch.testing.assert_close(got[0]["ln_grad"], got[1]["ln_grad"], rtol=0, atol=0)
+        assert abs(sum(g["loss"] for g in got) / 2 - want) < 1e-2, (design, want, [g["loss"] for g in got])

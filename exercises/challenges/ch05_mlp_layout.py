@@ -8,7 +8,8 @@ Write two functions:
   any layout you choose);
 * ``forward(x, shards, group=None)``: y on this rank, differentiable: ``y.backward(dy)`` must
   leave ∂L/∂x in ``x.grad``, the same on every rank. Communicate only with ``minipar.comm``'s
-  recorded calls (``minipar.tensor_parallel``'s operators use them too).
+  recorded calls (``minipar.tensor_parallel``'s operators f, g, gather, ... use them too; its
+  layers are the answer, and a file that imports them is refused).
 
 Measured on t = 4 ranks, one forward and one backward:
 

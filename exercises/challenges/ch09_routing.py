@@ -17,7 +17,8 @@ from the text's start and (4096, 4, 1) from its 1605th token:
   least **0.95 ×** that of plain top-k (sending tokens anywhere balances, but ignores the
   router: a uniform random choice keeps about 0.5 × here).
 
-Grade it with ``python -m minipar.grade ex09`` (the core exercise, then this challenge).
+Grade it with ``python -m minipar.grade ch09`` (this challenge alone; ``grade ex09`` grades the core
+exercise, then this challenge). Stuck? ``minipar.hint("ch09")``.
 """
 import torch
 import torch.nn.functional as F

@@ -7,7 +7,8 @@ Write ``choose(model, cluster, nodes, global_batch, seq_len)``: a ``minipar.anal
 that uses all ``nodes × gpus_per_node`` GPUs of ``cluster`` for ``model`` (catalogue names,
 ``plan.MODELS`` and ``plan.CLUSTERS``). You may call ``plan.predict`` and
 ``plan.memory_per_gpu`` to compare candidates, but not ``plan.search`` (the grader disables
-it while ``choose`` runs). The graded tests, for Llama 3 8B on 2 DGX H100 nodes (global batch
+it while ``choose`` runs, and refuses a file that imports its module or its enumerator
+``plan.layouts``). The graded tests, for Llama 3 8B on 2 DGX H100 nodes (global batch
 64, sequence 8192), Llama 3 70B on 8 of them (512, 8192) and GPT-3 13B on 4 Selene nodes
 (256, 2048), measure with ``plan.predict``:
 
@@ -16,7 +17,8 @@ it while ``choose`` runs). The graded tests, for Llama 3 8B on 2 DGX H100 nodes 
   computed when the test runs (the planner's model of the step may improve; the goal
   follows it).
 
-Grade it with ``python -m minipar.grade ex10`` (the core exercise, then this challenge).
+Grade it with ``python -m minipar.grade ch10`` (this challenge alone; ``grade ex10`` grades the core
+exercise, then this challenge). Stuck? ``minipar.hint("ch10")``.
 """
 from minipar.analysis import plan
 

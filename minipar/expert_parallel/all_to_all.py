@@ -20,21 +20,27 @@ from .. import comm
 def exchange(x: torch.Tensor, recv: list[int], send: list[int], group=None, name: str = "all_to_all",
              **labels) -> torch.Tensor:
     """One recorded ``all_to_all_single``: ``x`` has ``sum(send)`` rows, the result ``sum(recv)``."""
+    # >>> ex09 C
     out = x.new_empty(sum(recv), *x.shape[1:])
     comm.all_to_all_single(out, x.contiguous(), recv, send, group=group, name=name, **labels)
     return out
+    # <<< ex09 C
 
 
 class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, recv, send, group, name, labels):
+        # >>> ex09 C
         ctx.recv, ctx.send, ctx.group, ctx.name, ctx.labels = recv, send, group, name, labels
         return exchange(x, recv, send, group, name, **labels)
+        # <<< ex09 C
 
     @staticmethod
     def backward(ctx, grad):
+        # >>> ex09 C
         g = exchange(grad, ctx.send, ctx.recv, ctx.group, ctx.name + "_backward", **ctx.labels)
         return g, None, None, None, None, None
+        # <<< ex09 C
 
 
 def all_to_all(x: torch.Tensor, recv: list[int], send: list[int], group=None, name: str = "all_to_all",

@@ -37,19 +37,21 @@ def split_sizes(counts: torch.Tensor, rank: int, ep: int) -> tuple[list[int], li
 def permutation(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(perm, inverse)``: ``keys[perm]`` is sorted and rows with equal keys keep their
     order (a stable sort); ``inverse[perm[i]] = i``, so ``x[perm][inverse] == x``."""
-    # >>> ex09 C
+    # >>> ex09 B
     perm = torch.argsort(keys, stable=True)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)
     return perm, inverse
-    # <<< ex09 C
+    # <<< ex09 B
 
 
 def kept_counts(counts: torch.Tensor, cap: int | None) -> torch.Tensor:
     """The (ep × E) count matrix after capacity ``cap``, by position: expert i keeps the first ``cap`` of
     its assignments in rank order, so rank r keeps ``min(cum_r, cap) - min(cum_{r-1}, cap)`` (cum_r:
     the counts of ranks 0..r)."""
+    # >>> ex09 A
     if cap is None:
         return counts
     cum = counts.cumsum(0)
     return cum.clamp(max=cap) - (cum - counts).clamp(max=cap)
+    # <<< ex09 A

@@ -35,10 +35,12 @@ from .dispatch import count_tokens, kept_counts, permutation, split_sizes
 
 def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     """The (ep × E) matrix of every rank's counts (a recorded all-gather, ``ep_counts``)."""
+    # >>> ex09 A
     ep = comm.group_size(group)
     out = counts.new_empty(ep * counts.numel())
     comm.all_gather(out, counts.contiguous(), group=group, name="ep_counts", dim="ep")
     return out.view(ep, -1)
+    # <<< ex09 A
 
 
 class ExpertParallelMoE(MoE):
@@ -49,6 +51,7 @@ class ExpertParallelMoE(MoE):
         self.n_experts, self.top_k, self.capacity_factor = moe.n_experts, moe.top_k, moe.capacity_factor
         self.aux_coef, self.z_coef = moe.aux_coef, moe.z_coef
         self.group, self.token_group = group, token_group
+        # >>> ex09 D
         self.ep, self.rank = comm.group_size(group), comm.group_rank(group)
         if self.n_experts % self.ep:
             raise ValueError(f"{self.n_experts} experts cannot be split over ep={self.ep} ranks")
@@ -56,6 +59,7 @@ class ExpertParallelMoE(MoE):
         self.local = list(range(self.rank * n, (self.rank + 1) * n))
         self.router = moe.router
         self.experts = nn.ModuleDict({str(i): moe.experts[i] for i in self.local})
+        # <<< ex09 D
         self.loss, self.stats = None, {}
         self.aux_scale, self.aux_total, self.routed = moe.aux_scale, 0.0, None
 
@@ -68,16 +72,12 @@ class ExpertParallelMoE(MoE):
         expert_of = experts.reshape(-1)
         token_of = torch.arange(N, device=x.device).repeat_interleave(k)
 
+        # >>> ex09 D
         counts = count_tokens(expert_of, E)                            # 1. counts, exchanged
         M = exchange_counts(counts, self.group)
         cap = capacity(int(M.sum()) // k, E, k, self.capacity_factor)  # 2. capacity, by position
         kept = kept_counts(M, cap)
         keep = keep_within_capacity(expert_of, E, cap, before=M[:self.rank].sum(0))
-        totals = M.sum(0)
-        if self.token_group is not None:
-            totals = counts.clone()
-            comm.all_reduce(totals, group=self.token_group, name="ep_token_counts", dim="dp")
-        aux, z = self.aux_losses(logits, probs, expert_of, totals)
 
         send, recv = split_sizes(kept, self.rank, self.ep)            # 3. sort, all-to-all #1
         perm, inverse = permutation(torch.where(keep, expert_of, E))   # dropped ones sort last
@@ -96,6 +96,12 @@ class ExpertParallelMoE(MoE):
         home = all_to_all(out, send, recv, self.group, name="ep_combine", dim="ep")  # 5. back, combine
         result = torch.cat([home, home.new_zeros(N * k - n_kept, h)])[inverse]
         y = torch.zeros_like(x).index_add(0, token_of, result * weights.reshape(-1, 1).to(x.dtype))
+        totals = M.sum(0)                                              # the load-balancing loss
+        if self.token_group is not None:
+            totals = counts.clone()
+            comm.all_reduce(totals, group=self.token_group, name="ep_token_counts", dim="dp")
+        aux, z = self.aux_losses(logits, probs, expert_of, totals)
+        # <<< ex09 D
         # for plots and tests, left on the device: a copy to the host here would wait for the GPU
         # at every forward; whoever reads them (.tolist(), .cpu()) pays that once
         self.stats = {"counts": totals.detach(), "matrix": M, "kept": kept, "dropped": ~keep,

@@ -26,8 +26,9 @@ parallelism is a fourth dimension: ``cp=`` (with ``variant="ring"|"all_gather"|"
 cp ranks, and gradients are averaged over the combined dp × cp group. Expert parallelism: ``ep=``
 spreads a mixture-of-experts GPT's experts over ep groups carved out of dp × cp, capacity and the
 auxiliary loss counted per micro-batch (:mod:`.experts` defines the reference it equals). ZeRO:
-``zero=1`` everywhere, ``zero=2|3`` (``sharding="flat"|"per-parameter"``) on dp × tp
-(:mod:`.sharding`). ``mesh_coordinates`` and
+``zero=1`` everywhere, ``zero=2|3`` (``sharding="flat"|"per-parameter"``) on dense layers with
+any dp, cp, tp and pp, sharded over dp·cp; under a pipeline stage 3 keeps a stage's layers
+gathered across its micro-batches (``reshard_after_forward="auto"|"always"|"never"``, :mod:`.sharding`). ``mesh_coordinates`` and
 ``group_members`` (exercise 07) are re-exported from :mod:`minipar.mesh`."""
 from ..analysis.cost import hybrid_comm_bytes, hybrid_memory_per_rank
 from ..mesh import ProcessMesh, group_members, mesh_coordinates

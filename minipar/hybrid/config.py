@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import precision, strategy
+from .hsdp import check_hsdp
+from .sharding import reshard_policy
 from ..analysis.cost import hybrid_memory_per_rank
 from ..mesh import ProcessMesh
 from ..models.gpt import GPTConfig
@@ -47,7 +49,8 @@ def check(model, batches, world_size: int | None, dp: int = 1, pp: int = 1,
           sequence_parallel: bool = False, batch_size: int | None = None, dtype=None, cp: int = 1,
           layout: str = "zigzag", variant: str = "ring", ep: int = 1, zero: int | None = None,
           recompute=None, sharding: str = "flat", seq_len: int | None = None, zero1: bool = False,
-          bucket_cap_mb: float = 25.0, bounds: list[int] | None = None) -> None:
+          bucket_cap_mb: float = 25.0, bounds: list[int] | None = None,
+          reshard_after_forward: str = "auto", dp_shard: int | None = None) -> None:
     """Raise a plain ``ValueError`` if the GPT ``model`` (or its ``GPTConfig``) cannot train on a
     dp × pp × tp (× cp, ep) mesh of ``world_size`` ranks (the rules: the module docstring). Call it
     in the driver, before any process starts (:func:`~minipar.hybrid.run` does); ``world_size=None``
@@ -58,7 +61,8 @@ def check(model, batches, world_size: int | None, dp: int = 1, pp: int = 1,
     zero = zero if zero is not None else int(zero1)
     ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, world_size=world_size)
     check_experts(config, dp, cp, ep, sequence_parallel, recompute)
-    check_zero(zero, pp, cp, tp, sharding, config)
+    check_zero(zero, pp, cp, tp, sharding, config, reshard_after_forward)
+    check_hsdp(dp, dp_shard, zero, ep)
     if cp > 1:  # context parallelism: T cut over cp (2·cp for zigzag), Ulysses needs cp | heads/tp
         seq_len = batches[0][0].shape[1] if batches else seq_len
         check_context_parallel(replace(config, moe_every=0),  # the mesh composes the MoE layers itself
@@ -109,26 +113,16 @@ def check_experts(config, dp: int, cp: int, ep: int, sequence_parallel: bool = F
 
 
 def check_zero(zero: int, pp: int = 1, cp: int = 1, tp: int = 1, sharding: str = "flat",
-               config=None) -> None:
-    """ZeRO on the mesh: stage 1 everywhere. Stages 2 and 3 are refused with a pipeline: its
-    gradients accumulate over the m micro-batches, so stage 2 would reduce-scatter them m times
-    per step (or hold them whole, which is stage 1), and stage 3 would all-gather every stage's
-    parameters again for each of the m forwards and m backwards, ~m× the communication of
-    ZeRO-1 for a memory saving the pipeline already gives (each stage holds 1/pp of the model)."""
+               config=None, reshard_after_forward: str = "auto") -> None:
+    """ZeRO on the mesh: every stage with any dp, cp, tp, pp and ep; the dense parameters sharded
+    over dp·cp, the experts' over their expert-dp group (dp·cp/ep ranks). Under a pipeline stage 2 reduce-scatters each micro-batch into
+    the sharded gradient, and stage 3 keeps a stage's units gathered across its micro-batches
+    unless ``reshard_after_forward="always"`` (:mod:`.sharding`)."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero!r} must be 0, 1, 2 or 3")
-    if zero >= 2 and pp > 1:
-        raise ValueError(f"ZeRO-{zero} with pp={pp}: the pipeline accumulates gradients over its "
-                         "micro-batches, so stage 2 would reduce-scatter every micro-batch (m× the "
-                         "traffic) and stage 3 re-gather every stage's weights 2m times per step; "
-                         "use ZeRO-1 (zero=1) with a pipeline")
-    if zero >= 2 and cp > 1:
-        raise ValueError(f"ZeRO-{zero} with cp={cp} is not composed here; use ZeRO-1 with context parallelism")
+    reshard_policy(reshard_after_forward, pp)
     if sharding not in ("flat", "per-parameter"):
         raise ValueError(f"sharding={sharding!r} must be 'flat' or 'per-parameter'")
-    if zero >= 2 and config is not None and config.moe_every:
-        raise ValueError(f"ZeRO-{zero} with MoE layers: the experts' state is sharded over expert-dp "
-                         "with ZeRO-1 only; use zero=1")
     if zero == 3 and config is not None and config.tie_weights:
         raise ValueError("ZeRO-3 gathers one layer at a time and tie_weights=True shares a matrix between "
                          "the first and the last: use tie_weights=False")

@@ -12,8 +12,7 @@ least are set back to 1, tensor then context parallelism (the notes say which). 
     toy_command(layout) -> ["python", "-m", "minipar.production.train", "--dp", "2", ...]
     toy_run(layout, steps=3) -> {"result", "reference", "notes", "options"}
 
-What the mesh refuses is mapped to what it runs, and said: ZeRO-2/3 with a pipeline, context
-parallelism or experts run as ZeRO-1 (:func:`~minipar.hybrid.config.check_zero`), full
+What the mesh refuses is mapped to what it runs, and said: full
 recomputation with experts as selective (:func:`~minipar.hybrid.config.check_experts`).
 """
 from __future__ import annotations
@@ -41,9 +40,6 @@ def toy_options(layout, max_ranks: int = 8):
         notes.append(f"ep={layout.ep} runs as ep=1 (no dp·cp ranks left to carve it from)")
     v = getattr(layout, "v", 1) if size["pp"] > 1 else 1
     zero = layout.zero if size["dp"] * size["cp"] > 1 else 0
-    if zero >= 2 and (size["pp"] > 1 or size["cp"] > 1 or ep > 1):
-        notes.append(f"ZeRO-{zero} runs as ZeRO-1 (stages 2-3 are for dp × tp meshes: hybrid.config.check_zero)")
-        zero = 1
     recompute = layout.recompute
     if recompute == "full" and ep > 1:
         notes.append("recompute='full' runs as 'selective' (full would route twice: hybrid.config.check_experts)")

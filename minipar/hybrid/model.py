@@ -40,7 +40,8 @@ from ..tensor_parallel import from_gpt, gather_shards, shard_state_dict, unshard
 from ..zero import model_state_bytes, state_tensors, storage_bytes
 from . import experts
 from .config import check
-from .sharding import build_optimizer
+from .hsdp import hsdp_groups, reduce_replicas
+from .sharding import build_optimizer, scale_expert_shards
 
 
 class HybridModel:
@@ -50,19 +51,22 @@ class HybridModel:
     SGD) is the torch optimizer or the ZeRO-1 wrapper; ``full_state_dict()`` /
     ``load_full_state_dict(sd)`` move the single-device GPT's weights in and out (collectives: call
     them on every rank). ``params`` maps this rank's single-device names to its parameters; ``coords``
-    is its ``{"pp", "dp", "tp"}``. ``zero1`` with ``dp == 1`` is plain training (nothing to shard over)."""
+    is its ``{"pp", "dp", "tp"}``. ``zero1`` with ``dp == 1`` is plain training (nothing to shard over).
+    ``zero=2|3`` compose with every dimension (:mod:`.sharding`): ``reshard_after_forward`` is stage 3's
+    policy under a pipeline, ``dp_shard`` < dp makes it HSDP (:mod:`.hsdp`)."""
 
     def __init__(self, model: GPT, mesh: ProcessMesh, *, optimizer=None, zero1: bool = False,
                  zero: int | None = None, sharding: str = "flat",
                  schedule: str = "1f1b", microbatches: int = 1, virtual_stages: int = 1,
                  sequence_parallel: bool = False, bucket_cap_mb: float = 25.0,
                  bounds: list[int] | None = None, dtype=None, recompute=None,
-                 layout: str = "zigzag", variant: str = "ring"):
+                 layout: str = "zigzag", variant: str = "ring", reshard_after_forward: str = "auto",
+                 dp_shard: int | None = None):
         config = model.config
         check(config, None, dist.get_world_size(), mesh.dp, mesh.pp, mesh.tp, microbatches, schedule,
               virtual_stages, sequence_parallel, dtype=dtype, cp=mesh.cp, layout=layout, variant=variant,
               recompute=recompute, ep=mesh.ep, zero=zero if zero is not None else int(zero1),
-              sharding=sharding)
+              sharding=sharding, reshard_after_forward=reshard_after_forward, dp_shard=dp_shard)
         if not mesh.groups:
             mesh.build()
         self.moe = bool(config.moe_every)
@@ -79,6 +83,9 @@ class HybridModel:
         dims = (("dp", "pp", "tp", "dp_cp", "expert_dp") + (("cp",) if mesh.cp > 1 else ())
                 + (("ep",) if self.moe else ()))  # dp_cp: dp when cp = 1; expert_dp: dp_cp when ep = 1
         self.groups = g = {dim: mesh.group(dim) for dim in dims}
+        self.hsdp = dp_shard is not None and dp_shard < mesh.dp   # ZeRO-3 within dp_shard, replicated across
+        if self.hsdp:
+            g.update(hsdp_groups(mesh, dp_shard))
         self.device = current_device()                      # where this rank computes
         if recompute is not None:  # the blocks' recomputation, in the config tp shards are built from
             model.set_recompute(recompute)
@@ -100,7 +107,8 @@ class HybridModel:
         mine = {id(q) for st in self.stages.values() for q in st.parameters()}
         self.params = {n: q for n, q in self.model.named_parameters() if id(q) in mine}
         self.optimizer, self.reducer, self.sharded = build_optimizer(self, optimizer or sgd(), self.zero,
-                                                                     sharding, bucket_cap_mb)
+                                                                     sharding, bucket_cap_mb,
+                                                                     reshard_after_forward)
         self.last_step: dict = {}
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
@@ -120,11 +128,18 @@ class HybridModel:
         self.optimizer.zero_grad(set_to_none=True)
         experts.begin_step(self.model)
         loss = self.pipe.step(xs, ys)
+        if self.sharded is not None:                        # ZeRO-3 kept gathered: reduce-scatter once
+            self.sharded.finish_step()
+        if self.hsdp:                                       # HSDP: the blocks' shards averaged
+            reduce_replicas([p for group in self.optimizer.param_groups for p in group["params"]],
+                            self.groups["dp_replicate"])
         if self.reducer is not None:
             self.reducer.finish()                           # mean gradient over dp
-        if self.moe:   # experts: sum over expert-dp ÷ dp·cp (ZeRO-1: ÷ ep, then its mean over expert-dp)
+        if self.moe:   # experts: sum over expert-dp ÷ dp·cp (ZeRO 1-3: ÷ ep, and their mean over expert-dp)
             if self.zero1:
                 experts.scale_expert_gradients(self.model, self.params, 1.0 / self.mesh.ep)
+            elif self.zero >= 2:
+                scale_expert_shards(self, 1.0 / self.mesh.ep)
             else:
                 experts.reduce_expert_gradients(self.model, self.params, self.groups["expert_dp"],
                                                 self.mesh.dp * self.mesh.cp)

@@ -8,18 +8,34 @@ shards those replicas' model states over it, exactly as over plain data parallel
 stage     what each rank keeps (Ψ_r: its stages' tp shard)   where
 ========  ================================================  =============================
 1         params and grads Ψ_r, optimizer state Ψ_r / N       every layout (pp, cp, ep too)
-2         + gradients reduce-scattered: Ψ_r / N               dp × tp (pp = cp = 1)
-3         + parameters sharded, gathered per layer            dp × tp (pp = cp = 1),
+2         + gradients reduce-scattered: Ψ_r / N               every layout
+3         + parameters sharded, gathered per layer            every layout,
           (``sharding="flat"``: FSDP's flat units;             ``FullyShardedDataParallel``
           ``"per-parameter"``: FSDP2's ``fully_shard``)        or ``fully_shard``
 ========  ================================================  =============================
 
+N is the size of ``dp_cp`` (torchtitan's ``dp_shard_cp``): context-parallel ranks hold other
+tokens of the same sequences, so their gradients are averaged together with dp's.
+
+Under a pipeline each step runs m micro-batches through this rank's stages. Stage 2
+reduce-scatters each micro-batch's gradients as its backward completes them and
+**accumulates into the sharded gradient** (m reduce-scatters per step, Ψ_r/N of gradients
+kept). Stage 3 follows ``reshard_after_forward`` (:func:`reshard_policy`): ``"auto"`` keeps a
+stage's units gathered across its micro-batches under a pipeline and reduce-scatters their
+accumulated gradients once, after the last micro-batch (:meth:`minipar.zero.stage3.Schedule.finish_step`;
+one all-gather per unit per step instead of 2m), and reshards after every use without one.
+
 Expert parameters (a mixture-of-experts GPT, ``ep``) are replicated only over their
-expert-data-parallel group, so under ZeRO-1 their optimizer state is sharded over that group
-(``expert_dp``, dp·cp/ep ranks), the dense state over dp·cp. Why stages 2 and 3 are refused
-with a pipeline: :func:`minipar.hybrid.config.check_zero`.
+expert-data-parallel group, so under every stage their states are sharded over that group
+(``expert_dp``, dp·cp/ep ranks), the dense states over dp·cp (under stage 3 two states over the
+same layers, each ignoring the other's parameters). An expert's gradient holds the tokens its
+ep group routed to it, so the mean over expert-dp is × 1/ep to make it the sum ÷ dp·cp
+(:func:`scale_expert_shards`; ZeRO-1: :func:`~minipar.hybrid.experts.scale_expert_gradients`).
 """
 from __future__ import annotations
+
+import torch
+import torch.nn as nn
 
 from ..data_parallel import Reducer
 from ..zero import FullyShardedDataParallel, ZeroOptimizer, fully_shard
@@ -28,7 +44,77 @@ from ..zero.stage2 import Zero2Optimizer
 from . import experts
 
 
-def build_optimizer(hm, make, zero: int, sharding: str = "flat", bucket_cap_mb: float = 25.0):
+RESHARD_POLICIES = ("auto", "always", "never")
+
+
+def reshard_policy(policy: str, pp: int) -> bool:
+    """Stage 3's ``reshard_after_forward``: ``"always"`` True, ``"never"`` False, ``"auto"``
+    True without a pipeline (one forward per step: nothing to keep) and False with one."""
+    if policy not in RESHARD_POLICIES:
+        raise ValueError(f"reshard_after_forward={policy!r} must be one of {RESHARD_POLICIES}")
+    return policy == "always" or (policy == "auto" and pp == 1)
+
+
+class ShardedStates:
+    """Stage 3 of this rank's layers as one state: ``parts`` (the dense parameters' over dp·cp,
+    then, with experts, the experts' over expert-dp; each a :class:`~minipar.zero.stage3.Schedule`
+    or its wrapper), their parameters' names given back as the single-device GPT's (``names``),
+    ``expert_shards`` the experts' shards (what :func:`scale_expert_shards` scales)."""
+
+    def __init__(self, parts, names: dict[str, str], expert_shards=(), where=None, modules=None):
+        self.parts, self.names, self.expert_shards = list(parts), names, list(expert_shards)
+        self.where, self.modules = where or {}, modules or {}   # id(parameter), id(module) -> GPT name
+
+    def shard_spans(self) -> list[tuple[str, torch.Tensor, int, int, int]]:
+        """``(single-device name, shard, a, b, s)``: elements [a, b) of the (tp-local) parameter's
+        flattening are elements [s, s + b - a) of ``shard``, over every part (checkpoints)."""
+        out = []
+        for part in self.parts:
+            for key, shard, a, b, s in part.shard_spans():
+                name = (self.where[id(key)] if not isinstance(key, tuple)
+                        else f"{self.modules[id(key[0])]}.{key[1]}".lstrip("."))
+                out.append((name, shard, a, b, s))
+        return out
+
+    def start_forward(self) -> None:
+        for p in self.parts:
+            p.start_forward()
+
+    def finish_step(self) -> None:
+        for p in self.parts:
+            p.finish_step()
+
+    def gather_full_params(self) -> dict:
+        return {self.names[k]: v for p in self.parts for k, v in p.gather_full_params().items()}
+
+    def memory_tensors(self, optimizer=None) -> dict:
+        out = self.parts[0].memory_tensors(optimizer)      # the one optimizer's state, counted once
+        for p in self.parts[1:]:
+            more = p.memory_tensors()
+            out = {k: out[k] + more.get(k, []) for k in out}
+        return out
+
+    def unit_sizes(self) -> list[int]:
+        return [n for p in self.parts for n in p.unit_sizes()]
+
+    peak_gathered_bytes = property(lambda self: sum(p.peak_gathered_bytes for p in self.parts))
+    peak_held_grad_bytes = property(lambda self: sum(p.peak_held_grad_bytes for p in self.parts))
+
+
+def scale_expert_shards(hm, factor: float) -> None:
+    """Under ZeRO-2/3 (which average the experts' gradients over expert-dp): the experts' reduced
+    gradient shards × ``factor`` (1/ep: the mean over dp·cp/ep replicas becomes the sum ÷ dp·cp)."""
+    if hm.sharded is not None:
+        shards = [p.grad for p in hm.sharded.expert_shards]
+    else:
+        shards = hm.optimizer.parts[1].grad_shards if isinstance(hm.optimizer, experts.Optimizers) else []
+    for g in shards:
+        if g is not None:
+            g.mul_(factor)
+
+
+def build_optimizer(hm, make, zero: int, sharding: str = "flat", bucket_cap_mb: float = 25.0,
+                    reshard_after_forward: str = "auto"):
     """``(optimizer, reducer, sharded)`` for the :class:`~minipar.hybrid.HybridModel` ``hm``:
     the optimizer over this rank's states, the :class:`Reducer` of the dense gradients (``None``
     when ZeRO reduces them itself, or nothing needs reducing) and, under stage 3, the state that
@@ -48,15 +134,33 @@ def build_optimizer(hm, make, zero: int, sharding: str = "flat", bucket_cap_mb: 
             parts.append(ZeroOptimizer([expert], make, group=g["expert_dp"]) if mesh.expert_dp > 1
                          else make(expert))
         return (parts[0] if len(parts) == 1 else experts.Optimizers(parts)), None, None
-    if zero == 2:   # gradients reduce-scattered layer by layer as backward completes them
-        return Zero2Optimizer(units, make, group=g["dp"]), None, None
-    if sharding == "per-parameter":
-        fully_shard(hm.model, group=g["dp"], units=layers)
-        state = sharded_state(hm.model)
-        params = list(hm.model.parameters())
-    else:
-        state = FullyShardedDataParallel(hm.model, group=g["dp"], units=layers)
-        params = list(state.parameters())
+    if zero == 2:   # gradients reduce-scattered layer by layer, each micro-batch's into the shard
+        parts = [Zero2Optimizer(units, make, group=g["dp_cp"])]
+        if expert:  # the experts' over expert-dp, as one unit (scale_expert_shards: ÷ ep)
+            parts.append(Zero2Optimizer([expert], make, group=g["expert_dp"]))
+        return (parts[0] if len(parts) == 1 else experts.Optimizers(parts)), None, None
+    reshard = reshard_policy(reshard_after_forward, mesh.pp)
+    # a pipeline rank holds some layers only: shard a container of them, named back to the GPT
+    module = hm.model if mesh.pp == 1 else nn.ModuleList(layers)
+    where = {id(q): n for n, q in hm.model.named_parameters()}
+    names = {n: where[id(q)] for n, q in module.named_parameters()}
+    parts, params, expert_shards = [], [], []
+    dense_group = g.get("dp_shard", g["dp_cp"])     # HSDP: within the block (:mod:`.hsdp`)
+    for j, group in enumerate([dense_group] + ([g["expert_dp"]] if expert else [])):   # dense, experts
+        # each state ignores the other's parameters (per-parameter: the dense ones are shards by now)
+        ignored = [q for n, q in module.named_parameters() if experts.is_expert(names[n]) != (j == 1)]
+        if sharding == "per-parameter":
+            fully_shard(module, group=group, units=layers, reshard_after_forward=reshard, ignored_params=ignored)
+            parts.append(sharded_state(module))
+            mine = [q for n, q in module.named_parameters() if experts.is_expert(names[n]) == (j == 1)]
+        else:
+            parts.append(FullyShardedDataParallel(module, group=group, units=layers,
+                                                  reshard_after_forward=reshard, ignored_params=ignored))
+            mine = list(parts[-1].parameters())
+        params += mine
+        expert_shards += mine if j == 1 else []
+    state = ShardedStates(parts, names, expert_shards, where,
+                          {id(m): n for n, m in hm.model.named_modules()})
     # the pipeline calls the layers one by one, never the model: start each forward's unit order
     layers[0].register_forward_pre_hook(lambda m, a: state.start_forward(), prepend=True)
     return make(params), None, state

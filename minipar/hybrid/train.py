@@ -18,11 +18,13 @@ def train(model, batches, optimizer=None, dp: int = 1, pp: int = 1, tp: int = 1,
           zero: int | None = None, zero1: bool = False, sharding: str = "flat", schedule: str = "1f1b",
           microbatches: int = 1, virtual_stages: int = 1, sequence_parallel: bool = False,
           bucket_cap_mb: float = 25.0, bounds: list[int] | None = None, dtype=None, recompute=None,
-          layout: str = "zigzag", variant: str = "ring") -> dict:
+          layout: str = "zigzag", variant: str = "ring", reshard_after_forward: str = "auto",
+          dp_shard: int | None = None) -> dict:
     """Rank function: build the mesh and the :class:`HybridModel` of the single-device GPT
     ``model`` over the whole world and train it on the global ``batches`` (the options are
     :class:`HybridModel`'s: ``zero`` (0-3; ``zero1=True`` is ``zero=1``) and ``sharding``
-    (:mod:`.sharding`), ``schedule``, ``microbatches``, ``virtual_stages``,
+    (:mod:`.sharding`; stage 3's ``reshard_after_forward``: ``"auto"|"always"|"never"``; ``dp_shard``:
+    HSDP, ZeRO-3 within blocks of ``dp_shard`` data-parallel ranks, :mod:`.hsdp`), ``schedule``, ``microbatches``, ``virtual_stages``,
     ``sequence_parallel``, ``bounds``, ``dtype``, ``recompute`` (``None``: the model's own), cp's
     ``layout`` and ``variant``; ``ep`` spreads a mixture-of-experts GPT's experts, :mod:`.experts`).
     Every step is :meth:`HybridModel.step` in :func:`minipar.strategy.loop`. Returns the losses,
@@ -34,7 +36,8 @@ def train(model, batches, optimizer=None, dp: int = 1, pp: int = 1, tp: int = 1,
     hybrid = HybridModel(model, mesh, optimizer=optimizer, zero=zero, zero1=zero1, sharding=sharding,
                          schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                          sequence_parallel=sequence_parallel, bucket_cap_mb=bucket_cap_mb, bounds=bounds,
-                         dtype=dtype, recompute=recompute, layout=layout, variant=variant)
+                         dtype=dtype, recompute=recompute, layout=layout, variant=variant,
+                         reshard_after_forward=reshard_after_forward, dp_shard=dp_shard)
     losses, measured = strategy.loop(batches, lambda i, batch: hybrid.step(*batch),
                                      reduce=hybrid.reduce_loss, events=True)
     if measured:
@@ -42,6 +45,10 @@ def train(model, batches, optimizer=None, dp: int = 1, pp: int = 1, tp: int = 1,
         measured["bytes_by_dim"] = hybrid.last_step["bytes"]
     full = hybrid.full_state_dict()                      # a collective: every rank takes part
     measured |= {"coords": hybrid.coords, "memory": hybrid.memory()}
+    if hybrid.sharded is not None:      # ZeRO-3: the most bytes of gathered units alive at once
+        measured["peak_gathered_bytes"] = hybrid.sharded.peak_gathered_bytes
+        measured["peak_held_grad_bytes"] = hybrid.sharded.peak_held_grad_bytes
+        measured["unit_sizes"] = hybrid.sharded.unit_sizes()
     if hybrid.zero in (1, 2):
         measured["unit_sizes"] = hybrid.optimizer.unit_sizes()
     return {"losses": losses, "measured": measured,

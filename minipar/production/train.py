@@ -89,7 +89,7 @@ def check_resume(args, config) -> dict | None:
 
 LAYOUT_OPTIONS = ("dp", "cp", "pp", "tp", "ep", "batch_size", "microbatches", "schedule", "virtual_stages",
                   "block_size", "n_layer", "n_head", "n_embd", "n_experts", "capacity_factor", "cp_variant",
-                  "cp_layout", "recompute", "zero", "sharding", "dtype")  # named in the layout's errors
+                  "cp_layout", "recompute", "zero", "sharding", "reshard_after_forward", "dp_shard", "dtype")  # named in the layout's errors
 
 
 def check(args, world_size: int | None) -> None:
@@ -107,6 +107,7 @@ def check(args, world_size: int | None) -> None:
                    args.schedule, args.virtual_stages, batch_size=args.batch_size, cp=args.cp,
                    layout=args.cp_layout, variant=args.cp_variant, ep=args.ep, zero=args.zero,
                    recompute=args.recompute, seq_len=args.block_size, sharding=args.sharding,
+                   reshard_after_forward=args.reshard_after_forward, dp_shard=getattr(args, "dp_shard", None),
                    dtype=args.dtype)
     except ValueError as e:   # name the options: the layout's rule speaks of dp=, tp=, ...
         raise ValueError(f"{flags}: {e}") from None
@@ -159,7 +160,8 @@ def _train(args, signals) -> dict:
             gpt = GPT(config, seed=args.seed)
         mesh = mesh or ProcessMesh(dp=lay.dp, pp=lay.pp, tp=lay.tp, cp=lay.cp).build()
         return hybrid.build(gpt, mesh, zero=lay.zero if zero is None else zero, sharding=args.sharding,
-                            schedule=args.schedule, bounds=bounds,
+                            reshard_after_forward=args.reshard_after_forward,
+                            dp_shard=getattr(args, "dp_shard", None), schedule=args.schedule, bounds=bounds,
                             microbatches=lay.microbatches if microbatches is None else microbatches,
                             virtual_stages=args.virtual_stages, dtype=args.dtype, recompute=args.recompute,
                             layout=args.cp_layout, variant=args.cp_variant,

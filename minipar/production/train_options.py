@@ -77,13 +77,20 @@ def parser() -> argparse.ArgumentParser:
                       ("ep", "expert")):
         mesh.add_argument(f"--{dim}", type=POSITIVE, default=1,
                           help=f"{what}-parallel size" + (" (carved out of dp·cp)" if dim == "ep" else ""))
+    mesh.add_argument("--dp-shard", type=POSITIVE, default=None,
+                      help="HSDP: ZeRO-3 within blocks of this many data-parallel ranks (dp = R·S)")
+    mesh.add_argument("--dp-replicate", type=POSITIVE, default=None,
+                      help="HSDP: the blocks' replicas, their gradient shards all-reduced (dp = R·S)")
     mesh.add_argument("--cp-variant", choices=VARIANTS, default="ring", help="context-parallel attention")
     mesh.add_argument("--cp-layout", choices=LAYOUTS, default="zigzag", help="how sequences are cut over cp")
     mesh.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
-                      help="ZeRO stage over the data-parallel ranks (2, 3: without pp or cp)")
+                      help="ZeRO stage (dense parameters sharded over dp·cp, experts' over expert-dp)")
     mesh.add_argument("--zero1", action="store_true", help="the same as --zero 1")
     mesh.add_argument("--sharding", choices=("flat", "per-parameter"), default="flat",
                       help="ZeRO-3's storage: flat units (FSDP1) or per-parameter shards (fully_shard, FSDP2)")
+    mesh.add_argument("--reshard-after-forward", choices=("auto", "always", "never"), default="auto",
+                      help="ZeRO-3: free a layer's gathered weights after each use (always) or keep them "
+                           "across the step's micro-batches (never); auto: never with --pp, else always")
     mesh.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
     mesh.add_argument("--virtual-stages", type=POSITIVE, default=1, help="stages per rank (interleaved)")
     mesh.add_argument("--microbatches", type=POSITIVE, default=1, help="micro-batches per dp shard")
@@ -147,6 +154,12 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"argument --zero1: means --zero 1, but --zero {args.zero} was given too")
     args.zero = 1 if args.zero1 else (args.zero or 0)
     args.zero1 = args.zero == 1
+    if args.dp_shard is not None or args.dp_replicate is not None:   # HSDP: dp = R·S
+        shard, replicas = args.dp_shard or 1, args.dp_replicate or 1
+        if args.dp != 1 and args.dp != shard * replicas:
+            p.error(f"argument --dp: --dp {args.dp} but --dp-replicate {replicas} × --dp-shard {shard} "
+                    f"= {shard * replicas}; give one or the other")
+        args.dp, args.dp_shard, args.dp_replicate = shard * replicas, shard, replicas
     return args
 
 
@@ -183,15 +196,9 @@ def check_options(args) -> None:
                          "(the expert groups are carved out of the data and context ranks)")
     if args.sharding == "per-parameter" and args.zero != 3:
         raise ValueError(f"--sharding per-parameter is ZeRO-3's storage: it needs --zero 3 (got --zero {args.zero})")
-    if args.zero >= 2 and (args.pp > 1 or args.cp > 1):
-        raise ValueError(f"--zero {args.zero} with --pp {args.pp} --cp {args.cp}: with a pipeline stage 2 "
-                         "would reduce-scatter every micro-batch and stage 3 re-gather every stage's weights "
-                         "2m times a step; use --zero 1 there (stages 2 and 3 run with --dp and --tp)")
-    if args.zero >= 2 and args.n_experts:
-        raise ValueError(f"--zero {args.zero} with --n-experts: the experts' state is sharded with --zero 1 only")
-    if args.zero == 3 and args.checkpoint_dir is not None:
-        raise ValueError("--zero 3 with --checkpoint-dir: ZeRO-3's sharded parameters are not checkpointed; "
-                         "use --zero 1 or 2 to save and resume")
+    if args.reshard_after_forward != "auto" and args.zero != 3:
+        raise ValueError(f"--reshard-after-forward {args.reshard_after_forward} is ZeRO-3's policy: "
+                         f"it needs --zero 3 (got --zero {args.zero})")
     if args.zero == 3 and args.nonfinite == "skip":
         raise ValueError("--nonfinite skip with --zero 3: the undo snapshot needs whole parameters; "
                          "use --zero 1 or 2")
@@ -205,6 +212,9 @@ def check_options(args) -> None:
         check_switches(args)
     if args.layout == "auto":
         check_auto(args)
+    if args.elastic and (getattr(args, "dp_shard", None) or args.n_experts or args.layout == "auto"):
+        raise ValueError("--elastic chooses a dense GPT's dp × pp × tp layout for the ranks it finds: "
+                         "it does not combine with --dp-shard, --n-experts or --layout auto")
     if args.slow_rank is not None:
         from ..adapt.straggler import parse_slow
         try:

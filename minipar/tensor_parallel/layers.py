@@ -78,8 +78,10 @@ class ColumnParallelLinear(nn.Module):
         """This rank's shard of an existing single-device ``nn.Linear``."""
         with torch.device(linear.weight.device):  # built where the layer lives
             m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+        # >>> ex05 B
         t, r = size_and_rank(m.group)
         m.load_state_dict({k: v.chunk(t, 0)[r] for k, v in linear.state_dict().items()})
+        # <<< ex05 B
         return m
 
     def forward(self, x):
@@ -117,9 +119,11 @@ class RowParallelLinear(nn.Module):
         """This rank's shard of an existing single-device ``nn.Linear``."""
         with torch.device(linear.weight.device):  # built where the layer lives
             m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+        # >>> ex05 B
         t, r = size_and_rank(m.group)
         m.load_state_dict({k: v.chunk(t, 1)[r] if k == "weight" else v  # the bias whole
                            for k, v in linear.state_dict().items()})
+        # <<< ex05 B
         return m
 
     def forward(self, x):

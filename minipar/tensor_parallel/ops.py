@@ -51,6 +51,7 @@ def _sum(x: torch.Tensor, group=None, name: str = "all_reduce") -> torch.Tensor:
 
 def gather_along(x: torch.Tensor, dim: int, group=None, name: str = "all_gather") -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order (one flat all-gather)."""
+    # >>> ex05 A
     n = comm.group_size(group)
     if n == 1:
         return x
@@ -58,6 +59,7 @@ def gather_along(x: torch.Tensor, dim: int, group=None, name: str = "all_gather"
     out = torch.empty(n * xt.numel(), dtype=x.dtype, device=x.device)
     comm.all_gather(out, xt.reshape(-1), group=group, name=name)
     return out.view(n * xt.shape[0], *xt.shape[1:]).movedim(0, dim).contiguous()
+    # <<< ex05 A
 
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group=None, name: str = "reduce_scatter") -> torch.Tensor:
@@ -74,11 +76,13 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group=None, name: str = "red
 
 def _split(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """This rank's block of ``x`` along ``dim`` (no communication)."""
+    # >>> ex05 A
     n, r = size_and_rank(group)
     if n == 1:
         return x
     divide(x.shape[dim], n, f"size along dim {dim}")
     return x.chunk(n, dim)[r].contiguous()
+    # <<< ex05 A
 
 
 # ---------------------------------------------------------------- Megatron's f and g

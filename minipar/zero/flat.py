@@ -137,6 +137,7 @@ class ShardedFlatUnit:
     ``full`` buffer of N·k elements the parameters are views of, its storage freed until gathered."""
 
     def __init__(self, module: nn.Module, params, group, dtype):
+        # >>> ex06 C
         self.module, self.flat = module, FlatUnit(params, group)
         self.params = self.flat.params                     # what the gradients arrive on
         master = self.flat.flatten(self.params)
@@ -144,6 +145,7 @@ class ShardedFlatUnit:
         self.full = torch.empty(self.flat.padded, dtype=dtype, device=master.device)
         self.flat.use(self.full)
         free_unit(self.full)
+        # <<< ex06 C
 
 
 class FlatStorage:
@@ -158,19 +160,25 @@ class FlatStorage:
         self.units = [ShardedFlatUnit(m, ps, group, dtype) for m, ps in units if ps]
 
     def gather(self, i: int, **labels):
+        # >>> ex06 C
         u = self.units[i]
         return gather_unit(u.full, u.shard, self.group, async_op=True, **labels)
+        # <<< ex06 C
 
     def use(self, i: int, gathered: bool) -> None:
         pass
 
     def free(self, i: int) -> None:
+        # >>> ex06 C
         free_unit(self.units[i].full)
+        # <<< ex06 C
 
     def reduce(self, i: int) -> None:
+        # >>> ex06 C
         u = self.units[i]
         g = reduce_unit_grads(u.flat, dtype=self.dtype, unit=i).to(torch.float32)
         u.shard.grad = g if u.shard.grad is None else u.shard.grad.add_(g)
+        # <<< ex06 C
 
     @torch.no_grad()
     def full_params(self) -> dict[int, torch.Tensor]:
@@ -181,6 +189,11 @@ class FlatStorage:
             all_gather(full, u.shard.detach(), group=self.group, name="gather_full_params")
             where.update({id(p): v.clone() for p, v in zip(u.params, u.flat.views(full))})
         return where
+
+    def shard_spans(self) -> list[tuple]:
+        """``(parameter, shard, a, b, s)``: elements [a, b) of the flattened parameter are elements
+        [s, s + b - a) of this rank's ``shard`` (what a checkpoint saves and loads in place)."""
+        return [(p, u.shard, a, b, s) for u in self.units for p, a, b, s in u.flat.shard_spans()]
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """Shards and gathered buffers; the shards' and the parameters' gradients."""

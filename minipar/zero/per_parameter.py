@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from ..comm import all_gather, group_rank, group_size
 from .flat import free_unit
-from .persist import persistent_parameters
+from .persist import compute_in_fp32, persistent_parameters
 from .reduce import reduce_shard
 from .stage3 import Schedule, unit_parameters
 
@@ -135,6 +135,18 @@ class PerParameterStorage:
                 where[id(q.shard)] = out.view(self.n * q.c, *q.shape[1:])[:q.shape[0]].clone()
         return where
 
+    def shard_spans(self) -> list[tuple]:
+        """``((module, attribute), shard, a, b, 0)``: elements [a, b) of the flattened parameter
+        registered there are this rank's rows of it, its ``shard`` (padding rows left out)."""
+        out = []
+        for u in self.units:
+            for q in u.ps:
+                row = q.numel // q.c if q.c else 0
+                lo, hi = self.r * q.c, min((self.r + 1) * q.c, q.shape[0])
+                if lo < hi:
+                    out.append((q.owners[0], q.shard, lo * row, hi * row, 0))
+        return out
+
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """Shards and gathered buffers; the shards' and the unsharded parameters' gradients."""
         qs = [q for u in self.units for q in u.ps]
@@ -147,24 +159,31 @@ class PerParameterStorage:
 
 
 def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, reduce_dtype=None,
-                prefetch: bool = True, persist_below: int | None = None, persist=None) -> nn.Module:
+                prefetch: bool = True, persist_below: int | None = None, persist=None,
+                reshard_after_forward: bool = True, ignored_params=()) -> nn.Module:
     """Shard ``module``'s parameters in place, per parameter, over ``group``; returns it.
 
     ``units``: the modules gathered one at a time (default ``module.layers()``); every
     parameter must belong to one unit. ``param_dtype``: the dtype of the gathered
     parameters and of the compute (e.g. ``torch.bfloat16``); ``reduce_dtype``: of the
-    gradient reduce-scatter (default ``param_dtype``). The shards stay fp32. ``prefetch``:
+    gradient reduce-scatter (default ``param_dtype``). The shards stay fp32, and so do the
+    persistent parameters, their modules' compute and their gradients' average. ``prefetch``:
     start the next unit's all-gather while this one computes. ``persist_below`` (elements) and
     ``persist`` (a predicate on modules): parameters left whole, replicated, their gradients
-    all-reduced (:func:`~minipar.zero.persist.persistent_parameters`). The stage-3 state
+    all-reduced (:func:`~minipar.zero.persist.persistent_parameters`). ``reshard_after_forward``:
+    free each unit after each use, or keep it gathered until the state's ``finish_step()``
+    (:mod:`minipar.zero.stage3`: the policy under a pipeline). ``ignored_params``: left whole,
+    to another state (FSDP2's name). The stage-3 state
     (:class:`~minipar.zero.stage3.Schedule`) is :func:`sharded_state` ``(module)``."""
-    found = unit_parameters(module, units)
+    found = unit_parameters(module, units, ignored_params)
     persistent = persistent_parameters(module, persist_below, persist, param_dtype)
     kept = {id(p) for p in persistent}                      # stay the module's own parameters
     storage = PerParameterStorage([(m, [(p, ow) for p, ow in f.values() if id(p) not in kept]) for m, f in found],
                                   group, param_dtype or torch.float32, reduce_dtype)
     module.__dict__["_fully_shard"] = Schedule(storage, module, group, prefetch, persistent,
-                                               reduce_dtype=storage.reduce_dtype)   # not a submodule
+                                               reduce_dtype=storage.reduce_dtype,
+                                               reshard_after_forward=reshard_after_forward)   # not a submodule
+    compute_in_fp32(module, persistent, param_dtype)      # the persistent modules in fp32
     return module
 
 

@@ -12,6 +12,12 @@ so every rank applies the same update to the same replica. Memory per rank
 (4 + 4 + K)Ψ_p (fp32) on top of stage 3's (4 + 4 + K)(Ψ - Ψ_p)/N; communication
 2(N-1)/N·Ψ_p instead of 3(N-1)/N·Ψ_p, and a unit left with nothing to shard needs no
 gather at all (:func:`minipar.analysis.cost.zero_bytes_per_rank`, ``persistent=``).
+
+Under mixed precision (``param_dtype=``, FSDP2's ``MixedPrecisionPolicy``) only the sharded
+parameters are cast: the persistent ones stay fp32, their modules compute in fp32
+(:func:`compute_in_fp32` casts the inputs up and the outputs back to ``param_dtype``), and
+their gradients, fp32 like them, are averaged in fp32 whatever the sharded ones'
+``reduce_dtype``.
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ def persistent_parameters(module: nn.Module, persist_below: int | None = None, p
                           param_dtype=None) -> list[nn.Parameter]:
     """The parameters stage 3 keeps whole (DeepSpeed's ``stage3_param_persistence_threshold``):
     those with fewer than ``persist_below`` elements, and those of the modules for which
-    ``persist(module)`` is true, in ``module``'s order. They are replicated on every rank and
+    ``persist(module)`` is true, in ``module``'s order (they are not cast by ``param_dtype``:
+    :func:`compute_in_fp32`). They are replicated on every rank and
     never gathered; their gradients are all-reduced (averaged) in one call after every unit's
     reduce-scatter, so each costs 4 + 4 + K bytes per element on every rank instead of
     (4 + 4 + K)/N, and a unit left with none to shard costs no collective at all."""
@@ -33,9 +40,6 @@ def persistent_parameters(module: nn.Module, persist_below: int | None = None, p
         return []
     if persist_below is not None and (not isinstance(persist_below, int) or persist_below < 0):
         raise ValueError(f"persist_below must be a number of elements (an int >= 0), got {persist_below!r}")
-    if param_dtype not in (None, torch.float32):
-        raise ValueError("persistent parameters stay fp32 and are not cast: use persist_below/persist "
-                         "with dtype= (autocast) rather than param_dtype=")
     out = {}
     for m in module.modules():
         for p in m.parameters(recurse=False):
@@ -59,3 +63,25 @@ def reduce_persistent(params, group=None, dtype=None) -> None:
     all_reduce(flat, op="avg", group=group, name="all_reduce", persistent=True)
     for p, g in zip(ps, flat.split([p.numel() for p in ps])):
         p.grad = g.view(p.shape).to(p.dtype)
+
+
+def _cast(x, dtype):
+    if torch.is_tensor(x) and x.is_floating_point():
+        return x.to(dtype)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cast(t, dtype) for t in x)
+    return x
+
+
+def compute_in_fp32(module: nn.Module, persistent, param_dtype) -> None:
+    """Under ``param_dtype`` (fp16, bf16): every module that owns a persistent parameter computes
+    in fp32, its floating inputs cast to fp32 before its forward and its floating outputs back
+    to ``param_dtype`` after it, so the sharded layers around it see ``param_dtype`` activations.
+    Nothing to do in fp32."""
+    if param_dtype in (None, torch.float32) or not persistent:
+        return
+    kept = {id(p) for p in persistent}
+    for m in module.modules():
+        if any(id(p) in kept for p in m.parameters(recurse=False)):
+            m.register_forward_pre_hook(lambda m, args: _cast(args, torch.float32))
+            m.register_forward_hook(lambda m, args, out: _cast(out, param_dtype))

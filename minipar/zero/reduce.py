@@ -36,11 +36,13 @@ def reduce_shard(flat_grad: torch.Tensor, group=None, **labels) -> torch.Tensor:
 def reduce_unit_grads(flat_unit, dtype=None, **labels) -> torch.Tensor:
     """Flatten ``flat_unit``'s gradients (zeros where a parameter has none on this rank), drop
     the full ones, and return this rank's reduced k elements as a new tensor."""
+    # >>> ex06 A
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in flat_unit.params]
     flat = flat_unit.flatten(grads, dtype=dtype)
     for p in flat_unit.params:
         p.grad = None
     return reduce_shard(flat, flat_unit.group, **labels).clone()     # `flat` is freed
+    # <<< ex06 A
 
 
 class OrderedReduction:

@@ -70,6 +70,7 @@ class ZeroOptimizer:
         if dtypes != {torch.float32}:
             raise ValueError(f"{type(self).__name__} expects fp32 parameters (they become the "
                              f"master weights), got {dtypes}")
+        # >>> ex06 B
         self.units = [FlatUnit(ps, group) for ps in units]
         self.param_dtype = param_dtype or torch.float32
         self.mixed = self.param_dtype != torch.float32
@@ -81,6 +82,7 @@ class ZeroOptimizer:
             u.use(flat)
             self.flat_params.append(flat)
             self.shards.append(torch.nn.Parameter(shard))      # shares memory with `shard`
+        # <<< ex06 B
         self._setup_grads()
         self.optim = optimizer_cls(self.shards, **kwargs)
         self.param_groups, self.state = self.optim.param_groups, self.optim.state
@@ -106,17 +108,21 @@ class ZeroOptimizer:
         self._point_grads()
 
     def step(self) -> None:
+        # >>> ex06 B
         self._point_grads()
         self._step([reduce_shard(g, self.group) for g in self.flat_grads])
+        # <<< ex06 B
 
     def _step(self, grad_shards) -> None:
         """Clip (if asked) by the norm of the averaged gradient, then :func:`sharded_step`."""
+        # >>> ex06 B
         if self.max_grad_norm is not None:
             self.grad_norm = clip_grad_norm_(grad_shards, self.max_grad_norm, self.group)
         sharded_step(self.flat_params, grad_shards, self.shards, self.optim, self.group)
         if self.mixed:
             for s in self.shards:
                 s.grad = None                                  # the fp32 copy was temporary
+        # <<< ex06 B
 
     # -- memory anatomy (see minipar.zero.memory.model_state_bytes)
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:

@@ -19,6 +19,17 @@ What gathering, using, freeing and reducing mean is the :class:`Storage`'s: flat
 (:class:`~minipar.zero.per_parameter.PerParameterStorage`, FSDP2's, behind
 :func:`~minipar.zero.fully_shard`).
 
+Under a pipeline (Huang et al. 2019's m micro-batches per step) the policy
+``reshard_after_forward`` decides when a unit goes back to its shards. On (``True``): after
+every use, as above, so a step gathers each unit 2m times and reduce-scatters its gradient
+m times, each micro-batch's into this rank's gradient shard (accumulating). Off
+(``False``, FSDP2's ``reshard_after_forward=False``, torchtitan's default under PP): a unit
+gathered at its first forward stays gathered across the step's micro-batches, its
+gradients accumulate whole on the gathered parameters, and :meth:`Schedule.finish_step`
+(after the last micro-batch's backward) frees it and reduce-scatters once: one all-gather
+and one reduce-scatter per unit per step, for Ψ_s (the stage's parameters) and Ψ_s of
+gradients held whole during the step.
+
 Memory per rank (2 + 2 + K)Ψ/N (fp32: (4 + 4 + K)Ψ/N) plus the gathered units in flight
 (at most two with prefetch: ``peak_gathered_bytes``, added on gather, taken off on free);
 communication 3Ψ per step: all-gather twice, reduce-scatter once. Under mixed precision
@@ -36,7 +47,7 @@ import torch.nn as nn
 from ..runtime import trace
 from .flat import FlatStorage
 from .memory import state_tensors
-from .persist import persistent_parameters, reduce_persistent
+from .persist import compute_in_fp32, persistent_parameters, reduce_persistent
 from .reduce import OrderedReduction
 
 
@@ -74,25 +85,29 @@ class Storage(Protocol):
         """The unit sizes the cost formulas take."""
 
 
-def unit_parameters(module: nn.Module, units=None) -> list[tuple[nn.Module, dict]]:
+def unit_parameters(module: nn.Module, units=None, ignored_params=()) -> list[tuple[nn.Module, dict]]:
     """The units stage 3 gathers one at a time (``units``, default ``module.layers()``, else
     the whole module), each with ``{id(p): (p, [(owner, attribute), ...])}`` of its trainable
     parameters in ``module.parameters()`` order (one parameter may be registered twice).
-    Both designs check here that every trainable parameter lies in exactly one unit."""
+    Both designs check here that every trainable parameter lies in exactly one unit;
+    ``ignored_params`` (FSDP2's name) are left out, to another state (the experts' over their
+    expert-dp group)."""
+    ignored = {id(p) for p in ignored_params}
     mods = list(units if units is not None else (module.layers() if hasattr(module, "layers") else [module]))
     out, seen = [], {}
     for i, m in enumerate(mods):
         found = {}
         for owner in m.modules():
             for attr, p in owner.named_parameters(recurse=False, remove_duplicate=False):
-                if not p.requires_grad:
+                if not p.requires_grad or id(p) in ignored:
                     continue
                 if seen.setdefault(id(p), i) != i:
                     raise ValueError("a parameter is shared by two units (tied weights?); "
                                      "stage 3 needs each parameter in exactly one unit")
                 found.setdefault(id(p), (p, []))[1].append((owner, attr))
         out.append((m, found))
-    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
+    missing = [n for n, p in module.named_parameters()
+               if p.requires_grad and id(p) not in seen and id(p) not in ignored]
     if missing:
         raise ValueError(f"parameters in no unit: {missing[:3]}...; pass units= covering them")
     return out
@@ -103,30 +118,33 @@ class Schedule:
 
     ``module``: the whole model (a forward of it starts a new unit order); ``persistent``:
     parameters kept whole (their gradients averaged in one all-reduce after every unit's
-    reduce-scatter, in ``reduce_dtype``); ``prefetch``: start the next unit's gather early."""
+    reduce-scatter, in their own dtype, fp32); ``reduce_dtype``: the sharded gradients';
+    ``prefetch``: start the next unit's gather early; ``reshard_after_forward``: free a unit after each use (``True``) or keep it gathered until
+    :meth:`finish_step` (``False``, module docstring)."""
 
     def __init__(self, storage: Storage, module: nn.Module, group=None, prefetch: bool = True,
-                 persistent=(), reduce_dtype=None):
+                 persistent=(), reduce_dtype=None, reshard_after_forward: bool = True):
         self.storage, self.units, self.module = storage, storage.units, module
+        self.reshard = bool(reshard_after_forward)
         self.group, self.prefetch, self.persistent, self.reduce_dtype = group, prefetch, list(persistent), reduce_dtype
         n = len(self.units)
         self.gathered, self.pending, self.bw, self.t0 = [False] * n, [None] * n, [False] * n, [0.0] * n
         self.nbytes = [u.full.numel() * u.full.element_size() for u in self.units]
         self.gathered_bytes = self.peak_gathered_bytes = 0     # gathered units alive now / at most
+        self.peak_held_grad_bytes = 0                          # whole gradients held for finish_step
         self.order: list[int] = []                            # units in forward order, this forward
         self.in_backward = False
         # backward completes the units in reverse forward order; reduce them in that order
         self.reduction = OrderedReduction(self.units, lambda: list(reversed(self.order)), self.reduce,
-                                          tail=lambda: reduce_persistent(self.persistent, self.group,
-                                                                         self.reduce_dtype))
+                                          tail=lambda: reduce_persistent(self.persistent, self.group))
         module.register_forward_pre_hook(lambda m, a: self.start_forward())   # before the units' hooks
         for i, u in enumerate(self.units):
             u.module.register_forward_pre_hook(lambda m, a, i=i: self.pre_forward(i))
             u.module.register_forward_hook(lambda m, a, out, i=i: self.post_forward(i, out))
             for p in u.params:
-                p.register_post_accumulate_grad_hook(lambda p, i=i: self.reduction.grad_ready(i, p))
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self.grad_ready(i, p))
         for p in self.persistent:
-            p.register_post_accumulate_grad_hook(lambda p: self.reduction.touch())
+            p.register_post_accumulate_grad_hook(lambda p: self.reshard and self.reduction.touch())
 
     def start_forward(self) -> None:
         """A new forward of the model: the units' order starts again."""
@@ -144,7 +162,8 @@ class Schedule:
     def post_forward(self, i: int, out):
         trace.record("compute", "forward", self.t0[i], trace.now(), unit=i)
         self.storage.use(i, False)
-        self.free(i)
+        if self.reshard:
+            self.free(i)
         for t in (out if isinstance(out, (tuple, list)) else [out]):
             if torch.is_tensor(t) and t.requires_grad:
                 t.register_hook(lambda g, i=i: self.pre_backward(i))
@@ -157,7 +176,8 @@ class Schedule:
         if self.bw[i]:                                     # one hook per output tensor
             return
         self.bw[i] = True
-        self.reduction.reached(i)
+        if self.reshard:
+            self.reduction.reached(i)
         self.gather(i, phase="backward")
         pos = self.order.index(i) if i in self.order else 0
         if self.prefetch and pos > 0:
@@ -172,10 +192,33 @@ class Schedule:
         self.storage.reduce(i)
         self.bw[i] = False
 
+    def grad_ready(self, i: int, p) -> None:
+        if self.reshard:                                   # else: accumulated until finish_step
+            self.reduction.grad_ready(i, p)
+
     def end_backward(self) -> None:
-        for i in range(len(self.units)):
-            self.free(i)
+        if self.reshard:
+            for i in range(len(self.units)):
+                self.free(i)
+        else:                                              # the next micro-batch's backward
+            self.bw = [False] * len(self.units)
         self.in_backward = False
+
+    def finish_step(self) -> None:
+        """After the step's last backward, with ``reshard_after_forward=False``: free every unit
+        and reduce-scatter its accumulated gradients once (last unit first, the same order on
+        every rank), then average the persistent parameters' gradients. With resharding on,
+        every backward did this already and there is nothing to do."""
+        if self.reshard:
+            return
+        held = sum(p.grad.numel() * p.grad.element_size() for u in self.units for p in u.params
+                   if p.grad is not None)
+        self.peak_held_grad_bytes = max(self.peak_held_grad_bytes, held)
+        for i in reversed(range(len(self.units))):
+            self.free(i)
+            self.storage.reduce(i)
+        reduce_persistent(self.persistent, self.group)
+        self.bw = [False] * len(self.units)
 
     # -- gather and free, once each per use; the gathered bytes counted as they change
     def gather(self, i: int, wait: bool = True, **labels) -> None:
@@ -216,6 +259,11 @@ class Schedule:
     def unit_sizes(self) -> list[int]:
         return self.storage.unit_sizes()
 
+    def shard_spans(self) -> list[tuple]:
+        """The storage's ``(parameter or (module, attribute), shard, a, b, s)``: which elements of
+        which parameter each shard holds (checkpoints)."""
+        return self.storage.shard_spans()
+
     def persistent_numel(self) -> int:
         """Ψ_p: the elements kept whole on every rank."""
         return sum(p.numel() for p in self.persistent)
@@ -223,7 +271,8 @@ class Schedule:
 
 class FullyShardedDataParallel(nn.Module):
     """``FullyShardedDataParallel(module, group=None, units=None, prefetch=True, param_dtype=None,
-    persist_below=None, persist=None)``: stage 3 over flat units.
+    persist_below=None, persist=None, reshard_after_forward=True, ignored_params=())``: stage 3
+    over flat units (``ignored_params``: left to another state, :func:`unit_parameters`).
 
     ``units``: the modules gathered one at a time (default ``module.layers()``, else the
     whole module); every parameter must belong to exactly one unit. ``persist_below`` (elements)
@@ -234,20 +283,24 @@ class FullyShardedDataParallel(nn.Module):
     ``peak_gathered_bytes``: the most bytes of gathered units alive at once so far."""
 
     def __init__(self, module: nn.Module, group=None, units=None, prefetch: bool = True, param_dtype=None,
-                 persist_below: int | None = None, persist=None):
+                 persist_below: int | None = None, persist=None, reshard_after_forward: bool = True,
+                 ignored_params=()):
         super().__init__()
         object.__setattr__(self, "module", module)        # not a child: its params are not ours
-        found = unit_parameters(module, units)
+        found = unit_parameters(module, units, ignored_params)
         whole = persistent_parameters(module, persist_below, persist, param_dtype)
         kept = {id(p) for p in whole}
         storage = FlatStorage([(m, [p for p, _ in f.values() if id(p) not in kept]) for m, f in found],
                               group, param_dtype or torch.float32)
         self.shards = nn.ParameterList([u.shard for u in storage.units])
         self.persistent = nn.ParameterList(whole)           # the module's own, replicated
-        self.schedule = Schedule(storage, module, group, prefetch, whole)
+        self.schedule = Schedule(storage, module, group, prefetch, whole,
+                                 reshard_after_forward=reshard_after_forward)
+        compute_in_fp32(module, whole, param_dtype)
 
     units = property(lambda self: self.schedule.units)
     peak_gathered_bytes = property(lambda self: self.schedule.peak_gathered_bytes)
+    peak_held_grad_bytes = property(lambda self: self.schedule.peak_held_grad_bytes)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -259,6 +312,9 @@ class FullyShardedDataParallel(nn.Module):
     def start_forward(self) -> None:
         self.schedule.start_forward()
 
+    def finish_step(self) -> None:
+        self.schedule.finish_step()
+
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         return self.schedule.gather_full_params()
 
@@ -268,6 +324,9 @@ class FullyShardedDataParallel(nn.Module):
     def unit_sizes(self) -> list[int]:
         """Ψ_u of every unit (unpadded)."""
         return self.schedule.unit_sizes()
+
+    def shard_spans(self) -> list[tuple]:
+        return self.schedule.shard_spans()
 
     def persistent_numel(self) -> int:
         return self.schedule.persistent_numel()

@@ -66,13 +66,10 @@ def check(model, batches, world_size: int, stage: int = 1, param_dtype=None, dty
           sharding: str = "flat", prefetch: bool = True, reduce_dtype=None, persist_below=None,
           persist=None, max_grad_norm=None) -> None:
     """Plain errors before launch: a known stage and design, batches that split into equal shards,
-    persistence only under stage 3 and in fp32 parameters."""
+    persistence only under stage 3."""
     if persist_below is not None or persist is not None:
         if stage != 3:
             raise ValueError("persist_below/persist keep parameters whole under stage 3; stages 0-2 never shard them")
-        if param_dtype not in (None, torch.float32):
-            raise ValueError("persistent parameters stay fp32: use persist_below/persist with dtype= (autocast), "
-                             "not param_dtype=")
         if persist_below is not None and (not isinstance(persist_below, int) or persist_below < 0):
             raise ValueError(f"persist_below must be a number of elements (an int >= 0), got {persist_below!r}")
     if stage not in (0, 1, 2, 3):

@@ -10,7 +10,7 @@ from .data_parallel import ddp_bytes_per_step, ddp_comm_time, ddp_step_time, exp
 from .hybrid import hybrid_comm_bytes, hybrid_memory_per_rank
 from .pipeline import bubble_fraction, peak_activations, pipeline_time
 from .tensor_parallel import activation_bytes_per_layer, activation_terms, tp_comm_bytes_per_layer
-from .zero import zero_bytes_per_rank, zero_comm_bytes
+from .zero import hsdp_comm_bytes, zero3_pipeline_comm_bytes, zero3_pipeline_peak_bytes, zero_bytes_per_rank, zero_comm_bytes
 from .context_parallel import (attention_blocks_per_rank, attention_flops_per_rank, cp_activation_bytes,
     cp_comm_bytes, cp_imbalance)
 from .flops import (checkpoint_recompute_flops, layer_forward_flops, narayanan_flops, recompute_flops,
@@ -21,5 +21,6 @@ __all__ = ["OPS", "collective_bytes", "collective_steps", "alpha_beta_time", "fi
            "bus_bandwidth", "ddp_bytes_per_step", "ddp_comm_time", "ddp_step_time", "expected_staleness",
            "bubble_fraction", "peak_activations", "pipeline_time", "activation_bytes_per_layer",
            "activation_terms", "tp_comm_bytes_per_layer", "zero_bytes_per_rank", "zero_comm_bytes",
+           "zero3_pipeline_comm_bytes", "zero3_pipeline_peak_bytes", "hsdp_comm_bytes",
            "hybrid_comm_bytes", "hybrid_memory_per_rank", "checkpoint_recompute_flops", "layer_forward_flops",
            "narayanan_flops", "recompute_flops", "training_flops", "recompute_activation_bytes"]

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 
 def ep_all_to_all_bytes(tokens: int, hidden: int, top_k: int, ep: int, bytes_per_element: int = 4) -> float:
-    """Expected bytes one rank sends per all-to-all (one layer, one direction): k·S·h·(ep-1)/ep."""
+    """Expected bytes one rank sends per all-to-all (one layer, one direction):
+    k·S·h·(ep-1)/ep elements of ``bytes_per_element`` bytes each (4, fp32, by default)."""
     return top_k * tokens * hidden * (ep - 1) / ep * bytes_per_element
 
 

@@ -22,6 +22,23 @@ Communication per rank and step (§7): stages 0-2 move 2Ψ (all-reduce, or reduc
 of gradients + all-gather of parameters), stage 3 moves 3Ψ (all-gather for the forward,
 again for the backward, reduce-scatter of gradients); times (N-1)/N for the ring.
 
+Stage 3 under a pipeline of m micro-batches (:func:`zero3_pipeline_comm_bytes`,
+:func:`zero3_pipeline_peak_bytes`; Ψ is then one pipeline stage's parameters). Resharding
+after every use gathers each unit 2m times and reduce-scatters m times, (2m + m)(N-1)/N·Ψ;
+keeping the units gathered across the micro-batches (``reshard_after_forward=False``)
+gathers once and reduce-scatters once, 2(N-1)/N·Ψ, ZeRO-1's traffic. The price is memory
+during the step: the stage's gathered parameters and its whole accumulated gradients,
+
+    peak = (4 + 4 + K)Ψ̂/N - 4Ψ̂/N + 4Ψ̂ + 4Ψ   (fp32; the gradient shards exist only after
+                                            the step's reduce-scatter)
+
+i.e. ZeRO-1's 4Ψ + 4Ψ + KΨ/N plus the 4Ψ/N of parameter shards kept beside their gathered
+copies; resharding holds at most two gathered units (prefetch) and one unit's gradients.
+
+HSDP (:func:`hsdp_comm_bytes`): stage 3 within blocks of S = dp_shard ranks, replicated over
+R = dp_replicate blocks: memory that of stage 3 with N = S, bytes 3(S-1)/S·Ψ in the block and
+2(R-1)/R·Ψ/S across blocks.
+
 Persistent parameters (stage 3; DeepSpeed's ``stage3_param_persistence_threshold``):
 ``persistent=Ψ_p`` elements kept whole on every rank, outside ``num_params``, cost
 (2 + 2 + K)Ψ_p per rank (replicated, no 1/N) and one all-reduce of their gradients,
@@ -85,3 +102,47 @@ def zero_comm_bytes(num_params, dp: int, stage: int, dtype_bytes: int = 4,
     return (gathers * collective_bytes("all_gather", nbytes, dp)
             + collective_bytes("reduce_scatter", nbytes, dp)
             + (collective_bytes("all_reduce", persistent * dtype_bytes, dp) if persistent else 0.0))
+
+
+def zero3_pipeline_comm_bytes(num_params, dp: int, microbatches: int, reshard_after_forward: bool,
+                              dtype_bytes: int = 4, padded: bool = True) -> float:
+    """Bytes each rank sends per step for one pipeline stage's ``num_params`` (Ψ or its unit
+    sizes) under ZeRO-3 with ``microbatches`` micro-batches: resharding, 2m all-gathers and m
+    reduce-scatters; kept gathered, one of each (module docstring)."""
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    full, _ = _sizes(num_params, dp, 3, padded)
+    nbytes, m = full * dtype_bytes, microbatches if reshard_after_forward else 1
+    gathers = 2 * m if reshard_after_forward else 1
+    return (gathers * collective_bytes("all_gather", nbytes, dp)
+            + m * collective_bytes("reduce_scatter", nbytes, dp))
+
+
+def zero3_pipeline_peak_bytes(units: Sequence, dp: int, reshard_after_forward: bool, k: float = 8,
+                              dtype_bytes: int = 4, prefetch: bool = True) -> dict[str, float]:
+    """Model-state bytes per rank at the peak of a step of ZeRO-3 over one pipeline stage whose
+    units (layers) have ``units`` elements: ``{"shards"`` (parameter shards and optimizer state,
+    the gradient shards not yet made), ``"gathered"`` (gathered units alive at once: every unit
+    kept gathered, or the largest two consecutive ones with ``prefetch``), ``"grads"`` (whole
+    gradients held: every unit's, or the largest unit's while it is reduced), ``"total"}``."""
+    units = list(units)
+    padded = [dp * -(-u // dp) for u in units]
+    shards = (dtype_bytes + k) * sum(padded) / dp
+    if reshard_after_forward:
+        pairs = [a + b for a, b in zip(padded, padded[1:])] if prefetch and len(padded) > 1 else padded
+        gathered, grads = max(pairs), max(units)
+    else:
+        gathered, grads = sum(padded), sum(units)
+    out = {"shards": shards, "gathered": dtype_bytes * gathered, "grads": dtype_bytes * grads}
+    out["total"] = sum(out.values())
+    return out
+
+
+def hsdp_comm_bytes(num_params, dp_shard: int, dp_replicate: int, dtype_bytes: int = 4,
+                    padded: bool = True) -> dict[str, float]:
+    """Bytes each rank sends per step under HSDP (Zhao et al. 2023, §3.2.3): stage 3 within the
+    ``dp_shard`` block, 3(S-1)/S·Ψ, then one all-reduce of its Ψ/S gradient shard across the
+    ``dp_replicate`` blocks, 2(R-1)/R·Ψ/S: ``{"dp_shard", "dp_replicate"}``."""
+    full, shard = _sizes(num_params, dp_shard, 3, padded)
+    return {"dp_shard": zero_comm_bytes(num_params, dp_shard, 3, dtype_bytes, padded),
+            "dp_replicate": collective_bytes("all_reduce", shard * dtype_bytes, dp_replicate)}

@@ -43,6 +43,7 @@ BUCKET = 25e6
 def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
     """Bytes one layer keeps per micro-batch on one GPU (Korthikanti et al.'s terms, shaped
     for ``model``; for a GPT they are exactly :func:`minipar.analysis.cost.recompute_activation_bytes`)."""
+    # >>> ex10 A
     L, h = layout, model.hidden
     s, e, t = seq_len // L.cp, L.bytes_per_element, L.tp
     if L.recompute == "full":
@@ -58,10 +59,12 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> fl
     if flash:                            # the per-row log-sum-exp, fp32, per head
         terms["log-sum-exp"] = 4 * s * L.micro_batch * model.n_head / t
     return sum(terms.values())
+    # <<< ex10 A
 
 
 def model_state_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
     """``{"params", "grads", "optimizer"}`` bytes per GPU (ZeRO formulas on the local share)."""
+    # >>> ex10 B
     L, e = layout, layout.bytes_per_element
     k = 12 if e == 2 else 8
     experts = model.n_layer * model.n_experts * model.expert_params() if model.n_experts > 1 else 0
@@ -71,13 +74,14 @@ def model_state_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
         parts.append(zero_bytes_per_rank(experts / (L.tp * L.pp * L.ep), L.dp * L.cp // L.ep,
                                          L.zero, k, e, padded=False))
     return {c: sum(p[c] for p in parts) for c in ("params", "grads", "optimizer")}
+    # <<< ex10 B
 
 
 def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch: int) -> dict[str, float]:
     """Bytes on the busiest GPU: ``{"params", "grads", "optimizer", "activations", "buffers", "total"}``
     (formulas in the module docstring)."""
     L = layout
-    # >>> ex10 A
+    # >>> ex10 C
     out = model_state_bytes(model, L)
     m = L.microbatches(global_batch)
     per_layer = layer_activation_bytes(model, L, seq_len)
@@ -89,7 +93,7 @@ def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch:
         held = in_flight * layers * per_layer + rebuilt + (logits if r == L.pp - 1 else 0.0)
         act = max(act, held)
     out["activations"] = act
-    # <<< ex10 A
+    # <<< ex10 C
     out["buffers"] = comm_buffer_bytes(model, L, seq_len)
     out["total"] = sum(out.values())
     return out
@@ -101,15 +105,18 @@ def stage_layers(n_layer: int, pp: int) -> list[int]:
     the first stage holds the most micro-batches in flight and the last adds the head and the loss,
     which is how Llama 3 cut its 126 layers over 16 stages (Llama Team 2024, §3.3.2, "we reduce
     one Transformer layer each from the first and the last stages": 7, 8 × 14, 7)."""
+    # >>> ex10 C
     q, fewer = -(-n_layer // pp), -(-n_layer // pp) * pp - n_layer
     out = [q] * pp
     for r in ([0, pp - 1] + list(range(1, pp - 1)))[:fewer]:
         out[r] -= 1
     return out
+    # <<< ex10 C
 
 
 def comm_buffer_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
     """The buffers collectives need beside the model states and activations (docstring)."""
+    # >>> ex10 C
     L = layout
     e, sbh = L.bytes_per_element, (seq_len // L.cp) * L.micro_batch * model.hidden
     out = BUCKET if L.dp * L.cp > 1 else 0.0
@@ -120,3 +127,4 @@ def comm_buffer_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
     if L.zero == 3:
         out += e * (model.num_params() / model.n_layer) / L.tp
     return out
+    # <<< ex10 C

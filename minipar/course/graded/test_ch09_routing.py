@@ -4,7 +4,10 @@
 -1 for a dropped assignment. On the course's text (``course_logits``: (S, E, top_k) =
 (4096, 8, 2) from the start, (4096, 4, 1) from token 1605) the busiest expert must get at
 most 1.3 × the mean k·S/E assignments, under 5% of the assignments may be dropped, and the
-router probability of the chosen experts must be at least 0.95 × plain top-k's.
+router probability of the chosen experts must be at least 0.95 × plain top-k's. The library's
+routing (``minipar.models.moe.route``, plain top-k, with or without its capacity) meets at
+most two of the three. Grade it with ``python -m minipar.grade ch09``; ``minipar.hint("ch09")``
+gives a nudge, then the idea, then the method.
 """
 import torch
 import torch.nn.functional as F
@@ -14,6 +17,19 @@ from minipar.course.grading import GradeFailure, expect_equal
 from minipar.models import GPT, GPTConfig
 
 CHALLENGE = "ch09_routing"
+HINTS = {
+    "": ("Plain top-k overloads a few experts; a capacity drops what it cuts. Which tokens lose "
+         "least when they go to another expert than their first choice?",
+         "Move only the tokens the router is undecided about: their second-best expert costs little "
+         "router probability. Either shift a per-expert bias on the scores used for the choice (lower "
+         "for a busy expert, higher for an idle one) until the loads even out, or give every expert a "
+         "room slightly above k·S/E and let the confident tokens choose first.",
+         "Bias: b = 0; repeat a few hundred times: experts = (softmax(logits) + b).topk(k).indices; "
+         "load = bincount(experts, minlength=E); b -= step · (load - load.mean()) / load.mean(), with "
+         "a shrinking step; keep the most balanced choice. Or rooms: cap = floor(1.25·k·S/E) per "
+         "expert; visit the tokens by their top probability, most confident first, and give each its "
+         "best experts that still have room."),
+}
 CASES = [(4096, 8, 2, 0), (4096, 4, 1, 1605)]
 BALANCE, DROPS, FIDELITY = 1.3, 0.05, 0.95
 

@@ -4,7 +4,11 @@
 the cluster's GPUs, with ``plan.search`` disabled while it runs. For Llama 3 8B on 2 DGX H100
 nodes (64 × 8192 tokens), Llama 3 70B on 8 (512 × 8192) and GPT-3 13B on 4 Selene nodes
 (256 × 2048), ``plan.predict`` must find it valid and fitting, with a step time within 10% of
-the best that ``plan.search`` finds for the same job when the test runs.
+the best that ``plan.search`` finds for the same job when the test runs. The library's own
+answer is that search: ``choose`` may not call it, and the file may not import
+``minipar.analysis.plan.search`` nor its enumerator ``plan.layouts``. Grade it with
+``python -m minipar.grade ch10``; ``minipar.hint("ch10")`` gives a nudge, then the idea, then
+the method.
 """
 import sys
 
@@ -14,13 +18,30 @@ from minipar.analysis import plan
 from minipar.course.grading import GradeFailure
 
 CHALLENGE = "ch10_layout"
+FORBIDDEN = ("minipar.analysis.plan.search", "minipar.analysis.plan.search_module",
+             "minipar.analysis.plan.layouts", "minipar.analysis.plan.SearchResult")
+HINTS = {
+    "": ("Thousands of layouts are valid, but most lose for a reason you can state before predicting "
+         "them. Which dimensions belong inside a node, and which knobs are nearly free?",
+         "Tensor parallelism communicates in every layer: keep it within a node. ZeRO-1 shards the "
+         "optimizer state at no extra traffic. Selective recomputation drops the attention scores for "
+         "a few percent of FLOPs. What is left is how the GPUs split between tp, pp and cp (dp takes "
+         "the rest), the micro-batch and the virtual stages: a few hundred candidates, each one "
+         "plan.predict call. Or walk: from a layout that fits, take the move that helps most.",
+         "for tp in powers of 2 up to a node, pp and cp in powers of 2 with tp·pp·cp dividing the GPUs, "
+         "recompute in (none, selective, full), b in (1, 2), v in (1, 2, 4) when pp > 1: lay = "
+         "plan.Layout(dp=n // (tp·pp·cp), tp=tp, pp=pp, cp=cp, zero=1, micro_batch=b, recompute=rc, "
+         "v=v, schedule='interleaved' if v > 1 else '1f1b'); p = plan.predict(model, cluster, lay, "
+         "batch, seq, nodes=nodes) (skip a ValueError); keep the fitting one with the least "
+         "p.step_time."),
+}
 JOBS = [("llama3-8b", "dgx-h100", 2, 64, 8192), ("llama3-70b", "dgx-h100", 8, 512, 8192),
         ("gpt3-13b", "selene", 4, 256, 2048)]
 WITHIN = 1.10
 
 
 def _no_search(*_, **__):
-    raise GradeFailure("choose() called plan.search: the challenge is to choose without it "
+    raise GradeFailure("choose() called plan.search, which this challenge is graded without "
                        "(plan.predict and plan.memory_per_gpu are allowed)")
 
 

@@ -1,26 +1,34 @@
-"""Exercise 05: tensor parallelism's operators, layers and loss.
+"""Exercise 05: tensor parallelism: the conjugate operators, the column- and row-parallel
+layers and the vocabulary-parallel cross-entropy, forward and backward.
 
-``group`` is the tensor-parallel process group of t ranks (``None``: all ranks); group-local
-ranks come from ``size_and_rank(group)``. Megatron-LM (Shoeybi et al. 2019, §3, eqs. 1-3),
-derived in notebook 05:
+``group`` is the tensor-parallel process group of t ranks (``None``: all ranks); ranks count
+within it (``size_and_rank(group)``), so on a non-world group (two groups of 2 out of 4 ranks)
+every group computes its own layer. Megatron-LM (Shoeybi et al. 2019, §3, eqs. 1-3), derived
+in notebook 05.
 
-A. **f and g**, the conjugate operators (``_F``, ``_G`` and their helper ``_sum(x, group,
-   name)``), as ``torch.autograd.Function`` s: f is what a column-parallel layer needs at its
-   input, g what a row-parallel layer needs at its output, each the other's transpose (notebook
-   05, "Two ways to split Y = XA"). Neither modifies a tensor autograd gave it; ``backward``
-   returns one gradient per input of ``forward``.
-B. **column_parallel_linear** and **row_parallel_linear**: with this rank's shard of the weight
-   (column: rows (out/t, in) and bias (out/t); row: columns (out, in/t) and the full bias),
-   return this rank's output features (or all of them with ``gather_output=True``) and,
-   for the row layer, the full output; gradients flow to the input correctly, and a column
-   layer followed by a row layer communicates once in forward and once in backward (notebook
-   05, "Column then row: one all-reduce per MLP").
-C. **the vocabulary-parallel cross-entropy** (``_VocabParallelCrossEntropy.forward`` and
+A. The operators: ``_sum``, ``_F`` and ``_G`` (``torch.autograd.Function`` s behind ``f`` and
+   ``g``), ``gather_along`` and ``_split`` (behind ``gather`` and ``split``). f is the identity
+   forward and sums the ranks' gradients backward; g sums the ranks' inputs forward and passes
+   the gradient unchanged; each is one all-reduce of the tensor, and neither modifies a tensor
+   autograd gave it. ``gather_along(x, dim, group)`` concatenates every rank's ``x`` along
+   ``dim`` in rank order; ``_split(x, dim, group)`` keeps this rank's block along ``dim``, and
+   a size t does not divide is a ``ValueError``.
+B. The layers: ``column_parallel_linear`` (this rank's rows of the weight, (out/t, in), and of
+   the bias) returns this rank's output features (all of them with ``gather_output=True``) and
+   the whole input gradient; ``row_parallel_linear`` (this rank's columns, (out, in/t), and the
+   full bias) returns the full output, with the full bias added once; a column layer followed
+   by a row layer communicates once in forward and once in backward (notebook 05, "Column then
+   row: one all-reduce per MLP"). ``ColumnParallelLinear.from_linear`` and
+   ``RowParallelLinear.from_linear`` load into the module this rank's shard of a given
+   single-device ``nn.Linear`` (column: rows of the weight and of the bias; row: columns of the
+   weight, the bias whole), from a layer with ``bias=False`` too.
+C. The vocabulary-parallel cross-entropy (``_VocabParallelCrossEntropy.forward`` and
    ``.backward``): ``logits`` (..., V/t) are this rank's slice of the vocabulary (rank r has
-   tokens [r·V/t, (r+1)·V/t)). Return the mean cross-entropy equal to ``F.cross_entropy`` on the
-   full logits, finite even when logits reach hundreds, communicating a few numbers per
-   position rather than the logits; the backward, written by hand, needs no communication
-   (notebook 05, "The loss without the full logits"; Megatron-LM §3).
+   tokens [r·V/t, (r+1)·V/t)). The loss and the gradient equal ``F.cross_entropy`` on the full
+   logits, with targets on every rank's slice; finite even when logits reach hundreds; the
+   forward communicates a few numbers per position, never the logits, and the backward,
+   written by hand, communicates nothing; the loss is computed in fp32, from bf16 logits too
+   (the gradient in the logits' dtype) (notebook 05, "The loss without the full logits").
 
 Graded against the single-device computation (fp32, tolerance ``TOL``) and on the bytes sent.
 Grade it with ``python -m minipar.grade ex05``; stuck? ``minipar.hint("ex05", "A")`` (parts A, B, C).
@@ -40,23 +48,35 @@ HINTS = {
     'A': (
         'In a column-parallel layer every rank uses the same x but only its slice of the weight: '
         'what must happen to ∂L/∂x? In a row-parallel layer each rank has a partial product: what'
-        ' must happen to it, and to its gradient?',
+        ' must happen to it, and to its gradient? And which collective puts every rank\'s block of '
+        'a dimension side by side?',
         'f: identity forward, all-reduce (sum) of the gradient backward. g: all-reduce (sum) '
-        'forward, identity backward. _sum returns an all-reduced copy, never the input itself.',
+        'forward, identity backward. _sum returns an all-reduced copy, never the input itself. '
+        'gather_along: move dim to the front so that each rank\'s block is one flat run, all-gather '
+        'the flat runs, and move the dimension back; _split: check t divides the size, keep chunk r.',
         '_sum: out = x.contiguous().clone(); comm.all_reduce(out, group=group, name=name); return'
         ' out. _F.forward: ctx.group, ctx.name = group, name; return x.view_as(x); _F.backward: '
         'return _sum(grad, ctx.group, ctx.name), None, None. _G.forward: return _sum(x, group, '
-        '...); _G.backward: return grad, None.',
+        '...); _G.backward: return grad, None. gather_along: xt = x.movedim(dim, 0).contiguous(); '
+        'out = empty(n * xt.numel()); comm.all_gather(out, xt.reshape(-1), group=group, name=name); '
+        'return out.view(n * xt.shape[0], *xt.shape[1:]).movedim(0, dim). _split: divide(x.shape[dim], '
+        'n, ...); return x.chunk(n, dim)[r].contiguous().',
     ),
     'B': (
         "Which of f and g sits at the column layer's input, which at the row layer's output, and "
-        'where must the bias be added so that it counts once?',
+        'where must the bias be added so that it counts once? Which dimension of weight (out, in) '
+        'is the output features, which the input ones?',
         'Column: apply f to the input, multiply by your rows, add your bias slice; gather the '
         'last dimension only if asked. Row: multiply your input slice by your columns, sum over '
-        'the group with g, then add the full bias.',
+        'the group with g, then add the full bias. The modules build the single-device layer with '
+        'the seed, then keep chunk r of the weight along dim 0 (column, the bias too) or dim 1 '
+        '(row, the bias whole); from_linear does the same to the given layer\'s state dict.',
         'column: y = F.linear(f(x, group), weight, bias); return gather(y, -1, group) if '
         'gather_output else y. row: y = g(F.linear(x, weight), group); return y + bias if bias is'
-        ' not None else y.',
+        ' not None else y. __init__: full = _full_linear(in_features, out_features, bias, seed); '
+        'self.weight = nn.Parameter(full.weight.detach().chunk(t, 0 or 1)[r].clone()); self.bias = '
+        '... or None. from_linear: m.load_state_dict({k: v.chunk(t, 0)[r] ...}) (row: the weight along '
+        'dim 1, the bias whole).',
     ),
     'C': (
         "Softmax needs the maximum and the normaliser over the whole vocabulary, and the target's"
@@ -64,11 +84,39 @@ HINTS = {
         "Forward: the row maximum over all ranks (gather the ranks' maxima), then sum Σ exp(z - "
         "m) and the target's shifted logit over the ranks (zero where this rank does not own the "
         'target); loss = log Σ - (z_y - m), averaged. Backward: (softmax - one-hot) / N on this '
-        "rank's slice, from what forward saved.",
+        "rank's slice, from what forward saved, returned in the logits' dtype.",
         'loss_i = log Σ_v exp(z_iv - m_i) - (z_iy - m_i), m_i = max_v z_iv over the full '
         "vocabulary; dL/dz_iv = grad · (softmax_iv - [v = y_i]) / N for this rank's v (the "
         'one-hot only where this rank owns y_i).',
     ),
+}
+CONTRACT = {
+    "on a non-world group (two groups of 2 out of 4 ranks) every group computes its own layer": (
+        "test_gather_and_split", "test_column_parallel_linear", "test_layers_shard_the_single_device_layer",
+        "test_vocab_parallel_cross_entropy_on_subgroups"),
+    "f is the identity forward and sums the ranks' gradients backward": "test_f_identity_forward_all_reduce_backward",
+    "g sums the ranks' inputs forward and passes the gradient unchanged": "test_g_all_reduce_forward_identity_backward",
+    "each is one all-reduce of the tensor": ("test_f_identity_forward_all_reduce_backward",
+                                            "test_g_all_reduce_forward_identity_backward"),
+    "neither modifies a tensor autograd gave it": "test_g_all_reduce_forward_identity_backward",
+    "concatenates every rank's ``x`` along ``dim`` in rank order": "test_gather_and_split",
+    "keeps this rank's block along ``dim``": "test_gather_and_split",
+    "a size t does not divide is a ``ValueError``": "test_gather_and_split",
+    "returns this rank's output features (all of them with ``gather_output=True``) and the whole input gradient":
+        "test_column_parallel_linear",
+    "returns the full output, with the full bias added once": "test_row_parallel_linear",
+    "a column layer followed by a row layer communicates once in forward and once in backward":
+        "test_mlp_needs_one_all_reduce_each_way",
+    "load into the module this rank's shard of a given single-device ``nn.Linear``":
+        "test_layers_shard_the_single_device_layer",
+    "from a layer with ``bias=False`` too": "test_layers_shard_the_single_device_layer",
+    "The loss and the gradient equal ``F.cross_entropy`` on the full logits, with targets on every rank's slice":
+        ("test_vocab_parallel_cross_entropy", "test_vocab_parallel_cross_entropy_on_subgroups"),
+    "finite even when logits reach hundreds": "test_vocab_parallel_cross_entropy_large_logits",
+    "forward communicates a few numbers per position, never the logits":
+        "test_vocab_parallel_cross_entropy_never_gathers_logits",
+    "the backward, written by hand, communicates nothing": "test_vocab_parallel_cross_entropy_never_gathers_logits",
+    "the loss is computed in fp32, from bf16 logits too": "test_vocab_parallel_cross_entropy_on_subgroups",
 }
 TIMEOUT = 30
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -115,8 +163,8 @@ def test_f_identity_forward_all_reduce_backward(impl):
     total = sum(fo["w"] for fo in results)
     for rank, fo in enumerate(results):
         _close(fo["y"], fo["x"], "f's forward (the identity)", f"rank {rank}")
-        with diagnose(lambda e, fo=fo: torch.allclose(fo["grad"], fo["w"]), "the gradient is this rank's own: "
-                      "f's backward sums the ranks' gradients"):
+        with diagnose(lambda e, fo=fo: torch.allclose(fo["grad"], fo["w"]), "the gradient is this rank's own "
+                      "upstream gradient, not the sum over ranks"):
             _close(fo["grad"], total, "f's gradient (the sum of the ranks' gradients)", f"rank {rank}")
         expect_equal(fo["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
                      f"rank {rank}: bytes sent in f's backward (one all-reduce of 12 floats)")
@@ -128,7 +176,7 @@ def test_g_all_reduce_forward_identity_backward(impl):
     total = sum(go["x"] for go in results)
     for rank, go in enumerate(results):
         _close(go["z"], total, "g's forward (the sum over ranks)", f"rank {rank}")
-        with diagnose(True, "g changed the tensor it was given: all-reduce a contiguous clone"):
+        with diagnose(True, "the tensor given to g changed during the call"):
             _close(go["x_after"], go["x"], "g's input after the call (unchanged)", f"rank {rank}")
         _close(go["grad"], go["w"], "g's gradient (the identity)", f"rank {rank}")
         expect_equal(go["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
@@ -149,6 +197,9 @@ def _column(t):
         x = x_full.clone().requires_grad_()
         wr, br = (w.chunk(t, 0)[r].clone().requires_grad_(), b.chunk(t, 0)[r].clone().requires_grad_())
         y = tp.column_parallel_linear(x, wr, br, gather_output=gather_output, group=group)
+        if tuple(y.shape) != (5, 8 if gather_output else 8 // t):     # reported by the driver
+            out[gather_output] = (y.detach(), None, None, None)
+            continue
         (y * (up if gather_output else up.chunk(t, 1)[r])).sum().backward()
         out[gather_output] = (y.detach(), x.grad, wr.grad, br.grad)
     return k, r, out
@@ -194,8 +245,7 @@ def test_row_parallel_linear(impl):
     results = minipar.launch(_row, t, timeout=TIMEOUT)
     b = _randn(6, seed=3)
     for r, (got_y, got_gx, got_gw, got_gb) in enumerate(results):
-        with diagnose(lambda e: torch.allclose(got_y, y + (t - 1) * b, **TOL), f"the output holds the bias {t} times: "
-                      "add it once, after g sums the partial products"):
+        with diagnose(lambda e: torch.allclose(got_y, y + (t - 1) * b, **TOL), f"the output holds the bias {t} times"):
             _close(got_y, y, "output (the sum of the partial products, plus the bias once)", f"rank {r}")
         _close(got_gx, gx.chunk(t, 1)[r], "input gradient (this rank's input features)", f"rank {r}")
         _close(got_gw, gw.chunk(t, 1)[r], "weight gradient (this rank's columns)", f"rank {r}")
@@ -246,8 +296,9 @@ def _ce(scale):
     z = full.chunk(t, -1)[r].clone().view(3, 4, V // t).requires_grad_()
     n0 = len(trace.events())
     loss = tp.vocab_parallel_cross_entropy(z, targets.view(3, 4))
+    sent, n0 = _comm_bytes(n0), len(trace.events())
     loss.backward()
-    return loss.detach(), z.grad.reshape(N, V // t), _comm_bytes(n0)
+    return loss.detach(), z.grad.reshape(N, V // t), (sent, _comm_bytes(n0))
 
 
 def _check_ce(scale, t=2):
@@ -257,8 +308,7 @@ def _check_ce(scale, t=2):
     want.backward()
     results = minipar.launch(_ce, t, args=(scale,), timeout=TIMEOUT)
     for r, (loss, grad, sent) in enumerate(results):
-        with diagnose(not bool(torch.isfinite(loss)), "exp overflowed: subtract the maximum over the whole "
-                                                      "vocabulary (every rank's) before exp"):
+        with diagnose(not bool(torch.isfinite(loss)), "the loss is not finite (inf or nan)"):
             _close(loss, want.detach(), f"loss (F.cross_entropy on the full logits, scale {scale:g})", f"rank {r}")
         _close(grad, full.grad.chunk(t, -1)[r], "gradient of this rank's logits (rows: positions, columns: "
                "this rank's vocabulary)", f"rank {r}")
@@ -276,9 +326,171 @@ def test_vocab_parallel_cross_entropy_large_logits(impl):
 
 
 def test_vocab_parallel_cross_entropy_never_gathers_logits(impl):
-    """Each rank sends far fewer bytes than gathering the logits would (N·V floats, 4 ranks)."""
+    """In forward each rank sends far fewer bytes than gathering the logits would (N·V floats,
+    4 ranks); in backward it sends nothing."""
     t = 4
     gathering = cost.collective_bytes("all_gather", N * V * 4, t)
-    for r, (_, _, sent) in enumerate(_check_ce(scale=1.0, t=t)):
-        expect(0 < sent < gathering / 8, f"rank {r}: sent {sent} bytes; expected more than 0 and under "
+    for r, (_, _, (sent, back)) in enumerate(_check_ce(scale=1.0, t=t)):
+        expect(0 < sent < gathering / 8, f"rank {r}: sent {sent} bytes in forward; expected more than 0 and under "
                                          f"{gathering / 8:.0f} (an eighth of gathering the logits, {gathering:.0f})")
+        expect_equal(back, 0, f"rank {r}: bytes sent in the cross-entropy's backward")
+
+
+def _pairs():
+    """Two groups of 2 out of 4 ranks: (the group, its index, this rank's index in it)."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]    # every rank creates both
+    return groups[dist.get_rank() // 2], dist.get_rank() // 2, dist.get_rank() % 2
+
+
+def _in_group(rank):
+    return f"rank {rank} (rank {rank % 2} of group {[rank // 2 * 2, rank // 2 * 2 + 1]})"
+
+
+def _attempt(fn, *args):
+    """``fn(*args)``, or the exception it raised as text, with the innermost line outside torch
+    and minipar (the learner's), so the driver reports it per case."""
+    try:
+        return fn(*args)
+    except Exception as e:                               # noqa: BLE001: reported by the driver
+        import traceback
+        from pathlib import Path
+        libs = [Path(torch.__file__).parent, Path(minipar.__file__).parent]
+        own = [fr for fr in traceback.extract_tb(e.__traceback__)
+               if not any(Path(fr.filename).resolve().is_relative_to(d.resolve()) for d in libs)]
+        at = f" (at {Path(own[-1].filename).name}:{own[-1].lineno}  {own[-1].line})" if own else ""
+        return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{at}"
+
+
+def _raised(got, where):
+    expect(not isinstance(got, str), f"{where}: the call {got}")
+
+
+# ----------------------------------------------------------------------------- gather and split
+def _block(rank):
+    return torch.arange(12, dtype=torch.float32).view(3, 4) + 100 * rank
+
+
+def _gather_split(group, gr):
+    x = _block(dist.get_rank()).requires_grad_()
+    out = {dim: tp.gather(x, dim, group).detach() for dim in (0, 1, -1)}
+    up = _randn(3, 8, seed=7)
+    (tp.gather(x, -1, group) * up).sum().backward()      # backward keeps this rank's block of the gradient
+    out["gather grad"] = x.grad.clone()
+    out["split"] = {dim: tp.split(_block(0), dim, group) for dim in (1, -1)}
+    try:
+        tp.split(torch.zeros(3, 5), -1, group)
+        out["odd"] = "returned"
+    except ValueError:
+        out["odd"] = "ValueError"
+    return out
+
+
+def _gathers_and_splits():
+    group, gi, gr = _pairs()
+    return _attempt(_gather_split, group, gr)
+
+
+def test_gather_and_split(impl):
+    """gather (gather_along forward, _split backward) and split on two groups of 2 out of 4
+    ranks: every rank's (3, 4) block side by side along dims 0, 1 and -1, in group rank order;
+    split keeps this rank's block; a size 2 does not divide (5) is a ValueError."""
+    results = minipar.launch(_gathers_and_splits, 4, timeout=TIMEOUT)
+    up = _randn(3, 8, seed=7)
+    for rank, got in enumerate(results):
+        where, gi, gr = _in_group(rank), rank // 2, rank % 2
+        _raised(got, where)
+        blocks = [_block(2 * gi), _block(2 * gi + 1)]
+        for dim in (0, 1, -1):
+            _close(got[dim], torch.cat(blocks, dim), f"gather along dim {dim} (the group's blocks in rank order, "
+                   f"rank {2 * gi}'s first)", where)
+        _close(got["gather grad"], up.chunk(2, -1)[gr], "the gradient of gather's input (this rank's block of "
+               "the upstream gradient)", where)
+        for dim in (1, -1):
+            _close(got["split"][dim], _block(0).chunk(2, dim)[gr], f"split along dim {dim} (block {gr} of 2)", where)
+        expect_equal(got["odd"], "ValueError", f"{where}: split of a size-5 dimension over 2 ranks")
+
+
+# ----------------------------------------------------------------------------- the modules' shards
+def _given(gi, bias=True):
+    lin = torch.nn.Linear(6, 4, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(_randn(4, 6, seed=50 + gi))
+        if bias:
+            lin.bias.copy_(_randn(4, seed=60 + gi))
+    return lin
+
+
+def _state(m):
+    return {"weight": m.weight.detach().clone(), "bias": None if m.bias is None else m.bias.detach().clone()}
+
+
+def _shard_case(cls, gi, bias, group):
+    return _state(cls.from_linear(_given(gi, bias), group=group, seed=99))      # the seed is not the layer's
+
+
+def _shards():
+    group, gi, gr = _pairs()
+    return {f"{kind}.from_linear(nn.Linear(6, 4{'' if bias else ', bias=False'}))":
+            _attempt(_shard_case, cls, gi, bias, group)
+            for kind, cls in (("ColumnParallelLinear", tp.ColumnParallelLinear), ("RowParallelLinear", tp.RowParallelLinear))
+            for bias in (True, False)}
+
+
+def test_layers_shard_the_single_device_layer(impl):
+    """ColumnParallelLinear.from_linear and RowParallelLinear.from_linear of a given
+    nn.Linear(6, 4) (each group its own), with and without a bias, on two groups of 2 out of 4
+    ranks: column rows 2r..2r+1 of the weight and the bias, row columns 3r..3r+2 and the whole bias."""
+    results = minipar.launch(_shards, 4, timeout=TIMEOUT)
+    for rank, got in enumerate(results):
+        where, gi, gr = _in_group(rank), rank // 2, rank % 2
+        for name, got_state in got.items():
+            _raised(got_state, f"{where}, {name}")
+            full = _given(gi, bias="bias=False" not in name)
+            column = name.startswith("Column")
+            want_w = full.weight.detach().chunk(2, 0 if column else 1)[gr]
+            want_b = None if full.bias is None else (full.bias.detach().chunk(2, 0)[gr] if column else full.bias.detach())
+            expect_equal(tuple(got_state["weight"].shape), tuple(want_w.shape), f"{where}, {name}: the weight's shape")
+            _close(got_state["weight"], want_w, f"{name}'s weight (the single-device layer's "
+                   f"{'rows' if column else 'columns'} {'2r..2r+1' if column else '3r..3r+2'})", where)
+            expect_equal(got_state["bias"] is None, want_b is None, f"{where}, {name}: the bias is None")
+            if want_b is not None:
+                _close(got_state["bias"], want_b, f"{name}'s bias ({'entries 2r..2r+1' if column else 'whole'})", where)
+
+
+# ----------------------------------------------------------------------------- cross-entropy on subgroups
+CE_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _ce_case(group, gi, gr, dtype):
+    full, targets = _logits(1.0 + gi)
+    z = full.chunk(2, -1)[gr].to(dtype).requires_grad_()
+    loss = tp.vocab_parallel_cross_entropy(z, targets, group)
+    loss.backward()
+    return loss.detach().float(), z.grad.float(), str(z.grad.dtype)
+
+
+def _ce_groups():
+    group, gi, gr = _pairs()
+    return [_attempt(_ce_case, group, gi, gr, dtype) for dtype in CE_DTYPES]
+
+
+def test_vocab_parallel_cross_entropy_on_subgroups(impl):
+    """The loss and gradient on two groups of 2 out of 4 ranks (each group its own logits), in
+    fp32 and with bf16 logits: the loss within 1e-5 of F.cross_entropy on those bf16 values in
+    fp32, the gradient in bf16."""
+    results = minipar.launch(_ce_groups, 4, timeout=TIMEOUT)
+    for rank, cases in enumerate(results):
+        where, gi, gr = _in_group(rank), rank // 2, rank % 2
+        for dtype, got in zip(CE_DTYPES, cases):
+            w = f"{where}, {dtype} logits"
+            _raised(got, w)
+            loss, grad, grad_dtype = got
+            full, targets = _logits(1.0 + gi)
+            full = full.to(dtype).float().requires_grad_()
+            want = F.cross_entropy(full, targets)
+            want.backward()
+            tol = TOL if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-4)     # a bf16 gradient
+            expect_close(loss, want.detach(), "loss (F.cross_entropy on the group's full logits, in fp32)", where=w, **TOL)
+            expect_equal(grad_dtype, str(dtype), f"{w}: the dtype of the logits' gradient")
+            expect_close(grad, full.grad.chunk(2, -1)[gr], "gradient of this rank's logits (rows: positions, "
+                         "columns: this rank's vocabulary)", where=w, **tol)

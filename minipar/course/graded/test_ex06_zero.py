@@ -1,28 +1,46 @@
-"""Exercise 06: ZeRO, the moves that remove redundancy (Rajbhandari et al. 2020).
+"""Exercise 06: ZeRO: a sharded optimizer step, and stage 3's gather, compute, free
+(Rajbhandari et al. 2020).
 
 Every stage shares one layout: a unit's (a layer's) parameters are one flat vector,
-zero-padded to N·k elements for N data-parallel ranks, and rank r owns the r-th of N equal
-slices. Data moves only through ``minipar.comm.reduce_scatter`` and
+zero-padded to N·k elements for the N ranks of the data-parallel ``group`` (``None``: the
+world), and rank r of the group owns the r-th of N equal slices: on a non-world group, ranks
+count within it. Data moves only through ``minipar.comm.reduce_scatter`` and
 ``minipar.comm.all_gather`` (flat tensors; they record the bytes the grader counts).
 
-A. ``reduce_shard(flat_grad, group=None, **labels)``, P_g, the reduce path every stage
-   shares. In: this rank's full padded flat gradient of one unit. Out: this rank's slice,
-   holding the mean over the group's ranks of that slice, returned as a view of
-   ``flat_grad`` (reduced in place, no copy). Each rank sends (N-1)/N of the unit's bytes;
-   ``**labels`` reach the collective.
-B. ``sharded_step(flat_params, grad_shards, shards, optimizer, group=None)``, P_os, the step
-   of stages 1 and 2. In: per unit, the full flat parameters, this rank's reduced gradient
-   slice, and the leaf tensor (this rank's slice) the optimizer owns. Out: nothing returned;
-   afterwards every rank's ``flat_params`` hold the parameters of one full optimizer step on
-   the mean gradient, while the optimizer only ever saw (and kept state for) this rank's
-   slices. Dtypes may differ between the gradient, the shard and the flat parameters (mixed
-   precision): each tensor keeps its own.
-C. ``gather_unit(full, shard, group=None, async_op=False, **labels)`` and ``free_unit(full)``,
-   P_p, stage 3's gather-before-use and free-after-use. ``free_unit`` releases the memory of
-   ``full`` but keeps the tensor, its shape and every view into it (the model's parameters
-   are such views). ``gather_unit`` makes ``full`` hold every rank's ``shard`` in rank order
-   again, whether or not its memory was released; with ``async_op`` it returns the
-   collective's Handle (the library prefetches the next unit that way), else None.
+A. The reduce path, P_g: ``reduce_shard(flat_grad, group=None, **labels)`` and
+   ``reduce_unit_grads(flat_unit, dtype=None, **labels)``.
+   ``reduce_shard`` returns this rank's slice holding the mean over the group's ranks of that
+   slice, as a view of ``flat_grad`` (reduced in place, no copy); each rank sends (N-1)/N of
+   the unit's bytes; ``**labels`` reach the collective.
+   ``reduce_unit_grads`` reduces a ``FlatUnit``'s gradients that way: a parameter without a
+   gradient on this rank takes part as zeros; the result is in the dtype asked for (the
+   parameters' by default), a new tensor of k elements (the full flat gradient is not kept);
+   afterwards every parameter's ``.grad`` is None.
+B. The ZeRO-1 optimizer, P_os: ``sharded_step(flat_params, grad_shards, shards, optimizer,
+   group=None)`` and ``ZeroOptimizer``'s flat layout (in ``__init__``), ``step`` and ``_step``.
+   After ``sharded_step`` every rank's ``flat_params`` hold the parameters of one full
+   optimizer step on the mean gradient, while the optimizer only ever saw (and kept state for)
+   this rank's slices. Dtypes may differ between the gradient, the shard and the flat
+   parameters (mixed precision): each tensor keeps its own dtype.
+   ``ZeroOptimizer(units, optimizer_cls, group, param_dtype, max_grad_norm, **kwargs)``: the
+   model's parameters become views into the flat parameters, in ``param_dtype``; the
+   optimizer's shards are fp32 (this rank's slices of the flat parameters, or their own master
+   copies under ``param_dtype=torch.bfloat16``); ``step()`` equals the wrapped optimizer's
+   step on the mean gradient over the group, clipped by its global norm with
+   ``max_grad_norm``; after a bf16 step no fp32 gradient copy is left on the shards; a second
+   step after the first (another gradient) is as exact as the first.
+C. Stage 3's gather, compute, free, P_p: ``gather_unit(full, shard, group=None,
+   async_op=False, **labels)``, ``free_unit(full)``, ``ShardedFlatUnit.__init__`` and
+   ``FlatStorage.gather``, ``.free``, ``.reduce``.
+   ``free_unit`` releases the memory of ``full`` but keeps the tensor, its shape and every
+   view into it (the model's parameters are such views). ``gather_unit`` makes ``full`` hold
+   every rank's ``shard`` in rank order again, in ``full``'s dtype, whether or not its memory
+   was released; with ``async_op`` it returns the collective's Handle, else None.
+   A ``ShardedFlatUnit`` keeps a leaf fp32 shard (this rank's slice of the unit's flattened
+   parameters) and a ``full`` buffer of N·k elements in ``dtype`` that the parameters are
+   views of, its memory freed from the start. ``FlatStorage.gather(i)`` returns the Handle of
+   unit i's gather, ``free(i)`` releases it, and ``reduce(i)`` adds this rank's mean gradient
+   slice, in fp32, to the shard's ``.grad``: a second backward before the step accumulates.
 
 Derived in notebook 06, "Each stage removes one redundancy", "What it costs in
 communication" and "Stage 3 in time" (the paper's §5.1-5.3 and Figure 1). The last tests
@@ -39,32 +57,91 @@ from minipar import data, reference, zero
 from minipar.runtime import trace
 from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
 from minipar.models import GPT, GPTConfig
+from minipar.zero.flat import FlatStorage, FlatUnit
 
 EXERCISE = "ex06_zero"
 HINTS = {
     "A": ("Which collective leaves each rank with the reduction of only its own slice? Its "
-          "output can live inside its input.",
-          "A reduce-scatter with the mean (op=\"avg\") whose output is this rank's slice of the "
-          "flat gradient itself: the slice's length is the flat length over the group size, its "
-          "offset the rank's index times that length.",
-          "n, r = group_size(group), group_rank(group); k = flat_grad.numel() // n; "
-          "mine = flat_grad[r*k:(r+1)*k]; reduce_scatter(mine, flat_grad, op=\"avg\", "
-          "group=group, **labels); return mine."),
+          "output can live inside its input. And which gradient does a parameter that took no part "
+          "in this rank's loss contribute?",
+          "reduce_shard: a reduce-scatter with the mean (op=\"avg\") whose output is this rank's slice "
+          "of the flat gradient itself: the slice's length is the flat length over the group size, its "
+          "offset the group rank times that length. reduce_unit_grads: zeros where .grad is None, "
+          "flattened by the unit in the dtype asked for, the parameters' .grad dropped, the reduced "
+          "slice copied out so the flat vector can go.",
+          "reduce_shard: n, r = group_size(group), group_rank(group); k = flat_grad.numel() // n; "
+          "mine = flat_grad[r*k:(r+1)*k]; reduce_scatter(mine, flat_grad, op=\"avg\", group=group, "
+          "**labels); return mine. reduce_unit_grads: grads = [p.grad if p.grad is not None else "
+          "zeros_like(p) ...]; flat = flat_unit.flatten(grads, dtype=dtype); p.grad = None for each; "
+          "return reduce_shard(flat, flat_unit.group, **labels).clone()."),
     "B": ("The optimizer only knows the shards: what must a shard carry before step() so that the "
-          "optimizer updates it, and how do the other ranks learn the new values?",
-          "Attach each reduced gradient slice as its shard's .grad (in the shard's dtype), step the "
-          "optimizer once for all units, then rebuild every unit's full parameters from all ranks' "
-          "updated shards, unit after unit in the same order on every rank.",
-          "for s, g in zip(shards, grad_shards): s.grad = g.to(s.dtype); optimizer.step(); "
-          "for f, s in zip(flat_params, shards): all_gather(f, s.detach().to(f.dtype), group=group)."),
+          "optimizer updates it, and how do the other ranks learn the new values? Under bf16 three "
+          "dtypes meet in one step: which one does each tensor keep?",
+          "sharded_step: attach each reduced gradient slice as its shard's .grad (in the shard's "
+          "dtype), step the optimizer once for all units, then rebuild every unit's full parameters "
+          "from all ranks' updated shards (in the flat parameters' dtype), unit after unit in the same "
+          "order on every rank. __init__: per unit, flatten the parameters (fp32, the master), keep a "
+          "param_dtype copy when mixed, point the parameters at it, and make the shard this rank's "
+          "slice of the fp32 vector (a copy when mixed). step: reduce each flat gradient to its slice; "
+          "_step: clip if asked, sharded_step, then drop the temporary fp32 gradients when mixed.",
+          "sharded_step: for s, g in zip(shards, grad_shards): s.grad = g.to(s.dtype); optimizer.step(); "
+          "for f, s in zip(flat_params, shards): all_gather(f, s.detach().to(f.dtype), group=group). "
+          "__init__: self.units = [FlatUnit(ps, group) ...]; master = u.flatten(u.params); flat = "
+          "master.to(param_dtype) if mixed else master; shard = u.shard_of(master).clone() if mixed "
+          "else u.shard_of(flat); u.use(flat); append flat and nn.Parameter(shard). step: "
+          "self._point_grads(); self._step([reduce_shard(g, self.group) for g in self.flat_grads]). "
+          "_step: if max_grad_norm: self.grad_norm = clip_grad_norm_(grad_shards, max_grad_norm, group); "
+          "sharded_step(...); if mixed: s.grad = None for each shard."),
     "C": ("A tensor is a view onto a storage; the storage can shrink to nothing and grow back "
-          "without the tensor (or views of it) changing shape.",
+          "without the tensor (or views of it) changing shape. Which buffer must the parameters "
+          "point at so that a gather makes them whole?",
           "free_unit resizes the untyped storage to 0 bytes. gather_unit first resizes it back to "
-          "numel × element_size bytes, then all-gathers every rank's shard into it, forwarding "
-          "async_op and the labels, and returns what the all-gather returns.",
+          "numel × element_size bytes, then all-gathers every rank's shard (cast to the buffer's "
+          "dtype) into it, forwarding async_op and the labels, and returns what the all-gather "
+          "returns. ShardedFlatUnit: the shard is a clone of this rank's slice of the flattened fp32 "
+          "parameters; the buffer is empty, N·k elements, in dtype; the parameters use it; it is "
+          "freed at once. FlatStorage: gather asynchronously, free the buffer, and reduce the "
+          "unit's gradients in dtype, cast to fp32, added to what the shard's .grad holds.",
           "free: full.untyped_storage().resize_(0). gather: full.untyped_storage().resize_("
           "full.numel() * full.element_size()); return all_gather(full, shard.detach().to("
-          "full.dtype), group=group, async_op=async_op, **labels)."),
+          "full.dtype), group=group, async_op=async_op, **labels). ShardedFlatUnit: master = "
+          "self.flat.flatten(self.params); self.shard = nn.Parameter(self.flat.shard_of(master).clone()); "
+          "self.full = torch.empty(self.flat.padded, dtype=dtype, device=...); self.flat.use(self.full); "
+          "free_unit(self.full). reduce: g = reduce_unit_grads(u.flat, dtype=self.dtype, unit=i)"
+          ".to(torch.float32); u.shard.grad = g if u.shard.grad is None else u.shard.grad.add_(g)."),
+}
+CONTRACT = {
+    "on a non-world group, ranks count within it": ("test_reduce_unit_grads", "test_zero_optimizer",
+                                                    "test_flat_storage"),
+    "holding the mean over the group's ranks of that slice": "test_reduce_shard",
+    "as a view of ``flat_grad`` (reduced in place, no copy)": "test_reduce_shard",
+    "each rank sends (N-1)/N of the unit's bytes": "test_reduce_shard",
+    "a parameter without a gradient on this rank takes part as zeros": "test_reduce_unit_grads",
+    "the result is in the dtype asked for": "test_reduce_unit_grads",
+    "a new tensor of k elements (the full flat gradient is not kept)": "test_reduce_unit_grads",
+    "afterwards every parameter's ``.grad`` is None": "test_reduce_unit_grads",
+    "hold the parameters of one full optimizer step on the mean gradient": "test_sharded_step_is_a_full_step",
+    "the optimizer only ever saw (and kept state for) this rank's slices": ("test_sharded_step_is_a_full_step",
+                                                                             "test_zero_optimizer"),
+    "each tensor keeps its own dtype": ("test_sharded_step_is_a_full_step", "test_zero_optimizer"),
+    "the model's parameters become views into the flat parameters, in ``param_dtype``": "test_zero_optimizer",
+    "``step()`` equals the wrapped optimizer's step on the mean gradient over the group": "test_zero_optimizer",
+    "clipped by its global norm with ``max_grad_norm``": "test_zero_optimizer",
+    "after a bf16 step no fp32 gradient copy is left on the shards": "test_zero_optimizer",
+    "a second step after the first (another gradient) is as exact as the first": ("test_zero_optimizer",
+                                                                                  "test_stages_1_and_2_train_like_one_process"),
+    "``free_unit`` releases the memory of ``full`` but keeps the tensor, its shape and every view into it":
+        "test_gather_and_free",
+    "every rank's ``shard`` in rank order again, in ``full``'s dtype": "test_gather_and_free",
+    "with ``async_op`` it returns the collective's Handle, else None": "test_gather_and_free",
+    "keeps a leaf fp32 shard": "test_flat_storage",
+    "a ``full`` buffer of N·k elements in ``dtype`` that the parameters are views of, its memory freed from the start":
+        "test_flat_storage",
+    "``FlatStorage.gather(i)`` returns the Handle of unit i's gather, ``free(i)`` releases it": "test_flat_storage",
+    "adds this rank's mean gradient slice, in fp32, to the shard's ``.grad``": "test_flat_storage",
+    "a second backward before the step accumulates": "test_flat_storage",
+    "train the GPT with the library's ZeRO stages 1, 2 and 3": ("test_stages_1_and_2_train_like_one_process",
+                                                              "test_stage3_trains_like_one_process"),
 }
 TIMEOUT = 60
 CFG = dict(vocab_size=67, n_embd=30, n_head=2, n_layer=2, block_size=16)  # no unit divisible by 4
@@ -82,6 +159,35 @@ def _grad(r, m, n):
     g = torch.zeros(n * k)
     g[:m] = torch.arange(m, dtype=torch.float32) * (r + 1) / 10
     return g
+
+
+def _attempt(fn, *args):
+    """``fn(*args)``, or the exception it raised as text, with the innermost line outside torch
+    and minipar (the learner's), so the driver reports it per case."""
+    try:
+        return fn(*args)
+    except Exception as e:                               # noqa: BLE001: reported by the driver
+        import traceback
+        from pathlib import Path
+        libs = [Path(torch.__file__).parent, Path(minipar.__file__).parent]
+        own = [fr for fr in traceback.extract_tb(e.__traceback__)
+               if not any(Path(fr.filename).resolve().is_relative_to(d.resolve()) for d in libs)]
+        at = f" (at {Path(own[-1].filename).name}:{own[-1].lineno}  {own[-1].line})" if own else ""
+        return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{at}"
+
+
+def _raised(got, where):
+    expect(not isinstance(got, str), f"{where}: the call {got}")
+
+
+def _pairs():
+    """Two groups of 2 out of 4 ranks: (the group, its index, this rank's index in it)."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]    # every rank creates both
+    return groups[dist.get_rank() // 2], dist.get_rank() // 2, dist.get_rank() % 2
+
+
+def _in_group(rank):
+    return f"rank {rank} (rank {rank % 2} of group {[rank // 2 * 2, rank // 2 * 2 + 1]})"
 
 
 # ----------------------------------------------------------------------------- A: reduce_shard
@@ -104,23 +210,72 @@ def test_reduce_shard(impl):
     for r, (mine, in_place, sent, numel) in enumerate(minipar.launch(_reduce, n, args=(m,), timeout=TIMEOUT)):
         want = mean[r * 3:(r + 1) * 3]
         with diagnose(lambda e: mine.shape == want.shape and torch.allclose(mine, total[r * 3:(r + 1) * 3]),
-                      f"yours is the sum: op=\"avg\" divides by the {n} ranks"):
+                      f"the slice holds the sum over the {n} ranks, {n} times the mean"):
             with diagnose(lambda e: any(mine.shape == want.shape and torch.allclose(mine, mean[q * 3:(q + 1) * 3])
-                                        for q in range(n) if q != r), "that is another rank's slice: rank r "
-                          "owns elements r·k .. (r+1)·k - 1"):
+                                        for q in range(n) if q != r), "the slice holds the mean of another "
+                          "rank's elements"):
                 expect_close(mine, want, f"the slice reduce_shard returned (the mean of elements {r * 3}..{r * 3 + 2})",
                              where=f"rank {r}", rtol=1.3e-6, atol=1e-5)
-        expect(in_place, f"rank {r}: reduce_shard must return the view flat_grad[r·k:(r+1)·k], reduced in place "
-                         "(it returned another tensor)")
+        expect(in_place, f"rank {r}: the tensor reduce_shard returned is not the view flat_grad[r·k:(r+1)·k] "
+                         "(it starts at another address)")
         expect_equal(sent, int(cost.collective_bytes("reduce_scatter", numel * 4, n)),
                      f"rank {r}: bytes sent (one reduce-scatter of {numel} floats)")
 
 
+UNIT_DTYPES = [(None, torch.float32), (torch.float64, torch.float64)]   # (dtype asked, dtype returned)
+
+
+def _unit_grads(group, gr, dtype):
+    ps = [torch.nn.Parameter(torch.zeros(3)) for _ in range(3)]      # 9 elements: padded to 10 on 2 ranks
+    for i, p in enumerate(ps):
+        if not (gr == 1 and i == 0):                                  # group rank 1: no gradient on ps[0]
+            p.grad = torch.arange(3, dtype=torch.float32) + 10 * i + 100 * dist.get_rank()
+    unit = FlatUnit(ps, group)
+    out = zero.reduce_unit_grads(unit, dtype=dtype)
+    return {"value": out.clone(), "dtype": str(out.dtype), "numel": out.numel(),
+            "storage": out.untyped_storage().nbytes(), "grads": [p.grad is None for p in ps]}
+
+
+def _reduce_units():
+    group, gi, gr = _pairs()
+    return [_attempt(_unit_grads, group, gr, dtype) for dtype, _ in UNIT_DTYPES]
+
+
+def test_reduce_unit_grads(impl):
+    """reduce_unit_grads on two groups of 2 out of 4 ranks: a unit of three parameters (9
+    elements, padded to 10), group rank 1 without a gradient on the first: the mean (zeros
+    where a gradient is missing), in the dtype asked for, k = 5 elements of their own,
+    every .grad None afterwards."""
+    results = minipar.launch(_reduce_units, 4, timeout=TIMEOUT)
+    for rank, cases in enumerate(results):
+        gi, gr = rank // 2, rank % 2
+        flats = []
+        for q in (2 * gi, 2 * gi + 1):
+            g = torch.zeros(10, dtype=torch.float64)
+            for i in range(3):
+                if not (q % 2 == 1 and i == 0):
+                    g[3 * i:3 * i + 3] = torch.arange(3) + 10 * i + 100 * q
+            flats.append(g)
+        want = ((flats[0] + flats[1]) / 2)[5 * gr:5 * gr + 5]
+        for (asked, dtype), got in zip(UNIT_DTYPES, cases):
+            where = f"{_in_group(rank)}, dtype={asked}"
+            _raised(got, where)
+            expect_equal(got["dtype"], str(dtype), f"{where}: the dtype of the reduced slice")
+            expect_equal(got["numel"], 5, f"{where}: elements of the reduced slice (k = 10 / 2)")
+            expect_close(got["value"].double(), want, "the reduced slice (the mean over the group; elements "
+                         "of group rank 1's missing gradient count as 0)", where=where, rtol=1e-6, atol=1e-6)
+            expect_equal(got["storage"], 5 * got["value"].element_size(),
+                         f"{where}: bytes of the storage behind the returned slice (5 elements' worth)")
+            expect_equal(got["grads"], [True, True, True], f"{where}: each parameter's .grad is None afterwards",
+                         keys="parameter")
+
+
 # ----------------------------------------------------------------------------- B: sharded_step
-def _one_step():
+def _one_step(mixed):
     """Two units of 10 and 7 elements, Adam on the shards: the result should be a full Adam
-    step on the mean gradient."""
+    step on the mean gradient. ``mixed``: bf16 flat parameters and gradients, fp32 shards."""
     r, n = dist.get_rank(), dist.get_world_size()
+    low = torch.bfloat16 if mixed else torch.float32
     sizes, fulls, grad_shards, shards, want = [10, 7], [], [], [], []
     for u, m in enumerate(sizes):
         k = -(-m // n)
@@ -128,27 +283,135 @@ def _one_step():
         w[:m] = torch.linspace(-1, 1, m) * (u + 1)
         mean = sum(_grad(q, m, n) for q in range(n)) / n
         ref = torch.nn.Parameter(w[:m].clone())
-        ref.grad = mean[:m].clone()
+        ref.grad = mean[:m].to(low).float()
         torch.optim.Adam([ref], lr=0.1).step()
-        want.append(ref.detach())
-        fulls.append(w)
-        grad_shards.append(mean[r * k:(r + 1) * k].clone())                 # what reduce_shard gives
-        shards.append(torch.nn.Parameter(w[r * k:(r + 1) * k]))              # a view, like the library
+        want.append(ref.detach().to(low))
+        fulls.append(w.to(low) if mixed else w)
+        grad_shards.append(mean[r * k:(r + 1) * k].to(low))                 # what reduce_shard gives
+        # a view, like the library, or (mixed) the fp32 master copy
+        shards.append(torch.nn.Parameter(w[r * k:(r + 1) * k].clone() if mixed else w[r * k:(r + 1) * k]))
     opt = torch.optim.Adam(shards, lr=0.1)
     zero.sharded_step(fulls, grad_shards, shards, opt, None)
     state = sum(v.numel() for st in opt.state.values() for v in st.values() if v.dim() > 0)
-    return [f[:m] for f, m in zip(fulls, sizes)], want, state, sum(-(-m // n) for m in sizes)
+    return ([f[:m].clone() for f, m in zip(fulls, sizes)], want, state, sum(-(-m // n) for m in sizes),
+            [str(f.dtype) for f in fulls], [str(s.dtype) for s in shards])
+
+
+def _steps():
+    return [_attempt(_one_step, mixed) for mixed in (False, True)]
 
 
 def test_sharded_step_is_a_full_step(impl):
     """After sharded_step every rank holds the full parameters of an Adam step on the mean
-    gradient (4 ranks, unit sizes not divisible by 4), with optimizer state for its shard only."""
-    for rank, (got, want, state, k) in enumerate(minipar.launch(_one_step, 4, timeout=TIMEOUT)):
-        for u, (g, w) in enumerate(zip(got, want)):
-            expect_close(g, w, "full parameters after the step (one Adam step on the mean gradient)",
-                         where=f"rank {rank}, unit {u}", rtol=1e-6, atol=1e-6)
-        expect_equal(state, 2 * k, f"rank {rank}: optimizer state elements (Adam's 2 per element of its "
-                                   f"shards, {k} elements)")
+    gradient (4 ranks, unit sizes not divisible by 4), with optimizer state for its shard only;
+    then again with bf16 flat parameters and gradients and fp32 shards, each dtype kept."""
+    for rank, cases in enumerate(minipar.launch(_steps, 4, timeout=TIMEOUT)):
+        for mixed, got in zip((False, True), cases):
+            name = "bf16 flat parameters and gradient slices, fp32 shards" if mixed else "fp32"
+            _raised(got, f"rank {rank}, {name}: sharded_step")
+            got, want, state, k, flat_dtypes, shard_dtypes = got
+            expect_equal({"flat parameters": flat_dtypes, "shards": shard_dtypes},
+                         {"flat parameters": [str(torch.bfloat16 if mixed else torch.float32)] * 2,
+                          "shards": [str(torch.float32)] * 2}, f"rank {rank}, {name}: dtypes after the step")
+            for u, (g, w) in enumerate(zip(got, want)):
+                expect_close(g.float(), w.float(), "full parameters after the step (one Adam step on the mean "
+                             "gradient)", where=f"rank {rank}, {name}, unit {u}",
+                             rtol=0 if mixed else 1e-6, atol=1e-2 if mixed else 1e-6)
+            expect_equal(state, 2 * k, f"rank {rank}, {name}: optimizer state elements (Adam's 2 per element of "
+                                       f"its shards, {k} elements)")
+
+
+# ----------------------------------------------------------------------------- B: ZeroOptimizer
+OPT_CASES = [  # (name, param_dtype, max_grad_norm, optimizer, lr), run in turn on each group
+    ("fp32, Adam", None, None, torch.optim.Adam, 0.1),
+    ("fp32, SGD, max_grad_norm=0.5", None, 0.5, torch.optim.SGD, 0.5),
+    ("param_dtype=bfloat16, Adam", torch.bfloat16, None, torch.optim.Adam, 0.1),
+]
+OPT_STEPS = 2
+
+
+def _opt_params():
+    """Units [[w (7,), u (2,)], [b (3,)]]: 9 elements padded to 10, and 3 padded to 4."""
+    return [torch.nn.Parameter(torch.linspace(-1, 1, 7)), torch.nn.Parameter(torch.tensor([0.5, -0.5])),
+            torch.nn.Parameter(torch.tensor([1.0, 2.0, -1.0]))]
+
+
+def _coeff(step, rank, m, i):
+    """d loss / d param i on ``rank`` at ``step``: multiples of 1/8 (exact in bf16)."""
+    return (torch.arange(m, dtype=torch.float32) - 3 + 2 * step + rank + 5 * i) / 8
+
+
+def _opt_case(group, name, param_dtype, clip, optim, lr):
+    w, u, b = ps = _opt_params()
+    opt = zero.ZeroOptimizer([[w, u], [b]], optim, group=group, param_dtype=param_dtype, max_grad_norm=clip, lr=lr)
+    flats = {f.untyped_storage().data_ptr() for f in opt.flat_params}
+    views = [p.untyped_storage().data_ptr() in flats for p in ps]
+    dtypes = [str(p.dtype) for p in ps]
+    out = {"views": views, "dtypes": dtypes, "shards": [str(s.dtype) for s in opt.shards], "steps": []}
+    for step in range(OPT_STEPS):
+        opt.zero_grad()
+        loss = sum((p * _coeff(step, dist.get_rank(), p.numel(), i).to(p.dtype)).sum()
+                   for i, p in enumerate((w, b)))           # u takes no part: no gradient on any rank
+        loss.backward()
+        opt.step()
+        out["steps"].append({"params": [p.detach().float().clone() for p in ps],
+                             "shard grads": [s.grad is None for s in opt.shards]})
+    out["state"] = sum(v.numel() for st in opt.optim.state.values() for v in st.values() if v.dim() > 0)
+    return out
+
+
+def _zero_optimizers():
+    group, gi, gr = _pairs()
+    return [_attempt(_opt_case, group, *case) for case in OPT_CASES]
+
+
+def _opt_reference(gi, clip, optim, lr):
+    ps = _opt_params()
+    opt = optim(ps, lr=lr)
+    out = []
+    for step in range(OPT_STEPS):
+        for i, p in zip((0, 1), (ps[0], ps[2])):
+            p.grad = sum(_coeff(step, q, p.numel(), i) for q in (2 * gi, 2 * gi + 1)) / 2
+        ps[1].grad = torch.zeros(2)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ps, clip)
+        opt.step()
+        out.append([p.detach().clone() for p in ps])
+    return out
+
+
+def test_zero_optimizer(impl):
+    """ZeroOptimizer on two groups of 2 out of 4 ranks (units of 9 and 3 elements, one parameter
+    without a gradient): Adam, SGD clipped to norm 0.5, and Adam under param_dtype=bfloat16, two
+    steps each: the parameters (views into the flat parameters, in param_dtype) equal the
+    optimizer's steps on the group's mean gradient; state for 5 + 2 elements only; no fp32
+    gradient left on the shards after a bf16 step."""
+    results = minipar.launch(_zero_optimizers, 4, timeout=TIMEOUT)
+    names = ("w", "u", "b")
+    for rank, cases in enumerate(results):
+        gi = rank // 2
+        for (name, param_dtype, clip, optim, lr), got in zip(OPT_CASES, cases):
+            where = f"{_in_group(rank)}, {name}"
+            _raised(got, where)
+            low = param_dtype or torch.float32
+            expect_equal(dict(zip(names, got["dtypes"])), dict.fromkeys(names, str(low)),
+                         f"{where}: the model parameters' dtype after ZeroOptimizer(...)", keys="parameter")
+            expect_equal(got["shards"], [str(torch.float32)] * 2, f"{where}: the dtype of the optimizer's shards",
+                         keys="unit")
+            expect_equal(dict(zip(names, got["views"])), dict.fromkeys(names, True),
+                         f"{where}: the parameter's memory is one of opt.flat_params'", keys="parameter")
+            want = _opt_reference(gi, clip, optim, lr)
+            for step, (g, ws) in enumerate(zip(got["steps"], want)):
+                for pname, p, w in zip(names, g["params"], ws):
+                    expect_close(p, w.to(low).float(), f"parameter {pname} after step {step + 1} (the optimizer's "
+                                 "step on the group's mean gradient)", where=where,
+                                 rtol=0 if param_dtype else 1e-6, atol=1e-2 if param_dtype else 1e-6)
+                if param_dtype is not None:
+                    expect_equal(g["shard grads"], [True, True], f"{where}: the shards' .grad is None after step "
+                                 f"{step + 1}", keys="unit")
+            want_state = (2 if optim is torch.optim.Adam else 0) * (5 + 2)
+            expect_equal(got["state"], want_state, f"{where}: elements of optimizer state (per element of its "
+                         "shards of 5 and 2 elements)")
 
 
 # ----------------------------------------------------------------------------- training
@@ -184,39 +447,159 @@ def test_stages_1_and_2_train_like_one_process(impl):
 
 
 # ----------------------------------------------------------------------------- C: gather and free
-def _gather_free():
+GATHER_DTYPES = [torch.float32, torch.bfloat16]     # the buffer's dtype; the shards are fp32
+
+
+def _gather_free(dtype):
     r, n = dist.get_rank(), dist.get_world_size()
-    full = torch.empty(3 * n)
+    full = torch.empty(3 * n, dtype=dtype)
     view = full[1:4]                                  # a parameter-like view into the buffer
     zero.free_unit(full)
     freed = full.untyped_storage().nbytes()
     shard = torch.arange(3, dtype=torch.float32) + 10 * r
     ret = zero.gather_unit(full, shard)
-    sync = (full.clone(), full.untyped_storage().nbytes(), ret is None, view.clone())
+    sync = (full.float().clone(), full.untyped_storage().nbytes(), ret is None, view.float().clone(), str(full.dtype))
     zero.free_unit(full)
     after = (full.untyped_storage().nbytes(), full.shape)
     handle = zero.gather_unit(full, shard * 2, async_op=True)
-    handle.wait()
-    return freed, sync, after, full.clone()
+    waits = callable(getattr(handle, "wait", None))
+    if waits:
+        handle.wait()
+    return freed, sync, after, full.float().clone(), waits
+
+
+def _gathers_and_frees():
+    return [_attempt(_gather_free, dtype) for dtype in GATHER_DTYPES]
 
 
 def test_gather_and_free(impl):
     """free_unit empties the buffer's storage but keeps the tensor; gather_unit refills it with
-    every rank's shard in rank order (views see the values), synchronously or with a Handle."""
+    every rank's shard in rank order (views see the values), synchronously or with a Handle;
+    into an fp32 buffer and into a bf16 one."""
     n = 2
-    for rank, (freed, (vals, nbytes, is_none, view), (after, shape), async_vals) in enumerate(
-            minipar.launch(_gather_free, n, timeout=TIMEOUT)):
-        want = torch.cat([torch.arange(3, dtype=torch.float32) + 10 * q for q in range(n)])
-        where = f"rank {rank}"
-        expect_equal(freed, 0, f"{where}: storage bytes after free_unit")
-        expect_close(vals, want, "the gathered unit (every rank's shard, in rank order)", where=where, rtol=0, atol=0)
-        expect_equal({"storage bytes": nbytes, "returns None": is_none}, {"storage bytes": 3 * n * 4, "returns None": True},
-                     f"{where}: synchronous gather_unit")
-        expect_close(view, want[1:4], "a view into the unit (a parameter) after the gather", where=where, rtol=0, atol=0)
-        expect_equal({"storage bytes": after, "shape": tuple(shape)}, {"storage bytes": 0, "shape": (3 * n,)},
-                     f"{where}: after the second free_unit (memory released, the tensor kept)")
-        expect_close(async_vals, 2 * want, "the unit gathered with async_op=True, after handle.wait()",
-                     where=where, rtol=0, atol=0)
+    for rank, cases in enumerate(minipar.launch(_gathers_and_frees, n, timeout=TIMEOUT)):
+        for dtype, got in zip(GATHER_DTYPES, cases):
+            where = f"rank {rank}, a {dtype} buffer, fp32 shards"
+            _raised(got, where)
+            freed, (vals, nbytes, is_none, view, kept), (after, shape), async_vals, waits = got
+            want = torch.cat([torch.arange(3, dtype=torch.float32) + 10 * q for q in range(n)])
+            size = dtype.itemsize
+            expect_equal(freed, 0, f"{where}: storage bytes after free_unit")
+            expect_equal(kept, str(dtype), f"{where}: the buffer's dtype after gather_unit")
+            expect_close(vals, want, "the gathered unit (every rank's shard, in rank order)", where=where,
+                         rtol=0, atol=0)
+            expect_equal({"storage bytes": nbytes, "returns None": is_none},
+                         {"storage bytes": 3 * n * size, "returns None": True}, f"{where}: synchronous gather_unit")
+            expect_close(view, want[1:4], "a view into the unit (a parameter) after the gather", where=where,
+                         rtol=0, atol=0)
+            expect_equal({"storage bytes": after, "shape": tuple(shape)}, {"storage bytes": 0, "shape": (3 * n,)},
+                         f"{where}: after the second free_unit (memory released, the tensor kept)")
+            expect(waits, f"{where}: gather_unit(..., async_op=True) returned an object without .wait()")
+            expect_close(async_vals, 2 * want, "the unit gathered with async_op=True, after handle.wait()",
+                         where=where, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- C: FlatStorage
+def _module(gi):
+    """nn.Linear(2, 3): 9 elements, padded to 10 on a group of 2 (k = 5); the same on a group's ranks."""
+    m = torch.nn.Linear(2, 3)
+    with torch.no_grad():
+        m.weight.copy_(_randn(3, 2, seed=gi))
+        m.bias.copy_(_randn(3, seed=10 + gi))
+    return m
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _inputs(rank, backward):
+    return _randn(4, 2, seed=100 + 10 * rank + backward)
+
+
+def _storage_case(group, gi, dtype):
+    m = _module(gi)
+    st = FlatStorage([(m, list(m.parameters()))], group, dtype=dtype)
+    u = st.units[0]
+    out = {"shard": (u.shard.detach().clone(), str(u.shard.dtype), u.shard.is_leaf, u.shard.requires_grad),
+           "full": (u.full.untyped_storage().nbytes(), str(u.full.dtype), u.full.numel())}
+    handle = st.gather(0)
+    out["handle"] = callable(getattr(handle, "wait", None))
+    if out["handle"]:
+        handle.wait()
+    out["views"] = [p.untyped_storage().data_ptr() == u.full.untyped_storage().data_ptr() for p in m.parameters()]
+    out["gathered"] = (u.full.untyped_storage().nbytes(), [p.detach().float().clone() for p in m.parameters()])
+    out["grads"] = []
+    for backward in range(2):                             # two backwards before one step
+        m(_inputs(dist.get_rank(), backward).to(dtype)).float().sum().backward()
+        st.reduce(0)
+        g = u.shard.grad
+        out["grads"].append((None if g is None else g.detach().clone(), None if g is None else str(g.dtype),
+                             [p.grad is None for p in m.parameters()]))
+    st.free(0)
+    out["freed"] = u.full.untyped_storage().nbytes()
+    return out
+
+
+def _storages():
+    group, gi, gr = _pairs()
+    return [_attempt(_storage_case, group, gi, dtype) for dtype in GATHER_DTYPES]
+
+
+def _storage_want(gi, gr):
+    """(this rank's fp32 shard, its mean gradient slice after one and after two backwards)."""
+    m = _module(gi)
+    flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts] + [torch.zeros(1)])  # noqa: E731
+    grads = []
+    for backward in range(2):
+        mean = 0
+        for q in (2 * gi, 2 * gi + 1):
+            m.zero_grad()
+            m(_inputs(q, backward)).sum().backward()
+            mean = mean + flat([p.grad for p in m.parameters()]) / 2
+        grads.append(mean[5 * gr:5 * gr + 5])
+    return flat(m.parameters())[5 * gr:5 * gr + 5], [grads[0], grads[0] + grads[1]], list(m.parameters())
+
+
+def test_flat_storage(impl):
+    """FlatStorage on two groups of 2 out of 4 ranks, one unit (nn.Linear(2, 3): 9 elements,
+    padded to 10), in fp32 and in bf16: the fp32 shard, the freed N·k buffer the parameters are
+    views of, gather's Handle, two backwards' mean gradients accumulated on the shard in fp32,
+    free."""
+    results = minipar.launch(_storages, 4, timeout=TIMEOUT)
+    for rank, cases in enumerate(results):
+        gi, gr = rank // 2, rank % 2
+        shard, grads, params = _storage_want(gi, gr)
+        for dtype, got in zip(GATHER_DTYPES, cases):
+            where = f"{_in_group(rank)}, dtype={dtype}"
+            _raised(got, where)
+            value, sdtype, leaf, requires = got["shard"]
+            expect_equal({"dtype": sdtype, "is_leaf": leaf, "requires_grad": requires},
+                         {"dtype": str(torch.float32), "is_leaf": True, "requires_grad": True},
+                         f"{where}: the unit's shard")
+            expect_close(value, shard, "the shard (this rank's 5 of the 10 flat padded elements)", where=where,
+                         rtol=0, atol=0)
+            expect_equal(dict(zip(("storage bytes", "dtype", "elements"), got["full"])),
+                         {"storage bytes": 0, "dtype": str(dtype), "elements": 10},
+                         f"{where}: the unit's full buffer when FlatStorage is built")
+            expect(got["handle"], f"{where}: FlatStorage.gather(0) returned an object without .wait()")
+            expect_equal(got["views"], [True, True], f"{where}: the parameter's memory is the full buffer's",
+                         keys="parameter (weight, bias)")
+            nbytes, values = got["gathered"]
+            expect_equal(nbytes, 10 * dtype.itemsize, f"{where}: storage bytes of the full buffer after the gather")
+            for name, v, p in zip(("weight", "bias"), values, params):
+                expect_close(v, p.detach().to(dtype).float(), f"the {name} after the gather", where=where,
+                             rtol=0, atol=0)
+            tol = 1e-6 if dtype == torch.float32 else 5e-2
+            for b, ((g, gdtype, nones), want) in enumerate(zip(got["grads"], grads)):
+                what = "after one backward" if b == 0 else "after a second backward (the sum of both means)"
+                expect(g is not None, f"{where}: the shard's .grad is None {what} and reduce(0)")
+                expect_equal(gdtype, str(torch.float32), f"{where}: the dtype of the shard's .grad {what}")
+                expect_close(g, want, f"the shard's .grad {what} and reduce(0) (the group's mean gradient, this "
+                             "rank's 5 elements)", where=where, rtol=tol, atol=tol)
+                expect_equal(nones, [True, True], f"{where}: the parameters' .grad is None {what} and reduce(0)",
+                             keys="parameter (weight, bias)")
+            expect_equal(got["freed"], 0, f"{where}: storage bytes of the full buffer after free(0)")
 
 
 def test_stage3_trains_like_one_process(impl):

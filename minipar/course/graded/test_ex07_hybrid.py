@@ -71,8 +71,8 @@ HINTS = {
     "C": ("The rule is an order of preference: can you express it as one sort key?",
           "Skip the configurations whose hybrid_memory_per_rank(num_params(config), dp, pp, tp, "
           "zero1=zero1)[\"total\"] exceeds the budget; keep the one with the smallest key.",
-          "key = (tp·pp, tp > ranks_per_node, pp); best = min over the fitting valid_configs(config, "
-          "world_size, batch_size, microbatches) by key; none fits: raise ValueError."),
+          "key = (tp·pp, tp > ranks_per_node, pp); best = min, by key, over the configurations "
+          "valid_configs returns for the same arguments that fit; none fits: raise ValueError."),
     "D": ("The mesh with cp is the 3D mesh with cp·tp as its fastest dimension: the part A you wrote "
           "already does half the work. The expert groups are a list cut into pieces.",
           "coordinates: mesh_coordinates(rank, dp, pp, tp·cp), then split its fast coordinate into "

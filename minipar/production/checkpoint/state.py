@@ -13,7 +13,10 @@ shape and boxes (:mod:`.placement`):
 :func:`local_pieces` adds the optimizer state under the same names: a torch optimizer's
 state shaped like each parameter (AdamW's ``exp_avg``, ``exp_avg_sq``) and scalars
 (``step``); a ZeRO optimizer's (:class:`minipar.zero.ZeroOptimizer`) state of a flat range
-of each unit becomes flat-range pieces of the parameters it spans.
+of each unit becomes flat-range pieces of the parameters it spans. A ZeRO-3 mesh
+(:class:`~minipar.hybrid.HybridModel` with ``zero=3``, flat or per-parameter, HSDP too) holds
+only shards of its parameters: each shard's ``shard_spans`` (which elements of which parameter
+it holds) makes flat-range pieces of the parameters and of the optimizer state stepping it.
 """
 from __future__ import annotations
 
@@ -35,9 +38,6 @@ def parameter_layout(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, tu
     if isinstance(model, FullyShardedDataParallel):  # its parameters are flat shards
         raise NotImplementedError("checkpointing a ZeRO-3 (FullyShardedDataParallel) model is not "
                                   "supported; checkpoint the wrapped model after gathering it")
-    if isinstance(model, HybridModel) and getattr(model, "sharded", None) is not None:
-        raise NotImplementedError("checkpointing a ZeRO-3 mesh is not supported: its parameters are "
-                                  "shards of flat or per-parameter units; use zero=1 or 2 to checkpoint")
     if isinstance(model, HybridModel):  # its stages' parameters, by single-device name
         return tensor_parallel_layout(model.params.items(), model.mesh.tp, model.coords["tp"], weight_layout)
     if isinstance(model, TensorParallelGPT):
@@ -78,6 +78,8 @@ def local_pieces(model, optimizer=None, saved_keys: dict | None = None) -> list[
     ``{name: {key: scalar?}}`` of a checkpoint, to create optimizer state that does not
     exist yet (a fresh optimizer has none until its first step)."""
     layout = parameter_layout(model)
+    if getattr(model, "sharded", None) is not None:   # ZeRO-3 on the mesh: shards only
+        return _sharded_pieces(model.sharded.shard_spans(), layout, optimizer, saved_keys)
     out = [q for name, p, full, boxes in layout for q in pieces_of(name, PARAM, full, boxes, p.detach())]
     if optimizer is None:
         return out
@@ -119,6 +121,32 @@ def _zero_pieces(opt, where: dict, saved_keys) -> list[Piece]:
                 if value is not None:
                     flat = value.detach().reshape(-1)[s:s + b - a] if value.dim() else None
                     out += _state_pieces(name, full, boxes, p.detach(), key, value, a, b, flat)
+    return out
+
+
+def _sharded_pieces(spans, layout, optimizer, saved_keys) -> list[Piece]:
+    """ZeRO-3: ``spans`` ``(name, shard, a, b, s)`` (elements [a, b) of the local parameter
+    ``name`` are the shard's [s, s + b - a)) as flat-range pieces of the parameters, then of the
+    optimizer's state of each shard (created first when loading)."""
+    info = {name: (full, boxes, p) for name, p, full, boxes in layout}
+    out, by_shard = [], {}
+    for name, shard, a, b, s in spans:
+        full, boxes, p = info[name]
+        out += pieces_of(name, PARAM, full, boxes, p, a, b, shard.detach().reshape(-1)[s:s + b - a])
+        by_shard.setdefault(id(shard), (shard, []))[1].append((name, a, b, s))
+    if optimizer is None:
+        return out
+    for shard, covered in by_shard.values():
+        state = optimizer.state[shard]
+        if saved_keys is not None:
+            _create_state(state, {k: v for name, *_ in covered for k, v in saved_keys.get(name, {}).items()},
+                          shard)
+        for name, a, b, s in covered:
+            full, boxes, p = info[name]
+            for key, value in state.items():
+                if value is not None:
+                    flat = value.detach().reshape(-1)[s:s + b - a] if value.dim() else None
+                    out += _state_pieces(name, full, boxes, p, key, value, a, b, flat)
     return out
 
 

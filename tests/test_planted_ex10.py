@@ -1,0 +1,86 @@
+"""ex10's contract has no hole: for every clause of CONTRACT, an answer that breaks it (the
+solution with a line or two changed) fails the clause's graded test, with a message naming it."""
+import pytest
+
+from minipar.course.graded import test_ex10_planning as g
+from tests.planted import fails, planted
+
+FLIGHT = "        in_flight = 1 if (r == L.pp - 1 and r > 0) else peak_activations(L.schedule, L.pp, m, r, L.v) / L.v"
+PLANTS = {  # clause -> (edits, graded test, what the message must name)
+    "For a GPT they are exactly ``cost.recompute_activation_bytes``": (
+        [("        return e * s * L.micro_batch * h / (t if L.sp else 1)", "        return e * s * L.micro_batch * h")],
+        g.test_layer_activations_of_a_gpt, r"tp = 4, sequence parallel True, recompute='full': bytes of one layer"),
+    "grouped-query K and V (Q, K, V is h + 2·kv_dim wide, not 3h), the MLP's width and gating": (
+        [('    terms["Q, K, V"] *= (h + 2 * model.kv_dim) / (3 * h)\n', "")],
+        g.test_layer_activations_of_other_shapes, r"Llama 3 8B, s = 8192, selective: bytes of one layer"),
+    "× top_k for the experts a token visits": (
+        [(" * (1.5 if model.gated else 1.0) * model.top_k", " * (1.5 if model.gated else 1.0)")],
+        g.test_layer_activations_of_other_shapes, r"Mixtral 8x7B, s = 8192, selective: bytes of one layer"),
+    "the attention scores of those s/cp queries span all s keys": (
+        [("else terms[k] * L.cp", "else terms[k]")],
+        g.test_layer_activations_with_cp, r"cp = 2, materialized: bytes of one layer"),
+    "flash attention keeps no score term either, and adds the fp32 log-sum-exp": (
+        [('        terms["log-sum-exp"] = 4 * s * L.micro_batch * model.n_head / t', '        pass')],
+        g.test_layer_activations_with_cp, r"cp = 1, flash: bytes of one layer"),
+    "2 + 2 + 12 bytes per parameter in bf16, 4 + 4 + 8 in fp32": (
+        [("    k = 12 if e == 2 else 8", "    k = 12")],
+        g.test_model_states, r"Llama 3 8B, 1 GPU \(b=1, fp32, full recompute\): optimizer bytes \(8 per parameter"),
+    "ZeRO stage 1, 2, 3 divides the optimizer state, then the gradients, then the parameters by the dp·cp ranks": (
+        [("    parts = [zero_bytes_per_rank(dense / (L.tp * L.pp), L.dp * L.cp, L.zero",
+          "    parts = [zero_bytes_per_rank(dense / (L.tp * L.pp), L.dp, L.zero")],
+        g.test_model_states, r"Llama 3 8B, dp4·cp2 \(b=1, bf16, ZeRO-2\): grads bytes"),
+    "Ψ/(tp·pp) of the dense parameters and Ψ_experts/(tp·pp·ep) of the experts'": (
+        [("experts / (L.tp * L.pp * L.ep), L.dp * L.cp // L.ep", "experts / (L.tp * L.pp), L.dp * L.cp")],
+        g.test_model_states_of_experts, r"Mixtral 8x7B, dp8·ep8 \(b=1, bf16, ZeRO-1\): params bytes"),
+    "Stages get l/p layers each when p divides l": (
+        [("    for r in ([0, pp - 1] + list(range(1, pp - 1)))[:fewer]:",
+          "    for r in ([0, pp - 1] + list(range(1, pp - 1)))[:max(fewer, 2 * (pp > 2))]:")],
+        g.test_stage_layers, r"stage_layers\(32, 4\): layers per stage"),
+    "the stages that hold one fewer are the first and the last, then the second, the third": (
+        [("    for r in ([0, pp - 1] + list(range(1, pp - 1)))[:fewer]:", "    for r in list(range(pp))[:fewer]:")],
+        g.test_stage_layers, r"stage_layers\(126, 16\): layers per stage"),
+    "stage r holds its ``stage_layers`` for the micro-batches in flight on it": (
+        [(FLIGHT, "        in_flight = 1 if (r == L.pp - 1 and r > 0) else min(L.pp, m)")],
+        g.test_pipeline_in_flight, r"pp = 4, gpipe \(v = 1\), 16 micro-batches: activation bytes of the first stage"),
+    "the last stage (with pp > 1) one": (
+        [(FLIGHT, "        in_flight = peak_activations(L.schedule, L.pp, m, r, L.v) / L.v")],
+        g.test_last_stage_with_big_logits, r"pp = 2, GPipe, 4 micro-batches: activation bytes"),
+    "full recomputation also rebuilds one layer's full activations during backward": (
+        [('    rebuilt = layer_activation_bytes(model, L.replace(recompute="none"), seq_len) if L.recompute == "full" else 0.0',
+          "    rebuilt = 0.0")],
+        g.test_full_recompute_adds_one_layer, r"GPT-3 1.3B, full recomputation: activation bytes"),
+    "the last stage also holds one micro-batch's fp32 logits (sharded over tp, on the GPU's s/cp tokens)": (
+        [("    logits = 4 * (seq_len // L.cp) * L.micro_batch * model.vocab / L.tp",
+          "    logits = 4 * seq_len * L.micro_batch * model.vocab")],
+        g.test_last_stage_with_big_logits, r"pp = 2, tp = 2, cp = 2, one micro-batch: activation bytes of the last stage"),
+    "with one stage, the first stage is the last": (
+        [("(logits if r == L.pp - 1 else 0.0)", "(logits if r == L.pp - 1 and r > 0 else 0.0)")],
+        g.test_activations_without_pipeline, r"GPT-3 1.3B, one GPU, micro-batch 2, recompute='none'"),
+    "a 25 MB gradient bucket when dp·cp > 1": (
+        [("    out = BUCKET if L.dp * L.cp > 1 else 0.0", "    out = BUCKET if L.dp > 1 else 0.0")],
+        g.test_buffers, r"cp = 2: the 25 MB bucket"),
+    "the all-gathered (s/cp, b, h) input of a sequence-parallel layer when tp > 1": (
+        [("    if L.tp > 1:\n        out += e * sbh\n", "")],
+        g.test_buffers, r"tp = 2: the gathered \(s, b, h\) input"),
+    "a pipeline stage's two boundary activations when pp > 1 (over tp with sequence parallelism)": (
+        [("        out += 2 * e * sbh / (L.tp if L.sp else 1)", "        out += 2 * e * sbh")],
+        g.test_buffers, r"pp = 2, tp = 2: the gathered input \+ two boundary activations over tp"),
+    "ZeRO-3's one gathered layer (Ψ/l over tp)": (
+        [("        out += e * (model.num_params() / model.n_layer) / L.tp", "        out += e * model.num_params() / L.tp")],
+        g.test_buffers, r"dp = 8, ZeRO-3: the bucket \+ one layer"),
+}
+
+
+def test_every_clause_is_planted():
+    assert set(g.CONTRACT) == set(PLANTS)
+    for clause in g.CONTRACT:
+        assert clause in " ".join(g.__doc__.split())
+
+
+@pytest.mark.parametrize("clause", list(PLANTS))
+def test_planted_answer_fails(clause, tmp_path):
+    edits, test, match = PLANTS[clause]
+    named = g.CONTRACT[clause]
+    assert test.__name__ in ((named,) if isinstance(named, str) else named)
+    with planted("ex10", tmp_path, *edits):
+        fails(test, match=match)

@@ -132,6 +132,7 @@ def test_gpt_fused_equals_materialized_loss_and_every_gradient(recompute):
         torch.testing.assert_close(out["sdpa"][1][n], g, **TOL, msg=lambda m: f"{n}: {m}")
     default = attn.default_attention(DEVICE)
     assert torch.equal(out["auto"][0], out[default][0])
+    # placement-free: the defaults of named devices, whatever this one is
     assert attn.default_attention("cuda") == "sdpa" and attn.resolve("auto", "cpu") == attn.CPU_DEFAULT
     with pytest.raises(ValueError, match="attention must be one of"):
         GPT(GPTConfig(attention="flash"))

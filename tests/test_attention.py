@@ -20,14 +20,13 @@ from minipar.models import GPT, GPTConfig
 from minipar.models import attention as attn
 from minipar.zero import run as zero_run
 
-TOL = dict(rtol=1e-5, atol=1e-6)
-DEVICE = minipar.device()  # the GPU under ``course.py test --gpu`` (MINIPAR_DEVICE=cuda), else the CPU
+TOL = dict(rtol=1e-5, atol=1e-6)  # tensors on minipar.device(): the GPU under `course.py test --gpu`
 CFG = GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=4, n_embd=32, attention="sdpa")
 
 
 def _qkv(B=2, H=3, Tq=24, Tk=24, d=8, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(B, H, T, d, generator=g).to(DEVICE, dtype) for T in (Tq, Tk, Tk, Tq))
+    return tuple(torch.randn(B, H, T, d, generator=g).to(minipar.device(), dtype) for T in (Tq, Tk, Tk, Tq))
 
 
 def _grads(fn, q, k, v, w):
@@ -71,7 +70,7 @@ def test_fused_with_a_positions_mask_equals_materialized():
     """Queries and keys at shuffled global positions (all-gather's mask, zigzag): the fused
     kernel with the mask as an additive bias equals the written-out masked attention."""
     q, k, v, w = _qkv(Tq=12, Tk=24)
-    k_pos = torch.randperm(24, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    k_pos = torch.randperm(24, generator=torch.Generator().manual_seed(1)).to(minipar.device())
     q_pos = k_pos[6:18]
     ref = _grads(lambda *t: cpm.masked_attention(*t, q_pos, k_pos, True), q, k, v, w)
     got = _grads(lambda *t: cpm.masked_attention(*t, q_pos, k_pos, True, "sdpa"), q, k, v, w)
@@ -83,7 +82,7 @@ def test_ulysses_head_attention_in_sequence_order_equals_the_masked_one():
     same O, lse and gradients as the materialised attention masked by the zigzag positions."""
     from minipar.context_parallel.ulysses import head_attention
     q, k, v, w = _qkv(Tq=32, Tk=32)
-    pos = torch.cat([cpm.sequence_positions(32, r, 2, "zigzag") for r in range(2)]).to(DEVICE)
+    pos = torch.cat([cpm.sequence_positions(32, r, 2, "zigzag") for r in range(2)]).to(minipar.device())
     ref = _grads(lambda *t: head_attention(*t, pos, True, "materialized"), q, k, v, w)
     got = _grads(lambda *t: head_attention(*t, pos, True, "sdpa"), q, k, v, w)
     _close(got, ref, "ulysses order")
@@ -101,7 +100,7 @@ def test_fused_blocks_merge_and_backward_like_the_written_out_ones(causal):
         blocks = [(slice(0, 8), slice(0, 8), causal), (slice(8, 16), slice(8, 16), causal),
                   (slice(8, 16), slice(0, 8), False)] if causal else \
                  [(slice(None), slice(0, 8), False), (slice(None), slice(8, 16), False)]
-        o, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), device=DEVICE)
+        o, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), device=minipar.device())
         for rows, cols, c in blocks:
             o_b, lse_b = cpm.attention_block(q[..., rows, :], k[..., cols, :], v[..., cols, :], c, a)
             o[..., rows, :], lse[..., rows] = cpm.merge_partials(o[..., rows, :], lse[..., rows], o_b, lse_b)
@@ -120,17 +119,17 @@ def test_fused_blocks_merge_and_backward_like_the_written_out_ones(causal):
 def test_gpt_fused_equals_materialized_loss_and_every_gradient(recompute):
     """A GPT with attention="sdpa" and one with "materialized": the same loss and parameter
     gradients within fp32 rounding, under every recomputation mode; "auto" is the device's default."""
-    x = torch.randint(0, 32, (4, 32), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    x = torch.randint(0, 32, (4, 32), generator=torch.Generator().manual_seed(0)).to(minipar.device())
     out = {}
     for a in ("sdpa", "materialized", "auto"):
-        m = GPT(GPTConfig(**{**CFG.__dict__, "attention": a, "recompute": recompute}), seed=0).to(DEVICE)
+        m = GPT(GPTConfig(**{**CFG.__dict__, "attention": a, "recompute": recompute}), seed=0).to(minipar.device())
         loss = m(x, x)
         loss.backward()
         out[a] = (loss.detach(), {n: p.grad for n, p in m.named_parameters()})
     torch.testing.assert_close(out["sdpa"][0], out["materialized"][0], **TOL)
     for n, g in out["materialized"][1].items():
         torch.testing.assert_close(out["sdpa"][1][n], g, **TOL, msg=lambda m: f"{n}: {m}")
-    default = attn.default_attention(DEVICE)
+    default = attn.default_attention(minipar.device())
     assert torch.equal(out["auto"][0], out[default][0])
     # placement-free: the defaults of named devices, whatever this one is
     assert attn.default_attention("cuda") == "sdpa" and attn.resolve("auto", "cpu") == attn.CPU_DEFAULT
@@ -210,7 +209,7 @@ def test_fused_in_half_precision_equals_the_fp32_written_out_one(dtype, mask):
     O) against the written-out attention in fp32 on the same rounded inputs, within the half
     type's rounding. On a GPU this runs the CUDA kernels (and, below sm80, bf16's fp32 fallback)."""
     q, k, v, w = _qkv(Tq=40, Tk=40, dtype=dtype)
-    pos = (torch.randperm(40, generator=torch.Generator().manual_seed(2)).to(DEVICE),) * 2 \
+    pos = (torch.randperm(40, generator=torch.Generator().manual_seed(2)).to(minipar.device()),) * 2 \
         if mask == "positions" else (None, None)
     ref = _grads(lambda *t: cpm.masked_attention(*t, *pos, True), *(t.float() for t in (q, k, v, w)))
     got = _grads(lambda *t: cpm.masked_attention(*t, *pos, True, "sdpa"), q, k, v, w)

@@ -282,3 +282,32 @@ def test_a_rank_that_trained_on_the_cpu_fails_its_job_by_name(course, tmp_path):
     assert result == "FAIL (CPU ranks)"
     assert findings == [f"tests/test_gpu_run.py::{test_a_rank_that_trained_on_the_cpu_fails_its_job_by_name.__name__}: "
                         f"rank 1 computed on the CPU (GPU peak 0 MiB; rank 0 used {held[0] / 2**20:.1f} MiB)"]
+
+
+def test_first_runs_the_checks_then_one_quick_job_per_chapter_and_reports(course, monkeypatch, capsys):
+    """``--gpu --first`` (subprocesses played): the fused-attention, training and refusal checks
+    in order, then each chapter's job with ``-m "not slow"`` and no notebook; a failed check
+    fails the run and shows in the report."""
+    import types
+    ran, started = [], []
+
+    def run(cmd, **kw):
+        if cmd[1] == "-c":  # the GPU probe
+            return types.SimpleNamespace(stdout="1 2.13.0", returncode=0)
+        ran.append(cmd[1:])
+        bad = "bf16" in cmd
+        return types.SimpleNamespace(stdout="fp32 causal ok\n", stderr="", returncode=1 if bad else 0)
+
+    def popen(cmd, **kw):
+        started.append(cmd[3:])
+        return types.SimpleNamespace(poll=lambda: 0, returncode=0)
+    monkeypatch.setattr(course.subprocess, "run", run)
+    monkeypatch.setattr(course.subprocess, "Popen", popen)
+    monkeypatch.setattr(course.time, "sleep", lambda s: None)
+    monkeypatch.setattr(course, "open", lambda *a, **k: None, raising=False)
+    assert course.test_gpu(["--first"]) == 1
+    assert ran == [cmd for _, cmd, _ in course.gpu.FIRST]
+    assert len(started) == len([n for n, _ in course.gpu_jobs() if not n.startswith("notebook")])
+    assert all(a[-4:] == ["-m", "not slow", "--maxfail", "3"] for a in started)
+    out = capsys.readouterr().out
+    assert "minipar.train cp2 bf16" in out and "FAIL (1)" in out and "--gpu --first: 1 GPU(s)" in out

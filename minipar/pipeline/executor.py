@@ -12,7 +12,10 @@ Each action is the method of its name:
   ``SEND_B``. With W actions (ZB-H1) the forward ran under
   :func:`~minipar.autograd.split_backward.deferred`: B computes input gradients only, and
 * ``W i s``: the weight gradients ``∂L/∂W = (∂L/∂Y)ᵀ X`` from the ``(X, ∂L/∂Y)`` B kept.
-* ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``: activations and gradients (:mod:`.stage_comm`).
+* ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``: activations and gradients (:mod:`.stage_comm`);
+  each run of them between two computes is one batch under NCCL (:func:`minipar.comm.p2p.batched`:
+  separate posts of a send and a receive, in opposite orders on neighbouring ranks, can wait on
+  each other for ever).
 
 Measurement stays beside the walk: :func:`traced` records each F, B, W as a trace region
 labelled ``phase``, ``microbatch``, ``stage``; :class:`Mailbox` tags the messages so that a
@@ -22,6 +25,7 @@ micro-batches held at once (``peak_stash`` after a step).
 from __future__ import annotations
 
 import functools
+import itertools
 from contextlib import nullcontext
 
 import torch
@@ -30,9 +34,10 @@ import torch.nn as nn
 from .. import precision
 from ..runtime import trace
 from ..comm import group_rank, group_size
+from ..comm.p2p import batched
 from ..models import lm_loss
 from . import stage_comm
-from .schedules import Schedule
+from .schedules import COMPUTE, Schedule
 from .simulate import NAMES
 from ..autograd.split_backward import WeightGrads, deferred
 
@@ -78,11 +83,13 @@ class Pipeline:
             raise ValueError(f"batch of {inputs.shape[0]} cannot be cut into m={m} equal micro-batches")
         self.xs, self.ys, self.loss = inputs.chunk(m), targets.chunk(m), 0.0
         self.stash, self.inbox, self.outbox = Stash(), {}, {}
-        for a in self.schedule.actions[self.rank]:
-            getattr(self, a.op)(a)
+        for compute, run in itertools.groupby(self.schedule.actions[self.rank], lambda a: a.op in COMPUTE):
+            with nullcontext() if compute else batched():  # a run of sends and receives: one NCCL batch
+                for a in run:
+                    getattr(self, a.op)(a)
         self.mail.flush()
         self.peak_stash = self.stash.peak
-        return self.loss if self.last in self.stages else None
+        return float(self.loss) if self.last in self.stages else None  # the step's one host read
 
     # ------------------------------------------------------------------ compute
     @traced
@@ -95,7 +102,7 @@ class Pipeline:
             out = self.stages[s](x)
             if s == self.last:
                 out = self.loss_fn(out, self.ys[i]) / self.schedule.m
-                self.loss += out.item()
+                self.loss = self.loss + out.detach().double()  # on the device: no host read per micro-batch
         self.stash[i, s] = (x, out, dw)
         if s < self.last:
             self.outbox["F", i, s] = out

@@ -152,7 +152,7 @@ def _train(args, signals) -> dict:
     mesh = ProcessMesh(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep).build()
     with torch.device("cpu"):  # seeded on the CPU, identically on every rank; build() places it
         gpt = GPT(config, seed=args.seed)
-    zero = args.zero if args.zero is not None else int(args.zero1)   # parser() alone leaves --zero1 unfolded
+    zero = args.zero or 0
     model = hybrid.build(gpt, mesh, zero=zero, sharding=args.sharding,
                          reshard_after_forward=args.reshard_after_forward,
                          dp_shard=getattr(args, "dp_shard", None), schedule=args.schedule,

@@ -73,6 +73,7 @@ class Pipeline:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Forward and backward of one batch (gradients accumulate into ``.grad``); returns
         the batch's mean loss on the rank holding the last stage, ``None`` elsewhere."""
+        # >>> ex04 C
         m = self.schedule.m
         if inputs.shape[0] % m:
             raise ValueError(f"batch of {inputs.shape[0]} cannot be cut into m={m} equal micro-batches")
@@ -83,6 +84,7 @@ class Pipeline:
         self.mail.flush()
         self.peak_stash = self.stash.peak
         return self.loss if self.last in self.stages else None
+        # <<< ex04 C
 
     # ------------------------------------------------------------------ compute
     @traced
@@ -117,10 +119,14 @@ class Pipeline:
 
     # ------------------------------------------------------------------ communication
     def SEND_F(self, a):  # also SEND_B: a.op[-1] is the kind, "F" or "B"
+        # >>> ex04 C
         self.mail.send(a, self.outbox.pop((a.op[-1], a.microbatch, a.stage)))
+        # <<< ex04 C
 
     def RECV_F(self, a):  # also RECV_B
+        # >>> ex04 C
         self.inbox[a.op[-1], a.microbatch, a.stage] = self.mail.recv(a)
+        # <<< ex04 C
 
     SEND_B, RECV_B = SEND_F, RECV_F
 

@@ -9,8 +9,10 @@
                                           # the tests' run), a static site, checked in a browser
     python3 course.py test --gpu          # on a GPU machine: equivalence tests and every notebook
                                           # on the GPU, then a report per chapter
-    python3 course.py test --gpu --dry-run   # what that would run, and a check (no GPU needed)
-                                          # that none of its tests assumes the CPU
+    python3 course.py test --gpu --dry-run   # what that would run, every test file in or out and
+                                          # why, and a check (no GPU needed) that none assumes the CPU
+    python3 course.py test --gpu --first  # a new GPU machine's first run (< 10 min): fused kernels,
+                                          # minipar.train with CP, one quick job per chapter
     python3 course.py test --torch 2.9.0 -k launch   # the tests under another torch, in its
                                           # own environment (~/.cache/minipar/envs/torch-2.9.0)
     python3 course.py test --colab        # play Colab: a fresh runtime with its own torch (2.9.0),
@@ -22,7 +24,6 @@ pyproject.toml changes. PyTorch is pinned to the version the course is tested wi
 ``lab`` works as root too (Docker images, rented GPU machines) and prints the URL to open.
 """
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -39,23 +40,21 @@ VENV = ROOT / ".venv"
 TORCH = os.environ.get("MINIPAR_TORCH", "torch==2.13.0")
 ENVS = Path(os.environ.get("MINIPAR_ENVS", Path.home() / ".cache" / "minipar" / "envs"))
 
-# what `test --gpu` runs: the equivalence tests of each chapter, then every notebook
-GPU_TESTS = [
-    ("01 collectives", ["tests/test_comm.py"]),
-    ("02 data parallel", ["tests/test_data_parallel.py"]),
-    ("03 model parallel", ["tests/test_model_parallel.py"]),
-    ("04 pipeline", ["tests/test_pipeline_equivalence.py", "tests/test_adaptive.py"]),
-    ("05 tensor parallel", ["tests/test_tensor_parallel.py"]),
-    ("06 zero", ["tests/test_zero.py", "tests/test_zero_per_parameter.py"]),
-    ("07 hybrid", ["tests/test_hybrid.py"]),
-    ("08 context parallel", ["tests/test_context_parallel.py"]),
-    ("09 expert parallel", ["tests/test_expert_parallel.py"]),
-    ("10 planning", ["tests/test_plan.py", "tests/test_recompute.py"]),
-    ("mixed precision", ["tests/test_precision.py"]),
-    ("11 train, checkpoints", ["tests/test_train.py", "tests/test_checkpoint.py"]),
-    ("devices", ["tests/test_devices.py", "tests/test_launch.py", "tests/test_gpu_paths.py",
-                 "tests/test_gpu_run.py"]),
-]
+
+
+def _load(name: str, path: Path):
+    """A standard-library module of the package, loaded by path (no torch, no install needed)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+# what `test --gpu` runs (each chapter's tests, then every notebook) and what it leaves out, why
+gpu = _load("_gpu_run", ROOT / "minipar" / "course" / "gpu_run.py")
+GPU_TESTS = gpu.GPU_TESTS
 
 
 def python(env: Path = VENV) -> Path:
@@ -149,23 +148,10 @@ def test_torch(version: str, args: list[str]) -> int:
 
 
 # ------------------------------------------------------------------ test --gpu
-def _peaks(log: Path) -> dict[int, int]:
-    out: dict[int, int] = {}
-    if log.exists():
-        for line in log.read_text().splitlines():
-            e = json.loads(line)
-            out[e["rank"]] = max(out.get(e["rank"], 0), e["peak"])
-    return out
-
-
 def gpu_jobs(args: list[str] = ()) -> list[tuple[str, list[str]]]:
     """``(name, pytest arguments)`` of every job ``test --gpu`` runs: each chapter's tests, then
-    each notebook."""
-    notebooks = sorted(p.stem[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    jobs = [(name, [f for f in files if (ROOT / f).exists()]) for name, files in GPU_TESTS]
-    jobs = [(n, ["-q", "-x", *files, *args]) for n, files in jobs if files]
-    return jobs + [(f"notebook {nb}", ["-q", "-x", "tests/test_notebooks.py", "-k", nb, *args])
-                   for nb in notebooks]
+    each notebook; a ``-k`` in ``args`` is one combined expression per job."""
+    return gpu.jobs(ROOT, args)
 
 
 def gpu_width(gpus: int) -> int:
@@ -176,23 +162,34 @@ def gpu_width(gpus: int) -> int:
 
 
 def gpu_dry_run(gpus: int, args: list[str]) -> int:
-    """List the jobs and commands of ``test --gpu`` and check, without a GPU, that its tests
-    collect as on one (``minipar.runtime.devices_check``) and that none assumes the CPU."""
+    """List the jobs and commands of ``test --gpu``, every test file (in a job, or left out and
+    why), and check, without a GPU, that its tests collect as on one
+    (``minipar.runtime.devices_check``) and that none assumes the CPU."""
     simulated = max(gpus, 1)
     jobs = gpu_jobs(args)
     print(f"course.py test --gpu --dry-run: {gpus} GPU(s) here; as on {simulated}: "
-          f"{len(jobs)} jobs, {gpu_width(simulated)} at a time, each with MINIPAR_DEVICE=cuda")
+          f"{len(jobs)} jobs, {gpu_width(simulated)} at a time, each with MINIPAR_DEVICE=cuda; every job "
+          f"but {', '.join(gpu.UNCHECKED)} fails if one of its ranks trained on the CPU (GPU peak 0 MiB)")
     for name, pytest_args in jobs:
         print(f"  {name:<24} {python()} -m pytest {' '.join(pytest_args)}")
+    print("test files:")
+    for f, job, why in gpu.classify(ROOT):
+        print(f"  {f:<40} {'in ' + job if job else 'left out: ' + why}")
     files = sorted({f for _, a in jobs for f in a if f.startswith("tests/")})
     return subprocess.call([str(python()), "-m", "minipar.runtime.devices_check", "--gpus", str(simulated),
                             *files], cwd=ROOT)
 
 
+def _gpu_job(name, pytest_args, rest, log: Path, out: Path):
+    env = dict(os.environ, MINIPAR_DEVICE="cuda", MINIPAR_MEMORY_LOG=str(log))
+    return subprocess.Popen([str(python()), "-m", "pytest", *pytest_args, *rest], cwd=ROOT, env=env,
+                            stdout=open(out, "w"), stderr=subprocess.STDOUT)
+
+
 def test_gpu(args: list[str]) -> int:
     """Every chapter's equivalence tests with the ranks on the GPU(s), then every notebook,
     each timed, with the peak GPU memory of each rank; a report at the end (``--dry-run``:
-    what it would run, :func:`gpu_dry_run`)."""
+    what it would run, :func:`gpu_dry_run`; ``--first``: :func:`gpu_first`)."""
     probe = subprocess.run([str(python()), "-c", "import torch; print(torch.cuda.device_count() "
                             "if torch.cuda.is_available() else 0, torch.__version__)"],
                            capture_output=True, text=True)
@@ -203,49 +200,68 @@ def test_gpu(args: list[str]) -> int:
         print("course.py test --gpu: no CUDA GPU visible to .venv's torch "
               f"({version}); install a CUDA build (MINIPAR_TORCH) on a machine with a GPU.")
         return 2
-    jobs = gpu_jobs()
+    first = "--first" in args
+    _, rest = gpu.split_k([a for a in args if a != "--first"])
+    jobs = [(n, [*a, *gpu.FIRST_JOB_ARGS]) for n, a in gpu_jobs() if not n.startswith("notebook")] if first \
+        else gpu_jobs(args)
     width = gpu_width(int(gpus))
     rows, t_all = {}, time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
+        checks = gpu_first(Path(tmp)) if first else []
         running, todo = {}, list(enumerate(jobs))
         while todo or running:
             while todo and len(running) < width:
                 i, (name, pytest_args) = todo.pop(0)
-                env = dict(os.environ, MINIPAR_DEVICE="cuda", MINIPAR_MEMORY_LOG=f"{tmp}/{i}.jsonl")
-                out = open(f"{tmp}/{i}.out", "w")
-                proc = subprocess.Popen([str(python()), "-m", "pytest", *pytest_args, *args], cwd=ROOT,
-                                        env=env, stdout=out, stderr=subprocess.STDOUT)
-                running[i] = (name, proc, out, time.perf_counter())
+                proc = _gpu_job(name, pytest_args, rest, Path(f"{tmp}/{i}.jsonl"), Path(f"{tmp}/{i}.out"))
+                running[i] = (name, proc, time.perf_counter())
                 print(f"started  {name}", flush=True)
             time.sleep(0.5)
-            for i, (name, proc, out, t) in list(running.items()):
+            for i, (name, proc, t) in list(running.items()):
                 if proc.poll() is None:
                     continue
-                out.close()
                 del running[i]
-                ok = proc.returncode == 0
-                rows[i] = (name, "pass" if ok else f"FAIL ({proc.returncode})", time.perf_counter() - t,
-                           _peaks(Path(f"{tmp}/{i}.jsonl")))
-                print(f"finished {name}: {rows[i][1]} in {rows[i][2]:.0f} s", flush=True)
-                if not ok:
+                log = gpu.read_log(Path(f"{tmp}/{i}.jsonl"))
+                result, findings = gpu.job_result(name, proc.returncode, log)
+                rows[i] = (name, result, time.perf_counter() - t, gpu.peaks(log))
+                print(f"finished {name}: {result} in {rows[i][2]:.0f} s", flush=True)
+                print("\n".join(f"  {f}" for f in findings[:10]), flush=True) if findings else None
+                if result.startswith("FAIL"):
                     print("\n".join(Path(f"{tmp}/{i}.out").read_text().splitlines()[-30:]), flush=True)
     rows = [rows[i] for i in sorted(rows)]
-    print(f"\ncourse.py test --gpu: {gpus} GPU(s), torch {version}, {time.perf_counter() - t_all:.0f} s in all")
+    print(f"\ncourse.py test --gpu{' --first' if first else ''}: {gpus} GPU(s), torch {version}, "
+          f"{time.perf_counter() - t_all:.0f} s in all")
+    for name, result, secs, detail in checks:
+        print(f"{name:<34} {result:<10} {secs:>6.1f} s  {detail}")
     print(f"{'chapter':<24} {'result':<10} {'seconds':>8}  peak GPU memory per rank (MiB)")
     for name, result, secs, peaks in rows:
         mem = ", ".join(f"r{r} {b / 2**20:.0f}" for r, b in sorted(peaks.items())) or "-"
         print(f"{name:<24} {result:<10} {secs:>8.1f}  {mem}")
-    return 0 if all(r[1] == "pass" for r in rows) else 1
+    bad = [r for r in rows if r[1].startswith("FAIL")] + [c for c in checks if c[1] != "pass"]
+    return 1 if bad else 0
+
+
+def gpu_first(tmp: Path) -> list[tuple[str, str, float, str]]:
+    """``--gpu --first``'s checks before its jobs (:data:`gpu_run.FIRST`): each one's result,
+    seconds and the last line it printed."""
+    out = []
+    for name, cmd, limit in gpu.FIRST:
+        t = time.perf_counter()
+        try:
+            p = subprocess.run([str(python()), *cmd], cwd=tmp, capture_output=True, text=True, timeout=limit,
+                               env=dict(os.environ, MINIPAR_DEVICE="cuda",
+                                        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
+            result, text = ("pass" if p.returncode == 0 else f"FAIL ({p.returncode})"), p.stdout + p.stderr
+        except subprocess.TimeoutExpired:
+            result, text = f"FAIL (over {limit} s)", ""
+        print(f"{name}: {result}\n" + "\n".join(f"  {line}" for line in text.strip().splitlines()[-14:]), flush=True)
+        out.append((name, result, time.perf_counter() - t, (text.strip().splitlines() or [""])[-1][:60]))
+    return out
 
 
 # ------------------------------------------------------------------ no arguments: the map
 def course_map() -> str:
     """The two commands and the chapters (read from minipar/course/chapters.py, which needs no torch)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("_chapters", ROOT / "minipar" / "course" / "chapters.py")
-    chapters = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = chapters   # dataclasses look their module up there
-    spec.loader.exec_module(chapters)
+    chapters = _load("_chapters", ROOT / "minipar" / "course" / "chapters.py")
     return ("minipar: distributed training, built from scratch and run for real.\n\n"
             "  python3 course.py lab     set up .venv and open the course (notebook 00)\n"
             "  python3 course.py test    set up .venv and run the tests\n"

@@ -7,9 +7,12 @@ the two sum in different orders, so not bit for bit. Strategies run with ``atten
 against one process with ``attention="sdpa"``, within each strategy's own test tolerance
 (rtol 1e-5, atol 1e-6).
 """
+import logging
+
 import pytest
 import torch
 
+import minipar
 from minipar import context_parallel as cpm
 from minipar import data, data_parallel, expert_parallel, hybrid, pipeline, reference
 from minipar import tensor_parallel as tp
@@ -17,14 +20,13 @@ from minipar.models import GPT, GPTConfig
 from minipar.models import attention as attn
 from minipar.zero import run as zero_run
 
-TOL = dict(rtol=1e-5, atol=1e-6)
+TOL = dict(rtol=1e-5, atol=1e-6)  # tensors on minipar.device(): the GPU under `course.py test --gpu`
 CFG = GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=4, n_embd=32, attention="sdpa")
 
 
-def _qkv(B=2, H=3, Tq=24, Tk=24, d=8, seed=0):
+def _qkv(B=2, H=3, Tq=24, Tk=24, d=8, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, H, Tq, d, generator=g), torch.randn(B, H, Tk, d, generator=g),
-            torch.randn(B, H, Tk, d, generator=g), torch.randn(B, H, Tq, d, generator=g))
+    return tuple(torch.randn(B, H, T, d, generator=g).to(minipar.device(), dtype) for T in (Tq, Tk, Tk, Tq))
 
 
 def _grads(fn, q, k, v, w):
@@ -68,7 +70,7 @@ def test_fused_with_a_positions_mask_equals_materialized():
     """Queries and keys at shuffled global positions (all-gather's mask, zigzag): the fused
     kernel with the mask as an additive bias equals the written-out masked attention."""
     q, k, v, w = _qkv(Tq=12, Tk=24)
-    k_pos = torch.randperm(24, generator=torch.Generator().manual_seed(1))
+    k_pos = torch.randperm(24, generator=torch.Generator().manual_seed(1)).to(minipar.device())
     q_pos = k_pos[6:18]
     ref = _grads(lambda *t: cpm.masked_attention(*t, q_pos, k_pos, True), q, k, v, w)
     got = _grads(lambda *t: cpm.masked_attention(*t, q_pos, k_pos, True, "sdpa"), q, k, v, w)
@@ -80,7 +82,7 @@ def test_ulysses_head_attention_in_sequence_order_equals_the_masked_one():
     same O, lse and gradients as the materialised attention masked by the zigzag positions."""
     from minipar.context_parallel.ulysses import head_attention
     q, k, v, w = _qkv(Tq=32, Tk=32)
-    pos = torch.cat([cpm.sequence_positions(32, r, 2, "zigzag") for r in range(2)])
+    pos = torch.cat([cpm.sequence_positions(32, r, 2, "zigzag") for r in range(2)]).to(minipar.device())
     ref = _grads(lambda *t: head_attention(*t, pos, True, "materialized"), q, k, v, w)
     got = _grads(lambda *t: head_attention(*t, pos, True, "sdpa"), q, k, v, w)
     _close(got, ref, "ulysses order")
@@ -98,7 +100,7 @@ def test_fused_blocks_merge_and_backward_like_the_written_out_ones(causal):
         blocks = [(slice(0, 8), slice(0, 8), causal), (slice(8, 16), slice(8, 16), causal),
                   (slice(8, 16), slice(0, 8), False)] if causal else \
                  [(slice(None), slice(0, 8), False), (slice(None), slice(8, 16), False)]
-        o, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
+        o, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), device=minipar.device())
         for rows, cols, c in blocks:
             o_b, lse_b = cpm.attention_block(q[..., rows, :], k[..., cols, :], v[..., cols, :], c, a)
             o[..., rows, :], lse[..., rows] = cpm.merge_partials(o[..., rows, :], lse[..., rows], o_b, lse_b)
@@ -117,19 +119,20 @@ def test_fused_blocks_merge_and_backward_like_the_written_out_ones(causal):
 def test_gpt_fused_equals_materialized_loss_and_every_gradient(recompute):
     """A GPT with attention="sdpa" and one with "materialized": the same loss and parameter
     gradients within fp32 rounding, under every recomputation mode; "auto" is the device's default."""
-    x = torch.randint(0, 32, (4, 32), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(0, 32, (4, 32), generator=torch.Generator().manual_seed(0)).to(minipar.device())
     out = {}
     for a in ("sdpa", "materialized", "auto"):
-        m = GPT(GPTConfig(**{**CFG.__dict__, "attention": a, "recompute": recompute}), seed=0)
+        m = GPT(GPTConfig(**{**CFG.__dict__, "attention": a, "recompute": recompute}), seed=0).to(minipar.device())
         loss = m(x, x)
         loss.backward()
         out[a] = (loss.detach(), {n: p.grad for n, p in m.named_parameters()})
     torch.testing.assert_close(out["sdpa"][0], out["materialized"][0], **TOL)
     for n, g in out["materialized"][1].items():
         torch.testing.assert_close(out["sdpa"][1][n], g, **TOL, msg=lambda m: f"{n}: {m}")
-    default = attn.default_attention("cpu")
+    default = attn.default_attention(minipar.device())
     assert torch.equal(out["auto"][0], out[default][0])
-    assert attn.default_attention("cuda") == "sdpa" and attn.resolve("auto", "cpu") == default
+    # placement-free: the defaults of named devices, whatever this one is
+    assert attn.default_attention("cuda") == "sdpa" and attn.resolve("auto", "cpu") == attn.CPU_DEFAULT
     with pytest.raises(ValueError, match="attention must be one of"):
         GPT(GPTConfig(attention="flash"))
 
@@ -194,3 +197,93 @@ def test_selective_recomputation_on_fused_attention_is_the_kernels_own():
             saved[a, mode] = s.bytes
     assert saved["sdpa", "selective"] == saved["sdpa", "none"] < saved["materialized", "none"]
     assert saved["materialized", "selective"] < saved["materialized", "none"]
+
+
+HALF_TOL = {torch.float16: dict(rtol=1e-2, atol=4e-3), torch.bfloat16: dict(rtol=4e-2, atol=3e-2)}  # observed on CPU: 1.5e-3, 1.3e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("mask", ["causal", "positions"])
+def test_fused_in_half_precision_equals_the_fp32_written_out_one(dtype, mask):
+    """Fused in fp16/bf16 (the path bf16 CP takes: each block's O, lse and backward from the final
+    O) against the written-out attention in fp32 on the same rounded inputs, within the half
+    type's rounding. On a GPU this runs the CUDA kernels (and, below sm80, bf16's fp32 fallback)."""
+    q, k, v, w = _qkv(Tq=40, Tk=40, dtype=dtype)
+    pos = (torch.randperm(40, generator=torch.Generator().manual_seed(2)).to(minipar.device()),) * 2 \
+        if mask == "positions" else (None, None)
+    ref = _grads(lambda *t: cpm.masked_attention(*t, *pos, True), *(t.float() for t in (q, k, v, w)))
+    got = _grads(lambda *t: cpm.masked_attention(*t, *pos, True, "sdpa"), q, k, v, w)
+    assert got[0].dtype == dtype and got[2].dtype == dtype
+    for name, a, b in zip(("O", "lse", "dQ", "dK", "dV"), got, ref):
+        torch.testing.assert_close(a.float(), b, **HALF_TOL[dtype], msg=lambda m: f"{mask} {name}: {m}")
+
+
+class CudaKernels:
+    """The two CUDA kernels replaced by recorders on meta tensors: what the CUDA branch passes
+    (dtypes, O's strides, is_causal), answered with tensors laid out as the kernels lay them out."""
+
+    def __init__(self, monkeypatch, capability=(9, 0)):
+        import torch._dynamo  # noqa: F401  (imported lazily by masked_fill; it reads the real kernels)
+        self.calls = []
+        monkeypatch.setattr(attn, "uses_cuda_kernel", lambda t: True)
+        monkeypatch.setattr(attn, "compute_capability", lambda device: capability)
+        monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", self.forward)
+        monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", self.backward)
+
+    def forward(self, q, k, v, bias, compute_lse, dropout_p, is_causal):
+        self.calls.append(dict(op="forward", dtype=q.dtype, causal=is_causal, bias=bias))
+        B, H, T, d = q.shape
+        o = torch.empty(B, T, H, d, dtype=q.dtype, device="meta").transpose(1, 2)  # (B, T, H, d) in memory
+        lse = torch.empty(B, H, T + (-T % 32), device="meta")
+        return o, lse, None, None
+
+    def backward(self, do, q, k, v, bias, o, lse, seed, offset, dropout_p, mask, is_causal):
+        self.calls.append(dict(op="backward", dtype=q.dtype, o_dtype=o.dtype, causal=is_causal,
+                               o_rows=o.stride(2), do_rows=do.stride(2), row=q.shape[1] * q.shape[3]))
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+
+
+def _meta_qkv(dtype, B=2, H=4, T=24, d=8):
+    return [torch.empty(B, H, T, d, dtype=dtype, device="meta", requires_grad=True) for _ in range(3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_the_cuda_backward_gets_o_in_the_forwards_layout_and_the_causal_flag(monkeypatch, dtype):
+    """On sm90 the kernels get the tensors' own dtype, is_causal as asked (forward and backward),
+    and O (and dO) with the forward's row stride H·d, both for the O the forward returned and for
+    an O merged by ring attention in plain (B, H, T, d) layout (a reading past the buffer else)."""
+    kernels = CudaKernels(monkeypatch)
+    q, k, v = _meta_qkv(dtype)
+    for causal in (True, False):
+        o, _ = attn.fused_attention(q, k, v, causal)
+        o.sum().backward()
+    merged = torch.empty(2, 4, 24, 8, dtype=dtype, device="meta")  # contiguous (B, H, T, d)
+    attn.fused_backward(merged, q, k, v, merged, torch.empty(2, 4, 24, device="meta"), True)
+    fwd = [c for c in kernels.calls if c["op"] == "forward"]
+    bwd = [c for c in kernels.calls if c["op"] == "backward"]
+    assert [c["causal"] for c in fwd] == [True, False] and [c["causal"] for c in bwd] == [True, False, True]
+    assert all(c["dtype"] == dtype for c in kernels.calls)
+    assert all(c["o_rows"] == c["do_rows"] == c["row"] == 32 for c in bwd), bwd
+
+
+def test_bf16_below_sm80_computes_the_block_in_fp32_and_says_so_once(monkeypatch, caplog):
+    """On sm75 (a T4) the kernels have no bf16 variant: they get fp32 tensors (bias too), the
+    outputs and gradients come back in bf16, and the fallback is logged once; fp16 is kept."""
+    kernels = CudaKernels(monkeypatch, capability=(7, 5))
+    monkeypatch.setattr(attn, "_FELL_BACK", set())
+    q, k, v = _meta_qkv(torch.bfloat16)
+    pos = torch.arange(24, device="meta")
+    with caplog.at_level(logging.WARNING, logger=attn.__name__):
+        for _ in range(2):
+            o, lse = attn.fused_attention(q, k, v, False, pos, pos)
+            o.sum().backward()
+    assert o.dtype == q.grad.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert all(c["dtype"] == torch.float32 for c in kernels.calls) and len(kernels.calls) == 4
+    assert kernels.calls[0]["bias"].dtype == torch.float32
+    assert [r.getMessage() for r in caplog.records if "compute capability 7.5" in r.getMessage()] == [
+        "fused attention: no torch.bfloat16 kernel on compute capability 7.5 (needs 8.0); "
+        "computing those blocks in float32"]
+    kernels.calls.clear()
+    q, k, v = _meta_qkv(torch.float16)
+    attn.fused_attention(q, k, v, True)[0].sum().backward()
+    assert [c["dtype"] for c in kernels.calls] == [torch.float16] * 2

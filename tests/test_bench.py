@@ -51,3 +51,20 @@ def test_the_planners_ranking_runs_at_its_smallest_size(capsys):
     result = planner.main(["--rho", "--smoke", "--json"])
     assert len(result["rows"]) == 1 and -1 <= result["rows"][0]["rho"] <= 1
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ratio"] == pytest.approx(result["ratio"])
+
+
+def test_every_benchmark_refuses_fewer_gpus_than_ranks_before_any_rank_starts(monkeypatch, capsys):
+    """``--device cuda`` on a machine with fewer GPUs than the benchmark's ranks: every
+    benchmark stops with exit code 2 and one plain line (the shared
+    :func:`minipar.bench.common.one_gpu_per_rank`), not a traceback, and launches nothing."""
+    import minipar.runtime.backend as backend
+    import minipar.runtime.launch as launch_module
+    monkeypatch.setattr(backend, "gpu_count", lambda: 0)
+    monkeypatch.setattr(launch_module, "launch", lambda *a, **k: pytest.fail("a rank was launched"))
+    for name in bench.available():
+        with pytest.raises(SystemExit) as stop:
+            bench.main([name, "--smoke", "--device", "cuda"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2, name
+        assert "--device cuda runs one GPU per rank over NCCL" in err and "this machine has 0" in err, (name, err)
+        assert "Traceback" not in err

@@ -146,7 +146,7 @@ def test_crash_before_the_commit_keeps_the_previous_checkpoint(tmp_path, monkeyp
 # ------------------------------------------------------------------ on a mesh
 def _build(layout, zero1):
     mesh = ProcessMesh(**layout).build()
-    return hybrid.build(GPT(CFG, seed=0), mesh, zero1=zero1, microbatches=2,
+    return hybrid.build(GPT(CFG, seed=0), mesh, zero=int(zero1), microbatches=2,
                         optimizer=lambda ps: torch.optim.AdamW(ps, **ADAMW))
 
 

@@ -38,25 +38,36 @@ def test_setup_cell_does_nothing_but_report_where_minipar_is_installed():
     assert lines[0].startswith("minipar on torch ") and "2 ranks:" in out.stdout and "8 ranks:" in out.stdout
 
 
-def test_setup_cell_on_a_fresh_runtime_clones_the_repository_and_keeps_its_torch(monkeypatch):
-    """As on Colab: minipar is not installed; the cell clones MINIPAR_REPO and pins the torch it finds."""
-    import torch
-    calls = []
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "minipar" else True)
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd))
-    monkeypatch.setenv("MINIPAR_REPO", "https://example.org/fork.git")
-    path = list(sys.path)
-    try:
-        exec(compile(colab.setup_cell().replace("print(minipar.runtime.backend.summary())", ""), "setup", "exec"), {})
-        added = sys.path[0]
-    finally:
-        sys.path[:] = path
-    assert calls[0][:3] == ["git", "clone", "-q"] and "https://example.org/fork.git" in calls[0]
-    assert calls[1][:5] == [sys.executable, "-m", "pip", "install", "-q"]
-    # the distribution's version (what pip matches), not torch.__version__, which may carry a
-    # local label ("2.9.0+cu128") that a torch installed from the package registry lacks
-    assert "minipar-course" in calls[1] and f"torch=={importlib.metadata.version('torch')}" in calls[1]
-    assert added == os.path.abspath("minipar-course")  # the cell puts the clone first on sys.path
+def test_setup_cell_on_a_fresh_runtime_installs_only_what_it_lacks(monkeypatch):
+    """As on Colab: minipar is not installed; the cell clones MINIPAR_REPO, installs the course
+    without its dependencies (torch, ipywidgets, pytest of the runtime stay), then only the
+    needed packages the runtime lacks (here plotly and cloudpickle), and nothing more when it
+    lacks none."""
+    for lacking, want in ((("minipar", "plotly", "cloudpickle"), ["plotly", "cloudpickle"]), (("minipar",), None)):
+        calls = []
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, lacking=lacking: None if name in lacking else True)
+        monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+        monkeypatch.setenv("MINIPAR_REPO", "https://example.org/fork.git")
+        path = list(sys.path)
+        try:
+            exec(compile(colab.setup_cell().replace("import minipar\nprint(minipar.runtime.backend.summary())", ""),
+                         "setup", "exec"), {})
+            added = sys.path[0]
+        finally:
+            sys.path[:] = path
+        assert calls[0][:3] == ["git", "clone", "-q"] and "https://example.org/fork.git" in calls[0]
+        assert calls[1] == [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "-e", "minipar-course"]
+        assert calls[2:] == ([[sys.executable, "-m", "pip", "install", "-q", *want]] if want else [])
+        assert added == os.path.abspath("minipar-course")  # the cell puts the clone first on sys.path
+
+
+def test_the_setup_cell_needs_what_the_package_needs_but_torch_and_the_lab():
+    """RUNTIME_NEEDS is pyproject's dependencies less torch (the runtime's own CUDA build) and
+    jupyterlab (a hosted runtime is its own notebook server)."""
+    import re
+    deps = re.search(r"^dependencies = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.S | re.M).group(1)
+    names = re.findall(r'"([A-Za-z0-9_-]+)', deps)
+    assert sorted(colab.RUNTIME_NEEDS) == sorted(set(names) - {"torch", "jupyterlab"})
 
 
 def test_readme_opens_every_notebook_in_colab():

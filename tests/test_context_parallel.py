@@ -33,7 +33,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 def _inputs(T=T):
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(B, H, T, D, generator=g) for _ in range(4)]   # q, k, v, weights of the loss
+    return [torch.randn(B, H, T, D, generator=g).to(minipar.device()) for _ in range(4)]   # q, k, v, loss weights
 
 
 def _saved_bytes(model, h):
@@ -339,8 +339,9 @@ def _recompute_checks(batches):
     out = {"train": {}, "memory": {}}
     for variant, layout in RC_CASES:
         for mode in ("selective", "full"):
-            out["train"][(variant, mode)] = cpm.train(GPT(CFG, seed=0), batches, reference.sgd(0.1),
-                                                      variant=variant, layout=layout, recompute=mode)
+            out["train"][(variant, mode)] = strategy.on_device(cpm.train, GPT(CFG, seed=0), batches,
+                                                               optimizer=reference.sgd(0.1), variant=variant,
+                                                               layout=layout, recompute=mode)
         for mode in RC_MODES:
             for Tm in (32, 64):
                 cfg = GPTConfig(vocab_size=32, block_size=Tm, n_layer=1, n_head=H, n_embd=32)

@@ -106,7 +106,7 @@ def planted_problems(graded: Path, tests: Path) -> list[str]:
 
 # The chapters whose core and challenge are redesigned to the conventions so far; the others
 # are expected to fail these checks (strict: one that starts passing must join the set).
-REDESIGNED = {"01", "02", "05", "06", "07", "08", "09", "10"}
+REDESIGNED = {"01", "02", "03", "04", "05", "06", "07", "08", "09", "10"}
 
 
 def _chapters(paths):

@@ -19,6 +19,7 @@ from minipar.runtime import trace
 from minipar.comm import ring_all_reduce
 from minipar.data_parallel import DistributedDataParallel, assign_buckets, run, train, trainable
 from minipar.models import GPT, MLP, GPTConfig
+from minipar.strategy import on_device
 
 # fp32, a few steps: the only difference from one process is the order of the sums
 RTOL, ATOL = 1e-5, 1e-6
@@ -74,7 +75,7 @@ def _train_cases(cases, subgroups):
     out = {}
     for name, (model, batches, opt, acc, kw) in cases.items():
         since = len(trace.events())
-        res = train(model, batches, opt, accumulation=acc, **kw)
+        res = on_device(train, model, batches, optimizer=opt, accumulation=acc, **kw)
         res["bytes"], res["calls"], res["ring_bytes"] = _grad_bytes(since)
         res["frozen_grads"] = [p.grad is None for p in model.parameters() if not p.requires_grad]
         out[name] = res
@@ -83,7 +84,7 @@ def _train_cases(cases, subgroups):
         mine = next(i for i, g in enumerate(subgroups) if dist.get_rank() in g)
         model, batches, opt, acc, kw = cases["gpt overlapped"]
         since = len(trace.events())
-        res = train(GPT(CFG, seed=1), batches, opt, group=groups[mine], **kw)
+        res = on_device(train, GPT(CFG, seed=1), batches, optimizer=opt, group=groups[mine], **kw)
         res["bytes"], res["calls"], _ = _grad_bytes(since)
         out["subgroup"] = res
     return out

@@ -298,3 +298,61 @@ def test_staging_waits_for_queued_kernels_before_its_event_starts(monkeypatch):
     with trace.recording(False):
         staging.to_host(FakeCudaTensor(), "all_reduce", {"dim": "dp"})
     assert log == ["clock", "copy", "clock"]
+
+
+def _host_reads(fn, names=("cpu", "item", "tolist", "nonzero", "__float__")):
+    """The host reads (``Tensor.cpu``/``item``/``tolist``/``nonzero``/``float()``) ``fn`` makes,
+    recording off, in call order."""
+    calls, real = [], {name: getattr(torch.Tensor, name) for name in names}
+    for name, f in real.items():
+        setattr(torch.Tensor, name, lambda self, *a, _f=f, _n=name, **k: (calls.append(_n), _f(self, *a, **k))[1])
+    try:
+        with trace.recording(False):
+            fn()
+    finally:
+        for name, f in real.items():
+            setattr(torch.Tensor, name, f)
+    return calls
+
+
+def test_the_moe_layer_reads_the_host_once_per_forward_not_per_expert():
+    """One host read per MoE forward (the kept assignments per expert, which cut the tokens into
+    the experts' batches), whatever the number of experts; the statistics stay on the device;
+    the layer's output is the one of routing expert by expert."""
+    from minipar.models.moe import MoE
+    x = torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(1))
+    for n_experts in (4, 8):
+        torch.manual_seed(0)
+        layer = MoE(8, n_experts, 2, 1.0, hidden=16)
+        assert _host_reads(lambda: layer(x)) == ["tolist"]
+        y, kept = layer(x), layer.stats["kept"]
+        want = torch.zeros(24, 8)
+        flat, expert_of = x.reshape(24, 8), layer.stats["experts"].reshape(-1)
+        weights = torch.softmax(layer.router(flat), -1).gather(1, layer.stats["experts"])
+        weights = weights / weights.sum(-1, keepdim=True)
+        keep = ~layer.stats["dropped"]
+        for a in range(48):  # every assignment kept, expert by expert
+            if keep[a]:
+                want[a // 2] += layer.experts[int(expert_of[a])](flat[a // 2]) * weights.reshape(-1)[a]
+        torch.testing.assert_close(y.reshape(24, 8), want, rtol=1e-5, atol=1e-6)
+        assert int(kept.sum()) == int(keep.sum()) < 48 and kept.device == x.device
+
+
+def test_the_pipeline_reads_the_loss_once_per_step_not_per_microbatch(monkeypatch):
+    """The last stage adds its m micro-batch losses on the device and reads the sum once at the
+    end of the step (``float``), not once per micro-batch; the value is the batch's mean loss."""
+    import torch.nn as nn
+    from minipar import pipeline as pp
+    from minipar.pipeline import executor
+    monkeypatch.setattr(executor, "group_rank", lambda g: 0)
+    monkeypatch.setattr(executor, "group_size", lambda g: 1)
+    torch.manual_seed(0)
+    stage = nn.Linear(3, 3)
+    x, y = torch.randn(8, 3), torch.zeros(8)
+    loss_fn = lambda out, t: out.square().mean()  # noqa: E731
+    for m in (2, 4, 8):
+        pipe = executor.Pipeline({0: stage}, pp.make_schedule("1f1b", 1, m), (8 // m, 3), loss_fn=loss_fn)
+        got = []
+        assert _host_reads(lambda: got.append(pipe.step(x, y))) == ["__float__"]
+        want = sum(loss_fn(stage(c), None).item() for c in x.chunk(m)) / m
+        assert got[0] == pytest.approx(want, rel=1e-6)

@@ -201,3 +201,113 @@ def test_no_test_of_the_gpu_run_assumes_the_cpu(course):
     root = Path(course.__file__).parent
     files = sorted({f for _, args in course.gpu_jobs() for f in args if f.endswith(".py")})
     assert [f for path in files for f in devices_check.cpu_assumptions(str(root / path))] == []
+
+
+def test_the_dry_run_lists_every_test_file_in_a_job_or_left_out_with_why(course, monkeypatch, capsys):
+    """Every ``tests/test_*.py`` is in a job or left out with its reason (none unclassified);
+    the attention, 5-D mesh, async DP, faults and training-command tests are in; the run says
+    that its jobs check their ranks' device."""
+    from pathlib import Path
+    monkeypatch.setattr(course.subprocess, "call", lambda cmd, **kw: 0)
+    assert course.gpu_dry_run(0, []) == 0
+    out = capsys.readouterr().out
+    files = sorted(p.name for p in (Path(course.__file__).parent / "tests").glob("test_*.py"))
+    for name in files:
+        (line,) = [s for s in out.splitlines() if s.strip().startswith(f"tests/{name} ")]
+        assert " in " in line or "left out: " in line, line
+    classified = course.gpu.classify(Path(course.__file__).parent)
+    assert len(classified) == len(files) and not [f for f, _, why in classified if why == course.gpu.UNCLASSIFIED]
+    jobs = {f: job for f, job, _ in classified}
+    assert jobs["tests/test_attention.py"] and jobs["tests/test_mesh5d.py"] and jobs["tests/test_faults.py"]
+    assert jobs["tests/test_data_parallel_async.py"] and jobs["tests/test_train_options.py"]
+    assert "fails if one of its ranks trained on the CPU" in out
+
+
+def test_k_is_one_expression_per_job_and_nothing_selected_is_skipped(course):
+    """``-k X`` reaches each chapter job once, and a notebook job as ``NN and (X)`` (one ``-k``:
+    pytest keeps only the last); pytest's exit 5 (nothing selected) is "skipped", not a failure."""
+    jobs = dict(course.gpu_jobs(["-k", "zero or attention"]))
+    assert jobs["06 zero"].count("-k") == 1 and jobs["06 zero"][-2:] == ["-k", "zero or attention"]
+    assert jobs["notebook 06"].count("-k") == 1 and jobs["notebook 06"][-1] == "06 and (zero or attention)"
+    assert dict(course.gpu_jobs())["notebook 06"][-2:] == ["-k", "06"]
+    assert course.gpu.split_k(["-x", "-k", "a", "-kb"]) == ("(a) and (b)", ["-x"])
+    assert course.gpu.job_result("06 zero", 5, []) == ("skipped (none selected)", [])
+    assert course.gpu.job_result("06 zero", 1, [])[0] == "FAIL (1)"
+
+
+def test_the_device_findings_name_a_cpu_rank_and_a_test_that_never_used_the_gpu(course):
+    """From the ranks' logged peaks: a rank at 0 MiB beside one that used the GPU is named with
+    its test; a test whose ranks all stayed at 0 is named; CPU-placed ranks are not counted; the
+    devices job is not checked."""
+    mib = 2**20
+    log = [{"rank": 0, "device": "cuda:0", "peak": 5 * mib, "launch": "a", "test": "t.py::ok"},
+           {"rank": 1, "device": "cuda:1", "peak": 7 * mib, "launch": "a", "test": "t.py::ok"},
+           {"rank": 0, "device": "cuda:0", "peak": 3 * mib, "launch": "b", "test": "t.py::planted"},
+           {"rank": 1, "device": "cuda:1", "peak": 0, "launch": "b", "test": "t.py::planted"},
+           {"rank": 0, "device": "cuda:0", "peak": 0, "launch": "c", "test": "t.py::cpu"},
+           {"rank": 1, "device": "cuda:1", "peak": 0, "launch": "c", "test": "t.py::cpu"},
+           {"rank": 0, "device": "cpu", "peak": None, "launch": "d", "test": "t.py::pinned"}]
+    found = course.gpu.device_findings(log)
+    assert found == ["t.py::planted: rank 1 computed on the CPU (GPU peak 0 MiB; rank 0 used 3.0 MiB)",
+                     "t.py::cpu: no rank computed on the GPU (every rank's GPU peak is 0 MiB)"]
+    assert course.gpu.device_findings(log[:2]) == []
+    assert course.gpu.job_result("06 zero", 0, log)[0] == "FAIL (CPU ranks)"
+    assert course.gpu.job_result("devices", 0, log) == ("pass", [])
+
+
+def _planted_rank(log_path):
+    """In a rank: the GPU played by the meta device, whose allocator counts what the rank put on
+    it; rank 1 plants a model built on the CPU. Each rank logs its peak as under --gpu."""
+    import torch.distributed as dist
+    from minipar.models import MLP
+    from minipar.runtime import pool
+    r = dist.get_rank()
+    model = MLP([8, 16, 4], seed=0).to("cpu" if r == 1 else "meta")
+    held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "meta")
+    pool.max_allocated = lambda where: held  # placement-free: the allocator is played
+    import os
+    os.environ["MINIPAR_MEMORY_LOG"] = log_path
+    pool.log_peak_memory(r, f"cuda:{r}")
+    return held
+
+
+def test_a_rank_that_trained_on_the_cpu_fails_its_job_by_name(course, tmp_path):
+    """Two ranks log their GPU peaks with the launch's labels (the launch id and the test);
+    the one that built its model on the CPU is named, with this test, and the job fails."""
+    import minipar
+    log = tmp_path / "peaks.jsonl"
+    held = minipar.launch(_planted_rank, 2, device="cpu", args=(str(log),), timeout=60)
+    assert held[0] > 0 and held[1] == 0
+    result, findings = course.gpu.job_result("06 zero", 0, course.gpu.read_log(log))
+    assert result == "FAIL (CPU ranks)"
+    assert findings == [f"tests/test_gpu_run.py::{test_a_rank_that_trained_on_the_cpu_fails_its_job_by_name.__name__}: "
+                        f"rank 1 computed on the CPU (GPU peak 0 MiB; rank 0 used {held[0] / 2**20:.1f} MiB)"]
+
+
+def test_first_runs_the_checks_then_one_quick_job_per_chapter_and_reports(course, monkeypatch, capsys):
+    """``--gpu --first`` (subprocesses played): the fused-attention, training and refusal checks
+    in order, then each chapter's job with ``-m "not slow"`` and no notebook; a failed check
+    fails the run and shows in the report."""
+    import types
+    ran, started = [], []
+
+    def run(cmd, **kw):
+        if cmd[1] == "-c":  # the GPU probe
+            return types.SimpleNamespace(stdout="1 2.13.0", returncode=0)
+        ran.append(cmd[1:])
+        bad = "bf16" in cmd
+        return types.SimpleNamespace(stdout="fp32 causal ok\n", stderr="", returncode=1 if bad else 0)
+
+    def popen(cmd, **kw):
+        started.append(cmd[3:])
+        return types.SimpleNamespace(poll=lambda: 0, returncode=0)
+    monkeypatch.setattr(course.subprocess, "run", run)
+    monkeypatch.setattr(course.subprocess, "Popen", popen)
+    monkeypatch.setattr(course.time, "sleep", lambda s: None)
+    monkeypatch.setattr(course, "open", lambda *a, **k: None, raising=False)
+    assert course.test_gpu(["--first"]) == 1
+    assert ran == [cmd for _, cmd, _ in course.gpu.FIRST]
+    assert len(started) == len([n for n, _ in course.gpu_jobs() if not n.startswith("notebook")])
+    assert all(a[-4:] == ["-m", "not slow", "--maxfail", "3"] for a in started)
+    out = capsys.readouterr().out
+    assert "minipar.train cp2 bf16" in out and "FAIL (1)" in out and "--gpu --first: 1 GPU(s)" in out

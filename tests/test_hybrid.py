@@ -42,18 +42,18 @@ CASES = {
     4: {"dp+tp": (2, 1, 2, "sgd", {}),
         "dp+pp": (2, 2, 1, "sgd", dict(microbatches=2)),
         "pp+tp": (1, 2, 2, "sgd", dict(microbatches=4)),
-        "dp+tp zero1": (2, 1, 2, "momentum", dict(zero1=True)),
-        "dp+pp zero1": (2, 2, 1, "momentum", dict(microbatches=2, zero1=True)),
+        "dp+tp zero1": (2, 1, 2, "momentum", dict(zero=1)),
+        "dp+pp zero1": (2, 2, 1, "momentum", dict(microbatches=2, zero=1)),
         "dp+pp recompute": (2, 2, 1, "sgd", dict(microbatches=2, recompute="full")),
         "pp+tp adamw": (1, 2, 2, "adamw", dict(microbatches=2))},
     8: {"3d": (2, 2, 2, "sgd", dict(microbatches=2)),
-        "3d zero1 adamw": (2, 2, 2, "adamw", dict(microbatches=2, zero1=True)),
+        "3d zero1 adamw": (2, 2, 2, "adamw", dict(microbatches=2, zero=1)),
         "3d gpipe sp": (2, 2, 2, "sgd", dict(microbatches=4, schedule="gpipe", sequence_parallel=True)),
         "3d zb-h1 momentum": (2, 2, 2, "momentum", dict(microbatches=2, schedule="zb-h1")),
         "3d interleaved zero1": (2, 2, 2, "momentum", dict(microbatches=2, schedule="interleaved",
-                                                            virtual_stages=2, zero1=True)),
+                                                            virtual_stages=2, zero=1)),
         "dp+tp": (2, 1, 4, "sgd", {}),
-        "dp+pp zero1": (4, 2, 1, "momentum", dict(microbatches=2, zero1=True)),
+        "dp+pp zero1": (4, 2, 1, "momentum", dict(microbatches=2, zero=1)),
         "pp+tp": (1, 4, 2, "sgd", dict(microbatches=2))},
 }
 TIMEOUT = 240
@@ -121,7 +121,7 @@ def test_bytes_and_memory_match_the_formulas(launched):
     of a middle stage, tp collectives of a stage holding only blocks."""
     world_size, results = launched
     for name, (dp, pp, tp, opt, kw) in CASES[world_size].items():
-        m, zero1 = kw.get("microbatches", 1), kw.get("zero1", False)
+        m, zero1 = kw.get("microbatches", 1), kw.get("zero", 0) == 1
         b = BATCH // (dp * m)
         for rank, r in enumerate(results):
             res = r[name]["measured"]

@@ -73,7 +73,7 @@ def test_4d_dp_pp_tp_ep_with_zero1_and_capacity():
     capacity factor 1.0 (tokens dropped per micro-batch), m=2: every loss and final parameter
     equal the micro-batched reference."""
     config = GPTConfig(**{**MOE.__dict__, "capacity_factor": 1.0})
-    got = _compare(dict(dp=2, pp=2, tp=2, ep=2, microbatches=2, zero1=True), config)
+    got = _compare(dict(dp=2, pp=2, tp=2, ep=2, microbatches=2, zero=1), config)
     ref = GPT(config, seed=0)
     ref(*[experts.micro_batches(t, 2, 2)[0] for t in DATA[0]])
     assert any(m.stats["dropped"].any() for m in ref.modules() if hasattr(m, "stats") and m.stats)

@@ -33,7 +33,7 @@ from minipar import tensor_parallel, zero
 from minipar.runtime.launch import launch
 from minipar.models import GPT, GPTConfig
 from minipar.reference import assert_same_training, sgd, train_reference
-from minipar.strategy import TrainResult
+from minipar.strategy import TrainResult, on_device
 
 BF16 = torch.bfloat16
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -46,15 +46,15 @@ OPT = sgd(0.5)
 def _strategies():
     """name -> (config, function training on the whole world)."""
     return {
-        "data_parallel": (CFG, lambda m: data_parallel.train(m, BATCHES, OPT, dtype=BF16)),
-        "model_parallel": (CFG, lambda m: model_parallel.train(m, BATCHES, OPT, dtype=BF16)),
-        "pipeline 1f1b": (CFG, lambda m: pipeline.train(m, BATCHES, OPT, schedule="1f1b", microbatches=4, dtype=BF16)),
-        "tensor_parallel+sp": (CFG, lambda m: tensor_parallel.train(m, BATCHES, OPT, sequence_parallel=True, dtype=BF16)),
-        "zero-1": (CFG, lambda m: zero.train(m, BATCHES, OPT, stage=1, dtype=BF16)),
-        "zero-3": (CFG, lambda m: zero.train(m, BATCHES, OPT, stage=3, dtype=BF16)),
-        "hybrid dp2×tp2": (CFG, lambda m: hybrid.train(m, BATCHES, OPT, dp=2, tp=2, dtype=BF16)),
-        "context_parallel": (CFG, lambda m: context_parallel.train(m, BATCHES, OPT, dtype=BF16)),
-        "expert_parallel": (MOE, lambda m: expert_parallel.train(m, BATCHES, OPT, ep=4, dtype=BF16)),
+        "data_parallel": (CFG, lambda m, b: data_parallel.train(m, b, OPT, dtype=BF16)),
+        "model_parallel": (CFG, lambda m, b: model_parallel.train(m, b, OPT, dtype=BF16)),
+        "pipeline 1f1b": (CFG, lambda m, b: pipeline.train(m, b, OPT, schedule="1f1b", microbatches=4, dtype=BF16)),
+        "tensor_parallel+sp": (CFG, lambda m, b: tensor_parallel.train(m, b, OPT, sequence_parallel=True, dtype=BF16)),
+        "zero-1": (CFG, lambda m, b: zero.train(m, b, OPT, stage=1, dtype=BF16)),
+        "zero-3": (CFG, lambda m, b: zero.train(m, b, OPT, stage=3, dtype=BF16)),
+        "hybrid dp2×tp2": (CFG, lambda m, b: hybrid.train(m, b, OPT, dp=2, tp=2, dtype=BF16)),
+        "context_parallel": (CFG, lambda m, b: context_parallel.train(m, b, OPT, dtype=BF16)),
+        "expert_parallel": (MOE, lambda m, b: expert_parallel.train(m, b, OPT, ep=4, dtype=BF16)),
     }
 
 
@@ -63,7 +63,7 @@ def _all():
     for name, (cfg, fn) in _strategies().items():
         dist.barrier()
         try:
-            out[name] = fn(GPT(cfg, seed=1))
+            out[name] = on_device(fn, GPT(cfg, seed=1), BATCHES)  # on the rank's device
         except Exception as e:          # reported by name in the driver (a strategy without the option, or a bug)
             out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     return out
@@ -113,7 +113,8 @@ def _seed_batches(seed):
 
 
 def _ring_cp3_seeds():
-    return [context_parallel.train(GPT(CFG3, seed=1), _seed_batches(s), OPT, dtype=BF16) for s in SEEDS]
+    return [on_device(context_parallel.train, GPT(CFG3, seed=1), _seed_batches(s), optimizer=OPT, dtype=BF16)
+            for s in SEEDS]
 
 
 def test_bf16_criterion_holds_on_other_batches():
@@ -130,7 +131,7 @@ def test_bf16_criterion_holds_on_other_batches():
 
 
 def _fp16_data_parallel():
-    return data_parallel.train(GPT(CFG, seed=1), BATCHES, OPT, dtype="fp16")
+    return on_device(data_parallel.train, GPT(CFG, seed=1), BATCHES, optimizer=OPT, dtype="fp16")
 
 
 def test_fp16_is_float16_and_trains_like_one_process_in_fp16():

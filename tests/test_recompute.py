@@ -26,6 +26,7 @@ from minipar.runtime.launch import launch
 from minipar.models import GPT, GPTConfig
 from minipar.models.gpt import Block
 from minipar.reference import assert_same_training, sgd, train_reference
+from minipar.strategy import on_device
 
 RTOL, ATOL = 1e-6, 1e-7
 MODES = ("none", "selective", "full")
@@ -106,11 +107,11 @@ def _ranks(config, batches):
             out["block"][sp, mode] = saved.bytes
     del model
     for mode in MODES:
-        out["tp"][mode] = tp.train(GPT(config, seed=1), batches, sgd(0.5), sequence_parallel=True,
-                                   recompute=mode)
+        out["tp"][mode] = on_device(tp.train, GPT(config, seed=1), batches, optimizer=sgd(0.5),
+                                    sequence_parallel=True, recompute=mode)
         for sched in ("1f1b", "zb-h1"):
-            out["pp"][mode, sched] = pipeline.train(GPT(config, seed=1).set_recompute(mode), batches, sgd(0.5),
-                                                    schedule=sched, microbatches=2)
+            out["pp"][mode, sched] = on_device(pipeline.train, GPT(config, seed=1).set_recompute(mode), batches,
+                                               optimizer=sgd(0.5), schedule=sched, microbatches=2)
     return out
 
 

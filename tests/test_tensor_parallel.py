@@ -28,6 +28,7 @@ from minipar import tensor_parallel as tp
 from minipar.activations import SavedActivations
 from minipar.models import GPT, Block, GPTConfig
 from minipar.reference import assert_same_training, sgd, train_reference
+from minipar.strategy import to_device
 
 RTOL, ATOL = 1e-5, 1e-6          # fp32; the measured worst error is ~1e-7
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=32,
@@ -45,15 +46,16 @@ def _config(tied: bool) -> GPTConfig:
 
 def _train_case(group, sp: bool, tied: bool, use_constructor: bool) -> dict:
     cfg = _config(tied)
+    here = minipar.device()  # the rank's GPU under --gpu
     model = (tp.TensorParallelGPT(cfg, group, sp, seed=SEED) if use_constructor
-             else tp.from_gpt(GPT(cfg, seed=SEED), group, sp))
-    x, y = BATCHES[0]
+             else tp.from_gpt(GPT(cfg, seed=SEED), group, sp)).to(here)
+    x, y = to_device(BATCHES[0], here)
     logits = model(x)
     loss = model(x, y)
     loss.backward()
     out = {"logits": logits.detach(), "loss": loss.item(), "grads": tp.full_state_dict(model, grads=True)}
     model.zero_grad(set_to_none=True)
-    run = train_reference(model, BATCHES, sgd(LR))
+    run = train_reference(model, BATCHES, sgd(LR), device=here)
     out["train"] = {"losses": run["losses"],  # parameters gathered back to full tensors
                     "params": {k: v for k, v in tp.full_state_dict(model).items() if k in run["params"]}}
     out["drift"] = tp.replica_drift(model)
@@ -64,8 +66,8 @@ def _train_case(group, sp: bool, tied: bool, use_constructor: bool) -> dict:
 
 def _measure_block(group, sp: bool, b: int = 4, s: int = 16) -> dict:
     """One block's forward + backward: bytes sent by name, and bytes saved for backward."""
-    block = tp.ParallelBlock(CFG, group, sp)
-    x = torch.randn(b, s, CFG.n_embd, generator=torch.Generator().manual_seed(0))
+    block = tp.ParallelBlock(CFG, group, sp).to(minipar.device())
+    x = torch.randn(b, s, CFG.n_embd, generator=torch.Generator().manual_seed(0)).to(minipar.device())
     x = (tp.split_seq(x, group) if sp else x).requires_grad_()
     n0 = len(trace.events())
     with SavedActivations(block) as saved:
@@ -84,9 +86,10 @@ def _layers(group) -> dict:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         a, b = torch.nn.Linear(8, 4 * t), torch.nn.Linear(4 * t, 6)
+    a, b = a.to(minipar.device()), b.to(minipar.device())
     col = tp.ColumnParallelLinear.from_linear(a, gather_output=True, group=group)
     row = tp.RowParallelLinear.from_linear(b, input_is_parallel=False, group=group)
-    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(1)).to(minipar.device()).requires_grad_()
     x_ref = x.detach().clone().requires_grad_()
     got, want = row(col(x)), b(a(x_ref))
     got.sum().backward()

@@ -58,7 +58,7 @@ def test_trains_like_one_process_and_resumes_on_another_mesh(tmp_path):
     assert train.main(base + ["--dp", "2", "--pp", "2", "--tp", "2", "--steps", "4",
                               "--save-every", "2", "--out", str(first)]) == 0
     assert [p.name for p in checkpoint.committed(ckpt)] == ["step_00000002", "step_00000004"]
-    assert train.main(base + ["--dp", "2", "--pp", "2", "--zero1", "--resume", "--out", str(second)]) == 0
+    assert train.main(base + ["--dp", "2", "--pp", "2", "--zero", "1", "--resume", "--out", str(second)]) == 0
     a, b = json.loads(first.read_text()), json.loads(second.read_text())
     assert (a["first_step"], b["first_step"]) == (0, 4)
     assert b["resumed_from"] == {"pp": 2, "dp": 2, "tp": 2}

@@ -47,7 +47,6 @@ INCONSISTENT = [  # (argv, the option the message must name)
     (["--dp-shard", "2", "--dp-replicate", "2", "--zero", "1"], "--dp-shard"),
     (MOE + ["--dp-shard", "2", "--dp-replicate", "2", "--ep", "2", "--zero", "3"], "--dp-shard"),
     (["--zero", "3", "--dp", "2", "--nonfinite", "skip"], "--nonfinite"),
-    (["--zero1", "--zero", "2"], "--zero1"),
     (["--virtual-stages", "2"], "--virtual-stages"),
     (["--schedule", "interleaved", "--pp", "2", "--virtual-stages", "2"], "--microbatches"),
     (["--dp", "3"], "--dp"),

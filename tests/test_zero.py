@@ -13,6 +13,7 @@ import minipar
 from minipar.analysis import cost
 from minipar import data, reference
 from minipar.models import GPT, GPTConfig
+from minipar.strategy import on_device
 from minipar.zero import FullyShardedDataParallel, ZeroOptimizer, train, wrap
 
 EVEN = dict(vocab_size=65, n_embd=32, n_head=2, n_layer=2, block_size=16)
@@ -32,10 +33,11 @@ def _batches():
 
 
 def _train(stage, model, batches, cls, group=None, param_dtype=None, **kw):
-    """``zero.train`` with ``cls(params, **kw)``; its measurements read at the top level."""
-    res = train(model, batches, lambda ps: cls(ps, **kw), group=group, stage=stage, param_dtype=param_dtype)
+    """``zero.train`` with ``cls(params, **kw)`` on the rank's device; its measurements read at the top level."""
+    res = on_device(train, model, batches, optimizer=lambda ps: cls(ps, **kw), group=group, stage=stage,
+                    param_dtype=param_dtype)
     m = res["measured"]
-    return {"losses": res["losses"], "params": res["params"], "memory": m["memory"],
+    return {"losses": res["losses"], "params": res["params"], "memory": m["memory"], "device": res["device"],
             "comm_bytes": m["bytes_sent"], "unit_sizes": m["unit_sizes"]}
 
 

@@ -18,6 +18,7 @@ from minipar.models import GPT, GPTConfig
 from minipar.zero import (FullyShardedDataParallel, ReplicatedOptimizer, Zero2Optimizer,
                           ZeroOptimizer, clip_grad_norm_, fully_shard, full_state,
                           padded_unit_sizes)
+from minipar.strategy import to_device
 from minipar.zero.memory import model_state_bytes
 
 EVEN = dict(vocab_size=65, n_embd=32, n_head=2, n_layer=2, block_size=16)
@@ -38,10 +39,10 @@ def _per_parameter_runs(dtype=None):
     out = {}
     for name, cfg in (("even", EVEN), ("odd", ODD)):
         for opt_name, make in OPTS.items():
-            model = fully_shard(GPT(GPTConfig(**cfg), seed=0), param_dtype=dtype)
+            model = fully_shard(GPT(GPTConfig(**cfg), seed=0).to(minipar.device()), param_dtype=dtype)
             opt = make(model.parameters())        # any optimizer, on the module's own parameters
             losses = []
-            for step, (x, y) in enumerate(_batches()):
+            for step, (x, y) in enumerate(to_device(_batches(), minipar.device())):
                 mark = len(trace.events())
                 opt.zero_grad()
                 loss = model(data.shard(x, r, n), data.shard(y, r, n))

@@ -1,7 +1,7 @@
 """Challenge 04: a pipeline schedule with a small bubble and little memory.
 
 Write ``schedule(p, m, rank)``: the compute order of ``rank`` for one training step on p
-ranks and m micro-batches, a list of ``minipar.pipeline.schedules.Action`` (``Action("F", i,
+ranks and m micro-batches, a list of ``minipar.pipeline.Action`` (``Action("F", i,
 rank)``, ``Action("B", i, rank)``, and, if you split the backward as zero-bubble schedules do,
 ``Action("W", i, rank)``). One stage per rank. The grader inserts the sends and receives
 (``schedules.add_comms``), checks the schedule (``pipeline.check_schedule``: every F, B (and
@@ -18,9 +18,13 @@ For scale: GPipe holds 8 and idles 0.375; 1F1B holds 4 and idles 0.375; splittin
 backward and running each W right after its B gets to 0.25. Notebook 04 ("Zero bubble:
 split the backward") has the idea to go further.
 
+The library's own schedules are the course's answers, so this file may not import
+``minipar.pipeline.schedules`` nor ``make_schedule`` and the generators ``minipar.pipeline``
+re-exports (the grader refuses the file, naming the line); the simulator is yours to use.
+
 Grade it with ``python -m minipar.grade ch04`` (``minipar.hint("ch04")`` if stuck).
 """
-from minipar.pipeline.schedules import Action
+from minipar.pipeline import Action
 
 
 def schedule(p: int, m: int, rank: int) -> list[Action]:

@@ -17,7 +17,7 @@ from .. import data
 from ..runtime import trace
 from ..runtime.launch import launch
 from ..models import GPT, GPTConfig
-from .common import median, parser, report, row, size, step_blocks, to_here
+from .common import median, one_gpu_per_rank, parser, report, row, size, step_blocks, to_here
 
 
 def measure_rank(cfg: GPTConfig, batch: int, steps: int, repeats: int, bucket_mb: float) -> dict:
@@ -54,6 +54,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     cfg = config(a)
     sizes, steps, repeats = a.world_sizes or size(a, [2, 4], [2], [2]), size(a, 3, 2, 1), size(a, 10, 10, 1)
+    one_gpu_per_rank(p, a.device, max(sizes))
     n_params = sum(p.numel() for p in GPT(cfg).parameters())
     rows = []
     for n in sizes:

@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 
-from .common import interleaved, median, parser, report, row, size
+from .common import interleaved, median, one_gpu_per_rank, parser, report, row, size
 
 _MINIPAR = """
 import json, time, torch, torch.distributed as dist, minipar
@@ -54,6 +54,7 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)
     n, reps = a.ranks or size(a, 4, 4, 2), size(a, a.repeats, 1, 1)
+    one_gpu_per_rank(p, a.device, n)
     got: dict[str, list] = {"minipar": [], "spawn": []}
     from ..runtime.rendezvous import free_port as _free_port  # noqa: PLC0415
     interleaved({"minipar": lambda: got["minipar"].append(_run(_MINIPAR.format(n=n))),

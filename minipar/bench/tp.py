@@ -20,7 +20,8 @@ import torch.nn as nn
 from .. import tensor_parallel as tp
 from ..runtime.launch import launch
 from ..models import Block, GPTConfig
-from .common import backward_step, here, interleaved, median, parser, report, row, size, to_here
+from .common import (backward_step, here, interleaved, median, one_gpu_per_rank, parser, report,
+                     row, size, to_here)
 
 
 class _LocalHeadsAttention(nn.Module):
@@ -100,6 +101,7 @@ def main(argv=None) -> dict:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 128, --quick 64, --smoke 16)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps each (default 20, --quick 8, --smoke 1)")
     a = p.parse_args(argv)
+    one_gpu_per_rank(p, a.device, a.ranks)
     s, repeats = a.seq or size(a, 128, 64, 16), a.repeats or size(a, 20, 8, 1)
     a.hidden, a.heads, a.batch = a.hidden or size(a, 256, 256, 32), a.heads or size(a, 8, 8, 2), a.batch or size(a, 8, 8, 2)
     tp.check(GPTConfig(vocab_size=64, block_size=s, n_head=a.heads, n_embd=a.hidden), None, a.ranks)

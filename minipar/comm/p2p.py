@@ -10,6 +10,8 @@ timed with CUDA events on the device.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -71,6 +73,7 @@ class Handle:
         self._flight = flight.started(op, name, labels.get("dim"))  # what a hang report names
         self.done, self._ends, self.began = False, [], began
         self.after = []  # run once the transfers completed (copies back from host staging)
+        self.deferred = False  # collected by :func:`batched`, not posted yet
         for w in works if began is None else ():
             try:
                 w.get_future().then(lambda _, ends=self._ends: ends.append(trace.now()))
@@ -79,8 +82,8 @@ class Handle:
                 break
 
     def wait(self) -> None:
-        if self.done:
-            return
+        if self.done or self.deferred:
+            return  # done, or inside :func:`batched`: waited when its batch is posted
         for w in self.works:
             if w is not None:
                 w.wait()
@@ -129,8 +132,11 @@ def labels_for(group, labels: dict) -> dict:
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None, name: str = "send", tag: int = 0, **labels) -> Handle:
-    """Start sending ``tensor`` to group rank ``dst``."""
+    """Start sending ``tensor`` to group rank ``dst`` (inside :func:`batched`, under NCCL:
+    collected, posted with the batch)."""
     labels = labels_for(group, labels)
+    if _BATCH is not None and moved_by_nccl(tensor, group):
+        return _collect(dist.isend, tensor.contiguous(), dst, group, tag, name, nbytes(tensor), 0, labels)
     src = staging.to_host(tensor, "isend", labels) if staging.must_stage(tensor, group, "isend") else tensor
     began, t = device_clock(tensor, group), trace.now()
     w = dist.isend(src.contiguous(), global_rank(group, dst), group=group, tag=tag)
@@ -140,8 +146,11 @@ def isend(tensor: torch.Tensor, dst: int, group=None, name: str = "send", tag: i
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, name: str = "recv", tag: int = 0, **labels) -> Handle:
-    """Start receiving into ``tensor`` (contiguous) from group rank ``src``."""
+    """Start receiving into ``tensor`` (contiguous) from group rank ``src`` (inside
+    :func:`batched`, under NCCL: collected, filled when the batch ends)."""
     labels = labels_for(group, labels)
+    if _BATCH is not None and moved_by_nccl(tensor, group):
+        return _collect(dist.irecv, tensor, src, group, tag, name, 0, nbytes(tensor), labels)
     into = staging.host_like(tensor) if staging.must_stage(tensor, group, "irecv") else tensor
     began, t = device_clock(tensor, group), trace.now()
     w = dist.irecv(into, global_rank(group, src), group=group, tag=tag)
@@ -149,6 +158,45 @@ def irecv(tensor: torch.Tensor, src: int, group=None, name: str = "recv", tag: i
     if into is not tensor:
         h.after.append(staging.copy_back(into, tensor, "irecv", labels))
     return h
+
+
+_BATCH = None  # inside batched(): the (P2POp, Handle) pairs collected, in posting order
+
+
+def _collect(op, tensor, peer, group, tag, name, sent, recv, labels) -> Handle:
+    began, t = device_clock(tensor, group), trace.now()
+    h = Handle([], name, t, sent, recv, labels, began=began)
+    h.deferred, h.staged = True, tensor
+    _BATCH.append((dist.P2POp(op, tensor, global_rank(group, peer), group, tag), h))
+    return h
+
+
+@contextmanager
+def batched():
+    """Inside, the sends and receives NCCL moves are collected, and posted at the end as one
+    ``batch_isend_irecv`` whose work is then waited (Gloo's go out at once, as outside).
+
+    Why: NCCL runs a rank's point-to-point operations in posting order on one stream, and a
+    send larger than its buffers completes only once the peer's matching receive runs. When
+    neighbouring pipeline ranks each post a send to the other before the receive from it
+    (1F1B's steady state: ``SEND_F`` then ``RECV_B`` on rank s, ``SEND_B`` then ``RECV_F`` on
+    s+1), both sends wait for receives queued behind them: a cycle. Grouped operations
+    progress together, so a batch of one send and one receive per rank completes. A receive
+    collected here must not be read before the block ends."""
+    global _BATCH
+    outer, _BATCH = _BATCH, []
+    try:
+        yield
+        ops, collected = [op for op, _ in _BATCH], _BATCH
+    finally:
+        _BATCH = outer
+    if not ops:
+        return
+    works = dist.batch_isend_irecv(ops)
+    for (_, h), w in zip(collected, works):
+        h.works, h.deferred = [w], False
+    for _, h in collected:
+        h.wait()
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, name: str = "send", **labels) -> None:

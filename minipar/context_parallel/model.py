@@ -90,3 +90,12 @@ def all_reduce_grads(params, group=None, name: str = "cp_grads", dim: str = "cp"
     comm.all_reduce(flat, group=group, name=name, dim=dim)
     for p, g in zip(ps, flat.split([p.numel() for p in ps])):
         p.grad.copy_(g.view_as(p.grad))
+
+
+def apply_cp(model, groups: dict, plan):
+    """The composition's second step: every attention of ``model`` over ``groups["cp"]`` (ring,
+    all-gather or Ulysses, ``plan.variant``; sequences cut by ``plan.layout``), in place; nothing
+    without a cp group."""
+    if "cp" in groups and comm.group_size(groups["cp"]) > 1:
+        parallelize(model, groups["cp"], plan.variant, plan.layout)
+    return model

@@ -60,7 +60,7 @@ def measure(config, batches, specs: dict[str, dict], seed: int = 0) -> dict[str,
         model = GPT(config, seed=seed)
         out[name] = (zero_train(model, batches, adamw, stage=spec["zero"]) if spec["zero"] >= 2 else
                      hybrid_train(model, batches, adamw, dp=spec["dp"], pp=spec["pp"], tp=spec["tp"],
-                                  zero1=spec["zero"] == 1, microbatches=spec["m"]))
+                                  zero=spec["zero"], microbatches=spec["m"]))
         out[name].pop("params")
     return out
 

@@ -48,7 +48,7 @@ def check(model, batches, world_size: int | None, dp: int = 1, pp: int = 1,
           tp: int = 1, microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
           sequence_parallel: bool = False, batch_size: int | None = None, dtype=None, cp: int = 1,
           layout: str = "zigzag", variant: str = "ring", ep: int = 1, zero: int | None = None,
-          recompute=None, sharding: str = "flat", seq_len: int | None = None, zero1: bool = False,
+          recompute=None, sharding: str = "flat", seq_len: int | None = None,
           bucket_cap_mb: float = 25.0, bounds: list[int] | None = None,
           reshard_after_forward: str = "auto", dp_shard: int | None = None) -> None:
     """Raise a plain ``ValueError`` if the GPT ``model`` (or its ``GPTConfig``) cannot train on a
@@ -58,7 +58,7 @@ def check(model, batches, world_size: int | None, dp: int = 1, pp: int = 1,
     sequence length that of ``batches``, else ``seq_len``. Every option of :func:`~minipar.hybrid.train`
     is one here; any other is refused by name."""
     config = getattr(model, "config", model)
-    zero = zero if zero is not None else int(zero1)
+    zero = zero or 0
     ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, world_size=world_size)
     check_experts(config, dp, cp, ep, sequence_parallel, recompute)
     check_zero(zero, pp, cp, tp, sharding, config, reshard_after_forward)

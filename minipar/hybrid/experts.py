@@ -94,6 +94,14 @@ def shard_experts(model, groups: dict, mesh, microbatches: int):
     return model
 
 
+def apply_ep(model, groups: dict, mesh, plan):
+    """The composition's third step: a mixture-of-experts GPT's experts over ``groups["ep"]``
+    (:func:`shard_experts`, the auxiliary loss per micro-batch); a dense GPT is left as it is."""
+    if any(type(m) is MoE for m in model.modules()):   # (a tensor-parallel GPT's config says moe_every=0)
+        shard_experts(model, groups, mesh, plan.microbatches)
+    return model
+
+
 def begin_step(model) -> None:
     """Forget the last step's auxiliary loss and routing counts."""
     for m in moe_layers(model):

@@ -24,24 +24,26 @@ single-process step (up to the order of floating-point sums).
 from __future__ import annotations
 
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
 from .. import comm, strategy
 from ..runtime import trace
 from ..runtime.backend import current_device
-from ..context_parallel import parallelize, sequence_positions, set_positions, shard_sequence
+from ..context_parallel import sequence_positions, set_positions, shard_sequence
 from ..data import shard
 from ..mesh import ProcessMesh
 from ..models.gpt import GPT
-from ..pipeline import Pipeline, build_stages, layer_costs, make_schedule, partition
+from ..pipeline import Pipeline
 from ..reference import sgd
-from ..tensor_parallel import from_gpt, gather_shards, shard_state_dict, unshard_state_dict
+from ..tensor_parallel import gather_shards, shard_state_dict, unshard_state_dict
 from ..zero import model_state_bytes, state_tensors, storage_bytes
 from . import experts
-from .config import check
 from .hsdp import hsdp_groups, reduce_replicas
-from .sharding import build_optimizer, scale_expert_shards
+from .parallelize import Parallelism, parallelize
+from .sharding import scale_expert_shards
 
 
 class HybridModel:
@@ -51,22 +53,19 @@ class HybridModel:
     SGD) is the torch optimizer or the ZeRO-1 wrapper; ``full_state_dict()`` /
     ``load_full_state_dict(sd)`` move the single-device GPT's weights in and out (collectives: call
     them on every rank). ``params`` maps this rank's single-device names to its parameters; ``coords``
-    is its ``{"pp", "dp", "tp"}``. ``zero1`` with ``dp == 1`` is plain training (nothing to shard over).
+    is its ``{"pp", "dp", "tp"}``. ZeRO with ``dp·cp == 1`` is plain training (nothing to shard over). Its options are one
+    :class:`~minipar.hybrid.parallelize.Parallelism` (``plan=``, or its fields as keywords), applied
+    by :func:`~minipar.hybrid.parallelize.parallelize` in the order the dimensions nest.
     ``zero=2|3`` compose with every dimension (:mod:`.sharding`): ``reshard_after_forward`` is stage 3's
     policy under a pipeline, ``dp_shard`` < dp makes it HSDP (:mod:`.hsdp`)."""
 
-    def __init__(self, model: GPT, mesh: ProcessMesh, *, optimizer=None, zero1: bool = False,
-                 zero: int | None = None, sharding: str = "flat",
-                 schedule: str = "1f1b", microbatches: int = 1, virtual_stages: int = 1,
-                 sequence_parallel: bool = False, bucket_cap_mb: float = 25.0,
-                 bounds: list[int] | None = None, dtype=None, recompute=None,
-                 layout: str = "zigzag", variant: str = "ring", reshard_after_forward: str = "auto",
-                 dp_shard: int | None = None):
+    def __init__(self, model: GPT, mesh: ProcessMesh, *, optimizer=None, plan: Parallelism | None = None,
+                 **options):
+        options["zero"] = options.get("zero") or 0
+        plan = plan or Parallelism(**{k: tuple(v) if k == "bounds" and v is not None else v
+                                      for k, v in options.items()})
         config = model.config
-        check(config, None, dist.get_world_size(), mesh.dp, mesh.pp, mesh.tp, microbatches, schedule,
-              virtual_stages, sequence_parallel, dtype=dtype, cp=mesh.cp, layout=layout, variant=variant,
-              recompute=recompute, ep=mesh.ep, zero=zero if zero is not None else int(zero1),
-              sharding=sharding, reshard_after_forward=reshard_after_forward, dp_shard=dp_shard)
+        plan.check(config, mesh, dist.get_world_size())
         if not mesh.groups:
             mesh.build()
         self.moe = bool(config.moe_every)
@@ -77,38 +76,26 @@ class HybridModel:
                     mesh.groups["ep"] = g
         self.config, self.mesh = config, mesh
         self.coords = mesh.coordinates(dist.get_rank())
-        self.zero = (zero if zero is not None else int(zero1)) if mesh.dp * mesh.cp > 1 else 0
-        self.zero1, self.m = self.zero == 1, microbatches
-        self.sequence_parallel, self.layout = sequence_parallel, layout
+        self.zero = plan.zero if mesh.dp * mesh.cp > 1 else 0     # nothing to shard over: plain training
+        self.plan = plan = replace(plan, zero=self.zero)
+        self.zero1, self.m = self.zero == 1, plan.microbatches
+        self.sequence_parallel, self.layout = plan.sequence_parallel, plan.layout
         dims = (("dp", "pp", "tp", "dp_cp", "expert_dp") + (("cp",) if mesh.cp > 1 else ())
                 + (("ep",) if self.moe else ()))  # dp_cp: dp when cp = 1; expert_dp: dp_cp when ep = 1
         self.groups = g = {dim: mesh.group(dim) for dim in dims}
-        self.hsdp = dp_shard is not None and dp_shard < mesh.dp   # ZeRO-3 within dp_shard, replicated across
+        self.hsdp = plan.dp_shard is not None and plan.dp_shard < mesh.dp   # ZeRO-3 within dp_shard
         if self.hsdp:
-            g.update(hsdp_groups(mesh, dp_shard))
+            g.update(hsdp_groups(mesh, plan.dp_shard))
         self.device = current_device()                      # where this rank computes
-        if recompute is not None:  # the blocks' recomputation, in the config tp shards are built from
-            model.set_recompute(recompute)
         full = model.to(self.device)                        # the single-device model
         self.full_names = list(full.state_dict())
         self.full_shapes = {k: v.shape for k, v in full.state_dict().items()}
-        # tp: the dense layers split over the tp group, the MoE layers whole on its ranks
-        self.model = from_gpt(full, g["tp"], sequence_parallel) if mesh.tp > 1 else full
-        if mesh.cp > 1:  # cp: attention over the cp group, every other layer on the local tokens
-            parallelize(self.model, g["cp"], variant, layout)
-        if self.moe:     # ep: the experts over the ep group, aux per micro-batch, on the layer's output
-            experts.shard_experts(self.model, g, mesh, microbatches)
-        self.bounds = bounds or partition(layer_costs(full.layers()), mesh.pp * virtual_stages)
-        self.stages = build_stages(self.model.layers(), self.bounds, self.coords["pp"], mesh.pp)
-        self.schedule = make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
+        parts = parallelize(full, mesh, g, plan, optimizer or sgd(), self.coords["pp"])
+        self.model, self.bounds, self.stages, self.schedule = parts.model, parts.bounds, parts.stages, parts.schedule
+        self.params, self.optimizer, self.reducer, self.sharded = parts.params, parts.optimizer, parts.reducer, parts.sharded
         self._act = (1, config.block_size, config.n_embd)
         self.pipe = Pipeline(self.stages, self.schedule, lambda s: self._act, g["pp"],
-                             loss_fn=self.model.loss, dtype=dtype)   # the GPT's (tp: vocabulary-parallel)
-        mine = {id(q) for st in self.stages.values() for q in st.parameters()}
-        self.params = {n: q for n, q in self.model.named_parameters() if id(q) in mine}
-        self.optimizer, self.reducer, self.sharded = build_optimizer(self, optimizer or sgd(), self.zero,
-                                                                     sharding, bucket_cap_mb,
-                                                                     reshard_after_forward)
+                             loss_fn=self.model.loss, dtype=plan.dtype)   # the GPT's (tp: vocabulary-parallel)
         self.last_step: dict = {}
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:

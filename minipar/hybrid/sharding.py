@@ -164,3 +164,9 @@ def build_optimizer(hm, make, zero: int, sharding: str = "flat", bucket_cap_mb: 
     # the pipeline calls the layers one by one, never the model: start each forward's unit order
     layers[0].register_forward_pre_hook(lambda m, a: state.start_forward(), prepend=True)
     return make(params), None, state
+
+
+def apply_dp(parts, make, plan):
+    """The composition's last step (:func:`minipar.hybrid.parallelize`): ``(optimizer, reducer,
+    sharded)`` of :func:`build_optimizer` for ``plan``'s ZeRO stage, sharding and policy."""
+    return build_optimizer(parts, make, plan.zero, plan.sharding, plan.bucket_cap_mb, plan.reshard_after_forward)

@@ -15,14 +15,14 @@ from .model import HybridModel
 
 
 def train(model, batches, optimizer=None, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1,
-          zero: int | None = None, zero1: bool = False, sharding: str = "flat", schedule: str = "1f1b",
+          zero: int = 0, sharding: str = "flat", schedule: str = "1f1b",
           microbatches: int = 1, virtual_stages: int = 1, sequence_parallel: bool = False,
           bucket_cap_mb: float = 25.0, bounds: list[int] | None = None, dtype=None, recompute=None,
           layout: str = "zigzag", variant: str = "ring", reshard_after_forward: str = "auto",
           dp_shard: int | None = None) -> dict:
     """Rank function: build the mesh and the :class:`HybridModel` of the single-device GPT
     ``model`` over the whole world and train it on the global ``batches`` (the options are
-    :class:`HybridModel`'s: ``zero`` (0-3; ``zero1=True`` is ``zero=1``) and ``sharding``
+    :class:`~minipar.hybrid.parallelize.Parallelism`'s: ``zero`` (0-3) and ``sharding``
     (:mod:`.sharding`; stage 3's ``reshard_after_forward``: ``"auto"|"always"|"never"``; ``dp_shard``:
     HSDP, ZeRO-3 within blocks of ``dp_shard`` data-parallel ranks, :mod:`.hsdp`), ``schedule``, ``microbatches``, ``virtual_stages``,
     ``sequence_parallel``, ``bounds``, ``dtype``, ``recompute`` (``None``: the model's own), cp's
@@ -33,7 +33,7 @@ def train(model, batches, optimizer=None, dp: int = 1, pp: int = 1, tp: int = 1,
     ``memory``, ``seconds`` and its trace ``events``."""
     names = [k for k, _ in model.named_parameters()]
     mesh = ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep).build()
-    hybrid = HybridModel(model, mesh, optimizer=optimizer, zero=zero, zero1=zero1, sharding=sharding,
+    hybrid = HybridModel(model, mesh, optimizer=optimizer, zero=zero, sharding=sharding,
                          schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                          sequence_parallel=sequence_parallel, bucket_cap_mb=bucket_cap_mb, bounds=bounds,
                          dtype=dtype, recompute=recompute, layout=layout, variant=variant,

@@ -24,6 +24,10 @@ Which fused kernels (schemas identical on torch 2.9, the lowest supported, and 2
   is_causal, *, scale)`` and its ``_backward`` (it takes fp32 and an additive mask, which CUDA's
   flash kernel does not). The backward is given the *final* O and lse of the queries (over all
   key blocks), exactly as the written-out :func:`minipar.context_parallel.attention_block_backward`.
+  The CUDA backward reads O with the row stride of the layout its forward returns, (B, T, H, d) in
+  memory viewed as (B, H, T, d) (:func:`forward_layout`); an O merged by ring attention is put back
+  into that layout first. The CUDA kernels have no bf16 variant below compute capability 8.0 (a
+  T4): there a block is computed in fp32 and cast back (:func:`kernel_dtype`, logged once).
 
 The default, ``"auto"``, is :func:`default_attention` of the tensors' device: ``"sdpa"`` on a GPU,
 ``"materialized"`` on the CPU. Measured on torch 2.13 CPU (``tests/test_attention.py``): the two
@@ -37,6 +41,7 @@ between the two (different masks from the same seed): exact comparisons with dro
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -44,6 +49,9 @@ import torch.nn.functional as F
 
 ATTENTIONS = ("sdpa", "materialized")
 CPU_DEFAULT = "materialized"
+MIN_CAPABILITY = {torch.bfloat16: (8, 0)}  # the CUDA kernels' dtypes that need a newer GPU
+log = logging.getLogger(__name__)
+_FELL_BACK: set = set()  # (dtype, capability) pairs already logged
 
 
 def check_attention(attention) -> str:
@@ -83,6 +91,34 @@ def position_bias(q_pos, k_pos, dtype):
     return torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill(~allowed, float("-inf"))
 
 
+def uses_cuda_kernel(t) -> bool:
+    """Whether ``t``'s device runs the CUDA kernels (the tests play a GPU with meta tensors)."""
+    return t.device.type == "cuda"
+
+
+def compute_capability(device) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def kernel_dtype(dtype, device):
+    """The dtype the CUDA kernel computes a block in: ``dtype``, or fp32 where this GPU has no
+    kernel for it (bf16 below sm80: "cutlassF: no kernel found to launch!"), logged once."""
+    need = MIN_CAPABILITY.get(dtype)
+    if need is None or compute_capability(device) >= need:
+        return dtype
+    if (dtype, compute_capability(device)) not in _FELL_BACK:
+        _FELL_BACK.add((dtype, compute_capability(device)))
+        log.warning("fused attention: no %s kernel on compute capability %d.%d (needs %d.%d); "
+                    "computing those blocks in float32", dtype, *compute_capability(device), *need)
+    return torch.float32
+
+
+def forward_layout(t):
+    """``t`` (B, H, T, d) as the CUDA kernel's forward lays O out: (B, T, H, d) in memory, row
+    stride H·d, the stride its backward assumes for O (a copy only if ``t`` is laid out otherwise)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _cuda_bias(bias, q):
     """The memory-efficient kernel reads the bias with its rows aligned to 16 elements (padded, then
     sliced back, as SDPA does), broadcast over batch and heads."""
@@ -99,25 +135,32 @@ def _pad32(lse, q):
     return F.pad(lse, (0, pad)) if pad else lse
 
 
+def _cast(dtype, *ts):
+    return [None if t is None else t.to(dtype) for t in ts]
+
+
 def fused_forward(q, k, v, causal: bool = False, bias=None):
     """``(O, lse)`` by the fused kernel (no autograd); ``causal``: query i sees keys 0..i (top left);
     ``bias``: an additive (Tq, Tk) mask, of q's dtype."""
-    if q.device.type == "cuda":
+    if uses_cuda_kernel(q):
+        kq, kk, kv, kb = _cast(kernel_dtype(q.dtype, q.device), q, k, v, bias)
         o, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, _cuda_bias(bias, q), True, 0.0, causal)
-        return o, lse[..., :q.shape[-2]]
+            kq, kk, kv, _cuda_bias(kb, kq), True, 0.0, causal)
+        return o.to(q.dtype), lse[..., :q.shape[-2]]
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
 
 
 def fused_backward(do, q, k, v, o, lse, causal: bool = False, bias=None):
     """``(dQ, dK, dV)`` by the fused kernel, given the **final** ``o`` and ``lse`` of these queries."""
-    do, o, lse = do.contiguous(), o.contiguous(), lse.contiguous()
-    if q.device.type == "cuda":
+    if uses_cuda_kernel(q):
+        dt = kernel_dtype(q.dtype, q.device)
+        kdo, kq, kk, kv, ko, kb = _cast(dt, forward_layout(do), q, k, v, forward_layout(o), bias)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            do, q, k, v, _cuda_bias(bias, q), o, _pad32(lse.float(), q), seed, seed, 0.0,
+            kdo, kq, kk, kv, _cuda_bias(kb, kq), ko, _pad32(lse.float().contiguous(), q), seed, seed, 0.0,
             [True, True, True, False], causal)
-        return dq, dk, dv
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+    do, o, lse = do.contiguous(), o.contiguous(), lse.contiguous()
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         do, q, k, v, o, lse, 0.0, causal, attn_mask=bias)
 

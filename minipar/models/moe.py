@@ -168,14 +168,17 @@ class MoE(nn.Module):
         aux, z = self.aux_losses(logits, probs, expert_of)
         y = torch.zeros_like(x)
         w = weights.reshape(-1, 1)
-        for i, expert in enumerate(self.experts):
-            sel = ((expert_of == i) & keep).nonzero().squeeze(-1)      # in token order
-            if sel.numel():
+        E = self.n_experts
+        slot = torch.where(keep, expert_of, E)                        # a dropped assignment: "expert" E
+        kept = torch.bincount(slot, minlength=E + 1)[:E]
+        sizes = kept.tolist()                                         # the layer's one host read
+        by_expert = torch.argsort(slot, stable=True)[:sum(sizes)]     # grouped by expert, token order within
+        for expert, sel, n in zip(self.experts, by_expert.split(sizes), sizes):
+            if n:
                 out = expert(x[token_of[sel]]) * w[sel].to(x.dtype)
                 y = y.index_add(0, token_of[sel], out)
-        self.stats = {"counts": torch.bincount(expert_of, minlength=self.n_experts).cpu(),
-                      "kept": torch.bincount(expert_of[keep], minlength=self.n_experts).cpu(),
-                      "dropped": (~keep).cpu(), "experts": experts.detach().cpu(),
+        self.stats = {"counts": torch.bincount(expert_of, minlength=E), "kept": kept,  # on the device
+                      "dropped": ~keep, "experts": experts.detach(),
                       "aux": aux.detach(), "z": z.detach(), "capacity": cap}
         return self.with_aux_loss(y.reshape(shape))
 

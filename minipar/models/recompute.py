@@ -60,3 +60,11 @@ def set_recompute(model: torch.nn.Module, mode) -> torch.nn.Module:
         if hasattr(m, "recompute"):
             m.recompute = mode
     return model
+
+
+def apply_recompute(model: torch.nn.Module, plan) -> torch.nn.Module:
+    """The composition's fifth step: ``plan.recompute`` (``None``: the model's own) in every block
+    of the model as the earlier steps left it (tensor-parallel blocks, context-parallel attention)."""
+    if plan.recompute is not None:
+        (model.set_recompute if hasattr(model, "set_recompute") else lambda m: set_recompute(model, m))(plan.recompute)
+    return model

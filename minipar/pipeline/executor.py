@@ -12,7 +12,10 @@ Each action is the method of its name:
   ``SEND_B``. With W actions (ZB-H1) the forward ran under
   :func:`~minipar.autograd.split_backward.deferred`: B computes input gradients only, and
 * ``W i s``: the weight gradients ``∂L/∂W = (∂L/∂Y)ᵀ X`` from the ``(X, ∂L/∂Y)`` B kept.
-* ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``: activations and gradients (:mod:`.stage_comm`).
+* ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``: activations and gradients (:mod:`.stage_comm`);
+  each run of them between two computes is one batch under NCCL (:func:`minipar.comm.p2p.batched`:
+  separate posts of a send and a receive, in opposite orders on neighbouring ranks, can wait on
+  each other for ever).
 
 Measurement stays beside the walk: :func:`traced` records each F, B, W as a trace region
 labelled ``phase``, ``microbatch``, ``stage``; :class:`Mailbox` tags the messages so that a
@@ -22,6 +25,7 @@ micro-batches held at once (``peak_stash`` after a step).
 from __future__ import annotations
 
 import functools
+import itertools
 from contextlib import nullcontext
 
 import torch
@@ -30,9 +34,10 @@ import torch.nn as nn
 from .. import precision
 from ..runtime import trace
 from ..comm import group_rank, group_size
+from ..comm.p2p import batched
 from ..models import lm_loss
 from . import stage_comm
-from .schedules import Schedule
+from .schedules import COMPUTE, Schedule
 from .simulate import NAMES
 from ..autograd.split_backward import WeightGrads, deferred
 
@@ -73,16 +78,20 @@ class Pipeline:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Forward and backward of one batch (gradients accumulate into ``.grad``); returns
         the batch's mean loss on the rank holding the last stage, ``None`` elsewhere."""
+        # >>> ex04 C
         m = self.schedule.m
         if inputs.shape[0] % m:
             raise ValueError(f"batch of {inputs.shape[0]} cannot be cut into m={m} equal micro-batches")
         self.xs, self.ys, self.loss = inputs.chunk(m), targets.chunk(m), 0.0
         self.stash, self.inbox, self.outbox = Stash(), {}, {}
-        for a in self.schedule.actions[self.rank]:
-            getattr(self, a.op)(a)
+        for compute, run in itertools.groupby(self.schedule.actions[self.rank], lambda a: a.op in COMPUTE):
+            with nullcontext() if compute else batched():  # a run of sends and receives: one NCCL batch
+                for a in run:
+                    getattr(self, a.op)(a)
         self.mail.flush()
         self.peak_stash = self.stash.peak
-        return self.loss if self.last in self.stages else None
+        return float(self.loss) if self.last in self.stages else None  # the step's one host read
+        # <<< ex04 C
 
     # ------------------------------------------------------------------ compute
     @traced
@@ -95,7 +104,7 @@ class Pipeline:
             out = self.stages[s](x)
             if s == self.last:
                 out = self.loss_fn(out, self.ys[i]) / self.schedule.m
-                self.loss += out.item()
+                self.loss = self.loss + out.detach().double()  # on the device: no host read per micro-batch
         self.stash[i, s] = (x, out, dw)
         if s < self.last:
             self.outbox["F", i, s] = out
@@ -117,10 +126,14 @@ class Pipeline:
 
     # ------------------------------------------------------------------ communication
     def SEND_F(self, a):  # also SEND_B: a.op[-1] is the kind, "F" or "B"
+        # >>> ex04 C
         self.mail.send(a, self.outbox.pop((a.op[-1], a.microbatch, a.stage)))
+        # <<< ex04 C
 
     def RECV_F(self, a):  # also RECV_B
+        # >>> ex04 C
         self.inbox[a.op[-1], a.microbatch, a.stage] = self.mail.recv(a)
+        # <<< ex04 C
 
     SEND_B, RECV_B = SEND_F, RECV_F
 
@@ -140,19 +153,26 @@ class Mailbox:
     labels, and non-blocking sends completed (and recorded) as soon as they have finished."""
 
     def __init__(self, comm, group, m: int, act_shape, dtype, device):
+        # >>> ex03 B
         self.comm, self.group, self.m, self.act_shape = comm, group, m, act_shape
         self.dtype, self.device, self.pending = dtype, device, []
+        # <<< ex03 B
 
     def _tag(self, kind: str, i: int, sender: int) -> int:
+        # >>> ex03 B
         return 2 * (sender * self.m + i) + (kind == "B")
+        # <<< ex03 B
 
     def send(self, a, tensor: torch.Tensor) -> None:
+        # >>> ex03 B
         fn = self.comm.send_activation if a.op == "SEND_F" else self.comm.send_grad
         self.pending.append(fn(tensor.detach().to(self.dtype), a.peer, self.group, microbatch=a.microbatch,
                                stage=a.stage, tag=self._tag(a.op[-1], a.microbatch, a.stage)))
         self._reap()
+        # <<< ex03 B
 
     def recv(self, a) -> torch.Tensor:
+        # >>> ex03 B
         forward = a.op == "RECV_F"
         fn = self.comm.recv_activation if forward else self.comm.recv_grad
         t = fn(self.act_shape(a.stage - 1 if forward else a.stage), a.peer, self.group, self.dtype,
@@ -160,15 +180,20 @@ class Mailbox:
                microbatch=a.microbatch, stage=a.stage)
         self._reap()
         return t
+        # <<< ex03 B
 
     def _reap(self) -> None:
         """Complete (and record) the sends that have finished; keep the others."""
+        # >>> ex03 B
         for h in [h for h in self.pending if all(w is None or w.is_completed() for w in h.works)]:
             h.wait()
             self.pending.remove(h)
+        # <<< ex03 B
 
     def flush(self) -> None:
         """Wait for every send."""
+        # >>> ex03 B
         for h in self.pending:
             h.wait()
         self.pending = []
+        # <<< ex03 B

@@ -129,6 +129,7 @@ def zb_h1(p: int, m: int, rank: int) -> list[Action]:
 def add_comms(order: list[Action], p: int, n_stages: int) -> list[Action]:
     """Insert RECV before and SEND after every compute that crosses a stage boundary: F
     receives from stage s-1 and sends to s+1, B the other way round."""
+    # >>> ex04 C
     out = []
     for a in order:
         before = after = []
@@ -138,6 +139,7 @@ def add_comms(order: list[Action], p: int, n_stages: int) -> list[Action]:
             after = [Action("SEND_" + a.op, a.microbatch, a.stage, dst % p)] if 0 <= dst < n_stages else []
         out += before + [a] + after
     return out
+    # <<< ex04 C
 
 
 @dataclass

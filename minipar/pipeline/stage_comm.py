@@ -23,34 +23,34 @@ from ..comm import Handle, irecv, isend
 
 def send_activation(y: torch.Tensor, dst: int, group=None, tag: int = 0, **labels) -> Handle:
     """Start sending the values of stage output ``y`` to group rank ``dst``."""
-    # >>> ex03
+    # >>> ex03 A
     return isend(y.detach(), dst, group, name="send_activation", tag=tag, **labels)
-    # <<< ex03
+    # <<< ex03 A
 
 
 def recv_activation(shape, src: int, group=None, dtype=torch.float32, device=None,
                     tag: int = 0, **labels) -> torch.Tensor:
     """Receive a stage input from group rank ``src``: a leaf tensor that requires grad, so
     that after the backward its ``.grad`` is the gradient to send back."""
-    # >>> ex03
+    # >>> ex03 A
     x = torch.empty(shape, dtype=dtype, device=device)
     irecv(x, src, group, name="recv_activation", tag=tag, **labels).wait()
     return x.requires_grad_()
-    # <<< ex03
+    # <<< ex03 A
 
 
 def send_grad(grad: torch.Tensor, dst: int, group=None, tag: int = 0, **labels) -> Handle:
     """Start sending ``grad`` (the ``.grad`` of a received activation) back to group rank ``dst``."""
-    # >>> ex03
+    # >>> ex03 A
     return isend(grad.detach(), dst, group, name="send_grad", tag=tag, **labels)
-    # <<< ex03
+    # <<< ex03 A
 
 
 def recv_grad(shape, src: int, group=None, dtype=torch.float32, device=None,
               tag: int = 0, **labels) -> torch.Tensor:
     """Receive the gradient of this stage's output from group rank ``src`` (no grad needed)."""
-    # >>> ex03
+    # >>> ex03 A
     g = torch.empty(shape, dtype=dtype, device=device)
     irecv(g, src, group, name="recv_grad", tag=tag, **labels).wait()
     return g
-    # <<< ex03
+    # <<< ex03 A

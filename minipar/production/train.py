@@ -169,7 +169,7 @@ def _train(args, signals) -> dict:
     adaptive = Adaptive(build, args.steps, parse_switches(args.switch_at, args.steps),
                         getattr(args, "proposed", None) or [], args.probe_steps, parse_slow(args.slow_rank),
                         args.adapt_every)
-    zero = args.zero if args.zero is not None else int(args.zero1)   # parser() alone leaves --zero1 unfolded
+    zero = args.zero or 0
     if adaptive.proposed:   # --layout auto: the first candidate; the others are switched to
         model = adaptive.into(adaptive.first_layout(None), 0)
     else:

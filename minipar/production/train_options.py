@@ -83,9 +83,8 @@ def parser() -> argparse.ArgumentParser:
                       help="HSDP: the blocks' replicas, their gradient shards all-reduced (dp = R·S)")
     mesh.add_argument("--cp-variant", choices=VARIANTS, default="ring", help="context-parallel attention")
     mesh.add_argument("--cp-layout", choices=LAYOUTS, default="zigzag", help="how sequences are cut over cp")
-    mesh.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
+    mesh.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                       help="ZeRO stage (dense parameters sharded over dp·cp, experts' over expert-dp)")
-    mesh.add_argument("--zero1", action="store_true", help="the same as --zero 1")
     mesh.add_argument("--sharding", choices=("flat", "per-parameter"), default="flat",
                       help="ZeRO-3's storage: flat units (FSDP1) or per-parameter shards (fully_shard, FSDP2)")
     mesh.add_argument("--reshard-after-forward", choices=("auto", "always", "never"), default="auto",
@@ -147,13 +146,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    """The arguments, with ``--zero1`` folded into ``zero`` (exit 2 on a bad option)."""
+    """The arguments (exit 2 on a bad option); ``zero`` is 0 when not given."""
     p = parser()
     args = p.parse_args(argv)
-    if args.zero1 and args.zero not in (None, 1):
-        p.error(f"argument --zero1: means --zero 1, but --zero {args.zero} was given too")
-    args.zero = 1 if args.zero1 else (args.zero or 0)
-    args.zero1 = args.zero == 1
+    args.zero = args.zero or 0
     if args.dp_shard is not None or args.dp_replicate is not None:   # HSDP: dp = R·S
         shard, replicas = args.dp_shard or 1, args.dp_replicate or 1
         if args.dp != 1 and args.dp != shard * replicas:

@@ -24,6 +24,7 @@ the ranks' event traces as ``results.trace``. How it works, and why:
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -87,6 +88,16 @@ class Results(list):
     placement: object = None
 
 
+_launches = itertools.count()
+
+
+def launch_labels() -> dict:
+    """What a rank's logged GPU peak is labelled with (:func:`minipar.runtime.pool.log_peak_memory`):
+    which launch of this driver, and the test that made it (pytest's ``PYTEST_CURRENT_TEST``)."""
+    return {"MINIPAR_LAUNCH_ID": f"{os.getpid()}-{next(_launches)}",
+            "MINIPAR_LAUNCHED_BY": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]}
+
+
 def launch(fn, world_size: int, *, device: str | None = None, backend: str = "auto", args=(),
            kwargs=None, timeout: float = 120.0, threads: int = 1, reuse: bool = True,
            grace: float = 1.0) -> Results:
@@ -115,7 +126,7 @@ def launch(fn, world_size: int, *, device: str | None = None, backend: str = "au
     pool = get_pool(world_size, reuse)
     store, port = serve_store(world_size, timeout)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
-           "LOCAL_WORLD_SIZE": str(world_size)}
+           "LOCAL_WORLD_SIZE": str(world_size), **launch_labels()}
     if loopback():
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = loopback()
     job = {"payload": payload, "port": port, "backend": placement.backend, "world_size": world_size,

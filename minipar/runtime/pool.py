@@ -91,12 +91,14 @@ def oom_report(rank: int, where: str) -> str:
 def log_peak_memory(rank: int, where: str) -> None:
     """Append this job's peak allocated GPU memory (:func:`minipar.runtime.gpu.max_allocated`: the
     running maximum, whatever ``peak_memory`` blocks reset) to ``$MINIPAR_MEMORY_LOG`` (one
-    JSON line per rank and job; ``course.py test --gpu`` reports the peak per rank)."""
+    JSON line per rank and launch, labelled with the launch and the test that made it;
+    ``course.py test --gpu`` reports the peak per rank and fails a job whose ranks stayed at 0)."""
     if path := os.environ.get("MINIPAR_MEMORY_LOG"):
         import json
         with open(path, "a") as f:
-            f.write(json.dumps({"rank": rank, "device": where,
-                                "peak": max_allocated(where)}) + "\n")
+            f.write(json.dumps({"rank": rank, "device": where, "peak": max_allocated(where),
+                                "launch": os.environ.get("MINIPAR_LAUNCH_ID"),
+                                "test": os.environ.get("MINIPAR_LAUNCHED_BY")}) + "\n")
 
 
 def _user_files() -> dict[str, float]:

@@ -186,3 +186,10 @@ def to_gpt(model: TensorParallelGPT) -> GPT:
         gpt = GPT(model.config)
     gpt.load_state_dict(full_state_dict(model))
     return gpt
+
+
+def apply_tp(model: GPT, groups: dict, plan) -> GPT:
+    """The composition's first step (:func:`minipar.hybrid.parallelize`): the GPT's dense layers
+    split over ``groups["tp"]``, Megatron's column-then-row pairs (with sequence parallelism if
+    ``plan.sequence_parallel``); the model itself on a group of one rank."""
+    return from_gpt(model, groups["tp"], plan.sequence_parallel) if comm.group_size(groups["tp"]) > 1 else model

@@ -2,7 +2,7 @@
 split into B (input gradient, on the critical path) and W (weight gradient, movable): rank r
 defers its Ws by r micro-batches in the steady state, so that in the cool-down, where 1F1B
 idles, it has Ws to run after each B. Peak memory stays 1F1B's p micro-batches."""
-from minipar.pipeline.schedules import Action
+from minipar.pipeline import Action
 
 
 def schedule(p: int, m: int, rank: int) -> list[Action]:

@@ -4,7 +4,9 @@ Write ``plan(cost, memory, budget, n) -> (bounds, m)`` in ``exercises/challenges
 contiguous, non-empty stages for n = 4 ranks and a number of micro-batches m <= 16. GPipe's
 schedule is simulated (``pipeline.simulate``, a stage's forward costs its layers' cost / m per
 micro-batch, the backward twice that). Goals: every rank's layers within the memory budget,
-and an idle fraction of the step, 1 - Σ busy / (n · step), of at most 0.40.
+and an idle fraction of the step, 1 - Σ busy / (n · step), of at most 0.40. The library's
+``pipeline.partition`` balances cost alone and misses the memory goal here. Grade it with
+``python -m minipar.grade ch03``; stuck? ``minipar.hint("ch03")``.
 """
 from minipar import pipeline as pp
 from minipar.course.grading import fail_if
@@ -44,10 +46,11 @@ def _plan(challenge):
     fail_if(len(bounds) != N + 1 or bounds[0] != 0 or bounds[-1] != L,
              f"bounds {bounds}: expected {N + 1} boundaries from 0 to {L} ({N} stages)")
     empty = [s for s in range(N) if bounds[s + 1] <= bounds[s]]
-    fail_if(bool(empty), f"bounds {bounds}: stage {empty[0] if empty else ''} is empty (or the "
-             "boundaries decrease); every rank needs at least one layer")
+    fail_if(bool(empty), f"bounds {bounds}: stage {empty[0] if empty else ''} holds no layer "
+             f"(boundaries {bounds[empty[0]] if empty else ''} and {bounds[empty[0] + 1] if empty else ''}); "
+             "expected boundaries that increase strictly")
     fail_if(not (isinstance(m, int) and 1 <= m <= MAX_MICROBATCHES),
-             f"m = {m!r}: the number of micro-batches must be an int from 1 to {MAX_MICROBATCHES}")
+             f"m = {m!r}: expected an int from 1 to {MAX_MICROBATCHES} micro-batches")
     return bounds, m
 
 
@@ -74,5 +77,4 @@ def test_idle_goal(challenge):
     stage = [sum(c.COST[i:j]) for i, j in zip(bounds[:-1], bounds[1:])]
     fail_if(idle > IDLE_GOAL + 1e-9,
              f"idle: {idle:.3f} of the step with bounds {bounds} and m = {m}; the goal is at most "
-             f"{IDLE_GOAL}. Stage costs {stage}: the costliest sets the pace "
-             f"(ideal {sum(c.COST) / N:g}); more micro-batches shorten the fill and the drain")
+             f"{IDLE_GOAL}. Stage costs {stage} (the mean: {sum(c.COST) / N:g})")

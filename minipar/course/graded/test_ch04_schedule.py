@@ -5,7 +5,10 @@ order (F, B and optionally W actions) for p = 4 ranks and m = 8 micro-batches. T
 adds the communication, checks the schedule is valid (``pipeline.check_schedule``) and
 simulates it with F = B = W = 1: every rank must hold at most 4 micro-batches of
 activations (``pipeline.peak_stash``) and idle at most 0.22 of its busy time
-(``pipeline.bubble``; 1F1B: 0.375).
+(``pipeline.bubble``; 1F1B: 0.375). The file may not import the library's schedules
+(``FORBIDDEN``: ``minipar.pipeline.schedules``, and ``make_schedule`` and the generators that
+``minipar.pipeline`` re-exports); ``Action`` comes from ``minipar.pipeline``. Grade it with
+``python -m minipar.grade ch04``; stuck? ``minipar.hint("ch04")``.
 """
 from minipar import pipeline as pp
 from minipar.course.grading import GradeFailure, fail_if
@@ -25,6 +28,9 @@ HINTS = {
         ' held, else a pending W.',
     ),
 }
+FORBIDDEN = ("minipar.pipeline.schedules", "minipar.pipeline.make_schedule", "minipar.pipeline.zb_h1",
+             "minipar.pipeline.one_f_one_b", "minipar.pipeline.gpipe", "minipar.pipeline.interleaved_1f1b",
+             "minipar.pipeline.SCHEDULES", "minipar.course.graded.alternatives", "solutions")
 P, M = 4, 8
 MEMORY_GOAL = 4        # micro-batches of activations per rank
 BUBBLE_GOAL = 0.22     # idle / busy on every rank
@@ -34,7 +40,7 @@ def _build(challenge, p=P, m=M) -> Schedule:
     orders = [list(challenge.schedule(p, m, r)) for r in range(p)]
     for r, order in enumerate(orders):
         bad = [a for a in order if getattr(a, "op", None) not in COMPUTE]
-        fail_if(bool(bad), f"rank {r}: only compute actions (F, B, W) belong in the order, got {bad[:3]}")
+        fail_if(bool(bad), f"rank {r}: the order holds {bad[:3]}, expected only compute actions (F, B, W)")
     return Schedule("challenge", p, m, 1, [add_comms(o, p, p) for o in orders])
 
 

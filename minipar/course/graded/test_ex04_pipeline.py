@@ -1,38 +1,61 @@
-"""Exercise 04: balance a model's layers across stages, and write the 1F1B schedule.
+"""Exercise 04: a pipeline, from the cut to the step: balance the stages, schedule 1F1B, and
+walk one rank's schedule.
 
 A. ``partition(costs, p)`` and its helper ``_min_max(prefix, p)``: cut L layers with costs
-   ``costs`` into p contiguous, non-empty stages so that the most expensive stage is as cheap
-   as possible (a pipeline runs at the pace of its slowest stage; notebook 04, "Load
+   ``costs`` into **p contiguous, non-empty stages** so that **the most expensive stage is as
+   cheap as possible** (a pipeline runs at the pace of its slowest stage; notebook 04, "Load
    balancing"). ``partition`` returns the boundaries ``[0, b_1, ..., b_{p-1}, L]`` (stage s holds
-   layers ``b_s`` to ``b_{s+1} - 1``) and raises ``ValueError`` unless 1 <= p <= L; any optimal
-   split is accepted. ``_min_max`` gets the prefix sums (``prefix[j]``: the cost of the first j
-   layers) and returns that optimal cost of the costliest stage, exactly (tested against brute
-   force on random costs).
+   layers ``b_s`` to ``b_{s+1} - 1``) and **raises ``ValueError`` unless 1 <= p <= L**; any
+   optimal split is accepted. ``_min_max`` gets the prefix sums (``prefix[j]``: the cost of the
+   first j layers) and returns that optimal cost of the costliest stage (tested against brute
+   force on random costs, through ``partition``).
 
 B. ``one_f_one_b(p, m, rank)``: the compute order of 1F1B (PipeDream-Flush, Narayanan et al.
    2021, §2.2) on ``rank`` of p for m micro-batches, a list of ``Action("F", i, rank)`` /
-   ``Action("B", i, rank)``. It must be a valid schedule (no deadlock, each F before its B),
-   keep GPipe's bubble, and let rank r hold at most min(p - r, m) micro-batches' activations
-   at once, the least that keeps the pipeline full (notebook 04, "A schedule is data" and
-   "Memory against theory"). Two bubble measures appear in the course, both with one
+   ``Action("B", i, rank)``. It must be **a valid schedule (no deadlock, each F before its
+   B)**, **keep GPipe's bubble**, and let **rank r hold at most min(p - r, m) micro-batches**
+   of activations at once, the least that keeps the pipeline full (notebook 04, "A schedule is
+   data" and "Memory against theory"). Two bubble measures appear in the course, both with one
    definition each: relative to the ideal time, idle/busy = (p-1)/m (``pipeline.bubble`` and
    ``cost.bubble_fraction``, what the tests check), and as a fraction of the step,
    idle/(idle + busy) = (p-1)/(m+p-1); they describe the same idle time.
 
-The last test trains the GPT on 4 ranks with the library's pipeline, cut by your partition
-and scheduled by your 1F1B. Grade it with ``python -m minipar.grade ex04``; stuck?
-``minipar.hint("ex04", "A")`` (parts A, B).
+C. The schedule made runnable, and run: ``add_comms(order, p, n_stages)`` turns a rank's compute
+   order into its actions, and ``Pipeline.step(inputs, targets)`` (with ``SEND_F``/``RECV_F``,
+   which also serve ``SEND_B``/``RECV_B``) walks them for one batch.
+   The library's ``F``, ``B`` and ``W`` run the compute: they read ``self.xs[i]``, ``self.ys[i]``
+   and ``self.inbox[(kind, i, stage)]``, keep what the backward needs in ``self.stash[i, s]``
+   (a ``Stash``: a dict that counts its ``peak``), leave what must be sent in ``self.outbox[(kind, i, stage)]`` and add the last
+   stage's ``loss_i / m`` to ``self.loss``; ``self.mail`` is exercise 03's ``Mailbox``.
+
+   * **a receive right before every F or B that needs a tensor from another stage, a send
+     right after every F or B that produced one**, none at the ends of the pipeline (W
+     crosses no boundary);
+   * **the peer of a message is the rank holding the other stage** (stage s lives on rank
+     s mod p);
+   * ``step`` cuts the batch into m equal micro-batches, **a batch m does not divide is a
+     ValueError**, and **returns the batch's mean loss on the rank holding the last stage,
+     None elsewhere**;
+   * **a second step starts from a clean state** (its losses are one process's too);
+   * afterwards ``peak_stash`` is **the most micro-batches held at once** (``Stash.peak``).
+
+The last tests train the GPT on 2 ranks (interleaved, 2 virtual stages each, your add_comms
+and step) and on 4 ranks with the library's pipeline, cut by your partition and scheduled by
+your 1F1B, equal to one process. Grade it with ``python -m minipar.grade ex04``; stuck?
+``minipar.hint("ex04", "A")`` (parts A, B, C).
 """
 import itertools
 import random
 
 import pytest
+import torch
 
 import minipar
 from minipar.analysis import cost
 from minipar import data, reference, strategy
 from minipar import pipeline as pp
-from minipar.course.grading import diagnose, expect, expect_equal, expect_same_training, expect_schedule
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, expect_schedule
+from minipar.pipeline.schedules import Action
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex04_pipeline"
@@ -59,6 +82,38 @@ HINTS = {
         'warmup = min(p - rank - 1, m); F0 .. F(warmup-1); for i in range(m - warmup): '
         'F(warmup+i), B(i); then B(m - warmup) .. B(m-1); every Action has stage = rank.',
     ),
+    'C': (
+        'Which actions need a tensor that another stage made, and which make one that another '
+        'stage needs? Where does stage s live? And what must a step forget of the previous one?',
+        'F of stage s receives from s-1 and sends to s+1, B the other way round, except at the '
+        'first and last stage; the peer is that stage modulo p. step: check the batch divides, '
+        'cut it, start a fresh loss, stash, inbox and outbox, call the method named by each '
+        'action in order, flush the mailbox, record the peak of the stash. SEND takes the tensor '
+        'out of the outbox, RECV puts the received one in the inbox, both under (kind, i, stage).',
+        'add_comms: for F/B, (src, dst) = (s-1, s+1) for F, (s+1, s-1) for B; RECV_op(i, s, src % '
+        'p) before if 0 <= src < n_stages, SEND_op(i, s, dst % p) after if 0 <= dst < n_stages. '
+        'step: ValueError if inputs.shape[0] % m; xs, ys, loss = chunks, chunks, 0.0; stash, '
+        'inbox, outbox = Stash(), {}, {}; for a in actions[rank]: getattr(self, a.op)(a); '
+        'mail.flush(); peak_stash = stash.peak. SEND_F: mail.send(a, outbox.pop((a.op[-1], '
+        'a.microbatch, a.stage))); RECV_F: inbox[a.op[-1], a.microbatch, a.stage] = mail.recv(a).'
+    ),
+}
+CONTRACT = {
+    "p contiguous, non-empty stages": "test_partition_is_valid",
+    "the most expensive stage is as cheap as possible": "test_partition_is_balanced",
+    "raises ``ValueError`` unless 1 <= p <= L": "test_partition_rejects_too_many_stages",
+    "a valid schedule (no deadlock, each F before its B)": ("test_one_f_one_b_order",
+                                                           "test_one_f_one_b_is_a_valid_schedule"),
+    "keep GPipe's bubble": "test_one_f_one_b_is_a_valid_schedule",
+    "rank r hold at most min(p - r, m) micro-batches": ("test_one_f_one_b_is_a_valid_schedule",
+                                                        "test_trains_the_gpt"),
+    "a receive right before every F or B that needs a tensor from another stage, a send right after "
+    "every F or B that produced one": "test_add_comms",
+    "the peer of a message is the rank holding the other stage": ("test_add_comms", "test_pipeline_step"),
+    "a batch m does not divide is a ValueError": "test_pipeline_step",
+    "returns the batch's mean loss on the rank holding the last stage, None elsewhere": "test_pipeline_step",
+    "a second step starts from a clean state": "test_pipeline_step",
+    "the most micro-batches held at once": "test_trains_the_gpt",
 }
 TIMEOUT = 60
 
@@ -76,11 +131,12 @@ def test_partition_is_valid(impl):
     for costs, p in [([1, 1, 1, 1], 2), ([5], 1), ([3, 1, 4, 1, 5], 5), ([1, 2, 3], 1)]:
         b = list(pp.partition(costs, p))
         case = f"partition({costs}, p={p})"
-        expect_equal(len(b), p + 1, f"{case}: number of boundaries (p + 1) in {b}")
-        expect_equal((b[0], b[-1]), (0, len(costs)), f"{case}: first and last boundary (0 and L) of {b}")
+        expect_equal(len(b), p + 1, f"{case}: number of boundaries (p + 1) in {b} (p contiguous, non-empty stages)")
+        expect_equal((b[0], b[-1]), (0, len(costs)), f"{case}: first and last boundary (0 and L) of {b} "
+                     "(p contiguous, non-empty stages)")
         empty = [s for s, (x, y) in enumerate(zip(b[:-1], b[1:])) if x >= y]
-        expect(not empty, f"{case} = {b}: stage {empty[0] if empty else ''} is empty "
-                          "(boundaries must increase strictly: every stage holds a layer)")
+        expect(not empty, f"{case} = {b}: stage {empty[0] if empty else ''} holds no layer "
+                          "(p contiguous, non-empty stages)")
 
 
 def test_partition_is_balanced(impl):
@@ -93,8 +149,8 @@ def test_partition_is_balanced(impl):
         b = pp.partition(costs, p)
         stages = [sum(costs[x:y]) for x, y in zip(b[:-1], b[1:])]
         expect_equal(max(stages), _best(costs, p),
-                     f"partition({costs}, p={p}) = {b}, stage costs {stages}: the costliest stage "
-                     "(the best split's costliest is the expected)")
+                     f"partition({costs}, p={p}) = {b}, stage costs {stages}: the costliest stage, the best "
+                     "split's being the expected (the most expensive stage is as cheap as possible)")
 
 
 def test_partition_rejects_too_many_stages(impl):
@@ -103,7 +159,8 @@ def test_partition_rejects_too_many_stages(impl):
         got = pp.partition([1.0, 2.0], 3)
     except ValueError:
         return
-    expect(False, f"partition([1.0, 2.0], p=3) returned {got}; 3 stages of 2 layers is a ValueError")
+    expect(False, f"partition([1.0, 2.0], p=3) returned {got}, expected a ValueError (raises ``ValueError`` "
+                  "unless 1 <= p <= L)")
 
 
 def test_one_f_one_b_order(impl):
@@ -111,8 +168,9 @@ def test_one_f_one_b_order(impl):
     fmt = lambda acts: [f"{a.op}{a.microbatch}" for a in acts]  # noqa: E731
     expect_schedule({r: fmt(pp.one_f_one_b(4, 6, r)) for r in (0, 3)},
                     {0: "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5".split(), 3: "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5".split()},
-                    "1F1B schedule, p = 4, m = 6")
-    expect_schedule({1: fmt(pp.one_f_one_b(4, 2, 1))}, {1: "F0 F1 B0 B1".split()}, "1F1B schedule, p = 4, m = 2")
+                    "1F1B schedule, p = 4, m = 6 (a valid schedule (no deadlock, each F before its B))")
+    expect_schedule({1: fmt(pp.one_f_one_b(4, 2, 1))}, {1: "F0 F1 B0 B1".split()},
+                    "1F1B schedule, p = 4, m = 2 (a valid schedule (no deadlock, each F before its B))")
     stages = [a.stage for a in pp.one_f_one_b(4, 5, 2)]
     expect_equal(stages, [2] * len(stages), "the stage of each action one_f_one_b(4, 5, rank=2) returns", keys="action")
 
@@ -121,18 +179,23 @@ def test_one_f_one_b_is_a_valid_schedule(impl):
     """For p = 1..5 and m = 1..9: no deadlock, F before B, 1F1B's bubble and memory."""
     for p in range(1, 6):
         for m in range(1, 10):
-            fmt = {r: [f"{a.op}{a.microbatch}" for a in pp.one_f_one_b(p, m, r)] for r in range(p)}
-            want = {r: [f"{a.op}{a.microbatch}" for a in _one_f_one_b(p, m, r)] for r in range(p)}
-            with diagnose(m < p, f"m = {m} < p = {p}: the warm-up can only be m forwards"):
-                expect_schedule(fmt, want, f"1F1B schedule, p = {p}, m = {m}")
             s = pp.make_schedule("1f1b", p, m)
-            pp.check_schedule(s)
-            expect_equal(pp.peak_stash(s), [min(p - r, m) for r in range(p)],
-                         f"p = {p}, m = {m}: peak micro-batches held, per rank", keys="rank")
+            try:
+                pp.check_schedule(s)
+            except (AssertionError, pp.Deadlock) as e:
+                expect(False, f"p = {p}, m = {m}: check_schedule says {e} (a valid schedule (no deadlock, each F "
+                              f"before its B))\n{s.table()}")
             bubble = max(pp.bubble(s))
             expect(bubble == pytest.approx(cost.bubble_fraction("1f1b", p, m)),
-                   f"p = {p}, m = {m}: bubble {bubble:.4f}, expected 1F1B's (p-1)/(m+p-1) = "
-                   f"{cost.bubble_fraction('1f1b', p, m):.4f}")
+                   f"p = {p}, m = {m}: bubble {bubble:.4f}, expected GPipe's (p-1)/m = "
+                   f"{cost.bubble_fraction('1f1b', p, m):.4f} (keep GPipe's bubble)\n{s.table()}")
+            expect_equal(pp.peak_stash(s), [min(p - r, m) for r in range(p)],
+                         f"p = {p}, m = {m}: peak micro-batches held, per rank (rank r hold at most min(p - r, m) "
+                         "micro-batches)", keys="rank")
+            fmt = {r: [f"{a.op}{a.microbatch}" for a in pp.one_f_one_b(p, m, r)] for r in range(p)}
+            want = {r: [f"{a.op}{a.microbatch}" for a in _one_f_one_b(p, m, r)] for r in range(p)}
+            with diagnose(m < p, f"m = {m} < p = {p}"):
+                expect_schedule(fmt, want, f"1F1B schedule, p = {p}, m = {m}")
 
 
 def _one_f_one_b(p, m, rank):
@@ -166,4 +229,87 @@ def test_trains_the_gpt(impl):
     got = strategy.TrainResult.merge(results)
     expect_same_training(got, want, "the GPT on 4 pipeline stages", rtol=1e-5, atol=1e-6)
     expect_equal([m["peak_stash"] for m in got.measured], [4, 3, 2, 1],
-                 "peak micro-batches held, per rank (measured while training)", keys="rank")
+                 "peak micro-batches held, per rank, measured while training (rank r hold at most min(p - r, m) "
+                 "micro-batches; the most micro-batches held at once)", keys="rank")
+
+
+def _add_comms(order, p, n_stages):
+    """The expected actions, written independently: each F/B with its receive before and its send after."""
+    out = []
+    for a in order:
+        if a.op == "W":
+            out.append(a)
+            continue
+        src, dst = (a.stage - 1, a.stage + 1) if a.op == "F" else (a.stage + 1, a.stage - 1)
+        if 0 <= src < n_stages:
+            out.append(Action("RECV_" + a.op, a.microbatch, a.stage, src % p))
+        out.append(a)
+        if 0 <= dst < n_stages:
+            out.append(Action("SEND_" + a.op, a.microbatch, a.stage, dst % p))
+    return out
+
+
+def test_add_comms(impl):
+    """add_comms on GPipe (3 ranks), ZB-H1 (3 ranks, with W) and interleaved 1F1B (2 ranks, 2 virtual
+    stages each): every rank's actions, sends and receives in place, peers the ranks of the stages."""
+    cases = [("GPipe, p = 3, m = 2", 3, 1, lambda r: pp.gpipe(3, 2, r)),
+             ("ZB-H1, p = 3, m = 3", 3, 1, lambda r: pp.zb_h1(3, 3, r)),
+             ("interleaved 1F1B, p = 2, m = 2, v = 2", 2, 2, lambda r: pp.interleaved_1f1b(2, 2, r, 2))]
+    for name, p, v, order in cases:
+        for r in range(p):
+            got = [repr(a) for a in pp.add_comms(order(r), p, p * v)]
+            want = [repr(a) for a in _add_comms(order(r), p, p * v)]
+            expect_equal(got, want, f"{name}: rank {r}'s actions, printed op, micro-batch, s, stage, ->/<- peer "
+                         "(a receive right before every F or B that needs a tensor from another stage, a send "
+                         "right after every F or B that produced one; the peer of a message is the rank holding "
+                         "the other stage)", keys="action")
+
+
+CUT = [0, 2, 3, 4, 6]      # the GPT's 6 layers in 4 stages, fixed (part A not needed here)
+
+
+def _step_case():
+    from minipar.comm import group_rank
+    batches = data.batches(data.synthetic_tokens(1000), 3, 8, 8)
+    trained = pp.train(GPT(CFG, seed=0), batches, reference.sgd(0.5), schedule="interleaved", microbatches=4,
+                       virtual_stages=2, bounds=CUT)
+    layers, r, bounds = GPT(CFG, seed=0).layers(), group_rank(), [0, 3, 6]
+    x, y = batches[0]
+    pipe = pp.Pipeline(pp.build_stages(layers, bounds, r, 2), pp.make_schedule("gpipe", 2, 4),
+                       pp.boundary_shapes(layers, bounds, x.chunk(4)[0]).__getitem__)
+    returned = pipe.step(x, y)
+    import torch.distributed as dist
+    alone = [dist.new_group([q]) for q in range(2)][r]      # a one-rank pipeline: no message to wait for
+    whole = pp.Pipeline(pp.build_stages(layers, [0, 6], 0, 1), pp.make_schedule("gpipe", 1, 4),
+                        pp.boundary_shapes(layers, [0, 6], x.chunk(4)[0]).__getitem__, alone)
+    try:
+        whole.step(x[:7], y[:7])
+        refused = False
+    except ValueError:
+        refused = True
+    except Exception as e:     # a step that ran on the uneven micro-batches and broke
+        refused = type(e).__name__
+    return {"trained": trained, "returned": returned, "refused": refused}
+
+
+def test_pipeline_step(impl):
+    """On 2 ranks: your step and add_comms train the GPT interleaved (2 virtual stages per rank, 3
+    steps) like one process; a GPipe step returns the mean loss on rank 1 only; a batch of 7 for
+    m = 4 is a ValueError (on a one-rank pipeline)."""
+    results = minipar.launch(_step_case, 2, timeout=TIMEOUT)
+    batches = data.batches(data.synthetic_tokens(1000), 3, 8, 8)
+    want = reference.train_reference(GPT(CFG, seed=0), batches, reference.sgd(0.5))
+    returned = [res["returned"] for res in results]
+    expect(returned[0] is None and isinstance(returned[1], float),
+           f"Pipeline.step returned {returned} on ranks 0, 1 (GPipe on 2 ranks), expected [None, a float] (returns "
+           "the batch's mean loss on the rank holding the last stage, None elsewhere)")
+    expect_close(torch.tensor(returned[1]), torch.tensor(want["losses"][0]), "rank 1's Pipeline.step return, the "
+                 "batch's mean loss", where="GPipe on 2 ranks, m = 4, first step", rtol=1e-5, atol=1e-6)
+    expect_equal([res["refused"] for res in results], [True, True], "a ValueError for a batch of 7 with m = 4, "
+                 "per rank (a batch m does not divide is a ValueError)", keys="rank")
+    got = strategy.TrainResult.merge([res["trained"] for res in results])
+    with diagnose(lambda f: "step 0" not in str(f) and "parameter" not in str(f),
+                  "step 0's loss equals one process's, a later step's does not"):
+        expect_same_training(got, want, "the GPT interleaved on 2 ranks, 2 virtual stages each (the peer of a "
+                             "message is the rank holding the other stage; a second step starts from a clean state)",
+                             rtol=1e-5, atol=1e-6)

@@ -4,7 +4,7 @@ else the next F if it holds fewer than 4 activations and the input has arrived, 
 pending W (which frees an activation). The order it runs is the schedule."""
 from functools import lru_cache
 
-from minipar.pipeline.schedules import Action
+from minipar.pipeline import Action
 
 CAP = 4
 

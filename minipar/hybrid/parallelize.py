@@ -1,0 +1,97 @@
+"""One ordered ``parallelize``: the dimensions applied in the order they nest.
+
+A model is made parallel by transforms applied one after another, each living with its technique
+(the shape of torchtitan's ``parallelize_llama``), every option in one frozen :class:`Parallelism`::
+
+    model = apply_tp(model, groups, plan)            # tensor_parallel: column/row pairs (+ SP)
+    apply_cp(model, groups, plan)                    # context_parallel: attention over cp
+    apply_ep(model, groups, mesh, plan)              # experts over ep (aux loss per micro-batch)
+    bounds, stages, schedule = apply_pp(...)         # pipeline: pp·v stages, this rank's kept
+    apply_recompute(model, plan)                     # activation recomputation in every block
+    optimizer, reducer, sharded = apply_dp(...)      # ZeRO 0-3, flat or per-parameter, or HSDP
+
+The order is forced by what each step needs: tensor parallelism replaces the layers the later
+steps wrap; context parallelism replaces attention inside them; the experts are sharded inside
+the blocks; the pipeline cuts the layers that now exist; recomputation is set on the blocks as
+they finally are; data parallelism shards (or reduces) the parameters each rank ended up with,
+so it comes last. :class:`~minipar.hybrid.HybridModel` is this function plus the step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from ..context_parallel.model import apply_cp
+from ..models.recompute import apply_recompute
+from ..pipeline.apply import apply_pp
+from ..tensor_parallel.gpt import apply_tp
+from .experts import apply_ep
+from .sharding import apply_dp
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Every option of the composition (the mesh's degrees are the mesh's): ZeRO ``zero`` (0-3) with
+    ``sharding`` (``"flat"`` or ``"per-parameter"``), stage 3's ``reshard_after_forward`` policy and
+    HSDP's ``dp_shard``; the pipeline's ``schedule``, ``microbatches``, ``virtual_stages`` and
+    ``bounds``; ``sequence_parallel``; the data-parallel ``bucket_cap_mb``; ``dtype`` (autocast);
+    ``recompute`` (``None``: the model's own); context parallelism's ``layout`` and ``variant``."""
+    zero: int = 0
+    sharding: str = "flat"
+    reshard_after_forward: str = "auto"
+    dp_shard: int | None = None
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    bounds: tuple[int, ...] | None = None
+    sequence_parallel: bool = False
+    bucket_cap_mb: float = 25.0
+    dtype: object = None
+    recompute: str | None = None
+    layout: str = "zigzag"
+    variant: str = "ring"
+
+    def check(self, config, mesh, world_size: int | None) -> None:
+        """The plain errors of :func:`minipar.hybrid.check` for this plan on ``mesh``."""
+        from .config import check
+        check(config, None, world_size, mesh.dp, mesh.pp, mesh.tp, self.microbatches, self.schedule,
+              self.virtual_stages, self.sequence_parallel, dtype=self.dtype, cp=mesh.cp, layout=self.layout,
+              variant=self.variant, recompute=self.recompute, ep=mesh.ep, zero=self.zero, sharding=self.sharding,
+              reshard_after_forward=self.reshard_after_forward, dp_shard=self.dp_shard)
+
+    @classmethod
+    def options(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` made on this rank: the (tensor/context/expert-parallel) ``model``,
+    the pipeline's ``bounds``, this rank's ``stages`` and the ``schedule``, ``params`` (this rank's
+    by single-device name), the ``optimizer``, the dense gradients' ``reducer`` (or ``None``) and,
+    under stage 3, the ``sharded`` state."""
+    model: object
+    groups: dict
+    mesh: object
+    bounds: list
+    stages: dict
+    schedule: object
+    params: dict = field(default_factory=dict)
+    optimizer: object = None
+    reducer: object = None
+    sharded: object = None
+
+
+def parallelize(model, mesh, groups: dict, plan: Parallelism, optimizer, pp_rank: int) -> Parallelized:
+    """The single-device GPT ``model`` (on this rank's device) made parallel on ``mesh`` (its process
+    ``groups`` by dimension) as ``plan`` says, in the order of the module docstring; ``optimizer`` is
+    the factory ``params -> torch.optim.Optimizer``. A collective where a step creates groups."""
+    full = model
+    model = apply_tp(full, groups, plan)
+    apply_cp(model, groups, plan)
+    apply_ep(model, groups, mesh, plan)
+    bounds, stages, schedule = apply_pp(model, full.layers(), pp_rank, mesh, plan)
+    apply_recompute(model, plan)
+    out = Parallelized(model, groups, mesh, bounds, stages, schedule)
+    mine = {id(q) for st in stages.values() for q in st.parameters()}
+    out.params = {n: q for n, q in model.named_parameters() if id(q) in mine}
+    out.optimizer, out.reducer, out.sharded = apply_dp(out, optimizer, plan)
+    return out

@@ -1,0 +1,67 @@
+"""ex03's contract has no hole: for every clause of CONTRACT, an answer that breaks it (the
+solution with a line or two changed) fails the clause's graded test, with a message naming it.
+Two plants crash a rank rather than give wrong numbers (a middle rank that takes the loss, a
+float64 model's activations received as float32): the grader reports that rank's error."""
+import pytest
+
+from minipar.course.graded import test_ex03_model_parallel as g
+from tests.planted import fails, planted
+
+SEND = '    return isend(y.detach(), dst, group, name="send_activation", tag=tag, **labels)'
+RECV = '    irecv(x, src, group, name="recv_activation", tag=tag, **labels).wait()'
+PLANTS = {  # clause -> (edits, graded test, what the message must name)
+    "return its ``Handle`` without waiting": (
+        [(SEND, SEND.replace("    return isend", "    isend") + ".wait()")],
+        g.test_activation_values, r"return its ``Handle`` without waiting"),
+    "a leaf that requires grad": (
+        [("    return x.requires_grad_()", "    return x")], g.test_activation_values, r"a leaf that requires grad"),
+    "in the ``dtype`` asked": (
+        [("    x = torch.empty(shape, dtype=dtype, device=device)", "    x = torch.empty(shape, device=device)")],
+        g.test_activation_values, r"in the ``dtype`` asked"),
+    "the gradient sent back is ∂L/∂(the stage's input)": (
+        [('    irecv(g, src, group, name="recv_grad", tag=tag, **labels).wait()\n    return g',
+          '    irecv(g, src, group, name="recv_grad", tag=tag, **labels).wait()\n    return g.zero_()')],
+        g.test_gradient_flows_back, r"(?s)the gradient sent back is ∂L/∂\(the stage's input\).*seen: rank 0's"),
+    "every transfer goes through ``minipar.comm``": (
+        [('    return isend(grad.detach(), dst, group, name="send_grad", tag=tag, **labels)',
+          '    return torch.distributed.isend(grad.detach(), dst, group=group, tag=tag)')],
+        g.test_transfers_are_recorded, r"every transfer goes through ``minipar.comm``"),
+    "over ``group``, with ``src``/``dst`` its ranks": (
+        [(SEND, SEND.replace("dst, group,", "dst, None,")), (RECV, RECV.replace("src, group,", "src, None,"))],
+        g.test_transfers_are_recorded, r"over ``group``, with ``src``/``dst`` its ranks"),
+    "any number of stages, one per rank": (
+        [("            if r == n - 1:\n                out = self.loss_fn", "            if r == 1:\n                out = self.loss_fn")],
+        g.test_drives_model_parallel, r"rank 1 of 3 failed: IndexError: Target \d+ is out of bounds"),
+    "training equals one process": (
+        [("            torch.autograd.backward(out, grad)",
+          "            torch.autograd.backward(out, None if grad is None else grad / n)")],
+        g.test_drives_model_parallel, r"the LSTM split over 2 ranks \(training equals one process\)"),
+    "a receive gets the message of its own kind, micro-batch and sending stage, whatever the order "
+    "the messages were sent in": (
+        [('        return 2 * (sender * self.m + i) + (kind == "B")', '        return 2 * sender + (kind == "B")')],
+        g.test_messages_match_in_any_order, r"a receive gets the message of its own kind, micro-batch"),
+    "every message travels in the dtype of the stages' parameters": (
+        [("        self.dtype, self.device, self.pending = dtype, device, []",
+          "        self.dtype, self.device, self.pending = torch.float32, device, []")],
+        g.test_messages_match_in_any_order, r"rank \d of 2 failed: RuntimeError: mixed dtype"),
+    "every send is waited on, and recorded, by the end of the step": (
+        [("        for h in self.pending:\n            h.wait()\n        self.pending = []",
+          "        for h in self.pending:\n            [w.wait() for w in h.works if w is not None]\n"
+          "        self.pending = []")],
+        g.test_sends_complete_each_step, r"every send is waited on, and recorded, by the end of the step"),
+}
+
+
+def test_every_clause_is_planted():
+    assert set(g.CONTRACT) == set(PLANTS)
+    for clause in g.CONTRACT:
+        assert " ".join(clause.split()) in " ".join(g.__doc__.split())
+
+
+@pytest.mark.parametrize("clause", list(PLANTS))
+def test_planted_answer_fails(clause, tmp_path):
+    edits, test, match = PLANTS[clause]
+    named = g.CONTRACT[clause]
+    assert test.__name__ in ((named,) if isinstance(named, str) else named)
+    with planted("ex03", tmp_path, *edits):
+        fails(test, match=match)

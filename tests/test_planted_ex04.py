@@ -1,0 +1,62 @@
+"""ex04's contract has no hole: for every clause of CONTRACT, an answer that breaks it (the
+solution with a line or two changed) fails the clause's graded test, with a message naming it."""
+import pytest
+
+from minipar.course.graded import test_ex04_pipeline as g
+from tests.planted import fails, planted
+
+STEADY = '        out += [Action("F", warmup + i, rank), Action("B", i, rank)]'
+PLANTS = {  # clause -> (edits, graded test, what the message must name)
+    "p contiguous, non-empty stages": (
+        [("    return bounds[::-1]", "    return bounds")], g.test_partition_is_valid,
+        r"first and last boundary .* \(p contiguous, non-empty stages\)"),
+    "the most expensive stage is as cheap as possible": (
+        [("    limit = _min_max(prefix, p)", "    limit = prefix[L] / p")], g.test_partition_is_balanced,
+        r"the most expensive stage is as cheap as possible"),
+    "raises ``ValueError`` unless 1 <= p <= L": (
+        [("    if p > L:\n        raise", "    if p > L + 1:\n        raise")],
+        g.test_partition_rejects_too_many_stages, r"raises ``ValueError`` unless 1 <= p <= L"),
+    "a valid schedule (no deadlock, each F before its B)": (
+        [(STEADY, '        out += [Action("B", i, rank), Action("F", warmup + i, rank)]')],
+        g.test_one_f_one_b_is_a_valid_schedule, r"check_schedule says .* \(a valid schedule \(no deadlock"),
+    "keep GPipe's bubble": (
+        [("    warmup = min(p - rank - 1, m)\n    out = [", "    warmup = min(1, p - rank - 1, m)\n    out = [")],
+        g.test_one_f_one_b_is_a_valid_schedule, r"bubble .* \(keep GPipe's bubble\)"),
+    "rank r hold at most min(p - r, m) micro-batches": (
+        [("    warmup = min(p - rank - 1, m)\n    out = [", "    warmup = min(p - rank, m)\n    out = [")],
+        g.test_one_f_one_b_is_a_valid_schedule, r"rank r hold at most min\(p - r, m\) micro-batches"),
+    "a receive right before every F or B that needs a tensor from another stage, a send right after "
+    "every F or B that produced one": (
+        [("        out += before + [a] + after", "        out += [a] + before + after")],
+        g.test_add_comms, r"GPipe, p = 3, m = 2: rank 0's actions"),
+    "the peer of a message is the rank holding the other stage": (
+        [("src % p)] if 0 <= src", "src)] if 0 <= src"), ("dst % p)] if 0 <= dst", "dst)] if 0 <= dst")],
+        g.test_add_comms, r"interleaved 1F1B, p = 2, m = 2, v = 2: rank 0's actions"),
+    "a batch m does not divide is a ValueError": (
+        [("        if inputs.shape[0] % m:\n", "        if False:\n")],
+        g.test_pipeline_step, r"a batch m does not divide is a ValueError"),
+    "returns the batch's mean loss on the rank holding the last stage, None elsewhere": (
+        [("        return self.loss if self.last in self.stages else None", "        return self.loss")],
+        g.test_pipeline_step, r"returned \[0\.0, .*\] on ranks 0, 1"),
+    "a second step starts from a clean state": (
+        [("targets.chunk(m), 0.0", 'targets.chunk(m), getattr(self, "loss", 0.0)')],
+        g.test_pipeline_step, r"(?s)step 1: loss.*seen: step 0's loss equals one process's"),
+    "the most micro-batches held at once": (
+        [("        self.peak_stash = self.stash.peak", "        self.peak_stash = len(self.stash)")],
+        g.test_trains_the_gpt, r"the most micro-batches held at once"),
+}
+
+
+def test_every_clause_is_planted():
+    assert set(g.CONTRACT) == set(PLANTS)
+    for clause in g.CONTRACT:
+        assert " ".join(clause.split()) in " ".join(g.__doc__.split())
+
+
+@pytest.mark.parametrize("clause", list(PLANTS))
+def test_planted_answer_fails(clause, tmp_path):
+    edits, test, match = PLANTS[clause]
+    named = g.CONTRACT[clause]
+    assert test.__name__ in ((named,) if isinstance(named, str) else named)
+    with planted("ex04", tmp_path, *edits):
+        fails(test, match=match)

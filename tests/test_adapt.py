@@ -7,7 +7,9 @@ and final parameters, fp32 on CPU:
 * AdamW under ZeRO-1, dp4 → dp2·tp2 → pp2·tp2 (switches after steps 2 and 4): ``rtol=1e-4,
   atol=5e-5`` (Adam magnifies rounding near eps, as in test_hybrid);
 * SGD with momentum, pp2·tp2 → dp4 → dp2·tp2 with ZeRO-1 (into and out of sharded optimizer
-  state): ``rtol=1e-5, atol=1e-6``.
+  state): ``rtol=1e-5, atol=1e-6``;
+* AdamW, dp4 ZeRO-3 → dp2·tp2 ZeRO-3 → dp2·pp2 ZeRO-1 (into and out of sharded parameters):
+  ``rtol=1e-4, atol=5e-5``.
 
 The bytes of the switch into dp4 are counted independently of the plan: every rank ends with
 every element of every parameter and momentum buffer, and had only its stage's tensor-parallel
@@ -30,9 +32,12 @@ ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
 MOMENTUM = {"lr": 0.2, "momentum": 0.9}
 OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, **ADAMW),
               "momentum": lambda ps: torch.optim.SGD(ps, **MOMENTUM)}
+OPTIMIZERS["zero3"] = OPTIMIZERS["adamw"]
 TOL = {"adamw": dict(rtol=1e-4, atol=5e-5), "momentum": dict(rtol=1e-5, atol=1e-6)}
+TOL["zero3"] = TOL["adamw"]
 JOBS = {"adamw": ("dp=4,zero=1", ["2=dp=2,tp=2,zero=1", "4=pp=2,tp=2,zero=1"]),
-        "momentum": ("pp=2,tp=2", ["2=dp=4", "4=dp=2,tp=2,zero=1"])}
+        "momentum": ("pp=2,tp=2", ["2=dp=4", "4=dp=2,tp=2,zero=1"]),
+        "zero3": ("dp=4,zero=3", ["2=dp=2,tp=2,zero=3", "4=dp=2,pp=2,zero=1"])}
 
 
 def _jobs() -> dict:
@@ -138,7 +143,7 @@ def test_an_element_no_rank_holds_is_an_error():
     ("dp=2", (), "dp·pp·tp·cp = 2, but the job has 4 ranks"),
     ("dp=4", ["6=dp=2,tp=2"], "outside the run's 6 steps"),
     ("dp=4", ["2=dp=2,tq=2"], "'tq=2' is not KEY=N"),
-    ("dp=4", ["2=dp=4,zero=3"], "zero=0 or 1"),
+    ("dp=4", ["2=dp=4,zero=5"], "the ZeRO stage is 0, 1, 2 or 3"),
     ("dp=4", ["2=dp=4", "2=dp=2,tp=2"], "two switches after step 2"),
     ("dp=4", ["x=dp=4"], "expected STEP=LAYOUT"),
 ])

@@ -68,9 +68,8 @@ def check(layout: Layout, world_size: int, batch_size: int | None = None) -> Non
     """Refuse ``layout`` on ``world_size`` ranks (and a global batch of ``batch_size``), plainly."""
     if layout.size != world_size:
         raise ValueError(f"layout {layout}: dp·pp·tp·cp = {layout.size}, but the job has {world_size} ranks")
-    if layout.zero not in (0, 1):
-        raise ValueError(f"layout {layout}: a live switch moves ZeRO-0 and ZeRO-1 states (zero=0 or 1), "
-                         f"got zero={layout.zero}")
+    if layout.zero not in (0, 1, 2, 3):
+        raise ValueError(f"layout {layout}: the ZeRO stage is 0, 1, 2 or 3, got zero={layout.zero}")
     if batch_size is not None and batch_size % (layout.dp * layout.microbatches):
         raise ValueError(f"layout {layout}: the global batch {batch_size} does not split into "
                          f"dp·m = {layout.dp}·{layout.microbatches} equal micro-batches")

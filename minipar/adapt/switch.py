@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..runtime import trace
-from .holdings import holdings, prime, slot_names
+from .holdings import holdings, scalars, set_scalars
 from .moves import concatenated, plan
 
 
@@ -32,33 +32,45 @@ def reshard(old, new) -> dict:
         nonlocal t
         phases[phase], t = time.perf_counter() - t, time.perf_counter()
     with trace.region("reshard"):
-        index, tensors, scalars = holdings(old)
+        index, views = holdings(old)
+        shared = scalars(old)
         olds = [None] * dist.get_world_size()
-        dist.all_gather_object(olds, (runs_of(index), scalars))
-        olds = [(from_runs(i), sc) for i, sc in olds]
-        slots = sorted({s for i, _ in olds for s in slot_names(i)})
-        prime(new, slots, next((sc for _, sc in olds if sc), {}))
-        new_index, new_tensors, _ = holdings(new)
+        dist.all_gather_object(olds, (runs_of(index), {k: (v.dtype, v.is_floating_point()) for k, v in shared.items()},
+                                      {k: views[k][0].dtype for k in views}))
+        dtypes = {k: d for _, _, kinds in olds for k, d in kinds.items()}
+        create = {}                              # the optimizer state the new layout must have
+        for k, dtype in dtypes.items():
+            slot, name = k.split("/", 1)
+            if slot != "param":
+                create.setdefault(name, {})[slot] = (False, dtype)
+        for slot, (dtype, _) in next((sc for _, sc, _ in olds if sc), {}).items():
+            for name in {k.split("/", 1)[1] for k in dtypes}:
+                create.setdefault(name, {})[slot] = (True, dtype)
+        olds = [from_runs(i) for i, _, _ in olds]
+        new_index, new_views = holdings(new, create)
         news = [None] * dist.get_world_size()
         dist.all_gather_object(news, runs_of(new_index))
         news = [from_runs(i) for i in news]
         done("describe")
-        sizes = {f"{kind}/{n}": s.numel() for n, s in new.full_shapes.items()
-                 for kind in ["param"] + slots}
+        sizes = {f"{kind}/{n}": s.numel() for n, s in new.full_shapes.items() for kind in
+                 sorted({k.split("/", 1)[0] for k in dtypes})}
         sizes = {k: n for k, n in sizes.items() if any(k in h for h in news)}
         mine_old = [k for k in sizes if k in index]            # this rank's keys, in the plan's order
         mine_new = [k for k in sizes if k in new_index]
-        p = plan([{"state": i} for i in concatenated([i for i, _ in olds], sizes)],
+        p = plan([{"state": i} for i in concatenated(olds, sizes)],
                  [{"state": i} for i in concatenated(news, sizes)], {"state": sum(sizes.values())})
         done("plan")
-        flat_new = torch.empty(sum(new_tensors[k].numel() for k in mine_new), dtype=torch.float32,
-                               device=_device(tensors))
-        observed = _execute(p, {"state": torch.cat([tensors[k].float() for k in mine_old])}, {"state": flat_new})
+        device = next(v for vs in new_views.values() for v in vs).device
+        flat_new = torch.empty(sum(len(new_index[k]) for k in mine_new), dtype=torch.float32, device=device)
+        flat_old = (torch.cat([v for k in mine_old for v in views[k]]) if mine_old
+                    else torch.empty(0, dtype=torch.float32, device=device))
+        observed = _execute(p, {"state": flat_old}, {"state": flat_new})
         at = 0
         for k in mine_new:
-            n = new_tensors[k].numel()
-            new_tensors[k].copy_(flat_new[at:at + n])
-            at += n
+            for v in new_views[k]:
+                v.copy_(flat_new[at:at + v.numel()])
+                at += v.numel()
+        set_scalars(new, shared)
         done("move")
     return {"bytes_sent": p.sent()[dist.get_rank()], "sent_observed": observed, "plan_bytes": p.bytes(),
             "moves": len(p.moves), "seconds": sum(phases.values()), "phases": phases}

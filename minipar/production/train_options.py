@@ -219,9 +219,9 @@ def check_options(args) -> None:
             raise ValueError(f"--slow-rank: {e}") from None
         if rank >= args.dp * args.cp * args.pp * args.tp:
             raise ValueError(f"--slow-rank {args.slow_rank}: the job has ranks 0..{args.dp * args.cp * args.pp * args.tp - 1}")
-    if args.adapt_every is not None and (args.n_experts or args.dtype != "fp32" or (args.zero or 0) > 1):
-        raise ValueError("--adapt-every re-cuts a dense GPT's fp32 pipeline under ZeRO 0 or 1: drop --n-experts, "
-                         f"--dtype {args.dtype} or --zero {args.zero}")
+    if args.adapt_every is not None and (args.n_experts or args.dtype != "fp32" or getattr(args, "dp_shard", None)):
+        raise ValueError("--adapt-every re-cuts a dense GPT's fp32 pipeline: drop --n-experts, "
+                         f"--dtype {args.dtype} or --dp-shard")
 
 
 def check_auto(args) -> None:
@@ -237,15 +237,15 @@ def check_auto(args) -> None:
 
 def check_switches(args) -> None:
     """``--switch-at``: every layout fits the world and the global batch, every step the run; the
-    switch moves a dense GPT's fp32 state under ZeRO 0 or 1 (:mod:`minipar.adapt`)."""
+    switch moves a dense GPT's fp32 state, any ZeRO stage (:mod:`minipar.adapt`)."""
     from ..adapt.layout import check as check_layout, parse_switches
     try:
         switches = parse_switches(args.switch_at, args.steps)
     except ValueError as e:
         raise ValueError(f"--switch-at: {e}") from None
-    if args.n_experts or args.dtype != "fp32" or (args.zero or 0) > 1:
-        raise ValueError("--switch-at moves a dense GPT's fp32 state under ZeRO 0 or 1: drop --n-experts, "
-                         f"--dtype {args.dtype} or --zero {args.zero}")
+    if args.n_experts or args.dtype != "fp32" or getattr(args, "dp_shard", None):
+        raise ValueError("--switch-at moves a dense GPT's fp32 state between dp × pp × tp × cp layouts (any ZeRO "
+                         f"stage): drop --n-experts, --dtype {args.dtype} or --dp-shard")
     world = args.dp * args.cp * args.pp * args.tp
     for step, layout in switches:
         try:

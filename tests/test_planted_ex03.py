@@ -2,10 +2,9 @@
 solution with a line or two changed) fails the clause's graded test, with a message naming it.
 Two plants crash a rank rather than give wrong numbers (a middle rank that takes the loss, a
 float64 model's activations received as float32): the grader reports that rank's error."""
-import pytest
 
 from minipar.course.graded import test_ex03_model_parallel as g
-from tests.planted import fails, planted
+from tests.planted import contract_tests
 
 SEND = '    return isend(y.detach(), dst, group, name="send_activation", tag=tag, **labels)'
 RECV = '    irecv(x, src, group, name="recv_activation", tag=tag, **labels).wait()'
@@ -52,16 +51,4 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
 }
 
 
-def test_every_clause_is_planted():
-    assert set(g.CONTRACT) == set(PLANTS)
-    for clause in g.CONTRACT:
-        assert " ".join(clause.split()) in " ".join(g.__doc__.split())
-
-
-@pytest.mark.parametrize("clause", list(PLANTS))
-def test_planted_answer_fails(clause, tmp_path):
-    edits, test, match = PLANTS[clause]
-    named = g.CONTRACT[clause]
-    assert test.__name__ in ((named,) if isinstance(named, str) else named)
-    with planted("ex03", tmp_path, *edits):
-        fails(test, match=match)
+test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex03", g, PLANTS)

@@ -1,9 +1,8 @@
 """ex04's contract has no hole: for every clause of CONTRACT, an answer that breaks it (the
 solution with a line or two changed) fails the clause's graded test, with a message naming it."""
-import pytest
 
 from minipar.course.graded import test_ex04_pipeline as g
-from tests.planted import fails, planted
+from tests.planted import contract_tests
 
 STEADY = '        out += [Action("F", warmup + i, rank), Action("B", i, rank)]'
 PLANTS = {  # clause -> (edits, graded test, what the message must name)
@@ -36,7 +35,7 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         [("        if inputs.shape[0] % m:\n", "        if False:\n")],
         g.test_pipeline_step, r"a batch m does not divide is a ValueError"),
     "returns the batch's mean loss on the rank holding the last stage, None elsewhere": (
-        [("        return self.loss if self.last in self.stages else None", "        return self.loss")],
+        [("        return float(self.loss) if self.last in self.stages else None", "        return float(self.loss)")],
         g.test_pipeline_step, r"returned \[0\.0, .*\] on ranks 0, 1"),
     "a second step starts from a clean state": (
         [("targets.chunk(m), 0.0", 'targets.chunk(m), getattr(self, "loss", 0.0)')],
@@ -47,16 +46,4 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
 }
 
 
-def test_every_clause_is_planted():
-    assert set(g.CONTRACT) == set(PLANTS)
-    for clause in g.CONTRACT:
-        assert " ".join(clause.split()) in " ".join(g.__doc__.split())
-
-
-@pytest.mark.parametrize("clause", list(PLANTS))
-def test_planted_answer_fails(clause, tmp_path):
-    edits, test, match = PLANTS[clause]
-    named = g.CONTRACT[clause]
-    assert test.__name__ in ((named,) if isinstance(named, str) else named)
-    with planted("ex04", tmp_path, *edits):
-        fails(test, match=match)
+test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex04", g, PLANTS)

@@ -1,10 +1,9 @@
 """ex06's contract has no hole: for every clause of CONTRACT, an answer that breaks it (the
 solution with a line or two changed) fails the clause's graded test, with a message naming it.
 The answer that ignores each tensor's dtype (once 5/5) is among them."""
-import pytest
 
 from minipar.course.graded import test_ex06_zero as g
-from tests.planted import fails, planted
+from tests.planted import contract_tests
 
 RS = '    reduce_scatter(mine, flat_grad, op="avg", group=group, **labels)\n'
 GATHER_STEP = "        all_gather(f, s.detach().to(f.dtype), group=group)      # in place for the fp32 view"
@@ -96,16 +95,4 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
 }
 
 
-def test_every_clause_is_planted():
-    assert set(g.CONTRACT) == set(PLANTS)
-    for clause in g.CONTRACT:
-        assert " ".join(clause.split()) in " ".join(g.__doc__.split())
-
-
-@pytest.mark.parametrize("clause", list(PLANTS))
-def test_planted_answer_fails(clause, tmp_path):
-    edits, test, match = PLANTS[clause]
-    named = g.CONTRACT[clause]
-    assert test.__name__ in ((named,) if isinstance(named, str) else named)
-    with planted("ex06", tmp_path, *edits):
-        fails(test, match=match)
+test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex06", g, PLANTS)

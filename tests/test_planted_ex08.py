@@ -1,9 +1,8 @@
 """ex08's contract has no hole: for every clause of CONTRACT, an answer that breaks it (the
 solution with a line or two changed) fails the clause's graded test, with a message naming it."""
-import pytest
 
 from minipar.course.graded import test_ex08_context_parallel as g
-from tests.planted import fails, planted
+from tests.planted import contract_tests
 
 FWD = '''    """``(O, lse)`` of this rank's queries over the whole sequence's keys (no autograd)."""
     c, r = comm.group_size(group), comm.group_rank(group)'''
@@ -50,16 +49,4 @@ PLANTS = {  # clause -> (edits, graded test, its extra arguments, what the messa
 }
 
 
-def test_every_clause_is_planted():
-    assert set(g.CONTRACT) == set(PLANTS)
-    for clause in g.CONTRACT:
-        assert clause in g.__doc__
-
-
-@pytest.mark.parametrize("clause", list(PLANTS))
-def test_planted_answer_fails(clause, tmp_path):
-    edits, test, args, match = PLANTS[clause]
-    named = g.CONTRACT[clause]
-    assert test.__name__ in ((named,) if isinstance(named, str) else named)
-    with planted("ex08", tmp_path, *edits):
-        fails(test, *args, match=match)
+test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex08", g, PLANTS)

@@ -20,7 +20,7 @@ from .allgather import all_gather_attention
 from .attention import VARIANTS, ContextParallelAttend, context_attention
 from .blocks import attention_block, attention_block_backward, masked_attention, merge_partials
 from .memory import saved_activation_bytes
-from .model import (ContextParallelAttention, PositionedEmbedding, all_reduce_grads, local_loss,
+from .model import (ContextParallelAttention, apply_cp, PositionedEmbedding, all_reduce_grads, local_loss,
                     parallelize, set_positions)
 from .plots import attention_matrix_figure, ring_schedule_figure
 from .ring import RingAttention, ring_attention, ring_step, schedule
@@ -29,7 +29,7 @@ from .sharding import (LAYOUTS, check_sequence, chunk_ids, sequence_positions, s
 from .train import check, check_config, run, train
 from .ulysses import check_heads, ulysses_attention
 
-__all__ = ["shard_sequence", "unshard_sequence", "sequence_positions", "zigzag_chunks", "chunk_ids",
+__all__ = ["apply_cp", "shard_sequence", "unshard_sequence", "sequence_positions", "zigzag_chunks", "chunk_ids",
            "check_sequence", "LAYOUTS", "attention_block", "attention_block_backward", "masked_attention",
            "merge_partials", "ring_attention", "RingAttention", "ring_step", "schedule",
            "all_gather_attention", "ulysses_attention", "check_heads", "context_attention",

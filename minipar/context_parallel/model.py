@@ -83,13 +83,7 @@ def local_loss(model, idx, targets, positions):
 
 def all_reduce_grads(params, group=None, name: str = "cp_grads", dim: str = "cp") -> None:
     """Sum the gradients of ``params`` over ``group`` in one flat all-reduce."""
-    ps = [p for p in params if p.grad is not None]
-    if not ps:
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in ps])
-    comm.all_reduce(flat, group=group, name=name, dim=dim)
-    for p, g in zip(ps, flat.split([p.numel() for p in ps])):
-        p.grad.copy_(g.view_as(p.grad))
+    comm.all_reduce_gradients(params, group=group, missing="skip", in_place=True, name=name, dim=dim)
 
 
 def apply_cp(model, groups: dict, plan):

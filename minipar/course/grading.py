@@ -316,3 +316,23 @@ def expect_same_training(got: dict, want: dict, where: str = "", rtol: float = 1
     for k, w in want["params"].items():
         expect_close(got["params"][k], w, "parameter after training (the single process's)",
                      at(f"parameter {k}"), rtol, atol)
+
+
+def attempt(fn, *args):
+    """``fn(*args)``, or, if it raised, the exception as one line of text with the innermost frame
+    outside torch and minipar (the learner's file, line and code), so that a rank returns it and the
+    driver reports it per case instead of the whole rank failing."""
+    from pathlib import Path
+    import traceback
+
+    import torch
+
+    import minipar
+    try:
+        return fn(*args)
+    except Exception as e:                               # noqa: BLE001: reported by the driver
+        libs = [Path(torch.__file__).parent.resolve(), Path(minipar.__file__).parent.resolve()]
+        own = [fr for fr in traceback.extract_tb(e.__traceback__)
+               if not any(Path(fr.filename).resolve().is_relative_to(d) for d in libs)]
+        at = f" (at {Path(own[-1].filename).name}:{own[-1].lineno}  {own[-1].line})" if own else ""
+        return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{at}"

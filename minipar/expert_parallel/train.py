@@ -38,15 +38,8 @@ def reduce_gradients(model, groups, dp: int) -> None:
     for an expert that no token of the whole batch chose."""
     for kind, group, op in (("dense", groups["dp"], "avg"), ("expert", groups["expert_dp"], "sum")):
         ps = [p for n, p in model.named_parameters() if (".experts." in n) == (kind == "expert")]
-        if not ps:
-            continue
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
-        comm.all_reduce(flat, op=op, group=group, name=f"{kind}_grads", dim="dp", reduced_over=
-                        "dp" if kind == "dense" else "expert_dp")
-        if kind == "expert":
-            flat /= dp
-        for p, g in zip(ps, flat.split([p.numel() for p in ps])):
-            p.grad = g.view_as(p).clone()
+        comm.all_reduce_gradients(ps, op=op, group=group, divide_by=dp if kind == "expert" else 1,
+                                  name=f"{kind}_grads", dim="dp", reduced_over="dp" if kind == "dense" else "expert_dp")
     for m in moe_layers(model):  # an expert no token chose has no gradient, as in one process
         counts = m.stats["counts"].tolist()   # (an optimizer skips it: Adam's moments do not move);
         for i in m.local:                     # one copy to the host per layer, not one per expert

@@ -117,14 +117,8 @@ def reduce_expert_gradients(model, params: dict, group, n_tokens_ranks: int) -> 
     """Expert gradients (``params``: name -> parameter, this rank's experts): summed over
     the expert-dp ``group``, ÷ dp·cp (``n_tokens_ranks``); an expert no token of the batch
     chose (its layer's ``routed`` is 0) gets ``None``, as in one process."""
-    ps = [p for n, p in params.items() if is_expert(n)]
-    if ps:
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
-        if comm.group_size(group) > 1:
-            comm.all_reduce(flat, group=group, name="expert_grads", dim="dp", reduced_over="expert_dp")
-        flat /= n_tokens_ranks
-        for p, g in zip(ps, flat.split([p.numel() for p in ps])):
-            p.grad = g.view_as(p).clone()
+    comm.all_reduce_gradients([p for n, p in params.items() if is_expert(n)], group=group, divide_by=n_tokens_ranks,
+                              skip_alone=True, name="expert_grads", dim="dp", reduced_over="expert_dp")
     drop_unrouted(model)
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from ..context_parallel.model import apply_cp
+from ..context_parallel import apply_cp
 from ..models.recompute import apply_recompute
-from ..pipeline.apply import apply_pp
-from ..tensor_parallel.gpt import apply_tp
+from ..pipeline import apply_pp
+from ..tensor_parallel import apply_tp
 from .experts import apply_ep
 from .sharding import apply_dp
 

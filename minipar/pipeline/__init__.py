@@ -6,10 +6,12 @@
 * :mod:`minipar.autograd.split_backward` — the backward split into B (input gradients) and W
   (weight gradients), re-exported here: the pipeline's zero-bubble schedules use it.
 * :mod:`.executor` — :class:`Pipeline` runs one rank's actions on real stages.
+* :mod:`.apply` — ``apply_pp``, the pipeline's step of :func:`minipar.hybrid.parallelize`.
 * :mod:`.simulate` — the same schedules on paper: ideal timeline, deadlocks, stash, bubble.
 * :mod:`.train` — ``check`` / ``train`` / ``run``, the shape of every strategy (:mod:`minipar.strategy`);
   ``probe_steps=k`` re-partitions by measured time after k steps (:mod:`.adaptive`).
 """
+from .apply import apply_pp
 from .executor import Pipeline
 from .partition import (balance, boundary_shapes, build_stages, explain, layer_costs, owned_parameters, partition,
                         stage_costs)
@@ -21,7 +23,7 @@ from .stage_comm import recv_activation, recv_grad, send_activation, send_grad
 from .adaptive import train_adaptive
 from .train import check, run, train
 
-__all__ = ["Pipeline", "partition", "balance", "explain", "layer_costs", "stage_costs", "build_stages",
+__all__ = ["apply_pp", "Pipeline", "partition", "balance", "explain", "layer_costs", "stage_costs", "build_stages",
            "owned_parameters", "SCHEDULES", "Action", "Schedule", "add_comms", "check_config",
            "make_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "Deadlock", "simulate",
            "check_schedule", "peak_stash", "bubble", "compute_only", "WeightGrads", "deferred",

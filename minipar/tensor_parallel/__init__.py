@@ -19,7 +19,7 @@ parallelism on a process mesh.
 from .block import ParallelAttention, ParallelBlock, ParallelMLP
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
-from .gpt import (ParallelEmbedding, ParallelHead, TensorParallelGPT, from_gpt, full_state_dict,
+from .gpt import (ParallelEmbedding, apply_tp, ParallelHead, TensorParallelGPT, from_gpt, full_state_dict,
                   gather_shards, replica_drift, shard_state_dict, to_gpt, unshard_state_dict)
 from .layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear, row_parallel_linear
 from .ops import all_gather, f, g, gather, reduce_scatter, split, sync_grad
@@ -27,7 +27,7 @@ from .sequence import LayerNorm, gather_seq, reduce_scatter_seq, split_seq
 from .config import check_config
 from .train import check, run, train
 
-__all__ = ["f", "g", "all_gather", "reduce_scatter", "gather", "split", "sync_grad", "column_parallel_linear",
+__all__ = ["apply_tp", "f", "g", "all_gather", "reduce_scatter", "gather", "split", "sync_grad", "column_parallel_linear",
            "row_parallel_linear", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "gather_seq", "reduce_scatter_seq", "split_seq", "LayerNorm",
            "ParallelAttention", "ParallelMLP", "ParallelBlock", "ParallelEmbedding", "ParallelHead",

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..comm import all_reduce
+from ..comm import all_reduce_gradients
 
 
 def persistent_parameters(module: nn.Module, persist_below: int | None = None, persist=None,
@@ -54,15 +54,7 @@ def reduce_persistent(params, group=None, dtype=None) -> None:
     """ḡ_p = (1/N) Σ_j g_p^(j): the persistent parameters' gradients (zeros where this rank has
     none) averaged over ``group`` in one all-reduce (in ``dtype``, default theirs), so every
     rank then holds the same full gradient. Stage 3 calls it after every unit's reduce-scatter."""
-    ps = list(params)
-    if not ps:
-        return
-    dtype = dtype or ps[0].dtype
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
-                      for p in ps])
-    all_reduce(flat, op="avg", group=group, name="all_reduce", persistent=True)
-    for p, g in zip(ps, flat.split([p.numel() for p in ps])):
-        p.grad = g.view(p.shape).to(p.dtype)
+    all_reduce_gradients(params, op="avg", group=group, dtype=dtype, name="all_reduce", persistent=True)
 
 
 def _cast(x, dtype):

@@ -41,7 +41,7 @@ import minipar
 from minipar.analysis import cost
 from minipar.runtime import trace
 from minipar import tensor_parallel as tp
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, attempt
 
 EXERCISE = "ex05_tensor_parallel"
 HINTS = {
@@ -346,21 +346,6 @@ def _in_group(rank):
     return f"rank {rank} (rank {rank % 2} of group {[rank // 2 * 2, rank // 2 * 2 + 1]})"
 
 
-def _attempt(fn, *args):
-    """``fn(*args)``, or the exception it raised as text, with the innermost line outside torch
-    and minipar (the learner's), so the driver reports it per case."""
-    try:
-        return fn(*args)
-    except Exception as e:                               # noqa: BLE001: reported by the driver
-        import traceback
-        from pathlib import Path
-        libs = [Path(torch.__file__).parent, Path(minipar.__file__).parent]
-        own = [fr for fr in traceback.extract_tb(e.__traceback__)
-               if not any(Path(fr.filename).resolve().is_relative_to(d.resolve()) for d in libs)]
-        at = f" (at {Path(own[-1].filename).name}:{own[-1].lineno}  {own[-1].line})" if own else ""
-        return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{at}"
-
-
 def _raised(got, where):
     expect(not isinstance(got, str), f"{where}: the call {got}")
 
@@ -387,7 +372,7 @@ def _gather_split(group, gr):
 
 def _gathers_and_splits():
     group, gi, gr = _pairs()
-    return _attempt(_gather_split, group, gr)
+    return attempt(_gather_split, group, gr)
 
 
 def test_gather_and_split(impl):
@@ -431,7 +416,7 @@ def _shard_case(cls, gi, bias, group):
 def _shards():
     group, gi, gr = _pairs()
     return {f"{kind}.from_linear(nn.Linear(6, 4{'' if bias else ', bias=False'}))":
-            _attempt(_shard_case, cls, gi, bias, group)
+            attempt(_shard_case, cls, gi, bias, group)
             for kind, cls in (("ColumnParallelLinear", tp.ColumnParallelLinear), ("RowParallelLinear", tp.RowParallelLinear))
             for bias in (True, False)}
 
@@ -471,7 +456,7 @@ def _ce_case(group, gi, gr, dtype):
 
 def _ce_groups():
     group, gi, gr = _pairs()
-    return [_attempt(_ce_case, group, gi, gr, dtype) for dtype in CE_DTYPES]
+    return [attempt(_ce_case, group, gi, gr, dtype) for dtype in CE_DTYPES]
 
 
 def test_vocab_parallel_cross_entropy_on_subgroups(impl):

@@ -55,7 +55,7 @@ import minipar
 from minipar.analysis import cost
 from minipar import data, reference, zero
 from minipar.runtime import trace
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, attempt
 from minipar.models import GPT, GPTConfig
 from minipar.zero.flat import FlatStorage, FlatUnit
 
@@ -161,21 +161,6 @@ def _grad(r, m, n):
     return g
 
 
-def _attempt(fn, *args):
-    """``fn(*args)``, or the exception it raised as text, with the innermost line outside torch
-    and minipar (the learner's), so the driver reports it per case."""
-    try:
-        return fn(*args)
-    except Exception as e:                               # noqa: BLE001: reported by the driver
-        import traceback
-        from pathlib import Path
-        libs = [Path(torch.__file__).parent, Path(minipar.__file__).parent]
-        own = [fr for fr in traceback.extract_tb(e.__traceback__)
-               if not any(Path(fr.filename).resolve().is_relative_to(d.resolve()) for d in libs)]
-        at = f" (at {Path(own[-1].filename).name}:{own[-1].lineno}  {own[-1].line})" if own else ""
-        return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{at}"
-
-
 def _raised(got, where):
     expect(not isinstance(got, str), f"{where}: the call {got}")
 
@@ -238,7 +223,7 @@ def _unit_grads(group, gr, dtype):
 
 def _reduce_units():
     group, gi, gr = _pairs()
-    return [_attempt(_unit_grads, group, gr, dtype) for dtype, _ in UNIT_DTYPES]
+    return [attempt(_unit_grads, group, gr, dtype) for dtype, _ in UNIT_DTYPES]
 
 
 def test_reduce_unit_grads(impl):
@@ -298,7 +283,7 @@ def _one_step(mixed):
 
 
 def _steps():
-    return [_attempt(_one_step, mixed) for mixed in (False, True)]
+    return [attempt(_one_step, mixed) for mixed in (False, True)]
 
 
 def test_sharded_step_is_a_full_step(impl):
@@ -362,7 +347,7 @@ def _opt_case(group, name, param_dtype, clip, optim, lr):
 
 def _zero_optimizers():
     group, gi, gr = _pairs()
-    return [_attempt(_opt_case, group, *case) for case in OPT_CASES]
+    return [attempt(_opt_case, group, *case) for case in OPT_CASES]
 
 
 def _opt_reference(gi, clip, optim, lr):
@@ -469,7 +454,7 @@ def _gather_free(dtype):
 
 
 def _gathers_and_frees():
-    return [_attempt(_gather_free, dtype) for dtype in GATHER_DTYPES]
+    return [attempt(_gather_free, dtype) for dtype in GATHER_DTYPES]
 
 
 def test_gather_and_free(impl):
@@ -543,7 +528,7 @@ def _storage_case(group, gi, dtype):
 
 def _storages():
     group, gi, gr = _pairs()
-    return [_attempt(_storage_case, group, gi, dtype) for dtype in GATHER_DTYPES]
+    return [attempt(_storage_case, group, gi, dtype) for dtype in GATHER_DTYPES]
 
 
 def _storage_want(gi, gr):

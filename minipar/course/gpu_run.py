@@ -29,6 +29,7 @@ GPU_TESTS = [
     ("09 expert parallel", ["tests/test_expert_parallel.py"]),
     ("10 planning", ["tests/test_plan.py", "tests/test_recompute.py"]),
     ("mixed precision", ["tests/test_precision.py"]),
+    ("12 adaptive", ["tests/test_adapt.py", "tests/test_elastic.py"]),
     ("11 train, checkpoints", ["tests/test_train.py", "tests/test_train_options.py", "tests/test_checkpoint.py",
                                "tests/test_faults.py"]),
     ("devices", ["tests/test_devices.py", "tests/test_launch.py", "tests/test_gpu_paths.py",

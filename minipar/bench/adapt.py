@@ -9,7 +9,7 @@ Two things, on 4 ranks of the course GPT (SGD with momentum):
   switches included. ``ratio`` = adaptive / static, the median of ``--repeats`` pairs (the range
   is printed too);
 * **a switch**: dp4 → dp2·tp2 → pp2·tp2 under ZeRO-1, each switch's plan bytes and the time of
-  its all-to-all beside the α-β estimate of that exchange on this machine
+  its move (packing, the all-to-all, unpacking) beside the α-β estimate of that exchange on this machine
   (:func:`minipar.analysis.plan.measure_machine`'s α and β, the busiest sender's bytes), and the
   whole switch's time (describing the holdings, the plan, the move; the new mesh and model are
   built before it).
@@ -65,8 +65,9 @@ def main(argv=None) -> dict:
               "ratio_range": [min(ratios), max(ratios)], "ratios": ratios, "switches": switches,
               "device": a.device, "steps": steps, "repeats": repeats}
     notes = [f"ratio range over {repeats} pairs: {min(ratios):.3f} .. {max(ratios):.3f} (whole runs, switches included)",
-             "a switch:  " + "; ".join(f"{s['to']}: {s['plan_MiB']:.2f} MiB, all-to-all {s['move_ms']:.1f} ms "
-                                       f"(α-β estimate {s['estimate_ms']:.1f} ms), whole switch {s['switch_ms']:.0f} ms"
+             "a switch:  " + "; ".join(f"{s['to']}: {s['plan_MiB']:.2f} MiB, move {s['move_ms']:.1f} ms "
+                                       f"(pack, all-to-all, unpack; the exchange's α-β estimate {s['estimate_ms']:.1f} ms), "
+                                       f"whole switch {s['switch_ms']:.0f} ms"
                                        for s in switches)]
     return report(result, a, intro=[f"4 ranks, GPT {config.n_layer}×{config.n_embd}, {steps} steps, "
                                     f"median of {repeats} interleaved pairs"], notes=notes)

@@ -170,6 +170,30 @@ def checks(fn):
     return check
 
 
+def trains(fn):
+    """Decorator of a strategy's ``train``: the options every strategy takes are applied here,
+    once, for all of them: ``recompute`` (unless ``None``, the model's own) is set on the model's
+    blocks before the strategy builds anything from it (tensor-parallel shards, pipeline stages and
+    sharded experts are built from the model's config, so they inherit it). The composition of
+    several dimensions applies it in its own place (:func:`minipar.hybrid.parallelize`)."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def train(*args, **options):
+        bound = sig.bind(*args, **options)
+        mode = bound.arguments.get("recompute")
+        if mode is not None:
+            from .models.recompute import apply_recompute
+            apply_recompute(bound.arguments["model"], _Plan(mode))
+        return fn(*args, **options)
+    return train
+
+
+@dataclass(frozen=True)
+class _Plan:
+    recompute: str | None
+
+
 def full_params(named) -> dict[str, torch.Tensor]:
     """``{name: fp32 copy on the CPU}`` of ``module.named_parameters()`` (or any name/tensor pairs)."""
     return {k: v.detach().float().cpu().clone() for k, v in named}

@@ -184,3 +184,21 @@ def test_loop_measures_the_last_step_and_records_the_losses():
     losses, measured = strategy.loop([None, None, None], step, op=None)
     assert losses == [0.0, 1.0, 2.0] and seen == [2]
     assert measured["step"] == 2 and measured["bytes_by_dim"] == {"total": 0} and measured["seconds"] >= 0
+
+
+def test_recompute_is_entered_at_one_site():
+    """Recomputation is set in one place: ``models.recompute.apply_recompute``, called by the
+    ``strategy.trains`` decorator of every strategy's ``train`` and by the composition's
+    ``parallelize`` (hybrid and adapt build through it); no strategy sets it itself."""
+    import re
+    from pathlib import Path
+    root = Path(minipar.__file__).parent
+    calls = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if "bench" not in p.parts
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"set_recompute\(", line) and not re.match(r"\s*def ", line)]
+    assert {c.split(":")[0] for c in calls} == {"models/gpt.py", "models/recompute.py"}, calls
+    applied = [f"{p.relative_to(root)}" for p in root.rglob("*.py") if re.search(r"\bapply_recompute\(", p.read_text())
+               and not re.search(r"^def apply_recompute", p.read_text(), re.M)]
+    assert sorted(applied) == ["hybrid/parallelize.py", "strategy.py"], applied
+    for name in set(strategy.STRATEGIES) - {"hybrid", "adapt"}:
+        assert getattr(MODULES[name].train, "__wrapped__", None) is not None, f"{name}.train is not @strategy.trains"

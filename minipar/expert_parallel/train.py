@@ -48,6 +48,7 @@ def reduce_gradients(model, groups, dp: int) -> None:
                     p.grad = None
 
 
+@strategy.trains
 def train(model, batches, optimizer=None, ep: int = 1, tp: int = 1, dtype=None, recompute=None) -> dict:
     """On every rank of the world: DP × EP training (ep groups carved from the dp ranks); with
     ``tp > 1`` the dense part is tensor-parallel over a dp × tp mesh (:mod:`.tensor`).
@@ -65,8 +66,6 @@ def train(model, batches, optimizer=None, ep: int = 1, tp: int = 1, dtype=None, 
         groups = build_ep_groups(ep)
         dp, me = dist.get_world_size(), dist.get_rank()
         shard_experts(model, groups["ep"], token_group=groups["dp"] if dp > ep else None)
-    if recompute is not None:
-        model.set_recompute(recompute)   # "full" reruns a block's forward, all-to-alls included, in backward
     device = next(model.parameters()).device
     opt = (optimizer or sgd())(model.parameters())
     routed, layers = [], moe_layers(model)

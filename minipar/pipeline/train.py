@@ -60,6 +60,7 @@ def check(model, batches, world_size: int, schedule="1f1b", microbatches: int | 
                              "use virtual_stages=1 and a schedule by name")
 
 
+@strategy.trains
 def train(model, batches, optimizer=None, group=None, schedule="1f1b", microbatches: int | None = None,
           virtual_stages: int = 1, bounds: list[int] | None = None, dtype=None, recompute=None,
           probe_steps: int | None = None) -> dict:
@@ -74,8 +75,6 @@ def train(model, batches, optimizer=None, group=None, schedule="1f1b", microbatc
     rank's messages, from the trace), ``bytes_by_dim`` and ``seconds`` (:func:`minipar.strategy.loop`),
     and the ``bounds`` used."""
     model = model.to(device())                 # this rank's copy, where the rank computes
-    if recompute is not None:
-        model.set_recompute(recompute)
     if probe_steps is not None:
         return train_adaptive(model, batches, optimizer, group, schedule, microbatches, probe_steps, bounds,
                               dtype)

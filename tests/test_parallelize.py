@@ -32,8 +32,9 @@ def test_each_step_lives_with_its_technique_and_only_parallelize_calls_it():
     for name, package in STEPS.items():
         where = [p for p in ROOT.rglob("*.py") if re.search(rf"^def {name}\(", p.read_text(), re.M)]
         assert len(where) == 1 and where[0].relative_to(ROOT).parts[0] == package, (name, where)
-    callers = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py") if _calls(p)}
-    assert callers == {"hybrid/parallelize.py"}, callers
+    callers = {p.relative_to(ROOT).as_posix(): set(_calls(p)) for p in ROOT.rglob("*.py") if _calls(p)}
+    # a single strategy's recompute= is applied by @strategy.trains, the one other caller (test_conformance)
+    assert callers == {"hybrid/parallelize.py": set(STEPS), "strategy.py": {"apply_recompute"}}, callers
 
 
 def test_the_steps_come_in_the_order_the_dimensions_nest():

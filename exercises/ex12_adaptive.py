@@ -7,17 +7,17 @@ a disk and without sending what a rank already has.
 
 A. ``plan(old, new, sizes)`` (``minipar.adapt.moves``) returns a ``Plan`` of ``Move(src, dst,
    key, src_pos, dst_pos)``. Contract: every element of a new holding gets exactly one source;
-   the source is the rank itself when it already holds the element (a local copy), else the
-   first holder after it in ring order (dst+1, dst+2, ... mod world); the moves come sorted
-   by (dst, src), keys in ``sizes``' order within each pair; an element held by no rank is a
-   ``ValueError`` naming the key; old and new holdings of a different number of ranks are a
-   ``ValueError``. The plan's bytes (``Plan.sent``, the library's) are then exactly the elements
+   the source is the rank itself when it already holds the element (a local copy),
+   else the first holder after it in ring order (dst+1, dst+2, ... mod world);
+   the moves come sorted by (dst, src), keys in ``sizes``' order within each pair;
+   an element held by no rank is a ``ValueError`` naming the key;
+   old and new holdings of a different number of ranks are a ``ValueError``. The plan's bytes (``Plan.sent``, the library's) are then exactly the elements
    missing at their destination, each at its key's itemsize.
 B. ``_execute(p, tensors, new_tensors)`` (``minipar.adapt.switch``) carries out the plan on this
    rank: local copies, then one ``all_to_all_single`` in which each rank packs its moves per
-   destination in rank order and unpacks per source in the same order. Contract: the values
-   arrive bit for bit; the all-to-all's observed bytes equal the plan's; fp32 state only
-   (another dtype is a ``NotImplementedError``).
+   destination in rank order and unpacks per source in the same order. Contract:
+   the values arrive bit for bit; the all-to-all's observed bytes equal the plan's;
+   fp32 state only (another dtype is a ``NotImplementedError``).
 C. ``runs_of(index)`` and ``from_runs(runs)``: an index as its runs of consecutive elements
    ``[[start, length], ...]`` and back, so that holdings travel as a few numbers. Contract:
    ``from_runs(runs_of(i))`` gives back i, an empty index included.

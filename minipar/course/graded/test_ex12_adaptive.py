@@ -7,17 +7,17 @@ a disk and without sending what a rank already has.
 
 A. ``plan(old, new, sizes)`` (``minipar.adapt.moves``) returns a ``Plan`` of ``Move(src, dst,
    key, src_pos, dst_pos)``. Contract: every element of a new holding gets exactly one source;
-   the source is the rank itself when it already holds the element (a local copy), else the
-   first holder after it in ring order (dst+1, dst+2, ... mod world); the moves come sorted
-   by (dst, src), keys in ``sizes``' order within each pair; an element held by no rank is a
-   ``ValueError`` naming the key; old and new holdings of a different number of ranks are a
-   ``ValueError``. The plan's bytes (``Plan.sent``, the library's) are then exactly the elements
+   the source is the rank itself when it already holds the element (a local copy),
+   else the first holder after it in ring order (dst+1, dst+2, ... mod world);
+   the moves come sorted by (dst, src), keys in ``sizes``' order within each pair;
+   an element held by no rank is a ``ValueError`` naming the key;
+   old and new holdings of a different number of ranks are a ``ValueError``. The plan's bytes (``Plan.sent``, the library's) are then exactly the elements
    missing at their destination, each at its key's itemsize.
 B. ``_execute(p, tensors, new_tensors)`` (``minipar.adapt.switch``) carries out the plan on this
    rank: local copies, then one ``all_to_all_single`` in which each rank packs its moves per
-   destination in rank order and unpacks per source in the same order. Contract: the values
-   arrive bit for bit; the all-to-all's observed bytes equal the plan's; fp32 state only
-   (another dtype is a ``NotImplementedError``).
+   destination in rank order and unpacks per source in the same order. Contract:
+   the values arrive bit for bit; the all-to-all's observed bytes equal the plan's;
+   fp32 state only (another dtype is a ``NotImplementedError``).
 C. ``runs_of(index)`` and ``from_runs(runs)``: an index as its runs of consecutive elements
    ``[[start, length], ...]`` and back, so that holdings travel as a few numbers. Contract:
    ``from_runs(runs_of(i))`` gives back i, an empty index included.
@@ -87,6 +87,12 @@ def _idx(*xs):
 
 def test_plan_by_hand(impl):
     """Hand cases: local copies, the first holder after the destination in ring order, (dst, src) order."""
+    # everyone holds everything before; the new ranks keep what they had: local copies only.
+    full = [{"w": _idx(0, 1, 2, 3)} for _ in range(4)]
+    halves = [{"w": _idx(0, 1)}, {"w": _idx(2, 3)}, {"w": _idx(3, 1)}, {}]
+    expect_equal(_moves(plan(full, halves, {"w": 4})),
+                 [(0, 0, "w", [0, 1], [0, 1]), (1, 1, "w", [2, 3], [0, 1]), (2, 2, "w", [3, 1], [0, 1])],
+                 "moves from 4 ranks holding all of [0, 1, 2, 3] (every element a local copy)")
     # 3 ranks, 6 elements: old rank r holds 2r, 2r+1; new rank 0 holds all, the others nothing.
     old = [{"w": _idx(0, 1)}, {"w": _idx(2, 3)}, {"w": _idx(4, 5)}]
     new = [{"w": _idx(5, 0, 3, 1, 2, 4)}, {}, {}]
@@ -94,12 +100,6 @@ def test_plan_by_hand(impl):
                  [(0, 0, "w", [0, 1], [1, 3]), (0, 1, "w", [1, 0], [2, 4]), (0, 2, "w", [1, 0], [0, 5])],
                  "moves (dst, src, key, src_pos, dst_pos) from [[0, 1], [2, 3], [4, 5]] to rank 0 holding "
                  "[5, 0, 3, 1, 2, 4]")
-    # everyone holds everything before; the new ranks keep what they had: local copies only.
-    full = [{"w": _idx(0, 1, 2, 3)} for _ in range(4)]
-    halves = [{"w": _idx(0, 1)}, {"w": _idx(2, 3)}, {"w": _idx(3, 1)}, {}]
-    expect_equal(_moves(plan(full, halves, {"w": 4})),
-                 [(0, 0, "w", [0, 1], [0, 1]), (1, 1, "w", [2, 3], [0, 1]), (2, 2, "w", [3, 1], [0, 1])],
-                 "moves from 4 ranks holding all of [0, 1, 2, 3] (every element a local copy)")
     # ranks 0 and 3 hold everything, ranks 1 and 2 need it: the ring after 1 is 2, 3, 0; after 2: 3, 0.
     old = [{"w": _idx(0, 1, 2)}, {}, {}, {"w": _idx(2, 1, 0)}]
     new = [{}, {"w": _idx(0, 1, 2)}, {"w": _idx(1)}, {"w": _idx(0)}]
@@ -151,12 +151,6 @@ def test_plan_random(impl):
         for q, h in enumerate(new):
             for k, i in h.items():
                 expect_equal(got[q][k].tolist(), i.float().tolist(), f"{where}: rank {q}'s {k} after the plan")
-        for mv in p.moves:
-            for e in old[mv.src][mv.key][mv.src_pos].tolist():
-                holds = [r for r in range(world) if mv.key in old[r] and e in old[r][mv.key].tolist()]
-                want = mv.dst if mv.dst in holds else min(holds, key=lambda r: (r - mv.dst) % world)
-                expect_equal(mv.src, want, f"{where}: the source of element {e} of {mv.key} for rank {mv.dst} "
-                             f"(held by {holds})")
         missing, count = [0] * world, [0] * world                      # an independent count
         for q, h in enumerate(new):
             for k, i in h.items():
@@ -170,22 +164,40 @@ def test_plan_random(impl):
                      keys="rank")
         expect_equal(p.sent(4), [4 * c for c in count], f"{where}: bytes each rank sends at 4 bytes an element",
                      keys="rank")
+        for mv in p.moves:
+            for e in old[mv.src][mv.key][mv.src_pos].tolist():
+                holds = [r for r in range(world) if mv.key in old[r] and e in old[r][mv.key].tolist()]
+                want = mv.dst if mv.dst in holds else min(holds, key=lambda r: (r - mv.dst) % world)
+                expect_equal(mv.src, want, f"{where}: the source of element {e} of {mv.key} for rank {mv.dst} "
+                             f"(held by {holds})")
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:                                          # noqa: BLE001 (reported, not hidden)
+        return type(e).__name__
+    return "nothing"
+
+
+def _message(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:                                          # noqa: BLE001
+        return str(e)
+    return ""
 
 
 def test_plan_errors(impl):
     """An element nobody holds, and a different number of ranks: ValueErrors."""
     old = [{"w": _idx(0, 1)}, {"w": _idx(1)}]
     new = [{"w": _idx(0)}, {"w": _idx(2, 1)}]
-    try:
-        plan(old, new, {"w": 3})
-        expect(False, "plan to an element (2 of w) that no old rank holds: no ValueError")
-    except ValueError as e:
-        expect("w" in str(e), f"plan to an element no rank holds: the ValueError does not name the key w: {e}")
-    try:
-        plan(old, new + [{}], {"w": 3})
-        expect(False, "plan from 2 old holdings to 3 new ones: no ValueError")
-    except ValueError:
-        pass
+    expect_equal(_raised(plan, old, new, {"w": 3}), "ValueError",
+                 "plan to an element (2 of w) that no old rank holds: what it raises")
+    expect("w" in _message(plan, old, new, {"w": 3}),
+           f"plan to an element no rank holds: the ValueError does not name the key w: "
+           f"{_message(plan, old, new, {'w': 3})!r}")
+    expect_equal(_raised(plan, old, [{"w": _idx(1)}, {"w": _idx(0)}, {}], {"w": 3}), "ValueError",
+                 "plan from 2 old holdings to 3 new ones: what it raises")
     p = plan(old, [{"w": _idx(1)}, {"w": _idx(0)}], {"w": 3})
     expect_equal(p.sent({"w": 8}), [8, 0], "sent({'w': 8}) when rank 0 keeps element 1 and sends element 0 to rank 1")
     expect_equal(Plan(2, p.moves).bytes(2), 2, "bytes(2) of the same plan")
@@ -220,9 +232,11 @@ def _switch(seed, sizes):
     observed = _execute(p, tensors, new_tensors)
     try:
         _execute(p, {k: v.double() for k, v in tensors.items()}, new_tensors)
-        refused = False
+        refused = "nothing raised"
     except NotImplementedError:
-        refused = True
+        refused = ""
+    except Exception as e:                                          # noqa: BLE001 (reported, not hidden)
+        refused = f"a {type(e).__name__}"
     return {k: v.tolist() for k, v in new_tensors.items()}, observed, p.sent(4)[me], refused
 
 
@@ -232,12 +246,13 @@ def test_execute_on_ranks(impl):
     results = minipar.launch(_switch, 3, args=(7, sizes), timeout=TIMEOUT)
     old, new = _random_case(7, 3, sizes)
     for r, (got, observed, planned, refused) in enumerate(results):
+        expect_equal(observed, planned, f"3 ranks, seed 7: bytes rank {r}'s all-to-all sent (observed vs the plan's)")
         for k, i in new[r].items():
             want = (i.float() * 1.000001 + 0.5).tolist()
             expect_equal(got[k], want, f"3 ranks, seed 7: rank {r}'s {k} after the switch (value = global index "
                          f"× 1.000001 + 0.5)", keys="position")
-        expect_equal(observed, planned, f"3 ranks, seed 7: bytes rank {r}'s all-to-all sent (observed vs the plan's)")
-        expect(refused, f"3 ranks: rank {r} carried out a switch of float64 state instead of a NotImplementedError")
+        expect(not refused, f"3 ranks: a switch of float64 state on rank {r}: {refused} instead of a "
+               f"NotImplementedError")
 
 
 def test_runs(impl):

@@ -47,7 +47,7 @@ def test_every_chapter_knows_its_neighbours_exercise_and_colab():
     assert "←" not in first and "01_collectives.ipynb" in first
     assert "03_model_parallel.ipynb" in middle and "05_tensor_parallel.ipynb" in middle
     assert "../exercises/ex04_pipeline.md" in middle and "colab.research.google.com" in middle
-    assert "→" not in last and "exercise" not in last
+    assert "→" not in last and "../exercises/ex12_adaptive.md" in last
 
 
 def test_dead_internal_links_are_found(tmp_path):

@@ -60,6 +60,7 @@ def plan(old: list[dict[str, torch.Tensor]], new: list[dict[str, torch.Tensor]],
     """The plan from the ranks' ``old`` holdings to their ``new`` ones (lists by global rank;
     ``sizes[key]``: the single-device tensor's number of elements). Moves come in (dst, key, src)
     order, the order every rank packs and unpacks them in."""
+    # >>> ex12 A
     world = len(old)
     if len(new) != world:
         raise ValueError(f"{len(old)} old holdings but {len(new)} new ones: a switch keeps the world size")
@@ -97,6 +98,7 @@ def plan(old: list[dict[str, torch.Tensor]], new: list[dict[str, torch.Tensor]],
                     out.moves.append(Move(r, q, key, spos[mask], at[mask]))
     out.moves.sort(key=lambda mv: (mv.dst, mv.src))             # stable: keys keep their order
     return out
+    # <<< ex12 A
 
 
 def concatenated(holdings: list[dict[str, torch.Tensor]], sizes: dict[str, int]) -> list[torch.Tensor]:

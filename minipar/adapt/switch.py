@@ -80,6 +80,7 @@ def runs_of(index: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each index tensor as its runs of consecutive elements, ``[[start, length], ...]``: a shard
     of a contiguous range is one run, a column shard one run per row (what travels, not 8 bytes
     per element)."""
+    # >>> ex12 C
     out = {}
     for k, i in index.items():
         if len(i) == 0:
@@ -90,21 +91,25 @@ def runs_of(index: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ends = torch.cat([breaks, torch.tensor([len(i)])])
         out[k] = torch.stack([i[starts], ends - starts], 1)
     return out
+    # <<< ex12 C
 
 
 def from_runs(runs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The index tensors back from :func:`runs_of`."""
+    # >>> ex12 C
     out = {}
     for k, r in runs.items():
         n = int(r[:, 1].sum()) if len(r) else 0
         offsets = torch.repeat_interleave(r[:, 0] - torch.cumsum(r[:, 1], 0) + r[:, 1], r[:, 1])
         out[k] = offsets + torch.arange(n)
     return out
+    # <<< ex12 C
 
 
 def _execute(p, tensors, new_tensors) -> int:
     """Carry out plan ``p`` on this rank: local copies, then one all-to-all. Returns the bytes
     this rank's all-to-all event recorded as sent."""
+    # >>> ex12 B
     me, world = dist.get_rank(), p.world_size
     dtypes = {v.dtype for v in (*tensors.values(), *new_tensors.values())}
     if dtypes - {torch.float32}:
@@ -130,6 +135,7 @@ def _execute(p, tensors, new_tensors) -> int:
             new_tensors[mv.key][mv.dst_pos] = recv[at:at + mv.numel]
             at += mv.numel
     return observed
+    # <<< ex12 B
 
 
 def _device(tensors) -> torch.device:

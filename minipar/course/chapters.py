@@ -91,7 +91,7 @@ CHAPTERS = [
     Chapter("12_adaptive.ipynb", "Parallelism that adapts",
             "a live layout switch exact to one process (the plan of moves, its bytes), the fastest layout "
             "measured, a straggler given fewer layers, a job that shrinks and grows under `torchrun`",
-            "", "adaptive parallelism: switch layouts live, measure, beat a straggler, shrink and grow"),
+            "ex12_adaptive", "adaptive parallelism: switch layouts live, measure, beat a straggler, shrink and grow"),
 ]
 
 

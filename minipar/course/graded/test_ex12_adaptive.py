@@ -1,0 +1,273 @@
+"""Exercise 12: a live layout switch, its plan of moves and its one all-to-all.
+
+A rank's *holding* maps each key of the job's state (``param/<name>``, ``exp_avg/<name>``, ...)
+to the global flat indices (int64) of the single-device tensor that its local tensor keeps, in
+local order. Switching layouts gives every rank a new holding; the state must reach it without
+a disk and without sending what a rank already has.
+
+A. ``plan(old, new, sizes)`` (``minipar.adapt.moves``) returns a ``Plan`` of ``Move(src, dst,
+   key, src_pos, dst_pos)``. Contract: every element of a new holding gets exactly one source;
+   the source is the rank itself when it already holds the element (a local copy),
+   else the first holder after it in ring order (dst+1, dst+2, ... mod world);
+   the moves come sorted by (dst, src), keys in ``sizes``' order within each pair;
+   an element held by no rank is a ``ValueError`` naming the key;
+   old and new holdings of a different number of ranks are a ``ValueError``. The plan's bytes (``Plan.sent``, the library's) are then exactly the elements
+   missing at their destination, each at its key's itemsize.
+B. ``_execute(p, tensors, new_tensors)`` (``minipar.adapt.switch``) carries out the plan on this
+   rank: local copies, then one ``all_to_all_single`` in which each rank packs its moves per
+   destination in rank order and unpacks per source in the same order. Contract:
+   the values arrive bit for bit; the all-to-all's observed bytes equal the plan's;
+   fp32 state only (another dtype is a ``NotImplementedError``).
+C. ``runs_of(index)`` and ``from_runs(runs)``: an index as its runs of consecutive elements
+   ``[[start, length], ...]`` and back, so that holdings travel as a few numbers. Contract:
+   ``from_runs(runs_of(i))`` gives back i, an empty index included.
+
+Derived in notebook 12, "The plan of moves" and "A live switch" (the resharding of
+Megatron-LM's and veScale's checkpoint conversion, done in memory). Stuck?
+``minipar.hint("ex12", "A")`` (or "B", "C"). Grade it with ``python -m minipar.grade ex12``.
+"""
+import torch
+
+import minipar
+from minipar.adapt.moves import Move, Plan, plan
+from minipar.adapt.switch import from_runs, runs_of
+from minipar.course.grading import expect, expect_equal
+
+EXERCISE = "ex12_adaptive"
+CONTRACT = {
+    "every element of a new holding gets exactly one source": ("test_plan_by_hand", "test_plan_random"),
+    "a local copy": "test_plan_by_hand",
+    "else the first holder after it in ring order": ("test_plan_by_hand", "test_plan_random"),
+    "the moves come sorted by (dst, src)": "test_plan_by_hand",
+    "an element held by no rank is a ``ValueError`` naming the key": "test_plan_errors",
+    "old and new holdings of a different number of ranks are a": "test_plan_errors",
+    "each at its key's itemsize": "test_plan_random",
+    "the values arrive bit for bit": "test_execute_on_ranks",
+    "the all-to-all's observed bytes equal the plan's": "test_execute_on_ranks",
+    "fp32 state only": "test_execute_on_ranks",
+    "``from_runs(runs_of(i))`` gives back i, an empty index included": "test_runs",
+}
+HINTS = {
+    "A": ("For each key and each new rank, split what it needs into what it has and what it lacks; "
+          "for what it lacks, try the other ranks in the order q+1, q+2, ... and keep the first one "
+          "that holds each element.",
+          "A table where[r, e] = r's local position of element e (or -1) answers \"does r hold e, and "
+          "where?\" for a whole index at once: where[q, need] >= 0 are the local copies. Walk the ring "
+          "and fill a source only where none is set yet; anything left without a source is the error.",
+          "for key, n in sizes.items(): where = full((world, n), -1); where[r, old[r][key]] = arange; for "
+          "each q: mine = where[q, need]; local Move(q, q, ...) for mine >= 0; for r in (q+j) % world: "
+          "take = (src < 0) & (where[r, rest] >= 0); one Move(r, q, ...) per r; finally "
+          "moves.sort(key=(dst, src)) (a stable sort). sent: Σ numel × itemsize over src != dst."),
+    "B": ("Rank d must read what rank s sent it in the order s wrote it: both walk p.between(s, d) "
+          "in plan order.",
+          "send[d] = the concatenation of tensors[mv.key][mv.src_pos] over p.between(me, d) (empty for "
+          "d = me: the local copies are done before); the receive split from s is Σ numel of "
+          "p.between(s, me). Time the all-to-all inside trace.recording(True) to read its bytes.",
+          "local copies: new[mv.key][mv.dst_pos] = old[mv.key][mv.src_pos] for p.between(me, me); "
+          "comm.all_to_all_single(recv, cat(send), out_sizes, in_sizes, name=\"reshard\"); observed = "
+          "Σ bytes_sent of the events since trace.mark(); then walk the sources in rank order, "
+          "new[mv.key][mv.dst_pos] = recv[at:at + numel]."),
+    "C": ("A run starts wherever an element is not the previous one plus one.",
+          "torch.nonzero(i[1:] != i[:-1] + 1) + 1 gives the starts after the first; lengths are the "
+          "differences of consecutive starts (and the end). Back: repeat each start by its length and "
+          "add the position within the run.",
+          "starts = cat([0], breaks); ends = cat([breaks, [len(i)]]); stack([i[starts], ends - starts], 1); "
+          "back: repeat_interleave(start - cumsum(length) + length, length) + arange(n)."),
+}
+TIMEOUT = 30
+
+
+def _moves(p):
+    return [(mv.dst, mv.src, mv.key, mv.src_pos.tolist(), mv.dst_pos.tolist()) for mv in p.moves]
+
+
+def _idx(*xs):
+    return torch.tensor(xs, dtype=torch.long)
+
+
+def test_plan_by_hand(impl):
+    """Hand cases: local copies, the first holder after the destination in ring order, (dst, src) order."""
+    # everyone holds everything before; the new ranks keep what they had: local copies only.
+    full = [{"w": _idx(0, 1, 2, 3)} for _ in range(4)]
+    halves = [{"w": _idx(0, 1)}, {"w": _idx(2, 3)}, {"w": _idx(3, 1)}, {}]
+    expect_equal(_moves(plan(full, halves, {"w": 4})),
+                 [(0, 0, "w", [0, 1], [0, 1]), (1, 1, "w", [2, 3], [0, 1]), (2, 2, "w", [3, 1], [0, 1])],
+                 "moves from 4 ranks holding all of [0, 1, 2, 3] (every element a local copy)")
+    # 3 ranks, 6 elements: old rank r holds 2r, 2r+1; new rank 0 holds all, the others nothing.
+    old = [{"w": _idx(0, 1)}, {"w": _idx(2, 3)}, {"w": _idx(4, 5)}]
+    new = [{"w": _idx(5, 0, 3, 1, 2, 4)}, {}, {}]
+    expect_equal(_moves(plan(old, new, {"w": 6})),
+                 [(0, 0, "w", [0, 1], [1, 3]), (0, 1, "w", [1, 0], [2, 4]), (0, 2, "w", [1, 0], [0, 5])],
+                 "moves (dst, src, key, src_pos, dst_pos) from [[0, 1], [2, 3], [4, 5]] to rank 0 holding "
+                 "[5, 0, 3, 1, 2, 4]")
+    # ranks 0 and 3 hold everything, ranks 1 and 2 need it: the ring after 1 is 2, 3, 0; after 2: 3, 0.
+    old = [{"w": _idx(0, 1, 2)}, {}, {}, {"w": _idx(2, 1, 0)}]
+    new = [{}, {"w": _idx(0, 1, 2)}, {"w": _idx(1)}, {"w": _idx(0)}]
+    expect_equal(_moves(plan(old, new, {"w": 3})),
+                 [(1, 3, "w", [2, 1, 0], [0, 1, 2]), (2, 3, "w", [1], [0]), (3, 3, "w", [2], [0])],
+                 "moves when ranks 0 and 3 hold [0, 1, 2] (ring order: rank 1 asks 2, 3, 0 and takes 3)")
+    # two keys, several sources: (dst, src) order, keys in sizes' order within a pair.
+    old = [{"a": _idx(0, 1), "b": _idx(0)}, {"a": _idx(2, 3), "b": _idx(1, 2)}]
+    new = [{"a": _idx(3, 0), "b": _idx(2, 1, 0)}, {"a": _idx(1, 2)}]
+    expect_equal(_moves(plan(old, new, {"a": 4, "b": 3})),
+                 [(0, 0, "a", [0], [1]), (0, 0, "b", [0], [2]), (0, 1, "a", [1], [0]), (0, 1, "b", [1, 0], [0, 1]),
+                  (1, 0, "a", [1], [0]), (1, 1, "a", [0], [1])],
+                 "moves for keys a (4 elements) and b (3) over 2 ranks")
+
+
+def _random_case(seed, world, sizes):
+    g = torch.Generator().manual_seed(seed)
+
+    def holding(cover):
+        hs = [{} for _ in range(world)]
+        for k, n in sizes.items():
+            owner = torch.rand(world, n, generator=g) < 0.4
+            if cover:
+                owner[torch.randint(0, world, (n,), generator=g), torch.arange(n)] = True
+            for r in range(world):
+                e = torch.nonzero(owner[r]).flatten()
+                if len(e):
+                    hs[r][k] = e[torch.randperm(len(e), generator=g)]
+        return hs
+    return holding(True), holding(False)
+
+
+def test_plan_random(impl):
+    """Random holdings: each new element once, from the right rank, carried as its global index; bytes counted apart."""
+    sizes = {"param/w": 37, "exp_avg/w": 37, "param/b": 5}
+    itemsize = {"param/w": 2, "exp_avg/w": 4, "param/b": 8}
+    for seed, world in ((0, 3), (1, 4), (2, 5)):
+        old, new = _random_case(seed, world, sizes)
+        p = plan(old, new, sizes)
+        where = f"seed {seed}, {world} ranks"
+        got = [{k: torch.full((len(i),), -1.0) for k, i in h.items()} for h in new]
+        for mv in p.moves:
+            expect(mv.dst_pos.numel() == mv.src_pos.numel(), f"{where}: a move of {mv.key} to rank {mv.dst} "
+                   f"with {mv.src_pos.numel()} source positions and {mv.dst_pos.numel()} destination positions")
+            values = old[mv.src][mv.key][mv.src_pos].float()          # the value carried = its global index
+            expect(bool((got[mv.dst][mv.key][mv.dst_pos] == -1).all()),
+                   f"{where}: an element of rank {mv.dst}'s {mv.key} given two sources")
+            got[mv.dst][mv.key][mv.dst_pos] = values
+        for q, h in enumerate(new):
+            for k, i in h.items():
+                expect_equal(got[q][k].tolist(), i.float().tolist(), f"{where}: rank {q}'s {k} after the plan")
+        missing, count = [0] * world, [0] * world                      # an independent count
+        for q, h in enumerate(new):
+            for k, i in h.items():
+                for e in i.tolist():
+                    if not (k in old[q] and e in old[q][k].tolist()):
+                        holds = [r for r in range(world) if k in old[r] and e in old[r][k].tolist()]
+                        src = min(holds, key=lambda r: (r - q) % world)
+                        missing[src] += itemsize[k]
+                        count[src] += 1
+        expect_equal(p.sent(itemsize), missing, f"{where}: bytes each rank sends (itemsize per key {itemsize})",
+                     keys="rank")
+        expect_equal(p.sent(4), [4 * c for c in count], f"{where}: bytes each rank sends at 4 bytes an element",
+                     keys="rank")
+        for mv in p.moves:
+            for e in old[mv.src][mv.key][mv.src_pos].tolist():
+                holds = [r for r in range(world) if mv.key in old[r] and e in old[r][mv.key].tolist()]
+                want = mv.dst if mv.dst in holds else min(holds, key=lambda r: (r - mv.dst) % world)
+                expect_equal(mv.src, want, f"{where}: the source of element {e} of {mv.key} for rank {mv.dst} "
+                             f"(held by {holds})")
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except NotImplementedError:
+        raise
+    except Exception as e:                                          # noqa: BLE001 (reported, not hidden)
+        return type(e).__name__
+    return "nothing"
+
+
+def _message(fn, *args):
+    try:
+        fn(*args)
+    except NotImplementedError:
+        raise
+    except Exception as e:                                          # noqa: BLE001
+        return str(e)
+    return ""
+
+
+def test_plan_errors(impl):
+    """An element nobody holds, and a different number of ranks: ValueErrors."""
+    old = [{"w": _idx(0, 1)}, {"w": _idx(1)}]
+    new = [{"w": _idx(0)}, {"w": _idx(2, 1)}]
+    expect_equal(_raised(plan, old, new, {"w": 3}), "ValueError",
+                 "plan to an element (2 of w) that no old rank holds: what it raises")
+    expect("w" in _message(plan, old, new, {"w": 3}),
+           f"plan to an element no rank holds: the ValueError does not name the key w: "
+           f"{_message(plan, old, new, {'w': 3})!r}")
+    expect_equal(_raised(plan, old, [{"w": _idx(1)}, {"w": _idx(0)}, {}], {"w": 3}), "ValueError",
+                 "plan from 2 old holdings to 3 new ones: what it raises")
+    p = plan(old, [{"w": _idx(1)}, {"w": _idx(0)}], {"w": 3})
+    expect_equal(p.sent({"w": 8}), [8, 0], "sent({'w': 8}) when rank 0 keeps element 1 and sends element 0 to rank 1")
+    expect_equal(Plan(2, p.moves).bytes(2), 2, "bytes(2) of the same plan")
+
+
+def _own_plan(old, new, sizes):
+    """The plan built element by element here (not by part A): B is graded on its own."""
+    world, moves = len(old), []
+    for q, h in enumerate(new):
+        for r in [q] + [(q + j) % world for j in range(1, world)]:
+            for k in sizes:
+                if k not in h or k not in old[r]:
+                    continue
+                at = {e: i for i, e in enumerate(old[r][k].tolist())}
+                taken = [(at[e], i) for i, e in enumerate(h[k].tolist()) if e in at
+                         and not any(mv.dst == q and mv.key == k and i in mv.dst_pos.tolist() for mv in moves)]
+                if taken:
+                    moves.append(Move(r, q, k, _idx(*[a for a, _ in taken]), _idx(*[b for _, b in taken])))
+    moves.sort(key=lambda mv: (mv.dst, mv.src))
+    return Plan(world, moves)
+
+
+def _switch(seed, sizes):
+    import torch.distributed as dist
+
+    from minipar.adapt.switch import _execute
+    me, world = dist.get_rank(), dist.get_world_size()
+    old, new = _random_case(seed, world, sizes)
+    p = _own_plan(old, new, sizes)
+    tensors = {k: i.float() * 1.000001 + 0.5 for k, i in old[me].items()}
+    new_tensors = {k: torch.full((len(i),), float("nan")) for k, i in new[me].items()}
+    observed = _execute(p, tensors, new_tensors)
+    try:
+        _execute(p, {k: v.double() for k, v in tensors.items()}, new_tensors)
+        refused = "nothing raised"
+    except NotImplementedError:
+        refused = ""
+    except Exception as e:                                          # noqa: BLE001 (reported, not hidden)
+        refused = f"a {type(e).__name__}"
+    return {k: v.tolist() for k, v in new_tensors.items()}, observed, p.sent(4)[me], refused
+
+
+def test_execute_on_ranks(impl):
+    """Three random switches on 3 ranks: values bit for bit, observed bytes = planned, fp64 refused."""
+    sizes = {"param/w": 23, "exp_avg/w": 23, "param/b": 4}
+    results = minipar.launch(_switch, 3, args=(7, sizes), timeout=TIMEOUT)
+    old, new = _random_case(7, 3, sizes)
+    for r, (got, observed, planned, refused) in enumerate(results):
+        expect_equal(observed, planned, f"3 ranks, seed 7: bytes rank {r}'s all-to-all sent (observed vs the plan's)")
+        for k, i in new[r].items():
+            want = (i.float() * 1.000001 + 0.5).tolist()
+            expect_equal(got[k], want, f"3 ranks, seed 7: rank {r}'s {k} after the switch (value = global index "
+                         f"× 1.000001 + 0.5)", keys="position")
+        expect(not refused, f"3 ranks: a switch of float64 state on rank {r}: {refused} instead of a "
+               f"NotImplementedError")
+
+
+def test_runs(impl):
+    """runs_of and from_runs: runs of consecutive elements and back."""
+    cases = {"a": _idx(3, 4, 5, 9, 10, 0), "b": torch.zeros(0, dtype=torch.long), "c": _idx(7)}
+    r = runs_of(cases)
+    expect_equal(r["a"].tolist(), [[3, 3], [9, 2], [0, 1]], "runs_of([3, 4, 5, 9, 10, 0])")
+    expect_equal(tuple(r["b"].shape), (0, 2), "the shape of runs_of of an empty index")
+    back = from_runs(r)
+    for k, i in cases.items():
+        expect_equal(back[k].tolist(), i.tolist(), f"from_runs(runs_of({i.tolist()}))")
+    g = torch.Generator().manual_seed(3)
+    i = torch.randperm(200, generator=g)[:120].sort().values
+    expect_equal(from_runs(runs_of({"x": i}))["x"].tolist(), i.tolist(), "from_runs(runs_of(120 sorted indices of 200))")

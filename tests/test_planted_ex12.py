@@ -1,9 +1,8 @@
 """ex12's contract has no hole: for every clause of CONTRACT, an answer that breaks it (the
 solution with a line or two changed) fails the clause's graded test, with a message naming it."""
-import pytest
 
 from minipar.course.graded import test_ex12_adaptive as g
-from tests.planted import fails, planted
+from tests.planted import contract_tests
 
 NO_LOCAL = ("            kept = mine >= 0 ", "            kept = mine < -1 ")
 PLANTS = {  # clause -> (edits, graded test, what the message must name)
@@ -46,16 +45,4 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
 }
 
 
-def test_every_clause_is_planted():
-    assert set(g.CONTRACT) == set(PLANTS)
-    for clause in g.CONTRACT:
-        assert clause in g.__doc__
-
-
-@pytest.mark.parametrize("clause", list(PLANTS))
-def test_planted_answer_fails(clause, tmp_path):
-    edits, test, match = PLANTS[clause]
-    named = g.CONTRACT[clause]
-    assert test.__name__ in ((named,) if isinstance(named, str) else named)
-    with planted("ex12", tmp_path, *edits):
-        fails(test, match=match)
+test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex12", g, PLANTS)

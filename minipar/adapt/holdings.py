@@ -52,11 +52,3 @@ def set_scalars(hm, values: dict[str, torch.Tensor]) -> None:
         if not q.full_shape and q.key in values:
             q.data.copy_(values[q.key].reshape(q.data.shape))
 
-
-def slots(index: dict[str, torch.Tensor]) -> dict[str, set[str]]:
-    """``{name: {slot, ...}}`` of the keys of a holding (``param`` included)."""
-    out: dict[str, set[str]] = {}
-    for k in index:
-        slot, name = k.split("/", 1)
-        out.setdefault(name, set()).add(slot)
-    return out

@@ -11,7 +11,7 @@ not part of a layout: it is the run's, so every layout trains the same step as o
 :func:`parse_switches` reads ``STEP=LAYOUT`` (``--switch-at``'s argument)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 KEYS = ("dp", "pp", "tp", "cp", "zero", "m")
 
@@ -95,6 +95,3 @@ def parse_switches(items, steps: int | None = None) -> list[tuple[int, Layout]]:
                              f"it must be 1..{(steps or 2) - 1}")
     return out
 
-
-def with_zero(layout: Layout, zero: int) -> Layout:
-    return replace(layout, zero=zero)

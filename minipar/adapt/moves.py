@@ -58,8 +58,8 @@ class Plan:
 def plan(old: list[dict[str, torch.Tensor]], new: list[dict[str, torch.Tensor]],
          sizes: dict[str, int]) -> Plan:
     """The plan from the ranks' ``old`` holdings to their ``new`` ones (lists by global rank;
-    ``sizes[key]``: the single-device tensor's number of elements). Moves come in (dst, key, src)
-    order, the order every rank packs and unpacks them in."""
+    ``sizes[key]``: the single-device tensor's number of elements). Moves come in (dst, src) order,
+    keys in ``sizes``' order within each pair: the order every rank packs and unpacks them in."""
     # >>> ex12 A
     world = len(old)
     if len(new) != world:

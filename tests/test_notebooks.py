@@ -5,7 +5,9 @@ run them; any cell that raises fails the test with the cell's error. Each execut
 kept in build/executed/ (with its run time), and the web book is built from those copies.
 Every code cell whose last statement is a figure expression (:func:`figure_cells`: ``fig``,
 ``viz.timeline(...)``, ``....show()``, ``plots.routing(...)`` ...) must have displayed a figure
-(a Plotly figure, or an image). Executing the notebooks is the slow tier (``-m slow``).
+(a Plotly figure, or an image), and what its text states must be what its cells printed
+(:mod:`notebook_claims`: the key numbers, e.g. a loss difference from one process, recorded
+bytes against the formula). Executing the notebooks is the slow tier (``-m slow``).
 """
 import ast
 import re
@@ -15,6 +17,7 @@ import nbformat
 import pytest
 
 from minipar.course.book.execute import execute
+from notebook_claims import CLAIMS, problems
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
@@ -82,4 +85,32 @@ def test_notebook_runs(path, monkeypatch):
     print(f"{path.name}: {elapsed:.1f} s")
     missing = missing_figures(executed)
     assert not missing, f"{path.name}: cell(s) {missing} end in a figure expression but showed no figure"
+    wrong = problems(path.name[:2], executed)
+    assert not wrong, f"{path.name}: what the text states is not what the cells printed: {wrong}"
     assert elapsed < 300, f"{path.name} took {elapsed:.0f} s; a chapter should run in a few minutes"
+
+
+def test_every_notebook_states_claims_that_are_checked():
+    """Each notebook has at least two claims (tests/notebook_claims.py), and the check finds a
+    claim whose line is gone and a number that is off: here on a notebook made in the test."""
+    from nbformat import v4
+    assert sorted(CLAIMS) == [p.name[:2] for p in NOTEBOOKS]
+    assert all(len(c) >= 2 for c in CLAIMS.values()), {k: len(c) for k, c in CLAIMS.items()}
+
+    def nb(*texts):
+        return v4.new_notebook(cells=[v4.new_code_cell("x", outputs=[v4.new_output("stream", text=t)])
+                                      for t in texts])
+    right = "largest loss difference over 20 steps: 7.4e-05\n"
+    bytes_ = "2 ranks x 4 micro-batches of 2: same training; 440,832 B sent per step = 2(n-1)/n·Ψ·4 = 440,832 B\n"
+    reducers = ("Ψ = 1 parameters; theory 2(n-1)/n·Ψ·4 B = 3.119 MiB per rank per step\n"
+                "     naive:  53 all-reduces per step, 3.119 MiB sent by rank 0 per step\n"
+                "  bucketed:   9 all-reduces per step, 3.119 MiB sent by rank 0 per step\n"
+                "overlapped:   9 all-reduces per step, {} MiB sent by rank 0 per step\n")
+    assert problems("02", nb(right, bytes_, reducers.format("3.119"))) == []
+    assert problems("02", nb(right.replace("7.4e-05", "3.1e-02"), bytes_, reducers.format("3.119"))) == [
+        "DDP's losses are one process's: not borne out by 'largest loss difference over 20 steps: 3.1e-02'"]
+    wrong = problems("02", nb(right, bytes_, reducers.format("6.238")))
+    assert len(wrong) == 1 and wrong[0].startswith("every reducer sends 2(n-1)/n·Ψ·4 bytes: not borne out"), wrong
+    gone = problems("02", nb(right, reducers.format("3.119")))
+    assert len(gone) == 1 and gone[0].startswith("accumulation sends the formula's bytes: 0 printed line(s) match")\
+        and gone[0].endswith("expected at least 1"), gone

@@ -12,7 +12,8 @@ A batch is cut into ``m`` micro-batches. An :class:`Action` is one of
 
 The generators below return each rank's *compute* order; :func:`add_comms` inserts the
 sends (posted right after the compute that produced the tensor, never waited on) and the
-receives (right before the compute that needs it). The same :class:`Schedule` drives
+receives (right before the compute that needs it; under NCCL the executor posts them earlier,
+:mod:`.posting`). The same :class:`Schedule` drives
 :class:`minipar.pipeline.Pipeline` (real training) and :func:`minipar.pipeline.simulate`.
 
 * GPipe / all-forward-all-backward (Huang et al. 2019): all m forwards, then all m

@@ -123,7 +123,8 @@ def posts(monkeypatch, name, p, m, v=1, order="lockstep"):
     return programs
 
 
-CASES = ([(name, p, m, 1) for name in ("gpipe", "1f1b", "zb-h1") for p in range(2, 9) for m in (p, 2 * p, 2 * p + 1, 3 * p)]
+CASES = ([(name, p, m, 1) for name in ("gpipe", "1f1b", "zb-h1") for p in range(2, 9)
+          for m in (p, 2 * p, 2 * p + 1, 3 * p)]
          + [("interleaved", p, m, v) for v in (2, 3) for p in range(2, 9) for m in (p, 2 * p, 3 * p)])
 
 
@@ -131,23 +132,38 @@ def test_every_pipeline_schedule_posts_what_nccl_can_pair(monkeypatch):
     """GPipe, 1F1B, ZB-H1 and interleaved 1F1B (v = 2, 3), p = 2..8, m = p, 2p, 3p: the batches
     the executor posts, receives by rounds, always finish. The batches of the schedule's own
     order (receives right before their computes) leave interleaved 1F1B stuck exactly when
-    m > p, at every p and v; one post per action leaves every schedule but GPipe stuck."""
+    m > p, at every p and v; one post per action leaves every schedule but GPipe stuck (m < 3p)."""
     for name, p, m, v in CASES:
-        new, runs, single = (posts(monkeypatch, name, p, m, v, order) for order in ("lockstep", "runs", "single"))
-        ops = [sorted(op for prog in x for post in prog for op in post) for x in (new, runs, single)]
-        assert ops[0] == ops[1] == ops[2] and len(ops[0]) == 4 * m * (p * v - 1), (name, p, m, v)
-        assert all(len(x) == 1 for prog in single for x in prog)
+        new, runs = posts(monkeypatch, name, p, m, v), posts(monkeypatch, name, p, m, v, "runs")
+        ops = [sorted(op for prog in x for post in prog for op in post) for x in (new, runs)]
+        assert ops[0] == ops[1] and len(ops[0]) == 4 * m * (p * v - 1), (name, p, m, v)
         assert stuck(new) == [], (name, p, m, v)
         assert (stuck(runs) != []) == (name == "interleaved" and m > p), (name, p, m, v)
-        assert (stuck(single) != []) == (name != "gpipe"), (name, p, m, v)
+        if m < 3 * p:  # one post per action: the executor before it batched
+            single = posts(monkeypatch, name, p, m, v, "single")
+            assert all(len(x) == 1 for prog in single for x in prog) and sum(map(len, single)) == len(ops[0])
+            assert (stuck(single) != []) == (name != "gpipe"), (name, p, m, v)
     assert stuck(posts(monkeypatch, "interleaved", 2, 4, 2, "runs")) == [0, 1]
+
+
+def received_ahead(actions):
+    """The most tensors a rank holds received but not yet read by their F or B."""
+    held, most = set(), 0
+    for a in actions:
+        if a.op.startswith("RECV"):
+            held.add((a.op[-1], a.microbatch, a.stage))
+            most = max(most, len(held))
+        held.discard((a.op, a.microbatch, a.stage))
+    return most
 
 
 def test_lockstep_moves_only_receives_and_keeps_the_schedule_valid():
     """``lockstep`` keeps each rank's computes and sends in their order and moves receives
     only up; the result is a valid schedule (channels deliver in the order read, no deadlock
     on paper). In each batch the sends are those of one round t, its receives those of rounds
-    t up to the rank's next compute's, and that compute reads none sent later."""
+    t up to the rank's next compute's, and that compute reads none sent later. The price: a
+    few tensors received ahead (4 at most in interleaved 1F1B, 2 in 1F1B, where a receive
+    right before its compute holds 1)."""
     for name, p, m, v in [("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 3, 9, 3),
                           ("1f1b", 4, 8, 1), ("zb-h1", 3, 7, 1), ("gpipe", 3, 3, 1)]:
         s = pp.make_schedule(name, p, m, v)
@@ -158,7 +174,7 @@ def test_lockstep_moves_only_receives_and_keeps_the_schedule_valid():
             assert sorted(map(repr, old)) == sorted(map(repr, acts))
             assert [a for a in acts if not a.op.startswith("RECV")] == [a for a in old if not a.op.startswith("RECV")]
             where = {a: k for k, a in enumerate(acts)}
-            for k, a in enumerate(old):  # a receive is now before as many computes as before, or more
+            for k, a in enumerate(old):  # a receive follows no more computes than before: moved up only
                 if a.op.startswith("RECV"):
                     assert sum(x.op in COMPUTE for x in acts[:where[a]]) <= sum(x.op in COMPUTE for x in old[:k])
             t = iter(got[r] + [float("inf")])
@@ -173,6 +189,10 @@ def test_lockstep_moves_only_receives_and_keeps_the_schedule_valid():
                 recvs = [sent[posting.message(a)] for a in run if a.op.startswith("RECV")]
                 assert len(sends) <= 1 and all(x == now for x in sends), (name, r, run)
                 assert all(max(now, 0) <= x < nxt for x in recvs) and recvs == sorted(recvs), (name, r, run)
+    for name, p, m, v, most in [("interleaved", 8, 24, 3, 4), ("1f1b", 8, 24, 1, 2), ("gpipe", 8, 24, 1, 1)]:
+        s = pp.make_schedule(name, p, m, v)
+        assert max(map(received_ahead, posting.lockstep(s).actions)) == most
+        assert max(map(received_ahead, s.actions)) == 1
     s = pp.make_schedule("interleaved", 2, 4, 2)
     # F0s0 F1s0 F0s2 F1s2 F2s0 B0s2 ...: a compute one round after the one that sent what it reads
     assert posting.rounds(s)[0] == [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 15, 16, 17],

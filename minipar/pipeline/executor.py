@@ -71,6 +71,7 @@ class Pipeline:
         if set(stages) != want:
             raise ValueError(f"rank {self.rank} must hold stages {sorted(want)}, got {sorted(stages)}")
         self.stages, self.last = stages, schedule.n_stages - 1
+        self.split_backward = schedule.split_backward  # read once: it scans every rank's actions
         first = next((q for st in stages.values() for q in st.parameters()), None)
         self.compute_dtype, self.device = dtype, first.device if first is not None else None
         if p2p.moved_by_nccl(torch.empty(0, device=self.device), group):
@@ -107,7 +108,7 @@ class Pipeline:
     def F(self, a):
         i, s = a.microbatch, a.stage
         x = self.xs[i] if s == 0 else self.inbox.pop(("F", i, s))
-        dw = WeightGrads() if self.schedule.split_backward else None
+        dw = WeightGrads() if self.split_backward else None
         with precision.autocast(self.compute_dtype, self.device or "cpu"), \
                 (deferred(dw) if dw is not None else nullcontext()):
             out = self.stages[s](x)

@@ -36,7 +36,9 @@ done, computes need nothing from others), so the send and the receive of every r
 are posted at once; a rank sends at most one message per round, so between two ranks the
 n-th send of the round order meets the n-th receive. Round T completes, and by induction the
 step. The rounds are computed once per :class:`~minipar.pipeline.Pipeline`, on the host,
-from the schedule alone: nothing is read from the device.
+from the schedule alone: nothing is read from the device. The price is memory for tensors
+received ahead: a rank holds up to 2 received tensors not yet read in 1F1B and ZB-H1, 4 in
+interleaved 1F1B (p <= 8, m <= 3p; GPipe 1), where the schedule's own order holds 1.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 from minipar import pipeline as pp
 from minipar.comm import p2p
 from minipar.pipeline import executor, posting
-from minipar.pipeline.schedules import COMPUTE
+from minipar.pipeline.schedules import COMPUTE, message
 from minipar.runtime import trace
 
 
@@ -185,8 +185,8 @@ def test_lockstep_moves_only_receives_and_keeps_the_schedule_valid():
                     for _ in run:
                         now, nxt = nxt, next(t)
                     continue
-                sends = [sent[posting.message(a)] for a in run if a.op.startswith("SEND")]
-                recvs = [sent[posting.message(a)] for a in run if a.op.startswith("RECV")]
+                sends = [sent[message(a)] for a in run if a.op.startswith("SEND")]
+                recvs = [sent[message(a)] for a in run if a.op.startswith("RECV")]
                 assert len(sends) <= 1 and all(x == now for x in sends), (name, r, run)
                 assert all(max(now, 0) <= x < nxt for x in recvs) and recvs == sorted(recvs), (name, r, run)
     for name, p, m, v, most in [("interleaved", 8, 24, 3, 4), ("1f1b", 8, 24, 1, 2), ("gpipe", 8, 24, 1, 1)]:

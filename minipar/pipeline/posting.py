@@ -44,17 +44,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .schedules import COMPUTE, Action, Schedule
+from .schedules import COMPUTE, Schedule, message
 from .simulate import Deadlock
-
-
-def message(a: Action) -> tuple[str, int, int]:
-    """The message a SEND posts or a RECV waits for: (kind, micro-batch, sending stage)."""
-    if a.op == "RECV_F":
-        return "F", a.microbatch, a.stage - 1
-    if a.op == "RECV_B":
-        return "B", a.microbatch, a.stage + 1
-    return a.op[-1], a.microbatch, a.stage
 
 
 def rounds(schedule: Schedule) -> tuple[list[list[int]], dict]:

@@ -52,6 +52,15 @@ class Action:
         return f"{self.op}{self.microbatch}s{self.stage}{peer}"
 
 
+def message(a: Action) -> tuple[str, int, int]:
+    """The message a SEND posts or a RECV waits for: (kind, micro-batch, sending stage)."""
+    if a.op == "RECV_F":
+        return "F", a.microbatch, a.stage - 1
+    if a.op == "RECV_B":
+        return "B", a.microbatch, a.stage + 1
+    return a.op[-1], a.microbatch, a.stage
+
+
 def check_config(name: str, p: int, m: int, v: int = 1, n_layers: int | None = None) -> None:
     """Raise a plain ValueError for a configuration no schedule can run."""
     if name not in SCHEDULES:

@@ -181,8 +181,9 @@ def batched():
     neighbouring pipeline ranks each post a send to the other before the receive from it
     (1F1B's steady state: ``SEND_F`` then ``RECV_B`` on rank s, ``SEND_B`` then ``RECV_F`` on
     s+1), both sends wait for receives queued behind them: a cycle. Grouped operations
-    progress together, so a batch of one send and one receive per rank completes. A receive
-    collected here must not be read before the block ends."""
+    progress together, so a batch of one send and one receive per rank completes (which
+    receives go with which sends, for every schedule: :mod:`minipar.pipeline.posting`). A
+    receive collected here must not be read before the block ends."""
     global _BATCH
     outer, _BATCH = _BATCH, []
     try:

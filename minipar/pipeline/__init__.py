@@ -6,6 +6,8 @@
 * :mod:`minipar.autograd.split_backward` — the backward split into B (input gradients) and W
   (weight gradients), re-exported here: the pipeline's zero-bubble schedules use it.
 * :mod:`.executor` — :class:`Pipeline` runs one rank's actions on real stages.
+* :mod:`.posting` — under NCCL, receives posted by rounds of a lock-step play, so that the
+  batches of sends and receives cannot wait on each other in a cycle.
 * :mod:`.apply` — ``apply_pp``, the pipeline's step of :func:`minipar.hybrid.parallelize`.
 * :mod:`.simulate` — the same schedules on paper: ideal timeline, deadlocks, stash, bubble.
 * :mod:`.train` — ``check`` / ``train`` / ``run``, the shape of every strategy (:mod:`minipar.strategy`);

@@ -15,7 +15,11 @@ Each action is the method of its name:
 * ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``: activations and gradients (:mod:`.stage_comm`);
   each run of them between two computes is one batch under NCCL (:func:`minipar.comm.p2p.batched`:
   separate posts of a send and a receive, in opposite orders on neighbouring ranks, can wait on
-  each other for ever).
+  each other for ever). Under NCCL the rank walks :func:`.posting.lockstep` of the schedule: the
+  same computes and sends, each receive moved up into the batch of the round its message is
+  sent in, so that no schedule's batches can wait on each other in a cycle (interleaved 1F1B
+  with m > p would, receives right before their computes). Elsewhere (Gloo) the schedule as
+  it is: a receive blocks there, and is best posted when it is needed.
 
 Measurement stays beside the walk: :func:`traced` records each F, B, W as a trace region
 labelled ``phase``, ``microbatch``, ``stage``; :class:`Mailbox` tags the messages so that a
@@ -34,9 +38,11 @@ import torch.nn as nn
 from .. import precision
 from ..runtime import trace
 from ..comm import group_rank, group_size
+from ..comm import p2p
 from ..comm.p2p import batched
 from ..models import lm_loss
 from . import stage_comm
+from .posting import lockstep
 from .schedules import COMPUTE, Schedule
 from .simulate import NAMES
 from ..autograd.split_backward import WeightGrads, deferred
@@ -53,7 +59,8 @@ def traced(action):
 
 class Pipeline:
     """One rank's part of a pipeline: its stages, the schedule, and :meth:`step`.
-    ``dtype``: the forward's compute dtype under autocast (``None``: fp32)."""
+    ``dtype``: the forward's compute dtype under autocast (``None``: fp32). ``schedule`` is the
+    one walked: under NCCL :func:`.posting.lockstep` of the one given (receives posted ahead)."""
 
     def __init__(self, stages: dict[int, nn.Module], schedule: Schedule, act_shape, group=None,
                  loss_fn=lm_loss, dtype=None):
@@ -64,8 +71,11 @@ class Pipeline:
         if set(stages) != want:
             raise ValueError(f"rank {self.rank} must hold stages {sorted(want)}, got {sorted(stages)}")
         self.stages, self.last = stages, schedule.n_stages - 1
+        self.split_backward = schedule.split_backward  # read once: it scans every rank's actions
         first = next((q for st in stages.values() for q in st.parameters()), None)
         self.compute_dtype, self.device = dtype, first.device if first is not None else None
+        if p2p.moved_by_nccl(torch.empty(0, device=self.device), group):
+            self.schedule = lockstep(schedule)  # NCCL pairs posts in order: receives posted by rounds
         self.mail = Mailbox(stage_comm, group, schedule.m,
                             act_shape if callable(act_shape) else (lambda s: tuple(act_shape)),
                             first.dtype if first is not None else torch.float32, self.device)
@@ -98,7 +108,7 @@ class Pipeline:
     def F(self, a):
         i, s = a.microbatch, a.stage
         x = self.xs[i] if s == 0 else self.inbox.pop(("F", i, s))
-        dw = WeightGrads() if self.schedule.split_backward else None
+        dw = WeightGrads() if self.split_backward else None
         with precision.autocast(self.compute_dtype, self.device or "cpu"), \
                 (deferred(dw) if dw is not None else nullcontext()):
             out = self.stages[s](x)

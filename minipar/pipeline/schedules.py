@@ -12,7 +12,8 @@ A batch is cut into ``m`` micro-batches. An :class:`Action` is one of
 
 The generators below return each rank's *compute* order; :func:`add_comms` inserts the
 sends (posted right after the compute that produced the tensor, never waited on) and the
-receives (right before the compute that needs it). The same :class:`Schedule` drives
+receives (right before the compute that needs it; under NCCL the executor posts them earlier,
+:mod:`.posting`). The same :class:`Schedule` drives
 :class:`minipar.pipeline.Pipeline` (real training) and :func:`minipar.pipeline.simulate`.
 
 * GPipe / all-forward-all-backward (Huang et al. 2019): all m forwards, then all m
@@ -49,6 +50,15 @@ class Action:
     def __repr__(self) -> str:
         peer = "" if self.peer is None else f"->{self.peer}" if "SEND" in self.op else f"<-{self.peer}"
         return f"{self.op}{self.microbatch}s{self.stage}{peer}"
+
+
+def message(a: Action) -> tuple[str, int, int]:
+    """The message a SEND posts or a RECV waits for: (kind, micro-batch, sending stage)."""
+    if a.op == "RECV_F":
+        return "F", a.microbatch, a.stage - 1
+    if a.op == "RECV_B":
+        return "B", a.microbatch, a.stage + 1
+    return a.op[-1], a.microbatch, a.stage
 
 
 def check_config(name: str, p: int, m: int, v: int = 1, n_layers: int | None = None) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from itertools import accumulate
 
 from ..runtime.trace import Trace
-from .schedules import COMPUTE, Schedule
+from .schedules import COMPUTE, Schedule, message
 
 NAMES = {"F": "forward", "B": "backward", "W": "weight-grad"}
 UNIT = 1e-3  # seconds per simulated time unit: the timeline's "ms" axis reads in units
@@ -31,14 +31,6 @@ UNIT = 1e-3  # seconds per simulated time unit: the timeline's "ms" axis reads i
 
 class Deadlock(RuntimeError):
     """Every unfinished rank waits for a message that is never sent."""
-
-
-def _msg_in(a):    # the message a RECV waits for: (kind, microbatch, sending stage)
-    return ("F", a.microbatch, a.stage - 1) if a.op == "RECV_F" else ("B", a.microbatch, a.stage + 1)
-
-
-def _msg_out(a):   # the message a SEND produces
-    return (a.op[-1], a.microbatch, a.stage)
 
 
 def simulate(schedule: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
@@ -58,11 +50,11 @@ def simulate(schedule: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
             while pos[r] < len(acts):
                 a = acts[pos[r]]
                 if a.op.startswith("RECV"):
-                    if _msg_in(a) not in sent:
+                    if message(a) not in sent:
                         break
-                    clock[r] = max(clock[r], sent[_msg_in(a)] + comm)
+                    clock[r] = max(clock[r], sent[message(a)] + comm)
                 elif a.op.startswith("SEND"):
-                    sent[_msg_out(a)] = clock[r]
+                    sent[message(a)] = clock[r]
                 else:
                     t = cost[a.op] * weights[a.stage]
                     labels = {"microbatch": a.microbatch, "stage": a.stage, "phase": a.op}
@@ -96,9 +88,9 @@ def check_schedule(schedule: Schedule) -> None:
                 assert (a.op, a.microbatch, a.stage) not in seen, f"{a} appears twice on rank {r}"
                 seen[a.op, a.microbatch, a.stage] = k
             elif a.op.startswith("SEND"):
-                sends.setdefault((r, a.peer, a.op[-1]), []).append(_msg_out(a))
+                sends.setdefault((r, a.peer, a.op[-1]), []).append(message(a))
             else:
-                recvs.setdefault((a.peer, r, a.op[-1]), []).append(_msg_in(a))
+                recvs.setdefault((a.peer, r, a.op[-1]), []).append(message(a))
     for i in range(m):
         for s in range(S):
             for op in ops:

@@ -64,8 +64,8 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         [("            dw = WeightGrads() if self.schedule.split_backward else None", "            dw = None"),
          ("            self.stash.pop((a.microbatch, a.stage)).apply()",
           "            self.stash.pop((a.microbatch, a.stage), None)")],
-        g.test_compute_actions, r"(?s)ZB-H1 without micro-batch 1's W, stage 0's weight: gradient after the step "
-                                r"\(the other micro-batches' only.*seen: W of micro-batch 1 never ran"),
+        g.test_compute_actions, r"ZB-H1 without micro-batch 1's W, stage 0's weight: gradient after the step "
+                                r"\(the other micro-batches' only"),
     "the forward computes in ``compute_dtype``": (
         [("with precision.autocast(self.compute_dtype, ", "with precision.autocast(None, ")],
         g.test_compute_actions, r"bfloat16: the dtype of the stage's output \(the forward computes in ``compute_dtype``\)"),

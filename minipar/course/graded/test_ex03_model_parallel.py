@@ -390,19 +390,18 @@ def test_compute_actions(impl):
         expect_close(torch.tensor(results[1][name]["loss"]), torch.tensor(loss), "the step's loss (the mean "
                      "of its micro-batches' losses)", where=f"rank 1 (the last stage), {name}", **tol)
         for rank, got in enumerate(results):
-            with diagnose(bool(skip), "W of micro-batch 1 never ran on any rank"):
-                for pname, g, w in zip(names, got[name]["grads"], grads[rank]):
-                    what = "gradient after the step"
-                    if skip:
-                        what += (" (the other micro-batches' only: with ``schedule.split_backward`` (ZB-H1), B "
-                                 "computes the input gradients only and W the weight gradients)")
-                    elif rank == 0:
-                        what += (" (through the ∂L/∂(input) rank 1 sent back: B continues the backward from "
-                                 "the gradient ``RECV_B`` left)")
-                    else:
-                        what += " (the step's loss and gradients are those of the mean of its micro-batches' losses)"
-                    expect(g is not None, f"rank {rank}, {name}: the stage's {pname} has no gradient after the step")
-                    expect_close(g, w, what, where=f"rank {rank}, {name}, stage {rank}'s {pname}", **tol)
+            for pname, g, w in zip(names, got[name]["grads"], grads[rank]):
+                what = "gradient after the step"
+                if skip:
+                    what += (" (the other micro-batches' only: with ``schedule.split_backward`` (ZB-H1), B "
+                             "computes the input gradients only and W the weight gradients)")
+                elif rank == 0:
+                    what += (" (through the ∂L/∂(input) rank 1 sent back: B continues the backward from "
+                             "the gradient ``RECV_B`` left)")
+                else:
+                    what += " (the step's loss and gradients are those of the mean of its micro-batches' losses)"
+                expect(g is not None, f"rank {rank}, {name}: the stage's {pname} has no gradient after the step")
+                expect_close(g, w, what, where=f"rank {rank}, {name}, stage {rank}'s {pname}", **tol)
     for rank, got in enumerate(results):
         where = f"rank {rank}, {STEP_CASES[3][0]}"
         expect_equal(got[STEP_CASES[3][0]]["dtypes"], ["torch.bfloat16"], f"{where}: the dtype of the stage's "

@@ -48,6 +48,27 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
           "        for h in self.pending:\n            [w.wait() for w in h.works if w is not None]\n"
           "        self.pending = []")],
         g.test_sends_complete_each_step, r"every send is waited on, and recorded, by the end of the step"),
+    "the step's loss and gradients are those of the mean of its m micro-batches' losses": (
+        [("out = self.loss_fn(out, self.ys[i]) / self.schedule.m", "out = self.loss_fn(out, self.ys[i])")],
+        g.test_compute_actions, r"rank 1 \(the last stage\), 1F1B, m=4: the step's loss \(the mean of its micro-batches"),
+    "B continues the backward from the gradient ``RECV_B`` left (the last stage from its own loss) and "
+    "leaves ∂L/∂(its input) for ``SEND_B``": (
+        [('                self.outbox["B", i, s] = x.grad', '                self.outbox["B", i, s] = torch.zeros_like(x.grad)')],
+        g.test_compute_actions, r"rank 0, 1F1B, m=4, stage 0's weight: gradient after the step \(through the ∂L/∂\(input\)"),
+    "what a micro-batch's backward needs is stashed from its F until its B (with W, until its W), and "
+    "no longer": (
+        [("            x, out, dw = self.stash.pop((i, s))", "            x, out, dw = self.stash[i, s]")],
+        g.test_compute_actions, r"1F1B, m=4: peak_stash after the step, the schedule's"),
+    "with ``schedule.split_backward`` (ZB-H1), B computes the input gradients only and W the weight "
+    "gradients": (   # right numbers with the schedule as it is; the weight gradients all come in B
+        [("            dw = WeightGrads() if self.schedule.split_backward else None", "            dw = None"),
+         ("            self.stash.pop((a.microbatch, a.stage)).apply()",
+          "            self.stash.pop((a.microbatch, a.stage), None)")],
+        g.test_compute_actions, r"ZB-H1 without micro-batch 1's W, stage 0's weight: gradient after the step "
+                                r"\(the other micro-batches' only"),
+    "the forward computes in ``compute_dtype``": (
+        [("with precision.autocast(self.compute_dtype, ", "with precision.autocast(None, ")],
+        g.test_compute_actions, r"bfloat16: the dtype of the stage's output \(the forward computes in ``compute_dtype``\)"),
 }
 
 

@@ -90,6 +90,50 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
     "a second backward before the step accumulates": (
         [("        u.shard.grad = g if u.shard.grad is None else u.shard.grad.add_(g)", "        u.shard.grad = g")],
         g.test_flat_storage, r"after a second backward"),
+    "a unit's forward runs only with its parameters gathered and in use (its shards again once it returns), its "
+    "backward only with them gathered": (
+        [("        self.storage.use(i, True)\n", "")], g.test_schedule_gathers,
+        r"prefetch=True, the first micro-batch: unit 0 as its forward starts \(a unit's forward runs only"),
+    "with ``prefetch``, the gather of the unit that computes next (the next one in a forward, the one before in a "
+    "backward) starts before this one computes, without waiting for it": (
+        [('self.gather(i + 1, wait=False, phase="forward", prefetch=True)',
+          'self.gather(i + 1, wait=True, phase="forward", prefetch=True)')], g.test_schedule_gathers,
+        r"prefetch=True, the first micro-batch: unit 1 as unit 0's forward starts \(with ``prefetch``"),
+    "without it, a unit is gathered only when it computes": (
+        [("        if self.prefetch and i + 1 < len(self.units):", "        if i + 1 < len(self.units):")],
+        g.test_schedule_gathers, r"prefetch=False, the first micro-batch: units in flight as unit 0's forward starts"),
+    "with ``reshard_after_forward``, a unit is freed when its forward returns": (
+        [("        if self.reshard:\n            self.free(i)\n        for t in", "        for t in")],
+        g.test_schedule_frees, r"unit 0 after its forward returned \(with ``reshard_after_forward``"),
+    "and again when its gradients are reduce-scattered": (
+        [("        self.free(i)\n        self.storage.reduce(i)", "        self.storage.reduce(i)")],
+        g.test_schedule_frees, r"the units reduce-scattered so far, at 'B 1' \(and again when its gradients"),
+    "at most two units are gathered at once (one without prefetch)": (   # two units prefetched in a backward
+        [('            self.gather(self.order[pos - 1], wait=False, phase="backward", prefetch=True)',
+          '            self.gather(self.order[pos - 1], wait=False, phase="backward", prefetch=True)\n'
+          '            if pos > 1:\n'
+          '                self.gather(self.order[pos - 2], wait=False, phase="backward", prefetch=True)')],
+        g.test_schedule_frees, r"prefetch=True, the first micro-batch: 3 units gathered at once \(at most two"),
+    "as ``peak_gathered_bytes`` counts": (   # the storage freed behind the schedule's back
+        [("        if self.reshard:\n            self.free(i)\n        for t in",
+          "        if self.reshard:\n            self.storage.free(i)\n        for t in")],
+        g.test_schedule_frees, r"the schedule's peak_gathered_bytes after two steps"),
+    "without it, a unit is gathered once per step, at its first forward, and freed only by ``finish_step``": (
+        [("        if self.reshard:\n            for i in range(len(self.units)):\n                self.free(i)\n"
+          "        else:                                              # the next micro-batch's backward\n",
+          "        for i in range(len(self.units)):\n            self.free(i)\n        if not self.reshard:\n")],
+        g.test_schedule_frees, r"reshard_after_forward=False, prefetch=True, the first step: \(gathers, frees\)"),
+    "with resharding, each backward reduce-scatters every unit's gradients once, after they are all in, in the "
+    "reverse of this forward's order": (
+        [("            self.reduction.grad_ready(i, p)", "            self.reduce(i)")], g.test_schedule_reduces,
+        r"the units reduce-scattered, in order \(with resharding"),
+    "without, none is reduce-scattered before ``finish_step``": (
+        [("        if self.reshard:                                   # else: accumulated until finish_step\n"
+          "            self.reduction.grad_ready(i, p)", "        self.reduction.grad_ready(i, p)")],
+        g.test_schedule_reduces, r"reshard_after_forward=False, prefetch=True, the first step: reduce-scatters before"),
+    "every later micro-batch and step runs the schedule of the first": (
+        [("        self.storage.reduce(i)\n        self.bw[i] = False", "        self.storage.reduce(i)")],
+        g.test_schedule_repeats, r"micro-batch 1 of step 0, against the first one"),
     "train the GPT with the library's ZeRO stages 1, 2 and 3": (
         [(RS, RS.replace('"avg"', '"sum"'))], g.test_stage3_trains_like_one_process, r"rank \d, ZeRO-3"),
 }

@@ -21,14 +21,13 @@ Each action is the method of its name:
   with m > p would, receives right before their computes). Elsewhere (Gloo) the schedule as
   it is: a receive blocks there, and is best posted when it is needed.
 
-Measurement stays beside the walk: :func:`traced` records each F, B, W as a trace region
+Measurement stays beside the walk: each F, B, W runs inside its trace region (:func:`traced`)
 labelled ``phase``, ``microbatch``, ``stage``; :class:`Mailbox` tags the messages so that a
 receive matches its send whatever the order of arrival; :class:`Stash` counts the
 micro-batches held at once (``peak_stash`` after a step).
 """
 from __future__ import annotations
 
-import functools
 import itertools
 from contextlib import nullcontext
 
@@ -48,13 +47,9 @@ from .simulate import NAMES
 from ..autograd.split_backward import WeightGrads, deferred
 
 
-def traced(action):
-    """Record every call of a compute action as one trace region (one decorator for F, B, W)."""
-    @functools.wraps(action)
-    def run(self, a):
-        with trace.region(NAMES[a.op], phase=a.op, microbatch=a.microbatch, stage=a.stage):
-            return action(self, a)
-    return run
+def traced(a):
+    """The trace region of one compute action (F, B or W), labelled ``phase``, ``microbatch``, ``stage``."""
+    return trace.region(NAMES[a.op], phase=a.op, microbatch=a.microbatch, stage=a.stage)
 
 
 class Pipeline:
@@ -104,35 +99,41 @@ class Pipeline:
         # <<< ex04 C
 
     # ------------------------------------------------------------------ compute
-    @traced
     def F(self, a):
-        i, s = a.microbatch, a.stage
-        x = self.xs[i] if s == 0 else self.inbox.pop(("F", i, s))
-        dw = WeightGrads() if self.split_backward else None
-        with precision.autocast(self.compute_dtype, self.device or "cpu"), \
-                (deferred(dw) if dw is not None else nullcontext()):
-            out = self.stages[s](x)
-            if s == self.last:
-                out = self.loss_fn(out, self.ys[i]) / self.schedule.m
-                self.loss = self.loss + out.detach().double()  # on the device: no host read per micro-batch
-        self.stash[i, s] = (x, out, dw)
-        if s < self.last:
-            self.outbox["F", i, s] = out
+        with traced(a):
+            # >>> ex03 C
+            i, s = a.microbatch, a.stage
+            x = self.xs[i] if s == 0 else self.inbox.pop(("F", i, s))
+            dw = WeightGrads() if self.split_backward else None
+            with precision.autocast(self.compute_dtype, self.device or "cpu"), \
+                    (deferred(dw) if dw is not None else nullcontext()):
+                out = self.stages[s](x)
+                if s == self.last:
+                    out = self.loss_fn(out, self.ys[i]) / self.schedule.m
+                    self.loss = self.loss + out.detach().double()  # on the device: no host read per micro-batch
+            self.stash[i, s] = (x, out, dw)
+            if s < self.last:
+                self.outbox["F", i, s] = out
+            # <<< ex03 C
 
-    @traced
     def B(self, a):
-        i, s = a.microbatch, a.stage
-        x, out, dw = self.stash.pop((i, s))
-        grad = self.inbox.pop(("B", i, s), None)
-        torch.autograd.backward(out, None if grad is None else grad.to(out.dtype))
-        if s > 0:
-            self.outbox["B", i, s] = x.grad
-        if dw is not None:
-            self.stash[i, s] = dw          # W still needs each linear layer's (X, ∂L/∂Y)
+        with traced(a):
+            # >>> ex03 C
+            i, s = a.microbatch, a.stage
+            x, out, dw = self.stash.pop((i, s))
+            grad = self.inbox.pop(("B", i, s), None)
+            torch.autograd.backward(out, None if grad is None else grad.to(out.dtype))
+            if s > 0:
+                self.outbox["B", i, s] = x.grad
+            if dw is not None:
+                self.stash[i, s] = dw          # W still needs each linear layer's (X, ∂L/∂Y)
+            # <<< ex03 C
 
-    @traced
     def W(self, a):
-        self.stash.pop((a.microbatch, a.stage)).apply()
+        with traced(a):
+            # >>> ex03 C
+            self.stash.pop((a.microbatch, a.stage)).apply()
+            # <<< ex03 C
 
     # ------------------------------------------------------------------ communication
     def SEND_F(self, a):  # also SEND_B: a.op[-1] is the kind, "F" or "B"

@@ -22,7 +22,7 @@ from .stage0 import ReplicatedOptimizer
 from .stage1 import ZeroOptimizer, sharded_step
 from .stage2 import Zero2Optimizer
 from .reduce import OrderedReduction, reduce_shard, reduce_unit_grads
-from .stage3 import FullyShardedDataParallel
+from .fsdp import FullyShardedDataParallel
 from .training import check, run, train, wrap
 
 __all__ = ["ReplicatedOptimizer", "ZeroOptimizer", "Zero2Optimizer", "FullyShardedDataParallel",

@@ -15,7 +15,7 @@ FSDP paper's pseudo-code in the order it runs:
 
 What gathering, using, freeing and reducing mean is the :class:`Storage`'s: flat units
 (:class:`~minipar.zero.flat.FlatStorage`, FSDP's flat parameters, behind
-:class:`FullyShardedDataParallel`) or every parameter sharded on its first dimension
+:class:`~minipar.zero.fsdp.FullyShardedDataParallel`) or every parameter sharded on its first dimension
 (:class:`~minipar.zero.per_parameter.PerParameterStorage`, FSDP2's, behind
 :func:`~minipar.zero.fully_shard`).
 
@@ -45,9 +45,8 @@ import torch
 import torch.nn as nn
 
 from ..runtime import trace
-from .flat import FlatStorage
 from .memory import state_tensors
-from .persist import compute_in_fp32, persistent_parameters, reduce_persistent
+from .persist import reduce_persistent
 from .reduce import OrderedReduction
 
 
@@ -152,15 +151,20 @@ class Schedule:
 
     # -- the schedule, in the order it runs
     def pre_forward(self, i: int) -> None:
+        """Unit i's forward is about to run."""
+        # >>> ex06 D
         self.gather(i, phase="forward")
         self.order.append(i)
         self.storage.use(i, True)
         if self.prefetch and i + 1 < len(self.units):
             self.gather(i + 1, wait=False, phase="forward", prefetch=True)
+        # <<< ex06 D
         self.t0[i] = trace.now()
 
     def post_forward(self, i: int, out):
+        """Unit i's forward has returned ``out``."""
         trace.record("compute", "forward", self.t0[i], trace.now(), unit=i)
+        # >>> ex06 D
         self.storage.use(i, False)
         if self.reshard:
             self.free(i)
@@ -168,11 +172,14 @@ class Schedule:
             if torch.is_tensor(t) and t.requires_grad:
                 t.register_hook(lambda g, i=i: self.pre_backward(i))
         return out
+        # <<< ex06 D
 
     def pre_backward(self, i: int) -> None:
+        """The gradient of one of unit i's outputs has arrived: its backward is about to run."""
         if not self.in_backward:                           # the first unit of this backward
             self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+        # >>> ex06 D
         if self.bw[i]:                                     # one hook per output tensor
             return
         self.bw[i] = True
@@ -182,26 +189,35 @@ class Schedule:
         pos = self.order.index(i) if i in self.order else 0
         if self.prefetch and pos > 0:
             self.gather(self.order[pos - 1], wait=False, phase="backward", prefetch=True)
+        # <<< ex06 D
         self.t0[i] = trace.now()
 
     def reduce(self, i: int) -> None:
-        """Unit i's gradients are complete (:class:`OrderedReduction`): free it, reduce-scatter
-        them. Its next backward gathers it again (``bw`` is per backward)."""
+        """Unit i's gradients of this backward are all in (:class:`OrderedReduction` calls this,
+        in its order)."""
         trace.record("compute", "backward", self.t0[i], trace.now(), unit=i)
+        # >>> ex06 D
         self.free(i)
         self.storage.reduce(i)
         self.bw[i] = False
+        # <<< ex06 D
 
     def grad_ready(self, i: int, p) -> None:
+        """Parameter ``p`` of unit i has its gradient of this backward."""
+        # >>> ex06 D
         if self.reshard:                                   # else: accumulated until finish_step
             self.reduction.grad_ready(i, p)
+        # <<< ex06 D
 
     def end_backward(self) -> None:
+        """The backward has ended (an autograd callback)."""
+        # >>> ex06 D
         if self.reshard:
             for i in range(len(self.units)):
                 self.free(i)
         else:                                              # the next micro-batch's backward
             self.bw = [False] * len(self.units)
+        # <<< ex06 D
         self.in_backward = False
 
     def finish_step(self) -> None:
@@ -267,66 +283,3 @@ class Schedule:
     def persistent_numel(self) -> int:
         """Ψ_p: the elements kept whole on every rank."""
         return sum(p.numel() for p in self.persistent)
-
-
-class FullyShardedDataParallel(nn.Module):
-    """``FullyShardedDataParallel(module, group=None, units=None, prefetch=True, param_dtype=None,
-    persist_below=None, persist=None, reshard_after_forward=True, ignored_params=())``: stage 3
-    over flat units (``ignored_params``: left to another state, :func:`unit_parameters`).
-
-    ``units``: the modules gathered one at a time (default ``module.layers()``, else the
-    whole module); every parameter must belong to exactly one unit. ``persist_below`` (elements)
-    and ``persist`` (a predicate on modules): parameters kept whole (:func:`persistent_parameters`).
-    ``group``: the data-parallel group (None = world). The wrapper's ``parameters()`` are this
-    rank's fp32 shards: give them to any element-wise optimizer. ``gather_full_params()``
-    returns the full parameters by their original names (call it on every rank).
-    ``peak_gathered_bytes``: the most bytes of gathered units alive at once so far."""
-
-    def __init__(self, module: nn.Module, group=None, units=None, prefetch: bool = True, param_dtype=None,
-                 persist_below: int | None = None, persist=None, reshard_after_forward: bool = True,
-                 ignored_params=()):
-        super().__init__()
-        object.__setattr__(self, "module", module)        # not a child: its params are not ours
-        found = unit_parameters(module, units, ignored_params)
-        whole = persistent_parameters(module, persist_below, persist, param_dtype)
-        kept = {id(p) for p in whole}
-        storage = FlatStorage([(m, [p for p, _ in f.values() if id(p) not in kept]) for m, f in found],
-                              group, param_dtype or torch.float32)
-        self.shards = nn.ParameterList([u.shard for u in storage.units])
-        self.persistent = nn.ParameterList(whole)           # the module's own, replicated
-        self.schedule = Schedule(storage, module, group, prefetch, whole,
-                                 reshard_after_forward=reshard_after_forward)
-        compute_in_fp32(module, whole, param_dtype)
-
-    units = property(lambda self: self.schedule.units)
-    peak_gathered_bytes = property(lambda self: self.schedule.peak_gathered_bytes)
-    peak_held_grad_bytes = property(lambda self: self.schedule.peak_held_grad_bytes)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def train(self, mode: bool = True):
-        self.module.train(mode)
-        return super().train(mode)
-
-    def start_forward(self) -> None:
-        self.schedule.start_forward()
-
-    def finish_step(self) -> None:
-        self.schedule.finish_step()
-
-    def gather_full_params(self) -> dict[str, torch.Tensor]:
-        return self.schedule.gather_full_params()
-
-    def memory_tensors(self, optimizer=None) -> dict[str, list[torch.Tensor]]:
-        return self.schedule.memory_tensors(optimizer)
-
-    def unit_sizes(self) -> list[int]:
-        """Ψ_u of every unit (unpadded)."""
-        return self.schedule.unit_sizes()
-
-    def shard_spans(self) -> list[tuple]:
-        return self.schedule.shard_spans()
-
-    def persistent_numel(self) -> int:
-        return self.schedule.persistent_numel()

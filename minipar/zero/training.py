@@ -27,7 +27,7 @@ from .stage0 import ReplicatedOptimizer
 from .stage1 import ZeroOptimizer
 from .stage2 import Zero2Optimizer
 from .per_parameter import fully_shard, sharded_state
-from .stage3 import FullyShardedDataParallel
+from .fsdp import FullyShardedDataParallel
 
 OPTIMIZERS = {0: ReplicatedOptimizer, 1: ZeroOptimizer, 2: Zero2Optimizer}
 

@@ -39,11 +39,31 @@ B. The pipeline's ``Mailbox`` (``minipar.pipeline.executor``): the executor call
    * sends never block the schedule, yet **every send is waited on, and recorded, by the end
      of the step**, on the pipeline's ``group``.
 
+C. The pipeline's compute actions, ``Pipeline.F(a)``, ``.B(a)`` and ``.W(a)`` (same module),
+   each run inside its trace region for an action ``a`` of stage ``a.stage`` on micro-batch
+   ``a.microbatch``. The step (set by the library) has cut the batch into ``self.xs`` and
+   ``self.ys`` (m micro-batches each) and set ``self.loss = 0``; ``self.inbox`` holds what
+   ``RECV_F``/``RECV_B`` received and ``self.outbox`` what ``SEND_F``/``SEND_B`` will send,
+   both keyed ``(kind, micro-batch, stage)`` (kind ``"F"`` or ``"B"``); ``self.stash`` is a
+   ``Stash``; ``self.stages``, ``self.last`` (the last stage's index), ``self.schedule``
+   (``m``, ``split_backward``), ``self.loss_fn``, ``self.compute_dtype`` and ``self.device``
+   are the pipeline's:
+
+   * **the step's loss and gradients are those of the mean of its m micro-batches' losses**;
+   * **B continues the backward from the gradient ``RECV_B`` left (the last stage from its own
+     loss) and leaves ∂L/∂(its input) for ``SEND_B``**;
+   * **what a micro-batch's backward needs is stashed from its F until its B (with W, until
+     its W), and no longer**: the step's ``peak_stash`` is the schedule's;
+   * **with ``schedule.split_backward`` (ZB-H1), B computes the input gradients only and W the
+     weight gradients** (``minipar.pipeline.deferred`` and ``WeightGrads``);
+   * **the forward computes in ``compute_dtype``** (``minipar.precision.autocast``).
+
 Graded on 2 and 3 ranks: the values, dtypes and gradients that arrive, the recorded bytes and
-their group, an LSTM and a GPT split over ranks, and pipelined GPTs (a schedule whose second
-rank takes the micro-batches in the other order, in float64, and 1F1B) trained on your code,
-equal to one process. Grade it with ``python -m minipar.grade ex03``; stuck?
-``minipar.hint("ex03", "A")`` (parts A, B).
+their group, an LSTM and a GPT split over ranks, pipelined GPTs (a schedule whose second rank
+takes the micro-batches in the other order, in float64, and 1F1B) trained on your code, equal
+to one process, and one step of a two-stage network under 1F1B, ZB-H1 (once with a W left
+out) and bfloat16. Grade it with ``python -m minipar.grade ex03``; stuck?
+``minipar.hint("ex03", "A")`` (parts A, B, C).
 """
 import torch
 import torch.distributed as dist
@@ -55,7 +75,8 @@ from minipar import model_parallel as mpar
 from minipar import pipeline as pp
 from minipar import strategy
 from minipar.pipeline import stage_comm
-from minipar.pipeline.schedules import Action, Schedule, add_comms
+from minipar.pipeline.executor import Pipeline
+from minipar.pipeline.schedules import Action, Schedule, add_comms, make_schedule
 from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
 from minipar.models import GPT, LSTMLM, GPTConfig
 
@@ -95,6 +116,26 @@ HINTS = {
         'sender a.stage - 1 or a.stage + 1. _reap: wait and drop the handles whose works are all '
         'is_completed(); flush: wait for all, pending = [].',
     ),
+    'C': (
+        "Each micro-batch is a small batch of its own: what must its loss be scaled by so that the "
+        "m backwards add up to the batch's gradient? Between a micro-batch's F and its B other "
+        "actions run: what must B find, and where? And under ZB-H1, who keeps what W needs?",
+        "F: the input is xs[i] on stage 0, else the inbox's ('F', i, s); run the stage under "
+        "autocast (and under deferred(dw) with a fresh WeightGrads when the schedule splits the "
+        "backward); the last stage turns its output into loss_fn(out, ys[i]) / m and adds it, "
+        "detached, to self.loss; stash (input, output, dw) under (i, s); put the output in the "
+        "outbox unless this is the last stage. B: pop the stash, take the inbox's ('B', i, s) if "
+        "any, backward from it (cast to the output's dtype), put the input's .grad in the outbox "
+        "unless s is 0, and stash dw again for W. W: pop dw and apply it.",
+        "F: i, s = a.microbatch, a.stage; x = xs[i] if s == 0 else inbox.pop(('F', i, s)); dw = "
+        "WeightGrads() if schedule.split_backward else None; with precision.autocast(compute_dtype, "
+        "device or 'cpu'), (deferred(dw) if dw is not None else nullcontext()): out = stages[s](x); "
+        "if s == last: out = loss_fn(out, ys[i]) / m; loss = loss + out.detach().double(). "
+        "stash[i, s] = (x, out, dw); if s < last: outbox['F', i, s] = out. B: x, out, dw = "
+        "stash.pop((i, s)); grad = inbox.pop(('B', i, s), None); torch.autograd.backward(out, None "
+        "if grad is None else grad.to(out.dtype)); if s > 0: outbox['B', i, s] = x.grad; if dw is "
+        "not None: stash[i, s] = dw. W: stash.pop((a.microbatch, a.stage)).apply().",
+    ),
 }
 CONTRACT = {
     "return its ``Handle`` without waiting": "test_activation_values",
@@ -110,6 +151,14 @@ CONTRACT = {
     "the messages were sent in": "test_messages_match_in_any_order",
     "every message travels in the dtype of the stages' parameters": "test_messages_match_in_any_order",
     "every send is waited on, and recorded, by the end of the step": "test_sends_complete_each_step",
+    "the step's loss and gradients are those of the mean of its m micro-batches' losses": "test_compute_actions",
+    "B continues the backward from the gradient ``RECV_B`` left (the last stage from its own loss) and "
+    "leaves ∂L/∂(its input) for ``SEND_B``": "test_compute_actions",
+    "what a micro-batch's backward needs is stashed from its F until its B (with W, until its W), and "
+    "no longer": "test_compute_actions",
+    "with ``schedule.split_backward`` (ZB-H1), B computes the input gradients only and W the weight "
+    "gradients": "test_compute_actions",
+    "the forward computes in ``compute_dtype``": "test_compute_actions",
 }
 TIMEOUT = 60
 TOKENS = data.synthetic_tokens(1000)
@@ -263,3 +312,102 @@ def test_sends_complete_each_step(impl):
     expect_equal([res["measured"]["bytes_by_dim"] for res in results], [{"pp": 4096, "total": 4096}] * 2,
                  "the last step's recorded bytes sent, by group label (every send is waited on, and recorded, "
                  "by the end of the step)", keys="rank")
+
+
+# ----------------------------------------------------------------------------- C: compute actions
+ROWS, M = 8, 4
+XY = (torch.randn(ROWS, 4, generator=torch.Generator().manual_seed(1)),
+      torch.randn(ROWS, 3, generator=torch.Generator().manual_seed(2)))
+
+
+def _net():
+    """Two stages: Linear(4, 6) + tanh on rank 0, Linear(6, 3) on rank 1 (every parameter a linear's)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+
+def _mse(out, y):
+    return ((out.float() - y) ** 2).mean()
+
+
+def _one_step(g, schedule, dtype):
+    r = dist.get_rank()
+    net = _net()
+    stage = net[:2] if r == 0 else net[2:]
+    seen = []
+    stage.register_forward_hook(lambda mod, args, out: seen.append(str(out.dtype)))
+    pipe = Pipeline({r: stage}, schedule, (ROWS // schedule.m, 6), g, loss_fn=_mse, dtype=dtype)
+    loss = pipe.step(*XY)
+    return {"loss": loss, "grads": [None if q.grad is None else q.grad.clone() for q in stage.parameters()],
+            "peak_stash": pipe.peak_stash, "dtypes": sorted(set(seen))}
+
+
+def without_w(schedule: Schedule, i: int) -> Schedule:
+    """``schedule`` with micro-batch i's W actions left out on every rank."""
+    return Schedule(f"{schedule.name} without W{i}", schedule.p, schedule.m, schedule.v,
+                    [[a for a in acts if (a.op, a.microbatch) != ("W", i)] for acts in schedule.actions])
+
+
+STEP_CASES = (("1F1B, m=4", ("1f1b", M), None), ("ZB-H1, m=4", ("zb-h1", M), None),
+              ("ZB-H1 without micro-batch 1's W", ("zb-h1", M, 1), None),
+              ("1F1B, m=2, bfloat16", ("1f1b", 2), torch.bfloat16))
+
+
+def _schedule(spec):
+    s = make_schedule(spec[0], 2, spec[1])
+    return without_w(s, spec[2]) if len(spec) > 2 else s
+
+
+def _compute_actions():
+    g = _group()
+    return {name: _one_step(g, _schedule(spec), dtype) for name, spec, dtype in STEP_CASES}
+
+
+def _step_want(m, skip=()):
+    """One process: the loss of the batch and each stage's gradients, summing loss_i/m over the
+    micro-batches not in ``skip``."""
+    net = _net()
+    loss = 0.0
+    for i, (x, y) in enumerate(zip(XY[0].chunk(m), XY[1].chunk(m))):
+        li = _mse(net(x), y) / m
+        loss += float(li.detach())
+        if i not in skip:
+            li.backward()
+    return loss, [[q.grad.clone() for q in net[:2].parameters()], [q.grad.clone() for q in net[2:].parameters()]]
+
+
+def test_compute_actions(impl):
+    """One step of a two-stage network on 2 ranks: under 1F1B and ZB-H1 (4 micro-batches) the loss
+    and both stages' gradients are one process's on the batch's mean loss; with micro-batch 1's W
+    left out, the gradients lack exactly its contribution; in bfloat16 the stages compute in
+    bfloat16; ``peak_stash`` is the schedule's on each rank."""
+    results = minipar.launch(_compute_actions, 2, timeout=TIMEOUT)
+    names = ("weight", "bias")
+    for name, spec, dtype in STEP_CASES:
+        skip = spec[2:] if len(spec) > 2 else ()
+        loss, grads = _step_want(spec[1], skip)
+        tol = dict(rtol=5e-2, atol=5e-2) if dtype is not None else dict(rtol=1e-5, atol=1e-6)
+        expect_close(torch.tensor(results[1][name]["loss"]), torch.tensor(loss), "the step's loss (the mean "
+                     "of its micro-batches' losses)", where=f"rank 1 (the last stage), {name}", **tol)
+        for rank, got in enumerate(results):
+            for pname, g, w in zip(names, got[name]["grads"], grads[rank]):
+                what = "gradient after the step"
+                if skip:
+                    what += (" (the other micro-batches' only: with ``schedule.split_backward`` (ZB-H1), B "
+                             "computes the input gradients only and W the weight gradients)")
+                elif rank == 0:
+                    what += (" (through the ∂L/∂(input) rank 1 sent back: B continues the backward from "
+                             "the gradient ``RECV_B`` left)")
+                else:
+                    what += " (the step's loss and gradients are those of the mean of its micro-batches' losses)"
+                expect(g is not None, f"rank {rank}, {name}: the stage's {pname} has no gradient after the step")
+                expect_close(g, w, what, where=f"rank {rank}, {name}, stage {rank}'s {pname}", **tol)
+    for rank, got in enumerate(results):
+        where = f"rank {rank}, {STEP_CASES[3][0]}"
+        expect_equal(got[STEP_CASES[3][0]]["dtypes"], ["torch.bfloat16"], f"{where}: the dtype of the stage's "
+                     "output (the forward computes in ``compute_dtype``)")
+    for name, spec, dtype in STEP_CASES[:2]:
+        want = pp.peak_stash(_schedule(spec))
+        expect_equal([r[name]["peak_stash"] for r in results], want, f"{name}: peak_stash after the step, the "
+                     "schedule's (what a micro-batch's backward needs is stashed from its F until its B, and no "
+                     "longer)", keys="rank")

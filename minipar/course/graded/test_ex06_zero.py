@@ -41,11 +41,37 @@ C. Stage 3's gather, compute, free, P_p: ``gather_unit(full, shard, group=None,
    views of, its memory freed from the start. ``FlatStorage.gather(i)`` returns the Handle of
    unit i's gather, ``free(i)`` releases it, and ``reduce(i)`` adds this rank's mean gradient
    slice, in fp32, to the shard's ``.grad``: a second backward before the step accumulates.
+D. Stage 3's schedule: when a unit is gathered, freed and reduce-scattered.
+   ``Schedule.pre_forward(i)``, ``.post_forward(i, out)`` (returns what the forward returns),
+   ``.pre_backward(i)``, ``.reduce(i)``, ``.grad_ready(i, p)`` and ``.end_backward()`` in
+   ``minipar.zero.stage3``: unit i's module's forward hooks call the first two, its parameters'
+   post-accumulate-grad hooks ``grad_ready``, the first ``pre_backward`` of a backward queues
+   ``end_backward`` for its end, and ``self.reduction`` (an ``OrderedReduction`` over
+   ``self.order`` reversed, emptied by each forward of the model: ``reached(i)``,
+   ``grad_ready(i, p)``) calls ``reduce(i)``. They act through ``self.gather(i, wait=True,
+   **labels)`` and ``self.free(i)`` (which count ``peak_gathered_bytes``), ``self.storage.use(i,
+   gathered)`` and ``self.storage.reduce(i)``, with ``self.bw`` (a flag per unit),
+   ``self.prefetch`` and ``self.reshard``; ``finish_step`` (the library's) frees and
+   reduce-scatters every unit last of all. Over any ``Storage``:
+
+   * **a unit's forward runs only with its parameters gathered and in use (its shards again
+     once it returns), its backward only with them gathered**;
+   * **with ``prefetch``, the gather of the unit that computes next (the next one in a
+     forward, the one before in a backward) starts before this one computes, without waiting
+     for it**; **without it, a unit is gathered only when it computes**;
+   * **with ``reshard_after_forward``, a unit is freed when its forward returns** **and again
+     when its gradients are reduce-scattered**, so that **at most two units are gathered at once
+     (one without prefetch)**, **as ``peak_gathered_bytes`` counts**; **without it, a unit is
+     gathered once per step, at its first forward, and freed only by ``finish_step``**;
+   * **with resharding, each backward reduce-scatters every unit's gradients once, after they
+     are all in, in the reverse of this forward's order**; **without, none is reduce-scattered
+     before ``finish_step``**;
+   * **every later micro-batch and step runs the schedule of the first**.
 
 Derived in notebook 06, "Each stage removes one redundancy", "What it costs in
 communication" and "Stage 3 in time" (the paper's §5.1-5.3 and Figure 1). The last tests
 train the GPT with the library's ZeRO stages 1, 2 and 3 running your code and compare with
-one process. Stuck? ``minipar.hint("ex06", "A")`` (or "B", "C"). Grade it with
+one process. Stuck? ``minipar.hint("ex06", "A")`` (or "B", "C", "D"). Grade it with
 ``python -m minipar.grade ex06``.
 """
 import torch
@@ -58,6 +84,7 @@ from minipar.runtime import trace
 from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, attempt
 from minipar.models import GPT, GPTConfig
 from minipar.zero.flat import FlatStorage, FlatUnit
+from minipar.zero.stage3 import Schedule
 
 EXERCISE = "ex06_zero"
 HINTS = {
@@ -109,6 +136,28 @@ HINTS = {
           "self.full = torch.empty(self.flat.padded, dtype=dtype, device=...); self.flat.use(self.full); "
           "free_unit(self.full). reduce: g = reduce_unit_grads(u.flat, dtype=self.dtype, unit=i)"
           ".to(torch.float32); u.shard.grad = g if u.shard.grad is None else u.shard.grad.add_(g)."),
+    "D": ("Walk one unit through a step: when must its parameters exist whole, and when is the "
+          "earliest moment nothing needs them any more? What could the next unit's gather overlap "
+          "with? Which of these moments move when a pipeline runs several micro-batches per step "
+          "and the unit stays gathered?",
+          "pre_forward: gather the unit (waiting), note it in the forward order, make its module use "
+          "the gathered parameters, and with prefetch start the next unit's gather without waiting. "
+          "post_forward: back to the shards, free it when resharding, and hook every output that "
+          "needs a gradient so that its backward calls pre_backward. pre_backward: once per unit and "
+          "backward (the flag), tell the reduction the backward reached it when resharding, gather it "
+          "again, and prefetch the unit before it in the forward order. reduce: free, reduce-scatter, "
+          "clear the flag. grad_ready: hand the gradient to the reduction only when resharding. "
+          "end_backward: free everything when resharding, else clear the flags for the next micro-batch.",
+          "pre_forward: self.gather(i, phase='forward'); self.order.append(i); self.storage.use(i, True); "
+          "if self.prefetch and i + 1 < len(self.units): self.gather(i + 1, wait=False, phase='forward', "
+          "prefetch=True). post_forward: self.storage.use(i, False); if self.reshard: self.free(i); for t in "
+          "the outputs that require grad: t.register_hook(lambda g, i=i: self.pre_backward(i)); return out. "
+          "pre_backward: if self.bw[i]: return; self.bw[i] = True; if self.reshard: self.reduction.reached(i); "
+          "self.gather(i, phase='backward'); pos = self.order.index(i); if self.prefetch and pos > 0: "
+          "self.gather(self.order[pos - 1], wait=False, phase='backward', prefetch=True). reduce: self.free(i); "
+          "self.storage.reduce(i); self.bw[i] = False. grad_ready: if self.reshard: "
+          "self.reduction.grad_ready(i, p). end_backward: if self.reshard: self.free(j) for every j; else: "
+          "self.bw = [False] * len(self.units)."),
 }
 CONTRACT = {
     "on a non-world group, ranks count within it": ("test_reduce_unit_grads", "test_zero_optimizer",
@@ -140,6 +189,21 @@ CONTRACT = {
     "``FlatStorage.gather(i)`` returns the Handle of unit i's gather, ``free(i)`` releases it": "test_flat_storage",
     "adds this rank's mean gradient slice, in fp32, to the shard's ``.grad``": "test_flat_storage",
     "a second backward before the step accumulates": "test_flat_storage",
+    "a unit's forward runs only with its parameters gathered and in use (its shards again once it returns), its "
+    "backward only with them gathered": "test_schedule_gathers",
+    "with ``prefetch``, the gather of the unit that computes next (the next one in a forward, the one before in a "
+    "backward) starts before this one computes, without waiting for it": "test_schedule_gathers",
+    "without it, a unit is gathered only when it computes": "test_schedule_gathers",
+    "with ``reshard_after_forward``, a unit is freed when its forward returns": "test_schedule_frees",
+    "and again when its gradients are reduce-scattered": "test_schedule_frees",
+    "at most two units are gathered at once (one without prefetch)": "test_schedule_frees",
+    "as ``peak_gathered_bytes`` counts": "test_schedule_frees",
+    "without it, a unit is gathered once per step, at its first forward, and freed only by ``finish_step``":
+        "test_schedule_frees",
+    "with resharding, each backward reduce-scatters every unit's gradients once, after they are all in, in the "
+    "reverse of this forward's order": "test_schedule_reduces",
+    "without, none is reduce-scattered before ``finish_step``": "test_schedule_reduces",
+    "every later micro-batch and step runs the schedule of the first": "test_schedule_repeats",
     "train the GPT with the library's ZeRO stages 1, 2 and 3": ("test_stages_1_and_2_train_like_one_process",
                                                               "test_stage3_trains_like_one_process"),
 }
@@ -601,3 +665,213 @@ def test_stage3_trains_like_one_process(impl):
                      f"rank {rank}, ZeRO-3: bytes held after the step, by kind", keys="kind")
         expect_equal(got["comm_bytes"], cost.zero_comm_bytes(got["unit_sizes"], 2, 3),
                      f"rank {rank}, ZeRO-3: bytes sent per run (3(N-1)/N·Ψ per step)")
+
+
+# ----------------------------------------------------------------------------- D: the schedule
+N_UNITS, UNIT_BYTES = 3, 4 * 12                   # three nn.Linear(3, 3): 12 fp32 elements each
+SCHEDULE_CASES = [(reshard, prefetch) for reshard in (True, False) for prefetch in (True, False)]
+
+
+class _Waited:
+    def __init__(self, i, log):
+        self.i, self.log = i, log
+
+    def wait(self):
+        self.log.append(f"wait {self.i}")
+
+
+class _Unit:
+    def __init__(self, module):
+        self.module, self.params = module, list(module.parameters())
+        self.full = torch.empty(sum(p.numel() for p in self.params))
+
+
+class _Recorder:
+    """A Storage that moves nothing and writes down what the schedule asks of it."""
+
+    def __init__(self, modules, log):
+        self.units, self.log = [_Unit(m) for m in modules], log
+
+    def gather(self, i, **labels):
+        self.log.append(f"gather {i}")
+        return _Waited(i, self.log)
+
+    def use(self, i, gathered):
+        self.log.append(f"use {i} {'gathered' if gathered else 'shards'}")
+
+    def free(self, i):
+        self.log.append(f"free {i}")
+
+    def reduce(self, i):
+        self.log.append(f"reduce {i}")
+
+
+def _schedule_log(reshard, prefetch):
+    """Two steps of two micro-batches over three units, and what the schedule did, in order:
+    the storage's calls, each unit's forward starting ("F i") and returning ("F end i"), its
+    output's gradient arriving ("B i"), each parameter's gradient ("grad i"), the markers."""
+    torch.manual_seed(0)
+    units = [torch.nn.Linear(3, 3) for _ in range(N_UNITS)]
+    net = torch.nn.Sequential(units[0], torch.nn.Tanh(), units[1], torch.nn.Tanh(), units[2])
+    log = []
+    for i, u in enumerate(units):                  # before the schedule's hooks: they see a grad first
+        for p in u.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, i=i: log.append(f"grad {i}"))
+    schedule = Schedule(_Recorder(units, log), net, prefetch=prefetch, reshard_after_forward=reshard)
+    for i, u in enumerate(units):                  # after the schedule's: they see what it did
+        u.register_forward_pre_hook(lambda m, a, i=i: log.append(f"F {i}"))
+        u.register_forward_hook(lambda m, a, out, i=i: (log.append(f"F end {i}"),
+                                                        out.register_hook(lambda g: log.append(f"B {i}"))) and None)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    for step in range(2):
+        for mb in range(2):
+            log.append(f"micro-batch {mb}")
+            net(x + step + mb).pow(2).sum().backward()
+            log.append("backward ended")
+        schedule.finish_step()
+        log.append("finish_step returned")
+    return log, schedule.peak_gathered_bytes
+
+
+def _replay(log):
+    """Each event with the units' states just after it: "freed", "in flight" (gather started,
+    not waited on) or "gathered"; and whether each unit's module uses its gathered parameters."""
+    state, used, out = ["freed"] * N_UNITS, [False] * N_UNITS, []
+    for e in log:
+        *kind, i = e.split()
+        if kind == ["gather"]:
+            state[int(i)] = "in flight"
+        elif kind == ["wait"]:
+            state[int(i)] = "gathered"
+        elif kind == ["free"]:
+            state[int(i)] = "freed"
+        elif kind[:1] == ["use"]:
+            used[int(kind[1])] = i == "gathered"
+        out.append((e, list(state), list(used)))
+    return out
+
+
+def _segments(log, prefix):
+    """The log cut before each event starting with ``prefix`` (what precedes the first dropped)."""
+    cuts = [k for k, e in enumerate(log) if e.startswith(prefix)] + [len(log)]
+    return [log[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def _event(e):
+    """("F", 2) from "F 2", ("F end", 2) from "F end 2", ("backward ended", None)."""
+    *kind, i = e.split()
+    return (" ".join(kind), int(i)) if i.isdigit() else (e, None)
+
+
+def _cases():
+    """For each case: its name, reshard, prefetch, the log, the first micro-batch replayed, the
+    schedule's peak_gathered_bytes."""
+    for reshard, prefetch in SCHEDULE_CASES:
+        log, peak_bytes = _schedule_log(reshard, prefetch)
+        first = _replay(log)[:log.index("backward ended") + 1]
+        yield f"reshard_after_forward={reshard}, prefetch={prefetch}", reshard, prefetch, log, first, peak_bytes
+
+
+def test_schedule_gathers(impl):
+    """Stage 3's schedule over a storage that records its calls (three units, two steps of two
+    micro-batches, with and without reshard_after_forward and prefetch): in the first
+    micro-batch, each unit is gathered and in use when it computes, and the next one's gather
+    is in flight then with prefetch, none without."""
+    for case, reshard, prefetch, log, first, _ in _cases():
+        at = f"{case}, the first micro-batch"
+        for e, state, used in first:
+            kind, i = _event(e)
+            if kind == "F":
+                expect_equal({"state": state[i], "in use": used[i]}, {"state": "gathered", "in use": True},
+                             f"{at}: unit {i} as its forward starts (a unit's forward runs only with its "
+                             "parameters gathered and in use)")
+            elif kind == "F end":
+                expect_equal(used[i], False, f"{at}: unit {i} in use after its forward returned (its shards "
+                             "again once it returns)")
+            elif kind == "B":
+                expect_equal(state[i], "gathered", f"{at}: unit {i} as its backward starts (its backward only "
+                             "with them gathered)")
+        for e, state, _ in first:
+            kind, i = _event(e)
+            nxt = {"F": (i or 0) + 1, "B": (i or 0) - 1}.get(kind)
+            if nxt is None or not 0 <= nxt < N_UNITS or (kind == "B" and not reshard):
+                continue                              # without resharding a backward gathers nothing
+            what = "forward" if kind == "F" else "backward"
+            if prefetch:
+                expect_equal(state[nxt], "in flight", f"{at}: unit {nxt} as unit {i}'s {what} starts (with "
+                             "``prefetch``, the gather of the unit that computes next (the next one in a forward, "
+                             "the one before in a backward) starts before this one computes, without waiting for it)")
+            else:
+                expect_equal([j for j, s in enumerate(state) if s == "in flight"], [], f"{at}: units in flight as "
+                             f"unit {i}'s {what} starts (without it, a unit is gathered only when it computes)")
+
+
+def test_schedule_frees(impl):
+    """The same runs: with resharding a unit is freed after its forward and after its
+    reduce-scatter (at most 2 units gathered with prefetch, 1 without); without, each unit is
+    gathered once per step and freed only by finish_step; peak_gathered_bytes counts it."""
+    for case, reshard, prefetch, log, first, peak_bytes in _cases():
+        at = f"{case}, the first micro-batch"
+        if reshard:
+            reduced = []
+            for e, state, _ in first:
+                kind, i = _event(e)
+                if kind == "F end":
+                    expect_equal(state[i], "freed", f"{at}: unit {i} after its forward returned (with "
+                                 "``reshard_after_forward``, a unit is freed when its forward returns)")
+                elif kind == "reduce":
+                    reduced.append(i)
+                elif kind in ("B", "backward ended"):
+                    expect_equal({j: state[j] for j in reduced}, dict.fromkeys(reduced, "freed"),
+                                 f"{at}: the units reduce-scattered so far, at '{e}' (and again when its gradients "
+                                 "are reduce-scattered)", keys="unit")
+            peak = max(sum(s != "freed" for s in state) for _, state, _ in first)
+            expect(peak <= (2 if prefetch else 1), f"{at}: {peak} units gathered at once (at most two units are "
+                   "gathered at once (one without prefetch))")
+        else:
+            step = _segments(log, "micro-batch 0")[0]
+            before = step[:len(step) - step[::-1].index("backward ended")]     # finish_step's own come after
+            expect_equal({i: (before.count(f"gather {i}"), before.count(f"free {i}")) for i in range(N_UNITS)},
+                         dict.fromkeys(range(N_UNITS), (1, 0)), f"{case}, the first step: (gathers, frees) of each "
+                         "unit before finish_step (without it, a unit is gathered once per step, at its first "
+                         "forward, and freed only by ``finish_step``)", keys="unit")
+        peak = max(sum(s != "freed" for s in state) for _, state, _ in _replay(log))
+        expect_equal(peak_bytes, peak * UNIT_BYTES, f"{case}: the schedule's peak_gathered_bytes after two steps, "
+                     f"its storage having held at most {peak} units of {UNIT_BYTES} bytes gathered at once (as "
+                     "``peak_gathered_bytes`` counts)")
+
+
+def test_schedule_reduces(impl):
+    """The same runs: with resharding, the first backward reduce-scatters units 2, 1, 0, each
+    once and after both of its parameters' gradients; without, nothing before finish_step."""
+    for case, reshard, prefetch, log, first, _ in _cases():
+        if reshard:
+            at = f"{case}, the first micro-batch"
+            mine = [e for e, _, _ in first if e.startswith(("grad", "reduce"))]
+            expect_equal([i for kind, i in map(_event, mine) if kind == "reduce"], list(reversed(range(N_UNITS))),
+                         f"{at}: the units reduce-scattered, in order (with resharding, each backward "
+                         "reduce-scatters every unit's gradients once, after they are all in, in the reverse of this "
+                         "forward's order)", keys="reduce-scatter")
+            for i in range(N_UNITS):
+                expect_equal(mine[:mine.index(f"reduce {i}")].count(f"grad {i}"), 2, f"{at}: the parameter "
+                             f"gradients of unit {i} in before its reduce-scatter (after they are all in)")
+        else:
+            step = _segments(log, "micro-batch 0")[0]
+            before = step[:len(step) - step[::-1].index("backward ended")]
+            expect_equal([e for e in before if e.startswith("reduce")], [], f"{case}, the first step: "
+                         "reduce-scatters before finish_step (without, none is reduce-scattered before ``finish_step``)")
+
+
+def test_schedule_repeats(impl):
+    """The same runs: every later micro-batch (with resharding) and the second step (without)
+    log the same calls as the first."""
+    for case, reshard, prefetch, log, first, _ in _cases():
+        if reshard:
+            mbs = [s[1:s.index("backward ended")] for s in _segments(log, "micro-batch ")]
+            for k, seg in enumerate(mbs[1:], 1):
+                expect_equal(seg, mbs[0], f"{case}: micro-batch {k % 2} of step {k // 2}, against the first one "
+                             "(every later micro-batch and step runs the schedule of the first)", keys="event")
+        else:
+            steps = _segments(log, "micro-batch 0")
+            expect_equal(steps[1], steps[0], f"{case}: the second step, against the first (every later micro-batch "
+                         "and step runs the schedule of the first)", keys="event")

@@ -48,6 +48,8 @@ def train(model, batches, optimizer=None, dp: int = 1, pp: int = 1, tp: int = 1,
     if hybrid.sharded is not None:      # ZeRO-3: the most bytes of gathered units alive at once
         measured["peak_gathered_bytes"] = hybrid.sharded.peak_gathered_bytes
         measured["peak_held_grad_bytes"] = hybrid.sharded.peak_held_grad_bytes
+        # the most model-state bytes held at once: parameters and gradients at their peak, the optimizer's
+        measured["peak_state_bytes"] = hybrid.sharded.peak_state_bytes + measured["memory"]["optimizer"]
         measured["unit_sizes"] = hybrid.sharded.unit_sizes()
     if hybrid.zero in (1, 2):
         measured["unit_sizes"] = hybrid.optimizer.unit_sizes()

@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from ..runtime import trace
 from .flat import FlatStorage
-from .memory import state_tensors
+from .memory import state_tensors, storage_bytes
 from .persist import compute_in_fp32, persistent_parameters, reduce_persistent
 from .reduce import OrderedReduction
 
@@ -132,6 +132,7 @@ class Schedule:
         self.nbytes = [u.full.numel() * u.full.element_size() for u in self.units]
         self.gathered_bytes = self.peak_gathered_bytes = 0     # gathered units alive now / at most
         self.peak_held_grad_bytes = 0                          # whole gradients held for finish_step
+        self.peak_state_bytes = 0                              # parameters + gradients held, at most
         self.order: list[int] = []                            # units in forward order, this forward
         self.in_backward = False
         # backward completes the units in reverse forward order; reduce them in that order
@@ -188,6 +189,7 @@ class Schedule:
         """Unit i's gradients are complete (:class:`OrderedReduction`): free it, reduce-scatter
         them. Its next backward gathers it again (``bw`` is per backward)."""
         trace.record("compute", "backward", self.t0[i], trace.now(), unit=i)
+        self.held()
         self.free(i)
         self.storage.reduce(i)
         self.bw[i] = False
@@ -211,6 +213,7 @@ class Schedule:
         every backward did this already and there is nothing to do."""
         if self.reshard:
             return
+        self.held()
         held = sum(p.grad.numel() * p.grad.element_size() for u in self.units for p in u.params
                    if p.grad is not None)
         self.peak_held_grad_bytes = max(self.peak_held_grad_bytes, held)
@@ -219,6 +222,15 @@ class Schedule:
             self.storage.reduce(i)
         reduce_persistent(self.persistent, self.group)
         self.bw = [False] * len(self.units)
+
+    def held(self) -> int:
+        """Bytes of parameters and gradients this rank holds now (shards, gathered units, whole and
+        sharded gradients, persistent ones), kept as ``peak_state_bytes``: sampled where the step
+        holds the most, at a unit's reduce-scatter and before :meth:`finish_step` frees the units."""
+        parts = self.memory_tensors()
+        now = storage_bytes(parts["params"]) + storage_bytes(parts["grads"])
+        self.peak_state_bytes = max(self.peak_state_bytes, now)
+        return now
 
     # -- gather and free, once each per use; the gathered bytes counted as they change
     def gather(self, i: int, wait: bool = True, **labels) -> None:
@@ -301,6 +313,7 @@ class FullyShardedDataParallel(nn.Module):
     units = property(lambda self: self.schedule.units)
     peak_gathered_bytes = property(lambda self: self.schedule.peak_gathered_bytes)
     peak_held_grad_bytes = property(lambda self: self.schedule.peak_held_grad_bytes)
+    peak_state_bytes = property(lambda self: self.schedule.peak_state_bytes)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

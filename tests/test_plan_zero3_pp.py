@@ -73,8 +73,9 @@ def _predicted(layout):
     mem = plan.memory_per_gpu(spec, layout.replace(dtype="fp32"), CONFIG.block_size, B)
     rest = plan.comm_buffer_bytes(spec, layout.replace(zero=1, reshard_after_forward="auto", dp_shard=None),
                                   CONFIG.block_size)
-    return ({d: comm[d]["bytes"] for d in DP_DIMS if d in comm},
-            mem["params"] + mem["grads"] + mem["optimizer"] + mem["buffers"] - rest)
+    states = mem["params"] + mem["grads"] + mem["optimizer"] + mem["buffers"] - rest
+    assert plan.model_states_at_peak(spec, layout.replace(dtype="fp32")) == pytest.approx(states, rel=1e-12)
+    return {d: comm[d]["bytes"] for d in DP_DIMS if d in comm}, states
 
 
 def _fp32(layout):

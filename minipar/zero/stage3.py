@@ -226,7 +226,10 @@ class Schedule:
     def held(self) -> int:
         """Bytes of parameters and gradients this rank holds now (shards, gathered units, whole and
         sharded gradients, persistent ones), kept as ``peak_state_bytes``: sampled where the step
-        holds the most, at a unit's reduce-scatter and before :meth:`finish_step` frees the units."""
+        holds the most, at a unit's reduce-scatter and before :meth:`finish_step` frees the units
+        (0 for a storage that does not list its tensors)."""
+        if not hasattr(self.storage, "tensors"):
+            return 0
         parts = self.memory_tensors()
         now = storage_bytes(parts["params"]) + storage_bytes(parts["grads"])
         self.peak_state_bytes = max(self.peak_state_bytes, now)

@@ -20,7 +20,8 @@ from . import search as search_module
 from .calibrate import fit_efficiency, fit_roofline, measure_machine
 from .hardware import ACCELERATORS, CLUSTERS, Accelerator, Cluster, get_accelerator, get_cluster
 from .layout import Layout, check, problems
-from .memory import comm_buffer_bytes, layer_activation_bytes, memory_per_gpu, model_state_bytes
+from .memory import (comm_buffer_bytes, layer_activation_bytes, memory_per_gpu, model_state_bytes,
+                     model_states_at_peak, zero3_states)
 from .models import MODELS, ModelSpec, from_gpt_config, get_model
 from .predict import Prediction, predict
 from .roofline import Efficiency
@@ -29,6 +30,7 @@ from .step_time import comm_times, step_flops, step_time
 
 __all__ = ["ACCELERATORS", "CLUSTERS", "Accelerator", "Cluster", "get_accelerator", "get_cluster", "Layout",
            "check", "problems", "memory_per_gpu", "model_state_bytes", "layer_activation_bytes",
-           "comm_buffer_bytes", "MODELS", "ModelSpec", "from_gpt_config", "get_model", "Prediction",
+           "comm_buffer_bytes", "model_states_at_peak", "zero3_states", "MODELS", "ModelSpec",
+           "from_gpt_config", "get_model", "Prediction",
            "predict", "SearchResult", "search", "layouts", "step_time", "step_flops", "comm_times",
            "fit_efficiency", "fit_roofline", "measure_machine", "Efficiency"]

@@ -157,3 +157,13 @@ def comm_buffer_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
         out += e * (model.num_params() / model.n_layer) / L.tp
     return out
     # <<< ex10 C
+
+
+def model_states_at_peak(model: ModelSpec, layout: Layout) -> float:
+    """Bytes of model states per GPU at the step's peak: :func:`memory_per_gpu`'s params, grads and
+    optimizer, and ZeRO-3's gathered layer, which it counts among the buffers when resharding (what
+    ``hybrid.run`` measures as ``peak_state_bytes``, less the prefetched unit and one unit's gradients)."""
+    L = layout
+    states = zero3_states(model, L) if (L.hsdp or L.kept_gathered) else model_state_bytes(model, L)
+    layer = L.bytes_per_element * (model.num_params() / model.n_layer) / L.tp if L.zero == 3 and not L.kept_gathered else 0.0
+    return sum(states.values()) + layer

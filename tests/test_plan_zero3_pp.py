@@ -145,3 +145,19 @@ def test_search_chooses_hsdp_on_a_slow_inter_node_link():
     twins = [p for p in fast.ranked if p.layout.hsdp and p.layout.replace(dp_shard=None) == fast.best.layout]
     assert twins and all(fast.ranked.index(p) > 0 and p.memory["total"] > fast.best.memory["total"]
                          and p.step_time >= fast.best.step_time for p in twins)
+
+
+def test_a_searched_hsdp_layout_runs_at_toy_size():
+    """The planner's HSDP and policy reach the toy run: dp16 HSDP 2×8 kept gathered becomes dp4 = 2×2 with
+    the policy, and its command line passes the training command's checks; with no ranks left for 2×2
+    it runs as plain ZeRO-3 and says so."""
+    from minipar.hybrid.layouts import toy_command, toy_options
+    from minipar.production import train
+    layout = plan.Layout(dp=16, zero=3, dp_shard=8, reshard_after_forward="never", dtype="fp32")
+    _, o, notes = toy_options(layout)
+    assert (o["dp"], o["dp_shard"], o["reshard_after_forward"], o["zero"], notes) == (4, 2, "never", 3, [])
+    args = train.parse(toy_command(layout)[3:])
+    train.check(args, args.dp * args.cp * args.pp * args.tp)
+    assert (args.dp, args.dp_shard, args.dp_replicate, args.reshard_after_forward) == (4, 2, 2, "never")
+    _, o, notes = toy_options(layout.replace(tp=2, pp=2, cp=2, dp=8, dp_shard=4), max_ranks=8)
+    assert o["dp_shard"] is None and o["dp"] * o["cp"] * o["pp"] * o["tp"] <= 8 and "plain ZeRO-3" in notes[-1]

@@ -2,8 +2,10 @@
 
 * :mod:`.models` — model shapes (GPT-3, Llama 3, Nemotron-4, Mixtral, the course GPT), with sources.
 * :mod:`.hardware` — accelerators and clusters, with sources.
-* :mod:`.layout` — one layout (dp, tp, pp, v, cp, ep, ZeRO, b, recomputation, dtype) and its checks.
-* :mod:`.memory` — memory per GPU by component (ZeRO, Korthikanti et al. 2022).
+* :mod:`.layout` — one layout (dp, tp, pp, v, cp, ep, ZeRO with stage 3's policy and HSDP's split, b,
+  recomputation, dtype) and its checks.
+* :mod:`.memory` — memory per GPU by component (ZeRO, ZeRO-3 under a pipeline and HSDP, Korthikanti
+  et al. 2022).
 * :mod:`.roofline` — every operation of a layer at the rate its shape allows (GEMMs, attention
   flash or materialized, memory-bound operations, the optimizer step).
 * :mod:`.overlap` — communication per dimension and how much of it the schedule hides.

@@ -31,7 +31,8 @@ and one reduce-scatter per unit per step, for Ψ_s (the stage's parameters) and 
 gradients held whole during the step.
 
 Memory per rank (2 + 2 + K)Ψ/N (fp32: (4 + 4 + K)Ψ/N) plus the gathered units in flight
-(at most two with prefetch: ``peak_gathered_bytes``, added on gather, taken off on free);
+(at most two with prefetch: ``peak_gathered_bytes``, added on gather, taken off on free;
+``peak_state_bytes``: parameters and gradients held at once, at most);
 communication 3Ψ per step: all-gather twice, reduce-scatter once. Under mixed precision
 (``param_dtype=torch.bfloat16``) the shards stay fp32 (the master weights: 4 + 4 + 8 = 16
 bytes per element, the paper's 2 + 2 + 12); gathers, gathered units, activations and the

@@ -145,6 +145,8 @@ def test_search_chooses_hsdp_on_a_slow_inter_node_link():
     twins = [p for p in fast.ranked if p.layout.hsdp and p.layout.replace(dp_shard=None) == fast.best.layout]
     assert twins and all(fast.ranked.index(p) > 0 and p.memory["total"] > fast.best.memory["total"]
                          and p.step_time >= fast.best.step_time for p in twins)
+    slower = plan.search("llama3-8b", replace(ib, network_bw=1.25e9), 64, 4096, **knobs).best.layout
+    assert slower.span("dp") <= ib.gpus_per_node and slower.pp == 2, slower
 
 
 def test_a_searched_hsdp_layout_runs_at_toy_size():

@@ -276,6 +276,7 @@ class Schedule:
         """Unit i's gradients of this backward are all in (:class:`OrderedReduction` calls this,
         in its order)."""
         trace.record("compute", "backward", self.t0[i], trace.now(), unit=i)
+        self.held()
         self.free(i)
         self.storage.reduce(i)
         self.bw[i] = False

@@ -52,7 +52,7 @@ from minipar.analysis.cost.recompute import ATTENTION_TERMS
 from minipar.analysis.cost.tensor_parallel import activation_terms
 from minipar.analysis.cost.zero import zero_bytes_per_rank
 from minipar.analysis.plan.layout import Layout
-from minipar.analysis.plan.memory import BUCKET
+from minipar.analysis.plan.memory import BUCKET, zero3_states
 from minipar.analysis.plan.models import ModelSpec
 
 
@@ -105,6 +105,10 @@ def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch:
         act = max(act, held)
     out["activations"] = act
     out["buffers"] = comm_buffer_bytes(model, L, seq_len)
+    if L.hsdp or L.kept_gathered:
+        out.update(zero3_states(model, L))
+        if L.kept_gathered:          # the buffers' one gathered layer is part of the gathered stage
+            out["buffers"] -= L.bytes_per_element * (model.num_params() / model.n_layer) / L.tp
     out["total"] = sum(out.values())
     return out
 

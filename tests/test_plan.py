@@ -344,7 +344,7 @@ def test_search_rejects_with_reasons_and_ranks():
     assert all(p.fits for p in r.ranked)
     reasons = [why for _, why in r.rejected]
     assert any(why.startswith("needs ") and "GB per GPU, has 86" in why for why in reasons)
-    assert any(why.startswith("ZeRO-3 with pipeline parallelism") for why in reasons)
+    assert any(why.startswith("ZeRO-2 with pipeline parallelism") for why in reasons)
     text = r.explain()
     assert "winner" in text and "runner-up" in text and str(r.best.layout) in text
     single = plan.search("llama3-8b", "colab-t4", global_batch=1, micro_batches=(1,))

@@ -13,7 +13,9 @@ least are set back to 1, tensor then context parallelism (the notes say which). 
     toy_run(layout, steps=3) -> {"result", "reference", "notes", "options"}
 
 What the mesh refuses is mapped to what it runs, and said: full
-recomputation with experts as selective (:func:`~minipar.hybrid.config.check_experts`).
+recomputation with experts as selective (:func:`~minipar.hybrid.config.check_experts`). ZeRO-3's
+``reshard_after_forward`` is passed on, and HSDP runs as 2 replicas × 2 shards (dp 4) where the
+toy world has the ranks.
 """
 from __future__ import annotations
 
@@ -40,6 +42,14 @@ def toy_options(layout, max_ranks: int = 8):
         notes.append(f"ep={layout.ep} runs as ep=1 (no dp·cp ranks left to carve it from)")
     v = getattr(layout, "v", 1) if size["pp"] > 1 else 1
     zero = layout.zero if size["dp"] * size["cp"] > 1 else 0
+    dp_shard = None
+    if getattr(layout, "hsdp", False) and zero == 3 and ep == 1:   # HSDP: 2 replicas of 2 shards
+        if size["dp"] == 2 and 2 * math.prod(size.values()) <= max_ranks:
+            size["dp"], dp_shard = 4, 2
+        else:
+            notes.append(f"HSDP {layout.dp_replicate}×{layout.dp // layout.dp_replicate} runs as plain ZeRO-3 "
+                         f"(no ranks left for 2×2 in a toy world of at most {max_ranks})")
+    policy = getattr(layout, "reshard_after_forward", "auto") if zero == 3 else "auto"
     recompute = layout.recompute
     if recompute == "full" and ep > 1:
         notes.append("recompute='full' runs as 'selective' (full would route twice: hybrid.config.check_experts)")
@@ -49,7 +59,8 @@ def toy_options(layout, max_ranks: int = 8):
                        **(dict(moe_every=1, n_experts=2 * ep, top_k=2) if ep > 1 else {}))
     options = dict(size, ep=ep, zero=zero, microbatches=m, virtual_stages=v,
                    schedule=layout.schedule if size["pp"] > 1 else "1f1b",
-                   dtype=None if layout.dtype == "fp32" else layout.dtype, recompute=recompute)
+                   dtype=None if layout.dtype == "fp32" else layout.dtype, recompute=recompute,
+                   reshard_after_forward=policy, dp_shard=dp_shard)
     return config, options, notes
 
 
@@ -59,6 +70,9 @@ def toy_command(layout, steps: int = 4, max_ranks: int = 8) -> list[str]:
     argv = [sys.executable, "-m", "minipar.production.train", "--steps", str(steps)]
     for k in ("dp", "cp", "pp", "tp", "ep", "zero", "microbatches", "virtual_stages", "schedule", "recompute"):
         argv += [f"--{k.replace('_', '-')}", str(o[k])]
+    argv += ["--reshard-after-forward", o["reshard_after_forward"]]
+    if o["dp_shard"]:
+        argv += ["--dp-shard", str(o["dp_shard"]), "--dp-replicate", str(o["dp"] // o["dp_shard"])]
     argv += ["--dtype", o["dtype"] or "fp32", "--batch-size", str(o["dp"] * o["microbatches"]),
              "--n-layer", str(config.n_layer), "--n-head", str(config.n_head), "--n-embd", str(config.n_embd),
              "--block-size", str(config.block_size)]

@@ -99,6 +99,7 @@ class ShardedStates:
 
     peak_gathered_bytes = property(lambda self: sum(p.peak_gathered_bytes for p in self.parts))
     peak_held_grad_bytes = property(lambda self: sum(p.peak_held_grad_bytes for p in self.parts))
+    peak_state_bytes = property(lambda self: sum(p.peak_state_bytes for p in self.parts))
 
 
 def scale_expert_shards(hm, factor: float) -> None:

@@ -30,7 +30,8 @@ def train(model, batches, optimizer=None, dp: int = 1, pp: int = 1, tp: int = 1,
     Every step is :meth:`HybridModel.step` in :func:`minipar.strategy.loop`. Returns the losses,
     the final single-device parameters (gathered, on global rank 0) and what the last step
     measured: this rank's mesh ``coords``, ``bytes_by_dim`` (and ``bytes_sent``), model-state
-    ``memory``, ``seconds`` and its trace ``events``."""
+    ``memory`` (between steps; under ZeRO-3 also ``peak_state_bytes``, the most held at once during
+    the step), ``seconds`` and its trace ``events``."""
     names = [k for k, _ in model.named_parameters()]
     mesh = ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep).build()
     hybrid = HybridModel(model, mesh, optimizer=optimizer, zero=zero, sharding=sharding,
@@ -48,6 +49,8 @@ def train(model, batches, optimizer=None, dp: int = 1, pp: int = 1, tp: int = 1,
     if hybrid.sharded is not None:      # ZeRO-3: the most bytes of gathered units alive at once
         measured["peak_gathered_bytes"] = hybrid.sharded.peak_gathered_bytes
         measured["peak_held_grad_bytes"] = hybrid.sharded.peak_held_grad_bytes
+        # the most model-state bytes held at once: parameters and gradients at their peak, the optimizer's
+        measured["peak_state_bytes"] = hybrid.sharded.peak_state_bytes + measured["memory"]["optimizer"]
         measured["unit_sizes"] = hybrid.sharded.unit_sizes()
     if hybrid.zero in (1, 2):
         measured["unit_sizes"] = hybrid.optimizer.unit_sizes()

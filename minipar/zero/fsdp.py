@@ -48,6 +48,7 @@ class FullyShardedDataParallel(nn.Module):
     units = property(lambda self: self.schedule.units)
     peak_gathered_bytes = property(lambda self: self.schedule.peak_gathered_bytes)
     peak_held_grad_bytes = property(lambda self: self.schedule.peak_held_grad_bytes)
+    peak_state_bytes = property(lambda self: self.schedule.peak_state_bytes)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

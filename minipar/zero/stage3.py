@@ -31,7 +31,8 @@ and one reduce-scatter per unit per step, for Ψ_s (the stage's parameters) and 
 gradients held whole during the step.
 
 Memory per rank (2 + 2 + K)Ψ/N (fp32: (4 + 4 + K)Ψ/N) plus the gathered units in flight
-(at most two with prefetch: ``peak_gathered_bytes``, added on gather, taken off on free);
+(at most two with prefetch: ``peak_gathered_bytes``, added on gather, taken off on free;
+``peak_state_bytes``: parameters and gradients held at once, at most);
 communication 3Ψ per step: all-gather twice, reduce-scatter once. Under mixed precision
 (``param_dtype=torch.bfloat16``) the shards stay fp32 (the master weights: 4 + 4 + 8 = 16
 bytes per element, the paper's 2 + 2 + 12); gathers, gathered units, activations and the
@@ -45,7 +46,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime import trace
-from .memory import state_tensors
+from .memory import state_tensors, storage_bytes
 from .persist import reduce_persistent
 from .reduce import OrderedReduction
 
@@ -131,6 +132,7 @@ class Schedule:
         self.nbytes = [u.full.numel() * u.full.element_size() for u in self.units]
         self.gathered_bytes = self.peak_gathered_bytes = 0     # gathered units alive now / at most
         self.peak_held_grad_bytes = 0                          # whole gradients held for finish_step
+        self.peak_state_bytes = 0                              # parameters + gradients held, at most
         self.order: list[int] = []                            # units in forward order, this forward
         self.in_backward = False
         # backward completes the units in reverse forward order; reduce them in that order
@@ -196,6 +198,7 @@ class Schedule:
         """Unit i's gradients of this backward are all in (:class:`OrderedReduction` calls this,
         in its order)."""
         trace.record("compute", "backward", self.t0[i], trace.now(), unit=i)
+        self.held()
         # >>> ex06 D
         self.free(i)
         self.storage.reduce(i)
@@ -227,6 +230,7 @@ class Schedule:
         every backward did this already and there is nothing to do."""
         if self.reshard:
             return
+        self.held()
         held = sum(p.grad.numel() * p.grad.element_size() for u in self.units for p in u.params
                    if p.grad is not None)
         self.peak_held_grad_bytes = max(self.peak_held_grad_bytes, held)
@@ -235,6 +239,18 @@ class Schedule:
             self.storage.reduce(i)
         reduce_persistent(self.persistent, self.group)
         self.bw = [False] * len(self.units)
+
+    def held(self) -> int:
+        """Bytes of parameters and gradients this rank holds now (shards, gathered units, whole and
+        sharded gradients, persistent ones), kept as ``peak_state_bytes``: sampled where the step
+        holds the most, at a unit's reduce-scatter and before :meth:`finish_step` frees the units
+        (0 for a storage that does not list its tensors)."""
+        if not hasattr(self.storage, "tensors"):
+            return 0
+        parts = self.memory_tensors()
+        now = storage_bytes(parts["params"]) + storage_bytes(parts["grads"])
+        self.peak_state_bytes = max(self.peak_state_bytes, now)
+        return now
 
     # -- gather and free, once each per use; the gathered bytes counted as they change
     def gather(self, i: int, wait: bool = True, **labels) -> None:

@@ -29,11 +29,21 @@ keeping the units gathered across the micro-batches (``reshard_after_forward=Fal
 gathers once and reduce-scatters once, 2(N-1)/N·Ψ, ZeRO-1's traffic. The price is memory
 during the step: the stage's gathered parameters and its whole accumulated gradients,
 
-    peak = (4 + 4 + K)Ψ̂/N - 4Ψ̂/N + 4Ψ̂ + 4Ψ   (fp32; the gradient shards exist only after
-                                            the step's reduce-scatter)
+    kept gathered  peak = (4 + K)Ψ̂/N + 4Ψ̂ + 4Ψ     (fp32; the gradient shards exist only after
+                                                   the step's reduce-scatter)
 
 i.e. ZeRO-1's 4Ψ + 4Ψ + KΨ/N plus the 4Ψ/N of parameter shards kept beside their gathered
-copies; resharding holds at most two gathered units (prefetch) and one unit's gradients.
+copies: *above* ZeRO-1, not between ZeRO-1 and resharding. Resharding holds stage 3's states
+with the gradient shards the earlier micro-batches reduced into, two gathered units (prefetch)
+and the whole gradients of the unit being reduced:
+
+    resharding     peak = (4 + 4 + K)Ψ̂/N + 4(Ψ̂_i + Ψ̂_i-1) + 4Ψ_i     (the largest such i)
+
+With l units of Ψ/l each the extra over stage 3 is 12Ψ/l, below ZeRO-1 only when
+12/l < 8(1 - 1/N), l > 1.5·N/(N-1) (more than 3 units for N = 2): the order by peak is then
+ZeRO-3 resharding < ZeRO-1 < ZeRO-3 kept gathered. The course's 4-layer GPT on two stages has 3
+units a stage (two of them layers), and there resharding peaks above ZeRO-1 too.
+:func:`zero3_pipeline_peak_bytes` gives both; ``hybrid.run`` measures them (``peak_state_bytes``).
 
 HSDP (:func:`hsdp_comm_bytes`): stage 3 within blocks of S = dp_shard ranks, replicated over
 R = dp_replicate blocks: memory that of stage 3 with N = S, bytes 3(S-1)/S·Ψ in the block and
@@ -121,19 +131,23 @@ def zero3_pipeline_comm_bytes(num_params, dp: int, microbatches: int, reshard_af
 def zero3_pipeline_peak_bytes(units: Sequence, dp: int, reshard_after_forward: bool, k: float = 8,
                               dtype_bytes: int = 4, prefetch: bool = True) -> dict[str, float]:
     """Model-state bytes per rank at the peak of a step of ZeRO-3 over one pipeline stage whose
-    units (layers) have ``units`` elements: ``{"shards"`` (parameter shards and optimizer state,
-    the gradient shards not yet made), ``"gathered"`` (gathered units alive at once: every unit
-    kept gathered, or the largest two consecutive ones with ``prefetch``), ``"grads"`` (whole
-    gradients held: every unit's, or the largest unit's while it is reduced), ``"total"}``."""
+    units (layers) have ``units`` elements, m > 1 micro-batches (module docstring): ``{"shards"``
+    (parameter shards and optimizer state), ``"grad_shards"`` (the reduced gradient shards:
+    resharding reduces every micro-batch into them; kept gathered makes them after the peak),
+    ``"gathered"`` (gathered units alive at once: every unit kept gathered, or unit i and, with
+    ``prefetch``, the one before it), ``"grads"`` (whole gradients: every unit's, or unit i's
+    while it is reduced), ``"total"}``; resharding's i is the unit where the sum peaks."""
     units = list(units)
     padded = [dp * -(-u // dp) for u in units]
     shards = (dtype_bytes + k) * sum(padded) / dp
-    if reshard_after_forward:
-        pairs = [a + b for a, b in zip(padded, padded[1:])] if prefetch and len(padded) > 1 else padded
-        gathered, grads = max(pairs), max(units)
+    if reshard_after_forward:   # at unit i's reduce-scatter: i and the unit before it gathered, i's gradients
+        at = [(padded[i] + (padded[i - 1] if prefetch and i else 0), units[i]) for i in range(len(units))]
+        gathered, grads = max(at, key=lambda a: a[0] + a[1])
+        grad_shards = dtype_bytes * sum(padded) / dp
     else:
-        gathered, grads = sum(padded), sum(units)
-    out = {"shards": shards, "gathered": dtype_bytes * gathered, "grads": dtype_bytes * grads}
+        gathered, grads, grad_shards = sum(padded), sum(units), 0.0
+    out = {"shards": shards, "grad_shards": grad_shards, "gathered": dtype_bytes * gathered,
+           "grads": dtype_bytes * grads}
     out["total"] = sum(out.values())
     return out
 

@@ -2,8 +2,10 @@
 
 * :mod:`.models` — model shapes (GPT-3, Llama 3, Nemotron-4, Mixtral, the course GPT), with sources.
 * :mod:`.hardware` — accelerators and clusters, with sources.
-* :mod:`.layout` — one layout (dp, tp, pp, v, cp, ep, ZeRO, b, recomputation, dtype) and its checks.
-* :mod:`.memory` — memory per GPU by component (ZeRO, Korthikanti et al. 2022).
+* :mod:`.layout` — one layout (dp, tp, pp, v, cp, ep, ZeRO with stage 3's policy and HSDP's split, b,
+  recomputation, dtype) and its checks.
+* :mod:`.memory` — memory per GPU by component (ZeRO, ZeRO-3 under a pipeline and HSDP, Korthikanti
+  et al. 2022).
 * :mod:`.roofline` — every operation of a layer at the rate its shape allows (GEMMs, attention
   flash or materialized, memory-bound operations, the optimizer step).
 * :mod:`.overlap` — communication per dimension and how much of it the schedule hides.
@@ -20,7 +22,8 @@ from . import search as search_module
 from .calibrate import fit_efficiency, fit_roofline, measure_machine
 from .hardware import ACCELERATORS, CLUSTERS, Accelerator, Cluster, get_accelerator, get_cluster
 from .layout import Layout, check, problems
-from .memory import comm_buffer_bytes, layer_activation_bytes, memory_per_gpu, model_state_bytes
+from .memory import (comm_buffer_bytes, layer_activation_bytes, memory_per_gpu, model_state_bytes,
+                     model_states_at_peak, zero3_states)
 from .models import MODELS, ModelSpec, from_gpt_config, get_model
 from .predict import Prediction, predict
 from .roofline import Efficiency
@@ -29,6 +32,7 @@ from .step_time import comm_times, step_flops, step_time
 
 __all__ = ["ACCELERATORS", "CLUSTERS", "Accelerator", "Cluster", "get_accelerator", "get_cluster", "Layout",
            "check", "problems", "memory_per_gpu", "model_state_bytes", "layer_activation_bytes",
-           "comm_buffer_bytes", "MODELS", "ModelSpec", "from_gpt_config", "get_model", "Prediction",
+           "comm_buffer_bytes", "model_states_at_peak", "zero3_states", "MODELS", "ModelSpec",
+           "from_gpt_config", "get_model", "Prediction",
            "predict", "SearchResult", "search", "layouts", "step_time", "step_flops", "comm_times",
            "fit_efficiency", "fit_roofline", "measure_machine", "Efficiency"]

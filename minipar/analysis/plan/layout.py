@@ -7,6 +7,12 @@ b, the recomputation, the precision, and what the framework overlaps (``overlap_
 splits the experts over ``ep`` of the ``dp·cp`` data ranks (as Megatron-LM does): no more GPUs.
 Ranks are numbered tp fastest, then cp, dp, pp (Megatron-LM's order): a dimension's group
 spans that many consecutive GPUs, which decides its link (:meth:`minipar.analysis.plan.Cluster.link`).
+
+ZeRO-3 takes the library's two further knobs (:class:`minipar.hybrid.Parallelism`):
+``reshard_after_forward`` (``"auto"``: kept gathered across a step's micro-batches under a
+pipeline, resharded after every use without one; ``"always"``; ``"never"``) and HSDP's
+``dp_shard`` (S: stage 3 within blocks of S·cp data ranks, the blocks' gradient shards
+all-reduced across the dp/S = ``dp_replicate`` blocks; ``None``: S = dp, plain ZeRO-3).
 """
 from __future__ import annotations
 
@@ -41,6 +47,8 @@ class Layout:
     overlap_dp: bool = True          # gradient reduction overlapped with the last micro-batch's backward
     overlap_tp: object = "auto"      # SP's gathers and scatters behind their GEMMs: True, False, "auto" (on a GPU)
     attention: str = "auto"          # "flash", "materialized", or "auto": flash on a GPU, else materialized
+    reshard_after_forward: str = "auto"   # ZeRO-3: "always", "never", or "auto" (kept gathered with pp > 1)
+    dp_shard: int | None = None      # HSDP: ZeRO-3 within blocks of dp_shard (None: all of dp)
 
     def attention_on(self, accelerator=None) -> str:
         """The attention kernel this layout runs: ``"auto"`` is ``"flash"`` on a GPU (as every
@@ -62,6 +70,27 @@ class Layout:
         return _is_gpu(accelerator)
 
     @property
+    def kept_gathered(self) -> bool:
+        """ZeRO-3 keeps a stage's units gathered across its micro-batches and reduce-scatters once
+        (:func:`minipar.hybrid.sharding.reshard_policy`'s rule)."""
+        return self.zero == 3 and (self.reshard_after_forward == "never"
+                                   or (self.reshard_after_forward == "auto" and self.pp > 1))
+
+    @property
+    def hsdp(self) -> bool:
+        return self.zero == 3 and self.dp_shard is not None and self.dp_shard < self.dp
+
+    @property
+    def dp_replicate(self) -> int:
+        """R, the blocks HSDP replicates across (1 without HSDP)."""
+        return self.dp // self.dp_shard if self.hsdp else 1
+
+    @property
+    def zero_ranks(self) -> int:
+        """N, the ranks ZeRO shards the dense states over: dp·cp, or HSDP's dp_shard·cp."""
+        return (self.dp // self.dp_replicate) * self.cp
+
+    @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
@@ -76,7 +105,8 @@ class Layout:
     def span(self, dim: str) -> int:
         """How many consecutive GPUs one group of ``dim`` spans (tp, cp, dp, pp order)."""
         return {"tp": self.tp, "cp": self.tp * self.cp, "ep": self.tp * self.cp * self.ep,
-                "dp": self.tp * self.cp * self.dp, "pp": self.world}[dim]
+                "dp": self.tp * self.cp * self.dp, "pp": self.world, "dp_shard": self.tp * self.zero_ranks,
+                "dp_replicate": self.tp * self.cp * self.dp}[dim]
 
     def microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.micro_batch)
@@ -90,6 +120,9 @@ class Layout:
         extra += [f"{self.recompute} recompute"] if self.recompute != "none" else []
         extra += [f"{self.attention} attention"] if self.attention != "auto" else []
         extra += ["TP overlapped"] if self.overlap_tp is True and self.sp else []
+        extra += [f"HSDP {self.dp_replicate}×{self.dp // self.dp_replicate}"] if self.hsdp else []
+        extra += [{"always": "resharded", "never": "kept gathered"}[self.reshard_after_forward]] \
+            if self.zero == 3 and self.reshard_after_forward in ("always", "never") else []
         v = f" v{self.v}" if self.v > 1 else ""
         return f"{'·'.join(dims) or '1 GPU'}{v} ({', '.join(extra)})"
 
@@ -133,9 +166,20 @@ def problems(model: ModelSpec, layout: Layout, global_batch: int, seq_len: int) 
     elif L.overlap_tp is True and L.tp > 1 and not L.sequence_parallel:
         out.append("overlap_tp splits sequence parallelism's gathers and scatters: it needs "
                    "sequence_parallel=True")
-    if L.pp > 1 and L.zero >= 2:
-        out.append(f"ZeRO-{L.zero} with pipeline parallelism would reduce gradients (and gather "
-                   "parameters) at every micro-batch; the planner leaves it out")
+    if L.pp > 1 and L.zero == 2:
+        out.append("ZeRO-2 with pipeline parallelism reduce-scatters every micro-batch's gradients; "
+                   "the planner leaves it out")
+    if L.reshard_after_forward not in ("auto", "always", "never"):
+        out.append(f"reshard_after_forward must be 'auto', 'always' or 'never', got {L.reshard_after_forward!r}")
+    elif L.reshard_after_forward != "auto" and L.zero != 3:
+        out.append(f"reshard_after_forward={L.reshard_after_forward!r} is ZeRO-3's policy, got zero={L.zero}")
+    if L.dp_shard is not None:
+        if not isinstance(L.dp_shard, int) or L.dp_shard < 1 or L.dp % L.dp_shard:
+            out.append(f"dp_shard={L.dp_shard!r} must be a positive divisor of dp={L.dp} (dp = dp_replicate·dp_shard)")
+        elif L.dp_shard < L.dp and L.zero != 3:
+            out.append(f"dp_shard={L.dp_shard} < dp={L.dp} (HSDP) shards parameters: it needs zero=3, got zero={L.zero}")
+        elif L.dp_shard < L.dp and L.ep > 1:
+            out.append(f"dp_shard={L.dp_shard} < dp={L.dp} with ep={L.ep}: HSDP shards dense models only")
     return out
 
 

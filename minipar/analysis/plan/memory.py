@@ -25,6 +25,18 @@
 * **Communication buffers**: a 25 MB gradient bucket with dp > 1 (PyTorch DDP's default), a
   sequence-parallel layer's all-gathered (s, b, h) input, a pipeline stage's two boundary
   activations, and ZeRO-3's one gathered layer.
+* **ZeRO-3's policy and HSDP** (:func:`zero3_states`; ``Layout.reshard_after_forward``,
+  ``Layout.dp_shard``). HSDP shards over N = dp_shard·cp instead of dp·cp. Kept gathered (the
+  default under a pipeline) a stage's parameters stay whole from its first forward to the
+  reduce-scatter after its last backward, and its gradients accumulate whole on them: at the
+  peak ``params`` = eΨ/N (shards) + eΨ (gathered), ``grads`` = eΨ (the shards come after the
+  peak), ``optimizer`` = KΨ/N, and the one gathered layer of the buffers is part of the stage
+  (Ψ = Ψ_local). That is ZeRO-1's eΨ + eΨ + KΨ/N plus the eΨ/N of parameter shards: kept
+  gathered sits *above* ZeRO-1, not between ZeRO-1 and ZeRO-3 resharding after every use
+  (:func:`minipar.analysis.cost.zero3_pipeline_peak_bytes`, measured by ``hybrid.run``'s
+  ``peak_state_bytes``). Resharding is charged as without a pipeline: stage 3's states and one
+  gathered layer, FSDP's steady state; at a unit's reduce-scatter it also holds the prefetched
+  unit before it and the unit's whole gradients, 2eΨ/l more, which this count leaves out.
 """
 from __future__ import annotations
 
@@ -95,8 +107,25 @@ def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch:
     out["activations"] = act
     # <<< ex10 C
     out["buffers"] = comm_buffer_bytes(model, L, seq_len)
+    if L.hsdp or L.kept_gathered:
+        out.update(zero3_states(model, L))
+        if L.kept_gathered:          # the buffers' one gathered layer is part of the gathered stage
+            out["buffers"] -= L.bytes_per_element * (model.num_params() / model.n_layer) / L.tp
     out["total"] = sum(out.values())
     return out
+
+
+def zero3_states(model: ModelSpec, layout: Layout) -> dict[str, float]:
+    """``{"params", "grads", "optimizer"}`` bytes per GPU at the peak of a ZeRO-3 step with the
+    layout's policy and HSDP split (module docstring): stage 3 over N = dp_shard·cp, and kept
+    gathered, the stage's whole parameters and gradients beside the shards."""
+    L = layout
+    shards = model_state_bytes(model, L.replace(dp=L.dp // L.dp_replicate, dp_shard=None))
+    if not L.kept_gathered:
+        return shards
+    whole = model_state_bytes(model, L.replace(zero=0, dp_shard=None, reshard_after_forward="auto"))
+    return {"params": shards["params"] + whole["params"], "grads": whole["grads"],
+            "optimizer": shards["optimizer"]}
 
 
 def stage_layers(n_layer: int, pp: int) -> list[int]:
@@ -128,3 +157,13 @@ def comm_buffer_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
         out += e * (model.num_params() / model.n_layer) / L.tp
     return out
     # <<< ex10 C
+
+
+def model_states_at_peak(model: ModelSpec, layout: Layout) -> float:
+    """Bytes of model states per GPU at the step's peak: :func:`memory_per_gpu`'s params, grads and
+    optimizer, and ZeRO-3's gathered layer, which it counts among the buffers when resharding (what
+    ``hybrid.run`` measures as ``peak_state_bytes``, less the prefetched unit and one unit's gradients)."""
+    L = layout
+    states = zero3_states(model, L) if (L.hsdp or L.kept_gathered) else model_state_bytes(model, L)
+    layer = L.bytes_per_element * (model.num_params() / model.n_layer) / L.tp if L.zero == 3 and not L.kept_gathered else 0.0
+    return sum(states.values()) + layer

@@ -44,8 +44,19 @@ dp     :func:`~minipar.analysis.cost.zero_comm_bytes` of the     ZeRO 0-2: gradi
                                                        layer i+1's gather prefetched behind layer i's
                                                        forward, gather + reduce-scatter behind its
                                                        backward (FSDP), for every micro-batch: per
-                                                       layer ``max(0, c - t)``, plus the first gather. ``overlap_dp=False``:
-                                                       all exposed (Megatron-LM 2021 with pp > 1)
+                                                       layer ``max(0, c - t)``, plus the first gather.
+       kept gathered (``Layout.kept_gathered``, the    ZeRO-3 kept gathered: each unit's one gather
+       default with pp > 1): ZeRO-1's 2(N-1)/N·Ψ,      behind the first micro-batch's forward, its one
+       one gather and one reduce-scatter per unit      reduce-scatter behind the last one's backward,
+       (:func:`~minipar.analysis.cost.zero3_pipeline_  per layer ``max(0, c - t)`` each, plus the
+       comm_bytes`), not 3m(N-1)/N·Ψ                   first gather. ``overlap_dp=False``: all exposed
+                                                       (Megatron-LM 2021 with pp > 1)
+dp_    HSDP (``Layout.dp_shard`` = S): the dp row's    dp_shard: as dp; dp_replicate: the one
+shard  ZeRO-3 over S·cp ranks (their link), and one    all-reduce runs after the step's last reduce-
+dp_re  all-reduce of the eΨ/(S·cp) gradient shard      scatter, exposed (:func:`minipar.analysis.cost.
+plica  across the R = dp/S blocks (the dp group's      hsdp_comm_bytes`): only Ψ/N of a rank's bytes
+te     link: between nodes when dp spans them)         cross the slow link, where plain ZeRO-3 sends
+                                                       3(N-1)/N·Ψ per micro-batch over it
 =====  ==============================================  =============================================
 
 **Hidden is not free.** An overlapped transfer still reads its bytes from HBM and writes what it
@@ -68,7 +79,8 @@ from __future__ import annotations
 import math
 
 from ..cost.tensor_parallel import tp_comm_bytes_per_layer
-from ..cost.zero import zero_comm_bytes
+from ..cost.collectives import collective_bytes
+from ..cost.zero import zero3_pipeline_comm_bytes, zero_comm_bytes
 from .layout import Layout
 from .memory import BUCKET
 from .models import ModelSpec
@@ -141,9 +153,12 @@ def comm_times(model: ModelSpec, layout: Layout, cluster, seq_len: int, global_b
         sec = _time(calls * msg, calls, link, calls, k)
         out["pp"] = {"bytes": calls * msg, "seconds": sec, "calls": calls,   # software is never hidden
                      "exposed": _time(2 * (L.pp - 1) * msg, 2 * (L.pp - 1), link, calls, k)}
-    n_dp = L.dp * L.cp
+    n_dp = L.zero_ranks
     if n_dp > 1:
-        out["dp"] = _dp(model, L, cluster, n_dp, layers, compute)
+        out["dp_shard" if L.hsdp else "dp"] = _dp(model, L, cluster, n_dp, layers, compute,
+                                                  "dp_shard" if L.hsdp else "dp")
+    if L.hsdp:
+        out["dp_replicate"] = _replicate(model, L, cluster)
     for dim, c in out.items():
         c["link"] = link_name(dim)
         hidden = c["bytes"] * (1 - min(1.0, c["exposed"] / c["seconds"])) if c["seconds"] else 0.0
@@ -152,25 +167,32 @@ def comm_times(model: ModelSpec, layout: Layout, cluster, seq_len: int, global_b
     return out
 
 
-def _dp(model, L, cluster, n_dp, layers, compute) -> dict:
+def _dp(model, L, cluster, n_dp, layers, compute, dim="dp") -> dict:
     e, k = L.bytes_per_element, cluster.call_overhead
-    link = cluster.link(L.span("dp"))
+    link = cluster.link(L.span(dim))
     psi = model.num_params() / (L.tp * L.pp)
-    nbytes = zero_comm_bytes(psi, n_dp, L.zero, dtype_bytes=e, padded=False)
-    if L.zero == 3:                               # FSDP gathers and scatters again for every micro-batch
-        nbytes *= L.microbatches(compute["global_batch"])
+    kept, mb = L.kept_gathered, L.microbatches(compute["global_batch"])
+    if kept:                                      # one gather and one reduce-scatter per unit and step
+        nbytes = zero3_pipeline_comm_bytes(psi, n_dp, mb, False, dtype_bytes=e, padded=False)
+    else:
+        nbytes = zero_comm_bytes(psi, n_dp, L.zero, dtype_bytes=e, padded=False)
+    if L.zero == 3 and not kept:                  # FSDP gathers and scatters again for every micro-batch
+        nbytes *= mb
     units = layers + (2 if L.pp == 1 else 1)      # ZeRO shards layer by layer (embedding, head too)
-    messages = (3 if L.zero == 3 else 2) * (n_dp - 1) * max(1, layers)
+    messages = (3 if L.zero == 3 and not kept else 2) * (n_dp - 1) * max(1, layers)
     if L.zero == 0:
         calls = math.ceil(nbytes / 2 / BUCKET)
     else:
-        calls = (3 * L.microbatches(compute["global_batch"]) if L.zero == 3 else 2) * units
+        calls = (3 * mb if L.zero == 3 and not kept else 2) * units
     rounds = calls * (n_dp - 1) * (2 if L.zero == 0 else 1)   # all-reduce 2(N-1) rounds, gather/scatter N-1
     sec = _time(nbytes, messages, link, rounds, k)
     software = rounds * k
     wire = sec - software
     if not L.overlap_dp:
         exposed = sec
+    elif kept:                                     # per layer: the gather (first forward), the scatter (last backward)
+        c = wire / (2 * units)
+        exposed = c + units * (max(0.0, c - compute["layer_fwd"]) + max(0.0, c - compute["layer_bwd"])) + software
     elif L.zero == 3:                              # per layer: gather (forward), gather + scatter (backward)
         mb = L.microbatches(compute["global_batch"])
         c_f, c_b = wire / (3 * units * mb), 2 * wire / (3 * units * mb)
@@ -181,3 +203,12 @@ def _dp(model, L, cluster, n_dp, layers, compute) -> dict:
         buckets = max(1, math.ceil(psi * e / BUCKET))
         exposed = bucketed(grads, buckets, compute["stage_bwd"]) + (wire - grads) + software
     return {"bytes": nbytes, "seconds": sec, "exposed": exposed, "calls": calls}
+
+
+def _replicate(model, L, cluster) -> dict:
+    """HSDP's all-reduce of the gradient shards across the dp_replicate blocks, after the step."""
+    shard = L.bytes_per_element * model.num_params() / (L.tp * L.pp) / L.zero_ranks
+    R, link = L.dp_replicate, cluster.link(L.span("dp_replicate"))
+    nbytes = collective_bytes("all_reduce", shard, R)
+    sec = _time(nbytes, 2 * (R - 1), link, 2 * (R - 1), cluster.call_overhead)
+    return {"bytes": nbytes, "seconds": sec, "exposed": sec, "calls": 1}

@@ -1,9 +1,11 @@
 """Search: every valid layout for a model on a cluster, the ones that fit, ranked.
 
 :func:`search` enumerates ``dp·tp·pp·cp = N`` (tp inside a node), the expert-parallel size,
-the ZeRO stage, the micro-batch, the recomputation and the schedule (1F1B, or interleaved with
-v virtual stages), predicts each (:func:`minipar.analysis.plan.predict`), rejects what cannot run or
-does not fit, each with its reason, and ranks the rest by predicted step time.
+the ZeRO stage (ZeRO-3 under a pipeline too; ``policies=True``, ``hsdp=True``: either
+``reshard_after_forward`` policy and HSDP's splits), the micro-batch, the recomputation and the
+schedule (1F1B, or interleaved with v virtual stages), predicts each
+(:func:`minipar.analysis.plan.predict`), rejects what cannot run or does not fit, each with its
+reason, and ranks the rest by predicted step time.
 :meth:`SearchResult.explain` says why the winner beats the runner-up: where their steps differ most,
 and each one's bottleneck (:attr:`Prediction.bottleneck`: compute-bound, memory-bound, exposed
 communication on which link, or the bubble). Layouts within :data:`NEAR_TIE` (2%) of each other
@@ -84,11 +86,15 @@ class SearchResult:
 def layouts(model, n_gpus: int, gpus_per_node: int, global_batch: int, seq_len: int,
             dtype: str = "bf16", micro_batches=(1, 2, 4, 8), recompute=("none", "selective", "full"),
             zero=(0, 1, 2, 3), virtual=(1, 2, 4), max_cp: int = 16, flash: bool = False,
-            overlap_tp="auto"):
+            overlap_tp="auto", policies: bool = False, hsdp: bool = False):
     """Every combination of the knobs (invalid ones included; :func:`search` filters);
     ``flash``: leave out selective recomputation, which flash attention makes the same run as none;
     ``overlap_tp``: whether the framework overlaps sequence parallelism's gathers and scatters with
-    their GEMMs (:meth:`Layout.tp_overlap_on`; ``"auto"``: on a GPU)."""
+    their GEMMs (:meth:`Layout.tp_overlap_on`; ``"auto"``: on a GPU). ZeRO-3 comes with its ``"auto"``
+    policy (kept gathered under a pipeline, the library's default); ``policies=True`` adds the other
+    ``reshard_after_forward`` (with m > 1 micro-batches: resharding under a pipeline, kept gathered
+    without one), ``hsdp=True`` every HSDP split ``dp_shard`` = S, 1 < S < dp (both off by default:
+    each multiplies the ZeRO-3 layouts to predict)."""
     spec = get_model(model)
     for tp, cp, pp in itertools.product(_divisors(min(n_gpus, gpus_per_node)), _divisors(n_gpus),
                                         _divisors(n_gpus)):
@@ -99,8 +105,16 @@ def layouts(model, n_gpus: int, gpus_per_node: int, global_batch: int, seq_len: 
         for ep, z, b, rc, v in itertools.product(eps, zero, micro_batches, recompute, virtual):
             if (pp == 1 and v > 1) or (dp * cp == 1 and z) or (rc == "selective" and flash):
                 continue   # under flash attention selective recomputation is "none" (no scores to drop)
-            yield Layout(dp=dp, tp=tp, pp=pp, v=v, cp=cp, ep=ep, zero=z, micro_batch=b, recompute=rc,
+            lay = Layout(dp=dp, tp=tp, pp=pp, v=v, cp=cp, ep=ep, zero=z, micro_batch=b, recompute=rc,
                          dtype=dtype, schedule="interleaved" if v > 1 else "1f1b", overlap_tp=overlap_tp)
+            yield lay
+            if z != 3:
+                continue
+            other = ["always" if pp > 1 else "never"] if policies and global_batch // (dp * b) > 1 else []
+            shards = [None] + ([S for S in _divisors(dp) if 1 < S < dp] if hsdp and ep == 1 else [])
+            for policy, S in itertools.product(["auto"] + other, shards):
+                if policy != "auto" or S is not None:
+                    yield lay.replace(reshard_after_forward=policy, dp_shard=S)
 
 
 def search(model, cluster, global_batch: int, seq_len: int | None = None, nodes: int | None = None,

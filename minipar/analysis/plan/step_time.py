@@ -77,7 +77,7 @@ def compute_times(model: ModelSpec, layout: Layout, accelerator, seq_len: int, g
     ends_bwd = roofline.backward(ends_fwd)
     ends = ends_fwd + ends_bwd
     m = L.microbatches(global_batch)
-    local = model.num_params() / (L.tp * L.pp) / (L.dp * L.cp if L.zero else 1)
+    local = model.num_params() / (L.tp * L.pp) / (L.zero_ranks if L.zero else 1)
     opt = roofline.optimizer_op(local)
     mb = m * (layers * (f + b + r) + t(ends))
     overhead = acc.layer_overhead * m * math.ceil((model.n_layer + 2) / L.pp)

@@ -90,8 +90,9 @@ def reshard(old, new) -> dict:
 
 def exchange_seconds(sent: list[int], received: list[int], alpha: float, beta: float) -> float:
     """The α-β time of the switch's all-to-all, ``(n − 1)·α + β·max_r max(sent_r, received_r)``:
-    a pairwise exchange takes n − 1 steps, one message each way per step (Thakur, Rabenseifner &
-    Gropp 2005, §4.4), and the rank with the most bytes to send or receive finishes last.
+    a pairwise exchange takes n − 1 steps, one message each way per step (the pairwise-exchange
+    all-to-all of Thakur, Rabenseifner & Gropp 2005), and the rank with the most bytes to send or
+    receive finishes last.
     ``sent``/``received``: bytes per rank (each rank's record's ``bytes_sent``/``bytes_received``);
     α, β: seconds per message and per byte (:func:`minipar.analysis.plan.measure_machine`)."""
     n = len(sent)

@@ -114,6 +114,20 @@ def test_switch_sends_the_plan_and_only_what_is_missing(launched):
         per_switch = zip(*[r[job]["measured"]["switches"] for r in launched])
         for ranks in per_switch:
             assert sum(s["bytes_sent"] for s in ranks) == ranks[0]["plan_bytes"]
+            assert sum(s["bytes_received"] for s in ranks) == ranks[0]["plan_bytes"]
+            for s in ranks:                 # the phases add up to the reshard, the rebuild beside it
+                assert set(s["phases"]) == {"describe", "plan", "wait", "copy", "all_to_all"}, s["phases"]
+                assert s["seconds"] == pytest.approx(sum(s["phases"].values()))
+                assert s["phases"]["all_to_all"] > 0 and s["phases"]["copy"] >= 0 and s["build_seconds"] > 0, s
+    # into dp4 every rank receives all it lacks: (Ψ − held) × 2 tensors × 4 bytes
+    assert [s["bytes_received"] for s in into_dp4] == [(psi - h) * 2 * 4 for h in held]
+
+
+def test_exchange_time_is_the_alpha_beta_of_the_busiest_rank():
+    """(n − 1)·α + β·max(sent, received): 3 ranks, rank 1 receives the most (900 B)."""
+    assert adapt.switch.exchange_seconds([100, 0, 800], [0, 900, 0], alpha=1e-3, beta=1e-6) == \
+        pytest.approx(2e-3 + 900e-6)
+    assert adapt.switch.exchange_seconds([0], [0], alpha=1.0, beta=1.0) == 0.0
 
 
 def test_plan_copies_locally_and_spreads_sources():

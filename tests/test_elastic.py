@@ -14,8 +14,8 @@ restart the job on 4 (the workers, told by SIGTERM, checkpoint the step they are
 waits for a bootstrap address the existing agents never publish again (torch 2.13's dynamic
 rendezvous caches it), and the grow would hang.
 
-The 40 losses equal one process's (AdamW, rtol 1e-4, atol 5e-5), and each start's record says
-how long it took: from the failure to the next finished step, and its parts."""
+The 40 losses equal one process's (AdamW, rtol 1e-4, atol 5e-5), the last start is on 4 ranks
+and trains steps after the 3 ranks' (it grew back), and each start's record says how long it took: from the failure to the next finished step, and its parts."""
 import json
 import os
 import signal
@@ -102,8 +102,11 @@ def test_a_node_leaves_and_comes_back_and_the_losses_are_one_process(tmp_path):
     torch.testing.assert_close(torch.tensor(got["history"]), torch.tensor(want["losses"]), rtol=1e-4, atol=5e-5)
     shrunk = next(r for r in got["recoveries"] if r["world"] == 3)
     failed_at = float(left.read_text())
+    grown = got["recoveries"][-1]                  # the steps after the return ran on 4 ranks again
+    assert grown["world"] == 4 and shrunk["step"] < grown["step"] < 40, got["recoveries"]
     recovered = shrunk["first_step_at"] - failed_at
     assert 0 < recovered < 120, recovered
     print(f"failure → next step on 3 ranks: {recovered:.1f} s (start {shrunk['started_at'] - failed_at:.1f} s "
           f"after the failure: detection and rendezvous; build {shrunk['build_s']:.2f} s, load "
-          f"{shrunk['load_s']:.3f} s, first step {shrunk['first_step_s']:.3f} s)")
+          f"{shrunk['load_s']:.3f} s, first step {shrunk['first_step_s']:.3f} s); steps {shrunk['step'] + 1}.."
+          f"{grown['step']} on 3 ranks, {grown['step'] + 1}..40 on 4 again")

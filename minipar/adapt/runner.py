@@ -46,13 +46,14 @@ class Adaptive:
         """Build ``layout`` (or call ``model()``, which builds it) and move the state into it."""
         t0 = time.perf_counter()
         new = model() if model is not None else self.build(layout, bounds)
+        built = time.perf_counter() - t0
         if self.hm is None:             # the first build: what a switch's rebuild will cost, at least
-            self.build_seconds = time.perf_counter() - t0
+            self.build_seconds = built
         if self.slow is not None and dist.get_rank() == self.slow[0]:
             slow_down([layer for st in new.stages.values() for layer in st], self.slow[1])
         if self.hm is not None:
             self.records.append({"step": step, "from": str(self.layout), "to": str(layout),
-                                 "bounds": list(new.bounds)} | reshard(self.hm, new))
+                                 "bounds": list(new.bounds), "build_seconds": built} | reshard(self.hm, new))
         self.hm, self.layout = new, layout
         self.clock = LayerClock(new) if self.adapt_every else None
         return new
@@ -82,7 +83,7 @@ class Adaptive:
         if hm.mesh.pp == 1 or done >= self.steps:
             return
         new = partition(c, len(hm.bounds) - 1)
-        past = [r["seconds"] for r in self.records]
+        past = [r["seconds"] + r["build_seconds"] for r in self.records]   # the rebuild is part of it
         guess = max(past) if past else 1.5 * self.build_seconds    # no switch measured yet
         if self.switch_cost is not None:
             guess = self.switch_cost

@@ -24,8 +24,12 @@ from .moves import concatenated, plan
 def reshard(old, new) -> dict:
     """Move ``old``'s parameters and optimizer state (a :class:`~minipar.hybrid.HybridModel`) into
     ``new`` (another layout of the same model and world). A collective of the whole world.
-    Returns the switch's record on this rank: ``bytes_sent`` (by the plan, and ``sent_observed``
-    by the all-to-all's own event), ``plan_bytes`` (the whole switch), ``moves`` and ``seconds``."""
+    Returns the switch's record on this rank: ``bytes_sent`` and ``bytes_received`` (by the plan,
+    and ``sent_observed`` by the all-to-all's own event), ``plan_bytes`` (the whole switch),
+    ``moves``, ``seconds`` and its ``phases``: ``describe`` (the holdings exchanged as runs),
+    ``plan``, ``wait`` (a barrier: the ranks reach the move at different times),
+    ``all_to_all`` (the collective's own event) and ``copy`` (the rest of the move:
+    packing, local copies, unpacking into the new tensors); ``seconds`` is their sum."""
     phases, t = {}, time.perf_counter()
 
     def done(phase):
@@ -35,7 +39,7 @@ def reshard(old, new) -> dict:
         index, views = holdings(old)
         shared = scalars(old)
         olds = [None] * dist.get_world_size()
-        dist.all_gather_object(olds, (runs_of(index), {k: (v.dtype, v.is_floating_point()) for k, v in shared.items()},
+        dist.all_gather_object(olds, (packed(runs_of(index)), {k: (v.dtype, v.is_floating_point()) for k, v in shared.items()},
                                       {k: views[k][0].dtype for k in views}))
         dtypes = {k: d for _, _, kinds in olds for k, d in kinds.items()}
         create = {}                              # the optimizer state the new layout must have
@@ -46,34 +50,53 @@ def reshard(old, new) -> dict:
         for slot, (dtype, _) in next((sc for _, sc, _ in olds if sc), {}).items():
             for name in {k.split("/", 1)[1] for k in dtypes}:
                 create.setdefault(name, {})[slot] = (True, dtype)
-        olds = [from_runs(i) for i, _, _ in olds]
+        olds = [from_runs(unpacked(i)) for i, _, _ in olds]
         new_index, new_views = holdings(new, create)
         news = [None] * dist.get_world_size()
-        dist.all_gather_object(news, runs_of(new_index))
-        news = [from_runs(i) for i in news]
+        dist.all_gather_object(news, packed(runs_of(new_index)))
+        news = [from_runs(unpacked(i)) for i in news]
         done("describe")
-        sizes = {f"{kind}/{n}": s.numel() for n, s in new.full_shapes.items() for kind in
-                 sorted({k.split("/", 1)[0] for k in dtypes})}
+        kinds = sorted({k.split("/", 1)[0] for k in dtypes})
+        sizes = {f"{kind}/{n}": s.numel() for n, s in new.full_shapes.items() for kind in kinds}
         sizes = {k: n for k, n in sizes.items() if any(k in h for h in news)}
         mine_old = [k for k in sizes if k in index]            # this rank's keys, in the plan's order
         mine_new = [k for k in sizes if k in new_index]
         p = plan([{"state": i} for i in concatenated(olds, sizes)],
                  [{"state": i} for i in concatenated(news, sizes)], {"state": sum(sizes.values())})
         done("plan")
+        dist.barrier()                 # the ranks arrive apart: the wait is not the exchange's
+        done("wait")
         device = next(v for vs in new_views.values() for v in vs).device
         flat_new = torch.empty(sum(len(new_index[k]) for k in mine_new), dtype=torch.float32, device=device)
         flat_old = (torch.cat([v for k in mine_old for v in views[k]]) if mine_old
                     else torch.empty(0, dtype=torch.float32, device=device))
+        mark = trace.mark()
         observed = _execute(p, {"state": flat_old}, {"state": flat_new})
+        exchange = sum(e["end"] - e["start"] for e in trace.since(mark) if e["kind"] == "comm" and e["name"] == "reshard")
         at = 0
         for k in mine_new:
             for v in new_views[k]:
                 v.copy_(flat_new[at:at + v.numel()])
                 at += v.numel()
         set_scalars(new, shared)
-        done("move")
-    return {"bytes_sent": p.sent()[dist.get_rank()], "sent_observed": observed, "plan_bytes": p.bytes(),
-            "moves": len(p.moves), "seconds": sum(phases.values()), "phases": phases}
+        done("copy")
+        phases["copy"] -= exchange                 # what stays: packing, local copies, unpacking
+        phases["all_to_all"] = exchange
+    me = dist.get_rank()
+    received = sum(mv.numel for mv in p.moves if mv.dst == me and mv.src != me) * 4
+    return {"bytes_sent": p.sent()[me], "bytes_received": received, "sent_observed": observed,
+            "plan_bytes": p.bytes(), "moves": len(p.moves), "seconds": sum(phases.values()), "phases": phases}
+
+
+def exchange_seconds(sent: list[int], received: list[int], alpha: float, beta: float) -> float:
+    """The α-β time of the switch's all-to-all, ``(n − 1)·α + β·max_r max(sent_r, received_r)``:
+    a pairwise exchange takes n − 1 steps, one message each way per step (the pairwise-exchange
+    all-to-all of Thakur, Rabenseifner & Gropp 2005), and the rank with the most bytes to send or
+    receive finishes last.
+    ``sent``/``received``: bytes per rank (each rank's record's ``bytes_sent``/``bytes_received``);
+    α, β: seconds per message and per byte (:func:`minipar.analysis.plan.measure_machine`)."""
+    n = len(sent)
+    return (n - 1) * alpha + beta * max(max(s, r) for s, r in zip(sent, received)) if n > 1 else 0.0
 
 
 def runs_of(index: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -104,6 +127,20 @@ def from_runs(runs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[k] = offsets + torch.arange(n)
     return out
     # <<< ex12 C
+
+
+def packed(runs: dict[str, torch.Tensor]) -> tuple[list[str], list[int], "numpy.ndarray"]:
+    """:func:`runs_of`'s result as one array for the wire: ``(keys, runs per key, all runs)``
+    (pickling one NumPy array costs a fraction of pickling a tensor per key)."""
+    keys = list(runs)
+    flat = torch.cat([runs[k].reshape(-1, 2) for k in keys]) if keys else torch.zeros(0, 2, dtype=torch.long)
+    return keys, [len(runs[k]) for k in keys], flat.cpu().numpy()
+
+
+def unpacked(wire) -> dict[str, torch.Tensor]:
+    """The runs by key back from :func:`packed`."""
+    keys, counts, flat = wire
+    return dict(zip(keys, torch.from_numpy(flat).split(counts)))
 
 
 def _execute(p, tensors, new_tensors) -> int:

@@ -66,7 +66,8 @@ def train(model, batches, optimizer=None, layout="dp=1", switches=(), candidates
     """Rank function: train ``model`` on ``batches`` through every layout of the run. Returns the
     losses of every step, the final single-device parameters (on rank 0) and ``measured``: the
     last step's, plus ``switches`` (this rank's record of each switch: step, layouts, bytes by the
-    plan and as observed, seconds) and ``step_seconds`` of every step.
+    plan and as observed, ``build_seconds`` of the new model and the reshard's ``seconds`` and
+    ``phases``) and ``step_seconds`` of every step.
 
     ``candidates`` (layouts, or :func:`~minipar.adapt.auto.propose`'s rows): train ``probe`` steps
     on each in turn, then the rest on the one measured fastest (:func:`~minipar.adapt.auto.decide`);
@@ -75,8 +76,8 @@ def train(model, batches, optimizer=None, layout="dp=1", switches=(), candidates
 
     ``slow_rank="R:F"`` makes rank R's compute F times slower (:func:`~minipar.adapt.straggler.slow_down`);
     ``adapt_every=N`` times every layer every N steps and, under a pipeline, moves to the cut of the
-    measured costs when the gain pays for the switch (``switch_cost`` seconds; ``None``: the last
-    switch's measured time, before any the first build's) (:func:`~minipar.adapt.straggler.worth_it`;
+    measured costs when the gain pays for the switch (``switch_cost`` seconds; ``None``: the
+    costliest switch so far, its rebuild included, before any 1.5 × the first build) (:func:`~minipar.adapt.straggler.worth_it`;
     ``measured["repartitions"]`` is the log)."""
     options = dict(dtype=dtype, recompute=recompute, schedule=schedule, sequence_parallel=sequence_parallel,
                    bucket_cap_mb=bucket_cap_mb)

@@ -9,10 +9,13 @@ Two things, on 4 ranks of the course GPT (SGD with momentum):
   switches included. ``ratio`` = adaptive / static, the median of ``--repeats`` pairs (the range
   is printed too);
 * **a switch**: dp4 → dp2·tp2 → pp2·tp2 under ZeRO-1, each switch's plan bytes and the time of
-  its move (packing, the all-to-all, unpacking) beside the α-β estimate of that exchange on this machine
-  (:func:`minipar.analysis.plan.measure_machine`'s α and β, the busiest sender's bytes), and the
-  whole switch's time (describing the holdings, the plan, the move; the new mesh and model are
-  built before it).
+  its all-to-all beside the α-β estimate of that exchange on this machine
+  (:func:`minipar.adapt.switch.exchange_seconds` with :func:`minipar.analysis.plan.measure_machine`'s
+  α and β: n − 1 messages and the busiest rank's bytes), and the switch's other phases, each the
+  slowest rank's: building the new mesh and model, describing the holdings, the plan, waiting for
+  the other ranks (a barrier), the copies (packing and unpacking).
+
+The whole run's time is its steps plus its switches, their rebuilds included.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ def momentum(ps):
 
 def _whole(result) -> float:
     m = result.measured[0]
-    return sum(m["step_seconds"]) + sum(s["seconds"] for s in m["switches"])
+    return sum(m["step_seconds"]) + sum(s["seconds"] + s["build_seconds"] for s in m["switches"])
 
 
 def main(argv=None) -> dict:
@@ -64,16 +67,16 @@ def main(argv=None) -> dict:
     result = {"rows": rows, "baseline": "static", "ratio": statistics.median(ratios),
               "ratio_range": [min(ratios), max(ratios)], "ratios": ratios, "switches": switches,
               "device": a.device, "steps": steps, "repeats": repeats}
-    notes = [f"ratio range over {repeats} pairs: {min(ratios):.3f} .. {max(ratios):.3f} (whole runs, switches included)",
-             "a switch:  " + "; ".join(f"{s['to']}: {s['plan_MiB']:.2f} MiB, move {s['move_ms']:.1f} ms "
-                                       f"(pack, all-to-all, unpack; the exchange's α-β estimate {s['estimate_ms']:.1f} ms), "
-                                       f"whole switch {s['switch_ms']:.0f} ms"
-                                       for s in switches)]
+    notes = [f"ratio range over {repeats} pairs: {min(ratios):.3f} .. {max(ratios):.3f} (whole runs, switches and their rebuilds included)",
+             *[f"a switch to {s['to']}: {s['plan_MiB']:.2f} MiB, all-to-all {s['all_to_all_ms']:.1f} ms "
+               f"(α-β estimate {s['estimate_ms']:.1f} ms); build {s['build_ms']:.0f} ms, describe "
+               f"{s['describe_ms']:.0f} ms, plan {s['plan_ms']:.0f} ms, wait {s['wait_ms']:.0f} ms, copy {s['copy_ms']:.1f} ms" for s in switches]]
     return report(result, a, intro=[f"4 ranks, GPT {config.n_layer}×{config.n_embd}, {steps} steps, "
                                     f"median of {repeats} interleaved pairs"], notes=notes)
 
 
 def _switches(config, batches, a) -> list[dict]:
+    from ..adapt.switch import exchange_seconds
     from ..analysis.plan import measure_machine
     machine = measure_machine(config, 4)
     res = adapt.run(GPT(config, seed=0), batches, 4, momentum, launch_options={"device": a.device}, layout="dp=4,zero=1",
@@ -81,11 +84,12 @@ def _switches(config, batches, a) -> list[dict]:
     out = []
     for i, s in enumerate(res.measured[0]["switches"]):
         per_rank = [m["switches"][i] for m in res.measured]
-        busiest = max(r["bytes_sent"] for r in per_rank)
-        out.append({"to": s["to"], "plan_MiB": s["plan_bytes"] / 2**20,
-                    "move_ms": 1e3 * max(r["phases"]["move"] for r in per_rank),
-                    "estimate_ms": 1e3 * (3 * machine["alpha"] + busiest * machine["beta"]),
-                    "switch_ms": 1e3 * max(r["seconds"] for r in per_rank)})
+        estimate = exchange_seconds([r["bytes_sent"] for r in per_rank], [r["bytes_received"] for r in per_rank],
+                                    machine["alpha"], machine["beta"])
+        out.append({"to": s["to"], "plan_MiB": s["plan_bytes"] / 2**20, "estimate_ms": 1e3 * estimate,
+                    "build_ms": 1e3 * max(r["build_seconds"] for r in per_rank),
+                    **{f"{k}_ms": 1e3 * max(r["phases"][k] for r in per_rank) for k in s["phases"]},
+                    "switch_ms": 1e3 * max(r["seconds"] + r["build_seconds"] for r in per_rank)})
     return out
 
 

@@ -61,7 +61,7 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         g.test_compute_actions, r"1F1B, m=4: peak_stash after the step, the schedule's"),
     "with ``schedule.split_backward`` (ZB-H1), B computes the input gradients only and W the weight "
     "gradients": (   # right numbers with the schedule as it is; the weight gradients all come in B
-        [("            dw = WeightGrads() if self.schedule.split_backward else None", "            dw = None"),
+        [("            dw = WeightGrads() if self.split_backward else None", "            dw = None"),
          ("            self.stash.pop((a.microbatch, a.stage)).apply()",
           "            self.stash.pop((a.microbatch, a.stage), None)")],
         g.test_compute_actions, r"ZB-H1 without micro-batch 1's W, stage 0's weight: gradient after the step "

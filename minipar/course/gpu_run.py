@@ -24,7 +24,8 @@ GPU_TESTS = [
     ("05 tensor parallel", ["tests/test_tensor_parallel.py"]),
     ("06 zero", ["tests/test_zero.py", "tests/test_zero_per_parameter.py", "tests/test_zero_persist.py",
                  "tests/test_zero_options.py"]),
-    ("07 hybrid", ["tests/test_hybrid.py", "tests/test_mesh5d.py", "tests/test_zero_mesh.py"]),
+    ("07 hybrid", ["tests/test_hybrid.py", "tests/test_mesh5d.py", "tests/test_zero_mesh.py",
+                   "tests/test_plan_zero3_pp.py"]),
     ("08 context parallel", ["tests/test_context_parallel.py", "tests/test_attention.py"]),
     ("09 expert parallel", ["tests/test_expert_parallel.py"]),
     ("10 planning", ["tests/test_plan.py", "tests/test_recompute.py"]),
@@ -54,7 +55,7 @@ LEFT_OUT = {
     "tests/test_colab.py": "notebooks' first cells", "tests/test_colab_runtime.py": "plays a Colab runtime on the CPU",
     "tests/test_course.py": _COURSE, "tests/test_book.py": _COURSE, "tests/test_install.py": _COURSE,
     "tests/test_layers.py": _COURSE, "tests/test_project.py": _COURSE, "tests/test_contracts.py": _COURSE,
-    "tests/test_no_hint_unasked.py": _COURSE,
+    "tests/test_no_hint_unasked.py": _COURSE, "tests/test_notebook_exercises.py": _COURSE,
     "tests/test_parallelize.py": "the composition's order and its one call site, read from the source",
 }
 _GRADER = "the grader and exercise stubs (graded on the CPU, as learners run them by default)"

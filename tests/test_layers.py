@@ -1,10 +1,10 @@
 """Dependencies point one way: minipar's modules form layers, bottom to top,
 
 1. ``runtime/``: launching ranks, the pool, devices, the trace;
-2. ``analysis/cost/``: the cost model's pure formulas;
+2. ``cost/``: the cost model's pure formulas;
 3. the core: ``comm/``, ``models/``, ``autograd/`` (the split backward), ``activations``,
    ``data``, ``precision``, ``mesh``, ``reference``, ``strategy`` and every strategy package;
-4. what is built on the core: ``production/``, ``analysis/plan/``, ``bench/``;
+4. what is built on the core: ``production/``, ``plan/``, ``bench/``;
 5. the course (``course/``) and the package's front door (``minipar/__init__.py``, the
    ``grade``/``hint``/``train`` shims).
 
@@ -30,12 +30,11 @@ STRATEGIES = ["minipar.data_parallel", "minipar.model_parallel", "minipar.pipeli
               "minipar.expert_parallel", "minipar.hybrid"]
 LAYERS = [
     ("runtime", ["minipar.runtime"]),
-    ("cost formulas", ["minipar.analysis.cost"]),
+    ("cost formulas", ["minipar.cost"]),
     ("core", ["minipar.comm", "minipar.models", "minipar.autograd", "minipar.activations",
               "minipar.data", "minipar.precision", "minipar.mesh", "minipar.reference",
               "minipar.strategy", *STRATEGIES]),
-    ("built on the core", ["minipar.production", "minipar.adapt", "minipar.analysis.plan", "minipar.bench",
-                           "minipar.analysis"]),
+    ("built on the core", ["minipar.production", "minipar.adapt", "minipar.plan", "minipar.bench"]),
     ("course", ["minipar.course", "minipar.grade", "minipar.hint", "minipar.train", "minipar"]),
 ]
 # Known exceptions, each with its reason; an entry that no longer matches anything fails
@@ -274,6 +273,6 @@ def test_the_checker_sees_what_it_checks():
     got = {(i.module, i.target, i.top) for i in IMPORTS}
     assert ("minipar.runtime.launch", "minipar.runtime.trace", True) in got   # from . import trace
     assert ("minipar.course.grade", "minipar.course.challenge", True) in got  # from .challenge import
-    assert layer("minipar.analysis.cost.pipeline") == 1 and layer("minipar.pipeline.train") == 2
-    assert layer("minipar") == 4 and layer("minipar.analysis.plan.layout") == 3
+    assert layer("minipar.cost.pipeline") == 1 and layer("minipar.pipeline.train") == 2
+    assert layer("minipar") == 4 and layer("minipar.plan.layout") == 3
     assert any(not top for _, _, top in got), "imports inside functions are read too"

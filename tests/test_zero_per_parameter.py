@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar import data, reference
 from minipar.runtime import trace
 from minipar.models import GPT, GPTConfig

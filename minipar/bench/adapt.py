@@ -10,7 +10,7 @@ Two things, on 4 ranks of the course GPT (SGD with momentum):
   is printed too);
 * **a switch**: dp4 → dp2·tp2 → pp2·tp2 under ZeRO-1, each switch's plan bytes and the time of
   its move (packing, the all-to-all, unpacking) beside the α-β estimate of that exchange on this machine
-  (:func:`minipar.analysis.plan.measure_machine`'s α and β, the busiest sender's bytes), and the
+  (:func:`minipar.plan.measure_machine`'s α and β, the busiest sender's bytes), and the
   whole switch's time (describing the holdings, the plan, the move; the new mesh and model are
   built before it).
 """
@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
 
 
 def _switches(config, batches, a) -> list[dict]:
-    from ..analysis.plan import measure_machine
+    from ..plan import measure_machine
     machine = measure_machine(config, 4)
     res = adapt.run(GPT(config, seed=0), batches, 4, momentum, launch_options={"device": a.device}, layout="dp=4,zero=1",
                     switches=["2=dp=2,tp=2,zero=1", "4=pp=2,tp=2,zero=1"])

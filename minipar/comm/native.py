@@ -5,7 +5,7 @@ the backend's optimised code. The backend does not report what it sent, so each 
 what this rank's buffers, as handed to the backend, must send and receive in a bandwidth-optimal
 schedule (:func:`moved_bytes`): counted from the tensors (their elements, their dtype, this rank's
 share), not from the cost formula, which the tests check against these counts
-(:func:`minipar.analysis.cost.collective_bytes`). Only the forms Gloo accepts are used: flat (1-D) tensors for
+(:func:`minipar.cost.collective_bytes`). Only the forms Gloo accepts are used: flat (1-D) tensors for
 all-gather and reduce-scatter, equal sizes on every rank, and SUM (averaging divides afterwards).
 """
 from __future__ import annotations

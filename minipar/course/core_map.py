@@ -3,7 +3,7 @@ with their line counts, beside picotron's file for the same dimension where it h
 
 Everything else in ``minipar/`` is either shared by every chapter (the models, the strategy
 shape, the reference run) or plumbing a learner need not read first: ``runtime/`` (launching
-ranks, devices, the trace), ``production/`` (the fault-tolerant run), ``analysis/`` (cost
+ranks, devices, the trace), ``production/`` (the fault-tolerant run), ``cost/`` and ``plan/`` (cost
 formulas, planner), ``course/`` (exercises, grading, the book), ``bench/`` and each
 strategy's ``plots.py``. :func:`census` counts the three groups, so the claim "the core is
 this big" is measured, not typed. Line counts are physical lines (``wc -l``). Standard
@@ -81,7 +81,7 @@ def readme_map() -> str:
     for ch, (files, pico) in CORE.items():
         listed = ", ".join(f"`{f}` ({lines(f)})" for f in files)
         rows.append(f"| {ch} {TITLES[ch]} | {listed} | {sum(map(lines, files))} | {pico or '—'} |")
-    for ch, folder, what in (("10", "analysis/", "Planning"), ("11", "production/", "Real hardware")):
+    for ch, folder, what in (("10", "plan/", "Planning"), ("11", "production/", "Real hardware")):
         n = sum(lines(str(f.relative_to(PACKAGE))) for f in (PACKAGE / folder).rglob("*.py"))
         rows.append(f"| {ch} {what} | `{folder}` (periphery: read after the strategies) | ~{about(n)} | — |")
     c = census()
@@ -90,4 +90,4 @@ def readme_map() -> str:
     return "\n".join(rows) + (
         f"\n\nThe chapters' core is {c['core']:,} lines and the shared core {c['shared']:,}, of "
         f"about {about(c['total'])} in `minipar/`; the other ~{about(c['periphery'])} are `runtime/`, `production/`, "
-        "`analysis/`, `course/`, `bench/` and the plots.")
+        "`cost/`, `plan/`, `course/`, `bench/` and the plots.")

@@ -9,7 +9,7 @@ applies each gradient as it arrives, so no worker waits for a slower one, at the
 
     w_{t+1} = w_t - η · ∇L(w_{t-τ}),      τ = t - v  (the staleness)
 
-With W equally fast workers τ ≈ W-1 on average (:func:`minipar.analysis.cost.expected_staleness`).
+With W equally fast workers τ ≈ W-1 on average (:func:`minipar.cost.expected_staleness`).
 ``max_staleness=s`` drops a gradient with τ > s (its worker gets fresh weights).
 ``synchronous=True`` is the classic alternative: the server averages one gradient from every
 worker and applies one step (τ = 0; single-process SGD on the W batches together). Messages are

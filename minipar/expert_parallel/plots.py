@@ -4,7 +4,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..analysis import cost
+from .. import cost
 from ..runtime.viz import color
 from .groups import ep_layout
 from .imbalance import load_imbalance

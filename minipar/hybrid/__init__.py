@@ -30,7 +30,7 @@ auxiliary loss counted per micro-batch (:mod:`.experts` defines the reference it
 any dp, cp, tp and pp, sharded over dp·cp; under a pipeline stage 3 keeps a stage's layers
 gathered across its micro-batches (``reshard_after_forward="auto"|"always"|"never"``, :mod:`.sharding`). ``mesh_coordinates`` and
 ``group_members`` (exercise 07) are re-exported from :mod:`minipar.mesh`."""
-from ..analysis.cost import hybrid_comm_bytes, hybrid_memory_per_rank
+from ..cost import hybrid_comm_bytes, hybrid_memory_per_rank
 from ..mesh import ProcessMesh, group_members, mesh_coordinates
 from .config import check, choose_config, num_layers, num_params, valid_configs
 from .model import HybridModel, build

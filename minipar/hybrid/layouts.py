@@ -1,6 +1,6 @@
 """From the planner's layout to a run: the same five dimensions at toy size.
 
-:class:`minipar.analysis.plan.Layout` describes a production layout (say dp8 · tp8 · pp16 · cp2 · ep8
+:class:`minipar.plan.Layout` describes a production layout (say dp8 · tp8 · pp16 · cp2 · ep8
 with ZeRO-1 on 2048 GPUs); the mesh (:class:`~minipar.mesh.ProcessMesh`) and
 ``python -m minipar.train`` take the same dimensions. At toy size every dimension the layout
 uses keeps size 2 (so each of its groups, collectives and rules is exercised), those it does not

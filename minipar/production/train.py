@@ -254,10 +254,10 @@ def layout_name(args) -> str:
 
 
 def propose_layouts(args, world: int) -> list[dict]:
-    """``--layout auto``: this machine measured (:func:`minipar.analysis.plan.measure_machine`), then
+    """``--layout auto``: this machine measured (:func:`minipar.plan.measure_machine`), then
     the planner's ``--candidates`` best layouts (:func:`minipar.adapt.auto.propose`)."""
     from ..adapt.auto import propose
-    from ..analysis.plan import measure_machine
+    from ..plan import measure_machine
     config = gpt_config(args)
     cluster = measure_machine(config, world)["cluster"]
     return [{"layout": str(r["layout"]), "predicted_ms": r["predicted_ms"]}

@@ -11,7 +11,7 @@
 * :func:`check`, :func:`train`, :func:`run` (:mod:`.training`) — the strategy's API
   (:mod:`minipar.strategy`), :func:`wrap` — a model and optimizer under any stage;
 * :mod:`minipar.zero.memory` — the bytes per component one rank holds
-  (:func:`minipar.analysis.cost.zero_bytes_per_rank`: the same from the paper's formulas).
+  (:func:`minipar.cost.zero_bytes_per_rank`: the same from the paper's formulas).
 """
 from .clip import clip_grad_norm_
 from .flat import FlatUnit, free_unit, gather_unit, padded_size, shard_size, split_units

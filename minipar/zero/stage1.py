@@ -132,7 +132,7 @@ class ZeroOptimizer:
                 "optimizer": state_tensors(self.optim) + (list(self.shards) if self.mixed else [])}
 
     def unit_sizes(self) -> list[int]:
-        """Ψ_u of every unit (for :func:`minipar.analysis.cost.zero_bytes_per_rank`)."""
+        """Ψ_u of every unit (for :func:`minipar.cost.zero_bytes_per_rank`)."""
         return [u.numel for u in self.units]
 
     # -- what a checkpoint saves (minipar.production.checkpoint)

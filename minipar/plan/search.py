@@ -2,7 +2,7 @@
 
 :func:`search` enumerates ``dp·tp·pp·cp = N`` (tp inside a node), the expert-parallel size,
 the ZeRO stage, the micro-batch, the recomputation and the schedule (1F1B, or interleaved with
-v virtual stages), predicts each (:func:`minipar.analysis.plan.predict`), rejects what cannot run or
+v virtual stages), predicts each (:func:`minipar.plan.predict`), rejects what cannot run or
 does not fit, each with its reason, and ranks the rest by predicted step time.
 :meth:`SearchResult.explain` says why the winner beats the runner-up: where their steps differ most,
 and each one's bottleneck (:attr:`Prediction.bottleneck`: compute-bound, memory-bound, exposed

@@ -34,7 +34,8 @@ LAYERS = [
     ("core", ["minipar.comm", "minipar.models", "minipar.autograd", "minipar.activations",
               "minipar.data", "minipar.precision", "minipar.mesh", "minipar.reference",
               "minipar.strategy", *STRATEGIES]),
-    ("built on the core", ["minipar.production", "minipar.adapt", "minipar.plan", "minipar.bench"]),
+    ("built on the core", ["minipar.production", "minipar.adapt", "minipar.plan", "minipar.bench",
+                           "minipar.study"]),
     ("course", ["minipar.course", "minipar.grade", "minipar.hint", "minipar.train", "minipar"]),
 ]
 # Known exceptions, each with its reason; an entry that no longer matches anything fails

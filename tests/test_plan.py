@@ -394,15 +394,15 @@ def test_405b_at_8k_on_16k_gpus_keeps_production_tp_and_pp():
 
 def test_predicts_chapter07_memory_exactly():
     """The model states of chapter 07's strategies on 4 ranks, predicted byte for byte."""
-    from minipar import data, hybrid
-    from minipar.hybrid.compare import strategies
+    from minipar import data, study
+    from minipar.study import strategies
     from minipar.models import GPTConfig
     from minipar.plan.course import exact_memory
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=6, n_head=8, n_embd=32)
     batches = data.batches(data.synthetic_tokens(2000, cfg.vocab_size), steps=1, batch_size=16,
                            block_size=cfg.block_size)
     specs = {k: v for k, v in strategies(4).items() if k in ("ZeRO-2", "TP", "PP", "2D PP×TP", "3D + ZeRO-1")}
-    rows, _ = hybrid.compare(cfg, batches, world_size=4, specs=specs)
+    rows, _ = study.compare(cfg, batches, world_size=4, specs=specs)
     for row in rows:
         assert exact_memory(cfg, specs[row["strategy"]]) == row["memory"], row["strategy"]
 
@@ -421,7 +421,7 @@ def test_spearman_and_timed_block():
 
 def test_fit_call_overhead_reproduces_the_fitted_row():
     """fit_call_overhead makes the fitted strategy's predicted step equal the measured one; calls counted as stated."""
-    from minipar.hybrid.compare import strategies
+    from minipar.study import strategies
     from minipar.models import GPTConfig
     from minipar.plan.course import fit_call_overhead, predict_compare
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=6, n_head=8, n_embd=32)

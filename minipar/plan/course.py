@@ -1,6 +1,6 @@
 """The planner on the course's own runs: chapter 07's comparison table, predicted.
 
-:func:`predict_compare` predicts every row of :func:`minipar.hybrid.compare` (same GPT, batch
+:func:`predict_compare` predicts every row of :func:`minipar.study.compare` (same GPT, batch
 and strategies) before it runs:
 
 * **memory** (the busiest rank's model states, fp32 AdamW: 4 + 4 + 8 bytes per element),
@@ -43,7 +43,7 @@ def layer_elements(config, tp: int) -> list[int]:
 
 
 def exact_memory(config, spec: dict) -> int:
-    """Model-state bytes of the busiest rank of a :func:`minipar.hybrid.strategies` spec
+    """Model-state bytes of the busiest rank of a :func:`minipar.study.strategies` spec
     (``dp``, ``pp``, ``tp``, ``zero``), fp32 AdamW."""
     d, p, t, z = spec["dp"], spec["pp"], spec["tp"], spec["zero"]
     units = layer_elements(config, t)
@@ -103,7 +103,7 @@ def timed_strategies(config, batches, specs: dict[str, dict], rounds: int, seed:
     machine's load falls on all of them alike. Each round's first step (warm-up) is left out."""
     import torch
 
-    from ..hybrid.compare import adamw
+    from ..study.compare import adamw
     from ..hybrid.model import HybridModel
     from ..mesh import ProcessMesh
     from .calibrate import SIZES, measure_rank
@@ -132,7 +132,7 @@ def rank_correlation(config, batches, world_size: int = 4, rounds: int = 5, spec
     import os
     import statistics
 
-    from ..hybrid.compare import strategies
+    from ..study.compare import strategies
     from ..runtime.launch import launch
     from .calibrate import machine_from, median_of_rounds
     specs = specs or strategies(world_size)

@@ -27,8 +27,8 @@ from ..models.gpt import GPT
 from ..reference import train_reference
 from ..runtime.trace import Trace
 from ..zero import train as zero_train
-from .config import check, num_params
-from .train import train as hybrid_train
+from ..hybrid.config import check, num_params
+from ..hybrid.train import train as hybrid_train
 
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from ..runtime import viz
-from ..mesh import ProcessMesh
+from ...runtime import viz
+from ...mesh import ProcessMesh
 
 GROUP_STYLE = {"tp": dict(color=viz.color(0), dash="solid", width=5),
                "cp": dict(color=viz.color(3), dash="dashdot", width=3),

@@ -74,8 +74,8 @@ def toy_run(layout, steps: int = 3, max_ranks: int = 8, seed: int = 0) -> dict:
     from ..data import batches, synthetic_tokens
     from ..models.gpt import GPT
     from ..reference import adamw
-    from . import experts
-    from .train import run
+    from ..hybrid import experts
+    from ..hybrid.train import run
     config, options, notes = toy_options(layout, max_ranks)
     data = batches(synthetic_tokens(vocab_size=config.vocab_size), steps,
                    options["dp"] * options["microbatches"], config.block_size)

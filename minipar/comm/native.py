@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import trace
-from . import staging
+from ..runtime import staging
 from .p2p import Handle, labels_for, device_clock, group_rank, group_size, nbytes
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -41,7 +41,7 @@ class _Averaged(Handle):
 
 def _via_host(op: str, group, labels: dict, output: torch.Tensor, input: torch.Tensor | None = None):
     """``(output, input, after)``: the buffers the backend gets, which are pinned host copies
-    of CUDA tensors where the group has no NCCL (:mod:`minipar.comm.staging`), and what to run
+    of CUDA tensors where the group has no NCCL (:mod:`minipar.runtime.staging`), and what to run
     once the operation completed (the copy back to the device)."""
     s_out = staging.must_stage(output, group, op)
     s_in = input is not None and staging.must_stage(input, group, op)

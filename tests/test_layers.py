@@ -31,7 +31,7 @@ STRATEGIES = ["minipar.data_parallel", "minipar.model_parallel", "minipar.pipeli
 LAYERS = [
     ("runtime", ["minipar.runtime"]),
     ("cost formulas", ["minipar.cost"]),
-    ("core", ["minipar.comm", "minipar.models", "minipar.autograd", "minipar.activations",
+    ("core", ["minipar.comm", "minipar.models", "minipar.autograd", "minipar.activations", "minipar.memory",
               "minipar.data", "minipar.precision", "minipar.mesh", "minipar.reference",
               "minipar.strategy", *STRATEGIES]),
     ("built on the core", ["minipar.production", "minipar.adapt", "minipar.plan", "minipar.bench",

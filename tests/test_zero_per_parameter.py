@@ -19,7 +19,7 @@ from minipar.zero import (FullyShardedDataParallel, ReplicatedOptimizer, Zero2Op
                           ZeroOptimizer, clip_grad_norm_, fully_shard, full_state,
                           padded_unit_sizes)
 from minipar.strategy import to_device
-from minipar.zero.memory import model_state_bytes
+from minipar.memory import model_state_bytes
 
 EVEN = dict(vocab_size=65, n_embd=32, n_head=2, n_layer=2, block_size=16)
 ODD = dict(vocab_size=67, n_embd=30, n_head=2, n_layer=2, block_size=16)

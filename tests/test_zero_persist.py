@@ -27,7 +27,7 @@ from minipar import data, reference, zero
 from minipar.runtime import trace
 from minipar.models import GPT, GPTConfig
 from minipar.zero import FullyShardedDataParallel, full_state, fully_shard
-from minipar.zero.memory import model_state_bytes
+from minipar.memory import model_state_bytes
 
 CFG = GPTConfig(vocab_size=67, n_embd=30, n_head=2, n_layer=2, block_size=16)
 STEPS, BATCH = 3, 8

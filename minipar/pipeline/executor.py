@@ -36,7 +36,7 @@ from ..runtime import trace
 from ..comm import group_rank, group_size
 from ..comm.p2p import batched
 from ..models import lm_loss
-from . import stage_comm
+from ..model_parallel import stage_comm
 from .schedules import COMPUTE, Schedule
 from .simulate import NAMES
 from ..autograd.split_backward import WeightGrads, deferred

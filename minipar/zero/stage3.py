@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from ..runtime import trace
 from .flat import FlatStorage
-from .memory import state_tensors
+from ..memory import state_tensors
 from .persist import compute_in_fp32, persistent_parameters, reduce_persistent
 from .reduce import OrderedReduction
 

@@ -140,7 +140,7 @@ def test_the_rule_names_folders_that_exist():
     named = [n for n in layers.FOLDERS if n] + [ch.package for ch in CHAPTERS if ch.package]
     missing = [n for n in named if not layers.files(n)]
     assert not missing, f"named by the rule but not in minipar/: {missing}"
-    assert [ch.number for ch in CHAPTERS if ch.package] == sorted(layers.chapter_packages())
+    assert [ch.number for ch in CHAPTERS if ch.package] == sorted(layers.chapter_packages(CHAPTERS))
 
 
 def test_no_import_points_up():
@@ -154,7 +154,7 @@ def test_no_import_points_up():
 def test_models_import_no_strategy():
     """Within the core, the models are the ground floor: they import no chapter's package."""
     bad = [f"{i.where()}: {i.module} imports {i.target}" for i in IMPORTS
-           if i.module.startswith("minipar.models") and layers.chapter_of(i.target)]
+           if i.module.startswith("minipar.models") and layers.chapter_of(i.target, CHAPTERS)]
     assert not bad, _report("models importing a strategy", bad)
 
 
@@ -171,7 +171,7 @@ def later_chapter_imports(imports) -> list[str]:
     """Imports of a later chapter's package: none, but a composer's of names that package exports."""
     bad = []
     for i in imports:
-        mine, theirs = layers.chapter_of(i.module), layers.chapter_of(i.target)
+        mine, theirs = layers.chapter_of(i.module, CHAPTERS), layers.chapter_of(i.target, CHAPTERS)
         if not (mine and theirs and theirs > mine):
             continue
         face = f"minipar.{layers.top(i.target)}"
@@ -283,7 +283,8 @@ def test_the_chapter_rule_sees_what_it_checks():
     assert "model_parallel.planted (chapter 03) imports minipar.pipeline (chapter 04): not a composer" in bad[0]
     assert "minipar.context_parallel.ring (chapter 08): a composer may take only" in bad[1]
     assert "_private_thing not in its __all__" in bad[2]
-    assert layers.chapter_of("minipar.pipeline.executor") == "04" and layers.chapter_of("minipar.mesh") is None
+    assert layers.chapter_of("minipar.pipeline.executor", CHAPTERS) == "04"
+    assert layers.chapter_of("minipar.mesh", CHAPTERS) is None
 
 
 PLANTED = """

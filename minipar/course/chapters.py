@@ -162,7 +162,7 @@ def expected_files() -> dict[Path, str]:
     readme = ROOT / "README.md"
     from . import core_map  # noqa: PLC0415  (stdlib-only too)
     text = _replace_between(readme.read_text(), readme_table(), "README.md")
-    out = {readme: _replace_between(text, core_map.readme_map(), "README.md", core_map.BEGIN, core_map.END)}
+    out = {readme: _replace_between(text, core_map.readme_map(CHAPTERS), "README.md", core_map.BEGIN, core_map.END)}
     nb_path = ROOT / "notebooks" / CHAPTERS[0].notebook
     nb = json.loads(nb_path.read_text())
     cell = next((c for c in nb["cells"] if c["cell_type"] == "markdown" and BEGIN in "".join(c["source"])), None)

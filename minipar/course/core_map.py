@@ -12,7 +12,6 @@ library only: :mod:`.chapters` writes this map into README.md with ``--write``.
 """
 from __future__ import annotations
 
-from .chapters import CHAPTERS
 from .layers import CORE, chapter_packages, core_files, files, layer
 from .markers import PACKAGE
 
@@ -25,7 +24,6 @@ PICOTRON = {"02": "data_parallel/data_parallel.py (170)",
             "07": "process_group_manager.py (67)",
             "08": "context_parallel/context_parallel.py (195) + cp_communications.py (53)",
             "shared": "model.py (298)"}
-TITLES = {ch.number: ch.title for ch in CHAPTERS}
 
 
 def lines(rel: str) -> int:
@@ -33,9 +31,9 @@ def lines(rel: str) -> int:
     return len((PACKAGE / rel).read_text().splitlines())
 
 
-def census() -> dict[str, int]:
+def census(chapter_list) -> dict[str, int]:
     """Lines of ``minipar/``: the chapters' core, the shared core, and the rest (the periphery)."""
-    chapters, shared = core_files()
+    chapters, shared = core_files(chapter_list)
     total = sum(lines(str(p.relative_to(PACKAGE))) for p in PACKAGE.rglob("*.py"))
     out = {"core": sum(lines(f) for fs in chapters.values() for f in fs), "shared": sum(map(lines, shared))}
     out["periphery"] = total - out["core"] - out["shared"]
@@ -49,18 +47,20 @@ def about(n: int) -> str:
     return f"{round(n, -2):,}"
 
 
-def readme_map() -> str:
-    """The markdown table README shows between :data:`BEGIN` and :data:`END`."""
-    chapters, shared = core_files()
+def readme_map(chapter_list) -> str:
+    """The markdown table README shows between :data:`BEGIN` and :data:`END`, for
+    :data:`minipar.course.chapters.CHAPTERS`."""
+    titles = {ch.number: ch.title for ch in chapter_list}
+    chapters, shared = core_files(chapter_list)
     rows = ["| chapter | core files in `minipar/` (lines) | lines | picotron's (lines) |", "|---|---|---|---|"]
     for ch, fs in chapters.items():
         listed = ", ".join(f"`{f}` ({lines(f)})" for f in fs)
-        rows.append(f"| {ch} {TITLES[ch]} | {listed} | {sum(map(lines, fs))} | {PICOTRON.get(ch, '—')} |")
-    for ch, pkg in chapter_packages().items():
+        rows.append(f"| {ch} {titles[ch]} | {listed} | {sum(map(lines, fs))} | {PICOTRON.get(ch, '—')} |")
+    for ch, pkg in chapter_packages(chapter_list).items():
         if layer(f"minipar.{pkg}") != CORE:
             n = sum(map(lines, files(pkg)))
-            rows.append(f"| {ch} {TITLES[ch]} | `{pkg}/` (periphery: read after the strategies) | ~{about(n)} | — |")
-    c = census()
+            rows.append(f"| {ch} {titles[ch]} | `{pkg}/` (periphery: read after the strategies) | ~{about(n)} | — |")
+    c = census(chapter_list)
     rows.append(f"| shared | {', '.join(f'`{f}` ({lines(f)})' for f in shared)} | {c['shared']} | "
                 f"{PICOTRON['shared']} |")
     return "\n".join(rows) + (

@@ -18,7 +18,8 @@ A module's **layer** is named by the first folder (or top-level module) of its p
    command modules ``grade.py``, ``hint.py``, ``train.py``.
 
 A **chapter's package** is the folder its :class:`~minipar.course.chapters.Chapter` names
-(``package``); a module belongs to the chapter whose package holds it. A chapter's package imports
+(``package``; the functions below are handed that list, which stays the one place); a module
+belongs to the chapter whose package holds it. A chapter's package imports
 no later chapter's package, with one exception, the **composers**, which put later chapters
 together: ``hybrid/`` (chapter 07: ``parallelize`` nests tensor, context, expert, pipeline and data
 parallelism) and the training command (``production/train.py``, ``train_options.py``: chapter 11,
@@ -62,15 +63,14 @@ def layer(module: str) -> int:
     return FOLDERS.get(top(module), CORE)
 
 
-def chapter_packages() -> dict[str, str]:
+def chapter_packages(chapters) -> dict[str, str]:
     """Chapter number -> the top-level name of its package, for the chapters that name one."""
-    from .chapters import CHAPTERS  # noqa: PLC0415  (chapters reads this module lazily too)
-    return {ch.number: ch.package for ch in CHAPTERS if ch.package}
+    return {ch.number: ch.package for ch in chapters if ch.package}
 
 
-def chapter_of(module: str) -> str | None:
+def chapter_of(module: str, chapters) -> str | None:
     """The chapter whose package holds ``module`` (``"04"``), or None."""
-    return {pkg: n for n, pkg in chapter_packages().items()}.get(top(module))
+    return {pkg: n for n, pkg in chapter_packages(chapters).items()}.get(top(module))
 
 
 def composes(module: str) -> bool:
@@ -106,12 +106,11 @@ def exercises_in(rel: str) -> set[str]:
     return set(_MARK.findall((PACKAGE / rel).read_text()))
 
 
-def core_files() -> tuple[dict[str, list[str]], list[str]]:
+def core_files(chapters) -> tuple[dict[str, list[str]], list[str]]:
     """(chapter -> its core files, the shared core files), for the chapters whose package is core;
     paths relative to ``minipar/`` (module docstring)."""
-    from .chapters import CHAPTERS  # noqa: PLC0415
-    packages = chapter_packages()
-    exercise = {ch.exercise[:4]: ch.number for ch in CHAPTERS if ch.exercise}
+    packages = chapter_packages(chapters)
+    exercise = {ch.exercise[:4]: ch.number for ch in chapters if ch.exercise}
     core_names = sorted({p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
                          if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))
                          and p.name != "__init__.py" and layer(f"minipar.{p.stem if p.is_file() else p.name}") == CORE})

@@ -177,10 +177,13 @@ def later_chapter_imports(imports) -> list[str]:
         face = f"minipar.{layers.top(i.target)}"
         if layers.composes(i.module) and i.target == face and i.names and set(i.names) <= exported(face):
             continue
-        what = (f"{', '.join(sorted(set(i.names) - exported(face)))} not in its __all__" if i.target == face
-                and layers.composes(i.module) else "a composer may take only names its package exports"
-                if layers.composes(i.module) else "not a composer")
-        bad.append(f"{i.where()}: {i.module} (chapter {mine}) imports {i.target} (chapter {theirs}): {what}")
+        if not layers.composes(i.module):
+            why = "not a composer"
+        elif i.target != face or not i.names:
+            why = "a composer may take only names its package exports"
+        else:
+            why = f"{', '.join(sorted(set(i.names) - exported(face)))} not in its __all__"
+        bad.append(f"{i.where()}: {i.module} (chapter {mine}) imports {i.target} (chapter {theirs}): {why}")
     return bad
 
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 
 # ------------------------------------------------------------------------------------------------
-# from minipar/pipeline/partition.py: these run as module minipar.pipeline.partition's own
+# from minipar/model_parallel/partition.py: these run as module minipar.model_parallel.partition's own
 # ------------------------------------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """Exercise 10: where the memory of one GPU goes, for one parallel layout.
 
 ``memory_per_gpu(model, layout, seq_len, global_batch)`` returns the bytes on the busiest GPU
-by component, and the planner (``minipar.analysis.plan.predict`` and ``search``) rejects every
+by component, and the planner (``minipar.plan.predict`` and ``search``) rejects every
 layout whose total does not fit. You write all of it but the final sum. The formulas you need
 from earlier chapters are there already: ``cost.activation_terms`` (Korthikanti et al.'s terms
 of one layer), ``cost.zero_bytes_per_rank`` (the ZeRO stages) and ``cost.peak_activations``
@@ -45,20 +45,20 @@ from __future__ import annotations
 
 
 # ------------------------------------------------------------------------------------------------
-# from minipar/analysis/plan/memory.py: these run as module minipar.analysis.plan.memory's own
+# from minipar/plan/memory.py: these run as module minipar.plan.memory's own
 # ------------------------------------------------------------------------------------------------
-from minipar.analysis.cost.pipeline import peak_activations
-from minipar.analysis.cost.recompute import ATTENTION_TERMS
-from minipar.analysis.cost.tensor_parallel import activation_terms
-from minipar.analysis.cost.zero import zero_bytes_per_rank
-from minipar.analysis.plan.layout import Layout
-from minipar.analysis.plan.memory import BUCKET, zero3_states
-from minipar.analysis.plan.models import ModelSpec
+from minipar.cost.pipeline import peak_activations
+from minipar.cost.recompute import ATTENTION_TERMS
+from minipar.cost.tensor_parallel import activation_terms
+from minipar.cost.zero import zero_bytes_per_rank
+from minipar.plan.layout import Layout
+from minipar.plan.memory import BUCKET, zero3_states
+from minipar.plan.models import ModelSpec
 
 
 def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
     """Bytes one layer keeps per micro-batch on one GPU (Korthikanti et al.'s terms, shaped
-    for ``model``; for a GPT they are exactly :func:`minipar.analysis.cost.recompute_activation_bytes`)."""
+    for ``model``; for a GPT they are exactly :func:`minipar.cost.recompute_activation_bytes`)."""
     raise NotImplementedError("Exercise 10 A: layer_activation_bytes")
 
 

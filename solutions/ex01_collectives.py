@@ -15,7 +15,7 @@ on **any group**: a sub-group of the ranks too, with group-local ranks. Contract
   **every rank holds every chunk's full sum**.
 * **Each step sends one chunk** to the right neighbour and receives one from the left; each
   half takes n-1 steps, so every rank sends 2(n-1)/n of the tensor, whatever n (Patarasuk &
-  Yuan 2009; ``minipar.analysis.cost.collective_bytes``).
+  Yuan 2009; ``minipar.cost.collective_bytes``).
 * ``ring_reduce_scatter(tensor, group=None, op="sum")`` returns rank r's chunk r of the sum;
   **the input tensor is left unchanged**.
 * ``ring_all_gather(chunk, group=None, sizes=None)`` returns every rank's chunk concatenated

@@ -5,7 +5,7 @@ rule ∂L/∂x = ∂L/∂y · ∂y/∂x must be carried across the cut by hand: 
 forward, ∂L/∂y comes back (Huang et al. 2019; Narayanan et al. 2019; notebook 03, "Autograd
 across ranks"). You write both sides of that boundary, then the two users of it.
 
-A. The stage communication (``minipar.pipeline.stage_comm``) and the naive model-parallel
+A. The stage communication (``minipar.model_parallel.stage_comm``) and the naive model-parallel
    step that runs on it (``NaiveModelParallel.step(x, y)`` in ``minipar.model_parallel``; its
    ``stage``, ``shapes`` (stage s's output shape), ``group``, ``loss_fn``, ``comm``, ``dtype``,
    ``rank`` and ``n`` are set by the library):
@@ -72,7 +72,7 @@ from __future__ import annotations
 
 
 # ------------------------------------------------------------------------------------------------
-# from minipar/model_parallel.py: these run as module minipar.model_parallel's own
+# from minipar/model_parallel/__init__.py: these run as module minipar.model_parallel's own
 # ------------------------------------------------------------------------------------------------
 import torch
 from minipar.precision import autocast
@@ -103,7 +103,7 @@ class NaiveModelParallel:
 
 
 # ------------------------------------------------------------------------------------------------
-# from minipar/pipeline/stage_comm.py: these run as module minipar.pipeline.stage_comm's own
+# from minipar/model_parallel/stage_comm.py: these run as module minipar.model_parallel.stage_comm's own
 # ------------------------------------------------------------------------------------------------
 import torch
 from minipar.comm import Handle, irecv, isend

@@ -83,7 +83,7 @@ def group_members(rank: int, dim: str, dp: int, pp: int, tp: int) -> list[int]:
 # ------------------------------------------------------------------------------------------------
 # from minipar/hybrid/config.py: these run as module minipar.hybrid.config's own
 # ------------------------------------------------------------------------------------------------
-from minipar.analysis.cost import hybrid_memory_per_rank
+from minipar.cost import hybrid_memory_per_rank
 from minipar.hybrid.config import num_params, valid_configs
 from minipar.models.gpt import GPTConfig
 
@@ -95,7 +95,7 @@ def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatc
 
     Among the valid configurations (:func:`check`) whose model states fit in
     ``memory_per_rank`` bytes (``None``: no limit; fp32 Adam,
-    :func:`minipar.analysis.cost.hybrid_memory_per_rank`), pick the one with the smallest
+    :func:`minipar.cost.hybrid_memory_per_rank`), pick the one with the smallest
     model-parallel size ``tp·pp``; ties go to ``tp ≤ ranks_per_node``, then to the fewest
     pipeline stages. Raises ``ValueError`` if none fits."""
     best, psi = None, num_params(config)

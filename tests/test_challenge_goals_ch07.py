@@ -6,7 +6,7 @@ import types
 import pytest
 
 from minipar import hybrid
-from minipar.analysis import cost
+from minipar import cost
 from minipar.course.grading import GradeFailure
 from minipar.course.graded import test_ch07_mesh_layout as ch07
 from minipar.course.graded.alternatives import ch07_mesh_layout as alternative

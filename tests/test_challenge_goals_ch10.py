@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from minipar.analysis import plan
+from minipar import plan
 from minipar.course import challenge
 from minipar.course.grading import GradeFailure
 from minipar.course.graded import test_ch10_layout as ch10
@@ -53,13 +53,13 @@ def test_the_librarys_search_is_refused(monkeypatch, tmp_path):
            LLAMA8, monkeypatch, r"choose\(\) called plan.search")
     banned = challenge.forbidden("ch10_layout")
     for i, text in enumerate((
-            "from minipar.analysis import plan\n\n\ndef choose(m, c, n, b, s):\n    return min(plan.layouts(m, 16, 8, b, s))\n",
-            "from minipar.analysis.plan.search import layouts\n",
-            "import minipar.analysis.plan.search as s\n")):
+            "from minipar import plan\n\n\ndef choose(m, c, n, b, s):\n    return min(plan.layouts(m, 16, 8, b, s))\n",
+            "from minipar.plan.search import layouts\n",
+            "import minipar.plan.search as s\n")):
         path = tmp_path / f"ch10_layout_{i}.py"
         path.write_text(text)
-        with pytest.raises(GradeFailure, match=r"(?s)ch10_layout_\d\.py:\d+ .*graded without minipar\.analysis\.plan\.(layouts|search)"):
+        with pytest.raises(GradeFailure, match=r"(?s)ch10_layout_\d\.py:\d+ .*graded without minipar\.plan\.(layouts|search)"):
             challenge.refuse_imports(path, banned)
     ok = tmp_path / "ok.py"
-    ok.write_text("from minipar.analysis import plan\n\n\ndef choose(m, c, n, b, s):\n    return plan.Layout(dp=16)\n")
+    ok.write_text("from minipar import plan\n\n\ndef choose(m, c, n, b, s):\n    return plan.Layout(dp=16)\n")
     challenge.refuse_imports(ok, banned)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import minipar
 from minipar import comm
 
-from minipar.analysis import cost
+from minipar import cost
 from minipar.runtime import trace
 SIZES = [1, 7, 64, 1001, 4096]  # smaller than, not divisible by, and divisible by n
 
@@ -112,8 +112,8 @@ def _formula_agrees(results, op, N, formula):
 def _native_bytes_under(formula):
     """The bytes the backend's collectives record on this rank while the cost formula (everywhere
     it can be reached from) is ``formula``."""
-    import minipar.analysis.cost as cost_pkg
-    import minipar.analysis.cost.collectives as cost_mod
+    import minipar.cost as cost_pkg
+    import minipar.cost.collectives as cost_mod
     from minipar.comm import native
     n, r = dist.get_world_size(), dist.get_rank()
     homes = [m for m in (cost_pkg, cost_mod, native) if hasattr(m, "collective_bytes")]

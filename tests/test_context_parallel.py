@@ -1,6 +1,6 @@
 """Context parallelism: sharding, ring / all-gather / Ulysses attention against full attention
 (output, log-sum-exp, dQ, dK, dV) at cp = 2 and 4, both layouts, causal and not; the bytes,
-activation memory and attention FLOPs against minipar.analysis.cost; training against one process.
+activation memory and attention FLOPs against minipar.cost; training against one process.
 
 Tolerances (fp32 on CPU): attention outputs, lse and gradients within rtol 1e-5, atol 1e-5
 of full attention on the whole sequence (observed ≤ 1e-6); training losses and final
@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import minipar
 from minipar import comm, data, hybrid, reference, strategy
-from minipar.analysis import cost
+from minipar import cost
 from minipar.runtime import trace
 from minipar import context_parallel as cpm
 from minipar.mesh import ProcessMesh

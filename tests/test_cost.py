@@ -1,7 +1,7 @@
 """The α-β model and collective byte counts."""
 import pytest
 
-from minipar.analysis import cost
+from minipar import cost
 
 
 def test_collective_bytes_ring_formulas():

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import minipar
 from minipar import comm
-from minipar.runtime import trace
+from minipar.runtime import staging, trace
 from minipar.runtime.backend import BackendError, place
 from minipar.data import batches as make_batches
 from minipar.data import synthetic_tokens
@@ -211,7 +211,7 @@ def _staged_collectives():
     r, n = dist.get_rank(), dist.get_world_size()
     out = {}
     for staged in (False, True):
-        comm.staging.must_stage = (lambda t, g, op: True) if staged else _real_must_stage
+        staging.must_stage = (lambda t, g, op: True) if staged else _real_must_stage
         m = trace.mark()
         a = torch.full((6,), float(r + 1))
         comm.all_reduce(a, op="avg", name="ar")
@@ -236,7 +236,7 @@ def _staged_collectives():
                        "ops": sorted(e["name"] for e in evs if "stage" not in e["labels"]),
                        "staging": sorted({(e["name"], e["labels"]["stage"]) for e in evs
                                           if "stage" in e["labels"]})}
-    comm.staging.must_stage = _real_must_stage
+    staging.must_stage = _real_must_stage
     errors = []
     for bad in (torch.ones(2, device="meta"),):
         try:
@@ -246,7 +246,7 @@ def _staged_collectives():
     return out, errors
 
 
-_real_must_stage = comm.staging.must_stage
+_real_must_stage = staging.must_stage
 
 
 def test_staging_through_host_gives_the_same_results_and_bytes_and_is_traced():
@@ -270,16 +270,16 @@ def test_a_cuda_tensor_on_cpu_placed_ranks_is_a_clear_error(monkeypatch):
     class FakeCuda:  # stands in for a CUDA tensor: only its device is read
         device = torch.device("cuda", 0)
     monkeypatch.setenv("MINIPAR_DEVICE", "cpu")
-    monkeypatch.setattr(comm.staging, "group_backend", lambda g: "gloo")
+    monkeypatch.setattr(staging, "group_backend", lambda g: "gloo")
     with pytest.raises(ValueError, match=r"comm.all_reduce: the tensor is on cuda:0 but this group's "
                                          r"backend is gloo and the ranks were placed on the CPU"):
-        comm.staging.must_stage(FakeCuda(), None, "all_reduce")
-    monkeypatch.setattr(comm.staging, "group_backend", lambda g: "nccl")
+        staging.must_stage(FakeCuda(), None, "all_reduce")
+    monkeypatch.setattr(staging, "group_backend", lambda g: "nccl")
     with pytest.raises(ValueError, match="the tensor is on cpu but this group's backend is nccl"):
-        comm.staging.must_stage(torch.ones(1), None, "send")
-    monkeypatch.setattr(comm.staging, "group_backend", lambda g: "cpu:gloo,cuda:nccl")
-    assert comm.staging.must_stage(torch.ones(1), None, "send") is False
-    assert comm.staging.must_stage(FakeCuda(), None, "send") is False  # straight to NCCL
+        staging.must_stage(torch.ones(1), None, "send")
+    monkeypatch.setattr(staging, "group_backend", lambda g: "cpu:gloo,cuda:nccl")
+    assert staging.must_stage(torch.ones(1), None, "send") is False
+    assert staging.must_stage(FakeCuda(), None, "send") is False  # straight to NCCL
 
 
 # ------------------------------------------------------------------ out of memory

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar import data, expert_parallel
 from minipar.runtime import trace
 from minipar.expert_parallel import count_tokens, kept_counts, permutation, split_sizes

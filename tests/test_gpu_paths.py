@@ -13,7 +13,8 @@ import torch
 from minipar.runtime import flight
 
 from minipar.runtime import trace
-from minipar.comm import p2p, staging
+from minipar.comm import p2p
+from minipar.runtime import staging
 
 
 def nccl_stuck(programs):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import minipar
 from minipar import comm
 from minipar.runtime import flight
-from minipar.comm import checked
+from minipar.runtime import checked
 
 
 def test_checked_only_while_an_exercise_runs_or_grading(monkeypatch):

@@ -15,13 +15,13 @@ tensor parallelism differs by 5e-4), while a wrong gradient still misses by ~lr 
 
 One launch per world size runs all its cases (each builds its own mesh); the same
 launches check the round trip through ``full_state_dict``/``load_full_state_dict``, the
-bytes each rank sent against :mod:`minipar.analysis.cost` and the memory it holds.
+bytes each rank sent against :mod:`minipar.cost` and the memory it holds.
 """
 import pytest
 import torch
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar import data, hybrid
 from minipar.models import GPT, GPTConfig
 from minipar.reference import assert_same_training, sgd, train_reference
@@ -116,7 +116,7 @@ def test_coordinates_are_the_mesh_layout(launched):
 
 
 def test_bytes_and_memory_match_the_formulas(launched):
-    """Measured bytes per dimension and model-state memory against minipar.analysis.cost, exactly
+    """Measured bytes per dimension and model-state memory against minipar.cost, exactly
     where the formula is exact: dp all-reduce of the rank's own parameters, pp transfers
     of a middle stage, tp collectives of a stage holding only blocks."""
     world_size, results = launched

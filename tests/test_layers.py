@@ -1,18 +1,14 @@
-"""Dependencies point one way: minipar's modules form layers, bottom to top,
-
-1. ``runtime/``: launching ranks, the pool, devices, the trace;
-2. ``analysis/cost/``: the cost model's pure formulas;
-3. the core: ``comm/``, ``models/``, ``autograd/`` (the split backward), ``activations``,
-   ``data``, ``precision``, ``mesh``, ``reference``, ``strategy`` and every strategy package;
-4. what is built on the core: ``production/``, ``analysis/plan/``, ``bench/``;
-5. the course (``course/``) and the package's front door (``minipar/__init__.py``, the
-   ``grade``/``hint``/``train`` shims).
+"""Dependencies point one way: minipar's modules form layers, bottom to top, each named by the
+first folder of its path (the rule, stated once, is :mod:`minipar.course.layers`'s docstring):
+``runtime/``; ``cost/``; the core (every other folder: the chapters' packages and what they share);
+``plan/``, ``production/``, ``adapt/``, ``bench/``, ``study/``; ``course/`` and the front door.
 
 Read from every module's source with :mod:`ast` (relative imports resolved), these tests check
 that no module imports from a layer above its own (imports inside functions count too), that
-the core's models import no strategy, that no two modules import each other at module level
-(directly or around a longer cycle), and that no module reads another module's underscore
-names. Each failure lists every offending import with its file and line.
+no chapter's package imports a later chapter's (the composers only through that package's
+``__all__``), that the core's models import no chapter's package, that no two modules import
+each other at module level (directly or around a longer cycle), and that no module reads another
+module's underscore names. Each failure lists every offending import with its file and line.
 """
 from __future__ import annotations
 
@@ -21,23 +17,13 @@ from dataclasses import dataclass
 from importlib.util import resolve_name
 from pathlib import Path
 
+from minipar.course import layers
+from minipar.course.chapters import CHAPTERS
+from minipar.course.layers import layer
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "minipar"
 
-# bottom to top; a module belongs to the layer of the longest prefix that names it
-STRATEGIES = ["minipar.data_parallel", "minipar.model_parallel", "minipar.pipeline",
-              "minipar.tensor_parallel", "minipar.zero", "minipar.context_parallel",
-              "minipar.expert_parallel", "minipar.hybrid"]
-LAYERS = [
-    ("runtime", ["minipar.runtime"]),
-    ("cost formulas", ["minipar.analysis.cost"]),
-    ("core", ["minipar.comm", "minipar.models", "minipar.autograd", "minipar.activations",
-              "minipar.data", "minipar.precision", "minipar.mesh", "minipar.reference",
-              "minipar.strategy", *STRATEGIES]),
-    ("built on the core", ["minipar.production", "minipar.adapt", "minipar.analysis.plan", "minipar.bench",
-                           "minipar.analysis"]),
-    ("course", ["minipar.course", "minipar.grade", "minipar.hint", "minipar.train", "minipar"]),
-]
 # Known exceptions, each with its reason; an entry that no longer matches anything fails
 # test_allowances_are_still_needed, so the list only shrinks.
 UPWARD_ALLOWED: set = set()   # none: every import points down
@@ -140,13 +126,6 @@ SCANS = {name: _scan(name, path) for name, path in MODULES.items()}
 IMPORTS = [i for imports, _ in SCANS.values() for i in imports]
 
 
-def layer(module: str) -> int:
-    best = max(((len(p), k) for k, (_, prefixes) in enumerate(LAYERS) for p in prefixes
-                if module == p or module.startswith(p + ".")), default=None)
-    assert best is not None, f"{module} belongs to no layer: add it to LAYERS"
-    return best[1]
-
-
 def _report(title: str, lines: list[str]) -> str:
     return f"{title} ({len(lines)}):\n" + "\n".join(f"  {ln}" for ln in sorted(lines))
 
@@ -155,26 +134,64 @@ def upward_imports() -> list[Import]:
     return [i for i in IMPORTS if layer(i.target) > layer(i.module)]
 
 
-def test_every_module_has_a_layer():
-    """Every module of the package sits in one of the layers (a new folder must be placed)."""
-    for module in MODULES:
-        layer(module)
+def test_the_rule_names_folders_that_exist():
+    """Every folder the layer rule names, and every chapter's package, is a folder or module of
+    ``minipar/`` (a renamed folder cannot silently fall into the core)."""
+    named = [n for n in layers.FOLDERS if n] + [ch.package for ch in CHAPTERS if ch.package]
+    missing = [n for n in named if not layers.files(n)]
+    assert not missing, f"named by the rule but not in minipar/: {missing}"
+    assert [ch.number for ch in CHAPTERS if ch.package] == sorted(layers.chapter_packages(CHAPTERS))
 
 
 def test_no_import_points_up():
     """No module imports from a layer above its own, also inside a function."""
-    bad = [f"{i.where()}: {i.module} ({LAYERS[layer(i.module)][0]}) imports {i.target} "
-           f"({LAYERS[layer(i.target)][0]}){'' if i.top else ' inside a function'}"
+    bad = [f"{i.where()}: {i.module} ({layers.NAMES[layer(i.module)]}) imports {i.target} "
+           f"({layers.NAMES[layer(i.target)]}){'' if i.top else ' inside a function'}"
            for i in upward_imports() if (i.module, i.target) not in UPWARD_ALLOWED]
     assert not bad, _report("imports from a higher layer", bad)
 
 
 def test_models_import_no_strategy():
-    """Within the core, the models are the ground floor: they import no strategy package."""
+    """Within the core, the models are the ground floor: they import no chapter's package."""
     bad = [f"{i.where()}: {i.module} imports {i.target}" for i in IMPORTS
-           if i.module.startswith("minipar.models")
-           and any(i.target == s or i.target.startswith(s + ".") for s in STRATEGIES)]
+           if i.module.startswith("minipar.models") and layers.chapter_of(i.target, CHAPTERS)]
     assert not bad, _report("models importing a strategy", bad)
+
+
+def exported(package: str) -> set:
+    """The names a package's ``__init__.py`` lists in ``__all__`` (its face)."""
+    tree = ast.parse((PACKAGE / package.split(".", 1)[1] / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def later_chapter_imports(imports) -> list[str]:
+    """Imports of a later chapter's package: none, but a composer's of names that package exports."""
+    bad = []
+    for i in imports:
+        mine, theirs = layers.chapter_of(i.module, CHAPTERS), layers.chapter_of(i.target, CHAPTERS)
+        if not (mine and theirs and theirs > mine):
+            continue
+        face = f"minipar.{layers.top(i.target)}"
+        if layers.composes(i.module) and i.target == face and i.names and set(i.names) <= exported(face):
+            continue
+        if not layers.composes(i.module):
+            why = "not a composer"
+        elif i.target != face or not i.names:
+            why = "a composer may take only names its package exports"
+        else:
+            why = f"{', '.join(sorted(set(i.names) - exported(face)))} not in its __all__"
+        bad.append(f"{i.where()}: {i.module} (chapter {mine}) imports {i.target} (chapter {theirs}): {why}")
+    return bad
+
+
+def test_no_chapter_imports_a_later_chapter():
+    """A chapter's package imports no later chapter's package; the composers (``hybrid/``, the
+    training command) take from a later one only names its ``__init__`` exports."""
+    bad = later_chapter_imports(IMPORTS)
+    assert not bad, _report("imports of a later chapter's package", bad)
 
 
 def cycles() -> list[list[str]]:
@@ -250,6 +267,29 @@ def test_allowances_are_still_needed():
     assert not stale, _report("allow-list entries that match nothing", stale)
 
 
+PLANTED_CHAPTERS = {
+    "minipar.model_parallel.planted": "from ..pipeline import partition\n",            # 03 -> 04
+    "minipar.hybrid.planted": "from ..context_parallel import apply_cp\n"               # a composer,
+                              "from ..context_parallel.ring import schedule\n"          # but a module
+                              "from ..expert_parallel import _private_thing\n",         # not exported
+    "minipar.production.train_options": "from ..adapt import parse_switches\n",        # exported
+}
+
+
+def test_the_chapter_rule_sees_what_it_checks():
+    """On planted modules: chapter 03 reaching into chapter 04 is refused, a composer's import of
+    a later package's exported name passes, of a module inside it or an unexported name fails."""
+    planted = [i for name, text in PLANTED_CHAPTERS.items()
+               for i in _scan(name, PACKAGE / name.split(".", 1)[1].replace(".", "/") / "x.py", text)[0]]
+    bad = later_chapter_imports(planted)
+    assert len(bad) == 3, bad
+    assert "model_parallel.planted (chapter 03) imports minipar.pipeline (chapter 04): not a composer" in bad[0]
+    assert "minipar.context_parallel.ring (chapter 08): a composer may take only" in bad[1]
+    assert "_private_thing not in its __all__" in bad[2]
+    assert layers.chapter_of("minipar.pipeline.executor", CHAPTERS) == "04"
+    assert layers.chapter_of("minipar.mesh", CHAPTERS) is None
+
+
 PLANTED = """
 import sys
 from .pool import _pool
@@ -274,6 +314,7 @@ def test_the_checker_sees_what_it_checks():
     got = {(i.module, i.target, i.top) for i in IMPORTS}
     assert ("minipar.runtime.launch", "minipar.runtime.trace", True) in got   # from . import trace
     assert ("minipar.course.grade", "minipar.course.challenge", True) in got  # from .challenge import
-    assert layer("minipar.analysis.cost.pipeline") == 1 and layer("minipar.pipeline.train") == 2
-    assert layer("minipar") == 4 and layer("minipar.analysis.plan.layout") == 3
+    assert layer("minipar.cost.pipeline") == layers.COST and layer("minipar.pipeline.train") == layers.CORE
+    assert layer("minipar") == layers.COURSE and layer("minipar.plan.layout") == layers.BUILT_ON_CORE
+    assert layer("minipar.study.plots.pipeline") == layers.BUILT_ON_CORE and layer("minipar.memory") == layers.CORE
     assert any(not top for _, _, top in got), "imports inside functions are read too"

@@ -131,8 +131,8 @@ def test_a_planner_layout_runs_at_toy_size():
     set back to 1 to fit 8 ranks, and said); its command line passes minipar.production.train's checks, and
     the hybrid.run call trains like the micro-batched single process (rtol 1e-4, atol 5e-5)."""
     from minipar.production import train
-    from minipar.hybrid.layouts import toy_command, toy_options, toy_run
-    from minipar.analysis.plan import Layout
+    from minipar.study.layouts import toy_command, toy_options, toy_run
+    from minipar.plan import Layout
     layout = Layout(dp=8, tp=8, pp=16, cp=2, ep=8, zero=1, dtype="fp32")
     config, options, notes = toy_options(layout)
     assert {k: options[k] for k in ("dp", "cp", "pp", "tp", "ep", "zero")} == \

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar import data, precision, reference
 from minipar.runtime import trace
 from minipar import pipeline as pp

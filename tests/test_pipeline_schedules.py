@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from minipar.analysis import cost
+from minipar import cost
 from minipar import pipeline as pp
 from minipar.pipeline.schedules import Action, Schedule, add_comms
 from minipar.pipeline.simulate import UNIT

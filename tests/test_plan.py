@@ -1,4 +1,4 @@
-"""The planner (minipar.analysis.plan) against published results and its own formulas.
+"""The planner (minipar.plan) against published results and its own formulas.
 
 Tolerances:
 * Narayanan et al. 2021, Table 1 (the fitting set): the roofline's two numbers (f_max, x_half)
@@ -23,14 +23,14 @@ Tolerances:
 
 import pytest
 
-from minipar.analysis import cost, plan
-from minipar.analysis.plan import roofline
-from minipar.analysis.plan.calibrate import fit_roofline
-from minipar.analysis.plan.overlap import bucketed
-from minipar.analysis.plan.published import (DGXC_H100_BF16, KORTHIKANTI_SP_SELECTIVE_MEMORY, KORTHIKANTI_TABLE5,
+from minipar import cost, plan
+from minipar.plan import roofline
+from minipar.plan.calibrate import fit_roofline
+from minipar.plan.overlap import bucketed
+from minipar.plan.published import (DGXC_H100_BF16, KORTHIKANTI_SP_SELECTIVE_MEMORY, KORTHIKANTI_TABLE5,
                                              LLAMA3_TABLE4, TABLE1, TABLE1_FIT_ROWS, dgxc_against_search, dgxc_run,
                                              korthikanti_run, llama3_run, table1_layout, table1_model)
-from minipar.analysis.plan.roofline import ATTENTION, TABLE1_FIT
+from minipar.plan.roofline import ATTENTION, TABLE1_FIT
 
 
 def _table1(efficiency, rows=TABLE1):
@@ -111,7 +111,7 @@ def test_the_busiest_stage_sets_the_pace():
     spec = plan.ModelSpec("head-heavy", n_layer=8, hidden=1024, n_head=16, vocab=32768, seq_len=1024, dropout=False)
     lay = plan.Layout(pp=4, micro_batch=1)
     t = plan.step_time(spec, lay, plan.get_cluster("dgx-h100"), 1024, 8)["detail"]
-    from minipar.analysis.plan import roofline
+    from minipar.plan import roofline
     gpu = plan.get_accelerator("H100")
     head = roofline.head_ops(spec, lay, 1024)
     last = 2 * (t["layer_fwd"] + t["layer_bwd"]) + roofline.ops_time(head + roofline.backward(head), gpu)
@@ -126,7 +126,7 @@ def test_llama3_published_layout_memory_without_full_recomputation():
     (Llama 3 §3.3.2), as the planner cuts and counts it: 126 layers as 7, 8 × 14, 7 (one fewer on the first and
     last stages, as Llama 3 did), so the busiest stage is the second, 15 micro-batches in flight of 8 layers; the
     H100's 81,559 MiB (the driver's count), 95% usable. Materialized scores would need 4.5 TB at 128K."""
-    from minipar.analysis.plan.memory import stage_layers
+    from minipar.plan.memory import stage_layers
     assert stage_layers(126, 16) == [7] + [8] * 14 + [7]
     for row in LLAMA3_TABLE4[1:]:
         lay, B, s = llama3_run(row)
@@ -394,15 +394,15 @@ def test_405b_at_8k_on_16k_gpus_keeps_production_tp_and_pp():
 
 def test_predicts_chapter07_memory_exactly():
     """The model states of chapter 07's strategies on 4 ranks, predicted byte for byte."""
-    from minipar import data, hybrid
-    from minipar.hybrid.compare import strategies
+    from minipar import data, study
+    from minipar.study import strategies
     from minipar.models import GPTConfig
-    from minipar.analysis.plan.course import exact_memory
+    from minipar.plan.course import exact_memory
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=6, n_head=8, n_embd=32)
     batches = data.batches(data.synthetic_tokens(2000, cfg.vocab_size), steps=1, batch_size=16,
                            block_size=cfg.block_size)
     specs = {k: v for k, v in strategies(4).items() if k in ("ZeRO-2", "TP", "PP", "2D PP×TP", "3D + ZeRO-1")}
-    rows, _ = hybrid.compare(cfg, batches, world_size=4, specs=specs)
+    rows, _ = study.compare(cfg, batches, world_size=4, specs=specs)
     for row in rows:
         assert exact_memory(cfg, specs[row["strategy"]]) == row["memory"], row["strategy"]
 
@@ -410,8 +410,8 @@ def test_predicts_chapter07_memory_exactly():
 def test_spearman_and_timed_block():
     """Spearman's rho on known rankings; the timed block gives a positive rate and overhead."""
     from minipar.models import GPTConfig
-    from minipar.analysis.plan.calibrate import timed_block
-    from minipar.analysis.plan.course import spearman
+    from minipar.plan.calibrate import timed_block
+    from minipar.plan.course import spearman
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
@@ -421,9 +421,9 @@ def test_spearman_and_timed_block():
 
 def test_fit_call_overhead_reproduces_the_fitted_row():
     """fit_call_overhead makes the fitted strategy's predicted step equal the measured one; calls counted as stated."""
-    from minipar.hybrid.compare import strategies
+    from minipar.study import strategies
     from minipar.models import GPTConfig
-    from minipar.analysis.plan.course import fit_call_overhead, predict_compare
+    from minipar.plan.course import fit_call_overhead, predict_compare
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=6, n_head=8, n_embd=32)
     gpu = plan.Accelerator("cpu", 1e10, 64e9, 1e9, layer_overhead=1e-4)
     cl = plan.Cluster("here", gpu, 4, 1, 1e9, alpha_intra=1e-5, alpha_inter=1e-5)
@@ -439,7 +439,7 @@ def test_fit_call_overhead_reproduces_the_fitted_row():
 
 def test_cpu_rates_and_shared_cores():
     """fit_gemm_curve recovers a known x_half from rates on the roofline; ranks sharing fewer cores lend the bubble."""
-    from minipar.analysis.plan.calibrate import fit_gemm_curve, rates
+    from minipar.plan.calibrate import fit_gemm_curve, rates
     cpu = plan.Accelerator("cpu", 1e11, 64e9, 1e9, kind="cpu", hbm_bw=1e10, efficiency=roofline.Efficiency(1.0, 0.8))
     shapes = [(32, 32, 32), (64, 96, 32), (256, 256, 256), (2048, 2048, 2048)]
     gemm = {s: roofline.rate(roofline.gemm("g", *s, 4), cpu, None) for s in shapes}

@@ -8,8 +8,8 @@ different order).
 """
 import pytest
 
-from minipar.analysis import plan
-from minipar.analysis.plan.step_time import comm_times
+from minipar import plan
+from minipar.plan.step_time import comm_times
 
 MOE = plan.ModelSpec("tiny-moe", n_layer=2, hidden=64, n_head=4, vocab=100, seq_len=128,
                      n_experts=8, top_k=2, tied=True, dropout=False)
@@ -73,7 +73,7 @@ def test_dp_overlap_window_at_pp1_is_the_last_microbatch_backward():
 
 def test_tp_term_alone_at_pp1():
     """tp alone: m·l layer passes of the tensor-parallel bytes, all exposed."""
-    from minipar.analysis import cost
+    from minipar import cost
     lay = plan.Layout(tp=4, micro_batch=2, overlap_tp=False)
     t, _ = _step(lay, global_batch=8)
     assert set(t["comm"]) == {"tp"}
@@ -146,7 +146,7 @@ def test_ep_term_alone_at_pp1():
 def test_uneven_stages_and_the_busiest_one():
     """Layers that p does not divide: one fewer on the first and last stages (Llama 3's 7, 8 × 14, 7), then the
     second, third ...; the activations are the busiest stage's, by hand: 1F1B stage r holds p - r micro-batches."""
-    from minipar.analysis.plan.memory import stage_layers
+    from minipar.plan.memory import stage_layers
     assert stage_layers(126, 16) == [7] + [8] * 14 + [7] and stage_layers(24, 4) == [6] * 4
     assert stage_layers(5, 2) == [2, 3] and stage_layers(7, 4) == [1, 2, 2, 2] and stage_layers(9, 4) == [2, 2, 3, 2]
     spec = plan.ModelSpec("seven", n_layer=7, hidden=256, n_head=8, vocab=1000, seq_len=512, tied=True, dropout=False)
@@ -161,7 +161,7 @@ def test_uneven_stages_and_the_busiest_one():
 def test_bubble_is_lent_only_on_a_quiet_machine():
     """Ranks outnumbering the cores lend the bubble to each other; other work (the load before they started)
     takes that share instead: charged min(1, background / cores)."""
-    from minipar.analysis.plan.step_time import charged
+    from minipar.plan.step_time import charged
     cpu = plan.Accelerator("cpu", 1e11, 64e9, 1e9, kind="cpu", hbm_bw=1e10)
     for background, share in ((0.0, 0.0), (1.0, 0.5), (8.0, 1.0)):
         cl = plan.Cluster("2 cores", cpu, 4, 1, 1e9, cores=2, background=background)
@@ -175,7 +175,7 @@ def test_bubble_is_lent_only_on_a_quiet_machine():
 
 def test_median_of_rounds():
     """Calibration rounds taken between the strategies: every number its median, the rest as in the first round."""
-    from minipar.analysis.plan.calibrate import median_of_rounds
+    from minipar.plan.calibrate import median_of_rounds
     rounds = [{"backend": "gloo", "seconds": {"gloo": [3.0, 30.0]}, "rates": {"gemm": {(1, 2, 3): 5.0}}},
               {"backend": "gloo", "seconds": {"gloo": [1.0, 10.0]}, "rates": {"gemm": {(1, 2, 3): 7.0}}},
               {"backend": "gloo", "seconds": {"gloo": [2.0, 90.0]}, "rates": {"gemm": {(1, 2, 3): 6.0}}}]

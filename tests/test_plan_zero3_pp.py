@@ -19,7 +19,7 @@ from dataclasses import fields, replace
 import pytest
 
 from minipar import hybrid
-from minipar.analysis import plan
+from minipar import plan
 from minipar.data import batches, synthetic_tokens
 from minipar.models.gpt import GPT, GPTConfig
 from minipar.reference import adamw
@@ -153,7 +153,7 @@ def test_a_searched_hsdp_layout_runs_at_toy_size():
     """The planner's HSDP and policy reach the toy run: dp16 HSDP 2×8 kept gathered becomes dp4 = 2×2 with
     the policy, and its command line passes the training command's checks; with no ranks left for 2×2
     it runs as plain ZeRO-3 and says so."""
-    from minipar.hybrid.layouts import toy_command, toy_options
+    from minipar.study.layouts import toy_command, toy_options
     from minipar.production import train
     layout = plan.Layout(dp=16, zero=3, dp_shard=8, reshard_after_forward="never", dtype="fp32")
     _, o, notes = toy_options(layout)

@@ -7,17 +7,17 @@ et al. say, and costs what the FLOP count says.
   process (with dropout: the random state is replayed), inside pipeline stages (1F1B and
   ZB-H1's split backward) and with TP + SP, on 2 ranks.
 * Memory: bytes saved for backward per block and rank (minipar.activations.SavedActivations)
-  equal :func:`minipar.analysis.cost.recompute_activation_bytes` at fp32 without dropout, plus what
+  equal :func:`minipar.cost.recompute_activation_bytes` at fp32 without dropout, plus what
   the formula leaves out (layer-norm mean and 1/std; the s² causal mask when the attention
   is not recomputed), exactly; without parallelism, with TP and with TP + SP.
 * Compute: the FLOPs counted by torch.utils.flop_counter equal 3×forward plus
-  :func:`minipar.analysis.cost.checkpoint_recompute_flops`, exactly.
+  :func:`minipar.cost.checkpoint_recompute_flops`, exactly.
 """
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from minipar.analysis import cost
+from minipar import cost
 
 from minipar import data, pipeline
 from minipar import tensor_parallel as tp

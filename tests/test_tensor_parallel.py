@@ -11,7 +11,7 @@ Each case (plain TP, TP + sequence parallelism, tied weights) compares logits, l
 every gradient on one batch, then the loss at every step and the final parameters after
 SGD training, with the single-device :class:`minipar.models.GPT`; fp32, ``RTOL``/``ATOL``
 below (the splits only change the order of floating-point sums). The same rank function
-measures one block's communication and activation memory against ``minipar.analysis.cost`` and
+measures one block's communication and activation memory against ``minipar.cost`` and
 checks that uneven splits raise plain errors.
 """
 import dataclasses
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar import data
 from minipar.runtime import trace
 from minipar import tensor_parallel as tp

@@ -1,5 +1,5 @@
 """ZeRO stages 0-3: equivalence with single-process training, memory and communication
-per rank against the formulas of minipar.analysis.cost.zero, and clear errors.
+per rank against the formulas of minipar.cost.zero, and clear errors.
 
 Two models: ``EVEN`` (every unit's parameter count divisible by 2 and 4) and ``ODD``
 (vocab 67, width 30: no unit divisible by 4, so shards are zero-padded to ⌈Ψ_u/N⌉).
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar import data, reference
 from minipar.models import GPT, GPTConfig
 from minipar.strategy import on_device

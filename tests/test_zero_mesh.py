@@ -6,9 +6,9 @@ each micro-batch's gradients into the sharded gradient; ZeRO-3 follows ``reshard
 ``"never"`` (the default with a pipeline) keeps the stage's units gathered across the micro-batches
 and reduce-scatters the accumulated gradients once, ``"always"`` reshards after every use. Both
 train as one process; the bytes and the memory per rank are those of
-:func:`minipar.analysis.cost.zero3_pipeline_comm_bytes` and ``zero3_pipeline_peak_bytes``.
+:func:`minipar.cost.zero3_pipeline_comm_bytes` and ``zero3_pipeline_peak_bytes``.
 HSDP (``dp_shard``) shards within blocks and all-reduces the shards across them
-(:func:`minipar.analysis.cost.hsdp_comm_bytes`). SGD with momentum (K = 4 bytes of state per parameter), rtol 1e-4, atol 1e-5 (AdamW magnifies
+(:func:`minipar.cost.hsdp_comm_bytes`). SGD with momentum (K = 4 bytes of state per parameter), rtol 1e-4, atol 1e-5 (AdamW magnifies
 last-bit differences of reordered sums past atol 5e-5 on one element of the deeper model)."""
 from collections import Counter
 from functools import partial
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from minipar import hybrid
-from minipar.analysis import cost
+from minipar import cost
 from minipar.data import batches, synthetic_tokens
 from minipar.models.gpt import GPT, GPTConfig
 from minipar.reference import assert_same_training, train_reference

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar import data, reference
 from minipar.runtime import trace
 from minipar.models import GPT, GPTConfig

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar import data, reference
 from minipar.runtime import trace
 from minipar.models import GPT, GPTConfig
@@ -19,7 +19,7 @@ from minipar.zero import (FullyShardedDataParallel, ReplicatedOptimizer, Zero2Op
                           ZeroOptimizer, clip_grad_norm_, fully_shard, full_state,
                           padded_unit_sizes)
 from minipar.strategy import to_device
-from minipar.zero.memory import model_state_bytes
+from minipar.memory import model_state_bytes
 
 EVEN = dict(vocab_size=65, n_embd=32, n_head=2, n_layer=2, block_size=16)
 ODD = dict(vocab_size=67, n_embd=30, n_head=2, n_layer=2, block_size=16)

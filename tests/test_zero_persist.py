@@ -13,8 +13,8 @@ CPU, SGD with momentum (K = 4), 2 ranks:
   module granularity (DeepSpeed's: one unit per module with parameters, FSDP assignments'
   "Linear and Embedding sharded, norms replicated") the 5 LayerNorm units need no collective
   at all: 48 -> 34 calls;
-* memory per rank equals :func:`minipar.analysis.cost.zero_bytes_per_rank` with ``persistent=Ψ_p``
-  ((4 + 4 + K)Ψ_p replicated), and the bytes sent :func:`minipar.analysis.cost.zero_comm_bytes`.
+* memory per rank equals :func:`minipar.cost.zero_bytes_per_rank` with ``persistent=Ψ_p``
+  ((4 + 4 + K)Ψ_p replicated), and the bytes sent :func:`minipar.cost.zero_comm_bytes`.
 """
 import pytest
 import torch
@@ -22,12 +22,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar import data, reference, zero
 from minipar.runtime import trace
 from minipar.models import GPT, GPTConfig
 from minipar.zero import FullyShardedDataParallel, full_state, fully_shard
-from minipar.zero.memory import model_state_bytes
+from minipar.memory import model_state_bytes
 
 CFG = GPTConfig(vocab_size=67, n_embd=30, n_head=2, n_layer=2, block_size=16)
 STEPS, BATCH = 3, 8

@@ -1,9 +1,9 @@
 """Challenge 10: choose a layout as good as the planner's, without the planner's search.
 
-``minipar.analysis.plan.search`` tries every combination of the knobs (dp, tp, pp, v, cp, ZeRO stage,
+``minipar.plan.search`` tries every combination of the knobs (dp, tp, pp, v, cp, ZeRO stage,
 micro-batch, recomputation) and ranks what fits. You know what each knob costs: use it.
 
-Write ``choose(model, cluster, nodes, global_batch, seq_len)``: a ``minipar.analysis.plan.Layout``
+Write ``choose(model, cluster, nodes, global_batch, seq_len)``: a ``minipar.plan.Layout``
 that uses all ``nodes × gpus_per_node`` GPUs of ``cluster`` for ``model`` (catalogue names,
 ``plan.MODELS`` and ``plan.CLUSTERS``). You may call ``plan.predict`` and
 ``plan.memory_per_gpu`` to compare candidates, but not ``plan.search`` (the grader disables
@@ -20,7 +20,7 @@ it while ``choose`` runs, and refuses a file that imports its module or its enum
 Grade it with ``python -m minipar.grade ch10`` (this challenge alone; ``grade ex10`` grades the core
 exercise, then this challenge). Stuck? ``minipar.hint("ch10")``.
 """
-from minipar.analysis import plan
+from minipar import plan
 
 
 def choose(model: str, cluster: str, nodes: int, global_batch: int, seq_len: int) -> "plan.Layout":

@@ -4,11 +4,17 @@
 * :mod:`.holdings`: which global elements of every parameter and optimizer slot a rank holds;
 * :mod:`.moves`: the plan of moves between two layouts (local copies first, bytes counted);
 * :mod:`.switch`: the live switch that carries the plan out with one all-to-all;
-* :mod:`.train`: a run that switches layout at given steps (``check``/``train``/``run``)."""
+* :mod:`.train`: a run that switches layout at given steps (``check``/``train``/``run``);
+* :mod:`.auto`, :mod:`.straggler`, :mod:`.runner`: the layouts to try, a slow rank, and
+  :class:`Adaptive`, which the training command (:mod:`minipar.production.train`) drives."""
+from .auto import decide, fit, propose
 from .layout import Layout, parse, parse_switches
+from .layout import check as check_layout
 from .moves import Move, Plan, plan
+from .runner import Adaptive
+from .straggler import parse_slow
 from .switch import reshard
 from .train import check, run, segments, train
 
-__all__ = ["Layout", "parse", "parse_switches", "Move", "Plan", "plan", "reshard",
-           "check", "run", "segments", "train"]
+__all__ = ["Layout", "parse", "parse_switches", "check_layout", "Move", "Plan", "plan", "reshard",
+           "check", "run", "segments", "train", "Adaptive", "parse_slow", "propose", "fit", "decide"]

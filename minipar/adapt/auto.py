@@ -3,8 +3,8 @@
 :func:`candidates` lists the layouts a live switch can move between on ``world_size`` ranks
 (dp·pp·tp = world, tp dividing the heads, pp at most the layers, the global batch split into
 dp·m equal micro-batches, ZeRO 0 or 1). :func:`propose` ranks them by the planner's predicted step
-time on the machine :func:`minipar.analysis.plan.measure_machine` measured
-(:func:`minipar.analysis.plan.course.predict_compare`), and keeps the ``k`` best. The run then
+time on the machine :func:`minipar.plan.measure_machine` measured
+(:func:`minipar.plan.course.predict_compare`), and keeps the ``k`` best. The run then
 trains ``probe`` steps on each, switching live between them (the steps are real training steps:
 nothing is thrown away, the losses stay one process's), measures each one's step time (the
 slowest rank's median, leaving out the first step after a switch) and :func:`decide` keeps the
@@ -42,7 +42,7 @@ def candidates(config, world_size: int, batch_size: int) -> list[Layout]:
 
 def propose(config, batch_size: int, world_size: int, cluster, k: int = 3) -> list[dict]:
     """The ``k`` layouts with the least predicted step time: ``[{"layout", "predicted_ms"}]``."""
-    from ..analysis.plan.course import predict_compare
+    from ..plan.course import predict_compare
     lays = candidates(config, world_size, batch_size)
     specs = {str(lay): {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "zero": lay.zero, "m": lay.microbatches}
              for lay in lays}

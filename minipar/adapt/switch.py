@@ -94,7 +94,7 @@ def exchange_seconds(sent: list[int], received: list[int], alpha: float, beta: f
     all-to-all of Thakur, Rabenseifner & Gropp 2005), and the rank with the most bytes to send or
     receive finishes last.
     ``sent``/``received``: bytes per rank (each rank's record's ``bytes_sent``/``bytes_received``);
-    α, β: seconds per message and per byte (:func:`minipar.analysis.plan.measure_machine`)."""
+    α, β: seconds per message and per byte (:func:`minipar.plan.measure_machine`)."""
     n = len(sent)
     return (n - 1) * alpha + beta * max(max(s, r) for s, r in zip(sent, received)) if n > 1 else 0.0
 

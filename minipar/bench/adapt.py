@@ -10,7 +10,7 @@ Two things, on 4 ranks of the course GPT (SGD with momentum):
   is printed too);
 * **a switch**: dp4 → dp2·tp2 → pp2·tp2 under ZeRO-1, each switch's plan bytes and the time of
   its all-to-all beside the α-β estimate of that exchange on this machine
-  (:func:`minipar.adapt.switch.exchange_seconds` with :func:`minipar.analysis.plan.measure_machine`'s
+  (:func:`minipar.adapt.switch.exchange_seconds` with :func:`minipar.plan.measure_machine`'s
   α and β: n − 1 messages and the busiest rank's bytes), and the switch's other phases, each the
   slowest rank's: building the new mesh and model, describing the holdings, the plan, waiting for
   the other ranks (a barrier), the copies (packing and unpacking).
@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
 
 def _switches(config, batches, a) -> list[dict]:
     from ..adapt.switch import exchange_seconds
-    from ..analysis.plan import measure_machine
+    from ..plan import measure_machine
     machine = measure_machine(config, 4)
     res = adapt.run(GPT(config, seed=0), batches, 4, momentum, launch_options={"device": a.device}, layout="dp=4,zero=1",
                     switches=["2=dp=2,tp=2,zero=1", "4=pp=2,tp=2,zero=1"])

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..analysis import cost
+from .. import cost
 from ..runtime.launch import launch
 from .common import clock, here, one_gpu_per_rank, parser, report, row, size
 

@@ -29,7 +29,7 @@ from ..runtime import trace
 from ..runtime.launch import launch
 from ..models import GPT, GPTConfig, lm_loss
 from ..pipeline import Pipeline, WeightGrads, build_stages, deferred, layer_costs, make_schedule, partition
-from ..pipeline.partition import boundary_shapes
+from ..model_parallel.partition import boundary_shapes
 from .common import clock, here, one_gpu_per_rank, parser, report, row, size, to_here
 
 SCHEDULES = ("1f1b", "zb-h1")

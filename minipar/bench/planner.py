@@ -1,14 +1,14 @@
 """``python -m minipar.bench planner``: the planner's predicted step time against measured ones, here.
 
-The planner is calibrated on this machine (:func:`minipar.analysis.plan.measure_machine`: α-β of Gloo's
+The planner is calibrated on this machine (:func:`minipar.plan.measure_machine`: α-β of Gloo's
 all-reduce, GEMM FLOP/s by shape, memory bandwidth, one block's dispatch overhead), then predicts
-one data-parallel training step of a GPT (:func:`minipar.analysis.plan.predict`, fp32, the gradients
+one data-parallel training step of a GPT (:func:`minipar.plan.predict`, fp32, the gradients
 all-reduced behind the backward). The same step is timed with minipar's DDP and PyTorch's
 DistributedDataParallel (the loop of ``python -m minipar.bench ddp``: same GPT, same batches,
 alternating blocks of steps, medians). ``ratio`` is minipar / PyTorch, measured; ``error`` is
 predicted / measured - 1 for each, nothing fitted to either.
 
-``--rho`` instead ranks chapter 07's ten strategies on 4 ranks (:func:`minipar.analysis.plan.course.
+``--rho`` instead ranks chapter 07's ten strategies on 4 ranks (:func:`minipar.plan.course.
 rank_correlation`: calibration and strategies interleaved in ``--rounds`` rounds, medians, the
 CPU's one software number fitted on TP) and reports Spearman's ρ of predicted against measured
 step times over the other nine, ``--runs`` times (each its own launch), with the load average
@@ -17,7 +17,7 @@ before and after each run (the goal: ρ ≥ 0.8 in two runs; a loaded machine's 
 from __future__ import annotations
 
 from ..runtime.launch import launch
-from ..analysis import plan
+from .. import plan
 from ..models import GPTConfig
 from .common import RATIO, median, one_gpu_per_rank, parser, report, row, size
 from .ddp import config, measure_rank
@@ -54,7 +54,7 @@ def _rho(a) -> dict:
     import time
 
     from .. import data
-    from ..analysis.plan.course import rank_correlation
+    from ..plan.course import rank_correlation
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=6, n_head=8, n_embd=32)   # chapter 07's
     batches = data.batches(data.synthetic_tokens(4000, cfg.vocab_size), steps=4, batch_size=16,
                            block_size=cfg.block_size)

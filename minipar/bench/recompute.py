@@ -3,7 +3,7 @@
 Trains steps (forward + backward) of one GPT under each ``recompute`` mode and each attention path
 (``sdpa``: PyTorch's fused kernel; ``materialized``: written out, :mod:`minipar.models.attention`),
 calls interleaved, and reports per row the median seconds, the extra time over no recomputation on
-the same path, the extra FLOPs counted (:func:`minipar.analysis.cost.checkpoint_recompute_flops` over
+the same path, the extra FLOPs counted (:func:`minipar.cost.checkpoint_recompute_flops` over
 3×forward) and the bytes kept for backward (:class:`minipar.activations.SavedActivations`).
 Korthikanti et al. (2022, Table 4) measured +39% (full) and +7% (selective) on 22B, with the
 scores written out; the count here is smaller for selective because softmax and dropout are
@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from ..analysis import cost
+from .. import cost
 from ..activations import SavedActivations
 from ..models import GPT, GPTConfig
 from .common import backward_step, interleaved, median, one_gpu_per_rank, parser, report, row, size

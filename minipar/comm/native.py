@@ -5,7 +5,7 @@ the backend's optimised code. The backend does not report what it sent, so each 
 what this rank's buffers, as handed to the backend, must send and receive in a bandwidth-optimal
 schedule (:func:`moved_bytes`): counted from the tensors (their elements, their dtype, this rank's
 share), not from the cost formula, which the tests check against these counts
-(:func:`minipar.analysis.cost.collective_bytes`). Only the forms Gloo accepts are used: flat (1-D) tensors for
+(:func:`minipar.cost.collective_bytes`). Only the forms Gloo accepts are used: flat (1-D) tensors for
 all-gather and reduce-scatter, equal sizes on every rank, and SUM (averaging divides afterwards).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import trace
-from . import staging
+from ..runtime import staging
 from .p2p import Handle, labels_for, device_clock, group_rank, group_size, nbytes
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -41,7 +41,7 @@ class _Averaged(Handle):
 
 def _via_host(op: str, group, labels: dict, output: torch.Tensor, input: torch.Tensor | None = None):
     """``(output, input, after)``: the buffers the backend gets, which are pinned host copies
-    of CUDA tensors where the group has no NCCL (:mod:`minipar.comm.staging`), and what to run
+    of CUDA tensors where the group has no NCCL (:mod:`minipar.runtime.staging`), and what to run
     once the operation completed (the copy back to the device)."""
     s_out = staging.must_stage(output, group, op)
     s_in = input is not None and staging.must_stage(input, group, op)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..runtime import flight
 from ..runtime import trace
-from . import checked, staging
+from ..runtime import checked, staging
 
 
 def group_rank(group=None) -> int:

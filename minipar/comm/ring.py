@@ -12,7 +12,7 @@ sizes differ by at most one element when n does not divide N).
 * **All-reduce** = reduce-scatter + all-gather: 2(n-1) steps.
 
 Each step moves one chunk (N/n elements) per rank, so per rank (Patarasuk & Yuan 2009;
-``minipar.analysis.cost.collective_bytes``):
+``minipar.cost.collective_bytes``):
 
     reduce-scatter, all-gather:  (n-1)/n · N     all-reduce:  2 (n-1)/n · N
 

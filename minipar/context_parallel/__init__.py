@@ -12,9 +12,11 @@ Only attention needs the other ranks' tokens. The pieces, one file each::
                tokens (B, H, T/c, d), equal to full attention; recomputation with every variant
     model      parallelize(gpt, group, variant, layout), local_loss, all_reduce_grads
     memory     saved_activation_bytes (what autograd keeps for the backward; cost.cp_activation_bytes)
-    plots      ring_schedule_figure, attention_matrix_figure
     train      check / train / run (minipar.strategy's shape), dp × cp on a ProcessMesh;
                check_config (what minipar.hybrid checks for its cp dimension)
+
+Its figures (the ring's schedule, the attention matrix it covers) are in
+:mod:`minipar.study.plots.context_parallel`.
 """
 from .allgather import all_gather_attention
 from .attention import VARIANTS, ContextParallelAttend, context_attention
@@ -22,7 +24,6 @@ from .blocks import attention_block, attention_block_backward, masked_attention,
 from .memory import saved_activation_bytes
 from .model import (ContextParallelAttention, apply_cp, PositionedEmbedding, all_reduce_grads, local_loss,
                     parallelize, set_positions)
-from .plots import attention_matrix_figure, ring_schedule_figure
 from .ring import RingAttention, ring_attention, ring_step, schedule
 from .sharding import (LAYOUTS, check_sequence, chunk_ids, sequence_positions, shard_sequence,
                        unshard_sequence, zigzag_chunks)
@@ -35,4 +36,4 @@ __all__ = ["apply_cp", "shard_sequence", "unshard_sequence", "sequence_positions
            "all_gather_attention", "ulysses_attention", "check_heads", "context_attention",
            "ContextParallelAttend", "VARIANTS", "parallelize", "local_loss", "all_reduce_grads",
            "set_positions", "ContextParallelAttention", "PositionedEmbedding", "saved_activation_bytes",
-           "ring_schedule_figure", "attention_matrix_figure", "check", "check_config", "train", "run"]
+           "check", "check_config", "train", "run"]

@@ -15,7 +15,7 @@ the attention's local core, never its communication:
 * all-gather and Ulysses: :func:`~minipar.context_parallel.blocks.masked_attention` on the
   gathered (or head-sharded) tensors is checkpointed: it keeps its inputs and drops the
   score-sized tensors and the boolean mask (the T² terms of
-  :func:`minipar.analysis.cost.cp_activation_bytes`, exactly, measured in the tests).
+  :func:`minipar.cost.cp_activation_bytes`, exactly, measured in the tests).
 """
 from __future__ import annotations
 

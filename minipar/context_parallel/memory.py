@@ -2,7 +2,7 @@
 
 Every tensor a forward saves passes through ``torch.autograd.graph.saved_tensors_hooks``;
 :func:`saved_activation_bytes` sums their distinct storages, leaving out the parameters (model
-states, not activations): what :func:`minipar.analysis.cost.cp_activation_bytes` predicts.
+states, not activations): what :func:`minipar.cost.cp_activation_bytes` predicts.
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ class Chapter:
     learn: str      # what you learn (README's column)
     exercise: str   # "" for none; else "exNN_topic"
     summary: str    # one line for notebook 00's map
+    package: str = ""   # the folder under minipar/ that holds the chapter's idea (minipar.course.layers)
 
     @property
     def number(self) -> str:
@@ -48,50 +49,62 @@ CHAPTERS = [
             "", "launching ranks, reading their results, grading"),
     Chapter("01_collectives.ipynb", "Collectives",
             "point-to-point and collectives, the ring all-reduce step by step, the α-β cost model, Gloo and NCCL",
-            "ex01_collectives", "point-to-point messages and collectives; the ring all-reduce; the α-β cost model"),
+            "ex01_collectives", "point-to-point messages and collectives; the ring all-reduce; the α-β cost model",
+            package="comm"),
     Chapter("02_data_parallel.ipynb", "Data parallelism",
             "replicate and average gradients: naive, bucketed, overlapped; gradient accumulation; "
             "asynchronous SGD; batch size and learning rate",
-            "ex02_data_parallel", "data parallelism: replicate the model, split the batch, average gradients"),
+            "ex02_data_parallel", "data parallelism: replicate the model, split the batch, average gradients",
+            package="data_parallel"),
     Chapter("03_model_parallel.ipynb", "Model parallelism",
             "split the layers across ranks; why the naive split leaves ranks idle",
-            "ex03_model_parallel", "model parallelism: split the layers across ranks"),
+            "ex03_model_parallel", "model parallelism: split the layers across ranks",
+            package="model_parallel"),
     Chapter("04_pipeline_parallel.ipynb", "Pipeline parallelism",
             "micro-batches: GPipe, 1F1B, interleaved, zero bubble (ZB-H1 with a split backward); "
             "bubble and memory against theory",
-            "ex04_pipeline", "pipeline parallelism: micro-batches, GPipe, 1F1B, interleaving, zero bubble"),
+            "ex04_pipeline", "pipeline parallelism: micro-batches, GPipe, 1F1B, interleaving, zero bubble",
+            package="pipeline"),
     Chapter("05_tensor_parallel.ipynb", "Tensor parallelism",
             "split each matrix multiply (Megatron-LM's f and g), vocabulary-parallel loss, sequence parallelism",
-            "ex05_tensor_parallel", "tensor and sequence parallelism: split each matrix multiply"),
+            "ex05_tensor_parallel", "tensor and sequence parallelism: split each matrix multiply",
+            package="tensor_parallel"),
     Chapter("06_zero.ipynb", "ZeRO",
             "shard optimizer state, gradients and parameters (ZeRO 1-3); flat units against FSDP2's "
             "per-parameter design; clipping; memory against the ZeRO formulas",
-            "ex06_zero", "ZeRO: shard optimizer state, gradients and parameters"),
+            "ex06_zero", "ZeRO: shard optimizer state, gradients and parameters",
+            package="zero"),
     Chapter("07_hybrid.ipynb", "Hybrid parallelism",
             "2D and 3D parallelism on a process mesh (with ZeRO-1); every strategy side by side: "
             "memory, bytes, bubble, step time",
-            "ex07_hybrid", "hybrid parallelism on a process mesh; every strategy side by side"),
+            "ex07_hybrid", "hybrid parallelism on a process mesh; every strategy side by side",
+            package="hybrid"),
     Chapter("08_context_parallel.ipynb", "Context parallelism",
             "long sequences split across ranks: ring attention (online-softmax merge, written-out "
             "backward), zigzag load balancing, all-gather and Ulysses attention, CP on the mesh",
-            "ex08_context_parallel", "context parallelism: long sequences split across ranks, ring attention"),
+            "ex08_context_parallel", "context parallelism: long sequences split across ranks, ring attention",
+            package="context_parallel"),
     Chapter("09_expert_parallel.ipynb", "Expert parallelism",
             "a mixture-of-experts GPT whose experts live on different ranks: two all-to-alls, capacity "
             "and dropped tokens, the load-balancing loss, EP × DP and EP × TP; DeepSeek-V3's configuration",
-            "ex09_expert_parallel", "expert parallelism: a mixture of experts over ranks, two all-to-alls"),
+            "ex09_expert_parallel", "expert parallelism: a mixture of experts over ranks, two all-to-alls",
+            package="expert_parallel"),
     Chapter("10_planning.ipynb", "Planning",
             "where the memory goes (Llama 3 8B on one GPU), mixed precision and recomputation, a planner "
             "for real models and clusters validated against published runs and this machine, a pipeline "
             "that re-partitions itself while training",
-            "ex10_planning", "planning: memory, recomputation, choosing a layout for a real cluster"),
+            "ex10_planning", "planning: memory, recomputation, choosing a layout for a real cluster",
+            package="plan"),
     Chapter("11_real_hardware.ipynb", "Real hardware",
             "the same chapter code on the CPU, a shared GPU and a GPU per rank; NCCL; `minipar.production.train` "
             "under `torchrun` and Slurm; sharded checkpoints; a rank killed and the job resuming",
-            "", "real hardware: GPUs and NCCL, `torchrun` on several machines, Slurm, checkpoints"),
+            "", "real hardware: GPUs and NCCL, `torchrun` on several machines, Slurm, checkpoints",
+            package="production"),
     Chapter("12_adaptive.ipynb", "Parallelism that adapts",
             "a live layout switch exact to one process (the plan of moves, its bytes), the fastest layout "
             "measured, a straggler given fewer layers, a job that shrinks and grows under `torchrun`",
-            "ex12_adaptive", "adaptive parallelism: switch layouts live, measure, beat a straggler, shrink and grow"),
+            "ex12_adaptive", "adaptive parallelism: switch layouts live, measure, beat a straggler, shrink and grow",
+            package="adapt"),
 ]
 
 
@@ -149,7 +162,7 @@ def expected_files() -> dict[Path, str]:
     readme = ROOT / "README.md"
     from . import core_map  # noqa: PLC0415  (stdlib-only too)
     text = _replace_between(readme.read_text(), readme_table(), "README.md")
-    out = {readme: _replace_between(text, core_map.readme_map(), "README.md", core_map.BEGIN, core_map.END)}
+    out = {readme: _replace_between(text, core_map.readme_map(CHAPTERS), "README.md", core_map.BEGIN, core_map.END)}
     nb_path = ROOT / "notebooks" / CHAPTERS[0].notebook
     nb = json.loads(nb_path.read_text())
     cell = next((c for c in nb["cells"] if c["cell_type"] == "markdown" and BEGIN in "".join(c["source"])), None)

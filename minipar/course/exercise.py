@@ -31,7 +31,7 @@ from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
 
-from ..comm import checked
+from ..runtime import checked
 from ..runtime import rank_setup
 from .markers import ROOT, exercises, key, pieces, stem  # noqa: F401  (ROOT, key: read from here too)
 

@@ -1,7 +1,7 @@
 """Gradient buckets: many small all-reduces merged into a few large ones.
 
 An all-reduce of N bytes on n ranks costs about ``2(n-1)·α + 2(n-1)/n·N·β`` (α-β model,
-:func:`minipar.analysis.cost.alpha_beta_time`): one all-reduce per parameter pays the latency α per
+:func:`minipar.cost.alpha_beta_time`): one all-reduce per parameter pays the latency α per
 parameter, buckets of about ``bucket_cap_mb`` pay it per bucket, for the same bytes (Li et al.,
 "PyTorch Distributed", VLDB 2020, §3.2.3). Buckets fill in **reverse** parameter order, the order
 of backward's gradients, so the first bucket is complete first and can be all-reduced early.

@@ -7,7 +7,7 @@ the ranks' gradients (Dean et al. 2012; Goyal et al. 2017, eq. 1):
     g = 1/B Σ_{i<B} ∇ℓ(x_i) = 1/n Σ_r ( n/B Σ_{i in shard r} ∇ℓ(x_i) ) = 1/n Σ_r g_r
 
 so every replica takes the single process's step. A parameter of Ψ_p values costs one
-all-reduce sending 2(n-1)/n·Ψ_p values per rank (:func:`minipar.analysis.cost.collective_bytes`) plus
+all-reduce sending 2(n-1)/n·Ψ_p values per rank (:func:`minipar.cost.collective_bytes`) plus
 a latency α per ring step: many small parameters mean many latencies.
 """
 from __future__ import annotations

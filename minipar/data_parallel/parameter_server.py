@@ -9,7 +9,7 @@ applies each gradient as it arrives, so no worker waits for a slower one, at the
 
     w_{t+1} = w_t - η · ∇L(w_{t-τ}),      τ = t - v  (the staleness)
 
-With W equally fast workers τ ≈ W-1 on average (:func:`minipar.analysis.cost.expected_staleness`).
+With W equally fast workers τ ≈ W-1 on average (:func:`minipar.cost.expected_staleness`).
 ``max_staleness=s`` drops a gradient with τ > s (its worker gets fresh weights).
 ``synchronous=True`` is the classic alternative: the server averages one gradient from every
 worker and applies one step (τ = 0; single-process SGD on the W batches together). Messages are
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..runtime import trace
+from ..runtime import staging, trace
 from ..reference import sgd
 from .naive import flatten, unflatten_into, broadcast_module, trainable
 
@@ -83,7 +83,7 @@ def _recv_any(buf: torch.Tensor, group) -> int:
     """Receive into the CPU tensor ``buf`` from whichever rank sends first (traced); return
     its group rank. Only Gloo receives from any source (``src=None``; NCCL cannot), and a
     ``cpu:gloo,cuda:nccl`` group gives CPU tensors to Gloo: so the pushes are CPU tensors."""
-    backend = comm.staging.group_backend(group)
+    backend = staging.group_backend(group)
     if buf.device.type != "cpu" or "gloo" not in backend:
         raise ValueError(f"a receive from any source needs a CPU tensor on a group with Gloo; got "
                          f"a tensor on {buf.device} on a {backend} group")

@@ -6,7 +6,7 @@ computes the gradients of earlier layers: communication hides behind computation
 
     T_step ≈ T_forward + max(T_backward, T_comm) + (the last bucket's all-reduce)
 
-instead of ``T_forward + T_backward + T_comm`` (:func:`minipar.analysis.cost.ddp_step_time`). Buckets
+instead of ``T_forward + T_backward + T_comm`` (:func:`minipar.cost.ddp_step_time`). Buckets
 launch strictly in order 0, 1, 2, ...: every rank must issue the same collectives in the same
 order, even if its gradients become ready in another order.
 """

@@ -3,7 +3,8 @@
 ``dispatch`` (counts, split sizes, the permutation), ``all_to_all`` (the differentiable
 exchange), ``layer`` (:class:`ExpertParallelMoE`, :func:`shard_experts`), ``groups`` (the ep
 groups carved out of the data-parallel ranks), ``train`` (``check``/``train``/``run``: DP × EP,
-and EP × TP through ``tensor``), ``imbalance`` (load imbalance, measured) and ``plots``.
+and EP × TP through ``tensor``), ``imbalance`` (load imbalance, measured); its figures are in
+:mod:`minipar.study.plots.expert_parallel`.
 The single-device layer is :class:`minipar.models.moe.MoE`.
 """
 from .all_to_all import all_to_all

@@ -7,9 +7,7 @@ The API, in the shape of every strategy (:mod:`minipar.strategy`), all from ``mi
     check(model, batches, world_size, dp=1, pp=1, tp=1, microbatches=1, ...)  # model: GPT or GPTConfig
     run(model, batches, world_size, optimizer=None, dp=2, pp=2, tp=2, **options) -> TrainResult  # dp·pp·tp·cp
     choose_config(config, world_size, batch_size, memory_per_rank=None, ...) -> {"dp", "pp", "tp"}
-    toy_options(layout) / toy_command(layout) / toy_run(layout)  # a plan.Layout at toy size (.layouts)
     valid_configs(config, world_size, batch_size=None, microbatches=1) -> [{"dp", "pp", "tp"}, ...]
-    compare(config, batches, world_size=8) -> (rows, results)  # every strategy, measured (notebook 07)
 
     # inside every rank
     train(model, batches, optimizer=None, dp=, pp=, tp=, **options) -> {"losses", "params", "measured"}
@@ -29,17 +27,16 @@ auxiliary loss counted per micro-batch (:mod:`.experts` defines the reference it
 ``zero=1`` everywhere, ``zero=2|3`` (``sharding="flat"|"per-parameter"``) on dense layers with
 any dp, cp, tp and pp, sharded over dp·cp; under a pipeline stage 3 keeps a stage's layers
 gathered across its micro-batches (``reshard_after_forward="auto"|"always"|"never"``, :mod:`.sharding`). ``mesh_coordinates`` and
-``group_members`` (exercise 07) are re-exported from :mod:`minipar.mesh`."""
-from ..analysis.cost import hybrid_comm_bytes, hybrid_memory_per_rank
+``group_members`` (exercise 07) are re-exported from :mod:`minipar.mesh`. Every strategy side by side
+(``compare``) and a planner's layout at toy size (``toy_run``) are studies of this package,
+in :mod:`minipar.study`."""
+from ..cost import hybrid_comm_bytes, hybrid_memory_per_rank
 from ..mesh import ProcessMesh, group_members, mesh_coordinates
 from .config import check, choose_config, num_layers, num_params, valid_configs
 from .model import HybridModel, build
 from .train import run, train
-from .compare import compare, strategies  # noqa: E402 - needs the model
 from . import experts
-from .layouts import toy_command, toy_options, toy_run
 
 __all__ = ["ProcessMesh", "mesh_coordinates", "group_members", "check", "choose_config",
            "valid_configs", "num_layers", "num_params", "HybridModel", "build", "train", "run",
-           "hybrid_comm_bytes", "hybrid_memory_per_rank", "compare", "strategies", "experts",
-           "toy_options", "toy_command", "toy_run"]
+           "hybrid_comm_bytes", "hybrid_memory_per_rank", "experts"]

@@ -7,7 +7,7 @@ per stage; the batch must cut into ``dp`` shards of ``m`` equal micro-batches).
 
 :func:`choose_config` applies the rules of thumb of Narayanan et al. 2021 ("Efficient
 Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §3.3), with the
-memory per rank from :func:`minipar.analysis.cost.hybrid_memory_per_rank`:
+memory per rank from :func:`minipar.cost.hybrid_memory_per_rank`:
 
 1. use model parallelism (``t·p``) only as far as needed to fit the model in memory,
    and data parallelism for the rest (it communicates least per useful FLOP);
@@ -21,7 +21,7 @@ from dataclasses import replace
 from .. import precision, strategy
 from .hsdp import check_hsdp
 from .sharding import reshard_policy
-from ..analysis.cost import hybrid_memory_per_rank
+from ..cost import hybrid_memory_per_rank
 from ..mesh import ProcessMesh
 from ..models.gpt import GPTConfig
 from ..context_parallel import check_config as check_context_parallel
@@ -152,7 +152,7 @@ def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatc
 
     Among the valid configurations (:func:`check`) whose model states fit in
     ``memory_per_rank`` bytes (``None``: no limit; fp32 Adam,
-    :func:`minipar.analysis.cost.hybrid_memory_per_rank`), pick the one with the smallest
+    :func:`minipar.cost.hybrid_memory_per_rank`), pick the one with the smallest
     model-parallel size ``tp·pp``; ties go to ``tp ≤ ranks_per_node``, then to the fewest
     pipeline stages. Raises ``ValueError`` if none fits."""
     # >>> ex07 C

@@ -12,7 +12,7 @@ the R blocks' gradient shards:
 
 Per rank: (4 + 4 + K)Ψ/S of model states (fp32) instead of /dp; bytes 3(S-1)/S·Ψ within the
 block (two all-gathers, one reduce-scatter) and 2(R-1)/R·Ψ/S across blocks
-(:func:`minipar.analysis.cost.hsdp_comm_bytes`). It beats ZeRO-3 over all dp ranks when the link
+(:func:`minipar.cost.hsdp_comm_bytes`). It beats ZeRO-3 over all dp ranks when the link
 between blocks is the slow one: only Ψ/S per rank crosses it, once per step, while every
 gather and reduce-scatter stays inside the block's fast links.
 """

@@ -34,7 +34,7 @@ The default, ``"auto"``, is :func:`default_attention` of the tensors' device: ``
 agree in fp32 to ~5e-7 (outputs, lse and every gradient, causal and not, observed), and every
 strategy trains like one process with either (a representative subset is run with both). The
 course's *exact* comparisons hold only for the written-out path: the activation bytes that
-:mod:`minipar.analysis.cost` predicts (Korthikanti et al.'s ``5as/h`` score terms), and the matmul FLOPs
+:mod:`minipar.cost` predicts (Korthikanti et al.'s ``5as/h`` score terms), and the matmul FLOPs
 that ``FlopCounterMode`` counts (it has no formula for the CPU flash kernel, and reports 0). So the
 CPU default is ``"materialized"``; pass ``attention="sdpa"`` for speed and memory. Dropout differs
 between the two (different masks from the same seed): exact comparisons with dropout use one path.

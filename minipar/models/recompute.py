@@ -1,7 +1,7 @@
 """Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022, §5) for the GPT blocks.
 
 A block's forward keeps tensors for its backward (Korthikanti et al.'s ``sbh(34 + 5as/h)``
-per layer, :mod:`minipar.analysis.cost.recompute`). Recomputation keeps less and runs part of the
+per layer, :mod:`minipar.cost.recompute`). Recomputation keeps less and runs part of the
 forward again during backward:
 
 * ``"none"``: keep everything.

@@ -1,8 +1,9 @@
 """Pipeline parallelism: partition a model into stages, schedule micro-batches, run them.
 
-* :mod:`.partition` — balanced cuts of a model's layers into stages.
+* :mod:`minipar.model_parallel.partition` — balanced cuts of a model's layers into stages, and
+  :mod:`minipar.model_parallel.stage_comm` — activations forward, gradients back, across ranks:
+  chapter 03's cut, re-exported here.
 * :mod:`.schedules` — GPipe, 1F1B, interleaved 1F1B, ZB-H1 as lists of actions per rank.
-* :mod:`.stage_comm` — activations forward, gradients back, across ranks.
 * :mod:`minipar.autograd.split_backward` — the backward split into B (input gradients) and W
   (weight gradients), re-exported here: the pipeline's zero-bubble schedules use it.
 * :mod:`.executor` — :class:`Pipeline` runs one rank's actions on real stages.
@@ -15,13 +16,13 @@
 """
 from .apply import apply_pp
 from .executor import Pipeline
-from .partition import (balance, boundary_shapes, build_stages, explain, layer_costs, owned_parameters, partition,
+from ..model_parallel.partition import (balance, boundary_shapes, build_stages, explain, layer_costs, owned_parameters, partition,
                         stage_costs)
 from .schedules import (SCHEDULES, Action, Schedule, add_comms, check_config, gpipe,
                         interleaved_1f1b, make_schedule, one_f_one_b, zb_h1)
 from .simulate import Deadlock, bubble, check_schedule, compute_only, peak_stash, simulate
 from ..autograd.split_backward import WeightGrads, deferred
-from .stage_comm import recv_activation, recv_grad, send_activation, send_grad
+from ..model_parallel.stage_comm import recv_activation, recv_grad, send_activation, send_grad
 from .adaptive import train_adaptive
 from .train import check, run, train
 

@@ -29,7 +29,7 @@ from ..comm import group_rank, group_size
 from ..models import lm_loss
 from ..reference import sgd
 from .executor import Pipeline
-from .partition import boundary_shapes, build_stages, layer_costs, owned_parameters, partition, time_each_layer
+from ..model_parallel.partition import boundary_shapes, build_stages, layer_costs, owned_parameters, partition, time_each_layer
 from .schedules import make_schedule
 
 

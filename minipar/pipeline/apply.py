@@ -1,7 +1,7 @@
 """The composition's fourth step: the model cut into pipeline stages, this rank's kept."""
 from __future__ import annotations
 
-from .partition import build_stages, layer_costs, partition
+from ..model_parallel.partition import build_stages, layer_costs, partition
 from .schedules import make_schedule
 
 

@@ -40,7 +40,7 @@ from ..comm import group_rank, group_size
 from ..comm import p2p
 from ..comm.p2p import batched
 from ..models import lm_loss
-from . import stage_comm
+from ..model_parallel import stage_comm
 from .posting import lockstep
 from .schedules import COMPUTE, Schedule
 from .simulate import NAMES

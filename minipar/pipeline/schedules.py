@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..analysis.cost.pipeline import SCHEDULES  # the schedules' names, one list for the formulas too
+from ..cost.pipeline import SCHEDULES  # the schedules' names, one list for the formulas too
 
 COMPUTE = ("F", "B", "W")
 

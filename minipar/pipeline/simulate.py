@@ -14,7 +14,7 @@ the schedule deadlocks: :func:`simulate` raises :class:`Deadlock` naming the stu
 :func:`bubble` is the theoretical bubble, relative to the ideal time (Narayanan et al.
 2021): for a rank that computes for ``c`` of a step's ``T`` time units, ``(T - c) / c``;
 GPipe and 1F1B give ``(p-1)/m`` when every stage costs the same
-(:func:`minipar.analysis.cost.bubble_fraction` has the formulas). The bubble of a measured run,
+(:func:`minipar.cost.bubble_fraction` has the formulas). The bubble of a measured run,
 with the same definition (``c`` the union of the rank's compute intervals), is the
 trace's own (:class:`minipar.runtime.trace.Trace`).
 """

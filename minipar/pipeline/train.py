@@ -17,7 +17,7 @@ from ..comm import group_rank, group_size
 from ..reference import sgd
 from .executor import Pipeline
 from .adaptive import train_adaptive
-from .partition import boundary_shapes, build_stages, layer_costs, owned_parameters, partition
+from ..model_parallel.partition import boundary_shapes, build_stages, layer_costs, owned_parameters, partition
 from .schedules import Schedule, make_schedule
 
 

@@ -148,9 +148,7 @@ def _train(args, signals) -> dict:
     from .faults import Snapshot, agree, rss_bytes
     from ..mesh import ProcessMesh
     from ..models.gpt import GPT
-    from ..adapt import Layout, parse_switches
-    from ..adapt.runner import Adaptive
-    from ..adapt.straggler import parse_slow
+    from ..adapt import Adaptive, Layout, parse_slow, parse_switches
     started_at, t_start = time.time(), time.perf_counter()
     config, tokens = gpt_config(args), corpus_tokens()[0]
 
@@ -254,10 +252,10 @@ def layout_name(args) -> str:
 
 
 def propose_layouts(args, world: int) -> list[dict]:
-    """``--layout auto``: this machine measured (:func:`minipar.analysis.plan.measure_machine`), then
+    """``--layout auto``: this machine measured (:func:`minipar.plan.measure_machine`), then
     the planner's ``--candidates`` best layouts (:func:`minipar.adapt.auto.propose`)."""
-    from ..adapt.auto import propose
-    from ..analysis.plan import measure_machine
+    from ..adapt import propose
+    from ..plan import measure_machine
     config = gpt_config(args)
     cluster = measure_machine(config, world)["cluster"]
     return [{"layout": str(r["layout"]), "predicted_ms": r["predicted_ms"]}
@@ -267,7 +265,7 @@ def propose_layouts(args, world: int) -> list[dict]:
 def elastic(args, world: int) -> int:
     """``--elastic``: set the mesh flags to the layout :func:`minipar.adapt.auto.fit` takes on ``world``
     ranks (a plain error if none fits). Returns ``world``."""
-    from ..adapt.auto import fit
+    from ..adapt import fit
     try:
         lay = fit(gpt_config(args), world, args.batch_size, zero=min(args.zero or 0, 1))
     except ValueError as e:
@@ -317,7 +315,7 @@ def main(argv=None) -> int:
               f"{layout_name(args)}{ended} ({world} rank{'s' * (world > 1)}, {where}, {results.backend}"
               f"{came}): {losses}{skipped} in {r['seconds']:.1f} s")
         if r["decisions"]:
-            from ..adapt.auto import decide
+            from ..adapt import decide
             print("layout auto: " + "; ".join(f"{d['layout']} predicted {d['predicted_ms']:.1f} ms, measured "
                                               f"{d['measured_ms']:.1f} ms" for d in r["decisions"])
                   + f" -> {decide(r['decisions'])['layout']}")

@@ -212,7 +212,7 @@ def check_options(args) -> None:
         raise ValueError("--elastic chooses a dense GPT's dp × pp × tp layout for the ranks it finds: "
                          "it does not combine with --dp-shard, --n-experts or --layout auto")
     if args.slow_rank is not None:
-        from ..adapt.straggler import parse_slow
+        from ..adapt import parse_slow
         try:
             rank, _ = parse_slow(args.slow_rank)
         except ValueError as e:
@@ -238,7 +238,7 @@ def check_auto(args) -> None:
 def check_switches(args) -> None:
     """``--switch-at``: every layout fits the world and the global batch, every step the run; the
     switch moves a dense GPT's fp32 state, any ZeRO stage (:mod:`minipar.adapt`)."""
-    from ..adapt.layout import check as check_layout, parse_switches
+    from ..adapt import check_layout, parse_switches
     try:
         switches = parse_switches(args.switch_at, args.steps)
     except ValueError as e:

@@ -10,14 +10,14 @@
   :func:`clip_grad_norm_` — clipping by the global norm under any stage;
 * :func:`check`, :func:`train`, :func:`run` (:mod:`.training`) — the strategy's API
   (:mod:`minipar.strategy`), :func:`wrap` — a model and optimizer under any stage;
-* :mod:`minipar.zero.memory` — the bytes per component one rank holds
-  (:func:`minipar.analysis.cost.zero_bytes_per_rank`: the same from the paper's formulas).
+* :mod:`minipar.memory` — the bytes per component one rank holds
+  (:func:`minipar.cost.zero_bytes_per_rank`: the same from the paper's formulas).
 """
 from .clip import clip_grad_norm_
 from .flat import FlatUnit, free_unit, gather_unit, padded_size, shard_size, split_units
 from .per_parameter import full_state, fully_shard, padded_unit_sizes
 from .persist import persistent_parameters
-from .memory import SavedActivations, model_state_bytes, state_tensors, storage_bytes
+from ..memory import SavedActivations, model_state_bytes, state_tensors, storage_bytes
 from .stage0 import ReplicatedOptimizer
 from .stage1 import ZeroOptimizer, sharded_step
 from .stage2 import Zero2Optimizer

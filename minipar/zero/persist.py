@@ -11,7 +11,7 @@ Here, with Ψ_p such elements, each rank holds them whole and
 so every rank applies the same update to the same replica. Memory per rank
 (4 + 4 + K)Ψ_p (fp32) on top of stage 3's (4 + 4 + K)(Ψ - Ψ_p)/N; communication
 2(N-1)/N·Ψ_p instead of 3(N-1)/N·Ψ_p, and a unit left with nothing to shard needs no
-gather at all (:func:`minipar.analysis.cost.zero_bytes_per_rank`, ``persistent=``).
+gather at all (:func:`minipar.cost.zero_bytes_per_rank`, ``persistent=``).
 
 Under mixed precision (``param_dtype=``, FSDP2's ``MixedPrecisionPolicy``) only the sharded
 parameters are cast: the persistent ones stay fp32, their modules compute in fp32

@@ -11,7 +11,7 @@ import torch
 
 from ..comm import all_reduce
 from .flat import split_units
-from .memory import state_tensors
+from ..memory import state_tensors
 
 
 class ReplicatedOptimizer:

@@ -26,7 +26,7 @@ import torch
 from ..comm import all_gather
 from .clip import clip_grad_norm_
 from .flat import FlatUnit, split_units
-from .memory import state_tensors
+from ..memory import state_tensors
 from .reduce import reduce_shard
 
 
@@ -124,7 +124,7 @@ class ZeroOptimizer:
                 s.grad = None                                  # the fp32 copy was temporary
         # <<< ex06 B
 
-    # -- memory anatomy (see minipar.zero.memory.model_state_bytes)
+    # -- memory anatomy (see minipar.memory.model_state_bytes)
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds, by component: parameters, gradients, optimizer
         state (per-element state, plus the fp32 master shards under mixed precision)."""
@@ -132,7 +132,7 @@ class ZeroOptimizer:
                 "optimizer": state_tensors(self.optim) + (list(self.shards) if self.mixed else [])}
 
     def unit_sizes(self) -> list[int]:
-        """Ψ_u of every unit (for :func:`minipar.analysis.cost.zero_bytes_per_rank`)."""
+        """Ψ_u of every unit (for :func:`minipar.cost.zero_bytes_per_rank`)."""
         return [u.numel for u in self.units]
 
     # -- what a checkpoint saves (minipar.production.checkpoint)

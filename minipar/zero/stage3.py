@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime import trace
-from .memory import state_tensors, storage_bytes
+from ..memory import state_tensors, storage_bytes
 from .persist import reduce_persistent
 from .reduce import OrderedReduction
 

@@ -2,7 +2,7 @@
 
 Filter by the two hard goals (memory, bubble), then take the fewest bytes: the cost functions
 are cheap, and the configurations of 8 ranks are a handful."""
-from minipar.analysis import cost
+from minipar import cost
 
 
 from minipar import hybrid

@@ -7,7 +7,7 @@ cp), or changes one knob: the ZeRO stage, the micro-batch, the
 recomputation, the virtual stages. Each step costs a dozen ``plan.predict`` calls, not the
 thousands of the exhaustive search; starting from each corner of the space (each
 model-parallel dimension 1 or a node's width) guards against a local minimum."""
-from minipar.analysis import plan
+from minipar import plan
 
 
 def _score(model, cluster, nodes, batch, seq, lay):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar import data, reference
 from minipar.runtime import trace
 from minipar.data_parallel import shard_batch

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar.runtime import trace
 from minipar.course.grading import expect_close, fail_if
 

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from minipar.analysis import cost
+from minipar import cost
 
 from minipar import hybrid
 from minipar.course.grading import GradeFailure

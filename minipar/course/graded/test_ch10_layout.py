@@ -6,7 +6,7 @@ nodes (64 × 8192 tokens), Llama 3 70B on 8 (512 × 8192) and GPT-3 13B on 4 Sel
 (256 × 2048), ``plan.predict`` must find it valid and fitting, with a step time within 10% of
 the best that ``plan.search`` finds for the same job when the test runs. The library's own
 answer is that search: ``choose`` may not call it, and the file may not import
-``minipar.analysis.plan.search`` nor its enumerator ``plan.layouts``. Grade it with
+``minipar.plan.search`` nor its enumerator ``plan.layouts``. Grade it with
 ``python -m minipar.grade ch10``; ``minipar.hint("ch10")`` gives a nudge, then the idea, then
 the method.
 """
@@ -14,12 +14,12 @@ import sys
 
 import pytest
 
-from minipar.analysis import plan
+from minipar import plan
 from minipar.course.grading import GradeFailure
 
 CHALLENGE = "ch10_layout"
-FORBIDDEN = ("minipar.analysis.plan.search", "minipar.analysis.plan.search_module",
-             "minipar.analysis.plan.layouts", "minipar.analysis.plan.SearchResult")
+FORBIDDEN = ("minipar.plan.search", "minipar.plan.search_module",
+             "minipar.plan.layouts", "minipar.plan.SearchResult")
 HINTS = {
     "": ("Thousands of layouts are valid, but most lose for a reason you can state before predicting "
          "them. Which dimensions belong inside a node, and which knobs are nearly free?",
@@ -49,7 +49,7 @@ def _choose(challenge, job, monkeypatch):
     model, cluster, nodes, batch, seq = job
     with monkeypatch.context() as m:
         m.setattr(plan, "search", _no_search)
-        m.setattr(sys.modules["minipar.analysis.plan.search"], "search", _no_search)
+        m.setattr(sys.modules["minipar.plan.search"], "search", _no_search)
         lay = challenge.choose(model, cluster, nodes, batch, seq)
     if not isinstance(lay, plan.Layout):
         raise GradeFailure(f"{model} on {nodes} × {cluster}: choose returned {type(lay).__name__}, not a plan.Layout")

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar import data, reference
 from minipar.runtime import trace
 from minipar.data_parallel import (DistributedDataParallel, allreduce_gradients, assign_buckets,

@@ -5,7 +5,7 @@ rule ∂L/∂x = ∂L/∂y · ∂y/∂x must be carried across the cut by hand: 
 forward, ∂L/∂y comes back (Huang et al. 2019; Narayanan et al. 2019; notebook 03, "Autograd
 across ranks"). You write both sides of that boundary, then the two users of it.
 
-A. The stage communication (``minipar.pipeline.stage_comm``) and the naive model-parallel
+A. The stage communication (``minipar.model_parallel.stage_comm``) and the naive model-parallel
    step that runs on it (``NaiveModelParallel.step(x, y)`` in ``minipar.model_parallel``; its
    ``stage``, ``shapes`` (stage s's output shape), ``group``, ``loss_fn``, ``comm``, ``dtype``,
    ``rank`` and ``n`` are set by the library):
@@ -74,7 +74,7 @@ from minipar.runtime import trace
 from minipar import model_parallel as mpar
 from minipar import pipeline as pp
 from minipar import strategy
-from minipar.pipeline import stage_comm
+from minipar.model_parallel import stage_comm
 from minipar.pipeline.executor import Pipeline
 from minipar.pipeline.schedules import Action, Schedule, add_comms, make_schedule
 from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training

@@ -51,7 +51,7 @@ import pytest
 import torch
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar import data, reference, strategy
 from minipar import pipeline as pp
 from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, expect_schedule

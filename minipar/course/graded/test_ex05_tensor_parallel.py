@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar.runtime import trace
 from minipar import tensor_parallel as tp
 from minipar.course.grading import diagnose, expect, expect_close, expect_equal, attempt

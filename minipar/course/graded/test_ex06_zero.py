@@ -78,7 +78,7 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar.analysis import cost
+from minipar import cost
 from minipar import data, reference, zero
 from minipar.runtime import trace
 from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, attempt

@@ -1,7 +1,7 @@
 """Exercise 10: where the memory of one GPU goes, for one parallel layout.
 
 ``memory_per_gpu(model, layout, seq_len, global_batch)`` returns the bytes on the busiest GPU
-by component, and the planner (``minipar.analysis.plan.predict`` and ``search``) rejects every
+by component, and the planner (``minipar.plan.predict`` and ``search``) rejects every
 layout whose total does not fit. You write all of it but the final sum. The formulas you need
 from earlier chapters are there already: ``cost.activation_terms`` (Korthikanti et al.'s terms
 of one layer), ``cost.zero_bytes_per_rank`` (the ZeRO stages) and ``cost.peak_activations``
@@ -42,8 +42,8 @@ import math
 
 import pytest
 
-from minipar.analysis import cost, plan
-from minipar.analysis.plan.memory import comm_buffer_bytes, stage_layers
+from minipar import cost, plan
+from minipar.plan.memory import comm_buffer_bytes, stage_layers
 from minipar.course.grading import expect_equal
 
 EXERCISE = "ex10_planning"

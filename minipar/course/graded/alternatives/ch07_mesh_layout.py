@@ -5,7 +5,7 @@ parallelism's all-reduces in every layer, and it divides the model states as wel
 its price is the bubble. So: the deepest pipeline the bubble allows ((p-1)/m <= 0.5),
 then the least tp that makes the model states fit, and data parallelism for the rest. The
 model's own limits (heads divisible by tp, layers by pp) come from ``hybrid.valid_configs``."""
-from minipar.analysis import cost
+from minipar import cost
 
 
 from minipar import hybrid

@@ -7,7 +7,7 @@ micro-batch is 1 (long sequences) or 2. What remains is the split of the GPUs be
 and cp (dp takes the rest), with v = 1, 2 or 4: a few hundred candidates, each predicted."""
 import itertools
 
-from minipar.analysis import plan
+from minipar import plan
 
 
 def choose(model, cluster, nodes, global_batch, seq_len):

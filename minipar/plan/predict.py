@@ -1,7 +1,7 @@
 """Predict one layout: memory per GPU, step time, tokens/s, TFLOP/s per GPU and MFU.
 
 :func:`predict` puts :mod:`.memory` and :mod:`.step_time` together for a model, a cluster and
-a :class:`~minipar.analysis.plan.Layout`; the :class:`Prediction` reads as a breakdown
+a :class:`~minipar.plan.Layout`; the :class:`Prediction` reads as a breakdown
 (``print(prediction)``). Throughput is counted two ways:
 
 * TFLOP/s per GPU = hardware FLOPs (with recomputation, as Narayanan et al. 2021 report) / (T · N);
@@ -105,7 +105,7 @@ def predict(model, cluster, layout: Layout, global_batch: int, seq_len: int | No
     """Memory and step time of ``layout``: a plain ``ValueError`` if it cannot run at all; one that
     runs but does not fit in memory comes back with ``fits`` False. ``attention="auto"`` is
     resolved for the cluster's accelerator first (flash on a GPU); ``efficiency``: see
-    :func:`minipar.analysis.plan.step_time`."""
+    :func:`minipar.plan.step_time`."""
     spec, cl = get_model(model), get_cluster(cluster, nodes)
     s = seq_len or spec.seq_len
     check(spec, layout, global_batch, s)

@@ -5,9 +5,9 @@
   16-bit parameters and gradients (2 + 2 bytes) and an fp32 master copy with Adam's two moments
   (K = 12 bytes); fp32 4 + 4 and K = 8. ZeRO stage 1/2/3 divides the optimizer state / +
   gradients / + parameters by the data-parallel ranks (dp·cp, or dp·cp/ep for the experts):
-  :func:`minipar.analysis.cost.zero_bytes_per_rank`.
+  :func:`minipar.cost.zero_bytes_per_rank`.
 * **Activations** (Korthikanti et al. 2022, §4-5): per layer and micro-batch
-  :func:`minipar.analysis.cost.recompute_activation_bytes` — ``sbh(34 + 5as/h)`` and its TP, SP,
+  :func:`minipar.cost.recompute_activation_bytes` — ``sbh(34 + 5as/h)`` and its TP, SP,
   selective and full forms — on the GPU's s/cp tokens, terms scaled to the model's shape
   (grouped-query K and V, the MLP's width and gating). Stage r holds
   ``peak_activations(schedule, p, m, r, v)/v`` stages' worth of micro-batches of its layers
@@ -16,12 +16,12 @@
   (1F1B runs each of its backwards right after the forward); the busiest stage counts. Full
   recomputation rebuilds one layer at a time in backward: one layer's "none" activations more.
   The last stage also holds one micro-batch's fp32 logits, ``4·s·b·V/t``.
-* **Attention** (``layout.attention``, :mod:`minipar.analysis.plan.roofline`): ``"materialized"`` keeps
+* **Attention** (``layout.attention``, :mod:`minipar.plan.roofline`): ``"materialized"`` keeps
   Korthikanti et al.'s ``5as/h`` terms (the a·s² scores, their dropout mask and output);
   ``"flash"`` (Dao et al. 2022) keeps Q, K, V, O, which the terms above already count, and the
   per-row log-sum-exp, ``4·a·s·b/t`` bytes (fp32): no s² term, so selective recomputation
   has nothing left to drop. ``"auto"`` here, where no accelerator is named, is materialized;
-  :func:`minipar.analysis.plan.predict` resolves it for its GPU first.
+  :func:`minipar.plan.predict` resolves it for its GPU first.
 * **Communication buffers**: a 25 MB gradient bucket with dp > 1 (PyTorch DDP's default), a
   sequence-parallel layer's all-gathered (s, b, h) input, a pipeline stage's two boundary
   activations, and ZeRO-3's one gathered layer.
@@ -33,7 +33,7 @@
   peak), ``optimizer`` = KΨ/N, and the one gathered layer of the buffers is part of the stage
   (Ψ = Ψ_local). That is ZeRO-1's eΨ + eΨ + KΨ/N plus the eΨ/N of parameter shards: kept
   gathered sits *above* ZeRO-1, not between ZeRO-1 and ZeRO-3 resharding after every use
-  (:func:`minipar.analysis.cost.zero3_pipeline_peak_bytes`, measured by ``hybrid.run``'s
+  (:func:`minipar.cost.zero3_pipeline_peak_bytes`, measured by ``hybrid.run``'s
   ``peak_state_bytes``). Resharding is charged as without a pipeline: stage 3's states and one
   gathered layer, FSDP's steady state; at a unit's reduce-scatter it also holds the prefetched
   unit before it and the unit's whole gradients, 2eΨ/l more, which this count leaves out.
@@ -54,7 +54,7 @@ BUCKET = 25e6
 
 def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
     """Bytes one layer keeps per micro-batch on one GPU (Korthikanti et al.'s terms, shaped
-    for ``model``; for a GPT they are exactly :func:`minipar.analysis.cost.recompute_activation_bytes`)."""
+    for ``model``; for a GPT they are exactly :func:`minipar.cost.recompute_activation_bytes`)."""
     # >>> ex10 A
     L, h = layout, model.hidden
     s, e, t = seq_len // L.cp, L.bytes_per_element, L.tp

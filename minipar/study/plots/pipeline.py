@@ -4,8 +4,8 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..runtime import viz
-from ..runtime.trace import Trace
+from ...runtime import viz
+from ...runtime.trace import Trace
 
 
 def side_by_side(top: Trace, bottom: Trace, titles=("measured", "simulated"), title: str = "",

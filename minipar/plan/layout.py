@@ -3,10 +3,10 @@
 A :class:`Layout` is every knob of a training run: the five parallel sizes (data dp, tensor
 tp, pipeline pp with v virtual stages, context cp, expert ep), the ZeRO stage, the micro-batch
 b, the recomputation, the precision, and what the framework overlaps (``overlap_dp``, ``overlap_tp``:
-:mod:`minipar.analysis.plan.overlap`). The world is ``dp·tp·pp·cp`` GPUs; expert parallelism
+:mod:`minipar.plan.overlap`). The world is ``dp·tp·pp·cp`` GPUs; expert parallelism
 splits the experts over ``ep`` of the ``dp·cp`` data ranks (as Megatron-LM does): no more GPUs.
 Ranks are numbered tp fastest, then cp, dp, pp (Megatron-LM's order): a dimension's group
-spans that many consecutive GPUs, which decides its link (:meth:`minipar.analysis.plan.Cluster.link`).
+spans that many consecutive GPUs, which decides its link (:meth:`minipar.plan.Cluster.link`).
 
 ZeRO-3 takes the library's two further knobs (:class:`minipar.hybrid.Parallelism`):
 ``reshard_after_forward`` (``"auto"``: kept gathered across a step's micro-batches under a
@@ -60,7 +60,7 @@ class Layout:
 
     def tp_overlap_on(self, accelerator=None) -> bool:
         """Whether sequence parallelism's gathers and scatters run behind their GEMMs
-        (:mod:`minipar.analysis.plan.overlap`): ``"auto"`` is on for a GPU with tp > 1 and sequence
+        (:mod:`minipar.plan.overlap`): ``"auto"`` is on for a GPU with tp > 1 and sequence
         parallelism (Megatron-Core's ``--tp-comm-overlap``, PyTorch's async TP), off on a CPU (the
         course's own tensor parallelism does not overlap)."""
         if not self.sp:

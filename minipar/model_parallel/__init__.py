@@ -5,7 +5,7 @@ Rank r holds stage r (some consecutive layers) and nothing else. One training st
 1. forward: rank 0 runs its layers on the batch and sends the activation to rank 1,
    which runs its layers and sends on ... the last rank computes the loss;
 2. backward: the last rank sends ``∂L/∂(its input)`` to the rank before it, which
-   continues the backward from there (:mod:`minipar.pipeline.stage_comm`), down to rank 0.
+   continues the backward from there (:mod:`.stage_comm`), down to rank 0.
 
 The answer is exactly the single-process one; the price is time: only one rank works at
 any moment, so with n equal stages each rank idles a fraction (n-1)/n of the step. This
@@ -17,6 +17,8 @@ Memory: each rank stores only its own parameters, gradients, optimizer state and
 activations its layers save for the backward (``measured["memory"]`` of :func:`train`).
 
 The API is every strategy's (:mod:`minipar.strategy`): :func:`check`, :func:`train`, :func:`run`.
+The cut itself is this package's, and the pipeline (chapter 04) reuses it: :mod:`.partition`
+(contiguous stages of balanced cost) and :mod:`.stage_comm` (activations forward, gradients back).
 """
 from __future__ import annotations
 
@@ -25,16 +27,16 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from . import strategy
-from .runtime import trace
-from .activations import SavedActivations
-from .comm import group_rank, group_size
-from .models import lm_loss
-from .pipeline import stage_comm
-from .pipeline.partition import boundary_shapes, layer_costs, owned_parameters, partition
-from .precision import autocast
-from .reference import sgd
-from .zero.memory import model_state_bytes
+from .. import strategy
+from ..runtime import trace
+from ..activations import SavedActivations
+from ..comm import group_rank, group_size
+from ..models import lm_loss
+from . import stage_comm
+from .partition import boundary_shapes, layer_costs, owned_parameters, partition
+from ..precision import autocast
+from ..reference import sgd
+from ..memory import model_state_bytes
 
 
 class LSTMBody(nn.Module):

@@ -1,6 +1,6 @@
 """The planner on the course's own runs: chapter 07's comparison table, predicted.
 
-:func:`predict_compare` predicts every row of :func:`minipar.hybrid.compare` (same GPT, batch
+:func:`predict_compare` predicts every row of :func:`minipar.study.compare` (same GPT, batch
 and strategies) before it runs:
 
 * **memory** (the busiest rank's model states, fp32 AdamW: 4 + 4 + 8 bytes per element),
@@ -8,9 +8,9 @@ and strategies) before it runs:
   shard, :func:`minipar.tensor_parallel.shard`; layer norms, row-parallel biases and position
   embeddings replicated), each pipeline stage's layers (:func:`minipar.pipeline.partition` by
   parameter count, as the runs cut them), and ZeRO's per-layer shards padded to a multiple of
-  the data-parallel size (:func:`minipar.analysis.cost.zero_bytes_per_rank` on the layers' sizes);
-* **step time** from :func:`minipar.analysis.plan.step_time` on the machine
-  :func:`minipar.analysis.plan.measure_machine` measured, as a ranking (:func:`spearman`: the rank
+  the data-parallel size (:func:`minipar.cost.zero_bytes_per_rank` on the layers' sizes);
+* **step time** from :func:`minipar.plan.step_time` on the machine
+  :func:`minipar.plan.measure_machine` measured, as a ranking (:func:`spearman`: the rank
   correlation of predicted and measured step times). On a CPU each collective call's software
   cost dominates a tiny model's step: :func:`fit_call_overhead` fits that one number on one
   measured strategy (as Table 1's efficiency is fitted on published rows), the rest is predicted.
@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import cost
-from ...models.gpt import GPT
-from ...pipeline import layer_costs, partition
-from ...tensor_parallel.gpt import shard
+from ..models.gpt import GPT
+from ..pipeline import layer_costs, partition
+from ..tensor_parallel.gpt import shard
 from .layout import Layout
 from .models import from_gpt_config
 from .step_time import step_time
@@ -43,7 +43,7 @@ def layer_elements(config, tp: int) -> list[int]:
 
 
 def exact_memory(config, spec: dict) -> int:
-    """Model-state bytes of the busiest rank of a :func:`minipar.hybrid.strategies` spec
+    """Model-state bytes of the busiest rank of a :func:`minipar.study.strategies` spec
     (``dp``, ``pp``, ``tp``, ``zero``), fp32 AdamW."""
     d, p, t, z = spec["dp"], spec["pp"], spec["tp"], spec["zero"]
     units = layer_elements(config, t)
@@ -98,14 +98,14 @@ def spearman(a: list[float], b: list[float]) -> float:
 def timed_strategies(config, batches, specs: dict[str, dict], rounds: int, seed: int = 0) -> dict:
     """Rank function: seconds of each training step of every strategy in ``specs``, all through
     one code path and one clock (:class:`minipar.hybrid.HybridModel`'s ``train_step``, ZeRO 2-3
-    included), interleaved: ``rounds`` times the calibration (:func:`minipar.analysis.plan.calibrate.
+    included), interleaved: ``rounds`` times the calibration (:func:`minipar.plan.calibrate.
     measure_rank`, under ``"_calibration"``) and then every strategy in turn, so a change of the
     machine's load falls on all of them alike. Each round's first step (warm-up) is left out."""
     import torch
 
-    from ...hybrid.compare import adamw
-    from ...hybrid.model import HybridModel
-    from ...mesh import ProcessMesh
+    from ..study.compare import adamw
+    from ..hybrid.model import HybridModel
+    from ..mesh import ProcessMesh
     from .calibrate import SIZES, measure_rank
     out = {name: [] for name in specs}
     out["_calibration"] = []
@@ -125,15 +125,15 @@ def timed_strategies(config, batches, specs: dict[str, dict], rounds: int, seed:
 
 def rank_correlation(config, batches, world_size: int = 4, rounds: int = 5, specs=None, on: str = "TP") -> dict:
     """Chapter 07's table on this machine, predicted against measured: calibrate (as
-    :func:`minipar.analysis.plan.measure_machine`, the median of rounds taken between the
+    :func:`minipar.plan.measure_machine`, the median of rounds taken between the
     strategies) and time every strategy (:func:`timed_strategies`; the slowest rank's median step), fit the one CPU number on strategy ``on``
     (:func:`fit_call_overhead`) and return ``{"rho", "predicted", "measured", "call_overhead",
     "load"}``: Spearman's ρ over the other strategies, and the load average before and after."""
     import os
     import statistics
 
-    from ...hybrid.compare import strategies
-    from ...runtime.launch import launch
+    from ..study.compare import strategies
+    from ..runtime.launch import launch
     from .calibrate import machine_from, median_of_rounds
     specs = specs or strategies(world_size)
     load = [os.getloadavg()[0]]

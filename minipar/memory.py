@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..activations import SavedActivations  # noqa: F401 - re-exported: one counter for every chapter
+from .activations import SavedActivations  # noqa: F401 - re-exported: one counter for every chapter
 
 
 def storage_bytes(tensors) -> int:

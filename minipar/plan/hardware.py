@@ -2,7 +2,7 @@
 
 An :class:`Accelerator` is a peak rate (dense 16-bit tensor-core FLOP/s, no sparsity), a memory
 (HBM, in bytes: where known, what the driver reports, ``nvidia-smi``'s MiB; "80 GB" on an H100 is
-81,559 MiB, 85.5e9 bytes, not 80e9) with its bandwidth (bytes/s: the roofline's slope, :mod:`minipar.analysis.plan.roofline`), and its
+81,559 MiB, 85.5e9 bytes, not 80e9) with its bandwidth (bytes/s: the roofline's slope, :mod:`minipar.plan.roofline`), and its
 link's bandwidth to the node's other GPUs (bytes/s per direction). A
 :class:`Cluster` is nodes of such GPUs joined by a network, with each GPU's share of it (bytes/s
 per direction) and α, the latency of one message, per level::

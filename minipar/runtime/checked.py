@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from ..runtime import flight
+from . import flight
 
 ENV = "MINIPAR_CHECKED_COMM"
 _TAG_SENDS, _TAG_EXPECTS = 31_001, 31_002

@@ -18,11 +18,11 @@ and can run at most at ``min(peak, I · HBM bandwidth)``. The two meet at the ri
   Background User's Guide", sections "Tile quantization" and "Wave quantization"). Small or
   skinny GEMMs (a tensor-parallel shard's k = h/t, a context-parallel micro-batch of few
   tokens) fall away from peak through both terms. The two numbers ``f_max``, ``x_½`` are
-  fitted on Narayanan et al.'s Table 1 (:data:`TABLE1_FIT`, :func:`minipar.analysis.plan.calibrate.fit_roofline`);
+  fitted on Narayanan et al.'s Table 1 (:data:`TABLE1_FIT`, :func:`minipar.plan.calibrate.fit_roofline`);
   in units of the ridge they carry over to other chips. Table 1's GEMMs all lie five ridges
   or more above the ridge, where the curve is flat: the fit finds ``x_½ = 0`` (it identifies
   ``f_max`` only), and on these GPUs the shape enters through the roofline's ``I·bw`` and the
-  waves. A CPU's ``x_½`` is measured (:func:`minipar.analysis.plan.calibrate.measure_machine`).
+  waves. A CPU's ``x_½`` is measured (:func:`minipar.plan.calibrate.measure_machine`).
 * **Memory-bound operations** (layer norms, activations, softmax, dropout, residual adds,
   the loss, the optimizer step) move their bytes at the HBM bandwidth.
 * **Attention** (:data:`ATTENTION`): ``"flash"`` (Dao et al. 2022, FlashAttention; every
@@ -38,7 +38,7 @@ and can run at most at ``min(peak, I · HBM bandwidth)``. The two meet at the ri
   input and ``(k, n, m)`` for the weight; a memory-bound operation moves twice its bytes
   (read the saved input and the incoming gradient, write the gradient).
 
-FLOPs are *counted* as Narayanan et al. count them (:func:`minipar.analysis.plan.step_flops`: what
+FLOPs are *counted* as Narayanan et al. count them (:func:`minipar.plan.step_flops`: what
 TFLOP/s and MFU report); the *time* is this module's. The course's own GPT differs: on a CPU
 ``GPTConfig(attention="materialized")`` builds the s² scores as below, and
 ``GPTConfig(attention="sdpa")`` calls ``scaled_dot_product_attention``, whose CPU kernels may
@@ -67,7 +67,7 @@ class Efficiency:
         return self.f_max * x / (x + self.x_half)
 
 
-# fitted on Table 1 rows 1, 5 and 10 (1.7B, 39.1B, 1T) by minipar.analysis.plan.calibrate.fit_roofline;
+# fitted on Table 1 rows 1, 5 and 10 (1.7B, 39.1B, 1T) by minipar.plan.calibrate.fit_roofline;
 # tests/test_plan.py refits and checks these numbers
 TABLE1_FIT = Efficiency(0.694, 0.0)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..analysis import cost
-from ..runtime.viz import color
-from .groups import ep_layout
-from .imbalance import load_imbalance
+from ... import cost
+from ...runtime.viz import color
+from ...expert_parallel.groups import ep_layout
+from ...expert_parallel.imbalance import load_imbalance
 
 
 def dense_vs_sparse(hidden: int, experts: list[int], top_k: int) -> go.Figure:

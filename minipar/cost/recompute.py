@@ -12,7 +12,7 @@ length, b micro-batch, h hidden, a heads, t tensor-parallel size):
 Selective recomputation drops the ``5as/h`` attention terms (softmax output, its dropout
 mask and output: what grows with s²); full recomputation keeps only the layer's input
 (2sbh, split by t under sequence parallelism, as Megatron-LM stores it). The "none" column
-is :func:`minipar.analysis.cost.activation_bytes_per_layer`.
+is :func:`minipar.cost.activation_bytes_per_layer`.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def recompute_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none", *,
                                bytes_per_element: int = 2, dropout: bool = True) -> float:
     """Activation bytes per layer and rank under ``recompute`` (table above; ``bytes_per_element``
-    and ``dropout`` as in :func:`minipar.analysis.cost.activation_terms`)."""
+    and ``dropout`` as in :func:`minipar.cost.activation_terms`)."""
     check_recompute(recompute)
     if recompute == "full":
         return bytes_per_element * s * b * h / (t if sequence_parallel else 1)

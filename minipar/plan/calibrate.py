@@ -1,15 +1,15 @@
 """Calibrate the planner: fit its efficiency on published runs, or measure this machine.
 
-* :func:`fit_efficiency` — the one free parameter of :func:`minipar.analysis.plan.step_time`, the
+* :func:`fit_efficiency` — the one free parameter of :func:`minipar.plan.step_time`, the
   achievable fraction of peak, such that predicted and observed throughputs agree on a few
   runs: the root of Σ log(predicted/observed) (over- and under-prediction equal in ratio).
-* :func:`fit_roofline` — the roofline's two numbers (:class:`~minipar.analysis.plan.roofline.Efficiency`:
+* :func:`fit_roofline` — the roofline's two numbers (:class:`~minipar.plan.roofline.Efficiency`:
   ``f_max`` and ``x_half``) minimising Σ log²(predicted/observed) over a few runs (a grid,
   then a finer one around its best point).
 * :func:`measure_machine` — α and β of this machine's all-reduce (the timing loop of
-  ``python -m minipar.bench collectives``, :func:`minipar.analysis.cost.fit_alpha_beta`), the roofline's
+  ``python -m minipar.bench collectives``, :func:`minipar.cost.fit_alpha_beta`), the roofline's
   two CPU rates (GEMM FLOP/s by shape, memory bandwidth) and a timed GPT block's dispatch
-  overhead, as a :class:`~minipar.analysis.plan.Cluster`.
+  overhead, as a :class:`~minipar.plan.Cluster`.
 """
 from __future__ import annotations
 
@@ -58,9 +58,9 @@ def timed_block(config, batches=(1, 8), repeats: int = 5) -> dict:
     import torch
 
     from ..cost.flops import layer_forward_flops
-    from ...models.gpt import Block
-    from ...runtime.backend import device
-    from ...runtime.gpu import synchronize
+    from ..models.gpt import Block
+    from ..runtime.backend import device
+    from ..runtime.gpu import synchronize
     block = Block(config).to(device())                      # timed where this rank computes
     pts = []
     for b in batches:
@@ -84,7 +84,7 @@ GEMM_SHAPES = ((32, 32, 32), (64, 96, 32), (256, 32, 32), (128, 128, 128), (256,
 
 
 def _median(f, repeats: int) -> float:
-    from ...runtime.gpu import synchronize
+    from ..runtime.gpu import synchronize
     times = []
     for k in range(repeats + 1):                 # round 0 warms up
         synchronize()
@@ -102,8 +102,8 @@ def rates(config, micro_batch: int = 4, repeats: int = 7) -> dict:
     (bytes/s of a 16 MB copy: read + write), and one GPT block's forward + backward at ``micro_batch``."""
     import torch
 
-    from ...runtime.backend import device
-    from ...models.gpt import Block
+    from ..runtime.backend import device
+    from ..models.gpt import Block
     dev = device()
     gemm = {}
     for m, n, k in GEMM_SHAPES:
@@ -134,7 +134,7 @@ def fit_gemm_curve(gemm: dict, bandwidth: float):
 
 
 def measure_rank(sizes, repeats, config, micro_batch):
-    from ...bench.collectives import measure
+    from ..bench.collectives import measure
     out = measure(sizes, repeats)
     out["rates"] = rates(config, micro_batch)   # every rank at once: the cores are shared as in training
     return out
@@ -147,15 +147,15 @@ def measure_machine(config, world_size: int = 4, sizes=None, micro_batch: int = 
     """``{"alpha", "beta", "flops", "bandwidth", "efficiency", "overhead", "cluster"}`` measured here
     in a few seconds, on ``world_size`` ranks at once (the cores are shared as in training):
 
-    * α, β of Gloo's all-reduce at a few sizes (:func:`minipar.analysis.cost.fit_alpha_beta`);
+    * α, β of Gloo's all-reduce at a few sizes (:func:`minipar.cost.fit_alpha_beta`);
     * the roofline's two CPU rates (:func:`rates`): GEMM FLOP/s by shape (peak and ``x_half``,
       :func:`fit_gemm_curve`) and memory bandwidth, the slowest rank's;
     * ``overhead``: one GPT block's measured forward + backward minus what the roofline gives it at
       those rates: the operator dispatch a tiny model's step is made of (``layer_overhead``).
 
     The cluster has ``cores`` = this machine's CPU count: with more ranks than cores a rank waiting
-    in the pipeline's bubble lends its core to the others (:func:`minipar.analysis.plan.step_time`)."""
-    from ...runtime.launch import launch
+    in the pipeline's bubble lends its core to the others (:func:`minipar.plan.step_time`)."""
+    from ..runtime.launch import launch
     sizes = sizes or SIZES
     res = launch(measure_rank, world_size, args=(sizes, 5, config, micro_batch), timeout=180)
     return machine_from(res, config, sizes, micro_batch)
@@ -194,12 +194,12 @@ def machine_from(res: list[dict], config, sizes=None, micro_batch: int = 4) -> d
     peak, eff = fit_gemm_curve(gemm, bandwidth)
     block = sorted(r["rates"]["block"] for r in res)[len(res) // 2]
     gpu = Accelerator("this-cpu", peak, 64e9, 1 / beta, "shared memory (Gloo)", hbm_bw=bandwidth, kind="cpu",
-                      efficiency=eff, source="measured by minipar.analysis.plan.calibrate")
+                      efficiency=eff, source="measured by minipar.plan.calibrate")
     lay = Layout(micro_batch=micro_batch, dtype="fp32", sequence_parallel=False)
     ops = layer_ops(from_gpt_config(config), lay, config.block_size, "materialized")
     overhead = max(0.0, block - ops_time(ops + backward(ops), gpu))
     gpu = replace(gpu, layer_overhead=overhead)
     cluster = Cluster("this-machine", gpu, world_size, 1, 1 / beta, alpha_intra=alpha, alpha_inter=alpha,
-                      network="none", source="measured by minipar.analysis.plan.calibrate", cores=os.cpu_count() or 1)
+                      network="none", source="measured by minipar.plan.calibrate", cores=os.cpu_count() or 1)
     return {"alpha": alpha, "beta": beta, "flops": peak, "bandwidth": bandwidth, "efficiency": eff,
             "gemm": gemm, "overhead": overhead, "cluster": cluster}

@@ -7,7 +7,7 @@ and pays the rest ("exposed"):
 =====  ==============================================  =============================================
 dim    bytes per GPU and step                          overlapped with / exposed
 =====  ==============================================  =============================================
-tp     m·l/p · :func:`~minipar.analysis.cost.tp_comm_bytes_      nothing by default: Megatron-LM's all-reduces
+tp     m·l/p · :func:`~minipar.cost.tp_comm_bytes_      nothing by default: Megatron-LM's all-reduces
        per_layer` (×1.5 with full recomputation)       (or SP's gathers and scatters) sit between the
                                                        GEMMs that need them (Shoeybi et al. 2019, §3).
                                                        ``overlap_tp`` (with SP): each gather or scatter
@@ -34,7 +34,7 @@ ep     4 all-to-alls of ``top_k·(s/cp)·b·h`` per MoE    nothing (dispatch and
 pp     one activation each way per micro-batch and      steady-state sends run behind the other
        virtual stage                                   micro-batches; the fill and drain's 2(p-1)
                                                        messages are exposed
-dp     :func:`~minipar.analysis.cost.zero_comm_bytes` of the     ZeRO 0-2: gradients reduced in 25 MB buckets
+dp     :func:`~minipar.cost.zero_comm_bytes` of the     ZeRO 0-2: gradients reduced in 25 MB buckets
        local Ψ (16-bit gradients; ZeRO-3 ×m)           as the last micro-batch's backward produces
                                                        them (PyTorch DDP, Li et al. 2020, §3.2.3):
                                                        bucket i is ready after (i+1)/k of the
@@ -48,12 +48,12 @@ dp     :func:`~minipar.analysis.cost.zero_comm_bytes` of the     ZeRO 0-2: gradi
        kept gathered (``Layout.kept_gathered``, the    ZeRO-3 kept gathered: each unit's one gather
        default with pp > 1): ZeRO-1's 2(N-1)/N·Ψ,      behind the first micro-batch's forward, its one
        one gather and one reduce-scatter per unit      reduce-scatter behind the last one's backward,
-       (:func:`~minipar.analysis.cost.zero3_pipeline_  per layer ``max(0, c - t)`` each, plus the
-       comm_bytes`), not 3m(N-1)/N·Ψ                   first gather. ``overlap_dp=False``: all exposed
+       (:func:`~minipar.cost.zero3_pipeline_comm_   per layer ``max(0, c - t)`` each, plus the
+       bytes`), not 3m(N-1)/N·Ψ                        first gather. ``overlap_dp=False``: all exposed
                                                        (Megatron-LM 2021 with pp > 1)
 dp_    HSDP (``Layout.dp_shard`` = S): the dp row's    dp_shard: as dp; dp_replicate: the one
 shard  ZeRO-3 over S·cp ranks (their link), and one    all-reduce runs after the step's last reduce-
-dp_re  all-reduce of the eΨ/(S·cp) gradient shard      scatter, exposed (:func:`minipar.analysis.cost.
+dp_re  all-reduce of the eΨ/(S·cp) gradient shard      scatter, exposed (:func:`minipar.cost.         
 plica  across the R = dp/S blocks (the dp group's      hsdp_comm_bytes`): only Ψ/N of a rank's bytes
 te     link: between nodes when dp spans them)         cross the slow link, where plain ZeRO-3 sends
                                                        3(N-1)/N·Ψ per micro-batch over it
@@ -109,7 +109,7 @@ def bucketed(total: float, buckets: int, window: float) -> float:
 def comm_times(model: ModelSpec, layout: Layout, cluster, seq_len: int, global_batch: int,
                compute: dict) -> dict[str, dict[str, float]]:
     """``{dim: {"bytes", "seconds", "exposed", "link", ...}}`` per GPU and step (table above);
-    ``compute`` the per-pass seconds of :func:`minipar.analysis.plan.step_time.compute_times`."""
+    ``compute`` the per-pass seconds of :func:`minipar.plan.step_time.compute_times`."""
     L, e, k = layout, layout.bytes_per_element, cluster.call_overhead
     m, s = L.microbatches(global_batch), seq_len // L.cp
     layers = math.ceil(model.n_layer / L.pp)

@@ -7,11 +7,11 @@
   nothing under flash attention, which stores no scores), and the embedding, head and loss,
   each at the rate its shape allows on the accelerator. A pipeline runs at the pace of its busiest
   stage: ``m · max_r (l_r · layer + ends_r)``, with ``l_r`` the layers of stage r
-  (:func:`minipar.analysis.plan.memory.stage_layers`: Llama 3's cut when p does not divide l), the
+  (:func:`minipar.plan.memory.stage_layers`: Llama 3's cut when p does not divide l), the
   embedding on the first stage and the head and loss on the last; plus the optimizer step over the
   elements this GPU updates (its ZeRO shard). A CPU's ``layer_overhead`` (seconds of op dispatch
   per layer pass, measured) adds ``m · ⌈(l+2)/p⌉`` of it.
-* **Bubble.** ``bubble_fraction(schedule, p, m, v)`` of the micro-batches' compute (:mod:`minipar.analysis.cost.pipeline`);
+* **Bubble.** ``bubble_fraction(schedule, p, m, v)`` of the micro-batches' compute (:mod:`minipar.cost.pipeline`);
   none where the ranks outnumber the CPU cores they share (``cluster.cores``): a rank waiting in
   the bubble yields its core to the others, whose rates were measured with every rank busy. That
   holds on a quiet machine; where other work keeps ``cluster.background`` threads runnable (the
@@ -112,7 +112,7 @@ def comm_times(model: ModelSpec, layout: Layout, cluster: Cluster, seq_len: int,
 def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
               efficiency=None) -> dict:
     """``{"compute", "bubble", "comm": {dim: {...}}, "total", "flops", "detail"}`` in seconds
-    (``efficiency``: a :class:`~minipar.analysis.plan.roofline.Efficiency`, one float for every shape, or
+    (``efficiency``: a :class:`~minipar.plan.roofline.Efficiency`, one float for every shape, or
     None for the accelerator's own or the Table 1 fit)."""
     L = layout
     c = compute_times(model, L, cluster.gpu, seq_len, global_batch, efficiency)

@@ -1,6 +1,6 @@
 """From the planner's layout to a run: the same five dimensions at toy size.
 
-:class:`minipar.analysis.plan.Layout` describes a production layout (say dp8 · tp8 · pp16 · cp2 · ep8
+:class:`minipar.plan.Layout` describes a production layout (say dp8 · tp8 · pp16 · cp2 · ep8
 with ZeRO-1 on 2048 GPUs); the mesh (:class:`~minipar.mesh.ProcessMesh`) and
 ``python -m minipar.train`` take the same dimensions. At toy size every dimension the layout
 uses keeps size 2 (so each of its groups, collectives and rules is exercised), those it does not
@@ -88,8 +88,8 @@ def toy_run(layout, steps: int = 3, max_ranks: int = 8, seed: int = 0) -> dict:
     from ..data import batches, synthetic_tokens
     from ..models.gpt import GPT
     from ..reference import adamw
-    from . import experts
-    from .train import run
+    from ..hybrid import experts
+    from ..hybrid.train import run
     config, options, notes = toy_options(layout, max_ranks)
     data = batches(synthetic_tokens(vocab_size=config.vocab_size), steps,
                    options["dp"] * options["microbatches"], config.block_size)

@@ -4,7 +4,7 @@
 the ZeRO stage (ZeRO-3 under a pipeline too; ``policies=True``, ``hsdp=True``: either
 ``reshard_after_forward`` policy and HSDP's splits), the micro-batch, the recomputation and the
 schedule (1F1B, or interleaved with v virtual stages), predicts each
-(:func:`minipar.analysis.plan.predict`), rejects what cannot run or does not fit, each with its
+(:func:`minipar.plan.predict`), rejects what cannot run or does not fit, each with its
 reason, and ranks the rest by predicted step time.
 :meth:`SearchResult.explain` says why the winner beats the runner-up: where their steps differ most,
 and each one's bottleneck (:attr:`Prediction.bottleneck`: compute-bound, memory-bound, exposed

@@ -6,9 +6,9 @@ parallelism, ZeRO 1-3, 2D and 3D), all in one launch, and returns one row per st
 
 * ``memory``: the model states (parameters, gradients, optimizer state) the busiest rank
   holds, counted tensor by tensor (:func:`minipar.zero.model_state_bytes`), beside the
-  formula (:func:`minipar.analysis.cost.hybrid_memory_per_rank`, :func:`minipar.analysis.cost.zero_bytes_per_rank`);
+  formula (:func:`minipar.cost.hybrid_memory_per_rank`, :func:`minipar.cost.zero_bytes_per_rank`);
 * ``sent``: bytes the busiest rank sent in one step (from its trace), beside the formula
-  (:func:`minipar.analysis.cost.hybrid_comm_bytes`, :func:`minipar.analysis.cost.zero_comm_bytes`);
+  (:func:`minipar.cost.hybrid_comm_bytes`, :func:`minipar.cost.zero_comm_bytes`);
 * ``bubble`` (pipelines only, else ``None``): the last step's measured bubble, idle over
   compute time ``(T - c)/c`` averaged over the ranks (:meth:`minipar.runtime.trace.Trace.bubble`,
   as in chapter 04), beside the schedule's ``(p-1)/m``;
@@ -21,14 +21,14 @@ import statistics
 
 import torch
 
-from ..analysis import cost
+from .. import cost
 from ..runtime.launch import launch
 from ..models.gpt import GPT
 from ..reference import train_reference
 from ..runtime.trace import Trace
 from ..zero import train as zero_train
-from .config import check, num_params
-from .train import train as hybrid_train
+from ..hybrid.config import check, num_params
+from ..hybrid.train import train as hybrid_train
 
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
 

@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..runtime import trace
+from . import trace
 
 _BACKENDS: dict = {}
 

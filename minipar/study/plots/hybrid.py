@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from ..runtime import viz
-from ..mesh import ProcessMesh
+from ...runtime import viz
+from ...mesh import ProcessMesh
 
 GROUP_STYLE = {"tp": dict(color=viz.color(0), dash="solid", width=5),
                "cp": dict(color=viz.color(3), dash="dashdot", width=3),
@@ -115,7 +115,7 @@ COLUMNS = [("memory", "memory_formula", "model states / rank (KiB)", 1 / 1024),
 
 def comparison_table(rows: list[dict], title: str = "Strategies side by side (measured, formula)") -> go.Figure:
     """The comparison table: one row per strategy, measured values with the formula's in
-    brackets where :mod:`minipar.analysis.cost` has one."""
+    brackets where :mod:`minipar.cost` has one."""
     def cell(r, key, ref, scale):
         if r[key] is None:
             return "—"

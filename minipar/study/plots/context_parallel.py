@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from .ring import schedule
-from .sharding import chunk_ids
+from ...context_parallel.ring import schedule
+from ...context_parallel.sharding import chunk_ids
 
 PART_TEXT = {"full": "full", "causal": "diagonal", "skip": "skipped", "kv_front": "½: front keys",
              "q_back": "½: back queries"}

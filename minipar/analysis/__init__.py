@@ -1,1 +1,0 @@
-"""The cost model (formulas per dimension) and the planner that searches layouts."""

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 
 # ------------------------------------------------------------------------------------------------
-# from minipar/context_parallel/blocks.py: these run as module minipar.context_parallel.blocks's own
+# from minipar/context_parallel/blockwise.py: these run as module minipar.context_parallel.blockwise's own
 # ------------------------------------------------------------------------------------------------
 import torch
 
@@ -87,7 +87,7 @@ def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------
 import torch
 from minipar import comm
-from minipar.context_parallel.blocks import attention_block, attention_block_backward
+from minipar.context_parallel.blockwise import attention_block, attention_block_backward
 from minipar.context_parallel.ring import _start_exchange, _views
 from minipar.runtime import trace
 

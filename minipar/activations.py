@@ -48,3 +48,24 @@ class SavedActivations:
     def __exit__(self, *exc) -> bool:
         self._hooks.__exit__(*exc)
         return False
+
+
+def saved_activation_bytes(fn, exclude=()) -> tuple[int, object]:
+    """``(bytes, fn())``: the distinct storages saved for the backward while ``fn()`` runs,
+    not counting those of the tensors in ``exclude`` (e.g. ``model.parameters()``).
+
+    The storage-level count, beside :class:`SavedActivations`'s view-level one: a storage
+    counts whole, once, however many views of it are saved (context parallelism's K/V blocks
+    are views of one received buffer, and the buffer is what stays alive); what
+    :func:`minipar.cost.cp_activation_bytes` predicts."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out

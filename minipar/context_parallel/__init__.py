@@ -4,14 +4,14 @@ Only attention needs the other ranks' tokens. The pieces, one file each::
 
     sharding   shard_sequence / unshard_sequence / sequence_positions, "contiguous" or "zigzag"
                (rank r holds chunks r and 2c-1-r of 2c), zigzag_chunks, check_sequence
-    blocks     attention_block, merge_partials (the online-softmax merge), attention_block_backward
+    blockwise  attention_block, merge_partials (the online-softmax merge), attention_block_backward
     ring       ring_attention (RingAttention: K/V around the ring, backward written out), schedule
     allgather  all_gather_attention (Llama 3)
     ulysses    ulysses_attention (DeepSpeed-Ulysses: all-to-all, sequence <-> heads), check_heads
     attention  context_attention(q, k, v, group, causal, layout, variant) -> (O, lse) of this rank's
                tokens (B, H, T/c, d), equal to full attention; recomputation with every variant
     model      parallelize(gpt, group, variant, layout), local_loss, all_reduce_grads
-    memory     saved_activation_bytes (what autograd keeps for the backward; cost.cp_activation_bytes)
+    saved_activation_bytes (re-exported from minipar.activations: what autograd keeps; cost.cp_activation_bytes)
     train      check / train / run (minipar.strategy's shape), dp × cp on a ProcessMesh;
                check_config (what minipar.hybrid checks for its cp dimension)
 
@@ -20,8 +20,8 @@ Its figures (the ring's schedule, the attention matrix it covers) are in
 """
 from .allgather import all_gather_attention
 from .attention import VARIANTS, ContextParallelAttend, context_attention
-from .blocks import attention_block, attention_block_backward, masked_attention, merge_partials
-from .memory import saved_activation_bytes
+from .blockwise import attention_block, attention_block_backward, masked_attention, merge_partials
+from ..activations import saved_activation_bytes
 from .model import (ContextParallelAttention, apply_cp, PositionedEmbedding, all_reduce_grads, local_loss,
                     parallelize, set_positions)
 from .ring import RingAttention, ring_attention, ring_step, schedule

@@ -12,7 +12,7 @@ import torch
 
 from .. import comm
 from ..models.recompute import run
-from .blocks import masked_attention
+from .blockwise import masked_attention
 from .sharding import sequence_positions
 
 

@@ -12,7 +12,7 @@ the attention's local core, never its communication:
 * ring: nothing changes. Ring attention keeps only Q, K, V, O and the lse, and its backward
   recomputes P = exp(S - lse) block by block (FlashAttention): the s² scores are never
   stored, so it saves the same bytes as ``"none"`` (measured in the tests).
-* all-gather and Ulysses: :func:`~minipar.context_parallel.blocks.masked_attention` on the
+* all-gather and Ulysses: :func:`~minipar.context_parallel.blockwise.masked_attention` on the
   gathered (or head-sharded) tensors is checkpointed: it keeps its inputs and drops the
   score-sized tensors and the boolean mask (the T² terms of
   :func:`minipar.cost.cp_activation_bytes`, exactly, measured in the tests).

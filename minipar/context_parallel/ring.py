@@ -4,7 +4,7 @@ Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for Near
 Context". At step s = 0 .. c-1 of a ring of c ranks, rank r holds the keys and values of rank
 src = (r - s) mod c: it starts sending them on to r+1 (receiving the next block from r-1) and,
 hiding the transfer, merges its queries' attention on them into its running (O, lse) (online
-softmax, :func:`~minipar.context_parallel.blocks.merge_partials`).
+softmax, :func:`~minipar.context_parallel.blockwise.merge_partials`).
 
 What rank r's queries do with src's block under a causal mask (:func:`ring_step`):
 
@@ -26,7 +26,7 @@ import torch
 
 from .. import comm
 from ..runtime import trace
-from .blocks import attention_block, attention_block_backward, merge_partials
+from .blockwise import attention_block, attention_block_backward, merge_partials
 
 PARTS = ("full", "causal", "skip", "kv_front", "q_back")
 

@@ -13,7 +13,7 @@ import torch
 from .. import comm
 from ..models.attention import resolve
 from ..models.recompute import run
-from .blocks import masked_attention
+from .blockwise import masked_attention
 from .sharding import sequence_positions
 
 

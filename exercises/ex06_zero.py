@@ -42,7 +42,7 @@ C. Stage 3's gather, compute, free, P_p: ``gather_unit(full, shard, group=None,
    unit i's gather, ``free(i)`` releases it, and ``reduce(i)`` adds this rank's mean gradient
    slice, in fp32, to the shard's ``.grad``: a second backward before the step accumulates.
 D. Stage 3's schedule: when a unit is gathered, freed and reduce-scattered.
-   ``Schedule.pre_forward(i)``, ``.post_forward(i, out)`` (returns what the forward returns),
+   ``UnitSchedule.pre_forward(i)``, ``.post_forward(i, out)`` (returns what the forward returns),
    ``.pre_backward(i)``, ``.reduce(i)``, ``.grad_ready(i, p)`` and ``.end_backward()`` in
    ``minipar.zero.stage3``: unit i's module's forward hooks call the first two, its parameters'
    post-accumulate-grad hooks ``grad_ready``, the first ``pre_backward`` of a backward queues
@@ -194,26 +194,26 @@ import torch
 from minipar.runtime import trace
 
 
-class Schedule:
-    """Only the marked methods of ``minipar.zero.stage3.Schedule``; the rest of the class is the
-    library's."""
+class UnitSchedule:
+    """Only the marked methods of ``minipar.zero.stage3.UnitSchedule``; the rest of the class is
+    the library's."""
 
     def pre_forward(self, i: int) -> None:
         """Unit i's forward is about to run."""
-        raise NotImplementedError("Exercise 06 D: Schedule.pre_forward")
+        raise NotImplementedError("Exercise 06 D: UnitSchedule.pre_forward")
         self.t0[i] = trace.now()
 
     def post_forward(self, i: int, out):
         """Unit i's forward has returned ``out``."""
         trace.record("compute", "forward", self.t0[i], trace.now(), unit=i)
-        raise NotImplementedError("Exercise 06 D: Schedule.post_forward")
+        raise NotImplementedError("Exercise 06 D: UnitSchedule.post_forward")
 
     def pre_backward(self, i: int) -> None:
         """The gradient of one of unit i's outputs has arrived: its backward is about to run."""
         if not self.in_backward:                           # the first unit of this backward
             self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
-        raise NotImplementedError("Exercise 06 D: Schedule.pre_backward")
+        raise NotImplementedError("Exercise 06 D: UnitSchedule.pre_backward")
         self.t0[i] = trace.now()
 
     def reduce(self, i: int) -> None:
@@ -221,15 +221,15 @@ class Schedule:
         in its order)."""
         trace.record("compute", "backward", self.t0[i], trace.now(), unit=i)
         self.held()
-        raise NotImplementedError("Exercise 06 D: Schedule.reduce")
+        raise NotImplementedError("Exercise 06 D: UnitSchedule.reduce")
 
     def grad_ready(self, i: int, p) -> None:
         """Parameter ``p`` of unit i has its gradient of this backward."""
-        raise NotImplementedError("Exercise 06 D: Schedule.grad_ready")
+        raise NotImplementedError("Exercise 06 D: UnitSchedule.grad_ready")
 
     def end_backward(self) -> None:
         """The backward has ended (an autograd callback)."""
-        raise NotImplementedError("Exercise 06 D: Schedule.end_backward")
+        raise NotImplementedError("Exercise 06 D: UnitSchedule.end_backward")
         self.in_backward = False
 
 

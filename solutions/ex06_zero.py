@@ -42,7 +42,7 @@ C. Stage 3's gather, compute, free, P_p: ``gather_unit(full, shard, group=None,
    unit i's gather, ``free(i)`` releases it, and ``reduce(i)`` adds this rank's mean gradient
    slice, in fp32, to the shard's ``.grad``: a second backward before the step accumulates.
 D. Stage 3's schedule: when a unit is gathered, freed and reduce-scattered.
-   ``Schedule.pre_forward(i)``, ``.post_forward(i, out)`` (returns what the forward returns),
+   ``UnitSchedule.pre_forward(i)``, ``.post_forward(i, out)`` (returns what the forward returns),
    ``.pre_backward(i)``, ``.reduce(i)``, ``.grad_ready(i, p)`` and ``.end_backward()`` in
    ``minipar.zero.stage3``: unit i's module's forward hooks call the first two, its parameters'
    post-accumulate-grad hooks ``grad_ready``, the first ``pre_backward`` of a backward queues
@@ -232,9 +232,9 @@ import torch
 from minipar.runtime import trace
 
 
-class Schedule:
-    """Only the marked methods of ``minipar.zero.stage3.Schedule``; the rest of the class is the
-    library's."""
+class UnitSchedule:
+    """Only the marked methods of ``minipar.zero.stage3.UnitSchedule``; the rest of the class is
+    the library's."""
 
     def pre_forward(self, i: int) -> None:
         """Unit i's forward is about to run."""

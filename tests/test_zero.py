@@ -246,10 +246,10 @@ class _Recording:
 
 
 def _schedule_calls():
-    """Every rank: one step of stage 3's Schedule over each design's storage, logged."""
+    """Every rank: one step of stage 3's UnitSchedule over each design's storage, logged."""
     from minipar.zero.flat import FlatStorage
     from minipar.zero.per_parameter import PerParameterStorage
-    from minipar.zero.stage3 import Schedule, unit_parameters
+    from minipar.zero.stage3 import UnitSchedule, unit_parameters
     r, n = dist.get_rank(), dist.get_world_size()
     x, y = _batches()[0]
     out = {}
@@ -262,7 +262,7 @@ def _schedule_calls():
         else:
             storage = PerParameterStorage([(m, list(f.values())) for m, f in found])
             shards = [q.shard for u in storage.units for q in u.ps]
-        schedule = Schedule(_Recording(storage, log), model)
+        schedule = UnitSchedule(_Recording(storage, log), model)
         opt = torch.optim.SGD(shards, lr=0.1)
         model(data.shard(x, r, n), data.shard(y, r, n)).backward()
         opt.step()

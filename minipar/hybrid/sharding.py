@@ -22,7 +22,7 @@ reduce-scatters each micro-batch's gradients as its backward completes them and
 **accumulates into the sharded gradient** (m reduce-scatters per step, Ψ_r/N of gradients
 kept). Stage 3 follows ``reshard_after_forward`` (:func:`reshard_policy`): ``"auto"`` keeps a
 stage's units gathered across its micro-batches under a pipeline and reduce-scatters their
-accumulated gradients once, after the last micro-batch (:meth:`minipar.zero.stage3.Schedule.finish_step`;
+accumulated gradients once, after the last micro-batch (:meth:`minipar.zero.stage3.UnitSchedule.finish_step`;
 one all-gather per unit per step instead of 2m), and reshards after every use without one.
 
 Expert parameters (a mixture-of-experts GPT, ``ep``) are replicated only over their
@@ -57,7 +57,7 @@ def reshard_policy(policy: str, pp: int) -> bool:
 
 class ShardedStates:
     """Stage 3 of this rank's layers as one state: ``parts`` (the dense parameters' over dp·cp,
-    then, with experts, the experts' over expert-dp; each a :class:`~minipar.zero.stage3.Schedule`
+    then, with experts, the experts' over expert-dp; each a :class:`~minipar.zero.stage3.UnitSchedule`
     or its wrapper), their parameters' names given back as the single-device GPT's (``names``),
     ``expert_shards`` the experts' shards (what :func:`scale_expert_shards` scales)."""
 

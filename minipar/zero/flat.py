@@ -12,7 +12,7 @@ whole flat vectors with one collective.
 
 Stage 3 keeps only the shard and gives the flat vector its memory only while the unit
 computes (:func:`gather_unit`, :func:`free_unit`): :class:`FlatStorage` is that storage,
-FSDP's flat parameters, for :class:`minipar.zero.stage3.Schedule`.
+FSDP's flat parameters, for :class:`minipar.zero.stage3.UnitSchedule`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Stage 3 over flat units: FSDP's design (Zhao et al. 2023, §3), the wrapper a model trains in.
 
 Each unit's parameters become one flat vector, sharded over the data-parallel group
-(:class:`~minipar.zero.flat.FlatStorage`); :class:`~minipar.zero.stage3.Schedule` decides when
+(:class:`~minipar.zero.flat.FlatStorage`); :class:`~minipar.zero.stage3.UnitSchedule` decides when
 a unit is gathered, used, freed and reduced. The wrapper's parameters are this rank's fp32
 shards (plus the parameters kept whole, :mod:`.persist`), so any element-wise optimizer steps
 them: memory (4 + 4 + K)Ψ/N per rank in fp32, plus the gathered units in flight.
@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from .flat import FlatStorage
 from .persist import compute_in_fp32, persistent_parameters
-from .stage3 import Schedule, unit_parameters
+from .stage3 import UnitSchedule, unit_parameters
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -41,7 +41,7 @@ class FullyShardedDataParallel(nn.Module):
                               group, param_dtype or torch.float32)
         self.shards = nn.ParameterList([u.shard for u in storage.units])
         self.persistent = nn.ParameterList(whole)           # the module's own, replicated
-        self.schedule = Schedule(storage, module, group, prefetch, whole,
+        self.schedule = UnitSchedule(storage, module, group, prefetch, whole,
                                  reshard_after_forward=reshard_after_forward)
         compute_in_fp32(module, whole, param_dtype)
 

@@ -12,7 +12,7 @@ and that shard *is* the module's parameter (same name): any optimizer takes
 every ``.grad`` is its shard's gradient in the parameter's own dtype (fp32, the master
 weights, also under mixed precision).
 
-The schedule is stage 3's own (:class:`minipar.zero.stage3.Schedule`), a unit being a layer;
+The schedule is stage 3's own (:class:`minipar.zero.stage3.UnitSchedule`), a unit being a layer;
 :class:`PerParameterStorage` is what it gathers, uses, frees and reduces. One collective per
 unit moves all its parameters: the shards are concatenated before it
 (*copy-in*) and split back per parameter after it (*copy-out*), the two copies FSDP2 pays
@@ -30,7 +30,7 @@ from ..comm import all_gather, group_rank, group_size
 from .flat import free_unit
 from .persist import compute_in_fp32, persistent_parameters
 from .reduce import reduce_shard
-from .stage3 import Schedule, unit_parameters
+from .stage3 import UnitSchedule, unit_parameters
 
 
 class _Param:
@@ -174,21 +174,21 @@ def fully_shard(module: nn.Module, group=None, units=None, param_dtype=None, red
     free each unit after each use, or keep it gathered until the state's ``finish_step()``
     (:mod:`minipar.zero.stage3`: the policy under a pipeline). ``ignored_params``: left whole,
     to another state (FSDP2's name). The stage-3 state
-    (:class:`~minipar.zero.stage3.Schedule`) is :func:`sharded_state` ``(module)``."""
+    (:class:`~minipar.zero.stage3.UnitSchedule`) is :func:`sharded_state` ``(module)``."""
     found = unit_parameters(module, units, ignored_params)
     persistent = persistent_parameters(module, persist_below, persist, param_dtype)
     kept = {id(p) for p in persistent}                      # stay the module's own parameters
     storage = PerParameterStorage([(m, [(p, ow) for p, ow in f.values() if id(p) not in kept]) for m, f in found],
                                   group, param_dtype or torch.float32, reduce_dtype)
-    module.__dict__["_fully_shard"] = Schedule(storage, module, group, prefetch, persistent,
+    module.__dict__["_fully_shard"] = UnitSchedule(storage, module, group, prefetch, persistent,
                                                reduce_dtype=storage.reduce_dtype,
                                                reshard_after_forward=reshard_after_forward)   # not a submodule
     compute_in_fp32(module, persistent, param_dtype)      # the persistent modules in fp32
     return module
 
 
-def sharded_state(module: nn.Module) -> Schedule:
-    """The stage-3 state :func:`fully_shard` attached to ``module``: its :class:`Schedule`
+def sharded_state(module: nn.Module) -> UnitSchedule:
+    """The stage-3 state :func:`fully_shard` attached to ``module``: its :class:`UnitSchedule`
     (``peak_gathered_bytes``, ``gather_full_params()``, ``unit_sizes()``, ...)."""
     if "_fully_shard" not in module.__dict__:
         raise ValueError("this module was not sharded with fully_shard")

@@ -2,7 +2,7 @@
 
 Rajbhandari et al. 2020, §5.3; the same design as PyTorch's FSDP (Zhao et al. 2023, §3).
 Each rank keeps only its shard of every unit's (layer's) parameters; a unit's full
-parameters exist only while it computes. :class:`Schedule` is the whole algorithm, the
+parameters exist only while it computes. :class:`UnitSchedule` is the whole algorithm, the
 FSDP paper's pseudo-code in the order it runs:
 
 * forward of unit i: ``gather(i)`` (all-gather its shards, waiting for them), start
@@ -25,7 +25,7 @@ every use, as above, so a step gathers each unit 2m times and reduce-scatters it
 m times, each micro-batch's into this rank's gradient shard (accumulating). Off
 (``False``, FSDP2's ``reshard_after_forward=False``, torchtitan's default under PP): a unit
 gathered at its first forward stays gathered across the step's micro-batches, its
-gradients accumulate whole on the gathered parameters, and :meth:`Schedule.finish_step`
+gradients accumulate whole on the gathered parameters, and :meth:`UnitSchedule.finish_step`
 (after the last micro-batch's backward) frees it and reduce-scatters once: one all-gather
 and one reduce-scatter per unit per step, for Ψ_s (the stage's parameters) and Ψ_s of
 gradients held whole during the step.
@@ -58,7 +58,7 @@ class Unit(Protocol):
 
 
 class Storage(Protocol):
-    """How a design keeps its units; the :class:`Schedule` calls only these."""
+    """How a design keeps its units; the :class:`UnitSchedule` calls only these."""
     units: Sequence[Unit]
 
     def gather(self, i: int, **labels):
@@ -113,7 +113,7 @@ def unit_parameters(module: nn.Module, units=None, ignored_params=()) -> list[tu
     return out
 
 
-class Schedule:
+class UnitSchedule:
     """Stage 3's schedule over a :class:`Storage`, the same for both designs.
 
     ``module``: the whole model (a forward of it starts a new unit order); ``persistent``:

@@ -42,7 +42,7 @@ C. Stage 3's gather, compute, free, P_p: ``gather_unit(full, shard, group=None,
    unit i's gather, ``free(i)`` releases it, and ``reduce(i)`` adds this rank's mean gradient
    slice, in fp32, to the shard's ``.grad``: a second backward before the step accumulates.
 D. Stage 3's schedule: when a unit is gathered, freed and reduce-scattered.
-   ``Schedule.pre_forward(i)``, ``.post_forward(i, out)`` (returns what the forward returns),
+   ``UnitSchedule.pre_forward(i)``, ``.post_forward(i, out)`` (returns what the forward returns),
    ``.pre_backward(i)``, ``.reduce(i)``, ``.grad_ready(i, p)`` and ``.end_backward()`` in
    ``minipar.zero.stage3``: unit i's module's forward hooks call the first two, its parameters'
    post-accumulate-grad hooks ``grad_ready``, the first ``pre_backward`` of a backward queues
@@ -84,7 +84,7 @@ from minipar.runtime import trace
 from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, attempt
 from minipar.models import GPT, GPTConfig
 from minipar.zero.flat import FlatStorage, FlatUnit
-from minipar.zero.stage3 import Schedule
+from minipar.zero.stage3 import UnitSchedule
 
 EXERCISE = "ex06_zero"
 HINTS = {
@@ -717,7 +717,7 @@ def _schedule_log(reshard, prefetch):
     for i, u in enumerate(units):                  # before the schedule's hooks: they see a grad first
         for p in u.parameters():
             p.register_post_accumulate_grad_hook(lambda p, i=i: log.append(f"grad {i}"))
-    schedule = Schedule(_Recorder(units, log), net, prefetch=prefetch, reshard_after_forward=reshard)
+    schedule = UnitSchedule(_Recorder(units, log), net, prefetch=prefetch, reshard_after_forward=reshard)
     for i, u in enumerate(units):                  # after the schedule's: they see what it did
         u.register_forward_pre_hook(lambda m, a, i=i: log.append(f"F {i}"))
         u.register_forward_hook(lambda m, a, out, i=i: (log.append(f"F end {i}"),

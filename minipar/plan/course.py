@@ -103,7 +103,7 @@ def timed_strategies(config, batches, specs: dict[str, dict], rounds: int, seed:
     machine's load falls on all of them alike. Each round's first step (warm-up) is left out."""
     import torch
 
-    from ..study.compare import adamw
+    from ..study.compare import make_optimizer
     from ..hybrid.model import HybridModel
     from ..mesh import ProcessMesh
     from .calibrate import SIZES, measure_rank
@@ -114,7 +114,7 @@ def timed_strategies(config, batches, specs: dict[str, dict], rounds: int, seed:
         for name, spec in specs.items():
             torch.distributed.barrier()
             mesh = ProcessMesh(dp=spec["dp"], pp=spec["pp"], tp=spec["tp"]).build()
-            hm = HybridModel(GPT(config, seed=seed), mesh, optimizer=adamw, zero=spec["zero"],
+            hm = HybridModel(GPT(config, seed=seed), mesh, optimizer=make_optimizer, zero=spec["zero"],
                              microbatches=spec["m"])
             for k, (x, y) in enumerate(batches):
                 hm.train_step(x, y)

@@ -33,7 +33,8 @@ from ..hybrid.train import train as hybrid_train
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
 
 
-def adamw(params):
+def make_optimizer(params):
+    """AdamW with :data:`ADAMW`, for every strategy compared (a factory of parameters)."""
     return torch.optim.AdamW(params, **ADAMW)
 
 
@@ -58,8 +59,8 @@ def measure(config, batches, specs: dict[str, dict], seed: int = 0) -> dict[str,
     for name, spec in specs.items():
         torch.distributed.barrier()
         model = GPT(config, seed=seed)
-        out[name] = (zero_train(model, batches, adamw, stage=spec["zero"]) if spec["zero"] >= 2 else
-                     hybrid_train(model, batches, adamw, dp=spec["dp"], pp=spec["pp"], tp=spec["tp"],
+        out[name] = (zero_train(model, batches, make_optimizer, stage=spec["zero"]) if spec["zero"] >= 2 else
+                     hybrid_train(model, batches, make_optimizer, dp=spec["dp"], pp=spec["pp"], tp=spec["tp"],
                                   zero=spec["zero"], microbatches=spec["m"]))
         out[name].pop("params")
     return out
@@ -88,7 +89,7 @@ def compare(config, batches, world_size: int = 8, specs: dict | None = None, see
     batch = batches[0][0].shape[0]
     for spec in specs.values():
         check(config, batches, world_size, spec["dp"], spec["pp"], spec["tp"], spec["m"])
-    want = train_reference(GPT(config, seed=seed), batches, adamw)["losses"]
+    want = train_reference(GPT(config, seed=seed), batches, make_optimizer)["losses"]
     results = launch(measure, world_size, args=(config, batches, specs, seed), timeout=timeout)
     rows = []
     for name, spec in specs.items():

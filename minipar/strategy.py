@@ -11,7 +11,8 @@ Every strategy module of :data:`STRATEGIES` exposes the same three functions::
 ``group`` is a parameter only where a group other than the world works (hybrid and expert
 parallelism lay their mesh over the whole world and have none); ``recompute=None`` everywhere
 means the model's own configuration. Each ``train`` writes only its step body and hands it to
-:func:`loop`, the one step loop: timing, bytes by dimension, the loss record, ``measured``.
+:func:`loop`, the one step loop: timing, bytes by dimension, the loss record, ``measured``; its
+forward runs in :func:`forward`, the one site of the compute dtype's autocast.
 
 ``model`` is the single-device model (same seed on every rank), ``batches`` the global
 batches the single process trains on, ``optimizer`` a picklable factory
@@ -30,6 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -192,6 +194,24 @@ def trains(fn):
 @dataclass(frozen=True)
 class _Plan:
     recompute: str | None
+
+
+@contextmanager
+def forward(dtype=None, on="cpu", region: str | None = None, **labels):
+    """The one place a forward is entered: ``with strategy.forward(dtype, model, "forward", step=i):``.
+
+    The block runs in the trace region ``region`` (labelled ``labels``; none if ``None``) around
+    the mixed-precision rule's autocast (:func:`minipar.precision.autocast`) in ``dtype`` on the
+    device of ``on`` (a device or its name, or a tensor or module computing there). Only the
+    forward and its loss go inside; the backward runs outside, so no autograd Function's backward
+    computes under autocast (its gradients come in the dtypes the forward saved)."""
+    from .precision import autocast
+    if isinstance(on, torch.nn.Module):
+        on = next(on.parameters()).device
+    elif isinstance(on, torch.Tensor):
+        on = on.device
+    with trace.region(region, **labels) if region is not None else nullcontext(), autocast(dtype, on):
+        yield
 
 
 def full_params(named) -> dict[str, torch.Tensor]:

@@ -202,3 +202,65 @@ def test_recompute_is_entered_at_one_site():
     assert sorted(applied) == ["hybrid/parallelize.py", "strategy.py"], applied
     for name in set(strategy.STRATEGIES) - {"hybrid", "adapt"}:
         assert getattr(MODULES[name].train, "__wrapped__", None) is not None, f"{name}.train is not @strategy.trains"
+
+
+def _autocast_sites() -> set:
+    """Every call of a function named ``autocast`` in minipar's source, as ``file:function``."""
+    import ast
+    from pathlib import Path
+    root = Path(minipar.__file__).parent
+    sites = set()
+    for path in root.rglob("*.py"):
+        def visit(node, where):
+            for child in ast.iter_child_nodes(node):
+                inner = where
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    inner = f"{where}.{child.name}" if where else child.name
+                if isinstance(child, ast.Call):
+                    f = child.func
+                    if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) == "autocast":
+                        sites.add(f"{path.relative_to(root)}:{inner}")
+                visit(child, inner)
+        visit(ast.parse(path.read_text()), "")
+    return sites
+
+
+def test_autocast_is_entered_at_one_site():
+    """Autocast is entered in one place, ``strategy.forward`` (what every strategy, the references
+    and the pipeline's F wrap their forward in), over ``precision.autocast`` (the one call of
+    ``torch.autocast``); no strategy enters it itself. The naive model-parallel step's call sits
+    inside exercise 3's marked region (the learner's code) and is the one other site for now."""
+    sites = _autocast_sites()
+    marked = "model_parallel.py:NaiveModelParallel.step"
+    assert sites == {"precision.py:autocast", "strategy.py:forward", marked}, sorted(sites)
+    source = MODULES["model_parallel"].__file__
+    region = open(source).read().split("# >>> ex03 A")[1].split("# <<< ex03 A")[0]
+    assert "autocast(" in region, "the model-parallel call left exercise 3's region: route it through strategy.forward"
+
+
+def _backward_under_autocast():
+    """Rank function: one bf16 step of every strategy; how many backward calls (``torch.autograd.
+    backward``, what ``Tensor.backward`` calls too) ran with CPU autocast on, and how many ran."""
+    calls, under = [0], [0]
+    real = torch.autograd.backward
+
+    def spy(*args, **kwargs):
+        calls[0] += 1
+        under[0] += torch.is_autocast_enabled("cpu")
+        return real(*args, **kwargs)
+
+    torch.autograd.backward = spy
+    try:
+        for name, mod in MODULES.items():
+            if name != "adapt":                  # adapt trains through hybrid, which runs here
+                mod.train(_model(name), BATCHES[:1], reference.sgd(0.5), dtype="bf16", **OPTIONS[name])
+    finally:
+        torch.autograd.backward = real
+    return calls[0], under[0]
+
+
+def test_no_backward_runs_under_autocast():
+    """Autocast wraps forwards only: in a bf16 step of every strategy on 2 ranks no backward
+    (and so no custom autograd Function's backward) runs with autocast on; some backward ran."""
+    for calls, under in launch(_backward_under_autocast, 2, timeout=240):
+        assert calls >= len(MODULES) - 1 and under == 0, (calls, under)

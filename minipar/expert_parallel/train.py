@@ -27,7 +27,6 @@ from .. import comm, strategy
 from ..runtime import trace
 from ..data import shard
 from ..models.moe import MoE, moe_layers, moe_loss
-from ..precision import autocast
 from ..reference import sgd
 from .groups import build_ep_groups
 from .layer import shard_experts
@@ -73,7 +72,7 @@ def train(model, batches, optimizer=None, ep: int = 1, tp: int = 1, dtype=None, 
     def step(i, batch):
         x, y = (shard(t, me, dp).to(device) for t in batch)
         opt.zero_grad(set_to_none=True)
-        with trace.region("forward", step=i), autocast(dtype, device):
+        with strategy.forward(dtype, device, "forward", step=i):
             loss = model(x, y)
             if tp > 1:
                 loss = loss + moe_loss(model)   # the tensor-parallel GPT returns the cross-entropy only

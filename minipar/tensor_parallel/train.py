@@ -49,7 +49,7 @@ def train(model: GPT, batches, optimizer=None, group=None, sequence_parallel: bo
     def step(i, batch):
         x, y = batch
         opt.zero_grad(set_to_none=True)
-        with saved if i == 0 else nullcontext(), precision.autocast(dtype, device):
+        with saved if i == 0 else nullcontext(), strategy.forward(dtype, device):
             loss = tp(x.to(device), y.to(device))
         loss.backward()
         opt.step()

@@ -127,7 +127,7 @@ def train(model, batches, optimizer=None, group=None, stages=None, dtype=None, r
         opt.step()
         return loss                               # the last rank's float, None elsewhere
 
-    losses, measured = strategy.loop(batches, step, op=None)
+    losses, measured = strategy.loop(batches, step, mean_over=strategy.WHOLE)
     state = model_state_bytes(parts[rank], optimizer=opt)
     measured["memory"] = {k: state[k] for k in ("params", "grads", "optimizer")} | {"activations": saved.bytes}
     return {"losses": losses if rank == len(parts) - 1 else None,

@@ -74,29 +74,59 @@ class TrainResult:
                    getattr(results, "trace", None), results)
 
 
-def reduced_loss(loss: torch.Tensor, group=None, op: str = "avg", **labels) -> torch.Tensor:
-    """The step's loss for the record, as a one-element fp32 tensor on the loss's device:
-    ``loss`` all-reduced over ``group`` with ``op`` (``"avg"``: the ranks' mean losses;
-    ``"sum"``: losses already divided by the ranks), one tiny recorded all-reduce named ``"loss"``."""
+class _Whole:
+    def __repr__(self):
+        return "strategy.WHOLE"
+
+    def __reduce__(self):      # one object in every process: pickled by its name
+        return "WHOLE"
+
+
+WHOLE = _Whole()
+"""``loop(..., mean_over=WHOLE)``: no group averages the loss, the rank holds the whole step's
+mean (every tensor-parallel rank computes it whole; a pipeline's last stage holds it, ``None``
+elsewhere)."""
+
+
+def record_loss(loss, mean_over, parts_over=WHOLE, dim: str | None = None):
+    """The step's global mean loss from this rank's ``loss``, the loss record's one rule.
+
+    ``parts_over``: the group whose ranks hold terms of one loss (pipeline stages: the last one's
+    cross-entropy, every stage's auxiliary losses; or shares already divided by the ranks), summed;
+    ``mean_over``: the group whose ranks hold the means of different shards of the batch (data,
+    sequence), averaged after the sum, L = (1/|mean_over|) Σ_mean_over Σ_parts_over ℓ_r. ``None`` is the
+    world, as in :mod:`minipar.comm`; a group of one rank is no all-reduce; ``dim`` labels the
+    all-reduces (by default their group's own name). With both ``WHOLE`` the
+    record is ``loss`` as the step returned it (a tensor, a float, or ``None`` on a rank without it);
+    otherwise a one-element fp32 tensor on the rank's device (``None``: no part, 0), reduced by
+    recorded all-reduces named ``"loss"``."""
+    if mean_over is WHOLE and parts_over is WHOLE:
+        return loss
     from . import comm
-    t = loss.detach().float().reshape(1).clone()
-    comm.all_reduce(t, op=op, group=group, name="loss", **labels)
+    from .runtime.backend import device
+    t = (loss.detach().float().reshape(1).clone() if isinstance(loss, torch.Tensor)
+         else torch.tensor([loss or 0.0], device=device()))
+    labels = {} if dim is None else {"dim": dim}
+    for group, op in ((parts_over, "sum"), (mean_over, "avg")):
+        if group is not WHOLE and comm.group_size(group) > 1:
+            comm.all_reduce(t, op=op, group=group, name="loss", **labels)
     return t
 
 
-def average_loss(loss: torch.Tensor, group=None, op: str = "avg", **labels) -> float:
-    """:func:`reduced_loss` as a float (one wait for the device)."""
-    return reduced_loss(loss, group, op, **labels).item()
+def average_loss(loss: torch.Tensor, group=None, dim: str | None = None) -> float:
+    """The ranks' mean of ``loss`` over ``group`` as a float (:func:`record_loss` with
+    ``mean_over=group``; one wait for the device)."""
+    return record_loss(loss, group, dim=dim).item()
 
 
-def loop(batches, step, *, group=None, op: str | None = "avg", reduce=None, events: bool = False,
-         history: bool = False, **labels) -> tuple[list, dict]:
+def loop(batches, step, *, mean_over, parts_over=WHOLE, dim: str | None = None, events: bool = False,
+         history: bool = False) -> tuple[list, dict]:
     """The one step loop of every strategy: ``(losses, measured)`` of training on ``batches``.
 
     ``step(i, batch)`` is the strategy's step body (zero_grad, forward, backward, optimizer
-    step). It returns the step's loss, or ``(loss, extra)``: ``extra`` is a dict of measured
-    entries, or a function of the step's trace events returning one, evaluated on the last
-    step only. The loop owns the rest, the same for every strategy:
+    step). It returns the step's loss on this rank, or ``(loss, extra)``: ``extra`` is a dict of
+    measured entries, or a function of the step's trace events returning one, evaluated on the
+    last step only. The loop owns the rest, the same for every strategy:
 
     * ``seconds``: the step body's wall time (the loss record below is not part of it);
     * ``bytes_by_dim`` (with ``"total"``, also ``bytes_sent``): what this rank sent in the
@@ -104,10 +134,11 @@ def loop(batches, step, *, group=None, op: str | None = "avg", reduce=None, even
       (:func:`~minipar.runtime.trace.mark`, :func:`~minipar.runtime.trace.since`,
       :func:`~minipar.runtime.trace.bytes_by_dim`); ``events=True`` keeps the step's
       ``events`` too, ``history=True`` the ``step_seconds`` of every step;
-    * the loss record: ``reduce(loss)`` if given, else :func:`reduced_loss` over ``group``
-      with ``op`` (``op=None``: the loss is already the record, e.g. a pipeline's float on
-      the last stage and ``None`` elsewhere). Records stay tensors on the device during the
-      loop and become floats once, after it (no wait for a GPU per step).
+    * the loss record, the step's global mean loss: the strategy says which group averages the
+      ranks' losses (``mean_over``, required: a group, ``None`` for the world, or :data:`WHOLE`)
+      and which sums their parts first (``parts_over``), :func:`record_loss` (``dim`` labels its
+      all-reduces). Records stay tensors on the device during the loop and become floats once,
+      after it (no wait for a GPU per step).
 
     ``measured`` holds the last step's entries."""
     records, measured, seconds_each = [], {}, []
@@ -127,11 +158,7 @@ def loop(batches, step, *, group=None, op: str | None = "avg", reduce=None, even
                 measured["events"] = evs
             if history:
                 measured["step_seconds"] = seconds_each
-        if reduce is not None:
-            loss = reduce(loss)
-        elif op is not None and loss is not None:
-            loss = reduced_loss(loss, group, op, **labels)
-        records.append(loss)
+        records.append(record_loss(loss, mean_over, parts_over, dim))
     return floats(records), measured
 
 

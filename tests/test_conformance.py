@@ -161,7 +161,7 @@ def _loop_that_communicates():
         comm.all_reduce(torch.ones(4 * (i + 1)), dim="dp")
         return torch.tensor(float(i + torch.distributed.get_rank()))
 
-    losses, measured = strategy.loop([None, None, None], step)
+    losses, measured = strategy.loop([None, None, None], step, mean_over=None)
     return losses, measured["bytes_by_dim"], measured["bytes_sent"]
 
 
@@ -181,7 +181,7 @@ def test_loop_measures_the_last_step_and_records_the_losses():
     def step(i, batch):
         return torch.tensor(float(i)), (lambda events: seen.append(i) or {"step": i})
 
-    losses, measured = strategy.loop([None, None, None], step, op=None)
+    losses, measured = strategy.loop([None, None, None], step, mean_over=strategy.WHOLE)
     assert losses == [0.0, 1.0, 2.0] and seen == [2]
     assert measured["step"] == 2 and measured["bytes_by_dim"] == {"total": 0} and measured["seconds"] >= 0
 
@@ -264,3 +264,44 @@ def test_no_backward_runs_under_autocast():
     (and so no custom autograd Function's backward) runs with autocast on; some backward ran."""
     for calls, under in launch(_backward_under_autocast, 2, timeout=240):
         assert calls >= len(MODULES) - 1 and under == 0, (calls, under)
+
+
+def _loss_records():
+    """Rank function on 4 ranks: :func:`strategy.record_loss` on a 2 × 2 layout, parts summed over
+    {0, 1} and {2, 3}, means over {0, 2} and {1, 3}; rank r's loss is r + 1."""
+    import torch.distributed as dist
+    r = dist.get_rank()
+    pairs = [dist.new_group(g) for g in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    parts, means, own = pairs[r // 2], pairs[2 + r % 2], torch.tensor(float(r + 1))
+    return (strategy.record_loss(own, means, parts).item(),
+            strategy.record_loss(own, means).item(),
+            strategy.record_loss(None if r % 2 == 0 else 1.5, strategy.WHOLE, parts).item(),
+            strategy.record_loss(None if r < 3 else own, strategy.WHOLE))
+
+
+def test_the_loss_is_recorded_one_way():
+    """One rule records every strategy's loss: the step's global mean L = (1/|mean_over|)
+    Σ_mean_over Σ_parts_over ℓ_r, computed in ``strategy.record_loss`` alone. On 4 ranks with
+    ℓ_r = r + 1: parts then means give (3 + 7)/2 = 5 on every rank; means alone 2 on {0, 2} and 3
+    on {1, 3}; a rank with no part (None) adds 0; ``WHOLE`` keeps each rank's loss as held. Every
+    strategy's ``loop`` names the group that averages (``mean_over`` has no default), and no
+    module but ``strategy.py`` all-reduces a ``"loss"``."""
+    import ast
+    from pathlib import Path
+    got = launch(_loss_records, 4, timeout=120)
+    assert [g[:3] for g in got] == [(5.0, 2.0, 1.5), (5.0, 3.0, 1.5), (5.0, 2.0, 1.5), (5.0, 3.0, 1.5)]
+    assert [g[3] for g in got[:3]] == [None] * 3 and got[3][3].item() == 4.0
+    assert inspect.signature(strategy.loop).parameters["mean_over"].default is inspect.Parameter.empty
+    root = Path(minipar.__file__).parent
+    records, loops = [], []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                kw = {k.arg: k.value for k in node.keywords}
+                if isinstance(kw.get("name"), ast.Constant) and kw["name"].value == "loss":
+                    records.append(str(path.relative_to(root)))
+                if isinstance(node.func, ast.Attribute) and node.func.attr == "loop" \
+                        and getattr(node.func.value, "id", None) == "strategy":
+                    loops.append((str(path.relative_to(root)), "mean_over" in kw or None in kw))
+    assert records == ["strategy.py"], records
+    assert len(loops) >= 10 and all(named for _, named in loops), loops

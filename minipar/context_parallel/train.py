@@ -105,8 +105,8 @@ def train(model, batches, optimizer=None, group=None, variant: str = "ring",
             opt.step()
         return loss, _measure
 
-    # the loss is already / (cp·dp): the record sums it over the gradient group
-    losses, measured = strategy.loop(batches, step, group=grad_group, op="sum", dim=dim)
+    # each rank's loss is its term of the mean, already / (cp·dp): the record sums the terms
+    losses, measured = strategy.loop(batches, step, mean_over=strategy.WHOLE, parts_over=grad_group, dim=dim)
     params = full_params(model.named_parameters()) if comm.group_rank(grad_group) == 0 else None
     return {"losses": losses, "params": params, "measured": measured}
 

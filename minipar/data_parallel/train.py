@@ -47,7 +47,7 @@ def train(model, batches, optimizer=None, group=None, accumulation: int = 1, dty
             opt.step()
         return total
 
-    losses, measured = strategy.loop(batches, step, group=group)
+    losses, measured = strategy.loop(batches, step, mean_over=group)
     ddp.remove_hooks()
     return {"losses": losses, "params": strategy.full_params(ddp.named_parameters()), "measured": measured}
 

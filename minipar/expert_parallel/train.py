@@ -83,7 +83,7 @@ def train(model, batches, optimizer=None, ep: int = 1, tp: int = 1, dtype=None, 
         routed.append([m.stats["counts"].clone() for m in layers])   # read once, after the loop
         return loss
 
-    losses, measured = strategy.loop(batches, step, group=groups["dp"], dim="dp")
+    losses, measured = strategy.loop(batches, step, mean_over=groups["dp"], dim="dp")
     measured.update({"tokens_per_expert": [[c.tolist() for c in step] for step in routed],  # [step][layer][expert]
                      "kept_matrix": [m.stats["kept"].tolist() for m in layers],  # last step, this ep group
                      "local_experts": [m.local for m in layers],

@@ -38,8 +38,8 @@ def train(model, batches, optimizer=None, dp: int = 1, pp: int = 1, tp: int = 1,
                          sequence_parallel=sequence_parallel, bucket_cap_mb=bucket_cap_mb, bounds=bounds,
                          dtype=dtype, recompute=recompute, layout=layout, variant=variant,
                          reshard_after_forward=reshard_after_forward, dp_shard=dp_shard)
-    losses, measured = strategy.loop(batches, lambda i, batch: hybrid.step(*batch),
-                                     reduce=hybrid.reduce_loss, events=True)
+    losses, measured = strategy.loop(batches, lambda i, batch: hybrid.step(*batch), **hybrid.loss_groups,
+                                     events=True)
     if measured:
         hybrid.last_step = hybrid.step_record(measured)
         measured["bytes_by_dim"] = hybrid.last_step["bytes"]

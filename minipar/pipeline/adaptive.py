@@ -106,7 +106,7 @@ def train_adaptive(model, batches, optimizer=None, group=None, schedule: str = "
         return loss
 
     hook = layers[cut[me]].register_forward_pre_hook(keep_input)
-    losses, before = strategy.loop(batches[:probe_steps], step, op=None, events=True, history=True)
+    losses, before = strategy.loop(batches[:probe_steps], step, mean_over=strategy.WHOLE, events=True, history=True)
     hook.remove()
     out = {"bounds_before": cut, "seconds": before.get("step_seconds", []),
            "events_before": before.get("events", [])}
@@ -122,7 +122,8 @@ def train_adaptive(model, batches, optimizer=None, group=None, schedule: str = "
         moved = move_layers(layers, cut, new, opt, group)
         cut = new
         now.update(zip(("stages", "pipe", "opt"), build(cut, {**kept, **moved})))
-        more, after = strategy.loop(batches[probe_steps:], step, op=None, events=True, history=True)
+        more, after = strategy.loop(batches[probe_steps:], step, mean_over=strategy.WHOLE, events=True,
+                                     history=True)
         losses += more
         out.update(layer_times=times.tolist(), bounds_after=cut, seconds=out["seconds"] + after["step_seconds"])
         before = after

@@ -121,7 +121,7 @@ def train(model, batches, optimizer=None, group=None, stage: int = 1, param_dtyp
         opt.step()
         return loss, measure
 
-    losses, measured = strategy.loop(batches, step, group=group)
+    losses, measured = strategy.loop(batches, step, mean_over=group)
     params = s3.gather_full_params() if stage == 3 else strategy.full_params(model.named_parameters())
     return {"losses": losses, "params": params, "measured": measured}
 

@@ -21,7 +21,7 @@ default SGD with lr 0.1). A rank's ``train`` returns::
 
     {"losses": [float, ...] or None,   # the global mean loss of every step (None on ranks that do not hold it)
      "params": {name: tensor} or None, # final parameters by single-device name, this rank's share of them
-     "measured": {...}}                # what the last step measured on this rank (bytes, memory, seconds, ...)
+     "measured": Measured}             # what the last step measured on this rank (seconds, bytes, memory, extras)
 
 and ``run`` merges the ranks' dicts into one :class:`TrainResult`, which
 :func:`minipar.reference.assert_same_training` compares with the single process.
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .measured import EXTRAS, Measured   # strategy.EXTRAS and strategy.Measured too
 from .runtime import trace
 from .runtime.launch import launch
 from .runtime.trace import Trace
@@ -52,7 +53,7 @@ class TrainResult:
 
     losses: list[float]
     params: dict[str, torch.Tensor]
-    measured: list[dict] = field(default_factory=list)
+    measured: list[Measured] = field(default_factory=list)
     trace: Trace | None = None
     results: list | None = field(default=None, repr=False)
 
@@ -70,7 +71,7 @@ class TrainResult:
         ``None``, every rank's parameters (shares of a model merge into the whole)."""
         losses = next((r["losses"] for r in results if r.get("losses") is not None), [])
         params = {k: v for r in results for k, v in (r.get("params") or {}).items()}
-        return cls(list(losses), params, [r.get("measured", {}) for r in results],
+        return cls(list(losses), params, [r.get("measured") or Measured() for r in results],
                    getattr(results, "trace", None), results)
 
 
@@ -125,8 +126,9 @@ def loop(batches, step, *, mean_over, parts_over=WHOLE, dim: str | None = None, 
 
     ``step(i, batch)`` is the strategy's step body (zero_grad, forward, backward, optimizer
     step). It returns the step's loss on this rank, or ``(loss, extra)``: ``extra`` is a dict of
-    measured entries, or a function of the step's trace events returning one, evaluated on the
-    last step only. The loop owns the rest, the same for every strategy:
+    measured entries (``"memory"`` or names of :data:`EXTRAS`), or a function of the step's trace
+    events returning one, evaluated on the last step only. The loop owns the rest, the same for
+    every strategy:
 
     * ``seconds``: the step body's wall time (the loss record below is not part of it);
     * ``bytes_by_dim`` (with ``"total"``, also ``bytes_sent``): what this rank sent in the
@@ -140,8 +142,9 @@ def loop(batches, step, *, mean_over, parts_over=WHOLE, dim: str | None = None, 
       all-reduces). Records stay tensors on the device during the loop and become floats once,
       after it (no wait for a GPU per step).
 
-    ``measured`` holds the last step's entries."""
-    records, measured, seconds_each = [], {}, []
+    ``measured`` is the last step's :class:`Measured` (its ``memory`` is the strategy's to fill,
+    :func:`state_memory`)."""
+    records, measured, seconds_each = [], Measured(), []
     n = len(batches) if hasattr(batches, "__len__") else None
     for i, batch in enumerate(batches):
         mark, t0 = trace.mark(), time.perf_counter()
@@ -152,8 +155,8 @@ def loop(batches, step, *, mean_over, parts_over=WHOLE, dim: str | None = None, 
         if n is None or i == n - 1:
             evs = trace.since(mark)
             sent = trace.bytes_by_dim(evs)
-            measured = {"bytes_sent": sent["total"], "bytes_by_dim": sent,
-                        **(extra(evs) if callable(extra) else extra), "seconds": seconds}
+            measured = Measured(seconds, sent)
+            measured.update(extra(evs) if callable(extra) else extra)
             if events:
                 measured["events"] = evs
             if history:
@@ -241,6 +244,15 @@ def forward(dtype=None, on="cpu", region: str | None = None, **labels):
         yield
 
 
+def state_memory(module, optimizer=None, **counted) -> dict[str, int]:
+    """``Measured.memory`` of a strategy whose rank holds plain modules and an optimizer:
+    ``{"params", "grads", "optimizer", "total"}`` bytes of ``module``'s parameters, their gradients
+    and ``optimizer``'s state on this rank (:func:`minipar.zero.model_state_bytes`, distinct
+    storages), then ``counted`` (e.g. ``activations=``), outside the total."""
+    from .zero.memory import model_state_bytes
+    return model_state_bytes(module, optimizer=optimizer) | counted
+
+
 def full_params(named) -> dict[str, torch.Tensor]:
     """``{name: fp32 copy on the CPU}`` of ``module.named_parameters()`` (or any name/tensor pairs)."""
     return {k: v.detach().float().cpu().clone() for k, v in named}
@@ -288,7 +300,7 @@ def on_device(train, model, batches, **options):
     else:
         with peak_memory(here) as peak:
             out = train(to_device(model, here), to_device(batches, here), **options)
-        if isinstance(out, dict) and isinstance(out.get("measured"), dict):
+        if isinstance(out, dict) and isinstance(out.get("measured"), Measured):
             out["measured"]["gpu_peak_bytes"] = peak.bytes
     if isinstance(out, dict):  # where it ran: assert_same_training's tolerance floor
         out.setdefault("device", str(here))

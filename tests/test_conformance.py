@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -179,11 +180,11 @@ def test_loop_measures_the_last_step_and_records_the_losses():
     seen = []
 
     def step(i, batch):
-        return torch.tensor(float(i)), (lambda events: seen.append(i) or {"step": i})
+        return torch.tensor(float(i)), (lambda events: seen.append(i) or {"peak_stash": i})
 
     losses, measured = strategy.loop([None, None, None], step, mean_over=strategy.WHOLE)
     assert losses == [0.0, 1.0, 2.0] and seen == [2]
-    assert measured["step"] == 2 and measured["bytes_by_dim"] == {"total": 0} and measured["seconds"] >= 0
+    assert measured["peak_stash"] == 2 and measured["bytes_by_dim"] == {"total": 0} and measured["seconds"] >= 0
 
 
 def test_recompute_is_entered_at_one_site():
@@ -238,32 +239,68 @@ def test_autocast_is_entered_at_one_site():
     assert "autocast(" in region, "the model-parallel call left exercise 3's region: route it through strategy.forward"
 
 
-def _backward_under_autocast():
-    """Rank function: one bf16 step of every strategy; how many backward calls (``torch.autograd.
-    backward``, what ``Tensor.backward`` calls too) ran with CPU autocast on, and how many ran."""
-    calls, under = [0], [0]
+def _bf16_steps():
+    """Rank function: two bf16 steps of every strategy (the second from the pipeline's
+    re-partitioning too); per strategy its ``measured`` and how many backward calls
+    (``torch.autograd.backward``, what ``Tensor.backward`` calls too) ran, and with autocast on."""
+    counts = {}
     real = torch.autograd.backward
 
     def spy(*args, **kwargs):
-        calls[0] += 1
-        under[0] += torch.is_autocast_enabled("cpu")
+        counts[name][0] += 1
+        counts[name][1] += torch.is_autocast_enabled("cpu")
         return real(*args, **kwargs)
 
+    out = {}
+    runs = [(name, mod, OPTIONS[name]) for name, mod in MODULES.items()]
+    runs.append(("pipeline probe_steps=1", MODULES["pipeline"], {"microbatches": 2, "probe_steps": 1}))
     torch.autograd.backward = spy
     try:
-        for name, mod in MODULES.items():
-            if name != "adapt":                  # adapt trains through hybrid, which runs here
-                mod.train(_model(name), BATCHES[:1], reference.sgd(0.5), dtype="bf16", **OPTIONS[name])
+        for name, mod, options in runs:
+            counts[name] = [0, 0]
+            res = mod.train(_model(name), copy.deepcopy(BATCHES), reference.sgd(0.5), dtype="bf16", **options)
+            out[name] = res["measured"]
     finally:
         torch.autograd.backward = real
-    return calls[0], under[0]
+    return out, counts
+
+
+@functools.cache
+def _bf16_runs():
+    return launch(_bf16_steps, 2, timeout=240)
 
 
 def test_no_backward_runs_under_autocast():
-    """Autocast wraps forwards only: in a bf16 step of every strategy on 2 ranks no backward
+    """Autocast wraps forwards only: in bf16 steps of every strategy on 2 ranks no backward
     (and so no custom autograd Function's backward) runs with autocast on; some backward ran."""
-    for calls, under in launch(_backward_under_autocast, 2, timeout=240):
-        assert calls >= len(MODULES) - 1 and under == 0, (calls, under)
+    for _, counts in _bf16_runs():
+        for name, (calls, under) in counts.items():
+            assert calls >= 2 and under == 0, (name, calls, under)
+
+
+def test_measured_is_one_record():
+    """Every strategy's ``measured`` is a ``strategy.Measured`` with its fields filled on every rank:
+    the last step's ``seconds`` (> 0), ``bytes_by_dim`` with its ``"total"`` (= ``bytes_sent``, and
+    > 0 on 2 ranks: every strategy communicates), ``memory`` with this rank's parameter, gradient
+    and optimizer-state bytes (parameters > 0); its extras are names of ``strategy.EXTRAS`` only,
+    and an unknown name is refused. It reads like a dict: the fields, ``bytes_sent`` and the extras."""
+    for measured, _ in _bf16_runs():
+        assert set(measured) == set(strategy.STRATEGIES) | {"pipeline probe_steps=1"}
+        for name, m in measured.items():
+            assert type(m) is strategy.Measured, (name, type(m))
+            assert isinstance(m.seconds, float) and m.seconds > 0, (name, m.seconds)
+            assert m.bytes_sent == m.bytes_by_dim["total"] == m["bytes_sent"] > 0, (name, m.bytes_by_dim)
+            assert {"params", "grads", "optimizer"} <= set(m.memory) and m.memory["params"] > 0, (name, m.memory)
+            assert set(m.extras) <= set(strategy.EXTRAS), (name, set(m.extras) - set(strategy.EXTRAS))
+            assert [m[k] for k in ("seconds", "bytes_by_dim", "memory")] == [m.seconds, m.bytes_by_dim, m.memory]
+            assert all(m[k] is v for k, v in m.extras.items()) and len(m) == 4 + len(m.extras), name
+    cp, ep = measured["context_parallel"], measured["expert_parallel"]
+    assert set(cp.extras) == {"bytes_by_name", "attention_seconds"}
+    assert set(ep.extras) == {"tokens_per_expert", "kept_matrix", "local_experts", "parameters"}
+    with pytest.raises(KeyError, match="'bytes_by_nmae'"):
+        strategy.Measured()["bytes_by_nmae"] = {}
+    with pytest.raises(KeyError, match="'step'"):
+        strategy.Measured(extras={"step": 1})
 
 
 def _loss_records():

@@ -32,7 +32,7 @@ LAYERS = [
     ("runtime", ["minipar.runtime"]),
     ("cost formulas", ["minipar.analysis.cost"]),
     ("core", ["minipar.comm", "minipar.models", "minipar.autograd", "minipar.activations",
-              "minipar.data", "minipar.precision", "minipar.mesh", "minipar.reference",
+              "minipar.data", "minipar.precision", "minipar.mesh", "minipar.reference", "minipar.measured",
               "minipar.strategy", *STRATEGIES]),
     ("built on the core", ["minipar.production", "minipar.adapt", "minipar.analysis.plan", "minipar.bench",
                            "minipar.analysis"]),

@@ -107,6 +107,7 @@ def train(model, batches, optimizer=None, group=None, variant: str = "ring",
 
     # each rank's loss is its term of the mean, already / (cp·dp): the record sums the terms
     losses, measured = strategy.loop(batches, step, mean_over=strategy.WHOLE, parts_over=grad_group, dim=dim)
+    measured.memory = strategy.state_memory(model, opt)
     params = full_params(model.named_parameters()) if comm.group_rank(grad_group) == 0 else None
     return {"losses": losses, "params": params, "measured": measured}
 

@@ -45,7 +45,7 @@ CORE: dict[str, tuple[tuple[str, ...], str]] = {
 }
 # what every chapter builds on: the models, the strategy shape and the single-process reference
 SHARED = ("models/gpt.py", "models/attention.py", "models/recompute.py", "models/mlp.py", "models/lstm.py",
-          "strategy.py", "reference.py", "data.py", "precision.py", "activations.py")
+          "strategy.py", "measured.py", "reference.py", "data.py", "precision.py", "activations.py")
 TITLES = {"01": "Collectives", "02": "Data parallelism", "03": "Model parallelism", "04": "Pipeline parallelism",
           "05": "Tensor parallelism", "06": "ZeRO", "07": "Hybrid (the mesh)", "08": "Context parallelism",
           "09": "Expert parallelism"}

@@ -48,6 +48,7 @@ def train(model, batches, optimizer=None, group=None, accumulation: int = 1, dty
         return total
 
     losses, measured = strategy.loop(batches, step, mean_over=group)
+    measured.memory = strategy.state_memory(ddp, opt)
     ddp.remove_hooks()
     return {"losses": losses, "params": strategy.full_params(ddp.named_parameters()), "measured": measured}
 

@@ -88,7 +88,7 @@ def train(model, batches, optimizer=None, ep: int = 1, tp: int = 1, dtype=None, 
                      "kept_matrix": [m.stats["kept"].tolist() for m in layers],  # last step, this ep group
                      "local_experts": [m.local for m in layers],
                      "parameters": sum(p.numel() for p in model.parameters())})  # this rank's (experts sharded)
-    measured.setdefault("seconds", 0.0)
+    measured.memory = strategy.state_memory(model, opt)
     if tp > 1:
         from ..tensor_parallel.gpt import full_state_dict
         full = full_state_dict(model)                     # a tp collective: every tp rank takes part

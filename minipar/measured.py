@@ -13,6 +13,14 @@ EXTRAS = {
     "events": "the last step's trace events (loop(events=True); the mesh strategies)",
     "step_seconds": "every step's seconds, in order (loop(history=True))",
     "gpu_peak_bytes": "the caching allocator's peak over the run on a GPU (on_device)",
+    # the parameter server (minipar.data_parallel.parameter_server)
+    "eval_losses": "the server's loss on the held-out batch after every update",
+    "times": "seconds since the start at every update, on the server",
+    "staleness": "τ = t - v of every applied gradient",
+    "workers": "the worker of every applied update (0: all, synchronous)",
+    "dropped": "gradients dropped as staler than max_staleness",
+    "updates": "updates the server applied",
+    "gradients": "gradients a worker computed",
     # pipeline parallelism
     "peak_stash": "micro-batches held at once at the peak of the last step",
     "bounds_before": "the pipeline's layer cut before re-partitioning (probe_steps)",

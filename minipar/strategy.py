@@ -42,8 +42,9 @@ from .runtime.launch import launch
 from .runtime.trace import Trace
 
 STRATEGIES = ("data_parallel", "model_parallel", "pipeline", "tensor_parallel", "zero",
-              "context_parallel", "expert_parallel", "hybrid", "adapt")
-"""Every strategy, by module name under ``minipar`` (each has ``check``, ``train`` and ``run``)."""
+              "context_parallel", "expert_parallel", "hybrid", "adapt", "data_parallel.parameter_server")
+"""Every strategy, by module name under ``minipar`` (each has ``check``, ``train`` and ``run``): the
+top-level strategy modules, and the parameter server inside data parallelism's package."""
 
 
 @dataclass

@@ -122,7 +122,7 @@ def average_loss(loss: torch.Tensor, group=None, dim: str | None = None) -> floa
 
 
 def loop(batches, step, *, mean_over, parts_over=WHOLE, dim: str | None = None, events: bool = False,
-         history: bool = False) -> tuple[list, dict]:
+         history: bool = False, after=None) -> tuple[list, Measured]:
     """The one step loop of every strategy: ``(losses, measured)`` of training on ``batches``.
 
     ``step(i, batch)`` is the strategy's step body (zero_grad, forward, backward, optimizer
@@ -141,7 +141,10 @@ def loop(batches, step, *, mean_over, parts_over=WHOLE, dim: str | None = None, 
       ranks' losses (``mean_over``, required: a group, ``None`` for the world, or :data:`WHOLE`)
       and which sums their parts first (``parts_over``), :func:`record_loss` (``dim`` labels its
       all-reduces). Records stay tensors on the device during the loop and become floats once,
-      after it (no wait for a GPU per step).
+      after it (no wait for a GPU per step);
+    * ``after(i, loss, seconds)``, if given: called after every step's record, as a float (one
+      wait for the device per step), with the step's seconds; True ends the loop there (the
+      training command's callback: one verdict on a NaN or a stop, progress, checkpoints, switches).
 
     ``measured`` is the last step's :class:`Measured` (its ``memory`` is the strategy's to fill,
     :func:`state_memory`)."""
@@ -163,6 +166,10 @@ def loop(batches, step, *, mean_over, parts_over=WHOLE, dim: str | None = None, 
             if history:
                 measured["step_seconds"] = seconds_each
         records.append(record_loss(loss, mean_over, parts_over, dim))
+        if after is not None:
+            records[-1] = floats(records[-1:])[0]
+            if after(i, records[-1], seconds):
+                break
     return floats(records), measured
 
 

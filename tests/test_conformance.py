@@ -346,3 +346,25 @@ def test_the_loss_is_recorded_one_way():
                     loops.append((str(path.relative_to(root)), "mean_over" in kw or None in kw))
     assert records == ["strategy.py"], records
     assert len(loops) >= 10 and all(named for _, named in loops), loops
+
+
+def test_loop_calls_after_every_step_and_the_training_command_drives_it():
+    """``strategy.loop(..., after=)``: after every step the callback gets the step's index, its
+    loss record as a float and its seconds; True ends the loop there (here after step 2 of 5,
+    batches from a generator). The training command (``minipar/production/train.py``) runs its
+    steps through ``strategy.loop`` with that callback, not through ``HybridModel.train_step``."""
+    import ast
+    from pathlib import Path
+    seen = []
+
+    def after(i, loss, seconds):
+        seen.append((i, loss, type(loss), seconds >= 0))
+        return i == 2
+
+    losses, _ = strategy.loop((None for _ in range(5)), lambda i, b: torch.tensor(float(i)),
+                              mean_over=strategy.WHOLE, after=after)
+    assert losses == [0.0, 1.0, 2.0] and seen == [(i, float(i), float, True) for i in range(3)]
+    tree = ast.parse((Path(minipar.__file__).parent / "production" / "train.py").read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+    assert any(c.func.attr == "loop" and "after" in {k.arg for k in c.keywords} for c in calls)
+    assert not any(c.func.attr == "train_step" for c in calls)

@@ -56,7 +56,7 @@ C. The pipeline's compute actions, ``Pipeline.F(a)``, ``.B(a)`` and ``.W(a)`` (s
      its W), and no longer**: the step's ``peak_stash`` is the schedule's;
    * **with ``schedule.split_backward`` (ZB-H1), B computes the input gradients only and W the
      weight gradients** (``minipar.pipeline.deferred`` and ``WeightGrads``);
-   * **the forward computes in ``compute_dtype``** (``minipar.precision.autocast``).
+   * **the forward computes in ``compute_dtype``** (``minipar.strategy.forward``, the one place a forward enters autocast).
 
 Graded on 2 and 3 ranks: the values, dtypes and gradients that arrive, the recorded bytes and
 their group, an LSTM and a GPT split over ranks, pipelined GPTs (a schedule whose second rank
@@ -75,7 +75,7 @@ from __future__ import annotations
 # from minipar/model_parallel/__init__.py: these run as module minipar.model_parallel's own
 # ------------------------------------------------------------------------------------------------
 import torch
-from minipar.precision import autocast
+from minipar import strategy
 from minipar.runtime import trace
 
 
@@ -123,7 +123,7 @@ def recv_grad(shape, src: int, group=None, dtype=torch.float32, device=None,
 # ------------------------------------------------------------------------------------------------
 import torch
 from contextlib import nullcontext
-from minipar import precision
+from minipar import strategy
 from minipar.autograd.split_backward import WeightGrads, deferred
 from minipar.pipeline.executor import traced
 

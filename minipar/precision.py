@@ -3,8 +3,9 @@
 The parameters, their gradients and the optimizer state stay fp32 (the *master* copy); the
 forward and its loss compute in ``dtype`` under ``torch.autocast``: matrix multiplies in bf16,
 reductions such as softmax, layer norm and the loss in fp32. ``dtype=None`` (or ``torch.float32``)
-is plain fp32. Every strategy's ``train(..., dtype=...)`` and the single-process reference wrap
-their forward in :func:`autocast`, so the two compare in the same precision.
+is plain fp32. Every strategy's ``train(..., dtype=...)`` and the single-process reference enter
+:func:`autocast` at one site, :func:`minipar.strategy.forward`, around the forward only, so the two
+compare in the same precision.
 
 ``"fp16"`` autocasts to float16 the same way. minipar scales no loss, so gradients below
 float16's smallest subnormal (6e-8) flush to zero: on the course's models a handful of

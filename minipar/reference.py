@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import precision
+from . import precision, strategy
 from .runtime.backend import device as _driver_device
 from .runtime.backend import ranks_device
 
@@ -59,7 +59,7 @@ def train_reference(model: torch.nn.Module, batches, make_optimizer=None, dtype=
     losses = []
     for x, y in batches:
         opt.zero_grad(set_to_none=True)
-        with precision.autocast(dtype, here):
+        with strategy.forward(dtype, here):
             loss = model(x, y)
         loss.backward()
         opt.step()

@@ -11,7 +11,8 @@ Every strategy module of :data:`STRATEGIES` exposes the same three functions::
 ``group`` is a parameter only where a group other than the world works (hybrid and expert
 parallelism lay their mesh over the whole world and have none); ``recompute=None`` everywhere
 means the model's own configuration. Each ``train`` writes only its step body and hands it to
-:func:`loop`, the one step loop: timing, bytes by dimension, the loss record, ``measured``.
+:func:`loop`, the one step loop: timing, bytes by dimension, the loss record, ``measured``; its
+forward runs in :func:`forward`, the one site of the compute dtype's autocast.
 
 ``model`` is the single-device model (same seed on every rank), ``batches`` the global
 batches the single process trains on, ``optimizer`` a picklable factory
@@ -20,7 +21,7 @@ default SGD with lr 0.1). A rank's ``train`` returns::
 
     {"losses": [float, ...] or None,   # the global mean loss of every step (None on ranks that do not hold it)
      "params": {name: tensor} or None, # final parameters by single-device name, this rank's share of them
-     "measured": {...}}                # what the last step measured on this rank (bytes, memory, seconds, ...)
+     "measured": Measured}             # what the last step measured on this rank (seconds, bytes, memory, extras)
 
 and ``run`` merges the ranks' dicts into one :class:`TrainResult`, which
 :func:`minipar.reference.assert_same_training` compares with the single process.
@@ -30,17 +31,20 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
+from .measured import EXTRAS, Measured   # strategy.EXTRAS and strategy.Measured too
 from .runtime import trace
 from .runtime.launch import launch
 from .runtime.trace import Trace
 
 STRATEGIES = ("data_parallel", "model_parallel", "pipeline", "tensor_parallel", "zero",
-              "context_parallel", "expert_parallel", "hybrid", "adapt")
-"""Every strategy, by module name under ``minipar`` (each has ``check``, ``train`` and ``run``)."""
+              "context_parallel", "expert_parallel", "hybrid", "adapt", "data_parallel.parameter_server")
+"""Every strategy, by module name under ``minipar`` (each has ``check``, ``train`` and ``run``): the
+top-level strategy modules, and the parameter server inside data parallelism's package."""
 
 
 @dataclass
@@ -50,7 +54,7 @@ class TrainResult:
 
     losses: list[float]
     params: dict[str, torch.Tensor]
-    measured: list[dict] = field(default_factory=list)
+    measured: list[Measured] = field(default_factory=list)
     trace: Trace | None = None
     results: list | None = field(default=None, repr=False)
 
@@ -68,33 +72,64 @@ class TrainResult:
         ``None``, every rank's parameters (shares of a model merge into the whole)."""
         losses = next((r["losses"] for r in results if r.get("losses") is not None), [])
         params = {k: v for r in results for k, v in (r.get("params") or {}).items()}
-        return cls(list(losses), params, [r.get("measured", {}) for r in results],
+        return cls(list(losses), params, [r.get("measured") or Measured() for r in results],
                    getattr(results, "trace", None), results)
 
 
-def reduced_loss(loss: torch.Tensor, group=None, op: str = "avg", **labels) -> torch.Tensor:
-    """The step's loss for the record, as a one-element fp32 tensor on the loss's device:
-    ``loss`` all-reduced over ``group`` with ``op`` (``"avg"``: the ranks' mean losses;
-    ``"sum"``: losses already divided by the ranks), one tiny recorded all-reduce named ``"loss"``."""
+class _Whole:
+    def __repr__(self):
+        return "strategy.WHOLE"
+
+    def __reduce__(self):      # one object in every process: pickled by its name
+        return "WHOLE"
+
+
+WHOLE = _Whole()
+"""``loop(..., mean_over=WHOLE)``: no group averages the loss, the rank holds the whole step's
+mean (every tensor-parallel rank computes it whole; a pipeline's last stage holds it, ``None``
+elsewhere)."""
+
+
+def record_loss(loss, mean_over, parts_over=WHOLE, dim: str | None = None):
+    """The step's global mean loss from this rank's ``loss``, the loss record's one rule.
+
+    ``parts_over``: the group whose ranks hold terms of one loss (pipeline stages: the last one's
+    cross-entropy, every stage's auxiliary losses; or shares already divided by the ranks), summed;
+    ``mean_over``: the group whose ranks hold the means of different shards of the batch (data,
+    sequence), averaged after the sum, L = (1/|mean_over|) Σ_mean_over Σ_parts_over ℓ_r. ``None`` is the
+    world, as in :mod:`minipar.comm`; a group of one rank is no all-reduce; ``dim`` labels the
+    all-reduces (by default their group's own name). With both ``WHOLE`` the
+    record is ``loss`` as the step returned it (a tensor, a float, or ``None`` on a rank without it);
+    otherwise a one-element fp32 tensor on the rank's device (``None``: no part, 0), reduced by
+    recorded all-reduces named ``"loss"``."""
+    if mean_over is WHOLE and parts_over is WHOLE:
+        return loss
     from . import comm
-    t = loss.detach().float().reshape(1).clone()
-    comm.all_reduce(t, op=op, group=group, name="loss", **labels)
+    from .runtime.backend import device
+    t = (loss.detach().float().reshape(1).clone() if isinstance(loss, torch.Tensor)
+         else torch.tensor([loss or 0.0], device=device()))
+    labels = {} if dim is None else {"dim": dim}
+    for group, op in ((parts_over, "sum"), (mean_over, "avg")):
+        if group is not WHOLE and comm.group_size(group) > 1:
+            comm.all_reduce(t, op=op, group=group, name="loss", **labels)
     return t
 
 
-def average_loss(loss: torch.Tensor, group=None, op: str = "avg", **labels) -> float:
-    """:func:`reduced_loss` as a float (one wait for the device)."""
-    return reduced_loss(loss, group, op, **labels).item()
+def average_loss(loss: torch.Tensor, group=None, dim: str | None = None) -> float:
+    """The ranks' mean of ``loss`` over ``group`` as a float (:func:`record_loss` with
+    ``mean_over=group``; one wait for the device)."""
+    return record_loss(loss, group, dim=dim).item()
 
 
-def loop(batches, step, *, group=None, op: str | None = "avg", reduce=None, events: bool = False,
-         history: bool = False, **labels) -> tuple[list, dict]:
+def loop(batches, step, *, mean_over, parts_over=WHOLE, dim: str | None = None, events: bool = False,
+         history: bool = False, after=None) -> tuple[list, Measured]:
     """The one step loop of every strategy: ``(losses, measured)`` of training on ``batches``.
 
     ``step(i, batch)`` is the strategy's step body (zero_grad, forward, backward, optimizer
-    step). It returns the step's loss, or ``(loss, extra)``: ``extra`` is a dict of measured
-    entries, or a function of the step's trace events returning one, evaluated on the last
-    step only. The loop owns the rest, the same for every strategy:
+    step). It returns the step's loss on this rank, or ``(loss, extra)``: ``extra`` is a dict of
+    measured entries (``"memory"`` or names of :data:`EXTRAS`), or a function of the step's trace
+    events returning one, evaluated on the last step only. The loop owns the rest, the same for
+    every strategy:
 
     * ``seconds``: the step body's wall time (the loss record below is not part of it);
     * ``bytes_by_dim`` (with ``"total"``, also ``bytes_sent``): what this rank sent in the
@@ -102,13 +137,18 @@ def loop(batches, step, *, group=None, op: str | None = "avg", reduce=None, even
       (:func:`~minipar.runtime.trace.mark`, :func:`~minipar.runtime.trace.since`,
       :func:`~minipar.runtime.trace.bytes_by_dim`); ``events=True`` keeps the step's
       ``events`` too, ``history=True`` the ``step_seconds`` of every step;
-    * the loss record: ``reduce(loss)`` if given, else :func:`reduced_loss` over ``group``
-      with ``op`` (``op=None``: the loss is already the record, e.g. a pipeline's float on
-      the last stage and ``None`` elsewhere). Records stay tensors on the device during the
-      loop and become floats once, after it (no wait for a GPU per step).
+    * the loss record, the step's global mean loss: the strategy says which group averages the
+      ranks' losses (``mean_over``, required: a group, ``None`` for the world, or :data:`WHOLE`)
+      and which sums their parts first (``parts_over``), :func:`record_loss` (``dim`` labels its
+      all-reduces). Records stay tensors on the device during the loop and become floats once,
+      after it (no wait for a GPU per step);
+    * ``after(i, loss, seconds)``, if given: called after every step's record, as a float (one
+      wait for the device per step), with the step's seconds; True ends the loop there (the
+      training command's callback: one verdict on a NaN or a stop, progress, checkpoints, switches).
 
-    ``measured`` holds the last step's entries."""
-    records, measured, seconds_each = [], {}, []
+    ``measured`` is the last step's :class:`Measured` (its ``memory`` is the strategy's to fill,
+    :func:`state_memory`)."""
+    records, measured, seconds_each = [], Measured(), []
     n = len(batches) if hasattr(batches, "__len__") else None
     for i, batch in enumerate(batches):
         mark, t0 = trace.mark(), time.perf_counter()
@@ -119,17 +159,17 @@ def loop(batches, step, *, group=None, op: str | None = "avg", reduce=None, even
         if n is None or i == n - 1:
             evs = trace.since(mark)
             sent = trace.bytes_by_dim(evs)
-            measured = {"bytes_sent": sent["total"], "bytes_by_dim": sent,
-                        **(extra(evs) if callable(extra) else extra), "seconds": seconds}
+            measured = Measured(seconds, sent)
+            measured.update(extra(evs) if callable(extra) else extra)
             if events:
                 measured["events"] = evs
             if history:
                 measured["step_seconds"] = seconds_each
-        if reduce is not None:
-            loss = reduce(loss)
-        elif op is not None and loss is not None:
-            loss = reduced_loss(loss, group, op, **labels)
-        records.append(loss)
+        records.append(record_loss(loss, mean_over, parts_over, dim))
+        if after is not None:
+            records[-1] = floats(records[-1:])[0]
+            if after(i, records[-1], seconds):
+                break
     return floats(records), measured
 
 
@@ -194,6 +234,33 @@ class _Plan:
     recompute: str | None
 
 
+@contextmanager
+def forward(dtype=None, on="cpu", region: str | None = None, **labels):
+    """The one place a forward is entered: ``with strategy.forward(dtype, model, "forward", step=i):``.
+
+    The block runs in the trace region ``region`` (labelled ``labels``; none if ``None``) around
+    the mixed-precision rule's autocast (:func:`minipar.precision.autocast`) in ``dtype`` on the
+    device of ``on`` (a device or its name, or a tensor or module computing there). Only the
+    forward and its loss go inside; the backward runs outside, so no autograd Function's backward
+    computes under autocast (its gradients come in the dtypes the forward saved)."""
+    from .precision import autocast
+    if isinstance(on, torch.nn.Module):
+        on = next(on.parameters()).device
+    elif isinstance(on, torch.Tensor):
+        on = on.device
+    with trace.region(region, **labels) if region is not None else nullcontext(), autocast(dtype, on):
+        yield
+
+
+def state_memory(module, optimizer=None, **counted) -> dict[str, int]:
+    """``Measured.memory`` of a strategy whose rank holds plain modules and an optimizer:
+    ``{"params", "grads", "optimizer", "total"}`` bytes of ``module``'s parameters, their gradients
+    and ``optimizer``'s state on this rank (:func:`minipar.memory.model_state_bytes`, distinct
+    storages), then ``counted`` (e.g. ``activations=``), outside the total."""
+    from .memory import model_state_bytes
+    return model_state_bytes(module, optimizer=optimizer) | counted
+
+
 def full_params(named) -> dict[str, torch.Tensor]:
     """``{name: fp32 copy on the CPU}`` of ``module.named_parameters()`` (or any name/tensor pairs)."""
     return {k: v.detach().float().cpu().clone() for k, v in named}
@@ -241,7 +308,7 @@ def on_device(train, model, batches, **options):
     else:
         with peak_memory(here) as peak:
             out = train(to_device(model, here), to_device(batches, here), **options)
-        if isinstance(out, dict) and isinstance(out.get("measured"), dict):
+        if isinstance(out, dict) and isinstance(out.get("measured"), Measured):
             out["measured"]["gpu_peak_bytes"] = peak.bytes
     if isinstance(out, dict):  # where it ran: assert_same_training's tolerance floor
         out.setdefault("device", str(here))

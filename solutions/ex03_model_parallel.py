@@ -56,7 +56,7 @@ C. The pipeline's compute actions, ``Pipeline.F(a)``, ``.B(a)`` and ``.W(a)`` (s
      its W), and no longer**: the step's ``peak_stash`` is the schedule's;
    * **with ``schedule.split_backward`` (ZB-H1), B computes the input gradients only and W the
      weight gradients** (``minipar.pipeline.deferred`` and ``WeightGrads``);
-   * **the forward computes in ``compute_dtype``** (``minipar.precision.autocast``).
+   * **the forward computes in ``compute_dtype``** (``minipar.strategy.forward``, the one place a forward enters autocast).
 
 Graded on 2 and 3 ranks: the values, dtypes and gradients that arrive, the recorded bytes and
 their group, an LSTM and a GPT split over ranks, pipelined GPTs (a schedule whose second rank
@@ -75,7 +75,7 @@ from __future__ import annotations
 # from minipar/model_parallel/__init__.py: these run as module minipar.model_parallel's own
 # ------------------------------------------------------------------------------------------------
 import torch
-from minipar.precision import autocast
+from minipar import strategy
 from minipar.runtime import trace
 
 
@@ -87,7 +87,7 @@ class NaiveModelParallel:
         """Forward and backward of one batch; the loss on the last rank, else ``None``."""
         r, n, g, c = self.rank, self.n, self.group, self.comm
         inp = x if r == 0 else c.recv_activation(self.shapes[r - 1], r - 1, g, stage=r)
-        with trace.region("forward", stage=r, microbatch=0, phase="F"), autocast(self.dtype, inp.device):
+        with strategy.forward(self.dtype, inp, "forward", stage=r, microbatch=0, phase="F"):
             out = self.stage(inp)
             if r == n - 1:
                 out = self.loss_fn(out, y)
@@ -141,7 +141,7 @@ def recv_grad(shape, src: int, group=None, dtype=torch.float32, device=None,
 # ------------------------------------------------------------------------------------------------
 import torch
 from contextlib import nullcontext
-from minipar import precision
+from minipar import strategy
 from minipar.autograd.split_backward import WeightGrads, deferred
 from minipar.pipeline.executor import traced
 
@@ -194,7 +194,7 @@ class Pipeline:
             i, s = a.microbatch, a.stage
             x = self.xs[i] if s == 0 else self.inbox.pop(("F", i, s))
             dw = WeightGrads() if self.split_backward else None
-            with precision.autocast(self.compute_dtype, self.device or "cpu"), \
+            with strategy.forward(self.compute_dtype, self.device or "cpu"), \
                     (deferred(dw) if dw is not None else nullcontext()):
                 out = self.stages[s](x)
                 if s == self.last:

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -42,7 +43,7 @@ BATCHES = data.batches(data.synthetic_tokens(2000, CFG.vocab_size), 2, 4, CFG.bl
 OPTIONS = {  # a 2-rank run of each strategy
     "data_parallel": {}, "model_parallel": {}, "pipeline": {"microbatches": 2}, "tensor_parallel": {},
     "zero": {"stage": 3}, "context_parallel": {}, "expert_parallel": {"ep": 2}, "hybrid": {"dp": 2},
-    "adapt": {"layout": "dp=2", "switches": ["1=tp=2"]},
+    "adapt": {"layout": "dp=2", "switches": ["1=tp=2"]}, "data_parallel.parameter_server": {"synchronous": True},
 }
 
 
@@ -51,7 +52,8 @@ def _model(name):
 
 
 def test_the_list_is_every_strategy():
-    """STRATEGIES names every top-level module of minipar with check, train and run, and only those."""
+    """STRATEGIES names every top-level module of minipar with check, train and run, and only those,
+    and the parameter server, the one nested strategy (inside data parallelism's package)."""
     found = set()
     for info in pkgutil.iter_modules(minipar.__path__):
         if info.name in ("train", "grade", "hint"):      # the command shims
@@ -59,7 +61,8 @@ def test_the_list_is_every_strategy():
         mod = importlib.import_module(f"minipar.{info.name}")
         if all(callable(getattr(mod, f, None)) for f in ("check", "train", "run")):
             found.add(info.name)
-    assert found == set(strategy.STRATEGIES)
+    assert found == {name for name in strategy.STRATEGIES if "." not in name}
+    assert [name for name in strategy.STRATEGIES if "." in name] == ["data_parallel.parameter_server"]
 
 
 @pytest.mark.parametrize("name", strategy.STRATEGIES)
@@ -161,7 +164,7 @@ def _loop_that_communicates():
         comm.all_reduce(torch.ones(4 * (i + 1)), dim="dp")
         return torch.tensor(float(i + torch.distributed.get_rank()))
 
-    losses, measured = strategy.loop([None, None, None], step)
+    losses, measured = strategy.loop([None, None, None], step, mean_over=None)
     return losses, measured["bytes_by_dim"], measured["bytes_sent"]
 
 
@@ -179,11 +182,11 @@ def test_loop_measures_the_last_step_and_records_the_losses():
     seen = []
 
     def step(i, batch):
-        return torch.tensor(float(i)), (lambda events: seen.append(i) or {"step": i})
+        return torch.tensor(float(i)), (lambda events: seen.append(i) or {"peak_stash": i})
 
-    losses, measured = strategy.loop([None, None, None], step, op=None)
+    losses, measured = strategy.loop([None, None, None], step, mean_over=strategy.WHOLE)
     assert losses == [0.0, 1.0, 2.0] and seen == [2]
-    assert measured["step"] == 2 and measured["bytes_by_dim"] == {"total": 0} and measured["seconds"] >= 0
+    assert measured["peak_stash"] == 2 and measured["bytes_by_dim"] == {"total": 0} and measured["seconds"] >= 0
 
 
 def test_recompute_is_entered_at_one_site():
@@ -202,3 +205,161 @@ def test_recompute_is_entered_at_one_site():
     assert sorted(applied) == ["hybrid/parallelize.py", "strategy.py"], applied
     for name in set(strategy.STRATEGIES) - {"hybrid", "adapt"}:
         assert getattr(MODULES[name].train, "__wrapped__", None) is not None, f"{name}.train is not @strategy.trains"
+
+
+def _autocast_sites() -> set:
+    """Every call of a function named ``autocast`` in minipar's source, as ``file:function``."""
+    import ast
+    from pathlib import Path
+    root = Path(minipar.__file__).parent
+    sites = set()
+    for path in root.rglob("*.py"):
+        def visit(node, where):
+            for child in ast.iter_child_nodes(node):
+                inner = where
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    inner = f"{where}.{child.name}" if where else child.name
+                if isinstance(child, ast.Call):
+                    f = child.func
+                    if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) == "autocast":
+                        sites.add(f"{path.relative_to(root)}:{inner}")
+                visit(child, inner)
+        visit(ast.parse(path.read_text()), "")
+    return sites
+
+
+def test_autocast_is_entered_at_one_site():
+    """Autocast is entered in one place, ``strategy.forward`` (what every strategy, the references,
+    the naive model-parallel step and the pipeline's F wrap their forward in), over
+    ``precision.autocast`` (the one call of ``torch.autocast``); no strategy enters it itself."""
+    sites = _autocast_sites()
+    assert sites == {"precision.py:autocast", "strategy.py:forward"}, sorted(sites)
+
+
+def _bf16_steps():
+    """Rank function: two bf16 steps of every strategy (the second from the pipeline's
+    re-partitioning too); per strategy its ``measured`` and how many backward calls
+    (``torch.autograd.backward``, what ``Tensor.backward`` calls too) ran, and with autocast on."""
+    counts = {}
+    real = torch.autograd.backward
+
+    def spy(*args, **kwargs):
+        counts[name][0] += 1
+        counts[name][1] += torch.is_autocast_enabled("cpu")
+        return real(*args, **kwargs)
+
+    out = {}
+    runs = [(name, mod, OPTIONS[name]) for name, mod in MODULES.items()]
+    runs.append(("pipeline probe_steps=1", MODULES["pipeline"], {"microbatches": 2, "probe_steps": 1}))
+    torch.autograd.backward = spy
+    try:
+        for name, mod, options in runs:
+            counts[name] = [0, 0]
+            res = mod.train(_model(name), copy.deepcopy(BATCHES), reference.sgd(0.5), dtype="bf16", **options)
+            out[name] = res["measured"]
+    finally:
+        torch.autograd.backward = real
+    return out, counts
+
+
+@functools.cache
+def _bf16_runs():
+    return launch(_bf16_steps, 2, timeout=240)
+
+
+def test_no_backward_runs_under_autocast():
+    """Autocast wraps forwards only: in bf16 steps of every strategy on 2 ranks no backward
+    (and so no custom autograd Function's backward) runs with autocast on; some backward ran on
+    some rank (the parameter server's server computes none)."""
+    runs = [counts for _, counts in _bf16_runs()]
+    for name in runs[0]:
+        calls, under = (sum(c[name][j] for c in runs) for j in (0, 1))
+        assert calls >= 2 and under == 0, (name, calls, under)
+
+
+def test_measured_is_one_record():
+    """Every strategy's ``measured`` is a ``strategy.Measured`` with its fields filled on every rank:
+    the last step's ``seconds`` (> 0), ``bytes_by_dim`` with its ``"total"`` (= ``bytes_sent``, and
+    > 0 on 2 ranks: every strategy communicates), ``memory`` with this rank's parameter, gradient
+    and optimizer-state bytes (parameters > 0); its extras are names of ``strategy.EXTRAS`` only,
+    and an unknown name is refused. It reads like a dict: the fields, ``bytes_sent`` and the extras."""
+    for measured, _ in _bf16_runs():
+        assert set(measured) == set(strategy.STRATEGIES) | {"pipeline probe_steps=1"}
+        for name, m in measured.items():
+            assert type(m) is strategy.Measured, (name, type(m))
+            assert isinstance(m.seconds, float) and m.seconds > 0, (name, m.seconds)
+            assert m.bytes_sent == m.bytes_by_dim["total"] == m["bytes_sent"] > 0, (name, m.bytes_by_dim)
+            assert {"params", "grads", "optimizer"} <= set(m.memory) and m.memory["params"] > 0, (name, m.memory)
+            assert set(m.extras) <= set(strategy.EXTRAS), (name, set(m.extras) - set(strategy.EXTRAS))
+            assert [m[k] for k in ("seconds", "bytes_by_dim", "memory")] == [m.seconds, m.bytes_by_dim, m.memory]
+            assert all(m[k] is v for k, v in m.extras.items()) and len(m) == 4 + len(m.extras), name
+    cp, ep = measured["context_parallel"], measured["expert_parallel"]
+    assert set(cp.extras) == {"bytes_by_name", "attention_seconds"}
+    assert set(ep.extras) == {"tokens_per_expert", "kept_matrix", "local_experts", "parameters"}
+    with pytest.raises(KeyError, match="'bytes_by_nmae'"):
+        strategy.Measured()["bytes_by_nmae"] = {}
+    with pytest.raises(KeyError, match="'step'"):
+        strategy.Measured(extras={"step": 1})
+
+
+def _loss_records():
+    """Rank function on 4 ranks: :func:`strategy.record_loss` on a 2 × 2 layout, parts summed over
+    {0, 1} and {2, 3}, means over {0, 2} and {1, 3}; rank r's loss is r + 1."""
+    import torch.distributed as dist
+    r = dist.get_rank()
+    pairs = [dist.new_group(g) for g in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    parts, means, own = pairs[r // 2], pairs[2 + r % 2], torch.tensor(float(r + 1))
+    return (strategy.record_loss(own, means, parts).item(),
+            strategy.record_loss(own, means).item(),
+            strategy.record_loss(None if r % 2 == 0 else 1.5, strategy.WHOLE, parts).item(),
+            strategy.record_loss(None if r < 3 else own, strategy.WHOLE))
+
+
+def test_the_loss_is_recorded_one_way():
+    """One rule records every strategy's loss: the step's global mean L = (1/|mean_over|)
+    Σ_mean_over Σ_parts_over ℓ_r, computed in ``strategy.record_loss`` alone. On 4 ranks with
+    ℓ_r = r + 1: parts then means give (3 + 7)/2 = 5 on every rank; means alone 2 on {0, 2} and 3
+    on {1, 3}; a rank with no part (None) adds 0; ``WHOLE`` keeps each rank's loss as held. Every
+    strategy's ``loop`` names the group that averages (``mean_over`` has no default), and no
+    module but ``strategy.py`` all-reduces a ``"loss"``."""
+    import ast
+    from pathlib import Path
+    got = launch(_loss_records, 4, timeout=120)
+    assert [g[:3] for g in got] == [(5.0, 2.0, 1.5), (5.0, 3.0, 1.5), (5.0, 2.0, 1.5), (5.0, 3.0, 1.5)]
+    assert [g[3] for g in got[:3]] == [None] * 3 and got[3][3].item() == 4.0
+    assert inspect.signature(strategy.loop).parameters["mean_over"].default is inspect.Parameter.empty
+    root = Path(minipar.__file__).parent
+    records, loops = [], []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                kw = {k.arg: k.value for k in node.keywords}
+                if isinstance(kw.get("name"), ast.Constant) and kw["name"].value == "loss":
+                    records.append(str(path.relative_to(root)))
+                if isinstance(node.func, ast.Attribute) and node.func.attr == "loop" \
+                        and getattr(node.func.value, "id", None) == "strategy":
+                    loops.append((str(path.relative_to(root)), "mean_over" in kw or None in kw))
+    assert records == ["strategy.py"], records
+    assert len(loops) >= 10 and all(named for _, named in loops), loops
+
+
+def test_loop_calls_after_every_step_and_the_training_command_drives_it():
+    """``strategy.loop(..., after=)``: after every step the callback gets the step's index, its
+    loss record as a float and its seconds; True ends the loop there (here after step 2 of 5,
+    batches from a generator). The training command (``minipar/production/train.py``) runs its
+    steps through ``strategy.loop`` with that callback, not through ``HybridModel.train_step``."""
+    import ast
+    from pathlib import Path
+    seen = []
+
+    def after(i, loss, seconds):
+        seen.append((i, loss, type(loss), seconds >= 0))
+        return i == 2
+
+    losses, _ = strategy.loop((None for _ in range(5)), lambda i, b: torch.tensor(float(i)),
+                              mean_over=strategy.WHOLE, after=after)
+    assert losses == [0.0, 1.0, 2.0] and seen == [(i, float(i), float, True) for i in range(3)]
+    tree = ast.parse((Path(minipar.__file__).parent / "production" / "train.py").read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+    assert any(c.func.attr == "loop" and "after" in {k.arg for k in c.keywords} for c in calls)
+    assert not any(c.func.attr == "train_step" for c in calls)

@@ -6,6 +6,7 @@ of one worker (equal to plain sequential SGD, staleness 0), the asynchronous ser
 a straggler, unbounded and with ``max_staleness=1``.
 """
 import copy
+import importlib
 
 import pytest
 import torch
@@ -23,6 +24,10 @@ STEPS = 6
 _ALL = data.regression_batches(48, 8, seed=1)
 BATCHES = _ALL[:40]  # batch i of 8 samples
 EVAL = tuple(torch.cat(t) for t in zip(*_ALL[40:]))  # 64 held-out samples, same function
+
+
+# the synchronous server's step k averages the workers' batches 2k and 2k+1: one global batch of 16
+JOINED = [tuple(torch.cat(t) for t in zip(BATCHES[2 * k], BATCHES[2 * k + 1])) for k in range(STEPS)]
 
 
 def batch_fn(i):
@@ -44,6 +49,9 @@ def _ps_runs(model):
     out["async_sent"] = sum(e["bytes_sent"] for e in trace.events()[since:] if e["name"] == "push")
     out["bounded"] = parameter_server(copy.deepcopy(model), batch_fn, 100, opt, delays=[0.0, 0.04],
                                       max_staleness=1)
+    ps = importlib.import_module("minipar.data_parallel.parameter_server")   # the module: its strategy API
+    out["train sync"] = ps.train(copy.deepcopy(model), JOINED, opt, synchronous=True)
+    out["train async"] = ps.train(copy.deepcopy(model), JOINED, opt)
     return out
 
 
@@ -51,9 +59,17 @@ def test_parameter_server():
     model = MLP(seed=2)
     server, w1, w2 = minipar.launch(_ps_runs, 3, args=(model,), timeout=120)
     # synchronous: step k averages the workers' batches 2k and 2k+1 = one batch of 16
-    joined = [tuple(torch.cat(t) for t in zip(BATCHES[2 * k], BATCHES[2 * k + 1])) for k in range(STEPS)]
-    want = reference.train_reference(copy.deepcopy(model), joined, reference.sgd(0.1))
+    want = reference.train_reference(copy.deepcopy(model), JOINED, reference.sgd(0.1))
     reference.assert_same_training(server["sync"], want, rtol=RTOL, atol=ATOL)
+    # the strategy's train on those global batches, each worker on its half: the same run, bit for bit
+    sync = server["train sync"]
+    assert sync["losses"] == server["sync"]["losses"] and sync["params"].keys() == server["sync"]["params"].keys()
+    assert all(torch.equal(v, server["sync"]["params"][k]) for k, v in sync["params"].items())
+    assert w1["train sync"]["losses"] is None and w1["train sync"]["measured"]["gradients"] == STEPS
+    assert sync["measured"]["updates"] == STEPS and sync["measured"].bytes_by_dim["dp"] > 0
+    # asynchronous: one update per half, 2 per global batch
+    async_ = server["train async"]
+    assert async_["measured"]["updates"] == len(async_["losses"]) == len(async_["measured"]["staleness"]) == 2 * STEPS
     assert server["sync"]["staleness"] == [0] * 2 * STEPS
     # one worker, asynchronous: plain sequential SGD
     want = reference.train_reference(copy.deepcopy(model), BATCHES[:STEPS], reference.sgd(0.1))

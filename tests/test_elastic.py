@@ -40,7 +40,7 @@ LEAVE = textwrap.dedent("""
     from minipar.production import train
     from minipar.hybrid.model import HybridModel
     rank, at, pause = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    calls, train_step = [0], HybridModel.train_step
+    calls, train_step = [0], HybridModel.step        # the step the command runs in strategy.loop
     def step(self, x, y):
         calls[0] += 1
         if not os.path.exists(os.environ["LEFT_AT"]) and int(os.environ["RANK"]) == rank and calls[0] == at + 1:
@@ -50,7 +50,7 @@ LEAVE = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(pause)                               # a step long enough to join in the middle
         return train_step(self, x, y)
-    HybridModel.train_step = step
+    HybridModel.step = step
     sys.exit(train.main(sys.argv[4:]))
 """)
 RUN = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--batch-size", "12",

@@ -49,13 +49,13 @@ INJECT = textwrap.dedent("""
                 return step(self, *a, **k)
             torch.optim.AdamW.step = dying
         elif fault == "hang":  # stuck before step `at`'s first collective
-            train_step = HybridModel.train_step
+            train_step = HybridModel.step    # the step the command runs in strategy.loop
             def stuck(self, x, y):
                 calls[0] += 1
                 if calls[0] == at + 1:
                     time.sleep(3600)
                 return train_step(self, x, y)
-            HybridModel.train_step = stuck
+            HybridModel.step = stuck
     sys.exit(train.main(sys.argv[4:]))
 """)
 
@@ -256,25 +256,30 @@ def test_a_nan_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp_pat
 
 def _poisoned(args, bad_step: int, bad_rank: int, how: str):
     """train.rank_main with step ``bad_step`` poisoned on ``bad_rank``: a NaN weight before the
-    step ("weight": the real computation turns NaN), or only a NaN loss reported ("report")."""
+    step ("weight": the real computation turns NaN), or only a NaN loss reported ("report": the
+    rank's record of the step's loss, what the command's callback gets, is NaN)."""
+    from minipar import strategy
     from minipar.hybrid.model import HybridModel
-    original, calls = HybridModel.train_step, [0]
+    originals, calls = (HybridModel.step, strategy.record_loss), [0, 0]
 
     def step(self, x, y):
         calls[0] += 1
-        if calls[0] == bad_step + 1 and dist.get_rank() == bad_rank:
-            if how == "weight":
-                with torch.no_grad():
-                    next(iter(self.params.values())).fill_(float("nan"))
-            else:
-                original(self, x, y)
-                return float("nan")
-        return original(self, x, y)
-    HybridModel.train_step = step
+        if how == "weight" and calls[0] == bad_step + 1 and dist.get_rank() == bad_rank:
+            with torch.no_grad():
+                next(iter(self.params.values())).fill_(float("nan"))
+        return originals[0](self, x, y)
+
+    def record(loss, *a, **k):
+        calls[1] += 1
+        out = originals[1](loss, *a, **k)
+        if how == "report" and calls[1] == bad_step + 1 and dist.get_rank() == bad_rank:
+            return torch.full_like(out, float("nan"))
+        return out
+    HybridModel.step, strategy.record_loss = step, record
     try:
         return train.rank_main(args)
     finally:
-        HybridModel.train_step = original
+        HybridModel.step, strategy.record_loss = originals
 
 
 def test_nonfinite_skip_undoes_the_step_and_a_lone_nan_names_its_rank(tmp_path):

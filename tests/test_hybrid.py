@@ -124,7 +124,7 @@ def test_bytes_and_memory_match_the_formulas(launched):
         m, zero1 = kw.get("microbatches", 1), kw.get("zero", 0) == 1
         b = BATCH // (dp * m)
         for rank, r in enumerate(results):
-            res = r[name]["measured"]
+            res = dict(r[name]["measured"])          # a plain copy of the record, to add "bytes" to
             c, res["bytes"] = res["coords"], res["bytes_by_dim"]
             local = res["memory"]["params"] // 4
             if not zero1:

@@ -67,7 +67,7 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         g.test_compute_actions, r"ZB-H1 without micro-batch 1's W, stage 0's weight: gradient after the step "
                                 r"\(the other micro-batches' only"),
     "the forward computes in ``compute_dtype``": (
-        [("with precision.autocast(self.compute_dtype, ", "with precision.autocast(None, ")],
+        [("with strategy.forward(self.compute_dtype, ", "with strategy.forward(None, ")],
         g.test_compute_actions, r"bfloat16: the dtype of the stage's output \(the forward computes in ``compute_dtype``\)"),
 }
 

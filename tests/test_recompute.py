@@ -131,7 +131,7 @@ def test_tensor_and_pipeline_parallel():
                    "params": {k: v for p in parts for k, v in p["params"].items()}}
             assert_same_training(got, want, 1e-5, 1e-6)
     # the whole model on a TP+SP rank: none - full = L layers' difference of the formulas
-    acts = {m: res[0]["tp"][m]["measured"]["activations"] for m in MODES}
+    acts = {m: res[0]["tp"][m]["measured"]["memory"]["activations"] for m in MODES}
     L = CFG.n_layer
     assert acts["none"] - acts["full"] == L * (_want(2, True, "none") - _want(2, True, "full"))
     assert acts["none"] - acts["selective"] == L * (_want(2, True, "none") - _want(2, True, "selective"))

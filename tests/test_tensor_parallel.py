@@ -289,7 +289,7 @@ def test_run_trains_like_one_device(sp, tied):
     want = train_reference(GPT(_config(tied), seed=SEED), BATCHES, sgd(LR))
     assert_same_training(res, want, rtol=RTOL, atol=ATOL)
     for m in res.measured:
-        assert m["bytes_by_dim"]["world"] == m["bytes_sent"] > 0 and m["activations"] > 0
+        assert m["bytes_by_dim"]["world"] == m["bytes_sent"] > 0 and m["memory"]["activations"] > 0
 
 
 def test_the_tensor_parallel_gpt_is_the_gpt_built_from_parallel_layers():

@@ -92,10 +92,12 @@ def train(model, batches, optimizer=None, layout="dp=1", switches=(), candidates
     losses = []
     for i, (x, y) in enumerate(batches):
         losses.append(hm.train_step(x, y))
-        hm = run_.after(i + 1, hm.last_step["seconds"])
+        last = hm.last_step                       # the step's record, before any switch after it
+        hm = run_.after(i + 1, last["seconds"])
     full = hm.full_state_dict()
     names = [k for k, _ in model.named_parameters()]
-    measured = hm.last_step | run_.log() | {"coords": hm.coords}
+    measured = strategy.Measured(last["seconds"], last["bytes"], hm.memory(),
+                                 {"events": last["events"], **run_.log(), "coords": hm.coords})
     return {"losses": losses, "measured": measured,
             "params": strategy.full_params((k, full[k]) for k in names) if dist.get_rank() == 0 else None}
 

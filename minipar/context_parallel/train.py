@@ -14,7 +14,6 @@ from ..runtime import trace
 from ..data import shard
 from ..mesh import ProcessMesh
 from ..models.recompute import check_mode
-from ..precision import autocast
 from ..reference import sgd
 from ..strategy import full_params
 from .attention import VARIANTS
@@ -98,7 +97,7 @@ def train(model, batches, optimizer=None, group=None, variant: str = "ring",
         xl, yl = shard_sequence(xs, r, cp, layout), shard_sequence(ys, r, cp, layout)
         pos = sequence_positions(xs.shape[1], r, cp, layout, device=dev)
         opt.zero_grad(set_to_none=True)
-        with trace.region("forward", step=i), autocast(dtype, dev):
+        with strategy.forward(dtype, dev, "forward", step=i):
             loss = local_loss(model, xl, yl, pos) / (cp * dp)
         trace.backward(loss, step=i)
         all_reduce_grads(model.parameters(), grad_group, dim=dim)
@@ -106,8 +105,9 @@ def train(model, batches, optimizer=None, group=None, variant: str = "ring",
             opt.step()
         return loss, _measure
 
-    # the loss is already / (cp·dp): the record sums it over the gradient group
-    losses, measured = strategy.loop(batches, step, group=grad_group, op="sum", dim=dim)
+    # each rank's loss is its term of the mean, already / (cp·dp): the record sums the terms
+    losses, measured = strategy.loop(batches, step, mean_over=strategy.WHOLE, parts_over=grad_group, dim=dim)
+    measured.memory = strategy.state_memory(model, opt)
     params = full_params(model.named_parameters()) if comm.group_rank(grad_group) == 0 else None
     return {"losses": losses, "params": params, "measured": measured}
 

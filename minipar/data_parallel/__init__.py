@@ -5,7 +5,8 @@
 * :class:`DistributedDataParallel` — the wrapper (naive, bucketed or overlapped: :data:`VERSIONS`).
 * :class:`ShardedBatchSampler`, :func:`shard_batch` — each rank's slice of the global batch.
 * :func:`check`, :func:`train`, :func:`run` — the strategy's API (:mod:`minipar.strategy`).
-* :func:`parameter_server` — asynchronous SGD with a parameter server and bounded staleness.
+* :func:`parameter_server` — asynchronous SGD with a parameter server and bounded staleness; its
+  module speaks the strategy's API too (``from minipar.data_parallel.parameter_server import run``).
 * :func:`linear_scaled_lr`, :func:`warmup_lr` — large-batch learning-rate rules.
 """
 from .batch_size import linear_scaled_lr, warmup_lr

@@ -24,21 +24,25 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from .. import comm, strategy
+from ..data import shard
 from ..runtime import staging, trace
 from ..reference import sgd
 from .naive import flatten, unflatten_into, broadcast_module, trainable
 
 
 def parameter_server(model, batch_fn, steps: int, make_optimizer=None, group=None, synchronous: bool = False,
-                     max_staleness: int | None = None, delays=None, eval_batch=None) -> dict:
+                     max_staleness: int | None = None, delays=None, eval_batch=None, dtype=None) -> dict:
     """Run on every rank of ``group``: rank 0 serves, the others work, for ``steps`` updates.
     ``batch_fn(i) -> (x, y)`` gives batch i; worker w (1..W) uses batches ``k·W + w-1``, k = 0,
     1, ... ``delays[w-1]``: extra seconds worker w sleeps per gradient (a simulated straggler).
     ``eval_batch``: the server records the loss on it after every update. Returns, on the
     server, ``losses`` (workers' training losses of the applied gradients), ``eval_losses``,
     ``times`` (seconds since start), ``staleness`` and ``workers`` per applied update,
-    ``dropped``, ``updates``, ``seconds``, ``params``; on a worker, ``{"gradients": k}``."""
+    ``dropped``, ``updates``, ``seconds``, ``params``; on a worker, ``{"gradients": k}``; on both
+    ``memory`` (:func:`minipar.strategy.state_memory`) and ``last_step``, the ``seconds`` and
+    ``bytes_by_dim`` of the rank's last step (a worker's last gradient; the server's time from
+    the update before the last to the last). ``dtype``: the forwards' compute dtype."""
     n, r = comm.group_size(group), comm.group_rank(group)
     if n < 2:
         raise ValueError("a parameter server needs at least 2 ranks: one server, one worker")
@@ -48,22 +52,23 @@ def parameter_server(model, batch_fn, steps: int, make_optimizer=None, group=Non
     params = trainable(model.parameters())
     if r == 0:
         return _serve(model, params, steps, make_optimizer or sgd(), group, n - 1,
-                      synchronous, max_staleness, eval_batch)
+                      synchronous, max_staleness, eval_batch, dtype)
     delay = (delays or [0.0] * (n - 1))[r - 1]
-    return _work(model, params, batch_fn, group, n - 1, r, delay)
+    return _work(model, params, batch_fn, group, n - 1, r, delay, dtype)
 
 
-def _work(model, params, batch_fn, group, W: int, r: int, delay: float) -> dict:
+def _work(model, params, batch_fn, group, W: int, r: int, delay: float, dtype) -> dict:
     inbox = torch.empty(2 + sum(p.numel() for p in params), device=params[0].device)
-    comm.recv(inbox, 0, group, name="pull")
-    k = 0
+    comm.recv(inbox, 0, group, name="pull", dim="dp")
+    k, last = 0, {"seconds": 0.0, "bytes_by_dim": {"total": 0}}
     while inbox[1] == 0:  # not told to stop
+        mark, t0 = trace.mark(), time.perf_counter()
         version = inbox[0].item()
         unflatten_into(params, inbox[2:])
         x, y = batch_fn(k * W + r - 1)
         for p in params:
             p.grad = None
-        with trace.region("forward", step=k):
+        with strategy.forward(dtype, inbox, "forward", step=k):
             loss = model(x, y)
         with trace.region("backward", step=k):
             loss.backward()
@@ -72,11 +77,12 @@ def _work(model, params, batch_fn, group, W: int, r: int, delay: float) -> dict:
                 time.sleep(delay)
         msg = torch.cat([torch.tensor([version, loss.item()], device=inbox.device),
                          flatten(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)]).cpu()
-        pushed = comm.isend(msg, 0, group, name="push", step=k)
-        comm.recv(inbox, 0, group, name="pull")
+        pushed = comm.isend(msg, 0, group, name="push", step=k, dim="dp")
+        comm.recv(inbox, 0, group, name="pull", dim="dp")
         pushed.wait()
         k += 1
-    return {"gradients": k}
+        last = {"seconds": time.perf_counter() - t0, "bytes_by_dim": trace.bytes_by_dim(trace.since(mark))}
+    return {"gradients": k, "memory": strategy.state_memory(model), "last_step": last}
 
 
 def _recv_any(buf: torch.Tensor, group) -> int:
@@ -89,19 +95,20 @@ def _recv_any(buf: torch.Tensor, group) -> int:
                          f"a tensor on {buf.device} on a {backend} group")
     start = trace.now()
     work = dist.irecv(buf, src=None, group=group)
-    comm.Handle([work], "push", start, 0, comm.p2p.nbytes(buf), {}).wait()
+    comm.Handle([work], "push", start, 0, comm.p2p.nbytes(buf), {"dim": "dp"}).wait()
     return work._source_rank()
 
 
-def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_staleness, eval_batch) -> dict:
+def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_staleness, eval_batch, dtype) -> dict:
     opt = make_optimizer(params)
     numel = sum(p.numel() for p in params)
     version = 0
-    out = {"losses": [], "eval_losses": [], "times": [], "staleness": [], "workers": [], "dropped": 0}
+    out = {"losses": [], "eval_losses": [], "times": [], "staleness": [], "workers": [], "dropped": 0,
+           "last_step": {"seconds": 0.0, "bytes_by_dim": {"total": 0}}}
 
     def reply(dst: int, stop: bool) -> None:
         msg = torch.cat([torch.tensor([float(version), float(stop)], device=params[0].device), flatten(params)])
-        comm.isend(msg, dst, group, name="pull").wait()
+        comm.isend(msg, dst, group, name="pull", dim="dp").wait()
 
     def apply(grad: torch.Tensor, loss: float, staleness: list[int], worker: int) -> None:
         nonlocal version
@@ -112,13 +119,18 @@ def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_stal
         version += 1
         out["times"].append(time.perf_counter() - t0)
         if eval_batch is not None:
-            with torch.no_grad():
+            with torch.no_grad(), strategy.forward(dtype, params[0]):
                 out["eval_losses"].append(model(*eval_batch).item())
         out["losses"].append(loss)
         out["staleness"] += staleness
         out["workers"].append(worker)
+        previous = marks[-1]
+        marks.append((trace.mark(), time.perf_counter()))
+        out["last_step"] = {"seconds": marks[-1][1] - previous[1],
+                            "bytes_by_dim": trace.bytes_by_dim(trace.since(previous[0]))}
 
     t0 = time.perf_counter()
+    marks = [(trace.mark(), t0)]            # the end of every update (the start first)
     for w in range(1, W + 1):
         reply(w, False)
     inbox = torch.empty(2 + numel, device="cpu")  # pushes arrive on the CPU (see _recv_any)
@@ -126,7 +138,7 @@ def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_stal
         for step in range(steps):
             total, loss = torch.zeros(numel, device=params[0].device), 0.0
             for w in range(1, W + 1):  # wait for every worker: the slowest sets the pace
-                comm.recv(inbox, w, group, name="push")
+                comm.recv(inbox, w, group, name="push", dim="dp")
                 total += inbox[2:].to(total.device)
                 loss += inbox[1].item() / W
             apply(total / W, loss, [0] * W, 0)
@@ -146,6 +158,55 @@ def _serve(model, params, steps, make_optimizer, group, W, synchronous, max_stal
             stop = applied >= steps
             reply(src, stop)
             stopped += stop
-    out.update(seconds=time.perf_counter() - t0, updates=version,
+    out.update(seconds=time.perf_counter() - t0, updates=version, memory=strategy.state_memory(model, opt),
                params={k: v.detach().clone() for k, v in model.named_parameters()})
     return out
+
+
+@strategy.checks
+def check(model, batches, world_size: int, synchronous: bool = False, max_staleness: int | None = None,
+          delays=None, eval_batch=None, dtype=None, recompute=None) -> None:
+    """Plain errors before launch: one server and at least one worker, batches the W workers
+    split evenly, a known staleness bound, one delay per worker, a known dtype and recompute."""
+    if not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"a parameter server needs world_size >= 2 (one server, one worker), got {world_size!r}")
+    if max_staleness is not None and max_staleness < 0:
+        raise ValueError(f"max_staleness must be None or >= 0, got {max_staleness}")
+    if delays is not None and len(delays) != world_size - 1:
+        raise ValueError(f"{len(delays)} delays for {world_size - 1} workers")
+    for i, (x, _) in enumerate(batches):
+        if x.shape[0] % (world_size - 1):
+            raise ValueError(f"global batch {i} has {x.shape[0]} samples, which {world_size - 1} workers "
+                             "cannot split evenly")
+    strategy.check_options(model, dtype, recompute)
+
+
+@strategy.trains
+def train(model, batches, optimizer=None, group=None, synchronous: bool = False, max_staleness: int | None = None,
+          delays=None, eval_batch=None, dtype=None, recompute=None) -> dict:
+    """The strategy's API (:mod:`minipar.strategy`) over :func:`parameter_server` on the global
+    ``batches``: worker w's k-th gradient is on shard w-1 of global batch k mod len(batches), of the
+    W workers' shards. ``synchronous``: one update per global batch, the mean of its W shards'
+    gradients (single-process SGD on the global batches); else one update per shard, W per global
+    batch, each applied as it arrives. The server (group rank 0) returns the ``losses`` of the
+    applied updates and the ``params``; every rank its :class:`~minipar.strategy.Measured`."""
+    W = comm.group_size(group) - 1
+
+    def batch_fn(j):
+        x, y = batches[j // W % len(batches)]
+        return shard(x, j % W, W), shard(y, j % W, W)
+
+    steps = len(batches) * (1 if synchronous else W)
+    out = parameter_server(model, batch_fn, steps, optimizer, group, synchronous, max_staleness, delays,
+                           eval_batch, dtype)
+    server = comm.group_rank(group) == 0
+    names = ("eval_losses", "times", "staleness", "workers", "dropped", "updates") if server else ("gradients",)
+    measured = strategy.Measured(out["last_step"]["seconds"], out["last_step"]["bytes_by_dim"], out["memory"],
+                                 {k: out[k] for k in names})
+    return {"losses": out["losses"] if server else None,
+            "params": strategy.full_params(model.named_parameters()) if server else None, "measured": measured}
+
+
+def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:
+    """Driver: :func:`check`, then :func:`train` on ``world_size`` ranks (one server, the rest workers)."""
+    return strategy.run(train, model, batches, world_size, check=check, optimizer=optimizer, **options)

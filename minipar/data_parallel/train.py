@@ -14,7 +14,6 @@ import torch
 
 from .. import strategy
 from ..runtime import trace
-from ..precision import autocast
 from ..reference import sgd
 from .ddp import DistributedDataParallel
 from .sampler import shard_batch
@@ -40,7 +39,7 @@ def train(model, batches, optimizer=None, group=None, accumulation: int = 1, dty
         total = torch.zeros((), device=device)
         for j, (xm, ym) in enumerate(zip(x.chunk(accumulation), y.chunk(accumulation))):
             with nullcontext() if j == accumulation - 1 else ddp.no_sync():
-                with trace.region("forward", step=i, microbatch=j), autocast(dtype, device):
+                with strategy.forward(dtype, device, "forward", step=i, microbatch=j):
                     loss = ddp(xm, ym) / accumulation
                 trace.backward(loss, step=i, microbatch=j)  # gradients averaged if synced
             total += loss.detach().float()
@@ -48,7 +47,8 @@ def train(model, batches, optimizer=None, group=None, accumulation: int = 1, dty
             opt.step()
         return total
 
-    losses, measured = strategy.loop(batches, step, group=group)
+    losses, measured = strategy.loop(batches, step, mean_over=group)
+    measured.memory = strategy.state_memory(ddp, opt)
     ddp.remove_hooks()
     return {"losses": losses, "params": strategy.full_params(ddp.named_parameters()), "measured": measured}
 

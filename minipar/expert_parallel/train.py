@@ -27,7 +27,6 @@ from .. import comm, strategy
 from ..runtime import trace
 from ..data import shard
 from ..models.moe import MoE, moe_layers, moe_loss
-from ..precision import autocast
 from ..reference import sgd
 from .groups import build_ep_groups
 from .layer import shard_experts
@@ -73,7 +72,7 @@ def train(model, batches, optimizer=None, ep: int = 1, tp: int = 1, dtype=None, 
     def step(i, batch):
         x, y = (shard(t, me, dp).to(device) for t in batch)
         opt.zero_grad(set_to_none=True)
-        with trace.region("forward", step=i), autocast(dtype, device):
+        with strategy.forward(dtype, device, "forward", step=i):
             loss = model(x, y)
             if tp > 1:
                 loss = loss + moe_loss(model)   # the tensor-parallel GPT returns the cross-entropy only
@@ -84,12 +83,12 @@ def train(model, batches, optimizer=None, ep: int = 1, tp: int = 1, dtype=None, 
         routed.append([m.stats["counts"].clone() for m in layers])   # read once, after the loop
         return loss
 
-    losses, measured = strategy.loop(batches, step, group=groups["dp"], dim="dp")
+    losses, measured = strategy.loop(batches, step, mean_over=groups["dp"], dim="dp")
     measured.update({"tokens_per_expert": [[c.tolist() for c in step] for step in routed],  # [step][layer][expert]
                      "kept_matrix": [m.stats["kept"].tolist() for m in layers],  # last step, this ep group
                      "local_experts": [m.local for m in layers],
                      "parameters": sum(p.numel() for p in model.parameters())})  # this rank's (experts sharded)
-    measured.setdefault("seconds", 0.0)
+    measured.memory = strategy.state_memory(model, opt)
     if tp > 1:
         from ..tensor_parallel.gpt import full_state_dict
         full = full_state_dict(model)                     # a tp collective: every tp rank takes part

@@ -13,7 +13,7 @@ The API, in the shape of every strategy (:mod:`minipar.strategy`), all from ``mi
     train(model, batches, optimizer=None, dp=, pp=, tp=, **options) -> {"losses", "params", "measured"}
     hm = build(model, ProcessMesh(dp=2, pp=2, tp=2), zero=1, microbatches=2, ...)  # a HybridModel
     loss = hm.train_step(x, y)          # global batch on every rank -> global mean loss (float)
-    hm.step(x, y), hm.reduce_loss(l)    # the step body and the loss record (minipar.strategy.loop)
+    hm.step(x, y), hm.loss_groups       # the step body and the loss record's groups (minipar.strategy.loop)
     hm.optimizer, hm.full_state_dict(), hm.load_full_state_dict(sd), hm.local_state_dict(),
     hm.coords, hm.mesh, hm.groups, hm.stages, hm.memory(), hm.last_step   # see HybridModel
 

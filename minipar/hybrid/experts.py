@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm, precision
+from .. import comm, precision, strategy
 from ..runtime.backend import device as rank_device
 from ..data import shard
 from ..models.moe import MoE, moe_layers
@@ -66,7 +66,7 @@ def train_reference(model, batches, make_optimizer=None, dp: int = 1, microbatch
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for xm, ym in zip(micro_batches(x, dp, microbatches), micro_batches(y, dp, microbatches)):
-            with precision.autocast(dtype, here):
+            with strategy.forward(dtype, here):
                 loss = model(xm, ym) / microbatches
             loss.backward()
             total += loss.item()

@@ -101,7 +101,7 @@ class HybridModel:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """The step body on the global batch ``(x, y)`` (every rank passes the same batch):
         this rank's dp shard, m micro-batches through the pipeline, gradients averaged over
-        dp, optimizer step. Returns this rank's part of the loss (:meth:`reduce_loss` makes it
+        dp, optimizer step. Returns this rank's part of the loss (:attr:`loss_groups` make it
         the global mean); :meth:`train_step` and :func:`minipar.hybrid.train` run it in
         :func:`minipar.strategy.loop`."""
         dp, d = self.mesh.dp, self.coords["dp"]
@@ -139,8 +139,8 @@ class HybridModel:
         """One step on the global batch ``(x, y)`` (:meth:`step` in :func:`minipar.strategy.loop`).
         Returns the global mean loss; ``last_step`` holds this rank's ``bytes`` sent by mesh
         dimension (the trace's labels), its ``events`` and ``seconds``."""
-        losses, measured = strategy.loop([(x, y)], lambda i, batch: self.step(*batch),
-                                         reduce=self.reduce_loss, events=True)
+        losses, measured = strategy.loop([(x, y)], lambda i, batch: self.step(*batch), **self.loss_groups,
+                                         events=True)
         self.last_step = self.step_record(measured)
         return losses[0]
 
@@ -152,15 +152,12 @@ class HybridModel:
         return {"seconds": measured["seconds"], "events": measured["events"],
                 "bytes": {**{d: sent.get(d, 0) for d in ("dp", "pp", "tp")}, **sent}}
 
-    def reduce_loss(self, loss: float | None) -> torch.Tensor:
-        """The last stage's loss (and each stage's auxiliary losses), summed over pp, averaged over
-        dp: the global mean loss, a one-element tensor on this rank's device."""
-        t = torch.tensor([loss or 0.0], device=self.device)
-        if self.mesh.pp > 1:
-            comm.all_reduce(t, group=self.groups["pp"], name="loss")
-        if self.mesh.dp * self.mesh.cp > 1:   # each cp rank holds the mean of its own tokens
-            comm.all_reduce(t, op="avg", group=self.groups["dp_cp"], name="loss")
-        return t
+    @property
+    def loss_groups(self) -> dict:
+        """The loss record's groups (:func:`minipar.strategy.record_loss`): the last stage's loss
+        and each stage's auxiliary losses are parts summed over pp; each dp·cp rank holds the mean
+        of its own tokens, averaged over dp·cp: the global mean loss."""
+        return {"parts_over": self.groups["pp"], "mean_over": self.groups["dp_cp"]}
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by single-device name (tensor-parallel shards)."""

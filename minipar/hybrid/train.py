@@ -39,13 +39,13 @@ def train(model, batches, optimizer=None, dp: int = 1, pp: int = 1, tp: int = 1,
                          sequence_parallel=sequence_parallel, bucket_cap_mb=bucket_cap_mb, bounds=bounds,
                          dtype=dtype, recompute=recompute, layout=layout, variant=variant,
                          reshard_after_forward=reshard_after_forward, dp_shard=dp_shard)
-    losses, measured = strategy.loop(batches, lambda i, batch: hybrid.step(*batch),
-                                     reduce=hybrid.reduce_loss, events=True)
-    if measured:
+    losses, measured = strategy.loop(batches, lambda i, batch: hybrid.step(*batch), **hybrid.loss_groups,
+                                     events=True)
+    if "events" in measured:                             # a step ran
         hybrid.last_step = hybrid.step_record(measured)
-        measured["bytes_by_dim"] = hybrid.last_step["bytes"]
+        measured.bytes_by_dim = hybrid.last_step["bytes"]
     full = hybrid.full_state_dict()                      # a collective: every rank takes part
-    measured |= {"coords": hybrid.coords, "memory": hybrid.memory()}
+    measured.update(coords=hybrid.coords, memory=hybrid.memory())
     if hybrid.sharded is not None:      # ZeRO-3: the most bytes of gathered units alive at once
         measured["peak_gathered_bytes"] = hybrid.sharded.peak_gathered_bytes
         measured["peak_held_grad_bytes"] = hybrid.sharded.peak_held_grad_bytes

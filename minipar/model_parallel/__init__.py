@@ -34,7 +34,6 @@ from ..comm import group_rank, group_size
 from ..models import lm_loss
 from . import stage_comm
 from .partition import boundary_shapes, layer_costs, owned_parameters, partition
-from ..precision import autocast
 from ..reference import sgd
 from ..memory import model_state_bytes
 
@@ -76,7 +75,7 @@ class NaiveModelParallel:
         # >>> ex03 A
         r, n, g, c = self.rank, self.n, self.group, self.comm
         inp = x if r == 0 else c.recv_activation(self.shapes[r - 1], r - 1, g, stage=r)
-        with trace.region("forward", stage=r, microbatch=0, phase="F"), autocast(self.dtype, inp.device):
+        with strategy.forward(self.dtype, inp, "forward", stage=r, microbatch=0, phase="F"):
             out = self.stage(inp)
             if r == n - 1:
                 out = self.loss_fn(out, y)
@@ -129,7 +128,7 @@ def train(model, batches, optimizer=None, group=None, stages=None, dtype=None, r
         opt.step()
         return loss                               # the last rank's float, None elsewhere
 
-    losses, measured = strategy.loop(batches, step, op=None)
+    losses, measured = strategy.loop(batches, step, mean_over=strategy.WHOLE)
     state = model_state_bytes(parts[rank], optimizer=opt)
     measured["memory"] = {k: state[k] for k in ("params", "grads", "optimizer")} | {"activations": saved.bytes}
     return {"losses": losses if rank == len(parts) - 1 else None,

@@ -78,8 +78,9 @@ def train_adaptive(model, batches, optimizer=None, group=None, schedule: str = "
     steps (module docstring); :func:`minipar.pipeline.train` with ``probe_steps=`` calls it, and
     ``pipeline.run(model, batches, p, probe_steps=k)`` launches it. Returns ``losses`` (rank of the
     last stage), this rank's final ``params`` and ``measured``: ``bounds_before``/``bounds_after``,
-    ``layer_times``, ``seconds`` of every step, ``events_before``/``events_after`` (this rank's
-    last step on each cut) and the last step's ``bytes_by_dim``."""
+    ``layer_times``, ``step_seconds`` of every step, ``events_before``/``events_after`` (this rank's
+    last step on each cut), and the last step's ``seconds`` and ``bytes_by_dim``, with the final
+    cut's ``memory`` (a :class:`~minipar.strategy.Measured`)."""
     p, me = group_size(group), group_rank(group)
     layers, make = model.layers(), optimizer or sgd()
     sched = make_schedule(schedule, p, microbatches or p, 1, len(layers))
@@ -106,9 +107,9 @@ def train_adaptive(model, batches, optimizer=None, group=None, schedule: str = "
         return loss
 
     hook = layers[cut[me]].register_forward_pre_hook(keep_input)
-    losses, before = strategy.loop(batches[:probe_steps], step, op=None, events=True, history=True)
+    losses, before = strategy.loop(batches[:probe_steps], step, mean_over=strategy.WHOLE, events=True, history=True)
     hook.remove()
-    out = {"bounds_before": cut, "seconds": before.get("step_seconds", []),
+    out = {"bounds_before": cut, "step_seconds": before.get("step_seconds", []),
            "events_before": before.get("events", [])}
     if probe_steps < len(batches):       # steps remain: time, re-cut, move, go on
         last = cut[me + 1] == len(layers)
@@ -122,12 +123,15 @@ def train_adaptive(model, batches, optimizer=None, group=None, schedule: str = "
         moved = move_layers(layers, cut, new, opt, group)
         cut = new
         now.update(zip(("stages", "pipe", "opt"), build(cut, {**kept, **moved})))
-        more, after = strategy.loop(batches[probe_steps:], step, op=None, events=True, history=True)
+        more, after = strategy.loop(batches[probe_steps:], step, mean_over=strategy.WHOLE, events=True,
+                                     history=True)
         losses += more
-        out.update(layer_times=times.tolist(), bounds_after=cut, seconds=out["seconds"] + after["step_seconds"])
+        out.update(layer_times=times.tolist(), bounds_after=cut,
+                   step_seconds=out["step_seconds"] + after["step_seconds"])
         before = after
-    out.update(events_after=before.get("events", []), bytes_by_dim=before.get("bytes_by_dim", {}),
-               bytes_sent=before.get("bytes_sent", 0))
+    out["events_after"] = before.get("events", [])
+    memory = strategy.state_memory(now["pipe"], now["opt"])
+    measured = strategy.Measured(before.seconds, before.bytes_by_dim, memory, out)
     return {"losses": losses if (len(cut) - 2) % p == me else None,     # the rank of the last stage
             "params": strategy.full_params(owned_parameters(model, now["stages"]).items()),
-            "measured": out}
+            "measured": measured}

@@ -34,7 +34,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from .. import precision
+from .. import strategy
 from ..runtime import trace
 from ..comm import group_rank, group_size
 from ..comm import p2p
@@ -105,7 +105,7 @@ class Pipeline:
             i, s = a.microbatch, a.stage
             x = self.xs[i] if s == 0 else self.inbox.pop(("F", i, s))
             dw = WeightGrads() if self.split_backward else None
-            with precision.autocast(self.compute_dtype, self.device or "cpu"), \
+            with strategy.forward(self.compute_dtype, self.device or "cpu"), \
                     (deferred(dw) if dw is not None else nullcontext()):
                 out = self.stages[s](x)
                 if s == self.last:

@@ -95,10 +95,11 @@ def train(model, batches, optimizer=None, group=None, schedule="1f1b", microbatc
         opt.step()
         return loss, {"peak_stash": pipe.peak_stash}
 
-    losses, measured = strategy.loop(batches, step, op=None)
+    losses, measured = strategy.loop(batches, step, mean_over=strategy.WHOLE)
+    measured.update(memory=strategy.state_memory(pipe, opt), bounds=bounds)
     return {"losses": losses if sched.n_stages - 1 in stages else None,
             "params": strategy.full_params(owned_parameters(model, stages).items()),
-            "measured": measured | {"bounds": bounds}}
+            "measured": measured}
 
 
 def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.TrainResult:

@@ -11,9 +11,10 @@ in place when ``torchrun`` started the process::
     torchrun --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d --max-restarts 3 \\
              --rdzv_endpoint HOST:29500 -m minipar.train --dp 2 --pp 2 --tp 2   # each node
 
-Every rank builds its part of the model (:func:`minipar.hybrid.build`) and calls ``train_step``
-on the global batch ``minipar.data.get_batch(tokens, step)`` (the data position is the step
-number, nothing else). With ``--checkpoint-dir`` it saves a sharded checkpoint
+Every rank builds its part of the model (:func:`minipar.hybrid.build`) and runs its step
+(``HybridModel.step``) in :func:`minipar.strategy.loop` on the global batch
+``minipar.data.get_batch(tokens, step)`` (the data position is the step number, nothing else); the
+loop's ``after`` callback does the rest of every step (one loop per layout). With ``--checkpoint-dir`` it saves a sharded checkpoint
 (:mod:`minipar.production.checkpoint`) every ``--save-every`` steps and at the end, and **continues from the
 latest one by itself** (after a ``torchrun --max-restarts`` restart or a Slurm requeue), on any
 mesh, with the losses the uninterrupted run would have had; ``--resume`` insists on one. Rank 0
@@ -143,7 +144,7 @@ def rank_main(args) -> dict:
 def _train(args, signals) -> dict:
     from . import checkpoint
     from ..runtime import flight
-    from .. import hybrid, reference
+    from .. import hybrid, reference, strategy
     from ..data import corpus_tokens, get_batch
     from .faults import Snapshot, agree, rss_bytes
     from ..mesh import ProcessMesh
@@ -199,17 +200,18 @@ def _train(args, signals) -> dict:
     losses, skipped, rss, stopped = [], [], [], None
     t0, saved = time.perf_counter(), None
     flight.arm()  # the hang watchdog counts from here
-    for step in range(start, args.steps):
-        if snapshot is not None:
-            snapshot.take()
-        loss = model.train_step(*get_batch(tokens, args.batch_size, args.block_size, step,
-                                           args.data_seed))
+    step = start
+
+    def after(i, loss, seconds) -> bool:
+        """What the command does after every step of :func:`minipar.strategy.loop`; True ends the
+        loop: a stop (a NaN without --nonfinite skip, a preemption) or another model (a switch)."""
+        nonlocal model, snapshot, saved, stopped, recovery, step
         everyone, stop = agree(loss, signals.requested)  # one verdict for all ranks
         bad = [r for r, v in enumerate(everyone) if not math.isfinite(v)]
         if bad and snapshot is None:
             stopped = {"reason": "nonfinite", "step": step, "value": str(everyone[bad[0]]),
                        "ranks": bad if len(bad) < len(everyone) else None}
-            break
+            return True
         if bad:
             snapshot.restore()  # the step never happened; its batch is not seen again
             skipped.append(step)
@@ -221,9 +223,9 @@ def _train(args, signals) -> dict:
         if done % every == 0 or done == args.steps:
             rss.append([done, rss_bytes()])
         if step == start:
-            recovery |= {"step": start, "first_step_s": model.last_step["seconds"], "first_step_at": time.time()}
+            recovery |= {"step": start, "first_step_s": seconds, "first_step_at": time.time()}
         before = model
-        model = adaptive.after(done, model.last_step["seconds"])   # probe, switch, re-partition
+        model = adaptive.after(done, seconds)   # probe, switch, re-partition
         if model is not before and snapshot is not None:
             snapshot = Snapshot(model, model.optimizer)
         if args.checkpoint_dir and (done == args.steps or stop or
@@ -232,10 +234,23 @@ def _train(args, signals) -> dict:
                                     extra={"next_step": done, "data": data_signature(args),
                                            "config": asdict(config), "losses": history + losses,
                                            "recoveries": earlier + [recovery]})
+        step = done
         if stop:
-            stopped = {"reason": "preempted", "step": step, "signal": signals.received or "a signal",
+            stopped = {"reason": "preempted", "step": done - 1, "signal": signals.received or "a signal",
                        "checkpoint": str(saved) if saved else None}
-            break
+        if stop or model is not before:
+            return True
+        if snapshot is not None:
+            snapshot.take()     # before the next step, off its timed body
+        return False
+
+    while step < args.steps and stopped is None:   # one loop per model: a switch starts the next
+        now = model
+        if snapshot is not None:
+            snapshot.take()
+        batches = (get_batch(tokens, args.batch_size, args.block_size, s, args.data_seed)
+                   for s in range(step, args.steps))
+        strategy.loop(batches, lambda i, batch: now.step(*batch), **now.loss_groups, after=after)
     bar.close()
     return {"losses": losses, "first_step": start, "resumed_from": resumed_from,
             "history": history + losses, "skipped": skipped, "stopped": stopped, "rss": rss,

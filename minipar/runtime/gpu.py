@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -117,7 +118,7 @@ def allocator_peaks(measured) -> list | None:
     a run's per-rank ``measured`` dicts (``TrainResult.measured``; :func:`minipar.strategy.on_device`
     sets ``"gpu_peak_bytes"`` there on a GPU) or from plain numbers (``peak_memory().bytes``
     returned by rank functions). ``None`` when no rank ran on a GPU."""
-    peaks = [m.get("gpu_peak_bytes") if isinstance(m, dict) else m for m in measured]
+    peaks = [m.get("gpu_peak_bytes") if isinstance(m, Mapping) else m for m in measured]
     return None if all(p is None for p in peaks) else peaks
 
 

@@ -49,13 +49,14 @@ def train(model: GPT, batches, optimizer=None, group=None, sequence_parallel: bo
     def step(i, batch):
         x, y = batch
         opt.zero_grad(set_to_none=True)
-        with saved if i == 0 else nullcontext(), precision.autocast(dtype, device):
+        with saved if i == 0 else nullcontext(), strategy.forward(dtype, device):
             loss = tp(x.to(device), y.to(device))
         loss.backward()
         opt.step()
-        return loss.detach(), {"activations": saved.bytes}  # every rank has the global loss
+        return loss.detach()                                # every rank has the global loss
 
-    losses, measured = strategy.loop(batches, step, op=None)
+    losses, measured = strategy.loop(batches, step, mean_over=strategy.WHOLE)
+    measured.memory = strategy.state_memory(tp, opt, activations=saved.bytes)
     params = full_state_dict(tp)  # a collective; then group rank 0 keeps the model's parameters
     keep = (k for k, _ in model.named_parameters())  # a tied head is one parameter, as in the model
     full = strategy.full_params((k, params[k]) for k in keep) if size_and_rank(group)[1] == 0 else None

@@ -17,7 +17,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .. import precision, strategy
+from .. import strategy
 from ..activations import SavedActivations
 from ..comm import group_rank, group_size
 from ..data import shard
@@ -115,13 +115,13 @@ def train(model, batches, optimizer=None, group=None, stage: int = 1, param_dtyp
         x, y = batch
         opt.zero_grad()
         # activation bytes: counted in the first step (every step saves the same), off the timed ones
-        with acts if i == 0 else nullcontext(), precision.autocast(dtype, device):
+        with acts if i == 0 else nullcontext(), strategy.forward(dtype, device):
             loss = fwd(shard(x, r, n), shard(y, r, n))
         loss.backward()
         opt.step()
         return loss, measure
 
-    losses, measured = strategy.loop(batches, step, group=group)
+    losses, measured = strategy.loop(batches, step, mean_over=group)
     params = s3.gather_full_params() if stage == 3 else strategy.full_params(model.named_parameters())
     return {"losses": losses, "params": params, "measured": measured}
 

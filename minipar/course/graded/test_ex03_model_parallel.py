@@ -56,7 +56,7 @@ C. The pipeline's compute actions, ``Pipeline.F(a)``, ``.B(a)`` and ``.W(a)`` (s
      its W), and no longer**: the step's ``peak_stash`` is the schedule's;
    * **with ``schedule.split_backward`` (ZB-H1), B computes the input gradients only and W the
      weight gradients** (``minipar.pipeline.deferred`` and ``WeightGrads``);
-   * **the forward computes in ``compute_dtype``** (``minipar.precision.autocast``).
+   * **the forward computes in ``compute_dtype``** (``minipar.strategy.forward``, the one place a forward enters autocast).
 
 Graded on 2 and 3 ranks: the values, dtypes and gradients that arrive, the recorded bytes and
 their group, an LSTM and a GPT split over ranks, pipelined GPTs (a schedule whose second rank
@@ -97,8 +97,8 @@ HINTS = {
         " src, group, name='recv_activation', tag=tag, **labels).wait(); return "
         "x.requires_grad_(). send_grad / recv_grad: the same with names 'send_grad' / "
         "'recv_grad', without requires_grad. step: inp = x or recv_activation(shapes[r-1], r-1, "
-        'g, stage=r); out = stage(inp) under trace.region("forward", ...) and autocast(dtype, '
-        'inp.device), loss_fn(out, y) on the last; send = send_activation(out, r+1, ...); grad = '
+        'g, stage=r); out = stage(inp) under strategy.forward(dtype, inp, "forward", ...) '
+        '(the trace region and autocast together), loss_fn(out, y) on the last; send = send_activation(out, r+1, ...); grad = '
         'recv_grad(shapes[r], r+1, ...); torch.autograd.backward(out, grad); send_grad(inp.grad, '
         'r-1, ...).wait(); send.wait(); return out.item() on the last rank.',
     ),
@@ -128,7 +128,7 @@ HINTS = {
         "any, backward from it (cast to the output's dtype), put the input's .grad in the outbox "
         "unless s is 0, and stash dw again for W. W: pop dw and apply it.",
         "F: i, s = a.microbatch, a.stage; x = xs[i] if s == 0 else inbox.pop(('F', i, s)); dw = "
-        "WeightGrads() if schedule.split_backward else None; with precision.autocast(compute_dtype, "
+        "WeightGrads() if schedule.split_backward else None; with strategy.forward(compute_dtype, "
         "device or 'cpu'), (deferred(dw) if dw is not None else nullcontext()): out = stages[s](x); "
         "if s == last: out = loss_fn(out, ys[i]) / m; loss = loss + out.detach().double(). "
         "stash[i, s] = (x, out, dw); if s < last: outbox['F', i, s] = out. B: x, out, dw = "

@@ -34,6 +34,7 @@ EXTRAS = {
     "grad_norm": "the last step's global gradient norm before clipping (max_grad_norm=)",
     "peak_gathered_bytes": "the most bytes of ZeRO-3's gathered units alive at once",
     "peak_held_grad_bytes": "the most bytes of ZeRO-3's unreduced gradients held at once",
+    "peak_state_bytes": "the most bytes of ZeRO-3's parameters, gradients and optimizer state held at once",
     # context parallelism
     "bytes_by_name": "the last step's bytes sent by operation name",
     "attention_seconds": "the last step's attention seconds, forward and backward",

@@ -35,9 +35,10 @@ def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             if torch.is_tensor(v) and v.numel() == p.numel() and v.dim() > 0]
 
 
-def model_state_bytes(strategy, model: torch.nn.Module | None = None,
-                      optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """``{"params", "grads", "optimizer", "total"}`` bytes on this rank.
+def held_state_bytes(strategy, model: torch.nn.Module | None = None,
+                     optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """``{"params", "grads", "optimizer", "total"}`` bytes this rank holds, counted from its tensors
+    (the planner's formula for the same is :func:`minipar.plan.model_state_bytes`).
 
     ``strategy``: anything with ``memory_tensors()`` (the ZeRO optimizers, or
     ``FullyShardedDataParallel`` with its ``optimizer`` passed), or a plain model with

@@ -255,10 +255,10 @@ def forward(dtype=None, on="cpu", region: str | None = None, **labels):
 def state_memory(module, optimizer=None, **counted) -> dict[str, int]:
     """``Measured.memory`` of a strategy whose rank holds plain modules and an optimizer:
     ``{"params", "grads", "optimizer", "total"}`` bytes of ``module``'s parameters, their gradients
-    and ``optimizer``'s state on this rank (:func:`minipar.memory.model_state_bytes`, distinct
+    and ``optimizer``'s state on this rank (:func:`minipar.memory.held_state_bytes`, distinct
     storages), then ``counted`` (e.g. ``activations=``), outside the total."""
-    from .memory import model_state_bytes
-    return model_state_bytes(module, optimizer=optimizer) | counted
+    from .memory import held_state_bytes
+    return held_state_bytes(module, optimizer=optimizer) | counted
 
 
 def full_params(named) -> dict[str, torch.Tensor]:

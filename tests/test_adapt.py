@@ -186,7 +186,7 @@ def test_training_command_switches_twice_and_resumes_past_a_switch(tmp_path):
                                                                    (4, "pp=2,tp=2,zero=1")]
     args = train.parse(common + ["6"])
     data = batches(corpus_tokens()[0], 6, args.batch_size, args.block_size, seed=args.data_seed)
-    want = train_reference(GPT(train.gpt_config(args), seed=args.seed), data, adamw(args.lr, args.weight_decay))
+    want = train_reference(GPT(train.model_config(args), seed=args.seed), data, adamw(args.lr, args.weight_decay))
     torch.testing.assert_close(torch.tensor(first["losses"] + second["losses"]),
                                torch.tensor(want["losses"]), rtol=1e-4, atol=5e-5)
     got = checkpoint.load_full_state_dict(ckpt)
@@ -209,7 +209,7 @@ def test_training_command_chooses_its_layout_by_measuring(tmp_path, capsys):
     assert "layout auto: " in capsys.readouterr().out
     args = train.parse(argv)
     data = batches(corpus_tokens()[0], 8, args.batch_size, args.block_size, seed=args.data_seed)
-    want = train_reference(GPT(train.gpt_config(args), seed=args.seed), data, adamw(args.lr, args.weight_decay))
+    want = train_reference(GPT(train.model_config(args), seed=args.seed), data, adamw(args.lr, args.weight_decay))
     torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want["losses"]), rtol=1e-4, atol=5e-5)
 
 

@@ -98,7 +98,7 @@ def test_a_node_leaves_and_comes_back_and_the_losses_are_one_process(tmp_path):
     assert worlds[0] == 4 and 3 in worlds and worlds[-1] == 4, (worlds, report)
     args = train.parse(RUN)
     data = batches(corpus_tokens()[0], 40, args.batch_size, args.block_size, seed=args.data_seed)
-    want = train_reference(GPT(train.gpt_config(args), seed=args.seed), data, adamw(args.lr, args.weight_decay))
+    want = train_reference(GPT(train.model_config(args), seed=args.seed), data, adamw(args.lr, args.weight_decay))
     torch.testing.assert_close(torch.tensor(got["history"]), torch.tensor(want["losses"]), rtol=1e-4, atol=5e-5)
     shrunk = next(r for r in got["recoveries"] if r["world"] == 3)
     failed_at = float(left.read_text())

@@ -293,7 +293,7 @@ def test_nonfinite_skip_undoes_the_step_and_a_lone_nan_names_its_rank(tmp_path):
     got = res[0]
     assert got["skipped"] == [2] and math.isnan(got["losses"][2]) and got["stopped"] is None
     data = batches(corpus_tokens()[0], 5, args.batch_size, args.block_size, seed=args.data_seed)
-    want = train_reference(GPT(train.gpt_config(args), seed=args.seed), data[:2] + data[3:],
+    want = train_reference(GPT(train.model_config(args), seed=args.seed), data[:2] + data[3:],
                            adamw(args.lr, args.weight_decay))
     kept = got["losses"][:2] + got["losses"][3:]
     torch.testing.assert_close(torch.tensor(kept), torch.tensor(want["losses"]), rtol=RTOL, atol=ATOL)

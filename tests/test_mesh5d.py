@@ -1,7 +1,7 @@
 """Five dimensions on one mesh: the ep groups carved out of dp·cp, the plain errors before launch,
 and EP × PP (× TP, × CP, × DP) trained against its stated reference on 8 ranks.
 
-The reference (:func:`minipar.hybrid.experts.train_reference`) is one process accumulating the
+The reference (:func:`minipar.hybrid.experts.moe_reference`) is one process accumulating the
 same m micro-batches, capacity and the auxiliary loss counted per micro-batch. Tolerance:
 AdamW magnifies last-bit differences of reordered sums (tests/test_zero.py), so losses and
 final parameters agree within rtol 1e-4, atol 5e-5 (measured: ~5e-6 on the parameters); the
@@ -60,9 +60,9 @@ def test_check_rejects_impossible_combinations(config, options, message):
 def _compare(options: dict, config=MOE):
     got = hybrid.run(GPT(config, seed=0), DATA, math.prod(options.get(d, 1) for d in ("dp", "pp", "tp", "cp")), optimizer=adamw(1e-2, 0.1), **options)
     m, dp = options["microbatches"], options["dp"]
-    want = experts.train_reference(GPT(config, seed=0), DATA, adamw(1e-2, 0.1), dp=dp, microbatches=m)
+    want = experts.moe_reference(GPT(config, seed=0), DATA, adamw(1e-2, 0.1), dp=dp, microbatches=m)
     assert_same_training(got, want, rtol=RTOL, atol=ATOL)
-    per_batch = experts.train_reference(GPT(config, seed=0), DATA, adamw(1e-2, 0.1))
+    per_batch = experts.moe_reference(GPT(config, seed=0), DATA, adamw(1e-2, 0.1))
     with pytest.raises(AssertionError):  # the definition matters: per batch is another training
         assert_same_training(got, per_batch, rtol=RTOL, atol=ATOL)
     return got
@@ -99,7 +99,7 @@ def test_zero2_and_zero3_with_experts():
     stage holds fewer bytes than the one before, and both ZeRO-3 designs hold the same."""
     def run(dp, **options):
         got = hybrid.run(GPT(MOE, seed=0), DATA, dp, optimizer=adamw(1e-2, 0.1), dp=dp, ep=2, **options)
-        want = experts.train_reference(GPT(MOE, seed=0), DATA, adamw(1e-2, 0.1), dp=dp, microbatches=1)
+        want = experts.moe_reference(GPT(MOE, seed=0), DATA, adamw(1e-2, 0.1), dp=dp, microbatches=1)
         assert_same_training(got, want, rtol=RTOL, atol=ATOL)
         return got.measured[0]
     assert run(2, zero=3)["bytes_by_dim"]["dp"] > 0

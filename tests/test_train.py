@@ -25,7 +25,7 @@ def _reference(steps: int, dtype=None, recompute="none", device=None) -> dict:
     ``device`` (default: where ``MINIPAR_DEVICE`` puts the ranks)."""
     args = train.parser().parse_args(COMMON)
     data = batches(corpus_tokens()[0], steps, args.batch_size, args.block_size, seed=args.data_seed)
-    model = GPT(train.gpt_config(args), seed=args.seed).set_recompute(recompute)
+    model = GPT(train.model_config(args), seed=args.seed).set_recompute(recompute)
     return train_reference(model, data, adamw(args.lr, args.weight_decay), dtype=dtype, device=device)
 
 

@@ -134,7 +134,7 @@ def test_moe_5d_run_resumes_on_another_layout_like_one_process(tmp_path):
     assert second["resumed_from"] == {"pp": 2, "dp": 2, "tp": 1, "cp": 2, "ep": 2}
     args = train.parse(common)
     data = batches(corpus_tokens()[0], 4, args.batch_size, args.block_size, seed=args.data_seed)
-    want = experts.train_reference(GPT(train.gpt_config(args), seed=args.seed), data,
+    want = experts.moe_reference(GPT(train.model_config(args), seed=args.seed), data,
                                    adamw(args.lr, args.weight_decay), dp=2, microbatches=2)
     torch.testing.assert_close(torch.tensor(first["losses"] + second["losses"]),
                                torch.tensor(want["losses"]), rtol=1e-4, atol=5e-5)
@@ -149,7 +149,7 @@ def test_zero2_and_zero3_layouts_through_the_command_train_like_one_process(tmp_
     and ZeRO-2, dp2·tp2·pp2 ZeRO-3, dp2·cp2 ZeRO-3 per-parameter, dp2·cp2·pp2 ZeRO-3 flat, HSDP 2×2
     ZeRO-3 per-parameter, and dp2·ep2 MoE ZeRO-3: the losses it writes equal one process's
     (rtol 1e-4, atol 5e-5: AdamW, as tests/test_train.py; the MoE's reference accumulates the
-    same micro-batches, :func:`minipar.hybrid.experts.train_reference`)."""
+    same micro-batches, :func:`minipar.hybrid.experts.moe_reference`)."""
     from minipar.reference import train_reference
     common = ["--batch-size", "8", "--steps", "3", "--no-progress", "--n-layer", "2", "--n-embd", "16",
               "--block-size", "16", "--zero", "3"]
@@ -161,9 +161,9 @@ def test_zero2_and_zero3_layouts_through_the_command_train_like_one_process(tmp_
                ["--dp-shard", "2", "--dp-replicate", "2", "--sharding", "per-parameter"]]
     args = train.parse(common)
     data = batches(corpus_tokens()[0], 3, args.batch_size, args.block_size, seed=args.data_seed)
-    want = train_reference(GPT(train.gpt_config(args), seed=args.seed), data, adamw(args.lr, args.weight_decay))
+    want = train_reference(GPT(train.model_config(args), seed=args.seed), data, adamw(args.lr, args.weight_decay))
     moe = train.parse(common + MOE)
-    want_moe = experts.train_reference(GPT(train.gpt_config(moe), seed=args.seed), data,
+    want_moe = experts.moe_reference(GPT(train.model_config(moe), seed=args.seed), data,
                                        adamw(args.lr, args.weight_decay), dp=2, microbatches=1)
     for i, layout in enumerate(layouts + [MOE + ["--dp", "2", "--ep", "2"]]):
         want = want_moe if layout[:2] == MOE else want
@@ -194,10 +194,10 @@ def test_zero3_checkpoints_resume_across_layouts(tmp_path):
             saved = checkpoint.load_full_state_dict(ckpt)
     args = train.parse(common)
     data = batches(corpus_tokens()[0], 4, args.batch_size, args.block_size, seed=args.data_seed)
-    model = GPT(train.gpt_config(args), seed=args.seed)
+    model = GPT(train.model_config(args), seed=args.seed)
     want = train_reference(model, data, adamw(args.lr, args.weight_decay))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want["losses"]), rtol=1e-4, atol=5e-5)
-    first = train_reference(GPT(train.gpt_config(args), seed=args.seed), data[:2], adamw(args.lr, args.weight_decay))
+    first = train_reference(GPT(train.model_config(args), seed=args.seed), data[:2], adamw(args.lr, args.weight_decay))
     assert set(saved) == set(first["params"])
     for k, v in first["params"].items():
         torch.testing.assert_close(saved[k], v, rtol=1e-4, atol=5e-5)

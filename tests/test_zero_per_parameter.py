@@ -19,7 +19,7 @@ from minipar.zero import (FullyShardedDataParallel, ReplicatedOptimizer, Zero2Op
                           ZeroOptimizer, clip_grad_norm_, fully_shard, full_state,
                           padded_unit_sizes)
 from minipar.strategy import to_device
-from minipar.memory import model_state_bytes
+from minipar.memory import held_state_bytes
 
 EVEN = dict(vocab_size=65, n_embd=32, n_head=2, n_layer=2, block_size=16)
 ODD = dict(vocab_size=67, n_embd=30, n_head=2, n_layer=2, block_size=16)
@@ -56,7 +56,7 @@ def _per_parameter_runs(dtype=None):
             comm = [e for e in trace.events()[mark:] if e["kind"] == "comm"]
             out[name, opt_name] = {
                 "losses": losses, "params": full_state(model), "grads_are_shards": grads_are_shards,
-                "memory": model_state_bytes(model, optimizer=opt), "sizes": padded_unit_sizes(model),
+                "memory": held_state_bytes(model, optimizer=opt), "sizes": padded_unit_sizes(model),
                 "sent": sum(e["bytes_sent"] for e in comm), "calls": len(comm)}
     return out
 

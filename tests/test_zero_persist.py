@@ -27,7 +27,7 @@ from minipar import data, reference, zero
 from minipar.runtime import trace
 from minipar.models import GPT, GPTConfig
 from minipar.zero import FullyShardedDataParallel, full_state, fully_shard
-from minipar.memory import model_state_bytes
+from minipar.memory import held_state_bytes
 
 CFG = GPTConfig(vocab_size=67, n_embd=30, n_head=2, n_layer=2, block_size=16)
 STEPS, BATCH = 3, 8
@@ -80,7 +80,7 @@ def _persist_runs():
                 dist.all_reduce(t)
                 losses.append(t.item() / n)
             out[design, name] = {
-                "losses": losses, "memory": model_state_bytes(s3, optimizer=opt),
+                "losses": losses, "memory": held_state_bytes(s3, optimizer=opt),
                 "params": fwd.gather_full_params() if design == "flat" else full_state(model),
                 "calls": len(comm), "ops": sorted({e["name"] for e in comm}),
                 "sent": sum(e["bytes_sent"] for e in comm), "sizes": s3.unit_sizes() if design == "flat"

@@ -9,7 +9,7 @@ i-th micro-batch of every dp shard, together: :func:`micro_batches`) every MoE l
     aux_i     = E · Σ_e f_{i,e} · P_{i,e}          f, P over the micro-batch's tokens
 
 and the batch's loss is L = 1/m Σ_i (ℓ_i + aux_coef · aux_i + z_coef · z_i). The reference is
-one process that accumulates the same m micro-batches (:func:`train_reference`); with m = 1 it
+one process that accumulates the same m micro-batches (:func:`moe_reference`); with m = 1 it
 is the ordinary single-process step. The mesh reproduces it:
 
 * every MoE layer becomes :class:`~minipar.expert_parallel.ExpertParallelMoE` over the rank's
@@ -46,7 +46,7 @@ def micro_batches(t: torch.Tensor, dp: int, m: int) -> list[torch.Tensor]:
     return [torch.cat([c[i] for c in chunks]) for i in range(m)]
 
 
-def train_reference(model, batches, make_optimizer=None, dp: int = 1, microbatches: int = 1,
+def moe_reference(model, batches, make_optimizer=None, dp: int = 1, microbatches: int = 1,
                     dtype=None) -> dict:
     """One process, the stated reference of the mesh (module docstring): every step
     accumulates the gradients of the m micro-batches (:func:`micro_batches`), each loss

@@ -19,7 +19,7 @@ single-process step (up to the order of floating-point sums).
 
 * **ep**: a mixture-of-experts GPT's MoE layers are spread over the rank's ep group (carved out of
   dp·cp, :class:`~minipar.mesh.ProcessMesh`), capacity and the auxiliary loss counted per
-  micro-batch; the step then equals :func:`minipar.hybrid.experts.train_reference` (one process
+  micro-batch; the step then equals :func:`minipar.hybrid.experts.moe_reference` (one process
   accumulating the same micro-batches), :mod:`.experts` states why and how."""
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from ..models.gpt import GPT
 from ..pipeline import Pipeline
 from ..reference import sgd
 from ..tensor_parallel import gather_shards, shard_state_dict, unshard_state_dict
-from ..zero import model_state_bytes, state_tensors, storage_bytes
+from ..zero import held_state_bytes, state_tensors, storage_bytes
 from . import experts
 from .hsdp import hsdp_groups, reduce_replicas
 from .parallelize import Parallelism, parallelize
@@ -207,12 +207,12 @@ class HybridModel:
 
     def memory(self) -> dict[str, int]:
         """Bytes of model states this rank holds: ``{"params", "grads", "optimizer", "total"}``
-        (distinct storages, as :func:`minipar.zero.model_state_bytes` counts them)."""
+        (distinct storages, as :func:`minipar.zero.held_state_bytes` counts them)."""
         if self.sharded is not None:    # ZeRO-3: shards, gathered buffers, its optimizer's state
-            return model_state_bytes(self.sharded, optimizer=self.optimizer)
+            return held_state_bytes(self.sharded, optimizer=self.optimizer)
         if self.zero:
             parts = getattr(self.optimizer, "parts", [self.optimizer])
-            sizes = [model_state_bytes(o) if hasattr(o, "units") else None for o in parts]
+            sizes = [held_state_bytes(o) if hasattr(o, "units") else None for o in parts]
             return {k: sum(s[k] for s in sizes if s) for k in sizes[0]}
         ps = list(self.params.values())
         out = {"params": storage_bytes(ps), "grads": storage_bytes([p.grad for p in ps]),

@@ -35,7 +35,7 @@ from ..models import lm_loss
 from . import stage_comm
 from .partition import boundary_shapes, layer_costs, owned_parameters, partition
 from ..reference import sgd
-from ..memory import model_state_bytes
+from ..memory import held_state_bytes
 
 
 class LSTMBody(nn.Module):
@@ -129,7 +129,7 @@ def train(model, batches, optimizer=None, group=None, stages=None, dtype=None, r
         return loss                               # the last rank's float, None elsewhere
 
     losses, measured = strategy.loop(batches, step, mean_over=strategy.WHOLE)
-    state = model_state_bytes(parts[rank], optimizer=opt)
+    state = held_state_bytes(parts[rank], optimizer=opt)
     measured["memory"] = {k: state[k] for k in ("params", "grads", "optimizer")} | {"activations": saved.bytes}
     return {"losses": losses if rank == len(parts) - 1 else None,
             "params": strategy.full_params(owned_parameters(model, {rank: parts[rank]}).items()),

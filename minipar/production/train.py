@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from .faults import EXIT_HUNG, EXIT_NONFINITE, EXIT_PREEMPTED, forward_to_ranks
 
-from .train_options import check_options, gpt_config, parse, parser  # noqa: F401
+from .train_options import check_options, model_config, parse, parser  # noqa: F401
 
 
 def data_signature(args) -> dict:
@@ -104,7 +104,7 @@ def check(args, world_size: int | None) -> None:
                      if k in ("batch_size", "microbatches")   # always: the batch is cut by both
                      or getattr(args, k) != (0 if k == "zero" else defaults.get_default(k)))
     try:
-        check_mesh(gpt_config(args), None, world_size, args.dp, args.pp, args.tp, args.microbatches,
+        check_mesh(model_config(args), None, world_size, args.dp, args.pp, args.tp, args.microbatches,
                    args.schedule, args.virtual_stages, batch_size=args.batch_size, cp=args.cp,
                    layout=args.cp_layout, variant=args.cp_variant, ep=args.ep, zero=args.zero,
                    recompute=args.recompute, seq_len=args.block_size, sharding=args.sharding,
@@ -112,7 +112,7 @@ def check(args, world_size: int | None) -> None:
                    dtype=args.dtype)
     except ValueError as e:   # name the options: the layout's rule speaks of dp=, tp=, ...
         raise ValueError(f"{flags}: {e}") from None
-    check_resume(args, gpt_config(args))
+    check_resume(args, model_config(args))
     if args.checkpoint_dir is not None:
         _writable(args.checkpoint_dir)
 
@@ -151,7 +151,7 @@ def _train(args, signals) -> dict:
     from ..models.gpt import GPT
     from ..adapt import Adaptive, Layout, parse_slow, parse_switches
     started_at, t_start = time.time(), time.perf_counter()
-    config, tokens = gpt_config(args), corpus_tokens()[0]
+    config, tokens = model_config(args), corpus_tokens()[0]
 
     def build(lay, bounds=None, mesh=None, zero=None, microbatches=None):
         """A model of layout ``lay`` (with the pipeline cut ``bounds``), or of the flags' ``mesh``."""
@@ -271,7 +271,7 @@ def propose_layouts(args, world: int) -> list[dict]:
     the planner's ``--candidates`` best layouts (:func:`minipar.adapt.auto.propose`)."""
     from ..adapt import propose
     from ..plan import measure_machine
-    config = gpt_config(args)
+    config = model_config(args)
     cluster = measure_machine(config, world)["cluster"]
     return [{"layout": str(r["layout"]), "predicted_ms": r["predicted_ms"]}
             for r in propose(config, args.batch_size, world, cluster, k=args.candidates)]
@@ -282,7 +282,7 @@ def elastic(args, world: int) -> int:
     ranks (a plain error if none fits). Returns ``world``."""
     from ..adapt import fit
     try:
-        lay = fit(gpt_config(args), world, args.batch_size, zero=min(args.zero or 0, 1))
+        lay = fit(model_config(args), world, args.batch_size, zero=min(args.zero or 0, 1))
     except ValueError as e:
         parser().error(f"--elastic: {e}")
     args.dp, args.pp, args.tp, args.cp, args.microbatches = lay.dp, lay.pp, lay.tp, 1, lay.microbatches

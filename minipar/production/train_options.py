@@ -159,7 +159,7 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
-def gpt_config(args):
+def model_config(args):
     """The course GPT these options describe (a mixture of experts with ``--n-experts``)."""
     from ..data import corpus_tokens
     from ..models.gpt import GPTConfig

@@ -3,7 +3,7 @@
 * **Memory.** ``with gpu.peak_memory() as m: step()`` resets the CUDA caching allocator's peak counter
   (``torch.cuda.reset_peak_memory_stats``) and reads ``torch.cuda.max_memory_allocated`` after the
   block (the peak before the reset is kept: :func:`max_allocated` is the running maximum): ``m.bytes`` is the most memory the block's tensors held at once on this rank's GPU (``None``
-  on the CPU, where minipar counts tensors itself, e.g. :func:`minipar.zero.model_state_bytes`). It
+  on the CPU, where minipar counts tensors itself, e.g. :func:`minipar.zero.held_state_bytes`). It
   exceeds a tensor count by the allocator's rounding (blocks of 512 B, segments of 2 MiB), the
   workspaces of cuBLAS/cuDNN and the activations autograd saves; ``m.reserved`` adds what the
   allocator keeps cached. The CUDA context itself (a few hundred MiB) is in neither.

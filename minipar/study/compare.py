@@ -5,7 +5,7 @@
 parallelism, ZeRO 1-3, 2D and 3D), all in one launch, and returns one row per strategy:
 
 * ``memory``: the model states (parameters, gradients, optimizer state) the busiest rank
-  holds, counted tensor by tensor (:func:`minipar.zero.model_state_bytes`), beside the
+  holds, counted tensor by tensor (:func:`minipar.zero.held_state_bytes`), beside the
   formula (:func:`minipar.cost.hybrid_memory_per_rank`, :func:`minipar.cost.zero_bytes_per_rank`);
 * ``sent``: bytes the busiest rank sent in one step (from its trace), beside the formula
   (:func:`minipar.cost.hybrid_comm_bytes`, :func:`minipar.cost.zero_comm_bytes`);

@@ -83,7 +83,7 @@ def toy_command(layout, steps: int = 4, max_ranks: int = 8) -> list[str]:
 
 def toy_run(layout, steps: int = 3, max_ranks: int = 8, seed: int = 0) -> dict:
     """Train ``layout`` at toy size with :func:`minipar.hybrid.run`, and one process on the same
-    micro-batches (:func:`minipar.hybrid.experts.train_reference`). Returns ``{"result"
+    micro-batches (:func:`minipar.hybrid.experts.moe_reference`). Returns ``{"result"
     (TrainResult), "reference" ({"losses", "params"}), "notes", "options", "config"}``."""
     from ..data import batches, synthetic_tokens
     from ..models.gpt import GPT
@@ -95,6 +95,6 @@ def toy_run(layout, steps: int = 3, max_ranks: int = 8, seed: int = 0) -> dict:
                    options["dp"] * options["microbatches"], config.block_size)
     world = options["dp"] * options["pp"] * options["tp"] * options["cp"]   # ep lies inside dp·cp
     result = run(GPT(config, seed=seed), data, world, optimizer=adamw(1e-2, 0.1), **options)
-    reference = experts.train_reference(GPT(config, seed=seed), data, adamw(1e-2, 0.1), dp=options["dp"],
+    reference = experts.moe_reference(GPT(config, seed=seed), data, adamw(1e-2, 0.1), dp=options["dp"],
                                         microbatches=options["microbatches"], dtype=options["dtype"])
     return {"result": result, "reference": reference, "notes": notes, "options": options, "config": config}

@@ -17,7 +17,7 @@ from .clip import clip_grad_norm_
 from .flat import FlatUnit, free_unit, gather_unit, padded_size, shard_size, split_units
 from .per_parameter import full_state, fully_shard, padded_unit_sizes
 from .persist import persistent_parameters
-from ..memory import SavedActivations, model_state_bytes, state_tensors, storage_bytes
+from ..memory import SavedActivations, held_state_bytes, state_tensors, storage_bytes
 from .stage0 import ReplicatedOptimizer
 from .stage1 import ZeroOptimizer, sharded_step
 from .stage2 import Zero2Optimizer
@@ -28,5 +28,5 @@ from .training import check, run, train, wrap
 __all__ = ["ReplicatedOptimizer", "ZeroOptimizer", "Zero2Optimizer", "FullyShardedDataParallel",
            "sharded_step", "gather_unit", "free_unit", "fully_shard", "full_state", "padded_unit_sizes",
            "clip_grad_norm_", "persistent_parameters", "reduce_shard", "reduce_unit_grads", "OrderedReduction", "FlatUnit",
-           "shard_size", "padded_size", "split_units", "check", "train", "run", "wrap", "model_state_bytes", "state_tensors",
+           "shard_size", "padded_size", "split_units", "check", "train", "run", "wrap", "held_state_bytes", "state_tensors",
            "storage_bytes", "SavedActivations"]

@@ -124,7 +124,7 @@ class ZeroOptimizer:
                 s.grad = None                                  # the fp32 copy was temporary
         # <<< ex06 B
 
-    # -- memory anatomy (see minipar.memory.model_state_bytes)
+    # -- memory anatomy (see minipar.memory.held_state_bytes)
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds, by component: parameters, gradients, optimizer
         state (per-element state, plus the fp32 master shards under mixed precision)."""

@@ -5,7 +5,7 @@
 r trains on its shard ``minipar.data.shard(x, r, N)`` of each global batch, so the mean of
 the ranks' losses is the single-process loss. It returns the losses, the final full
 parameters by name, and what the last step ``measured``: ``memory``, bytes per component
-(:func:`minipar.memory.model_state_bytes`, ``activations`` from
+(:func:`minipar.memory.held_state_bytes`, ``activations`` from
 :class:`minipar.activations.SavedActivations`, for stage 3 the peak bytes of gathered units
 in flight), ``bytes_sent`` (and ``bytes_by_dim``) by this rank, the ``unit_sizes`` the
 formulas take, and ``seconds`` (:func:`minipar.strategy.loop`). Activation bytes are
@@ -22,7 +22,7 @@ from ..activations import SavedActivations
 from ..comm import group_rank, group_size
 from ..data import shard
 from ..reference import sgd
-from ..memory import model_state_bytes
+from ..memory import held_state_bytes
 from .stage0 import ReplicatedOptimizer
 from .stage1 import ZeroOptimizer
 from .stage2 import Zero2Optimizer
@@ -103,7 +103,7 @@ def train(model, batches, optimizer=None, group=None, stage: int = 1, param_dtyp
     acts = SavedActivations(model)
 
     def measure(events) -> dict:          # the last step's figures, read after it
-        memory = model_state_bytes(s3, optimizer=opt) if stage == 3 else model_state_bytes(opt)
+        memory = held_state_bytes(s3, optimizer=opt) if stage == 3 else held_state_bytes(opt)
         memory["activations"] = acts.bytes
         if stage == 3:
             memory["gathered_peak"] = s3.peak_gathered_bytes

@@ -10,13 +10,16 @@ the same place in their ep groups hold the same experts: the **expert-data-paral
 """
 from __future__ import annotations
 
+from ..mesh import ProcessMesh
+
 
 def ep_layout(dp: int, ep: int) -> dict[str, list[list[int]]]:
-    """``{"ep": [...], "expert_dp": [...]}``: the groups as lists of dp ranks."""
+    """``{"ep": [...], "expert_dp": [...]}``: the groups as lists of dp ranks, as the mesh carves
+    them (:meth:`minipar.mesh.ProcessMesh.members`, the one place the layout is written)."""
     if ep < 1 or dp % ep:
         raise ValueError(f"ep={ep} must divide the {dp} data-parallel ranks")
-    return {"ep": [list(range(g * ep, (g + 1) * ep)) for g in range(dp // ep)],
-            "expert_dp": [list(range(j, dp, ep)) for j in range(ep)]}
+    mesh = ProcessMesh(dp, 1, 1, ep=ep)
+    return {dim: mesh.all_groups(dim) for dim in ("ep", "expert_dp")}
 
 
 def build_ep_groups(ep: int, dp_groups: list[list[int]] | None = None) -> dict:

@@ -38,9 +38,7 @@ import torch
 import torch.nn as nn
 
 from ..data_parallel import Reducer
-from ..zero import FullyShardedDataParallel, ZeroOptimizer, fully_shard
-from ..zero.per_parameter import sharded_state
-from ..zero.stage2 import Zero2Optimizer
+from ..zero import shard_module, stage_optimizer
 from . import experts
 
 
@@ -129,16 +127,13 @@ def build_optimizer(hm, make, zero: int, sharding: str = "flat", bucket_cap_mb: 
     if zero == 0:
         reducer = Reducer(dense, g["dp_cp"], bucket_cap_mb, overlap=False) if mesh.dp * mesh.cp > 1 else None
         return make(list(hm.params.values())), reducer, None
-    if zero == 1:   # dense state over dp·cp, the experts' over their expert-dp group
-        parts = [ZeroOptimizer(units, make, group=g["dp_cp"])]
+    if zero in (1, 2):   # dense state over dp·cp, the experts' over their expert-dp group, as one unit
+        # (stage 2: gradients reduce-scattered layer by layer, each micro-batch's into the shard;
+        # the experts' scaled by scale_expert_shards: ÷ ep); ZeRO-1 with expert_dp = 1 shards nothing
+        parts = [stage_optimizer(zero, units, make, g["dp_cp"])]
         if expert:
-            parts.append(ZeroOptimizer([expert], make, group=g["expert_dp"]) if mesh.expert_dp > 1
+            parts.append(stage_optimizer(zero, [expert], make, g["expert_dp"]) if zero == 2 or mesh.expert_dp > 1
                          else make(expert))
-        return (parts[0] if len(parts) == 1 else experts.Optimizers(parts)), None, None
-    if zero == 2:   # gradients reduce-scattered layer by layer, each micro-batch's into the shard
-        parts = [Zero2Optimizer(units, make, group=g["dp_cp"])]
-        if expert:  # the experts' over expert-dp, as one unit (scale_expert_shards: ÷ ep)
-            parts.append(Zero2Optimizer([expert], make, group=g["expert_dp"]))
         return (parts[0] if len(parts) == 1 else experts.Optimizers(parts)), None, None
     reshard = reshard_policy(reshard_after_forward, mesh.pp)
     # a pipeline rank holds some layers only: shard a container of them, named back to the GPT
@@ -150,13 +145,11 @@ def build_optimizer(hm, make, zero: int, sharding: str = "flat", bucket_cap_mb: 
     for j, group in enumerate([dense_group] + ([g["expert_dp"]] if expert else [])):   # dense, experts
         # each state ignores the other's parameters (per-parameter: the dense ones are shards by now)
         ignored = [q for n, q in module.named_parameters() if experts.is_expert(names[n]) != (j == 1)]
-        if sharding == "per-parameter":
-            fully_shard(module, group=group, units=layers, reshard_after_forward=reshard, ignored_params=ignored)
-            parts.append(sharded_state(module))
+        parts.append(shard_module(module, group, sharding, units=layers, reshard_after_forward=reshard,
+                                  ignored_params=ignored))
+        if sharding == "per-parameter":     # the module's own parameters are the shards now
             mine = [q for n, q in module.named_parameters() if experts.is_expert(names[n]) == (j == 1)]
         else:
-            parts.append(FullyShardedDataParallel(module, group=group, units=layers,
-                                                  reshard_after_forward=reshard, ignored_params=ignored))
             mine = list(parts[-1].parameters())
         params += mine
         expert_shards += mine if j == 1 else []

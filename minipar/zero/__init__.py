@@ -23,9 +23,11 @@ from .stage1 import ZeroOptimizer, sharded_step
 from .stage2 import Zero2Optimizer
 from .reduce import OrderedReduction, reduce_shard, reduce_unit_grads
 from .fsdp import FullyShardedDataParallel
+from .stages import shard_module, stage_optimizer
 from .training import check, run, train, wrap
 
-__all__ = ["ReplicatedOptimizer", "ZeroOptimizer", "Zero2Optimizer", "FullyShardedDataParallel",
+__all__ = ["ReplicatedOptimizer", "ZeroOptimizer", "Zero2Optimizer", "FullyShardedDataParallel", "stage_optimizer",
+           "shard_module",
            "sharded_step", "gather_unit", "free_unit", "fully_shard", "full_state", "padded_unit_sizes",
            "clip_grad_norm_", "persistent_parameters", "reduce_shard", "reduce_unit_grads", "OrderedReduction", "FlatUnit",
            "shard_size", "padded_size", "split_units", "check", "train", "run", "wrap", "held_state_bytes", "state_tensors",

@@ -23,13 +23,8 @@ from ..comm import group_rank, group_size
 from ..data import shard
 from ..reference import sgd
 from ..memory import held_state_bytes
-from .stage0 import ReplicatedOptimizer
-from .stage1 import ZeroOptimizer
-from .stage2 import Zero2Optimizer
-from .per_parameter import fully_shard, sharded_state
-from .fsdp import FullyShardedDataParallel
-
-OPTIMIZERS = {0: ReplicatedOptimizer, 1: ZeroOptimizer, 2: Zero2Optimizer}
+from .per_parameter import sharded_state
+from .stages import OPTIMIZERS, shard_module, stage_optimizer
 
 
 def wrap(stage: int, model: torch.nn.Module, optimizer_cls, group=None, param_dtype=None,
@@ -43,7 +38,8 @@ def wrap(stage: int, model: torch.nn.Module, optimizer_cls, group=None, param_dt
     ``reduce_dtype`` (per parameter)."""
     keep = dict(persist_below=persist_below, persist=persist)
     if stage == 3 and sharding == "per-parameter":
-        fully_shard(model, group=group, param_dtype=param_dtype, reduce_dtype=reduce_dtype, prefetch=prefetch, **keep)
+        shard_module(model, group, sharding, param_dtype=param_dtype, reduce_dtype=reduce_dtype, prefetch=prefetch,
+                     **keep)
         return model, optimizer_cls(model.parameters(), **kwargs)
     if sharding != "flat":
         raise ValueError(f"sharding must be 'flat' or (stage 3 only) 'per-parameter', got {sharding!r}")
@@ -52,13 +48,13 @@ def wrap(stage: int, model: torch.nn.Module, optimizer_cls, group=None, param_dt
     if stage != 3 and (persist_below is not None or persist is not None):
         raise ValueError("persist_below/persist keep parameters whole under stage 3; stages 0-2 never shard them")
     if stage == 3:
-        fsdp = FullyShardedDataParallel(model, group=group, param_dtype=param_dtype, prefetch=prefetch, **keep)
+        fsdp = shard_module(model, group, sharding, param_dtype=param_dtype, prefetch=prefetch, **keep)
         return fsdp, optimizer_cls(fsdp.parameters(), **kwargs)
     if stage not in OPTIMIZERS:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     units = [list(m.parameters()) for m in model.layers()] if hasattr(model, "layers") else model.parameters()
     extra = {"param_dtype": param_dtype} if stage else {}
-    return model, OPTIMIZERS[stage](units, optimizer_cls, group=group, **extra, **kwargs)
+    return model, stage_optimizer(stage, units, optimizer_cls, group, **extra, **kwargs)
 
 
 @strategy.checks

@@ -86,3 +86,14 @@ def test_widget_views_leave_the_page_but_their_text_stays():
         nbformat.v4.new_output("display_data", data={site.WIDGET_MIME: {"model_id": "y"}})])]
     assert site.drop_widget_views(nb) == 2
     assert [o["data"] for o in nb.cells[0].outputs] == [{"text/plain": "Tab()"}] and "widgets" not in nb.metadata
+
+
+def test_the_chapter_map_colours_every_chapter_once():
+    """The landing page's map (minipar.course.book.picture): every chapter of CHAPTERS in
+    exactly one colour group, so the book's build cannot stop on a new chapter."""
+    from minipar.course.book import picture
+    numbers = [ch.number for ch in chapters.CHAPTERS]
+    grouped = [n for _, _, nums in picture.GROUPS for n in nums.split()]
+    assert sorted(grouped) == sorted(numbers), (grouped, numbers)
+    svg = picture.chapter_map_svg()
+    assert svg.count("<rect") >= len(numbers)

@@ -652,7 +652,7 @@ def test_flat_storage(impl):
 
 
 def test_stage3_trains_like_one_process(impl):
-    """The library's FullyShardedDataParallel with your gather_unit/free_unit (and reduce_shard):
+    """The library's FullyShardedDataParallel with your gather_unit/free_unit, reduce_shard and schedule:
     2 ranks train the GPT like one process, hold only (4+4+8)·⌈Ψ_u/N⌉ bytes per unit after
     the step, send 3(N-1)/N·Ψ."""
     results = minipar.launch(_stages, 2, args=([3],), timeout=TIMEOUT)

@@ -230,3 +230,41 @@ def test_mixed_precision_casts_only_the_sharded_parameters():
         assert got[0]["ln_dtype"] == torch.float32
         torch.testing.assert_close(got[0]["ln_grad"], got[1]["ln_grad"], rtol=0, atol=0)
         assert abs(sum(g["loss"] for g in got) / 2 - want) < 1e-2, (design, want, [g["loss"] for g in got])
+
+
+def _persist_kept_gathered():
+    """Persistence with ``reshard_after_forward=False``: units stay gathered through the step and
+    :meth:`finish_step` reduce-scatters them and averages the persistent gradients once."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for design in ("flat", "per-parameter"):
+        model = GPT(CFG, seed=0)
+        keep = dict(persist_below=200, reshard_after_forward=False)
+        fwd = (FullyShardedDataParallel(model, units=model.layers(), **keep) if design == "flat"
+               else fully_shard(model, units=model.layers(), **keep))
+        s3 = fwd if design == "flat" else fwd.__dict__["_fully_shard"]
+        opt = SGD(fwd.parameters())
+        losses = []
+        for x, y in _batches():
+            opt.zero_grad()
+            loss = fwd(data.shard(x, r, n), data.shard(y, r, n))
+            loss.backward()
+            s3.finish_step()
+            opt.step()
+            t = loss.detach().reshape(1)
+            dist.all_reduce(t)
+            losses.append(t.item() / n)
+        out[design] = {"losses": losses,
+                       "params": fwd.gather_full_params() if design == "flat" else full_state(model)}
+    return out
+
+
+def test_persistent_gradients_are_averaged_when_units_stay_gathered():
+    """With ``reshard_after_forward=False`` the persistent parameters' gradients are averaged by
+    ``finish_step`` (no backward reduces them): both designs train like one process (rtol 1e-5,
+    atol 1e-6). Without that average, each rank steps its replicated parameters on its own half of
+    the batch and the ranks drift apart."""
+    want = reference.train_reference(GPT(CFG, seed=0), _batches(), SGD)
+    for res in minipar.launch(_persist_kept_gathered, 2, timeout=240):
+        for design, got in res.items():
+            reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)

@@ -145,7 +145,7 @@ class UnitSchedule:
             for p in u.params:
                 p.register_post_accumulate_grad_hook(lambda p, i=i: self.grad_ready(i, p))
         for p in self.persistent:
-            p.register_post_accumulate_grad_hook(lambda p: self.reshard and self.reduction.touch())
+            p.register_post_accumulate_grad_hook(self.persistent_grad_ready)
 
     def start_forward(self) -> None:
         """A new forward of the model: the units' order starts again."""
@@ -211,6 +211,12 @@ class UnitSchedule:
         if self.reshard:                                   # else: accumulated until finish_step
             self.reduction.grad_ready(i, p)
         # <<< ex06 D
+
+    def persistent_grad_ready(self, p) -> None:
+        """A persistent parameter has its gradient: with resharding on, this backward has started
+        (its reduction's tail averages it); otherwise :meth:`finish_step` does."""
+        if self.reshard:
+            self.reduction.touch()
 
     def end_backward(self) -> None:
         """The backward has ended (an autograd callback)."""

@@ -1,8 +1,8 @@
-"""ZeRO-3 on the mesh, beyond training equal to one process: the unit order that prefetching and
-the reduce-scatters follow, and HSDP's blocks when context parallelism shares the data-parallel
-ranks. Both can go wrong while the losses stay right, so they are observed directly: the last
-step's trace events (rank 0) and the memory each rank holds against :mod:`minipar.cost`'s
-formulas. fp32 on the CPU, SGD with momentum (K = 4), rtol 1e-4, atol 1e-5 as in
+"""The mesh's composition, beyond training equal to one process: ZeRO-3's unit order that
+prefetching and the reduce-scatters follow, HSDP's blocks when context parallelism shares the
+data-parallel ranks, and recomputation reaching the blocks. Each can go wrong while the losses
+stay right, so each is observed directly: the last step's trace events (rank 0), the memory each
+rank holds against :mod:`minipar.cost`'s formulas, the bytes saved for backward. fp32 on the CPU, SGD with momentum (K = 4), rtol 1e-4, atol 1e-5 as in
 ``test_zero_mesh.py``."""
 from functools import partial
 
@@ -57,3 +57,21 @@ def test_hsdp_blocks_take_in_the_context_parallel_partners():
         want = cost.hsdp_comm_bytes(units, 2, 2)
         got_bytes = {d: m["bytes_by_dim"].get(d, 0) for d in want}
         assert got_bytes == want, (got_bytes, want)
+
+
+def _saved_bytes(mode, **mesh):
+    from minipar.activations import SavedActivations
+    with SavedActivations() as saved:
+        hybrid.train(GPT(DEEP, seed=0), DATA[:1], optimizer=MOMENTUM, recompute=mode, **mesh)
+    return saved.bytes
+
+
+def test_the_composition_applies_recomputation_on_every_layout():
+    """``recompute=`` reaches the blocks whatever the layout (dp2 with ZeRO-3, tp2): one step saves
+    fewer bytes for backward with "selective" than with "none", and fewer again with "full"
+    (only each block's input), counted by :class:`minipar.activations.SavedActivations`."""
+    import minipar
+    for mesh in (dict(dp=2, zero=3), dict(tp=2)):
+        got = {mode: minipar.launch(_saved_bytes, 2, args=(mode,), kwargs=mesh)[0]
+               for mode in ("none", "selective", "full")}
+        assert got["full"] < got["selective"] < got["none"], (mesh, got)

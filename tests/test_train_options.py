@@ -45,6 +45,8 @@ INCONSISTENT = [  # (argv, the option the message must name)
     (["--reshard-after-forward", "never", "--zero", "1", "--dp", "2"], "--reshard-after-forward"),
     (["--dp", "2", "--dp-shard", "2", "--dp-replicate", "2", "--zero", "3"], "--dp"),
     (["--dp-shard", "2", "--dp-replicate", "2", "--zero", "1"], "--dp-shard"),
+    (["--dp", "2", "--dp-shard", "2", "--dp-replicate", "1"], "--dp-shard"),   # HSDP without ZeRO-3
+    (["--layout", "auto", "--steps", "12"], "--layout"),                      # one rank: nothing to choose
     (MOE + ["--dp-shard", "2", "--dp-replicate", "2", "--ep", "2", "--zero", "3"], "--dp-shard"),
     (["--zero", "3", "--dp", "2", "--nonfinite", "skip"], "--nonfinite"),
     (["--virtual-stages", "2"], "--virtual-stages"),

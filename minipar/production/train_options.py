@@ -192,6 +192,9 @@ def check_options(args) -> None:
                          "(the expert groups are carved out of the data and context ranks)")
     if args.sharding == "per-parameter" and args.zero != 3:
         raise ValueError(f"--sharding per-parameter is ZeRO-3's storage: it needs --zero 3 (got --zero {args.zero})")
+    if getattr(args, "dp_shard", None) is not None and args.zero != 3:
+        raise ValueError(f"--dp-shard {args.dp_shard} × --dp-replicate {args.dp_replicate} is HSDP, ZeRO-3 within "
+                         f"blocks of ranks: it needs --zero 3 (got --zero {args.zero})")
     if args.reshard_after_forward != "auto" and args.zero != 3:
         raise ValueError(f"--reshard-after-forward {args.reshard_after_forward} is ZeRO-3's policy: "
                          f"it needs --zero 3 (got --zero {args.zero})")
@@ -229,6 +232,10 @@ def check_auto(args) -> None:
     if args.switch_at or args.n_experts or args.dtype != "fp32" or args.checkpoint_dir or args.nonfinite != "stop":
         raise ValueError("--layout auto measures live switches of a dense fp32 GPT from step 0: it does not "
                          "combine with --switch-at, --n-experts, --dtype bf16, --checkpoint-dir or --nonfinite skip")
+    world = args.dp * args.cp * args.pp * args.tp
+    if world < 2:
+        raise ValueError("--layout auto measures the layouts of several ranks and keeps the fastest; one rank "
+                         "has a single layout: give the ranks to share (e.g. --dp 4) or drop --layout auto")
     if args.probe_steps < 2:
         raise ValueError(f"--probe-steps {args.probe_steps}: a candidate needs 2 steps (the first is a warm-up)")
     if args.candidates * args.probe_steps > args.steps:

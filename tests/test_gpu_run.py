@@ -89,8 +89,12 @@ def test_a_train_result_carries_its_placement_and_the_reference_its_device():
 
 
 @pytest.fixture
-def course():
+def course(monkeypatch):
+    """``course.py`` as a module, with the caller's ``MINIPAR_GPU_JOBS`` and ``MINIPAR_TORCH``
+    removed: what these tests see never depends on the shell that runs them."""
     import importlib.util
+    for name in ("MINIPAR_GPU_JOBS", "MINIPAR_TORCH"):
+        monkeypatch.delenv(name, raising=False)
     from pathlib import Path
     spec = importlib.util.spec_from_file_location("course", Path(__file__).parents[1] / "course.py")
     module = importlib.util.module_from_spec(spec)
@@ -118,6 +122,15 @@ def test_the_dry_run_lists_the_jobs_and_checks_every_test_file(course, monkeypat
     assert cmd[1:5] == ["-m", "minipar.runtime.devices_check", "--gpus", "1"]
     files = {f for _, args in course.gpu_jobs() for f in args if f.startswith("tests/")}
     assert set(cmd[5:]) == files and "tests/test_launch.py" in files
+
+
+def test_the_dry_run_says_when_minipar_gpu_jobs_sets_the_width(course, monkeypatch, capsys):
+    """``MINIPAR_GPU_JOBS`` set by the caller is honoured and named in the dry run; the other
+    tests of this file never see it (the ``course`` fixture removes it)."""
+    monkeypatch.setattr(course.subprocess, "call", lambda cmd, **kw: 0)
+    monkeypatch.setenv("MINIPAR_GPU_JOBS", "3")
+    assert course.gpu_dry_run(0, []) == 0
+    assert "3 at a time" in capsys.readouterr().out
 
 
 CPU_BOUND = '''

@@ -169,7 +169,7 @@ def gpu_dry_run(gpus: int, args: list[str]) -> int:
     jobs = gpu_jobs(args)
     print(f"course.py test --gpu --dry-run: {gpus} GPU(s) here; as on {simulated}: "
           f"{len(jobs)} jobs, {gpu_width(simulated)} at a time, each with MINIPAR_DEVICE=cuda; every job "
-          f"but {', '.join(gpu.UNCHECKED)} fails if one of its ranks trained on the CPU (GPU peak 0 MiB)")
+          f"but {', '.join(gpu.UNCHECKED)} fails if one of its ranks trained on the CPU (allocated no GPU memory)")
     for name, pytest_args in jobs:
         print(f"  {name:<24} {python()} -m pytest {' '.join(pytest_args)}")
     print("test files:")

@@ -261,23 +261,43 @@ def test_the_device_findings_name_a_cpu_rank_and_a_test_that_never_used_the_gpu(
            {"rank": 1, "device": "cuda:1", "peak": 0, "launch": "c", "test": "t.py::cpu"},
            {"rank": 0, "device": "cpu", "peak": None, "launch": "d", "test": "t.py::pinned"}]
     found = course.gpu.device_findings(log)
-    assert found == ["t.py::planted: rank 1 computed on the CPU (GPU peak 0 MiB; rank 0 used 3.0 MiB)",
-                     "t.py::cpu: no rank computed on the GPU (every rank's GPU peak is 0 MiB)"]
+    assert found == ["t.py::planted: rank 1 computed on the CPU (no GPU memory allocated; rank 0 allocated 3.0 MiB)",
+                     "t.py::cpu: no rank computed on the GPU (no rank allocated GPU memory)"]
     assert course.gpu.device_findings(log[:2]) == []
     assert course.gpu.job_result("06 zero", 0, log)[0] == "FAIL (CPU ranks)"
     assert course.gpu.job_result("devices", 0, log) == ("pass", [])
 
 
+def test_memory_a_warm_worker_still_holds_is_not_credited_to_the_next_launch(course):
+    """A warm worker keeps what earlier jobs left on its GPU (cuBLAS's workspace: 65 MiB on the
+    H200); the peak of a rank that then computes on the CPU equals that ``start``: it is named,
+    as is a test whose every rank only held such leftovers (the GPU run's chapter 02 case)."""
+    mib = 2**20
+    log = [{"rank": 0, "device": "cuda:0", "peak": 90 * mib, "start": 65 * mib, "launch": "a", "test": "t::ok"},
+           {"rank": 1, "device": "cuda:0", "peak": 65 * mib, "start": 65 * mib, "launch": "a", "test": "t::ok"},
+           {"rank": 2, "device": "cuda:0", "peak": 0, "start": 0, "launch": "a", "test": "t::ok"},
+           {"rank": 0, "device": "cuda:0", "peak": 65 * mib, "start": 65 * mib, "launch": "b", "test": "t::cpu"},
+           {"rank": 1, "device": "cuda:0", "peak": 0, "start": 0, "launch": "b", "test": "t::cpu"}]
+    assert course.gpu.device_findings(log) == [
+        "t::ok: rank 1 computed on the CPU (no GPU memory allocated; rank 0 allocated 25.0 MiB)",
+        "t::ok: rank 2 computed on the CPU (no GPU memory allocated; rank 0 allocated 25.0 MiB)",
+        "t::cpu: no rank computed on the GPU (no rank allocated GPU memory)"]
+    assert course.gpu.peaks(log[:3]) == {0: 90 * mib, 1: 65 * mib, 2: 0}   # the report shows the peaks
+
+
 def _planted_rank(log_path):
     """In a rank: the GPU played by the meta device, whose allocator counts what the rank put on
-    it; rank 1 plants a model built on the CPU. Each rank logs its peak as under --gpu."""
+    it; rank 1 plants a model built on the CPU, in a worker that still holds 2 KiB from an
+    earlier job. Each rank logs its peak as under --gpu."""
     import torch.distributed as dist
     from minipar.models import MLP
     from minipar.runtime import pool
     r = dist.get_rank()
     model = MLP([8, 16, 4], seed=0).to("cpu" if r == 1 else "meta")
     held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "meta")
-    pool.max_allocated = lambda where: held  # placement-free: the allocator is played
+    left = 2048 if r == 1 else 0
+    pool._allocated_at_start = left
+    pool.max_allocated = lambda where: held + left  # placement-free: the allocator is played
     import os
     os.environ["MINIPAR_MEMORY_LOG"] = log_path
     pool.log_peak_memory(r, f"cuda:{r}")
@@ -294,7 +314,7 @@ def test_a_rank_that_trained_on_the_cpu_fails_its_job_by_name(course, tmp_path):
     result, findings = course.gpu.job_result("06 zero", 0, course.gpu.read_log(log))
     assert result == "FAIL (CPU ranks)"
     assert findings == [f"tests/test_gpu_run.py::{test_a_rank_that_trained_on_the_cpu_fails_its_job_by_name.__name__}: "
-                        f"rank 1 computed on the CPU (GPU peak 0 MiB; rank 0 used {held[0] / 2**20:.1f} MiB)"]
+                        f"rank 1 computed on the CPU (no GPU memory allocated; rank 0 allocated {held[0] / 2**20:.1f} MiB)"]
 
 
 def test_first_runs_the_checks_then_one_quick_job_per_chapter_and_reports(course, monkeypatch, capsys):
@@ -324,3 +344,34 @@ def test_first_runs_the_checks_then_one_quick_job_per_chapter_and_reports(course
     assert all(a[-4:] == ["-m", "not slow", "--maxfail", "3"] for a in started)
     out = capsys.readouterr().out
     assert "minipar.train cp2 bf16" in out and "FAIL (1)" in out and "--gpu --first: 1 GPU(s)" in out
+
+
+def _with_meta_default(fn, *args):
+    """In a rank: ``fn(*args)`` with ``torch.set_default_device("meta")``, so a tensor made
+    without naming a device lands on ``meta`` and the first collective given it fails by name."""
+    torch.set_default_device("meta")
+    try:
+        return fn(*args)
+    finally:
+        torch.set_default_device(None)
+
+
+def test_the_ranks_the_gpu_check_named_build_on_the_ranks_device():
+    """The GPU run named four tests whose ranks never touched the GPU; they built their tensors
+    and models on the CPU (``torch.ones(N)``, a model from the driver or ``GPT(...)`` unmoved). Their
+    rank functions now make every tensor on ``minipar.device()``: run with the default device
+    ``meta`` in every rank, a tensor made without a device would end in an error naming it.
+    (A model built on the CPU on purpose and not moved is seen only on a GPU, by the run's own
+    check: :func:`minipar.course.gpu_run.device_findings`.)"""
+    import minipar
+    import test_comm
+    import test_data_parallel
+    import test_data_parallel_async as ps_test
+    from minipar.models import MLP
+    minipar.launch(_with_meta_default, 3, device="cpu", timeout=60,
+                   args=(test_comm._native_bytes_under, test_comm.cost.collective_bytes))
+    assert list(minipar.launch(_with_meta_default, 4, device="cpu", timeout=60, args=(test_comm._in_subgroups,))) \
+        == [(2.0, 2.0), (4.0, 3.0), (2.0, 2.0), (4.0, 3.0)]
+    minipar.launch(_with_meta_default, 3, device="cpu", timeout=60, args=(test_data_parallel._wrap_different_replicas,))
+    server = minipar.launch(_with_meta_default, 3, device="cpu", timeout=120, args=(ps_test._ps_runs, MLP(seed=2)))[0]
+    assert server["sync"]["params"] and server["train async"]["losses"]

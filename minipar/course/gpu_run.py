@@ -127,22 +127,29 @@ def read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
+def used(entry: dict) -> int:
+    """Bytes a rank allocated on its GPU during the launch: its peak above what its warm worker
+    still held when the launch began (``start``: cuBLAS's workspace and the like, left by earlier
+    jobs; a rank that computed on the CPU has a peak equal to it)."""
+    return entry["peak"] - entry.get("start", 0)
+
+
 def device_findings(entries: list[dict]) -> list[str]:
     """Who trained on the CPU, from the GPU ranks' logged peaks (``rank``, ``device``, ``peak``
-    bytes, ``launch`` id, ``test``): in one launch a rank at 0 beside ranks that allocated GPU
-    memory; or a test none of whose GPU ranks ever allocated any."""
+    and ``start`` bytes, ``launch`` id, ``test``): in one launch a rank that allocated nothing
+    (:func:`used`) beside ranks that did; or a test none of whose GPU ranks ever allocated any."""
     gpu = [e for e in entries if str(e.get("device", "")).startswith("cuda")]
     found = []
     for launch in dict.fromkeys(e.get("launch") for e in gpu):
         ranks = [e for e in gpu if e.get("launch") == launch]
-        used = [e for e in ranks if e["peak"] > 0]
-        if used:
-            found += [f"{e.get('test') or '?'}: rank {e['rank']} computed on the CPU (GPU peak 0 MiB; "
-                      f"rank {used[0]['rank']} used {used[0]['peak'] / 2**20:.1f} MiB)"
-                      for e in ranks if e["peak"] == 0]
+        busy = [e for e in ranks if used(e) > 0]
+        if busy:
+            found += [f"{e.get('test') or '?'}: rank {e['rank']} computed on the CPU (no GPU memory allocated; "
+                      f"rank {busy[0]['rank']} allocated {used(busy[0]) / 2**20:.1f} MiB)"
+                      for e in ranks if used(e) <= 0]
     for test in dict.fromkeys(e.get("test") for e in gpu):
-        if all(e["peak"] == 0 for e in gpu if e.get("test") == test):
-            found.append(f"{test or '?'}: no rank computed on the GPU (every rank's GPU peak is 0 MiB)")
+        if all(used(e) <= 0 for e in gpu if e.get("test") == test):
+            found.append(f"{test or '?'}: no rank computed on the GPU (no rank allocated GPU memory)")
     return found
 
 

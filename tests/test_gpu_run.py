@@ -102,12 +102,47 @@ def course(monkeypatch):
     return module
 
 
-def test_the_gpu_run_takes_one_job_at_a_time_on_one_gpu(course, monkeypatch):
-    """Each job's warm ranks hold CUDA contexts: one GPU runs one job; MINIPAR_GPU_JOBS wins."""
-    monkeypatch.delenv("MINIPAR_GPU_JOBS", raising=False)
-    assert (course.gpu_width(1), course.gpu_width(2), course.gpu_width(8)) == (1, 4, 4)
-    monkeypatch.setenv("MINIPAR_GPU_JOBS", "2")
-    assert course.gpu_width(1) == 2
+@pytest.mark.parametrize("cores, gib, jobs, want", [
+    (16, 139, 27, 4),    # the H200 of the first run: the cores decide
+    (2, 15, 27, 1),      # Colab's T4
+    (64, 15, 27, 3),     # many cores, a small GPU: its memory decides
+    (4, 80, 27, 1),
+    (64, 1000, 3, 3),    # never more than the jobs
+])
+def test_the_width_is_the_smaller_of_the_cores_and_the_gpu_memory_rule(course, cores, gib, jobs, want):
+    """Jobs at once = min(cores // 4 per job, GPU GiB // 4 per job, jobs), at least 1, on
+    simulated machines; ``MINIPAR_GPU_JOBS`` overrides and says so."""
+    w, rule = course.gpu.width(cores, gib, jobs)
+    assert w == want and f"{cores} cores // 4 per job" in rule and f"{gib} GiB of GPU memory // 4 GiB" in rule
+    assert course.gpu.width(cores, gib, jobs, "2") == (2, "MINIPAR_GPU_JOBS=2")
+    assert course.gpu_width(1, cores=cores, gpu_gib=gib, n_jobs=jobs) == want
+
+
+def test_jobs_start_longest_first_and_the_expected_run_fits_the_h200(course, tmp_path, monkeypatch):
+    """The order is the last run's seconds (kept for passes only), else the first H200 run's;
+    at the width the H200 gets (4), the chapter jobs and notebooks are expected under 8 minutes,
+    and ``--first``'s checks and quick jobs under 4 (the first run's own times are floors: the
+    proof is a GPU run, which writes the times the next one orders by)."""
+    gpu = course.gpu
+    names = ["notebook 02", "01 collectives", "11 train, checkpoints", "06 zero"]
+    assert [names[i] for i in gpu.longest_first(names, {})] == ["11 train, checkpoints", "06 zero",
+                                                               "notebook 02", "01 collectives"]
+    assert [names[i] for i in gpu.longest_first(names, {"01 collectives": 500})][0] == "01 collectives"
+    assert gpu.makespan([(5, 4), (4, 4), (3, 4), (3, 4), (3, 4)], 8, 100) == 10
+    assert gpu.makespan([(5, 4), (4, 2), (3, 2)], 8, 100) == 5    # two light jobs beside a heavy one
+    assert gpu.makespan([(5, 4), (4, 4)], 8, 6) == 9              # GPU memory: one at a time
+    assert gpu.makespan([(5, 8), (4, 2)], 4, 100) == 9 and gpu.makespan([], 4, 4) == 0   # too big: alone
+    gpu.write_times(tmp_path, [("06 zero", "pass", 12.34, {}), ("01 collectives", "FAIL (1)", 3.0, {})])
+    gpu.write_times(tmp_path, [("06 zero", "pass", 5.0, {})], quick=True)
+    assert gpu.read_times(tmp_path) == {"06 zero": 12.3, "06 zero (quick)": 5.0}
+    assert gpu.expected("06 zero", gpu.read_times(tmp_path), quick=True) == 5.0
+    every = [n for n, _ in course.gpu_jobs()]
+    chapters = [n for n in every if not n.startswith("notebook")]
+    run = [(gpu.expected(every[i], {}), gpu.ranks_of(every[i])) for i in gpu.longest_first(every, {})]
+    assert gpu.makespan(run, 16, 139) < 8 * 60
+    first = [n for n, *_ in gpu.first_checks(course.ROOT)] + chapters
+    run = [(gpu.expected(first[i], {}, True), gpu.ranks_of(first[i])) for i in gpu.longest_first(first, {}, True)]
+    assert gpu.makespan(run, 16, 139) < 4 * 60
 
 
 def test_the_dry_run_lists_the_jobs_and_checks_every_test_file(course, monkeypatch, capsys):
@@ -115,7 +150,7 @@ def test_the_dry_run_lists_the_jobs_and_checks_every_test_file(course, monkeypat
     jobs to ``minipar.runtime.devices_check`` (as on one GPU where there is none)."""
     calls = []
     monkeypatch.setattr(course.subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 0)
-    assert course.gpu_dry_run(0, []) == 0
+    assert course.gpu_dry_run(0, [], cores=2) == 0
     out = capsys.readouterr().out
     assert "1 at a time" in out and "notebook 11" in out and "tests/test_comm.py" in out
     (cmd,) = calls
@@ -129,8 +164,21 @@ def test_the_dry_run_says_when_minipar_gpu_jobs_sets_the_width(course, monkeypat
     tests of this file never see it (the ``course`` fixture removes it)."""
     monkeypatch.setattr(course.subprocess, "call", lambda cmd, **kw: 0)
     monkeypatch.setenv("MINIPAR_GPU_JOBS", "3")
-    assert course.gpu_dry_run(0, []) == 0
-    assert "3 at a time" in capsys.readouterr().out
+    assert course.gpu_dry_run(0, [], cores=2) == 0
+    out = capsys.readouterr().out
+    assert "3 at a time" in out and "width: 3 = MINIPAR_GPU_JOBS=3" in out
+
+
+def test_the_dry_run_says_the_width_it_chose_on_a_simulated_h200(course, monkeypatch, capsys):
+    """On a 16-core machine with one 139 GiB GPU: 4 at a time, the rule with its numbers, and
+    the order with the run's expected seconds."""
+    monkeypatch.setattr(course.subprocess, "call", lambda cmd, **kw: 0)
+    monkeypatch.setattr(course.gpu, "read_times", lambda root: {})
+    assert course.gpu_dry_run(1, [], cores=16, gpu_gib=139.0) == 0
+    out = capsys.readouterr().out
+    assert "4 at a time" in out
+    assert "width: 4 = min(16 cores // 4 per job = 4, 139 GiB of GPU memory // 4 GiB per job = 34, 27 jobs)" in out
+    assert "order: longest first (the first H200 run's seconds), about " in out
 
 
 CPU_BOUND = '''
@@ -317,33 +365,43 @@ def test_a_rank_that_trained_on_the_cpu_fails_its_job_by_name(course, tmp_path):
                         f"rank 1 computed on the CPU (no GPU memory allocated; rank 0 allocated {held[0] / 2**20:.1f} MiB)"]
 
 
-def test_first_runs_the_checks_then_one_quick_job_per_chapter_and_reports(course, monkeypatch, capsys):
-    """``--gpu --first`` (subprocesses played): the fused-attention, training and refusal checks
-    in order, then each chapter's job with ``-m "not slow"`` and no notebook; a failed check
-    fails the run and shows in the report."""
-    import types
-    ran, started = [], []
+def _h200(course, python="/usr/bin/python3", torch_version="2.11.0+cu130"):
+    """The first run's machine, as :func:`course.genv.probe` would see it."""
+    return course.genv.Torch(python=python, torch=torch_version, cuda="13.0", cores=16,
+                             gpus=[["NVIDIA H200", 139 * 2**30]])
 
-    def run(cmd, **kw):
-        if cmd[1] == "-c":  # the GPU probe
-            return types.SimpleNamespace(stdout="1 2.13.0", returncode=0)
-        ran.append(cmd[1:])
-        bad = "bf16" in cmd
-        return types.SimpleNamespace(stdout="fp32 causal ok\n", stderr="", returncode=1 if bad else 0)
+
+def test_first_runs_its_checks_and_one_quick_job_per_chapter_side_by_side(course, monkeypatch, capsys):
+    """``--gpu --first`` (processes played, on a simulated H200): the fused-attention and
+    training checks, each benchmark on its own and each chapter's job with ``-m "not slow"``
+    (no notebook), started longest first, 4 at a time; a failed check fails the run and shows
+    in the report with its seconds."""
+    import types
+    started, live = [], []
 
     def popen(cmd, **kw):
-        started.append(cmd[3:])
-        return types.SimpleNamespace(poll=lambda: 0, returncode=0)
-    monkeypatch.setattr(course.subprocess, "run", run)
+        started.append(cmd[1:])
+        live.append(1)
+        bad = "bf16" in cmd
+        return types.SimpleNamespace(poll=lambda: 0, returncode=1 if bad else 0, pid=-1)
+    monkeypatch.setattr(course, "gpu_python", lambda args: ("/usr/bin/python3", _h200(course)))
+    monkeypatch.setattr(course.gpu, "read_times", lambda root: {})
+    monkeypatch.setattr(course.gpu, "write_times", lambda root, rows, quick=False: None)
     monkeypatch.setattr(course.subprocess, "Popen", popen)
     monkeypatch.setattr(course.time, "sleep", lambda s: None)
     monkeypatch.setattr(course, "open", lambda *a, **k: None, raising=False)
+    monkeypatch.setattr(course.Path, "read_text", lambda self: "fp32 causal ok\n")
     assert course.test_gpu(["--first"]) == 1
-    assert ran == [cmd for _, cmd, _ in course.gpu.FIRST]
-    assert len(started) == len([n for n, _ in course.gpu_jobs() if not n.startswith("notebook")])
-    assert all(a[-4:] == ["-m", "not slow", "--maxfail", "3"] for a in started)
+    checks = [cmd for _, cmd, _ in course.gpu.first_checks(course.ROOT)]
+    assert sorted(map(tuple, (c for c in started if c[:2] != ["-m", "pytest"]))) == sorted(map(tuple, checks))
+    assert ["-m", "minipar.course.first_gpu", "bench", "ddp"] in started
+    jobs = [c for c in started if c[:2] == ["-m", "pytest"]]
+    assert len(jobs) == len([n for n, _ in course.gpu_jobs() if not n.startswith("notebook")])
+    assert all(a[-4:] == ["-m", "not slow", "--maxfail", "3"] for a in jobs)
+    assert "tests/test_train.py" in started[0]    # the longest job first
     out = capsys.readouterr().out
-    assert "minipar.train cp2 bf16" in out and "FAIL (1)" in out and "--gpu --first: 1 GPU(s)" in out
+    assert "4 chapter jobs at a time: min(16 cores" in out and "minipar.train cp2 bf16" in out and "FAIL (1)" in out
+    assert "--gpu --first: 1 GPU(s), torch 2.11.0+cu130, 16 cores, 4 at a time" in out
 
 
 def _with_meta_default(fn, *args):

@@ -216,7 +216,7 @@ def gpu_dry_run(gpus: int, args: list[str], py: Path | None = None, cores: int |
     expect = gpu.makespan([(gpu.expected(names[i], last), gpu.ranks_of(names[i])) for i in order],
                           *_budget(w, cores or os.cpu_count() or 1, gpu_gib if gpus and gpu_gib else
                                    gpu.GPU_GIB_IF_NONE * simulated))
-    print(f"order: longest first ({'the last run' if last else 'the first H200 run'}'s seconds), "
+    print(f"order: most work first (seconds x ranks: {'the last run' if last else 'the first H200 run'}'s seconds), "
           f"about {expect:.0f} s expected")
     for name, pytest_args in jobs:
         print(f"  {name:<24} {py} -m pytest {' '.join(pytest_args)}")
@@ -259,7 +259,7 @@ def test_gpu(args: list[str]) -> int:
     """Every chapter's equivalence tests with the ranks on the GPU(s), then every notebook,
     each timed, with the peak GPU memory of each rank; a report at the end (``--dry-run``:
     what it would run, :func:`gpu_dry_run`; ``--first``: the checks of :func:`gpu.first_checks`
-    and each chapter's quick tier, run side by side with the jobs). Jobs start longest first,
+    and each chapter's quick tier, run side by side with the jobs). Jobs start most work first,
     :func:`gpu_width` at a time."""
     py, used = gpu_python(args)
     args = [a for a in args if a != "--system"]
@@ -282,14 +282,14 @@ def test_gpu(args: list[str]) -> int:
     width, rule = gpu_width_rule(gpus, used.cores, used.gpu_gib, len(tasks))
     cores, gib = _budget(width, used.cores, used.gpu_gib)
     print(f"{len(tasks)} jobs, {width} chapter jobs at a time: {rule}; lighter checks fill the "
-          f"rest of {cores} cores and {gib:.0f} GiB ({gpu.GIB_PER_RANK:g} GiB per rank); longest first", flush=True)
+          f"rest of {cores} cores and {gib:.0f} GiB ({gpu.GIB_PER_RANK:g} GiB per rank); most work first", flush=True)
     rows, t_all = {}, time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         running, todo = {}, gpu.longest_first([t[0] for t in tasks], gpu.read_times(ROOT), first)
+        ranks = {i: gpu.ranks_of(t[0]) for i, t in enumerate(tasks)}
         while todo or running:
-            while todo and gpu.fits([gpu.ranks_of(tasks[j][0]) for j in running],
-                                    gpu.ranks_of(tasks[todo[0]][0]), cores, gib):
-                i = todo.pop(0)
+            while (i := gpu.next_job(todo, ranks, [ranks[j] for j in running], cores, gib)) is not None:
+                todo.remove(i)
                 name, cmd, limit, _ = tasks[i]
                 proc = _start(py, name, cmd, Path(f"{tmp}/{i}.jsonl"), Path(f"{tmp}/{i}.out"))
                 running[i] = (proc, time.perf_counter())

@@ -228,7 +228,10 @@ SECONDS = {"01 collectives": 30, "02 data parallel": 45, "03 model parallel": 30
 QUICK_SECONDS = {"01 collectives": 20, "02 data parallel": 35, "03 model parallel": 25, "04 pipeline": 45,
                  "05 tensor parallel": 30, "06 zero": 50, "07 hybrid": 45, "08 context parallel": 45,
                  "09 expert parallel": 41, "10 planning": 45, "mixed precision": 30, "12 adaptive": 35,
-                 "11 train, checkpoints": 55, "devices": 46}
+                 "11 train, checkpoints": 55, "devices": 46,
+                 # each benchmark at --smoke: a fresh process, its launches, minipar's and the baseline's runs
+                 "benchmark adapt": 60, "benchmark mesh5d": 60, "benchmark ddp": 40, "benchmark planner": 40,
+                 "benchmark launch": 30}
 NOTEBOOK_SECONDS, CHECK_SECONDS, BENCH_SECONDS = 45, 20, 25
 TIMES_FILE = "build/gpu-run-seconds.json"   # the last run's times, which order the next run
 
@@ -242,22 +245,31 @@ def expected(name: str, last: dict, quick: bool = False) -> float:
 
 
 def longest_first(names: list[str], last: dict, quick: bool = False) -> list[int]:
-    """The order to start jobs in: longest expected first (so the run does not end waiting on one
-    long job started last), ties in the given order."""
-    return sorted(range(len(names)), key=lambda i: (-expected(names[i], last, quick), i))
+    """The order to start jobs in: most work first (expected seconds x ranks: so the run does not
+    end waiting on one long or wide job started last), ties in the given order."""
+    return sorted(range(len(names)), key=lambda i: (-expected(names[i], last, quick) * ranks_of(names[i]), i))
+
+
+def next_job(todo: list[int], ranks: dict, running: list[int], cores: int, gpu_gib: float) -> int | None:
+    """The first job of ``todo`` (in order) that :func:`fits` beside the ``running`` ranks: a wide
+    job waiting for room does not hold back a narrower one behind it."""
+    return next((i for i in todo if fits(running, ranks[i], cores, gpu_gib)), None)
 
 
 def makespan(jobs: list[tuple[float, int]], cores: int, gpu_gib: float) -> float:
-    """Wall time of ``(seconds, ranks)`` jobs started in that order, each as soon as it
-    :func:`fits` beside the running ones (in order: a job waits for the one before it)."""
-    t, running, end = 0.0, [], 0.0   # running: (finish time, ranks)
-    for secs, ranks in jobs:
-        while not fits([r for _, r in running], ranks, cores, gpu_gib):
+    """Wall time of ``(seconds, ranks)`` jobs, each started (in that order, :func:`next_job`) as
+    soon as it fits beside the running ones: what ``course.py test --gpu`` does, timed ahead."""
+    todo, t, running = list(range(len(jobs))), 0.0, []   # running: (finish time, job)
+    ranks = {i: r for i, (_, r) in enumerate(jobs)}
+    while todo or running:
+        i = next_job(todo, ranks, [ranks[j] for _, j in running], cores, gpu_gib)
+        if i is None:
             t = min(f for f, _ in running)
-            running = [(f, r) for f, r in running if f > t]
-        running.append((t + secs, ranks))
-        end = max(end, t + secs)
-    return end
+            running = [(f, j) for f, j in running if f > t]
+            continue
+        todo.remove(i)
+        running.append((t + jobs[i][0], i))
+    return t if not running else max(f for f, _ in running)
 
 
 def read_times(root: Path) -> dict:

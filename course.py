@@ -189,7 +189,12 @@ def gpu_python(args: list[str]):
         setup()
         py = python()
     else:
-        py = Path(sys.executable) if choice.kind == "system" else genv.make_own_env(choice.env, interpreter)
+        py = Path(sys.executable)
+        if choice.kind == "own":
+            try:
+                py = genv.make_own_env(choice.env, interpreter)
+            except (OSError, subprocess.CalledProcessError, StopIteration) as e:  # no venv module, a read-only disk
+                choice.why += f"; {choice.env.name} could not be made ({type(e).__name__}: {e}), so {py} itself"
         installed, lacking = genv.install_missing(py, _runtime_deps(build=False), run)
     used = interpreter if choice.kind == "system" else genv.probe(py)
     extra = (f"; installed: {', '.join(installed)}" if installed else "") + \

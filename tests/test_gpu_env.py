@@ -88,6 +88,18 @@ def test_without_a_registry_it_still_runs_and_says_what_is_missing(course, monke
     assert "still missing (no package registry?): nbclient>=0.9" in capsys.readouterr().out
 
 
+def test_an_environment_that_cannot_be_made_falls_back_to_the_interpreter(course, monkeypatch, capsys):
+    """No venv module or a read-only checkout: the interpreter itself, said so."""
+    _play(course, monkeypatch, _torch(course), [])
+
+    def fail(env, interpreter):
+        raise OSError("read-only file system")
+    monkeypatch.setattr(course.genv, "make_own_env", fail)
+    py, used = course.gpu_python([])
+    assert str(py) == course.sys.executable
+    assert ".venv-gpu could not be made (OSError: read-only file system)" in capsys.readouterr().out
+
+
 def test_system_uses_the_interpreter_itself_and_a_cpu_torch_keeps_the_pinned_venv(course, monkeypatch, capsys):
     """--system: no environment made, the missing packages go into the interpreter. A CPU torch:
     ``setup()`` (.venv, torch==2.13.0), as ``course.py test``."""

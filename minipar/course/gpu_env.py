@@ -22,6 +22,7 @@ cores) in a subprocess, so ``course.py`` never imports torch itself.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import venv
 from dataclasses import dataclass, field
@@ -110,11 +111,11 @@ def make_own_env(env: Path, interpreter: Torch) -> Path:
     by a ``.pth`` (each through ``site.addsitedir``, so their own ``.pth`` files count). Its
     own site-packages come first: what is installed into it wins; it has no pip of its own
     (the interpreter's installs into it). Returns its python."""
-    py = env / "bin" / "python"
+    py = env / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
     if not py.exists():   # no pip of its own: the interpreter's pip installs into it (and no ensurepip needed)
         venv.create(env, with_pip=False, system_site_packages=True)
     if interpreter.in_venv and interpreter.site:
-        site = next(env.glob("lib/python*/site-packages"))
+        site = next(iter([*env.glob("lib/python*/site-packages"), *env.glob("Lib/site-packages")]))
         lines = [f"import site; site.addsitedir({d!r})" for d in interpreter.site]
         (site / "_minipar_interpreter.pth").write_text("\n".join(lines) + "\n")
     return py

@@ -322,12 +322,18 @@ def test_gpu(args: list[str]) -> int:
                           flush=True)
     rows = [rows[i] for i in sorted(rows)]
     gpu.write_times(ROOT, rows, first)
-    print(f"\ncourse.py test --gpu{' --first' if first else ''}: {gpus} GPU(s), torch {used.torch}, "
-          f"{used.cores} cores, {width} at a time, {time.perf_counter() - t_all:.0f} s in all")
-    print(f"{'job':<34} {'result':<18} {'seconds':>8}  peak GPU memory per rank (MiB)")
+    report = [f"course.py test --gpu{' --first' if first else ''}: {gpus} GPU(s) ({used.describe()}), "
+              f"{used.cores} cores, {width} chapter jobs at a time, {time.perf_counter() - t_all:.0f} s in all",
+              f"{'job':<34} {'result':<18} {'seconds':>8}  peak GPU memory per rank (MiB)"]
     for name, result, secs, peaks in rows:
         mem = ", ".join(f"r{r} {b / 2**20:.0f}" for r, b in sorted(peaks.items())) or "-"
-        print(f"{name:<34} {result:<18} {secs:>8.1f}  {mem}")
+        report.append(f"{name:<34} {result:<18} {secs:>8.1f}  {mem}")
+    print("\n" + "\n".join(report))
+    try:   # kept beside the run's times, to paste into a note
+        (ROOT / gpu.REPORT_FILE).write_text("\n".join(report) + "\n")
+        print(f"(also in {gpu.REPORT_FILE})")
+    except OSError:
+        pass
     return 1 if [r for r in rows if r[1].startswith("FAIL")] else 0
 
 

@@ -394,6 +394,8 @@ def test_first_runs_its_checks_and_one_quick_job_per_chapter_side_by_side(course
     monkeypatch.setattr(course.time, "sleep", lambda s: None)
     monkeypatch.setattr(course, "open", lambda *a, **k: None, raising=False)
     monkeypatch.setattr(course.Path, "read_text", lambda self: "fp32 causal ok\n")
+    written = []
+    monkeypatch.setattr(course.Path, "write_text", lambda self, text: written.append(str(self)))
     assert course.test_gpu(["--first"]) == 1
     checks = [cmd for _, cmd, _ in course.gpu.first_checks(course.ROOT)]
     assert sorted(map(tuple, (c for c in started if c[:2] != ["-m", "pytest"]))) == sorted(map(tuple, checks))
@@ -404,7 +406,9 @@ def test_first_runs_its_checks_and_one_quick_job_per_chapter_side_by_side(course
     assert started[0][-1] == "mesh5d" and "tests/test_train.py" in started[2]   # most work (seconds x ranks) first
     out = capsys.readouterr().out
     assert "4 chapter jobs at a time: min(16 cores" in out and "; most work first" in out and "minipar.train cp2 bf16" in out and "FAIL (1)" in out
-    assert "--gpu --first: 1 GPU(s), torch 2.11.0+cu130, 16 cores, 4 at a time" in out
+    assert "--gpu --first: 1 GPU(s) (torch 2.11.0+cu130 (CUDA 13.0; 1 GPU(s): NVIDIA H200 139 GiB) of " \
+        "/usr/bin/python3), 16 cores, 4 chapter jobs at a time" in out
+    assert "peak GPU memory per rank (MiB)" in out and written[0].endswith("gpu-run-report.txt")
 
 
 def _with_meta_default(fn, *args):

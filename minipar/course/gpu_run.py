@@ -234,6 +234,7 @@ QUICK_SECONDS = {"01 collectives": 20, "02 data parallel": 35, "03 model paralle
                  "benchmark launch": 30}
 NOTEBOOK_SECONDS, CHECK_SECONDS, BENCH_SECONDS = 45, 20, 25
 TIMES_FILE = "build/gpu-run-seconds.json"   # the last run's times, which order the next run
+REPORT_FILE = "build/gpu-run-report.txt"    # the last run's table: result, seconds, peak memory per rank
 
 
 def expected(name: str, last: dict, quick: bool = False) -> float:

@@ -347,11 +347,16 @@ def _planted_rank(log_path):
     model = MLP([8, 16, 4], seed=0).to("cpu" if r == 1 else "meta")
     held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "meta")
     left = 2048 if r == 1 else 0
+    import os
+    saved = pool.max_allocated, os.environ.get("MINIPAR_MEMORY_LOG")
     pool._allocated_at_start = left
     pool.max_allocated = lambda where: held + left  # placement-free: the allocator is played
-    import os
     os.environ["MINIPAR_MEMORY_LOG"] = log_path
-    pool.log_peak_memory(r, f"cuda:{r}")
+    try:
+        pool.log_peak_memory(r, f"cuda:{r}")
+    finally:   # this warm worker serves the next tests as it was
+        pool._allocated_at_start, pool.max_allocated = 0, saved[0]
+        os.environ.pop("MINIPAR_MEMORY_LOG") if saved[1] is None else os.environ.update(MINIPAR_MEMORY_LOG=saved[1])
     return held
 
 

@@ -7,8 +7,9 @@ only: ``course.py`` loads this file before any environment exists).
   selection ``and`` the caller's), and :func:`outcome` reads pytest's exit 5 (nothing
   selected) as skipped, not failed;
 * :func:`device_findings`: every rank a job launched on a GPU must have allocated GPU memory
-  (the peaks each rank logs, ``$MINIPAR_MEMORY_LOG``); a rank at 0 MiB beside ranks that used
-  the GPU, or a test whose every rank stayed at 0, trained on the CPU: the job fails, naming it;
+  (the peaks each rank logs, ``$MINIPAR_MEMORY_LOG``, above what its warm worker held when the
+  launch began); a rank that allocated nothing beside ranks that did, or a test none of whose
+  ranks did, trained on the CPU: the job fails, naming it;
 * :data:`FIRST`, ``--gpu --first``: the short run for a GPU machine never tried before
   (:func:`first_checks`: with each benchmark on its own);
 * :func:`width`, how many jobs run at once (from the cores and the GPU memory), and

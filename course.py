@@ -36,7 +36,6 @@ import secrets
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import venv
 from pathlib import Path
@@ -63,6 +62,7 @@ gpu = _load("_gpu_run", ROOT / "minipar" / "course" / "gpu_run.py")
 GPU_TESTS = gpu.GPU_TESTS
 # which python and torch it runs with: the machine's own CUDA torch when there is one
 genv = _load("_gpu_env", ROOT / "minipar" / "course" / "gpu_env.py")
+runner = _load("_gpu_jobs", ROOT / "minipar" / "course" / "gpu_jobs.py")   # and how its jobs run side by side
 
 
 def python(env: Path = VENV) -> Path:
@@ -246,20 +246,6 @@ def _environ(**extra) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra)
 
 
-def _start(py, name, cmd, log: Path, out: Path):
-    env = _environ(MINIPAR_DEVICE="cuda", MINIPAR_MEMORY_LOG=str(log))
-    return subprocess.Popen([str(py), *cmd], cwd=ROOT, env=env, stdout=open(out, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc) -> None:
-    """A job over its time: its whole process group (pytest and the ranks it started)."""
-    try:
-        os.killpg(proc.pid, 9)
-    except (OSError, AttributeError):
-        proc.kill()
-
-
 def test_gpu(args: list[str]) -> int:
     """Every chapter's equivalence tests with the ranks on the GPU(s), then every notebook,
     each timed, with the peak GPU memory of each rank; a report at the end (``--dry-run``:
@@ -288,46 +274,12 @@ def test_gpu(args: list[str]) -> int:
     cores, gib = _budget(width, used.cores, used.gpu_gib)
     print(f"{len(tasks)} jobs, {width} chapter jobs at a time: {rule}; lighter checks fill the "
           f"rest of {cores} cores and {gib:.0f} GiB ({gpu.GIB_PER_RANK:g} GiB per rank); most work first", flush=True)
-    rows, t_all = {}, time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        running, todo = {}, gpu.longest_first([t[0] for t in tasks], gpu.read_times(ROOT), first)
-        ranks = {i: gpu.ranks_of(t[0]) for i, t in enumerate(tasks)}
-        while todo or running:
-            while (i := gpu.next_job(todo, ranks, [ranks[j] for j in running], cores, gib)) is not None:
-                todo.remove(i)
-                name, cmd, limit, _ = tasks[i]
-                proc = _start(py, name, cmd, Path(f"{tmp}/{i}.jsonl"), Path(f"{tmp}/{i}.out"))
-                running[i] = (proc, time.perf_counter())
-                print(f"started  {name}", flush=True)
-            time.sleep(0.5)
-            for i, (proc, t) in list(running.items()):
-                name, cmd, limit, is_pytest = tasks[i]
-                over = proc.poll() is None and time.perf_counter() - t > limit
-                if over:
-                    _stop(proc)
-                    proc.wait()
-                elif proc.poll() is None:
-                    continue
-                del running[i]
-                log = gpu.read_log(Path(f"{tmp}/{i}.jsonl"))
-                result, findings = (gpu.job_result(name, proc.returncode, log) if is_pytest else
-                                    ("pass" if proc.returncode == 0 else f"FAIL ({proc.returncode})", []))
-                result = f"FAIL (over {limit} s)" if over else result
-                rows[i] = (name, result, time.perf_counter() - t, gpu.peaks(log))
-                print(f"finished {name}: {result} in {rows[i][2]:.0f} s", flush=True)
-                print("\n".join(f"  {f}" for f in findings[:10]), flush=True) if findings else None
-                text = Path(f"{tmp}/{i}.out").read_text().splitlines()
-                if result.startswith("FAIL") or not is_pytest:
-                    print("\n".join(f"  {line}" for line in text[-(30 if result.startswith("FAIL") else 14):]),
-                          flush=True)
-    rows = [rows[i] for i in sorted(rows)]
+    t_all = time.perf_counter()
+    rows = runner.run(gpu, py, tasks, ROOT, _environ, cores, gib, gpu.read_times(ROOT), first)
     gpu.write_times(ROOT, rows, first)
-    report = [f"course.py test --gpu{' --first' if first else ''}: {gpus} GPU(s) ({used.describe()}), "
-              f"{used.cores} cores, {width} chapter jobs at a time, {time.perf_counter() - t_all:.0f} s in all",
-              f"{'job':<34} {'result':<18} {'seconds':>8}  peak GPU memory per rank (MiB)"]
-    for name, result, secs, peaks in rows:
-        mem = ", ".join(f"r{r} {b / 2**20:.0f}" for r, b in sorted(peaks.items())) or "-"
-        report.append(f"{name:<34} {result:<18} {secs:>8.1f}  {mem}")
+    report = runner.table(rows, f"course.py test --gpu{' --first' if first else ''}: {gpus} GPU(s) "
+                                f"({used.describe()}), {used.cores} cores, {width} chapter jobs at a time, "
+                                f"{time.perf_counter() - t_all:.0f} s in all")
     print("\n" + "\n".join(report))
     try:   # kept beside the run's times, to paste into a note
         (ROOT / gpu.REPORT_FILE).write_text("\n".join(report) + "\n")

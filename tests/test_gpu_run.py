@@ -397,7 +397,7 @@ def test_first_runs_its_checks_and_one_quick_job_per_chapter_side_by_side(course
     monkeypatch.setattr(course.gpu, "write_times", lambda root, rows, quick=False: None)
     monkeypatch.setattr(course.subprocess, "Popen", popen)
     monkeypatch.setattr(course.time, "sleep", lambda s: None)
-    monkeypatch.setattr(course, "open", lambda *a, **k: None, raising=False)
+    monkeypatch.setattr(course.runner, "open", lambda *a, **k: None, raising=False)
     monkeypatch.setattr(course.Path, "read_text", lambda self: "fp32 causal ok\n")
     written = []
     monkeypatch.setattr(course.Path, "write_text", lambda self, text: written.append(str(self)))

@@ -445,3 +445,35 @@ def test_the_ranks_the_gpu_check_named_build_on_the_ranks_device():
     minipar.launch(_with_meta_default, 3, device="cpu", timeout=60, args=(test_data_parallel._wrap_different_replicas,))
     server = minipar.launch(_with_meta_default, 3, device="cpu", timeout=120, args=(ps_test._ps_runs, MLP(seed=2)))[0]
     assert server["sync"]["params"] and server["train async"]["losses"]
+
+
+def test_the_runner_runs_jobs_side_by_side_and_stops_one_over_its_time(course, tmp_path, capsys):
+    """Real processes: a check that passes, one that fails, and one past its time limit, which is
+    stopped with its process group (a child it started goes too) and reported as over its time."""
+    import os
+    import sys
+    pid_file = tmp_path / "child"
+    hang = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            f" open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    tasks = [("benchmark ok", ["-c", "print('ran')"], 30, False), ("benchmark bad", ["-c", "raise SystemExit(3)"], 30, False),
+             ("benchmark hang", ["-c", hang], 3, False)]
+    env = lambda **extra: dict(os.environ, **extra)   # noqa: E731
+    rows = course.runner.run(course.gpu, sys.executable, tasks, tmp_path, env, 16, 64, {}, True)
+    assert [(n, r) for n, r, *_ in rows] == [("benchmark ok", "pass"), ("benchmark bad", "FAIL (3)"),
+                                             ("benchmark hang", "FAIL (over 3 s)")]
+    child = int(pid_file.read_text())
+    import time
+    for _ in range(50):   # the kill is asynchronous
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{child}/stat") as f:
+            if f.read().split()[2] == "Z":
+                break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the stopped job's child still runs")
+    out = capsys.readouterr().out
+    assert "finished benchmark ok: pass" in out and "  ran" in out
+    assert course.runner.table(rows, "t")[2].startswith("benchmark ok")

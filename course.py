@@ -8,11 +8,14 @@
     python3 course.py book                # the web book: every notebook executed (or reused from
                                           # the tests' run), a static site, checked in a browser
     python3 course.py test --gpu          # on a GPU machine: equivalence tests and every notebook
-                                          # on the GPU, then a report per chapter
-    python3 course.py test --gpu --dry-run   # what that would run, every test file in or out and
-                                          # why, and a check (no GPU needed) that none assumes the CPU
-    python3 course.py test --gpu --first  # a new GPU machine's first run (< 10 min): fused kernels,
-                                          # minipar.train with CP, one quick job per chapter
+                                          # on the GPU, then a report per job (< 8 min on 16 cores)
+    python3 course.py test --gpu --dry-run   # the torch and the width it would use, what it would
+                                          # run, every test file in or out and why, and a check
+                                          # (no GPU needed) that none assumes the CPU
+    python3 course.py test --gpu --first  # a new GPU machine's first run (< 4 min): fused kernels,
+                                          # minipar.train with CP, each benchmark, one quick job
+                                          # per chapter
+    python3 course.py test --gpu --system # with the interpreter running course.py as it is
     python3 course.py test --torch 2.9.0 -k launch   # the tests under another torch, in its
                                           # own environment (~/.cache/minipar/envs/torch-2.9.0)
     python3 course.py test --colab        # play Colab: a fresh runtime with its own torch (2.9.0),
@@ -21,6 +24,9 @@
 Needs only Python >= 3.10. Everything goes into ./.venv; the install is redone only when
 pyproject.toml changes. PyTorch is pinned to the version the course is tested with
 (override with MINIPAR_TORCH, e.g. MINIPAR_TORCH="torch==2.13.0" or a CUDA build's spec).
+``test --gpu`` on a machine whose python3 already has a CUDA torch (Colab, Kaggle, a rented
+box, a cluster node) uses that torch, through ./.venv-gpu, which sees its packages and gets
+only what is missing (offline too, when nothing is): minipar/course/gpu_env.py.
 ``lab`` works as root too (Docker images, rented GPU machines) and prints the URL to open.
 """
 import hashlib
@@ -30,7 +36,6 @@ import secrets
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import venv
 from pathlib import Path
@@ -55,6 +60,9 @@ def _load(name: str, path: Path):
 # what `test --gpu` runs (each chapter's tests, then every notebook) and what it leaves out, why
 gpu = _load("_gpu_run", ROOT / "minipar" / "course" / "gpu_run.py")
 GPU_TESTS = gpu.GPU_TESTS
+# which python and torch it runs with: the machine's own CUDA torch when there is one
+genv = _load("_gpu_env", ROOT / "minipar" / "course" / "gpu_env.py")
+runner = _load("_gpu_jobs", ROOT / "minipar" / "course" / "gpu_jobs.py")   # and how its jobs run side by side
 
 
 def python(env: Path = VENV) -> Path:
@@ -110,12 +118,14 @@ def lab(extra: list[str]) -> int:
 
 
 # ------------------------------------------------------------------ test --torch X.Y.Z
-def _runtime_deps() -> list[str]:
+def _runtime_deps(build: bool = True) -> list[str]:
     """pyproject's build requirements, dependencies and test extras, without torch (the tests build
-    a wheel, so the build backend is one of them; a small parser: py3.10 has no tomllib)."""
+    a wheel, so the build backend is one of them; ``build=False``: not it, as for ``test --gpu``,
+    whose jobs build nothing; a small parser: py3.10 has no tomllib)."""
     text = (ROOT / "pyproject.toml").read_text()
     deps = []
-    for block in re.findall(r"(?:requires|dependencies|test)\s*=\s*\[(.*?)\]", text, re.S):
+    for block in re.findall(r"(?:requires|dependencies|test)\s*=\s*\[(.*?)\]" if build else
+                            r"(?:dependencies|test)\s*=\s*\[(.*?)\]", text, re.S):
         deps += re.findall(r'"([^"]+)"', block)
     return [d for d in deps if not re.match(r"torch\b", d)]
 
@@ -154,108 +164,129 @@ def gpu_jobs(args: list[str] = ()) -> list[tuple[str, list[str]]]:
     return gpu.jobs(ROOT, args)
 
 
-def gpu_width(gpus: int) -> int:
-    """Jobs at once: each is a pytest process whose warm ranks hold CUDA contexts (a few hundred
-    MiB each), so one GPU runs one job at a time; with 2 or more, 4 (host cores are then the
-    limit). ``MINIPAR_GPU_JOBS`` overrides."""
-    return int(os.environ.get("MINIPAR_GPU_JOBS", "4" if gpus >= 2 else "1"))
+def gpu_width(gpus: int, cores: int | None = None, gpu_gib: float | None = None,
+              n_jobs: int = 1000) -> int:
+    """Jobs at once (:func:`gpu_run.width`: the cores and the GPU memory; ``MINIPAR_GPU_JOBS``
+    overrides). No GPU (the dry run): as on Colab's T4."""
+    return gpu_width_rule(gpus, cores, gpu_gib, n_jobs)[0]
 
 
-def gpu_dry_run(gpus: int, args: list[str]) -> int:
-    """List the jobs and commands of ``test --gpu``, every test file (in a job, or left out and
-    why), and check, without a GPU, that its tests collect as on one
+def gpu_width_rule(gpus, cores=None, gpu_gib=None, n_jobs=1000) -> tuple[int, str]:
+    gib = gpu_gib if gpu_gib is not None and gpus else gpu.GPU_GIB_IF_NONE * max(gpus, 1)
+    return gpu.width(cores or os.cpu_count() or 1, gib, n_jobs, os.environ.get("MINIPAR_GPU_JOBS"))
+
+
+def gpu_python(args: list[str]):
+    """The interpreter ``test --gpu`` runs with, ready (:mod:`minipar.course.gpu_env`: the
+    machine's own CUDA torch when the interpreter running course.py has one, through .venv-gpu
+    with only what is missing installed; ``--system``: that interpreter itself; else .venv),
+    and its torch (:class:`gpu_env.Torch`), said in two lines."""
+    interpreter = genv.probe(sys.executable)
+    choice = genv.choose(interpreter, ROOT, system="--system" in args,
+                         torch_spec=os.environ.get("MINIPAR_TORCH"), pinned=TORCH)
+    installed, lacking = [], []
+    if choice.kind == "pinned":
+        setup()
+        py = python()
+    else:
+        py = Path(sys.executable)
+        if choice.kind == "own":
+            try:
+                py = genv.make_own_env(choice.env, interpreter)
+            except (OSError, subprocess.CalledProcessError, StopIteration) as e:  # no venv module, a read-only disk
+                choice.why += f"; {choice.env.name} could not be made ({type(e).__name__}: {e}), so {py} itself"
+        installed, lacking = genv.install_missing(py, _runtime_deps(build=False), run)
+    used = interpreter if choice.kind == "system" else genv.probe(py)
+    extra = (f"; installed: {', '.join(installed)}" if installed else "") + \
+            (f"; still missing (no package registry?): {', '.join(lacking)}" if lacking else "")
+    print(f"torch: {used.describe()}\n  chosen because: {choice.why}{extra}", flush=True)
+    return py, used
+
+
+def gpu_dry_run(gpus: int, args: list[str], py: Path | None = None, cores: int | None = None,
+                gpu_gib: float | None = None) -> int:
+    """List the jobs and commands of ``test --gpu``, the width chosen and why, every test file
+    (in a job, or left out and why), and check, without a GPU, that its tests collect as on one
     (``minipar.runtime.devices_check``) and that none assumes the CPU."""
+    py = py or python()
     simulated = max(gpus, 1)
     jobs = gpu_jobs(args)
+    w, rule = gpu_width_rule(gpus, cores, gpu_gib, len(jobs))
     print(f"course.py test --gpu --dry-run: {gpus} GPU(s) here; as on {simulated}: "
-          f"{len(jobs)} jobs, {gpu_width(simulated)} at a time, each with MINIPAR_DEVICE=cuda; every job "
-          f"but {', '.join(gpu.UNCHECKED)} fails if one of its ranks trained on the CPU (GPU peak 0 MiB)")
+          f"{len(jobs)} jobs, {w} at a time, each with MINIPAR_DEVICE=cuda; every job "
+          f"but {', '.join(gpu.UNCHECKED)} fails if one of its ranks trained on the CPU (allocated no GPU memory)")
+    print(f"width: {w} = {rule}" + ("" if gpus else f" (no GPU here: as on one of {gpu.GPU_GIB_IF_NONE:g} GiB)"))
+    last, names = gpu.read_times(ROOT), [n for n, _ in jobs]
+    order = gpu.longest_first(names, last)
+    expect = gpu.makespan([(gpu.expected(names[i], last), gpu.ranks_of(names[i])) for i in order],
+                          *_budget(w, cores or os.cpu_count() or 1, gpu_gib if gpus and gpu_gib else
+                                   gpu.GPU_GIB_IF_NONE * simulated))
+    print(f"order: most work first (seconds x ranks: {'the last run' if last else 'the first H200 run'}'s seconds), "
+          f"about {expect:.0f} s expected")
     for name, pytest_args in jobs:
-        print(f"  {name:<24} {python()} -m pytest {' '.join(pytest_args)}")
+        print(f"  {name:<24} {py} -m pytest {' '.join(pytest_args)}")
     print("test files:")
     for f, job, why in gpu.classify(ROOT):
         print(f"  {f:<40} {'in ' + job if job else 'left out: ' + why}")
     files = sorted({f for _, a in jobs for f in a if f.startswith("tests/")})
-    return subprocess.call([str(python()), "-m", "minipar.runtime.devices_check", "--gpus", str(simulated),
+    return subprocess.call([str(py), "-m", "minipar.runtime.devices_check", "--gpus", str(simulated),
                             *files], cwd=ROOT)
 
 
-def _gpu_job(name, pytest_args, rest, log: Path, out: Path):
-    env = dict(os.environ, MINIPAR_DEVICE="cuda", MINIPAR_MEMORY_LOG=str(log))
-    return subprocess.Popen([str(python()), "-m", "pytest", *pytest_args, *rest], cwd=ROOT, env=env,
-                            stdout=open(out, "w"), stderr=subprocess.STDOUT)
+def _budget(width: int, cores: int, gpu_gib: float) -> tuple[int, float]:
+    """Cores and GPU GiB the jobs may hold at once: the machine's, or under ``MINIPAR_GPU_JOBS``
+    that many 4-rank jobs' worth."""
+    if os.environ.get("MINIPAR_GPU_JOBS"):
+        return width * gpu.CORES_PER_JOB, width * gpu.GIB_PER_JOB
+    return cores, gpu_gib
+
+
+def _environ(**extra) -> dict:
+    """This checkout's minipar first (the machine's own environment has no minipar installed)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra)
 
 
 def test_gpu(args: list[str]) -> int:
     """Every chapter's equivalence tests with the ranks on the GPU(s), then every notebook,
     each timed, with the peak GPU memory of each rank; a report at the end (``--dry-run``:
-    what it would run, :func:`gpu_dry_run`; ``--first``: :func:`gpu_first`)."""
-    probe = subprocess.run([str(python()), "-c", "import torch; print(torch.cuda.device_count() "
-                            "if torch.cuda.is_available() else 0, torch.__version__)"],
-                           capture_output=True, text=True)
-    gpus, version = (probe.stdout.split() + ["0", "?"])[:2]
+    what it would run, :func:`gpu_dry_run`; ``--first``: the checks of :func:`gpu.first_checks`
+    and each chapter's quick tier, run side by side with the jobs). Jobs start most work first,
+    :func:`gpu_width` at a time."""
+    py, used = gpu_python(args)
+    args = [a for a in args if a != "--system"]
+    gpus = len(used.gpus)
     if "--dry-run" in args:
-        return gpu_dry_run(int(gpus), [a for a in args if a != "--dry-run"])
-    if int(gpus) == 0:
-        print("course.py test --gpu: no CUDA GPU visible to .venv's torch "
-              f"({version}); install a CUDA build (MINIPAR_TORCH) on a machine with a GPU.")
+        return gpu_dry_run(gpus, [a for a in args if a != "--dry-run"], py, used.cores, used.gpu_gib)
+    if gpus == 0:
+        print(f"course.py test --gpu: no CUDA GPU visible to {py}'s torch ({used.torch}); "
+              "run it on a machine with a GPU (a CUDA torch there is used as it is).")
         return 2
     first = "--first" in args
     _, rest = gpu.split_k([a for a in args if a != "--first"])
-    jobs = [(n, [*a, *gpu.FIRST_JOB_ARGS]) for n, a in gpu_jobs() if not n.startswith("notebook")] if first \
-        else gpu_jobs(args)
-    width = gpu_width(int(gpus))
-    rows, t_all = {}, time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        checks = gpu_first(Path(tmp)) if first else []
-        running, todo = {}, list(enumerate(jobs))
-        while todo or running:
-            while todo and len(running) < width:
-                i, (name, pytest_args) = todo.pop(0)
-                proc = _gpu_job(name, pytest_args, rest, Path(f"{tmp}/{i}.jsonl"), Path(f"{tmp}/{i}.out"))
-                running[i] = (name, proc, time.perf_counter())
-                print(f"started  {name}", flush=True)
-            time.sleep(0.5)
-            for i, (name, proc, t) in list(running.items()):
-                if proc.poll() is None:
-                    continue
-                del running[i]
-                log = gpu.read_log(Path(f"{tmp}/{i}.jsonl"))
-                result, findings = gpu.job_result(name, proc.returncode, log)
-                rows[i] = (name, result, time.perf_counter() - t, gpu.peaks(log))
-                print(f"finished {name}: {result} in {rows[i][2]:.0f} s", flush=True)
-                print("\n".join(f"  {f}" for f in findings[:10]), flush=True) if findings else None
-                if result.startswith("FAIL"):
-                    print("\n".join(Path(f"{tmp}/{i}.out").read_text().splitlines()[-30:]), flush=True)
-    rows = [rows[i] for i in sorted(rows)]
-    print(f"\ncourse.py test --gpu{' --first' if first else ''}: {gpus} GPU(s), torch {version}, "
-          f"{time.perf_counter() - t_all:.0f} s in all")
-    for name, result, secs, detail in checks:
-        print(f"{name:<34} {result:<10} {secs:>6.1f} s  {detail}")
-    print(f"{'chapter':<24} {'result':<10} {'seconds':>8}  peak GPU memory per rank (MiB)")
-    for name, result, secs, peaks in rows:
-        mem = ", ".join(f"r{r} {b / 2**20:.0f}" for r, b in sorted(peaks.items())) or "-"
-        print(f"{name:<24} {result:<10} {secs:>8.1f}  {mem}")
-    bad = [r for r in rows if r[1].startswith("FAIL")] + [c for c in checks if c[1] != "pass"]
-    return 1 if bad else 0
-
-
-def gpu_first(tmp: Path) -> list[tuple[str, str, float, str]]:
-    """``--gpu --first``'s checks before its jobs (:data:`gpu_run.FIRST`): each one's result,
-    seconds and the last line it printed."""
-    out = []
-    for name, cmd, limit in gpu.FIRST:
-        t = time.perf_counter()
-        try:
-            p = subprocess.run([str(python()), *cmd], cwd=tmp, capture_output=True, text=True, timeout=limit,
-                               env=dict(os.environ, MINIPAR_DEVICE="cuda",
-                                        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
-            result, text = ("pass" if p.returncode == 0 else f"FAIL ({p.returncode})"), p.stdout + p.stderr
-        except subprocess.TimeoutExpired:
-            result, text = f"FAIL (over {limit} s)", ""
-        print(f"{name}: {result}\n" + "\n".join(f"  {line}" for line in text.strip().splitlines()[-14:]), flush=True)
-        out.append((name, result, time.perf_counter() - t, (text.strip().splitlines() or [""])[-1][:60]))
-    return out
+    if first:
+        tasks = [(n, ["-m", "pytest", *a, *gpu.FIRST_JOB_ARGS, *rest], 300, True)
+                 for n, a in gpu_jobs() if not n.startswith("notebook")]
+        tasks = [(n, cmd, limit, False) for n, cmd, limit in gpu.first_checks(ROOT)] + tasks
+    else:
+        tasks = [(n, ["-m", "pytest", *a, *rest], 240 if n.startswith("notebook") else 480, True)
+                 for n, a in gpu_jobs(args)]
+    width, rule = gpu_width_rule(gpus, used.cores, used.gpu_gib, len(tasks))
+    cores, gib = _budget(width, used.cores, used.gpu_gib)
+    print(f"{len(tasks)} jobs, {width} chapter jobs at a time: {rule}; lighter checks fill the "
+          f"rest of {cores} cores and {gib:.0f} GiB ({gpu.GIB_PER_RANK:g} GiB per rank); most work first", flush=True)
+    t_all = time.perf_counter()
+    rows = runner.run(gpu, py, tasks, ROOT, _environ, cores, gib, gpu.read_times(ROOT), first)
+    gpu.write_times(ROOT, rows, first)
+    report = runner.table(rows, f"course.py test --gpu{' --first' if first else ''}: {gpus} GPU(s) "
+                                f"({used.describe()}), {used.cores} cores, {width} chapter jobs at a time, "
+                                f"{time.perf_counter() - t_all:.0f} s in all")
+    print("\n" + "\n".join(report))
+    try:   # kept beside the run's times, to paste into a note
+        (ROOT / gpu.REPORT_FILE).write_text("\n".join(report) + "\n")
+        print(f"(also in {gpu.REPORT_FILE})")
+    except OSError:
+        pass
+    return 1 if [r for r in rows if r[1].startswith("FAIL")] else 0
 
 
 # ------------------------------------------------------------------ no arguments: the map
@@ -316,6 +347,8 @@ def main(argv) -> int:
             print("course.py test --torch needs a version, e.g. --torch 2.9.0")
             return 2
         return test_torch(rest[i + 1], rest[:i] + rest[i + 2:])
+    if what == "test" and "--gpu" in rest:   # its own environment: the machine's torch if CUDA
+        return test_gpu([a for a in rest if a != "--gpu"])
     setup()
     if what == "lab":
         return lab(rest)
@@ -325,8 +358,6 @@ def main(argv) -> int:
         i = rest.index("--colab")
         version = rest[i + 1] if i + 1 < len(rest) and not rest[i + 1].startswith("-") else "2.9.0"
         return test_colab(version, [a for a in rest if a not in ("--colab", version)])
-    if "--gpu" in rest:
-        return test_gpu([a for a in rest if a != "--gpu"])
     if "--quick" in rest:   # the tests marked slow (pyproject's markers) left out
         rest = [a for a in rest if a != "--quick"] + ["-m", "not slow"]
     return subprocess.call([str(python()), "-m", "pytest", *rest], cwd=ROOT)

@@ -115,22 +115,24 @@ def _native_bytes_under(formula):
     import minipar.cost as cost_pkg
     import minipar.cost.collectives as cost_mod
     from minipar.comm import native
-    n, r = dist.get_world_size(), dist.get_rank()
+    n, r, dev = dist.get_world_size(), dist.get_rank(), minipar.device()
     homes = [m for m in (cost_pkg, cost_mod, native) if hasattr(m, "collective_bytes")]
     saved = [m.collective_bytes for m in homes]
     for m in homes:
         m.collective_bytes = formula
     out = {}
-    try:
-        for N in (12, 7):
-            trace.start(r)
-            comm.all_reduce(torch.ones(N))
-            out[("all_reduce", N)] = sum(e["bytes_sent"] for e in trace.events())
+
+    def sent(fn):  # a staged call (CUDA tensors over Gloo) adds staging events of 0 bytes
         trace.start(r)
-        comm.reduce_scatter(torch.empty(4), torch.ones(4 * n))
-        comm.all_gather(torch.empty(4 * n), torch.ones(4))
-        ev = trace.events()
-        out[("reduce_scatter", 4 * n)], out[("all_gather", 4 * n)] = (e["bytes_sent"] for e in ev)
+        fn()
+        return sum(e["bytes_sent"] for e in trace.events())
+    try:   # on the rank's device: CUDA tensors under ``course.py test --gpu``
+        for N in (12, 7):
+            out[("all_reduce", N)] = sent(lambda: comm.all_reduce(torch.ones(N, device=dev)))
+        out[("reduce_scatter", 4 * n)] = sent(
+            lambda: comm.reduce_scatter(torch.empty(4, device=dev), torch.ones(4 * n, device=dev)))
+        out[("all_gather", 4 * n)] = sent(
+            lambda: comm.all_gather(torch.empty(4 * n, device=dev), torch.ones(4, device=dev)))
     finally:
         for m, f in zip(homes, saved):
             m.collective_bytes = f
@@ -164,12 +166,12 @@ def test_halving_doubling_needs_a_power_of_two():
 
 
 def _in_subgroups():
-    r = dist.get_rank()
+    r, dev = dist.get_rank(), minipar.device()
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     g = groups[r % 2]
-    x = torch.tensor([float(r)] * 5)
+    x = torch.tensor([float(r)] * 5, device=dev)
     comm.ring_all_reduce(x, group=g)
-    y = torch.tensor([float(r)])
+    y = torch.tensor([float(r)], device=dev)
     comm.broadcast(y, src=1, group=g)  # group rank 1 = global rank 2 or 3
     return x[0].item(), y.item()
 

@@ -32,8 +32,8 @@ def test_lab_prints_its_url_and_runs_as_root(course, monkeypatch, capsys, root):
 
 
 def test_gpu_run_without_a_gpu_says_so(course, monkeypatch, capsys):
-    monkeypatch.setattr(course.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
-        cmd, 0, stdout="0 2.13.0+cpu\n", stderr=""))
+    cpu = course.genv.Torch(python="python", torch="2.13.0+cpu")
+    monkeypatch.setattr(course, "gpu_python", lambda args: ("python", cpu))
     assert course.test_gpu([]) == 2
     assert "no CUDA GPU visible" in capsys.readouterr().out
 

@@ -198,8 +198,9 @@ def test_bucket_assignment():
 def _wrap_different_replicas():
     """Each rank builds a different model (seed = rank, a buffer = rank); DDP makes them equal."""
     r = dist.get_rank()
-    model = GPT(TIED, seed=r)
-    model.register_buffer("counter", torch.full((3,), float(r)))
+    with torch.device("cpu"):   # seeded on the CPU (the same on every machine), then where the rank computes
+        model = GPT(TIED, seed=r).to(minipar.device())
+    model.register_buffer("counter", torch.full((3,), float(r), device=minipar.device()))
     names = [k for k, _ in model.named_parameters()]
     ddp = DistributedDataParallel(model, bucket_cap_mb=CAP)
     return {"params": {k: v.detach().clone() for k, v in ddp.named_parameters()},

@@ -18,6 +18,7 @@ from minipar import data, reference
 from minipar.runtime import trace
 from minipar.data_parallel import ShardedBatchSampler, parameter_server
 from minipar.models import MLP
+from minipar.strategy import to_device
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 6
@@ -30,11 +31,15 @@ EVAL = tuple(torch.cat(t) for t in zip(*_ALL[40:]))  # 64 held-out samples, same
 JOINED = [tuple(torch.cat(t) for t in zip(BATCHES[2 * k], BATCHES[2 * k + 1])) for k in range(STEPS)]
 
 
-def batch_fn(i):
-    return BATCHES[i % len(BATCHES)]
-
-
 def _ps_runs(model):
+    """Every run on the rank's device (the GPU under ``course.py test --gpu``): the model, the
+    batches and the evaluation batch are moved there, as ``strategy.on_device`` does for ``run``."""
+    here = minipar.device()
+    model, joined, eval_batch = to_device(model, here), to_device(JOINED, here), to_device(EVAL, here)
+    batches = to_device(BATCHES, here)
+
+    def batch_fn(i):
+        return batches[i % len(batches)]
     out = {}
     opt = reference.sgd(0.1)
     out["sync"] = parameter_server(copy.deepcopy(model), batch_fn, STEPS, opt, synchronous=True)
@@ -45,13 +50,13 @@ def _ps_runs(model):
     since = len(trace.events())
     out["async"] = parameter_server(copy.deepcopy(model), batch_fn, 100, reference.sgd(0.2),
                                     delays=[0.0, 0.04],
-                                    eval_batch=EVAL)
+                                    eval_batch=eval_batch)
     out["async_sent"] = sum(e["bytes_sent"] for e in trace.events()[since:] if e["name"] == "push")
     out["bounded"] = parameter_server(copy.deepcopy(model), batch_fn, 100, opt, delays=[0.0, 0.04],
                                       max_staleness=1)
     ps = importlib.import_module("minipar.data_parallel.parameter_server")   # the module: its strategy API
-    out["train sync"] = ps.train(copy.deepcopy(model), JOINED, opt, synchronous=True)
-    out["train async"] = ps.train(copy.deepcopy(model), JOINED, opt)
+    out["train sync"] = ps.train(copy.deepcopy(model), joined, opt, synchronous=True)
+    out["train async"] = ps.train(copy.deepcopy(model), joined, opt)
     return out
 
 

@@ -29,7 +29,8 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the ranks compute: cuda puts each rank on a GPU (NCCL with one GPU "
-                        "per rank), PyTorch's baseline on the same GPUs; times then synchronize")
+                        "per rank; with fewer GPUs the ranks share them over Gloo where the benchmark "
+                        "can), PyTorch's baseline in the same placement; times then synchronize")
     return p
 
 
@@ -47,14 +48,44 @@ def size(args, full, quick, smoke):
     return smoke if args.smoke else quick if args.quick else full
 
 
-def one_gpu_per_rank(ap: argparse.ArgumentParser, device: str, ranks: int) -> None:
-    """``--device cuda`` means NCCL with one GPU per rank: PyTorch's baselines have no path for
-    CUDA tensors over Gloo (ranks sharing a GPU), so fewer GPUs than ``ranks`` is a plain
-    error (exit code 2) before any process starts."""
-    from ..runtime.backend import gpu_count
-    if device == "cuda" and (g := gpu_count()) < ranks:
-        ap.error(f"--device cuda runs one GPU per rank over NCCL: {ranks} ranks need {ranks} GPUs, "
-                 f"this machine has {g}. Use fewer ranks (--ranks), or --device cpu.")
+SHARED = ("{n} ranks share {g} GPU(s): compute on the GPU, messages over Gloo through host memory, "
+          "minipar's and the baseline's alike")
+
+
+def decide(device: str, ranks: int, shares: str | None = None, needs: str | None = None,
+           gpus: int | None = None):
+    """Where a benchmark's ``ranks`` run for ``--device``: ``(placement, note)``, or ``(None, why
+    not)``. ``--device cuda`` with a GPU per rank is NCCL; with fewer GPUs the ranks share them
+    over Gloo (:func:`minipar.runtime.backend.place`) when the benchmark can (``shares``: what
+    its ratio means there, both sides in that placement), else it is refused, saying what it
+    ``needs``. ``gpus``: a simulated count (this machine's by default)."""
+    from ..runtime.backend import BackendError, place
+    try:
+        p = place(ranks, device, gpus=gpus)
+    except BackendError as e:
+        return None, f"--device {device}: {e}"
+    if not p.shared:
+        return p, ""
+    if needs is not None:
+        return None, (f"--device cuda with {ranks} ranks on {p.gpus} GPU(s): {needs}; it needs one GPU "
+                      f"per rank (NCCL): {ranks} ranks need {ranks} GPUs. Use fewer ranks (--ranks) "
+                      f"where the benchmark takes them, or --device cpu.")
+    return p, SHARED.format(n=ranks, g=p.gpus) + (f": {shares}" if shares else "")
+
+
+_note = {"placement": ""}   # this run's placement note, for :func:`report`
+
+
+def placement(ap: argparse.ArgumentParser, device: str, ranks: int, shares: str | None = None,
+              needs: str | None = None):
+    """:func:`decide` for this machine, before any process starts: a refusal is a plain error
+    (exit code 2, one line); the placement's note goes into the report (its first line, and
+    ``"placement"`` in ``--json``'s object)."""
+    p, note = decide(device, ranks, shares, needs)
+    if p is None:
+        ap.error(note)
+    _note["placement"] = note
+    return p, note
 
 
 def to_here(obj):
@@ -133,6 +164,9 @@ def table(rows: list[dict], columns: list[str]) -> str:
 def report(result: dict, args, columns: list[str] | None = None, intro=(), notes=()) -> dict:
     """Print ``result`` as JSON (``--json``) or as the lines ``intro``, a table of
     ``result["rows"]`` (``columns``, by default the first row's keys), the ratio and the lines ``notes``."""
+    if _note["placement"]:
+        result.setdefault("placement", _note["placement"])
+        intro = [f"placement: {_note['placement']}", *intro]
     if args.json:
         print(json.dumps(result))
     else:

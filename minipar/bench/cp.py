@@ -23,8 +23,12 @@ import torch.nn.functional as F
 from .. import comm
 from .. import context_parallel as cpm
 from ..runtime.launch import launch
-from .common import (backward_step, here, interleaved, median, one_gpu_per_rank, parser, report,
+from .common import (backward_step, here, interleaved, median, placement, parser, report,
                      row, size)
+
+# with fewer GPUs than ranks the ranks share them (Gloo through host memory), and then:
+SHARED_GPU = ("PyTorch's context_parallel is tried in the same placement (where it cannot run, the ratio is "
+              "against full attention on one rank, as on the CPU)")
 
 
 def _try_torch_cp(q, k, v, repeats):
@@ -92,7 +96,7 @@ def main(argv=None) -> dict:
     p.add_argument("--attention", choices=("both", *PATHS), default="both",
                    help="the per-block attention of minipar's rows: both (default), fused or written out")
     a = p.parse_args(argv)
-    one_gpu_per_rank(p, a.device, a.ranks)
+    placement(p, a.device, a.ranks, shares=SHARED_GPU)
     paths = PATHS if a.attention == "both" else (a.attention,)
     T, repeats = a.seq or size(a, 2048, 512, 32), a.repeats or size(a, 10, 4, 1)
     a.heads, a.head_dim, a.batch = a.heads or size(a, 8, 8, 2), a.head_dim or size(a, 32, 32, 8), a.batch or size(a, 2, 2, 1)

@@ -24,8 +24,12 @@ import torch.distributed as dist
 from .. import expert_parallel as xp
 from ..runtime.launch import launch
 from ..models.moe import MoE, route
-from .common import (backward_step, interleaved, median, one_gpu_per_rank, parser, report, row,
+from .common import (backward_step, interleaved, median, placement, parser, report, row,
                      size, to_here)
+
+# with fewer GPUs than ranks the ranks share them (Gloo through host memory), and then:
+SHARED_GPU = ("Gloo's all_to_all stages CUDA tensors through host memory for PyTorch's dispatch as minipar's "
+              "staging does for its own; the ratio is the dispatch's overhead there")
 
 
 def _torch_dispatch(moe, x, group=None):
@@ -84,7 +88,7 @@ def main(argv=None) -> dict:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--repeats", type=int, default=None, help="timed steps each (default 20, --quick 6, --smoke 1)")
     a = p.parse_args(argv)
-    one_gpu_per_rank(p, a.device, 2)
+    placement(p, a.device, 2, shares=SHARED_GPU)
     tokens, repeats = a.tokens or size(a, 2048, 512, 32), a.repeats or size(a, 20, 6, 1)
     a.hidden, a.experts = a.hidden or size(a, 128, 128, 16), a.experts or size(a, 8, 8, 4)
     res = launch(_rank, 2, args=(tokens, a.hidden, a.experts, a.top_k, repeats), timeout=600, device=a.device)

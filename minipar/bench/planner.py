@@ -19,8 +19,12 @@ from __future__ import annotations
 from ..runtime.launch import launch
 from .. import plan
 from ..models import GPTConfig
-from .common import RATIO, median, one_gpu_per_rank, parser, report, row, size
+from .common import RATIO, median, placement, parser, report, row, size
 from .ddp import config, measure_rank
+
+# with fewer GPUs than ranks the ranks share them (Gloo through host memory), and then:
+SHARED_GPU = ("minipar's DDP against PyTorch's, both through host memory; the planner's calibration is measured"
+              " in the same placement")
 
 
 def main(argv=None) -> dict:
@@ -30,7 +34,7 @@ def main(argv=None) -> dict:
     p.add_argument("--runs", type=int, default=2, help="with --rho: separate runs, each reported")
     p.add_argument("--rounds", type=int, default=5, help="with --rho: interleaved rounds per run")
     a = p.parse_args(argv)
-    one_gpu_per_rank(p, a.device, 4 if a.rho else a.ranks)
+    placement(p, a.device, 4 if a.rho else a.ranks, shares=SHARED_GPU)
     if a.rho:
         return _rho(a)
     n, batch = a.ranks, size(a, 8, 8, 2)

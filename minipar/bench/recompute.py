@@ -21,7 +21,7 @@ import torch
 from .. import cost
 from ..activations import SavedActivations
 from ..models import GPT, GPTConfig
-from .common import backward_step, interleaved, median, one_gpu_per_rank, parser, report, row, size
+from .common import backward_step, interleaved, median, placement, parser, report, row, size
 
 PATHS = ("sdpa", "materialized")
 
@@ -29,7 +29,7 @@ PATHS = ("sdpa", "materialized")
 def main(argv=None) -> dict:
     p = parser("recompute", __doc__.splitlines()[0])
     a = p.parse_args(argv)
-    one_gpu_per_rank(p, a.device, 1)
+    placement(p, a.device, 1)   # one rank: its own GPU
     c = size(a, GPTConfig(vocab_size=512, block_size=512, n_layer=4, n_head=8, n_embd=256),
              GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=128),
              GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))

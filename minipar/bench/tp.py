@@ -20,8 +20,12 @@ import torch.nn as nn
 from .. import tensor_parallel as tp
 from ..runtime.launch import launch
 from ..models import Block, GPTConfig
-from .common import (backward_step, here, interleaved, median, one_gpu_per_rank, parser, report,
+from .common import (backward_step, here, interleaved, median, placement, parser, report,
                      row, size, to_here)
+
+# with fewer GPUs than ranks the ranks share them (Gloo through host memory), and then:
+SHARED_GPU = ("PyTorch's tensor parallelism (DTensor) runs its all-reduces and all-gathers over the same Gloo "
+              "group, which stages CUDA tensors through host memory as minipar does")
 
 
 class _LocalHeadsAttention(nn.Module):
@@ -101,7 +105,7 @@ def main(argv=None) -> dict:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 128, --quick 64, --smoke 16)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps each (default 20, --quick 8, --smoke 1)")
     a = p.parse_args(argv)
-    one_gpu_per_rank(p, a.device, a.ranks)
+    placement(p, a.device, a.ranks, shares=SHARED_GPU)
     s, repeats = a.seq or size(a, 128, 64, 16), a.repeats or size(a, 20, 8, 1)
     a.hidden, a.heads, a.batch = a.hidden or size(a, 256, 256, 32), a.heads or size(a, 8, 8, 2), a.batch or size(a, 8, 8, 2)
     tp.check(GPTConfig(vocab_size=64, block_size=s, n_head=a.heads, n_embd=a.hidden), None, a.ranks)

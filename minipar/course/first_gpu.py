@@ -1,13 +1,14 @@
-"""Two checks of ``python3 course.py test --gpu --first`` (``python -m minipar.course.first_gpu
-attention|refusals``), each printing one line per case and exiting 1 if one failed.
+"""The checks of ``python3 course.py test --gpu --first`` (``python -m minipar.course.first_gpu
+attention|bench NAME|refusals``), each printing one line per case and exiting 1 if one failed.
 
 * ``attention``: minipar's fused attention (:func:`minipar.models.attention.fused_attention`,
   PyTorch's memory-efficient kernel called directly, forward and backward) against autograd
   through ``torch.nn.functional.scaled_dot_product_attention`` in fp32 on the same rounded
   inputs, in fp32, fp16 and bf16, causal and with a positions' mask: O, dQ, dK, dV within the
   dtype's rounding (bf16 below sm80 takes the fp32 fallback, and says so).
-* ``refusals``: every benchmark with ``--smoke --device cuda``: it runs, or, with fewer GPUs than
-  its ranks, refuses in one line with exit code 2; anything else (a traceback) fails.
+* ``bench NAME`` (``refusals``: all of them, in turn): the benchmark with ``--smoke --device cuda``:
+  it runs (its ranks sharing the GPU where it can), or refuses in one line with exit code 2
+  saying what it needs; anything else (a traceback) fails.
 """
 from __future__ import annotations
 
@@ -50,26 +51,33 @@ def attention() -> int:
     return 1 if failed else 0
 
 
+def bench(name: str, timeout: float = 140) -> int:
+    """One benchmark at ``--smoke --device cuda``: it ran (its ratio printed), or refused in one
+    line with exit code 2 (what it needs); a traceback, another exit code or a hang fails."""
+    cmd = [sys.executable, "-m", "minipar.bench", name, "--smoke", "--device", "cuda"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"{name:<12} FAIL: still running after {timeout:.0f} s at --smoke")
+        return 1
+    err, out = p.stderr.strip().splitlines(), p.stdout.strip().splitlines()
+    if p.returncode == 0:
+        ratio = next((line for line in reversed(out) if line.startswith("ratio")), "")
+        print(f"{name:<12} ran {ratio[:110]}")
+        return 0
+    if p.returncode == 2 and err and "Traceback" not in p.stderr:
+        print(f"{name:<12} refused: {err[-1][:160]}")
+        return 0
+    print(f"{name:<12} FAIL (exit {p.returncode}): {(err or ['?'])[-1][:110]}")
+    return 1
+
+
 def refusals() -> int:
+    """Every benchmark, one after the other (:func:`bench`); ``--first`` runs them side by side."""
     from ..bench.__main__ import available
-    failed = 0
-    for name in available():
-        cmd = [sys.executable, "-m", "minipar.bench", name, "--smoke", "--device", "cuda"]
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-        except subprocess.TimeoutExpired:
-            print(f"{name:<12} still running after 60 s (not a refusal; left)")
-            continue
-        err = p.stderr.strip().splitlines()
-        if p.returncode == 0:
-            print(f"{name:<12} ran")
-        elif p.returncode == 2 and err and "Traceback" not in p.stderr:
-            print(f"{name:<12} refused: {err[-1][:110]}")
-        else:
-            failed += 1
-            print(f"{name:<12} FAIL (exit {p.returncode}): {(err or ['?'])[-1][:110]}")
-    return 1 if failed else 0
+    return 1 if sum(bench(name) for name in available()) else 0
 
 
 if __name__ == "__main__":
-    sys.exit({"attention": attention, "refusals": refusals}[sys.argv[1]]())
+    what = sys.argv[1]
+    sys.exit(bench(sys.argv[2]) if what == "bench" else {"attention": attention, "refusals": refusals}[what]())

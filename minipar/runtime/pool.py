@@ -88,15 +88,28 @@ def oom_report(rank: int, where: str) -> str:
     return "\n".join(lines)
 
 
+_allocated_at_start = 0  # what this warm worker still held on its GPU when the job began
+
+
+def _begin_gpu_job(here: str) -> None:
+    """A job starts on ``here``: the peak counter restarts and what is still allocated is noted."""
+    global _allocated_at_start
+    reset_max_allocated(here)
+    _allocated_at_start = torch.cuda.memory_allocated(torch.device(here))
+
+
 def log_peak_memory(rank: int, where: str) -> None:
     """Append this job's peak allocated GPU memory (:func:`minipar.runtime.gpu.max_allocated`: the
     running maximum, whatever ``peak_memory`` blocks reset) to ``$MINIPAR_MEMORY_LOG`` (one
     JSON line per rank and launch, labelled with the launch and the test that made it;
-    ``course.py test --gpu`` reports the peak per rank and fails a job whose ranks stayed at 0)."""
+    ``course.py test --gpu`` reports the peak per rank and fails a job whose ranks never
+    allocated above ``start``: what the worker still held from its earlier jobs, such as
+    cuBLAS's workspace, which a peak alone would credit to a rank that computed on the CPU)."""
     if path := os.environ.get("MINIPAR_MEMORY_LOG"):
         import json
         with open(path, "a") as f:
             f.write(json.dumps({"rank": rank, "device": where, "peak": max_allocated(where),
+                                "start": _allocated_at_start,
                                 "launch": os.environ.get("MINIPAR_LAUNCH_ID"),
                                 "test": os.environ.get("MINIPAR_LAUNCHED_BY")}) + "\n")
 
@@ -127,7 +140,7 @@ def _run_job(job: dict, rank: int, seed: int, conn) -> None:
         if here.startswith("cuda"):
             torch.cuda.set_device(torch.device(here))
             deterministic_cuda()
-            reset_max_allocated(here)
+            _begin_gpu_job(here)
         pg_timeout = timedelta(seconds=job["timeout"] + 60)  # the driver's timeout fires first
         store = dist.TCPStore("127.0.0.1", job["port"], is_master=False, timeout=pg_timeout)
         backend = process_group_backend(job["backend"])

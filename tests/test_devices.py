@@ -233,9 +233,9 @@ def _staged_collectives():
         evs = trace.since(m)
         out[staged] = {"values": [a.tolist(), rs.tolist(), ag.tolist(), a2a.tolist(), got.tolist()],
                        "bytes": sum(e["bytes_sent"] for e in evs),
-                       "ops": sorted(e["name"] for e in evs if "stage" not in e["labels"]),
-                       "staging": sorted({(e["name"], e["labels"]["stage"]) for e in evs
-                                          if "stage" in e["labels"]})}
+                       "ops": sorted(e["name"] for e in evs if "staged" not in e["labels"]),
+                       "staging": sorted({(e["name"], e["labels"]["staged"]) for e in evs
+                                          if "staged" in e["labels"]})}
     staging.must_stage = _real_must_stage
     errors = []
     for bad in (torch.ones(2, device="meta"),):

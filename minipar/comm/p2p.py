@@ -93,7 +93,7 @@ class Handle:
         else:
             flight.completed(self._flight)
             end = max(self._ends) if self._ends and len(self._ends) == len(self.works) else trace.now()
-        trace.record("comm", self.name, self.start, end, self.sent, self.recv, **self.labels)
+        trace.record("comm", self.name, self.start, end, self.sent, self.recv, self.labels)
         for f in self.after:
             f()
 
@@ -127,7 +127,13 @@ def device_clock(tensor: torch.Tensor, group):
 
 
 def labels_for(group, labels: dict) -> dict:
-    """An event's labels: ``labels`` with the group's mesh dimension as ``dim``."""
+    """An event's one record of labels, made once where a call enters :mod:`minipar.comm`:
+    the caller's ``labels`` with the group's mesh dimension as ``dim`` (unless the caller named
+    one). From here the record is passed down as one object (to staging and the trace), never
+    spread into keywords again; a key the library writes itself (``staged``) is refused."""
+    if "staged" in labels:
+        raise ValueError(f"the label 'staged' is reserved ({trace.RESERVED['staged']}); "
+                         f"name this label otherwise")
     return {"dim": group_name(group), **labels}
 
 

@@ -6,8 +6,9 @@ page-locked (pinned) host buffer, runs on it and copies the result back::
 
     cuda tensor --(stage to host)--> pinned buffer --Gloo--> pinned buffer --(stage to device)--> cuda tensor
 
-Each copy is a ``comm`` event, ``"stage to host"`` / ``"stage to device"`` labelled
-``stage=<operation>``, with no bytes (the operation's own event records them as on the CPU), so
+Each copy is a ``comm`` event, ``"stage to host"`` / ``"stage to device"``, with the operation's
+labels plus the reserved ``staged=<operation>`` (:data:`minipar.runtime.trace.RESERVED`: the
+operation's labels may hold ``stage``, a pipeline's), with no bytes (the operation's own event records them as on the CPU), so
 the timeline shows what staging costs. Under ``"cpu:gloo,cuda:nccl"`` CUDA tensors go to NCCL
 and CPU tensors to Gloo. A tensor the group cannot move is an error naming both: a CUDA tensor
 on ranks placed on the CPU, a CPU tensor on an NCCL-only group, a ``meta`` tensor anywhere.
@@ -64,7 +65,7 @@ def to_host(tensor: torch.Tensor, op: str, labels: dict) -> torch.Tensor:
         torch.cuda.current_stream(tensor.device).synchronize()
     t = trace.now()
     host = host_like(tensor).copy_(tensor)
-    trace.record("comm", "stage to host", t, trace.now(), stage=op, **labels)
+    trace.record("comm", "stage to host", t, trace.now(), labels={**labels, "staged": op})
     return host
 
 
@@ -79,5 +80,5 @@ def copy_back(host: torch.Tensor, tensor: torch.Tensor, op: str, labels: dict):
     def run() -> None:
         t = trace.now()
         tensor.copy_(host)
-        trace.record("comm", "stage to device", t, trace.now(), stage=op, **labels)
+        trace.record("comm", "stage to device", t, trace.now(), labels={**labels, "staged": op})
     return run

@@ -65,14 +65,24 @@ def recording_on() -> bool:
     return _enabled
 
 
+RESERVED = {
+    "dim": "the mesh dimension of the event's group: set by minipar.comm from the group's name "
+           "(comm.name_group), unless the caller names one",
+    "staged": "the operation a host copy serves: set by minipar.runtime.staging on its own events",
+}  # label keys the library writes itself; a caller's labels may not use "staged"
+
+
 def record(kind: str, name: str, start: float, end: float, bytes_sent: int = 0,
-           bytes_recv: int = 0, **labels) -> None:
-    """Append one event; ``start``/``end`` come from :func:`now`."""
+           bytes_recv: int = 0, labels: dict | None = None) -> None:
+    """Append one event; ``start``/``end`` come from :func:`now`. ``labels`` is the event's one
+    record of labels (a dict, kept as given: never spread into keywords, so no label can
+    collide with this function's own parameters or with a key the library adds, :data:`RESERVED`)."""
     global _recorded
     if _enabled:
         _recorded += 1
         _events.append({"rank": _rank, "kind": kind, "name": name, "start": start, "end": end,
-                        "bytes_sent": int(bytes_sent), "bytes_recv": int(bytes_recv), "labels": labels})
+                        "bytes_sent": int(bytes_sent), "bytes_recv": int(bytes_recv),
+                        "labels": {} if labels is None else labels})
         if _limit is not None and len(_events) > _limit + _limit // 8:
             del _events[:len(_events) - _limit]  # drop the oldest, an eighth at a time
 
@@ -119,7 +129,7 @@ def region(name: str, kind: str = "compute", **labels):
         yield
     finally:
         _sync()
-        record(kind, name, t, now(), **labels)
+        record(kind, name, t, now(), labels=labels)
 
 
 def _no_sync() -> None:
@@ -183,7 +193,7 @@ def backward(loss, **labels) -> None:
         loss.register_hook(lambda g: torch.autograd.Variable._execution_engine.queue_callback(
             lambda: (_sync(), end.append(now()))))  # on a GPU: when its kernels finished
     loss.backward()
-    record("compute", "backward", t, end[0] if end else now(), **labels)
+    record("compute", "backward", t, end[0] if end else now(), labels=labels)
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:

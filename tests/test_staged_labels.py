@@ -17,7 +17,7 @@ from minipar import model_parallel as mp
 from minipar import pipeline as pp
 from minipar.comm import p2p
 from minipar.models import GPT, GPTConfig
-from minipar.runtime import staging, trace
+from minipar.runtime import trace
 
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
 BATCH, STEPS = 8, 2
@@ -30,21 +30,16 @@ def _batches():
 def _staged_pipelines():
     """Rank function: a 1F1B pipeline and the naive model-parallel split, their messages
     staged through host memory (as on a shared GPU); the results and the staging events."""
-    mark, real = trace.mark(), staging.must_stage
-    staging.must_stage = lambda tensor, group, op: True  # every message through host memory
-    try:
-        out = {"1f1b": pp.train(GPT(CFG, seed=0), _batches(), reference.sgd(0.5), schedule="1f1b",
-                                microbatches=2),
-               "naive": mp.train(GPT(CFG, seed=0), _batches(), reference.sgd(0.5))}
-    finally:
-        staging.must_stage = real
+    mark = trace.mark()
+    out = {"1f1b": pp.train(GPT(CFG, seed=0), _batches(), reference.sgd(0.5), schedule="1f1b", microbatches=2),
+           "naive": mp.train(GPT(CFG, seed=0), _batches(), reference.sgd(0.5))}
     out["events"] = [e for e in trace.since(mark) if "staged" in e["labels"]]
     return out
 
 
 @pytest.fixture(scope="module")
 def staged():
-    return minipar.launch(_staged_pipelines, 2, device="cpu")
+    return minipar.launch(_staged_pipelines, 2, device="cpu", transport="gloo-staged")
 
 
 def test_a_staged_pipeline_trains_like_one_process(staged):
@@ -59,6 +54,7 @@ def test_staging_events_keep_the_pipelines_labels_and_add_their_own(staged):
     for r, out in enumerate(staged):
         evs = out["events"]
         assert {e["name"] for e in evs} == {"stage to host", "stage to device"}
+        assert {e["kind"] for e in evs} == {"staging"}  # a copy, not an operation of its own
         ops = {e["labels"]["staged"] for e in evs}
         assert ops >= {"isend", "irecv"}, ops
         piped = [e for e in evs if "stage" in e["labels"]]  # the pipeline's own label, kept

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..runtime import flight
 from ..runtime import trace
 from ..runtime import checked, staging
+from ..runtime.transport import carried_by_nccl as moved_by_nccl, device_clock, device_event
 
 
 def group_rank(group=None) -> int:
@@ -100,30 +101,13 @@ class Handle:
     def _device_end(self) -> float:
         """The end of NCCL work from CUDA events: when recording, wait for it and return
         ``start + elapsed``; otherwise hand the flight recorder the event to ask later."""
-        import torch
-        end_ev = torch.cuda.Event(enable_timing=True)
-        end_ev.record()  # the current stream, which w.wait() made wait for NCCL's
+        end_ev = device_event()  # on the current stream, which w.wait() made wait for NCCL's
         if not trace.recording_on():
             flight.completed(self._flight, pending=end_ev.query)
             return self.start
         end_ev.synchronize()
         flight.completed(self._flight)
         return self.start + self.began.elapsed_time(end_ev) / 1e3
-
-
-def moved_by_nccl(tensor: torch.Tensor, group) -> bool:
-    """Whether NCCL carries ``tensor`` on ``group`` (a CUDA tensor, a group with NCCL)."""
-    return tensor.is_cuda and "nccl" in staging.group_backend(group)
-
-
-def device_clock(tensor: torch.Tensor, group):
-    """A CUDA event recorded now on the current stream when NCCL will move ``tensor`` (its
-    work is timed on the device, :class:`Handle`), else ``None`` (timed by the host)."""
-    if not moved_by_nccl(tensor, group):
-        return None
-    ev = torch.cuda.Event(enable_timing=True)
-    ev.record()
-    return ev
 
 
 def labels_for(group, labels: dict) -> dict:

@@ -21,6 +21,11 @@ import ast
 import re
 from pathlib import Path
 
+# collected through tests/test_gpu_paths.py (the devices job of course.py test --gpu)
+__all__ = ["test_every_site_asking_the_device_or_transport_outside_runtime_is_named",
+           "test_the_lines_only_a_gpu_executes_are_few_named_and_off_every_strategy",
+           "test_the_counters_see_a_new_site"]
+
 ROOT = Path(__file__).resolve().parents[1] / "minipar"
 TOOLING = ("course/", "bench/")
 

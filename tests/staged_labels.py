@@ -19,6 +19,12 @@ from minipar.comm import p2p
 from minipar.models import GPT, GPTConfig
 from minipar.runtime import trace
 
+# collected through tests/test_gpu_paths.py (the devices job of course.py test --gpu)
+__all__ = ["staged",
+           "test_a_staged_pipeline_trains_like_one_process",
+           "test_staging_events_keep_the_pipelines_labels_and_add_their_own",
+           "test_a_reserved_label_is_refused_by_name"]
+
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
 BATCH, STEPS = 8, 2
 

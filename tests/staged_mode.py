@@ -18,6 +18,11 @@ from minipar.runtime import backend, trace
 from minipar.runtime.backend import BackendError, place
 from minipar.zero import fully_shard, padded_unit_sizes
 
+# collected through tests/test_gpu_paths.py (the devices job of course.py test --gpu)
+__all__ = ["test_the_placement_is_decided_once_and_every_transport_is_chosen_by_name",
+           "test_the_ranks_read_the_placement_launch_decided",
+           "test_a_staged_copy_is_not_counted_as_a_collective"]
+
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 
 
@@ -47,6 +52,7 @@ def _placement():
 
 
 def test_the_ranks_read_the_placement_launch_decided(monkeypatch):
+    monkeypatch.delenv(backend.TRANSPORT_ENV, raising=False)
     assert list(minipar.launch(_placement, 2, device="cpu")) == [("gloo", "host")] * 2
     res = minipar.launch(_placement, 2, device="cpu", transport="gloo-staged")
     assert list(res) == [("gloo-staged", "host")] * 2 and res.placement.transport == "gloo-staged"
@@ -69,7 +75,7 @@ def _per_parameter_step():
 
 
 def test_a_staged_copy_is_not_counted_as_a_collective():
-    plain = minipar.launch(_per_parameter_step, 2, device="cpu")
+    plain = minipar.launch(_per_parameter_step, 2, device="cpu", transport="gloo")
     staged = minipar.launch(_per_parameter_step, 2, device="cpu", transport="gloo-staged")
     for got, was in zip(staged, plain):
         assert got["calls"] == was["calls"] == 3 * got["units"]  # per unit: 2 all-gathers, 1 reduce-scatter

@@ -205,7 +205,7 @@ class UnitSchedule:
 
     def post_forward(self, i: int, out):
         """Unit i's forward has returned ``out``."""
-        trace.record("compute", "forward", self.t0[i], trace.now(), unit=i)
+        trace.record("compute", "forward", self.t0[i], trace.now(), labels={"unit": i})
         raise NotImplementedError("Exercise 06 D: UnitSchedule.post_forward")
 
     def pre_backward(self, i: int) -> None:
@@ -219,7 +219,7 @@ class UnitSchedule:
     def reduce(self, i: int) -> None:
         """Unit i's gradients of this backward are all in (:class:`OrderedReduction` calls this,
         in its order)."""
-        trace.record("compute", "backward", self.t0[i], trace.now(), unit=i)
+        trace.record("compute", "backward", self.t0[i], trace.now(), labels={"unit": i})
         self.held()
         raise NotImplementedError("Exercise 06 D: UnitSchedule.reduce")
 

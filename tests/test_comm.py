@@ -122,10 +122,10 @@ def _native_bytes_under(formula):
         m.collective_bytes = formula
     out = {}
 
-    def sent(fn):  # a staged call (CUDA tensors over Gloo) adds staging events of 0 bytes
+    def sent(fn):  # a staged call (CUDA tensors over Gloo) adds host copies, events of kind staging
         trace.start(r)
         fn()
-        return sum(e["bytes_sent"] for e in trace.events())
+        return sum(e["bytes_sent"] for e in trace.events() if e["kind"] == "comm")   # the operations, not host copies
     try:   # on the rank's device: CUDA tensors under ``course.py test --gpu``
         for N in (12, 7):
             out[("all_reduce", N)] = sent(lambda: comm.all_reduce(torch.ones(N, device=dev)))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import minipar
 from minipar import comm
 from minipar.runtime import staging, trace
+from minipar.runtime import transport as transport_mod
 from minipar.runtime.backend import BackendError, place
 from minipar.data import batches as make_batches
 from minipar.data import synthetic_tokens
@@ -206,37 +207,35 @@ def test_ranks_know_where_to_compute_and_the_choice_is_printed_once(capsys):
 
 # ------------------------------------------------------------------ staging and device errors
 def _staged_collectives():
-    """Every collective and point-to-point call forced through host staging (CPU tensors
-    stand in for CUDA ones), beside the same call unstaged."""
+    """Every collective and point-to-point call; on ranks launched with
+    ``transport="gloo-staged"`` each goes through a host copy out and back (CPU tensors take a
+    shared GPU's path), otherwise straight to Gloo."""
     r, n = dist.get_rank(), dist.get_world_size()
     out = {}
-    for staged in (False, True):
-        staging.must_stage = (lambda t, g, op: True) if staged else _real_must_stage
-        m = trace.mark()
-        a = torch.full((6,), float(r + 1))
-        comm.all_reduce(a, op="avg", name="ar")
-        rs = torch.empty(3)
-        comm.reduce_scatter(rs, torch.arange(6.0) * (r + 1), name="rs")
-        ag = torch.empty(6)
-        comm.all_gather(ag, torch.full((3,), float(r)), name="ag")
-        a2a = torch.empty(4)
-        comm.all_to_all_single(a2a, torch.arange(4.0) + 10 * r, name="a2a")
-        got = torch.empty(2)
-        comm.exchange(torch.full((2,), float(r)), (r + 1) % n, got, (r - 1) % n, name="ring")
-        h = comm.all_reduce(torch.ones(2), async_op=True, name="async")
-        h.wait()
-        if r == 0:
-            comm.send(torch.tensor([7.0, 8.0]), 1, name="p2p")
-        else:
-            comm.recv(p2p := torch.empty(2), 0, name="p2p")
-            out[f"p2p {staged}"] = p2p.tolist()
-        evs = trace.since(m)
-        out[staged] = {"values": [a.tolist(), rs.tolist(), ag.tolist(), a2a.tolist(), got.tolist()],
-                       "bytes": sum(e["bytes_sent"] for e in evs),
-                       "ops": sorted(e["name"] for e in evs if "stage" not in e["labels"]),
-                       "staging": sorted({(e["name"], e["labels"]["stage"]) for e in evs
-                                          if "stage" in e["labels"]})}
-    staging.must_stage = _real_must_stage
+    m = trace.mark()
+    a = torch.full((6,), float(r + 1))
+    comm.all_reduce(a, op="avg", name="ar")
+    rs = torch.empty(3)
+    comm.reduce_scatter(rs, torch.arange(6.0) * (r + 1), name="rs")
+    ag = torch.empty(6)
+    comm.all_gather(ag, torch.full((3,), float(r)), name="ag")
+    a2a = torch.empty(4)
+    comm.all_to_all_single(a2a, torch.arange(4.0) + 10 * r, name="a2a")
+    got = torch.empty(2)
+    comm.exchange(torch.full((2,), float(r)), (r + 1) % n, got, (r - 1) % n, name="ring")
+    h = comm.all_reduce(torch.ones(2), async_op=True, name="async")
+    h.wait()
+    if r == 0:
+        comm.send(torch.tensor([7.0, 8.0]), 1, name="p2p")
+    else:
+        comm.recv(p2p := torch.empty(2), 0, name="p2p")
+        out["p2p"] = p2p.tolist()
+    evs = trace.since(m)
+    out.update(values=[a.tolist(), rs.tolist(), ag.tolist(), a2a.tolist(), got.tolist()],
+               bytes=sum(e["bytes_sent"] for e in evs),
+               ops=sorted(e["name"] for e in evs if e["kind"] == "comm"),
+               unlabelled=[e["name"] for e in evs if (e["kind"] == "staging") != ("staged" in e["labels"])],
+               staging=sorted({(e["name"], e["labels"]["staged"]) for e in evs if e["kind"] == "staging"}))
     errors = []
     for bad in (torch.ones(2, device="meta"),):
         try:
@@ -246,40 +245,44 @@ def _staged_collectives():
     return out, errors
 
 
-_real_must_stage = staging.must_stage
-
-
 def test_staging_through_host_gives_the_same_results_and_bytes_and_is_traced():
-    res = minipar.launch(_staged_collectives, 2, device="cpu")
-    for out, errors in res:
-        assert out[True]["values"] == out[False]["values"]
-        assert out[True]["bytes"] == out[False]["bytes"] > 0  # bytes on the wire as unstaged
-        assert out[True]["ops"] == out[False]["ops"]
-        assert out[False]["staging"] == []
-        kinds = {name for name, _ in out[True]["staging"]}
-        assert kinds == {"stage to host", "stage to device"}, out[True]["staging"]
-        ops = {op for _, op in out[True]["staging"]}
+    plain = minipar.launch(_staged_collectives, 2, device="cpu", transport="gloo")
+    res = minipar.launch(_staged_collectives, 2, device="cpu", transport="gloo-staged")
+    assert res.placement.transport == "gloo-staged" and plain.placement.transport == "gloo"
+    for (out, errors), (was, _) in zip(res, plain):
+        assert out["values"] == was["values"]
+        assert out["bytes"] == was["bytes"] > 0  # bytes on the wire as unstaged
+        assert out["ops"] == was["ops"]  # the same operations: a staging copy is not one
+        assert was["staging"] == [] and out["unlabelled"] == []
+        kinds = {name for name, _ in out["staging"]}
+        assert kinds == {"stage to host", "stage to device"}, out["staging"]
+        ops = {op for _, op in out["staging"]}
         assert ops == {"all_reduce", "reduce_scatter", "all_gather", "all_to_all_single", "exchange",
                        "isend" if out is res[0][0] else "irecv"}, ops
         assert "on meta" in errors[0] and "gloo" in errors[0]
-    assert res[1][0]["p2p True"] == res[1][0]["p2p False"] == [7.0, 8.0]
-    assert res[0][0][False]["values"][0] == [1.5] * 6  # the mean of 1 and 2
+    assert res[1][0]["p2p"] == plain[1][0]["p2p"] == [7.0, 8.0]
+    assert res[0][0]["values"][0] == [1.5] * 6  # the mean of 1 and 2
 
 
 def test_a_cuda_tensor_on_cpu_placed_ranks_is_a_clear_error(monkeypatch):
     class FakeCuda:  # stands in for a CUDA tensor: only its device is read
         device = torch.device("cuda", 0)
-    monkeypatch.setenv("MINIPAR_DEVICE", "cpu")
-    monkeypatch.setattr(staging, "group_backend", lambda g: "gloo")
-    with pytest.raises(ValueError, match=r"comm.all_reduce: the tensor is on cuda:0 but this group's "
-                                         r"backend is gloo and the ranks were placed on the CPU"):
-        staging.must_stage(FakeCuda(), None, "all_reduce")
-    monkeypatch.setattr(staging, "group_backend", lambda g: "nccl")
+    for transport in ("gloo", "gloo-staged"):
+        monkeypatch.setattr(minipar.runtime.backend, "_current", place(2, "cpu", transport=transport))
+        with pytest.raises(ValueError, match=r"comm.all_reduce: the tensor is on cuda:0 but the ranks "
+                                             r"were placed on the CPU"):
+            staging.must_stage(FakeCuda(), None, "all_reduce")
+    monkeypatch.setattr(minipar.runtime.backend, "_current", place(2, "cuda", gpus=2))
+    monkeypatch.setattr(transport_mod, "group_backend", lambda g: "nccl")
     with pytest.raises(ValueError, match="the tensor is on cpu but this group's backend is nccl"):
         staging.must_stage(torch.ones(1), None, "send")
-    monkeypatch.setattr(staging, "group_backend", lambda g: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(transport_mod, "group_backend", lambda g: "cpu:gloo,cuda:nccl")
     assert staging.must_stage(torch.ones(1), None, "send") is False
     assert staging.must_stage(FakeCuda(), None, "send") is False  # straight to NCCL
+    assert transport_mod.route(FakeCuda(), None, "send") == "nccl"
+    monkeypatch.setattr(minipar.runtime.backend, "_current", place(4, "cuda", gpus=1))  # a shared GPU
+    assert staging.must_stage(FakeCuda(), None, "send") is True
+    assert staging.must_stage(torch.ones(1), None, "send") is False  # a CPU tensor goes to Gloo as it is
 
 
 # ------------------------------------------------------------------ out of memory

@@ -10,11 +10,13 @@ import types
 import pytest
 import torch
 
-from minipar.runtime import flight
+from minipar.runtime import backend, flight
 
 from minipar.runtime import trace
 from minipar.comm import p2p
-from minipar.runtime import staging
+from minipar.runtime import staging, transport
+
+NCCL = backend.place(4, "cuda", gpus=4)  # a GPU per rank: the placement rank code asks
 
 
 def nccl_stuck(programs):
@@ -115,7 +117,8 @@ def nccl(monkeypatch):
     """A world whose backend is ``cpu:gloo,cuda:nccl``, posts recorded, CUDA events faked."""
     log = []
     monkeypatch.setattr(p2p, "dist", fake_dist(log))
-    monkeypatch.setattr(staging, "group_backend", lambda group: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(backend, "_current", NCCL)
+    monkeypatch.setattr(transport, "group_backend", lambda group: "cpu:gloo,cuda:nccl")
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     return log
 
@@ -190,9 +193,11 @@ def test_the_flight_recorder_keeps_nccl_work_waiting_until_the_device_finished(n
 
 
 def test_gloo_work_is_still_timed_by_the_host(monkeypatch):
-    """Off NCCL no CUDA event is made (the Gloo path is as it was)."""
-    monkeypatch.setattr(staging, "group_backend", lambda group: "gloo")
-    assert p2p.device_clock(torch.zeros(2), None) is None
+    """Off NCCL no CUDA event is made (the Gloo path is as it was): the placement's clock is the host's."""
+    for p in (backend.place(2, "cpu"), backend.place(2, "cpu", transport="gloo-staged"), backend.place(4, "cuda", gpus=1)):
+        monkeypatch.setattr(backend, "_current", p)
+        assert p.clock == "host" and p2p.device_clock(torch.zeros(2), None) is None
+    assert NCCL.clock == "device"
 
 
 def test_the_parameter_server_receives_from_any_worker_on_the_cpu_through_gloo(monkeypatch):
@@ -215,12 +220,12 @@ def test_the_parameter_server_receives_from_any_worker_on_the_cpu_through_gloo(m
         t.fill_(1.0)
         return Work([])
     monkeypatch.setattr(ps.dist, "irecv", irecv)
-    monkeypatch.setattr(staging, "group_backend", lambda group: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(transport, "group_backend", lambda group: "cpu:gloo,cuda:nccl")
     buf = torch.zeros(5)  # placement-free: the group's backend is faked
     assert ps._recv_any(buf, None) == 2 and got == [("cpu", None)] and buf.eq(1).all()
     with pytest.raises(ValueError, match="needs a CPU tensor on a group with Gloo"):
         ps._recv_any(torch.zeros(2, device="meta"), None)
-    monkeypatch.setattr(staging, "group_backend", lambda group: "nccl")
+    monkeypatch.setattr(transport, "group_backend", lambda group: "nccl")
     with pytest.raises(ValueError, match="on a nccl group"):
         ps._recv_any(buf, None)
 
@@ -357,3 +362,12 @@ def test_the_pipeline_reads_the_loss_once_per_step_not_per_microbatch(monkeypatc
         assert _host_reads(lambda: got.append(pipe.step(x, y))) == ["__float__"]
         want = sum(loss_fn(stage(c), None).item() for c in x.chunk(m)) / m
         assert got[0] == pytest.approx(want, rel=1e-6)
+
+
+# The shared GPU's staged transport taken on the CPU (launch(..., transport="gloo-staged")), the
+# sites that ask which device or transport is in use, and every chapter job's quick tier with its
+# messages staged: in the modules beside this file, collected here, with the GPU paths they check.
+from placement_sites import *  # noqa: E402,F401,F403
+from staged_labels import *  # noqa: E402,F401,F403
+from staged_mode import *  # noqa: E402,F401,F403
+from staged_chapters import *  # noqa: E402,F401,F403

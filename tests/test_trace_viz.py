@@ -75,10 +75,10 @@ def test_marks_and_bytes_by_dimension():
     events' dim label."""
     from minipar.runtime import trace
     trace.start(0, barrier=False)
-    trace.record("comm", "a", 0.0, 1.0, 10, dim="tp")
+    trace.record("comm", "a", 0.0, 1.0, 10, labels={"dim": "tp"})
     m = trace.mark()
-    trace.record("comm", "b", 1.0, 2.0, 7, dim="dp")
-    trace.record("comm", "c", 2.0, 3.0, 5, dim="tp")
+    trace.record("comm", "b", 1.0, 2.0, 7, labels={"dim": "dp"})
+    trace.record("comm", "c", 2.0, 3.0, 5, labels={"dim": "tp"})
     trace.record("compute", "forward", 2.0, 3.0)
     evs = trace.since(m)
     assert [e["name"] for e in evs] == ["b", "c", "forward"] and trace.since(trace.mark()) == []

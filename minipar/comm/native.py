@@ -47,7 +47,6 @@ def _via_host(op: str, group, labels: dict, output: torch.Tensor, input: torch.T
     s_in = input is not None and staging.must_stage(input, group, op)
     if not (s_out or s_in):
         return output, input, []
-    labels = labels_for(group, labels)
     if input is None:  # in place
         host = staging.to_host(output, op, labels)
         return host, None, [staging.copy_back(host, output, op, labels)]
@@ -76,10 +75,11 @@ def moved_bytes(op: str, out: torch.Tensor, inp: torch.Tensor | None, n: int, ra
 def _collective(op: str, fn, output, input, avg: bool, group, name, labels, async_op):
     """Run ``fn`` (the backend's ``op``) on the buffers it can move (:func:`_via_host`); the event
     records the bytes those buffers move (:func:`moved_bytes`); ``avg`` divides by n once complete."""
+    labels = labels_for(group, labels)  # the event's one record, from here passed as it is
     out, inp, after = _via_host(op, group, labels, output, input)
     sent = moved_bytes(op, out, inp, group_size(group), group_rank(group))
     meta = {"name": name or op, "op": op, "began": device_clock(out, group), "start": trace.now(),
-            "sent": sent, "recv": sent, "labels": labels_for(group, labels)}
+            "sent": sent, "recv": sent, "labels": labels}
     work = fn(*(out,) if inp is None else (out, inp), group=group, async_op=True)
     h = _Averaged(work, output, group_size(group) if avg else 0, after, (out, inp), **meta)
     return h if async_op else h.wait()
@@ -117,10 +117,11 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     row = math.prod(input.shape[1:]) * input.element_size()  # bytes per row
     in_s = list(input_split_sizes) if input_split_sizes is not None else [input.shape[0] // n] * n
     out_s = list(output_split_sizes) if output_split_sizes is not None else [output.shape[0] // n] * n
+    labels = labels_for(group, labels)
     out, inp, after = _via_host("all_to_all_single", group, labels, output, input.contiguous())
     meta = {"name": name or "all_to_all", "began": device_clock(out, group), "start": trace.now(),
             "sent": (sum(in_s) - in_s[me]) * row, "recv": (sum(out_s) - out_s[me]) * row,
-            "labels": labels_for(group, labels), "op": "all_to_all"}
+            "labels": labels, "op": "all_to_all"}
     work = dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes,
                                   group=group, async_op=True)
     h = _Averaged(work, output, 0, after, (out, inp), **meta)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..runtime import flight
 from ..runtime import trace
 from ..runtime import checked, staging
+from ..runtime.transport import carried_by_nccl as moved_by_nccl, device_clock, device_event
 
 
 def group_rank(group=None) -> int:
@@ -93,16 +94,14 @@ class Handle:
         else:
             flight.completed(self._flight)
             end = max(self._ends) if self._ends and len(self._ends) == len(self.works) else trace.now()
-        trace.record("comm", self.name, self.start, end, self.sent, self.recv, **self.labels)
+        trace.record("comm", self.name, self.start, end, self.sent, self.recv, self.labels)
         for f in self.after:
             f()
 
     def _device_end(self) -> float:
         """The end of NCCL work from CUDA events: when recording, wait for it and return
         ``start + elapsed``; otherwise hand the flight recorder the event to ask later."""
-        import torch
-        end_ev = torch.cuda.Event(enable_timing=True)
-        end_ev.record()  # the current stream, which w.wait() made wait for NCCL's
+        end_ev = device_event()  # on the current stream, which w.wait() made wait for NCCL's
         if not trace.recording_on():
             flight.completed(self._flight, pending=end_ev.query)
             return self.start
@@ -111,23 +110,14 @@ class Handle:
         return self.start + self.began.elapsed_time(end_ev) / 1e3
 
 
-def moved_by_nccl(tensor: torch.Tensor, group) -> bool:
-    """Whether NCCL carries ``tensor`` on ``group`` (a CUDA tensor, a group with NCCL)."""
-    return tensor.is_cuda and "nccl" in staging.group_backend(group)
-
-
-def device_clock(tensor: torch.Tensor, group):
-    """A CUDA event recorded now on the current stream when NCCL will move ``tensor`` (its
-    work is timed on the device, :class:`Handle`), else ``None`` (timed by the host)."""
-    if not moved_by_nccl(tensor, group):
-        return None
-    ev = torch.cuda.Event(enable_timing=True)
-    ev.record()
-    return ev
-
-
 def labels_for(group, labels: dict) -> dict:
-    """An event's labels: ``labels`` with the group's mesh dimension as ``dim``."""
+    """An event's one record of labels, made once where a call enters :mod:`minipar.comm`:
+    the caller's ``labels`` with the group's mesh dimension as ``dim`` (unless the caller named
+    one). From here the record is passed down as one object (to staging and the trace), never
+    spread into keywords again; a key the library writes itself (``staged``) is refused."""
+    if "staged" in labels:
+        raise ValueError(f"the label 'staged' is reserved ({trace.RESERVED['staged']}); "
+                         f"name this label otherwise")
     return {"dim": group_name(group), **labels}
 
 

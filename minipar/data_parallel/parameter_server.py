@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .. import comm, strategy
 from ..data import shard
-from ..runtime import staging, trace
+from ..runtime import trace, transport
 from ..reference import sgd
 from .naive import flatten, unflatten_into, broadcast_module, trainable
 
@@ -89,10 +89,9 @@ def _recv_any(buf: torch.Tensor, group) -> int:
     """Receive into the CPU tensor ``buf`` from whichever rank sends first (traced); return
     its group rank. Only Gloo receives from any source (``src=None``; NCCL cannot), and a
     ``cpu:gloo,cuda:nccl`` group gives CPU tensors to Gloo: so the pushes are CPU tensors."""
-    backend = staging.group_backend(group)
-    if buf.device.type != "cpu" or "gloo" not in backend:
+    if not transport.gloo_receives_any(buf, group):
         raise ValueError(f"a receive from any source needs a CPU tensor on a group with Gloo; got "
-                         f"a tensor on {buf.device} on a {backend} group")
+                         f"a tensor on {buf.device} on a {transport.group_backend(group)} group")
     start = trace.now()
     work = dist.irecv(buf, src=None, group=group)
     comm.Handle([work], "push", start, 0, comm.p2p.nbytes(buf), {"dim": "dp"}).wait()

@@ -21,13 +21,15 @@ process starts. Inside a rank, :func:`device` says where to compute.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
+TRANSPORTS = ("auto", "gloo", "gloo-staged", "nccl")
 DEVICE_ENV = "MINIPAR_DEVICE"  # set in every rank by launch; in the driver it sets the default
+TRANSPORT_ENV = "MINIPAR_TRANSPORT"  # read once, by launch: "gloo-staged" runs the shared GPU's path on the CPU
 
 
 class BackendError(ValueError):
@@ -46,18 +48,43 @@ def _plural(n: int, word: str) -> str:
 @dataclass(frozen=True)
 class Placement:
     """Where ``world_size`` ranks compute (``device``: "cpu" or "cuda", over ``gpus`` GPUs)
-    and which backend carries their messages; ``reason`` is the sentence ``launch`` prints."""
+    and which backend carries their messages; ``reason`` is the sentence ``launch`` prints.
+
+    It holds everything that differs between the CPU, a shared GPU and a GPU per rank, decided
+    once by :func:`place` and read by rank code through :func:`current`:
+
+    * ``transport``: how a message travels. ``"gloo"``: Gloo on the tensors themselves (CPU);
+      ``"gloo-staged"``: Gloo through a host copy out and back (:mod:`minipar.runtime.staging`;
+      ranks on GPUs without NCCL, or chosen on the CPU to run that path there); ``"nccl"``;
+    * ``clock``: ``"device"`` (CUDA events time NCCL's work, which the host only queues) or ``"host"``;
+    * ``synchronize``: trace regions wait for the device's stream (kernels run asynchronously)."""
 
     world_size: int
     backend: str  # "gloo" | "nccl"
     device: str   # "cpu" | "cuda"
     gpus: int     # GPUs the ranks use (0 on the CPU)
     reason: str
+    transport: str = ""  # "gloo" | "gloo-staged" | "nccl"; "" derives it from backend and device
+
+    def __post_init__(self):
+        if not self.transport:
+            derived = "nccl" if self.backend == "nccl" else "gloo-staged" if self.device == "cuda" else "gloo"
+            object.__setattr__(self, "transport", derived)
 
     @property
     def shared(self) -> bool:
         """Several ranks compute on one GPU (their messages are staged through host memory)."""
         return self.device == "cuda" and self.gpus < self.world_size
+
+    @property
+    def clock(self) -> str:
+        """``"device"``: communication is timed with CUDA events (NCCL); else ``"host"``."""
+        return "device" if self.transport == "nccl" else "host"
+
+    @property
+    def synchronize(self) -> bool:
+        """Whether regions wait for the device (a GPU's kernels are queued, not run, by the host)."""
+        return self.device == "cuda"
 
     def device_for_rank(self, local_rank: int) -> torch.device:
         """``cuda:(r % G)`` on GPUs, else the CPU."""
@@ -65,10 +92,29 @@ class Placement:
 
 
 def place(world_size: int, device: str = "auto", backend: str = "auto",
-          gpus: int | None = None) -> Placement:
+          gpus: int | None = None, transport: str = "auto") -> Placement:
     """The placement of ``world_size`` ranks on this machine (or on one with ``gpus`` GPUs:
-    pass a number to see what a bigger machine would do). Raises :class:`BackendError` for a
-    request this machine cannot serve, before any process starts."""
+    pass a number to see what a bigger machine would do). ``transport``: ``"auto"`` (what the
+    devices need), or one of ``"gloo"``, ``"gloo-staged"``, ``"nccl"``, honoured or refused:
+    ``"gloo-staged"`` on the CPU stages every message through a host buffer, as ranks sharing a
+    GPU do, so that path runs without one. Raises :class:`BackendError` for a request this
+    machine cannot serve, before any process starts."""
+    if transport not in TRANSPORTS:
+        raise BackendError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    p = _place(world_size, device, backend, gpus)
+    if transport in ("auto", p.transport):
+        return p
+    if transport == "gloo-staged" and p.transport == "gloo":
+        return replace(p, transport="gloo-staged", reason=p.reason + "; every message staged through a "
+                       "host buffer, as ranks sharing a GPU do (transport='gloo-staged')")
+    if transport == "gloo-staged":  # a GPU per rank, over Gloo instead of NCCL
+        return Placement(world_size, "gloo", "cuda", p.gpus, "one GPU per rank, communication over Gloo "
+                         "through host memory (transport='gloo-staged' asked for)", "gloo-staged")
+    raise BackendError(f"transport={transport!r} cannot carry this placement's messages ({p.reason}): "
+                       f"it needs transport={p.transport!r} (or 'auto')")
+
+
+def _place(world_size: int, device: str, backend: str, gpus: int | None) -> Placement:
     if backend not in BACKENDS:
         raise BackendError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if device not in DEVICES:
@@ -107,6 +153,38 @@ def place(world_size: int, device: str = "auto", backend: str = "auto",
     return Placement(n, "gloo", "cuda", g,
                      f"{_plural(n, 'rank')} share {_plural(g, 'GPU')}: compute on {where}, "
                      f"communication over Gloo through host memory (correct, not NCCL's speed)")
+
+
+def default_transport() -> str:
+    """``transport="auto"`` unless ``MINIPAR_TRANSPORT`` names one (read by ``launch`` alone, once:
+    ``MINIPAR_TRANSPORT=gloo-staged`` runs a test suite on the shared GPU's path on the CPU)."""
+    t = os.environ.get(TRANSPORT_ENV, "auto")
+    if t not in TRANSPORTS:
+        raise BackendError(f"{TRANSPORT_ENV} must be one of {TRANSPORTS}, got {t!r}")
+    return t
+
+
+_current: Placement | None = None
+
+
+def set_current(p: Placement | None) -> None:
+    """Make ``p`` the placement :func:`current` answers (``launch`` calls it in every rank)."""
+    global _current
+    _current = p
+
+
+def current() -> Placement:
+    """The placement of the ranks this process belongs to: the one ``launch`` decided (or, in a
+    process group made without it, one read from that group once: NCCL, a GPU over Gloo, the CPU)."""
+    if _current is not None:
+        return _current
+    import torch.distributed as dist
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return Placement(n, "nccl", "cuda", n, "NCCL (a process group made outside launch)")
+    on_gpu = device().type == "cuda"
+    return Placement(n, "gloo", "cuda" if on_gpu else "cpu", 1 if on_gpu else 0,
+                     "Gloo (a process group made outside launch)")
 
 
 def default_device() -> str:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import flight
+from .transport import carried_by_nccl
 
 ENV = "MINIPAR_CHECKED_COMM"
 _TAG_SENDS, _TAG_EXPECTS = 31_001, 31_002
@@ -53,7 +54,7 @@ def check_sizes(send_buf: torch.Tensor, g_dst: int, recv_buf: torch.Tensor, g_sr
     takes them): tell ``g_dst`` how many elements it will get and ``g_src`` how many this rank
     expects; raise on both sides of a mismatch."""
     me = dist.get_rank()
-    cuda = send_buf.is_cuda and "nccl" in str(dist.get_backend(group))
+    cuda = carried_by_nccl(send_buf, group)
     dev = send_buf.device if cuda else torch.device("cpu")
     sends = torch.tensor([send_buf.numel()], dtype=torch.int64, device=dev)
     expects = torch.tensor([recv_buf.numel()], dtype=torch.int64, device=dev)

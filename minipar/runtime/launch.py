@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from . import rank_setup
 from . import trace as _trace
-from .backend import (DEVICE_ENV, default_device, gpu_identity, init_options, place, process_group_backend,
-    refuse_shared_gpus)
+from .backend import (DEVICE_ENV, default_device, default_transport, gpu_identity, init_options, place,
+    process_group_backend, refuse_shared_gpus, set_current)
 from .pool import (IN_RANK, Pool, cell_sources, deterministic_cuda, get_pool, kill_pool, loopback, shutdown,
     to_cpu)
 from .rendezvous import serve_store
@@ -100,25 +100,31 @@ def launch_labels() -> dict:
 
 def launch(fn, world_size: int, *, device: str | None = None, backend: str = "auto", args=(),
            kwargs=None, timeout: float = 120.0, threads: int = 1, reuse: bool = True,
-           grace: float = 1.0) -> Results:
+           grace: float = 1.0, transport: str | None = None) -> Results:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
 
     ``device``: ``"auto"`` (NCCL with one GPU per rank when there are enough GPUs, ranks sharing
     the GPUs over Gloo when there are fewer, else the CPU), ``"cpu"`` or ``"cuda"``; the default
     is ``"auto"`` unless ``MINIPAR_DEVICE`` says otherwise. Inside a rank :func:`minipar.device`
     is where to compute. ``backend``: ``"auto"``, ``"gloo"`` (with ``device="auto"``: the CPU) or
-    ``"nccl"``; the choice and its reason are printed once. ``timeout``: seconds before the whole
+    ``"nccl"``; the choice and its reason are printed once. ``transport``: how messages travel,
+    ``"auto"`` (what the devices need) or ``"gloo"``, ``"gloo-staged"`` (through a host copy out
+    and back: a shared GPU's path, which the CPU can take too), ``"nccl"``; the default is
+    ``"auto"`` unless ``MINIPAR_TRANSPORT`` says otherwise. Everything that differs between
+    placements is decided here, once, into the :class:`~minipar.runtime.backend.Placement` that
+    every rank reads (:func:`minipar.runtime.backend.current`). ``timeout``: seconds before the whole
     run is stopped. ``threads``: torch intra-op threads per rank (1 avoids oversubscribing a
     laptop). ``reuse``: run in the warm pool of ranks (fast) or in fresh processes.
     """
     if os.environ.get(IN_RANK):
         raise RuntimeError("minipar.runtime.launch was called inside a rank; call it from the driver")
     device = default_device() if device is None else device
+    transport = default_transport() if transport is None else transport
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _launch_in_place(fn, world_size, device, backend, args, kwargs or {})
+        return _launch_in_place(fn, world_size, device, backend, args, kwargs or {}, transport)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    placement = place(world_size, device, backend)
+    placement = place(world_size, device, backend, transport=transport)
     if placement.reason not in _announced:
         _announced.add(placement.reason)
         print(f"minipar.runtime.launch: {placement.reason}")
@@ -130,6 +136,7 @@ def launch(fn, world_size: int, *, device: str | None = None, backend: str = "au
     if loopback():
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = loopback()
     job = {"payload": payload, "port": port, "backend": placement.backend, "world_size": world_size,
+           "placement": placement,
            "devices": [str(placement.device_for_rank(r)) for r in range(world_size)],
            "timeout": timeout, "threads": threads, "sys_path": list(sys.path), "env": env,
            "setup": rank_setup.collect(), "sources": cell_sources(), "t0": time.perf_counter()}
@@ -234,12 +241,13 @@ def _init_under_torchrun(backend: str, here="cpu") -> None:
     dist.init_process_group(backend, store=mine, rank=rank, world_size=world, **extra)
 
 
-def _launch_in_place(fn, world_size, device, backend, args, kwargs) -> Results:
+def _launch_in_place(fn, world_size, device, backend, args, kwargs, transport="auto") -> Results:
     """Under torchrun: this process is one rank; gather every rank's result to every rank."""
     env_ws = int(os.environ["WORLD_SIZE"])
     if world_size not in (None, env_ws):
         raise ValueError(f"launch(world_size={world_size}) but torchrun started {env_ws} ranks")
-    placement = place(int(os.environ.get("LOCAL_WORLD_SIZE", env_ws)), device, backend)
+    placement = place(int(os.environ.get("LOCAL_WORLD_SIZE", env_ws)), device, backend, transport=transport)
+    set_current(placement)
     here = placement.device_for_rank(int(os.environ.get("LOCAL_RANK", 0)))
     os.environ[DEVICE_ENV] = str(here)
     _trace.synchronize_on(here)

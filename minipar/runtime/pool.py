@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import rank_setup
 from . import trace as _trace
-from .backend import init_options, process_group_backend
+from .backend import init_options, process_group_backend, set_current
 from .gpu import max_allocated, reset_max_allocated
 
 IN_RANK = "MINIPAR_IN_RANK"
@@ -131,6 +131,7 @@ def _run_job(job: dict, rank: int, seed: int, conn) -> None:
     os.environ.update(job["env"], RANK=str(rank), LOCAL_RANK=str(rank), MINIPAR_DEVICE=here)
     torch.set_num_threads(job["threads"])
     torch.manual_seed(seed)  # a reused worker starts like a fresh process
+    set_current(job.get("placement"))  # what rank code asks (backend.current), decided by launch
     _trace.enable(True)
     out = io.StringIO()  # what the rank prints comes back to the driver
     linecache.cache.update(job["sources"])  # notebook cells' source, for readable tracebacks

@@ -2,7 +2,7 @@
 
 Every rank keeps its events in its own process, each a dict::
 
-    {"rank": 0, "kind": "compute" | "comm", "name": "forward", "start": 0.012, "end": 0.034,
+    {"rank": 0, "kind": "compute" | "comm" | "staging", "name": "forward", "start": 0.012, "end": 0.034,
      "bytes_sent": 0, "bytes_recv": 0, "labels": {"layer": 3, "microbatch": 1}}
 
 Times are seconds since :func:`start`, which every rank calls right after a barrier, so the
@@ -10,7 +10,9 @@ ranks share one time axis. Idle time is not recorded: it is the part of a rank's
 event covers (:meth:`Trace.summary`). Communication events carry ``labels["dim"]``, the mesh
 dimension of their group ("dp", "tp", "pp", ...; :func:`minipar.comm.name_group`), so bytes
 add up by dimension without reading event names (:func:`bytes_by_dim`). One step's events:
-``m = trace.mark()``, run the step, ``trace.since(m)``. ``minipar.runtime.launch`` starts the recorder
+``m = trace.mark()``, run the step, ``trace.since(m)``. A ``staging`` event is a message's copy
+through host memory (:mod:`minipar.runtime.staging`): time spent communicating, but not an
+operation of its own (counts of ``comm`` events are counts of operations). ``minipar.runtime.launch`` starts the recorder
 in every rank and returns the events as ``results.trace``, a :class:`Trace` for :mod:`minipar.runtime.viz`.
 The recorder keeps a ring of the last :data:`LIMIT` events, so a long run's memory stays flat
 (:func:`set_limit`, :func:`dropped`, :func:`recording`); ``python -m minipar.train`` records nothing."""
@@ -65,14 +67,24 @@ def recording_on() -> bool:
     return _enabled
 
 
+RESERVED = {
+    "dim": "the mesh dimension of the event's group: set by minipar.comm from the group's name "
+           "(comm.name_group), unless the caller names one",
+    "staged": "the operation a host copy serves: set by minipar.runtime.staging on its own events",
+}  # label keys the library writes itself; a caller's labels may not use "staged"
+
+
 def record(kind: str, name: str, start: float, end: float, bytes_sent: int = 0,
-           bytes_recv: int = 0, **labels) -> None:
-    """Append one event; ``start``/``end`` come from :func:`now`."""
+           bytes_recv: int = 0, labels: dict | None = None) -> None:
+    """Append one event; ``start``/``end`` come from :func:`now`. ``labels`` is the event's one
+    record of labels (a dict, kept as given: never spread into keywords, so no label can
+    collide with this function's own parameters or with a key the library adds, :data:`RESERVED`)."""
     global _recorded
     if _enabled:
         _recorded += 1
         _events.append({"rank": _rank, "kind": kind, "name": name, "start": start, "end": end,
-                        "bytes_sent": int(bytes_sent), "bytes_recv": int(bytes_recv), "labels": labels})
+                        "bytes_sent": int(bytes_sent), "bytes_recv": int(bytes_recv),
+                        "labels": {} if labels is None else labels})
         if _limit is not None and len(_events) > _limit + _limit // 8:
             del _events[:len(_events) - _limit]  # drop the oldest, an eighth at a time
 
@@ -119,7 +131,7 @@ def region(name: str, kind: str = "compute", **labels):
         yield
     finally:
         _sync()
-        record(kind, name, t, now(), **labels)
+        record(kind, name, t, now(), labels=labels)
 
 
 def _no_sync() -> None:
@@ -183,7 +195,7 @@ def backward(loss, **labels) -> None:
         loss.register_hook(lambda g: torch.autograd.Variable._execution_engine.queue_callback(
             lambda: (_sync(), end.append(now()))))  # on a GPU: when its kernels finished
     loss.backward()
-    record("compute", "backward", t, end[0] if end else now(), **labels)
+    record("compute", "backward", t, end[0] if end else now(), labels=labels)
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -231,14 +243,15 @@ class Trace:
 
     def summary(self) -> list[dict]:
         """Per rank: span, compute, comm, idle seconds and bytes sent/received. ``compute`` and ``comm``
-        are the lengths of the union of their events (nested regions count once); ``overlap`` is
+        are the lengths of the union of their events (nested regions count once; ``comm`` covers
+        the host copies of staged messages too, ``staging`` events); ``overlap`` is
         time covered by both (communication hidden behind compute); ``idle = span - |compute ∪ comm|``."""
         spans = [(e["start"], e["end"]) for evs in self.ranks for e in evs]
         span = max((e for _, e in spans), default=0.0) - min((s for s, _ in spans), default=0.0)
         rows = []
         for r, evs in enumerate(self.ranks):
             comp = [(e["start"], e["end"]) for e in evs if e["kind"] == "compute"]
-            comm = [(e["start"], e["end"]) for e in evs if e["kind"] == "comm"]
+            comm = [(e["start"], e["end"]) for e in evs if e["kind"] in ("comm", "staging")]
             c, m, busy = _union_length(comp), _union_length(comm), _union_length(comp + comm)
             rows.append({"rank": r, "span": span, "compute": c, "comm": m, "overlap": c + m - busy,
                          "idle": span - busy, "bytes_sent": sum(e["bytes_sent"] for e in evs),

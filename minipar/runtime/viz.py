@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 
 from .trace import Trace
 
-COLORS = {"compute": "#4C78A8", "comm": "#F58518", "idle": "#E6E6E6"}
+COLORS = {"compute": "#4C78A8", "comm": "#F58518", "staging": "#B279A2", "idle": "#E6E6E6"}
 _PALETTE = ["#4C78A8", "#72B7B2", "#54A24B", "#EECA3B", "#B279A2", "#FF9DA6", "#9D755D",
             "#BAB0AC", "#E45756", "#F58518", "#2E91E5", "#1CA71C", "#FB0D0D", "#DA16FF",
             "#222A2A", "#B68100", "#750D86", "#EB663B", "#511CFB", "#00A08B", "#FB00D1",
@@ -58,7 +58,7 @@ def timeline(trace: Trace, title: str = "What each rank did", color_by: str = "k
     longest = {k: max(e["end"] - e["start"] for e in groups[k]) for k in keys}
     for is_comm, width in ((False, 0.7), (True, 0.3)):  # compute, outer regions first; then comm, thin, on top
         for key in (sorted(keys, key=lambda k: -longest[k]) if not is_comm else keys):
-            evs = [e for e in groups[key] if (e["kind"] == "comm") == is_comm]
+            evs = [e for e in groups[key] if (e["kind"] != "compute") == is_comm]  # comm, staging: thin
             if not evs:
                 continue
             fig.add_bar(y=[f"rank {e['rank']}" for e in evs],

@@ -165,7 +165,7 @@ class UnitSchedule:
 
     def post_forward(self, i: int, out):
         """Unit i's forward has returned ``out``."""
-        trace.record("compute", "forward", self.t0[i], trace.now(), unit=i)
+        trace.record("compute", "forward", self.t0[i], trace.now(), labels={"unit": i})
         # >>> ex06 D
         self.storage.use(i, False)
         if self.reshard:
@@ -197,7 +197,7 @@ class UnitSchedule:
     def reduce(self, i: int) -> None:
         """Unit i's gradients of this backward are all in (:class:`OrderedReduction` calls this,
         in its order)."""
-        trace.record("compute", "backward", self.t0[i], trace.now(), unit=i)
+        trace.record("compute", "backward", self.t0[i], trace.now(), labels={"unit": i})
         self.held()
         # >>> ex06 D
         self.free(i)

@@ -362,12 +362,3 @@ def test_the_pipeline_reads_the_loss_once_per_step_not_per_microbatch(monkeypatc
         assert _host_reads(lambda: got.append(pipe.step(x, y))) == ["__float__"]
         want = sum(loss_fn(stage(c), None).item() for c in x.chunk(m)) / m
         assert got[0] == pytest.approx(want, rel=1e-6)
-
-
-# The shared GPU's staged transport taken on the CPU (launch(..., transport="gloo-staged")), the
-# sites that ask which device or transport is in use, and every chapter job's quick tier with its
-# messages staged: in the modules beside this file, collected here, with the GPU paths they check.
-from placement_sites import *  # noqa: E402,F401,F403
-from staged_labels import *  # noqa: E402,F401,F403
-from staged_mode import *  # noqa: E402,F401,F403
-from staged_chapters import *  # noqa: E402,F401,F403

@@ -64,6 +64,7 @@ GPU_FUNCTIONS = {
     ("runtime/launch.py", "_launch_in_place"): "under torchrun: binds the rank to its GPU",
     ("runtime/pool.py", "_run_job"): "binds a launched rank to its GPU",
     ("runtime/pool.py", "oom_report"): "the allocator's figures when a rank ran out of GPU memory",
+    ("runtime/pool.py", "_begin_gpu_job"): "what the GPU held when a job began, so the GPU run credits only what it allocated",
     ("runtime/staging.py", "to_host"): "a copy out waits for the kernels that made the tensor",
     ("runtime/trace.py", "synchronize_on"): "regions wait for the GPU's stream",
     ("runtime/transport.py", "device_event"): "NCCL's work is timed with CUDA events",

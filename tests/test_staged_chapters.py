@@ -24,11 +24,6 @@ import pytest
 from minipar.course import gpu_run
 from minipar.runtime.backend import gpu_count
 
-# collected through tests/test_gpu_paths.py (the devices job of course.py test --gpu)
-__all__ = ["staged_results",
-           "test_every_file_of_every_gpu_job_has_a_staged_selection",
-           "test_the_jobs_quick_tier_passes_with_its_messages_staged"]
-
 ROOT = Path(__file__).resolve().parents[1]
 
 # test file -> (its tests run staged: node ids after "file::", or () and why not)
@@ -97,7 +92,17 @@ STAGED = {
                                   "of every strategy (22 s) moves no real message"),
     "tests/test_launch.py": (["test_results_in_rank_order_with_trace", "test_raising_rank_is_reported_and_next_launch_works"],
                              "launching staged ranks: results, traces, a failing rank"),
-    "tests/test_gpu_paths.py": ((), "fakes of NCCL and CUDA; the staged tests it collects choose their transport"),
+    "tests/test_gpu_paths.py": ((), "fakes of NCCL and CUDA"),
+    "tests/test_staged_labels.py": ((), "chooses both transports by name"),
+    "tests/test_staged_mode.py": ((), "chooses both transports by name"),
+    "tests/test_placement_sites.py": ((), "reads the source: no rank"),
+    "tests/test_zero_spans.py": ((), "the shards' bookkeeping; stage 3's collectives run staged in test_zero"),
+    "tests/test_zero_prefetch.py": (["test_a_prefetched_gather_is_waited_for_at_its_units_use_not_when_started"],
+                                    "the order of a rank's events, with host copies among them"),
+    "tests/test_zero_mesh_units.py": ((), "the mesh's ZeRO-3 and HSDP run staged in test_zero_mesh"),
+    "tests/test_pipeline_tags.py": ((), "tags are the same on every transport; a staged pipeline runs in "
+                                        "test_pipeline_equivalence"),
+    "tests/test_straggler_costs.py": ((), "one all-reduce of fixed readings"),
     "tests/test_gpu_run.py": ((), "the GPU run's own bookkeeping: no rank trains"),
 }
 

@@ -35,37 +35,51 @@ def _where(placed) -> torch.device | None:
     return None if placed is None else torch.device(torch.device(placed).type)
 
 
-def train_reference(model: torch.nn.Module, batches, make_optimizer=None, dtype=None,
-                    device=None) -> dict:
-    """Plain training: forward (model returns the loss), backward, step. Returns
-    ``{"losses": [...], "params": {name: tensor}, "device": where it ran}``. ``dtype`` (e.g.
-    ``torch.bfloat16``): mixed precision, the forward and loss under
-    :func:`minipar.precision.autocast`, fp32 parameters, gradients and optimizer state, as every
-    strategy's ``train(dtype=...)``. ``device``: where to train (a device, or a placement or
-    result to train where its ranks ran); by default where ``minipar.runtime.launch`` puts ranks on this
-    machine (:func:`minipar.runtime.backend.ranks_device`: the GPU when there is one)."""
-    precision.resolve(dtype)
+def place(model: torch.nn.Module, device=None) -> torch.device:
+    """Put ``model`` itself where a reference trains (``device``: a device, a placement or a
+    result; by default :func:`minipar.runtime.backend.ranks_device`), in place as
+    ``Module.to`` does, with fp32 as the ranks compute it (no TF32 on a GPU). The one path on
+    every device: no copy is made (a copy of a model that holds a process group cannot be
+    made, and a copy on one device but not on another trains different modules), so the caller
+    passes a fresh model, or a copy made before wrapping. Returns the device."""
     here = ranks_device() if device is None else _where(device)
     if here.type == "cuda" and here.index is None:
         here = torch.device("cuda", torch.cuda.current_device())
-    moved = here.type != "cpu"
-    if moved:  # a copy on that device: the caller's CPU model is left as it was
-        import copy
-        model = copy.deepcopy(model).to(here)
-        batches = [tuple(t.to(here) for t in b) for b in batches]
-        from .runtime.pool import deterministic_cuda
-        deterministic_cuda()  # fp32 as the ranks compute it: no TF32
+    model.to(here)
+    from .runtime.pool import deterministic_cuda
+    deterministic_cuda()   # flags only: nothing changes on the CPU
+    return here
+
+
+def trained_params(model: torch.nn.Module) -> dict:
+    """The final parameters by name, detached copies on the CPU (what results compare)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.named_parameters()}
+
+
+def train_reference(model: torch.nn.Module, batches, make_optimizer=None, dtype=None,
+                    device=None) -> dict:
+    """Plain training of ``model`` itself: forward (model returns the loss), backward, step.
+    Returns ``{"losses": [...], "params": {name: tensor}, "device": where it ran}``; the
+    parameters are CPU copies, and ``model`` is left trained, on that device (:func:`place`:
+    the same path on every device). ``dtype`` (e.g. ``torch.bfloat16``): mixed precision, the
+    forward and loss under :func:`minipar.precision.autocast`, fp32 parameters, gradients and
+    optimizer state, as every strategy's ``train(dtype=...)``. ``device``: where to train (a
+    device, or a placement or result to train where its ranks ran); by default where
+    ``minipar.runtime.launch`` puts ranks on this machine
+    (:func:`minipar.runtime.backend.ranks_device`: the GPU when there is one)."""
+    precision.resolve(dtype)
+    here = place(model, device)
     opt = (make_optimizer or sgd())(model.parameters())
     losses = []
     for x, y in batches:
+        x, y = x.to(here), y.to(here)
         opt.zero_grad(set_to_none=True)
         with strategy.forward(dtype, here):
             loss = model(x, y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return {"losses": losses, "params": {k: (v.detach().cpu() if moved else v.detach().clone())
-                                         for k, v in model.named_parameters()}, "device": str(here)}
+    return {"losses": losses, "params": trained_params(model), "device": str(here)}
 
 
 # The least tolerance per device (fp32). On a GPU (TF32 off) the kernels of the sharded run and

@@ -303,13 +303,10 @@ def on_device(train, model, batches, **options):
     from .runtime.backend import device
     from .runtime.gpu import peak_memory
     here = device()
-    if here.type == "cpu":
-        out = train(model, batches, **options)
-    else:
-        with peak_memory(here) as peak:
-            out = train(to_device(model, here), to_device(batches, here), **options)
-        if isinstance(out, dict) and isinstance(out.get("measured"), Measured):
-            out["measured"]["gpu_peak_bytes"] = peak.bytes
+    with peak_memory(here) as peak:   # one path: moving to the CPU is a no-op, the peak None there
+        out = train(to_device(model, here), to_device(batches, here), **options)
+    if peak.bytes is not None and isinstance(out, dict) and isinstance(out.get("measured"), Measured):
+        out["measured"]["gpu_peak_bytes"] = peak.bytes
     if isinstance(out, dict):  # where it ran: assert_same_training's tolerance floor
         out.setdefault("device", str(here))
     return out

@@ -55,8 +55,9 @@ def _train_case(group, sp: bool, tied: bool, use_constructor: bool) -> dict:
     loss.backward()
     out = {"logits": logits.detach(), "loss": loss.item(), "grads": tp.full_state_dict(model, grads=True)}
     model.zero_grad(set_to_none=True)
-    run = train_reference(model, BATCHES, sgd(LR), device=here)
-    out["train"] = {"losses": run["losses"],  # parameters gathered back to full tensors
+    run = train_reference(model, BATCHES, sgd(LR), device=here)   # trains model itself, on every device
+    out["trained_in_place"] = all(torch.equal(run["params"][k], p.detach().cpu()) for k, p in model.named_parameters())
+    out["train"] = {"losses": run["losses"],  # the trained model's shards gathered back to full tensors
                     "params": {k: v for k, v in tp.full_state_dict(model).items() if k in run["params"]}}
     out["drift"] = tp.replica_drift(model)
     out["round_trip"] = tp.to_gpt(model).state_dict()
@@ -165,6 +166,7 @@ def test_same_as_single_device(runs, reference, t, case):
         assert set(got["grads"]) >= set(want["grads"])
         for k, w in want["grads"].items():
             torch.testing.assert_close(got["grads"][k], w, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"grad {k}: {m}")
+        assert got["trained_in_place"], "the parameters read back are not the ones the reference trained"
         assert_same_training(got["train"], want["train"], rtol=RTOL, atol=ATOL)
         assert got["drift"] == 0.0, "replicated parameters diverged across the group"
     # the training moved the weights well beyond the tolerance, so the comparison means something

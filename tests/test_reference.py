@@ -81,3 +81,37 @@ def test_a_tensor_parallel_model_on_a_subgroup():
         reference.assert_same_training({"losses": r["losses"], "device": got.placement.device,
                                         "params": {k: v for k, v in r["full"].items() if k in want["params"]}},
                                        want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_tolerance_table_states_why_and_keeps_the_cpu_tight():
+    """Every entry of ``TOLERANCES`` says why; each kind has a CPU and a GPU entry, the GPU's no
+    tighter; the CPU's fp32 entries are what the CPU's own rounding needs (1e-5/1e-6 for a
+    kernel or SGD training) and no more; an unknown kind is an error, not a silent default."""
+    # placement-free: the table is read for named devices, whatever this machine is
+    table = reference.TOLERANCES
+    assert all(len(t.why) > 20 for t in table.values())
+    for (dev, dtype, kind), t in table.items():
+        other = table[("cuda" if dev == "cpu" else "cpu", dtype, kind)]
+        gpu, cpu = (t, other) if dev == "cuda" else (other, t)
+        assert gpu.rtol >= cpu.rtol and gpu.atol >= cpu.atol, (dtype, kind)
+    for kind in ("kernel", "sgd"):
+        assert reference.tolerance("cpu", torch.float32, kind) == {"rtol": 1e-5, "atol": 1e-6}
+    assert reference.tolerance(["cpu", "cuda:0"], torch.float32, "sgd") == reference.tolerance("cuda", kind="sgd")
+    with pytest.raises(KeyError, match="no tolerance"):
+        reference.tolerance("cpu", torch.float32, "made up")
+
+
+def test_a_change_beyond_rounding_fails_the_table():
+    """A mutant that moves one loss or one parameter element by 1e-4 (relative), a hundred
+    times fp32's rounding at these sizes, fails the CPU's default comparison."""
+    want = reference.train_reference(GPT(CFG, seed=0), BATCHES, reference.sgd(0.5), device="cpu")
+    reference.assert_same_training(want, want)
+    loss = dict(want, losses=[want["losses"][0] * (1 + 1e-4)] + want["losses"][1:])
+    with pytest.raises(AssertionError, match="losses differ"):
+        reference.assert_same_training(loss, want)
+    params = {k: v.clone() for k, v in want["params"].items()}
+    w = params["head.lm_head.weight"]
+    i = w.abs().argmax()
+    w.view(-1)[i] = w.view(-1)[i] * (1 + 1e-4)
+    with pytest.raises(AssertionError, match="head.lm_head.weight"):
+        reference.assert_same_training(dict(want, params=params), want)

@@ -8,7 +8,8 @@ across ranks"). You write both sides of that boundary, then the two users of it.
 A. The stage communication (``minipar.model_parallel.stage_comm``) and the naive model-parallel
    step that runs on it (``NaiveModelParallel.step(x, y)`` in ``minipar.model_parallel``; its
    ``stage``, ``shapes`` (stage s's output shape), ``group``, ``loss_fn``, ``comm``, ``dtype``,
-   ``rank`` and ``n`` are set by the library):
+   ``wire`` (the dtype messages travel in, both ways: ``stage_comm.message_dtype``, the
+   parameters'), ``device`` (where receives land), ``rank`` and ``n`` are set by the library):
 
    * ``send_activation(y, dst, group, tag, **labels)`` and ``send_grad(grad, dst, ...)`` start
      a send and **return its ``Handle`` without waiting**;

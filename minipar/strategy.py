@@ -303,7 +303,7 @@ def on_device(train, model, batches, **options):
     from .runtime.backend import device
     from .runtime.gpu import peak_memory
     here = device()
-    with peak_memory(here) as peak:  # the allocator's figures on a GPU; None on the CPU
+    with peak_memory(here) as peak:   # one path: moving to the CPU is a no-op, the peak None there
         out = train(to_device(model, here), to_device(batches, here), **options)
     if peak.bytes is not None and isinstance(out, dict) and isinstance(out.get("measured"), Measured):
         out["measured"]["gpu_peak_bytes"] = peak.bytes

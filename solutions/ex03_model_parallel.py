@@ -8,7 +8,8 @@ across ranks"). You write both sides of that boundary, then the two users of it.
 A. The stage communication (``minipar.model_parallel.stage_comm``) and the naive model-parallel
    step that runs on it (``NaiveModelParallel.step(x, y)`` in ``minipar.model_parallel``; its
    ``stage``, ``shapes`` (stage s's output shape), ``group``, ``loss_fn``, ``comm``, ``dtype``,
-   ``rank`` and ``n`` are set by the library):
+   ``wire`` (the dtype messages travel in, both ways: ``stage_comm.message_dtype``, the
+   parameters'), ``device`` (where receives land), ``rank`` and ``n`` are set by the library):
 
    * ``send_activation(y, dst, group, tag, **labels)`` and ``send_grad(grad, dst, ...)`` start
      a send and **return its ``Handle`` without waiting**;
@@ -86,13 +87,13 @@ class NaiveModelParallel:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """Forward and backward of one batch; the loss on the last rank, else ``None``."""
         r, n, g, c = self.rank, self.n, self.group, self.comm
-        inp = x if r == 0 else c.recv_activation(self.shapes[r - 1], r - 1, g, stage=r)
+        inp = x if r == 0 else c.recv_activation(self.shapes[r - 1], r - 1, g, self.wire, self.device, stage=r)
         with strategy.forward(self.dtype, inp, "forward", stage=r, microbatch=0, phase="F"):
             out = self.stage(inp)
-            if r == n - 1:
-                out = self.loss_fn(out, y)
+            # the last stage's loss, or the activation in the dtype both sides agree on (autograd casts back)
+            out = self.loss_fn(out, y) if r == n - 1 else out.to(self.wire)
         send = c.send_activation(out, r + 1, g, stage=r) if r < n - 1 else None
-        grad = c.recv_grad(self.shapes[r], r + 1, g, stage=r) if r < n - 1 else None
+        grad = c.recv_grad(self.shapes[r], r + 1, g, self.wire, self.device, stage=r) if r < n - 1 else None
         with trace.region("backward", stage=r, microbatch=0, phase="B"):
             torch.autograd.backward(out, grad)
         if r > 0:

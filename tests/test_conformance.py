@@ -116,13 +116,13 @@ def _on_group():
 
 
 def test_group_works_where_it_is_a_parameter():
-    """Training on a group of 2 of 3 ranks equals one process (rtol 1e-4, atol 1e-5)."""
+    """Training on a group of 2 of 3 ranks equals one process (minipar.reference.TOLERANCES, "sgd")."""
     results = launch(_on_group, 3, timeout=240)
     assert results[0] == {}
     want = reference.train_reference(GPT(CFG, seed=0), BATCHES, reference.sgd(0.5))
     for name in set(strategy.STRATEGIES) - WORLD_ONLY:
         got = strategy.TrainResult.merge([r[name] for r in results[1:]])
-        reference.assert_same_training(got, want, rtol=1e-4, atol=1e-5)
+        reference.assert_same_training(got, want)   # the table's "sgd" on the devices they ran on
 
 
 def _sync_calls(on: bool):

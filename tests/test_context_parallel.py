@@ -28,7 +28,7 @@ B, H, D, T = 2, 4, 8, 32
 LAYOUTS, VARIANTS = ("contiguous", "zigzag"), ("ring", "all_gather", "ulysses")
 MEM_T = (32, 64, 128)
 CFG = GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=4, n_embd=32)
-TOL = dict(rtol=1e-5, atol=1e-5)
+TOL = reference.tolerance(kind="kernel")   # the ranks' device (the driver's own checks run there too)
 
 
 def _inputs(T=T):
@@ -157,7 +157,7 @@ def test_attention_variants_equal_full_attention(checks):
                     where = f"{variant} {layout} causal={causal} {name}"
                     torch.testing.assert_close(got, want[i], **TOL, msg=lambda m, w=where: f"{w}: {m}")
                     worst = max(worst, (got - want[i]).abs().max().item())
-    assert worst < 1e-5
+    assert worst < 10 * TOL["atol"]
 
 
 def test_recorded_bytes_equal_the_formulas(checks):
@@ -202,7 +202,7 @@ def _train_case(world_size, **options):
     batches = data.batches(data.synthetic_tokens(4000, 32), 3, 4, 32)
     want = reference.train_reference(GPT(CFG, seed=0), batches, reference.sgd(0.1))
     got = cpm.run(GPT(CFG, seed=0), batches, world_size, optimizer=reference.sgd(0.1), **options)
-    reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)
+    reference.assert_same_training(got, want)
     return got
 
 
@@ -305,7 +305,7 @@ def test_cp_on_the_hybrid_mesh_matches_one_process(options):
     want = reference.train_reference(GPT(CFG, seed=0), batches, reference.sgd(0.1))
     got = hybrid.run(GPT(CFG, seed=0), batches, math.prod(options.get(d, 1) for d in ("dp", "pp", "tp", "cp")), optimizer=reference.sgd(0.1),
                      **options)
-    reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)
+    reference.assert_same_training(got, want)
     dp, cp, tp = options.get("dp", 1), options["cp"], options.get("tp", 1)
     per_layer = cost.cp_comm_bytes(options.get("variant", "ring"), 4 // dp, 32, 32 // tp, cp)["total"]
     layers = CFG.n_layer // options.get("pp", 1)
@@ -364,7 +364,7 @@ def test_recompute_trains_like_one_process_and_keeps_what_the_formula_says():
         want = reference.train_reference(one, batches, reference.sgd(0.1))
         for variant, _ in RC_CASES:
             got = strategy.TrainResult.merge([res["train"][(variant, mode)] for res in results])
-            reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)
+            reference.assert_same_training(got, want)
             bytes_ = cost.cp_comm_bytes(variant, 4, 32, 32, 2)   # full: the forward's traffic twice
             attn = bytes_["total"] + (bytes_["forward"] if mode == "full" else 0)
             for res in results:
@@ -394,7 +394,7 @@ def test_recompute_on_the_hybrid_mesh_matches_one_process(options):
                                      reference.sgd(0.1))
     got = hybrid.run(GPT(CFG, seed=0), batches, math.prod(options.get(d, 1) for d in ("dp", "pp", "tp", "cp")), optimizer=reference.sgd(0.1),
                      **options)
-    reference.assert_same_training(got, want, rtol=1e-5, atol=1e-6)
+    reference.assert_same_training(got, want)
     dp, tp = options.get("dp", 1), options.get("tp", 1)
     b = cost.cp_comm_bytes(options.get("variant", "ring"), 4 // dp, 32, 32 // tp, 2)
     per_layer = b["total"] + (b["forward"] if options["recompute"] == "full" else 0)

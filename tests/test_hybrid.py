@@ -24,7 +24,7 @@ import minipar
 from minipar import cost
 from minipar import data, hybrid
 from minipar.models import GPT, GPTConfig
-from minipar.reference import assert_same_training, sgd, train_reference
+from minipar.reference import assert_same_training, sgd, tolerance, train_reference
 
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=4, n_head=4, n_embd=32)
 SEED, STEPS, BATCH = 1, 3, 8
@@ -34,8 +34,8 @@ MOMENTUM = {"lr": 0.2, "momentum": 0.9}
 OPTIMIZERS = {"sgd": sgd(0.5), "momentum": lambda ps: torch.optim.SGD(ps, **MOMENTUM),
               "adamw": lambda ps: torch.optim.AdamW(ps, **ADAMW)}
 K = {"sgd": 0, "momentum": 4, "adamw": 8}     # bytes of optimizer state per parameter
-TOL = {"sgd": dict(rtol=1e-5, atol=1e-6), "momentum": dict(rtol=1e-5, atol=1e-6),
-       "adamw": dict(rtol=1e-4, atol=5e-5)}
+TOL = {"sgd": tolerance(kind="sgd"), "momentum": tolerance(kind="sgd"),
+       "adamw": tolerance(kind="adamw")}   # minipar.reference.TOLERANCES, on the ranks' device
 
 # name: (dp, pp, tp, optimizer, build kwargs)
 CASES = {

@@ -29,7 +29,7 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         [(SEND, SEND.replace("dst, group,", "dst, None,")), (RECV, RECV.replace("src, group,", "src, None,"))],
         g.test_transfers_are_recorded, r"over ``group``, with ``src``/``dst`` its ranks"),
     "any number of stages, one per rank": (
-        [("            if r == n - 1:\n                out = self.loss_fn", "            if r == 1:\n                out = self.loss_fn")],
+        [("            out = self.loss_fn(out, y) if r == n - 1 else", "            out = self.loss_fn(out, y) if r == 1 else")],
         g.test_drives_model_parallel, r"rank 1 of 3 failed: IndexError: Target \d+ is out of bounds"),
     "training equals one process": (
         [("            torch.autograd.backward(out, grad)",

@@ -32,14 +32,14 @@ from minipar import context_parallel, data, data_parallel, expert_parallel, hybr
 from minipar import tensor_parallel, zero
 from minipar.runtime.launch import launch
 from minipar.models import GPT, GPTConfig
-from minipar.reference import assert_same_training, sgd, train_reference
+from minipar.reference import assert_same_training, sgd, tolerance, train_reference
 from minipar.strategy import TrainResult, on_device
 
 BF16 = torch.bfloat16
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=32)
 MOE = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=32, moe_every=2, n_experts=4, top_k=2)
 BATCHES = data.batches(data.synthetic_tokens(4000, CFG.vocab_size), 3, 8, CFG.block_size)
-RTOL, ATOL = 1e-3, 2e-3
+RTOL, ATOL = tolerance(None, BF16, "sgd").values()   # bf16 against one bf16 process (minipar.reference.TOLERANCES)
 OPT = sgd(0.5)
 
 

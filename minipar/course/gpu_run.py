@@ -26,7 +26,7 @@ GPU_TESTS = [
     ("03 model parallel", ["tests/test_model_parallel.py"]),
     ("04 pipeline", ["tests/test_pipeline_equivalence.py", "tests/test_adaptive.py",
                      "tests/test_pipeline_tags.py"]),
-    ("05 tensor parallel", ["tests/test_tensor_parallel.py"]),
+    ("05 tensor parallel", ["tests/test_tensor_parallel.py", "tests/test_reference.py"]),
     ("06 zero", ["tests/test_zero.py", "tests/test_zero_per_parameter.py", "tests/test_zero_persist.py",
                  "tests/test_zero_options.py", "tests/test_zero_spans.py", "tests/test_zero_prefetch.py"]),
     ("07 hybrid", ["tests/test_hybrid.py", "tests/test_mesh5d.py", "tests/test_zero_mesh.py",

@@ -36,7 +36,7 @@ from .. import comm, precision, strategy
 from ..runtime.backend import device as rank_device
 from ..data import shard
 from ..models.moe import MoE, moe_layers
-from ..reference import sgd
+from ..reference import place, sgd, trained_params
 
 
 def micro_batches(t: torch.Tensor, dp: int, m: int) -> list[torch.Tensor]:
@@ -51,14 +51,10 @@ def moe_reference(model, batches, make_optimizer=None, dp: int = 1, microbatches
     """One process, the stated reference of the mesh (module docstring): every step
     accumulates the gradients of the m micro-batches (:func:`micro_batches`), each loss
     (cross-entropy plus its own auxiliary losses) divided by m, then steps once. Returns
-    ``{"losses", "params"}`` as :func:`minipar.reference.train_reference`."""
+    ``{"losses", "params"}`` as :func:`minipar.reference.train_reference`, and trains ``model``
+    itself on the ranks' device, as it does (:func:`minipar.reference.place`)."""
     precision.resolve(dtype)
-    here = rank_device()
-    if here.type != "cpu":   # a copy on the ranks' device, fp32 as they compute it (no TF32)
-        import copy
-        from ..runtime.pool import deterministic_cuda
-        model = copy.deepcopy(model).to(here)
-        deterministic_cuda()
+    here = place(model, rank_device())
     opt = (make_optimizer or sgd())(model.parameters())
     losses = []
     for x, y in batches:
@@ -72,8 +68,7 @@ def moe_reference(model, batches, make_optimizer=None, dp: int = 1, microbatches
             total += loss.item()
         opt.step()
         losses.append(total)
-    return {"losses": losses,
-            "params": {k: v.detach().cpu().clone() for k, v in model.named_parameters()}}
+    return {"losses": losses, "params": trained_params(model)}
 
 
 def is_expert(name: str) -> bool:

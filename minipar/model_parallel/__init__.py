@@ -68,19 +68,21 @@ class NaiveModelParallel:
                  loss_fn=lm_loss, dtype=None):
         self.stage, self.shapes, self.group, self.loss_fn = stage, act_shapes, group, loss_fn
         self.comm, self.dtype = stage_comm, dtype
+        self.wire = stage_comm.message_dtype(stage)  # what crosses a boundary travels in, both ways
+        self.device = next((q.device for q in stage.parameters()), None)  # where receives land
         self.rank, self.n = group_rank(group), group_size(group)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """Forward and backward of one batch; the loss on the last rank, else ``None``."""
         # >>> ex03 A
         r, n, g, c = self.rank, self.n, self.group, self.comm
-        inp = x if r == 0 else c.recv_activation(self.shapes[r - 1], r - 1, g, stage=r)
+        inp = x if r == 0 else c.recv_activation(self.shapes[r - 1], r - 1, g, self.wire, self.device, stage=r)
         with strategy.forward(self.dtype, inp, "forward", stage=r, microbatch=0, phase="F"):
             out = self.stage(inp)
-            if r == n - 1:
-                out = self.loss_fn(out, y)
+            # the last stage's loss, or the activation in the dtype both sides agree on (autograd casts back)
+            out = self.loss_fn(out, y) if r == n - 1 else out.to(self.wire)
         send = c.send_activation(out, r + 1, g, stage=r) if r < n - 1 else None
-        grad = c.recv_grad(self.shapes[r], r + 1, g, stage=r) if r < n - 1 else None
+        grad = c.recv_grad(self.shapes[r], r + 1, g, self.wire, self.device, stage=r) if r < n - 1 else None
         with trace.region("backward", stage=r, microbatch=0, phase="B"):
             torch.autograd.backward(out, grad)
         if r > 0:

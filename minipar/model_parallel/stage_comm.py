@@ -13,12 +13,30 @@ stage boundary and stitched by hand (Huang et al. 2019; Narayanan et al. 2019):
 Sends are non-blocking (a :class:`~minipar.comm.Handle` to wait on later) so a stage
 never stalls on a slow receiver; receives block until the data is there. Ranks are
 group-local and every transfer is recorded by :mod:`minipar.comm` with its bytes.
+
+Sender and receiver must agree on a message's bytes without exchanging them: its shape is
+the boundary's (:func:`~minipar.model_parallel.partition.boundary_shapes`, computed from the
+same model on every rank) and its dtype is :func:`message_dtype`, the stages' parameters'
+whatever autocast computes in (an LSTM's output is bf16 under bf16 autocast, a GPT's
+residual stream stays fp32): the sender casts to it, the receiver allocates it.
 """
 from __future__ import annotations
 
 import torch
 
 from ..comm import Handle, irecv, isend
+
+
+def message_dtype(*stages: torch.nn.Module) -> torch.dtype:
+    """The dtype every message across a stage boundary travels in, activations forward and
+    gradients back: the stages' floating-point parameters' (fp32 master weights under mixed
+    precision, float64 for a float64 model; fp32 for a stage without parameters). Every
+    user of this module reads it here, on both sides of every boundary. Stages whose
+    parameters disagree are refused: there would be no one dtype to agree on."""
+    kinds = {p.dtype for s in stages for p in s.parameters() if p.is_floating_point()}
+    if len(kinds) > 1:
+        raise ValueError(f"stage parameters in {sorted(map(str, kinds))}: a pipeline's messages need one dtype")
+    return kinds.pop() if kinds else torch.float32
 
 
 def send_activation(y: torch.Tensor, dst: int, group=None, tag: int = 0, **labels) -> Handle:

@@ -73,7 +73,7 @@ class Pipeline:
             self.schedule = lockstep(schedule)  # NCCL pairs posts in order: receives posted by rounds
         self.mail = Mailbox(stage_comm, group, schedule.m,
                             act_shape if callable(act_shape) else (lambda s: tuple(act_shape)),
-                            first.dtype if first is not None else torch.float32, self.device)
+                            stage_comm.message_dtype(*stages.values()), self.device)
         self.peak_stash = 0
 
     def parameters(self):

@@ -281,6 +281,16 @@ def ranks_device() -> torch.device:
         return torch.device("cpu")
 
 
+def ranks_device_type() -> str:
+    """The type ("cpu", "cuda") of :func:`ranks_device`, decided the same way but without asking CUDA
+    for its current device (tests read their tolerances at import, and a collection with a
+    simulated GPU has no CUDA to ask)."""
+    d = os.environ.get(DEVICE_ENV)
+    if d and d != "auto":
+        return "cuda" if d == "cuda" and gpu_count() else torch.device(d).type
+    return ranks_device().type
+
+
 def describe_machine(world_sizes=(2, 4)) -> list[tuple[str, str]]:
     """Rows (what, value) describing this machine and the placement each world size gets."""
     import platform

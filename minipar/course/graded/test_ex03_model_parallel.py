@@ -8,7 +8,8 @@ across ranks"). You write both sides of that boundary, then the two users of it.
 A. The stage communication (``minipar.model_parallel.stage_comm``) and the naive model-parallel
    step that runs on it (``NaiveModelParallel.step(x, y)`` in ``minipar.model_parallel``; its
    ``stage``, ``shapes`` (stage s's output shape), ``group``, ``loss_fn``, ``comm``, ``dtype``,
-   ``rank`` and ``n`` are set by the library):
+   ``wire`` (the dtype messages travel in, both ways: ``stage_comm.message_dtype``, the
+   parameters'), ``device`` (where receives land), ``rank`` and ``n`` are set by the library):
 
    * ``send_activation(y, dst, group, tag, **labels)`` and ``send_grad(grad, dst, ...)`` start
      a send and **return its ``Handle`` without waiting**;
@@ -91,15 +92,18 @@ HINTS = {
         'stops there and fills .grad. A received gradient needs no grad of its own. In step: rank'
         ' r > 0 receives its input from r-1; the last rank adds the loss; every rank but the '
         'last sends forward and receives ∂L/∂out back; backward; every rank but the first sends '
-        'its input\'s .grad back; wait for your sends.',
+        'its input\'s .grad back; wait for your sends. Both sides of a boundary must agree on the '
+        'bytes: under bf16 autocast a stage may output bf16, so cast what you send to self.wire '
+        'and receive into self.wire on self.device.',
         "send_activation: return isend(y.detach(), dst, group, name='send_activation', tag=tag, "
         '**labels). recv_activation: x = torch.empty(shape, dtype=dtype, device=device); irecv(x,'
         " src, group, name='recv_activation', tag=tag, **labels).wait(); return "
         "x.requires_grad_(). send_grad / recv_grad: the same with names 'send_grad' / "
         "'recv_grad', without requires_grad. step: inp = x or recv_activation(shapes[r-1], r-1, "
-        'g, stage=r); out = stage(inp) under strategy.forward(dtype, inp, "forward", ...) '
-        '(the trace region and autocast together), loss_fn(out, y) on the last; send = send_activation(out, r+1, ...); grad = '
-        'recv_grad(shapes[r], r+1, ...); torch.autograd.backward(out, grad); send_grad(inp.grad, '
+        'g, wire, device, stage=r); out = stage(inp) under strategy.forward(dtype, inp, "forward", ...) '
+        '(the trace region and autocast together), loss_fn(out, y) on the last, else out.to(wire); '
+        'send = send_activation(out, r+1, ...); grad = '
+        'recv_grad(shapes[r], r+1, g, wire, device, ...); torch.autograd.backward(out, grad); send_grad(inp.grad, '
         'r-1, ...).wait(); send.wait(); return out.item() on the last rank.',
     ),
     'B': (

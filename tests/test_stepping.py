@@ -1,4 +1,4 @@
-"""``pipeline.stepping.Stepper``: the executor let through one round at a time is the executor.
+"""``study.stepping.Stepper``: the executor let through one round at a time is the executor.
 
 On 2 ranks, for 1F1B, ZB-H1 (W actions) and interleaved 1F1B (two stages per rank), a step
 advanced round by round gives the loss and the gradients of ``Pipeline.step`` run at once on
@@ -14,7 +14,7 @@ from minipar import data
 from minipar import pipeline as pp
 from minipar.models import GPT, GPTConfig
 from minipar.pipeline.posting import rounds
-from minipar.pipeline.stepping import Stepper
+from minipar.study.stepping import Stepper
 
 CASES = [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)]
 

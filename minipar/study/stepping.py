@@ -3,7 +3,7 @@
 ``Stepper(pipe, inputs, targets)`` runs ``pipe.step(inputs, targets)``, the executor as it is
 (:class:`~minipar.pipeline.Pipeline`), in a thread of this rank, and holds each compute action
 (F, B, W) at a gate. :meth:`Stepper.advance` opens the gate for the next round of the
-lock-step play of the schedule (:func:`.posting.rounds`: in round t a rank computes when every
+lock-step play of the schedule (:func:`minipar.pipeline.posting.rounds`: in round t a rank computes when every
 message it needs was sent in an earlier round), waits for this rank's compute of that round,
 if it has one, and says what ran. Sends and receives go on by themselves between the gates.
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 import threading
 import time
 
-from .posting import rounds
-from .simulate import NAMES
+from ..pipeline.posting import rounds
+from ..pipeline.simulate import NAMES
 
 
 class Stepper:

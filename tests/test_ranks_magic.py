@@ -52,13 +52,19 @@ CELLS = [
     ("persist2", "%%ranks\ncomm.all_reduce(w)\nw.item()"),
     ("raise2", "%%ranks\nif dist.get_rank() == 1:\n    w.missing_attribute"),
     ("hang2", "%%ranks 2 --timeout 2\nif dist.get_rank() == 0:\n    comm.all_reduce(w)"),
+    ("die", "%%ranks\nimport os, torch.distributed as dist\nif dist.get_rank() == 1:\n    os._exit(3)"),
+    ("kill_between", "import os, signal, time\nfrom minipar.runtime import ranks as running\n"
+                     "os.kill(running.current().pids[1], signal.SIGKILL)\n"
+                     "for _ in range(200):  # until the process is seen gone\n"
+                     "    if not running.current().alive():\n        break\n    time.sleep(0.05)"),
+    ("after_kill", "%%ranks\nimport torch.distributed as dist\ndist.get_world_size()"),
     ("figure", "%%ranks\nimport torch.distributed as dist\nimport plotly.graph_objects as go\n"
                "go.Figure(go.Bar(y=[dist.get_rank()]))"),
     ("trace", "%%ranks\nimport torch\nfrom minipar import comm\ncomm.all_reduce(torch.ones(4))"),
     ("pulled_trace", "t = %ranks trace\nprint('trace', t.world_size, sorted({e['name'] for e in t.events()}))"),
     ("pids", "pids = %ranks pids\nprint('PIDS', pids)"),
 ]
-FAILING = {"raise_alone", "raise_before_collective", "hang4", "raise2", "hang2"}
+FAILING = {"raise_alone", "raise_before_collective", "hang4", "raise2", "hang2", "die"}
 
 
 def _notebook():
@@ -131,13 +137,13 @@ def test_ranks_magic_in_a_notebook(tmp_path):
     # the others waited for it in a collective: told, and the ranks restarted
     e = text["raise_before_collective"]
     assert "rank 2 raised ZeroDivisionError: division by zero at cell line 3" in e, e
-    assert re.search(r"rank 0: waiting inside all_reduce 'all_reduce' on world \(seq \d+\).* at cell line 4", e), e
+    assert re.search(r"rank 0: waiting inside all_reduce on world \(seq \d+\).* at cell line 4", e), e
     assert "restarted" in e and text["fresh"].count("False") == 4, text["fresh"]
 
     # a hang: stopped after the timeout, the collective named, the rank that never called it found
     h = text["hang4"]
     assert "the cell did not finish on every rank within 3 s" in h, h
-    assert re.search(r"rank 0: waiting inside all_reduce 'all_reduce' on world \(seq 1\) for [\d.]+ s "
+    assert re.search(r"rank 0: waiting inside all_reduce on world \(seq 1\) for [\d.]+ s "
                      r"at cell line 6: comm.all_reduce\(z\)", h), h
     assert "rank 1: finished the cell; it started no minipar.comm operation" in h, h
     assert "ranks 0, 2, 3 wait inside all_reduce on world (seq 1), which rank 1 never started." in h, h
@@ -153,6 +159,11 @@ def test_ranks_magic_in_a_notebook(tmp_path):
     assert "rank 0 finished the cell" in text["raise2"], text["raise2"]
     h2 = text["hang2"]
     assert "the cell did not finish on every rank within 2 s" in h2 and "which rank 1 never started" in h2, h2
+
+    # a rank that ends in a cell, or between cells: said, and fresh ranks
+    assert "rank 1 died (exit code 3)" in text["die"] and "restarted" in text["die"], text["die"]
+    assert "rank 1 (exit code -9) had ended since the last cell; 2 fresh ranks run this one" in text["after_kill"]
+    assert "[rank 0] 2" in text["after_kill"] and "[rank 1] 2" in text["after_kill"], text["after_kill"]
 
     # a figure drawn once; the trace pulled
     plots = [o for o in cell["figure"].outputs if "application/vnd.plotly.v1+json" in o.get("data", {})]

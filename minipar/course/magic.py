@@ -87,7 +87,7 @@ class RanksMagics(Magics):
         # the line "%%ranks ..." counted, so that line numbers are those the notebook shows
         outcome = ranks.run("\n" + cell, timeout=opts.timeout or self.timeout,
                             cell=self.shell.execution_count)
-        self._show(ranks, outcome, shown, header)
+        self._show(ranks, outcome, shown, "; ".join(x for x in (header, outcome.note) if x))
 
     # ------------------------------------------------------------------ showing a cell
     def _show(self, ranks, outcome, shown, header: str) -> None:
@@ -95,10 +95,9 @@ class RanksMagics(Magics):
         failed = outcome.failed()
         shown = sorted(set(shown or range(n)) | set(failed) | (set(range(n)) if outcome.problem else set()))
         statuses = {}
-        if outcome.where:  # stopped: what each rank was doing (the error below says it in full)
-            lines = _ranks.describe(ranks, outcome)
-            statuses = {r: lines[r].split(": ", 1)[1] if outcome.replies[r] is None else "finished the cell"
-                        for r in range(n) if not (outcome.replies[r] or {}).get("error")}
+        if outcome.where:  # stopped: what each rank was doing, in short (the error below says it in full)
+            statuses = {r: _status(outcome.where[r], outcome.replies[r]) for r in range(n)
+                        if not (outcome.replies[r] or {}).get("error")}
         figures = [r for r in range(n) if outcome.replies[r] and outcome.replies[r].get("figure")]
         figure_from = next((r for r in shown if r in figures), figures[0] if figures else None)
         replies = {r: outcome.replies[r] for r in shown}
@@ -123,15 +122,16 @@ class RanksMagics(Magics):
             r = failed[0]
             reply = outcome.replies[r]
             at = f" at cell line {reply['line']}" if reply.get("line") else ""
-            tb = f"Traceback from rank {r} of {n}:\n" + reply["error"].split("\n", 1)[-1]
-            also = [f"rank {q} also raised {outcome.replies[q]['exc']}" for q in failed[1:]]
+            tb = "" if reply.get("died") else f"Traceback from rank {r} of {n}:\n" + reply["error"].split("\n", 1)[-1]
+            also = [f"rank {q} also {'died' if outcome.replies[q].get('died') else 'raised'} "
+                    f"{outcome.replies[q]['exc']}" for q in failed[1:]]
             if others:  # some ranks did not finish: what they were doing
                 told = [x for q, x in enumerate(others) if q not in failed]
             else:
                 fine = [str(q) for q in range(n) if q not in failed]
                 told = [f"rank{'s' * (len(fine) > 1)} {', '.join(fine)} finished the cell; "
                         "every rank keeps its variables"] if fine else []
-            msg = "\n".join([f"rank {r} raised {reply['exc']}{at}", *also, *told]
+            msg = "\n".join([f"rank {r} {'died' if reply.get('died') else 'raised'} {reply['exc']}{at}", *also, *told]
                             + ([RESTARTED] if outcome.restarted else []))
             return RankCellError(msg, tb)
         if outcome.problem == "interrupted":
@@ -187,6 +187,19 @@ class RanksMagics(Magics):
             ranks.push(**{a: ns[a] for a in args})
             return None
         raise ValueError(f"%ranks {line}: unknown; use pull, push, trace, timeout, restart, stop, pids, where")
+
+
+def _status(where: dict | None, reply: dict | None) -> str:
+    """One rank's state in a column: finished, or where it was stopped."""
+    if reply is not None:
+        return "finished the cell"
+    if where is None:
+        return "did not answer"
+    op, at = where.get("op"), where.get("at")
+    line = f" at cell line {at[1]}" if at else ""
+    if op and not op["finished"]:
+        return f"waiting inside {_ranks.operation(op)}{line}"
+    return f"running{line}"
 
 
 def load_ipython_extension(ipython) -> None:

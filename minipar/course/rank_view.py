@@ -34,7 +34,7 @@ def column(reply: dict | None, status: str = "", figure_from: int | None = None,
         parts.append(_pre(f"[a figure: {drawn}]", MUTED))
     if reply is not None and reply.get("error"):
         line = f" (cell line {reply['line']})" if reply.get("line") else ""
-        parts.append(_pre(f"✗ {reply['exc']}{line}", BAD))
+        parts.append(_pre(f"✗ {'died: ' if reply.get('died') else ''}{reply['exc']}{line}", BAD))
     if status:
         parts.append(_pre(status, WARN))
     return "".join(parts) or _pre("(no output)", MUTED)

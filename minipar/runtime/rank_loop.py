@@ -188,7 +188,12 @@ def where() -> dict:
             if name == cell:
                 outer = (name, frame.f_lineno)
         frame = frame.f_back
-    last = (flight.entries() or [None])[-1]
+    for _ in range(5):  # the main thread may append to the recorder while it is read
+        try:
+            last = (flight.entries() or [None])[-1]
+            break
+        except RuntimeError:
+            last = None
     op = None
     if last is not None:
         op = {"op": last["op"], "name": last["name"], "dim": last["dim"], "seq": last["seq"],
@@ -201,9 +206,13 @@ def _control(ctl, driver_pid: int) -> None:
     """Answer ``where`` at any time; end the process when the driver is gone."""
     while True:
         try:
-            if ctl.poll(0.5):
-                if ctl.recv() == "where":
-                    ctl.send(where())
+            if ctl.poll(0.5) and ctl.recv() == "where":
+                try:
+                    answer = where()
+                except Exception as e:  # noqa: BLE001 - an answer, whatever happens
+                    answer = {"rank": None, "running": True, "at": None, "inner": None, "op": None,
+                              "error": f"{type(e).__name__}: {e}"}
+                ctl.send(answer)
             os.kill(driver_pid, 0)
-        except (EOFError, OSError, ProcessLookupError):
+        except (EOFError, OSError):  # the driver is gone (ProcessLookupError is an OSError)
             os._exit(0)

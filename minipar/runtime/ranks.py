@@ -33,7 +33,7 @@ from .backend import default_device, place
 from .pool import IN_RANK, cell_sources, context, loopback, main_not_reimported
 from .rendezvous import serve_store
 
-__all__ = ["Ranks", "RanksError", "Outcome", "current", "start", "stop", "describe"]
+__all__ = ["Ranks", "RanksError", "Outcome", "current", "start", "stop", "describe", "operation"]
 
 
 class RanksError(RuntimeError):
@@ -55,6 +55,7 @@ class Outcome:
     restarted: bool = False
     seconds: float = 0.0
     timeout: float = 0.0
+    note: str = ""  # what happened before the cell ran (ranks found dead, restarted)
 
     def failed(self) -> list[int]:
         return [r for r, x in enumerate(self.replies) if x is not None and x.get("error")]
@@ -146,14 +147,18 @@ class Ranks:
     def run(self, source: str, timeout: float = 60.0, grace: float = 2.0, cell: int | None = None) -> Outcome:
         """Run ``source`` on every rank (module docstring): an :class:`Outcome`. ``cell``: the
         number its tracebacks give it (``<rank cell N>``; the notebook's own, say)."""
+        note = ""
         if not self.alive():
+            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs) if not p.is_alive()]
             self.restart()
+            note = (f"{', '.join(dead) or 'the ranks'} had ended since the last cell; "
+                    f"{self.world_size} fresh ranks run this one (the variables of before are gone)")
         k, n, t0 = next(self.cells) if cell is None else cell, self.world_size, time.monotonic()
         self.sources[k] = source
         request = ("run", k, source, rank_setup.collect(), cell_sources())
         for c in self.cmd:
             c.send(request)
-        out = Outcome(k, source, [None] * n, timeout=timeout)
+        out = Outcome(k, source, [None] * n, timeout=timeout, note=note)
         pending, deadline = set(range(n)), t0 + timeout
         try:
             while pending:
@@ -172,10 +177,11 @@ class Ranks:
                         reply = None
                     if reply is None:
                         self.procs[r].join(timeout=1)
-                        reply = {"out": "", "value": None, "figure": None, "line": None,
-                                 "exc": f"rank {r} died (exit code {self.procs[r].exitcode})",
-                                 "error": f"rank {r} died (exit code {self.procs[r].exitcode}; a negative "
-                                          "code is the signal that killed it, -9: out of memory?)\n"}
+                        code = self.procs[r].exitcode
+                        reply = {"out": "", "value": None, "figure": None, "line": None, "died": True,
+                                 "exc": f"(exit code {code}" + (": killed by a signal; -9: out of memory?)"
+                                                                if code is not None and code < 0 else ")"),
+                                 "error": f"rank {r}'s process ended in the cell (exit code {code})\n"}
                         out.problem = "died"
                     elif reply.get("error") and out.problem is None:
                         out.problem = "error"
@@ -253,11 +259,10 @@ def describe(ranks: Ranks, outcome: Outcome) -> list[str]:
         reply = outcome.replies[r]
         if reply is not None and reply.get("error"):
             line = f" at cell line {reply['line']}" if reply.get("line") else ""
-            lines.append(f"rank {r}: raised {reply['exc']}{line}")
+            lines.append(f"rank {r}: {'died' if reply.get('died') else 'raised'} {reply['exc']}{line}")
             continue
         op = (w or {}).get("op")
-        last = "no minipar.comm operation yet" if not op else \
-            f"{op['op']} {op['name']!r} on {op['dim'] or 'an unnamed group'} (seq {op['seq']})"
+        last = "no minipar.comm operation yet" if not op else operation(op)
         if reply is not None:
             lines.append(f"rank {r}: finished the cell; " +
                          (f"the last operation it started: {last}, finished" if op else
@@ -272,6 +277,12 @@ def describe(ranks: Ranks, outcome: Outcome) -> list[str]:
                      else f"still running; its last operation, {last}, finished")
             lines.append(f"rank {r}: {state}{at}{inner}")
     return lines + _culprits(outcome.where)
+
+
+def operation(op: dict) -> str:
+    """``all_reduce on dp (seq 3)``; with its name when the caller gave one (``send 'activation'``)."""
+    name = "" if op["name"] == op["op"] else f" {op['name']!r}"
+    return f"{op['op']}{name} on {op['dim'] or 'an unnamed group'} (seq {op['seq']})"
 
 
 def _culprits(where: list) -> list[str]:

@@ -101,5 +101,6 @@ class Stepper:
         """What ran so far, one trace event per compute, from its round to the next."""
         return [{"rank": self.pipe.rank, "kind": "compute", "name": NAMES[a.op], "start": float(t),
                  "end": t + 1.0, "bytes_sent": 0, "bytes_recv": 0,
-                 "labels": {"phase": a.op, "microbatch": a.microbatch, "stage": a.stage}}
+                 "labels": {"phase": a.op, "microbatch": a.microbatch, "stage": a.stage,
+                            "action": f"{a.op}{a.microbatch}"}}
                 for t, a, _ in self.ran]

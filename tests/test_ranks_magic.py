@@ -177,17 +177,34 @@ def test_ranks_magic_in_a_notebook(tmp_path):
     assert _wait_gone(pids) == [], "rank processes outlived the kernel"
 
 
-def test_ranks_end_when_the_driver_is_killed(tmp_path):
-    """No atexit runs when the driver is killed: the ranks notice the driver is gone and end."""
+def test_an_interrupt_ends_a_hang_and_a_killed_driver_leaves_no_rank(tmp_path):
+    """An interrupt (Ctrl-C, the kernel's interrupt) while a cell hangs: what each rank was doing,
+    then fresh ranks. Then the driver is killed outright, so no atexit runs: the ranks notice
+    that the driver is gone and end."""
     script = tmp_path / "driver.py"
-    script.write_text("import os, signal\nfrom minipar.runtime.ranks import Ranks\nr = Ranks(2)\n"
-                      "print(*r.pids, flush=True)\n"
-                      "r.cmd[0].send(('run', 1, 'import time\\ntime.sleep(600)', None, {}))  # busy\n"
-                      "os.kill(os.getpid(), signal.SIGKILL)\n")
+    script.write_text(
+        "import os, signal, threading, time\n"
+        "from minipar.runtime.ranks import Ranks, describe\n"
+        "r = Ranks(2)\n"
+        "def interrupt_once_waiting():  # as a learner would, once rank 0 waits inside the collective\n"
+        "    while not any((w or {}).get('op') and not w['op']['finished'] for w in r.where()):\n"
+        "        time.sleep(0.1)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "threading.Thread(target=interrupt_once_waiting, daemon=True).start()\n"
+        "o = r.run('import torch, torch.distributed as dist\\nfrom minipar import comm\\n'\n"
+        "          'if dist.get_rank() == 0:\\n    comm.all_reduce(torch.ones(1))', timeout=300)\n"
+        "print(o.problem, o.restarted, *describe(r, o), sep='\\n')\n"
+        "print('PIDS', *r.pids, flush=True)\n"
+        "r.cmd[0].send(('run', 9, 'import time\\ntime.sleep(600)', None, {}))  # busy\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == -signal.SIGKILL, done.stderr
-    pids = [int(p) for p in done.stdout.split()]
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["interrupted", "True"], done.stdout + done.stderr
+    assert lines[2].startswith("rank 0: waiting inside all_reduce on world (seq 1)"), lines
+    assert lines[3] == "rank 1: finished the cell; it started no minipar.comm operation", lines
+    pids = [int(p) for p in lines[-1].split()[1:]]
     assert len(pids) == 2, done.stdout + done.stderr
     assert _wait_gone(pids, 10) == [], "rank processes outlived a killed driver"
 

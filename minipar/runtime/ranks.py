@@ -202,8 +202,10 @@ class Ranks:
         """Every rank's ``rank_loop.where()`` (``None`` for a rank that did not answer)."""
         for c in self.ctl:
             try:
+                while c.poll(0):  # a late answer to an earlier question
+                    c.recv()
                 c.send("where")
-            except OSError:
+            except (EOFError, OSError):
                 pass
         out, deadline = [], time.monotonic() + wait_s
         for c in self.ctl:

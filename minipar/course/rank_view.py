@@ -12,8 +12,9 @@ import html
 
 COLUMNS = 4          # ranks per row of the table
 MUTED, BAD, WARN = "#7a7a7a", "#c62828", "#b26a00"
-_PRE = ("margin:0;padding:0;white-space:pre-wrap;word-break:break-word;background:transparent;"
-        "border:none;font-size:0.85em;line-height:1.35;text-align:left")
+_PRE = ("margin:0;padding:0;white-space:pre-wrap;word-break:break-word;background:transparent;border:none;"
+        "font-family:var(--jp-code-font-family,ui-monospace,SFMono-Regular,Menlo,Consolas,monospace);"
+        "font-size:var(--jp-code-font-size,0.85em);line-height:1.35;text-align:left")
 
 
 def _pre(text: str, color: str | None = None) -> str:

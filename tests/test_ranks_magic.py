@@ -198,14 +198,16 @@ def test_an_interrupt_ends_a_hang_and_a_killed_driver_leaves_no_rank(tmp_path):
         "r.cmd[0].send(('run', 9, 'import time\\ntime.sleep(600)', None, {}))  # busy\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
-    lines = done.stdout.splitlines()
-    assert lines[:2] == ["interrupted", "True"], done.stdout + done.stderr
-    assert lines[2].startswith("rank 0: waiting inside all_reduce on world (seq 1)"), lines
-    assert lines[3] == "rank 1: finished the cell; it started no minipar.comm operation", lines
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out, "w") as o, open(err, "w") as e:  # files, not pipes: a rank left behind would hold a pipe open
+        done = subprocess.run([sys.executable, str(script)], stdout=o, stderr=e, env=env, timeout=300)
+    lines, said = out.read_text().splitlines(), out.read_text() + err.read_text()
+    assert done.returncode == -signal.SIGKILL, said
+    assert lines[:2] == ["interrupted", "True"], said
+    assert lines[2].startswith("rank 0: waiting inside all_reduce on world (seq 1)"), said
+    assert lines[3] == "rank 1: finished the cell; it started no minipar.comm operation", said
     pids = [int(p) for p in lines[-1].split()[1:]]
-    assert len(pids) == 2, done.stdout + done.stderr
+    assert lines[-1].startswith("PIDS") and len(pids) == 2, said
     assert _wait_gone(pids, 10) == [], "rank processes outlived a killed driver"
 
 

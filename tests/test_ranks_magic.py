@@ -184,7 +184,7 @@ def test_an_interrupt_ends_a_hang_and_a_killed_driver_leaves_no_rank(tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(
         "import os, signal, threading, time\n"
-        "from minipar.runtime.ranks import Ranks, describe\n"
+        "from minipar.runtime.ranks import Ranks\nfrom minipar.runtime.rank_report import describe\n"
         "r = Ranks(2)\n"
         "def interrupt_once_waiting():  # as a learner would, once rank 0 waits inside the collective\n"
         "    while not any((w or {}).get('op') and not w['op']['finished'] for w in r.where()):\n"

@@ -31,6 +31,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
 from ..runtime import ranks as _ranks
+from ..runtime.rank_report import describe, operation
 from . import rank_view
 
 DEFAULT_TIMEOUT = 60.0
@@ -117,7 +118,7 @@ class RanksMagics(Magics):
     @staticmethod
     def _error(ranks, outcome) -> RankCellError:
         failed, n = outcome.failed(), ranks.world_size
-        others = _ranks.describe(ranks, outcome) if outcome.where else []
+        others = describe(ranks, outcome) if outcome.where else []
         if failed:
             r = failed[0]
             reply = outcome.replies[r]
@@ -198,7 +199,7 @@ def _status(where: dict | None, reply: dict | None) -> str:
     op, at = where.get("op"), where.get("at")
     line = f" at cell line {at[1]}" if at else ""
     if op and not op["finished"]:
-        return f"waiting inside {_ranks.operation(op)}{line}"
+        return f"waiting inside {operation(op)}{line}"
     return f"running{line}"
 
 

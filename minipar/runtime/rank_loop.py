@@ -197,7 +197,8 @@ def where() -> dict:
     op = None
     if last is not None:
         op = {"op": last["op"], "name": last["name"], "dim": last["dim"], "seq": last["seq"],
-              "finished": last["end"] is not None, "for": time.monotonic() - last["start"]}
+              "finished": flight.finished(last),  # on the device too, for NCCL work
+              "for": time.monotonic() - last["start"]}
     return {"rank": dist.get_rank() if dist.is_initialized() else None, "running": cell is not None,
             "at": outer, "inner": inner if inner != outer else None, "op": op}
 

@@ -14,3 +14,14 @@ def __getattr__(name):
         import importlib
         return importlib.import_module(f"minipar.course.{name}")
     raise AttributeError(f"module 'minipar' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython):
+    """``%load_ext minipar``: the ``%%ranks`` cell magic (:mod:`minipar.course.magic`)."""
+    from .course.magic import load_ipython_extension as load
+    load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    from .course.magic import unload_ipython_extension as unload
+    unload(ipython)

@@ -180,7 +180,7 @@ def _worker(conn, rank: int) -> None:
 
 
 @contextmanager
-def _main_not_reimported():
+def main_not_reimported():
     """Hide ``__main__``'s origin while starting workers, so they do not re-run the caller's
     script or notebook kernel module: ``fn`` travels by value and never needs it."""
     main = sys.modules["__main__"]
@@ -194,16 +194,23 @@ def _main_not_reimported():
         main.__dict__.update(saved)
 
 
+def context():
+    """How rank processes start: forked from a forkserver that has imported torch (spawned
+    where there is no forkserver). The pool and :mod:`minipar.runtime.ranks` share it."""
+    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    if ctx.get_start_method() == "forkserver":
+        # torch.optim imports torch._dynamo (~1 s): pay it once in the forkserver
+        ctx.set_forkserver_preload(["minipar.runtime.pool", "torch.optim", "torch._dynamo"])
+    return ctx
+
+
 class Pool:
     def __init__(self):
-        self.ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
-        if self.ctx.get_start_method() == "forkserver":
-            # torch.optim imports torch._dynamo (~1 s): pay it once in the forkserver
-            self.ctx.set_forkserver_preload(["minipar.runtime.pool", "torch.optim", "torch._dynamo"])
+        self.ctx = context()
         self.procs, self.conns, self.files = [], [], {}
 
     def grow(self, n: int) -> None:
-        with _main_not_reimported():
+        with main_not_reimported():
             while len(self.procs) < n:
                 parent, child = self.ctx.Pipe()
                 p = self.ctx.Process(target=_worker, args=(child, len(self.procs)),

@@ -30,7 +30,7 @@ def _label(e: dict) -> str:
 
 
 def timeline(trace: Trace, title: str = "What each rank did", color_by: str = "kind",
-             unit: str = "ms", height: int | None = None) -> go.Figure:
+             unit: str = "ms", height: int | None = None, text: str | None = None) -> go.Figure:
     """One row per rank; bars for compute and communication, grey gaps for idle time.
 
     Communication is drawn as thin bars on top of compute, so a transfer in flight while the rank
@@ -38,7 +38,8 @@ def timeline(trace: Trace, title: str = "What each rank did", color_by: str = "k
     longest event first, so what a region contains is drawn over it (a ``region("forward")`` around
     a layer does not hide the layer's own events). ``color_by="kind"`` colours compute blue and communication orange;
     ``color_by="name"`` (or a label such as ``"microbatch"``) gives each value its own colour.
-    Hover a bar for its labels, duration and bytes."""
+    Hover a bar for its labels, duration and bytes; ``text``: a label written inside each compute
+    bar (``"action"``: ``F0``, ``B1`` ...)."""
     scale = {"ms": 1e3, "s": 1.0}[unit]
     fig = go.Figure()
     rows = [f"rank {r}" for r in range(trace.world_size)]
@@ -67,7 +68,9 @@ def timeline(trace: Trace, title: str = "What each rank did", color_by: str = "k
                         marker_color=colours[key], marker_line_width=0.5, marker_line_color="white",
                         name=key, legendgroup=key, showlegend=key not in shown,
                         legendrank=1000 + keys.index(key) if is_comm else 10 + keys.index(key),
-                        hovertext=[_label(e) for e in evs], hoverinfo="text")
+                        hovertext=[_label(e) for e in evs], hoverinfo="text",
+                        text=[str(e["labels"].get(text, "")) for e in evs] if text and not is_comm else None,
+                        textposition="inside", insidetextanchor="middle")
             shown.add(key)
     fig.update_layout(barmode="overlay", title=title, xaxis_title=f"time ({unit})",
                       yaxis=dict(autorange="reversed"), bargap=0.3,

@@ -25,7 +25,7 @@ GPU_TESTS = [
     ("02 data parallel", ["tests/test_data_parallel.py", "tests/test_data_parallel_async.py"]),
     ("03 model parallel", ["tests/test_model_parallel.py"]),
     ("04 pipeline", ["tests/test_pipeline_equivalence.py", "tests/test_adaptive.py",
-                     "tests/test_pipeline_tags.py"]),
+                     "tests/test_pipeline_tags.py", "tests/test_stepping.py"]),
     ("05 tensor parallel", ["tests/test_tensor_parallel.py", "tests/test_reference.py"]),
     ("06 zero", ["tests/test_zero.py", "tests/test_zero_per_parameter.py", "tests/test_zero_persist.py",
                  "tests/test_zero_options.py", "tests/test_zero_spans.py", "tests/test_zero_prefetch.py"]),
@@ -40,7 +40,7 @@ GPU_TESTS = [
                                "tests/test_faults.py"]),
     ("devices", ["tests/test_devices.py", "tests/test_launch.py", "tests/test_gpu_paths.py",
                  "tests/test_gpu_run.py", "tests/test_staged_labels.py", "tests/test_staged_mode.py",
-                 "tests/test_placement_sites.py"]),
+                 "tests/test_placement_sites.py", "tests/test_ranks_magic.py"]),
 ]
 # jobs whose tests launch ranks that need not compute (launch, placement, fakes): no peak check
 UNCHECKED = {"devices": "its launches test starting ranks, not computing on them"}

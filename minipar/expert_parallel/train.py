@@ -47,7 +47,6 @@ def reduce_gradients(model, groups, dp: int) -> None:
                     p.grad = None
 
 
-@strategy.trains
 def train(model, batches, optimizer=None, ep: int = 1, tp: int = 1, dtype=None, recompute=None) -> dict:
     """On every rank of the world: DP × EP training (ep groups carved from the dp ranks); with
     ``tp > 1`` the dense part is tensor-parallel over a dp × tp mesh (:mod:`.tensor`).
@@ -55,6 +54,7 @@ def train(model, batches, optimizer=None, ep: int = 1, tp: int = 1, dtype=None, 
     ``bytes_sent``, ``bytes_by_dim`` and ``seconds`` (:func:`minipar.strategy.loop`), the tokens
     each expert received in every step, the last step's kept matrix, this rank's experts and
     parameter count."""
+    dtype = strategy.prepare(model, dtype, recompute)   # the options every strategy takes, decided once
     import torch.distributed as dist
     if tp > 1:
         from .tensor import build_mesh, tensor_parallel_moe_gpt

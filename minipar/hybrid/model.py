@@ -23,9 +23,6 @@ single-process step (up to the order of floating-point sums).
   accumulating the same micro-batches), :mod:`.experts` states why and how."""
 from __future__ import annotations
 
-
-from dataclasses import replace
-
 import torch
 import torch.distributed as dist
 
@@ -42,6 +39,7 @@ from ..tensor_parallel import gather_shards, shard_state_dict, unshard_state_dic
 from ..zero import held_state_bytes, state_tensors, storage_bytes
 from . import experts
 from .hsdp import hsdp_groups, reduce_replicas
+from .config import check
 from .parallelize import Parallelism, parallelize
 from .sharding import scale_expert_shards
 
@@ -61,11 +59,12 @@ class HybridModel:
 
     def __init__(self, model: GPT, mesh: ProcessMesh, *, optimizer=None, plan: Parallelism | None = None,
                  **options):
-        options["zero"] = options.get("zero") or 0
-        plan = plan or Parallelism(**{k: tuple(v) if k == "bounds" and v is not None else v
-                                      for k, v in options.items()})
         config = model.config
-        plan.check(config, mesh, dist.get_world_size())
+        if plan is None:   # the options decided here, once (a plan from check is already decided)
+            plan = check(config, None, dist.get_world_size(), dp=mesh.dp, pp=mesh.pp, tp=mesh.tp, cp=mesh.cp,
+                         ep=mesh.ep, **options)
+        elif options:
+            raise TypeError(f"HybridModel: a plan and options {sorted(options)}: the plan holds every option")
         if not mesh.groups:
             mesh.build()
         self.moe = bool(config.moe_every)
@@ -76,8 +75,7 @@ class HybridModel:
                     mesh.groups["ep"] = g
         self.config, self.mesh = config, mesh
         self.coords = mesh.coordinates(dist.get_rank())
-        self.zero = plan.zero if mesh.dp * mesh.cp > 1 else 0     # nothing to shard over: plain training
-        self.plan = plan = replace(plan, zero=self.zero)
+        self.plan, self.zero = plan, plan.zero
         self.zero1, self.m = self.zero == 1, plan.microbatches
         self.sequence_parallel, self.layout = plan.sequence_parallel, plan.layout
         dims = (("dp", "pp", "tp", "dp_cp", "expert_dp") + (("cp",) if mesh.cp > 1 else ())

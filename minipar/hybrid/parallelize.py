@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import torch
+
 from ..context_parallel import apply_cp
 from ..models.recompute import apply_recompute
 from ..pipeline import apply_pp
@@ -33,7 +35,11 @@ class Parallelism:
     ``sharding`` (``"flat"`` or ``"per-parameter"``), stage 3's ``reshard_after_forward`` policy and
     HSDP's ``dp_shard``; the pipeline's ``schedule``, ``microbatches``, ``virtual_stages`` and
     ``bounds``; ``sequence_parallel``; the data-parallel ``bucket_cap_mb``; ``dtype`` (autocast);
-    ``recompute`` (``None``: the model's own); context parallelism's ``layout`` and ``variant``."""
+    ``recompute`` (``None``: the model's own); context parallelism's ``layout`` and ``variant``.
+
+    A plan is decided once, by :func:`minipar.hybrid.check` (which validates every option against the
+    model and the mesh and returns it normalised: ``dtype`` resolved, ``zero`` the stage in effect);
+    the ranks receive it and nothing below re-resolves or changes it."""
     zero: int = 0
     sharding: str = "flat"
     reshard_after_forward: str = "auto"
@@ -49,13 +55,10 @@ class Parallelism:
     layout: str = "zigzag"
     variant: str = "ring"
 
-    def check(self, config, mesh, world_size: int | None) -> None:
-        """The plain errors of :func:`minipar.hybrid.check` for this plan on ``mesh``."""
-        from .config import check
-        check(config, None, world_size, mesh.dp, mesh.pp, mesh.tp, self.microbatches, self.schedule,
-              self.virtual_stages, self.sequence_parallel, dtype=self.dtype, cp=mesh.cp, layout=self.layout,
-              variant=self.variant, recompute=self.recompute, ep=mesh.ep, zero=self.zero, sharding=self.sharding,
-              reshard_after_forward=self.reshard_after_forward, dp_shard=self.dp_shard)
+    def __post_init__(self):
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"Parallelism(dtype={self.dtype!r}): a plan holds a resolved dtype; "
+                            "make plans with minipar.hybrid.check, which decides every option once")
 
     @classmethod
     def options(cls) -> list[str]:

@@ -122,3 +122,77 @@ def test_the_plan_is_decided_at_check():
         hybrid.check(cfg, None, 2, dp=2, recompute="sometimes")
     src = inspect.getsource(hybrid.HybridModel.__init__)
     assert "replace(" not in src and "or 0" not in src and "precision" not in src
+
+
+def _zero_reads(path: Path) -> list[str]:
+    """Lines of ``path`` (code, not docstrings or comments) that read a ZeRO stage or test for stage
+    3's state: ``.zero``, ``zero ==``/``in``/``>=``, ``zero1``, ``sharded is``, ``hsdp``."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) or isinstance(node, ast.Attribute) or isinstance(node, ast.Name):
+            if id(node) in docs:
+                continue
+            text = ast.unparse(node)
+            if re.search(r"\bzero1?\b|\bsharded is\b|\bhsdp\b", text) and not isinstance(node, ast.Name):
+                out.append(f"{path.name}:{node.lineno}: {text}")
+    return out
+
+
+def test_the_zero_stage_is_dispatched_in_one_place():
+    """``hybrid/model.py`` and ``hybrid/train.py`` read no ZeRO stage (nor stage 3's state, nor HSDP);
+    in ``hybrid/`` the one function that branches on ``plan.zero`` is ``sharding.build_optimizer``;
+    it takes the pieces it builds from, not a model posing as a HybridModel, and nothing reaches into
+    an optimizer's parts for the experts' gradient shards."""
+    for name in ("model.py", "train.py"):
+        assert _zero_reads(ROOT / "hybrid" / name) == [], _zero_reads(ROOT / "hybrid" / name)
+    readers = set()
+    for path in (ROOT / "hybrid").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(
+                    isinstance(n, ast.Compare) and re.search(r"\bzero\b", ast.unparse(n.left)) for n in ast.walk(node)):
+                readers.add(f"{path.name}:{node.name}")
+    # the checks validate the stage asked for, build_optimizer builds it
+    assert readers == {"sharding.py:build_optimizer", "config.py:check_zero", "hsdp.py:check_hsdp"}, readers
+    from minipar.hybrid import sharding
+    assert "hm" not in inspect.signature(sharding.build_optimizer).parameters
+    assert "optimizer.parts" not in (ROOT / "hybrid" / "sharding.py").read_text()
+
+
+def _registered():
+    """Rank function: the step work ``parallelize`` registered on this rank, by function name, for a
+    MoE GPT on dp2·ep2 under each ZeRO stage, and for a dense GPT under HSDP (dp4, dp_shard=2)."""
+    import torch.distributed as dist
+    from minipar.mesh import ProcessMesh
+    from minipar.models import GPT, GPTConfig
+    moe = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, moe_every=1, n_experts=4,
+                    top_k=2, tie_weights=False)
+    dense = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, tie_weights=False)
+    out = {}
+    name = lambda fns: [f"{getattr(f, '__self__', None).__class__.__name__}.{f.__name__}"   # noqa: E731
+                        if hasattr(f, "__self__") else f.__name__ for f in fns]
+    cases = [(f"moe zero={z}", moe, dict(dp=4, ep=2), dict(zero=z)) for z in range(4)]
+    cases.append(("hsdp", dense, dict(dp=4), dict(zero=3, dp_shard=2)))
+    for case, cfg, degrees, options in cases:
+        hm = hybrid.build(GPT(cfg, seed=0), ProcessMesh(**degrees).build(), **options)
+        out[case] = (name(hm.parts.starts), name(hm.parts.finishes), name(hm.parts.losses),
+                     getattr(hm.parts.dp, "replicas", None) is not None)
+    return out if dist.get_rank() == 0 else None
+
+
+def test_each_step_registers_its_work_after_backward():
+    """``apply_ep`` registers the routing reset and the auxiliary loss, ``apply_dp`` the gradient work
+    of its ZeRO stage (one object per stage: ``Replicated``, ``ShardedOptimizer``,
+    ``FullyShardedState``, HSDP's replica all-reduce inside stage 3's); the step runs what was
+    registered, in build order."""
+    got = minipar.launch(_registered, 4, timeout=120)[0]
+    lam = "<lambda>"
+    assert got["moe zero=0"] == ([lam], ["Replicated.finish"], [lam], False)
+    assert got["moe zero=1"] == ([lam], ["ShardedOptimizer.finish"], [lam], False)
+    assert got["moe zero=2"] == ([lam], ["ShardedOptimizer.finish"], [lam], False)
+    assert got["moe zero=3"] == ([lam], ["FullyShardedState.finish"], [lam], False)
+    assert got["hsdp"] == ([], ["FullyShardedState.finish"], [], True)
+    step = inspect.getsource(hybrid.HybridModel.step).split('"""')[2]   # the code, not the docstring
+    assert "finish(" in step and "experts" not in step and "reducer" not in step

@@ -94,11 +94,17 @@ def shard_experts(model, groups: dict, mesh, microbatches: int):
     return model
 
 
-def apply_ep(model, groups: dict, mesh, plan):
+def apply_ep(model, groups: dict, mesh, plan, register=None):
     """The composition's third step: a mixture-of-experts GPT's experts over ``groups["ep"]``
-    (:func:`shard_experts`, the auxiliary loss per micro-batch); a dense GPT is left as it is."""
+    (:func:`shard_experts`, the auxiliary loss per micro-batch); a dense GPT is left as it is. With
+    experts it registers its part of the step (``register``, :meth:`~minipar.hybrid.parallelize.
+    Parallelized.register`): the routing counts reset before the micro-batches (:func:`begin_step`),
+    this rank's auxiliary losses added to its loss (:func:`aux_value`). Their gradients are data
+    parallelism's to reduce (:mod:`.sharding`: over expert-dp, under every ZeRO stage)."""
     if any(type(m) is MoE for m in model.modules()):   # (a tensor-parallel GPT's config says moe_every=0)
         shard_experts(model, groups, mesh, plan.microbatches)
+        if register is not None:
+            register(start=lambda: begin_step(model), loss=lambda: aux_value(model))
     return model
 
 

@@ -57,14 +57,7 @@ def train_plan(model, batches, optimizer, degrees: dict, plan: Parallelism) -> d
         measured.bytes_by_dim = hybrid.last_step["bytes"]
     full = hybrid.full_state_dict()                      # a collective: every rank takes part
     measured.update(coords=hybrid.coords, memory=hybrid.memory())
-    if hybrid.sharded is not None:      # ZeRO-3: the most bytes of gathered units alive at once
-        measured["peak_gathered_bytes"] = hybrid.sharded.peak_gathered_bytes
-        measured["peak_held_grad_bytes"] = hybrid.sharded.peak_held_grad_bytes
-        # the most model-state bytes held at once: parameters and gradients at their peak, the optimizer's
-        measured["peak_state_bytes"] = hybrid.sharded.peak_state_bytes + measured["memory"]["optimizer"]
-        measured["unit_sizes"] = hybrid.sharded.unit_sizes()
-    if hybrid.zero in (1, 2):
-        measured["unit_sizes"] = hybrid.optimizer.unit_sizes()
+    measured.update(hybrid.parts.dp.measured(measured["memory"]))   # ZeRO's units and peaks
     return {"losses": losses, "measured": measured,
             "params": strategy.full_params((k, full[k]) for k in names) if dist.get_rank() == 0 else None}
 

@@ -252,6 +252,34 @@ def private_reads() -> list[tuple[str, str, str, int]]:
     return out
 
 
+def folder_pairs(imports) -> list[str]:
+    """Pairs of folders (or top-level modules) of ``minipar/`` that import each other, each import
+    counted (also inside a function): two siblings of one layer may not lean on each other, the
+    shared piece belongs below both."""
+    edges: dict = {}
+    for i in imports:
+        a, b = layers.top(i.module), layers.top(i.target)
+        if a != b:
+            edges.setdefault((a, b), []).append(i.where())
+    return [f"{a} <-> {b}: {', '.join(edges[(a, b)])} / {', '.join(edges[(b, a)])}"
+            for a, b in sorted(edges) if a < b and (b, a) in edges]
+
+
+def test_no_two_folders_import_each_other():
+    """No pair of folders imports each other (``plan`` and ``bench`` share the all-reduce timing
+    through ``plan.calibrate``; ``adapt`` and ``production`` what a rank holds through ``minipar.pieces``)."""
+    bad = folder_pairs(IMPORTS)
+    assert not bad, _report("folders importing each other", bad)
+
+
+def test_the_folder_rule_sees_what_it_checks():
+    """On planted imports: bench -> plan and plan -> bench (inside a function) is a pair; one way is not."""
+    planted = [Import("minipar.plan.calibrate", "minipar.bench.collectives", (), 1, False),
+               Import("minipar.bench.planner", "minipar.plan", (), 2, True)]
+    assert len(folder_pairs(planted)) == 1 and "bench <-> plan" in folder_pairs(planted)[0]
+    assert folder_pairs(planted[1:]) == []
+
+
 def test_no_module_reads_another_modules_private_names():
     """Underscore names stay inside their module: no ``from x import _y``, no ``x._y``."""
     bad = [f"{module_path(m)}:{line}: {m} reads {other}.{attr}"

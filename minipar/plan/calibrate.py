@@ -6,8 +6,8 @@
 * :func:`fit_roofline` — the roofline's two numbers (:class:`~minipar.plan.roofline.Efficiency`:
   ``f_max`` and ``x_half``) minimising Σ log²(predicted/observed) over a few runs (a grid,
   then a finer one around its best point).
-* :func:`measure_machine` — α and β of this machine's all-reduce (the timing loop of
-  ``python -m minipar.bench collectives``, :func:`minipar.cost.fit_alpha_beta`), the roofline's
+* :func:`measure_machine` — α and β of this machine's all-reduce (:func:`time_all_reduces`, also
+  the timing loop of ``python -m minipar.bench collectives``; :func:`minipar.cost.fit_alpha_beta`), the roofline's
   two CPU rates (GEMM FLOP/s by shape, memory bandwidth) and a timed GPT block's dispatch
   overhead, as a :class:`~minipar.plan.Cluster`.
 """
@@ -17,6 +17,12 @@ import math
 import time
 from dataclasses import replace
 
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..runtime.backend import device
+from ..runtime.gpu import synchronize
 from .hardware import Accelerator, Cluster
 
 
@@ -133,9 +139,36 @@ def fit_gemm_curve(gemm: dict, bandwidth: float):
     return peak, roofline.Efficiency(1.0, min(grid, key=loss))
 
 
+def time_all_reduces(sizes: list[int], repeats: int) -> dict:
+    """Rank function: fastest seconds per size (of ``repeats``, after one warm-up round) of each
+    all-reduce, minipar's ring (and recursive halving-doubling for a power-of-two world) and the
+    backend's own, calls interleaved; ``"backend"``: the one that moves tensors on this rank's
+    device ("gloo" or "nccl"). The timing loop of ``python -m minipar.bench collectives`` too."""
+    n = dist.get_world_size()
+    backend = "nccl" if comm.p2p.moved_by_nccl(torch.empty(0, device=device()), None) else "gloo"
+    impls = {"ring": comm.ring_all_reduce, backend: dist.all_reduce}
+    if n & (n - 1) == 0:
+        impls["halving_doubling"] = comm.halving_doubling_all_reduce
+    out = {k: [] for k in impls}
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4, device=device())
+        times = {k: [] for k in impls}
+        for rep in range(repeats + 1):  # round 0 warms up
+            for k, f in impls.items():  # interleaved: ring, gloo, ring, gloo, ...
+                dist.barrier()
+                synchronize()           # the clock read after the device finished what was queued
+                t = time.perf_counter()
+                f(x)
+                synchronize()
+                if rep:
+                    times[k].append(time.perf_counter() - t)
+        for k in impls:  # the fastest repeat: the one least disturbed by other work
+            out[k].append(min(times[k]))
+    return {"backend": backend, "seconds": out}
+
+
 def measure_rank(sizes, repeats, config, micro_batch):
-    from ..bench.collectives import measure
-    out = measure(sizes, repeats)
+    out = time_all_reduces(sizes, repeats)
     out["rates"] = rates(config, micro_batch)   # every rank at once: the cores are shared as in training
     return out
 

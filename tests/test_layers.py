@@ -280,6 +280,44 @@ def test_the_folder_rule_sees_what_it_checks():
     assert folder_pairs(planted[1:]) == []
 
 
+# imports inside a function without a comment of their own, each with its reason (the list only shrinks)
+DEFERRED_ALLOWED = {
+    ("reference.py", "import copy"), ("reference.py", "from .runtime.pool import deterministic_cuda"),
+    ("hybrid/experts.py", "import copy"), ("hybrid/experts.py", "from ..runtime.pool import deterministic_cuda"),
+}   # the branch that copies the model to a GPU: needed only there
+
+
+def deferred_imports() -> list[tuple[str, int, str, bool]]:
+    """``(file, line, statement, commented)`` of every import inside a function, outside ``course/``:
+    ``commented`` when its line, or the line above it, carries a comment (the reason)."""
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("course/"):
+            continue
+        text = path.read_text()
+        lines, tree, seen = text.splitlines(), ast.parse(text), set()
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                for node in ast.walk(fn):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in seen:
+                        seen.add(id(node))
+                        near = lines[node.end_lineno - 1] + lines[node.lineno - 2].strip()[:1]
+                        out.append((rel, node.lineno, ast.unparse(node), "#" in near))
+    return out
+
+
+def test_imports_inside_functions_say_why():
+    """An import inside a function (outside ``course/``) breaks a real cycle or defers a heavy or
+    optional dependency, and says which in a comment; any other import sits at the module's top."""
+    bad = [f"minipar/{f}:{n}: {stmt}" for f, n, stmt, commented in deferred_imports()
+           if not commented and (f, stmt) not in DEFERRED_ALLOWED]
+    assert not bad, _report("imports inside functions without a reason", bad)
+    left = {(f, stmt) for f, _, stmt, commented in deferred_imports() if not commented}
+    assert DEFERRED_ALLOWED <= left, DEFERRED_ALLOWED - left
+    assert len(deferred_imports()) <= 20, len(deferred_imports())
+
+
 def test_no_module_reads_another_modules_private_names():
     """Underscore names stay inside their module: no ``from x import _y``, no ``x._y``."""
     bad = [f"{module_path(m)}:{line}: {m} reads {other}.{attr}"

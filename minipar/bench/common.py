@@ -16,6 +16,7 @@ from statistics import median  # noqa: F401 - the benchmarks import it from here
 import torch
 import torch.distributed as dist
 
+from ..runtime import backend   # backend.gpu_count: looked up when called (tests replace it)
 from ..runtime.backend import device as here  # this rank's device (minipar.device())
 from ..runtime.gpu import synchronize
 from ..strategy import to_device
@@ -51,8 +52,7 @@ def one_gpu_per_rank(ap: argparse.ArgumentParser, device: str, ranks: int) -> No
     """``--device cuda`` means NCCL with one GPU per rank: PyTorch's baselines have no path for
     CUDA tensors over Gloo (ranks sharing a GPU), so fewer GPUs than ``ranks`` is a plain
     error (exit code 2) before any process starts."""
-    from ..runtime.backend import gpu_count
-    if device == "cuda" and (g := gpu_count()) < ranks:
+    if device == "cuda" and (g := backend.gpu_count()) < ranks:
         ap.error(f"--device cuda runs one GPU per rank over NCCL: {ranks} ranks need {ranks} GPUs, "
                  f"this machine has {g}. Use fewer ranks (--ranks), or --device cpu.")
 

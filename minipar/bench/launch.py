@@ -11,6 +11,9 @@ import json
 import subprocess
 import sys
 
+import torch.distributed as dist
+
+from ..runtime.rendezvous import free_port as _free_port
 from .common import interleaved, median, one_gpu_per_rank, parser, report, row, size
 
 _MINIPAR = """
@@ -35,7 +38,6 @@ if __name__ == "__main__":
 
 
 def _spawn_rank(rank: int, n: int) -> None:
-    import torch.distributed as dist
     dist.init_process_group("gloo", rank=rank, world_size=n)
     dist.barrier()
     dist.destroy_process_group()
@@ -56,7 +58,6 @@ def main(argv=None) -> dict:
     n, reps = a.ranks or size(a, 4, 4, 2), size(a, a.repeats, 1, 1)
     one_gpu_per_rank(p, a.device, n)
     got: dict[str, list] = {"minipar": [], "spawn": []}
-    from ..runtime.rendezvous import free_port as _free_port  # noqa: PLC0415
     interleaved({"minipar": lambda: got["minipar"].append(_run(_MINIPAR.format(n=n))),
                  "spawn": lambda: got["spawn"].append(
                      _run(_SPAWN.format(n=n, port=_free_port())))}, repeats=reps, warmup=0)

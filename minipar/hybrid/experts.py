@@ -35,6 +35,7 @@ import torch
 from .. import comm, precision, strategy
 from ..runtime.backend import device as rank_device
 from ..data import shard
+from ..expert_parallel import shard_experts as shard_experts_over
 from ..models.moe import MoE, moe_layers
 from ..reference import sgd
 
@@ -84,13 +85,12 @@ def is_expert(name: str) -> bool:
 def shard_experts(model, groups: dict, mesh, microbatches: int):
     """Every MoE layer of ``model`` (in place) over this rank's ep group, f summed over dp·cp,
     its auxiliary loss carried by its output with weight 1/m."""
-    from ..expert_parallel import shard_experts as shard
     token_group = groups["dp_cp"] if mesh.dp * mesh.cp > mesh.ep else None
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is MoE:
                 child.aux_scale = 1.0 / microbatches
-    shard(model, groups["ep"], token_group)
+    shard_experts_over(model, groups["ep"], token_group)
     return model
 
 

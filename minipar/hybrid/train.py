@@ -66,10 +66,12 @@ def run(model, batches, world_size: int, optimizer=None, **options) -> strategy.
     """Driver: :func:`~minipar.hybrid.check` (a plain error before any process starts: the
     product of the mesh's dimensions must be ``world_size``) decides the plan once, then
     :func:`train_plan` builds and trains it on ``world_size`` ranks."""
+    launching = {k: options.pop(k) for k in ("timeout", "launch_options") if k in options}   # strategy.run's own
     degrees = {k: options.pop(k) for k in ("dp", "pp", "tp", "cp", "ep") if k in options}
     plan = check(model, batches, world_size, **degrees, **options)
     only_checked = sorted(set(options) - set(inspect.signature(train).parameters))
     if only_checked:   # e.g. seq_len: nothing the ranks could use
         raise ValueError(f"hybrid.train takes no option {', '.join(map(repr, only_checked))}")
     degrees = {k: degrees.get(k, 1) for k in ("dp", "pp", "tp", "cp", "ep")}
-    return strategy.run(train_plan, model, batches, world_size, optimizer=optimizer, degrees=degrees, plan=plan)
+    return strategy.run(train_plan, model, batches, world_size, optimizer=optimizer, degrees=degrees, plan=plan,
+                        **launching)

@@ -196,3 +196,22 @@ def test_each_step_registers_its_work_after_backward():
     assert got["hsdp"] == ([], ["FullyShardedState.finish"], [], True)
     step = inspect.getsource(hybrid.HybridModel.step).split('"""')[2]   # the code, not the docstring
     assert "finish(" in step and "experts" not in step and "reducer" not in step
+
+
+def test_run_decides_in_the_driver_and_the_ranks_receive_the_plan(monkeypatch):
+    """``hybrid.run`` resolves the dtype once, in the driver (``hybrid.check``), and launches the ranks
+    with the decided plan (no launch here: the launch is intercepted)."""
+    import torch
+    from minipar import data, precision, strategy
+    from minipar.models import GPT, GPTConfig
+    calls, launched = [], []
+    real = precision.resolve
+    monkeypatch.setattr(precision, "resolve", lambda d: calls.append(d) or real(d))
+    monkeypatch.setattr(strategy, "launch", lambda fn, n, args, kwargs, **k: launched.append(kwargs) or [])
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, tie_weights=False)
+    batches = data.batches(data.synthetic_tokens(2000, 32), 2, 4, 16)
+    hybrid.run(GPT(cfg, seed=0), batches, 4, dp=2, pp=2, microbatches=2, dtype="bf16", zero=None, timeout=30)
+    assert calls == ["bf16"]
+    (kwargs,) = launched
+    assert kwargs["plan"].dtype is torch.bfloat16 and kwargs["plan"].zero == 0
+    assert kwargs["degrees"] == {"dp": 2, "pp": 2, "tp": 1, "cp": 1, "ep": 1}

@@ -17,7 +17,6 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from ..plan.course import predict_compare
 from .layout import Layout
 
 
@@ -43,6 +42,7 @@ def candidates(config, world_size: int, batch_size: int) -> list[Layout]:
 
 def propose(config, batch_size: int, world_size: int, cluster, k: int = 3) -> list[dict]:
     """The ``k`` layouts with the least predicted step time: ``[{"layout", "predicted_ms"}]``."""
+    from ..plan.course import predict_compare
     lays = candidates(config, world_size, batch_size)
     specs = {str(lay): {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "zero": lay.zero, "m": lay.microbatches}
              for lay in lays}

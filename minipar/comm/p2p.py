@@ -15,7 +15,9 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from ..runtime import flight, trace, checked, staging
+from ..runtime import flight
+from ..runtime import trace
+from ..runtime import checked, staging
 
 
 def group_rank(group=None) -> int:
@@ -98,6 +100,7 @@ class Handle:
     def _device_end(self) -> float:
         """The end of NCCL work from CUDA events: when recording, wait for it and return
         ``start + elapsed``; otherwise hand the flight recorder the event to ask later."""
+        import torch
         end_ev = torch.cuda.Event(enable_timing=True)
         end_ev.record()  # the current stream, which w.wait() made wait for NCCL's
         if not trace.recording_on():

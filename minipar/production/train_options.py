@@ -18,11 +18,8 @@ import math
 import re
 from pathlib import Path
 
-from ..adapt import parse_slow, check_layout, parse_switches
 from ..context_parallel.attention import VARIANTS
 from ..context_parallel.sharding import LAYOUTS
-from ..data import corpus_tokens
-from ..models.gpt import GPTConfig
 from ..pipeline.schedules import SCHEDULES
 
 VOCAB_MULTIPLE = 8  # the corpus's 63 characters padded to 64: any tp up to 8 divides it
@@ -164,6 +161,8 @@ def parse(argv=None) -> argparse.Namespace:
 
 def model_config(args):
     """The course GPT these options describe (a mixture of experts with ``--n-experts``)."""
+    from ..data import corpus_tokens
+    from ..models.gpt import GPTConfig
     vocab = -(-corpus_tokens()[1].vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # rounded up
     moe = dict(moe_every=args.moe_every, n_experts=args.n_experts, top_k=args.top_k,
                capacity_factor=args.capacity_factor) if args.n_experts else {}
@@ -213,6 +212,7 @@ def check_options(args) -> None:
         raise ValueError("--elastic chooses a dense GPT's dp × pp × tp layout for the ranks it finds: "
                          "it does not combine with --dp-shard, --n-experts or --layout auto")
     if args.slow_rank is not None:
+        from ..adapt import parse_slow
         try:
             rank, _ = parse_slow(args.slow_rank)
         except ValueError as e:
@@ -238,6 +238,7 @@ def check_auto(args) -> None:
 def check_switches(args) -> None:
     """``--switch-at``: every layout fits the world and the global batch, every step the run; the
     switch moves a dense GPT's fp32 state, any ZeRO stage (:mod:`minipar.adapt`)."""
+    from ..adapt import check_layout, parse_switches
     try:
         switches = parse_switches(args.switch_at, args.steps)
     except ValueError as e:

@@ -21,12 +21,9 @@ process starts. Inside a rank, :func:`device` says where to compute.
 from __future__ import annotations
 
 import os
-import platform
-import socket
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
@@ -141,6 +138,7 @@ def init_options(backend: str, here) -> dict:
 
 def gpu_identity(here) -> str:
     """``"host GPU-uuid"``: which physical GPU of which machine ``here`` is (a CPU: unique)."""
+    import socket
     here = torch.device(here)
     if here.type != "cuda":
         return f"{socket.gethostname()} cpu {os.getpid()}"
@@ -183,6 +181,7 @@ def device() -> torch.device:
         if d == "cuda":
             return torch.device("cuda", torch.cuda.current_device()) if gpu_count() else torch.device("cpu")
         return torch.device(d)
+    import torch.distributed as dist
     if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")
@@ -206,6 +205,9 @@ def ranks_device() -> torch.device:
 
 def describe_machine(world_sizes=(2, 4)) -> list[tuple[str, str]]:
     """Rows (what, value) describing this machine and the placement each world size gets."""
+    import platform
+
+    import torch.distributed as dist
     g = gpu_count()
     rows = [("python", platform.python_version()), ("torch", torch.__version__),
             ("CPU cores", str(os.cpu_count())), ("CUDA GPUs", str(g))]

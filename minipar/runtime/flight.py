@@ -22,8 +22,6 @@ import threading
 import time
 from collections import deque
 
-import torch.distributed as dist
-
 RING = 64          # entries kept per rank
 EXIT_HUNG = 124    # the exit code of a rank the watchdog stopped (as coreutils' timeout)
 
@@ -124,6 +122,7 @@ def _summary(rank: int, now: float) -> dict:
 def _share(summary: dict, grace: float) -> list[dict]:
     """Every rank's summary, exchanged through the rendezvous store (only this rank's if the
     store is unreachable or a rank does not answer within ``grace`` seconds)."""
+    import torch.distributed as dist
     try:
         store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
     except Exception:  # noqa: BLE001 - no process group: report this rank alone

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import backend   # backend.gpu_count: looked up when called (tests replace it)
 from .backend import device as _device
 
 
@@ -109,7 +108,8 @@ def model_size(device=None) -> str:
     """``"gpu"`` or ``"cpu"``: which of a chapter's model sizes to use
     (:data:`minipar.models.sizes.SIZES`)."""
     if device is None:
-        return "gpu" if backend.default_device() != "cpu" and backend.gpu_count() else "cpu"
+        from .backend import default_device, gpu_count
+        return "gpu" if default_device() != "cpu" and gpu_count() else "cpu"
     return "gpu" if torch.device(device).type == "cuda" else "cpu"
 
 

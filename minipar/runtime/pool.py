@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import io
-import json
 import linecache
 import multiprocessing as mp
 import os
@@ -26,7 +25,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import rank_setup, trace as _trace
+from . import rank_setup
+from . import trace as _trace
 from .backend import init_options, process_group_backend
 from .gpu import max_allocated, reset_max_allocated
 
@@ -94,6 +94,7 @@ def log_peak_memory(rank: int, where: str) -> None:
     JSON line per rank and launch, labelled with the launch and the test that made it;
     ``course.py test --gpu`` reports the peak per rank and fails a job whose ranks stayed at 0)."""
     if path := os.environ.get("MINIPAR_MEMORY_LOG"):
+        import json
         with open(path, "a") as f:
             f.write(json.dumps({"rank": rank, "device": where, "peak": max_allocated(where),
                                 "launch": os.environ.get("MINIPAR_LAUNCH_ID"),

@@ -20,9 +20,6 @@ import time
 from contextlib import contextmanager
 from itertools import islice
 
-import torch
-import torch.distributed as dist
-
 _events: list[dict] = []
 _t0: float = time.perf_counter()
 _rank: int = 0
@@ -44,6 +41,7 @@ def start(rank: int = 0, barrier: bool = True) -> None:
     """Clear the recorder and set time zero: the shared origin when there is one, else
     the moment a barrier releases the ranks (several machines under torchrun)."""
     global _t0, _rank, _recorded
+    import torch.distributed as dist
     _events.clear()
     _recorded, _rank = 0, rank
     if _origin is None and barrier and dist.is_initialized():
@@ -136,6 +134,7 @@ def synchronize_on(device) -> None:
     in ranks placed on a GPU; a CPU device turns it off). CUDA kernels run asynchronously:
     without this a region would end when its kernels were queued."""
     global _sync
+    import torch
     dev = torch.device(device)
     _sync = (lambda: torch.cuda.current_stream(dev).synchronize()) if dev.type == "cuda" else _no_sync
 
@@ -174,6 +173,7 @@ def backward(loss, **labels) -> None:
     autograd has computed the last gradient: before the callbacks queued later in the same
     pass (such as DDP's wait for its last all-reduces), which are not computation. With
     recording off: only ``loss.backward()`` (no wait for the GPU, no hook)."""
+    import torch
     if not _enabled:
         loss.backward()
         return

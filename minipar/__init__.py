@@ -1,4 +1,6 @@
 """minipar: data, pipeline, tensor and hybrid parallelism and ZeRO, from scratch."""
+import importlib
+
 from .runtime.backend import device
 from .runtime.launch import LaunchTimeout, RankError, launch, shutdown
 
@@ -11,17 +13,16 @@ def __getattr__(name):
     # imported on first use so that ``python -m minipar.grade`` (or ``-m minipar.course.exercise --write``) finds them not yet imported.
     # The commands a learner types stay short: ``python -m minipar.grade`` / ``minipar.hint`` / ``minipar.train``.
     if name in ("grade", "exercise", "hint"):
-        import importlib
         return importlib.import_module(f"minipar.course.{name}")
     raise AttributeError(f"module 'minipar' has no attribute {name!r}")
 
 
 def load_ipython_extension(ipython):
     """``%load_ext minipar``: the ``%%ranks`` cell magic (:mod:`minipar.course.magic`)."""
-    from .course.magic import load_ipython_extension as load
+    from .course.magic import load_ipython_extension as load   # deferred: the course layer and IPython load only in a notebook that asks
     load(ipython)
 
 
 def unload_ipython_extension(ipython):
-    from .course.magic import unload_ipython_extension as unload
+    from .course.magic import unload_ipython_extension as unload   # deferred: as above
     unload(ipython)

@@ -26,6 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+
+from .comm import name_group
+
 DIMS = ("pp", "dp", "tp")  # slowest to fastest
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # with context parallelism, slowest to fastest
 GROUP_DIMS = MESH_DIMS + ("dp_cp", "ep", "expert_dp")  # every group a rank can ask for
@@ -145,9 +149,6 @@ class ProcessMesh:
     def build(self) -> "ProcessMesh":
         """Inside a rank: create this rank's dp, pp and tp process groups (and cp, dp_cp when
         cp > 1; ep and expert_dp when ep > 1)."""
-        import torch.distributed as dist
-
-        from .comm import name_group
         if dist.get_world_size() != self.size:
             raise ValueError(f"the mesh has {self.size} ranks but the job has {dist.get_world_size()}")
         # >>> ex07 E
@@ -168,7 +169,6 @@ class ProcessMesh:
 
     def rank(self, dim: str) -> int:
         """This rank's coordinate along ``dim`` (after :meth:`build`)."""
-        import torch.distributed as dist
         return self.coordinates(dist.get_rank())[dim]
 
     def group(self, dim: str):

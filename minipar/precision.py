@@ -32,6 +32,11 @@ def resolve(dtype) -> torch.dtype | None:
 
 
 def autocast(dtype, device: torch.device | str = "cpu"):
-    """The context a forward runs in: ``torch.autocast(device.type, dtype)``, or nothing for fp32."""
-    dtype = resolve(dtype)
-    return nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
+    """The context a forward runs in: ``torch.autocast(device.type, dtype)``, or nothing for fp32.
+    A ``torch.dtype`` (what :func:`resolve` returns, and what a decided plan holds) is used as it is,
+    so a forward per micro-batch resolves nothing; a name is resolved here."""
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        dtype = resolve(dtype)
+    if dtype is None or dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)

@@ -15,6 +15,7 @@ import torch
 from . import precision, strategy
 from .runtime.backend import device as _driver_device
 from .runtime.backend import ranks_device, ranks_device_type
+from .runtime.pool import deterministic_cuda
 
 
 def sgd(lr: float = 0.1):
@@ -48,7 +49,6 @@ def place(model: torch.nn.Module, device=None) -> torch.device:
     if here.type == "cuda" and here.index is None:
         here = torch.device("cuda", torch.cuda.current_device())
     model.to(here)
-    from .runtime.pool import deterministic_cuda
     deterministic_cuda()   # flags only: nothing changes on the CPU
     return here
 

@@ -36,8 +36,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import comm
 from .measured import EXTRAS, Measured   # strategy.EXTRAS and strategy.Measured too
+from .memory import held_state_bytes
+from .models.recompute import apply_recompute, check_mode
+from .precision import autocast, resolve
 from .runtime import trace
+from .runtime.backend import device
+from .runtime.gpu import peak_memory
 from .runtime.launch import launch
 from .runtime.trace import Trace
 
@@ -104,8 +110,6 @@ def record_loss(loss, mean_over, parts_over=WHOLE, dim: str | None = None):
     recorded all-reduces named ``"loss"``."""
     if mean_over is WHOLE and parts_over is WHOLE:
         return loss
-    from . import comm
-    from .runtime.backend import device
     t = (loss.detach().float().reshape(1).clone() if isinstance(loss, torch.Tensor)
          else torch.tensor([loss or 0.0], device=device()))
     labels = {} if dim is None else {"dim": dim}
@@ -184,8 +188,6 @@ def check_options(model, dtype=None, recompute=None) -> None:
     """The checks of the options every strategy takes: a known ``dtype``
     (:func:`minipar.precision.resolve`) and, unless ``None`` (the model's own), a known
     ``recompute`` mode on a model that has one (the GPT)."""
-    from .models.recompute import check_mode
-    from .precision import resolve
     resolve(dtype)
     if recompute is not None:
         if not hasattr(model, "set_recompute"):
@@ -210,23 +212,18 @@ def checks(fn):
     return check
 
 
-def trains(fn):
-    """Decorator of a strategy's ``train``: the options every strategy takes are applied here,
-    once, for all of them: ``recompute`` (unless ``None``, the model's own) is set on the model's
-    blocks before the strategy builds anything from it (tensor-parallel shards, pipeline stages and
-    sharded experts are built from the model's config, so they inherit it). The composition of
-    several dimensions applies it in its own place (:func:`minipar.hybrid.parallelize`)."""
-    sig = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def train(*args, **options):
-        bound = sig.bind(*args, **options)
-        mode = bound.arguments.get("recompute")
-        if mode is not None:
-            from .models.recompute import apply_recompute
-            apply_recompute(bound.arguments["model"], _Plan(mode))
-        return fn(*args, **options)
-    return train
+def prepare(model, dtype=None, recompute=None) -> torch.dtype | None:
+    """The options every strategy's ``train`` takes, decided once, in its first line
+    (``dtype = strategy.prepare(model, dtype, recompute)``): ``recompute`` (unless ``None``, the
+    model's own) is set on the model's blocks before the strategy builds anything from it
+    (tensor-parallel shards, pipeline stages and sharded experts are built from the model's config,
+    so they inherit it); the compute ``dtype`` is resolved (:func:`minipar.precision.resolve`) and
+    returned, what every forward then enters autocast with, resolving nothing again. The
+    composition of several dimensions decides both in its plan (:func:`minipar.hybrid.check`) and
+    applies ``recompute`` in its own place (:func:`minipar.hybrid.parallelize`)."""
+    if recompute is not None:
+        apply_recompute(model, _Plan(recompute))
+    return resolve(dtype)
 
 
 @dataclass(frozen=True)
@@ -243,7 +240,6 @@ def forward(dtype=None, on="cpu", region: str | None = None, **labels):
     device of ``on`` (a device or its name, or a tensor or module computing there). Only the
     forward and its loss go inside; the backward runs outside, so no autograd Function's backward
     computes under autocast (its gradients come in the dtypes the forward saved)."""
-    from .precision import autocast
     if isinstance(on, torch.nn.Module):
         on = next(on.parameters()).device
     elif isinstance(on, torch.Tensor):
@@ -257,7 +253,6 @@ def state_memory(module, optimizer=None, **counted) -> dict[str, int]:
     ``{"params", "grads", "optimizer", "total"}`` bytes of ``module``'s parameters, their gradients
     and ``optimizer``'s state on this rank (:func:`minipar.memory.held_state_bytes`, distinct
     storages), then ``counted`` (e.g. ``activations=``), outside the total."""
-    from .memory import held_state_bytes
     return held_state_bytes(module, optimizer=optimizer) | counted
 
 
@@ -300,8 +295,6 @@ def on_device(train, model, batches, **options):
     gets ``"gpu_peak_bytes"``: the caching allocator's peak over the run on this rank
     (:func:`minipar.runtime.gpu.peak_memory`), to show beside the formula and minipar's own count;
     a dict result gets ``"device"``, where it trained."""
-    from .runtime.backend import device
-    from .runtime.gpu import peak_memory
     here = device()
     with peak_memory(here) as peak:   # one path: moving to the CPU is a no-op, the peak None there
         out = train(to_device(model, here), to_device(batches, here), **options)

@@ -115,6 +115,8 @@ def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatc
 # ------------------------------------------------------------------------------------------------
 # from minipar/mesh.py: these run as module minipar.mesh's own
 # ------------------------------------------------------------------------------------------------
+import torch.distributed as dist
+from minipar.comm import name_group
 from minipar.mesh import DIMS, GROUP_DIMS
 
 
@@ -159,9 +161,6 @@ class ProcessMesh:
     def build(self) -> "ProcessMesh":
         """Inside a rank: create this rank's dp, pp and tp process groups (and cp, dp_cp when
         cp > 1; ep and expert_dp when ep > 1)."""
-        import torch.distributed as dist
-
-        from minipar.comm import name_group
         if dist.get_world_size() != self.size:
             raise ValueError(f"the mesh has {self.size} ranks but the job has {dist.get_world_size()}")
         dims = DIMS + (("cp", "dp_cp") if self.cp > 1 else ()) + (("ep", "expert_dp") if self.ep > 1 else ())

@@ -12,7 +12,7 @@ import minipar
 from minipar.production import checkpoint
 from minipar import hybrid
 from minipar.production.checkpoint import atomic
-from minipar.production.checkpoint.placement import assemble, pieces_of, tensor_parallel_boxes
+from minipar.pieces import assemble, pieces_of, tensor_parallel_boxes
 from minipar.data import batches, corpus_tokens
 from minipar.mesh import ProcessMesh
 from minipar.models.gpt import GPT, GPTConfig

@@ -190,9 +190,10 @@ def test_loop_measures_the_last_step_and_records_the_losses():
 
 
 def test_recompute_is_entered_at_one_site():
-    """Recomputation is set in one place: ``models.recompute.apply_recompute``, called by the
-    ``strategy.trains`` decorator of every strategy's ``train`` and by the composition's
-    ``parallelize`` (hybrid and adapt build through it); no strategy sets it itself."""
+    """Recomputation is set in one place: ``models.recompute.apply_recompute``, called by
+    ``strategy.prepare`` (the first line of every one-dimension strategy's ``train``, which reads its
+    own ``dtype`` and ``recompute`` there: no decorator reads them from the signature) and by the
+    composition's ``parallelize`` (hybrid and adapt build through it); no strategy sets it itself."""
     import re
     from pathlib import Path
     root = Path(minipar.__file__).parent
@@ -204,7 +205,9 @@ def test_recompute_is_entered_at_one_site():
                and not re.search(r"^def apply_recompute", p.read_text(), re.M)]
     assert sorted(applied) == ["hybrid/parallelize.py", "strategy.py"], applied
     for name in set(strategy.STRATEGIES) - {"hybrid", "adapt"}:
-        assert getattr(MODULES[name].train, "__wrapped__", None) is not None, f"{name}.train is not @strategy.trains"
+        body = inspect.getsource(MODULES[name].train).split('"""')[2].strip().splitlines()
+        assert body[0].startswith("dtype = strategy.prepare(model, dtype, recompute)"), (name, body[0])
+        assert not hasattr(MODULES[name].train, "__wrapped__"), f"{name}.train is wrapped"
 
 
 def _autocast_sites() -> set:

@@ -1,6 +1,6 @@
 """What one rank holds of the job's state under its layout, as global flat indices.
 
-A rank's state is the checkpoint's pieces (:func:`minipar.production.checkpoint.state.local_pieces`):
+A rank's state is the checkpoint's pieces (:func:`minipar.pieces.local_pieces`):
 every parameter and optimizer slot it holds, as boxes of the single-device tensor (a
 tensor-parallel shard is a block of rows or columns, the fused ``[q; k; v]`` three) and flat
 ranges inside them (ZeRO shards the flattened parameters: stage 1 the optimizer state, stage 3
@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ..production.checkpoint.state import local_pieces
+from ..pieces import local_pieces
 
 
 def _indices(piece) -> torch.Tensor:

@@ -24,7 +24,9 @@ import statistics
 import torch
 
 from .. import adapt, data
+from ..adapt.switch import exchange_seconds
 from ..models.gpt import GPT, GPTConfig
+from ..plan import measure_machine
 from .common import placement, parser, report, row, size
 
 # with fewer GPUs than ranks the ranks share them (Gloo through host memory), and then:
@@ -80,8 +82,6 @@ def main(argv=None) -> dict:
 
 
 def _switches(config, batches, a) -> list[dict]:
-    from ..adapt.switch import exchange_seconds
-    from ..plan import measure_machine
     machine = measure_machine(config, 4)
     res = adapt.run(GPT(config, seed=0), batches, 4, momentum, launch_options={"device": a.device}, layout="dp=4,zero=1",
                     switches=["2=dp=2,tp=2,zero=1", "4=pp=2,tp=2,zero=1"])

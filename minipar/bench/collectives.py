@@ -9,41 +9,14 @@ backend's at the largest size.
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
-from .. import comm
 from .. import cost
+from ..plan.calibrate import time_all_reduces as measure   # the planner's calibration times the same loop
 from ..runtime.launch import launch
-from .common import clock, here, placement, parser, report, row, size
+from .common import placement, parser, report, row, size
 
 # with fewer GPUs than ranks the ranks share them (Gloo through host memory), and then:
 SHARED_GPU = ("the ring stages every message through host memory, Gloo's all_reduce copies the whole tensor to "
               "host once; the ratio weighs minipar's per-message staging, not NCCL's speed")
-
-
-def measure(sizes: list[int], repeats: int) -> dict:
-    """Run inside each rank: fastest seconds per size (of `repeats`) for each implementation,
-    and ``"backend"``: the one that moves tensors on this rank's device ("gloo" or "nccl")."""
-    n = dist.get_world_size()
-    backend = "nccl" if comm.p2p.moved_by_nccl(torch.empty(0, device=here()), None) else "gloo"
-    impls = {"ring": comm.ring_all_reduce, backend: dist.all_reduce}
-    if n & (n - 1) == 0:
-        impls["halving_doubling"] = comm.halving_doubling_all_reduce
-    out = {k: [] for k in impls}
-    for nbytes in sizes:
-        x = torch.ones(nbytes // 4, device=here())
-        times = {k: [] for k in impls}
-        for rep in range(repeats + 1):  # round 0 warms up
-            for k, f in impls.items():  # interleaved: ring, gloo, ring, gloo, ...
-                dist.barrier()
-                t = clock()
-                f(x)
-                if rep:
-                    times[k].append(clock() - t)
-        for k in impls:  # the fastest repeat: the one least disturbed by other work
-            out[k].append(min(times[k]))
-    return {"backend": backend, "seconds": out}
 
 
 def main(argv=None) -> dict:

@@ -16,6 +16,7 @@ from statistics import median  # noqa: F401 - the benchmarks import it from here
 import torch
 import torch.distributed as dist
 
+from ..runtime import backend   # backend.gpu_count: looked up when called (tests replace it)
 from ..runtime.backend import device as here  # this rank's device (minipar.device())
 from ..runtime.gpu import synchronize
 from ..strategy import to_device
@@ -59,10 +60,9 @@ def decide(device: str, ranks: int, shares: str | None = None, needs: str | None
     over Gloo (:func:`minipar.runtime.backend.place`) when the benchmark can (``shares``: what
     its ratio means there, both sides in that placement), else it is refused, saying what it
     ``needs``. ``gpus``: a simulated count (this machine's by default)."""
-    from ..runtime.backend import BackendError, place
     try:
-        p = place(ranks, device, gpus=gpus)
-    except BackendError as e:
+        p = backend.place(ranks, device, gpus=gpus)
+    except backend.BackendError as e:
         return None, f"--device {device}: {e}"
     if not p.shared:
         return p, ""

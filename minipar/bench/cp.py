@@ -34,8 +34,8 @@ SHARED_GPU = ("PyTorch's context_parallel is tried in the same placement (where 
 def _try_torch_cp(q, k, v, repeats):
     """Seconds per forward+backward of PyTorch's context parallelism, or the reason it cannot run."""
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.device_mesh import init_device_mesh  # deferred: optional (absent from some torch versions: the try)
+        from torch.distributed.tensor.experimental import context_parallel  # deferred: optional, as above
         mesh = init_device_mesh(here().type, (dist.get_world_size(),))
         bufs = [t.detach().clone() for t in (q, k, v)]
 

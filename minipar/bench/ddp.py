@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from .. import data
+from ..data_parallel import DistributedDataParallel as MiniDDP
+from ..models import GPT, GPTConfig
 from ..runtime import trace
 from ..runtime.launch import launch
-from ..models import GPT, GPTConfig
 from .common import median, placement, parser, report, row, size, step_blocks, to_here
 
 # with fewer GPUs than ranks the ranks share them (Gloo through host memory), and then:
@@ -26,7 +27,6 @@ SHARED_GPU = ("PyTorch's DDP copies its CUDA buckets to host memory for Gloo as 
 
 def measure_rank(cfg: GPTConfig, batch: int, steps: int, repeats: int, bucket_mb: float) -> dict:
     """On each rank: time minipar's DDP against PyTorch's on the same GPT (also the planner's probe)."""
-    from ..data_parallel import DistributedDataParallel as MiniDDP
     trace.enable(False)  # time the machinery, not the recorder's bookkeeping
     r = dist.get_rank()
     tokens = data.synthetic_tokens(20_000, vocab_size=cfg.vocab_size)

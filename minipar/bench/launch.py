@@ -13,6 +13,10 @@ import json
 import subprocess
 import sys
 
+import torch
+import torch.distributed as dist
+
+from ..runtime.rendezvous import free_port as _free_port
 from .common import interleaved, median, placement, parser, report, row, size
 
 # with fewer GPUs than ranks the ranks share them (Gloo through host memory), and then:
@@ -42,8 +46,6 @@ if __name__ == "__main__":
 
 
 def _spawn_rank(rank: int, n: int, device: str = "cpu") -> None:
-    import torch
-    import torch.distributed as dist
     if device == "cuda":   # as minipar's ranks: a tensor on this rank's GPU (shared when fewer)
         torch.zeros(1, device=torch.device("cuda", rank % torch.cuda.device_count()))
     dist.init_process_group("gloo", rank=rank, world_size=n)
@@ -66,7 +68,6 @@ def main(argv=None) -> dict:
     n, reps = a.ranks or size(a, 4, 4, 2), size(a, a.repeats, 1, 1)
     placement(p, a.device, n, shares=SHARED_GPU)
     got: dict[str, list] = {"minipar": [], "spawn": []}
-    from ..runtime.rendezvous import free_port as _free_port  # noqa: PLC0415
     interleaved({"minipar": lambda: got["minipar"].append(_run(_MINIPAR.format(n=n, device=a.device))),
                  "spawn": lambda: got["spawn"].append(
                      _run(_SPAWN.format(n=n, port=_free_port(), device=a.device)))}, repeats=reps, warmup=0)

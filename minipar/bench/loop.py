@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..data import batches as make_batches
-from ..data import synthetic_tokens
+from .. import strategy
+from ..data import batches as make_batches, synthetic_tokens
 from ..models.gpt import GPT, GPTConfig
 from ..runtime import trace
 from ..runtime.launch import launch
@@ -31,9 +31,8 @@ SHARED_GPU = ("the same DDP step both ways; the ratio is the loop's own cost in 
 
 def _ranks(config, data, repeats: int) -> dict:
     """Inside each rank: seconds per step of each way, the slowest rank's, per round."""
-    from torch.nn.parallel import DistributedDataParallel as DDP   # the baseline's step, in all three
+    from torch.nn.parallel import DistributedDataParallel as DDP   # deferred: the baseline, only in its ranks
 
-    from .. import strategy
     model = DDP(to_here(GPT(config, seed=0)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = to_here(data)

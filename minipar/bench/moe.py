@@ -35,7 +35,7 @@ SHARED_GPU = ("Gloo's all_to_all stages CUDA tensors through host memory for PyT
 def _torch_dispatch(moe, x, group=None):
     """The layer ``moe`` (an :class:`~minipar.expert_parallel.ExpertParallelMoE`) with a dispatch
     built directly on torch.distributed (dropless)."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from torch.distributed._functional_collectives import all_to_all_single_autograd  # deferred: PyTorch's own baseline, loaded only when this benchmark runs it
     ep, me = dist.get_world_size(group), dist.get_rank(group)
     E, k, n_local = moe.n_experts, moe.top_k, moe.n_experts // ep
     xf = x.reshape(-1, x.shape[-1])

@@ -80,7 +80,7 @@ def split_backward(cfg: GPTConfig, micro_batch: int, repeats: int) -> dict:
 
 
 def _rank(cfg: GPTConfig, p: int, m: int, batch: int, repeats: int) -> dict:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # deferred: PyTorch's own baseline, loaded only when this benchmark runs it
     rank = dist.get_rank()
     x, y = to_here(data.get_batch(data.corpus_tokens()[0], batch, cfg.block_size, step=0))
     steps = {}

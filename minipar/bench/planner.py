@@ -16,9 +16,12 @@ before and after each run (the goal: ρ ≥ 0.8 in two runs; a loaded machine's 
 """
 from __future__ import annotations
 
-from ..runtime.launch import launch
-from .. import plan
+import time
+
+from .. import plan, data
 from ..models import GPTConfig
+from ..plan.course import rank_correlation
+from ..runtime.launch import launch
 from .common import RATIO, median, placement, parser, report, row, size
 from .ddp import config, measure_rank
 
@@ -55,10 +58,7 @@ def main(argv=None) -> dict:
 
 
 def _rho(a) -> dict:
-    import time
 
-    from .. import data
-    from ..plan.course import rank_correlation
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=6, n_head=8, n_embd=32)   # chapter 07's
     batches = data.batches(data.synthetic_tokens(4000, cfg.vocab_size), steps=4, batch_size=16,
                            block_size=cfg.block_size)

@@ -15,11 +15,12 @@ import math
 from collections import OrderedDict
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .. import tensor_parallel as tp
-from ..runtime.launch import launch
 from ..models import Block, GPTConfig
+from ..runtime.launch import launch
 from .common import (backward_step, here, interleaved, median, placement, parser, report,
                      row, size, to_here)
 
@@ -61,9 +62,8 @@ class _Block(nn.Module):
 
 
 def _rank(b: int, s: int, h: int, n_head: int, repeats: int) -> dict:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.device_mesh import init_device_mesh  # deferred: PyTorch's own baseline, loaded only when this benchmark runs it
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # deferred: the baseline's
     t = dist.get_world_size()
     cfg = GPTConfig(vocab_size=64, block_size=s, n_layer=1, n_head=n_head, n_embd=h)
     with torch.random.fork_rng(devices=[]):   # the same single-device block on every rank

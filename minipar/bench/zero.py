@@ -29,9 +29,10 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .. import data
+from ..models import GPT, GPTConfig
 from ..runtime import trace
 from ..runtime.gpu import peak_memory
-from ..models import GPT, GPTConfig
+from ..runtime.launch import launch
 from ..zero import FullyShardedDataParallel, ZeroOptimizer, full_state, fully_shard
 from .common import (here, median, placement, parser, report, row, size, step_blocks,
                      to_here, train_step)
@@ -81,7 +82,7 @@ def _quiet_stderr():
 def _peak_bytes(name, cfg, batches) -> tuple[int, int]:
     """(peak, held) bytes of one trainer built and run for two steps (the first creates the
     optimizer state): the high-water mark of its allocations minus frees, and what stays."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile, record_function  # deferred: the profiler, heavy, only for this count
     gc.collect()
     dist.barrier()
     cuda = here().type == "cuda"  # on a GPU: the caching allocator's own figures; else the profiler's
@@ -127,7 +128,6 @@ def _rank(cfg: GPTConfig, batch: int, steps: int, repeats: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    from ..runtime.launch import launch
     p = parser("zero", __doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=None)
     a = p.parse_args(argv)

@@ -75,7 +75,6 @@ def _groups(dp: int, group):
     return mesh.group("cp"), mesh.group("dp_cp"), mesh.rank("dp"), dp
 
 
-@strategy.trains
 def train(model, batches, optimizer=None, group=None, variant: str = "ring",
           layout: str = "zigzag", dp: int = 1, dtype=None, recompute=None) -> dict:
     """On every rank: train the GPT ``model`` with context parallelism on the global ``batches``.
@@ -83,6 +82,7 @@ def train(model, batches, optimizer=None, group=None, variant: str = "ring",
     bytes sent by name and dimension, its attention seconds and seconds (:func:`minipar.strategy.loop`).
     ``group``: the cp group when ``dp = 1``; ``dp > 1`` lays a dp × cp mesh over the world. ``recompute`` (``None``: the model's own) is set on every
     block; under ``"full"`` the backward runs each block's attention communication again."""
+    dtype = strategy.prepare(model, dtype, recompute)   # the options every strategy takes, decided once
     cp_group, grad_group, d, dp = _groups(dp, group)
     single = cp_group is None and dp > 1                      # cp = 1 inside a dp mesh
     cp, r = (1, 0) if single else (comm.group_size(cp_group), comm.group_rank(cp_group))

@@ -5,7 +5,7 @@ Which files are a chapter's core is not listed here: :func:`minipar.course.layer
 reads it from the folders (each chapter's package, and a top-level module marked with its
 exercise alone). The rest of the core is shared by every chapter (the models, the strategy
 shape, the reference run); everything else in ``minipar/`` is the periphery, read after the
-strategies: ``runtime/``, ``cost/``, ``plan/``, ``production/``, ``adapt/``, ``bench/``,
+strategies: ``runtime/``, ``cost/``, ``plan/``, ``production/``, ``adapt/``, ``pieces/``, ``bench/``,
 ``study/`` and ``course/``. :func:`census` counts the three groups, so the claim "the core is
 this big" is measured, not typed. Line counts are physical lines (``wc -l``). Standard
 library only: :mod:`.chapters` writes this map into README.md with ``--write``.
@@ -66,4 +66,4 @@ def readme_map(chapter_list) -> str:
     return "\n".join(rows) + (
         f"\n\nThe chapters' core is {c['core']:,} lines and the shared core {c['shared']:,}, of "
         f"about {about(c['total'])} in `minipar/`; the other ~{about(c['periphery'])} are `runtime/`, `cost/`, "
-        "`plan/`, `production/`, `adapt/`, `bench/`, `study/` and `course/`.")
+        "`plan/`, `production/`, `adapt/`, `pieces/`, `bench/`, `study/` and `course/`.")

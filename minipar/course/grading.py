@@ -327,11 +327,10 @@ def attempt(fn, *args):
 
     import torch
 
-    import minipar
     try:
         return fn(*args)
     except Exception as e:                               # noqa: BLE001: reported by the driver
-        libs = [Path(torch.__file__).parent.resolve(), Path(minipar.__file__).parent.resolve()]
+        libs = [Path(torch.__file__).parent.resolve(), Path(__file__).resolve().parents[1]]   # torch, minipar
         own = [fr for fr in traceback.extract_tb(e.__traceback__)
                if not any(Path(fr.filename).resolve().is_relative_to(d) for d in libs)]
         at = f" (at {Path(own[-1].filename).name}:{own[-1].lineno}  {own[-1].line})" if own else ""

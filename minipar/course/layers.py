@@ -12,8 +12,10 @@ A module's **layer** is named by the first folder (or top-level module) of its p
    ``mesh.py``, ``data.py``, ``precision.py``, ``activations.py``, ``memory.py``). A new folder is
    core unless it is named below;
 4. **built on the core**: ``plan/`` (the planner), ``production/`` (the training command, faults,
-   checkpoints), ``adapt/`` (parallelism that adapts), ``bench/`` (benchmarks) and ``study/``
-   (figures, comparisons, toy runs);
+   checkpoints), ``adapt/`` (parallelism that adapts), ``pieces/`` (what a rank holds, as pieces of
+   the single-device model: what checkpoints and adapt's reshard share), ``bench/`` (benchmarks) and
+   ``study/`` (figures, comparisons, toy runs). Two of them never import each other (the piece they
+   share goes below both);
 5. the **course**: ``course/``, and the front door: ``minipar/__init__.py`` and the three
    command modules ``grade.py``, ``hint.py``, ``train.py``.
 
@@ -45,7 +47,7 @@ NAMES = {RUNTIME: "runtime", COST: "cost formulas", CORE: "core", BUILT_ON_CORE:
 # the first folder (or top-level module) of a path under minipar/ -> its layer; any other is core
 FOLDERS = {"runtime": RUNTIME, "cost": COST,
            "plan": BUILT_ON_CORE, "production": BUILT_ON_CORE, "adapt": BUILT_ON_CORE, "bench": BUILT_ON_CORE,
-           "study": BUILT_ON_CORE,
+           "study": BUILT_ON_CORE, "pieces": BUILT_ON_CORE,
            "course": COURSE, "grade": COURSE, "hint": COURSE, "train": COURSE, "": COURSE}
 # the composers' modules: a later chapter's package face is open to them
 COMPOSERS = ("minipar.hybrid", "minipar.production.train", "minipar.production.train_options")

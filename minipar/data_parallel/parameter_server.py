@@ -180,7 +180,6 @@ def check(model, batches, world_size: int, synchronous: bool = False, max_stalen
     strategy.check_options(model, dtype, recompute)
 
 
-@strategy.trains
 def train(model, batches, optimizer=None, group=None, synchronous: bool = False, max_staleness: int | None = None,
           delays=None, eval_batch=None, dtype=None, recompute=None) -> dict:
     """The strategy's API (:mod:`minipar.strategy`) over :func:`parameter_server` on the global
@@ -189,6 +188,7 @@ def train(model, batches, optimizer=None, group=None, synchronous: bool = False,
     gradients (single-process SGD on the global batches); else one update per shard, W per global
     batch, each applied as it arrives. The server (group rank 0) returns the ``losses`` of the
     applied updates and the ``params``; every rank its :class:`~minipar.strategy.Measured`."""
+    dtype = strategy.prepare(model, dtype, recompute)   # the options every strategy takes, decided once
     W = comm.group_size(group) - 1
 
     def batch_fn(j):

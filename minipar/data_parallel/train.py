@@ -19,7 +19,6 @@ from .ddp import DistributedDataParallel
 from .sampler import shard_batch
 
 
-@strategy.trains
 def train(model, batches, optimizer=None, group=None, accumulation: int = 1, dtype=None,
           recompute=None, bucket_cap_mb: float | None = 25.0, overlap: bool = True,
           all_reduce_fn=None) -> dict:
@@ -28,6 +27,7 @@ def train(model, batches, optimizer=None, group=None, accumulation: int = 1, dty
     ``recompute`` is the GPT's (:meth:`~minipar.models.GPT.set_recompute`; ``None``: the model's
     own). ``measured``: the last step's ``bytes_sent``, ``bytes_by_dim`` and ``seconds``
     (:func:`minipar.strategy.loop`)."""
+    dtype = strategy.prepare(model, dtype, recompute)   # the options every strategy takes, decided once
     ddp = DistributedDataParallel(model, group=group, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
                                   all_reduce_fn=all_reduce_fn)
     opt = (optimizer or sgd())(ddp.parameters())

@@ -10,6 +10,8 @@ the same place in their ep groups hold the same experts: the **expert-data-paral
 """
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from ..mesh import ProcessMesh
 
 
@@ -27,7 +29,6 @@ def build_ep_groups(ep: int, dp_groups: list[list[int]] | None = None) -> dict:
     process groups, carved out of each data-parallel group of ``dp_groups`` (global ranks in dp
     order; default: the world is one dp group, also returned as ``"dp"``). With tensor
     parallelism every tp coordinate has its own dp group, so its own ep groups."""
-    import torch.distributed as dist
     me = dist.get_rank()
     groups = {} if dp_groups else {"dp": dist.group.WORLD}
     for members in dp_groups or [list(range(dist.get_world_size()))]:

@@ -21,15 +21,21 @@ backward), ``tp`` (tensor parallelism of the dense part, :mod:`.tensor`: world =
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+import torch.distributed as dist
 
 from .. import comm, strategy
-from ..runtime import trace
 from ..data import shard
 from ..models.moe import MoE, moe_layers, moe_loss
 from ..reference import sgd
+from ..runtime import trace
+from ..tensor_parallel.config import check_config
+from ..tensor_parallel.gpt import full_state_dict
 from .groups import build_ep_groups
 from .layer import shard_experts
+from .tensor import build_mesh, tensor_parallel_moe_gpt
 
 
 def reduce_gradients(model, groups, dp: int) -> None:
@@ -47,7 +53,6 @@ def reduce_gradients(model, groups, dp: int) -> None:
                     p.grad = None
 
 
-@strategy.trains
 def train(model, batches, optimizer=None, ep: int = 1, tp: int = 1, dtype=None, recompute=None) -> dict:
     """On every rank of the world: DP × EP training (ep groups carved from the dp ranks); with
     ``tp > 1`` the dense part is tensor-parallel over a dp × tp mesh (:mod:`.tensor`).
@@ -55,9 +60,8 @@ def train(model, batches, optimizer=None, ep: int = 1, tp: int = 1, dtype=None, 
     ``bytes_sent``, ``bytes_by_dim`` and ``seconds`` (:func:`minipar.strategy.loop`), the tokens
     each expert received in every step, the last step's kept matrix, this rank's experts and
     parameter count."""
-    import torch.distributed as dist
+    dtype = strategy.prepare(model, dtype, recompute)   # the options every strategy takes, decided once
     if tp > 1:
-        from .tensor import build_mesh, tensor_parallel_moe_gpt
         mesh, groups = build_mesh(tp, ep)
         dp, me = mesh.dp, mesh.rank("dp")
         model = tensor_parallel_moe_gpt(model, groups, token_group=groups["dp"] if dp > ep else None)
@@ -90,7 +94,6 @@ def train(model, batches, optimizer=None, ep: int = 1, tp: int = 1, dtype=None, 
                      "parameters": sum(p.numel() for p in model.parameters())})  # this rank's (experts sharded)
     measured.memory = strategy.state_memory(model, opt)
     if tp > 1:
-        from ..tensor_parallel.gpt import full_state_dict
         full = full_state_dict(model)                     # a tp collective: every tp rank takes part
         params = strategy.full_params(full.items()) if dist.get_rank(groups["tp"]) == 0 else None
     else:
@@ -117,8 +120,6 @@ def check(model, batches, world_size: int, ep: int = 1, tp: int = 1, dtype=None,
         raise ValueError(f"ep must be a positive int, got {ep!r}")
     dp = world_size // tp
     if tp > 1:
-        from dataclasses import replace
-        from ..tensor_parallel.config import check_config
         check_config(replace(model.config, moe_every=0), tp)
     for m in layers:
         if m.n_experts % ep:

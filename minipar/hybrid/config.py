@@ -20,10 +20,12 @@ from dataclasses import replace
 
 from .. import precision, strategy
 from .hsdp import check_hsdp
+from .parallelize import Parallelism
 from .sharding import reshard_policy
 from ..cost import hybrid_memory_per_rank
 from ..mesh import ProcessMesh
 from ..models.gpt import GPTConfig
+from ..models.recompute import check_mode
 from ..context_parallel import check_config as check_context_parallel
 from ..pipeline import check_config as check_schedule
 from ..tensor_parallel import check as check_tensor_parallel
@@ -50,13 +52,18 @@ def check(model, batches, world_size: int | None, dp: int = 1, pp: int = 1,
           layout: str = "zigzag", variant: str = "ring", ep: int = 1, zero: int | None = None,
           recompute=None, sharding: str = "flat", seq_len: int | None = None,
           bucket_cap_mb: float = 25.0, bounds: list[int] | None = None,
-          reshard_after_forward: str = "auto", dp_shard: int | None = None) -> None:
+          reshard_after_forward: str = "auto", dp_shard: int | None = None) -> Parallelism:
     """Raise a plain ``ValueError`` if the GPT ``model`` (or its ``GPTConfig``) cannot train on a
     dp × pp × tp (× cp, ep) mesh of ``world_size`` ranks (the rules: the module docstring). Call it
     in the driver, before any process starts (:func:`~minipar.hybrid.run` does); ``world_size=None``
     checks the layout alone; the global batch is ``batch_size``, else that of ``batches``; the
     sequence length that of ``batches``, else ``seq_len``. Every option of :func:`~minipar.hybrid.train`
-    is one here; any other is refused by name."""
+    is one here; any other is refused by name.
+
+    Returns the plan, every option decided here once (:class:`~minipar.hybrid.parallelize.Parallelism`):
+    ``dtype`` resolved (:func:`minipar.precision.resolve`: ``None`` for fp32, else a ``torch.dtype``),
+    ``zero`` the stage in effect (``None`` is 0, and so is any stage when ``dp·cp = 1``: there is
+    nothing to shard over), ``bounds`` a tuple. The ranks build from it and decide nothing again."""
     config = getattr(model, "config", model)
     zero = zero or 0
     ProcessMesh(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, world_size=world_size)
@@ -84,7 +91,14 @@ def check(model, batches, world_size: int | None, dp: int = 1, pp: int = 1,
     if batch_size is not None and batch_size % (dp * microbatches):
         raise ValueError(f"global batch {batch_size} cannot be split into dp={dp} shards of "
                          f"m={microbatches} equal micro-batches (need a multiple of {dp * microbatches})")
-    precision.resolve(dtype)
+    if recompute is not None:
+        check_mode(recompute)
+    return Parallelism(zero=zero if dp * cp > 1 else 0, sharding=sharding,
+                       reshard_after_forward=reshard_after_forward, dp_shard=dp_shard, schedule=schedule,
+                       microbatches=microbatches, virtual_stages=virtual_stages,
+                       bounds=None if bounds is None else tuple(bounds), sequence_parallel=sequence_parallel,
+                       bucket_cap_mb=bucket_cap_mb, dtype=precision.resolve(dtype), recompute=recompute,
+                       layout=layout, variant=variant)
 
 
 def check_experts(config, dp: int, cp: int, ep: int, sequence_parallel: bool = False,

@@ -35,6 +35,7 @@ import torch
 from .. import comm, precision, strategy
 from ..runtime.backend import device as rank_device
 from ..data import shard
+from ..expert_parallel import shard_experts as shard_experts_over
 from ..models.moe import MoE, moe_layers
 from ..reference import place, sgd, trained_params
 
@@ -79,21 +80,26 @@ def is_expert(name: str) -> bool:
 def shard_experts(model, groups: dict, mesh, microbatches: int):
     """Every MoE layer of ``model`` (in place) over this rank's ep group, f summed over dp·cp,
     its auxiliary loss carried by its output with weight 1/m."""
-    from ..expert_parallel import shard_experts as shard
     token_group = groups["dp_cp"] if mesh.dp * mesh.cp > mesh.ep else None
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is MoE:
                 child.aux_scale = 1.0 / microbatches
-    shard(model, groups["ep"], token_group)
+    shard_experts_over(model, groups["ep"], token_group)
     return model
 
 
-def apply_ep(model, groups: dict, mesh, plan):
+def apply_ep(model, groups: dict, mesh, plan, register=None):
     """The composition's third step: a mixture-of-experts GPT's experts over ``groups["ep"]``
-    (:func:`shard_experts`, the auxiliary loss per micro-batch); a dense GPT is left as it is."""
+    (:func:`shard_experts`, the auxiliary loss per micro-batch); a dense GPT is left as it is. With
+    experts it registers its part of the step (``register``, :meth:`~minipar.hybrid.parallelize.
+    Parallelized.register`): the routing counts reset before the micro-batches (:func:`begin_step`),
+    this rank's auxiliary losses added to its loss (:func:`aux_value`). Their gradients are data
+    parallelism's to reduce (:mod:`.sharding`: over expert-dp, under every ZeRO stage)."""
     if any(type(m) is MoE for m in model.modules()):   # (a tensor-parallel GPT's config says moe_every=0)
         shard_experts(model, groups, mesh, plan.microbatches)
+        if register is not None:
+            register(start=lambda: begin_step(model), loss=lambda: aux_value(model))
     return model
 
 

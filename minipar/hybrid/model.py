@@ -23,9 +23,6 @@ single-process step (up to the order of floating-point sums).
   accumulating the same micro-batches), :mod:`.experts` states why and how."""
 from __future__ import annotations
 
-
-from dataclasses import replace
-
 import torch
 import torch.distributed as dist
 
@@ -39,11 +36,9 @@ from ..models.gpt import GPT
 from ..pipeline import Pipeline
 from ..reference import sgd
 from ..tensor_parallel import gather_shards, shard_state_dict, unshard_state_dict
-from ..zero import held_state_bytes, state_tensors, storage_bytes
 from . import experts
-from .hsdp import hsdp_groups, reduce_replicas
+from .config import check
 from .parallelize import Parallelism, parallelize
-from .sharding import scale_expert_shards
 
 
 class HybridModel:
@@ -61,11 +56,12 @@ class HybridModel:
 
     def __init__(self, model: GPT, mesh: ProcessMesh, *, optimizer=None, plan: Parallelism | None = None,
                  **options):
-        options["zero"] = options.get("zero") or 0
-        plan = plan or Parallelism(**{k: tuple(v) if k == "bounds" and v is not None else v
-                                      for k, v in options.items()})
         config = model.config
-        plan.check(config, mesh, dist.get_world_size())
+        if plan is None:   # the options decided here, once (a plan from check is already decided)
+            plan = check(config, None, dist.get_world_size(), dp=mesh.dp, pp=mesh.pp, tp=mesh.tp, cp=mesh.cp,
+                         ep=mesh.ep, **options)
+        elif options:
+            raise TypeError(f"HybridModel: a plan and options {sorted(options)}: the plan holds every option")
         if not mesh.groups:
             mesh.build()
         self.moe = bool(config.moe_every)
@@ -76,21 +72,16 @@ class HybridModel:
                     mesh.groups["ep"] = g
         self.config, self.mesh = config, mesh
         self.coords = mesh.coordinates(dist.get_rank())
-        self.zero = plan.zero if mesh.dp * mesh.cp > 1 else 0     # nothing to shard over: plain training
-        self.plan = plan = replace(plan, zero=self.zero)
-        self.zero1, self.m = self.zero == 1, plan.microbatches
+        self.plan, self.m = plan, plan.microbatches
         self.sequence_parallel, self.layout = plan.sequence_parallel, plan.layout
         dims = (("dp", "pp", "tp", "dp_cp", "expert_dp") + (("cp",) if mesh.cp > 1 else ())
                 + (("ep",) if self.moe else ()))  # dp_cp: dp when cp = 1; expert_dp: dp_cp when ep = 1
         self.groups = g = {dim: mesh.group(dim) for dim in dims}
-        self.hsdp = plan.dp_shard is not None and plan.dp_shard < mesh.dp   # ZeRO-3 within dp_shard
-        if self.hsdp:
-            g.update(hsdp_groups(mesh, plan.dp_shard))
         self.device = current_device()                      # where this rank computes
         full = model.to(self.device)                        # the single-device model
         self.full_names = list(full.state_dict())
         self.full_shapes = {k: v.shape for k, v in full.state_dict().items()}
-        parts = parallelize(full, mesh, g, plan, optimizer or sgd(), self.coords["pp"])
+        self.parts = parts = parallelize(full, mesh, g, plan, optimizer or sgd(), self.coords["pp"])
         self.model, self.bounds, self.stages, self.schedule = parts.model, parts.bounds, parts.stages, parts.schedule
         self.params, self.optimizer, self.reducer, self.sharded = parts.params, parts.optimizer, parts.reducer, parts.sharded
         self._act = (1, config.block_size, config.n_embd)
@@ -100,10 +91,11 @@ class HybridModel:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """The step body on the global batch ``(x, y)`` (every rank passes the same batch):
-        this rank's dp shard, m micro-batches through the pipeline, gradients averaged over
-        dp, optimizer step. Returns this rank's part of the loss (:attr:`loss_groups` make it
-        the global mean); :meth:`train_step` and :func:`minipar.hybrid.train` run it in
-        :func:`minipar.strategy.loop`."""
+        this rank's dp shard, m micro-batches through the pipeline, then what the composition's
+        steps registered for after backward (:meth:`~minipar.hybrid.parallelize.Parallelized.finish`:
+        gradients averaged over dp, ZeRO's reduce-scatters, the experts'), optimizer step. Returns this
+        rank's part of the loss (:attr:`loss_groups` make it the global mean); :meth:`train_step` and
+        :func:`minipar.hybrid.train` run it in :func:`minipar.strategy.loop`."""
         dp, d = self.mesh.dp, self.coords["dp"]
         xs, ys = shard(x.to(self.device), d, dp), shard(y.to(self.device), d, dp)
         if self.mesh.cp > 1:  # this rank's tokens of every sequence, at their global positions
@@ -113,24 +105,8 @@ class HybridModel:
         seq = xs.shape[1] // (self.mesh.tp if self.sequence_parallel else 1)
         self._act = (xs.shape[0] // self.m, seq, self.config.n_embd)
         self.optimizer.zero_grad(set_to_none=True)
-        experts.begin_step(self.model)
-        loss = self.pipe.step(xs, ys)
-        if self.sharded is not None:                        # ZeRO-3 kept gathered: reduce-scatter once
-            self.sharded.finish_step()
-        if self.hsdp:                                       # HSDP: the blocks' shards averaged
-            reduce_replicas([p for group in self.optimizer.param_groups for p in group["params"]],
-                            self.groups["dp_replicate"])
-        if self.reducer is not None:
-            self.reducer.finish()                           # mean gradient over dp
-        if self.moe:   # experts: sum over expert-dp ÷ dp·cp (ZeRO 1-3: ÷ ep, and their mean over expert-dp)
-            if self.zero1:
-                experts.scale_expert_gradients(self.model, self.params, 1.0 / self.mesh.ep)
-            elif self.zero >= 2:
-                scale_expert_shards(self, 1.0 / self.mesh.ep)
-            else:
-                experts.reduce_expert_gradients(self.model, self.params, self.groups["expert_dp"],
-                                                self.mesh.dp * self.mesh.cp)
-            loss = (loss or 0.0) + experts.aux_value(self.model)  # this rank's layers' aux losses
+        self.parts.start()
+        loss = self.parts.finish(self.pipe.step(xs, ys))
         with trace.region("optimizer"):
             self.optimizer.step()                           # ZeRO-1: reduce-scatter, step, gather
         return loss
@@ -172,8 +148,7 @@ class HybridModel:
         """The single-device GPT's state dict (names, full tensors), on every rank: the tp
         shards all-gathered in the tp group, then the experts combined over the ep group and the
         stages over the pp group (all-reduces of disjoint parts). A collective of the whole mesh."""
-        mine = ({k: v.detach() for k, v in self.params.items()} if self.sharded is None
-                else self.sharded.gather_full_params())          # ZeRO-3: gathered over dp
+        mine = self.parts.dp.gather_params()                # ZeRO-3: gathered over dp·cp
         if self.mesh.tp > 1:
             mine = unshard_state_dict(gather_shards(mine, self.groups["tp"]))
         names = [k for k in self.full_names if k in self.full_shapes]
@@ -197,7 +172,7 @@ class HybridModel:
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load this rank's part (its stages, its tp shards) of a single-device GPT state dict."""
-        if self.sharded is not None:
+        if not self.parts.dp.whole:
             raise NotImplementedError("loading weights into a ZeRO-3 mesh is not supported: its parameters "
                                       "are shards; load them before building it (zero < 3)")
         t, r = self.mesh.tp, self.coords["tp"]
@@ -208,17 +183,7 @@ class HybridModel:
     def memory(self) -> dict[str, int]:
         """Bytes of model states this rank holds: ``{"params", "grads", "optimizer", "total"}``
         (distinct storages, as :func:`minipar.zero.held_state_bytes` counts them)."""
-        if self.sharded is not None:    # ZeRO-3: shards, gathered buffers, its optimizer's state
-            return held_state_bytes(self.sharded, optimizer=self.optimizer)
-        if self.zero:
-            parts = getattr(self.optimizer, "parts", [self.optimizer])
-            sizes = [held_state_bytes(o) if hasattr(o, "units") else None for o in parts]
-            return {k: sum(s[k] for s in sizes if s) for k in sizes[0]}
-        ps = list(self.params.values())
-        out = {"params": storage_bytes(ps), "grads": storage_bytes([p.grad for p in ps]),
-               "optimizer": storage_bytes(state_tensors(self.optimizer))}
-        out["total"] = sum(out.values())
-        return out
+        return self.parts.dp.memory()
 
 
 def build(model: GPT, mesh: ProcessMesh, **kwargs) -> HybridModel:

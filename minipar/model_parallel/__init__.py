@@ -105,7 +105,6 @@ def check(model, batches, world_size: int, stages=None, dtype=None, recompute=No
     strategy.check_options(model, dtype, recompute)
 
 
-@strategy.trains
 def train(model, batches, optimizer=None, group=None, stages=None, dtype=None, recompute=None) -> dict:
     """Run on every rank of ``group``: train stage ``rank`` of ``model`` (the same on every rank).
     ``stages``: a function ``model -> [stage modules]``, one per rank (e.g. :func:`lstm_stages`;
@@ -114,6 +113,7 @@ def train(model, batches, optimizer=None, group=None, stages=None, dtype=None, r
     rank's ``memory`` (``params``, ``grads``, ``optimizer``, ``activations`` bytes, counted in the
     first step), the last step's ``bytes_sent``, ``bytes_by_dim`` and ``seconds``
     (:func:`minipar.strategy.loop`)."""
+    dtype = strategy.prepare(model, dtype, recompute)   # the options every strategy takes, decided once
     parts = stages(model) if stages is not None else balanced_stages(model, group_size(group))
     if len(parts) != group_size(group):
         raise ValueError(f"{len(parts)} stages for {group_size(group)} ranks: one stage per rank")

@@ -60,7 +60,6 @@ def check(model, batches, world_size: int, schedule="1f1b", microbatches: int | 
                              "use virtual_stages=1 and a schedule by name")
 
 
-@strategy.trains
 def train(model, batches, optimizer=None, group=None, schedule="1f1b", microbatches: int | None = None,
           virtual_stages: int = 1, bounds: list[int] | None = None, dtype=None, recompute=None,
           probe_steps: int | None = None) -> dict:
@@ -74,6 +73,7 @@ def train(model, batches, optimizer=None, group=None, schedule="1f1b", microbatc
     by single-device name, and ``measured``: the last step's ``peak_stash``, ``bytes_sent`` (this
     rank's messages, from the trace), ``bytes_by_dim`` and ``seconds`` (:func:`minipar.strategy.loop`),
     and the ``bounds`` used."""
+    dtype = strategy.prepare(model, dtype, recompute)   # the options every strategy takes, decided once
     model = model.to(device())                 # this rank's copy, where the rank computes
     if probe_steps is not None:
         return train_adaptive(model, batches, optimizer, group, schedule, microbatches, probe_steps, bounds,

@@ -6,18 +6,32 @@
 * :func:`fit_roofline` — the roofline's two numbers (:class:`~minipar.plan.roofline.Efficiency`:
   ``f_max`` and ``x_half``) minimising Σ log²(predicted/observed) over a few runs (a grid,
   then a finer one around its best point).
-* :func:`measure_machine` — α and β of this machine's all-reduce (the timing loop of
-  ``python -m minipar.bench collectives``, :func:`minipar.cost.fit_alpha_beta`), the roofline's
+* :func:`measure_machine` — α and β of this machine's all-reduce (:func:`time_all_reduces`, also
+  the timing loop of ``python -m minipar.bench collectives``; :func:`minipar.cost.fit_alpha_beta`), the roofline's
   two CPU rates (GEMM FLOP/s by shape, memory bandwidth) and a timed GPT block's dispatch
   overhead, as a :class:`~minipar.plan.Cluster`.
 """
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import replace
 
+import torch
+import torch.distributed as dist
+
+from .. import comm, cost
+from ..cost.flops import layer_forward_flops
+from ..models.gpt import Block
+from ..runtime import launch as launching   # called as launching.launch: looked up when called (tests replace it)
+from ..runtime.backend import device
+from ..runtime.gpu import synchronize
+from . import roofline
 from .hardware import Accelerator, Cluster
+from .layout import Layout
+from .models import from_gpt_config
+from .roofline import Efficiency, backward, layer_ops, ops_time
 
 
 def fit_efficiency(predict_at, observed: list[float], lo: float = 1e-3, hi: float = 1.0) -> float:
@@ -36,8 +50,6 @@ def fit_efficiency(predict_at, observed: list[float], lo: float = 1e-3, hi: floa
 def fit_roofline(predict_at, observed: list[float], f_range=(0.3, 1.0), x_range=(0.0, 2.0),
                  steps: int = 15, rounds: int = 3):
     """``Efficiency(f_max, x_half)`` minimising Σ_i log²(predict_at(eff)[i] / observed[i])."""
-    from .roofline import Efficiency
-
     def loss(f, x):
         return sum(math.log(p / o) ** 2 for p, o in zip(predict_at(Efficiency(f, x)), observed))
     (f0, f1), (x0, x1) = f_range, x_range
@@ -55,12 +67,6 @@ def fit_roofline(predict_at, observed: list[float], f_range=(0.3, 1.0), x_range=
 def timed_block(config, batches=(1, 8), repeats: int = 5) -> dict:
     """Rank function (or plain call): seconds of one GPT block's forward and backward at two
     batch sizes, fitted as ``t = overhead + FLOPs / rate`` (the α-β idea for compute)."""
-    import torch
-
-    from ..cost.flops import layer_forward_flops
-    from ..models.gpt import Block
-    from ..runtime.backend import device
-    from ..runtime.gpu import synchronize
     block = Block(config).to(device())                      # timed where this rank computes
     pts = []
     for b in batches:
@@ -84,7 +90,6 @@ GEMM_SHAPES = ((32, 32, 32), (64, 96, 32), (256, 32, 32), (128, 128, 128), (256,
 
 
 def _median(f, repeats: int) -> float:
-    from ..runtime.gpu import synchronize
     times = []
     for k in range(repeats + 1):                 # round 0 warms up
         synchronize()
@@ -100,10 +105,6 @@ def rates(config, micro_batch: int = 4, repeats: int = 7) -> dict:
     """Rank function (or plain call): the roofline's rates where this rank computes, medians of
     ``repeats``: GEMM FLOP/s at :data:`GEMM_SHAPES` (``{(m, n, k): FLOP/s}``), memory bandwidth
     (bytes/s of a 16 MB copy: read + write), and one GPT block's forward + backward at ``micro_batch``."""
-    import torch
-
-    from ..runtime.backend import device
-    from ..models.gpt import Block
     dev = device()
     gemm = {}
     for m, n, k in GEMM_SHAPES:
@@ -121,7 +122,6 @@ def rates(config, micro_batch: int = 4, repeats: int = 7) -> dict:
 def fit_gemm_curve(gemm: dict, bandwidth: float):
     """``(peak, Efficiency(1, x_half))`` from measured GEMM rates: the peak is the fastest shape's
     rate, ``x_half`` the least-squares fit (in log) of the roofline curve over the shapes."""
-    from . import roofline
     peak = max(gemm.values())
     ops = {shape: roofline.gemm("g", *shape, 4) for shape in gemm}
 
@@ -133,9 +133,36 @@ def fit_gemm_curve(gemm: dict, bandwidth: float):
     return peak, roofline.Efficiency(1.0, min(grid, key=loss))
 
 
+def time_all_reduces(sizes: list[int], repeats: int) -> dict:
+    """Rank function: fastest seconds per size (of ``repeats``, after one warm-up round) of each
+    all-reduce, minipar's ring (and recursive halving-doubling for a power-of-two world) and the
+    backend's own, calls interleaved; ``"backend"``: the one that moves tensors on this rank's
+    device ("gloo" or "nccl"). The timing loop of ``python -m minipar.bench collectives`` too."""
+    n = dist.get_world_size()
+    backend = "nccl" if comm.p2p.moved_by_nccl(torch.empty(0, device=device()), None) else "gloo"
+    impls = {"ring": comm.ring_all_reduce, backend: dist.all_reduce}
+    if n & (n - 1) == 0:
+        impls["halving_doubling"] = comm.halving_doubling_all_reduce
+    out = {k: [] for k in impls}
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4, device=device())
+        times = {k: [] for k in impls}
+        for rep in range(repeats + 1):  # round 0 warms up
+            for k, f in impls.items():  # interleaved: ring, gloo, ring, gloo, ...
+                dist.barrier()
+                synchronize()           # the clock read after the device finished what was queued
+                t = time.perf_counter()
+                f(x)
+                synchronize()
+                if rep:
+                    times[k].append(time.perf_counter() - t)
+        for k in impls:  # the fastest repeat: the one least disturbed by other work
+            out[k].append(min(times[k]))
+    return {"backend": backend, "seconds": out}
+
+
 def measure_rank(sizes, repeats, config, micro_batch):
-    from ..bench.collectives import measure
-    out = measure(sizes, repeats)
+    out = time_all_reduces(sizes, repeats)
     out["rates"] = rates(config, micro_batch)   # every rank at once: the cores are shared as in training
     return out
 
@@ -155,9 +182,8 @@ def measure_machine(config, world_size: int = 4, sizes=None, micro_batch: int = 
 
     The cluster has ``cores`` = this machine's CPU count: with more ranks than cores a rank waiting
     in the pipeline's bubble lends its core to the others (:func:`minipar.plan.step_time`)."""
-    from ..runtime.launch import launch
     sizes = sizes or SIZES
-    res = launch(measure_rank, world_size, args=(sizes, 5, config, micro_batch), timeout=180)
+    res = launching.launch(measure_rank, world_size, args=(sizes, 5, config, micro_batch), timeout=180)
     return machine_from(res, config, sizes, micro_batch)
 
 
@@ -176,12 +202,6 @@ def median_of_rounds(rounds: list[dict]) -> dict:
 def machine_from(res: list[dict], config, sizes=None, micro_batch: int = 4) -> dict:
     """:func:`measure_machine`'s result from each rank's :func:`measure_rank` (or
     :func:`median_of_rounds` of several, taken between other work)."""
-    import os
-
-    from .. import cost
-    from .layout import Layout
-    from .models import from_gpt_config
-    from .roofline import backward, layer_ops, ops_time
     sizes, world_size = sizes or SIZES, len(res)
     native = res[0]["backend"]                # the library's own all-reduce: Gloo here, NCCL on GPUs
     ts = [max(r["seconds"][native][i] for r in res) for i in range(len(sizes))]

@@ -23,12 +23,21 @@ planner --rho`` runs it twice).
 """
 from __future__ import annotations
 
+import os
+import statistics
 from dataclasses import replace
 
+import torch
+
 from .. import cost
+from ..hybrid.model import HybridModel
+from ..mesh import ProcessMesh
 from ..models.gpt import GPT
 from ..pipeline import layer_costs, partition
+from ..runtime import launch as launching   # called as launching.launch: looked up when called (tests replace it)
+from ..study.compare import make_optimizer, strategies
 from ..tensor_parallel.gpt import shard
+from .calibrate import SIZES, measure_rank, machine_from, median_of_rounds
 from .layout import Layout
 from .models import from_gpt_config
 from .step_time import step_time
@@ -101,12 +110,6 @@ def timed_strategies(config, batches, specs: dict[str, dict], rounds: int, seed:
     included), interleaved: ``rounds`` times the calibration (:func:`minipar.plan.calibrate.
     measure_rank`, under ``"_calibration"``) and then every strategy in turn, so a change of the
     machine's load falls on all of them alike. Each round's first step (warm-up) is left out."""
-    import torch
-
-    from ..study.compare import make_optimizer
-    from ..hybrid.model import HybridModel
-    from ..mesh import ProcessMesh
-    from .calibrate import SIZES, measure_rank
     out = {name: [] for name in specs}
     out["_calibration"] = []
     for _ in range(rounds):
@@ -129,15 +132,9 @@ def rank_correlation(config, batches, world_size: int = 4, rounds: int = 5, spec
     strategies) and time every strategy (:func:`timed_strategies`; the slowest rank's median step), fit the one CPU number on strategy ``on``
     (:func:`fit_call_overhead`) and return ``{"rho", "predicted", "measured", "call_overhead",
     "load"}``: Spearman's ρ over the other strategies, and the load average before and after."""
-    import os
-    import statistics
-
-    from ..study.compare import strategies
-    from ..runtime.launch import launch
-    from .calibrate import machine_from, median_of_rounds
     specs = specs or strategies(world_size)
     load = [os.getloadavg()[0]]
-    res = launch(timed_strategies, world_size, args=(config, batches, specs, rounds), timeout=900)
+    res = launching.launch(timed_strategies, world_size, args=(config, batches, specs, rounds), timeout=900)
     machine = machine_from([median_of_rounds(r["_calibration"]) for r in res], config)
     machine["cluster"] = replace(machine["cluster"], background=load[0])   # the others' load, before ours
     measured = {k: 1e3 * max(statistics.median(r[k]) for r in res) for k in specs}

@@ -155,7 +155,7 @@ def dgxc_against_search(row):
     the first scale; the tuned v added to the virtual stages tried): ``(tuned, fastest, same)``, the
     tuned layout, the search's fastest plan, and the fastest plan with the tuned layout's knobs
     (tp, pp, cp, v, micro-batch, ZeRO-1) among those it ranked."""
-    from .search import search
+    from .search import search   # looked up when called: chapter 10's challenge is graded with plan.search replaced
 
     model, tuned, B, s, nodes = dgxc_run(row)
     ranked = search(model, "dgx-h100", B, s, nodes=nodes, virtual=tuple(sorted({1, 2, 4, tuned.v}))).ranked

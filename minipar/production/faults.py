@@ -23,7 +23,11 @@ import signal
 
 import torch
 
+from .. import comm
+from ..runtime import pool
+from ..runtime.backend import device
 from ..runtime.flight import EXIT_HUNG
+from .checkpoint import local_pieces
 
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
@@ -57,8 +61,6 @@ class StopSignals:
 def forward_to_ranks(world: int) -> dict:
     """In the driver of :func:`minipar.runtime.launch`: pass ``SIGTERM``/``SIGUSR1`` sent to it on to
     the ranks (the first ``world`` processes of the pool). Returns the previous handlers."""
-    from ..runtime import pool
-
     def forward(signum, frame):
         for pid in pool.rank_pids(world):
             try:
@@ -70,8 +72,6 @@ def forward_to_ranks(world: int) -> dict:
 
 def agree(loss: float, stop: bool, group=None) -> tuple[list[float], bool]:
     """Every rank's ``loss`` (rank order) and whether any rank asked to stop."""
-    from .. import comm
-    from ..runtime.backend import device
     here = device()
     mine = torch.tensor([loss, float(stop)], dtype=torch.float64, device=here)
     world = comm.group_size(group)
@@ -91,7 +91,6 @@ class Snapshot:
         self.inners = [getattr(o, "optim", o) for o in getattr(optimizer, "parts", [optimizer])]  # several as one
 
     def _pieces(self):
-        from .checkpoint import local_pieces
         return local_pieces(self.model, self.optimizer)
 
     def take(self) -> None:
@@ -116,6 +115,6 @@ def rss_bytes() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
-        import resource
+        import resource   # deferred: a Unix-only module, needed only where /proc is not
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if os.uname().sysname == "Darwin" else peak * 1024

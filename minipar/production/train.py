@@ -43,8 +43,20 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .faults import EXIT_HUNG, EXIT_NONFINITE, EXIT_PREEMPTED, forward_to_ranks
-
+from .. import hybrid, reference, strategy
+from ..adapt import Adaptive, Layout, parse_slow, parse_switches, propose, fit, decide
+from ..data import corpus_tokens, get_batch
+from ..hybrid import check as check_mesh
+from ..mesh import ProcessMesh
+from ..models.gpt import GPT
+from ..plan import measure_machine
+from ..runtime import flight, trace
+from ..runtime import launch as launching   # called as launching.launch: looked up when called (tests replace it)
+from ..runtime.backend import place
+from ..runtime.launch import RankError
+from . import checkpoint
+from .checkpoint import CheckpointError, verify
+from .faults import EXIT_HUNG, EXIT_NONFINITE, EXIT_PREEMPTED, forward_to_ranks, StopSignals, Snapshot, agree, rss_bytes
 from .train_options import check_options, model_config, parse, parser  # noqa: F401
 
 
@@ -66,7 +78,6 @@ def _writable(directory: Path) -> None:
 def check_resume(args, config) -> dict | None:
     """The meta of the checkpoint this run will continue from (``None``: starts fresh), after
     checking every file of it and that it was trained on this model and these batches."""
-    from .checkpoint import CheckpointError, verify
     root = args.checkpoint_dir
     if root is None or not (root / "latest").exists():
         if args.resume:
@@ -95,7 +106,6 @@ LAYOUT_OPTIONS = ("dp", "cp", "pp", "tp", "ep", "batch_size", "microbatches", "s
 
 def check(args, world_size: int | None) -> None:
     """Every problem with the arguments (and an existing checkpoint) as a ValueError, before launch."""
-    from ..hybrid import check as check_mesh
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir")
     check_options(args)   # each option's range was argparse's; here the options against each other
@@ -132,9 +142,6 @@ def _stop_message(stopped: dict) -> str:
 
 def rank_main(args) -> dict:
     """Every rank: build the mesh and the model, resume, train, save. Returns the losses."""
-    from ..runtime import flight
-    from ..runtime import trace
-    from .faults import StopSignals
     with trace.recording(False), StopSignals() as signals, \
             flight.Watchdog(args.hang_timeout, dist.get_rank()):
         flight.reset()
@@ -142,14 +149,6 @@ def rank_main(args) -> dict:
 
 
 def _train(args, signals) -> dict:
-    from . import checkpoint
-    from ..runtime import flight
-    from .. import hybrid, reference, strategy
-    from ..data import corpus_tokens, get_batch
-    from .faults import Snapshot, agree, rss_bytes
-    from ..mesh import ProcessMesh
-    from ..models.gpt import GPT
-    from ..adapt import Adaptive, Layout, parse_slow, parse_switches
     started_at, t_start = time.time(), time.perf_counter()
     config, tokens = model_config(args), corpus_tokens()[0]
 
@@ -269,8 +268,6 @@ def layout_name(args) -> str:
 def propose_layouts(args, world: int) -> list[dict]:
     """``--layout auto``: this machine measured (:func:`minipar.plan.measure_machine`), then
     the planner's ``--candidates`` best layouts (:func:`minipar.adapt.auto.propose`)."""
-    from ..adapt import propose
-    from ..plan import measure_machine
     config = model_config(args)
     cluster = measure_machine(config, world)["cluster"]
     return [{"layout": str(r["layout"]), "predicted_ms": r["predicted_ms"]}
@@ -280,7 +277,6 @@ def propose_layouts(args, world: int) -> list[dict]:
 def elastic(args, world: int) -> int:
     """``--elastic``: set the mesh flags to the layout :func:`minipar.adapt.auto.fit` takes on ``world``
     ranks (a plain error if none fits). Returns ``world``."""
-    from ..adapt import fit
     try:
         lay = fit(model_config(args), world, args.batch_size, zero=min(args.zero or 0, 1))
     except ValueError as e:
@@ -297,17 +293,15 @@ def main(argv=None) -> int:
         world = elastic(args, int(os.environ["WORLD_SIZE"]))
     try:
         check(args, int(os.environ["WORLD_SIZE"]) if under_torchrun else world)
-        from ..runtime.backend import place  # --device cuda without a GPU: a plain error here
         place(int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun else world, args.device)
     except ValueError as e:
         parser().error(str(e))  # exit code 2, before any process starts
     if args.layout == "auto":     # the planner's k best on this machine, measured here first
         args.proposed = propose_layouts(args, world)
     from . import train as this  # the workers import the rank function by name
-    from ..runtime.launch import RankError, launch
     before = {} if under_torchrun else forward_to_ranks(world)
     try:
-        results = launch(this.rank_main, None if under_torchrun else world, device=args.device,
+        results = launching.launch(this.rank_main, None if under_torchrun else world, device=args.device,
                          args=(args,), timeout=args.timeout)
     except RankError as e:
         if f"exit code {EXIT_HUNG}" not in str(e):
@@ -330,7 +324,6 @@ def main(argv=None) -> int:
               f"{layout_name(args)}{ended} ({world} rank{'s' * (world > 1)}, {where}, {results.backend}"
               f"{came}): {losses}{skipped} in {r['seconds']:.1f} s")
         if r["decisions"]:
-            from ..adapt import decide
             print("layout auto: " + "; ".join(f"{d['layout']} predicted {d['predicted_ms']:.1f} ms, measured "
                                               f"{d['measured_ms']:.1f} ms" for d in r["decisions"])
                   + f" -> {decide(r['decisions'])['layout']}")

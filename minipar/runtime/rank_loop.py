@@ -23,6 +23,7 @@ import ast
 import io
 import linecache
 import os
+import signal
 import sys
 import threading
 import time
@@ -53,7 +54,6 @@ def is_figure(value) -> bool:
 def main(cmd, ctl, rank: int, job: dict) -> None:
     """Body of a rank: join the group, then serve ``cmd`` until ``None`` or the driver is gone."""
     os.environ[IN_RANK] = "1"
-    import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is the driver's to handle
     threading.Thread(target=_control, args=(ctl, job["driver_pid"]), daemon=True,
                      name="minipar-rank-control").start()

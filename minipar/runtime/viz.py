@@ -135,7 +135,7 @@ def collective_diagram(op: str, n: int = 4) -> go.Figure:
     """Before/after picture of a collective on ``n`` ranks: rank rows, chunk columns. Each cell
     names what a rank holds in that chunk: ``a2`` is rank a's chunk 2, ``Σ2`` the sum of everyone's
     chunk 2; blank cells hold nothing that matters."""
-    from plotly.subplots import make_subplots
+    from plotly.subplots import make_subplots  # deferred: plotly, heavy, only when drawing
     letters = "abcdefgh"
 
     def grid(cell):  # cell(r, c): what rank r holds in chunk c
@@ -181,7 +181,7 @@ def explore(fn, **controls):
         print(f"An explorer, drawn at its first setting: run the notebook to explore ({names}).")
         return fn(**{k: p.default for k, p in inspect.signature(fn).parameters.items()
                      if p.default is not inspect.Parameter.empty})
-    from ipywidgets import interactive
+    from ipywidgets import interactive  # deferred: optional (notebooks only)
 
     def draw(**values):
         fig = fn(**values)

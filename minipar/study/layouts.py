@@ -22,13 +22,18 @@ from __future__ import annotations
 import math
 import sys
 
+from ..data import batches, synthetic_tokens
+from ..hybrid import experts
+from ..hybrid.train import run
+from ..models.gpt import GPTConfig, GPT
+from ..reference import adamw
+
 DIMS = ("dp", "cp", "pp", "tp")
 SHRINK = ("tp", "cp", "dp", "pp")   # the first set back to 1 when the toy needs too many ranks
 
 
 def toy_options(layout, max_ranks: int = 8):
     """``(GPTConfig, hybrid.run options, notes)`` for ``layout`` at toy size (module docstring)."""
-    from ..models.gpt import GPTConfig
     size = {d: 2 if getattr(layout, d) > 1 else 1 for d in DIMS}
     ep, notes = (2 if layout.ep > 1 else 1), []
     for d in SHRINK:
@@ -85,11 +90,6 @@ def toy_run(layout, steps: int = 3, max_ranks: int = 8, seed: int = 0) -> dict:
     """Train ``layout`` at toy size with :func:`minipar.hybrid.run`, and one process on the same
     micro-batches (:func:`minipar.hybrid.experts.moe_reference`). Returns ``{"result"
     (TrainResult), "reference" ({"losses", "params"}), "notes", "options", "config"}``."""
-    from ..data import batches, synthetic_tokens
-    from ..models.gpt import GPT
-    from ..reference import adamw
-    from ..hybrid import experts
-    from ..hybrid.train import run
     config, options, notes = toy_options(layout, max_ranks)
     data = batches(synthetic_tokens(vocab_size=config.vocab_size), steps,
                    options["dp"] * options["microbatches"], config.block_size)

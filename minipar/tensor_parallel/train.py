@@ -33,7 +33,6 @@ def check(model, batches, world_size: int, sequence_parallel: bool = False, dtyp
     check_config(c, world_size, sequence_parallel, seq_len)
 
 
-@strategy.trains
 def train(model: GPT, batches, optimizer=None, group=None, sequence_parallel: bool = False,
           dtype=None, recompute=None) -> dict:
     """Run on every rank of ``group``: train this rank's shards of ``model`` on ``batches``.
@@ -41,6 +40,7 @@ def train(model: GPT, batches, optimizer=None, group=None, sequence_parallel: bo
     the last step's ``bytes_sent``, ``bytes_by_dim`` and ``seconds`` (:func:`minipar.strategy.loop`)
     and ``activations``, the bytes saved for backward (:class:`~minipar.activations.SavedActivations`),
     counted in the first step (every step saves the same; the count stays off the timed steps)."""
+    dtype = strategy.prepare(model, dtype, recompute)   # the options every strategy takes, decided once
     tp = from_gpt(model, group, sequence_parallel)
     opt = (optimizer or sgd())(tp.parameters())
     device = next(tp.parameters()).device

@@ -82,7 +82,6 @@ def check(model, batches, world_size: int, stage: int = 1, param_dtype=None, dty
     strategy.check_options(model, dtype, recompute)
 
 
-@strategy.trains
 def train(model, batches, optimizer=None, group=None, stage: int = 1, param_dtype=None,
           dtype=None, recompute=None, sharding: str = "flat", prefetch: bool = True, reduce_dtype=None,
           persist_below=None, persist=None, max_grad_norm=None) -> dict:
@@ -90,6 +89,7 @@ def train(model, batches, optimizer=None, group=None, stage: int = 1, param_dtyp
     ``reduce_dtype``, ``persist_below``, ``persist``: :func:`wrap`'s; ``max_grad_norm``: clipping);
     every rank returns ``{"losses", "params", "measured"}`` (see the module doc). ``optimizer``:
     a factory ``params -> Optimizer`` (default SGD, lr 0.1)."""
+    dtype = strategy.prepare(model, dtype, recompute)   # the options every strategy takes, decided once
     r, n = group_rank(group), group_size(group)
     clip = {} if max_grad_norm is None else {"max_grad_norm": max_grad_norm}
     fwd, opt = wrap(stage, model, optimizer or sgd(), group, param_dtype, sharding=sharding, prefetch=prefetch,

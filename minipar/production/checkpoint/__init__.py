@@ -1,7 +1,7 @@
 """Sharded, atomic, layout-independent checkpoints.
 
-* :mod:`.placement` — a rank's tensor as *pieces* of the full tensor (boxes and flat ranges);
-* :mod:`.state` — the pieces a rank holds: parameters and optimizer state (torch, ZeRO);
+* :mod:`minipar.pieces` — a rank's tensor as *pieces* of the full tensor (boxes and flat ranges),
+  and the pieces a rank holds: parameters and optimizer state (torch, ZeRO), re-exported here;
 * :mod:`.atomic` — write to a temporary directory, fsync, rename, replace ``latest``;
 * :mod:`.integrity` — a checksum per file, checked on load (:func:`verify`):
   :class:`CheckpointError` names a damaged, missing or foreign file instead of loading it;
@@ -15,9 +15,9 @@ Usage, on every rank::
 """
 from .atomic import committed, resolve
 from .integrity import CheckpointError, CheckpointNotFound, verify
-from .placement import Piece, assemble, extract, pieces_of, tensor_parallel_boxes, whole
+from ...pieces import (Piece, assemble, extract, local_pieces, parameter_layout, pieces_of, tensor_parallel_boxes,
+                       tensor_parallel_layout, whole)
 from .sharded import FORMAT, load, load_full_state_dict, read_pieces, save
-from .state import local_pieces, parameter_layout, tensor_parallel_layout
 
 __all__ = ["save", "load", "verify", "CheckpointError", "CheckpointNotFound", "load_full_state_dict",
            "read_pieces", "resolve", "committed", "FORMAT", "Piece", "pieces_of", "assemble", "extract",

@@ -4,7 +4,7 @@
 
     root/latest                      "step_00000100"  (replaced atomically: the commit)
     root/step_00000100/meta.json     step, mesh, world size, files, every tensor's full shape
-    root/step_00000100/rank_00003.pt this rank's pieces (see :mod:`.placement`), its mesh
+    root/step_00000100/rank_00003.pt this rank's pieces (see :mod:`minipar.pieces`), its mesh
                                      coordinates and its RNG state
 
 on a file system every rank sees (on a cluster: NFS, Lustre, GPFS; an absolute path): each
@@ -30,8 +30,7 @@ import torch.distributed as dist
 
 from .atomic import commit, prepare, resolve, temporary_dir, write_file
 from .integrity import FORMAT, CheckpointError, check_file, digest, locate, open_meta
-from .placement import Piece, assemble, extract
-from .state import PARAM, local_pieces
+from ...pieces import PARAM, Piece, assemble, extract, local_pieces
 
 
 def _rank_world() -> tuple[int, int]:

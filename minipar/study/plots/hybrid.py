@@ -132,7 +132,7 @@ def comparison_table(rows: list[dict], title: str = "Strategies side by side (me
 
 def comparison_bars(rows: list[dict]) -> go.Figure:
     """Memory and bytes sent per rank, measured (bars) and formula (markers), per strategy."""
-    from plotly.subplots import make_subplots
+    from plotly.subplots import make_subplots  # deferred: plotly, heavy, only when drawing
     fig = make_subplots(rows=1, cols=2, subplot_titles=("model states per rank (KiB)",
                                                         "bytes sent per rank per step (KiB)"))
     names = [r["strategy"] for r in rows]

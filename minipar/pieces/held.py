@@ -1,7 +1,7 @@
 """What one rank holds, as pieces of the single-device model: parameters and optimizer state.
 
 :func:`parameter_layout` gives every parameter a rank holds its single-device name, full
-shape and boxes (:mod:`.placement`):
+shape and boxes (:mod:`.boxes`):
 
 * a plain model (one process, a data-parallel replica, or a pipeline stage whose
   parameters are named as in the full model): each parameter is the whole tensor;
@@ -22,7 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from .placement import Piece, pieces_of, tensor_parallel_boxes, whole
+from ..hybrid import HybridModel
+from ..tensor_parallel.gpt import TensorParallelGPT, weight_layout
+from ..tensor_parallel.ops import size_and_rank
+from ..zero import FullyShardedDataParallel
+from .boxes import Piece, pieces_of, tensor_parallel_boxes, whole
 
 PARAM = "param"
 
@@ -31,10 +35,6 @@ def parameter_layout(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, tu
     """``[(full name, parameter, full shape, boxes)]`` for the parameters this rank holds."""
     if hasattr(model, "checkpoint_layout"):
         return list(model.checkpoint_layout())
-    from ...hybrid import HybridModel
-    from ...tensor_parallel.gpt import TensorParallelGPT, weight_layout
-    from ...tensor_parallel.ops import size_and_rank
-    from ...zero import FullyShardedDataParallel
     if isinstance(model, FullyShardedDataParallel):  # its parameters are flat shards
         raise NotImplementedError("checkpointing a ZeRO-3 (FullyShardedDataParallel) model is not "
                                   "supported; checkpoint the wrapped model after gathering it")

@@ -42,10 +42,10 @@ class Adaptive:
     def first_layout(self, given):
         return self.proposed[0]["layout"] if self.proposed else parse(given)
 
-    def into(self, layout, step: int, bounds=None, model=None):
-        """Build ``layout`` (or call ``model()``, which builds it) and move the state into it."""
+    def into(self, layout, step: int, bounds=None):
+        """Build ``layout`` (with the pipeline cut ``bounds``) and move the state into it."""
         t0 = time.perf_counter()
-        new = model() if model is not None else self.build(layout, bounds)
+        new = self.build(layout, bounds)
         built = time.perf_counter() - t0
         if self.hm is None:             # the first build: what a switch's rebuild will cost, at least
             self.build_seconds = built

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -101,11 +102,43 @@ def plan(old: list[dict[str, torch.Tensor]], new: list[dict[str, torch.Tensor]],
     # <<< ex12 A
 
 
-def concatenated(holdings: list[dict[str, torch.Tensor]], sizes: dict[str, int]) -> list[torch.Tensor]:
-    """Every rank's holding as one index into the keys laid end to end (``sizes``' order): the
-    plan of all keys at once (one key, ``"state"``, of Σ sizes elements), in few operations."""
-    offset, at = {}, 0
-    for k, n in sizes.items():
-        offset[k], at = at, at + n
-    return [torch.cat([h[k] + offset[k] for k in sizes if k in h] or [torch.zeros(0, dtype=torch.long)])
-            for h in holdings]
+def segments(old: list[np.ndarray], new: list[np.ndarray]):
+    """The elements cut where any run of any rank starts or ends: ``(bounds, old_ids, new_ids)``.
+    ``old``/``new``: every rank's runs ``[[start, length], ...]`` (in its local order) of one index
+    space. Between two consecutive ``bounds`` every rank holds all elements or none, so a
+    *segment* is one unit for :func:`plan`: rank r's holding is the segments ``*_ids[r]`` (local
+    order), and a plan of segments, expanded (:func:`expand`), is the plan of elements, from a few numbers
+    per run instead of one per element."""
+    ends = [np.concatenate([r[:, 0], r[:, 0] + r[:, 1]]) for r in (*old, *new)]
+    bounds = np.unique(np.concatenate(ends)) if ends else np.zeros(1, np.int64)
+
+    def ids(runs):
+        a = np.searchsorted(bounds, runs[:, 0])
+        n = np.searchsorted(bounds, runs[:, 0] + runs[:, 1]) - a
+        return _aranges(a, n)
+    return bounds, [ids(r) for r in old], [ids(r) for r in new]
+
+
+def _aranges(a: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(a_i, a_i + n_i) for i])``, without a loop."""
+    total = int(n.sum())
+    return np.repeat(a - np.cumsum(n) + n, n) + np.arange(total, dtype=np.int64)
+
+
+def expand(p: Plan, bounds: np.ndarray, old_ids: list[np.ndarray], new_ids: list[np.ndarray],
+           ranks) -> tuple[Plan, list[int]]:
+    """The plan of elements of the segment plan ``p`` (:func:`segments`): the moves from or to one of
+    ``ranks`` with their element positions, and every rank's elements sent (all moves)."""
+    width = np.diff(bounds)
+    starts = [np.cumsum(width[i]) - width[i] for i in (*old_ids, *new_ids)]   # element offset of each position
+    world = len(old_ids)
+    out, sent = Plan(p.world_size), [0] * p.world_size
+    for mv in p.moves:
+        n = width[old_ids[mv.src][mv.src_pos.numpy()]]
+        if mv.src != mv.dst:
+            sent[mv.src] += int(n.sum())
+        if mv.src in ranks or mv.dst in ranks:
+            src = _aranges(starts[mv.src][mv.src_pos.numpy()], n)
+            dst = _aranges(starts[world + mv.dst][mv.dst_pos.numpy()], n)
+            out.moves.append(Move(mv.src, mv.dst, mv.key, torch.from_numpy(src), torch.from_numpy(dst)))
+    return out, sent

@@ -126,19 +126,20 @@ def _aranges(a: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 
 def expand(p: Plan, bounds: np.ndarray, old_ids: list[np.ndarray], new_ids: list[np.ndarray],
-           ranks) -> tuple[Plan, list[int]]:
+           ranks) -> tuple[Plan, list[int], list[int]]:
     """The plan of elements of the segment plan ``p`` (:func:`segments`): the moves from or to one of
-    ``ranks`` with their element positions, and every rank's elements sent (all moves)."""
+    ``ranks`` with their element positions, and every rank's elements sent and received (all moves)."""
     width = np.diff(bounds)
     starts = [np.cumsum(width[i]) - width[i] for i in (*old_ids, *new_ids)]   # element offset of each position
     world = len(old_ids)
-    out, sent = Plan(p.world_size), [0] * p.world_size
+    out, sent, received = Plan(p.world_size), [0] * p.world_size, [0] * p.world_size
     for mv in p.moves:
         n = width[old_ids[mv.src][mv.src_pos.numpy()]]
         if mv.src != mv.dst:
             sent[mv.src] += int(n.sum())
+            received[mv.dst] += int(n.sum())
         if mv.src in ranks or mv.dst in ranks:
             src = _aranges(starts[mv.src][mv.src_pos.numpy()], n)
             dst = _aranges(starts[world + mv.dst][mv.dst_pos.numpy()], n)
             out.moves.append(Move(mv.src, mv.dst, mv.key, torch.from_numpy(src), torch.from_numpy(dst)))
-    return out, sent
+    return out, sent, received

@@ -22,7 +22,7 @@ from .moves import expand, plan, segments
 
 
 @torch.no_grad()
-def reshard(old, new) -> dict:
+def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
     """Move ``old``'s parameters and optimizer state (a :class:`~minipar.hybrid.HybridModel`) into
     ``new`` (another layout of the same model and world). A collective of the whole world.
     Returns the switch's record on this rank: ``bytes_sent`` and ``bytes_received`` (by the plan,
@@ -31,7 +31,10 @@ def reshard(old, new) -> dict:
     barrier first: the ranks reach the switch at different times), ``describe`` (the holdings as
     runs, exchanged), ``plan`` (cut into segments, planned, expanded to this rank's elements), ``all_to_all``
     (the collective's own event) and ``copy`` (the rest of the move: packing, local copies,
-    unpacking into the new tensors); ``seconds`` is their sum."""
+    unpacking into the new tensors); ``seconds`` is their sum. ``busiest_bytes``: the most any rank
+    sends or receives, what bounds the exchange (:func:`exchange_seconds`); with ``alpha_beta``
+    (this machine's α, β of the all-to-all) also ``alpha_beta_s``, that bound, and ``over_alpha_beta``:
+    the switch without its wait, over it (the goal: at most 2)."""
     phases, t = {}, time.perf_counter()
 
     def done(phase):
@@ -69,7 +72,7 @@ def reshard(old, new) -> dict:
         bounds, old_ids, new_ids = segments(laid_end_to_end(olds, sizes), laid_end_to_end(news, sizes))
         units = plan([{"state": torch.from_numpy(i)} for i in old_ids],
                      [{"state": torch.from_numpy(i)} for i in new_ids], {"state": max(len(bounds) - 1, 0)})
-        p, sent = expand(units, bounds, old_ids, new_ids, {me})
+        p, sent, received = expand(units, bounds, old_ids, new_ids, {me})
         done("plan")
         device = next(v for vs in new_views.values() for v in vs).device
         flat_new = torch.empty(sum(v.numel() for k in mine_new for v in new_views[k]), dtype=torch.float32,
@@ -90,10 +93,13 @@ def reshard(old, new) -> dict:
         done("copy")
         phases["copy"] -= exchange                 # what stays: packing, local copies, unpacking
         phases["all_to_all"] = exchange
-    received = sum(mv.numel for mv in p.moves if mv.dst == me and mv.src != me) * 4
-    return {"bytes_sent": sent[me] * 4, "bytes_received": received, "sent_observed": observed,
-            "plan_bytes": sum(sent) * 4, "moves": len(units.moves), "segments": len(bounds) - 1,
-            "seconds": sum(phases.values()), "phases": phases}
+    out = {"bytes_sent": sent[me] * 4, "bytes_received": received[me] * 4, "sent_observed": observed,
+           "plan_bytes": sum(sent) * 4, "busiest_bytes": 4 * max(max(sent), max(received)), "world": world,
+           "moves": len(units.moves), "segments": len(bounds) - 1, "seconds": sum(phases.values()), "phases": phases}
+    if alpha_beta is not None:
+        out["alpha_beta_s"] = exchange_seconds([4 * x for x in sent], [4 * x for x in received], *alpha_beta)
+        out["over_alpha_beta"] = (out["seconds"] - phases["wait"]) / out["alpha_beta_s"]
+    return out
 
 
 def laid_end_to_end(held: list, sizes: dict[str, int]) -> list[np.ndarray]:

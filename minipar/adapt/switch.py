@@ -6,7 +6,8 @@ computes the same :func:`~minipar.adapt.moves.plan`, and one ``all_to_all_single
 value that changes rank: rank s packs, for each destination in rank order, the elements of its
 moves to it in plan order; rank d unpacks them in the same order. Elements a rank keeps are
 copied locally and never sent. The values are copied bit for bit, so the next step of the new
-layout is the step the old one would have taken (up to the new layout's order of sums)."""
+layout is the step the old one would have taken (up to the new layout's order of sums). The plan
+and the all-to-all are :mod:`minipar.moves`, which chapter 04's re-partitioning uses as well."""
 from __future__ import annotations
 
 import time
@@ -15,10 +16,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ..moves import execute as _execute       # the one mechanism that moves state (chapter 04's too)
+from ..moves import expand, plan, segments
 from ..runtime import trace
 from .holdings import held_runs
-from .moves import expand, plan, segments
 
 
 @torch.no_grad()
@@ -158,43 +159,3 @@ def from_runs(runs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[k] = offsets + torch.arange(n)
     return out
     # <<< ex12 C
-
-
-def _execute(p, tensors, new_tensors) -> int:
-    """Carry out plan ``p`` on this rank: local copies, then one all-to-all. Returns the bytes
-    this rank's all-to-all event recorded as sent."""
-    # >>> ex12 B
-    me, world = dist.get_rank(), p.world_size
-    dtypes = {v.dtype for v in (*tensors.values(), *new_tensors.values())}
-    if dtypes - {torch.float32}:
-        raise NotImplementedError(f"a live switch moves fp32 state, got {sorted(map(str, dtypes))}")
-    for mv in p.between(me, me):
-        new_tensors[mv.key][mv.dst_pos] = tensors[mv.key][mv.src_pos]
-    out_moves = [[mv for mv in p.between(me, d)] for d in range(world)]
-    in_moves = [[mv for mv in p.between(s, me)] for s in range(world)]
-    send = [torch.cat([tensors[mv.key][mv.src_pos] for mv in ms]) if ms and d != me else _empty(tensors)
-            for d, ms in enumerate(out_moves)]
-    in_sizes = [len(x) for x in send]
-    out_sizes = [sum(mv.numel for mv in ms) if s != me else 0 for s, ms in enumerate(in_moves)]
-    recv = torch.empty(sum(out_sizes), dtype=torch.float32, device=_device(tensors))
-    with trace.recording(True):            # observed even where a run records nothing else
-        mark = trace.mark()
-        comm.all_to_all_single(recv, torch.cat(send), out_sizes, in_sizes, name="reshard")
-        observed = sum(e["bytes_sent"] for e in trace.since(mark) if e["name"] == "reshard")
-    at = 0
-    for s, ms in enumerate(in_moves):
-        if s == me:
-            continue
-        for mv in ms:
-            new_tensors[mv.key][mv.dst_pos] = recv[at:at + mv.numel]
-            at += mv.numel
-    return observed
-    # <<< ex12 B
-
-
-def _device(tensors) -> torch.device:
-    return next(iter(tensors.values())).device
-
-
-def _empty(tensors) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.float32, device=_device(tensors))

@@ -8,9 +8,9 @@ Two things, on 4 ranks of the course GPT (SGD with momentum):
   runs interleaved (static, adaptive, adaptive, static, ...). The time is the whole run's, the
   switches included. ``ratio`` = adaptive / static, the median of ``--repeats`` pairs (the range
   is printed too);
-* **a switch at the cost of its bytes**: dp2·tp2 ZeRO-1 → dp4 ZeRO-3 → pp2·tp2 ZeRO-1 → back,
-  ``--switch-repeats`` times round, on the toy GPT and on one 10× larger (momentum SGD: weights and
-  momentum move). Each switch's phases, the slowest rank's, against the α-β time of its all-to-all
+* **a switch at the cost of its bytes**: dp2·tp2 ZeRO-1 → dp4 ZeRO-3 → pp2·tp2 ZeRO-1 → back
+  to the first, on the toy GPT and on one 10× larger (momentum SGD: weights and
+  momentum move; three times round, twice with ``--quick``, once with ``--smoke``). Each switch's phases, the slowest rank's, against the α-β time of its all-to-all
   (:func:`minipar.adapt.switch.exchange_seconds`: n − 1 messages and the busiest rank's bytes, α
   and β fitted here on the all-to-all itself at three sizes): building the new mesh and model (the
   rebuild, apart), describing the holdings, the plan, the copies (packing and unpacking), the

@@ -22,6 +22,7 @@ import torch
 import minipar
 from minipar import adapt, data, hybrid
 from minipar.adapt.moves import plan
+from minipar.pipeline import partition
 from minipar.models import GPT, GPTConfig
 from minipar.reference import assert_same_training, train_reference
 
@@ -76,6 +77,8 @@ def test_candidates_are_measured_and_the_fastest_kept(launched):
     log = got["measured"]["decisions"]
     assert [d["layout"] for d in log] == ["dp=4", "pp=2,tp=2", "dp=2,tp=2,zero=1"]
     assert all(d["measured_ms"] > 0 for d in log)
+    for d in log:                         # each decision with the steps it measured (the slowest rank's)
+        assert len(d["step_ms"]) == 2 and min(d["step_ms"]) > 0 and d["measured_ms"] <= max(d["step_ms"]) + 1e-9
     fastest = min(log, key=lambda d: d["measured_ms"])["layout"]
     assert got["measured"]["layout"] == fastest
     assert all(r["auto"]["measured"]["decisions"] == log for r in launched), "ranks decided differently"
@@ -98,6 +101,11 @@ def test_a_straggler_gets_fewer_layers(launched):
     assert width(after, 0) < width(before, 0), (before, after)
     assert first["stage_ms_after"] < first["stage_ms_before"]
     assert got["measured"]["switches"][0]["bounds"] == after
+    layer_ms = first["layer_ms"]          # the decision keeps the measurement that drove it
+    assert len(layer_ms) == len(GPT(CFG).layers()) and first["measured_steps"] == [1, 2]
+    stage = lambda b: 3 * max(sum(layer_ms[x:y]) for x, y in zip(b[:-1], b[1:]))
+    assert first["stage_ms_before"] == pytest.approx(stage(before)) and first["stage_ms_after"] == pytest.approx(stage(after))
+    assert first["bounds_after"] == partition([x / 1e3 for x in layer_ms], len(before) - 1)
     assert all(r["straggler"]["measured"]["repartitions"][0]["bounds_after"] == after for r in launched)
 
 

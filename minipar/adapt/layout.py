@@ -106,11 +106,12 @@ def same_step(old: Layout, new: Layout, config) -> str | None:
     a, b = (old.dp, old.microbatches), (new.dp, new.microbatches)
     if a == b or old.microbatches == new.microbatches == 1:
         return None
-    what = "tokens over capacity dropped" if getattr(config, "capacity_factor", None) else "auxiliary loss"
+    what = ("the tokens dropped over capacity and the auxiliary loss" if getattr(config, "capacity_factor", None)
+            else "the auxiliary loss")
     return (f"a mixture of experts routes each micro-batch on its own (capacity and the auxiliary loss per "
             f"micro-batch): {old} cuts the batch into dp·m = {a[0]}·{a[1]} micro-batch parts, {new} into "
             f"{b[0]}·{b[1]}, so the micro-batches hold other rows and the steps after the switch would "
-            f"not be the run's ({what} differ); keep m = 1, or dp and m, across the switch")
+            f"not be the run's ({what} would differ); keep m = 1, or dp and m, across the switch")
 
 
 def parse_switches(items, steps: int | None = None) -> list[tuple[int, Layout]]:

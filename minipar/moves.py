@@ -34,16 +34,19 @@ from .runtime import trace
 
 @dataclass(frozen=True)
 class Move:
-    """``src``'s elements ``src_pos`` (local positions) of ``key`` become ``dst``'s ``dst_pos``."""
+    """``src``'s elements ``src_pos`` (local positions) of ``key`` become ``dst``'s ``dst_pos``: index
+    tensors, or two slices of one length where both sides are one contiguous run (a copy, not a
+    gather; :func:`expand` makes them)."""
     src: int
     dst: int
     key: str
     src_pos: torch.Tensor
-    dst_pos: torch.Tensor
+    dst_pos: torch.Tensor | slice
 
     @property
     def numel(self) -> int:
-        return len(self.dst_pos)
+        d = self.dst_pos
+        return d.stop - d.start if isinstance(d, slice) else len(d)
 
 
 @dataclass
@@ -137,9 +140,12 @@ def _aranges(a: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 
 def expand(p: Plan, bounds: np.ndarray, old_ids: list[np.ndarray], new_ids: list[np.ndarray],
-           ranks) -> tuple[Plan, list[int], list[int]]:
+           ranks, run: int = 256) -> tuple[Plan, list[int], list[int]]:
     """The plan of elements of the segment plan ``p`` (:func:`segments`): the moves from or to one of
-    ``ranks`` with their element positions, and every rank's elements sent and received (all moves)."""
+    ``ranks`` with their element positions, and every rank's elements sent and received (all moves).
+    A move whose segments form runs contiguous on both sides of ``run`` elements or more on average
+    becomes one move per run, with slices (copies at memory speed, no index built); the others carry
+    index tensors."""
     width = np.diff(bounds)
     starts = [np.cumsum(width[i]) - width[i] for i in (*old_ids, *new_ids)]   # element offset of each position
     world = len(old_ids)
@@ -149,10 +155,18 @@ def expand(p: Plan, bounds: np.ndarray, old_ids: list[np.ndarray], new_ids: list
         if mv.src != mv.dst:
             sent[mv.src] += int(n.sum())
             received[mv.dst] += int(n.sum())
-        if mv.src in ranks or mv.dst in ranks:
-            src = _aranges(starts[mv.src][mv.src_pos.numpy()], n)
-            dst = _aranges(starts[world + mv.dst][mv.dst_pos.numpy()], n)
-            out.moves.append(Move(mv.src, mv.dst, mv.key, torch.from_numpy(src), torch.from_numpy(dst)))
+        if mv.src not in ranks and mv.dst not in ranks:
+            continue
+        a, b = starts[mv.src][mv.src_pos.numpy()], starts[world + mv.dst][mv.dst_pos.numpy()]
+        cut = np.flatnonzero((a[1:] != a[:-1] + n[:-1]) | (b[1:] != b[:-1] + n[:-1])) + 1
+        first = np.concatenate([[0], cut]).astype(np.int64)
+        if len(n) and n.sum() >= run * len(first):          # long runs: slices
+            lengths = np.add.reduceat(n, first)
+            out.moves += [Move(mv.src, mv.dst, mv.key, slice(x, x + m), slice(y, y + m))
+                          for x, y, m in zip(a[first].tolist(), b[first].tolist(), lengths.tolist())]
+        else:
+            out.moves.append(Move(mv.src, mv.dst, mv.key, torch.from_numpy(_aranges(a, n)),
+                                  torch.from_numpy(_aranges(b, n))))
     return out, sent, received
 
 

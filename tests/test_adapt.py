@@ -22,6 +22,7 @@ import torch
 import minipar
 from minipar import adapt, data, hybrid
 from minipar.adapt.moves import plan
+from minipar.pipeline import partition
 from minipar.models import GPT, GPTConfig
 from minipar.reference import assert_same_training, train_reference
 
@@ -76,6 +77,8 @@ def test_candidates_are_measured_and_the_fastest_kept(launched):
     log = got["measured"]["decisions"]
     assert [d["layout"] for d in log] == ["dp=4", "pp=2,tp=2", "dp=2,tp=2,zero=1"]
     assert all(d["measured_ms"] > 0 for d in log)
+    for d in log:                         # each decision with the steps it measured (the slowest rank's)
+        assert len(d["step_ms"]) == 2 and min(d["step_ms"]) > 0 and d["measured_ms"] <= max(d["step_ms"]) + 1e-9
     fastest = min(log, key=lambda d: d["measured_ms"])["layout"]
     assert got["measured"]["layout"] == fastest
     assert all(r["auto"]["measured"]["decisions"] == log for r in launched), "ranks decided differently"
@@ -98,6 +101,11 @@ def test_a_straggler_gets_fewer_layers(launched):
     assert width(after, 0) < width(before, 0), (before, after)
     assert first["stage_ms_after"] < first["stage_ms_before"]
     assert got["measured"]["switches"][0]["bounds"] == after
+    layer_ms = first["layer_ms"]          # the decision keeps the measurement that drove it
+    assert len(layer_ms) == len(GPT(CFG).layers()) and first["measured_steps"] == [1, 2]
+    stage = lambda b: 3 * max(sum(layer_ms[x:y]) for x, y in zip(b[:-1], b[1:]))
+    assert first["stage_ms_before"] == pytest.approx(stage(before)) and first["stage_ms_after"] == pytest.approx(stage(after))
+    assert first["bounds_after"] == partition([x / 1e3 for x in layer_ms], len(before) - 1)
     assert all(r["straggler"]["measured"]["repartitions"][0]["bounds_after"] == after for r in launched)
 
 
@@ -216,12 +224,67 @@ def test_training_command_chooses_its_layout_by_measuring(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--dp", "4", "--switch-at", "2=pp=2,tp=3"], "dp·pp·tp·cp = 6, but the job has 4 ranks"),
     (["--dp", "4", "--switch-at", "9=dp=4"], "outside the run's 4 steps"),
-    (["--dp", "4", "--switch-at", "2=dp=4,ep=2"], "'ep=2' is not KEY=N"),
+    (["--dp", "4", "--switch-at", "2=dp=4,eq=2"], "'eq=2' is not KEY=N"),
+    (["--dp", "4", "--switch-at", "2=dp=4,ep=2"], "ep=2 needs a mixture-of-experts model"),
     (["--dp", "4", "--layout", "auto", "--candidates", "3"], "exceed --steps 4"),
-    (["--dp", "4", "--switch-at", "2=dp=4", "--n-experts", "4"], "dense GPT"),
+    (["--dp", "2", "--pp", "2", "--microbatches", "2", "--ep", "2", "--n-experts", "4", "--switch-at", "2=dp=4,ep=2"],
+     "micro-batches hold other rows"),
+    (["--dp", "4", "--zero", "1", "--switch-at", "2=dp=4,zero=1,dp_shard=2"], "needs zero=3"),
 ])
 def test_training_command_refuses_bad_switches_before_launch(argv, message, capsys):
     from minipar.production import train
     with pytest.raises(SystemExit) as e:
         train.main(argv + ["--steps", "4", "--no-progress"])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def _command(argv, out):
+    from minipar.production import train
+    assert train.main(argv + ["--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_training_command_switches_a_mixture_of_experts_out_of_ep(tmp_path):
+    """``python -m minipar.train --n-experts 4 --dp 2 --ep 2 --switch-at 3=dp=2`` (6 steps): the
+    experts and their AdamW state leave the ep split for whole replicas; the losses and final
+    weights are one process's accumulating the same micro-batch (m = 1, dropless;
+    :func:`~minipar.hybrid.experts.moe_reference`; rtol 1e-4, atol 5e-5, AdamW as above)."""
+    from minipar.data import batches, corpus_tokens
+    from minipar.hybrid import experts
+    from minipar.production import checkpoint, train
+    from minipar.reference import adamw
+    ckpt = tmp_path / "ckpt"
+    argv = ["--n-experts", "4", "--dp", "2", "--ep", "2", "--switch-at", "3=dp=2", "--steps", "6",
+            "--n-layer", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8", "--no-progress",
+            "--checkpoint-dir", str(ckpt)]
+    r = _command(argv, tmp_path / "moe.json")
+    assert [(s["step"], s["from"], s["to"]) for s in r["switches"]] == [(3, "dp=2,ep=2", "dp=2")]
+    args = train.parse(argv)
+    data = batches(corpus_tokens()[0], 6, args.batch_size, args.block_size, seed=args.data_seed)
+    want = experts.moe_reference(GPT(train.model_config(args), seed=args.seed), data,
+                                 adamw(args.lr, args.weight_decay), dp=2, microbatches=1)
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want["losses"]), rtol=1e-4, atol=5e-5)
+    got = checkpoint.load_full_state_dict(ckpt)
+    for k, v in want["params"].items():
+        torch.testing.assert_close(got[k], v, rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_training_command_switches_bf16_between_zero1_and_zero3_bitwise(tmp_path):
+    """``--dtype bf16 --dp 2 --zero 1 --switch-at 2=dp=2,zero=3 --switch-at 4=dp=2,zero=1``: the fp32
+    master weights and AdamW state move bit for bit, and ZeRO-1 and ZeRO-3 on dp2 sum in the same
+    order, so the 6 losses equal, bitwise (tolerance 0), those of the same command without
+    switches; and one process's in bf16 (rtol 1e-3, atol 2e-3, as tests/test_train.py)."""
+    from minipar.data import batches, corpus_tokens
+    from minipar.production import train
+    from minipar.reference import adamw
+    argv = ["--dtype", "bf16", "--dp", "2", "--zero", "1", "--steps", "6", "--n-layer", "2", "--n-embd", "16",
+            "--block-size", "16", "--batch-size", "8", "--no-progress"]
+    r = _command(argv + ["--switch-at", "2=dp=2,zero=3", "--switch-at", "4=dp=2,zero=1"], tmp_path / "a.json")
+    still = _command(argv, tmp_path / "b.json")
+    assert [s["to"] for s in r["switches"]] == ["dp=2,zero=3", "dp=2,zero=1"]
+    assert r["losses"] == still["losses"]
+    args = train.parse(argv)
+    data = batches(corpus_tokens()[0], 6, args.batch_size, args.block_size, seed=args.data_seed)
+    want = train_reference(GPT(train.model_config(args), seed=args.seed), data, adamw(args.lr, args.weight_decay),
+                           dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want["losses"]), rtol=1e-3, atol=2e-3)

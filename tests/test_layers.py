@@ -289,10 +289,6 @@ DEFERRED_ALLOWED = {
     ("runtime/trace.py", "import torch.distributed as dist"), ("runtime/trace.py", "import torch"),
     # chapter 12's switches and their options, being reworked likewise
     ("adapt/auto.py", "from ..plan.course import predict_compare"),
-    ("production/train_options.py", "from ..data import corpus_tokens"),
-    ("production/train_options.py", "from ..models.gpt import GPTConfig"),
-    ("production/train_options.py", "from ..adapt import parse_slow"),
-    ("production/train_options.py", "from ..adapt import check_layout, parse_switches"),
 }
 
 

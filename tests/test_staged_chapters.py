@@ -103,6 +103,7 @@ STAGED = {
     "tests/test_pipeline_tags.py": ((), "tags are the same on every transport; a staged pipeline runs in "
                                         "test_pipeline_equivalence"),
     "tests/test_straggler_costs.py": ((), "one all-reduce of fixed readings"),
+    "tests/test_adapt_layouts.py": ((), "its switches move state by the all-to-all test_adapt runs staged"),
     "tests/test_stepping.py": ((), "the executor it steps is the pipeline's, staged in test_pipeline_equivalence"),
     "tests/test_ranks_magic.py": ((), "a notebook kernel's ranks, placed as launch places them (test_launch runs staged)"),
     "tests/test_reference.py": (["test_a_tensor_parallel_model_on_a_subgroup"],

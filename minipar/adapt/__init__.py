@@ -8,7 +8,7 @@
 * :mod:`.auto`, :mod:`.straggler`, :mod:`.runner`: the layouts to try, a slow rank, and
   :class:`Adaptive`, which the training command (:mod:`minipar.production.train`) drives."""
 from .auto import decide, fit, propose
-from .layout import Layout, parse, parse_switches
+from .layout import Layout, parse, parse_switches, same_step
 from .layout import check as check_layout
 from .moves import Move, Plan, plan
 from .runner import Adaptive
@@ -16,5 +16,5 @@ from .straggler import parse_slow
 from .switch import reshard
 from .train import check, run, segments, train
 
-__all__ = ["Layout", "parse", "parse_switches", "check_layout", "Move", "Plan", "plan", "reshard",
+__all__ = ["Layout", "parse", "parse_switches", "same_step", "check_layout", "Move", "Plan", "plan", "reshard",
            "check", "run", "segments", "train", "Adaptive", "parse_slow", "propose", "fit", "decide"]

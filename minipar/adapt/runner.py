@@ -11,7 +11,12 @@
    cut, taken when its gain over the remaining steps pays for the switch (:mod:`.straggler`).
 
 Every decision is computed from numbers every rank shares (all-reduced times), so every rank
-switches at the same step to the same layout. ``build(layout, bounds)`` makes a model of a
+switches at the same step to the same layout, and each is logged as a record with the
+measurements that drove it: a probe's ``step_ms`` (each of its steps, the slowest rank's) and
+``measured_ms`` (their median after the first) beside ``predicted_ms``; a re-partition's
+``layer_ms`` (each layer's forward per step over ``measured_steps``, the slowest replica's), the
+stage times they predict for both cuts, the gain over the remaining steps and the switch cost
+it is weighed against (``switch_s``, and where it came from). ``build(layout, bounds)`` makes a model of a
 layout; the state moves by :func:`~minipar.adapt.switch.reshard`. :func:`minipar.adapt.train` and
 ``python -m minipar.train`` both drive it."""
 from __future__ import annotations
@@ -42,10 +47,10 @@ class Adaptive:
     def first_layout(self, given):
         return self.proposed[0]["layout"] if self.proposed else parse(given)
 
-    def into(self, layout, step: int, bounds=None, model=None):
-        """Build ``layout`` (or call ``model()``, which builds it) and move the state into it."""
+    def into(self, layout, step: int, bounds=None):
+        """Build ``layout`` (with the pipeline cut ``bounds``) and move the state into it."""
         t0 = time.perf_counter()
-        new = model() if model is not None else self.build(layout, bounds)
+        new = self.build(layout, bounds)
         built = time.perf_counter() - t0
         if self.hm is None:             # the first build: what a switch's rebuild will cost, at least
             self.build_seconds = built
@@ -64,8 +69,13 @@ class Adaptive:
         k, p = len(self.proposed), self.probe
         if k and done <= k * p and done % p == 0:
             row = self.proposed[done // p - 1]
+            steps = torch.tensor(self.seconds[-p:], dtype=torch.float64, device=self.hm.device)
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX)           # each probe step, the slowest rank's
             self.decisions.append({"layout": str(row["layout"]), "predicted_ms": row["predicted_ms"],
-                                   "measured_ms": 1e3 * slowest_median(self.seconds[-p:], self.hm.device)})
+                                   "measured_ms": 1e3 * slowest_median(self.seconds[-p:], self.hm.device),
+                                   "step_ms": [1e3 * t for t in steps.tolist()], "steps": [done - p + 1, done],
+                                   "rule": "the median of the probe's steps after the first, the slowest rank's; "
+                                           "the fastest candidate is kept"})
             if done // p < k:
                 self.into(self.proposed[done // p]["layout"], done)
             elif decide(self.decisions)["layout"] != str(self.layout):
@@ -89,7 +99,9 @@ class Adaptive:
             guess = self.switch_cost
         cost_s = torch.tensor([guess], dtype=torch.float64)
         dist.all_reduce(cost_s, op=dist.ReduceOp.MAX)     # one decision on every rank
-        d = {"step": done} | worth_it(c, hm.bounds, new, self.steps - done, float(cost_s))
+        d = {"step": done, "layer_ms": [1e3 * x for x in c], "measured_steps": [done - self.adapt_every + 1, done],
+             "switch_s_from": "given" if self.switch_cost is not None else "the costliest switch so far" if past
+             else "1.5 × the first build"} | worth_it(c, hm.bounds, new, self.steps - done, float(cost_s))
         self.repartitions.append(d)
         if d["switch"]:
             self.into(self.layout, done, bounds=new)

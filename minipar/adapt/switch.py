@@ -6,40 +6,48 @@ computes the same :func:`~minipar.adapt.moves.plan`, and one ``all_to_all_single
 value that changes rank: rank s packs, for each destination in rank order, the elements of its
 moves to it in plan order; rank d unpacks them in the same order. Elements a rank keeps are
 copied locally and never sent. The values are copied bit for bit, so the next step of the new
-layout is the step the old one would have taken (up to the new layout's order of sums)."""
+layout is the step the old one would have taken (up to the new layout's order of sums). The plan
+and the all-to-all are :mod:`minipar.moves`, which chapter 04's re-partitioning uses as well."""
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ..moves import execute as _execute       # the one mechanism that moves state (chapter 04's too)
+from ..moves import expand, plan, segments
 from ..runtime import trace
-from .holdings import holdings, scalars, set_scalars
-from .moves import concatenated, plan
+from .holdings import held_runs
 
 
 @torch.no_grad()
-def reshard(old, new) -> dict:
+def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
     """Move ``old``'s parameters and optimizer state (a :class:`~minipar.hybrid.HybridModel`) into
     ``new`` (another layout of the same model and world). A collective of the whole world.
     Returns the switch's record on this rank: ``bytes_sent`` and ``bytes_received`` (by the plan,
     and ``sent_observed`` by the all-to-all's own event), ``plan_bytes`` (the whole switch),
-    ``moves``, ``seconds`` and its ``phases``: ``describe`` (the holdings exchanged as runs),
-    ``plan``, ``wait`` (a barrier: the ranks reach the move at different times),
-    ``all_to_all`` (the collective's own event) and ``copy`` (the rest of the move:
-    packing, local copies, unpacking into the new tensors); ``seconds`` is their sum."""
+    ``moves``, ``segments`` (the units planned), ``seconds`` and its ``phases``: ``wait`` (a
+    barrier first: the ranks reach the switch at different times), ``describe`` (the holdings as
+    runs, exchanged), ``plan`` (cut into segments, planned, expanded to this rank's elements), ``all_to_all``
+    (the collective's own event) and ``copy`` (the rest of the move: packing, local copies,
+    unpacking into the new tensors); ``seconds`` is their sum. ``busiest_bytes``: the most any rank
+    sends or receives, what bounds the exchange (:func:`exchange_seconds`); with ``alpha_beta``
+    (this machine's α, β of the all-to-all) also ``alpha_beta_s``, that bound, and ``over_alpha_beta``:
+    the switch without its wait, over it (the goal: at most 2)."""
     phases, t = {}, time.perf_counter()
 
     def done(phase):
         nonlocal t
         phases[phase], t = time.perf_counter() - t, time.perf_counter()
+    world, me = dist.get_world_size(), dist.get_rank()
     with trace.region("reshard"):
-        index, views = holdings(old)
-        shared = scalars(old)
-        olds = [None] * dist.get_world_size()
-        dist.all_gather_object(olds, (packed(runs_of(index)), {k: (v.dtype, v.is_floating_point()) for k, v in shared.items()},
+        dist.barrier()                 # the ranks arrive apart: the wait is not the switch's
+        done("wait")
+        held, views, shared = held_runs(old)
+        olds = [None] * world
+        dist.all_gather_object(olds, (held, {k: v[0].cpu() for k, v in shared.items()},
                                       {k: views[k][0].dtype for k in views}))
         dtypes = {k: d for _, _, kinds in olds for k, d in kinds.items()}
         create = {}                              # the optimizer state the new layout must have
@@ -47,27 +55,29 @@ def reshard(old, new) -> dict:
             slot, name = k.split("/", 1)
             if slot != "param":
                 create.setdefault(name, {})[slot] = (False, dtype)
-        for slot, (dtype, _) in next((sc for _, sc, _ in olds if sc), {}).items():
+        shared = next((sc for _, sc, _ in olds if sc), {})     # the first rank's that has them
+        for slot, value in shared.items():
             for name in {k.split("/", 1)[1] for k in dtypes}:
-                create.setdefault(name, {})[slot] = (True, dtype)
-        olds = [from_runs(unpacked(i)) for i, _, _ in olds]
-        new_index, new_views = holdings(new, create)
-        news = [None] * dist.get_world_size()
-        dist.all_gather_object(news, packed(runs_of(new_index)))
-        news = [from_runs(unpacked(i)) for i in news]
+                create.setdefault(name, {})[slot] = (True, value.dtype)
+        olds = [h for h, _, _ in olds]
+        new_held, new_views, new_shared = held_runs(new, create)
+        news = [None] * world
+        dist.all_gather_object(news, new_held)
         done("describe")
         kinds = sorted({k.split("/", 1)[0] for k in dtypes})
+        anywhere = {k for keys, _, _ in news for k in keys}
         sizes = {f"{kind}/{n}": s.numel() for n, s in new.full_shapes.items() for kind in kinds}
-        sizes = {k: n for k, n in sizes.items() if any(k in h for h in news)}
-        mine_old = [k for k in sizes if k in index]            # this rank's keys, in the plan's order
-        mine_new = [k for k in sizes if k in new_index]
-        p = plan([{"state": i} for i in concatenated(olds, sizes)],
-                 [{"state": i} for i in concatenated(news, sizes)], {"state": sum(sizes.values())})
+        sizes = {k: n for k, n in sizes.items() if k in anywhere}
+        mine_old = [k for k in sizes if k in views]            # this rank's keys, in the plan's order
+        mine_new = [k for k in sizes if k in new_views]
+        bounds, old_ids, new_ids = segments(laid_end_to_end(olds, sizes), laid_end_to_end(news, sizes))
+        units = plan([{"state": torch.from_numpy(i)} for i in old_ids],
+                     [{"state": torch.from_numpy(i)} for i in new_ids], {"state": max(len(bounds) - 1, 0)})
+        p, sent, received = expand(units, bounds, old_ids, new_ids, {me})
         done("plan")
-        dist.barrier()                 # the ranks arrive apart: the wait is not the exchange's
-        done("wait")
         device = next(v for vs in new_views.values() for v in vs).device
-        flat_new = torch.empty(sum(len(new_index[k]) for k in mine_new), dtype=torch.float32, device=device)
+        flat_new = torch.empty(sum(v.numel() for k in mine_new for v in new_views[k]), dtype=torch.float32,
+                               device=device)
         flat_old = (torch.cat([v for k in mine_old for v in views[k]]) if mine_old
                     else torch.empty(0, dtype=torch.float32, device=device))
         mark = trace.mark()
@@ -78,14 +88,36 @@ def reshard(old, new) -> dict:
             for v in new_views[k]:
                 v.copy_(flat_new[at:at + v.numel()])
                 at += v.numel()
-        set_scalars(new, shared)
+        for k, vs in new_shared.items():          # 0-d state every parameter shares (step)
+            for v in vs if k in shared else ():
+                v.copy_(shared[k].reshape(v.shape))
         done("copy")
         phases["copy"] -= exchange                 # what stays: packing, local copies, unpacking
         phases["all_to_all"] = exchange
-    me = dist.get_rank()
-    received = sum(mv.numel for mv in p.moves if mv.dst == me and mv.src != me) * 4
-    return {"bytes_sent": p.sent()[me], "bytes_received": received, "sent_observed": observed,
-            "plan_bytes": p.bytes(), "moves": len(p.moves), "seconds": sum(phases.values()), "phases": phases}
+    out = {"bytes_sent": sent[me] * 4, "bytes_received": received[me] * 4, "sent_observed": observed,
+           "plan_bytes": sum(sent) * 4, "busiest_bytes": 4 * max(max(sent), max(received)), "world": world,
+           "moves": len(units.moves), "segments": len(bounds) - 1, "seconds": sum(phases.values()), "phases": phases}
+    if alpha_beta is not None:
+        out["alpha_beta_s"] = exchange_seconds([4 * x for x in sent], [4 * x for x in received], *alpha_beta)
+        out["over_alpha_beta"] = (out["seconds"] - phases["wait"]) / out["alpha_beta_s"]
+    return out
+
+
+def laid_end_to_end(held: list, sizes: dict[str, int]) -> list[np.ndarray]:
+    """Every rank's runs (:func:`~minipar.adapt.holdings.held_runs`' ``(keys, counts, runs)``) as
+    runs of one index space, the keys laid end to end in ``sizes``' order (the order every rank
+    packs its state in), in a few array operations per rank."""
+    at = dict(zip(sizes, range(len(sizes))))
+    offset = np.concatenate([[0], np.cumsum(list(sizes.values()))]).astype(np.int64)
+    out = []
+    for keys, counts, runs in held:
+        unknown = [k for k in keys if k not in at]
+        if unknown:
+            raise ValueError(f"{unknown[:3]}: held by the old layout, by no rank of the new one")
+        which = np.repeat(np.array([at[k] for k in keys], np.int64), counts)
+        order = np.argsort(which, kind="stable")
+        out.append(runs[order] + np.stack([offset[which[order]], np.zeros(len(order), np.int64)], 1))
+    return out
 
 
 def exchange_seconds(sent: list[int], received: list[int], alpha: float, beta: float) -> float:
@@ -127,57 +159,3 @@ def from_runs(runs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[k] = offsets + torch.arange(n)
     return out
     # <<< ex12 C
-
-
-def packed(runs: dict[str, torch.Tensor]) -> tuple[list[str], list[int], "numpy.ndarray"]:
-    """:func:`runs_of`'s result as one array for the wire: ``(keys, runs per key, all runs)``
-    (pickling one NumPy array costs a fraction of pickling a tensor per key)."""
-    keys = list(runs)
-    flat = torch.cat([runs[k].reshape(-1, 2) for k in keys]) if keys else torch.zeros(0, 2, dtype=torch.long)
-    return keys, [len(runs[k]) for k in keys], flat.cpu().numpy()
-
-
-def unpacked(wire) -> dict[str, torch.Tensor]:
-    """The runs by key back from :func:`packed`."""
-    keys, counts, flat = wire
-    return dict(zip(keys, torch.from_numpy(flat).split(counts)))
-
-
-def _execute(p, tensors, new_tensors) -> int:
-    """Carry out plan ``p`` on this rank: local copies, then one all-to-all. Returns the bytes
-    this rank's all-to-all event recorded as sent."""
-    # >>> ex12 B
-    me, world = dist.get_rank(), p.world_size
-    dtypes = {v.dtype for v in (*tensors.values(), *new_tensors.values())}
-    if dtypes - {torch.float32}:
-        raise NotImplementedError(f"a live switch moves fp32 state, got {sorted(map(str, dtypes))}")
-    for mv in p.between(me, me):
-        new_tensors[mv.key][mv.dst_pos] = tensors[mv.key][mv.src_pos]
-    out_moves = [[mv for mv in p.between(me, d)] for d in range(world)]
-    in_moves = [[mv for mv in p.between(s, me)] for s in range(world)]
-    send = [torch.cat([tensors[mv.key][mv.src_pos] for mv in ms]) if ms and d != me else _empty(tensors)
-            for d, ms in enumerate(out_moves)]
-    in_sizes = [len(x) for x in send]
-    out_sizes = [sum(mv.numel for mv in ms) if s != me else 0 for s, ms in enumerate(in_moves)]
-    recv = torch.empty(sum(out_sizes), dtype=torch.float32, device=_device(tensors))
-    with trace.recording(True):            # observed even where a run records nothing else
-        mark = trace.mark()
-        comm.all_to_all_single(recv, torch.cat(send), out_sizes, in_sizes, name="reshard")
-        observed = sum(e["bytes_sent"] for e in trace.since(mark) if e["name"] == "reshard")
-    at = 0
-    for s, ms in enumerate(in_moves):
-        if s == me:
-            continue
-        for mv in ms:
-            new_tensors[mv.key][mv.dst_pos] = recv[at:at + mv.numel]
-            at += mv.numel
-    return observed
-    # <<< ex12 B
-
-
-def _device(tensors) -> torch.device:
-    return next(iter(tensors.values())).device
-
-
-def _empty(tensors) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.float32, device=_device(tensors))

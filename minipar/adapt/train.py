@@ -12,8 +12,7 @@ import copy
 import torch.distributed as dist
 
 from .. import hybrid, strategy
-from ..mesh import ProcessMesh
-from .layout import check as check_layout, parse, parse_switches
+from .layout import check as check_layout, parse, parse_switches, same_step
 from .runner import Adaptive
 from .straggler import parse_slow
 
@@ -33,8 +32,6 @@ def check(model, batches, world_size: int | None, layout="dp=1", switches=(), ca
           schedule: str = "1f1b", sequence_parallel: bool = False, bucket_cap_mb: float = 25.0) -> None:
     """Plain errors before any process starts: every layout's product is ``world_size``, every switch
     lies inside the run, the candidates' probes fit in it, and the hybrid options fit every layout."""
-    if getattr(getattr(model, "config", model), "moe_every", 0):
-        raise ValueError("a live switch moves dense GPTs (moe_every = 0)")
     steps = len(batches) if batches is not None else None
     if candidates:
         if probe < 2:
@@ -55,8 +52,13 @@ def check(model, batches, world_size: int | None, layout="dp=1", switches=(), ca
     for lay in lays:
         if world_size is not None:
             check_layout(lay, world_size, batch)
-        hybrid.check(model, batches, world_size, dp=lay.dp, pp=lay.pp, tp=lay.tp, cp=lay.cp,
+        hybrid.check(model, batches, world_size, dp=lay.dp, pp=lay.pp, tp=lay.tp, cp=lay.cp, ep=lay.ep,
                      **lay.options(), **options)
+    config = getattr(model, "config", model)
+    for old, new in zip(lays, lays[1:]):
+        why = same_step(old, new, config)
+        if why is not None:
+            raise ValueError(f"switch {old} -> {new}: {why}")
 
 
 def train(model, batches, optimizer=None, layout="dp=1", switches=(), candidates=(), probe: int = 3,
@@ -83,8 +85,7 @@ def train(model, batches, optimizer=None, layout="dp=1", switches=(), candidates
                    bucket_cap_mb=bucket_cap_mb)
 
     def build(lay, bounds):
-        mesh = ProcessMesh(dp=lay.dp, pp=lay.pp, tp=lay.tp, cp=lay.cp).build()
-        return hybrid.HybridModel(copy.deepcopy(model), mesh, optimizer=optimizer, bounds=bounds,
+        return hybrid.HybridModel(copy.deepcopy(model), lay.mesh(), optimizer=optimizer, bounds=bounds,
                                   **lay.options(), **options)
     run_ = Adaptive(build, len(batches), parse_switches(switches, len(batches)), candidates, probe,
                     parse_slow(slow_rank), adapt_every, switch_cost)

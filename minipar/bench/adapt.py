@@ -8,25 +8,32 @@ Two things, on 4 ranks of the course GPT (SGD with momentum):
   runs interleaved (static, adaptive, adaptive, static, ...). The time is the whole run's, the
   switches included. ``ratio`` = adaptive / static, the median of ``--repeats`` pairs (the range
   is printed too);
-* **a switch**: dp4 → dp2·tp2 → pp2·tp2 under ZeRO-1, each switch's plan bytes and the time of
-  its all-to-all beside the α-β estimate of that exchange on this machine
-  (:func:`minipar.adapt.switch.exchange_seconds` with :func:`minipar.plan.measure_machine`'s
-  α and β: n − 1 messages and the busiest rank's bytes), and the switch's other phases, each the
-  slowest rank's: building the new mesh and model, describing the holdings, the plan, waiting for
-  the other ranks (a barrier), the copies (packing and unpacking).
+* **a switch at the cost of its bytes**: dp2·tp2 ZeRO-1 → dp4 ZeRO-3 → pp2·tp2 ZeRO-1 → back
+  to the first, on the toy GPT and on one 10× larger (momentum SGD: weights and
+  momentum move; three times round, twice with ``--quick``, once with ``--smoke``). Each switch's phases, the slowest rank's, against the α-β time of its all-to-all
+  (:func:`minipar.adapt.switch.exchange_seconds`: n − 1 messages and the busiest rank's bytes, α
+  and β fitted here on the all-to-all itself at three sizes): building the new mesh and model (the
+  rebuild, apart), describing the holdings, the plan, the copies (packing and unpacking), the
+  all-to-all; the wait for the other ranks (a barrier) is shown but is not the switch's. The goal:
+  a switch, its rebuild apart, within 2× its α-β time (``over α-β`` ≤ 2); each size reports the
+  median and the range over its switches.
 
 The whole run's time is its steps plus its switches, their rebuilds included.
 """
 from __future__ import annotations
 
 import statistics
+import time
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
-from .. import adapt, data
-from ..adapt.switch import exchange_seconds
+from .. import adapt, comm, data, hybrid
+from ..adapt.switch import reshard
 from ..models.gpt import GPT, GPTConfig
-from ..plan import measure_machine
+from ..runtime.backend import device
+from ..runtime.launch import launch
 from .common import placement, parser, report, row, size
 
 # with fewer GPUs than ranks the ranks share them (Gloo through host memory), and then:
@@ -69,32 +76,97 @@ def main(argv=None) -> dict:
     rows = [row(statistics.median(whole["adapting"]) / steps, statistics.median(whole["static"]) / steps,
                 run=f"pp=4, rank 1 ×{a.factor:g}, adapt every {ways['adapting']['adapt_every']}",
                 cut=str(last["adapting"].measured[0]["bounds"]))]
-    switches = _switches(config, batches[:6], a)
+    switches = {name: _switches(cfg, a) for name, cfg in _switch_models(config, a).items()}
     result = {"rows": rows, "baseline": "static", "ratio": statistics.median(ratios),
               "ratio_range": [min(ratios), max(ratios)], "ratios": ratios, "switches": switches,
               "device": a.device, "steps": steps, "repeats": repeats}
-    notes = [f"ratio range over {repeats} pairs: {min(ratios):.3f} .. {max(ratios):.3f} (whole runs, switches and their rebuilds included)",
-             *[f"a switch to {s['to']}: {s['plan_MiB']:.2f} MiB, all-to-all {s['all_to_all_ms']:.1f} ms "
-               f"(α-β estimate {s['estimate_ms']:.1f} ms); build {s['build_ms']:.0f} ms, describe "
-               f"{s['describe_ms']:.0f} ms, plan {s['plan_ms']:.0f} ms, wait {s['wait_ms']:.0f} ms, copy {s['copy_ms']:.1f} ms" for s in switches]]
+    notes = [f"ratio range over {repeats} pairs: {min(ratios):.3f} .. {max(ratios):.3f} (whole runs, switches and their rebuilds included)"]
+    for name, rows_ in switches.items():
+        over = [r["over_alpha_beta"] for r in rows_]
+        notes += [f"\nswitches of the {name} ({rows_[0]['params']:,} parameters; ms, slowest rank; α-β of the all-to-all "
+                  f"α {rows_[0]['alpha_us']:.0f} µs, β {rows_[0]['beta_GBps']:.2f} GB/s):",
+                  f"  {'to':<20}{'MiB':>7}{'α-β':>7}{'a2a':>7}{'describe':>9}{'plan':>7}{'copy':>7}{'wait':>7}"
+                  f"{'build':>7}{'over α-β':>10}",
+                  *[f"  {r['to']:<20}{r['plan_MiB']:>7.2f}{r['estimate_ms']:>7.1f}{r['all_to_all_ms']:>7.1f}"
+                    f"{r['describe_ms']:>9.1f}{r['plan_ms']:>7.1f}{r['copy_ms']:>7.1f}{r['wait_ms']:>7.1f}"
+                    f"{r['build_ms']:>7.0f}{r['over_alpha_beta']:>10.1f}" for r in rows_],
+                  f"  over α-β (the switch, its rebuild and wait apart, / its all-to-all's α-β time): median "
+                  f"{statistics.median(over):.1f}, range {min(over):.1f} .. {max(over):.1f} over {len(over)} switches"]
     return report(result, a, intro=[f"4 ranks, GPT {config.n_layer}×{config.n_embd}, {steps} steps, "
                                     f"median of {repeats} interleaved pairs"], notes=notes)
 
 
-def _switches(config, batches, a) -> list[dict]:
-    machine = measure_machine(config, 4)
-    res = adapt.run(GPT(config, seed=0), batches, 4, momentum, launch_options={"device": a.device}, layout="dp=4,zero=1",
-                    switches=["2=dp=2,tp=2,zero=1", "4=pp=2,tp=2,zero=1"])
+LAYOUTS = ["dp=2,tp=2,zero=1", "dp=4,zero=3", "pp=2,tp=2,zero=1"]
+
+
+def _switch_models(config, a) -> dict:
+    """The toy GPT and one about 10× larger (√10 wider)."""
+    wide = size(a, 416, 192, 32)
+    return {"toy GPT": config, "10× GPT": GPTConfig(vocab_size=config.vocab_size, block_size=config.block_size,
+                                                     n_layer=config.n_layer, n_head=4, n_embd=wide)}
+
+
+def _switches(config, a) -> list[dict]:
+    rounds = size(a, 3, 2, 1)
+    res = launch(switch_costs, 4, args=(config, LAYOUTS, rounds), device=a.device, timeout=900)
+    alpha, beta = res[0]["alpha"], res[0]["beta"]
     out = []
-    for i, s in enumerate(res.measured[0]["switches"]):
-        per_rank = [m["switches"][i] for m in res.measured]
-        estimate = exchange_seconds([r["bytes_sent"] for r in per_rank], [r["bytes_received"] for r in per_rank],
-                                    machine["alpha"], machine["beta"])
-        out.append({"to": s["to"], "plan_MiB": s["plan_bytes"] / 2**20, "estimate_ms": 1e3 * estimate,
-                    "build_ms": 1e3 * max(r["build_seconds"] for r in per_rank),
-                    **{f"{k}_ms": 1e3 * max(r["phases"][k] for r in per_rank) for k in s["phases"]},
-                    "switch_ms": 1e3 * max(r["seconds"] + r["build_seconds"] for r in per_rank)})
+    for i, s in enumerate(res[0]["records"]):
+        per_rank = [r["records"][i] for r in res]
+        slow = {k: 1e3 * max(r["phases"][k] for r in per_rank) for k in s["phases"]}
+        est = s["alpha_beta_s"]
+        work = max(r["seconds"] - r["phases"]["wait"] for r in per_rank)
+        out.append({"to": s["to"], "plan_MiB": s["plan_bytes"] / 2**20, "estimate_ms": 1e3 * est,
+                    "build_ms": 1e3 * max(r["build_seconds"] for r in per_rank), **{f"{k}_ms": v for k, v in slow.items()},
+                    "switch_ms": 1e3 * work, "over_alpha_beta": work / est, "params": res[0]["params"],
+                    "alpha_us": 1e6 * alpha, "beta_GBps": 1e-9 / beta if beta else float("inf")})
     return out
+
+
+def fit_exchange(seconds: dict[int, float], world: int) -> tuple[float, float]:
+    """α, β of ``(n − 1)·α + β·B`` (:func:`minipar.adapt.switch.exchange_seconds`) from all-to-alls
+    of ``B`` bytes per rank, least squares on the relative error (small and large count alike)."""
+    b = np.array(list(seconds), float)
+    t = np.array(list(seconds.values()))
+    x = np.stack([np.full_like(b, world - 1), b], 1) / t[:, None]
+    alpha, beta = np.linalg.lstsq(x, np.ones_like(t), rcond=None)[0]
+    return max(float(alpha), 0.0), max(float(beta), 1e-15)
+
+
+def switch_costs(config, layouts, rounds: int) -> dict:
+    """Rank function: this machine's all-to-all α and β, then the model trained one step on
+    ``layouts[0]`` and switched round the layouts ``rounds`` times; every switch's record (the
+    rebuild timed beside it, ``alpha_beta_s`` its bound)."""
+    world, at = dist.get_world_size(), device()
+    seconds = {}
+    for per_rank in (1 << 10, 1 << 16, 1 << 21):         # bytes each rank sends: n − 1 messages
+        x = torch.zeros(per_rank // 4 // (world - 1) * world, device=at)
+        y = torch.empty_like(x)
+        runs = []
+        for _ in range(7):
+            dist.barrier()
+            t0 = time.perf_counter()
+            comm.all_to_all_single(y, x, name="probe")
+            runs.append(time.perf_counter() - t0)
+        seconds[per_rank] = statistics.median(runs)
+    alpha, beta = fit_exchange(seconds, world)
+
+    def build(text):
+        lay = adapt.parse(text)
+        return hybrid.HybridModel(GPT(config, seed=0), lay.mesh(), optimizer=momentum, **lay.options())
+    x, y = data.batches(data.synthetic_tokens(5_000, config.vocab_size), 1, 8, config.block_size)[0]
+    old = build(layouts[0])
+    old.train_step(x, y)
+    records = []
+    for _ in range(rounds):
+        for text in layouts[1:] + layouts[:1]:
+            t0 = time.perf_counter()
+            new = build(text)
+            built = time.perf_counter() - t0
+            records.append(reshard(old, new, (alpha, beta)) | {"to": text, "build_seconds": built})
+            old = new
+    return {"alpha": alpha, "beta": beta, "records": records,
+            "params": sum(p.numel() for p in GPT(config).parameters())}
 
 
 if __name__ == "__main__":

@@ -13,18 +13,22 @@ loss, a rank may sit on a slower device. :func:`train_adaptive` fixes the cut wh
    rank that runs it*;
 3. every rank computes the same new cut, :func:`~minipar.pipeline.partition` on the
    times (the ``by="time"`` costs of :func:`~minipar.pipeline.layer_costs`, measured in place);
-4. each layer that changes rank is sent point-to-point by its old owner to its new one,
-   parameters and optimizer state (``name="repartition"``), and training goes on with the
-   new stages and an optimizer holding the moved state.
+4. each layer that changes rank goes from its old owner to its new one, parameters and
+   optimizer state, by the plan of moves and its one all-to-all (:mod:`minipar.moves`, the
+   mechanism of chapter 12's live switch; ``name="repartition"``), and training goes on with
+   the new stages and an optimizer holding the moved state.
 
 The arithmetic of a step does not depend on the cut, so the losses stay those of the
 uninterrupted single-process run; only the time per step changes.
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
-from .. import comm, strategy
+from .. import comm, moves, strategy
 from ..comm import group_rank, group_size
 from ..models import lm_loss
 from ..reference import sgd
@@ -47,27 +51,47 @@ def owners(bounds: list[int], p: int) -> list[int]:
 
 
 def move_layers(layers, old: list[int], new: list[int], optimizer, group=None) -> dict:
-    """Send every layer whose rank changes from ``old`` to ``new`` bounds, parameters and
-    optimizer state, from its old owner to its new one (every rank holds the full model,
-    so receivers write into their own copies). Returns ``{param: state dict}`` received."""
+    """Move every layer whose rank changes from ``old`` to ``new`` bounds, parameters and
+    optimizer state, from its old owner to its new one, with the plan of moves and its one
+    all-to-all that chapter 12's live switch uses too (:func:`minipar.moves.move`, events named
+    ``"repartition"``): a rank's holding is its layers' tensors, each one run of the index space
+    laid out layer by layer; a layer that stays is a local copy and is not sent. Every rank holds
+    the full model, so receivers write into their own copies. Returns ``{param: state dict}``
+    received."""
     p, me = group_size(group), group_rank(group)
     ref_q, ref = next(((q, st) for q, st in optimizer.state.items() if st), (None, {}))  # keys, shapes
-    handles, received = [], {}
-    for j, (layer, src, dst) in enumerate(zip(layers, owners(old, p), owners(new, p))):
-        if src == dst or me not in (src, dst):
-            continue
+    slots = sorted(ref)
+    shapes = {k: None if ref[k].shape == ref_q.shape else ref[k].shape for k in slots}   # None: the parameter's
+    was, will = owners(old, p), owners(new, p)
+    entries, at = [], 0                     # (layer, parameter, slot or None, offset, size) in index order
+    for j, layer in enumerate(layers):
         for q in layer.parameters():
-            if me == src:
-                handles += [comm.isend(t.contiguous(), dst, group, name="repartition", tag=j)
-                            for t in [q.data] + [optimizer.state[q][k] for k in sorted(ref)]]
+            for k in [None] + slots:
+                size = q.numel() if k is None or shapes[k] is None else math.prod(shapes[k])
+                entries.append((j, q, k, at, size))
+                at += size
+
+    def runs(owner):
+        return [np.array([[o, n] for j, _, _, o, n in entries if owner[j] == r], np.int64).reshape(-1, 2)
+                for r in range(p)]
+
+    def tensor(q, k, state):
+        return q.data if k is None else state[k]
+    mine_old = [e for e in entries if was[e[0]] == me]
+    flat_old = (torch.cat([tensor(q, k, optimizer.state[q]).reshape(-1) for _, q, k, _, _ in mine_old]) if mine_old
+                else torch.empty(0, device=ref_q.device if ref_q is not None else None))
+    mine_new = [e for e in entries if will[e[0]] == me]
+    flat_new = torch.empty(sum(n for *_, n in mine_new), dtype=flat_old.dtype, device=flat_old.device)
+    moves.move(runs(was), runs(will), flat_old, flat_new, group, name="repartition")
+    received, i = {}, 0
+    for j, q, k, _, n in mine_new:
+        if was[j] != me:                 # arrived: into this rank's copy of the parameter, a new state
+            state = received.setdefault(q, {})
+            if k is None:
+                q.data.copy_(flat_new[i:i + n].view_as(q.data))
             else:
-                comm.recv(q.data, src, group, name="repartition", tag=j)
-                received[q] = state = {}
-                for k in sorted(ref):  # exp_avg, ... are shaped like the parameter ("step" is not)
-                    state[k] = torch.empty_like(q.data if ref[k].shape == ref_q.shape else ref[k])
-                    comm.recv(state[k], src, group, name="repartition", tag=j)
-    for h in handles:
-        h.wait()
+                state[k] = flat_new[i:i + n].clone().view(q.shape if shapes[k] is None else shapes[k])
+        i += n
     return received
 
 

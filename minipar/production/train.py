@@ -44,10 +44,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .. import hybrid, reference, strategy
-from ..adapt import Adaptive, Layout, parse_slow, parse_switches, propose, fit, decide
+from ..adapt import Adaptive, parse_slow, parse_switches, propose, fit, decide
 from ..data import corpus_tokens, get_batch
 from ..hybrid import check as check_mesh
-from ..mesh import ProcessMesh
 from ..models.gpt import GPT
 from ..plan import measure_machine
 from ..runtime import flight, trace
@@ -57,7 +56,7 @@ from ..runtime.launch import RankError
 from . import checkpoint
 from .checkpoint import CheckpointError, verify
 from .faults import EXIT_HUNG, EXIT_NONFINITE, EXIT_PREEMPTED, forward_to_ranks, StopSignals, Snapshot, agree, rss_bytes
-from .train_options import check_options, model_config, parse, parser  # noqa: F401
+from .train_options import check_options, given_layout, model_config, parse, parser  # noqa: F401
 
 
 def data_signature(args) -> dict:
@@ -152,28 +151,19 @@ def _train(args, signals) -> dict:
     started_at, t_start = time.time(), time.perf_counter()
     config, tokens = model_config(args), corpus_tokens()[0]
 
-    def build(lay, bounds=None, mesh=None, zero=None, microbatches=None):
-        """A model of layout ``lay`` (with the pipeline cut ``bounds``), or of the flags' ``mesh``."""
+    def build(lay, bounds=None):
+        """A model of layout ``lay`` (with the pipeline cut ``bounds``)."""
         with torch.device("cpu"):  # seeded on the CPU, identically on every rank; build() places it
             gpt = GPT(config, seed=args.seed)
-        mesh = mesh or ProcessMesh(dp=lay.dp, pp=lay.pp, tp=lay.tp, cp=lay.cp).build()
-        return hybrid.build(gpt, mesh, zero=lay.zero if zero is None else zero, sharding=args.sharding,
-                            reshard_after_forward=args.reshard_after_forward,
-                            dp_shard=getattr(args, "dp_shard", None), schedule=args.schedule, bounds=bounds,
-                            microbatches=lay.microbatches if microbatches is None else microbatches,
-                            virtual_stages=args.virtual_stages, dtype=args.dtype, recompute=args.recompute,
-                            layout=args.cp_layout, variant=args.cp_variant,
-                            optimizer=reference.adamw(args.lr, args.weight_decay))
+        return hybrid.build(gpt, lay.mesh(), **lay.options(), reshard_after_forward=args.reshard_after_forward,
+                            schedule=args.schedule, bounds=bounds, virtual_stages=args.virtual_stages,
+                            dtype=args.dtype, recompute=args.recompute, layout=args.cp_layout,
+                            variant=args.cp_variant, optimizer=reference.adamw(args.lr, args.weight_decay))
     adaptive = Adaptive(build, args.steps, parse_switches(args.switch_at, args.steps),
                         getattr(args, "proposed", None) or [], args.probe_steps, parse_slow(args.slow_rank),
                         args.adapt_every)
-    zero = args.zero or 0
-    if adaptive.proposed:   # --layout auto: the first candidate; the others are switched to
-        model = adaptive.into(adaptive.first_layout(None), 0)
-    else:
-        given = Layout(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, zero=zero, m=args.microbatches)
-        mesh = ProcessMesh(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep).build()
-        model = adaptive.into(given, 0, model=lambda: build(given, mesh=mesh, zero=zero, microbatches=args.microbatches))
+    # --layout auto: the first candidate (the others are switched to); else the flags' layout
+    model = adaptive.into(adaptive.first_layout(None) if adaptive.proposed else given_layout(args), 0)
     start, resumed_from, history, earlier = 0, None, [], []
     recovery = {"started_at": started_at, "world": dist.get_world_size(), "layout": layout_name(args),
                 "build_s": time.perf_counter() - t_start, "load_s": 0.0}

@@ -18,8 +18,12 @@ import math
 import re
 from pathlib import Path
 
+from ..adapt import Layout, check_layout, parse_slow, parse_switches, same_step
 from ..context_parallel.attention import VARIANTS
 from ..context_parallel.sharding import LAYOUTS
+from ..data import corpus_tokens
+from ..hybrid import check as check_mesh
+from ..models.gpt import GPTConfig
 from ..pipeline.schedules import SCHEDULES
 
 VOCAB_MULTIPLE = 8  # the corpus's 63 characters padded to 64: any tp up to 8 divides it
@@ -161,8 +165,6 @@ def parse(argv=None) -> argparse.Namespace:
 
 def model_config(args):
     """The course GPT these options describe (a mixture of experts with ``--n-experts``)."""
-    from ..data import corpus_tokens
-    from ..models.gpt import GPTConfig
     vocab = -(-corpus_tokens()[1].vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # rounded up
     moe = dict(moe_every=args.moe_every, n_experts=args.n_experts, top_k=args.top_k,
                capacity_factor=args.capacity_factor) if args.n_experts else {}
@@ -215,7 +217,6 @@ def check_options(args) -> None:
         raise ValueError("--elastic chooses a dense GPT's dp × pp × tp layout for the ranks it finds: "
                          "it does not combine with --dp-shard, --n-experts or --layout auto")
     if args.slow_rank is not None:
-        from ..adapt import parse_slow
         try:
             rank, _ = parse_slow(args.slow_rank)
         except ValueError as e:
@@ -242,20 +243,35 @@ def check_auto(args) -> None:
         raise ValueError(f"--candidates {args.candidates} × --probe-steps {args.probe_steps} exceed --steps {args.steps}")
 
 
+def given_layout(args):
+    """The run's first layout, as the flags give it (:class:`minipar.adapt.Layout`)."""
+    return Layout(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep, zero=args.zero or 0,
+                  sharding=args.sharding, dp_shard=getattr(args, "dp_shard", None),
+                  m=None if args.microbatches == args.pp else args.microbatches)
+
+
 def check_switches(args) -> None:
-    """``--switch-at``: every layout fits the world and the global batch, every step the run; the
-    switch moves a dense GPT's fp32 state, any ZeRO stage (:mod:`minipar.adapt`)."""
-    from ..adapt import check_layout, parse_switches
+    """``--switch-at``: every layout fits the world, the global batch and the mesh's rules (experts,
+    ZeRO, HSDP), every step the run; any layout the command trains can be switched to, with the
+    run's dtype (:mod:`minipar.adapt`), except where the step after the switch would be another
+    model's (:func:`minipar.adapt.layout.same_step`: a mixture of experts whose micro-batches change)."""
     try:
         switches = parse_switches(args.switch_at, args.steps)
     except ValueError as e:
         raise ValueError(f"--switch-at: {e}") from None
-    if args.n_experts or args.dtype != "fp32" or getattr(args, "dp_shard", None):
-        raise ValueError("--switch-at moves a dense GPT's fp32 state between dp × pp × tp × cp layouts (any ZeRO "
-                         f"stage): drop --n-experts, --dtype {args.dtype} or --dp-shard")
-    world = args.dp * args.cp * args.pp * args.tp
+    world, config, old = args.dp * args.cp * args.pp * args.tp, model_config(args), given_layout(args)
     for step, layout in switches:
         try:
             check_layout(layout, world, args.batch_size)
+            check_mesh(config, None, world, layout.dp, layout.pp, layout.tp, layout.microbatches, args.schedule,
+                       args.virtual_stages, batch_size=args.batch_size, cp=layout.cp, layout=args.cp_layout,
+                       variant=args.cp_variant, ep=layout.ep, zero=layout.zero, recompute=args.recompute,
+                       seq_len=args.block_size, sharding=layout.sharding,
+                       reshard_after_forward=args.reshard_after_forward, dp_shard=layout.dp_shard,
+                       dtype=args.dtype)
+            why = same_step(old, layout, config)
+            if why is not None:
+                raise ValueError(f"from {old}: {why}")
         except ValueError as e:
             raise ValueError(f"--switch-at {step}={layout}: {e}") from None
+        old = layout

@@ -5,7 +5,8 @@ to the global flat indices (int64) of the single-device tensor that its local te
 local order. Switching layouts gives every rank a new holding; the state must reach it without
 a disk and without sending what a rank already has.
 
-A. ``plan(old, new, sizes)`` (``minipar.adapt.moves``) returns a ``Plan`` of ``Move(src, dst,
+A. ``plan(old, new, sizes)`` (``minipar.moves``, the mechanism chapter 04's re-partitioning
+   shares) returns a ``Plan`` of ``Move(src, dst,
    key, src_pos, dst_pos)``. Contract: every element of a new holding gets exactly one source;
    the source is the rank itself when it already holds the element (a local copy),
    else the first holder after it in ring order (dst+1, dst+2, ... mod world);
@@ -13,12 +14,12 @@ A. ``plan(old, new, sizes)`` (``minipar.adapt.moves``) returns a ``Plan`` of ``M
    an element held by no rank is a ``ValueError`` naming the key;
    old and new holdings of a different number of ranks are a ``ValueError``. The plan's bytes (``Plan.sent``, the library's) are then exactly the elements
    missing at their destination, each at its key's itemsize.
-B. ``_execute(p, tensors, new_tensors)`` (``minipar.adapt.switch``) carries out the plan on this
-   rank: local copies, then one ``all_to_all_single`` in which each rank packs its moves per
+B. ``execute(p, tensors, new_tensors, group=None, name="reshard")`` (``minipar.moves``) carries
+   out the plan on this rank of ``group``: local copies, then one ``all_to_all_single`` in which each rank packs its moves per
    destination in rank order and unpacks per source in the same order. Contract:
    the values arrive bit for bit; the all-to-all's observed bytes equal the plan's;
    fp32 state only (another dtype is a ``NotImplementedError``).
-C. ``runs_of(index)`` and ``from_runs(runs)``: an index as its runs of consecutive elements
+C. ``runs_of(index)`` and ``from_runs(runs)`` (``minipar.adapt.switch``): an index as its runs of consecutive elements
    ``[[start, length], ...]`` and back, so that holdings travel as a few numbers. Contract:
    ``from_runs(runs_of(i))`` gives back i, an empty index included.
 
@@ -227,7 +228,7 @@ def _own_plan(old, new, sizes):
 def _switch(seed, sizes):
     import torch.distributed as dist
 
-    from minipar.adapt.switch import _execute
+    from minipar.moves import execute as _execute
     me, world = dist.get_rank(), dist.get_world_size()
     old, new = _random_case(seed, world, sizes)
     p = _own_plan(old, new, sizes)

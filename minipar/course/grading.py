@@ -15,15 +15,19 @@ labelled, so a learner never reads an unlabelled list or an object's repr:
 * :func:`contributions` / :func:`expect_contributions` notebook 01's 2^r trick: rank r
   contributes 2^r, so a reduced value's bits say which ranks' data it holds;
 * :func:`expect` a plain condition with its explanation;
-* :func:`diagnose` an observation added to a failure only when its condition is the cause.
+* :func:`diagnose` an observation added to a failure only when its condition is the cause;
+* :func:`observes` tags a graded test with the contract clauses it observes directly
+  (``"ex02.C.group"``: exercise, part, clause; part ``*`` for a clause of every part), read back
+  by :func:`observed`.
 """
 from __future__ import annotations
 
 import math
+import re
 from contextlib import contextmanager
 
 __all__ = ["GradeFailure", "expect", "expect_equal", "expect_close", "expect_schedule",
-           "contributions", "expect_contributions", "diagnose"]
+           "contributions", "expect_contributions", "diagnose", "observes", "observed", "CLAUSE_ID"]
 
 _WIDE = 100  # values longer than this are shown one entry per line
 
@@ -336,3 +340,33 @@ def attempt(fn, *args):
                if not any(Path(fr.filename).resolve().is_relative_to(d) for d in libs)]
         at = f" (at {Path(own[-1].filename).name}:{own[-1].lineno}  {own[-1].line})" if own else ""
         return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{at}"
+
+
+# ----------------------------------------------------------------------------- clause tags
+CLAUSE_ID = re.compile(r"^(?:ex|ch)\d\d\.(?:\*|[A-Z])\.[a-z][a-z0-9_]*$")
+
+
+def observes(*clauses: str):
+    """Decorator: the contract clauses a graded test observes directly (it fails when one of
+    them is broken, and its failure names the clause), as ids ``exNN.P.word``: the exercise, the
+    part (``*`` for a clause of every part, such as ``ex03.*.recorded``: every transfer goes
+    through ``minipar.comm`` and is recorded) and a word for the clause. Kept on the test as
+    ``__observes__``; :func:`observed` reads a module's tags back."""
+    bad = [c for c in clauses if not CLAUSE_ID.match(c)]
+    if not clauses or bad:
+        raise ValueError(f"clause ids look like 'ex02.C.group' or 'ex03.*.recorded'; got {bad or 'none'}")
+
+    def tag(test):
+        test.__observes__ = tuple(dict.fromkeys(getattr(test, "__observes__", ()) + clauses))
+        return test
+    return tag
+
+
+def observed(module) -> dict[str, list[str]]:
+    """``{clause id: [test names]}`` of a graded module's tests tagged with :func:`observes`."""
+    out: dict[str, list[str]] = {}
+    for name, test in vars(module).items():
+        if name.startswith("test_") and callable(test):
+            for clause in getattr(test, "__observes__", ()):
+                out.setdefault(clause, []).append(name)
+    return out

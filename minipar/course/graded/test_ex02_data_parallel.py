@@ -59,7 +59,7 @@ from minipar import data, reference
 from minipar.runtime import trace
 from minipar.data_parallel import (DistributedDataParallel, allreduce_gradients, assign_buckets,
                                    shard_batch, trainable)
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, observes
 from minipar.models import GPT, MLP, GPTConfig
 
 EXERCISE = "ex02_data_parallel"
@@ -181,12 +181,14 @@ def _check_average(results, n):
                                          f"(gradient traffic equals cost.ddp_bytes_per_step: 2(n-1)/n · Ψ · 4 with Ψ = {psi})")
 
 
+@observes('ex02.*.average', 'ex02.*.frozen', 'ex02.*.bytes', 'ex02.*.recorded')
 def test_allreduce_gradients_averages(impl):
     """allreduce_gradients leaves the average of the ranks' gradients in every p.grad (4 ranks)."""
     _check_average(minipar.launch(_average_once, 4, args=(False,),
                                   timeout=TIMEOUT), 4)
 
 
+@observes('ex02.A.all_reduce_fn', 'ex02.*.average')
 def test_allreduce_gradients_with_your_all_reduce(impl):
     """With all_reduce_fn (here the ring all-reduce, which sums) the result is still the average."""
     _check_average(minipar.launch(_average_once, 2, args=(True,),
@@ -273,6 +275,7 @@ def _participation():
     return out
 
 
+@observes('ex02.*.zeros', 'ex02.*.same_order', 'ex02.*.dtype', 'ex02.*.group', 'ex02.C.reset')
 def test_gradient_less_parameter_dtype_group_two_steps(impl):
     """On a group of 2 of 3 ranks, two steps: a float64 parameter without a gradient on one rank takes part as zeros, dtypes kept, divided by the group's size."""
     results = minipar.launch(_participation, 3, timeout=TIMEOUT)[1:]
@@ -306,6 +309,7 @@ def test_gradient_less_parameter_dtype_group_two_steps(impl):
                                  rtol=1e-5, atol=1e-7)
 
 
+@observes('ex02.A.training')
 def test_naive_training_matches_single_process(impl):
     """Training the small GPT on 4 ranks with your averaging matches one process on the whole batch."""
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32)
@@ -317,6 +321,7 @@ def test_naive_training_matches_single_process(impl):
 
 
 # ----------------------------------------------------------------------------- B: buckets
+@observes('ex02.B.ready_order', 'ex02.B.cap', 'ex02.B.one_dtype', 'ex02.B.negative_cap')
 def test_assign_buckets(impl):
     """Buckets are filled last parameter first, never past the cap unless one parameter is bigger, one dtype each."""
     params = [torch.nn.Parameter(torch.zeros(k)) for k in (10, 300, 20, 20, 5, 1000, 7)]
@@ -398,16 +403,19 @@ def _run_reducer(n, kw, accumulation=1, probe=False, cfg=CFG):
     return results
 
 
+@observes('ex02.*.average', 'ex02.C.reset')
 def test_reducer_overlapped_matches_single_process(impl):
     """DDP with your overlapping Reducer (2 ranks, small buckets) matches one process; bytes 2(n-1)/n·Ψ·4."""
     _run_reducer(2, dict(bucket_cap_mb=0.02, overlap=True))
 
 
+@observes('ex02.*.bytes', 'ex02.C.no_sync')
 def test_reducer_accumulation_and_no_overlap(impl):
     """4 ranks, gradient accumulation over 2 micro-batches (no_sync), overlap=False: still equal."""
     _run_reducer(4, dict(bucket_cap_mb=0.02, overlap=False), accumulation=2)
 
 
+@observes('ex02.C.overlap')
 def test_reducer_overlaps_with_backward(impl):
     """With overlap=True the first buckets' all-reduces start before backward computes the last gradient."""
     cfg = GPTConfig(vocab_size=32, block_size=32, n_layer=4, n_head=2, n_embd=64)

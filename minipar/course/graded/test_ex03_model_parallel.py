@@ -77,7 +77,7 @@ from minipar import strategy
 from minipar.model_parallel import stage_comm
 from minipar.pipeline.executor import Pipeline
 from minipar.pipeline.schedules import Action, Schedule, add_comms, make_schedule
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, observes
 from minipar.models import GPT, LSTMLM, GPTConfig
 
 EXERCISE = "ex03_model_parallel"
@@ -209,6 +209,7 @@ def _single_process():
     return y.detach(), l1.weight.grad, l2.weight.grad
 
 
+@observes('ex03.A.no_wait', 'ex03.A.leaf', 'ex03.A.dtype')
 def test_activation_values(impl):
     """What arrives: the values sent, as a leaf requiring grad, in the dtype asked; a send
     returns its Handle."""
@@ -225,6 +226,7 @@ def test_activation_values(impl):
     expect_close(got["half"], torch.arange(6.0).reshape(2, 3), "the received bfloat16 activation", where="rank 1")
 
 
+@observes('ex03.A.input_grad')
 def test_gradient_flows_back(impl):
     """A two-rank split computes the same weight gradients as one process."""
     r0, r1 = minipar.launch(_boundary, 2, timeout=TIMEOUT)
@@ -235,6 +237,7 @@ def test_gradient_flows_back(impl):
                      "sent (the gradient sent back is ∂L/∂(the stage's input))", where="rank 0")
 
 
+@observes('ex03.*.recorded', 'ex03.A.group')
 def test_transfers_are_recorded(impl):
     """Each transfer goes through minipar.comm on the group: 120 bytes of fp32 each way, and the
     12 bytes of the bfloat16 activation, all labelled with the group ("pp")."""
@@ -257,6 +260,7 @@ def _model_parallel():
     return mpar.train(GPT(CFG, seed=0), data.batches(TOKENS, 3, 8, 8), reference.sgd(0.5))
 
 
+@observes('ex03.A.input_grad', 'ex03.A.stages', 'ex03.A.training')
 def test_drives_model_parallel(impl):
     """Your step trains the LSTM split over 2 ranks and the GPT over 3 (a middle rank) like one process."""
     two = minipar.launch(_model_parallel, 2, timeout=TIMEOUT)
@@ -287,6 +291,7 @@ def _pipelines(which):
                     schedule="1f1b", microbatches=4)
 
 
+@observes('ex03.B.matching', 'ex03.B.message_dtype')
 def test_messages_match_in_any_order(impl):
     """A float64 GPT on 2 ranks with a schedule whose rank 1 takes the micro-batches in the other
     order trains like one process: the float64 losses to 1e-12, the parameters to 1e-6."""
@@ -302,6 +307,7 @@ def test_messages_match_in_any_order(impl):
                      where=f"{where}, step {step}", rtol=1e-12, atol=1e-12)
 
 
+@observes('ex03.B.waited', 'ex03.*.recorded')
 def test_sends_complete_each_step(impl):
     """1F1B on 2 ranks, 4 micro-batches, 2 steps: like one process, and each step's recorded bytes
     are its 4 messages of 2x8x16 fp32 per rank, on the group ("pp")."""
@@ -376,6 +382,7 @@ def _step_want(m, skip=()):
     return loss, [[q.grad.clone() for q in net[:2].parameters()], [q.grad.clone() for q in net[2:].parameters()]]
 
 
+@observes('ex03.C.mean_loss', 'ex03.C.backward', 'ex03.C.stash', 'ex03.C.split_backward', 'ex03.C.compute_dtype')
 def test_compute_actions(impl):
     """One step of a two-stage network on 2 ranks: under 1F1B and ZB-H1 (4 micro-batches) the loss
     and both stages' gradients are one process's on the batch's mean loss; with micro-batch 1's W

@@ -41,7 +41,7 @@ import minipar
 from minipar import cost
 from minipar.runtime import trace
 from minipar import tensor_parallel as tp
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, attempt
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, attempt, observes
 
 EXERCISE = "ex05_tensor_parallel"
 HINTS = {
@@ -157,6 +157,7 @@ def _g_case():
     return {"z": z.detach(), "x": before, "x_after": x.detach(), "grad": x.grad, "w": w, "bytes": sent}
 
 
+@observes('ex05.A.f', 'ex05.A.one_all_reduce')
 def test_f_identity_forward_all_reduce_backward(impl):
     """f returns x unchanged and sums the ranks' gradients in backward (2 ranks)."""
     results = minipar.launch(_f_case, 2, timeout=TIMEOUT)
@@ -170,6 +171,7 @@ def test_f_identity_forward_all_reduce_backward(impl):
                      f"rank {rank}: bytes sent in f's backward (one all-reduce of 12 floats)")
 
 
+@observes('ex05.A.g', 'ex05.A.one_all_reduce', 'ex05.A.no_in_place')
 def test_g_all_reduce_forward_identity_backward(impl):
     """g sums the ranks' inputs in forward, leaves its input alone, and passes the gradient unchanged."""
     results = minipar.launch(_g_case, 2, timeout=TIMEOUT)
@@ -212,6 +214,7 @@ def _full_linear(x, w, b, up):
     return y.detach(), x.grad, w.grad, b.grad
 
 
+@observes('ex05.*.group', 'ex05.B.column')
 def test_column_parallel_linear(impl):
     """Each rank computes its output features (or all of them, gathered); the input gradient is whole."""
     t = 2
@@ -237,6 +240,7 @@ def _row():
     return y.detach(), x.grad, wr.grad, b.grad
 
 
+@observes('ex05.B.row')
 def test_row_parallel_linear(impl):
     """The partial products sum to the full output, with the bias added once (4 ranks)."""
     t = 4
@@ -266,6 +270,7 @@ def _mlp():
     return y.detach(), x.grad, forward, backward
 
 
+@observes('ex05.B.mlp_comm')
 def test_mlp_needs_one_all_reduce_each_way(impl):
     """Column then row parallel MLP equals the full MLP, with one all-reduce forward and one backward."""
     t = 4
@@ -315,16 +320,19 @@ def _check_ce(scale, t=2):
     return results
 
 
+@observes('ex05.C.loss')
 def test_vocab_parallel_cross_entropy(impl):
     """Loss and gradients equal F.cross_entropy on the full logits (2 ranks, targets on both halves)."""
     _check_ce(scale=1.0)
 
 
+@observes('ex05.C.large_logits')
 def test_vocab_parallel_cross_entropy_large_logits(impl):
     """Still exact (and finite) when logits reach hundreds, where exp overflows without the max."""
     _check_ce(scale=150.0)
 
 
+@observes('ex05.C.forward_bytes', 'ex05.C.backward_silent')
 def test_vocab_parallel_cross_entropy_never_gathers_logits(impl):
     """In forward each rank sends far fewer bytes than gathering the logits would (N·V floats,
     4 ranks); in backward it sends nothing."""
@@ -375,6 +383,7 @@ def _gathers_and_splits():
     return attempt(_gather_split, group, gr)
 
 
+@observes('ex05.*.group', 'ex05.A.gather', 'ex05.A.split', 'ex05.A.divides')
 def test_gather_and_split(impl):
     """gather (gather_along forward, _split backward) and split on two groups of 2 out of 4
     ranks: every rank's (3, 4) block side by side along dims 0, 1 and -1, in group rank order;
@@ -421,6 +430,7 @@ def _shards():
             for bias in (True, False)}
 
 
+@observes('ex05.*.group', 'ex05.B.from_linear', 'ex05.B.no_bias')
 def test_layers_shard_the_single_device_layer(impl):
     """ColumnParallelLinear.from_linear and RowParallelLinear.from_linear of a given
     nn.Linear(6, 4) (each group its own), with and without a bias, on two groups of 2 out of 4
@@ -459,6 +469,7 @@ def _ce_groups():
     return [attempt(_ce_case, group, gi, gr, dtype) for dtype in CE_DTYPES]
 
 
+@observes('ex05.*.group', 'ex05.C.loss', 'ex05.C.fp32')
 def test_vocab_parallel_cross_entropy_on_subgroups(impl):
     """The loss and gradient on two groups of 2 out of 4 ranks (each group its own logits), in
     fp32 and with bf16 logits: the loss within 1e-5 of F.cross_entropy on those bf16 values in

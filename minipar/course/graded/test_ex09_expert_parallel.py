@@ -49,7 +49,7 @@ import torch.distributed as dist
 import minipar
 from minipar.expert_parallel import (ExpertParallelMoE, all_to_all, count_tokens, exchange_counts, kept_counts,
                                      permutation, split_sizes)
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, observes
 from minipar.models.moe import MoE
 
 EXERCISE = "ex09_expert_parallel"
@@ -135,6 +135,7 @@ CONTRACT = {
 TIMEOUT = 30
 
 
+@observes('ex09.A.zero_counts')
 def test_count_tokens(impl):
     """count_tokens: assignments per expert, zeros for experts nobody chose, int64."""
     e = torch.tensor([3, 0, 3, 1, 3])
@@ -147,6 +148,7 @@ def test_count_tokens(impl):
     expect_equal(str(got.dtype), "torch.int64", "the dtype of count_tokens' result")
 
 
+@observes('ex09.A.kept')
 def test_kept_counts(impl):
     """kept_counts: capacity by position, lower ranks first; None keeps everything."""
     M = torch.tensor([[3, 1, 0, 2], [2, 2, 1, 0], [1, 0, 4, 1]])
@@ -158,6 +160,7 @@ def test_kept_counts(impl):
                      "each rank keeps per expert (the first cap, rank 0's before rank 1's)", keys="(rank, expert)")
 
 
+@observes('ex09.B.send_recv', 'ex09.B.python_ints')
 def test_split_sizes(impl):
     """split_sizes: rows sent to and received from every rank, as Python ints; send and recv agree."""
     M = torch.arange(32).reshape(4, 8)
@@ -182,6 +185,7 @@ def test_split_sizes(impl):
                      f"split_sizes(counts = arange(32).reshape(4, 8), rank {r}, ep = 4): rows to and from each rank")
 
 
+@observes('ex09.B.stable', 'ex09.B.inverse')
 def test_permutation_is_stable_with_inverse(impl):
     """permutation: keys[perm] sorted, equal keys in their original order, x[perm][inverse] == x."""
     keys = torch.tensor([2, 0, 3, 2, 1, 0, 2])
@@ -239,6 +243,7 @@ def _exchanges():
     return out
 
 
+@observes('ex09.A.count_matrix', 'ex09.C.rank_order', 'ex09.C.empty', 'ex09.C.dtype', 'ex09.C.grad_back', 'ex09.D.group')
 def test_exchanges_on_ranks(impl):
     """On 4 ranks: exchange_counts on the world and on two groups of 2; all_to_all with uneven (some
     empty) splits in float64, bfloat16 on the groups and float32, forward and backward."""
@@ -315,6 +320,7 @@ def _single(k, cf, step, x=None):
                                                  for i, e in enumerate(moe.experts)}}
 
 
+@observes('ex09.D.outputs', 'ex09.D.gradients', 'ex09.D.second_step', 'ex09.D.aux_loss')
 def test_expert_parallel_layer(impl):
     """The expert-parallel MoE layer on 2 ranks equals one device, in float64: outputs, dropped
     assignments and gradients, for top-2 dropless, top-1 and top-2 at capacity factor 1, two steps each."""
@@ -359,6 +365,7 @@ def _on_subgroups():
             {int(i): float(e.fc.weight.detach().sum()) for i, e in layer.experts.items()}, layer.local, layer.stats["aux"].cpu())
 
 
+@observes('ex09.D.outputs', 'ex09.D.experts', 'ex09.D.divides', 'ex09.D.aux_loss', 'ex09.D.token_group', 'ex09.D.group')
 def test_layer_on_subgroups(impl):
     """4 ranks in two ep groups of 2 ([0, 1] and [2, 3]), each with its own tokens: every group's
     layer equals one device on that group's tokens (top-2, capacity factor 1); its experts are the

@@ -16,6 +16,9 @@ labelled, so a learner never reads an unlabelled list or an object's repr:
   contributes 2^r, so a reduced value's bits say which ranks' data it holds;
 * :func:`expect` a plain condition with its explanation;
 * :func:`diagnose` an observation added to a failure only when its condition is the cause;
+* :func:`expect_recorded` bytes the recorder saw against the contract's (nothing recorded: a
+  transfer that did not go through ``minipar.comm``, the broken clause "recorded");
+* :func:`launched` a rank's error while ranks run a case, reported with the case and its clause;
 * :func:`observes` tags a graded test with the contract clauses it observes directly
   (``"ex02.C.group"``: exercise, part, clause; part ``*`` for a clause of every part), read back
   by :func:`observed`.
@@ -27,7 +30,7 @@ import re
 from contextlib import contextmanager
 
 __all__ = ["GradeFailure", "expect", "expect_equal", "expect_close", "expect_schedule",
-           "contributions", "expect_contributions", "diagnose", "observes", "observed", "CLAUSE_ID"]
+           "contributions", "expect_contributions", "diagnose", "expect_recorded", "launched", "observes", "observed", "CLAUSE_ID"]
 
 _WIDE = 100  # values longer than this are shown one entry per line
 
@@ -297,6 +300,33 @@ def diagnose(condition, message: str):
         if condition(e) if callable(condition) else condition:
             raise GradeFailure(f"{e}\n  seen: {message}").with_traceback(e.__traceback__) from None
         raise
+
+
+# ----------------------------------------------------------------------------- the recorder
+RECORDED = ("every transfer goes through ``minipar.comm``, which records it (the clause 'recorded'): "
+            "a transfer made with torch.distributed directly is not recorded")
+
+
+def expect_recorded(got: int, want: int, what: str, where: str = "") -> None:
+    """Bytes (or messages) the recorder saw, ``got``, equal the contract's ``want``; when nothing
+    was recorded where something was due, the failure says that the clause broken is
+    "recorded" (a collective or send that does not go through ``minipar.comm``)."""
+    with diagnose(got == 0 and want != 0, "nothing was recorded: " + RECORDED):
+        expect_equal(got, want, _where(where, what))
+
+
+@contextmanager
+def launched(what: str):
+    """``with launched("the GPT over 3 ranks (any number of stages, one per rank)"): minipar.launch(...)``:
+    a rank that raised or died while the ranks ran ``what`` fails the test as a
+    :class:`GradeFailure` that names ``what`` (the case and the clause it checks) before the rank's
+    error, at its line in the learner's file when it is there. A hang is left to the grader."""
+    from ..runtime.launch import RankError
+    try:
+        yield
+    except RankError as e:
+        from ._grade_plugin import explain
+        raise GradeFailure(f"{what}: {explain(e)}") from None
 
 
 # ----------------------------------------------------------------------------- training runs

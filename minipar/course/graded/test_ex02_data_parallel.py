@@ -430,3 +430,65 @@ def test_reducer_overlaps_with_backward(impl):
                                              "ran (with overlap, a bucket's all-reduce starts during the backward): "
                                              f"expected at least {per_step - 1} of {per_step}, got {early[s]}; "
                                              f"per step: {early}")
+
+
+def _two_groups():
+    """4 ranks in two data-parallel groups of 2 ([0, 1] and [2, 3], the group named "dp"), real
+    collectives, 2 steps per version: each rank's own gradient, the .grad after the call, and
+    the group labels of the recorded gradient all-reduces."""
+    import copy
+    r = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]     # every rank creates both
+    sub = groups[r // 2]
+    minipar.comm.name_group(sub, "dp")
+    out = {}
+    for version, cap, overlap in SUBGROUP_VERSIONS:
+        model, steps = MLP(seed=0), []
+        ddp = None if cap is None else DistributedDataParallel(model, group=sub, bucket_cap_mb=cap, overlap=overlap)
+        for step in range(2):
+            x, y = data.regression_batches(1, 4, seed=100 * step + r)[0]     # different data on each rank
+            local = copy.deepcopy(model)
+            local(x, y).backward()
+            for p in model.parameters():
+                p.grad = None
+            since = len(trace.events())
+            (ddp or model)(x, y).backward()
+            if ddp is None:
+                allreduce_gradients(model.parameters(), sub)
+            steps.append({"local": {k: p.grad.clone() for k, p in local.named_parameters()},
+                          "got": {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()},
+                          "dims": sorted({str(e["labels"].get("dim")) for e in _grad_events(since)})})
+        if ddp is not None:
+            ddp.remove_hooks()
+        out[version] = steps
+    return out
+
+
+SUBGROUP_VERSIONS = (("A: allreduce_gradients", None, False),
+                     ("C: Reducer, overlap=True", 0.005, True),
+                     ("C: Reducer, overlap=False", 0.005, False))
+
+
+@observes("ex02.*.group", "ex02.C.group", "ex02.*.recorded")
+def test_reducer_on_a_sub_group(impl):
+    """4 ranks in two groups of 2, each its own data, real all-reduces: every version averages over
+    its own group only, and every gradient all-reduce runs on that group, two steps."""
+    results = minipar.launch(_two_groups, 4, timeout=TIMEOUT)
+    for version, _, _ in SUBGROUP_VERSIONS:
+        for step in range(2):
+            for rank, res in enumerate(results):
+                got = res[version][step]
+                where = f"{version}, step {step}, rank {rank} (group {[rank // 2 * 2, rank // 2 * 2 + 1]}, named 'dp')"
+                expect_equal(got["dims"], ["dp"], f"{where}: the group labels of the recorded gradient all-reduces "
+                             "(any group: every collective runs on ``group``; the world's label is 'world'; "
+                             "none recorded: [])")
+                mates = [results[q][version][step]["local"] for q in (rank // 2 * 2, rank // 2 * 2 + 1)]
+                world = [results[q][version][step]["local"] for q in range(4)]
+                for k in mates[0]:
+                    want = (mates[0][k] + mates[1][k]) / 2
+                    expect(got["got"][k] is not None, f"{where}: {k} has no .grad after the step")
+                    with diagnose(lambda f, k=k: torch.allclose(got["got"][k], sum(w[k] for w in world) / 4,
+                                                                rtol=1e-5, atol=1e-7),
+                                  "the gradient is the average over all 4 ranks, not over the group's 2"):
+                        expect_close(got["got"][k], want, "gradient (the average over this rank's group of 2, "
+                                     "any group)", where=f"{where}, {k}", rtol=1e-5, atol=1e-7)

@@ -7,6 +7,8 @@ import types
 import pytest
 
 from minipar.course.graded import test_ex02_data_parallel as ex02
+from minipar.course.graded import test_ex06_zero as ex06
+from minipar.course.graded import test_ex08_context_parallel as ex08
 from planted import fails, planted
 
 PLANTS = {
@@ -16,6 +18,19 @@ PLANTS = {
         ex02.test_reducer_on_a_sub_group,
         r"C: Reducer, overlap=True, step 0, rank 0 .*: the group labels of the recorded gradient all-reduces "
         r"\(any group"),
+    # pre_backward never tells the reduction that the backward reached unit i
+    "ex06 D: pre_backward without reduction.reached(i)": (
+        "ex06", [("        if self.reshard:\n            self.reduction.reached(i)\n", "")],
+        ex06.test_schedule_on_the_real_storage,
+        r"rank 0, prefetch=True, unit 3 holding a parameter without a gradient: \d units held their full "
+        r"parameters at once \(at most two units are gathered at once"),
+    # the forward sends its K/V block at every step: c sends instead of c - 1
+    "ex08 C: the forward sends K/V at every step": (
+        "ex08", [("        if s < c - 1:   # send the block in hand on", "        if True:   # send the block in hand on"),
+                 ("        kv = nxt_kv() if s < c - 1 else kv\n    return o, lse", "        kv = nxt_kv()\n    return o, lse")],
+        lambda target: ex08.test_ring_attention_with_your_code(target, 2),
+        r"cp = 2, rank 0, the ring attention's forward: bytes sent, as recorded \(cost.cp_comm_bytes\('ring', ...\)"
+        r"\['forward'\]: the forward sends its K/V block to the next rank c - 1 times"),
 }
 
 

@@ -887,3 +887,74 @@ def test_schedule_repeats(impl):
             steps = _segments(log, "micro-batch 0")
             expect_equal(steps[1], steps[0], f"{case}: the second step, against the first (every later micro-batch "
                          "and step runs the schedule of the first)", keys="event")
+
+
+# ----------------------------------------------------------------------------- D: on the real storage
+class _Layer(torch.nn.Module):
+    """tanh(Linear(4, 4)); ``spare``: one more parameter the forward never uses (no gradient, ever)."""
+
+    def __init__(self, spare=False):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        if spare:
+            self.spare = torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+REAL_UNITS = 4          # the last unit (the first one backward reaches) holds the spare parameter
+
+
+def _real_schedule(prefetch):
+    """Two steps of FullyShardedDataParallel over four units on the world of 2 ranks (the
+    library's flat storage, your schedule): after each gather, how many units hold their full
+    parameters (gathered or in flight); when unit 0's backward starts, the units whose shard
+    holds a reduced gradient of this backward."""
+    torch.manual_seed(0)
+    layers = [_Layer(spare=i == REAL_UNITS - 1) for i in range(REAL_UNITS)]
+    net = torch.nn.Sequential(*layers)
+    fsdp = zero.shard_module(net, units=layers, prefetch=prefetch)
+    storage = fsdp.schedule.storage
+    held, reduced = [], []
+    gather = storage.gather
+
+    def counted(i, **labels):
+        h = gather(i, **labels)
+        held.append(sum(u.full.untyped_storage().nbytes() > 0 for u in storage.units))
+        return h
+    storage.gather = counted
+    layers[0].register_forward_hook(lambda m, a, out: out.register_hook(
+        lambda g: reduced.append([i for i, u in enumerate(storage.units) if u.shard.grad is not None])) and None)
+    for step in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        fsdp(x).pow(2).sum().backward()
+        fsdp.finish_step()
+        for u in storage.units:                    # as an optimizer's zero_grad(set_to_none=True)
+            u.shard.grad = None
+    return {"held": max(held), "reduced": reduced}
+
+
+def _real_schedules():
+    return {prefetch: attempt(_real_schedule, prefetch) for prefetch in (True, False)}
+
+
+@observes("ex06.D.peak", "ex06.D.reduce_order")
+def test_schedule_on_the_real_storage(impl):
+    """Your schedule over the library's flat storage (2 ranks, four units, the last one holding a
+    parameter that never gets a gradient), two steps: at most 2 units hold their parameters at
+    once with prefetch (1 without), and when unit 0's backward starts, units 3, 2 and 1 are
+    reduce-scattered."""
+    results = minipar.launch(_real_schedules, 2, timeout=TIMEOUT)
+    for rank, res in enumerate(results):
+        for prefetch, got in res.items():
+            where = f"rank {rank}, prefetch={prefetch}, unit {REAL_UNITS - 1} holding a parameter without a gradient"
+            expect(not isinstance(got, str), f"{where}: the step {got}")
+            limit = 2 if prefetch else 1
+            expect(got["held"] <= limit, f"{where}: {got['held']} units held their full parameters at once "
+                   f"(at most two units are gathered at once (one without prefetch)), counted on the storage "
+                   "after each gather")
+            expect_equal(got["reduced"], [[1, 2, 3]] * 2, f"{where}: the units whose shard holds its reduced "
+                         "gradient when unit 0's backward starts (with resharding, each backward reduce-scatters every "
+                         "unit's gradients once, after they are all in, in the reverse of this forward's order: "
+                         "units 3, 2 and 1 come before unit 0)", keys="step")

@@ -56,9 +56,11 @@ import pytest
 import torch
 
 import minipar
-from minipar import comm, data, reference
+from minipar import comm, cost, data, reference
 from minipar import context_parallel as cpm
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, observes
+from minipar.course.grading import (diagnose, expect, expect_close, expect_equal, expect_recorded,
+                                    expect_same_training, observes)
+from minipar.runtime import trace
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex08_context_parallel"
@@ -214,19 +216,46 @@ def test_zigzag_shards_balance_the_causal_work(impl):
                  "the sum of the positions each rank holds (its causal work)", keys="rank")
 
 
+def _sent(since):
+    """(bytes sent, messages sent) in the communication recorded since event ``since``."""
+    evs = [e for e in trace.events()[since:] if e["kind"] == "comm" and e["bytes_sent"]]
+    return sum(e["bytes_sent"] for e in evs), len(evs)
+
+
 def _ring(layout):
     c, r = comm.group_size(), comm.group_rank()
     q, k, v, w = _qkv(T=16)
     ql, kl, vl = (cpm.shard_sequence(t, r, c, layout, dim=2).requires_grad_() for t in (q, k, v))
+    since = len(trace.events())
     o, lse = cpm.ring_attention(ql, kl, vl, None, True, layout)
+    forward, since = _sent(since), len(trace.events())
     (o * cpm.shard_sequence(w, r, c, layout, dim=2)).sum().backward()
-    return [o.detach(), lse, ql.grad, kl.grad, vl.grad]
+    return [o.detach(), lse, ql.grad, kl.grad, vl.grad, {"forward": forward, "backward": _sent(since)}]
+
+
+def _check_ring_traffic(results, cp, shape):
+    """Each rank's recorded bytes and messages in the forward and the backward: the ring's
+    (cost.cp_comm_bytes): its K/V block c - 1 times forward; backward the K/V block c - 1 times
+    and the dK/dV accumulators c times."""
+    b, heads, T, d = shape
+    want = cost.cp_comm_bytes("ring", b, T, heads * d, cp, 4)
+    messages = {"forward": cp - 1, "backward": 2 * cp - 1}
+    said = {"forward": "the forward sends its K/V block to the next rank c - 1 times, one message each",
+            "backward": "the backward sends the K/V block on c - 1 times and the dK/dV accumulator c times"}
+    for r, res in enumerate(results):
+        for phase in ("forward", "backward"):
+            sent, count = res[5][phase]
+            where = f"cp = {cp}, rank {r}, the ring attention's {phase}"
+            expect_recorded(sent, int(want[phase]), f"bytes sent, as recorded (cost.cp_comm_bytes('ring', ...)"
+                            f"['{phase}']: {said[phase]})", where)
+            expect_equal(count, messages[phase], f"{where}: messages sent, as recorded ({said[phase]})")
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@observes('ex08.C.forward', 'ex08.D.backward')
+@observes('ex08.C.forward', 'ex08.D.backward', 'ex08.C.bytes', 'ex08.D.bytes', 'ex08.*.recorded')
 def test_ring_attention_with_your_code(impl, cp):
-    """The library's ring attention (zigzag, causal) equals full attention: O, lse, dQ, dK, dV."""
+    """The library's ring attention (zigzag, causal) equals full attention: O, lse, dQ, dK, dV;
+    each rank sends the ring's bytes and messages (cost.cp_comm_bytes), forward and backward."""
     q, k, v, w = (t.clone() for t in _qkv(T=16))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     o, lse = cpm.masked_attention(q, k, v, causal=True)
@@ -242,6 +271,7 @@ def test_ring_attention_with_your_code(impl, cp):
             expect_close(res[i], mine, f"{name}, index (batch, head, position within the rank's shard, ...)",
                          where=f"cp = {cp}, rank {r} (sequence chunks {c0} and {c1} of {2 * cp}, "
                                f"{T // (2 * cp)} positions each)", rtol=1e-5, atol=1e-5)
+    _check_ring_traffic(results, cp, tuple(q.shape))
 
 
 def _want_step(r, src, c, causal, layout):

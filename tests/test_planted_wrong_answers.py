@@ -7,6 +7,7 @@ import types
 import pytest
 
 from minipar.course.graded import test_ex02_data_parallel as ex02
+from minipar.course.graded import test_ex05_tensor_parallel as ex05
 from minipar.course.graded import test_ex06_zero as ex06
 from minipar.course.graded import test_ex08_context_parallel as ex08
 from planted import fails, planted
@@ -31,6 +32,19 @@ PLANTS = {
         lambda target: ex08.test_ring_attention_with_your_code(target, 2),
         r"cp = 2, rank 0, the ring attention's forward: bytes sent, as recorded \(cost.cp_comm_bytes\('ring', ...\)"
         r"\['forward'\]: the forward sends its K/V block to the next rank c - 1 times"),
+    # the cross-entropy's stabiliser: the mean of the ranks' maxima instead of their maximum
+    "ex05 C: the stabiliser is the mean of the ranks' maxima": (
+        "ex05", [("m = maxima.view(t, n).max(dim=0).values", "m = maxima.view(t, n).mean(dim=0)")],
+        ex05.test_vocab_parallel_cross_entropy_large_logits,
+        r"(?s)rank 0: loss \(F.cross_entropy on the full logits, scale 1, rank 0's logits near 300 and rank 1's "
+        r"near 0\) \(finite even when logits reach hundreds\).*seen: the loss is not finite"),
+    # gather_along through torch.distributed: nothing recorded
+    "ex05 A: gather_along calls torch.distributed directly": (
+        "ex05", [("comm.all_gather(out, xt.reshape(-1), group=group, name=name)",
+                  "torch.distributed.all_gather_into_tensor(out, xt.reshape(-1), group=group)")],
+        ex05.test_gather_and_split,
+        r"(?s)rank 0 .*: bytes the three gathers sent, as recorded .*expected 144, got 0.*seen: nothing was "
+        r"recorded: every transfer goes through ``minipar.comm``, which records it \(the clause 'recorded'\)"),
 }
 
 

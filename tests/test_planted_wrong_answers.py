@@ -10,6 +10,7 @@ from minipar.course.graded import test_ex02_data_parallel as ex02
 from minipar.course.graded import test_ex05_tensor_parallel as ex05
 from minipar.course.graded import test_ex06_zero as ex06
 from minipar.course.graded import test_ex08_context_parallel as ex08
+from minipar.course.graded import test_ex09_expert_parallel as ex09
 from planted import fails, planted
 
 PLANTS = {
@@ -45,6 +46,20 @@ PLANTS = {
         ex05.test_gather_and_split,
         r"(?s)rank 0 .*: bytes the three gathers sent, as recorded .*expected 144, got 0.*seen: nothing was "
         r"recorded: every transfer goes through ``minipar.comm``, which records it \(the clause 'recorded'\)"),
+    # exchange_counts and all_to_all through torch.distributed: nothing recorded
+    "ex09 A: exchange_counts calls torch.distributed directly": (
+        "ex09", [('comm.all_gather(out, counts.contiguous(), group=group, name="ep_counts", dim="ep")',
+                  "torch.distributed.all_gather_into_tensor(out, counts.contiguous(), group=group)")],
+        ex09.test_exchanges_on_ranks,
+        r"(?s)rank 0: bytes exchange_counts sent, as recorded .*expected 192, got 0.*seen: nothing was recorded: "
+        r"every transfer goes through ``minipar.comm``, which records it \(the clause 'recorded'\)"),
+    "ex09 C: all_to_all calls torch.distributed directly": (
+        "ex09", [("comm.all_to_all_single(out, x.contiguous(), recv, send, group=group, name=name, **labels)",
+                  "torch.distributed.all_to_all_single(out, x.contiguous(), recv, send, group=group)")],
+        ex09.test_exchanges_on_ranks,
+        r"(?s)float64, the world of 4 ranks: rank 0: bytes all_to_all sent forward, as recorded .*got 0.*seen: "
+        r"nothing was recorded: every transfer goes through ``minipar.comm``, which records it \(the clause "
+        r"'recorded'\)"),
 }
 
 

@@ -49,7 +49,8 @@ import torch.distributed as dist
 import minipar
 from minipar.expert_parallel import (ExpertParallelMoE, all_to_all, count_tokens, exchange_counts, kept_counts,
                                      permutation, split_sizes)
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, observes
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_recorded, observes
+from minipar.runtime import trace
 from minipar.models.moe import MoE
 
 EXERCISE = "ex09_expert_parallel"
@@ -225,25 +226,34 @@ def _rows(a, b, n, dtype):
     return torch.tensor([[16.0 * a + 4 * b + i, -1.0] for i in range(n)], dtype=dtype).reshape(n, 2)
 
 
+def _sent(since):
+    """Bytes sent in the communication recorded since event ``since``."""
+    return sum(e["bytes_sent"] for e in trace.events()[since:] if e["kind"] == "comm")
+
+
 def _exchanges():
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]          # every rank creates both
     rank, dev = dist.get_rank(), minipar.device()
     counts = torch.tensor([rank, 2 * rank, 0, 7 - rank, 1, 5], device=dev)
-    out = {"counts": [exchange_counts(counts, None).cpu(), exchange_counts(counts, groups[rank // 2]).cpu()]}
+    since = len(trace.events())
+    out = {"counts": [exchange_counts(counts, None).cpu(), exchange_counts(counts, groups[rank // 2]).cpu()],
+           "counts sent": _sent(since)}
     for case, (_, dtype, sub) in enumerate(EXCHANGES):
         group, n, r = (groups[rank // 2], 2, rank % 2) if sub else (None, 4, rank)
         send, recv = [_split(r, b, case) for b in range(n)], [_split(a, r, case) for a in range(n)]
         x = torch.cat([_rows(r, b, send[b], dtype) for b in range(n)]).to(dev).requires_grad_()
         try:                    # an error every rank raises alike is reported with its case
+            since = len(trace.events())
             y = all_to_all(x, recv, send, group, name="graded_a2a", dim="ep")
+            forward, since = _sent(since), len(trace.events())
             (y * (0.5 * y.detach() + r)).sum().backward()              # ∂/∂row = 0.5·row + its receiver
-            out[case] = (y.detach().cpu(), x.grad.cpu())
+            out[case] = (y.detach().cpu(), x.grad.cpu(), forward, _sent(since))
         except Exception as e:  # noqa: BLE001
             out[case] = f"{type(e).__name__}: {e}"
     return out
 
 
-@observes('ex09.A.count_matrix', 'ex09.C.rank_order', 'ex09.C.empty', 'ex09.C.dtype', 'ex09.C.grad_back', 'ex09.D.group')
+@observes('ex09.*.recorded', 'ex09.A.count_matrix', 'ex09.C.rank_order', 'ex09.C.empty', 'ex09.C.dtype', 'ex09.C.grad_back', 'ex09.D.group')
 def test_exchanges_on_ranks(impl):
     """On 4 ranks: exchange_counts on the world and on two groups of 2; all_to_all with uneven (some
     empty) splits in float64, bfloat16 on the groups and float32, forward and backward."""
@@ -255,13 +265,15 @@ def test_exchanges_on_ranks(impl):
         g = rank // 2
         expect_equal(out["counts"][1].tolist(), counts[2 * g:2 * g + 2],
                      f"rank {rank}: exchange_counts on the group [{2 * g}, {2 * g + 1}]", keys="(group rank, expert)")
+        expect_recorded(out["counts sent"], (3 + 1) * 6 * 8, "bytes exchange_counts sent, as recorded (its 6 "
+                        "int64 counts to each other rank: 3 on the world, 1 in its group)", f"rank {rank}")
     for case, (name, dtype, sub) in enumerate(EXCHANGES):
         for rank, out in enumerate(res):
             n, r = (2, rank % 2) if sub else (4, rank)
             where = f"{name}: rank {rank}" + (f" (rank {r} of its group)" if sub else "")
             expect(not isinstance(out[case], str), f"{where}: all_to_all raised {out[case]} (sending "
                    f"{[_split(r, b, case) for b in range(n)]} rows, receiving {[_split(a, r, case) for a in range(n)]})")
-            y, grad = out[case]
+            y, grad, forward, backward = out[case]
             expect_equal(str(y.dtype), str(dtype), f"the dtype of all_to_all's output, {where}")
             want = torch.cat([_rows(a, r, _split(a, r, case), torch.float64) for a in range(n)])
             expect_close(y.double(), want, "all_to_all's output rows (16·source + 4·this rank + i, in rank "
@@ -272,6 +284,12 @@ def test_exchanges_on_ranks(impl):
             expect_equal(str(grad.dtype), str(dtype), f"the dtype of the input's gradient, {where}")
             expect_close(grad.double(), 0.5 * x + dest, "the input's gradient (0.5·row + the rank it went to; sent "
                          f"to each rank: {[_split(r, b, case) for b in range(n)]})", where=where, rtol=0, atol=0)
+            size = 2 * torch.finfo(dtype).bits // 8                    # bytes per row of 2 elements
+            expect_recorded(forward, size * sum(_split(r, b, case) for b in range(n) if b != r), "bytes all_to_all "
+                            "sent forward, as recorded (the rows for the other ranks)", where)
+            expect_recorded(backward, size * sum(_split(a, r, case) for a in range(n) if a != r), "bytes sent in "
+                            "its backward, as recorded (the gradients of the rows that came from the other ranks)",
+                            where)
 
 
 def _moe(k, cf):

@@ -6,7 +6,11 @@ import types
 
 import pytest
 
+from minipar.course import challenge
+from minipar.course.grading import GradeFailure
+from minipar.course.graded import test_ch04_schedule as ch04
 from minipar.course.graded import test_ex02_data_parallel as ex02
+from minipar.course.graded import test_ex03_model_parallel as ex03
 from minipar.course.graded import test_ex05_tensor_parallel as ex05
 from minipar.course.graded import test_ex06_zero as ex06
 from minipar.course.graded import test_ex08_context_parallel as ex08
@@ -45,22 +49,68 @@ PLANTS = {
                   "torch.distributed.all_gather_into_tensor(out, xt.reshape(-1), group=group)")],
         ex05.test_gather_and_split,
         r"(?s)rank 0 .*: bytes the three gathers sent, as recorded .*expected 144, got 0.*seen: nothing was "
-        r"recorded: every transfer goes through ``minipar.comm``, which records it \(the clause 'recorded'\)"),
+        r"recorded: .*\(the clause 'recorded'\)"),
     # exchange_counts and all_to_all through torch.distributed: nothing recorded
     "ex09 A: exchange_counts calls torch.distributed directly": (
         "ex09", [('comm.all_gather(out, counts.contiguous(), group=group, name="ep_counts", dim="ep")',
                   "torch.distributed.all_gather_into_tensor(out, counts.contiguous(), group=group)")],
         ex09.test_exchanges_on_ranks,
         r"(?s)rank 0: bytes exchange_counts sent, as recorded .*expected 192, got 0.*seen: nothing was recorded: "
-        r"every transfer goes through ``minipar.comm``, which records it \(the clause 'recorded'\)"),
+        r".*\(the clause 'recorded'\)"),
     "ex09 C: all_to_all calls torch.distributed directly": (
         "ex09", [("comm.all_to_all_single(out, x.contiguous(), recv, send, group=group, name=name, **labels)",
                   "torch.distributed.all_to_all_single(out, x.contiguous(), recv, send, group=group)")],
         ex09.test_exchanges_on_ranks,
         r"(?s)float64, the world of 4 ranks: rank 0: bytes all_to_all sent forward, as recorded .*got 0.*seen: "
-        r"nothing was recorded: every transfer goes through ``minipar.comm``, which records it \(the clause "
-        r"'recorded'\)"),
+        r"nothing was recorded: .*\(the clause 'recorded'\)"),
+    # the naive step never waits on its activation send: that send is never recorded
+    "ex03 A: the step never waits on its activation send": (
+        "ex03", [("        if send is not None:\n            send.wait()\n", "")],
+        ex03.test_drives_model_parallel,
+        r"(?s)the LSTM split over 2 ranks, rank 0: bytes sent in the last step, as recorded .*every send is waited "
+        r"on, and recorded, by the end of the step\): expected 32768, got 0"),
+    # recv_grad ignores its dtype: named, where it used to end in a rank's abort (exit code -6)
+    "ex03 A: recv_grad ignores its dtype": (
+        "ex03", [("    g = torch.empty(shape, dtype=dtype, device=device)", "    g = torch.empty(shape, device=device)")],
+        ex03.test_activation_values,
+        r"rank 0: the dtype of recv_grad\(..., dtype=torch.bfloat16\) \(in the ``dtype`` asked\)"),
+    # under ZB-H1 the stash is held until W: the message says so (not "until its B")
+    "ex03 C: W never drops its stash (ZB-H1)": (
+        "ex03", [("            self.stash.pop((a.microbatch, a.stage)).apply()",
+                  "            self.stash[a.microbatch, a.stage].apply()")],
+        ex03.test_compute_actions,
+        r"ZB-H1, m=4: peak_stash after the step, the schedule's \(what a micro-batch's backward needs is stashed "
+        r"from its F until its W \(the backward is split\), and no longer\)"),
 }
+
+
+def _challenge(name, *edits):
+    """The challenge's solution with ``edits`` applied, as the ``challenge`` fixture gives it."""
+    text = (challenge.directory("solution") / f"{name}.py").read_text()
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    space = {}
+    exec(compile(text, f"{name}.py", "exec"), space)
+    return types.SimpleNamespace(__name__=name, **{k: v for k, v in space.items() if not k.startswith("__")})
+
+
+CHALLENGE_PLANTS = {
+    # a hand-written ZB-H1 whose warm-up is not capped at m: valid at (4, 8), invalid at (4, 2)
+    "ch04: ZB-H1 with a warm-up not capped at m": (
+        "ch04_schedule", [("    warmup = min(p - rank - 1, m)", "    warmup = p - rank - 1")],
+        ch04.test_is_a_valid_schedule, r"not a valid schedule for p=3, m=1: F1s0 out of range"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHALLENGE_PLANTS))
+def test_wrong_challenge_answer_fails_naming_its_goal(case):
+    name, edits, test, match = CHALLENGE_PLANTS[case]
+    planted_module = _challenge(name, *edits)
+    for other in (ch04.test_memory_goal, ch04.test_bubble_goal):   # it meets the goals at p=4, m=8
+        other(planted_module)
+    with pytest.raises(GradeFailure, match=match):
+        test(planted_module)
 
 
 @pytest.mark.parametrize("case", list(PLANTS))

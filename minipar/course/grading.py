@@ -303,8 +303,8 @@ def diagnose(condition, message: str):
 
 
 # ----------------------------------------------------------------------------- the recorder
-RECORDED = ("every transfer goes through ``minipar.comm``, which records it (the clause 'recorded'): "
-            "a transfer made with torch.distributed directly is not recorded")
+RECORDED = ("minipar.comm records a transfer once its handle is waited on; one made with torch.distributed "
+            "directly, or never waited on, is not recorded (the clause 'recorded')")
 
 
 def expect_recorded(got: int, want: int, what: str, where: str = "") -> None:

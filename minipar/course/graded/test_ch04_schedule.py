@@ -51,10 +51,14 @@ def _valid(s: Schedule) -> None:
         raise GradeFailure(f"not a valid schedule for p={s.p}, m={s.m}: {e}\n{s.table()}") from None
 
 
+VALID_ON = [(p, m) for p in range(1, 7) for m in range(1, 11)]   # m < p too
+
+
 @observes('ch04.*.valid')
 def test_is_a_valid_schedule(challenge):
-    """Every F, B (and W) once per micro-batch, in order, without deadlock (p=4, m=8; also p=2, m=3)."""
-    for p, m in ((P, M), (2, 3)):
+    """Every F, B (and W) once per micro-batch, in order, without deadlock, on every p = 1..6 and
+    m = 1..10 (m < p too), not only the goals' p=4, m=8."""
+    for p, m in VALID_ON:
         _valid(_build(challenge, p, m))
 
 

@@ -229,21 +229,28 @@ class Pool:
             return False
 
     def close(self, kill: bool = False) -> None:
-        for p, c in zip(self.procs, self.conns):
-            if kill:
-                p.kill()
-            else:
-                try:
-                    c.send(None)
-                except OSError:
-                    p.kill()
-        for p, c in zip(self.procs, self.conns):
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        stop(self.procs, self.conns, kill)
+        for c in self.conns:
             c.close()
         self.procs, self.conns = [], []
+
+
+def stop(procs, conns, kill: bool = False) -> None:
+    """End worker processes that serve commands on ``conns`` (``None`` asks one to return):
+    at once with ``kill``, else by asking, and past 5 s by killing; waits for each."""
+    for p, c in zip(procs, conns):
+        if kill or not p.is_alive():
+            p.kill()
+        else:
+            try:
+                c.send(None)
+            except OSError:
+                p.kill()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 
 _pool: Pool | None = None

@@ -31,6 +31,7 @@ from . import rank_loop, rank_setup
 from . import trace as _trace
 from .backend import default_device, place
 from .pool import IN_RANK, cell_sources, context, loopback, main_not_reimported
+from .pool import stop as stop_workers
 from .rendezvous import serve_store
 
 __all__ = ["Ranks", "RanksError", "Outcome", "current", "start", "stop"]
@@ -120,19 +121,7 @@ class Ranks:
 
     def close(self, kill: bool = False) -> None:
         """Stop the ranks (``kill``: at once, whatever they are doing) and wait for them."""
-        for p, c in zip(self.procs, self.cmd):
-            if kill or not p.is_alive():
-                p.kill()
-            else:
-                try:
-                    c.send(None)
-                except OSError:
-                    p.kill()
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        stop_workers(self.procs, self.cmd, kill)
         for c in self.cmd + self.ctl:
             c.close()
         self.procs, self.cmd, self.ctl, self.store = [], [], [], None

@@ -1,8 +1,9 @@
 """Each graded module states its contract and a test per clause (issue 30's conventions 1-4).
 
-* A core module ``test_exNN_*.py`` has ``CONTRACT = {clause: test name(s)}``: every clause is a
-  phrase of its docstring (verbatim, up to line breaks), every named test is a function of the
-  module taking ``impl``.
+* A core module ``test_exNN_*.py`` has ``CONTRACT = {clause id: test name(s)}``: every clause
+  id of the library's ``# Contract:`` blocks for the exercise (:func:`minipar.course.markers.clauses`)
+  is a key and every key is one (a core not yet moved to ids keys its clauses by their text,
+  verbatim in the docstring), every named test is a function of the module taking ``impl``.
 * Every core exercise has at least 40 learner lines (:func:`minipar.course.markers.learner_lines`),
   the ten of chapters 01-10 at least 600 together (ex12, an eleventh core, holds its 40 but does
   not count toward the 600).
@@ -52,8 +53,17 @@ def contract_problems(path: Path) -> list[str]:
     doc = _flat(ast.get_docstring(tree) or "")
     tests = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     problems = []
+    by_id = [c for c in contract if isinstance(c, str) and markers.CLAUSE_ID.fullmatch(c)]
+    if by_id:   # clause ids: the library's ``# Contract:`` blocks hold the clauses
+        k = re.match(r"test_(ex\d+)_", path.name)[1]
+        known = markers.clauses(k)
+        problems += [f"{path.name}: clause {c} of the library's contract names no test"
+                     for c in known if c not in contract]
     for clause, names in contract.items():
-        if not isinstance(clause, str) or _flat(clause) not in doc:
+        if by_id and clause in by_id:
+            if clause not in known:
+                problems.append(f"{path.name}: {clause} is no clause of the library's contract")
+        elif not isinstance(clause, str) or _flat(clause) not in doc:
             problems.append(f"{path.name}: clause {clause!r} is not in the module docstring")
         names = (names,) if isinstance(names, str) else tuple(names)
         if not names:

@@ -11,6 +11,17 @@ from __future__ import annotations
 import torch
 
 
+# Contract:
+# ex02.B.order: the buckets, read in order, list every parameter of ``params`` exactly once, in
+#     the order in which backward makes their gradients ready (for a model whose layers run in
+#     the order of ``params``).
+# ex02.B.cap: no bucket holds more than ``bucket_cap_mb`` MiB (2**20 bytes) of parameters, unless
+#     it holds a single parameter; ``bucket_cap_mb=0``: one parameter per bucket.
+# ex02.B.full: no bucket could have taken the first parameter of the next one without breaking
+#     ex02.B.cap or ex02.B.dtype (the fewest buckets that order allows).
+# ex02.B.dtype: the parameters of a bucket share one dtype (a bucket is one flat tensor); no
+#     bucket is empty.
+# ex02.B.negative: a negative ``bucket_cap_mb`` raises ``ValueError``.
 def assign_buckets(params, bucket_cap_mb: float) -> list[list[torch.nn.Parameter]]:
     """Group ``params`` into buckets, last parameter first. A new bucket starts where the next
     parameter would take the current one past ``bucket_cap_mb`` megabytes (2**20 bytes), or has

@@ -4,49 +4,22 @@ Every rank holds the whole model and computes the gradient of the mean loss over
 shard of the batch; after the backward, every rank must hold the gradient one process would
 compute on the whole batch (Goyal et al. 2017, eq. 1; notebook 02, "Why replicate"). The tests
 run the library's own ``DistributedDataParallel`` and training loops with your code in place.
-The contract, for every part:
 
-* **every trainable parameter's ``.grad`` holds the average** of the ranks' gradients, the same
-  tensor on every rank; **frozen parameters stay without a gradient**;
-* **a parameter without a gradient still takes part, as zeros** (on a rank where backward
-  did not reach it): afterwards it holds the average, and
-  **every rank issues the same collectives in the same order**;
-* **each tensor's dtype is kept** (a float64 parameter's gradient stays float64);
-* **any group**: averages over ``group``'s ranks (a sub-group of the world too), dividing by
-  its size;
-* **gradient traffic equals cost.ddp_bytes_per_step**: each gradient is all-reduced once
-  per step (``name="grad_all_reduce"``); with ``all_reduce_fn(tensor, group)`` (your ring from
-  exercise 01, which sums in place) the result is the same.
+A. ``allreduce_gradients(params, group=None, all_reduce_fn=None)``: called after the backward.
+B. ``assign_buckets(params, bucket_cap_mb)`` -> a list of buckets (lists of parameters), the
+   layout the reducer all-reduces (Li et al. 2020, §3.2.2).
+C. The overlapped reducer and the hooks that feed it (Li et al. 2020, §3.2.3): the ``Reducer``'s
+   state (``__init__``, ``reset``), ``grad_ready(p)``, ``finish()``, ``_launch_ready()``, and
+   ``DistributedDataParallel``'s ``_attach``, ``_grad_hook``, ``_finish`` and ``forward``. Its
+   design is yours: what the reducer keeps, when it launches, how DDP learns that a gradient
+   is final and that the backward is over.
 
-A. ``allreduce_gradients(params, group=None, all_reduce_fn=None)``: after the backward, one
-   all-reduce per trainable parameter.
-
-B. ``assign_buckets(params, bucket_cap_mb)`` -> a list of buckets (lists of parameters):
-   **the order in which backward makes gradients ready**, cut so that
-   **no bucket exceeds the cap unless a single parameter does** (sizes the cap does not
-   divide), **one dtype per bucket** (a bucket is one flat tensor), none empty;
-   **a negative cap is a ValueError** (Li et al. 2020, §3.2.2).
-
-C. The overlapped reducer and the hooks that feed it (Li et al. 2020, §3.2.3): design the
-   ``Reducer``'s state (``__init__``, ``reset``) and its ``grad_ready(p)``, ``finish()`` and
-   ``_launch_ready()``, and ``DistributedDataParallel``'s hooks (``_attach``, ``_grad_hook``, ``_finish``,
-   ``forward``). The library's ``Bucket`` (``pack``,
-   ``unpack``, ``buffer``) is yours to use. The reducer takes the parameters, ``group``,
-   ``bucket_cap_mb``, ``overlap`` and ``all_reduce_fn``; DDP calls ``grad_ready(p)`` once
-   ``p.grad`` is final and ``finish()`` once backward is over (a callback queued on
-   autograd's engine).
-   **With overlap, a bucket's all-reduce starts during the backward**, asynchronously, as
-   soon as the bucket is complete, yet in the same bucket order on every rank;
-   ``overlap=False`` all-reduces every bucket in ``finish``; with ``all_reduce_fn`` the
-   reducer calls it, synchronously, once per bucket.
-   **A second step starts from a clean state** (the reducer is reset after each ``finish``).
-   **Under no_sync, backward only accumulates** (``require_sync`` is False): the first
-   synced backward after it all-reduces the accumulated sum (gradient accumulation).
-
-Graded: the averages, training equal to one process (rtol 1e-5), the bucket layout, the
-bytes, a 3-rank run whose group is 2 of them with a gradient-less float64 parameter, and that
-the first all-reduces start before the backward ends. Grade it with
-``python -m minipar.grade ex02``; stuck? ``minipar.hint("ex02", "A")`` (parts A, B, C).
+Each function's docstring below is its contract: clauses ``ex02.P.word`` that must hold (the
+grader names the clause a failure breaks). Graded: the averages, training equal to one process
+(rtol 1e-5), the bucket layout, the bytes, a 3-rank run whose group is 2 of them with a
+gradient-less float64 parameter, and that the first all-reduces start before the backward
+ends. Grade it with ``python -m minipar.grade ex02``; stuck? ``minipar.hint("ex02", "A")``
+(parts A, B, C).
 """
 from contextlib import nullcontext
 
@@ -110,24 +83,28 @@ HINTS = {
         'version, else reducer.finish().',
     ),
 }
-CONTRACT = {
-    "every trainable parameter's ``.grad`` holds the average": (
-        "test_allreduce_gradients_averages", "test_reducer_overlapped_matches_single_process"),
-    "frozen parameters stay without a gradient": "test_allreduce_gradients_averages",
-    "a parameter without a gradient still takes part, as zeros": "test_gradient_less_parameter_dtype_group_two_steps",
-    "every rank issues the same collectives in the same order": "test_gradient_less_parameter_dtype_group_two_steps",
-    "each tensor's dtype is kept": "test_gradient_less_parameter_dtype_group_two_steps",
-    "any group": "test_gradient_less_parameter_dtype_group_two_steps",
-    "gradient traffic equals cost.ddp_bytes_per_step": (
-        "test_allreduce_gradients_averages", "test_reducer_accumulation_and_no_overlap"),
-    "the order in which backward makes gradients ready": "test_assign_buckets",
-    "no bucket exceeds the cap unless a single parameter does": "test_assign_buckets",
-    "one dtype per bucket": "test_assign_buckets",
-    "a negative cap is a ValueError": "test_assign_buckets",
-    "With overlap, a bucket's all-reduce starts during the backward": "test_reducer_overlaps_with_backward",
-    "A second step starts from a clean state": (
-        "test_gradient_less_parameter_dtype_group_two_steps", "test_reducer_overlapped_matches_single_process"),
-    "Under no_sync, backward only accumulates": "test_reducer_accumulation_and_no_overlap",
+CONTRACT = {   # clause id (the library's ``# Contract:`` blocks) -> the graded tests that observe it
+    "ex02.A.average": ("test_allreduce_gradients_averages", "test_naive_training_matches_single_process"),
+    "ex02.A.frozen": "test_allreduce_gradients_averages",
+    "ex02.A.dtype": "test_gradient_less_parameter_dtype_group_two_steps",
+    "ex02.A.group": "test_gradient_less_parameter_dtype_group_two_steps",
+    "ex02.A.bytes": "test_allreduce_gradients_averages",
+    "ex02.A.fn": "test_allreduce_gradients_with_your_all_reduce",
+    "ex02.*.order": "test_gradient_less_parameter_dtype_group_two_steps",
+    "ex02.*.recorded": "test_allreduce_gradients_averages",
+    "ex02.B.order": "test_assign_buckets",
+    "ex02.B.cap": "test_assign_buckets",
+    "ex02.B.full": "test_assign_buckets",
+    "ex02.B.dtype": "test_assign_buckets",
+    "ex02.B.negative": "test_assign_buckets",
+    "ex02.C.protocol": "test_reducer_overlapped_matches_single_process",
+    "ex02.C.average": ("test_reducer_overlapped_matches_single_process", "test_gradient_less_parameter_dtype_group_two_steps"),
+    "ex02.C.group": "test_gradient_less_parameter_dtype_group_two_steps",
+    "ex02.C.bytes": "test_reducer_accumulation_and_no_overlap",
+    "ex02.C.overlap": "test_reducer_overlaps_with_backward",
+    "ex02.C.fn": "test_gradient_less_parameter_dtype_group_two_steps",
+    "ex02.C.reset": ("test_gradient_less_parameter_dtype_group_two_steps", "test_reducer_overlapped_matches_single_process"),
+    "ex02.C.no_sync": "test_reducer_accumulation_and_no_overlap",
 }
 TIMEOUT = 30
 RTOL, ATOL = 1e-5, 1e-6  # fp32: only the order of the sums differs from one process

@@ -15,6 +15,7 @@ decorators), at the def's indentation::
     # ex02.A.average: after the call every trainable parameter's ``.grad`` holds ...
     #     a clause may run on over indented lines
     # ex02.*.recorded: a clause of every part of ex02
+    # Given: what the code may rely on or use (no id, nothing to grade)
     def allreduce_gradients(params, group=None, all_reduce_fn=None) -> None:
         # the library's own docstring follows: how the code works
 
@@ -41,6 +42,7 @@ GRADED = PACKAGE / "course" / "graded"          # the graded tests, inside the p
 _MARK = re.compile(r"#\s*(>>>|<<<)\s*(ex\d+)(?:\s+(\w+))?\s*$")
 _HINT = re.compile(r"\s*# Hint:")
 _CONTRACT = re.compile(r"\s*# Contract:\s*$")
+_GIVEN = re.compile(r"\s*#\s*Given:\s*(.*)$")
 _CLAUSE = re.compile(r"\s*#\s*((?:ex|ch)\d+\.(?:[A-Z]|\*)\.[a-z][a-z0-9_]*):\s*(.*)$")
 CLAUSE_ID = re.compile(r"(?:ex|ch)\d+\.(?:[A-Z]|\*)\.[a-z][a-z0-9_]*")
 
@@ -90,7 +92,12 @@ class Piece:
 
     def clauses(self, exercise: str) -> list[Clause]:
         """The clauses of this piece's contract that belong to ``exercise`` ("ex02")."""
-        return [c for c in self.contract if c.exercise == exercise]
+        return [c for c in self.contract if c.id and c.exercise == exercise]
+
+    def given(self) -> list[str]:
+        """The contract's ``# Given:`` paragraphs: what the code may rely on and use (no id:
+        nothing to grade)."""
+        return [c.text for c in self.contract if not c.id]
 
 
 def _regions(path: Path, lines: list[str]) -> list[Region]:
@@ -128,17 +135,20 @@ def _contract(path: Path, lines: list[str], first: int) -> list[Clause]:
         return []
     out: list[list[str]] = []
     for j, ln in enumerate(block[starts[-1] + 1:], start=i + starts[-1] + 1):
-        m = _CLAUSE.match(ln)
+        m, g = _CLAUSE.match(ln), _GIVEN.match(ln)
         if m:
             out.append([m[1], m[2].strip()])
+        elif g:
+            out.append(["", g[1].strip()])
         elif out and ln.strip().startswith("#") and ln.strip()[1:].startswith("  "):
             out[-1][1] += " " + ln.strip()[1:].strip()
         else:
             raise SyntaxError(f"{path.relative_to(ROOT)}:{j + 1}: a contract line is a clause "
-                              "('# exNN.P.word: text') or its indented continuation")
-    if not out:
+                              "('# exNN.P.word: text'), a given ('# Given: text') or its indented "
+                              "continuation")
+    if not any(c for c, _ in out):
         raise SyntaxError(f"{path.relative_to(ROOT)}:{i + starts[-1] + 1}: a contract without clauses")
-    return [Clause(c, " ".join(text.split())) for c, text in out]
+    return [Clause(c, " ".join(text.split())) for c, text in out]   # id "": a given
 
 
 def _defs(body, classes=()):
@@ -216,15 +226,21 @@ def clauses(exercise: str) -> dict[str, Clause]:
 
 def contract_docstring(piece: Piece, exercise: str, width: int = 96) -> list[str]:
     """The docstring lines (indented as the def's body) that the exercise and solution files
-    give ``piece``: its contract's clauses for ``exercise``; [] (no docstring) where it has none."""
+    give ``piece``: its contract's givens, then its clauses for ``exercise``; [] (no docstring)
+    where it has no clause."""
     cs = piece.clauses(exercise)
     if not cs:
         return []
     pad = piece.body_indent
-    out = [f'{pad}"""Contract:']
+    out = []
+    for g in piece.given():
+        out += textwrap.wrap(f"Given: {g}", width - len(pad), initial_indent=pad,
+                             subsequent_indent=pad, break_on_hyphens=False) + [""]
+    out.append(f"{pad}Contract:")
     for c in cs:
         out += textwrap.wrap(f"{c.id}: {c.text}", width - len(pad), initial_indent=pad + "- ",
                              subsequent_indent=pad + "  ", break_on_hyphens=False)
+    out[0] = pad + '"""' + out[0][len(pad):]
     out[-1] += '"""'
     return out
 

@@ -1,78 +1,25 @@
 """Exercise 06: ZeRO: a sharded optimizer step, and stage 3's gather, compute, free
 (Rajbhandari et al. 2020).
 
-Every stage shares one layout: a unit's (a layer's) parameters are one flat vector,
-zero-padded to N·k elements for the N ranks of the data-parallel ``group`` (``None``: the
-world), and rank r of the group owns the r-th of N equal slices: on a non-world group, ranks
-count within it. Data moves only through ``minipar.comm.reduce_scatter`` and
-``minipar.comm.all_gather`` (flat tensors; they record the bytes the grader counts).
+Every stage shares one layout (``minipar.zero.flat.FlatUnit``): a unit's (a layer's)
+parameters are one flat vector, zero-padded to N·k elements for the N ranks of the
+data-parallel ``group`` (``None``: the world), and rank r of the group owns the r-th of N
+equal slices. What each rank holds, sends and frees is the lesson: notebook 06, "Each stage
+removes one redundancy", "What it costs in communication" and "Stage 3 in time" (the
+paper's §5.1-5.3 and Figure 1).
 
-A. The reduce path, P_g: ``reduce_shard(flat_grad, group=None, **labels)`` and
-   ``reduce_unit_grads(flat_unit, dtype=None, **labels)``.
-   ``reduce_shard`` returns this rank's slice holding the mean over the group's ranks of that
-   slice, as a view of ``flat_grad`` (reduced in place, no copy); each rank sends (N-1)/N of
-   the unit's bytes; ``**labels`` reach the collective.
-   ``reduce_unit_grads`` reduces a ``FlatUnit``'s gradients that way: a parameter without a
-   gradient on this rank takes part as zeros; the result is in the dtype asked for (the
-   parameters' by default), a new tensor of k elements (the full flat gradient is not kept);
-   afterwards every parameter's ``.grad`` is None.
-B. The ZeRO-1 optimizer, P_os: ``sharded_step(flat_params, grad_shards, shards, optimizer,
-   group=None)`` and ``ZeroOptimizer``'s flat layout (in ``__init__``), ``step`` and ``_step``.
-   After ``sharded_step`` every rank's ``flat_params`` hold the parameters of one full
-   optimizer step on the mean gradient, while the optimizer only ever saw (and kept state for)
-   this rank's slices. Dtypes may differ between the gradient, the shard and the flat
-   parameters (mixed precision): each tensor keeps its own dtype.
-   ``ZeroOptimizer(units, optimizer_cls, group, param_dtype, max_grad_norm, **kwargs)``: the
-   model's parameters become views into the flat parameters, in ``param_dtype``; the
-   optimizer's shards are fp32 (this rank's slices of the flat parameters, or their own master
-   copies under ``param_dtype=torch.bfloat16``); ``step()`` equals the wrapped optimizer's
-   step on the mean gradient over the group, clipped by its global norm with
-   ``max_grad_norm``; after a bf16 step no fp32 gradient copy is left on the shards; a second
-   step after the first (another gradient) is as exact as the first.
-C. Stage 3's gather, compute, free, P_p: ``gather_unit(full, shard, group=None,
-   async_op=False, **labels)``, ``free_unit(full)``, ``ShardedFlatUnit.__init__`` and
+A. The reduce path, P_g: ``reduce_shard`` and ``reduce_unit_grads``.
+B. The ZeRO-1 optimizer, P_os: ``sharded_step`` and ``ZeroOptimizer``'s flat layout (in
+   ``__init__``), ``step`` and ``_step``.
+C. Stage 3's storage, P_p: ``gather_unit``, ``free_unit``, ``ShardedFlatUnit.__init__`` and
    ``FlatStorage.gather``, ``.free``, ``.reduce``.
-   ``free_unit`` releases the memory of ``full`` but keeps the tensor, its shape and every
-   view into it (the model's parameters are such views). ``gather_unit`` makes ``full`` hold
-   every rank's ``shard`` in rank order again, in ``full``'s dtype, whether or not its memory
-   was released; with ``async_op`` it returns the collective's Handle, else None.
-   A ``ShardedFlatUnit`` keeps a leaf fp32 shard (this rank's slice of the unit's flattened
-   parameters) and a ``full`` buffer of N·k elements in ``dtype`` that the parameters are
-   views of, its memory freed from the start. ``FlatStorage.gather(i)`` returns the Handle of
-   unit i's gather, ``free(i)`` releases it, and ``reduce(i)`` adds this rank's mean gradient
-   slice, in fp32, to the shard's ``.grad``: a second backward before the step accumulates.
-D. Stage 3's schedule: when a unit is gathered, freed and reduce-scattered.
-   ``UnitSchedule.pre_forward(i)``, ``.post_forward(i, out)`` (returns what the forward returns),
-   ``.pre_backward(i)``, ``.reduce(i)``, ``.grad_ready(i, p)`` and ``.end_backward()`` in
-   ``minipar.zero.stage3``: unit i's module's forward hooks call the first two, its parameters'
-   post-accumulate-grad hooks ``grad_ready``, the first ``pre_backward`` of a backward queues
-   ``end_backward`` for its end, and ``self.reduction`` (an ``OrderedReduction`` over
-   ``self.order`` reversed, emptied by each forward of the model: ``reached(i)``,
-   ``grad_ready(i, p)``) calls ``reduce(i)``. They act through ``self.gather(i, wait=True,
-   **labels)`` and ``self.free(i)`` (which count ``peak_gathered_bytes``), ``self.storage.use(i,
-   gathered)`` and ``self.storage.reduce(i)``, with ``self.bw`` (a flag per unit),
-   ``self.prefetch`` and ``self.reshard``; ``finish_step`` (the library's) frees and
-   reduce-scatters every unit last of all. Over any ``Storage``:
+D. Stage 3's schedule: ``UnitSchedule``'s hooks decide when a unit is gathered, freed and
+   reduce-scattered, over any storage; the design of that order is yours.
 
-   * **a unit's forward runs only with its parameters gathered and in use (its shards again
-     once it returns), its backward only with them gathered**;
-   * **with ``prefetch``, the gather of the unit that computes next (the next one in a
-     forward, the one before in a backward) starts before this one computes, without waiting
-     for it**; **without it, a unit is gathered only when it computes**;
-   * **with ``reshard_after_forward``, a unit is freed when its forward returns** **and again
-     when its gradients are reduce-scattered**, so that **at most two units are gathered at once
-     (one without prefetch)**, **as ``peak_gathered_bytes`` counts**; **without it, a unit is
-     gathered once per step, at its first forward, and freed only by ``finish_step``**;
-   * **with resharding, each backward reduce-scatters every unit's gradients once, after they
-     are all in, in the reverse of this forward's order**; **without, none is reduce-scattered
-     before ``finish_step``**;
-   * **every later micro-batch and step runs the schedule of the first**.
-
-Derived in notebook 06, "Each stage removes one redundancy", "What it costs in
-communication" and "Stage 3 in time" (the paper's §5.1-5.3 and Figure 1). The last tests
-train the GPT with the library's ZeRO stages 1, 2 and 3 running your code and compare with
-one process. Stuck? ``minipar.hint("ex06", "A")`` (or "B", "C", "D"). Grade it with
-``python -m minipar.grade ex06``.
+Each function's docstring below is its contract: clauses ``ex06.P.word`` that must hold (the
+grader names the clause a failure breaks). The last tests train the GPT with the library's
+ZeRO stages 1, 2 and 3 running your code and compare with one process. Stuck?
+``minipar.hint("ex06", "A")`` (or "B", "C", "D"). Grade it with ``python -m minipar.grade ex06``.
 """
 import torch
 import torch.distributed as dist
@@ -160,51 +107,49 @@ HINTS = {
           "self.bw = [False] * len(self.units)."),
 }
 CONTRACT = {
-    "on a non-world group, ranks count within it": ("test_reduce_unit_grads", "test_zero_optimizer",
+    "ex06.*.group": ("test_reduce_unit_grads", "test_zero_optimizer",
                                                     "test_flat_storage"),
-    "holding the mean over the group's ranks of that slice": "test_reduce_shard",
-    "as a view of ``flat_grad`` (reduced in place, no copy)": "test_reduce_shard",
-    "each rank sends (N-1)/N of the unit's bytes": "test_reduce_shard",
-    "a parameter without a gradient on this rank takes part as zeros": "test_reduce_unit_grads",
-    "the result is in the dtype asked for": "test_reduce_unit_grads",
-    "a new tensor of k elements (the full flat gradient is not kept)": "test_reduce_unit_grads",
-    "afterwards every parameter's ``.grad`` is None": "test_reduce_unit_grads",
-    "hold the parameters of one full optimizer step on the mean gradient": "test_sharded_step_is_a_full_step",
-    "the optimizer only ever saw (and kept state for) this rank's slices": ("test_sharded_step_is_a_full_step",
+    "ex06.A.mean": "test_reduce_shard",
+    "ex06.A.memory": "test_reduce_shard",
+    "ex06.A.bytes": "test_reduce_shard",
+    "ex06.*.recorded": "test_reduce_shard",
+    "ex06.A.zeros": "test_reduce_unit_grads",
+    "ex06.A.dtype": "test_reduce_unit_grads",
+    "ex06.A.fresh": "test_reduce_unit_grads",
+    "ex06.A.cleared": "test_reduce_unit_grads",
+    "ex06.B.full_step": "test_sharded_step_is_a_full_step",
+    "ex06.B.state": ("test_sharded_step_is_a_full_step",
                                                                              "test_zero_optimizer"),
-    "each tensor keeps its own dtype": ("test_sharded_step_is_a_full_step", "test_zero_optimizer"),
-    "the model's parameters become views into the flat parameters, in ``param_dtype``": "test_zero_optimizer",
-    "``step()`` equals the wrapped optimizer's step on the mean gradient over the group": "test_zero_optimizer",
-    "clipped by its global norm with ``max_grad_norm``": "test_zero_optimizer",
-    "after a bf16 step no fp32 gradient copy is left on the shards": "test_zero_optimizer",
-    "a second step after the first (another gradient) is as exact as the first": ("test_zero_optimizer",
+    "ex06.B.dtypes": ("test_sharded_step_is_a_full_step", "test_zero_optimizer"),
+    "ex06.B.views": "test_zero_optimizer",
+    "ex06.B.step": "test_zero_optimizer",
+    "ex06.B.clip": "test_zero_optimizer",
+    "ex06.B.no_copy": "test_zero_optimizer",
+    "ex06.B.second": ("test_zero_optimizer",
                                                                                   "test_stages_1_and_2_train_like_one_process"),
-    "``free_unit`` releases the memory of ``full`` but keeps the tensor, its shape and every view into it":
+    "ex06.C.free":
         "test_gather_and_free",
-    "every rank's ``shard`` in rank order again, in ``full``'s dtype": "test_gather_and_free",
-    "with ``async_op`` it returns the collective's Handle, else None": "test_gather_and_free",
-    "keeps a leaf fp32 shard": "test_flat_storage",
-    "a ``full`` buffer of N·k elements in ``dtype`` that the parameters are views of, its memory freed from the start":
+    "ex06.C.gather": "test_gather_and_free",
+    "ex06.C.async": "test_gather_and_free",
+    "ex06.C.shard": "test_flat_storage",
+    "ex06.C.full":
         "test_flat_storage",
-    "``FlatStorage.gather(i)`` returns the Handle of unit i's gather, ``free(i)`` releases it": "test_flat_storage",
-    "adds this rank's mean gradient slice, in fp32, to the shard's ``.grad``": "test_flat_storage",
-    "a second backward before the step accumulates": "test_flat_storage",
-    "a unit's forward runs only with its parameters gathered and in use (its shards again once it returns), its "
-    "backward only with them gathered": "test_schedule_gathers",
-    "with ``prefetch``, the gather of the unit that computes next (the next one in a forward, the one before in a "
-    "backward) starts before this one computes, without waiting for it": "test_schedule_gathers",
-    "without it, a unit is gathered only when it computes": "test_schedule_gathers",
-    "with ``reshard_after_forward``, a unit is freed when its forward returns": "test_schedule_frees",
-    "and again when its gradients are reduce-scattered": "test_schedule_frees",
-    "at most two units are gathered at once (one without prefetch)": "test_schedule_frees",
-    "as ``peak_gathered_bytes`` counts": "test_schedule_frees",
-    "without it, a unit is gathered once per step, at its first forward, and freed only by ``finish_step``":
+    "ex06.C.storage": "test_flat_storage",
+    "ex06.C.reduce": "test_flat_storage",
+    "ex06.C.accumulate": "test_flat_storage",
+    "ex06.D.use": "test_schedule_gathers",
+    "ex06.D.prefetch": "test_schedule_gathers",
+    "ex06.D.on_demand": "test_schedule_gathers",
+    "ex06.D.free": "test_schedule_frees",
+    "ex06.D.free_again": "test_schedule_frees",
+    "ex06.D.peak": "test_schedule_frees",
+    "ex06.D.counted": "test_schedule_frees",
+    "ex06.D.keep":
         "test_schedule_frees",
-    "with resharding, each backward reduce-scatters every unit's gradients once, after they are all in, in the "
-    "reverse of this forward's order": "test_schedule_reduces",
-    "without, none is reduce-scattered before ``finish_step``": "test_schedule_reduces",
-    "every later micro-batch and step runs the schedule of the first": "test_schedule_repeats",
-    "train the GPT with the library's ZeRO stages 1, 2 and 3": ("test_stages_1_and_2_train_like_one_process",
+    "ex06.D.reduce": "test_schedule_reduces",
+    "ex06.D.deferred": "test_schedule_reduces",
+    "ex06.D.repeat": "test_schedule_repeats",
+    "ex06.*.train": ("test_stages_1_and_2_train_like_one_process",
                                                               "test_stage3_trains_like_one_process"),
 }
 TIMEOUT = 60

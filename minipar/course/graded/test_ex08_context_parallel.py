@@ -1,56 +1,25 @@
 """Exercise 08: context parallelism: ring attention, forward and backward, and its layout.
 
-A. ``merge_partials(o_a, lse_a, o_b, lse_b)``: the online-softmax merge.
-   ``(o_a, lse_a)`` is attention of some queries over one block of keys: ``o`` (..., T, d)
-   the softmax-weighted values, ``lse`` (..., T) the log-sum-exp of each query's scores.
-   ``(o_b, lse_b)`` is the same over another, disjoint block. Return ``(o, lse)``, attention
-   of the same queries over both blocks together. The blocks may be of unequal length.
-   Invariant: merging the blocks of a split key set, in any order, gives attention over the
-   whole set (to fp32 rounding, rtol = atol = 1e-5), and stays finite and exact when the
-   log-sum-exps are near 1000, where a plain ``exp`` overflows.
-   Derived in notebook 08, "The online-softmax merge" (Milakov & Gimelshein 2018;
-   FlashAttention, Dao et al. 2022, Algorithm 1; ring attention, Liu et al. 2023).
+Each rank of a cp group holds T/c tokens of every sequence; only attention needs the other
+ranks' tokens. Notebook 08 shows the ring, the merge and the causal imbalance on real ranks;
+here you build them.
 
-B. ``zigzag_chunks(rank, cp)``: the sequence is cut into 2·cp equal chunks, numbered in
-   sequence order, and each rank of a cp group holds two of them. Return the two chunk
-   numbers ``rank`` holds, the earlier one first.
-   Invariant: together the ranks hold each chunk exactly once, and under a causal mask every
-   rank's queries do the same attention work (the query-key pairs they score).
-   A rank outside the group is a ``ValueError``.
-   Derived in notebook 08, "The causal imbalance, and zigzag" (the Llama 3 report, Dubey et
-   al. 2024, §3.3.2).
-
+A. ``merge_partials(o_a, lse_a, o_b, lse_b)``: the online-softmax merge, exact where the
+   formula written out is not (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022).
+B. ``zigzag_chunks(rank, cp)``: which two of the 2·cp chunks a rank holds so that causal
+   attention costs every rank the same (the Llama 3 report, Dubey et al. 2024, §3.3.2).
 C. ``ring_step(rank, src, cp, causal, layout)`` and ``ring_forward(q, k, v, group, causal,
-   layout, attention)``: ring attention's forward (Liu et al. 2023). Each rank of the cp
-   ``group`` holds its queries and one key/value block; at step s = 0 .. c-1 it holds the block
-   of group rank src = (r - s) mod c, starts passing it on to r+1 (and receiving the next from
-   r-1) with ``_start_exchange``, and merges its queries' attention on the block into a running
-   ``(o, lse)``. ``ring_step`` says what a step computes, one of ``PARTS``: without a mask
-   "full"; causal and contiguous, "causal" on the diagonal, "full" for an earlier block and
-   "skip" for a later one (no work at all, the block is wholly masked); causal and zigzag,
-   "causal" on the diagonal, "kv_front" (every query, the block's first half of keys) for
-   src < r and "q_back" (the second half of the queries, every key) for src > r
-   (``_views`` cuts those out). Return ``(o, lse)`` of this rank's queries over the whole
-   sequence.
-   Invariant: on every rank, O and lse equal full attention's rows of that rank's tokens (fp32,
-   rtol = atol = 1e-5), contiguous or zigzag, causal or not;
-   a later block under the causal mask is skipped, never computed;
-   on a non-world group (a cp group of 2 out of 4 ranks), ranks count within their group;
-   each dtype kept (float64 and bfloat16 in, the same dtype out).
+   layout, attention)``: ring attention's forward (Liu et al. 2023): which pairs a step scores,
+   and the loop around the ring, yours to design.
 D. ``ring_backward(q, k, v, o, lse, do, group, causal, layout, attention)``: the written-out
-   backward. The key/value blocks go around the ring again, each travelling with an
-   accumulator of its dK, dV; at every step the rank adds its queries' contribution
-   (``attention_block_backward``, from the final o and lse) to dQ and to the accumulator, and
-   passes the accumulator on (tag 1); after c steps each block's accumulator is back on its
-   owner, with every rank's contribution. Return ``(dQ, dK, dV)``.
-   Invariant: dQ, dK, dV equal full attention's gradients of the rank's tokens (fp32,
-   rtol = atol = 1e-5) on 2 and 4 ranks, on a non-world group and with a skipped block;
-   a second step after the first (another q, k, v and dO) is as exact as the first.
+   backward: how each key block's gradient collects every rank's contribution is yours.
 
-The last tests run the library's ring attention on 2 and 4 ranks (and on two cp groups of 2
-out of 4) and train the GPT with context parallelism, your functions in place, and compare
-with one process. Stuck? ``minipar.hint("ex08", "A")`` (or "B", "C", "D") gives a nudge, then
-the idea, then the formula. Grade it with ``python -m minipar.grade ex08``.
+Each function's docstring below is its contract: clauses ``ex08.P.word`` that must hold (the
+grader names the clause a failure breaks). The last tests run the library's ring attention on
+2 and 4 ranks (and on two cp groups of 2 out of 4) and train the GPT with context parallelism,
+your functions in place, and compare with one process. Stuck? ``minipar.hint("ex08", "A")``
+(or "B", "C", "D") gives a nudge, then the idea, then the steps. Grade it with
+``python -m minipar.grade ex08``.
 """
 import pytest
 import torch
@@ -106,23 +75,32 @@ HINTS = {
           "c == 1); return dq, dkv[0], dkv[1]."),
 }
 CONTRACT = {
-    "The blocks may be of unequal length": "test_merge_two_blocks",
-    "merging the blocks of a split key set, in any order": "test_merge_many_blocks_any_order",
-    "log-sum-exps are near 1000, where a plain ``exp`` overflows": ("test_merge_is_stable_for_large_scores",
+    "ex08.A.unequal": "test_merge_two_blocks",
+    "ex08.A.exact": "test_merge_many_blocks_any_order",
+    "ex08.A.stable": ("test_merge_is_stable_for_large_scores",
                                                                  "test_documented_merge_formula_passes"),
-    "together the ranks hold each chunk exactly once": "test_zigzag_chunks",
-    "rank's queries do the same attention work": "test_zigzag_shards_balance_the_causal_work",
-    "A rank outside the group is a ``ValueError``": "test_zigzag_rank_off_the_group",
-    "O and lse equal full attention's rows of that rank's tokens": ("test_ring_attention_with_your_code",
+    "ex08.B.cover": "test_zigzag_chunks",
+    "ex08.B.balance": "test_zigzag_shards_balance_the_causal_work",
+    "ex08.B.range": "test_zigzag_rank_off_the_group",
+    "ex08.C.exact": ("test_ring_attention_with_your_code",
                                                                     "test_ring_attention_on_subgroups"),
-    "a later block under the causal mask is skipped, never computed": "test_ring_step_parts",
-    "on a non-world group (a cp group of 2 out of 4 ranks), ranks count within their group":
+    "ex08.C.skip": "test_ring_step_parts",
+    "ex08.C.parts": "test_ring_step_parts",
+    "ex08.*.group":
         "test_ring_attention_on_subgroups",
-    "each dtype kept (float64 and bfloat16 in, the same dtype out)": "test_ring_attention_on_subgroups",
-    "dQ, dK, dV equal full attention's gradients of the rank's tokens": ("test_ring_attention_with_your_code",
+    "ex08.*.dtype": "test_ring_attention_on_subgroups",
+    "ex08.D.exact": ("test_ring_attention_with_your_code",
                                                                          "test_ring_attention_on_subgroups"),
-    "a second step after the first (another q, k, v and dO) is as exact as the first":
+    "ex08.D.second":
         ("test_ring_attention_on_subgroups", "test_training_with_your_code"),
+}
+# Clauses of the contract that no graded test observes yet (each one a hole in the grader,
+# named here so that tests/test_contracts.py lists it rather than forgets it).
+PENDING = {
+    "ex08.A.empty": "no test merges a block whose lse is -inf",
+    "ex08.C.sends": "the forward's ring bytes and sends are not counted",
+    "ex08.D.sends": "the backward's ring bytes and sends are not counted",
+    "ex08.*.recorded": "the ring's transfers are not read from the trace",
 }
 TIMEOUT = 30
 

@@ -146,8 +146,8 @@ def _contract(path: Path, lines: list[str], first: int) -> list[Clause]:
             raise SyntaxError(f"{path.relative_to(ROOT)}:{j + 1}: a contract line is a clause "
                               "('# exNN.P.word: text'), a given ('# Given: text') or its indented "
                               "continuation")
-    if not any(c for c, _ in out):
-        raise SyntaxError(f"{path.relative_to(ROOT)}:{i + starts[-1] + 1}: a contract without clauses")
+    if not out:
+        raise SyntaxError(f"{path.relative_to(ROOT)}:{i + starts[-1] + 1}: an empty contract")
     return [Clause(c, " ".join(text.split())) for c, text in out]   # id "": a given
 
 
@@ -227,16 +227,19 @@ def clauses(exercise: str) -> dict[str, Clause]:
 def contract_docstring(piece: Piece, exercise: str, width: int = 96) -> list[str]:
     """The docstring lines (indented as the def's body) that the exercise and solution files
     give ``piece``: its contract's givens, then its clauses for ``exercise``; [] (no docstring)
-    where it has no clause."""
+    where it has neither."""
     cs = piece.clauses(exercise)
-    if not cs:
+    if not cs and not (piece.given() and any(r.exercise == exercise for r in piece.regions)):
         return []
     pad = piece.body_indent
     out = []
     for g in piece.given():
         out += textwrap.wrap(f"Given: {g}", width - len(pad), initial_indent=pad,
                              subsequent_indent=pad, break_on_hyphens=False) + [""]
-    out.append(f"{pad}Contract:")
+    if cs:
+        out.append(f"{pad}Contract:")
+    elif out:
+        out.pop()                    # givens only: no blank line before a missing list
     for c in cs:
         out += textwrap.wrap(f"{c.id}: {c.text}", width - len(pad), initial_indent=pad + "- ",
                              subsequent_indent=pad + "  ", break_on_hyphens=False)

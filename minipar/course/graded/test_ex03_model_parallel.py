@@ -1,69 +1,25 @@
 """Exercise 03: the stage boundary: activations forward, gradients back, across ranks.
 
 Autograd's graph ends where a process ends. Split a model by layers over ranks and the chain
-rule ∂L/∂x = ∂L/∂y · ∂y/∂x must be carried across the cut by hand: the activation y goes
-forward, ∂L/∂y comes back (Huang et al. 2019; Narayanan et al. 2019; notebook 03, "Autograd
-across ranks"). You write both sides of that boundary, then the two users of it.
+rule ∂L/∂x = ∂L/∂y · ∂y/∂x must be carried across the cut by hand (Huang et al. 2019;
+Narayanan et al. 2019; notebook 03, "Autograd across ranks"). You write both sides of that
+boundary, then the two users of it.
 
-A. The stage communication (``minipar.model_parallel.stage_comm``) and the naive model-parallel
-   step that runs on it (``NaiveModelParallel.step(x, y)`` in ``minipar.model_parallel``; its
-   ``stage``, ``shapes`` (stage s's output shape), ``group``, ``loss_fn``, ``comm``, ``dtype``,
-   ``rank`` and ``n`` are set by the library):
+A. The stage communication (``send_activation``, ``recv_activation``, ``send_grad``,
+   ``recv_grad`` in ``minipar.model_parallel.stage_comm``) and the naive model-parallel step
+   that runs on it (``NaiveModelParallel.step(x, y)``).
+B. The pipeline's ``Mailbox`` (``minipar.pipeline.executor``): how messages find their
+   receive, whatever order a schedule posts them in.
+C. The pipeline's compute actions, ``Pipeline.F(a)``, ``.B(a)`` and ``.W(a)`` (same module):
+   what each keeps, passes on and frees is yours to design.
 
-   * ``send_activation(y, dst, group, tag, **labels)`` and ``send_grad(grad, dst, ...)`` start
-     a send and **return its ``Handle`` without waiting**;
-   * ``recv_activation(shape, src, group, dtype, device, tag, **labels)`` returns, once it has
-     arrived, **a leaf that requires grad**, so that after this stage's backward its ``.grad``
-     is ∂L/∂(this input); ``recv_grad(...)`` returns the gradient itself; both arrive
-     **in the ``dtype`` asked**;
-   * **the gradient sent back is ∂L/∂(the stage's input)**: the sending stage continues its
-     backward from it, and the weight gradients on every rank are one process's;
-   * **every transfer goes through ``minipar.comm``** (``isend``/``irecv``: recorded, with its
-     bytes), **over ``group``, with ``src``/``dst`` its ranks**, passing ``tag`` and
-     ``**labels`` through;
-   * ``step`` runs one batch over **any number of stages, one per rank** (a middle rank
-     receives and sends in both directions) and returns the batch's loss on the last rank,
-     ``None`` elsewhere: **training equals one process**.
-
-B. The pipeline's ``Mailbox`` (``minipar.pipeline.executor``): the executor calls
-   ``Mailbox(comm, group, m, act_shape, dtype, device)`` (``act_shape(s)``: stage s's output
-   shape for one micro-batch; ``dtype``: its parameters'), ``send(a, tensor)`` for a
-   ``SEND_F``/``SEND_B`` action ``a`` (``a.microbatch``, ``a.stage``, ``a.peer``),
-   ``recv(a)`` for a ``RECV_F``/``RECV_B`` and ``flush()`` at the end of the step. The
-   schedule may receive in any order:
-
-   * **a receive gets the message of its own kind, micro-batch and sending stage, whatever
-     the order the messages were sent in**;
-   * **every message travels in the dtype of the stages' parameters** (a float64 model's in
-     float64);
-   * sends never block the schedule, yet **every send is waited on, and recorded, by the end
-     of the step**, on the pipeline's ``group``.
-
-C. The pipeline's compute actions, ``Pipeline.F(a)``, ``.B(a)`` and ``.W(a)`` (same module),
-   each run inside its trace region for an action ``a`` of stage ``a.stage`` on micro-batch
-   ``a.microbatch``. The step (set by the library) has cut the batch into ``self.xs`` and
-   ``self.ys`` (m micro-batches each) and set ``self.loss = 0``; ``self.inbox`` holds what
-   ``RECV_F``/``RECV_B`` received and ``self.outbox`` what ``SEND_F``/``SEND_B`` will send,
-   both keyed ``(kind, micro-batch, stage)`` (kind ``"F"`` or ``"B"``); ``self.stash`` is a
-   ``Stash``; ``self.stages``, ``self.last`` (the last stage's index), ``self.schedule``
-   (``m``, ``split_backward``), ``self.loss_fn``, ``self.compute_dtype`` and ``self.device``
-   are the pipeline's:
-
-   * **the step's loss and gradients are those of the mean of its m micro-batches' losses**;
-   * **B continues the backward from the gradient ``RECV_B`` left (the last stage from its own
-     loss) and leaves ∂L/∂(its input) for ``SEND_B``**;
-   * **what a micro-batch's backward needs is stashed from its F until its B (with W, until
-     its W), and no longer**: the step's ``peak_stash`` is the schedule's;
-   * **with ``schedule.split_backward`` (ZB-H1), B computes the input gradients only and W the
-     weight gradients** (``minipar.pipeline.deferred`` and ``WeightGrads``);
-   * **the forward computes in ``compute_dtype``** (``minipar.strategy.forward``, the one place a forward enters autocast).
-
-Graded on 2 and 3 ranks: the values, dtypes and gradients that arrive, the recorded bytes and
-their group, an LSTM and a GPT split over ranks, pipelined GPTs (a schedule whose second rank
-takes the micro-batches in the other order, in float64, and 1F1B) trained on your code, equal
-to one process, and one step of a two-stage network under 1F1B, ZB-H1 (once with a W left
-out) and bfloat16. Grade it with ``python -m minipar.grade ex03``; stuck?
-``minipar.hint("ex03", "A")`` (parts A, B, C).
+Each function's docstring below is its contract: clauses ``ex03.P.word`` that must hold (the
+grader names the clause a failure breaks). Graded on 2 and 3 ranks: the values, dtypes and
+gradients that arrive, the recorded bytes and their group, an LSTM and a GPT split over
+ranks, pipelined GPTs (a schedule whose second rank takes the micro-batches in the other
+order, in float64, and 1F1B) trained on your code, equal to one process, and one step of a
+two-stage network under 1F1B, ZB-H1 (once with a W left out) and bfloat16. Grade it with
+``python -m minipar.grade ex03``; stuck? ``minipar.hint("ex03", "A")`` (parts A, B, C).
 """
 import torch
 import torch.distributed as dist
@@ -138,27 +94,23 @@ HINTS = {
     ),
 }
 CONTRACT = {
-    "return its ``Handle`` without waiting": "test_activation_values",
-    "a leaf that requires grad": "test_activation_values",
-    "in the ``dtype`` asked": "test_activation_values",
-    "the gradient sent back is ∂L/∂(the stage's input)": ("test_gradient_flows_back",
+    "ex03.A.async": "test_activation_values",
+    "ex03.A.leaf": "test_activation_values",
+    "ex03.A.dtype": "test_activation_values",
+    "ex03.A.grad": ("test_gradient_flows_back",
                                                            "test_drives_model_parallel"),
-    "every transfer goes through ``minipar.comm``": "test_transfers_are_recorded",
-    "over ``group``, with ``src``/``dst`` its ranks": "test_transfers_are_recorded",
-    "any number of stages, one per rank": "test_drives_model_parallel",
-    "training equals one process": "test_drives_model_parallel",
-    "a receive gets the message of its own kind, micro-batch and sending stage, whatever the order "
-    "the messages were sent in": "test_messages_match_in_any_order",
-    "every message travels in the dtype of the stages' parameters": "test_messages_match_in_any_order",
-    "every send is waited on, and recorded, by the end of the step": "test_sends_complete_each_step",
-    "the step's loss and gradients are those of the mean of its m micro-batches' losses": "test_compute_actions",
-    "B continues the backward from the gradient ``RECV_B`` left (the last stage from its own loss) and "
-    "leaves ∂L/∂(its input) for ``SEND_B``": "test_compute_actions",
-    "what a micro-batch's backward needs is stashed from its F until its B (with W, until its W), and "
-    "no longer": "test_compute_actions",
-    "with ``schedule.split_backward`` (ZB-H1), B computes the input gradients only and W the weight "
-    "gradients": "test_compute_actions",
-    "the forward computes in ``compute_dtype``": "test_compute_actions",
+    "ex03.*.recorded": "test_transfers_are_recorded",
+    "ex03.*.group": "test_transfers_are_recorded",
+    "ex03.A.stages": "test_drives_model_parallel",
+    "ex03.A.train": "test_drives_model_parallel",
+    "ex03.B.match": "test_messages_match_in_any_order",
+    "ex03.B.dtype": "test_messages_match_in_any_order",
+    "ex03.B.flush": "test_sends_complete_each_step",
+    "ex03.C.mean": "test_compute_actions",
+    "ex03.C.backward": "test_compute_actions",
+    "ex03.C.stash": "test_compute_actions",
+    "ex03.C.split": "test_compute_actions",
+    "ex03.C.dtype": "test_compute_actions",
 }
 TIMEOUT = 60
 TOKENS = data.synthetic_tokens(1000)

@@ -1,37 +1,22 @@
 """Exercise 05: tensor parallelism: the conjugate operators, the column- and row-parallel
 layers and the vocabulary-parallel cross-entropy, forward and backward.
 
-``group`` is the tensor-parallel process group of t ranks (``None``: all ranks); ranks count
-within it (``size_and_rank(group)``), so on a non-world group (two groups of 2 out of 4 ranks)
-every group computes its own layer. Megatron-LM (Shoeybi et al. 2019, §3, eqs. 1-3), derived
-in notebook 05.
+``group`` is the tensor-parallel process group of t ranks (``None``: all ranks). Megatron-LM
+(Shoeybi et al. 2019, §3, eqs. 1-3); notebook 05 shows on real ranks where a layer's
+partial results live and what must cross between ranks.
 
 A. The operators: ``_sum``, ``_F`` and ``_G`` (``torch.autograd.Function`` s behind ``f`` and
-   ``g``), ``gather_along`` and ``_split`` (behind ``gather`` and ``split``). f is the identity
-   forward and sums the ranks' gradients backward; g sums the ranks' inputs forward and passes
-   the gradient unchanged; each is one all-reduce of the tensor, and neither modifies a tensor
-   autograd gave it. ``gather_along(x, dim, group)`` concatenates every rank's ``x`` along
-   ``dim`` in rank order; ``_split(x, dim, group)`` keeps this rank's block along ``dim``, and
-   a size t does not divide is a ``ValueError``.
-B. The layers: ``column_parallel_linear`` (this rank's rows of the weight, (out/t, in), and of
-   the bias) returns this rank's output features (all of them with ``gather_output=True``) and
-   the whole input gradient; ``row_parallel_linear`` (this rank's columns, (out, in/t), and the
-   full bias) returns the full output, with the full bias added once; a column layer followed
-   by a row layer communicates once in forward and once in backward (notebook 05, "Column then
-   row: one all-reduce per MLP"). ``ColumnParallelLinear.from_linear`` and
-   ``RowParallelLinear.from_linear`` load into the module this rank's shard of a given
-   single-device ``nn.Linear`` (column: rows of the weight and of the bias; row: columns of the
-   weight, the bias whole), from a layer with ``bias=False`` too.
+   ``g``), ``gather_along`` and ``_split`` (behind ``gather`` and ``split``).
+B. The layers: ``column_parallel_linear``, ``row_parallel_linear``, and
+   ``ColumnParallelLinear.from_linear`` / ``RowParallelLinear.from_linear``.
 C. The vocabulary-parallel cross-entropy (``_VocabParallelCrossEntropy.forward`` and
-   ``.backward``): ``logits`` (..., V/t) are this rank's slice of the vocabulary (rank r has
-   tokens [r·V/t, (r+1)·V/t)). The loss and the gradient equal ``F.cross_entropy`` on the full
-   logits, with targets on every rank's slice; finite even when logits reach hundreds; the
-   forward communicates a few numbers per position, never the logits, and the backward,
-   written by hand, communicates nothing; the loss is computed in fp32, from bf16 logits too
-   (the gradient in the logits' dtype) (notebook 05, "The loss without the full logits").
+   ``.backward``): which numbers the ranks must combine, and how to keep them finite, is
+   yours to derive.
 
-Graded against the single-device computation (fp32, tolerance ``TOL``) and on the bytes sent.
-Grade it with ``python -m minipar.grade ex05``; stuck? ``minipar.hint("ex05", "A")`` (parts A, B, C).
+Each function's docstring below is its contract: clauses ``ex05.P.word`` that must hold (the
+grader names the clause a failure breaks). Graded against the single-device computation
+(fp32, tolerance ``TOL``) and on the bytes sent. Grade it with ``python -m minipar.grade ex05``;
+stuck? ``minipar.hint("ex05", "A")`` (parts A, B, C).
 """
 import torch
 import torch.distributed as dist
@@ -91,32 +76,37 @@ HINTS = {
     ),
 }
 CONTRACT = {
-    "on a non-world group (two groups of 2 out of 4 ranks) every group computes its own layer": (
+    "ex05.*.group": (
         "test_gather_and_split", "test_column_parallel_linear", "test_layers_shard_the_single_device_layer",
         "test_vocab_parallel_cross_entropy_on_subgroups"),
-    "f is the identity forward and sums the ranks' gradients backward": "test_f_identity_forward_all_reduce_backward",
-    "g sums the ranks' inputs forward and passes the gradient unchanged": "test_g_all_reduce_forward_identity_backward",
-    "each is one all-reduce of the tensor": ("test_f_identity_forward_all_reduce_backward",
+    "ex05.A.f": "test_f_identity_forward_all_reduce_backward",
+    "ex05.A.g": "test_g_all_reduce_forward_identity_backward",
+    "ex05.A.bytes": ("test_f_identity_forward_all_reduce_backward",
                                             "test_g_all_reduce_forward_identity_backward"),
-    "neither modifies a tensor autograd gave it": "test_g_all_reduce_forward_identity_backward",
-    "concatenates every rank's ``x`` along ``dim`` in rank order": "test_gather_and_split",
-    "keeps this rank's block along ``dim``": "test_gather_and_split",
-    "a size t does not divide is a ``ValueError``": "test_gather_and_split",
-    "returns this rank's output features (all of them with ``gather_output=True``) and the whole input gradient":
+    "ex05.A.inplace": "test_g_all_reduce_forward_identity_backward",
+    "ex05.A.gather": "test_gather_and_split",
+    "ex05.A.split": "test_gather_and_split",
+    "ex05.A.divide": "test_gather_and_split",
+    "ex05.B.column":
         "test_column_parallel_linear",
-    "returns the full output, with the full bias added once": "test_row_parallel_linear",
-    "a column layer followed by a row layer communicates once in forward and once in backward":
+    "ex05.B.row": "test_row_parallel_linear",
+    "ex05.B.once":
         "test_mlp_needs_one_all_reduce_each_way",
-    "load into the module this rank's shard of a given single-device ``nn.Linear``":
+    "ex05.B.load":
         "test_layers_shard_the_single_device_layer",
-    "from a layer with ``bias=False`` too": "test_layers_shard_the_single_device_layer",
-    "The loss and the gradient equal ``F.cross_entropy`` on the full logits, with targets on every rank's slice":
+    "ex05.B.nobias": "test_layers_shard_the_single_device_layer",
+    "ex05.C.exact":
         ("test_vocab_parallel_cross_entropy", "test_vocab_parallel_cross_entropy_on_subgroups"),
-    "finite even when logits reach hundreds": "test_vocab_parallel_cross_entropy_large_logits",
-    "forward communicates a few numbers per position, never the logits":
+    "ex05.C.finite": "test_vocab_parallel_cross_entropy_large_logits",
+    "ex05.C.bytes":
         "test_vocab_parallel_cross_entropy_never_gathers_logits",
-    "the backward, written by hand, communicates nothing": "test_vocab_parallel_cross_entropy_never_gathers_logits",
-    "the loss is computed in fp32, from bf16 logits too": "test_vocab_parallel_cross_entropy_on_subgroups",
+    "ex05.C.backward": "test_vocab_parallel_cross_entropy_never_gathers_logits",
+    "ex05.C.fp32": "test_vocab_parallel_cross_entropy_on_subgroups",
+}
+# Clauses of the contract that no graded test observes yet (each one a hole in the grader,
+# named here so that tests/test_contracts.py lists it rather than forgets it).
+PENDING = {
+    "ex05.*.recorded": "a collective made through torch.distributed directly is not caught",
 }
 TIMEOUT = 30
 TOL = dict(rtol=1e-5, atol=1e-5)

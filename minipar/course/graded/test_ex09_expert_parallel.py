@@ -2,46 +2,22 @@
 
 Under expert parallelism rank j of an ep group holds the j-th block of E/ep experts of an MoE
 layer. Every rank routes its own tokens; each (token, expert) assignment travels to the rank
-holding its expert, is computed there and comes back. You write the whole exchange:
+holding its expert, is computed there and comes back (notebook 09, "The layer" and "The two
+all-to-alls"; GShard, Lepikhin et al. 2020, §2-3; DeepSpeed-MoE, Rajbhandari et al. 2022).
+You write the whole exchange:
 
-A. The counts the ranks agree on. ``count_tokens(expert_of, n_experts)``: the assignments per
-   expert, an int64 tensor of length ``n_experts`` on the input's device, where experts nobody
-   chose count 0. ``exchange_counts(counts, group)``: every rank of the group holds the same
-   (ep × E) matrix, row r the counts of group rank r. ``kept_counts(counts, cap)``: that
-   matrix after a capacity of ``cap`` assignments per expert (``None``: no limit), by
-   position: expert i keeps the first cap of its assignments in rank order (all of rank 0's,
-   then rank 1's, ...).
-B. Where the rows go. ``split_sizes(counts, rank, ep)``: ``(send, recv)``, two lists of ep
-   Python ints, the rows this rank sends to and receives from each rank, where rank a's
-   ``send[b]`` equals rank b's ``recv[a]``. ``permutation(keys)``: ``(perm, inverse)``, with
-   ``keys[perm]`` sorted, rows of equal keys kept in their original order, and
-   ``x[perm][inverse] == x``.
-C. The exchange. ``exchange(x, recv, send, group)`` and the autograd function ``AllToAll``
-   behind ``all_to_all``: ``x`` holds ``sum(send)`` rows, the first ``send[0]`` for group rank 0
-   and so on; the result holds ``sum(recv)`` rows where the rows arrive in rank order (group rank
-   0's first), a rank may send or receive no rows, each dtype kept (float64 and bfloat16 in,
-   the same dtype out); in backward each arrived row's gradient goes back where the row came
-   from.
-D. The layer. ``ExpertParallelMoE.__init__``: rank j of the group holds experts j·E/ep ..
-   (j+1)·E/ep - 1 of ``moe`` (``self.local``, ``self.experts`` keyed by their own indices) and
-   its router; E that ep does not divide is a ``ValueError``. ``ExpertParallelMoE.forward``,
-   from the routed assignments to the output ``y`` and the auxiliary losses: count and exchange,
-   keep within capacity (``keep``, per assignment, in token order), send the kept rows to their
-   experts' ranks, run every local expert on its rows in the single device's order, bring the
-   results home, combine them with the router's weights, and set the losses with
-   ``self.aux_losses`` (the code after your part reads ``counts``, ``M``, ``cap``, ``kept``,
-   ``keep``, ``totals``, ``aux``, ``z`` and ``y``). Invariant: outputs and dropped assignments
-   equal the MoE layer on one device, on all ranks' tokens concatenated; every gradient equals
-   the single device's (the input's, each expert's, the router's summed over the ranks); the
-   load-balancing loss, averaged over the ranks, is one device's, and with a ``token_group``
-   its f_i count that group's tokens; a second step (other tokens) is as exact as the first;
-   on a non-world group (two ep groups of 2 out of 4 ranks) each group is its own layer.
+A. The counts the ranks agree on: ``count_tokens``, ``exchange_counts``, ``kept_counts``.
+B. Where the rows go: ``split_sizes`` and ``permutation``.
+C. The exchange: ``exchange`` and the autograd function ``AllToAll`` behind ``all_to_all``.
+D. The layer: ``ExpertParallelMoE.__init__`` (which experts a rank holds) and
+   ``ExpertParallelMoE.forward``, from the routed assignments to the output and the
+   auxiliary losses: the order of its steps is yours to design.
 
-Derived in notebook 09, "The layer" and "The two all-to-alls" (GShard, Lepikhin et al. 2020,
-§2-3; DeepSpeed-MoE, Rajbhandari et al. 2022). The last tests run the library's
+Each function's docstring below is its contract: clauses ``ex09.P.word`` that must hold (the
+grader names the clause a failure breaks). The last tests run the library's
 ``ExpertParallelMoE`` with your code in place, in float64, and compare it with the MoE layer on
 one device. Stuck? ``minipar.hint("ex09", "A")`` (or "B", "C", "D") gives a nudge, then the
-idea, then the pseudo-code. Grade it with ``python -m minipar.grade ex09``.
+idea, then the steps. Grade it with ``python -m minipar.grade ex09``.
 """
 import torch
 import torch.distributed as dist
@@ -108,29 +84,34 @@ HINTS = {
           "expert_of, totals)."),
 }
 CONTRACT = {
-    "experts nobody chose count 0": "test_count_tokens",
-    "every rank of the group holds the same (ep × E) matrix, row r the counts of group rank r":
+    "ex09.A.count": "test_count_tokens",
+    "ex09.A.exchange":
         "test_exchanges_on_ranks",
-    "expert i keeps the first cap of its assignments in rank order": "test_kept_counts",
-    "rank a's ``send[b]`` equals rank b's ``recv[a]``": "test_split_sizes",
-    "two lists of ep Python ints": "test_split_sizes",
-    "rows of equal keys kept in their original order": "test_permutation_is_stable_with_inverse",
-    "``x[perm][inverse] == x``": "test_permutation_is_stable_with_inverse",
-    "the rows arrive in rank order (group rank 0's first)": "test_exchanges_on_ranks",
-    "a rank may send or receive no rows": "test_exchanges_on_ranks",
-    "each dtype kept (float64 and bfloat16 in, the same dtype out)": "test_exchanges_on_ranks",
-    "each arrived row's gradient goes back where the row came from": "test_exchanges_on_ranks",
-    "outputs and dropped assignments equal the MoE layer on one device": ("test_expert_parallel_layer",
+    "ex09.A.capacity": "test_kept_counts",
+    "ex09.B.pairs": "test_split_sizes",
+    "ex09.B.ints": "test_split_sizes",
+    "ex09.B.stable": "test_permutation_is_stable_with_inverse",
+    "ex09.B.inverse": "test_permutation_is_stable_with_inverse",
+    "ex09.C.order": "test_exchanges_on_ranks",
+    "ex09.C.empty": "test_exchanges_on_ranks",
+    "ex09.C.dtype": "test_exchanges_on_ranks",
+    "ex09.C.backward": "test_exchanges_on_ranks",
+    "ex09.D.exact": ("test_expert_parallel_layer",
                                                                           "test_layer_on_subgroups"),
-    "every gradient equals the single device's": "test_expert_parallel_layer",
-    "a second step (other tokens) is as exact as the first": "test_expert_parallel_layer",
-    "rank j of the group holds experts j·E/ep .. (j+1)·E/ep - 1 of ``moe``": "test_layer_on_subgroups",
-    "E that ep does not divide is a ``ValueError``": "test_layer_on_subgroups",
-    "the load-balancing loss, averaged over the ranks, is one device's": ("test_expert_parallel_layer",
+    "ex09.D.grads": "test_expert_parallel_layer",
+    "ex09.D.second": "test_expert_parallel_layer",
+    "ex09.D.experts": "test_layer_on_subgroups",
+    "ex09.D.divide": "test_layer_on_subgroups",
+    "ex09.D.aux": ("test_expert_parallel_layer",
                                                                         "test_layer_on_subgroups"),
-    "with a ``token_group`` its f_i count that group's tokens": "test_layer_on_subgroups",
-    "on a non-world group (two ep groups of 2 out of 4 ranks) each group is its own layer":
+    "ex09.D.token_group": "test_layer_on_subgroups",
+    "ex09.*.group":
         ("test_exchanges_on_ranks", "test_layer_on_subgroups"),
+}
+# Clauses of the contract that no graded test observes yet (each one a hole in the grader,
+# named here so that tests/test_contracts.py lists it rather than forgets it).
+PENDING = {
+    "ex09.*.recorded": "all_to_all and exchange_counts made through torch.distributed directly are not caught",
 }
 TIMEOUT = 30
 

@@ -1,35 +1,16 @@
 """Exercise 01: ring collectives and a broadcast tree, from point-to-point messages.
 
 Build minipar's collectives from ``minipar.comm.exchange`` (one send and one receive, recorded),
-``isend``, ``irecv`` and ``recv``. Every function takes ``group`` (``None``: the world) and works
-on **any group**: a sub-group of the ranks too, with group-local ranks. Contract:
+``isend``, ``irecv`` and ``recv``: ``ring_all_reduce`` on two halves, ``_reduce_scatter_chunks``
+and ``_all_gather_chunks``; ``ring_reduce_scatter``; ``ring_all_gather``; and ``broadcast``
+(a binomial tree and a pipelined chain). Who sends what to whom at each step is yours to
+design (Patarasuk & Yuan 2009).
 
-* ``ring_all_reduce(tensor, group=None, op="sum")`` sums ``tensor`` over the n ranks of the
-  group **in place, and returns that same tensor** (shape kept);
-  **``op="avg"`` divides by n**, the size of the group;
-  **any size, also one that n does not divide** (or smaller than n).
-  It is two halves over the n chunks of the flattened tensor (``tensor_split(n)``):
-  ``_reduce_scatter_chunks(chunks, group, name)``, after which
-  **chunk r on rank r holds the sum of chunk r over all ranks**, and
-  ``_all_gather_chunks(chunks, group, name)``, after which
-  **every rank holds every chunk's full sum**.
-* **Each step sends one chunk** to the right neighbour and receives one from the left; each
-  half takes n-1 steps, so every rank sends 2(n-1)/n of the tensor, whatever n (Patarasuk &
-  Yuan 2009; ``minipar.cost.collective_bytes``).
-* ``ring_reduce_scatter(tensor, group=None, op="sum")`` returns rank r's chunk r of the sum;
-  **the input tensor is left unchanged**.
-* ``ring_all_gather(chunk, group=None, sizes=None)`` returns every rank's chunk concatenated
-  in rank order, **chunks of different sizes** too when ``sizes`` lists them;
-  **sizes that do not match this rank's chunk are a ValueError**, raised before anything is sent.
-* ``broadcast(tensor, src=0, group=None, algorithm="tree")`` copies group rank ``src``'s
-  tensor to every rank in place, **from any src**: ``"tree"`` a binomial tree (⌈log2 n⌉
-  rounds), ``"ring"`` a pipelined chain of ``pieces`` pieces;
-  **any other algorithm is a ValueError**.
-
-The invariants, and the picture of the ring for n = 4, are in notebook 01, "All-reduce around
-a ring" and "Broadcast: a tree". Graded against Gloo on 2 to 4 ranks and a group of 3 of 4
-ranks, and on the bytes each rank sends. Grade it with ``python -m minipar.grade ex01``;
-stuck? ``minipar.hint("ex01")``.
+Each function's docstring below is its contract: clauses ``ex01.*.word`` that must hold (the
+grader names the clause a failure breaks). The invariants, and the picture of the ring for
+n = 4, are in notebook 01, "All-reduce around a ring" and "Broadcast: a tree". Graded against
+Gloo on 2 to 4 ranks and a group of 3 of 4 ranks, and on the bytes each rank sends. Grade it
+with ``python -m minipar.grade ex01``; stuck? ``minipar.hint("ex01")``.
 """
 import torch
 import torch.distributed as dist
@@ -62,18 +43,18 @@ HINTS = {
     ),
 }
 CONTRACT = {
-    "in place, and returns that same tensor": "test_in_place_and_returned",
-    "any size, also one that n does not divide": "test_sum_uneven_sizes",
-    '``op="avg"`` divides by n': ("test_average_four_ranks", "test_pieces_on_any_group"),
-    "chunk r on rank r holds the sum of chunk r over all ranks": ("test_sum_two_ranks", "test_sum_uneven_sizes"),
-    "every rank holds every chunk's full sum": ("test_sum_two_ranks", "test_sum_uneven_sizes"),
-    "Each step sends one chunk": "test_bytes_match_cost_model",
-    "any group": "test_pieces_on_any_group",
-    "the input tensor is left unchanged": "test_pieces_on_any_group",
-    "chunks of different sizes": "test_pieces_on_any_group",
-    "sizes that do not match this rank's chunk are a ValueError": "test_pieces_on_any_group",
-    "from any src": "test_pieces_on_any_group",
-    "any other algorithm is a ValueError": "test_pieces_on_any_group",
+    "ex01.*.in_place": "test_in_place_and_returned",
+    "ex01.*.uneven": "test_sum_uneven_sizes",
+    "ex01.*.avg": ("test_average_four_ranks", "test_pieces_on_any_group"),
+    "ex01.*.scatter": ("test_sum_two_ranks", "test_sum_uneven_sizes"),
+    "ex01.*.gather": ("test_sum_two_ranks", "test_sum_uneven_sizes"),
+    "ex01.*.step": "test_bytes_match_cost_model",
+    "ex01.*.group": "test_pieces_on_any_group",
+    "ex01.*.input_kept": "test_pieces_on_any_group",
+    "ex01.*.sizes": "test_pieces_on_any_group",
+    "ex01.*.size_check": "test_pieces_on_any_group",
+    "ex01.*.src": "test_pieces_on_any_group",
+    "ex01.*.algorithm": "test_pieces_on_any_group",
 }
 TIMEOUT = 30
 

@@ -78,6 +78,19 @@ class Pipeline:
         for s in sorted(self.stages):
             yield from self.stages[s].parameters()
 
+    # Contract:
+    # Given: ``step`` walks ``self.schedule.actions[self.rank]``, each action by the method of its
+    #     name. The library's ``F``, ``B`` and ``W`` read ``self.xs[i]``, ``self.ys[i]`` and
+    #     ``self.inbox[(kind, i, stage)]``, keep what the backward needs in ``self.stash[i, s]`` (a
+    #     ``Stash``: a dict that counts its ``peak``), leave what must be sent in
+    #     ``self.outbox[(kind, i, stage)]`` and add the last stage's ``loss_i / m`` to
+    #     ``self.loss``; ``self.mail`` is exercise 03's ``Mailbox``; ``SEND_F``/``RECV_F`` also
+    #     serve ``SEND_B``/``RECV_B`` (``a.op[-1]`` is the kind).
+    # ex04.C.divide: a batch m does not divide is a ValueError.
+    # ex04.C.loss: ``step`` returns the batch's mean loss on the rank holding the last stage,
+    #     None elsewhere.
+    # ex04.C.clean: a second step starts from a clean state (its losses are one process's too).
+    # ex04.C.peak: afterwards ``peak_stash`` is the most micro-batches held at once.
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Forward and backward of one batch (gradients accumulate into ``.grad``); returns
         the batch's mean loss on the rank holding the last stage, ``None`` elsewhere."""

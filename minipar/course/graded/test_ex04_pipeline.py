@@ -1,48 +1,24 @@
 """Exercise 04: a pipeline, from the cut to the step: balance the stages, schedule 1F1B, and
 walk one rank's schedule.
 
-A. ``partition(costs, p)`` and its helper ``_min_max(prefix, p)``: cut L layers with costs
-   ``costs`` into **p contiguous, non-empty stages** so that **the most expensive stage is as
-   cheap as possible** (a pipeline runs at the pace of its slowest stage; notebook 04, "Load
-   balancing"). ``partition`` returns the boundaries ``[0, b_1, ..., b_{p-1}, L]`` (stage s holds
-   layers ``b_s`` to ``b_{s+1} - 1``) and **raises ``ValueError`` unless 1 <= p <= L**; any
-   optimal split is accepted. ``_min_max`` gets the prefix sums (``prefix[j]``: the cost of the
-   first j layers) and returns that optimal cost of the costliest stage (tested against brute
-   force on random costs, through ``partition``).
-
+A. ``partition(costs, p)`` and its helper ``_min_max(prefix, p)``: cut L layers into p stages
+   (a pipeline runs at the pace of its slowest stage; notebook 04, "Load balancing").
 B. ``one_f_one_b(p, m, rank)``: the compute order of 1F1B (PipeDream-Flush, Narayanan et al.
-   2021, §2.2) on ``rank`` of p for m micro-batches, a list of ``Action("F", i, rank)`` /
-   ``Action("B", i, rank)``. It must be **a valid schedule (no deadlock, each F before its
-   B)**, **keep GPipe's bubble**, and let **rank r hold at most min(p - r, m) micro-batches**
-   of activations at once, the least that keeps the pipeline full (notebook 04, "A schedule is
-   data" and "Memory against theory"). Two bubble measures appear in the course, both with one
+   2021, §2.2) on ``rank`` of p for m micro-batches (notebook 04, "A schedule is data" and
+   "Memory against theory"). Two bubble measures appear in the course, both with one
    definition each: relative to the ideal time, idle/busy = (p-1)/m (``pipeline.bubble`` and
    ``cost.bubble_fraction``, what the tests check), and as a fraction of the step,
    idle/(idle + busy) = (p-1)/(m+p-1); they describe the same idle time.
-
 C. The schedule made runnable, and run: ``add_comms(order, p, n_stages)`` turns a rank's compute
-   order into its actions, and ``Pipeline.step(inputs, targets)`` (with ``SEND_F``/``RECV_F``,
-   which also serve ``SEND_B``/``RECV_B``) walks them for one batch.
-   The library's ``F``, ``B`` and ``W`` run the compute: they read ``self.xs[i]``, ``self.ys[i]``
-   and ``self.inbox[(kind, i, stage)]``, keep what the backward needs in ``self.stash[i, s]``
-   (a ``Stash``: a dict that counts its ``peak``), leave what must be sent in ``self.outbox[(kind, i, stage)]`` and add the last
-   stage's ``loss_i / m`` to ``self.loss``; ``self.mail`` is exercise 03's ``Mailbox``.
+   order into its actions, and ``Pipeline.step(inputs, targets)`` (with ``SEND_F``/``RECV_F``)
+   walks them for one batch.
 
-   * **a receive right before every F or B that needs a tensor from another stage, a send
-     right after every F or B that produced one**, none at the ends of the pipeline (W
-     crosses no boundary);
-   * **the peer of a message is the rank holding the other stage** (stage s lives on rank
-     s mod p);
-   * ``step`` cuts the batch into m equal micro-batches, **a batch m does not divide is a
-     ValueError**, and **returns the batch's mean loss on the rank holding the last stage,
-     None elsewhere**;
-   * **a second step starts from a clean state** (its losses are one process's too);
-   * afterwards ``peak_stash`` is **the most micro-batches held at once** (``Stash.peak``).
-
-The last tests train the GPT on 2 ranks (interleaved, 2 virtual stages each, your add_comms
-and step) and on 4 ranks with the library's pipeline, cut by your partition and scheduled by
-your 1F1B, equal to one process. Grade it with ``python -m minipar.grade ex04``; stuck?
-``minipar.hint("ex04", "A")`` (parts A, B, C).
+Each function's docstring below is its contract: clauses ``ex04.P.word`` that must hold (the
+grader names the clause a failure breaks). The last tests train the GPT on 2 ranks
+(interleaved, 2 virtual stages each, your add_comms and step) and on 4 ranks with the
+library's pipeline, cut by your partition and scheduled by your 1F1B, equal to one process.
+Grade it with ``python -m minipar.grade ex04``; stuck? ``minipar.hint("ex04", "A")`` (parts A,
+B, C).
 """
 import itertools
 import random
@@ -99,21 +75,20 @@ HINTS = {
     ),
 }
 CONTRACT = {
-    "p contiguous, non-empty stages": "test_partition_is_valid",
-    "the most expensive stage is as cheap as possible": "test_partition_is_balanced",
-    "raises ``ValueError`` unless 1 <= p <= L": "test_partition_rejects_too_many_stages",
-    "a valid schedule (no deadlock, each F before its B)": ("test_one_f_one_b_order",
+    "ex04.A.valid": "test_partition_is_valid",
+    "ex04.A.optimal": "test_partition_is_balanced",
+    "ex04.A.range": "test_partition_rejects_too_many_stages",
+    "ex04.B.valid": ("test_one_f_one_b_order",
                                                            "test_one_f_one_b_is_a_valid_schedule"),
-    "keep GPipe's bubble": "test_one_f_one_b_is_a_valid_schedule",
-    "rank r hold at most min(p - r, m) micro-batches": ("test_one_f_one_b_is_a_valid_schedule",
+    "ex04.B.bubble": "test_one_f_one_b_is_a_valid_schedule",
+    "ex04.B.memory": ("test_one_f_one_b_is_a_valid_schedule",
                                                         "test_trains_the_gpt"),
-    "a receive right before every F or B that needs a tensor from another stage, a send right after "
-    "every F or B that produced one": "test_add_comms",
-    "the peer of a message is the rank holding the other stage": ("test_add_comms", "test_pipeline_step"),
-    "a batch m does not divide is a ValueError": "test_pipeline_step",
-    "returns the batch's mean loss on the rank holding the last stage, None elsewhere": "test_pipeline_step",
-    "a second step starts from a clean state": "test_pipeline_step",
-    "the most micro-batches held at once": "test_trains_the_gpt",
+    "ex04.C.comms": "test_add_comms",
+    "ex04.C.peer": ("test_add_comms", "test_pipeline_step"),
+    "ex04.C.divide": "test_pipeline_step",
+    "ex04.C.loss": "test_pipeline_step",
+    "ex04.C.clean": "test_pipeline_step",
+    "ex04.C.peak": "test_trains_the_gpt",
 }
 TIMEOUT = 60
 

@@ -1,52 +1,21 @@
 """Exercise 07: the process mesh, and choosing a configuration.
 
-A. ``mesh_coordinates(rank, dp, pp, tp)``: the ranks of a dp × pp × tp job are laid out as
-   Megatron-LM lays them out (Narayanan et al. 2021, §3.3): tensor-parallel ranks vary
-   fastest (adjacent ranks share a node's fast links), then data-parallel ranks, and the
-   pipeline stage slowest. Return ``{"pp": p, "dp": d, "tp": t}``, the coordinates of global
-   ``rank``. Invariant: every rank 0 .. dp·pp·tp - 1 gets distinct coordinates within the
-   mesh, in that order of variation; a rank outside the mesh is a ``ValueError``.
-B. ``group_members(rank, dim, dp, pp, tp)``: the global ranks of ``rank``'s group along
-   ``dim`` (``"dp"``, ``"pp"`` or ``"tp"``): the ranks that share ``rank``'s coordinates in
-   the two other dimensions, ordered by their coordinate along ``dim`` (a rank's index in
-   the list is its group-local rank). Example: dp = pp = tp = 2, rank 5 has tp group
-   [4, 5], dp group [5, 7] and pp group [1, 5]. An unknown ``dim`` is a ``ValueError``.
+A. ``mesh_coordinates(rank, dp, pp, tp)``: where a global rank sits in a dp × pp × tp job.
+B. ``group_members(rank, dim, dp, pp, tp)``: the global ranks of ``rank``'s group along ``dim``.
 C. ``choose_config(config, world_size, batch_size, microbatches=1, memory_per_rank=None,
    ranks_per_node=8, zero1=False)``: Narayanan et al.'s advice (§3, Takeaways #1 and #2) as a
-   rule. Among the configurations ``valid_configs`` allows (every dp·pp·tp = world_size the
-   model and the batch accept), keep those whose model states per rank
-   (``hybrid_memory_per_rank``, fp32 Adam) fit in ``memory_per_rank`` (no limit when
-   ``None``); among those take the least model parallelism tp·pp (data parallelism for the
-   rest), then tensor parallelism that stays within a node, then the fewest pipeline
-   stages. Return ``{"dp", "pp", "tp"}``; nothing left is a ``ValueError``.
-
+   rule.
 D. ``ProcessMesh.coordinates``, ``rank_of``, ``members`` and ``all_groups``: the same layout
-   with context parallelism and expert parallelism. The ranks form a (pp, dp, cp, tp) grid,
-   tp fastest, then cp, dp, pp: rank = ((p·dp + d)·cp + c)·tp + t. ``members(rank, dim)``
-   takes every dim of ``GROUP_DIMS``: along "pp", "dp", "cp" or "tp" the ranks that differ
-   only in that coordinate; "dp_cp" the dp·cp ranks that differ only in (d, c),
-   in (d, c) order; "ep" its block of ``ep`` consecutive members of that dp_cp list, and
-   "expert_dp" the members at the same place of every block (dp·cp/ep ranks).
-   ``all_groups(dim)`` lists every group along dim once.
-   Invariant: coordinates and rank_of are inverse;
-   the groups along any dim partition the ranks;
-   the ep groups of every (p, t) are carved out of their own dp_cp list,
-   not only those of rank 0 (a non-world group);
-   an unknown dim is a ``ValueError`` here too.
-E. ``ProcessMesh.build()``, inside every rank: create the process group of every group along
-   each dimension in use (dp, pp, tp; cp and dp_cp when cp > 1; ep and expert_dp when
-   ep > 1) and keep this rank's own in ``self.groups[dim]``;
-   with cp = 1 the dp_cp group is the dp group,
-   with ep = 1 the expert_dp group is the dp_cp group.
-   Invariant: every rank creates every group in the same order (a group's creation is
-   collective over the world), and
-   a collective on ``self.groups[dim]`` reaches exactly ``members(rank, dim)``.
+   with context parallelism and expert parallelism.
+E. ``ProcessMesh.build()``, inside every rank: the process groups themselves.
 
-Derived in notebook 07, "Why combine" and "3D training is still the same training". The
-last tests build a mesh with cp and ep on 8 ranks and reduce over each of its groups, and
-train the GPT in 3D (dp = pp = tp = 2) with the library's hybrid training, whose process mesh
-then comes from your functions, and compare with one process. Stuck?
-``minipar.hint("ex07", "A")`` (or "B" .. "E"). Grade it with ``python -m minipar.grade ex07``.
+Each function's docstring below is its contract: clauses ``ex07.P.word`` that must hold (the
+grader names the clause a failure breaks). Derived in notebook 07, "Why combine" and "3D
+training is still the same training". The last tests build a mesh with cp and ep on 8 ranks
+and reduce over each of its groups, and train the GPT in 3D (dp = pp = tp = 2) with the
+library's hybrid training, whose process mesh then comes from your functions, and compare
+with one process. Stuck? ``minipar.hint("ex07", "A")`` (or "B" .. "E"). Grade it with
+``python -m minipar.grade ex07``.
 """
 import dataclasses
 
@@ -90,26 +59,26 @@ HINTS = {
           "groups['dp_cp'] = groups['dp']; when ep == 1, groups['expert_dp'] = groups['dp_cp']."),
 }
 CONTRACT = {
-    "tensor-parallel ranks vary": "test_coordinates",
-    "a rank outside the mesh is a ``ValueError``": "test_coordinates_off_the_grid",
-    "ordered by their coordinate along ``dim``": "test_group_members_every_mesh",
-    "An unknown ``dim`` is a ``ValueError``": "test_group_members_example",
-    "fit in ``memory_per_rank``": "test_choose_config",
-    "then tensor parallelism that stays within a node": "test_choose_config",
-    "nothing left is a ``ValueError``": "test_choose_config_respects_the_model",
-    "tp fastest, then cp, dp, pp": "test_mesh_coordinates_with_cp",
-    "coordinates and rank_of are inverse": "test_mesh_coordinates_with_cp",
-    "in (d, c) order": "test_mesh_members_every_dim",
-    "the groups along any dim partition the ranks": "test_mesh_members_every_dim",
-    "not only those of rank 0 (a non-world group)": ("test_mesh_members_every_dim",
+    "ex07.A.order": "test_coordinates",
+    "ex07.A.range": "test_coordinates_off_the_grid",
+    "ex07.B.order": "test_group_members_every_mesh",
+    "ex07.B.dim": "test_group_members_example",
+    "ex07.C.fit": "test_choose_config",
+    "ex07.C.prefer": "test_choose_config",
+    "ex07.C.none": "test_choose_config_respects_the_model",
+    "ex07.D.layout": "test_mesh_coordinates_with_cp",
+    "ex07.D.inverse": "test_mesh_coordinates_with_cp",
+    "ex07.D.dp_cp": "test_mesh_members_every_dim",
+    "ex07.D.partition": "test_mesh_members_every_dim",
+    "ex07.D.ep_blocks": ("test_mesh_members_every_dim",
                                                      "test_mesh_build_reaches_the_members"),
-    "an unknown dim is a ``ValueError`` here too": "test_mesh_members_every_dim",
-    "every rank creates every group in the same order": "test_mesh_build_reaches_the_members",
-    "a collective on ``self.groups[dim]`` reaches exactly ``members(rank, dim)``":
+    "ex07.D.dim": "test_mesh_members_every_dim",
+    "ex07.E.order": "test_mesh_build_reaches_the_members",
+    "ex07.E.reach":
         "test_mesh_build_reaches_the_members",
-    "with cp = 1 the dp_cp group is the dp group": ("test_mesh_build_reaches_the_members",
+    "ex07.E.cp1": ("test_mesh_build_reaches_the_members",
                                                      "test_3d_training_on_your_mesh"),
-    "with ep = 1 the expert_dp group is the dp_cp group": ("test_mesh_build_reaches_the_members",
+    "ex07.E.ep1": ("test_mesh_build_reaches_the_members",
                                                             "test_3d_training_on_your_mesh"),
 }
 TIMEOUT = 60

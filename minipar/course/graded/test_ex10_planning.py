@@ -8,35 +8,18 @@ of one layer), ``cost.zero_bytes_per_rank`` (the ZeRO stages) and ``cost.peak_ac
 (the micro-batches a pipeline rank holds at its peak).
 
 A. ``layer_activation_bytes(model, layout, seq_len)``: the bytes one layer keeps per
-   micro-batch on one GPU. For a GPT they are exactly ``cost.recompute_activation_bytes`` on
-   the layout's tp, sequence parallelism and recomputation; for other shapes the terms scale:
-   grouped-query K and V (Q, K, V is h + 2·kv_dim wide, not 3h), the MLP's width and gating
-   (ffn/4h, × 1.5 for a gated MLP, × top_k for the experts a token visits). Everything is
-   counted on the GPU's s/cp tokens, and the attention scores of those s/cp queries span all s
-   keys. Selective recomputation keeps no attention-score term; flash attention keeps no score
-   term either, and adds the fp32 log-sum-exp, 4·(s/cp)·b·a/t bytes.
-B. ``model_state_bytes(model, layout)``: ``{"params", "grads", "optimizer"}``. A GPU holds
-   Ψ/(tp·pp) of the dense parameters and Ψ_experts/(tp·pp·ep) of the experts'; 2 + 2 + 12 bytes
-   per parameter in bf16, 4 + 4 + 8 in fp32; ZeRO stage 1, 2, 3 divides the optimizer state, then
-   the gradients, then the parameters by the dp·cp ranks, and the experts' by dp·cp/ep.
+   micro-batch on one GPU.
+B. ``model_state_bytes(model, layout)``: parameters, gradients and optimizer state.
 C. ``stage_layers(n_layer, pp)``, ``comm_buffer_bytes(model, layout, seq_len)`` and the
-   ``activations`` of ``memory_per_gpu``. Stages get l/p layers each when p divides l; otherwise
-   ⌈l/p⌉, and the stages that hold one fewer are the first and the last, then the second, the
-   third, ... ``activations`` is what the busiest pipeline stage holds at its peak: stage r holds
-   its ``stage_layers`` for the micro-batches in flight on it, the last stage (with pp > 1) one;
-   full recomputation also rebuilds one layer's full activations during backward; the last
-   stage also holds one micro-batch's fp32 logits (sharded over tp, on the GPU's s/cp tokens);
-   with one stage, the first stage is the last. The buffers are a 25 MB gradient bucket when
-   dp·cp > 1, the all-gathered (s/cp, b, h) input of a sequence-parallel layer when tp > 1, a
-   pipeline stage's two boundary activations when pp > 1 (over tp with sequence parallelism),
-   and ZeRO-3's one gathered layer (Ψ/l over tp).
+   ``activations`` of ``memory_per_gpu``.
 
-Derived in notebook 10, "Where the memory goes" (ZeRO, Rajbhandari et al. 2020, §3.1;
-Korthikanti et al. 2022, §4-5 and Table 2; Narayanan et al. 2021, §2.2 for the micro-batches
-in flight; the Llama 3 report, §3.3.2, for the uneven cut). The tests compare with the formulas
-on GPT-3 1.3B, Llama 3 8B and Mixtral 8x7B. Stuck? ``minipar.hint("ex10", "A")`` (or "B",
-"C") gives a nudge, then the idea, then the pseudo-code. Grade it with
-``python -m minipar.grade ex10``.
+Each function's docstring below is its contract: clauses ``ex10.P.word`` that must hold (the
+grader names the clause a failure breaks). Derived in notebook 10, "Where the memory goes"
+(ZeRO, Rajbhandari et al. 2020, §3.1; Korthikanti et al. 2022, §4-5 and Table 2; Narayanan et
+al. 2021, §2.2 for the micro-batches in flight; the Llama 3 report, §3.3.2, for the uneven
+cut). The tests compare with the formulas on GPT-3 1.3B, Llama 3 8B and Mixtral 8x7B. Stuck?
+``minipar.hint("ex10", "A")`` (or "B", "C") gives a nudge, then the idea, then the
+pseudo-code. Grade it with ``python -m minipar.grade ex10``.
 """
 import math
 
@@ -81,29 +64,29 @@ HINTS = {
           "+ 2·e·sbh/(tp if sp else 1) if pp > 1; + e·Ψ/l/tp under ZeRO-3 (sbh on s/cp tokens)."),
 }
 CONTRACT = {
-    "For a GPT they are exactly ``cost.recompute_activation_bytes``": "test_layer_activations_of_a_gpt",
-    "grouped-query K and V (Q, K, V is h + 2·kv_dim wide, not 3h), the MLP's width and gating":
+    "ex10.A.gpt": "test_layer_activations_of_a_gpt",
+    "ex10.A.shapes":
         "test_layer_activations_of_other_shapes",
-    "× top_k for the experts a token visits": "test_layer_activations_of_other_shapes",
-    "the attention scores of those s/cp queries span all s keys": "test_layer_activations_with_cp",
-    "flash attention keeps no score term either, and adds the fp32 log-sum-exp": "test_layer_activations_with_cp",
-    "2 + 2 + 12 bytes per parameter in bf16, 4 + 4 + 8 in fp32": "test_model_states",
-    "ZeRO stage 1, 2, 3 divides the optimizer state, then the gradients, then the parameters by the dp·cp ranks":
+    "ex10.A.experts": "test_layer_activations_of_other_shapes",
+    "ex10.A.cp": "test_layer_activations_with_cp",
+    "ex10.A.flash": "test_layer_activations_with_cp",
+    "ex10.B.bytes": "test_model_states",
+    "ex10.B.zero":
         "test_model_states",
-    "Ψ/(tp·pp) of the dense parameters and Ψ_experts/(tp·pp·ep) of the experts'": "test_model_states_of_experts",
-    "Stages get l/p layers each when p divides l": "test_stage_layers",
-    "the stages that hold one fewer are the first and the last, then the second, the third": "test_stage_layers",
-    "stage r holds its ``stage_layers`` for the micro-batches in flight on it": "test_pipeline_in_flight",
-    "the last stage (with pp > 1) one": "test_last_stage_with_big_logits",
-    "full recomputation also rebuilds one layer's full activations during backward":
+    "ex10.B.experts": "test_model_states_of_experts",
+    "ex10.C.even": "test_stage_layers",
+    "ex10.C.uneven": "test_stage_layers",
+    "ex10.C.in_flight": "test_pipeline_in_flight",
+    "ex10.C.last_stage": "test_last_stage_with_big_logits",
+    "ex10.C.recompute":
         "test_full_recompute_adds_one_layer",
-    "the last stage also holds one micro-batch's fp32 logits (sharded over tp, on the GPU's s/cp tokens)":
+    "ex10.C.logits":
         ("test_activations_without_pipeline", "test_last_stage_with_big_logits"),
-    "with one stage, the first stage is the last": "test_activations_without_pipeline",
-    "a 25 MB gradient bucket when dp·cp > 1": "test_buffers",
-    "the all-gathered (s/cp, b, h) input of a sequence-parallel layer when tp > 1": "test_buffers",
-    "a pipeline stage's two boundary activations when pp > 1 (over tp with sequence parallelism)": "test_buffers",
-    "ZeRO-3's one gathered layer (Ψ/l over tp)": "test_buffers",
+    "ex10.C.one_stage": "test_activations_without_pipeline",
+    "ex10.C.bucket": "test_buffers",
+    "ex10.C.sp_input": "test_buffers",
+    "ex10.C.boundary": "test_buffers",
+    "ex10.C.zero3": "test_buffers",
 }
 LLAMA = plan.MODELS["llama3-8b"]
 GPT13 = plan.MODELS["gpt3-1.3b"]

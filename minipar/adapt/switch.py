@@ -99,6 +99,10 @@ def exchange_seconds(sent: list[int], received: list[int], alpha: float, beta: f
     return (n - 1) * alpha + beta * max(max(s, r) for s, r in zip(sent, received)) if n > 1 else 0.0
 
 
+# Contract:
+# ex12.C.runs: ``runs_of(index)`` gives each key's index as its runs of consecutive elements
+#     ``[[start, length], ...]``, and ``from_runs(runs_of(i))`` gives back i, an empty index
+#     included.
 def runs_of(index: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each index tensor as its runs of consecutive elements, ``[[start, length], ...]``: a shard
     of a contiguous range is one run, a column shard one run per row (what travels, not 8 bytes
@@ -143,6 +147,14 @@ def unpacked(wire) -> dict[str, torch.Tensor]:
     return dict(zip(keys, torch.from_numpy(flat).split(counts)))
 
 
+# Contract:
+# Given: ``p`` is this rank's ``Plan``; ``tensors`` its old local tensors by key, ``new_tensors``
+#     the new ones to fill, by key; it returns the bytes this rank's all-to-all event recorded
+#     as sent.
+# ex12.B.values: the values arrive bit for bit, with one ``all_to_all_single`` for every move
+#     between ranks.
+# ex12.B.bytes: the all-to-all's observed bytes equal the plan's.
+# ex12.B.fp32: fp32 state only (another dtype is a ``NotImplementedError``).
 def _execute(p, tensors, new_tensors) -> int:
     """Carry out plan ``p`` on this rank: local copies, then one all-to-all. Returns the bytes
     this rank's all-to-all event recorded as sent."""

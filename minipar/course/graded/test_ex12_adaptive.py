@@ -5,26 +5,16 @@ to the global flat indices (int64) of the single-device tensor that its local te
 local order. Switching layouts gives every rank a new holding; the state must reach it without
 a disk and without sending what a rank already has.
 
-A. ``plan(old, new, sizes)`` (``minipar.adapt.moves``) returns a ``Plan`` of ``Move(src, dst,
-   key, src_pos, dst_pos)``. Contract: every element of a new holding gets exactly one source;
-   the source is the rank itself when it already holds the element (a local copy),
-   else the first holder after it in ring order (dst+1, dst+2, ... mod world);
-   the moves come sorted by (dst, src), keys in ``sizes``' order within each pair;
-   an element held by no rank is a ``ValueError`` naming the key;
-   old and new holdings of a different number of ranks are a ``ValueError``. The plan's bytes (``Plan.sent``, the library's) are then exactly the elements
-   missing at their destination, each at its key's itemsize.
-B. ``_execute(p, tensors, new_tensors)`` (``minipar.adapt.switch``) carries out the plan on this
-   rank: local copies, then one ``all_to_all_single`` in which each rank packs its moves per
-   destination in rank order and unpacks per source in the same order. Contract:
-   the values arrive bit for bit; the all-to-all's observed bytes equal the plan's;
-   fp32 state only (another dtype is a ``NotImplementedError``).
-C. ``runs_of(index)`` and ``from_runs(runs)``: an index as its runs of consecutive elements
-   ``[[start, length], ...]`` and back, so that holdings travel as a few numbers. Contract:
-   ``from_runs(runs_of(i))`` gives back i, an empty index included.
+A. ``plan(old, new, sizes)`` (``minipar.adapt.moves``): who sends which element to whom.
+B. ``_execute(p, tensors, new_tensors)`` (``minipar.adapt.switch``): the plan carried out on
+   this rank, how the moves are packed into one exchange is yours to design.
+C. ``runs_of(index)`` and ``from_runs(runs)``: holdings that travel as a few numbers.
 
-Derived in notebook 12, "The plan of moves" and "A live switch" (the resharding of
-Megatron-LM's and veScale's checkpoint conversion, done in memory). Stuck?
-``minipar.hint("ex12", "A")`` (or "B", "C"). Grade it with ``python -m minipar.grade ex12``.
+Each function's docstring below is its contract: clauses ``ex12.P.word`` that must hold (the
+grader names the clause a failure breaks). Derived in notebook 12, "The plan of moves" and "A
+live switch" (the resharding of Megatron-LM's and veScale's checkpoint conversion, done in
+memory). Stuck? ``minipar.hint("ex12", "A")`` (or "B", "C"). Grade it with
+``python -m minipar.grade ex12``.
 """
 import torch
 
@@ -35,17 +25,17 @@ from minipar.course.grading import expect, expect_equal
 
 EXERCISE = "ex12_adaptive"
 CONTRACT = {
-    "every element of a new holding gets exactly one source": ("test_plan_by_hand", "test_plan_random"),
-    "a local copy": "test_plan_by_hand",
-    "else the first holder after it in ring order": ("test_plan_by_hand", "test_plan_random"),
-    "the moves come sorted by (dst, src)": "test_plan_by_hand",
-    "an element held by no rank is a ``ValueError`` naming the key": "test_plan_errors",
-    "old and new holdings of a different number of ranks are a": "test_plan_errors",
-    "each at its key's itemsize": "test_plan_random",
-    "the values arrive bit for bit": "test_execute_on_ranks",
-    "the all-to-all's observed bytes equal the plan's": "test_execute_on_ranks",
-    "fp32 state only": "test_execute_on_ranks",
-    "``from_runs(runs_of(i))`` gives back i, an empty index included": "test_runs",
+    "ex12.A.once": ("test_plan_by_hand", "test_plan_random"),
+    "ex12.A.local": "test_plan_by_hand",
+    "ex12.A.ring": ("test_plan_by_hand", "test_plan_random"),
+    "ex12.A.sorted": "test_plan_by_hand",
+    "ex12.A.missing": "test_plan_errors",
+    "ex12.A.world": "test_plan_errors",
+    "ex12.A.bytes": "test_plan_random",
+    "ex12.B.values": "test_execute_on_ranks",
+    "ex12.B.bytes": "test_execute_on_ranks",
+    "ex12.B.fp32": "test_execute_on_ranks",
+    "ex12.C.runs": "test_runs",
 }
 HINTS = {
     "A": ("For each key and each new rank, split what it needs into what it has and what it lacks; "

@@ -21,25 +21,22 @@ from minipar import cost
 from minipar.course.grading import diagnose, expect, expect_close, expect_contributions, expect_equal
 
 EXERCISE = "ex01_collectives"
-HINTS = {
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
     '': (
-        "Work out one rank's view for n = 3 on paper: which chunk must it send at step 0 so that,"
-        ' n-1 steps later, chunk r is complete on rank r? Then ask which chunk it sends next. '
-        'The broadcast tree: in round k, which ranks already hold the data?',
-        'Reduce-scatter: at every step send the chunk you have just added into (it holds the most'
-        ' contributions) and add what arrives from the left into the chunk it belongs to. '
-        'All-gather: at every step forward the complete chunk you received last; start from the '
-        'one you completed. Work with group ranks (comm.group_rank/group_size(group)) throughout, '
-        'and count broadcast ranks relative to src.',
-        'At step s, rank r: reduce-scatter sends chunk (r-s-1) % n to the right and adds the '
-        'chunk (r-s-2) % n from the left; all-gather sends chunk (r-s) % n and overwrites chunk '
-        '(r-s-1) % n. ring_all_reduce: flat view, chunks = flat.tensor_split(n), both halves, '
-        "divide once for 'avg', copy back into tensor if the flat view was a copy. "
-        'ring_reduce_scatter: clones of the chunks, then the first half. ring_all_gather: check '
-        'sizes, an output of sum(sizes), out.split(sizes), copy your chunk in, the second half. '
-        'broadcast tree: vr = (r - src) % n; in round k (mask 2^k) ranks vr < mask send to '
-        'vr + mask, ranks mask <= vr < 2·mask receive from vr - mask; ring: receive piece i from '
-        'the left, then isend it right.',
+        'sealed:eNpVjjEOwjAMRa/yN5aCQGyVUC+BxGwSo0QpcWW7FG5PirowWbL93/s30QKZHVIZSrXsDK/MCx6iq'
+        'Ljg3C6YaGLtsaQcEkKaa8FzNkd2GNcIatN5whEm8ETeoe5Pv51hJGfttpgiG4I8p5GdV/TqhA64Jq4gK3+Sj'
+        'W+o/PbD+oO7CsVATe7K3CM3hMytQ+m26Eo00KhM8YMkY2yVGJGchi+HsFLy',
+        'sealed:eNplT8tOAzEM/JU5biW63MuJX+DCEbmJuwmbjSvH2ap8PWZbVCRuI3uebxx74H0LZMZ6ABl4Zb2iG'
+        'Z/RuEZYYoTU64yrdCRaGZ+9GShGjsjVBEM2JCmxbeRF/BukmuZjtyy17UBu5AJckieQal654aSybIrCJ7s5P'
+        'cLc8shF6uSmMuK1lP1E/v5X8iR6Ib33lOVc2P4WVg7saRGFmr24hNQeyVJ5Y/0K44h30RmXbAmTSj9Dqc4Ng'
+        'zOWcbt8/Fyeb7DlLx42uNu5oYMpSbenbXCQXn2FCsXg4Xcn5ULmjXwWmobxG+BFjck=',
+        'sealed:eNptUstuwjAQ/JW5VIBKkMqRx6E/UmScDbEIdrTeBNEf671f1rWdUqr2Zs+Od3bG+yqIQj3iEmz8G'
+        'bwBUz1YqqI1IsSI5OsI2w5anXMVq5cFnuAhAdIS2J1agfE1TK28BD1w14XbcLjkUkeNbGG6rjoZvf/tXvipX'
+        'RiJr+yE/hFfqaw/HbTPoUy7QdMZwejouiz0iH3GVkI+Bj7EvnMy94sljkFatKYbSU3XbnQ1IXhLaAJjZsbTT'
+        'FuE/oajsWc4n4zmHnBNNnGXwtVEmEyeJirTHKbsNrBd8GogND/BqKiefenkOEqapXlwVJLRty2pfnTvaU7jE'
+        'QbpB0m94nCZZ1zdKLoq3r6RPPstDDzl5nxW1Kht0FyL2pGDqa1RdWHS+EbWvOaMCpFtznirD8Fh0Cea/cXEM'
+        '9Zv50Vek5j4O2Qw/WBaBkWeM7KcKLm62xfq+vMj35ksuZHKRoxJL8Hb7H5zr/ZOD3C/92bKzWVBJ2XzVl/Nd'
+        'fGi',
     ),
 }
 CONTRACT = {

@@ -36,51 +36,48 @@ from minipar.course.grading import diagnose, expect, expect_close, expect_equal,
 from minipar.models import GPT, MLP, GPTConfig
 
 EXERCISE = "ex02_data_parallel"
-HINTS = {
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
     'A': (
-        'What must every rank do with its own gradient so that all ranks end with the full-batch '
-        'gradient? Mind the ranks whose parameter has no gradient.',
-        'One all-reduce per trainable parameter, in the same order everywhere, averaging; a '
-        'missing gradient becomes zeros first; a summing all_reduce_fn needs one division.',
-        'for p in trainable(params): if p.grad is None: p.grad = zeros_like(p); then '
-        "comm.all_reduce(p.grad, op='avg', group=group, name='grad_all_reduce'), or "
-        'all_reduce_fn(p.grad, group) followed by p.grad /= comm.group_size(group).',
+        'sealed:eNo9y0EOgkAMRuGr/BfAK3gC1q6LU+yEoSVtceLtFUlYv+89hBLrHgl+s3/gpAuKodcU1AxYV7ycS'
+        'mVNhCGPgVr7ywBrOW0KY95bGybKp1zLHWP9kaOeQxcLxkZOKyc7hAJql799AQ6HNMg=',
+        'sealed:eNoljsENg0AMBFvZAkgaSBEpARluAUucL7IPoqT6GOU3K400+zRC9v3mLMdMvOjoLmoy7bnEpbLTB'
+        '6ihb0TkRvOSGk/6573ROUCSZVVbHxBUjUjE6lKU1jFxbpWBL70FFvXolxdHrZeX+fGfHxeDkSXQ8lbRU0Ob3'
+        'X9kBzyH',
+        'sealed:eNpFzl0OgyAMAOCr9I2RGPfuwhV2BVK1ODKgpOiWefo5jPOlSduvP44FMvgEs6BP2Ae6ZBSMRXfgH'
+        'eR2EhzBF7hzou7IDawkXGzwz83rG8wPSjBwjC2GYIXGZdgaFTfA2Sh8TaqBSXjJpsYGEkYy6kfsOaT05gXOg'
+        'nXpv6gOanAcAr9phP5zPHQ1+/UqbPErXXbcfgF1Sk6R',
     ),
     'B': (
-        "Which parameter's gradient does backward produce first?",
-        'Walk the parameters last to first; keep adding to the open bucket until the next one '
-        'would overflow the cap or has another dtype; then open a new bucket.',
-        'cap = bucket_cap_mb * 2**20 bytes; for p in reversed(list(params)): nbytes = p.numel() *'
-        ' p.element_size(); start a new bucket if the current one is non-empty and (size + nbytes'
-        ' > cap or p.dtype differs); append; a negative cap raises ValueError first.',
+        'sealed:eNoFwcERgDAIBMBW7mcZluEbgRjG0WQOnLTv7tFDO6ZQHi/nlrgoFv4WbHjiFL2X0DA57FNHC2btP'
+        'z9wFKA=',
+        'sealed:eNotjNERwjAMxVZ5E7BAB+HbNC7Nxdg5xyGwPU3pr6TTnaQgdkYlpxcHe4NQC4Rhy95iQWGuoJSyP'
+        'iedsVVWPPpaONA1spxU+RMwZQzrkmBv9k1snG6lCnPs1EBqB3Gk+FZeptX/kI7DuLa3H8vKN4g=',
+        'sealed:eNo1jkFOxDAQBL/SRyeICO2RCG58gWs0icdgEU9G48mi7OvXG8G9qqsXUrxh3pcf9mkhncqMHpe+v'
+        '7xgPpzriLQZFFlgfGWrHMOaqwclo1K77hVygm1GB9kLr6FrEzrwyoXFp5pvHLoR1ckcBOHfvyBygn8zlt2sk'
+        'diEkStkk2cu6gdIIsLDx9N/5R3tJR6XhuiHMmJOqd1qAVJlieOZ+CLPVz5Zo1yb+Enrzh9mTU3Zqg93s8pWS'
+        'w==',
     ),
     'C': (
-        'Which state does one backward need (a bucket per parameter, how many gradients each '
-        'bucket still waits for, which bucket is next, the in-flight handles), and which of it '
-        'must be fresh for the next step? What can go wrong if rank 0 launches bucket 2 before '
-        'bucket 1, or if a rank never sees one parameter\'s gradient?',
-        '__init__: the Bucket list from assign_buckets and a map parameter -> bucket; reset: '
-        'the counters. grad_ready packs p into its bucket and counts it down; _launch_ready walks '
-        'from next_bucket while the bucket is complete and starts its async all-reduce (keeping '
-        'the handle); finish packs zeros for parameters that never came, launches the rest in '
-        'order, waits, unpacks, resets. DDP: a post-accumulate-grad hook per parameter; the first '
-        'hook of a backward queues finish on autograd\'s engine; a forward after a failed '
-        'backward forgets it.',
-        "Reducer.__init__: self.n = comm.group_size(group); self.buckets = [Bucket(ps) for ps in "
-        "assign_buckets(params, bucket_cap_mb)]; self.bucket_of = {id(p): i ...}; self.reset(). "
-        "reset: pending = [len(b.params) ...], ready = set(), next_bucket = 0, handles = []. "
-        'grad_ready: skip a repeated p; i = self.bucket_of[id(p)]; pack; pending[i] -= 1; if '
-        'overlap: _launch_ready(). _launch_ready: while next_bucket < len(buckets) and '
-        "pending[next_bucket] == 0: all_reduce_fn(b.buffer, group) or handles.append("
-        "comm.all_reduce(b.buffer, op='avg', group=self.group, async_op=True, "
-        "name='grad_all_reduce', bucket=i)) (wait at once without overlap); next_bucket += 1. "
-        'finish: pack the missing ones, pending = 0, _launch_ready(), wait every handle, divide '
-        'if all_reduce_fn summed, unpack, reset(). DDP: self._hooks = '
-        '[p.register_post_accumulate_grad_hook(self._grad_hook) for p in self._params]; '
-        '_grad_hook: return under no_sync; on the first call '
-        'torch.autograd.Variable._execution_engine.queue_callback(self._finish); '
-        'reducer.grad_ready(p) (naive: nothing); _finish: allreduce_gradients(...) for the naive '
-        'version, else reducer.finish().',
+        'sealed:eNo9kFFOxDAMRK8yf4BUJOACe4z9dhuniZo6VeyS5fZ4l7B/jj3zRpNrykuCGhkjVFZUYcy0bJ1ag'
+        'DAHvBLmc9nYcHDDQY12Nm4TUu3YSX6wNgqZxRRMThtqtVwKOmXfx+r6/sga16xOv9kES4ws77HkNRkSSSisb'
+        'xN8GI4akQ37qYaZERtrugMfzjvDk/i44JrIsJBgreityooc0Ug2fKDQKUvyeiP9y0mO4P/35wQHup7+HMLf3'
+        'lV5fMiz9Is+y15+AUT4b3s=',
+        'sealed:eNpNkVFuhDAMRK8yf20l2AMsUj+qPUBvgLyJgYiQ0Dgp3Z6+JiBtP2N7nseTvnfB5b6/Ik+Mj2Jmz'
+        'vBOMoYUF5CIG0N/r3UBBQvCQitWSrRw5oT2HUe7Q2LhfJBMLEG7csGYyPaJyT5UZGbBChdyhFPeIazYKhCtw'
+        'sYtdOg9lWCmU7mRV2W1FPgnn4awTc5z3XcWnChoWb06q1TJlCpVvcsjGJD3bWJbDON1Zl5dGKt+0mnPbx0Gz'
+        'UOm0+ovp6hrY3reKzpOWV186+1Gaw0OpywVpBmojYCYLKdGjevuBiVUYHNEpKncbp9XjXKNklsypizFU+Z2D'
+        'wtTjDNW/re0q+jBJWXXbhxUfFfkRsniq3DR9af1GEAlxx31IuAwusCdjusZdZqG/dv0TRqefVK0P3IN6/IH9'
+        'gfBqQ==',
+        'sealed:eNpdU8uO2zAM/BXeYqOu0F6d+lLsByyKopcgEGSZtoXYkqpHsmnRfy8lOclmb7LFIWeGox84RImOc'
+        'a60Cpy34HEZmYYOpFlXNjkTLffqD1b5WO9LQR/lCYOnssP3fKysr2E0DqwHpUF4rybNt7LKCidW30D55lJYv'
+        'vb18akZNyO1+6uGytYtKGCM/dsKHHqaUDPIhxYs6kHpKU1fUFc9K/3rhDk2VCWGK11mUAMa38LGhH5+aWAWe'
+        'lgwkz8ymJwYeIaQ+JOyIKiBRRFwALsnIt0HlodMkchbIU/7G5mDOsLnDr4SYgRzRrcI2wJfRNRyLv2TgqcfL'
+        'VxmteATw2+QJRXjaiCq9wnvyo7QkZQWxLJQq7RDPiYj+jiO6BooywLaxyaWCZvaVHmrD9Q7iLHdTpyn3Qbus'
+        'uh8bGidVy05Vfx0EclRsWK3y8Y9Wu1u6+1UXUN1ESqACGC0RLioMJsYbr5Qit5L/kS2MRgpgX5us6sQZoRVU'
+        'Yhoy0YjReexc9rgB1sbyNOQul83wQ0M6qwGTNt4Mgl8XFccGog6TWrgHq6Xl9ct/nw25pTzYSl7k/IBHbfGB'
+        'y6kjGtcKBw8y0+FVcHcv7d3kJ5BuSnppMA8aloaG6LTxGJAB9rw5PCetGbpo3I+gCTiEIyTMxMxmARmv4RTo'
+        'l+QcXxDGYMymqOelEb2O2JEnkA9CdtYFVfJcLe99EfcKcRQaaHO2BKBMJO7VMdve6A+m2kJolDTO6b3VdQlk'
+        'hkK5LknEg3g4vE+pTQhV/8Ds52K1w==',
     ),
 }
 CONTRACT = {   # clause id (the library's ``# Contract:`` blocks) -> the graded tests that observe it

@@ -37,60 +37,53 @@ from minipar.course.grading import diagnose, expect, expect_close, expect_equal,
 from minipar.models import GPT, LSTMLM, GPTConfig
 
 EXERCISE = "ex03_model_parallel"
-HINTS = {
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
     'A': (
-        "Autograd's graph ends at the process boundary. What must the receiving side's tensor be "
-        'for backward to give you ∂L/∂x? What must the sending side not send along with the '
-        'values? And in step, which ranks receive, which send, in which order?',
-        'Send only the values (detached) and return the handle; receive into a fresh tensor of '
-        'the shape and dtype asked, wait, and make it a leaf that requires grad, so backward '
-        'stops there and fills .grad. A received gradient needs no grad of its own. In step: rank'
-        ' r > 0 receives its input from r-1; the last rank adds the loss; every rank but the '
-        'last sends forward and receives ∂L/∂out back; backward; every rank but the first sends '
-        'its input\'s .grad back; wait for your sends.',
-        "send_activation: return isend(y.detach(), dst, group, name='send_activation', tag=tag, "
-        '**labels). recv_activation: x = torch.empty(shape, dtype=dtype, device=device); irecv(x,'
-        " src, group, name='recv_activation', tag=tag, **labels).wait(); return "
-        "x.requires_grad_(). send_grad / recv_grad: the same with names 'send_grad' / "
-        "'recv_grad', without requires_grad. step: inp = x or recv_activation(shapes[r-1], r-1, "
-        'g, stage=r); out = stage(inp) under strategy.forward(dtype, inp, "forward", ...) '
-        '(the trace region and autocast together), loss_fn(out, y) on the last; send = send_activation(out, r+1, ...); grad = '
-        'recv_grad(shapes[r], r+1, ...); torch.autograd.backward(out, grad); send_grad(inp.grad, '
-        'r-1, ...).wait(); send.wait(); return out.item() on the last rank.',
+        'sealed:eNpdjrEOgzAMRH/lti6o/QTE3r1zSFwSQWNkJ1DWTv3OfkkDlKWLT747PbvJiTsx7qQoMnpQdAqTk'
+        'DxhFLakipZzdEaWM26+RI+sey5kKUwhdtDgqCASRWVBS7ivYmw/G3FIjC5MhIUzPu/X9VLGs/6Dabl8oBA5b'
+        'QbMwMWbQ/JbaTJDJq3RlChEaKKxwuyD9RATe/29RIe5Mqq1ua8sjqT+AvIqWQ8=',
+        'sealed:eNptkEFOxDAMRa/yd4A0FNhSCYklEjtO4Jm4NGonKbY7o25ZcU5OgpPOdMUmSpz/n/39wSkgp3GB9'
+        'YwTjTMrbgMbHXoOdyD/FrZZUhX0/h659dKB44kRk2UQOmHtYZw0C3JXpdrTxNUfbCk3HTjscKZou1o+0uAAc'
+        '/vIVDxkzv2ao8PwKeRizdjTYTiTBKjlSQtZVmoXx1HRFGGD1+tEoTojJ0NiDoqUa6VMFU2Rz6nBW3IaT88QS'
+        'gMEL3i8+rWqYppm81T5CLl/amuekdRWA4WgaymrtuATy7L+7N21adVXq+iy1PHXRV56/P58vz/4kV1fArZbz'
+        'H9xXZSNt413cwl/AZS9lmZY8iyrtvkD3nuqLw==',
+        'sealed:eNptUtFugzAM/BWrL4Quy9TXVnzJVFVpcCFaG5hj2vL3c0JFBdoDIQ6XO9+ZiKE+Wcf+btl3YQ+EP'
+        'FAAH+WDGk2NbF2rSg11ZA0NdUOvIdgbVkVc3i00sG0qeTRst1d7xmssjRC6+0LhCRVwR641eOt5VLG1PQo/j'
+        'z1WeZUC795JlV/lAXxiUU8NkdyqixX//108rGclPC93T0P4OwhpPDVk65OSPrObVMHX1HPa74FbhChC8PDcZ'
+        'skIxYwtBFzMaNFOqG5gWPALOWO/Bx968f6EjtapTCHEb/rcHTXIKibFrLjAiqTvRFlNtRKWEoZQI8kBWcZmN'
+        'JeOHpZq9YpPIBo2r8ONBmNMCSpZkQsORb0RUbChBjtw52xkGUmDgiAZ9bWL8XQJSlQ1jCUINN29CuyQc0q9L'
+        'Ic/YeljN4kdICdZvZOcHR4XsOlHSE3koM7W/WQjmS4dlYf3ZJJ1kzaviBLFPNqEWs9ZWIxnvKmFByAbfswfs'
+        'v0FPQ==',
     ),
     'B': (
-        'Two messages can cross the same pair of ranks at once: which three facts tell one '
-        'message from every other one of the step? Who knows them on the receiving side?',
-        'A tag computed from (kind, micro-batch, sending stage), the same function on both sides:'
-        ' the receiver knows the sender is stage s-1 for a forward, s+1 for a backward. Cast what '
-        'you send to the parameters\' dtype and receive into that dtype. Keep the send handles, '
-        'complete the finished ones as you go, and wait for the rest in flush.',
-        '_tag = 2·(sender·m + i) + (kind == "B"). send: fn = comm.send_activation for SEND_F else '
-        'comm.send_grad; pending.append(fn(tensor.detach().to(dtype), a.peer, group, '
-        'microbatch=a.microbatch, stage=a.stage, tag=_tag(a.op[-1], a.microbatch, a.stage))). '
-        'recv: shape act_shape(a.stage - 1) for RECV_F, act_shape(a.stage) for RECV_B; tag with '
-        'sender a.stage - 1 or a.stage + 1. _reap: wait and drop the handles whose works are all '
-        'is_completed(); flush: wait for all, pending = [].',
+        'sealed:eNo1zUEKwzAMRNGrzDm6ySUKXQtnHJvEVpBMTG9fYej6j57eU9HoLgcdSTqSqTtGIVwacUs1aIZJP'
+        'x0yoD3xhVlqKrEyElnSiAteV0T+NWTTBj60LzQ4WzGkRQ/eGz5FcXad612LvpoxsT61H/C6c/sBZqc6Hg==',
+        'sealed:eNo9UMFOxTAM+xXfALE3iSs3xJGvyLpsjbY1U5Mxvb8nrwOkqgfbsZ18wGlG0m0/nEdMVTc8L1LGD'
+        'pukqreBPOUOxmWUMsNCzi8dPDOMNsZ0lOSiBfEG9QyTke29CSonlm+uWIqeds2ETwBilxPs9oZJK+jxn1Qj1'
+        '17/oIHS8sB6fJI5zkyOux7NBK7NcKcaNZyrPWH0+86gIH+TIaXJYq5xPb6Y9/8iyKFd2bp2gDVcGjVJEctxD'
+        'S1sIGuZs3bN+STxVu9aMGpJwbQelvsfCoZ1MA==',
+        'sealed:eNplkcFuwjAMhl/lF6dEdJHYEdQLGxx32KRdEIqy1jQRbRMlgWpPxp0nm8uYqLSL4z/+5Nh/dDYNS'
+        'jxfLyJRX1O8XjrM4SQHcXR9jbLEbD2TCmN9iUPPeOW7To1amyq7s8nO9zj4iI/N26vegtpEE6iJpl4hcOr6R'
+        'pkwZuLQi0x98lHVlE1lhVTZizp/B5IFjApEsUAT/SkU6FwV/ZfJlS2NeogCiecnvrudBTiWmoMwyofd02I/d'
+        'pryd1JKXihSdV4iWRMIvIe+ZeJO4AkLedvpffPyqbfFf2RSXq/GpzG4bPHrIyZ94B9yjoWCjmTCEoNxGYY9r'
+        'qMPyJZgWbWUMFjPDg4+HhNM5PHaFi5ptjS0lKkWcoVDe0r23mQchJniz2T+o91e/QDx16Ey',
     ),
     'C': (
-        "Each micro-batch is a small batch of its own: what must its loss be scaled by so that the "
-        "m backwards add up to the batch's gradient? Between a micro-batch's F and its B other "
-        "actions run: what must B find, and where? And under ZB-H1, who keeps what W needs?",
-        "F: the input is xs[i] on stage 0, else the inbox's ('F', i, s); run the stage under "
-        "autocast (and under deferred(dw) with a fresh WeightGrads when the schedule splits the "
-        "backward); the last stage turns its output into loss_fn(out, ys[i]) / m and adds it, "
-        "detached, to self.loss; stash (input, output, dw) under (i, s); put the output in the "
-        "outbox unless this is the last stage. B: pop the stash, take the inbox's ('B', i, s) if "
-        "any, backward from it (cast to the output's dtype), put the input's .grad in the outbox "
-        "unless s is 0, and stash dw again for W. W: pop dw and apply it.",
-        "F: i, s = a.microbatch, a.stage; x = xs[i] if s == 0 else inbox.pop(('F', i, s)); dw = "
-        "WeightGrads() if schedule.split_backward else None; with strategy.forward(compute_dtype, "
-        "device or 'cpu'), (deferred(dw) if dw is not None else nullcontext()): out = stages[s](x); "
-        "if s == last: out = loss_fn(out, ys[i]) / m; loss = loss + out.detach().double(). "
-        "stash[i, s] = (x, out, dw); if s < last: outbox['F', i, s] = out. B: x, out, dw = "
-        "stash.pop((i, s)); grad = inbox.pop(('B', i, s), None); torch.autograd.backward(out, None "
-        "if grad is None else grad.to(out.dtype)); if s > 0: outbox['B', i, s] = x.grad; if dw is "
-        "not None: stash[i, s] = dw. W: stash.pop((a.microbatch, a.stage)).apply().",
+        'sealed:eNpVjj1uwzAMha/yti7x0DWLUQMpeoMA3WiRiYXYYiDSEHL7MsqSbsTj935OlBZsOVUdZvK4s4FgG'
+        '60rXoJekN2grRzRFnJsu3mXVjXDLLBEqzDmB0zhT8QXwRb+dGtUORKZsd/h2j8998NwrcRZio+YxJtIiea3K'
+        'UF8gwr3rgka1gpKnrUY6v5vzoRLLnzoeAtORnzFuRcOz+80/HweQlfcRO728p1RRNjGP565WSI=',
+        'sealed:eNptkcFugzAMhl/lvxWkiO3c3nroHqGHaZrSxkDULEFxEOXtZwPtpGo34tj5P3+c9ig9wcdhLPCMO'
+        '3/6L6QILrYjvBtQYNp6Lum+Y1S7087AG3B9QB7jcrm2j9FRhh1LulouqGx0W81RSzmTq9xUY/Klh0WbiXucy'
+        'Xd9+cjWMaaetueuPbkxyMcQfOGldrHX22Szk1Q9Bk1YY8uYI0P70liWRWJJCIn5u42V1Axm3avGG36gUNY5H'
+        'TDCVaxmGcgEU2gbHTvow8JWLV7M9qx0C/y6T7Xtr2lK8wx+nMSVtAZihRexnl+oGxz3GNLw0Me9MNjbq+vjw'
+        'zV8K+izeXoQf+lHlkC1yBb+PxAZdWUeqDZPwmUVqTedqP4fdKGUX66GVgFugu2sNLcp49zgvCJrWS0OQ5iFo'
+        'PkFHuXHbg==',
+        'sealed:eNptkkFvwjAMhf+KbyRalXEu2w4c2G1XDgihkBgaLTRV4q7l389J6UDbbo38/Pz8uZsaXAUJXkGri'
+        'zMxHDWZpuJXIn3GFYxcGtPO7cGdsu4VloA+Ibj2GEbVhU6IxWZRFRspV2AH7tiiOzf0HrVNQpZO06DtParUe'
+        'UeHozafg452svoILU8aHDWQKGrC81WdQswCYcKl6wkPlq4dVmDxyxmEEGFhun4hKxAWTxgjWmGHMooDuARto'
+        'OI7TWh7701oCUcSUtYQeuKUZcW0S3sxcvB5P68TzQofUjqcWsGvCq4Zg4RnuKxK4VaHpyxWFkmbRkhlQ3/0y'
+        'B/ZPzW7DGbPWjFWUHw4523ay30Yw9z9cMzy7AnrGu5dU+LUTNBn3meGzJXHc6znc1QFAYsoRNMo3VPIcjXjn'
+        '/YqmDhPcWJ0d2xFTEGU/fIB5Jz8DZb32OuH2KPKTau/h6h/4bCDgm39uNG/f6CUSnedvzLPb5dJ3OU=',
     ),
 }
 CONTRACT = {

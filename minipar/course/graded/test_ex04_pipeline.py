@@ -35,43 +35,43 @@ from minipar.pipeline.schedules import Action
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex04_pipeline"
-HINTS = {
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
     'A': (
-        'Suppose you knew the cost limit c of the costliest stage: how would you check, in one '
-        'pass, whether p stages within c exist? And how do you find the best c?',
-        'Dynamic programming over (stages used, layers covered): the best cost of k stages over '
-        'the first j layers is the best over the last cut i of the worse of (k-1 stages over i '
-        'layers) and (layers i..j-1 in one stage). Then cut greedily from the front, never past '
-        'the limit, leaving at least one layer for each remaining stage.',
-        'best[0][0] = 0; best[k][j] = min over i < j of max(best[k-1][i], prefix[j] - prefix[i]);'
-        ' _min_max returns best[p][L]. partition: ValueError unless 1 <= p <= len(costs); limit ='
-        ' _min_max(prefix sums, p); walk the layers, close a stage before a layer would take it '
-        'past the limit (or when only as many layers remain as stages still to fill); return [0, '
-        'b_1, ..., L].',
+        'sealed:eNo9jd0NwjAMhFe5AToBLxUzMEFxXGI1xBF2ZNieNEg83s93d+utqTE+2nFUDnhmkJqjyFMcBN3/X'
+        'hEegfn24AuyBkJ7SZOlzHQskAqtjLaZLYjMg3yh/RBDiOfRIPBbzFdca5ozSefGLkOfX/fzhtYvVJI3qw==',
+        'sealed:eNpVkEEOwjAMBL+yx1aCSlw58wQ+YFq3NTQOcgKovyduC4hLlHh3Z62cZqUgLe4WB6MQRAfEJxuql'
+        'GnghEfiboeJZraE1iXu6iPyyLhwymVUjtjjhi2wpF3uxYp0/WQl/UJfz0SOeGSIM3zyipbYH9Vtf/hjykaqQ'
+        'dqh+mCb5lqMoojKq79ucB5ZF+5gzJ1MM3qLYV3LouYdlJ159/5lEQlSphPT07+Asl99U+W1Fn00MLUjjAOJu'
+        'mtpa95yLnH9',
+        'sealed:eNo1UMtugzAQ/JU5UokguDbJsbeee0EWMunSOCw28poS/r5raCTL+/Ds7Ix7ktTWRg+uqM/ocz2a9'
+        'pHryXmEX4pwuOCBMGCyz+KAnBrTOlNijjS4Z8afXrkzb2d0OtwpHJHSEr0czLNpP02F2cbkkgv+HV+WF/qIM'
+        'UQsnkkEDS5XzPli8sUtSBLlYze5pJpevMWxDLJMoioUsVoeke4EthtFbd44CMFCkv0h3T+EmMv9GWtY+BvJj'
+        'gTlna2kY3ZfU6ia9U7q3vMGK+rbb/+8amiy+jHa3YlzcMxIAYNGFXI4RluX6LumRFVVJdT2H5YyfAs=',
     ),
     'B': (
-        'When may rank r run its first backward? How many forwards has it started by then, and '
-        'what does it gain from starting more?',
-        'Warm-up: as many forwards as the ranks after you (capped at m); steady state: one '
-        'forward of the next micro-batch, then one backward of the oldest unfinished one; '
-        'cool-down: the remaining backwards.',
-        'warmup = min(p - rank - 1, m); F0 .. F(warmup-1); for i in range(m - warmup): '
-        'F(warmup+i), B(i); then B(m - warmup) .. B(m-1); every Action has stage = rank.',
+        'sealed:eNolzEEOwyAMRNGrzAFyh2x7g6ydAAFF2NLYFeL2pe326+kfNSu6TFD0AcG3ooWjNHrglOsZwrTjZ'
+        'WMxnSjGb3FU8SXhIYyccE7Eem0QTRhVAsnyT9zSFIXW/7bpjW7M+weymSxU',
+        'sealed:eNpNjlEOwjAMQ6/iT5AoB9gOwnfWpmzamlRtprHb0w2B+IriPNt5UEluzR2oIpHsiFo2KqEego2MQ'
+        'jK3JRoX7Lri4ilnDiBDuvaoxhT2Nsi4gwp/A6Dx9Au/Gjn5om4g8+PtUOUkB/LzP6pL4GpYJU4y1bGVNKqHV'
+        '11c0E26z0OcqN3l+fPX+xtn9kcb',
+        'sealed:eNpNzsEKgzAMBuBX+Y8tatHrxg7u4HsUiRpGo9RO2dsvVRBPCX8+wr/7GL4LXggsZkGF6OWjoykR7'
+        'BNdDefQmf1gVaPRMEcwWLIcyQTF59U+LliwLfE2rDxNJLreWP6owfGMNoo/tH3iWTD5FWvyI2mdXMP9AU4CL'
+        'yQ=',
     ),
     'C': (
-        'Which actions need a tensor that another stage made, and which make one that another '
-        'stage needs? Where does stage s live? And what must a step forget of the previous one?',
-        'F of stage s receives from s-1 and sends to s+1, B the other way round, except at the '
-        'first and last stage; the peer is that stage modulo p. step: check the batch divides, '
-        'cut it, start a fresh loss, stash, inbox and outbox, call the method named by each '
-        'action in order, flush the mailbox, record the peak of the stash. SEND takes the tensor '
-        'out of the outbox, RECV puts the received one in the inbox, both under (kind, i, stage).',
-        'add_comms: for F/B, (src, dst) = (s-1, s+1) for F, (s+1, s-1) for B; RECV_op(i, s, src % '
-        'p) before if 0 <= src < n_stages, SEND_op(i, s, dst % p) after if 0 <= dst < n_stages. '
-        'step: ValueError if inputs.shape[0] % m; xs, ys, loss = chunks, chunks, 0.0; stash, '
-        'inbox, outbox = Stash(), {}, {}; for a in actions[rank]: getattr(self, a.op)(a); '
-        'mail.flush(); peak_stash = stash.peak. SEND_F: mail.send(a, outbox.pop((a.op[-1], '
-        'a.microbatch, a.stage))); RECV_F: inbox[a.op[-1], a.microbatch, a.stage] = mail.recv(a).'
+        'sealed:eNptjcERgzAMBFu5AtKDJ1Xw1uADexJbjCWgfQSTZ7572tVU6lwgs1fthk5mCJzddMCLOKSrFw6Yy'
+        '0o0yXwFyzgfscmH0M5/t3fMEqYgRFbajxu+9WDC+6mE1nYLN1ZuWHSsdOgSRWIbPKrudr9IF6slPWQ=',
+        'sealed:eNo1UMtOAzEM/JU5ggiVeoUbUI49gMTdm3hJtLvJKvaW9u9x0vYSOWPPQ/OJMkKUfhmCyp7TiQVjL'
+        'QvkeQ/KAcI5CLRAnvYOb9DIKPZU/NEFtWw5OPDZ86og7esxVdFOnsmGrv/aNysbL5lcpBuOpYRtLlh39uf1B'
+        'T6yn/rxQOojQjqlwOLgN0VS12jV1C0lS8RcRDom0SHloZy7cdnURiPRPHexhTWWgEwLBwwXMJk2eU0lGw2lB'
+        'q4O47yZZr+nNHcFa8WWt/Q0tcLa3B13+D4cP6A0sXRUOUupzf1+dw/ydXj/wbrp9e5WteXM3Owb1sM7DFYur'
+        'FQr6mFKrdzkrlU97v4BQhGVqQ==',
+        'sealed:eNqFUMtuwjAQ/JW9VIqFccM1gQsUjj0UiUsURYvjkIgktmynoqr67107UI6VvFrteGb2gXVdST0ML'
+        'oNGWzi8bjkkzkoOtfMMNlQsVxzcYsVmQvheBGR5R7Y5fOx3p0qbpCOYnpXwAobBWdG/gq6BFNabiK9hrJzHi'
+        'yLecf/+9lRRu1mFjVf2TxTgp0iA88pkcMJ+UntrdSR2o5m8E65Fo4q0JJshhxt5flH02jlaQ7bTeKXykVOR5'
+        'mSGruWkP+sbBz15ysQ9BjhhHL5/QuRxTSQaoPSdHl1hcbyWGVyUR+9t4lTfcEChDUuQ5TBg14umn4JLDkbht'
+        'YqtyDtmESAxH+CQzXSnxjrBxxTC0GGS4FgsV2XwHjpp9Rm9bEMVz8EYu9+eTOISxT+KkiaI3aySnzSq+AWCj'
+        'aHI',
     ),
 }
 CONTRACT = {

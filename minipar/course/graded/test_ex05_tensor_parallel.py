@@ -29,50 +29,48 @@ from minipar import tensor_parallel as tp
 from minipar.course.grading import diagnose, expect, expect_close, expect_equal, attempt
 
 EXERCISE = "ex05_tensor_parallel"
-HINTS = {
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
     'A': (
-        'In a column-parallel layer every rank uses the same x but only its slice of the weight: '
-        'what must happen to ∂L/∂x? In a row-parallel layer each rank has a partial product: what'
-        ' must happen to it, and to its gradient? And which collective puts every rank\'s block of '
-        'a dimension side by side?',
-        'f: identity forward, all-reduce (sum) of the gradient backward. g: all-reduce (sum) '
-        'forward, identity backward. _sum returns an all-reduced copy, never the input itself. '
-        'gather_along: move dim to the front so that each rank\'s block is one flat run, all-gather '
-        'the flat runs, and move the dimension back; _split: check t divides the size, keep chunk r.',
-        '_sum: out = x.contiguous().clone(); comm.all_reduce(out, group=group, name=name); return'
-        ' out. _F.forward: ctx.group, ctx.name = group, name; return x.view_as(x); _F.backward: '
-        'return _sum(grad, ctx.group, ctx.name), None, None. _G.forward: return _sum(x, group, '
-        '...); _G.backward: return grad, None. gather_along: xt = x.movedim(dim, 0).contiguous(); '
-        'out = empty(n * xt.numel()); comm.all_gather(out, xt.reshape(-1), group=group, name=name); '
-        'return out.view(n * xt.shape[0], *xt.shape[1:]).movedim(0, dim). _split: divide(x.shape[dim], '
-        'n, ...); return x.chunk(n, dim)[r].contiguous().',
+        'sealed:eNp1jzFuAzEMBL+ynZsE7tMcUhrIJ3gSbRHmSYJI+XytK78zL4lsFymCNCSxXOxgDxmEULQv+b1SI'
+        '1VWKG3cwBduGxrlM7qxwRPDaGFcMXdHybpB3GAqgVGOT8PKckr+gTWRY+nmSFQrZ3jB9/32tR/jOuHwwLay/'
+        'mFSSC9kIhuW8XYhRW0l9vBPrvgbKMfXaTg1isLZJ3wOcU0yIkdD5eByYdQ+PL/ddoZZSzg/ChCiLJxNSoZJZ'
+        'Mzbc08/1exq2A==',
+        'sealed:eNplj1FOxDAMRK8yf4BU9gDlMKts4myjpk5lO0XL6XFbtCDxac/zjCePKInYij2Qm3wGSQNCre9Cq'
+        'UfCq/blDS3DJsJdQioO4xbivKMX3Mf/9NPn6fzLX52AkHVhReA/xwmxrY8BTBvJEVd47YZiSjV7UvCdXENt7'
+        'KFL2wipLLB2sFma/6X7EAwU4gQJPL8obrXFGUXR2LHqqnQ+O56W5/2PoK5wOu33vUcQa2l8dPjw/9dabEScy'
+        'F3N9c1b6sFq+aIBM9HqcucZcvkGD9t84A==',
+        'sealed:eNqNkktugzAQhq8ySztyLbIlyrbZ9QIRslwzJSjYRsZOnNt3iAlN1C66YMDif4w+UFOyNfgUYQ9ZG'
+        'u9i3yWfJsalGbxDxndgvLVSD4MK2CaDjNQCuuDTuL9PAU5b3M+D1AFjCm6OlKDe5ZcPVx3aGkzMcpHPj7OaO'
+        'p8CVmuWlx6vSk8sUx5lfGpzLiGLQtHWrAu6FX/FcgEftHqZtMThZ4lnfxaPdinlXHT4XVQ6Sk6n4wmD0oSlq'
+        'yEXYtZfsO0to0tAxV8I7hauaMd4Yw42ZJIuWRwYf8ZaggtWUgScTnpE9rbl/8M803rE363HqhGwWU/buuHro'
+        'pUAunHCMo1DH2s6XfoWWV7E9JLM7gFl/STmlNyZueI+hub1X/kGI7zGsQ==',
     ),
     'B': (
-        "Which of f and g sits at the column layer's input, which at the row layer's output, and "
-        'where must the bias be added so that it counts once? Which dimension of weight (out, in) '
-        'is the output features, which the input ones?',
-        'Column: apply f to the input, multiply by your rows, add your bias slice; gather the '
-        'last dimension only if asked. Row: multiply your input slice by your columns, sum over '
-        'the group with g, then add the full bias. The modules build the single-device layer with '
-        'the seed, then keep chunk r of the weight along dim 0 (column, the bias too) or dim 1 '
-        '(row, the bias whole); from_linear does the same to the given layer\'s state dict.',
-        'column: y = F.linear(f(x, group), weight, bias); return gather(y, -1, group) if '
-        'gather_output else y. row: y = g(F.linear(x, weight), group); return y + bias if bias is'
-        ' not None else y. __init__: full = _full_linear(in_features, out_features, bias, seed); '
-        'self.weight = nn.Parameter(full.weight.detach().chunk(t, 0 or 1)[r].clone()); self.bias = '
-        '... or None. from_linear: m.load_state_dict({k: v.chunk(t, 0)[r] ...}) (row: the weight along '
-        'dim 1, the bias whole).',
+        'sealed:eNo9jkEOwjAMBL+yN0DiD31Gz2njNpZaG8WOIn5PkgJX73p25sRrgm7YECRih7EbgsMTYdWjnIIjv'
+        'CnfDCyv4k/U8fKtZK3/XIuPQgfVRJlwFrtqCwfDQggxUoRpOzYAe5so0gZVVpowD3Lkk8RYpWtV4j057trBL'
+        'A+wDeC1hY2Cl0z2s+rR0GxEsukDE49Oyw==',
+        'sealed:eNpNkEtuwzAMRK8yuzZAGrTbZNkbFN0XikXLRCjR0CeGb1+ZTj9Lasg3o3lXaTGd4eZZVoyoijoRO'
+        'M2tHhGbVN6E64pVW0bWpRzhvN/HK7uCIjzQBcH1w2zX4kqF50ipsCZo6gQe4cqN/Akfupz/yMYxux30azVYs'
+        'u5WWoTeH+iQtc1YuE4Ix+0lWZpNGpuIJTrhs49RfRMquDaWfaFwCkIvnu6bj7i1M41kIpF/AG9EM4appRsyd'
+        'DR5IQ5ThRNNYfsaXvG8J7SjvYmqeoBm09/w3Mv6Jy6TCh0uGLPGL+FEri9qD2juLtJP94HvPYTFe+rtVlepE'
+        '4d6+gaQMpfc',
+        'sealed:eNpNkM1OwzAQhF9ljrYIK3oN6pUj4o6QZZJNYtWxK//QRoh3x06TqqfVrne/GU/nbZ5diwVHvJE1j'
+        'nUQg7g2GIPPZ9ngwmacUoNvo6N8ReCUg8Oo08RBLA2eD/suzLDNlc/pnBPYRsZCCP5ykxjFXeS6o+V+f4cve'
+        'FrlKvBWI5xPePeO70yljDNJqRZDtrawVa1qoxunBtaFxrFBcfPQVWKDyNwXxch2oJuPgnCOPnTQM6fyt4rbn'
+        'qjnpLtJSOqm7E6ixPECH3CQn+GLOlt8CbnTVsdHEFFdqZ4JQ/DzZq3FTNbrXsWkE6vedEn8nlr8PLArtgL+J'
+        'MSaXQl1Swu6qI3ozYwSfJ2vepfJW5b0D8Bsm68=',
     ),
     'C': (
-        "Softmax needs the maximum and the normaliser over the whole vocabulary, and the target's"
-        ' logit lives on one rank only: which of these are a few numbers per position?',
-        "Forward: the row maximum over all ranks (gather the ranks' maxima), then sum Σ exp(z - "
-        "m) and the target's shifted logit over the ranks (zero where this rank does not own the "
-        'target); loss = log Σ - (z_y - m), averaged. Backward: (softmax - one-hot) / N on this '
-        "rank's slice, from what forward saved, returned in the logits' dtype.",
-        'loss_i = log Σ_v exp(z_iv - m_i) - (z_iy - m_i), m_i = max_v z_iv over the full '
-        "vocabulary; dL/dz_iv = grad · (softmax_iv - [v = y_i]) / N for this rank's v (the "
-        'one-hot only where this rank owns y_i).',
+        'sealed:eNo9TcENw0AIW8W/fjpBPx2iE5CEJKh3EMHl0mxf0kclY9kWhpfNrdIHyjwF2spIJ3WvIJ1+Xs0rF'
+        'Ql2WE+6smO1wug20rAX8vP+327kC7dboNgiDUU6B0wTDCd9pyjnIw/IuMLmqxMM8hzMfED3OrAHtvy0WUgT0'
+        '+cXr0I8Ug==',
+        'sealed:eNpNUDtuwzAMvcrbYgN2uqfo0qFjr1AQEW0LscWAYuIk1+l9cqZSFtB25MP78kN0JQ0H2MRQWbHQL'
+        'S6XBXJlBc0zlNIpoxnJGVppBdlVJrVdwRKya57f4Nu5eaDH0oJS2OhGOrLtMvIUB+OAWcZoNeDXDs2DVbB6h'
+        'iummDcYQTgjibPX9M+sfXWTnPFWvEps7/qv+5bbgdyZRg57vNPxVOc1WQbzxk6RxP0k1uIFn378pZWKczxyh'
+        '0Fl8S5kGOp/kN00dFC2iybfEGudbYr/Itj9zPsfVD90HQ==',
+        'sealed:eNpFjcENwjAMRVf5N1qJ0gFQN0AsgFAUSNpGpDVK2rRhHYbgzgDMRBwhcfHXl5+fLXkvDBpY6vB5i'
+        'gC93ouHMAEVBmHKFFzjr255JnyQa2IzR0E7TL1GO1uLQFd5ma10cQ91qFVGGnROKrxfKDy1Ex/nBydeRWHOJ'
+        'Woc0RKLjIeT423jEVCwl0Zd9TSltBFLr53+U6Bl9Kwod19tg0UK',
     ),
 }
 CONTRACT = {

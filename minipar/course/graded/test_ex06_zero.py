@@ -34,77 +34,72 @@ from minipar.zero.flat import FlatStorage, FlatUnit
 from minipar.zero.stage3 import UnitSchedule
 
 EXERCISE = "ex06_zero"
-HINTS = {
-    "A": ("Which collective leaves each rank with the reduction of only its own slice? Its "
-          "output can live inside its input. And which gradient does a parameter that took no part "
-          "in this rank's loss contribute?",
-          "reduce_shard: a reduce-scatter with the mean (op=\"avg\") whose output is this rank's slice "
-          "of the flat gradient itself: the slice's length is the flat length over the group size, its "
-          "offset the group rank times that length. reduce_unit_grads: zeros where .grad is None, "
-          "flattened by the unit in the dtype asked for, the parameters' .grad dropped, the reduced "
-          "slice copied out so the flat vector can go.",
-          "reduce_shard: n, r = group_size(group), group_rank(group); k = flat_grad.numel() // n; "
-          "mine = flat_grad[r*k:(r+1)*k]; reduce_scatter(mine, flat_grad, op=\"avg\", group=group, "
-          "**labels); return mine. reduce_unit_grads: grads = [p.grad if p.grad is not None else "
-          "zeros_like(p) ...]; flat = flat_unit.flatten(grads, dtype=dtype); p.grad = None for each; "
-          "return reduce_shard(flat, flat_unit.group, **labels).clone()."),
-    "B": ("The optimizer only knows the shards: what must a shard carry before step() so that the "
-          "optimizer updates it, and how do the other ranks learn the new values? Under bf16 three "
-          "dtypes meet in one step: which one does each tensor keep?",
-          "sharded_step: attach each reduced gradient slice as its shard's .grad (in the shard's "
-          "dtype), step the optimizer once for all units, then rebuild every unit's full parameters "
-          "from all ranks' updated shards (in the flat parameters' dtype), unit after unit in the same "
-          "order on every rank. __init__: per unit, flatten the parameters (fp32, the master), keep a "
-          "param_dtype copy when mixed, point the parameters at it, and make the shard this rank's "
-          "slice of the fp32 vector (a copy when mixed). step: reduce each flat gradient to its slice; "
-          "_step: clip if asked, sharded_step, then drop the temporary fp32 gradients when mixed.",
-          "sharded_step: for s, g in zip(shards, grad_shards): s.grad = g.to(s.dtype); optimizer.step(); "
-          "for f, s in zip(flat_params, shards): all_gather(f, s.detach().to(f.dtype), group=group). "
-          "__init__: self.units = [FlatUnit(ps, group) ...]; master = u.flatten(u.params); flat = "
-          "master.to(param_dtype) if mixed else master; shard = u.shard_of(master).clone() if mixed "
-          "else u.shard_of(flat); u.use(flat); append flat and nn.Parameter(shard). step: "
-          "self._point_grads(); self._step([reduce_shard(g, self.group) for g in self.flat_grads]). "
-          "_step: if max_grad_norm: self.grad_norm = clip_grad_norm_(grad_shards, max_grad_norm, group); "
-          "sharded_step(...); if mixed: s.grad = None for each shard."),
-    "C": ("A tensor is a view onto a storage; the storage can shrink to nothing and grow back "
-          "without the tensor (or views of it) changing shape. Which buffer must the parameters "
-          "point at so that a gather makes them whole?",
-          "free_unit resizes the untyped storage to 0 bytes. gather_unit first resizes it back to "
-          "numel × element_size bytes, then all-gathers every rank's shard (cast to the buffer's "
-          "dtype) into it, forwarding async_op and the labels, and returns what the all-gather "
-          "returns. ShardedFlatUnit: the shard is a clone of this rank's slice of the flattened fp32 "
-          "parameters; the buffer is empty, N·k elements, in dtype; the parameters use it; it is "
-          "freed at once. FlatStorage: gather asynchronously, free the buffer, and reduce the "
-          "unit's gradients in dtype, cast to fp32, added to what the shard's .grad holds.",
-          "free: full.untyped_storage().resize_(0). gather: full.untyped_storage().resize_("
-          "full.numel() * full.element_size()); return all_gather(full, shard.detach().to("
-          "full.dtype), group=group, async_op=async_op, **labels). ShardedFlatUnit: master = "
-          "self.flat.flatten(self.params); self.shard = nn.Parameter(self.flat.shard_of(master).clone()); "
-          "self.full = torch.empty(self.flat.padded, dtype=dtype, device=...); self.flat.use(self.full); "
-          "free_unit(self.full). reduce: g = reduce_unit_grads(u.flat, dtype=self.dtype, unit=i)"
-          ".to(torch.float32); u.shard.grad = g if u.shard.grad is None else u.shard.grad.add_(g)."),
-    "D": ("Walk one unit through a step: when must its parameters exist whole, and when is the "
-          "earliest moment nothing needs them any more? What could the next unit's gather overlap "
-          "with? Which of these moments move when a pipeline runs several micro-batches per step "
-          "and the unit stays gathered?",
-          "pre_forward: gather the unit (waiting), note it in the forward order, make its module use "
-          "the gathered parameters, and with prefetch start the next unit's gather without waiting. "
-          "post_forward: back to the shards, free it when resharding, and hook every output that "
-          "needs a gradient so that its backward calls pre_backward. pre_backward: once per unit and "
-          "backward (the flag), tell the reduction the backward reached it when resharding, gather it "
-          "again, and prefetch the unit before it in the forward order. reduce: free, reduce-scatter, "
-          "clear the flag. grad_ready: hand the gradient to the reduction only when resharding. "
-          "end_backward: free everything when resharding, else clear the flags for the next micro-batch.",
-          "pre_forward: self.gather(i, phase='forward'); self.order.append(i); self.storage.use(i, True); "
-          "if self.prefetch and i + 1 < len(self.units): self.gather(i + 1, wait=False, phase='forward', "
-          "prefetch=True). post_forward: self.storage.use(i, False); if self.reshard: self.free(i); for t in "
-          "the outputs that require grad: t.register_hook(lambda g, i=i: self.pre_backward(i)); return out. "
-          "pre_backward: if self.bw[i]: return; self.bw[i] = True; if self.reshard: self.reduction.reached(i); "
-          "self.gather(i, phase='backward'); pos = self.order.index(i); if self.prefetch and pos > 0: "
-          "self.gather(self.order[pos - 1], wait=False, phase='backward', prefetch=True). reduce: self.free(i); "
-          "self.storage.reduce(i); self.bw[i] = False. grad_ready: if self.reshard: "
-          "self.reduction.grad_ready(i, p). end_backward: if self.reshard: self.free(j) for every j; else: "
-          "self.bw = [False] * len(self.units)."),
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
+    'A': (
+        'sealed:eNodjkESwjAIRa/yd+68QselJ3CNCRqmETqB2PH20i55fHj/0aQ0FOudS8iX0Zm+7GBKPEhX7BIN0'
+        'RiD68yMKewF0/6DhMN2hXcpvOB+jDO2GSik6Mc7UZfKZ1I0N1fctGI/re9BVVgD1dJI2GjQh4NH6igQZivUD'
+        'hx5nFD8rHRxdHPP1hpDnjN4+QNwYEiz',
+        'sealed:eNpNUFFuwzAIvQrqTzepywEi7Qq7QsRsklhNjAUkVXv6YTdq92OZ9x7vAUJxCzTojBJ7QJBWf2lAM'
+        'xK4JZvBZoKVMMMHl+8T7tPpE24zKwFvVjaDpK7xRzBfzwq6pODc2BrHBQ0mwZgou9KUlrFvTJO5fKE8eUozO'
+        'fQHxLuPUMFJeCug6UGXauHeo5L9o2oyWFqpmrwMumOdYcvJhjqE9vAgYfX5SQi6itXkH85uXbONMkX4vTfz2'
+        'gcpt3+0eyFAvTo9slwaWFBwJb+Ung+zKFwKxSf9jI/HRQKX5IUfDZTfy+4UjAWCH3ji7g9PlY//',
+        'sealed:eNpdkFFuwyAMhq9i9QkyRLXXRLnCLlBVEU2cFIUCMjBpPX2BJlu0F/PLWJ8/IJzSiEO4K5pasAIIe'
+        'ljIJT8E/URWIxdbi5Rdt1YHa56cjYrDQmqSNj3QMA7nM9gOHtri8fpCzdoy+vjkzXrtgLato4oRiZVp8Tcsw'
+        'Pn+pL6X07a3r1VA0xh1QxN4IcREtu6ROy5Z/QaEFuqRDS5elgh6hj0FsC7Cl8uGmYXwRHJhMHpF5jlIKbNgc'
+        'dn9C1aWFNGyyhUwxR+Pfa1ZZiP3b+jsCFCN919JOvwxKyBxAP9/mhxNhjAuX126jYE=',
+    ),
+    'B': (
+        'sealed:eNpVjjEOwkAMBL+yJUg0NBQ0fAIeYDijOyWxT7ZDFF6PIRWNpd0dr32tDO3RpvZmg8q4YhBdHJGBV'
+        '7LiZyyVAtPsAdo8PMhsxZ2faokF990errmUYPxVzr1QsKPFASQFVRcU3aAcBiMZHCOTyc8VXvCicWa/4CYli'
+        'fvzeMrImFFi7Vk2MQea5L/b9e+L7VF/umgCTKmCxdUwMPfLB0LQU2o=',
+        'sealed:eNpdUtFuwyAM/JV7aytFedjeuo+JvGBWlAQQON26r5+BNIv6EhFs353vyDdKhs2QheMVJELjDVw+i'
+        'c06ssFXIuPYC/LsRgZlOMnIZe6U0Zcyzs5DbrzfGnlEvnQoqLUQorjF/XJC8ApiQwLNM1avWF3p8Mr3ubrZg'
+        'O+cHrWiQHbVrkiJFhZO+p/CUicT+SmfsEZDoiIrcd512JnkMHbaBRVYkNXLdnzq1kYENaLo2xQUhh7D4LRvG'
+        'K6I20xX0YXb5EHb2cb3t7oMFtLNk/JNrAZQ6xqqCIwhPvBdNl7cD5sOMTh19wVM9Rcq8kbBJv53V08uV3FqT'
+        '4sk2La00uPOo6i5Z3rlufRoGbdcW8bVpz1gCS3aAvqB7UmMs4twVnOfith8eC9bcCaFFrLwEkMi9a5KeeLmg'
+        '4r+D2el3kc=',
+        'sealed:eNpdUk1vwyAM/Ss+EinyD2jV647TLjtVFULBpEgJICBS118/G5Kt2wXhr+dnP5e7yZasLpXSCVzMU'
+        'EaYwQd4+qSKRMWRDac0YzhBQbHhAjPWqAra+pVoOENM1a/+SRkFTbFH8NwI5cBzi6k6mWxWBv3BM8uiZ1Pvl'
+        'JUko6VqprsaBN3t6MIhbunS3gFBax981ZrZ0OJwY6Mwo+sbd/hkQ6WylwyAiLczrIZZZc7ZUGhUCmrDzkWYs'
+        'otjPUkat4juzcE7WP2DLNBSaE869wEaYPvp6FQPDTgtMZD6X/iSKP247YZbocMwKVGwnYrhTwj4ISyIIbsUP'
+        'HgXqg2tU/ShahGjyLa7s+3+msluE3XN1Dz22L4PUaVJ3JxNk4Zxk712fOFtHs2tQ8zr6QDYbZ56Wnz6TdDq5'
+        'UbGv8WHEPvG9mtTLAu7jg29nNU7766RJD6DXoPfsI7s/A==',
+    ),
+    'C': (
+        'sealed:eNo1jEsSwkAIRK/SS914AReWp3CNIxmoGEgNxLm+Ez8LCrp4r69ItvAGDRBeyh1u6eOO9EaVz0jhf'
+        '0AhQ0hTmzEg8xS1CrIHavOOO5UZXVN8y4/3Kz+M2bsDPkHziCJkdVdDaOUTbqJFcN+miRuWLb72So0WTm6B1'
+        'dUSlAgfr7EJlQYzaJo5dnxBF3/y5Q1jDUwQ',
+        'sealed:eNpNUctOwzAQ/JW5AVKIENzaO0cuiHO1ideJVceO/KAKP8KncIcfYx03bY+7O7M7M6sD8yE7kxA4m'
+        'i+OSCMju7TMrBCTDzQwkscTuiVxbDGQIELlaBPilSmNjvpjQbs8scXfN9jyxC4dCqJuaMoFB7L2sa6K4E8OC'
+        'wK5411EHCko3Pckm2VTkdNlrTnITBVZDzBOBiY10D6cBG3cAIqL6w9+Bjm1kix1bOVaqQOnHFzEaaS0Dq/Xt'
+        '1mL93KY1aul9CHmdiuwqjERhN56x/Ba+lJvaq3pz02GFmpiJ8Hp+eUZMwWaOInD/Y2NsoynOS0N3n5/jltCo'
+        'tS4arCir2zkyGJ3XwIWspaXKYgR73puUfS+1z/tzs+pYYzBO5+jlUOFciNhC0Xlns//NknMDIGUKVouUhpsf'
+        'yiOhKckoVJeklwDEm5byBi9VbH9B++g150=',
+        'sealed:eNqFUctuxCAM/BUfYRVZVXvbKtceq0pVz4gGQyIREvGolH59DXS3u6deENgz4xljI9EZbPEeS8jHT'
+        'kalvEXtSEiMlJZvUuJBIjidZ4r/Qls7lJW8kHDqaPK0UsiqIoSUzxAplxhAe6+6bKMNkGYdDRrKeppZM29dz'
+        'tRhcgAXt7KP7RxApyNMatvHy2WA08nrT/KJ3b5XJTIvXuePsOQzrDplijBCIm/Rcr0dmYJolV1HvSb21l7NC'
+        'INDwLfaIOaKP2Zrq82Kripx8lvo0TqIXTOblzPNSOuejxvyrg07G6ClGtvJD/paJhoR8apRsSWRuCpyx/Jvq'
+        'cKBbqrI6zRl4l90PLPfG0a5qE0SpUld5jXe79AKGpe2527V+k3np0ceVHpGrBKs6mCx97UlwStnBl433XWQ4'
+        'ynhJP4AqkrURQ==',
+    ),
+    'D': (
+        'sealed:eNo1TzlywzAM/Mp2aeIPpPEzXMPSRsSE1xCQZf8+EJ1UmFnseZP8g1aJvarD02j7liAwZ//CkVhRd'
+        'nOoG7oMKXQOA58a4JFa5iekrm+mWjgQlJGV8S+tsDpq86R1QyXXySghecV38IpbEsfS9rxObeXTZ5cPwyaBD'
+        'LQHR5aOQz2dfF0S2vfJNv5FWNwH3yUEXTuzxqaxV4Mx9JJRdBntchdfQogexufGWf4MnvvN5fWfy/X6Czyea'
+        'Hs=',
+        'sealed:eNp1UmtuwyAMvor/rZPSHCCXqVxwAyqByDjrevsZJ03XPf4g4Qffi5npdCl8Q/YDjCiBGPSAJUeBw'
+        'w2jxDy+d5CLEGgpZmtvK1DYE3cw4bV1K0zFL0m3K9nY+iB5mJFxIiGuHWD2cIsSYGa6kLgAVZDFFjJ9imG/1'
+        'QebNloWgY1LD3Op8uR8RncFKbZdg5YU4cJkZG+BMjBZWVdX6FDKFeiD+A767Lw0YBRFJl8BYWT0kbJALWujy'
+        'WogptdhSrURPz1K/cttgJIdway8zcEGuC8fzLmEzU+hlIyzurM4iWX1dZ9lQhfUuL9UbMa050eMeZW1m7mnd'
+        'yY16d/Q+hWZBnOr227H6lCkReoS4foVGuPefDkpK38fIDRAy/dh1hbAU0zJ6f6TeQ+U/TerLCZLQoK2fwulp'
+        'P/olUhtKp5fZYqOy/GMKrz/AmTwA5g=',
+        'sealed:eNqFUkFywjAM/IpuhJZmyjU0PfYFvTFMxsRK4pLarmyX8vsqhpAQ0unNI612V1pbwqIydBQkM3DYV'
+        'mktfIOUqBXYRjjMF5f2Yrk5AwxJpFRYi1omqq86b0jUmAaH3ew7BeSWqs5dS1ihLxsQWoKCR1jDC7Sok9gNW'
+        'nm3nOh3oBUchfL5m2gd3vnhwoU1j2opWOP8ZJuJrcg08kXomgFcEWLciDnAg9LAVsAEb4N3/BYeCL+CIoSaB'
+        'E95JqiV80hFY8whacXnXgqoV6BylV1XL/aiPHSmmJzZCX0g3fGmMO5mV1v741btsgtwM6pBHi/71wKEMpReG'
+        'c0vUTY4yucu1l61y5UPx8yjdJWW+BOHZxPs8K/wfJvYML7t+k+w3s3mdxW+DzD6x2kaN0GeIUO9P0vUSGMuB'
+        'S8vT9m/Nxqw8Syszz96Jo2ZT/KxjH8Ev5FO8LEBZPGsN8RuttHODh6mnzz9BUIMMPg=',
+    ),
 }
 CONTRACT = {
     "ex06.*.group": ("test_reduce_unit_grads", "test_zero_optimizer",

@@ -26,37 +26,56 @@ from minipar.course.grading import diagnose, expect, expect_equal, expect_same_t
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex07_hybrid"
-HINTS = {
-    "A": ("Think of a mixed-radix number: the fastest-varying coordinate is the last digit.",
-          "A block of dp·tp consecutive ranks shares one pipeline stage; inside it, blocks of tp "
-          "consecutive ranks share one data-parallel index. Check the range first.",
-          "rank = p·(dp·tp) + d·tp + t: p, rest = divmod(rank, dp * tp); d, t = divmod(rest, tp)."),
-    "B": ("Start from the rank's own coordinates: the other members differ from it in one "
-          "coordinate only.",
-          "For i in 0 .. size(dim) - 1, replace the rank's coordinate along dim by i and turn the "
-          "coordinates back into a global rank; the list comes out in group order.",
-          "c = mesh_coordinates(rank, dp, pp, tp); [q[\"pp\"]·dp·tp + q[\"dp\"]·tp + q[\"tp\"] "
-          "for q = c with c[dim] = i, i in range(size[dim])]; an unknown dim is a ValueError."),
-    "C": ("The rule is an order of preference: can you express it as one sort key?",
-          "Skip the configurations whose hybrid_memory_per_rank(num_params(config), dp, pp, tp, "
-          "zero1=zero1)[\"total\"] exceeds the budget; keep the one with the smallest key.",
-          "key = (tp·pp, tp > ranks_per_node, pp); best = min, by key, over the configurations "
-          "valid_configs returns for the same arguments that fit; none fits: raise ValueError."),
-    "D": ("The mesh with cp is the 3D mesh with cp·tp as its fastest dimension: the part A you wrote "
-          "already does half the work. The expert groups are a list cut into pieces.",
-          "coordinates: mesh_coordinates(rank, dp, pp, tp·cp), then split its fast coordinate into "
-          "(c, t) = divmod(fast, tp); rank_of is the mixed-radix number read back. members: change "
-          "one coordinate through its range, rank_of each; for dp_cp change (d, c) together, in "
-          "(d, c) order; ep and expert_dp are slices of that dp_cp list.",
-          "dc = [rank_of(c with dp=d, cp=k) for d in range(dp) for k in range(cp)]; i = dc.index(rank); "
-          "ep: dc[i - i % ep : i - i % ep + ep]; expert_dp: dc[i % ep :: ep]; all_groups: the distinct "
-          "tuples of members(r, dim) over every r, in first-seen order (dict.fromkeys)."),
-    "E": ("dist.new_group must be called by every rank of the job, even by ranks not in the group.",
-          "Loop over the dims in use, and over all_groups(dim) for each; every rank calls new_group on "
-          "every list, and keeps the group only when its own rank is in it.",
-          "for dim in DIMS + cp dims + ep dims: for ranks in self.all_groups(dim): g = dist.new_group(ranks); "
-          "if dist.get_rank() in ranks: self.groups[dim] = g; name_group(g, dim). Then, when cp == 1, "
-          "groups['dp_cp'] = groups['dp']; when ep == 1, groups['expert_dp'] = groups['dp_cp']."),
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
+    'A': (
+        'sealed:eNodytENgDAIBcBV3gJ1AOdwARRaiZYmFE3dXuN937KrHWgZhKpDODmxDthVV/EZsQsy9ZAe6SZ/1'
+        'Aq21pzVKATa/3F+A6xFY3oBnjQdVA==',
+        'sealed:eNp1zsENwjAQRNFWpoCQBjghKlnsSbyKZVveDaIz7lSGE87c5vD1NDc8cg0b6oLYPm9vCLUYw+76J'
+        'LqUzWBJOg21EE0bs45hLiuv0GIaCfXp59gB/UdOI4rLpUmXnJmHEPmacU8cLzyd+Uos2s3nL1cYOjs=',
+        'sealed:eNorSszLVrBVKDi0XSMFSJQUaCpoK6SAGEC6xEqhQEehKLW4BKgkJbMsNz9FowioQUchpUBBSwGo2'
+        'FohRUcBWRaoVgckoQcAhmIdyw==',
+    ),
+    'B': (
+        'sealed:eNpNi0EKgDAMBL+yN28+wG/4gtomGLQJJAHx95aevAwMw+xZPMFuHXkSvOi1BOxRVDNvoiUpttlsw'
+        'NGpH+SBJsxD5ykJUZjSbxp6v+sHh5Mi0w==',
+        'sealed:eNpFzj0OwjAMBeCrvA2QIIKZnXs4iRWipnblpAOcviYL+/d+XmqoqII7QkCvXz7nul5ww+MK461RY'
+        'ow3w0iWU0dStVyFBoOaSoFrxI93kGSM3WTqP+uIlBZfGApCaRqpzbLnhK324Xp1p/v4HSmm+waPs4UDRDk2V'
+        'A==',
+        'sealed:eNo1jEEKgzAQRa/ycaU09ALSZa/QTZASkrQO1smYRIRezL0n6yB08RfvfXgeN8yxjE+fUg7ErsbSZ'
+        'seTQRAD0VXpetjFNiLNcOxBjr0KLlATTvOnqoRXylg06rFRHeFtoHlQJgMCMbT9jm2hbzyfbujhGCtPnDaGK'
+        'lCBw8N91njPOeXrDxzZODw=',
+    ),
+    'C': (
+        'sealed:eNoNycENgCAQRcFWXh1ebMIGCH4i0bBmFxLpXq4zxyV8PKIGqWF+yrHC6ypytayNvGLaQN/SCGonB'
+        'dZEmHduzf0HjmsZaw==',
+        'sealed:eNoljcEKgzAQRH9l8aQghZ5Lv6LHUkI0UxM02bDZoPbrK3p4A8MwvNccMqkHjZy+YapiNXAqtHouI'
+        'L8PEpyJiCy7yRAjNs1tqtFkKzaW9rp1PbncUz7Qgx+E788zu3ejrHZpPoRtBFw5bUN1E/RBM3DpOYHWoP4sJ'
+        'dplQdFj3m9/KtA7AA==',
+        'sealed:eNolzjEOwjAMheGrvBGkiANQwcYVWKuUOiVq61i2U6knY+dkBHV7+vQPb6YdN5xcvh+RABfcoZFn6'
+        '4W05zJSgMi5w0DmrVwzBww7ZtoDykYKfxNehVOeqkbPhQ1bXPLYH2hQ8qpNUzliiysh6lRXYrdG0ZGyd+DC9'
+        'F92bReyEZ5xqfRQLXr5AdpaPM4=',
+    ),
+    'D': (
+        'sealed:eNpVjLENwzAMBFf5CdykSxcgI3gBQqIjwrIoiBQUT5Y+k0Vwl+5x+Ls1MQ62hCGeECrE4JPdnn/4+'
+        '/EKMogbNjJnc0Q5uJhouV9GpeZ44NSO0dQZlBtTPBGVDYnydt2Gtn3BOhe/K0/l1bRXA7VpIMsMh+6Q4ooqH'
+        'NiWHwrbOyU=',
+        'sealed:eNpNj9FtwzAMRFe5TxtwM0CNzmIwEm0RsSWBYgpvlv9OVqpomn4QIA/Hx2MoRaNkMm7vOLilJbyUQ'
+        'SnfJsQ6oXpZ/XqEOnqTOKPVXQxiDSs1w2sNkq1gCO4b8YEon0eJQzd1xDijU5eyQlon4ZCT45tSlBP5flxZo'
+        'UwRVwq3i2fqiocLifLGKJn/37Kk5b6lnxzaDdMfnimkGWtRf2AJ9QkY4oQwwsrGfl0nj/vUnMo6gysoR/BZW'
+        'W2JPimj7RK4wbmWyH6RuzS7fAMMU3HK',
+        'sealed:eNpNjlGKwzAMRK8yPws22+YAKTlJWUJrya1IYhvZ3U1uX5VQuj8DM280iAIGnPWSpjFHF/An7Q4qA'
+        'x0QyjB5xKwgSIJ1buyo7NH0iULxPyeI7VDoJBGv7rXnT+DSW3YWHA1/mUWPf+bbxC55LaxtpHd5L/Y7vMzze'
+        'NP8KLVHuzNIapMUGtqjzFyRIxZerqzV6cHo4pF/WcEmGyyyN6NobcfKnJCVDDqS0LqoeZl4q757Am8KVTE=',
+    ),
+    'E': (
+        'sealed:eNodzNENgCAMRdFV3gCGlQxIVRRaA0XD9qb83pPcmJo6pm89qvQHpTdFIGw+Z4oIA/RSHaieb8gOP'
+        'QmXhMUyGxs0sCgST50f9wN52h9J',
+        'sealed:eNo1jsENwjAQBFvZZ5BQGqAFekBWsuBTzJ3lc7DSPVYM7xnN7t0swz4sqJFY5e0Qxe68Iug6SEjp8'
+        'Sq2Z5+6cMHTChiWeAM7PlCCbli65VC2ocL0R5N4HbGNzH7u/JV0oEUqpDqs6SjJeUHq/AUotjfh',
+        'sealed:eNpdjj0LgzAURf/K3TRUAl0Vty4dOrVbkSD6kko1hiTF/vzmQzq4PB7vnnt4crUYpwWTxuV6u+OEw'
+        'cSDCxvlrYYMkO3120XM0Sx5P89C2fVjXBkQVkOhDbDzXNOWkzI1WINJ5kSRF/FWsqhJaZ1t2fQMpi5oVAPdL'
+        '7RbVBWfYByPF+kKW5jxxbbFucJeLEYjBlOk8v9SdE2m6UjT15D1Yjw2koP/AIIIXAs=',
+    ),
 }
 CONTRACT = {
     "ex07.A.order": "test_coordinates",

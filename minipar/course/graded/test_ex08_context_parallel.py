@@ -31,48 +31,56 @@ from minipar.course.grading import diagnose, expect, expect_close, expect_equal,
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex08_context_parallel"
-HINTS = {
-    "A": ("Attention over both blocks has one normaliser per query: the sum of exp(score) over "
-          "all keys. Express it, and each block's share of it, with lse_a and lse_b.",
-          "exp(lse) = exp(lse_a) + exp(lse_b); each block's o is weighted by its share of that "
-          "sum. Never call exp on a log-sum-exp itself: shift both by their maximum m first, so "
-          "every exponential is at most 1.",
-          "m = max(lse_a, lse_b); w_a = exp(lse_a - m); w_b = exp(lse_b - m); "
-          "lse = m + log(w_a + w_b); o = (w_a·o_a + w_b·o_b) / (w_a + w_b), the weights broadcast "
-          "over the last axis (unsqueeze(-1)). The same value as exp(lse_a - lse)·o_a + "
-          "exp(lse_b - lse)·o_b, but the division by the sum of the shifted weights keeps the two "
-          "weights summing to 1 in fp32."),
-    "B": ("Under a causal mask a query at position i attends to i + 1 keys: early chunks are "
-          "cheap, late chunks expensive. How can every rank get the same total?",
-          "Pair a chunk from the front half of the sequence with one from the back half, so that "
-          "a cheap chunk and an expensive one always travel together: the chunk numbers of each "
-          "pair sum to the same value.",
-          "Rank r holds chunk r and its mirror image 2·cp - 1 - r; check 0 <= rank < cp first."),
-    "C": ("Every rank runs the same loop of c steps: at each, start the exchange of the block in hand "
-          "first, then compute on it, then take the received block for the next step. Under a causal "
-          "mask, which blocks lie wholly in a query's future?",
-          "Step 0 is always the diagonal (src = r): its result starts the running (o, lse); every later "
-          "part merges into it, and a part that covers only some rows (q_back) merges only those rows. "
-          "Contiguous: src > r is the future (skip). Zigzag: rank r holds chunks r and 2c-1-r, so an "
-          "earlier rank's block is visible only through its front chunk, and a later rank's block only "
-          "to this rank's back chunk.",
-          "c, r = group_size, group_rank; kv = stack([k, v]); for s in range(c): src = (r - s) % c; "
-          "if s < c-1: nxt = _start_exchange(kv, prv, r+1, group, 'ring_kv', 0); part = ring_step(...); "
-          "if part != 'skip': qs, ks, vs, rows, _ = _views(q, kv, part); o_b, lse_b = attention_block(qs, "
-          "ks, vs, part == 'causal', attention); o, lse = (o_b, lse_b) at s = 0, else o[..., rows, :], "
-          "lse[..., rows] = merge_partials(o[..., rows, :], lse[..., rows], o_b, lse_b); kv = nxt()."),
-    "D": ("The gradient of a key block is a sum over every rank's queries: who can add to it, and how "
-          "does it get home?",
-          "dQ stays on its rank; dK, dV of a block travel with the block. At each step compute this rank's "
-          "contribution on the block in hand (zeros for a skipped part), add what arrived from r-1 for "
-          "that same block, and send the sum on with tag 1. After c steps the accumulator arriving is "
-          "the rank's own block's. D = rowsum(dO ∘ O) once, before the loop.",
-          "delta = (do * o).sum(-1); for each step: contrib = zeros_like(kv); dq_b, dk_b, dv_b = "
-          "attention_block_backward(qs, ks, vs, o[rows], lse[rows], do[rows], causal=part == 'causal', "
-          "delta=delta[rows], attention=attention); dq[rows] += dq_b; contrib[0][cols] += dk_b; "
-          "contrib[1][cols] += dv_b; contrib += pending() if one is pending; pending = _start_exchange("
-          "contrib, prv, nxt, group, 'ring_dkv', 1) when c > 1. At the end dkv = pending() (contrib when "
-          "c == 1); return dq, dkv[0], dkv[1]."),
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
+    'A': (
+        'sealed:eNotjcEOwjAMQ3/FN0BC+wBuHPgOlI5MrdY1Jclg+3ta4GDJku3nqzsXT1IgL1YE8YiQZZwNkQxSG'
+        'EV0oZysxbXpubLuF3hk2LpAJvBWjzaK8ukHoZwx824DbltVNkPyM6g8wDT+8QeDRVLu+56+UzvOxnf6FrsLw'
+        'weeBzfm',
+        'sealed:eNo9jkEOwjAMBL+yN6iglbiC+AJfQElxGoukRrEL7e9JhMRtbWvGS+trn5Q6XEG/eHcdDv/BdxeQG'
+        'yN8kvG5UwhY8SGeotEDfgObQqMrBAmw6Ay65AE3elPB6FJqLsgMhyRTX499W1SMUjhXlIPBi8Ums0hckN3Ke'
+        'cnICFzUjlBB021NJTPNxi61HvVZFjWchi/a0EWS',
+        'sealed:eNpVjk1SwzAMha/ylvE0LVNYMtyCfUcmSuIhjkJlJ4GLsedk2C7phJWevqef5/ECT2s1KF+oRi7WP'
+        'GO5UDJ4nW4GjvCF2h21fzTpfAQHDNJVefOQJ5MjiWfw8y0bzdIaPGA3WCP0jIVd1weFvQo1b6QBMvO1WEPua'
+        'HWKKo76EZm/uDqejTnhNdlKnjHTEBmk/0Knarbn+9gbtzVsDOVH42anTkbYz9Jr9JD2JnvXBm7uCd+ZJy1OW'
+        'ORO04J3Y4cgOMONaKenx9MvgkV15A==',
+    ),
+    'B': (
+        'sealed:eNo1jTEOwjAQBL+yPQiJloaWD/CAU7Iilp2z8V0C/n2Ogm5ni5mnzuwQTLKZFKxiOei9sQ+Io1VLn'
+        'qoiBTl1NngNOOGKzGE3UHoZmJZNs0E6Y1LaGUWc/5vfRrW084JH/URLwf1X6KIZLzp8IUxWht2l3A+P3TUG',
+        'sealed:eNpFjusNwjAQg1fxAIgBmIIV3OCSquml5NHC9qQpEj9Osiz7O985JRDOV5sxprigeB3CCjzDiDh2J'
+        '+tVZU7Yp+IRTf/wQDf37AU5NoelA8X1h6U92kHvVZanTb3OsPOTURI3BZT4VGOlWyeeNavLoJSPBaLzWI+pu'
+        'ban8ZzERdgYqq5fdjlG8A==',
+        'sealed:eNoLSszLVihSyMjPSSlWSM4oBfMS81IUMkuKFXIzi4ryixQycxPTUxWMDm1PLlDQVTAE4iJroNrU5'
+        'GwFAwUbW4UikBk2CkDZtMyi4hI9AMOTG7M=',
+    ),
+    'C': (
+        'sealed:eNo1jzESwjAMBL9yHU2GB9BQ8QQeIBwFe+LYQZJD8ntsA+Wt9uZGt43lgFCaISUpzDOUFkbMeUWe4'
+        'KDGq15ABibnh5pJrIu8O0/pyc1r+RGzmxESKh0xBVEb2iHB5WUtVsWE8GdGM/easOOw8fjrT1k6TrxbHz/jn'
+        'kYWEBwVpYiFdB7w9sH5b0cRA1eQYzzaPuFV6l8nxVSsCF8/GZFSEw==',
+        'sealed:eNpVkD1uwzAMha/ytsaAE7QdU7RLj5CtS0E7iixYEVOSSpCevnQEDx2F96Pv8WDhgmckBeUb3RU2B'
+        'RwTRS6UsVEZ8Q7p9kimkKA1G9RIrDmllpJKxIZ7ZA3dG8I1yB2ZLAgu7sM5SAyKVIy9pAeVI6hJNpFhZE8ou'
+        'OQ7lM/eyTfF5ud7oHHu1vhDtom16Tt8crEUK1fdY6H8gCwrFqhTtSrB4ed06Xb4SvGX4h5CZXbTxPmoGKdaZ'
+        'l/0wHkdty9b6f17fyKQ5OT0i/9JMWQe56X6mjQNOawowjVOj7OcxFla4zqv7f/X0GLsSe9aFZ/Ygrs/kaGJg'
+        'Q==',
+        'sealed:eNqFUctuwyAQ/JXpoTKoxEquTv0lkYVsRFyEaxwgTtSv79h1m9x6YIV2XrtgFCJq9DFcJ53cl1XbP'
+        'bajP8LPBFNujRcnrzA38ohziEhwI0jprTCyQoqGPBGxQ5J4hTnCnUl6h9kdKoz3TFjTJ2Zt7+ZjFfpZYYos8'
+        'e2wpSoU0Y299nOhsGfWRAWlazNlO4myLOVqviIvNYrk3VRUuCQFzzPzxHBj1Uvm7OwtiQuxJY0aqoPuFIZkd'
+        'UdGm7Mdswuj7obANZ99ftKZYdpragfO9MdebFaTZe+HoSSDe9fYK9gFDSdO/DtR1ay0R6sh89PG3uolyrVDE'
+        'v8I1NP0cvsfPq+Q5Tc+OI4z',
+    ),
+    'D': (
+        'sealed:eNoNyMENwjAQBdFW5saFCrjQBA0s8Se2nHiF1yFK9/gy0ptXFmu3VNQG/sGounhvvlRKTMax4z91N'
+        'HPRrdVb8D3Ui+LBmZ3FGpYSwynjjrVE9pPkijlYNaZ3Pf8NniWX',
+        'sealed:eNo9jzFuwzAMRa/ytySAayBz0aFAtw5Bl+y0RMeCbUmgqBjtCXqEnq8nKW0HBQQN/J//ffoPFKXPg'
+        'hQRtEAojs/w7w38FakHoZuSG6FCd56wBB2gA+/TFq8KJjdYBme4NOeqbHrYgw7FZlEldFWDAez97yJEDBQ9j'
+        'l8sqaBPYrAyhpzZI5PoqQF5j2UgBYmEu817STPk6bzZdVUKzY9Es1tcYftWSqnzCtwb0w1na9srC9zWtmwmc'
+        'q7OdSJd6SsjxBvCrj0uSEvc8w+lxRteIGmx7KO/4Pf7B5eTURw36Ng68bY5pZTbP8mMeLo=',
+        'sealed:eNpNUdFuwyAM/JV7a7Jl1fK6ikn7jqhCFNwmIoMUCK329XPSUuXBYHyHucOGxqQgUBmPN/h6H+ff6'
+        'qOtDzj7AFK6R0w0fUF7l8JwYuofBR/lOFiqbGaiucpTA2PXNcuFolIilwbv5Gn0mhGl7U0FU11jA8uROXwX/'
+        'C0eG4yRSmpeRa3mqEYxqZAgBHaP844pi2KxroX7ek68slXXA8e7WDUeiofu89hpPz4Ru0XaLZI3yFKYyJnBX'
+        'aoawxneEYZYaoeSsHkZE4uWdNe9cheqnh0aTCE3cPfU4BL8PDXYBb4hjc1sq61x68lB4xvtHj8JqSdwU1aYs'
+        'X28NCx8/p1lXoHSHBw7XWaR2eNjb4/7f2WAo0U=',
+    ),
 }
 CONTRACT = {
     "ex08.A.unequal": "test_merge_two_blocks",

@@ -30,38 +30,47 @@ from minipar.plan.memory import comm_buffer_bytes, stage_layers
 from minipar.course.grading import expect_equal
 
 EXERCISE = "ex10_planning"
-HINTS = {
-    "A": ("Start from Korthikanti et al.'s terms on the GPU's own tokens. Which of them depend on the "
-          "model's shape beyond h and a, and which hold the s² scores?",
-          "Take cost.activation_terms on s/cp tokens (tp, sp, bytes per element, dropout as the model "
-          "has it); scale \"Q, K, V\" by (h + 2·kv_dim)/(3h) and \"GeLU input and output\" by (ffn/4h) "
-          "(× 1.5 gated) × top_k. The score terms (ATTENTION_TERMS) are s/cp queries against s keys: "
-          "× cp, or 0 under selective recomputation or flash attention. Full recomputation keeps only "
-          "each layer's input.",
-          "full: return e·(s/cp)·b·h / (tp if sp else 1). Else terms = activation_terms(s/cp, b, h, a, tp, "
-          "sp, bytes_per_element=e, dropout=model.dropout); terms['Q, K, V'] *= (h + 2·kv)/(3h); "
-          "terms['GeLU input and output'] *= ffn/(4h)·(1.5 if gated)·top_k; for each score term: 0 if "
-          "selective or flash else × cp; with flash add 4·(s/cp)·b·a/tp; return the sum."),
-    "B": ("Which parameters does one GPU hold at all, before ZeRO divides anything?",
-          "Split Ψ into the experts' (n_layer·E·expert_params, for an MoE model) and the rest. The dense "
-          "part is cut by tp·pp and ZeRO-sharded over dp·cp; the experts by tp·pp·ep and sharded over "
-          "dp·cp/ep. K = 12 optimizer bytes per parameter in bf16, 8 in fp32.",
-          "k = 12 if e == 2 else 8; parts = [zero_bytes_per_rank(dense/(tp·pp), dp·cp, zero, k, e, "
-          "padded=False)] (+ zero_bytes_per_rank(experts/(tp·pp·ep), dp·cp//ep, ...)); return the sums "
-          "of params, grads and optimizer over the parts."),
-    "C": ("Start from the model states, then ask: how many micro-batches of how many layers does "
-          "each stage hold at once, and what does the last stage hold besides its layers?",
-          "m = global_batch / (dp·b) micro-batches; stage r holds peak_activations(schedule, pp, m, r, "
-          "v) / v of them, each of its stage_layers(l, pp)[r] layers; with pp > 1 the last stage holds "
-          "one micro-batch of its layers (1F1B's last stage runs each backward right after its "
-          "forward); full recomputation adds one layer with recompute=\"none\"; the logits are "
-          "4·(s/cp)·b·V/tp bytes. For the cut, ⌈l/p⌉ each, then take one from stages 0, p-1, 1, 2, ... "
-          "until the sum is l.",
-          "out = model_state_bytes(model, L); for r, layers in enumerate(stage_layers(l, pp)): in_flight "
-          "= 1 on the last of several stages, else peak_activations(L.schedule, L.pp, m, r, L.v) / L.v; "
-          "held = in_flight·layers·per_layer + rebuilt (+ logits on the last stage); "
-          "out[\"activations\"] = the largest held. Buffers: BUCKET if dp·cp > 1; + e·sbh if tp > 1; "
-          "+ 2·e·sbh/(tp if sp else 1) if pp > 1; + e·Ψ/l/tp under ZeRO-3 (sbh on s/cp tokens)."),
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
+    'A': (
+        'sealed:eNo1i7EOAjEMQ3/FGwu6X2BkYEFCiDlcc0p1bXNqIp34LT6BLyNUYrFl+/nm1B1L14qLdpe8UvMMd'
+        'lCZDgbnXg3a4MI4X+9R6R5JV2424SF5FujymysSb9zSn66auARvQhvjyS+NTUChdBy2j7doSeNgnzds1s52+'
+        'gLEuTVq',
+        'sealed:eNpdkL1OxDAQhF9ldA2JiHL8NlBRHAgBh4BAGxln72LFsYN3c1KehEehhxdjw3UUljz2eNbfVKYj2'
+        'MhSGituZ8TFUAulnhEDeGkHSOwoMDIZCrCu90mIMVACeeopSIEmxSGOAsOQltDHhjxaVU7yS7A1nrB4KnBX4'
+        'G2hAchaHOLk+6vb1Y3r82V22uYwocHihu5f4cIwp6nWVN3u32w2YXmmvuznE8flObZGqMmhSuJQdyUqnc02J'
+        'sKeILuqqtW6un1c19Xq+eFFR+jdH9THSMkphtkaF1jA6GjiiznMKmNMOMIYGoVkpZyrISSysdff/JU0Wzbec'
+        'AsjoiXoUYnr0ft/to5omLv0E8jYFt5MlA54j1j+Au2ZhIs=',
+        'sealed:eNpVkLFOxDAQRH9lukvASjg4motSIgpoKKBBKPIlm3N0jm3Zm0N8CZ+SPvwYTnISotsZza72TTtov'
+        'YcnHrwBTWMS8tql03iYRoUcCTt0LYID6UDYphke5oHJ9wElZM3dWXJnTbVYy7rAQUAJSAGOIszGF1OoHPmKN'
+        'PVkuCSBxltnBy5725DOLiot1uPvmxeBJ4G3zQeuSiQK17idxtM5zZM79Zd6pOdXdMYNDGkaxAtxXHfa1uTJT'
+        'kWaZJvdzxxHydREzdZVpwKt9SBZK4Ta+hVqj5sFOL45oxFipNUyqLWAn2/UrsBnx+piy6bB7l9vMucYuVTKi'
+        'hCGPvsFLX1+Pg==',
+    ),
+    'B': (
+        'sealed:eNoNysEJgEAMBMBWtgB78OlTEUTwF81qAudFzkOwe533zOab4ZIiJyvLDQ3eiEx0wwSLpJAKSanBy'
+        'j0KsXDsof64/lHyW83z0X6nCBme',
+        'sealed:eNptjjEKwkAQRa/yOxVixAgiiKWViKBWNrJxJ7iQ7A67oxhP5A3S5wCeyTUWWti9mT9v+DsujeD5g'
+        'LHiIGcC3Zi8hB769liqmnzbLNvmsz2y8qoKCQrnoSzWbonKaSoHcdKd7ilIin0kTTYQoiEwAaeLIK8h3DbM3'
+        'fWBtpthOCuvScNdyUPH8MTz3xpfJ3b4eH+UEXGKFRYYZ3AspjL3mOW1UEB8g642SSRjkRfjaYLZGwueZOkLE'
+        'adf/w==',
+        'sealed:eNptz8EKwjAMBuBX+Y8rlg53EkavvoTIqDbTMdeVphP1xXbfk5kJ4sVL+CHhS9LDYluha0GwFhXox'
+        'oRdjehSZmkeXpTG5vTMxE2k1CQX+sJTYCqLHJc5RqXhJZyjxjqr0WuQFsB78nbvBFRHFBv8k+ghMfPXWmb6e'
+        'WVJYhpjlKqRKE8pIF8JPA2MsV1PdANrXJLzDBc8xpi7oZM9GO9S1uHPH+YNRD1SJQ==',
+    ),
+    'C': (
+        'sealed:eNpNjdEJwzAMRFe5AdIF+pMhOoFiKZWpbYElCNk+dik0n3fvcfcK6oG9W0WooBpLgQeF+DKbBvLPE'
+        '2oHKrUTNaduj40iqThs/5NCp3QH2+iFks6VtwxeGBSwlmQBNcahI361+VjI465u4pkHy+G/yfUCBeE7Bg==',
+        'sealed:eNpNUEtqwzAQvcojm9qg2HXpzqSLLnKEbkoJsizbIrIlpHFCbtBC7pN9jpKTVJYSCGijN/N+M2KDX'
+        'puG613DSQwokbX2emlyjEo4s46o9DU88V7CYTC69bCS73dckDpwUmbymQ9b7awlg7UMI4NjOORB7gDTgQYZI'
+        'MmDQfgp8klup/lJOp/phZV/ux8koMZR0RAwfKBayAH3dI+QAphJPid8yCY+smpbfb74Z5qbJ58SNFzsj9y1c'
+        'KofCLwj6SK5M27B8xrdrDWcFGa0M8WG4O3dNVqkgI8NuVlNYbSqU1bTL2rcSbxfL5kvhc3DRa+Xr5IsmhNJX'
+        '2BrXFwWMzHczr+6tLfzXwzIlsEE4nsZDTtnxlTC4zVcal0xhPfGUBQF5omUjlJ+HqFC5+IfXJ2kqw==',
+        'sealed:eNpVj0FqwzAQRa/yyUomrk3aXUKzSOmqgUJpNy3FOPE4FlEsIY0CuVFv4L0P0DN1bENIV0J//p//x'
+        'kbGI062IlMELpmK3YUpqFFJsU1WqK2HT2HKC/kA3YLaeCIvXiWJAxXTRInduSRZiqWojT40w+YFbAtuSOKBY'
+        'WsEOkvWYIyGFGQCwVF5LMo963PJ2rZBbbOwb6iKhoQhcy7FKR0gttk5QT48KzRkKmm4tvXdBNJ3jvwEhTk87'
+        'aI2DDWHsQfN4R/QSCE32shfsxuA2bdsnlxeMHksy7CJdS0NS2w+nl6e36FrVK7v9g5rLFbSRn0Xds2g81W77'
+        '7tJzpWIMgpuunqRDD93G/79yU0urthWQv9Jb693D1DDSqEOuRSxPVIbkuwP++yYcg==',
+    ),
 }
 CONTRACT = {
     "ex10.A.gpt": "test_layer_activations_of_a_gpt",

@@ -37,32 +37,42 @@ CONTRACT = {
     "ex12.B.fp32": "test_execute_on_ranks",
     "ex12.C.runs": "test_runs",
 }
-HINTS = {
-    "A": ("For each key and each new rank, split what it needs into what it has and what it lacks; "
-          "for what it lacks, try the other ranks in the order q+1, q+2, ... and keep the first one "
-          "that holds each element.",
-          "A table where[r, e] = r's local position of element e (or -1) answers \"does r hold e, and "
-          "where?\" for a whole index at once: where[q, need] >= 0 are the local copies. Walk the ring "
-          "and fill a source only where none is set yet; anything left without a source is the error.",
-          "for key, n in sizes.items(): where = full((world, n), -1); where[r, old[r][key]] = arange; for "
-          "each q: mine = where[q, need]; local Move(q, q, ...) for mine >= 0; for r in (q+j) % world: "
-          "take = (src < 0) & (where[r, rest] >= 0); one Move(r, q, ...) per r; finally "
-          "moves.sort(key=(dst, src)) (a stable sort). sent: Σ numel × itemsize over src != dst."),
-    "B": ("Rank d must read what rank s sent it in the order s wrote it: both walk p.between(s, d) "
-          "in plan order.",
-          "send[d] = the concatenation of tensors[mv.key][mv.src_pos] over p.between(me, d) (empty for "
-          "d = me: the local copies are done before); the receive split from s is Σ numel of "
-          "p.between(s, me). Time the all-to-all inside trace.recording(True) to read its bytes.",
-          "local copies: new[mv.key][mv.dst_pos] = old[mv.key][mv.src_pos] for p.between(me, me); "
-          "comm.all_to_all_single(recv, cat(send), out_sizes, in_sizes, name=\"reshard\"); observed = "
-          "Σ bytes_sent of the events since trace.mark(); then walk the sources in rank order, "
-          "new[mv.key][mv.dst_pos] = recv[at:at + numel]."),
-    "C": ("A run starts wherever an element is not the previous one plus one.",
-          "torch.nonzero(i[1:] != i[:-1] + 1) + 1 gives the starts after the first; lengths are the "
-          "differences of consecutive starts (and the end). Back: repeat each start by its length and "
-          "add the position within the run.",
-          "starts = cat([0], breaks); ends = cat([breaks, [len(i)]]); stack([i[starts], ends - starts], 1); "
-          "back: repeat_interleave(start - cumsum(length) + length, length) + arange(n)."),
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
+    'A': (
+        'sealed:eNpVjkEKAjEMRa/y95aCbt17jzDN0NKajmlgmNsbOyi4SfiP5PEfXcG0ZFQ+QJLOILxDSWrA2Fox7'
+        'JkMvoU5DRSx/kOZxvz75kZLHXes7v1DAaYHLDO6D536j+pEmhy9Ltfg4xYQY5zSyrzNg7XoMHRhTy7NvXmPW'
+        'ZUbP1ksvgFtfkUD',
+        'sealed:eNpFjUtOAzEQRK9SygaQhihsQQHlFCyiLMy4Bls07tDd0TC3x/lILKtU9d4OkT6EmAuNexvAA7awO'
+        '4fomARH9RpVG3QChd9sAeJeDY9PD0jNZ5pjlZUOQ1HJ4ND7fCW+rTD1bepJu6W2zF+kgLaRzzfpz4BG5gNet'
+        '9ggGRGFN/2ox0pf4z3J16W22j4v+KmKdK7ryUZ2nixXHJq2LnI4Awvjpa+XKOebcArMNYqe4v/ap2cwzdTWf'
+        '31yXRs=',
+        'sealed:eNpF0EFOwzAQBdCrfBYgWwSrbBPCDThB5IWbTGioY5OxS9VehANwFPaciYkjgeSVZ+b5e8bIONKlQ'
+        'sAUkKYrJTNlmpPSNc4HYkKL8eS9UufIfpBGXeHhUTdbteMK0Q8d204Ya6XbsQuv1GAUmlx/wFJjnsIKbSOLI'
+        'ESDbeBj7zxe4gcpuZRjjNFlsAw8t9htDq/p1HL/pnGLEqRGdsfVVIl7PGGncQf1l4kpZVsASRrFKo/w/yPvJ'
+        'KrgU3DeXzBLOZkUOSv5R6uGlCuIrDWUQ8pu7wlrWRskCrnGzxfCaSaP70+UjcnuIAqvY7hpIYT5BXoKcF8=',
+    ),
+    'B': (
+        'sealed:eNoly9EJwCAMhOFV7rGF4gAdoxtEDFi0UZIU169SuIfjg/8iKUh4XnMoU8LINN9Sg7E47jmBZ0bTx'
+        'Dp5aHOefiI2zxhUC3qI7INZNjuQ9pX0SvI34QMrcyNT',
+        'sealed:eNpFjtFtwzAQQ1fhpw0kGqBFt8hfYBSyRLdCJZ1wp7jwPN2nM1XxT79IELzHM9Z4jwve0D+JIDX4z'
+        'up7kgrZMLyJ2r3s7ovH8lTT8N7EFshORXMr+zdZp8IL4oyJpfUDmyjioBa+nOQswefBb4kGr0SUSqwcPc6vZ'
+        '0UZmHbCWk4dm0qBIRl+f1Afhfn5z/+cXQZ7drilwvPc53ztch2CVC3FkaoPdAMrGlP9mG764IwuY8lHpG5Yj'
+        '05zf1YPXEQ=',
+        'sealed:eNp9j1Fqw0AMRK8i8uVQ4wOk5CTBGHl30hjvrowk26TX6X16pq5bCv3qlySeNDNKEjhRkGWCXahgv'
+        '+Wtm/HsjxrNh0WspytJin+Jafghd1FauhG+A6XJaCnj/FoFc+44pcFlOIpN5S2hUYStpcDeGEo8tySrV/YOa'
+        '2kqv13hjOtJYQ/WeKpqMhp0Q6w5Pj9ofDpsqAJOcid/gLDVwaiaBJArB3SZdW7qacWFdk7z96LJqgFWvUi5z'
+        'CQaoe0/bx+Bb+wXdnqhsmakvvsCJA5u0Q==',
+    ),
+    'C': (
+        'sealed:eNolycEJgDAQRNFWpgJ7sJQcBhKIs7I70fYNePuPfyKXUG7pwtuZfJhoAicvyhgFheFO3HuOWIXQx'
+        'vzj+AAsLxg6',
+        'sealed:eNo1jDEOwjAMRa/y2VohKnUtYuEaFUNInMYCOZXjguD0tKlYPDy//yyrT51k+ZLmhsd+uOFwAY/Dq'
+        'b/hiL7dDiZ+UYElQjGnVuCikVYQWYud8SSZLK0PpYoDx0hK4tddjvBZCvnF1s4/0TgJVSUJbYer848BSjM5A'
+        'zmfdg/3D3i19z62jQv7bs6FjbPgzZZYKtNFuh/Nx0lx',
+        'sealed:eNpFjN0KwjAMhV8llylW0VvFJylFshpm2VYkyfb8hg7m3fn5zlEjMYUnFDJM1xxhEKZJwwO4vY9iD'
+        'yOkmRvWkLP3alQmTDVp//BpX5zh8DenBofuIPxlsldtxjIzbYwdcrisi64L+u9onwAn2FWEf0JCbWRs4fID7'
+        '5c6eA==',
+    ),
 }
 TIMEOUT = 30
 

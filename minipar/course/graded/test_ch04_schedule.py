@@ -1,9 +1,10 @@
 """Challenge 04: a pipeline schedule with a small bubble and little memory.
 
 Write ``schedule(p, m, rank)`` in ``exercises/challenges/ch04_schedule.py``: each rank's compute
-order (F, B and optionally W actions) for p = 4 ranks and m = 8 micro-batches. The grader
-adds the communication, checks the schedule is valid (``pipeline.check_schedule``) and
-simulates it with F = B = W = 1: every rank must hold at most 4 micro-batches of
+order (F, B and optionally W actions) for p ranks and m micro-batches. The grader adds the
+communication and checks the schedule is valid (``pipeline.check_schedule``) for every p and
+m it tries, m < p included; for p = 4 ranks and m = 8 micro-batches it simulates it with
+F = B = W = 1: every rank must hold at most 4 micro-batches of
 activations (``pipeline.peak_stash``) and idle at most 0.22 of its busy time
 (``pipeline.bubble``; 1F1B: 0.375). The file may not import the library's schedules
 (``FORBIDDEN``: ``minipar.pipeline.schedules``, and ``make_schedule`` and the generators that

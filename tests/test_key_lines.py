@@ -81,7 +81,7 @@ PROSE = {
     "ex09": ["send[j] = Σ", "min(cum_r, cap) - min(cum_{r-1}, cap)"],
     "ex05": ["max over ranks of the local maxima", "forward: identity      backward: all-reduce"],
     "ex03": ["the last stage also computes ``loss_i / m``"],
-    "ex04": ["``p - r - 1`` warm-up forwards"],
+    "ex04": ["``p - r - 1`` warm-up forwards", "p-r-1 *warm-up* forwards"],
 }
 
 
@@ -156,7 +156,8 @@ def test_every_core_has_key_lines_and_they_are_its_answer():
 # answer the learner can read (strict: a leak that is fixed must leave this set).
 KNOWN = {
     "ex02": {"'last parameter first' in graded test_ex02_data_parallel.py"},   # a test's docstring
-    "ex04": {"'Action(\"RECV_\" + a.op' in graded test_ex04_pipeline.py"},     # a reference add_comms
+    "ex04": {"'Action(\"RECV_\" + a.op' in graded test_ex04_pipeline.py",     # a reference add_comms
+             "'p-r-1 *warm-up* forwards' in notebook 04"},                      # 1F1B's recipe
     "ex08": {"'torch.maximum(lse_a, lse_b)' in graded test_ex08_context_parallel.py",   # the merge,
              "'(w_a + w_b).unsqueeze(-1)' in graded test_ex08_context_parallel.py"},   # written out
     "ex12": {"'[(q + j) % world for j in range(1, world)]' in graded test_ex12_adaptive.py"},

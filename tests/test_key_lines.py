@@ -10,6 +10,7 @@ a hint:
 * the library text the exercise points to: the docstrings ``help()`` shows of every library
   name the exercise file imports (a class with its methods' docstrings) and of the modules it
   imports them from;
+* the library's own docstrings of the marked functions, which ``help()`` shows in a notebook;
 * the graded test files of the exercise and its chapter's challenge (their hints are sealed).
 
 Each key line must also be in the solution, so a key that stops being the answer (a refactor)
@@ -27,7 +28,7 @@ import re
 import pytest
 
 from minipar.course import exercise_files
-from minipar.course.markers import GRADED, ROOT, exercises, stem
+from minipar.course.markers import GRADED, ROOT, exercises, pieces, stem
 
 # exercise -> part -> key lines (code, from the solution) and prose giveaways (not in the solution)
 KEY_LINES = {
@@ -118,6 +119,17 @@ def _imported_docs(stub: str) -> dict[str, str]:
     return out
 
 
+def _marked_docs(k: str) -> dict[str, str]:
+    """{qualname: the library's docstring} of ``k``'s marked functions (what help() shows)."""
+    out = {}
+    for p in pieces(k):
+        obj = importlib.import_module(p.module)
+        for name in p.qualname.split("."):
+            obj = getattr(obj, name)
+        out[f"{p.module}.{p.qualname}"] = inspect.getdoc(obj) or ""
+    return out
+
+
 def _graded(k: str) -> dict[str, str]:
     files = sorted(GRADED.glob(f"test_{k}_*.py")) + sorted(GRADED.glob(f"test_ch{k[2:]}_*.py"))
     return {p.name: p.read_text() for p in files}
@@ -128,6 +140,7 @@ def pointed_to(k: str) -> dict[str, str]:
     stub = exercise_files.render(k, solution=False)
     texts = {f"notebook {k[2:]}": _notebook(k), f"exercises/{stem(k)}.py": stub}
     texts.update({f"help({name})": doc for name, doc in _imported_docs(stub).items()})
+    texts.update({f"help({name})": doc for name, doc in _marked_docs(k).items()})
     texts.update({f"graded {name}": text for name, text in _graded(k).items()})
     return texts
 

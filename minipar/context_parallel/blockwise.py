@@ -62,10 +62,8 @@ def attention_block(q, k, v, causal: bool = False, attention="materialized"):
 #     the other block's ``o`` and ``lse`` for that query, finite.
 def merge_partials(o_a, lse_a, o_b, lse_b):
     """Online-softmax merge of two partial results over disjoint key blocks: ``(O, lse)`` of
-    attention over both, computed with the running maximum m = max(lse_a, lse_b) and
-    w_x = exp(lse_x - m): lse = m + log(w_a + w_b), O = (w_a·O_a + w_b·O_b) / (w_a + w_b)
-    (dividing by the weights' own sum keeps them adding up to 1 in fp32). ``o_*``: (..., T, d);
-    ``lse_*``: (..., T)."""
+    attention over both, exact in fp32 for log-sum-exps in the thousands too (never an ``exp``
+    of a log-sum-exp itself). ``o_*``: (..., T, d); ``lse_*``: (..., T)."""
     # >>> ex08 A
     m = torch.maximum(lse_a, lse_b)
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)

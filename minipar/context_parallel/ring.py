@@ -132,7 +132,7 @@ def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contig
 #     first.
 def ring_backward(q, k, v, o, lse, do, group=None, causal: bool = True, layout: str = "contiguous",
                   attention="auto"):
-    """``(dQ, dK, dV)``: the key/value blocks travel the ring again with their dK, dV."""
+    """``(dQ, dK, dV)`` of this rank's tokens, from the forward's final ``o`` and ``lse`` (no autograd)."""
     # >>> ex08 D
     # Hint: attention_block_backward takes the final o and lse; use tag 1 for the dK, dV exchange.
     c, r = comm.group_size(group), comm.group_rank(group)

@@ -41,11 +41,11 @@ def trainable(params) -> list[torch.nn.Parameter]:
 # ex02.*.recorded: every collective goes through ``minipar.comm`` (or ``all_reduce_fn``), so the
 #     trace records its bytes.
 def allreduce_gradients(params, group=None, all_reduce_fn=None) -> None:
-    """Average ``p.grad`` over ``group``, in place, with one all-reduce per trainable parameter
-    of ``params`` (e.g. ``model.parameters()``), in order. ``all_reduce_fn(tensor, group)``, if
-    given, must sum ``tensor`` in place (e.g. your ``ring_all_reduce`` from exercise 01); the
-    default is the backend's recorded all-reduce. A parameter with no gradient on this rank takes
-    part with zeros (every rank must call the same all-reduces, in the same order)."""
+    """Average ``p.grad`` of every trainable parameter of ``params`` (e.g.
+    ``model.parameters()``) over ``group``, after the backward. ``all_reduce_fn(tensor, group)``,
+    if given, must sum ``tensor`` in place (e.g. your ``ring_all_reduce`` from exercise 01); the
+    default is the backend's recorded all-reduce. A parameter with no gradient on this rank
+    counts as zeros, and every rank calls the same collectives in the same order."""
     # >>> ex02 A
     n = comm.group_size(group)
     for p in trainable(params):

@@ -58,8 +58,7 @@ def permutation(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 #     ``cap`` of its assignments in rank order (all of rank 0's, then rank 1's, ...).
 def kept_counts(counts: torch.Tensor, cap: int | None) -> torch.Tensor:
     """The (ep × E) count matrix after capacity ``cap``, by position: expert i keeps the first ``cap`` of
-    its assignments in rank order, so rank r keeps ``min(cum_r, cap) - min(cum_{r-1}, cap)`` (cum_r:
-    the counts of ranks 0..r)."""
+    its assignments in rank order (all of rank 0's, then rank 1's, ...); ``None``: no limit."""
     # >>> ex09 A
     if cap is None:
         return counts

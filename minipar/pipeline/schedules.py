@@ -93,8 +93,8 @@ def gpipe(p: int, m: int, rank: int) -> list[Action]:
 # ex04.B.bubble: it keeps GPipe's bubble, (p-1)/m of the busy time (``pipeline.bubble``).
 # ex04.B.memory: rank r holds at most min(p - r, m) micro-batches of activations at once.
 def one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
-    """1F1B's compute order on ``rank`` of ``p`` for ``m`` micro-batches: warm-up forwards, a
-    steady state of one forward and one backward, cool-down backwards."""
+    """1F1B's compute order on ``rank`` of ``p`` for ``m`` micro-batches: GPipe's bubble, at most
+    ``min(p - rank, m)`` micro-batches held."""
     # >>> ex04 B
     warmup = min(p - rank - 1, m)
     out = [Action("F", i, rank) for i in range(warmup)]

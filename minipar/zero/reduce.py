@@ -33,8 +33,8 @@ from ..comm import group_rank, group_size, reduce_scatter
 # ex06.*.recorded: data moves only through ``minipar.comm``'s collectives on flat tensors
 #     (``reduce_scatter``, ``all_gather``), so the trace records every byte.
 def reduce_shard(flat_grad: torch.Tensor, group=None, **labels) -> torch.Tensor:
-    """Reduce-scatter ``flat_grad`` (N·k elements) with the mean over ``group``; returns
-    this rank's k elements, a view of ``flat_grad`` (reduced in place)."""
+    """This rank's k elements of the mean over ``group`` of ``flat_grad`` (N·k elements), in
+    ``flat_grad``'s own memory."""
     # >>> ex06 A
     n, r = group_size(group), group_rank(group)
     k = flat_grad.numel() // n

@@ -39,7 +39,8 @@ from .reduce import reduce_shard
 # ex06.B.dtypes: the gradient, the shard and the flat parameters may have three dtypes (mixed
 #     precision); each tensor keeps its own.
 def sharded_step(flat_params, grad_shards, shards, optimizer, group=None) -> None:
-    """P_os (§5.1): step the optimizer on this rank's shards, then all-gather them.
+    """P_os (§5.1): one optimizer step of the full parameters, the optimizer seeing only this
+    rank's shards.
 
     Lists over the units u, the same length and order on every rank. ``grad_shards[u]``:
     this rank's k reduced gradient elements; ``shards[u]``: the k-element leaf tensor the

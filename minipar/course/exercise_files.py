@@ -1,7 +1,9 @@
 """Write ``exercises/exNN_topic.py`` and ``solutions/exNN_topic.py`` from the library's markers.
 
 ``python -m minipar.course.exercise --write`` (or ``--check``; ``--count`` prints the lines a
-learner writes per exercise, :func:`minipar.course.markers.learner_lines`, and their total). For every exercise (see
+learner writes per exercise, :func:`minipar.course.markers.learner_lines`, and their total;
+``--clauses`` every core's contract clauses beside the graded tests that observe them,
+:func:`minipar.course.contracts.clause_table`). For every exercise (see
 :mod:`minipar.course.markers`), both files hold, module by module, the library's functions and
 methods that contain the exercise's marked regions, whole, under a comment naming their module
 and with the imports their code needs; a method comes inside its class, which holds only the
@@ -345,10 +347,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minipar.course.exercise", description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true", help="(re)write exercises/ and solutions/")
     ap.add_argument("--check", action="store_true", help="fail if a committed file differs")
+    ap.add_argument("--clauses", action="store_true",
+                    help="print every core's contract clauses and the graded tests that observe each")
     ap.add_argument("--count", action="store_true",
                     help="print the lines a learner writes per exercise (non-blank, non-comment lines "
                          "of its marked regions) and the total")
     a = ap.parse_args(argv)
+    if a.clauses:
+        from .contracts import clause_table_text
+        print(clause_table_text())
+        if not (a.write or a.check or a.count):
+            return 0
     if a.count:
         print(count_table())
         if not (a.write or a.check):

@@ -116,6 +116,14 @@ class DistributedDataParallel(nn.Module):
     of the class is the library's."""
 
     def _attach(self) -> None:
+        """Given: ``__init__`` has set ``self.module``, ``self.group``,
+        ``self.all_reduce_fn``, ``self._params`` (the trainable parameters, each once),
+        ``self.reducer`` (a ``Reducer``, or None for the naive version:
+        ``allreduce_gradients`` after the backward) and ``self.require_sync`` (False
+        inside ``no_sync()``), then calls ``_attach()`` once; ``remove_hooks()`` removes
+        the handles in ``self._hooks``. The contract of the reducer's part (ex02.C) is
+        on ``Reducer.__init__``; these methods are how DDP learns that a gradient is
+        final and that a backward is over, also one that raised."""
         self._finish_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self._params]
 
@@ -157,12 +165,13 @@ class Reducer:
 
     def __init__(self, params, group=None, bucket_cap_mb: float = 25.0, overlap: bool = True,
                  all_reduce_fn=None):
-        """Contract:
-        - ex02.C.protocol: DDP calls ``grad_ready(p)`` once per backward for each
-          trainable ``p`` whose ``.grad`` is final (accumulated), and ``finish()`` once
-          the backward is over; ``reset()`` forgets a backward that did not finish. Use
-          the library's ``Bucket`` (``pack``, ``unpack``, ``buffer``) and
-          ``assign_buckets``.
+        """Given: DDP calls ``grad_ready(p)`` once per backward for each trainable ``p``
+        whose ``.grad`` is final (accumulated), and ``finish()`` once the backward is
+        over; ``reset()`` forgets a backward that did not finish. The library's
+        ``Bucket`` (``pack``, ``unpack``, ``buffer``) and your ``assign_buckets`` are
+        yours to use.
+
+        Contract:
         - ex02.C.average: after ``finish()``, every trainable parameter's ``.grad``
           holds the mean over ``group``'s ranks, as ex02.A.average (a parameter without
           a gradient on a rank counts as zeros); training through DDP equals one process

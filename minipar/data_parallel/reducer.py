@@ -26,10 +26,10 @@ class Reducer:
     group)``, if given, sums in place and synchronously (your own collective, no overlap)."""
 
     # Contract:
-    # ex02.C.protocol: DDP calls ``grad_ready(p)`` once per backward for each trainable ``p`` whose
-    #     ``.grad`` is final (accumulated), and ``finish()`` once the backward is over;
-    #     ``reset()`` forgets a backward that did not finish. Use the library's ``Bucket``
-    #     (``pack``, ``unpack``, ``buffer``) and ``assign_buckets``.
+    # Given: DDP calls ``grad_ready(p)`` once per backward for each trainable ``p`` whose ``.grad``
+    #     is final (accumulated), and ``finish()`` once the backward is over; ``reset()`` forgets
+    #     a backward that did not finish. The library's ``Bucket`` (``pack``, ``unpack``,
+    #     ``buffer``) and your ``assign_buckets`` are yours to use.
     # ex02.C.average: after ``finish()``, every trainable parameter's ``.grad`` holds the mean
     #     over ``group``'s ranks, as ex02.A.average (a parameter without a gradient on a rank
     #     counts as zeros); training through DDP equals one process (rtol 1e-5).

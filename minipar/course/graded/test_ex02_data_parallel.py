@@ -94,7 +94,6 @@ CONTRACT = {   # clause id (the library's ``# Contract:`` blocks) -> the graded 
     "ex02.B.full": "test_assign_buckets",
     "ex02.B.dtype": "test_assign_buckets",
     "ex02.B.negative": "test_assign_buckets",
-    "ex02.C.protocol": "test_reducer_overlapped_matches_single_process",
     "ex02.C.average": ("test_reducer_overlapped_matches_single_process", "test_gradient_less_parameter_dtype_group_two_steps"),
     "ex02.C.group": "test_gradient_less_parameter_dtype_group_two_steps",
     "ex02.C.bytes": "test_reducer_accumulation_and_no_overlap",

@@ -140,7 +140,15 @@ class ZeroOptimizer:
         self.param_groups, self.state = self.optim.param_groups, self.optim.state
 
     def step(self) -> None:
-        """Contract:
+        """Given: ``self.flat_grads`` holds one flat N·k gradient per unit, in
+        ``param_dtype``, that the parameters' ``.grad`` are views of
+        (``self._point_grads()`` points them there again); ``self.optim`` is the wrapped
+        optimizer on ``self.shards``. ``_step(grad_shards)`` takes this rank's reduced
+        gradient shards, one per unit (stage 2 calls it with its own) and does the rest
+        of the step; ``clip_grad_norm_(grads, max_norm, group)`` clips shards by the
+        norm over the group and returns it.
+
+        Contract:
         - ex06.B.step: ``step()`` equals the wrapped optimizer's step on the mean
           gradient over the group.
         - ex06.B.clip: with ``max_grad_norm``, the step's gradient is clipped by its

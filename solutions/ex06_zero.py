@@ -114,10 +114,12 @@ class ZeroOptimizer:
 
         Contract:
         - ex06.B.views: ``self.units`` (``FlatUnit`` s), ``self.flat_params`` and
-          ``self.shards`` (one each per unit) are set; the model's parameters are views
-          into ``self.flat_params``, in ``param_dtype`` (default fp32); the optimizer's
-          shards are fp32 leaves: this rank's slice of the flat parameters, or, under
-          ``param_dtype=torch.bfloat16``, their own master copy."""
+          ``self.shards`` (one each per unit), ``self.param_dtype`` (default fp32) and
+          ``self.mixed`` (whether it is not fp32) are set, as the library's code reads
+          them; the model's parameters are views into ``self.flat_params``, in
+          ``param_dtype`` (default fp32); the optimizer's shards are fp32 leaves: this
+          rank's slice of the flat parameters, or, under ``param_dtype=torch.bfloat16``,
+          their own master copy."""
         self.group, self.max_grad_norm, self.grad_norm = group, max_grad_norm, None
         units = split_units(params)
         dtypes = {p.dtype for u in units for p in u}

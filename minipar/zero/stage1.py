@@ -76,7 +76,8 @@ class ZeroOptimizer:
     # Given: ``params`` arrives split into units (lists of fp32 parameters); the library's code
     #     after your part builds the flat gradients and the optimizer on ``self.shards``.
     # ex06.B.views: ``self.units`` (``FlatUnit`` s), ``self.flat_params`` and ``self.shards`` (one
-    #     each per unit) are set; the model's parameters are views into ``self.flat_params``, in
+    #     each per unit), ``self.param_dtype`` (default fp32) and ``self.mixed`` (whether it is
+    #     not fp32) are set, as the library's code reads them; the model's parameters are views into ``self.flat_params``, in
     #     ``param_dtype`` (default fp32); the optimizer's shards are fp32 leaves: this rank's
     #     slice of the flat parameters, or, under ``param_dtype=torch.bfloat16``, their own
     #     master copy.

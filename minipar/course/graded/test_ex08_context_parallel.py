@@ -36,9 +36,10 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'sealed:eNotjcEOwjAMQ3/FN0BC+wBuHPgOlI5MrdY1Jclg+3ta4GDJku3nqzsXT1IgL1YE8YiQZZwNkQxSG'
         'EV0oZysxbXpubLuF3hk2LpAJvBWjzaK8ukHoZwx824DbltVNkPyM6g8wDT+8QeDRVLu+56+UzvOxnf6FrsLw'
         'weeBzfm',
-        'sealed:eNo9jkEOwjAMBL+yN6iglbiC+AJfQElxGoukRrEL7e9JhMRtbWvGS+trn5Q6XEG/eHcdDv/BdxeQG'
-        'yN8kvG5UwhY8SGeotEDfgObQqMrBAmw6Ay65AE3elPB6FJqLsgMhyRTX499W1SMUjhXlIPBi8Ums0hckN3Ke'
-        'cnICFzUjlBB021NJTPNxi61HvVZFjWchi/a0EWS',
+        'sealed:eNo9j01OxDAMha/ydlBBK7EdxIIL9Aoo7TiNRRJD7Awztx9HI7Hz3/veM11/nrPShA/Qo/wKE17+m'
+        '216B4U9Ycuyfz8pBKz4Iz6S0RnbDWwKTaERJMJSMGgvC1a6UMMech4sSEVAlmP25TwGLqMcTy7laNjE0oBZI'
+        'm4o4cqlFxREbmqvUMHA3QZKKlXjkEcONyuihrcFn4+E7vLbx6USKapjuR4j2fjGn5y5xgmlu+jcxHN1x/sZr'
+        'Lc67NFIezZwNcEa1uUOvPNkbg==',
         'sealed:eNpVjk1SwzAMha/ylvE0LVNYMtyCfUcmSuIhjkJlJ4GLsedk2C7phJWevqef5/ECT2s1KF+oRi7WP'
         'GO5UDJ4nW4GjvCF2h21fzTpfAQHDNJVefOQJ5MjiWfw8y0bzdIaPGA3WCP0jIVd1weFvQo1b6QBMvO1WEPua'
         'HWKKo76EZm/uDqejTnhNdlKnjHTEBmk/0Knarbn+9gbtzVsDOVH42anTkbYz9Jr9JD2JnvXBm7uCd+ZJy1OW'
@@ -57,11 +58,11 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'sealed:eNo1jzESwjAMBL9yHU2GB9BQ8QQeIBwFe+LYQZJD8ntsA+Wt9uZGt43lgFCaISUpzDOUFkbMeUWe4'
         'KDGq15ABibnh5pJrIu8O0/pyc1r+RGzmxESKh0xBVEb2iHB5WUtVsWE8GdGM/easOOw8fjrT1k6TrxbHz/jn'
         'kYWEBwVpYiFdB7w9sH5b0cRA1eQYzzaPuFV6l8nxVSsCF8/GZFSEw==',
-        'sealed:eNpVkD1uwzAMha/ytsaAE7QdU7RLj5CtS0E7iixYEVOSSpCevnQEDx2F96Pv8WDhgmckBeUb3RU2B'
-        'RwTRS6UsVEZ8Q7p9kimkKA1G9RIrDmllpJKxIZ7ZA3dG8I1yB2ZLAgu7sM5SAyKVIy9pAeVI6hJNpFhZE8ou'
-        'OQ7lM/eyTfF5ud7oHHu1vhDtom16Tt8crEUK1fdY6H8gCwrFqhTtSrB4ed06Xb4SvGX4h5CZXbTxPmoGKdaZ'
-        'l/0wHkdty9b6f17fyKQ5OT0i/9JMWQe56X6mjQNOawowjVOj7OcxFla4zqv7f/X0GLsSe9aFZ/Ygrs/kaGJg'
-        'Q==',
+        'sealed:eNpVkcFugzAQRH9lbgUpQU2PVO2ln9Ceeqk24ICF46W7NlH69V1wOfSIdmaYN35PbsYjvILCje6KN'
+        'Dr0ngaOFFCpdHiB1C18UojTHBI0kaSilByjjwMqPiCoq5/hFid3BEpOMJsOVyeDU/iY2EIOoNiDyimNlNCxO'
+        'RQcwx3KV8vkm6L6/jpTN9W7fTunkbXcG7xxTH7InLXF2vIVslKspS45ZXFWfvJz3eDTDz80tBCKk4lGDr2iG'
+        '3OcjGir89QdT0c52O/tE44keGu/6h8U58DdtEYvXv05uL2KcB7GbZaLWJeSuOMV/n8JxcbmtKz9YojF2ODDm'
+        'gfSdV57kplUDTuyyW1fju2GVqJunEP/Fyi0uGBQNlzV4YgT1MVe6+YXtWOlfA==',
         'sealed:eNqFUctuwyAQ/JXpoTKoxEquTv0lkYVsRFyEaxwgTtSv79h1m9x6YIV2XrtgFCJq9DFcJ53cl1XbP'
         'bajP8LPBFNujRcnrzA38ohziEhwI0jprTCyQoqGPBGxQ5J4hTnCnUl6h9kdKoz3TFjTJ2Zt7+ZjFfpZYYos8'
         'e2wpSoU0Y299nOhsGfWRAWlazNlO4myLOVqviIvNYrk3VRUuCQFzzPzxHBj1Uvm7OwtiQuxJY0aqoPuFIZkd'

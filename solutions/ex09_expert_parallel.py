@@ -190,7 +190,7 @@ class ExpertParallelMoE(MoE):
         ``count_tokens``, ``exchange_counts``, ``kept_counts``, ``split_sizes``,
         ``permutation``, ``all_to_all``, ``capacity(tokens, E, k, factor)`` and
         ``keep_within_capacity(expert_of, E, cap, before=...)`` (``minipar.models.moe``:
-        the single device's policy), ``self.aux_losses( logits, probs, expert_of,
+        the single device's policy), ``self.aux_losses(logits, probs, expert_of,
         totals)``. The code after your part reads ``counts``, ``M`` (the exchanged
         matrix), ``cap``, ``kept``, ``keep`` (per assignment, in token order),
         ``totals`` (the assignments per expert the load-balancing loss counts), ``aux``,

@@ -34,7 +34,7 @@ def stub_reports(fresh_stubs):
     where, _ = fresh_stubs
     t = time.perf_counter()
     reports = {grade._chapter(r.exercise): r
-               for r in grade.grade_many(CHAPTERS, "exercise", verbose=False, exercises_dir=where)}
+               for r in grade.grade_many(CHAPTERS, "exercise", verbose=False, exercises_dir=where, challenge=True)}
     return reports, time.perf_counter() - t
 
 
@@ -123,19 +123,21 @@ def test_core_runs():
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """A graded directory holding a tiny challenge twice (chapters 98 and 99) with its alternative,
-    chapter 99 with a core too, and a learner's files: an unwritten stub for 98, a wrong ring for 99."""
+    """A graded directory holding a tiny challenge three times (chapters 97, 98 and 99) with its
+    alternative, chapters 97 and 99 with a core too, and a learner's files: an unwritten stub for
+    97 and 98, a wrong ring for 99."""
     root = tmp_path_factory.mktemp("graded")
     shutil.copy(GRADED / "conftest.py", root / "conftest.py")
     (root / "alternatives").mkdir()
     mine = tmp_path_factory.mktemp("exercises")
     (mine / "challenges").mkdir()
-    for chapter, learner in (("98", STUB.replace("99", "98")), ("99", WRONG)):
+    for chapter, learner in (("97", STUB.replace("99", "97")), ("98", STUB.replace("99", "98")), ("99", WRONG)):
         test = textwrap.dedent(DEMO_TEST).lstrip().replace("99", chapter)
         (root / f"test_ch{chapter}_demo.py").write_text(test)
         (root / "alternatives" / f"ch{chapter}_demo.py").write_text(ALTERNATIVE)
         (mine / "challenges" / f"ch{chapter}_demo.py").write_text(learner)
     (root / "test_ex99_demo.py").write_text(DEMO_CORE)
+    (root / "test_ex97_demo.py").write_text(DEMO_CORE.replace("99", "97"))
     return root, mine
 
 
@@ -168,6 +170,20 @@ def test_ex_grades_core_then_challenge_and_states_the_chapter_score(demo, capsys
     out = capsys.readouterr().out
     assert out.index("ex99_demo (exercise):") < out.index("ch99_demo (exercise):")
     assert "chapter 99: 50% = (core 100% + challenge 0%) / 2" in out
+
+def test_an_unattempted_challenge_is_left_out_unless_asked(demo, capsys):
+    """ex97's challenge is still its stub: ``ex97`` grades the core alone and says how to grade the
+    challenge and how the chapter's score is formed; asked (``challenge=True``), it is graded."""
+    root, mine = demo
+    rep = grade.grade_many(["ex97"], "exercise", graded=root, exercises_dir=mine)[0]
+    assert rep.challenge is None and rep.not_graded == "ch97_demo" and rep.chapter_score == 1.0
+    out = capsys.readouterr().out
+    assert "ch97_demo: not graded (not attempted yet; python -m minipar.grade ch97 (or --challenge)); " \
+           "chapter score = (core + challenge) / 2 once it is" in out
+    assert "Challenge 97" not in out and "chapter 97:" not in out
+    asked = grade.grade_many(["ex97"], "exercise", graded=root, exercises_dir=mine, challenge=True, verbose=False)[0]
+    assert asked.challenge is not None and asked.challenge.score == 0.0 and asked.chapter_score == 0.5
+
 
 def test_progress_table():
     core = grade.Report("ex01_collectives", "exercise", [{"outcome": "passed"}] * 3 + [{"outcome": "failed"}])

@@ -77,3 +77,19 @@ def test_every_graded_module_hints_are_well_formed(monkeypatch):
     for ex in grade.exercises():
         for part, tiers in hints.hints_of(ex).items():
             assert 2 <= len(tiers) <= 4 and all(isinstance(t, str) and t for t in tiers), (ex, part)
+
+
+def test_state_stays_in_the_workspace_unless_minipar_home_says_otherwise(graded, monkeypatch):
+    """Without $MINIPAR_HOME the shown tiers are kept beside the learner's files
+    ($MINIPAR_EXERCISES/.minipar, else this workspace's exercises/.minipar), never in a home
+    directory shared with other workspaces."""
+    from minipar.course import hints
+    from minipar.course.markers import ROOT
+    assert hints.home() == graded / "home"
+    monkeypatch.delenv("MINIPAR_HOME")
+    monkeypatch.setenv("MINIPAR_EXERCISES", str(graded / "mine"))
+    assert hints.home() == graded / "mine" / ".minipar"
+    minipar.hint("ex98", "A")
+    assert (graded / "mine" / ".minipar" / "hints.json").exists()
+    monkeypatch.delenv("MINIPAR_EXERCISES")
+    assert hints.home() == ROOT / "exercises" / ".minipar"

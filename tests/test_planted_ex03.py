@@ -1,7 +1,8 @@
 """ex03's contract has no hole: for every clause of CONTRACT, an answer that breaks it (the
 solution with a line or two changed) fails the clause's graded test, with a message naming it.
 Two plants crash a rank rather than give wrong numbers (a middle rank that takes the loss, a
-float64 model's activations received as float32): the grader reports that rank's error."""
+float64 model's activations received as float32): the failure names the case and its clause,
+then that rank's error at its line in the learner's file."""
 
 from minipar.course.graded import test_ex03_model_parallel as g
 from tests.planted import contract_tests
@@ -30,7 +31,9 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         g.test_transfers_are_recorded, r"over ``group``, with ``src``/``dst`` its ranks"),
     "ex03.A.stages": (
         [("            if r == n - 1:\n                out = self.loss_fn", "            if r == 1:\n                out = self.loss_fn")],
-        g.test_drives_model_parallel, r"rank 1 of 3 failed: IndexError: Target \d+ is out of bounds"),
+        g.test_drives_model_parallel, r"the GPT split over 3 ranks, rank 1 in the middle \(any number of stages, "
+                                      r"one per rank\): rank 1: .*ex03_model_parallel\.py:\d+ .*IndexError: Target "
+                                      r"\d+ is out of bounds"),
     "ex03.A.train": (
         [("            torch.autograd.backward(out, grad)",
           "            torch.autograd.backward(out, None if grad is None else grad / n)")],
@@ -41,7 +44,8 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
     "ex03.B.dtype": (
         [("        self.dtype, self.device, self.pending = dtype, device, []",
           "        self.dtype, self.device, self.pending = torch.float32, device, []")],
-        g.test_messages_match_in_any_order, r"rank \d of 2 failed: RuntimeError: mixed dtype"),
+        g.test_messages_match_in_any_order, r"\(every message travels in the dtype of the stages' parameters; "
+                                            r".*\): rank \d: .*ex03_model_parallel\.py:\d+ .*RuntimeError: mixed dtype"),
     "ex03.B.flush": (
         [("        for h in self.pending:\n            h.wait()\n        self.pending = []",
           "        for h in self.pending:\n            [w.wait() for w in h.works if w is not None]\n"

@@ -2,9 +2,11 @@
 
 ``ex01`` runs the chapter's graded tests in a fresh pytest process: the core exercise's
 (``minipar/course/graded/test_ex01_*.py``) against your file in ``exercises/`` (``--solution``: against
-``solutions/``), then the chapter's challenge (``minipar/course/graded/test_ch01_*.py``) against
-``exercises/challenges/`` (``solutions/challenges/``; target ``"alternative"``: the second
-way in ``minipar/course/graded/alternatives/``). ``ch01`` (``python -m minipar.grade ch01``,
+``solutions/``), then, once you have attempted it (your file in ``exercises/challenges/`` is
+no longer its stub) or with ``--challenge``, the chapter's challenge
+(``minipar/course/graded/test_ch01_*.py``) against ``exercises/challenges/``
+(``solutions/challenges/``; target ``"alternative"``: the second way in
+``minipar/course/graded/alternatives/``). ``ch01`` (``python -m minipar.grade ch01``,
 ``minipar.grade("ch01")``) grades the challenge alone, without re-running the core.
 
 It prints one line per test and, for each failure, the whole explanation (the rank, the
@@ -36,6 +38,7 @@ from .markers import ROOT  # the repository (site-packages once installed): exer
 
 TARGETS = ("exercise", "solution", "library", "alternative")
 FORMULA = "chapter score = (core + challenge) / 2 (the core alone without a challenge; the challenge alone when graded alone)"
+ASK = "python -m minipar.grade {ch} (or --challenge)"
 _LABEL = re.compile(r"(?:Exercise|Challenge) (\d+)(?: ([A-Z]\w*))?:")
 
 
@@ -45,6 +48,7 @@ class Report:
     target: str
     tests: list[dict] = field(default_factory=list)
     challenge: "Report | None" = None   # the chapter's challenge, graded after the core
+    not_graded: str | None = None       # the chapter's challenge, left out (not attempted, not asked)
 
     @property
     def passed(self) -> int:
@@ -80,6 +84,10 @@ class Report:
         lines.append(f"score: {self.passed}/{len(self.tests)} ({100 * self.score:.0f}%)")
         text = "\n".join(lines)
         if self.challenge is None:
+            if self.not_graded:
+                ch = f"ch{_chapter(self.exercise)}"
+                text += (f"\n{self.not_graded}: not graded ({'not attempted yet; ' if self.target == 'exercise' else ''}"
+                         f"{ASK.format(ch=ch)}); {FORMULA[:FORMULA.index(' (the core')]} once it is")
             return text
         text += "\n" + str(self.challenge)
         if self.challenge.tests:
@@ -135,23 +143,45 @@ def challenge_file(exercise: str) -> Path | None:
 
 
 def grade(exercise: str, target: str = "exercise", verbose: bool = True, timeout: float = 600,
-          exercises_dir: str | os.PathLike | None = None) -> Report:
-    """Grade chapter ``exercise``: ``"ex01"`` its core exercise, then its challenge; ``"ch01"``
+          exercises_dir: str | os.PathLike | None = None, challenge: bool | None = None) -> Report:
+    """Grade chapter ``exercise``: ``"ex01"`` its core exercise, then its challenge once attempted
+    (``challenge=True``: anyway; ``False``: never); ``"ch01"``
     the challenge alone (the core is not run). ``target``: ``"exercise"`` (your files),
     ``"solution"``, ``"library"`` or ``"alternative"`` (challenges only); prints the report when
     ``verbose``; returns it (the challenge's report as ``.challenge``; for ``"ch01"`` the core's
     part is empty). Its ``chapter_score`` is :data:`FORMULA`."""
-    return grade_many([exercise], target, verbose, timeout, exercises_dir=exercises_dir)[0]
+    return grade_many([exercise], target, verbose, timeout, exercises_dir=exercises_dir, challenge=challenge)[0]
+
+
+def attempted(name: str, exercises_dir: str | os.PathLike | None = None) -> bool:
+    """Whether the learner's file of challenge ``name`` ("ch04") is more than its stub: it exists
+    and differs from the pristine stub (git HEAD's), or, with no pristine copy to compare, some
+    function in it does more than raise ``NotImplementedError``."""
+    from .exercise_files import is_challenge_stub, stub_text
+    graded = challenge_file(_chapter(name))
+    base = Path(exercises_dir) if exercises_dir is not None else \
+        Path(os.environ.get(EXERCISES_ENV) or ROOT / "exercises")
+    path = base / "challenges" / f"{graded.stem.removeprefix('test_')}.py" if graded else None
+    if path is None or not path.exists():
+        return False
+    try:
+        stub = stub_text(str(name)[:4])
+    except ValueError:                   # a challenge the course does not list (another graded dir)
+        stub = None
+    text = path.read_text()
+    return text != stub if stub is not None else not is_challenge_stub(text)
 
 
 def grade_many(names: list[str], target: str = "exercise", verbose: bool = True,
                timeout: float = 1800, exercises_dir: str | os.PathLike | None = None,
-               challenge: bool = True, select: str | None = None,
+               challenge: bool | None = None, select: str | None = None,
                graded: str | os.PathLike | None = None) -> list[Report]:
     """:func:`grade` for several chapters in one pytest process (one start-up for all), in the
     order given (``"exNN"``: core then challenge; ``"chNN"``: the challenge alone). ``exercises_dir``: load the learner's files from there instead of
     ``exercises/`` (same layout: ``exNN_topic.py``, ``challenges/chNN_topic.py``).
-    ``challenge=False``: cores only. ``select``: only the tests pytest's ``-k`` expression picks.
+    ``challenge``: after each core, its chapter's challenge too (``True``), never (``False``), or
+    (``None``) only once the learner attempted it (:func:`attempted`; target ``"exercise"``).
+    ``select``: only the tests pytest's ``-k`` expression picks.
     ``graded``: another directory of graded tests (with its own ``conftest.py``)."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}")
@@ -166,7 +196,11 @@ def grade_many(names: list[str], target: str = "exercise", verbose: bool = True,
             test_file(f"ch{c}")   # raises, naming the known challenges
     core_paths = [] if target == "alternative" else [test_file(f"ex{c}") for c in chapters if c not in alone
                                                      and list(graded_dir().glob(f"test_ex{c}_*.py"))]
-    ch_paths = [p for c in chapters if (challenge or c in alone) and (p := challenge_file(c)) is not None]
+    def wanted(c: str) -> bool:
+        if challenge is not None or target == "alternative":
+            return challenge is not False
+        return target == "exercise" and attempted(f"ch{c}", exercises_dir)
+    ch_paths = [p for c in chapters if (c in alone or wanted(c)) and (p := challenge_file(c)) is not None]
     if not core_paths and not ch_paths:
         raise ValueError(f"nothing to grade for {names} (target {target!r})")
     challenge_target = "solution" if target == "library" else target
@@ -198,6 +232,8 @@ def grade_many(names: list[str], target: str = "exercise", verbose: bool = True,
         ch = next((p for p in ch_paths if p.name.startswith(f"test_ch{c}_")), None)
         rep = of(core, target) if core else Report(f"{'ch' if c in alone else 'ex'}{c}", target)
         rep.challenge = of(ch, challenge_target) if ch else None
+        if ch is None and core is not None and (left := challenge_file(c)) is not None:
+            rep.not_graded = left.stem.removeprefix("test_")
         reports.append(rep)
     for report in reports if verbose else []:
         print(report)
@@ -223,7 +259,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m minipar.grade", description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="  ex04         the core exercise of chapter 04, then its challenge\n"
+        epilog="  ex04         the core exercise of chapter 04, then its challenge once attempted\n"
                "  ch04         the challenge of chapter 04 alone (the core is not run)\n"
                "  --reset ex02 put the stub of ex02 (or ch04) back; your file goes to exercises/.backup/\n"
                f"score: {FORMULA}")
@@ -231,7 +267,10 @@ def main(argv=None) -> int:
                    "omit with --all")
     p.add_argument("--solution", action="store_true", help="grade solutions/ instead of exercises/")
     p.add_argument("--alternative", action="store_true", help="grade the challenges' second solutions")
-    p.add_argument("--all", action="store_true", help="grade every chapter, then print the progress table")
+    p.add_argument("--all", action="store_true", help="grade every chapter and its challenge, then print the "
+                   "progress table")
+    p.add_argument("--challenge", action="store_true", help="grade the chapter's challenge after its core even "
+                   "if not attempted yet (--solution: the challenge's solution too)")
     p.add_argument("--exercises-dir", help="load your files from this directory instead of exercises/")
     p.add_argument("--reset", metavar="NAME", help="restore the stub of exercise NAME (ex02) or challenge "
                    "NAME (ch04) from the generator, without asking; your file is kept in .backup/")
@@ -246,7 +285,8 @@ def main(argv=None) -> int:
     names = sorted(set(exercises()) | {f"ex{_chapter(c)}" for c in challenges()}) \
         if a.all or not a.exercise else [a.exercise]
     target = "alternative" if a.alternative else "solution" if a.solution else "exercise"
-    reports = grade_many(names, target, exercises_dir=a.exercises_dir)
+    reports = grade_many(names, target, exercises_dir=a.exercises_dir,
+                         challenge=True if a.all or a.challenge else None)
     if len(reports) > 1:
         print()
         print(table(reports))
@@ -257,9 +297,11 @@ class _CallableModule(types.ModuleType):
     """Lets ``minipar.grade("ex01")`` call :func:`grade` while ``python -m minipar.grade``
     runs this module: the module and the function share one name."""
 
-    def __call__(self, exercise: str, target: str = "exercise", verbose: bool = True) -> Report:
-        """``minipar.grade("ex04")``: core then challenge; ``minipar.grade("ch04")``: the challenge alone."""
-        return grade(exercise, target=target, verbose=verbose)
+    def __call__(self, exercise: str, target: str = "exercise", verbose: bool = True,
+                 challenge: bool | None = None) -> Report:
+        """``minipar.grade("ex04")``: the core, then the challenge once attempted (``challenge=True``:
+        anyway); ``minipar.grade("ch04")``: the challenge alone."""
+        return grade(exercise, target=target, verbose=verbose, challenge=challenge)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -15,15 +15,22 @@ labelled, so a learner never reads an unlabelled list or an object's repr:
 * :func:`contributions` / :func:`expect_contributions` notebook 01's 2^r trick: rank r
   contributes 2^r, so a reduced value's bits say which ranks' data it holds;
 * :func:`expect` a plain condition with its explanation;
-* :func:`diagnose` an observation added to a failure only when its condition is the cause.
+* :func:`diagnose` an observation added to a failure only when its condition is the cause;
+* :func:`expect_recorded` bytes the recorder saw against the contract's (nothing recorded: a
+  transfer that did not go through ``minipar.comm``, the broken clause "recorded");
+* :func:`launched` a rank's error while ranks run a case, reported with the case and its clause;
+* :func:`observes` tags a graded test with the contract clauses it observes directly
+  (``"ex02.C.group"``: exercise, part, clause; part ``*`` for a clause of every part), read back
+  by :func:`observed`.
 """
 from __future__ import annotations
 
 import math
+import re
 from contextlib import contextmanager
 
 __all__ = ["GradeFailure", "expect", "expect_equal", "expect_close", "expect_schedule",
-           "contributions", "expect_contributions", "diagnose"]
+           "contributions", "expect_contributions", "diagnose", "expect_recorded", "launched", "observes", "observed", "CLAUSE_ID"]
 
 _WIDE = 100  # values longer than this are shown one entry per line
 
@@ -295,6 +302,33 @@ def diagnose(condition, message: str):
         raise
 
 
+# ----------------------------------------------------------------------------- the recorder
+RECORDED = ("minipar.comm records a transfer once its handle is waited on; one made with torch.distributed "
+            "directly, or never waited on, is not recorded (the clause 'recorded')")
+
+
+def expect_recorded(got: int, want: int, what: str, where: str = "") -> None:
+    """Bytes (or messages) the recorder saw, ``got``, equal the contract's ``want``; when nothing
+    was recorded where something was due, the failure says that the clause broken is
+    "recorded" (a collective or send that does not go through ``minipar.comm``)."""
+    with diagnose(got == 0 and want != 0, "nothing was recorded: " + RECORDED):
+        expect_equal(got, want, _where(where, what))
+
+
+@contextmanager
+def launched(what: str):
+    """``with launched("the GPT over 3 ranks (any number of stages, one per rank)"): minipar.launch(...)``:
+    a rank that raised or died while the ranks ran ``what`` fails the test as a
+    :class:`GradeFailure` that names ``what`` (the case and the clause it checks) before the rank's
+    error, at its line in the learner's file when it is there. A hang is left to the grader."""
+    from ..runtime.launch import RankError
+    try:
+        yield
+    except RankError as e:
+        from ._grade_plugin import explain
+        raise GradeFailure(f"{what}: {explain(e)}") from None
+
+
 # ----------------------------------------------------------------------------- training runs
 def expect_same_training(got: dict, want: dict, where: str = "", rtol: float = 1e-5,
                          atol: float = 1e-6) -> None:
@@ -336,3 +370,33 @@ def attempt(fn, *args):
                if not any(Path(fr.filename).resolve().is_relative_to(d) for d in libs)]
         at = f" (at {Path(own[-1].filename).name}:{own[-1].lineno}  {own[-1].line})" if own else ""
         return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{at}"
+
+
+# ----------------------------------------------------------------------------- clause tags
+CLAUSE_ID = re.compile(r"^(?:ex|ch)\d\d\.(?:\*|[A-Z])\.[a-z][a-z0-9_]*$")
+
+
+def observes(*clauses: str):
+    """Decorator: the contract clauses a graded test observes directly (it fails when one of
+    them is broken, and its failure names the clause), as ids ``exNN.P.word``: the exercise, the
+    part (``*`` for a clause of every part, such as ``ex03.*.recorded``: every transfer goes
+    through ``minipar.comm`` and is recorded) and a word for the clause. Kept on the test as
+    ``__observes__``; :func:`observed` reads a module's tags back."""
+    bad = [c for c in clauses if not CLAUSE_ID.match(c)]
+    if not clauses or bad:
+        raise ValueError(f"clause ids look like 'ex02.C.group' or 'ex03.*.recorded'; got {bad or 'none'}")
+
+    def tag(test):
+        test.__observes__ = tuple(dict.fromkeys(getattr(test, "__observes__", ()) + clauses))
+        return test
+    return tag
+
+
+def observed(module) -> dict[str, list[str]]:
+    """``{clause id: [test names]}`` of a graded module's tests tagged with :func:`observes`."""
+    out: dict[str, list[str]] = {}
+    for name, test in vars(module).items():
+        if name.startswith("test_") and callable(test):
+            for clause in getattr(test, "__observes__", ()):
+                out.setdefault(clause, []).append(name)
+    return out

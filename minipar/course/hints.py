@@ -4,7 +4,8 @@ Each graded module (``minipar/course/graded/test_exNN_topic.py``) defines, right
 ``HINTS = {"A": ("a nudge", "the idea", "the formula or pseudo-code"), ...}`` (the key ``""``
 for a one-part exercise). Each call prints the next tier of that part, so a learner asks for
 exactly as much help as they need; what was shown is kept in ``$MINIPAR_HOME/hints.json``
-(default ``~/.cache/minipar/``).
+(default: ``.minipar/`` in the learner's exercises folder, ``$MINIPAR_EXERCISES`` or this
+workspace's ``exercises/``, so two workspaces, or two people on one machine, keep apart).
 
 * ``minipar.hint("ex08")``: the parts and how many tiers each has (or, for a one-part
   exercise, its next tier);
@@ -37,8 +38,13 @@ from .exercise import key
 
 
 def home() -> Path:
-    """Where the course keeps its state: ``$MINIPAR_HOME``, default ``~/.cache/minipar``."""
-    return Path(os.environ.get("MINIPAR_HOME") or Path.home() / ".cache" / "minipar")
+    """Where the course keeps the learner's state: ``$MINIPAR_HOME``, else ``.minipar/`` in the
+    learner's exercises folder (``$MINIPAR_EXERCISES``, else the workspace's ``exercises/``)."""
+    from .exercise import EXERCISES_ENV
+    from .markers import ROOT
+    if os.environ.get("MINIPAR_HOME"):
+        return Path(os.environ["MINIPAR_HOME"])
+    return Path(os.environ.get(EXERCISES_ENV) or ROOT / "exercises") / ".minipar"
 
 
 def _key(name: str) -> str:

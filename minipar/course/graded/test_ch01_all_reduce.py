@@ -19,7 +19,7 @@ import torch.distributed as dist
 import minipar
 from minipar import comm
 from minipar.runtime import trace
-from minipar.course.grading import expect_close, fail_if
+from minipar.course.grading import expect_close, fail_if, observes
 
 CHALLENGE = "ch01_all_reduce"
 HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
@@ -102,16 +102,19 @@ def _check_sums(results):
             fail_if(not in_place, f"rank {rank}: all_reduce must return the tensor it was given")
 
 
+@observes('ch01.*.sum')
 def test_sums_on_two_ranks(challenge):
     """Every rank holds the sum on 2 ranks (sizes 8, 1000, 3)."""
     _check_sums(_launch(challenge, 2, [(8,), (1000,), (3,)]))
 
 
+@observes('ch01.*.sum', 'ch01.*.any_size')
 def test_sums_on_four_ranks(challenge):
     """Every rank holds the sum on 4 ranks, also for sizes 4 does not divide (10, 3, 7x5)."""
     _check_sums(_launch(challenge, 4, [(64,), (10,), (3,), (7, 5)]))
 
 
+@observes('ch01.*.bytes', 'ch01.*.time')
 def test_bandwidth_and_time_beat_gather_to_one(challenge):
     """4 ranks, 1 MiB: the busiest rank sends <= 2(n-1)/n of it; modelled time <= half the naive's."""
     results = _launch(challenge, N, [])

@@ -20,7 +20,7 @@ from minipar import cost
 from minipar import data, reference
 from minipar.runtime import trace
 from minipar.data_parallel import shard_batch
-from minipar.course.grading import expect_equal, fail_if
+from minipar.course.grading import expect_equal, fail_if, observes
 from minipar.models import GPT, GPTConfig
 
 CHALLENGE = "ch02_overlap"
@@ -82,6 +82,7 @@ def _launch(challenge):
     return minipar.launch(_train, N, args=(challenge.GradSync, GPT(CFG, seed=1), batches), timeout=TIMEOUT)
 
 
+@observes('ch02.*.training', 'ch02.*.recorded')
 def test_trains_like_one_process(challenge):
     """3 SGD steps on 2 ranks equal one process on the whole batch; every gradient all-reduced once."""
     results = _launch(challenge)
@@ -98,6 +99,7 @@ def test_trains_like_one_process(challenge):
         reference.assert_same_training(got, want, rtol=RTOL, atol=ATOL)
 
 
+@observes('ch02.*.exposed')
 def test_exposed_communication_goal(challenge):
     """Per step, at most 25% of the gradient bytes start after the last gradient is final."""
     for rank, got in enumerate(_launch(challenge)):
@@ -109,6 +111,7 @@ def test_exposed_communication_goal(challenge):
                      f"gradient; the goal is at most {100 * EXPOSED_GOAL:.0f}%")
 
 
+@observes('ch02.*.calls')
 def test_calls_goal(challenge):
     """At most 8 recorded communication calls per step."""
     for rank, got in enumerate(_launch(challenge)):

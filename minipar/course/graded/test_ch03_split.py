@@ -9,7 +9,7 @@ and an idle fraction of the step, 1 - Σ busy / (n · step), of at most 0.40. Th
 ``python -m minipar.grade ch03``; stuck? ``minipar.hint("ch03")``.
 """
 from minipar import pipeline as pp
-from minipar.course.grading import fail_if
+from minipar.course.grading import fail_if, observes
 
 CHALLENGE = "ch03_split"
 HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
@@ -55,11 +55,13 @@ def _plan(challenge):
     return bounds, m
 
 
+@observes('ch03.*.valid')
 def test_split_is_valid(challenge):
     """The plan is 5 boundaries from 0 to 10, no stage empty, and 1 <= m <= 16."""
     _plan(challenge)
 
 
+@observes('ch03.*.memory')
 def test_memory_goal(challenge):
     """Every rank's layers fit in the memory budget."""
     bounds, _ = _plan(challenge)
@@ -70,6 +72,7 @@ def test_memory_goal(challenge):
              f"{mem[worst]} GiB; the budget is {c.BUDGET} GiB per rank (per rank: {mem})")
 
 
+@observes('ch03.*.idle')
 def test_idle_goal(challenge):
     """The simulated step's idle fraction is at most 0.40 (layer-count stages, one batch: 0.75)."""
     bounds, m = _plan(challenge)

@@ -12,7 +12,7 @@ activations (``pipeline.peak_stash``) and idle at most 0.22 of its busy time
 ``python -m minipar.grade ch04``; stuck? ``minipar.hint("ch04")``.
 """
 from minipar import pipeline as pp
-from minipar.course.grading import GradeFailure, fail_if
+from minipar.course.grading import GradeFailure, fail_if, observes
 from minipar.pipeline.schedules import COMPUTE, Schedule, add_comms
 
 CHALLENGE = "ch04_schedule"
@@ -52,12 +52,18 @@ def _valid(s: Schedule) -> None:
         raise GradeFailure(f"not a valid schedule for p={s.p}, m={s.m}: {e}\n{s.table()}") from None
 
 
+VALID_ON = [(p, m) for p in range(1, 7) for m in range(1, 11)]   # m < p too
+
+
+@observes('ch04.*.valid')
 def test_is_a_valid_schedule(challenge):
-    """Every F, B (and W) once per micro-batch, in order, without deadlock (p=4, m=8; also p=2, m=3)."""
-    for p, m in ((P, M), (2, 3)):
+    """Every F, B (and W) once per micro-batch, in order, without deadlock, on every p = 1..6 and
+    m = 1..10 (m < p too), not only the goals' p=4, m=8."""
+    for p, m in VALID_ON:
         _valid(_build(challenge, p, m))
 
 
+@observes('ch04.*.memory')
 def test_memory_goal(challenge):
     """No rank holds more than 4 micro-batches of activations at once (p=4, m=8)."""
     s = _build(challenge)
@@ -70,6 +76,7 @@ def test_memory_goal(challenge):
              "(its W when the backward is split)\n" + s.table())
 
 
+@observes('ch04.*.bubble')
 def test_bubble_goal(challenge):
     """Every rank idles at most 0.22 of its busy time in the simulated step (F = B = W = 1)."""
     s = _build(challenge)

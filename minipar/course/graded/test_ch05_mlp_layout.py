@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import minipar
 from minipar import cost
 from minipar.runtime import trace
-from minipar.course.grading import expect_close, fail_if
+from minipar.course.grading import expect_close, fail_if, observes
 
 CHALLENGE = "ch05_mlp_layout"
 FORBIDDEN = ("minipar.tensor_parallel.layers", "minipar.tensor_parallel.block",
@@ -95,6 +95,7 @@ def _launch(challenge):
     return minipar.launch(_run, T, args=(challenge.shard, challenge.forward), timeout=TIMEOUT)
 
 
+@observes('ch05.*.exact')
 def test_output_and_input_gradient(challenge):
     """Every rank returns the whole y and gets the whole ∂L/∂x of the single-device MLP."""
     results = _launch(challenge)
@@ -105,6 +106,7 @@ def test_output_and_input_gradient(challenge):
         expect_close(got["dx"], dx, "the input gradient ∂L/∂x", where=f"rank {rank}", rtol=1e-5, atol=1e-5)
 
 
+@observes('ch05.*.memory')
 def test_memory_goal(challenge):
     """Each rank keeps at most a quarter of W1, b1 and W2, plus b2 (8,448 bytes)."""
     for rank, got in enumerate(_launch(challenge)):
@@ -113,6 +115,7 @@ def test_memory_goal(challenge):
                  f"{MEMORY_GOAL} (the whole MLP is {(4 * H * H * 2 + 4 * H + H) * 4})")
 
 
+@observes('ch05.*.bytes')
 def test_traffic_goal(challenge):
     """Each rank sends at most one all-reduce of the activation per direction (12,288 bytes)."""
     for rank, got in enumerate(_launch(challenge)):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import minipar
 from minipar import data, reference, strategy
 from minipar.runtime import trace
-from minipar.course.grading import GradeFailure, expect_equal
+from minipar.course.grading import GradeFailure, expect_equal, observes
 from minipar.models import GPT, GPTConfig
 
 CHALLENGE = "ch06_zero3_units"
@@ -78,6 +78,7 @@ def _measured(challenge, cache={}):
     return names, cache[key]
 
 
+@observes('ch06.*.training')
 def test_trains_like_one_process(challenge):
     """Two steps with your units train like one process (losses and parameters)."""
     _, results = _measured(challenge)
@@ -86,6 +87,7 @@ def test_trains_like_one_process(challenge):
         reference.assert_same_training(res, want, rtol=1e-4, atol=5e-5)
 
 
+@observes('ch06.*.peak')
 def test_peak_gathered_bytes(challenge):
     """The most bytes of gathered units alive at once is at most 88,000 on every rank."""
     names, results = _measured(challenge)
@@ -95,6 +97,7 @@ def test_peak_gathered_bytes(challenge):
                            f"  your {len(names)} units: {names}")
 
 
+@observes('ch06.*.gathers')
 def test_gathers_per_step(challenge):
     """At most 28 all-gathers per step (each unit is gathered in forward and again in backward)."""
     names, results = _measured(challenge)

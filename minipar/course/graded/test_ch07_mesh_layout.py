@@ -15,7 +15,7 @@ import pytest
 from minipar import cost
 
 from minipar import hybrid
-from minipar.course.grading import GradeFailure
+from minipar.course.grading import GradeFailure, observes
 from minipar.models import GPTConfig
 
 CHALLENGE = "ch07_mesh_layout"
@@ -53,6 +53,7 @@ def _measure(config, c, batch, m):
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@observes('ch07.*.valid', 'ch07.*.memory', 'ch07.*.bubble', 'ch07.*.bytes')
 def test_layout_meets_the_goals(challenge, case):
     """Valid, within the memory budget, bubble <= 0.5, bytes <= 1.25 × the best that meets both."""
     config, world, batch, m, share = CASES[case]

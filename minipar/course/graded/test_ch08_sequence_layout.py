@@ -13,7 +13,7 @@ the method.
 import torch
 
 from minipar import context_parallel as cpm
-from minipar.course.grading import GradeFailure, expect_close, expect_equal
+from minipar.course.grading import GradeFailure, expect_close, expect_equal, observes
 
 CHALLENGE = "ch08_sequence_layout"
 HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
@@ -41,6 +41,7 @@ def _positions(challenge, T, cp):
     return [[int(p) for p in ranks] for ranks in got]
 
 
+@observes('ch08.*.partition', 'ch08.*.exact')
 def test_layout_is_a_partition(challenge):
     """Every position on exactly one rank, and each rank's causal attention equals full attention."""
     for T, cp in CASES:
@@ -56,6 +57,7 @@ def test_layout_is_a_partition(challenge):
             expect_close(o_r, o[..., idx, :], "attention output", f"T={T}, cp={cp}, rank {r}", rtol=1e-5, atol=1e-6)
 
 
+@observes('ch08.*.tokens')
 def test_token_counts_balanced(challenge):
     """Each rank holds ⌊T/cp⌋ or ⌈T/cp⌉ tokens (its activation memory)."""
     for T, cp in CASES:
@@ -65,6 +67,7 @@ def test_token_counts_balanced(challenge):
                                f"{max(counts) - min(counts)}, the goal is at most 1 (memory per rank)")
 
 
+@observes('ch08.*.work')
 def test_causal_work_balanced(challenge):
     """The busiest rank's causal work is at most 1.03 × the mean, on every case."""
     lines, worst = [], 0.0

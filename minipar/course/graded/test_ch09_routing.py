@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from minipar import data
-from minipar.course.grading import GradeFailure, expect_equal
+from minipar.course.grading import GradeFailure, expect_equal, observes
 from minipar.models import GPT, GPTConfig
 
 CHALLENGE = "ch09_routing"
@@ -79,17 +79,20 @@ def _check(challenge, key, ok, goal, meaning):
         raise GradeFailure(f"{key}: {bad[0][key]:.3f} on {bad[0]['case']}, the goal is {goal} ({meaning})\n{lines}")
 
 
+@observes('ch09.*.busiest')
 def test_busiest_expert(challenge):
     """The busiest expert gets at most 1.3 × the mean number of assignments."""
     _check(challenge, "busiest", lambda v: v <= BALANCE, f"at most {BALANCE} × the mean",
            "the other experts wait for the busiest one")
 
 
+@observes('ch09.*.dropped')
 def test_dropped_assignments(challenge):
     """Under 5% of the k·S assignments are dropped."""
     _check(challenge, "dropped", lambda v: v < DROPS, f"under {DROPS:.0%}", "a dropped token skips the layer")
 
 
+@observes('ch09.*.fidelity')
 def test_router_fidelity(challenge):
     """The chosen experts keep at least 0.95 × the router probability plain top-k keeps."""
     _check(challenge, "fidelity", lambda v: v >= FIDELITY, f"at least {FIDELITY} × top-k's",

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from minipar import plan
-from minipar.course.grading import GradeFailure
+from minipar.course.grading import GradeFailure, observes
 
 CHALLENGE = "ch10_layout"
 FORBIDDEN = ("minipar.plan.search", "minipar.plan.search_module",
@@ -65,6 +65,7 @@ def _choose(challenge, job, monkeypatch):
 
 
 @pytest.mark.parametrize("job", JOBS, ids=[j[0] for j in JOBS])
+@observes('ch10.*.fits', 'ch10.*.near_best')
 def test_fits_and_is_near_the_best(challenge, job, monkeypatch):
     """The chosen layout fits, and its predicted step is within 10% of plan.search's best."""
     model, cluster, nodes, batch, seq = job

@@ -25,7 +25,7 @@ import torch
 
 import minipar
 from minipar.adapt.moves import Plan
-from minipar.course.grading import GradeFailure
+from minipar.course.grading import GradeFailure, observes
 
 CHALLENGE = "ch12_balanced_moves"
 HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
@@ -184,6 +184,7 @@ def check(p, old, new, sizes, name):
 
 
 @pytest.mark.parametrize("name", list(CASES) + list(LAYOUT_CASES))
+@observes('ch12.*.valid', 'ch12.*.bytes', 'ch12.*.largest_send')
 def test_balanced_plan_meets_the_goals(challenge, name):
     """Every element one holder, the fewest bytes, the largest send the least any plan can have."""
     old, new, sizes = case(name)

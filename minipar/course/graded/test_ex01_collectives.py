@@ -18,7 +18,7 @@ import torch.distributed as dist
 import minipar
 from minipar import comm
 from minipar import cost
-from minipar.course.grading import diagnose, expect, expect_close, expect_contributions, expect_equal
+from minipar.course.grading import diagnose, expect, expect_close, expect_contributions, expect_equal, observes
 
 EXERCISE = "ex01_collectives"
 HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
@@ -118,18 +118,21 @@ def _assert_cases(results, op="sum"):
                          where=f"rank {rank}, shape {tuple(want.shape)}{uneven}", rtol=1e-5, atol=1e-5)
 
 
+@observes('ex01.*.reduce_scatter', 'ex01.*.all_gather')
 def test_sum_two_ranks(impl):
     """Sums over 2 ranks for several sizes."""
     _assert_cases(minipar.launch(_all_reduce_cases, 2, args=([(8,), (1000,)], "sum"),
                                  timeout=TIMEOUT))
 
 
+@observes('ex01.*.any_size', 'ex01.*.reduce_scatter', 'ex01.*.all_gather')
 def test_sum_uneven_sizes(impl):
     """Sums over 3 ranks when the size is not divisible by 3 (and smaller than 3)."""
     _assert_cases(minipar.launch(_all_reduce_cases, 3,
                                  args=([(10,), (2,), (7, 5)], "sum"), timeout=TIMEOUT))
 
 
+@observes('ex01.*.avg')
 def test_average_four_ranks(impl):
     """op="avg" divides the sum by the number of ranks (4 here)."""
     results = minipar.launch(_all_reduce_cases, 4, args=([(64,), (3, 9)], "avg"), timeout=TIMEOUT)
@@ -141,6 +144,7 @@ def test_average_four_ranks(impl):
                              where=f"rank {rank}, shape {tuple(want.shape)}", rtol=1e-5, atol=1e-5)
 
 
+@observes('ex01.*.in_place')
 def test_in_place_and_returned(impl):
     """The input tensor itself holds the result (shape kept) and is returned."""
     for rank, (_, cases) in enumerate(minipar.launch(_all_reduce_cases, 2, args=([(4, 6)], "sum"),
@@ -161,6 +165,7 @@ def _bytes_run(numel):
     return sum(e["bytes_sent"] for e in trace.events()), x[0].item()
 
 
+@observes('ex01.*.bytes')
 def test_bytes_match_cost_model(impl):
     """Each rank sends exactly 2(n-1)/n of the tensor's bytes (4 ranks, 4096 floats)."""
     n, numel = 4, 4096
@@ -224,6 +229,7 @@ def _pieces():
     return out
 
 
+@observes('ex01.*.avg', 'ex01.*.group', 'ex01.*.input_kept', 'ex01.*.uneven_chunks', 'ex01.*.size_error', 'ex01.*.src', 'ex01.*.algorithm_error')
 def test_pieces_on_any_group(impl):
     """ring_reduce_scatter, an uneven ring_all_gather and both broadcasts on 4 ranks; the all-reduce and broadcasts on a group of 3 of them."""
     for rank, out in enumerate(minipar.launch(_pieces, 4, timeout=TIMEOUT)):

@@ -32,7 +32,7 @@ from minipar import data, reference
 from minipar.runtime import trace
 from minipar.data_parallel import (DistributedDataParallel, allreduce_gradients, assign_buckets,
                                    shard_batch, trainable)
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, observes
 from minipar.models import GPT, MLP, GPTConfig
 
 EXERCISE = "ex02_data_parallel"
@@ -154,12 +154,14 @@ def _check_average(results, n):
                                          f"(gradient traffic equals cost.ddp_bytes_per_step: 2(n-1)/n · Ψ · 4 with Ψ = {psi})")
 
 
+@observes('ex02.*.average', 'ex02.*.frozen', 'ex02.*.bytes', 'ex02.*.recorded')
 def test_allreduce_gradients_averages(impl):
     """allreduce_gradients leaves the average of the ranks' gradients in every p.grad (4 ranks)."""
     _check_average(minipar.launch(_average_once, 4, args=(False,),
                                   timeout=TIMEOUT), 4)
 
 
+@observes('ex02.A.all_reduce_fn', 'ex02.*.average')
 def test_allreduce_gradients_with_your_all_reduce(impl):
     """With all_reduce_fn (here the ring all-reduce, which sums) the result is still the average."""
     _check_average(minipar.launch(_average_once, 2, args=(True,),
@@ -246,6 +248,7 @@ def _participation():
     return out
 
 
+@observes('ex02.*.zeros', 'ex02.*.same_order', 'ex02.*.dtype', 'ex02.*.group', 'ex02.C.reset')
 def test_gradient_less_parameter_dtype_group_two_steps(impl):
     """On a group of 2 of 3 ranks, two steps: a float64 parameter without a gradient on one rank takes part as zeros, dtypes kept, divided by the group's size."""
     results = minipar.launch(_participation, 3, timeout=TIMEOUT)[1:]
@@ -279,6 +282,7 @@ def test_gradient_less_parameter_dtype_group_two_steps(impl):
                                  rtol=1e-5, atol=1e-7)
 
 
+@observes('ex02.A.training')
 def test_naive_training_matches_single_process(impl):
     """Training the small GPT on 4 ranks with your averaging matches one process on the whole batch."""
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32)
@@ -290,6 +294,7 @@ def test_naive_training_matches_single_process(impl):
 
 
 # ----------------------------------------------------------------------------- B: buckets
+@observes('ex02.B.ready_order', 'ex02.B.cap', 'ex02.B.one_dtype', 'ex02.B.negative_cap')
 def test_assign_buckets(impl):
     """Buckets are filled last parameter first, never past the cap unless one parameter is bigger, one dtype each."""
     params = [torch.nn.Parameter(torch.zeros(k)) for k in (10, 300, 20, 20, 5, 1000, 7)]
@@ -371,16 +376,19 @@ def _run_reducer(n, kw, accumulation=1, probe=False, cfg=CFG):
     return results
 
 
+@observes('ex02.*.average', 'ex02.C.reset')
 def test_reducer_overlapped_matches_single_process(impl):
     """DDP with your overlapping Reducer (2 ranks, small buckets) matches one process; bytes 2(n-1)/n·Ψ·4."""
     _run_reducer(2, dict(bucket_cap_mb=0.02, overlap=True))
 
 
+@observes('ex02.*.bytes', 'ex02.C.no_sync')
 def test_reducer_accumulation_and_no_overlap(impl):
     """4 ranks, gradient accumulation over 2 micro-batches (no_sync), overlap=False: still equal."""
     _run_reducer(4, dict(bucket_cap_mb=0.02, overlap=False), accumulation=2)
 
 
+@observes('ex02.C.overlap')
 def test_reducer_overlaps_with_backward(impl):
     """With overlap=True the first buckets' all-reduces start before backward computes the last gradient."""
     cfg = GPTConfig(vocab_size=32, block_size=32, n_layer=4, n_head=2, n_embd=64)
@@ -395,3 +403,65 @@ def test_reducer_overlaps_with_backward(impl):
                                              "ran (with overlap, a bucket's all-reduce starts during the backward): "
                                              f"expected at least {per_step - 1} of {per_step}, got {early[s]}; "
                                              f"per step: {early}")
+
+
+def _two_groups():
+    """4 ranks in two data-parallel groups of 2 ([0, 1] and [2, 3], the group named "dp"), real
+    collectives, 2 steps per version: each rank's own gradient, the .grad after the call, and
+    the group labels of the recorded gradient all-reduces."""
+    import copy
+    r = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]     # every rank creates both
+    sub = groups[r // 2]
+    minipar.comm.name_group(sub, "dp")
+    out = {}
+    for version, cap, overlap in SUBGROUP_VERSIONS:
+        model, steps = MLP(seed=0), []
+        ddp = None if cap is None else DistributedDataParallel(model, group=sub, bucket_cap_mb=cap, overlap=overlap)
+        for step in range(2):
+            x, y = data.regression_batches(1, 4, seed=100 * step + r)[0]     # different data on each rank
+            local = copy.deepcopy(model)
+            local(x, y).backward()
+            for p in model.parameters():
+                p.grad = None
+            since = len(trace.events())
+            (ddp or model)(x, y).backward()
+            if ddp is None:
+                allreduce_gradients(model.parameters(), sub)
+            steps.append({"local": {k: p.grad.clone() for k, p in local.named_parameters()},
+                          "got": {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()},
+                          "dims": sorted({str(e["labels"].get("dim")) for e in _grad_events(since)})})
+        if ddp is not None:
+            ddp.remove_hooks()
+        out[version] = steps
+    return out
+
+
+SUBGROUP_VERSIONS = (("A: allreduce_gradients", None, False),
+                     ("C: Reducer, overlap=True", 0.005, True),
+                     ("C: Reducer, overlap=False", 0.005, False))
+
+
+@observes("ex02.*.group", "ex02.C.group", "ex02.*.recorded")
+def test_reducer_on_a_sub_group(impl):
+    """4 ranks in two groups of 2, each its own data, real all-reduces: every version averages over
+    its own group only, and every gradient all-reduce runs on that group, two steps."""
+    results = minipar.launch(_two_groups, 4, timeout=TIMEOUT)
+    for version, _, _ in SUBGROUP_VERSIONS:
+        for step in range(2):
+            for rank, res in enumerate(results):
+                got = res[version][step]
+                where = f"{version}, step {step}, rank {rank} (group {[rank // 2 * 2, rank // 2 * 2 + 1]}, named 'dp')"
+                expect_equal(got["dims"], ["dp"], f"{where}: the group labels of the recorded gradient all-reduces "
+                             "(any group: every collective runs on ``group``; the world's label is 'world'; "
+                             "none recorded: [])")
+                mates = [results[q][version][step]["local"] for q in (rank // 2 * 2, rank // 2 * 2 + 1)]
+                world = [results[q][version][step]["local"] for q in range(4)]
+                for k in mates[0]:
+                    want = (mates[0][k] + mates[1][k]) / 2
+                    expect(got["got"][k] is not None, f"{where}: {k} has no .grad after the step")
+                    with diagnose(lambda f, k=k: torch.allclose(got["got"][k], sum(w[k] for w in world) / 4,
+                                                                rtol=1e-5, atol=1e-7),
+                                  "the gradient is the average over all 4 ranks, not over the group's 2"):
+                        expect_close(got["got"][k], want, "gradient (the average over this rank's group of 2, "
+                                     "any group)", where=f"{where}, {k}", rtol=1e-5, atol=1e-7)

@@ -33,7 +33,8 @@ from minipar import strategy
 from minipar.model_parallel import stage_comm
 from minipar.pipeline.executor import Pipeline
 from minipar.pipeline.schedules import Action, Schedule, add_comms, make_schedule
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
+from minipar.course.grading import (diagnose, expect, expect_close, expect_equal, expect_recorded,
+                                    expect_same_training, launched, observes)
 from minipar.models import GPT, LSTMLM, GPTConfig
 
 EXERCISE = "ex03_model_parallel"
@@ -119,7 +120,8 @@ def _group():
 
 def _boundary():
     """Rank 0 sends an fp32 and a bfloat16 activation; rank 1 receives them, runs the second of
-    two linear layers and sends the gradient back; each returns what it saw and its events."""
+    two linear layers and sends the gradient back, and a bfloat16 gradient; each returns what it
+    saw and its events."""
     g, r = _group(), dist.get_rank()
     torch.manual_seed(0)
     l1, l2 = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
@@ -135,14 +137,17 @@ def _boundary():
         if out["has_wait"]:
             h.wait()
         grad = stage_comm.recv_grad((6, 5), 1, g, tag=2)
+        half = stage_comm.recv_grad((2, 3), 1, g, dtype=torch.bfloat16, tag=4)
         y.backward(grad)
-        return out | {"weight_grad": l1.weight.grad, "events": trace.events()}
+        return out | {"weight_grad": l1.weight.grad, "events": trace.events(), "half_grad": half.float(),
+                      "half_grad_dtype": str(half.dtype)}
     h = stage_comm.recv_activation((6, 5), 0, g, tag=1)
     half = stage_comm.recv_activation((2, 3), 0, g, dtype=torch.bfloat16, tag=3)
     seen = {"values": h.detach().clone(), "leaf": h.is_leaf, "requires_grad": h.requires_grad,
             "half": half.detach().float(), "half_dtype": str(half.dtype)}
     l2(h).pow(2).sum().backward()
     stage_comm.send_grad(torch.zeros(6, 5) if h.grad is None else h.grad, 0, g, tag=2).wait()
+    stage_comm.send_grad(torch.arange(6.0).reshape(2, 3).to(torch.bfloat16), 0, g, tag=4).wait()
     return seen | {"weight_grad": l2.weight.grad, "events": trace.events()}
 
 
@@ -154,9 +159,10 @@ def _single_process():
     return y.detach(), l1.weight.grad, l2.weight.grad
 
 
+@observes('ex03.A.no_wait', 'ex03.A.leaf', 'ex03.A.dtype')
 def test_activation_values(impl):
-    """What arrives: the values sent, as a leaf requiring grad, in the dtype asked; a send
-    returns its Handle."""
+    """What arrives: the values sent, as a leaf requiring grad, in the dtype asked (activations
+    and gradients); a send returns its Handle."""
     sender, got = minipar.launch(_boundary, 2, timeout=TIMEOUT)
     y, _, _ = _single_process()
     expect(sender["has_wait"], "rank 0: send_activation returned an object without .wait(), "
@@ -168,8 +174,12 @@ def test_activation_values(impl):
     expect_equal(got["half_dtype"], "torch.bfloat16",
                  "rank 1: the dtype of recv_activation(..., dtype=torch.bfloat16) (in the ``dtype`` asked)")
     expect_close(got["half"], torch.arange(6.0).reshape(2, 3), "the received bfloat16 activation", where="rank 1")
+    expect_equal(sender["half_grad_dtype"], "torch.bfloat16",
+                 "rank 0: the dtype of recv_grad(..., dtype=torch.bfloat16) (in the ``dtype`` asked)")
+    expect_close(sender["half_grad"], torch.arange(6.0).reshape(2, 3), "the received bfloat16 gradient", where="rank 0")
 
 
+@observes('ex03.A.input_grad')
 def test_gradient_flows_back(impl):
     """A two-rank split computes the same weight gradients as one process."""
     r0, r1 = minipar.launch(_boundary, 2, timeout=TIMEOUT)
@@ -180,19 +190,25 @@ def test_gradient_flows_back(impl):
                      "sent (the gradient sent back is ∂L/∂(the stage's input))", where="rank 0")
 
 
+@observes('ex03.*.recorded', 'ex03.A.group')
 def test_transfers_are_recorded(impl):
     """Each transfer goes through minipar.comm on the group: 120 bytes of fp32 each way, and the
-    12 bytes of the bfloat16 activation, all labelled with the group ("pp")."""
+    12 bytes of a bfloat16 tensor each way, all labelled with the group ("pp")."""
     r0, r1 = minipar.launch(_boundary, 2, timeout=TIMEOUT)
     ev0, ev1 = r0["events"], r1["events"]
     got = {"rank 0 sent": sum(e["bytes_sent"] for e in ev0), "rank 0 received": sum(e["bytes_recv"] for e in ev0),
            "rank 1 sent": sum(e["bytes_sent"] for e in ev1), "rank 1 received": sum(e["bytes_recv"] for e in ev1)}
-    expect_equal(got, {"rank 0 sent": 132, "rank 0 received": 120, "rank 1 sent": 120, "rank 1 received": 132},
-                 "bytes in the trace (a 6x5 fp32 activation and a 2x3 bfloat16 one forward, a 6x5 fp32 "
-                 "gradient back; every transfer goes through ``minipar.comm``)")
+    with diagnose(min(got.values()) == 0, "nothing was recorded on a side: a transfer made with "
+                  "torch.distributed directly is not recorded"):
+        expect_equal(got, dict.fromkeys(got, 132),
+                     "bytes in the trace (a 6x5 fp32 activation and a 2x3 bfloat16 one forward, a 6x5 fp32 "
+                     "gradient and a 2x3 bfloat16 one back; every transfer goes through ``minipar.comm``)")
     dims = sorted({str(e["labels"].get("dim")) for e in ev0 + ev1 if e["bytes_sent"] or e["bytes_recv"]})
     expect_equal(dims, ["pp"], "the group label of the recorded transfers, the group passed being named "
                                "'pp' (over ``group``, with ``src``/``dst`` its ranks)")
+
+
+BOUNDARY_BYTES = {"lstm": 8 * 16 * 64 * 4, "gpt": 8 * 8 * 16 * 4}   # one (batch, time, width) fp32 tensor
 
 
 def _model_parallel():
@@ -202,17 +218,29 @@ def _model_parallel():
     return mpar.train(GPT(CFG, seed=0), data.batches(TOKENS, 3, 8, 8), reference.sgd(0.5))
 
 
+@observes('ex03.A.input_grad', 'ex03.A.stages', 'ex03.A.training', 'ex03.*.recorded')
 def test_drives_model_parallel(impl):
-    """Your step trains the LSTM split over 2 ranks and the GPT over 3 (a middle rank) like one process."""
-    two = minipar.launch(_model_parallel, 2, timeout=TIMEOUT)
+    """Your step trains the LSTM split over 2 ranks and the GPT over 3 (a middle rank) like one
+    process, and each rank's sends of the last step are recorded."""
+    lstm = "the LSTM split over 2 ranks (training equals one process)"
+    with launched(lstm):
+        two = minipar.launch(_model_parallel, 2, timeout=TIMEOUT)
     want = reference.train_reference(LSTMLM(vocab_size=32, seed=0), data.batches(TOKENS, 3, 8, 16),
                                      reference.adamw(1e-2))
-    expect_same_training(strategy.TrainResult.merge(two), want,
-                         "the LSTM split over 2 ranks (training equals one process)", rtol=1e-5, atol=1e-6)
-    three = minipar.launch(_model_parallel, 3, timeout=TIMEOUT)
+    expect_same_training(strategy.TrainResult.merge(two), want, lstm, rtol=1e-5, atol=1e-6)
+    gpt = "the GPT split over 3 ranks, rank 1 in the middle (any number of stages, one per rank)"
+    with launched(gpt):
+        three = minipar.launch(_model_parallel, 3, timeout=TIMEOUT)
     want = reference.train_reference(GPT(CFG, seed=0), data.batches(TOKENS, 3, 8, 8), reference.sgd(0.5))
-    expect_same_training(strategy.TrainResult.merge(three), want, "the GPT split over 3 ranks, rank 1 in the "
-                         "middle (any number of stages, one per rank)", rtol=1e-5, atol=1e-6)
+    expect_same_training(strategy.TrainResult.merge(three), want, gpt, rtol=1e-5, atol=1e-6)
+    for name, results, message in ((lstm.split(" (")[0], two, BOUNDARY_BYTES["lstm"]),
+                                   (gpt.split(" (")[0], three, BOUNDARY_BYTES["gpt"])):
+        n = len(results)
+        for r, res in enumerate(results):
+            expect_recorded(res["measured"]["bytes_by_dim"].get("total", 0), message * ((r < n - 1) + (r > 0)),
+                            f"bytes sent in the last step, as recorded (its activation forward unless last, its "
+                            f"input's gradient back unless first, {message} bytes each; every send is waited on, "
+                            "and recorded, by the end of the step)", f"{name}, rank {r}")
 
 
 def crossed() -> Schedule:
@@ -232,12 +260,15 @@ def _pipelines(which):
                     schedule="1f1b", microbatches=4)
 
 
+@observes('ex03.B.matching', 'ex03.B.message_dtype')
 def test_messages_match_in_any_order(impl):
     """A float64 GPT on 2 ranks with a schedule whose rank 1 takes the micro-batches in the other
     order trains like one process: the float64 losses to 1e-12, the parameters to 1e-6."""
-    got = strategy.TrainResult.merge(minipar.launch(_pipelines, 2, args=("crossed",), timeout=TIMEOUT))
-    want = reference.train_reference(GPT(CFG, seed=0).double(), data.batches(TOKENS, 2, 4, 8), reference.sgd(0.5))
     where = "float64 GPT, rank 0 sends micro-batches 0, 1 and rank 1 takes 1, 0"
+    with launched(f"{where} (every message travels in the dtype of the stages' parameters; a receive gets the "
+                  "message of its own kind, micro-batch and sending stage)"):
+        got = strategy.TrainResult.merge(minipar.launch(_pipelines, 2, args=("crossed",), timeout=TIMEOUT))
+    want = reference.train_reference(GPT(CFG, seed=0).double(), data.batches(TOKENS, 2, 4, 8), reference.sgd(0.5))
     expect_same_training(got, want, f"{where} (a receive gets the message of its own kind, micro-batch and "
                          "sending stage), parameters compared as the fp32 copies the run returns",
                          rtol=1e-6, atol=1e-7)
@@ -247,6 +278,7 @@ def test_messages_match_in_any_order(impl):
                      where=f"{where}, step {step}", rtol=1e-12, atol=1e-12)
 
 
+@observes('ex03.B.waited', 'ex03.*.recorded')
 def test_sends_complete_each_step(impl):
     """1F1B on 2 ranks, 4 micro-batches, 2 steps: like one process, and each step's recorded bytes
     are its 4 messages of 2x8x16 fp32 per rank, on the group ("pp")."""
@@ -321,6 +353,7 @@ def _step_want(m, skip=()):
     return loss, [[q.grad.clone() for q in net[:2].parameters()], [q.grad.clone() for q in net[2:].parameters()]]
 
 
+@observes('ex03.C.mean_loss', 'ex03.C.backward', 'ex03.C.stash', 'ex03.C.split_backward', 'ex03.C.compute_dtype')
 def test_compute_actions(impl):
     """One step of a two-stage network on 2 ranks: under 1F1B and ZB-H1 (4 micro-batches) the loss
     and both stages' gradients are one process's on the batch's mean loss; with micro-batch 1's W
@@ -352,7 +385,8 @@ def test_compute_actions(impl):
         expect_equal(got[STEP_CASES[3][0]]["dtypes"], ["torch.bfloat16"], f"{where}: the dtype of the stage's "
                      "output (the forward computes in ``compute_dtype``)")
     for name, spec, dtype in STEP_CASES[:2]:
-        want = pp.peak_stash(_schedule(spec))
-        expect_equal([r[name]["peak_stash"] for r in results], want, f"{name}: peak_stash after the step, the "
-                     "schedule's (what a micro-batch's backward needs is stashed from its F until its B, and no "
-                     "longer)", keys="rank")
+        schedule = _schedule(spec)
+        until = "its W (the backward is split)" if schedule.split_backward else "its B"
+        expect_equal([r[name]["peak_stash"] for r in results], pp.peak_stash(schedule), f"{name}: peak_stash after "
+                     f"the step, the schedule's (what a micro-batch's backward needs is stashed from its F until "
+                     f"{until}, and no longer)", keys="rank")

@@ -30,7 +30,7 @@ import minipar
 from minipar import cost
 from minipar import data, reference, strategy
 from minipar import pipeline as pp
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, expect_schedule
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, expect_schedule, observes
 from minipar.pipeline.schedules import Action
 from minipar.models import GPT, GPTConfig
 
@@ -101,6 +101,7 @@ def _best(costs, p):
     return best
 
 
+@observes('ex04.A.contiguous')
 def test_partition_is_valid(impl):
     """partition returns p+1 increasing boundaries from 0 to L (no empty stage)."""
     for costs, p in [([1, 1, 1, 1], 2), ([5], 1), ([3, 1, 4, 1, 5], 5), ([1, 2, 3], 1)]:
@@ -114,6 +115,7 @@ def test_partition_is_valid(impl):
                           "(p contiguous, non-empty stages)")
 
 
+@observes('ex04.A.balanced')
 def test_partition_is_balanced(impl):
     """The costliest stage is as cheap as possible (checked against brute force)."""
     rng = random.Random(1)
@@ -128,6 +130,7 @@ def test_partition_is_balanced(impl):
                      "split's being the expected (the most expensive stage is as cheap as possible)")
 
 
+@observes('ex04.A.stage_count')
 def test_partition_rejects_too_many_stages(impl):
     """More stages than layers is a ValueError."""
     try:
@@ -138,6 +141,7 @@ def test_partition_rejects_too_many_stages(impl):
                   "unless 1 <= p <= L)")
 
 
+@observes('ex04.B.valid')
 def test_one_f_one_b_order(impl):
     """The 1F1B order on the first and last of 4 ranks, 6 micro-batches."""
     fmt = lambda acts: [f"{a.op}{a.microbatch}" for a in acts]  # noqa: E731
@@ -150,6 +154,7 @@ def test_one_f_one_b_order(impl):
     expect_equal(stages, [2] * len(stages), "the stage of each action one_f_one_b(4, 5, rank=2) returns", keys="action")
 
 
+@observes('ex04.B.valid', 'ex04.B.bubble', 'ex04.B.memory')
 def test_one_f_one_b_is_a_valid_schedule(impl):
     """For p = 1..5 and m = 1..9: no deadlock, F before B, 1F1B's bubble and memory."""
     for p in range(1, 6):
@@ -196,6 +201,7 @@ def _train(p, m):
                     schedule="1f1b", microbatches=m, bounds=bounds)
 
 
+@observes('ex04.B.memory', 'ex04.C.peak')
 def test_trains_the_gpt(impl):
     """Your partition and 1F1B train the GPT on 4 ranks like one process (1e-5)."""
     results = minipar.launch(_train, 4, args=(4, 4), timeout=TIMEOUT)
@@ -224,6 +230,7 @@ def _add_comms(order, p, n_stages):
     return out
 
 
+@observes('ex04.C.comms', 'ex04.C.peer')
 def test_add_comms(impl):
     """add_comms on GPipe (3 ranks), ZB-H1 (3 ranks, with W) and interleaved 1F1B (2 ranks, 2 virtual
     stages each): every rank's actions, sends and receives in place, peers the ranks of the stages."""
@@ -267,6 +274,7 @@ def _step_case():
     return {"trained": trained, "returned": returned, "refused": refused}
 
 
+@observes('ex04.C.peer', 'ex04.C.divides', 'ex04.C.loss', 'ex04.C.reset')
 def test_pipeline_step(impl):
     """On 2 ranks: your step and add_comms train the GPT interleaved (2 virtual stages per rank, 3
     steps) like one process; a GPipe step returns the mean loss on rank 1 only; a batch of 7 for

@@ -26,7 +26,7 @@ import minipar
 from minipar import cost
 from minipar.runtime import trace
 from minipar import tensor_parallel as tp
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, attempt
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_recorded, attempt, observes
 
 EXERCISE = "ex05_tensor_parallel"
 HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
@@ -145,6 +145,7 @@ def _g_case():
     return {"z": z.detach(), "x": before, "x_after": x.detach(), "grad": x.grad, "w": w, "bytes": sent}
 
 
+@observes('ex05.A.f', 'ex05.A.one_all_reduce')
 def test_f_identity_forward_all_reduce_backward(impl):
     """f returns x unchanged and sums the ranks' gradients in backward (2 ranks)."""
     results = minipar.launch(_f_case, 2, timeout=TIMEOUT)
@@ -158,6 +159,7 @@ def test_f_identity_forward_all_reduce_backward(impl):
                      f"rank {rank}: bytes sent in f's backward (one all-reduce of 12 floats)")
 
 
+@observes('ex05.A.g', 'ex05.A.one_all_reduce', 'ex05.A.no_in_place')
 def test_g_all_reduce_forward_identity_backward(impl):
     """g sums the ranks' inputs in forward, leaves its input alone, and passes the gradient unchanged."""
     results = minipar.launch(_g_case, 2, timeout=TIMEOUT)
@@ -200,6 +202,7 @@ def _full_linear(x, w, b, up):
     return y.detach(), x.grad, w.grad, b.grad
 
 
+@observes('ex05.*.group', 'ex05.B.column')
 def test_column_parallel_linear(impl):
     """Each rank computes its output features (or all of them, gathered); the input gradient is whole."""
     t = 2
@@ -225,6 +228,7 @@ def _row():
     return y.detach(), x.grad, wr.grad, b.grad
 
 
+@observes('ex05.B.row')
 def test_row_parallel_linear(impl):
     """The partial products sum to the full output, with the bias added once (4 ranks)."""
     t = 4
@@ -254,6 +258,7 @@ def _mlp():
     return y.detach(), x.grad, forward, backward
 
 
+@observes('ex05.B.mlp_comm')
 def test_mlp_needs_one_all_reduce_each_way(impl):
     """Column then row parallel MLP equals the full MLP, with one all-reduce forward and one backward."""
     t = 4
@@ -274,13 +279,17 @@ def test_mlp_needs_one_all_reduce_each_way(impl):
 N, V = 12, 256
 
 
-def _logits(scale):
-    return scale * _randn(N, V, seed=11), torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(12))
+def _logits(scale, skew=0.0):
+    """Logits of ``scale`` times a normal sample; ``skew`` added to the first half of the
+    vocabulary (rank 0's slice of 2), so that one rank's logits sit far above another's."""
+    full = scale * _randn(N, V, seed=11)
+    full[:, :V // 2] += skew
+    return full, torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(12))
 
 
-def _ce(scale):
+def _ce(scale, skew=0.0):
     r, t = dist.get_rank(), dist.get_world_size()
-    full, targets = _logits(scale)
+    full, targets = _logits(scale, skew)
     z = full.chunk(t, -1)[r].clone().view(3, 4, V // t).requires_grad_()
     n0 = len(trace.events())
     loss = tp.vocab_parallel_cross_entropy(z, targets.view(3, 4))
@@ -289,30 +298,37 @@ def _ce(scale):
     return loss.detach(), z.grad.reshape(N, V // t), (sent, _comm_bytes(n0))
 
 
-def _check_ce(scale, t=2):
-    full, targets = _logits(scale)
+def _check_ce(scale, t=2, skew=0.0, clause=""):
+    full, targets = _logits(scale, skew)
     full.requires_grad_()
     want = F.cross_entropy(full, targets)
     want.backward()
-    results = minipar.launch(_ce, t, args=(scale,), timeout=TIMEOUT)
+    results = minipar.launch(_ce, t, args=(scale, skew), timeout=TIMEOUT)
+    case = f"scale {scale:g}" + (f", rank 0's logits near {skew:g} and rank 1's near 0" if skew else "")
     for r, (loss, grad, sent) in enumerate(results):
         with diagnose(not bool(torch.isfinite(loss)), "the loss is not finite (inf or nan)"):
-            _close(loss, want.detach(), f"loss (F.cross_entropy on the full logits, scale {scale:g})", f"rank {r}")
+            _close(loss, want.detach(), f"loss (F.cross_entropy on the full logits, {case}){clause}", f"rank {r}")
         _close(grad, full.grad.chunk(t, -1)[r], "gradient of this rank's logits (rows: positions, columns: "
                "this rank's vocabulary)", f"rank {r}")
     return results
 
 
+@observes('ex05.C.loss')
 def test_vocab_parallel_cross_entropy(impl):
     """Loss and gradients equal F.cross_entropy on the full logits (2 ranks, targets on both halves)."""
     _check_ce(scale=1.0)
 
 
+@observes('ex05.C.large_logits')
 def test_vocab_parallel_cross_entropy_large_logits(impl):
-    """Still exact (and finite) when logits reach hundreds, where exp overflows without the max."""
-    _check_ce(scale=150.0)
+    """Still exact (and finite) when logits reach hundreds, where exp overflows without the max:
+    on every rank, and on one rank only (rank 0's near 300, rank 1's near 0)."""
+    clause = " (finite even when logits reach hundreds)"
+    _check_ce(scale=150.0, clause=clause)
+    _check_ce(scale=1.0, skew=300.0, clause=clause)
 
 
+@observes('ex05.C.forward_bytes', 'ex05.C.backward_silent')
 def test_vocab_parallel_cross_entropy_never_gathers_logits(impl):
     """In forward each rank sends far fewer bytes than gathering the logits would (N·V floats,
     4 ranks); in backward it sends nothing."""
@@ -345,7 +361,9 @@ def _block(rank):
 
 def _gather_split(group, gr):
     x = _block(dist.get_rank()).requires_grad_()
+    since = len(trace.events())
     out = {dim: tp.gather(x, dim, group).detach() for dim in (0, 1, -1)}
+    out["sent"] = _comm_bytes(since)
     up = _randn(3, 8, seed=7)
     (tp.gather(x, -1, group) * up).sum().backward()      # backward keeps this rank's block of the gradient
     out["gather grad"] = x.grad.clone()
@@ -363,6 +381,7 @@ def _gathers_and_splits():
     return attempt(_gather_split, group, gr)
 
 
+@observes('ex05.*.group', 'ex05.A.gather', 'ex05.A.split', 'ex05.A.divides', 'ex05.*.recorded')
 def test_gather_and_split(impl):
     """gather (gather_along forward, _split backward) and split on two groups of 2 out of 4
     ranks: every rank's (3, 4) block side by side along dims 0, 1 and -1, in group rank order;
@@ -376,6 +395,8 @@ def test_gather_and_split(impl):
         for dim in (0, 1, -1):
             _close(got[dim], torch.cat(blocks, dim), f"gather along dim {dim} (the group's blocks in rank order, "
                    f"rank {2 * gi}'s first)", where)
+        expect_recorded(got["sent"], 3 * 12 * 4, "bytes the three gathers sent, as recorded (each sends this "
+                        "rank's 12 fp32 elements to the other rank of its group)", where)
         _close(got["gather grad"], up.chunk(2, -1)[gr], "the gradient of gather's input (this rank's block of "
                "the upstream gradient)", where)
         for dim in (1, -1):
@@ -409,6 +430,7 @@ def _shards():
             for bias in (True, False)}
 
 
+@observes('ex05.*.group', 'ex05.B.from_linear', 'ex05.B.no_bias')
 def test_layers_shard_the_single_device_layer(impl):
     """ColumnParallelLinear.from_linear and RowParallelLinear.from_linear of a given
     nn.Linear(6, 4) (each group its own), with and without a bias, on two groups of 2 out of 4
@@ -447,6 +469,7 @@ def _ce_groups():
     return [attempt(_ce_case, group, gi, gr, dtype) for dtype in CE_DTYPES]
 
 
+@observes('ex05.*.group', 'ex05.C.loss', 'ex05.C.fp32')
 def test_vocab_parallel_cross_entropy_on_subgroups(impl):
     """The loss and gradient on two groups of 2 out of 4 ranks (each group its own logits), in
     fp32 and with bf16 logits: the loss within 1e-5 of F.cross_entropy on those bf16 values in

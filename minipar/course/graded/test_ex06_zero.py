@@ -28,7 +28,7 @@ import minipar
 from minipar import cost
 from minipar import data, reference, zero
 from minipar.runtime import trace
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, attempt
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, attempt, observes
 from minipar.models import GPT, GPTConfig
 from minipar.zero.flat import FlatStorage, FlatUnit
 from minipar.zero.stage3 import UnitSchedule
@@ -190,6 +190,7 @@ def _reduce(m):
     return mine.clone(), mine.data_ptr() == flat[r * k:].data_ptr(), sent, flat.numel()
 
 
+@observes('ex06.A.mean', 'ex06.A.view', 'ex06.A.bytes')
 def test_reduce_shard(impl):
     """reduce_shard leaves the mean over ranks of this rank's k elements in its own slice, and
     returns that slice; each rank sends (N-1)/N of the unit (4 ranks, 10 elements padded to 12)."""
@@ -230,6 +231,7 @@ def _reduce_units():
     return [attempt(_unit_grads, group, gr, dtype) for dtype, _ in UNIT_DTYPES]
 
 
+@observes('ex06.*.group', 'ex06.A.zeros', 'ex06.A.dtype', 'ex06.A.new_tensor', 'ex06.A.grad_none')
 def test_reduce_unit_grads(impl):
     """reduce_unit_grads on two groups of 2 out of 4 ranks: a unit of three parameters (9
     elements, padded to 10), group rank 1 without a gradient on the first: the mean (zeros
@@ -290,6 +292,7 @@ def _steps():
     return [attempt(_one_step, mixed) for mixed in (False, True)]
 
 
+@observes('ex06.B.full_step', 'ex06.B.own_slices', 'ex06.B.dtypes_kept')
 def test_sharded_step_is_a_full_step(impl):
     """After sharded_step every rank holds the full parameters of an Adam step on the mean
     gradient (4 ranks, unit sizes not divisible by 4), with optimizer state for its shard only;
@@ -369,6 +372,7 @@ def _opt_reference(gi, clip, optim, lr):
     return out
 
 
+@observes('ex06.*.group', 'ex06.B.own_slices', 'ex06.B.dtypes_kept', 'ex06.B.views', 'ex06.B.step', 'ex06.B.clip', 'ex06.B.no_fp32_copy', 'ex06.B.second_step')
 def test_zero_optimizer(impl):
     """ZeroOptimizer on two groups of 2 out of 4 ranks (units of 9 and 3 elements, one parameter
     without a gradient): Adam, SGD clipped to norm 0.5, and Adam under param_dtype=bfloat16, two
@@ -419,6 +423,7 @@ def _want():
     return reference.train_reference(GPT(GPTConfig(**CFG), seed=0), _batches(), reference.adamw(1e-2, 0.1))
 
 
+@observes('ex06.B.second_step', 'ex06.D.training')
 def test_stages_1_and_2_train_like_one_process(impl):
     """The library's ZeRO-1 and ZeRO-2 (both step with your sharded_step on your reduce_shard)
     train the GPT on 4 ranks like one process (AdamW, fp32), with optimizer state
@@ -461,6 +466,7 @@ def _gathers_and_frees():
     return [attempt(_gather_free, dtype) for dtype in GATHER_DTYPES]
 
 
+@observes('ex06.C.free', 'ex06.C.gather', 'ex06.C.async')
 def test_gather_and_free(impl):
     """free_unit empties the buffer's storage but keeps the tensor; gather_unit refills it with
     every rank's shard in rank order (views see the values), synchronously or with a Handle;
@@ -550,6 +556,7 @@ def _storage_want(gi, gr):
     return flat(m.parameters())[5 * gr:5 * gr + 5], [grads[0], grads[0] + grads[1]], list(m.parameters())
 
 
+@observes('ex06.*.group', 'ex06.C.fp32_shard', 'ex06.C.full_buffer', 'ex06.C.storage_handles', 'ex06.C.grad_accumulate', 'ex06.C.accumulates')
 def test_flat_storage(impl):
     """FlatStorage on two groups of 2 out of 4 ranks, one unit (nn.Linear(2, 3): 9 elements,
     padded to 10), in fp32 and in bf16: the fp32 shard, the freed N·k buffer the parameters are
@@ -591,6 +598,7 @@ def test_flat_storage(impl):
             expect_equal(got["freed"], 0, f"{where}: storage bytes of the full buffer after free(0)")
 
 
+@observes('ex06.D.training')
 def test_stage3_trains_like_one_process(impl):
     """The library's FullyShardedDataParallel with your gather_unit/free_unit, reduce_shard and schedule:
     2 ranks train the GPT like one process, hold only (4+4+8)·⌈Ψ_u/N⌉ bytes per unit after
@@ -712,6 +720,7 @@ def _cases():
         yield f"reshard_after_forward={reshard}, prefetch={prefetch}", reshard, prefetch, log, first, peak_bytes
 
 
+@observes('ex06.D.in_use', 'ex06.D.prefetch', 'ex06.D.no_prefetch')
 def test_schedule_gathers(impl):
     """Stage 3's schedule over a storage that records its calls (three units, two steps of two
     micro-batches, with and without reshard_after_forward and prefetch): in the first
@@ -746,6 +755,7 @@ def test_schedule_gathers(impl):
                              f"unit {i}'s {what} starts (without it, a unit is gathered only when it computes)")
 
 
+@observes('ex06.D.free_after_forward', 'ex06.D.free_after_backward', 'ex06.D.peak', 'ex06.D.peak_bytes', 'ex06.D.no_reshard')
 def test_schedule_frees(impl):
     """The same runs: with resharding a unit is freed after its forward and after its
     reduce-scatter (at most 2 units gathered with prefetch, 1 without); without, each unit is
@@ -781,6 +791,7 @@ def test_schedule_frees(impl):
                      "``peak_gathered_bytes`` counts)")
 
 
+@observes('ex06.D.reduce_order', 'ex06.D.no_reduce')
 def test_schedule_reduces(impl):
     """The same runs: with resharding, the first backward reduce-scatters units 2, 1, 0, each
     once and after both of its parameters' gradients; without, nothing before finish_step."""
@@ -802,6 +813,7 @@ def test_schedule_reduces(impl):
                          "reduce-scatters before finish_step (without, none is reduce-scattered before ``finish_step``)")
 
 
+@observes('ex06.D.repeats')
 def test_schedule_repeats(impl):
     """The same runs: every later micro-batch (with resharding) and the second step (without)
     log the same calls as the first."""
@@ -815,3 +827,74 @@ def test_schedule_repeats(impl):
             steps = _segments(log, "micro-batch 0")
             expect_equal(steps[1], steps[0], f"{case}: the second step, against the first (every later micro-batch "
                          "and step runs the schedule of the first)", keys="event")
+
+
+# ----------------------------------------------------------------------------- D: on the real storage
+class _Layer(torch.nn.Module):
+    """tanh(Linear(4, 4)); ``spare``: one more parameter the forward never uses (no gradient, ever)."""
+
+    def __init__(self, spare=False):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        if spare:
+            self.spare = torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+REAL_UNITS = 4          # the last unit (the first one backward reaches) holds the spare parameter
+
+
+def _real_schedule(prefetch):
+    """Two steps of FullyShardedDataParallel over four units on the world of 2 ranks (the
+    library's flat storage, your schedule): after each gather, how many units hold their full
+    parameters (gathered or in flight); when unit 0's backward starts, the units whose shard
+    holds a reduced gradient of this backward."""
+    torch.manual_seed(0)
+    layers = [_Layer(spare=i == REAL_UNITS - 1) for i in range(REAL_UNITS)]
+    net = torch.nn.Sequential(*layers)
+    fsdp = zero.shard_module(net, units=layers, prefetch=prefetch)
+    storage = fsdp.schedule.storage
+    held, reduced = [], []
+    gather = storage.gather
+
+    def counted(i, **labels):
+        h = gather(i, **labels)
+        held.append(sum(u.full.untyped_storage().nbytes() > 0 for u in storage.units))
+        return h
+    storage.gather = counted
+    layers[0].register_forward_hook(lambda m, a, out: out.register_hook(
+        lambda g: reduced.append([i for i, u in enumerate(storage.units) if u.shard.grad is not None])) and None)
+    for step in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        fsdp(x).pow(2).sum().backward()
+        fsdp.finish_step()
+        for u in storage.units:                    # as an optimizer's zero_grad(set_to_none=True)
+            u.shard.grad = None
+    return {"held": max(held), "reduced": reduced}
+
+
+def _real_schedules():
+    return {prefetch: attempt(_real_schedule, prefetch) for prefetch in (True, False)}
+
+
+@observes("ex06.D.peak", "ex06.D.reduce_order")
+def test_schedule_on_the_real_storage(impl):
+    """Your schedule over the library's flat storage (2 ranks, four units, the last one holding a
+    parameter that never gets a gradient), two steps: at most 2 units hold their parameters at
+    once with prefetch (1 without), and when unit 0's backward starts, units 3, 2 and 1 are
+    reduce-scattered."""
+    results = minipar.launch(_real_schedules, 2, timeout=TIMEOUT)
+    for rank, res in enumerate(results):
+        for prefetch, got in res.items():
+            where = f"rank {rank}, prefetch={prefetch}, unit {REAL_UNITS - 1} holding a parameter without a gradient"
+            expect(not isinstance(got, str), f"{where}: the step {got}")
+            limit = 2 if prefetch else 1
+            expect(got["held"] <= limit, f"{where}: {got['held']} units held their full parameters at once "
+                   f"(at most two units are gathered at once (one without prefetch)), counted on the storage "
+                   "after each gather")
+            expect_equal(got["reduced"], [[1, 2, 3]] * 2, f"{where}: the units whose shard holds its reduced "
+                         "gradient when unit 0's backward starts (with resharding, each backward reduce-scatters every "
+                         "unit's gradients once, after they are all in, in the reverse of this forward's order: "
+                         "units 3, 2 and 1 come before unit 0)", keys="step")

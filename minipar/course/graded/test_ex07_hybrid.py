@@ -22,7 +22,7 @@ import dataclasses
 
 import minipar
 from minipar import data, hybrid, mesh, reference
-from minipar.course.grading import diagnose, expect, expect_equal, expect_same_training
+from minipar.course.grading import diagnose, expect, expect_equal, expect_same_training, observes
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex07_hybrid"
@@ -110,6 +110,7 @@ def _want_coords(r, dp, pp, tp):
     return {"pp": r // (dp * tp), "dp": (r // tp) % dp, "tp": r % tp}
 
 
+@observes('ex07.A.tp_fastest')
 def test_coordinates(impl):
     """mesh_coordinates follows rank = p·(dp·tp) + d·tp + t on several meshes."""
     for dp, pp, tp in SHAPES:
@@ -118,6 +119,7 @@ def test_coordinates(impl):
                      f"mesh_coordinates on dp = {dp}, pp = {pp}, tp = {tp}", keys="rank")
 
 
+@observes('ex07.A.off_grid')
 def test_coordinates_off_the_grid(impl):
     """A rank outside 0 .. dp·pp·tp - 1 is a ValueError."""
     expect_equal(mesh.mesh_coordinates(0, 1, 1, 1), {"pp": 0, "dp": 0, "tp": 0}, "mesh_coordinates(0, 1, 1, 1)")
@@ -130,6 +132,7 @@ def test_coordinates_off_the_grid(impl):
                       "8-rank grid: a ValueError")
 
 
+@observes('ex07.B.unknown_dim')
 def test_group_members_example(impl):
     """Rank 5 of dp = pp = tp = 2: tp [4, 5], dp [5, 7], pp [1, 5]."""
     got = {dim: mesh.group_members(5, dim, 2, 2, 2) for dim in ("tp", "dp", "pp")}
@@ -156,6 +159,7 @@ def _check_groups(dp, pp, tp):
                                       f"(rank {r} = p {c['pp']}, d {c['dp']}, t {c['tp']})", keys="member")
 
 
+@observes('ex07.B.member_order')
 def test_group_members_every_mesh(impl):
     """Every group holds the ranks that differ only along dim, ordered by that coordinate."""
     for shape in SHAPES:
@@ -174,6 +178,7 @@ CHOICES = [  # (kwargs, expected)
 ]
 
 
+@observes('ex07.C.fits', 'ex07.C.tp_in_node')
 def test_choose_config(impl):
     """The smallest tp·pp that fits and splits the batch; tp inside a node; then fewest stages."""
     for kw, want in CHOICES:
@@ -182,6 +187,7 @@ def test_choose_config(impl):
                                                   for k, v in kw.items()) + ")", keys="dim")
 
 
+@observes('ex07.C.nothing_left')
 def test_choose_config_respects_the_model(impl):
     """3 heads cannot be split over 2 or 4 ranks: the model goes to pipeline stages instead;
     a memory budget nothing fits is a ValueError."""
@@ -226,6 +232,7 @@ def _mesh_name(m):
     return "ProcessMesh(" + ", ".join(f"{k}={v}" for k, v in m.items()) + ")"
 
 
+@observes('ex07.D.cp_order', 'ex07.D.inverse')
 def test_mesh_coordinates_with_cp(impl):
     """coordinates follows rank = ((p·dp + d)·cp + c)·tp + t, and rank_of is its inverse."""
     for m in MESHES:
@@ -237,6 +244,7 @@ def test_mesh_coordinates_with_cp(impl):
                      keys="rank")
 
 
+@observes('ex07.D.dc_order', 'ex07.D.partition', 'ex07.D.any_rank', 'ex07.D.unknown_dim_members')
 def test_mesh_members_every_dim(impl):
     """members along every dim of GROUP_DIMS on meshes with cp and ep, at every rank; all_groups
     lists each group once and partitions the ranks; an unknown dim is a ValueError."""
@@ -277,6 +285,7 @@ def _reduce_over_groups():
     return out
 
 
+@observes('ex07.D.any_rank', 'ex07.E.group_order', 'ex07.E.reaches', 'ex07.E.dp_cp', 'ex07.E.expert_dp')
 def test_mesh_build_reaches_the_members(impl):
     """8 ranks build ProcessMesh(dp=2, pp=2, cp=2, tp=1, ep=2) with your code; an all-reduce over
     each rank's group along every dim reaches exactly members(rank, dim); so do the dp_cp and
@@ -295,6 +304,7 @@ def test_mesh_build_reaches_the_members(impl):
                      keys="rank")
 
 
+@observes('ex07.E.dp_cp', 'ex07.E.expert_dp')
 def test_3d_training_on_your_mesh(impl):
     """8 ranks, dp = pp = tp = 2 on your mesh: the same losses and weights as one process
     (fp32, rtol 1e-5, atol 1e-6)."""

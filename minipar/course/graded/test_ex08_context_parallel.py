@@ -25,9 +25,11 @@ import pytest
 import torch
 
 import minipar
-from minipar import comm, data, reference
+from minipar import comm, cost, data, reference
 from minipar import context_parallel as cpm
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training
+from minipar.course.grading import (diagnose, expect, expect_close, expect_equal, expect_recorded,
+                                    expect_same_training, observes)
+from minipar.runtime import trace
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex08_context_parallel"
@@ -119,6 +121,7 @@ def _qkv(T=16, seed=0):
     return [torch.randn(2, 2, T, 4, generator=g) for _ in range(4)]
 
 
+@observes('ex08.A.unequal')
 def test_merge_two_blocks(impl):
     """merge_partials of attention on keys 0..9 and 10..15 equals attention on all 16 keys."""
     q, k, v, _ = _qkv()
@@ -132,6 +135,7 @@ def test_merge_two_blocks(impl):
                  where="keys 0..9 merged with 10..15", rtol=1e-5, atol=1e-5)
 
 
+@observes('ex08.A.any_order')
 def test_merge_many_blocks_any_order(impl):
     """Merging four blocks one at a time, in either order, gives attention on all of them."""
     q, k, v, _ = _qkv()
@@ -145,6 +149,7 @@ def test_merge_many_blocks_any_order(impl):
         expect_close(acc[0], o, "o of four blocks of 4 keys merged one at a time", where=name, rtol=1e-5, atol=1e-5)
 
 
+@observes('ex08.A.stable')
 def test_merge_is_stable_for_large_scores(impl):
     """Log-sum-exps near 1000 (exp would overflow) still merge to finite, correct values."""
     o_a, o_b = torch.ones(3, 2), torch.full((3, 2), 3.0)
@@ -158,6 +163,7 @@ def test_merge_is_stable_for_large_scores(impl):
         expect_close(o[:, 0], w * 1 + (1 - w) * 3, "merged o (o_a = 1, o_b = 3), per query", where="large scores")
 
 
+@observes('ex08.B.once')
 def test_zigzag_chunks(impl):
     """Rank r holds chunks r and 2·cp-1-r; together the ranks hold each of the 2·cp chunks once."""
     expect_equal(tuple(cpm.zigzag_chunks(0, 1)), (0, 1), "rank 0's chunks for cp = 1 (zigzag_chunks(0, 1))",
@@ -171,6 +177,7 @@ def test_zigzag_chunks(impl):
         expect_equal(got, {r: (r, 2 * cp - 1 - r) for r in range(cp)}, f"zigzag chunks, cp = {cp}", keys="rank")
 
 
+@observes('ex08.B.off_group')
 def test_zigzag_rank_off_the_group(impl):
     """A rank outside 0 .. cp-1 is a ValueError."""
     for bad in (4, -1):
@@ -181,6 +188,7 @@ def test_zigzag_rank_off_the_group(impl):
         expect(False, f"zigzag_chunks({bad}, cp=4) returned {got}; rank {bad} is off the group: a ValueError")
 
 
+@observes('ex08.B.balanced')
 def test_zigzag_shards_balance_the_causal_work(impl):
     """With your chunks, shard_sequence and unshard_sequence round-trip and every rank's tokens
     have the same total position (the causal work each rank's queries do)."""
@@ -195,18 +203,46 @@ def test_zigzag_shards_balance_the_causal_work(impl):
                  "the sum of the positions each rank holds (its causal work)", keys="rank")
 
 
+def _sent(since):
+    """(bytes sent, messages sent) in the communication recorded since event ``since``."""
+    evs = [e for e in trace.events()[since:] if e["kind"] == "comm" and e["bytes_sent"]]
+    return sum(e["bytes_sent"] for e in evs), len(evs)
+
+
 def _ring(layout):
     c, r = comm.group_size(), comm.group_rank()
     q, k, v, w = _qkv(T=16)
     ql, kl, vl = (cpm.shard_sequence(t, r, c, layout, dim=2).requires_grad_() for t in (q, k, v))
+    since = len(trace.events())
     o, lse = cpm.ring_attention(ql, kl, vl, None, True, layout)
+    forward, since = _sent(since), len(trace.events())
     (o * cpm.shard_sequence(w, r, c, layout, dim=2)).sum().backward()
-    return [o.detach(), lse, ql.grad, kl.grad, vl.grad]
+    return [o.detach(), lse, ql.grad, kl.grad, vl.grad, {"forward": forward, "backward": _sent(since)}]
+
+
+def _check_ring_traffic(results, cp, shape):
+    """Each rank's recorded bytes and messages in the forward and the backward: the ring's
+    (cost.cp_comm_bytes): its K/V block c - 1 times forward; backward the K/V block c - 1 times
+    and the dK/dV accumulators c times."""
+    b, heads, T, d = shape
+    want = cost.cp_comm_bytes("ring", b, T, heads * d, cp, 4)
+    messages = {"forward": cp - 1, "backward": 2 * cp - 1}
+    said = {"forward": "the forward sends its K/V block to the next rank c - 1 times, one message each",
+            "backward": "the backward sends the K/V block on c - 1 times and the dK/dV accumulator c times"}
+    for r, res in enumerate(results):
+        for phase in ("forward", "backward"):
+            sent, count = res[5][phase]
+            where = f"cp = {cp}, rank {r}, the ring attention's {phase}"
+            expect_recorded(sent, int(want[phase]), f"bytes sent, as recorded (cost.cp_comm_bytes('ring', ...)"
+                            f"['{phase}']: {said[phase]})", where)
+            expect_equal(count, messages[phase], f"{where}: messages sent, as recorded ({said[phase]})")
 
 
 @pytest.mark.parametrize("cp", [2, 4])
+@observes('ex08.C.forward', 'ex08.D.backward', 'ex08.C.bytes', 'ex08.D.bytes', 'ex08.*.recorded')
 def test_ring_attention_with_your_code(impl, cp):
-    """The library's ring attention (zigzag, causal) equals full attention: O, lse, dQ, dK, dV."""
+    """The library's ring attention (zigzag, causal) equals full attention: O, lse, dQ, dK, dV;
+    each rank sends the ring's bytes and messages (cost.cp_comm_bytes), forward and backward."""
     q, k, v, w = (t.clone() for t in _qkv(T=16))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     o, lse = cpm.masked_attention(q, k, v, causal=True)
@@ -222,6 +258,7 @@ def test_ring_attention_with_your_code(impl, cp):
             expect_close(res[i], mine, f"{name}, index (batch, head, position within the rank's shard, ...)",
                          where=f"cp = {cp}, rank {r} (sequence chunks {c0} and {c1} of {2 * cp}, "
                                f"{T // (2 * cp)} positions each)", rtol=1e-5, atol=1e-5)
+    _check_ring_traffic(results, cp, tuple(q.shape))
 
 
 def _want_step(r, src, c, causal, layout):
@@ -234,6 +271,7 @@ def _want_step(r, src, c, causal, layout):
     return "kv_front" if src < r else "q_back"
 
 
+@observes('ex08.C.causal_skip')
 def test_ring_step_parts(impl):
     """ring_step on rings of 1 to 5 ranks: full without a mask; causal on the diagonal; contiguous
     skips later blocks; zigzag takes kv_front from earlier ranks and q_back from later ones."""
@@ -278,6 +316,7 @@ def _on_subgroups():
     return out
 
 
+@observes('ex08.C.forward', 'ex08.C.group', 'ex08.C.dtype', 'ex08.D.backward', 'ex08.D.second_step')
 def test_ring_attention_on_subgroups(impl):
     """4 ranks in two cp groups of 2 ([0, 1] and [2, 3], each its own sequence): float64 causal
     contiguous, float64 without a mask, float64 zigzag, bfloat16 zigzag, one after another. O, lse,
@@ -301,6 +340,7 @@ def test_ring_attention_on_subgroups(impl):
                                  "rank's shard, ...)", where=where, rtol=tol, atol=tol)
 
 
+@observes('ex08.D.second_step')
 def test_training_with_your_code(impl):
     """The GPT trained with ring attention on 2 ranks (zigzag) matches one process."""
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
@@ -320,6 +360,7 @@ def _documented_merge(o_a, lse_a, o_b, lse_b):
     return o, lse
 
 
+@observes('ex08.A.stable')
 def test_documented_merge_formula_passes(impl):
     """The merge formula the notebook documents, coded literally, meets this file's tolerance
     (rtol = atol = 1e-5) on the test cases above, log-sum-exps near 1000 included, and your

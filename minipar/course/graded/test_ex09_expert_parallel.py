@@ -25,7 +25,8 @@ import torch.distributed as dist
 import minipar
 from minipar.expert_parallel import (ExpertParallelMoE, all_to_all, count_tokens, exchange_counts, kept_counts,
                                      permutation, split_sizes)
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_recorded, observes
+from minipar.runtime import trace
 from minipar.models.moe import MoE
 
 EXERCISE = "ex09_expert_parallel"
@@ -119,6 +120,7 @@ PENDING = {
 TIMEOUT = 30
 
 
+@observes('ex09.A.zero_counts')
 def test_count_tokens(impl):
     """count_tokens: assignments per expert, zeros for experts nobody chose, int64."""
     e = torch.tensor([3, 0, 3, 1, 3])
@@ -131,6 +133,7 @@ def test_count_tokens(impl):
     expect_equal(str(got.dtype), "torch.int64", "the dtype of count_tokens' result")
 
 
+@observes('ex09.A.kept')
 def test_kept_counts(impl):
     """kept_counts: capacity by position, lower ranks first; None keeps everything."""
     M = torch.tensor([[3, 1, 0, 2], [2, 2, 1, 0], [1, 0, 4, 1]])
@@ -142,6 +145,7 @@ def test_kept_counts(impl):
                      "each rank keeps per expert (the first cap, rank 0's before rank 1's)", keys="(rank, expert)")
 
 
+@observes('ex09.B.send_recv', 'ex09.B.python_ints')
 def test_split_sizes(impl):
     """split_sizes: rows sent to and received from every rank, as Python ints; send and recv agree."""
     M = torch.arange(32).reshape(4, 8)
@@ -166,6 +170,7 @@ def test_split_sizes(impl):
                      f"split_sizes(counts = arange(32).reshape(4, 8), rank {r}, ep = 4): rows to and from each rank")
 
 
+@observes('ex09.B.stable', 'ex09.B.inverse')
 def test_permutation_is_stable_with_inverse(impl):
     """permutation: keys[perm] sorted, equal keys in their original order, x[perm][inverse] == x."""
     keys = torch.tensor([2, 0, 3, 2, 1, 0, 2])
@@ -205,24 +210,34 @@ def _rows(a, b, n, dtype):
     return torch.tensor([[16.0 * a + 4 * b + i, -1.0] for i in range(n)], dtype=dtype).reshape(n, 2)
 
 
+def _sent(since):
+    """Bytes sent in the communication recorded since event ``since``."""
+    return sum(e["bytes_sent"] for e in trace.events()[since:] if e["kind"] == "comm")
+
+
 def _exchanges():
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]          # every rank creates both
     rank, dev = dist.get_rank(), minipar.device()
     counts = torch.tensor([rank, 2 * rank, 0, 7 - rank, 1, 5], device=dev)
-    out = {"counts": [exchange_counts(counts, None).cpu(), exchange_counts(counts, groups[rank // 2]).cpu()]}
+    since = len(trace.events())
+    out = {"counts": [exchange_counts(counts, None).cpu(), exchange_counts(counts, groups[rank // 2]).cpu()],
+           "counts sent": _sent(since)}
     for case, (_, dtype, sub) in enumerate(EXCHANGES):
         group, n, r = (groups[rank // 2], 2, rank % 2) if sub else (None, 4, rank)
         send, recv = [_split(r, b, case) for b in range(n)], [_split(a, r, case) for a in range(n)]
         x = torch.cat([_rows(r, b, send[b], dtype) for b in range(n)]).to(dev).requires_grad_()
         try:                    # an error every rank raises alike is reported with its case
+            since = len(trace.events())
             y = all_to_all(x, recv, send, group, name="graded_a2a", dim="ep")
+            forward, since = _sent(since), len(trace.events())
             (y * (0.5 * y.detach() + r)).sum().backward()              # ∂/∂row = 0.5·row + its receiver
-            out[case] = (y.detach().cpu(), x.grad.cpu())
+            out[case] = (y.detach().cpu(), x.grad.cpu(), forward, _sent(since))
         except Exception as e:  # noqa: BLE001
             out[case] = f"{type(e).__name__}: {e}"
     return out
 
 
+@observes('ex09.*.recorded', 'ex09.A.count_matrix', 'ex09.C.rank_order', 'ex09.C.empty', 'ex09.C.dtype', 'ex09.C.grad_back', 'ex09.D.group')
 def test_exchanges_on_ranks(impl):
     """On 4 ranks: exchange_counts on the world and on two groups of 2; all_to_all with uneven (some
     empty) splits in float64, bfloat16 on the groups and float32, forward and backward."""
@@ -234,13 +249,15 @@ def test_exchanges_on_ranks(impl):
         g = rank // 2
         expect_equal(out["counts"][1].tolist(), counts[2 * g:2 * g + 2],
                      f"rank {rank}: exchange_counts on the group [{2 * g}, {2 * g + 1}]", keys="(group rank, expert)")
+        expect_recorded(out["counts sent"], (3 + 1) * 6 * 8, "bytes exchange_counts sent, as recorded (its 6 "
+                        "int64 counts to each other rank: 3 on the world, 1 in its group)", f"rank {rank}")
     for case, (name, dtype, sub) in enumerate(EXCHANGES):
         for rank, out in enumerate(res):
             n, r = (2, rank % 2) if sub else (4, rank)
             where = f"{name}: rank {rank}" + (f" (rank {r} of its group)" if sub else "")
             expect(not isinstance(out[case], str), f"{where}: all_to_all raised {out[case]} (sending "
                    f"{[_split(r, b, case) for b in range(n)]} rows, receiving {[_split(a, r, case) for a in range(n)]})")
-            y, grad = out[case]
+            y, grad, forward, backward = out[case]
             expect_equal(str(y.dtype), str(dtype), f"the dtype of all_to_all's output, {where}")
             want = torch.cat([_rows(a, r, _split(a, r, case), torch.float64) for a in range(n)])
             expect_close(y.double(), want, "all_to_all's output rows (16·source + 4·this rank + i, in rank "
@@ -251,6 +268,12 @@ def test_exchanges_on_ranks(impl):
             expect_equal(str(grad.dtype), str(dtype), f"the dtype of the input's gradient, {where}")
             expect_close(grad.double(), 0.5 * x + dest, "the input's gradient (0.5·row + the rank it went to; sent "
                          f"to each rank: {[_split(r, b, case) for b in range(n)]})", where=where, rtol=0, atol=0)
+            size = 2 * torch.finfo(dtype).bits // 8                    # bytes per row of 2 elements
+            expect_recorded(forward, size * sum(_split(r, b, case) for b in range(n) if b != r), "bytes all_to_all "
+                            "sent forward, as recorded (the rows for the other ranks)", where)
+            expect_recorded(backward, size * sum(_split(a, r, case) for a in range(n) if a != r), "bytes sent in "
+                            "its backward, as recorded (the gradients of the rows that came from the other ranks)",
+                            where)
 
 
 def _moe(k, cf):
@@ -299,6 +322,7 @@ def _single(k, cf, step, x=None):
                                                  for i, e in enumerate(moe.experts)}}
 
 
+@observes('ex09.D.outputs', 'ex09.D.gradients', 'ex09.D.second_step', 'ex09.D.aux_loss')
 def test_expert_parallel_layer(impl):
     """The expert-parallel MoE layer on 2 ranks equals one device, in float64: outputs, dropped
     assignments and gradients, for top-2 dropless, top-1 and top-2 at capacity factor 1, two steps each."""
@@ -343,6 +367,7 @@ def _on_subgroups():
             {int(i): float(e.fc.weight.detach().sum()) for i, e in layer.experts.items()}, layer.local, layer.stats["aux"].cpu())
 
 
+@observes('ex09.D.outputs', 'ex09.D.experts', 'ex09.D.divides', 'ex09.D.aux_loss', 'ex09.D.token_group', 'ex09.D.group')
 def test_layer_on_subgroups(impl):
     """4 ranks in two ep groups of 2 ([0, 1] and [2, 3]), each with its own tokens: every group's
     layer equals one device on that group's tokens (top-2, capacity factor 1); its experts are the

@@ -48,6 +48,8 @@ def contract_problems(path: Path) -> list[str]:
     """What is wrong with a core graded module's ``CONTRACT`` (empty: nothing)."""
     tree = ast.parse(path.read_text())
     contract = _assigned(tree, "CONTRACT")
+    if contract is None and (GRADED / path.name).exists():   # a shipped core: read its tags
+        return tag_problems(path)
     if not isinstance(contract, dict) or not contract:
         return [f"{path.name}: no CONTRACT dict {{clause: test name(s)}}"]
     doc = _flat(ast.get_docstring(tree) or "")
@@ -77,6 +79,27 @@ def contract_problems(path: Path) -> list[str]:
             elif "impl" not in [a.arg for a in tests[n].args.args]:
                 problems.append(f"{path.name}: clause {clause!r}: {n} does not take impl")
     return problems
+
+
+def tag_problems(path: Path) -> list[str]:
+    """What is wrong with a shipped core's tags (``grading.observes``): a clause of the
+    library's contract that no test observes and ``PENDING`` does not excuse, a tag that names
+    no clause, a tagged test that does not take ``impl``."""
+    import importlib
+    import inspect
+    from minipar.course.contracts import tagged
+    k = re.match(r"test_(ex\d+)_", path.name)[1]
+    module = importlib.import_module(f"minipar.course.graded.{path.stem}")
+    known, tags = markers.clauses(k), tagged(module)
+    pending = getattr(module, "PENDING", {})
+    out = [f"{path.name}: clause {c} of the library's contract: no test observes it"
+           for c in known if c not in tags and c not in pending]
+    out += [f"{path.name}: {c} (tagged on {tags[c]}) is no clause of the library's contract"
+            for c in tags if c not in known]
+    out += [f"{path.name}: PENDING {c} is observed, or no clause" for c in pending if c in tags or c not in known]
+    out += [f"{path.name}: {n} does not take impl" for ns in tags.values() for n in ns
+            if "impl" not in inspect.signature(getattr(module, n)).parameters]
+    return sorted(set(out))
 
 
 def line_problems(counts: dict[str, int]) -> list[str]:

@@ -34,6 +34,24 @@ PLANTS = {  # clause -> (edits, graded test, its extra arguments, what the messa
     "ex08.C.skip": (
         [('        return "full" if src < rank else "skip"', '        return "full"')],
         g.test_ring_step_parts, (), r"ring_step\(rank, src, cp=2, causal=True, layout='contiguous'\)"),
+    "ex08.A.empty": (   # a stabiliser that is not the maximum: -inf poisons it
+        [("    m = torch.maximum(lse_a, lse_b)", "    m = (lse_a + lse_b) / 2")],
+        g.test_merge_with_a_block_some_queries_do_not_see, (), r"queries 0\.\.4 see no key of block b"),
+    "ex08.D.sends": (   # the backward passes its K/V block on at every step: c sends, not c - 1
+        [("        if s < c - 1:\n            nxt_kv = _start_exchange(kv, prv, nxt, group, \"ring_kv\", 0)\n"
+          "        part = ring_step(r, src, c, causal, layout)\n        contrib",
+          "        if True:\n            nxt_kv = _start_exchange(kv, prv, nxt, group, \"ring_kv\", 0)\n"
+          "        part = ring_step(r, src, c, causal, layout)\n        contrib"),
+         ("        kv = nxt_kv() if s < c - 1 else kv\n    dkv", "        kv = nxt_kv()\n    dkv")],
+        g.test_ring_attention_with_your_code, (2,), r"the ring attention's backward.*bytes sent, as recorded"),
+    "ex08.*.recorded": (   # the forward's transfers made with torch.distributed directly: not recorded
+        [("            nxt_kv = _start_exchange(kv, prv, nxt, group, \"ring_kv\", 0)\n        part = ring_step(r, src, c, "
+          "causal, layout)\n        with trace.region(\"attention\"",
+          "            _d, _buf = __import__(\"torch\").distributed, torch.empty_like(kv)\n"
+          "            _ops = _d.batch_isend_irecv([_d.P2POp(_d.isend, kv.contiguous(), nxt), _d.P2POp(_d.irecv, _buf, prv)])\n"
+          "            nxt_kv = lambda _ops=_ops, _buf=_buf: ([o.wait() for o in _ops], _buf)[1]\n"
+          "        part = ring_step(r, src, c, causal, layout)\n        with trace.region(\"attention\"")],
+        g.test_ring_attention_with_your_code, (2,), r"the ring attention's forward.*bytes sent, as recorded"),
     "ex08.C.parts": (   # zigzag's two off-diagonal parts swapped
         [('    return "kv_front" if src < rank else "q_back"', '    return "q_back" if src < rank else "kv_front"')],
         g.test_ring_step_parts, (), r"layout='zigzag'"),
@@ -52,4 +70,4 @@ PLANTS = {  # clause -> (edits, graded test, its extra arguments, what the messa
 }
 
 
-test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex08", g, PLANTS)
+test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex08", g, PLANTS, elsewhere={"ex08.C.sends"})  # planted in tests/test_planted_wrong_answers.py

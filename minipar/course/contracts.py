@@ -14,16 +14,20 @@ import importlib
 from .markers import clauses, exercises, stem
 
 
-def _tags(exercise: str) -> dict[str, list[str]]:
-    """``{clause id: [graded tests]}`` from the tags (``grading.observes``) of ``exercise``'s
-    graded tests (imports the graded module)."""
-    mod = importlib.import_module(f"minipar.course.graded.test_{stem(exercise)}")
+def tagged(module) -> dict[str, list[str]]:
+    """``{clause id: [test names]}`` of a graded module's tests, from their tags
+    (``grading.observes``, kept as ``__observes__``)."""
     out: dict[str, list[str]] = {}
-    for name, fn in vars(mod).items():
+    for name, fn in vars(module).items():
         if name.startswith("test_") and callable(fn):
             for c in getattr(fn, "__observes__", ()):
                 out.setdefault(c, []).append(name)
     return out
+
+
+def _tags(exercise: str) -> dict[str, list[str]]:
+    """:func:`tagged` of ``exercise``'s graded module (imported)."""
+    return tagged(importlib.import_module(f"minipar.course.graded.test_{stem(exercise)}"))
 
 
 def clause_table() -> dict[str, dict[str, list[str]]]:

@@ -39,20 +39,6 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'fGi',
     ),
 }
-CONTRACT = {
-    "ex01.*.in_place": "test_in_place_and_returned",
-    "ex01.*.uneven": "test_sum_uneven_sizes",
-    "ex01.*.avg": ("test_average_four_ranks", "test_pieces_on_any_group"),
-    "ex01.*.scatter": ("test_sum_two_ranks", "test_sum_uneven_sizes"),
-    "ex01.*.gather": ("test_sum_two_ranks", "test_sum_uneven_sizes"),
-    "ex01.*.step": "test_bytes_match_cost_model",
-    "ex01.*.group": "test_pieces_on_any_group",
-    "ex01.*.input_kept": "test_pieces_on_any_group",
-    "ex01.*.sizes": "test_pieces_on_any_group",
-    "ex01.*.size_check": "test_pieces_on_any_group",
-    "ex01.*.src": "test_pieces_on_any_group",
-    "ex01.*.algorithm": "test_pieces_on_any_group",
-}
 TIMEOUT = 30
 
 
@@ -118,21 +104,21 @@ def _assert_cases(results, op="sum"):
                          where=f"rank {rank}, shape {tuple(want.shape)}{uneven}", rtol=1e-5, atol=1e-5)
 
 
-@observes('ex01.*.reduce_scatter', 'ex01.*.all_gather')
+@observes("ex01.*.scatter", "ex01.*.gather")
 def test_sum_two_ranks(impl):
     """Sums over 2 ranks for several sizes."""
     _assert_cases(minipar.launch(_all_reduce_cases, 2, args=([(8,), (1000,)], "sum"),
                                  timeout=TIMEOUT))
 
 
-@observes('ex01.*.any_size', 'ex01.*.reduce_scatter', 'ex01.*.all_gather')
+@observes("ex01.*.uneven", "ex01.*.scatter", "ex01.*.gather")
 def test_sum_uneven_sizes(impl):
     """Sums over 3 ranks when the size is not divisible by 3 (and smaller than 3)."""
     _assert_cases(minipar.launch(_all_reduce_cases, 3,
                                  args=([(10,), (2,), (7, 5)], "sum"), timeout=TIMEOUT))
 
 
-@observes('ex01.*.avg')
+@observes("ex01.*.avg")
 def test_average_four_ranks(impl):
     """op="avg" divides the sum by the number of ranks (4 here)."""
     results = minipar.launch(_all_reduce_cases, 4, args=([(64,), (3, 9)], "avg"), timeout=TIMEOUT)
@@ -144,7 +130,7 @@ def test_average_four_ranks(impl):
                              where=f"rank {rank}, shape {tuple(want.shape)}", rtol=1e-5, atol=1e-5)
 
 
-@observes('ex01.*.in_place')
+@observes("ex01.*.in_place")
 def test_in_place_and_returned(impl):
     """The input tensor itself holds the result (shape kept) and is returned."""
     for rank, (_, cases) in enumerate(minipar.launch(_all_reduce_cases, 2, args=([(4, 6)], "sum"),
@@ -165,7 +151,7 @@ def _bytes_run(numel):
     return sum(e["bytes_sent"] for e in trace.events()), x[0].item()
 
 
-@observes('ex01.*.bytes')
+@observes("ex01.*.step")
 def test_bytes_match_cost_model(impl):
     """Each rank sends exactly 2(n-1)/n of the tensor's bytes (4 ranks, 4096 floats)."""
     n, numel = 4, 4096
@@ -229,7 +215,7 @@ def _pieces():
     return out
 
 
-@observes('ex01.*.avg', 'ex01.*.group', 'ex01.*.input_kept', 'ex01.*.uneven_chunks', 'ex01.*.size_error', 'ex01.*.src', 'ex01.*.algorithm_error')
+@observes("ex01.*.avg", "ex01.*.group", "ex01.*.input_kept", "ex01.*.sizes", "ex01.*.size_check", "ex01.*.src", "ex01.*.algorithm")
 def test_pieces_on_any_group(impl):
     """ring_reduce_scatter, an uneven ring_all_gather and both broadcasts on 4 ranks; the all-reduce and broadcasts on a group of 3 of them."""
     for rank, out in enumerate(minipar.launch(_pieces, 4, timeout=TIMEOUT)):

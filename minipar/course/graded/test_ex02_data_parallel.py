@@ -80,28 +80,6 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'hkK5LknEg3g4vE+pTQhV/8Ds52K1w==',
     ),
 }
-CONTRACT = {   # clause id (the library's ``# Contract:`` blocks) -> the graded tests that observe it
-    "ex02.A.average": ("test_allreduce_gradients_averages", "test_naive_training_matches_single_process"),
-    "ex02.A.frozen": "test_allreduce_gradients_averages",
-    "ex02.A.dtype": "test_gradient_less_parameter_dtype_group_two_steps",
-    "ex02.A.group": "test_gradient_less_parameter_dtype_group_two_steps",
-    "ex02.A.bytes": "test_allreduce_gradients_averages",
-    "ex02.A.fn": "test_allreduce_gradients_with_your_all_reduce",
-    "ex02.*.order": "test_gradient_less_parameter_dtype_group_two_steps",
-    "ex02.*.recorded": "test_allreduce_gradients_averages",
-    "ex02.B.order": "test_assign_buckets",
-    "ex02.B.cap": "test_assign_buckets",
-    "ex02.B.full": "test_assign_buckets",
-    "ex02.B.dtype": "test_assign_buckets",
-    "ex02.B.negative": "test_assign_buckets",
-    "ex02.C.average": ("test_reducer_overlapped_matches_single_process", "test_gradient_less_parameter_dtype_group_two_steps"),
-    "ex02.C.group": "test_gradient_less_parameter_dtype_group_two_steps",
-    "ex02.C.bytes": "test_reducer_accumulation_and_no_overlap",
-    "ex02.C.overlap": "test_reducer_overlaps_with_backward",
-    "ex02.C.fn": "test_gradient_less_parameter_dtype_group_two_steps",
-    "ex02.C.reset": ("test_gradient_less_parameter_dtype_group_two_steps", "test_reducer_overlapped_matches_single_process"),
-    "ex02.C.no_sync": "test_reducer_accumulation_and_no_overlap",
-}
 TIMEOUT = 30
 RTOL, ATOL = 1e-5, 1e-6  # fp32: only the order of the sums differs from one process
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -154,14 +132,14 @@ def _check_average(results, n):
                                          f"(gradient traffic equals cost.ddp_bytes_per_step: 2(n-1)/n · Ψ · 4 with Ψ = {psi})")
 
 
-@observes('ex02.*.average', 'ex02.*.frozen', 'ex02.*.bytes', 'ex02.*.recorded')
+@observes("ex02.A.average", "ex02.A.frozen", "ex02.A.bytes", "ex02.*.recorded")
 def test_allreduce_gradients_averages(impl):
     """allreduce_gradients leaves the average of the ranks' gradients in every p.grad (4 ranks)."""
     _check_average(minipar.launch(_average_once, 4, args=(False,),
                                   timeout=TIMEOUT), 4)
 
 
-@observes('ex02.A.all_reduce_fn', 'ex02.*.average')
+@observes("ex02.A.fn")
 def test_allreduce_gradients_with_your_all_reduce(impl):
     """With all_reduce_fn (here the ring all-reduce, which sums) the result is still the average."""
     _check_average(minipar.launch(_average_once, 2, args=(True,),
@@ -248,7 +226,7 @@ def _participation():
     return out
 
 
-@observes('ex02.*.zeros', 'ex02.*.same_order', 'ex02.*.dtype', 'ex02.*.group', 'ex02.C.reset')
+@observes("ex02.A.dtype", "ex02.A.group", "ex02.*.order", "ex02.C.average", "ex02.C.group", "ex02.C.fn", "ex02.C.reset")
 def test_gradient_less_parameter_dtype_group_two_steps(impl):
     """On a group of 2 of 3 ranks, two steps: a float64 parameter without a gradient on one rank takes part as zeros, dtypes kept, divided by the group's size."""
     results = minipar.launch(_participation, 3, timeout=TIMEOUT)[1:]
@@ -282,7 +260,7 @@ def test_gradient_less_parameter_dtype_group_two_steps(impl):
                                  rtol=1e-5, atol=1e-7)
 
 
-@observes('ex02.A.training')
+@observes("ex02.A.average")
 def test_naive_training_matches_single_process(impl):
     """Training the small GPT on 4 ranks with your averaging matches one process on the whole batch."""
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32)
@@ -294,7 +272,7 @@ def test_naive_training_matches_single_process(impl):
 
 
 # ----------------------------------------------------------------------------- B: buckets
-@observes('ex02.B.ready_order', 'ex02.B.cap', 'ex02.B.one_dtype', 'ex02.B.negative_cap')
+@observes("ex02.B.order", "ex02.B.cap", "ex02.B.full", "ex02.B.dtype", "ex02.B.negative")
 def test_assign_buckets(impl):
     """Buckets are filled last parameter first, never past the cap unless one parameter is bigger, one dtype each."""
     params = [torch.nn.Parameter(torch.zeros(k)) for k in (10, 300, 20, 20, 5, 1000, 7)]
@@ -376,19 +354,19 @@ def _run_reducer(n, kw, accumulation=1, probe=False, cfg=CFG):
     return results
 
 
-@observes('ex02.*.average', 'ex02.C.reset')
+@observes("ex02.C.average", "ex02.C.reset")
 def test_reducer_overlapped_matches_single_process(impl):
     """DDP with your overlapping Reducer (2 ranks, small buckets) matches one process; bytes 2(n-1)/n·Ψ·4."""
     _run_reducer(2, dict(bucket_cap_mb=0.02, overlap=True))
 
 
-@observes('ex02.*.bytes', 'ex02.C.no_sync')
+@observes("ex02.C.bytes", "ex02.C.no_sync")
 def test_reducer_accumulation_and_no_overlap(impl):
     """4 ranks, gradient accumulation over 2 micro-batches (no_sync), overlap=False: still equal."""
     _run_reducer(4, dict(bucket_cap_mb=0.02, overlap=False), accumulation=2)
 
 
-@observes('ex02.C.overlap')
+@observes("ex02.C.overlap")
 def test_reducer_overlaps_with_backward(impl):
     """With overlap=True the first buckets' all-reduces start before backward computes the last gradient."""
     cfg = GPTConfig(vocab_size=32, block_size=32, n_layer=4, n_head=2, n_embd=64)
@@ -442,7 +420,7 @@ SUBGROUP_VERSIONS = (("A: allreduce_gradients", None, False),
                      ("C: Reducer, overlap=False", 0.005, False))
 
 
-@observes("ex02.*.group", "ex02.C.group", "ex02.*.recorded")
+@observes("ex02.C.group", "ex02.*.recorded")
 def test_reducer_on_a_sub_group(impl):
     """4 ranks in two groups of 2, each its own data, real all-reduces: every version averages over
     its own group only, and every gradient all-reduce runs on that group, two steps."""

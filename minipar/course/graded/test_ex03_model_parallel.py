@@ -87,25 +87,6 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         '/YqmDhPcWJ0d2xFTEGU/fIB5Jz8DZb32OuH2KPKTau/h6h/4bCDgm39uNG/f6CUSnedvzLPb5dJ3OU=',
     ),
 }
-CONTRACT = {
-    "ex03.A.async": "test_activation_values",
-    "ex03.A.leaf": "test_activation_values",
-    "ex03.A.dtype": "test_activation_values",
-    "ex03.A.grad": ("test_gradient_flows_back",
-                                                           "test_drives_model_parallel"),
-    "ex03.*.recorded": "test_transfers_are_recorded",
-    "ex03.*.group": "test_transfers_are_recorded",
-    "ex03.A.stages": "test_drives_model_parallel",
-    "ex03.A.train": "test_drives_model_parallel",
-    "ex03.B.match": "test_messages_match_in_any_order",
-    "ex03.B.dtype": "test_messages_match_in_any_order",
-    "ex03.B.flush": "test_sends_complete_each_step",
-    "ex03.C.mean": "test_compute_actions",
-    "ex03.C.backward": "test_compute_actions",
-    "ex03.C.stash": "test_compute_actions",
-    "ex03.C.split": "test_compute_actions",
-    "ex03.C.dtype": "test_compute_actions",
-}
 TIMEOUT = 60
 TOKENS = data.synthetic_tokens(1000)
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
@@ -159,7 +140,7 @@ def _single_process():
     return y.detach(), l1.weight.grad, l2.weight.grad
 
 
-@observes('ex03.A.no_wait', 'ex03.A.leaf', 'ex03.A.dtype')
+@observes("ex03.A.async", "ex03.A.leaf", "ex03.A.dtype")
 def test_activation_values(impl):
     """What arrives: the values sent, as a leaf requiring grad, in the dtype asked (activations
     and gradients); a send returns its Handle."""
@@ -179,7 +160,7 @@ def test_activation_values(impl):
     expect_close(sender["half_grad"], torch.arange(6.0).reshape(2, 3), "the received bfloat16 gradient", where="rank 0")
 
 
-@observes('ex03.A.input_grad')
+@observes("ex03.A.grad")
 def test_gradient_flows_back(impl):
     """A two-rank split computes the same weight gradients as one process."""
     r0, r1 = minipar.launch(_boundary, 2, timeout=TIMEOUT)
@@ -190,7 +171,7 @@ def test_gradient_flows_back(impl):
                      "sent (the gradient sent back is ∂L/∂(the stage's input))", where="rank 0")
 
 
-@observes('ex03.*.recorded', 'ex03.A.group')
+@observes("ex03.*.recorded", "ex03.*.group")
 def test_transfers_are_recorded(impl):
     """Each transfer goes through minipar.comm on the group: 120 bytes of fp32 each way, and the
     12 bytes of a bfloat16 tensor each way, all labelled with the group ("pp")."""
@@ -218,7 +199,7 @@ def _model_parallel():
     return mpar.train(GPT(CFG, seed=0), data.batches(TOKENS, 3, 8, 8), reference.sgd(0.5))
 
 
-@observes('ex03.A.input_grad', 'ex03.A.stages', 'ex03.A.training', 'ex03.*.recorded')
+@observes("ex03.A.grad", "ex03.A.stages", "ex03.A.train", "ex03.*.recorded")
 def test_drives_model_parallel(impl):
     """Your step trains the LSTM split over 2 ranks and the GPT over 3 (a middle rank) like one
     process, and each rank's sends of the last step are recorded."""
@@ -260,7 +241,7 @@ def _pipelines(which):
                     schedule="1f1b", microbatches=4)
 
 
-@observes('ex03.B.matching', 'ex03.B.message_dtype')
+@observes("ex03.B.match", "ex03.B.dtype")
 def test_messages_match_in_any_order(impl):
     """A float64 GPT on 2 ranks with a schedule whose rank 1 takes the micro-batches in the other
     order trains like one process: the float64 losses to 1e-12, the parameters to 1e-6."""
@@ -278,7 +259,7 @@ def test_messages_match_in_any_order(impl):
                      where=f"{where}, step {step}", rtol=1e-12, atol=1e-12)
 
 
-@observes('ex03.B.waited', 'ex03.*.recorded')
+@observes("ex03.B.flush", "ex03.*.recorded")
 def test_sends_complete_each_step(impl):
     """1F1B on 2 ranks, 4 micro-batches, 2 steps: like one process, and each step's recorded bytes
     are its 4 messages of 2x8x16 fp32 per rank, on the group ("pp")."""
@@ -353,7 +334,7 @@ def _step_want(m, skip=()):
     return loss, [[q.grad.clone() for q in net[:2].parameters()], [q.grad.clone() for q in net[2:].parameters()]]
 
 
-@observes('ex03.C.mean_loss', 'ex03.C.backward', 'ex03.C.stash', 'ex03.C.split_backward', 'ex03.C.compute_dtype')
+@observes("ex03.C.mean", "ex03.C.backward", "ex03.C.stash", "ex03.C.split", "ex03.C.dtype")
 def test_compute_actions(impl):
     """One step of a two-stage network on 2 ranks: under 1F1B and ZB-H1 (4 micro-batches) the loss
     and both stages' gradients are one process's on the batch's mean loss; with micro-batch 1's W

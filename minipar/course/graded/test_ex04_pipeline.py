@@ -74,22 +74,6 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'aHI',
     ),
 }
-CONTRACT = {
-    "ex04.A.valid": "test_partition_is_valid",
-    "ex04.A.optimal": "test_partition_is_balanced",
-    "ex04.A.range": "test_partition_rejects_too_many_stages",
-    "ex04.B.valid": ("test_one_f_one_b_order",
-                                                           "test_one_f_one_b_is_a_valid_schedule"),
-    "ex04.B.bubble": "test_one_f_one_b_is_a_valid_schedule",
-    "ex04.B.memory": ("test_one_f_one_b_is_a_valid_schedule",
-                                                        "test_trains_the_gpt"),
-    "ex04.C.comms": "test_add_comms",
-    "ex04.C.peer": ("test_add_comms", "test_pipeline_step"),
-    "ex04.C.divide": "test_pipeline_step",
-    "ex04.C.loss": "test_pipeline_step",
-    "ex04.C.clean": "test_pipeline_step",
-    "ex04.C.peak": "test_trains_the_gpt",
-}
 TIMEOUT = 60
 
 
@@ -101,7 +85,7 @@ def _best(costs, p):
     return best
 
 
-@observes('ex04.A.contiguous')
+@observes("ex04.A.valid")
 def test_partition_is_valid(impl):
     """partition returns p+1 increasing boundaries from 0 to L (no empty stage)."""
     for costs, p in [([1, 1, 1, 1], 2), ([5], 1), ([3, 1, 4, 1, 5], 5), ([1, 2, 3], 1)]:
@@ -115,7 +99,7 @@ def test_partition_is_valid(impl):
                           "(p contiguous, non-empty stages)")
 
 
-@observes('ex04.A.balanced')
+@observes("ex04.A.optimal")
 def test_partition_is_balanced(impl):
     """The costliest stage is as cheap as possible (checked against brute force)."""
     rng = random.Random(1)
@@ -130,7 +114,7 @@ def test_partition_is_balanced(impl):
                      "split's being the expected (the most expensive stage is as cheap as possible)")
 
 
-@observes('ex04.A.stage_count')
+@observes("ex04.A.range")
 def test_partition_rejects_too_many_stages(impl):
     """More stages than layers is a ValueError."""
     try:
@@ -141,7 +125,7 @@ def test_partition_rejects_too_many_stages(impl):
                   "unless 1 <= p <= L)")
 
 
-@observes('ex04.B.valid')
+@observes("ex04.B.valid")
 def test_one_f_one_b_order(impl):
     """The 1F1B order on the first and last of 4 ranks, 6 micro-batches."""
     fmt = lambda acts: [f"{a.op}{a.microbatch}" for a in acts]  # noqa: E731
@@ -154,7 +138,7 @@ def test_one_f_one_b_order(impl):
     expect_equal(stages, [2] * len(stages), "the stage of each action one_f_one_b(4, 5, rank=2) returns", keys="action")
 
 
-@observes('ex04.B.valid', 'ex04.B.bubble', 'ex04.B.memory')
+@observes("ex04.B.valid", "ex04.B.bubble", "ex04.B.memory")
 def test_one_f_one_b_is_a_valid_schedule(impl):
     """For p = 1..5 and m = 1..9: no deadlock, F before B, 1F1B's bubble and memory."""
     for p in range(1, 6):
@@ -201,7 +185,7 @@ def _train(p, m):
                     schedule="1f1b", microbatches=m, bounds=bounds)
 
 
-@observes('ex04.B.memory', 'ex04.C.peak')
+@observes("ex04.B.memory", "ex04.C.peak")
 def test_trains_the_gpt(impl):
     """Your partition and 1F1B train the GPT on 4 ranks like one process (1e-5)."""
     results = minipar.launch(_train, 4, args=(4, 4), timeout=TIMEOUT)
@@ -230,7 +214,7 @@ def _add_comms(order, p, n_stages):
     return out
 
 
-@observes('ex04.C.comms', 'ex04.C.peer')
+@observes("ex04.C.comms", "ex04.C.peer")
 def test_add_comms(impl):
     """add_comms on GPipe (3 ranks), ZB-H1 (3 ranks, with W) and interleaved 1F1B (2 ranks, 2 virtual
     stages each): every rank's actions, sends and receives in place, peers the ranks of the stages."""
@@ -274,7 +258,7 @@ def _step_case():
     return {"trained": trained, "returned": returned, "refused": refused}
 
 
-@observes('ex04.C.peer', 'ex04.C.divides', 'ex04.C.loss', 'ex04.C.reset')
+@observes("ex04.C.peer", "ex04.C.divide", "ex04.C.loss", "ex04.C.clean")
 def test_pipeline_step(impl):
     """On 2 ranks: your step and add_comms train the GPT interleaved (2 virtual stages per rank, 3
     steps) like one process; a GPipe step returns the mean loss on rank 1 only; a batch of 7 for

@@ -4,8 +4,9 @@ solution with a line or two changed) fails the clause's graded test, with a mess
 from minipar.course.graded import test_ex08_context_parallel as g
 from tests.planted import contract_tests
 
-FWD = '''    """``(O, lse)`` of this rank's queries over the whole sequence's keys (no autograd)."""
-    c, r = comm.group_size(group), comm.group_rank(group)'''
+FWD = '''    c, r = comm.group_size(group), comm.group_rank(group)
+    nxt, prv = (r + 1) % c, (r - 1) % c
+    kv, o, lse = torch.stack([k, v]), None, None'''   # the forward's first lines (the backward's differ)
 CACHED_DELTA = ('    delta = (do * o).sum(-1)\n',
                 '    global _delta\n    if globals().get("_delta") is None or _delta.dtype != o.dtype:\n        _delta = (do * o).sum(-1)\n'
                 '    delta = _delta\n')

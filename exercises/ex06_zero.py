@@ -1,82 +1,35 @@
 """Exercise 06: ZeRO: a sharded optimizer step, and stage 3's gather, compute, free
 (Rajbhandari et al. 2020).
 
-Every stage shares one layout: a unit's (a layer's) parameters are one flat vector,
-zero-padded to N·k elements for the N ranks of the data-parallel ``group`` (``None``: the
-world), and rank r of the group owns the r-th of N equal slices: on a non-world group, ranks
-count within it. Data moves only through ``minipar.comm.reduce_scatter`` and
-``minipar.comm.all_gather`` (flat tensors; they record the bytes the grader counts).
+Every stage shares one layout (``minipar.zero.flat.FlatUnit``): a unit's (a layer's)
+parameters are one flat vector, zero-padded to N·k elements for the N ranks of the
+data-parallel ``group`` (``None``: the world), and rank r of the group owns the r-th of N
+equal slices. What each rank holds, sends and frees is the lesson: notebook 06, "Each stage
+removes one redundancy", "What it costs in communication" and "Stage 3 in time" (the
+paper's §5.1-5.3 and Figure 1).
 
-A. The reduce path, P_g: ``reduce_shard(flat_grad, group=None, **labels)`` and
-   ``reduce_unit_grads(flat_unit, dtype=None, **labels)``.
-   ``reduce_shard`` returns this rank's slice holding the mean over the group's ranks of that
-   slice, as a view of ``flat_grad`` (reduced in place, no copy); each rank sends (N-1)/N of
-   the unit's bytes; ``**labels`` reach the collective.
-   ``reduce_unit_grads`` reduces a ``FlatUnit``'s gradients that way: a parameter without a
-   gradient on this rank takes part as zeros; the result is in the dtype asked for (the
-   parameters' by default), a new tensor of k elements (the full flat gradient is not kept);
-   afterwards every parameter's ``.grad`` is None.
-B. The ZeRO-1 optimizer, P_os: ``sharded_step(flat_params, grad_shards, shards, optimizer,
-   group=None)`` and ``ZeroOptimizer``'s flat layout (in ``__init__``), ``step`` and ``_step``.
-   After ``sharded_step`` every rank's ``flat_params`` hold the parameters of one full
-   optimizer step on the mean gradient, while the optimizer only ever saw (and kept state for)
-   this rank's slices. Dtypes may differ between the gradient, the shard and the flat
-   parameters (mixed precision): each tensor keeps its own dtype.
-   ``ZeroOptimizer(units, optimizer_cls, group, param_dtype, max_grad_norm, **kwargs)``: the
-   model's parameters become views into the flat parameters, in ``param_dtype``; the
-   optimizer's shards are fp32 (this rank's slices of the flat parameters, or their own master
-   copies under ``param_dtype=torch.bfloat16``); ``step()`` equals the wrapped optimizer's
-   step on the mean gradient over the group, clipped by its global norm with
-   ``max_grad_norm``; after a bf16 step no fp32 gradient copy is left on the shards; a second
-   step after the first (another gradient) is as exact as the first.
-C. Stage 3's gather, compute, free, P_p: ``gather_unit(full, shard, group=None,
-   async_op=False, **labels)``, ``free_unit(full)``, ``ShardedFlatUnit.__init__`` and
+A. The reduce path, P_g: ``reduce_shard`` and ``reduce_unit_grads``.
+B. The ZeRO-1 optimizer, P_os: ``sharded_step`` and ``ZeroOptimizer``'s flat layout (in
+   ``__init__``), ``step`` and ``_step``.
+C. Stage 3's storage, P_p: ``gather_unit``, ``free_unit``, ``ShardedFlatUnit.__init__`` and
    ``FlatStorage.gather``, ``.free``, ``.reduce``.
-   ``free_unit`` releases the memory of ``full`` but keeps the tensor, its shape and every
-   view into it (the model's parameters are such views). ``gather_unit`` makes ``full`` hold
-   every rank's ``shard`` in rank order again, in ``full``'s dtype, whether or not its memory
-   was released; with ``async_op`` it returns the collective's Handle, else None.
-   A ``ShardedFlatUnit`` keeps a leaf fp32 shard (this rank's slice of the unit's flattened
-   parameters) and a ``full`` buffer of N·k elements in ``dtype`` that the parameters are
-   views of, its memory freed from the start. ``FlatStorage.gather(i)`` returns the Handle of
-   unit i's gather, ``free(i)`` releases it, and ``reduce(i)`` adds this rank's mean gradient
-   slice, in fp32, to the shard's ``.grad``: a second backward before the step accumulates.
-D. Stage 3's schedule: when a unit is gathered, freed and reduce-scattered.
-   ``UnitSchedule.pre_forward(i)``, ``.post_forward(i, out)`` (returns what the forward returns),
-   ``.pre_backward(i)``, ``.reduce(i)``, ``.grad_ready(i, p)`` and ``.end_backward()`` in
-   ``minipar.zero.stage3``: unit i's module's forward hooks call the first two, its parameters'
-   post-accumulate-grad hooks ``grad_ready``, the first ``pre_backward`` of a backward queues
-   ``end_backward`` for its end, and ``self.reduction`` (an ``OrderedReduction`` over
-   ``self.order`` reversed, emptied by each forward of the model: ``reached(i)``,
-   ``grad_ready(i, p)``) calls ``reduce(i)``. They act through ``self.gather(i, wait=True,
-   **labels)`` and ``self.free(i)`` (which count ``peak_gathered_bytes``), ``self.storage.use(i,
-   gathered)`` and ``self.storage.reduce(i)``, with ``self.bw`` (a flag per unit),
-   ``self.prefetch`` and ``self.reshard``; ``finish_step`` (the library's) frees and
-   reduce-scatters every unit last of all. Over any ``Storage``:
+D. Stage 3's schedule: ``UnitSchedule``'s hooks decide when a unit is gathered, freed and
+   reduce-scattered, over any storage; the design of that order is yours.
 
-   * **a unit's forward runs only with its parameters gathered and in use (its shards again
-     once it returns), its backward only with them gathered**;
-   * **with ``prefetch``, the gather of the unit that computes next (the next one in a
-     forward, the one before in a backward) starts before this one computes, without waiting
-     for it**; **without it, a unit is gathered only when it computes**;
-   * **with ``reshard_after_forward``, a unit is freed when its forward returns** **and again
-     when its gradients are reduce-scattered**, so that **at most two units are gathered at once
-     (one without prefetch)**, **as ``peak_gathered_bytes`` counts**; **without it, a unit is
-     gathered once per step, at its first forward, and freed only by ``finish_step``**;
-   * **with resharding, each backward reduce-scatters every unit's gradients once, after they
-     are all in, in the reverse of this forward's order**; **without, none is reduce-scattered
-     before ``finish_step``**;
-   * **every later micro-batch and step runs the schedule of the first**.
-
-Derived in notebook 06, "Each stage removes one redundancy", "What it costs in
-communication" and "Stage 3 in time" (the paper's §5.1-5.3 and Figure 1). The last tests
-train the GPT with the library's ZeRO stages 1, 2 and 3 running your code and compare with
-one process. Stuck? ``minipar.hint("ex06", "A")`` (or "B", "C", "D"). Grade it with
-``python -m minipar.grade ex06``.
+Each function's docstring below is its contract: clauses ``ex06.P.word`` that must hold (the
+grader names the clause a failure breaks). The last tests train the GPT with the library's
+ZeRO stages 1, 2 and 3 running your code and compare with one process. Stuck?
+``minipar.hint("ex06", "A")`` (or "B", "C", "D"). Grade it with ``python -m minipar.grade ex06``.
 """
 # Generated by `python -m minipar.course.exercise --write` from minipar's marked code.
 # Replace each `raise NotImplementedError` with your code; `with minipar.exercise("ex06"):`
 # runs the library with the functions below in place of its own (in every rank too).
+# How to read around this exercise: each docstring below is a contract, clauses ex06.P.word that
+# must hold (the grader names the clause a failure breaks); the steps are yours to design. Read
+# the notebook, this file and, for each library name this file imports, its signature and
+# docstring (help(name)): they say what it does, not how you use it. The library's own source of
+# the functions below is their solution: do not open it. Stuck? minipar.hint("ex06") lists the
+# parts; each call shows one more tier (a nudge, the idea, the steps).
 from __future__ import annotations
 
 
@@ -88,14 +41,31 @@ from minipar.comm import group_rank, group_size, reduce_scatter
 
 
 def reduce_shard(flat_grad: torch.Tensor, group=None, **labels) -> torch.Tensor:
-    """Reduce-scatter ``flat_grad`` (N·k elements) with the mean over ``group``; returns
-    this rank's k elements, a view of ``flat_grad`` (reduced in place)."""
+    """Contract:
+    - ex06.A.mean: ``flat_grad`` holds N·k elements for the N ranks of ``group``; the result
+      is k elements, the mean over the group's ranks of their slice ``[r·k, (r+1)·k)`` of
+      ``flat_grad``, r this rank's rank in the group.
+    - ex06.A.memory: the result lives in ``flat_grad``'s memory: no new tensor of k or N·k
+      elements.
+    - ex06.A.bytes: each rank sends (N-1)/N of ``flat_grad``'s bytes, in one collective that
+      receives ``**labels``.
+    - ex06.*.group: on a group other than the world only its ranks take part and ranks count
+      within it (``None``: the world).
+    - ex06.*.recorded: data moves only through ``minipar.comm``'s collectives on flat
+      tensors (``reduce_scatter``, ``all_gather``), so the trace records every byte."""
     raise NotImplementedError("Exercise 06 A: reduce_shard")
 
 
 def reduce_unit_grads(flat_unit, dtype=None, **labels) -> torch.Tensor:
-    """Flatten ``flat_unit``'s gradients (zeros where a parameter has none on this rank), drop
-    the full ones, and return this rank's reduced k elements as a new tensor."""
+    """Contract:
+    - ex06.A.zeros: ``flat_unit`` is a ``FlatUnit``; the result is this rank's k elements of
+      the mean over the group of the unit's gradients laid out as ``FlatUnit.flatten`` lays
+      out its parameters; a parameter without a gradient on this rank contributes zeros.
+    - ex06.A.dtype: the result is in ``dtype`` (default: the parameters'), whatever the
+      gradients'.
+    - ex06.A.fresh: the result is a tensor of exactly k elements that keeps no N·k-element
+      buffer alive.
+    - ex06.A.cleared: afterwards every parameter of the unit has ``.grad`` None."""
     raise NotImplementedError("Exercise 06 A: reduce_unit_grads")
 
 
@@ -109,13 +79,15 @@ from minipar.zero.flat import FlatUnit, split_units
 
 
 def sharded_step(flat_params, grad_shards, shards, optimizer, group=None) -> None:
-    """P_os (§5.1): step the optimizer on this rank's shards, then all-gather them.
-
-    Lists over the units u, the same length and order on every rank. ``grad_shards[u]``:
-    this rank's k reduced gradient elements; ``shards[u]``: the k-element leaf tensor the
-    ``optimizer`` owns (a view of this rank's slice of ``flat_params[u]`` in fp32, or its
-    fp32 master copy under mixed precision); ``flat_params[u]``: the unit's full flat
-    padded parameters (N·k), which afterwards hold every rank's updated shard."""
+    """Contract:
+    - ex06.B.full_step: lists over the units, the same length and order on every rank:
+      ``grad_shards[u]`` this rank's k reduced gradient elements, ``shards[u]`` the
+      k-element leaf the ``optimizer`` owns, ``flat_params[u]`` the unit's N·k parameters;
+      afterwards every rank's ``flat_params`` hold the parameters of one optimizer step on
+      the mean gradient.
+    - ex06.B.state: the optimizer only ever sees (and keeps state for) this rank's shards.
+    - ex06.B.dtypes: the gradient, the shard and the flat parameters may have three dtypes
+      (mixed precision); each tensor keeps its own."""
     raise NotImplementedError("Exercise 06 B: sharded_step")
 
 
@@ -124,6 +96,18 @@ class ZeroOptimizer:
     the library's."""
 
     def __init__(self, params, optimizer_cls, group=None, param_dtype=None, max_grad_norm=None, **kwargs):
+        """Given: ``params`` arrives split into units (lists of fp32 parameters); the
+        library's code after your part builds the flat gradients and the optimizer on
+        ``self.shards``.
+
+        Contract:
+        - ex06.B.views: ``self.units`` (``FlatUnit`` s), ``self.flat_params`` and
+          ``self.shards`` (one each per unit), ``self.param_dtype`` (default fp32) and
+          ``self.mixed`` (whether it is not fp32) are set, as the library's code reads
+          them; the model's parameters are views into ``self.flat_params``, in
+          ``param_dtype`` (default fp32); the optimizer's shards are fp32 leaves: this
+          rank's slice of the flat parameters, or, under ``param_dtype=torch.bfloat16``,
+          their own master copy."""
         self.group, self.max_grad_norm, self.grad_norm = group, max_grad_norm, None
         units = split_units(params)
         dtypes = {p.dtype for u in units for p in u}
@@ -136,10 +120,25 @@ class ZeroOptimizer:
         self.param_groups, self.state = self.optim.param_groups, self.optim.state
 
     def step(self) -> None:
+        """Given: ``self.flat_grads`` holds one flat N·k gradient per unit, in
+        ``param_dtype``, that the parameters' ``.grad`` are views of
+        (``self._point_grads()`` points them there again); ``self.optim`` is the wrapped
+        optimizer on ``self.shards``. ``_step(grad_shards)`` takes this rank's reduced
+        gradient shards, one per unit (stage 2 calls it with its own) and does the rest
+        of the step; ``clip_grad_norm_(grads, max_norm, group)`` clips shards by the
+        norm over the group and returns it.
+
+        Contract:
+        - ex06.B.step: ``step()`` equals the wrapped optimizer's step on the mean
+          gradient over the group.
+        - ex06.B.clip: with ``max_grad_norm``, the step's gradient is clipped by its
+          global norm over the group (``self.grad_norm``: the norm before clipping).
+        - ex06.B.no_copy: after a bf16 step no fp32 gradient copy is left on the shards.
+        - ex06.B.second: a second step after the first (another gradient) is as exact as
+          the first."""
         raise NotImplementedError("Exercise 06 B: ZeroOptimizer.step")
 
     def _step(self, grad_shards) -> None:
-        """Clip (if asked) by the norm of the averaged gradient, then :func:`sharded_step`."""
         raise NotImplementedError("Exercise 06 B: ZeroOptimizer._step")
 
 
@@ -153,15 +152,20 @@ from minipar.zero.flat import FlatUnit
 
 
 def gather_unit(full: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False, **labels):
-    """Gather-before-use: give ``full`` (flat, N·k elements, its storage possibly freed)
-    its storage back and fill it with every rank's ``shard`` (k elements, cast to
-    ``full``'s dtype) in rank order. Returns the all-gather's Handle if ``async_op``."""
+    """Contract:
+    - ex06.C.gather: afterwards ``full`` (N·k elements) holds every rank's ``shard`` (k
+      elements) in rank order, in ``full``'s dtype, whether or not its memory was released
+      by ``free_unit``; every view into ``full`` sees the values.
+    - ex06.C.async: with ``async_op`` it returns the collective's Handle (its ``wait()``
+      completes the gather), else None; ``**labels`` reach the collective."""
     raise NotImplementedError("Exercise 06 C: gather_unit")
 
 
 def free_unit(full: torch.Tensor) -> None:
-    """Free-after-use: release ``full``'s memory but keep the tensor (and the parameter
-    views into it) so the same buffer can be gathered into again."""
+    """Contract:
+    - ex06.C.free: afterwards ``full`` holds no memory (its storage 0 bytes) while the
+      tensor, its shape and every view into it (the model's parameters) stay, ready for the
+      next gather."""
     raise NotImplementedError("Exercise 06 C: free_unit")
 
 
@@ -170,6 +174,12 @@ class ShardedFlatUnit:
     the library's."""
 
     def __init__(self, module: nn.Module, params, group, dtype):
+        """Contract:
+        - ex06.C.shard: ``self.module``, ``self.flat`` (the unit's ``FlatUnit``) and
+          ``self.params`` are set; ``self.shard`` is a leaf fp32 Parameter, this rank's
+          k elements of the unit's flattened parameters.
+        - ex06.C.full: ``self.full`` is a buffer of N·k elements in ``dtype`` that the
+          parameters are views of, holding no memory from the start."""
         raise NotImplementedError("Exercise 06 C: ShardedFlatUnit.__init__")
 
 
@@ -178,6 +188,13 @@ class FlatStorage:
     library's."""
 
     def gather(self, i: int, **labels):
+        """Contract:
+        - ex06.C.storage: ``gather(i, **labels)`` starts unit i's gather and returns its
+          Handle; ``free(i)`` releases unit i's buffer (as ex06.C.free).
+        - ex06.C.reduce: ``reduce(i)`` adds this rank's slice of the mean gradient of
+          unit i, reduced in ``self.dtype`` and held in fp32, to the shard's ``.grad``.
+        - ex06.C.accumulate: a second backward before the step accumulates into the
+          shard's ``.grad``."""
         raise NotImplementedError("Exercise 06 C: FlatStorage.gather")
 
     def free(self, i: int) -> None:
@@ -199,17 +216,57 @@ class UnitSchedule:
     the library's."""
 
     def pre_forward(self, i: int) -> None:
-        """Unit i's forward is about to run."""
+        """Given: unit i's forward hooks call ``pre_forward(i)`` and ``post_forward(i,
+        out)`` (which returns what the forward returns), its parameters'
+        post-accumulate-grad hooks ``grad_ready(i, p)``; ``pre_backward(i)`` must run
+        before unit i's backward computes, and the library queues ``end_backward`` at
+        the first one of a backward. Your tools: ``self.gather(i, wait=True, **labels)``
+        and ``self.free(i)`` (each does its work once per use and counts
+        ``peak_gathered_bytes``), ``self.storage.use(i, gathered)``,
+        ``self.storage.reduce(i)``, ``self.order`` (this forward's units, emptied by
+        each forward of the model), ``self.reduction`` (an ``OrderedReduction`` over
+        ``self.order`` reversed, ``reached(i)`` and ``grad_ready(i, p)``, that calls
+        ``reduce(i)``), ``self.bw`` (a flag per unit), ``self.prefetch``,
+        ``self.reshard``; ``finish_step`` (the library's) frees and reduce-scatters
+        every unit last of all.
+
+        Contract:
+        - ex06.D.use: a unit's forward runs only with its parameters gathered and in use
+          (its shards again once it returns), its backward only with them gathered.
+        - ex06.D.prefetch: with ``prefetch``, the gather of the unit that computes next
+          (the next one in a forward, the one before in a backward) starts before this
+          one computes, without waiting for it.
+        - ex06.D.on_demand: without ``prefetch``, a unit is gathered only when it
+          computes.
+        - ex06.D.free: with ``reshard_after_forward``, a unit is freed when its forward
+          returns.
+        - ex06.D.free_again: with ``reshard_after_forward``, a unit is freed again when
+          its gradients are reduce-scattered.
+        - ex06.D.peak: with ``reshard_after_forward``, at most two units are gathered at
+          once (one without prefetch), also when a unit's parameter gets no gradient on
+          this rank.
+        - ex06.D.counted: ``peak_gathered_bytes`` counts every gathered unit: the
+          buffers are gathered and freed only through ``self.gather`` and ``self.free``.
+        - ex06.D.keep: without ``reshard_after_forward``, a unit is gathered once per
+          step, at its first forward, and freed only by ``finish_step``.
+        - ex06.D.reduce: with resharding, each backward reduce-scatters every unit's
+          gradients once, in the reverse of this forward's order, after they are all in
+          and no later than when the backward reaches the unit computed next (a unit
+          whose gradients never come holds none of the others back).
+        - ex06.D.deferred: without resharding, no unit is reduce-scattered before
+          ``finish_step``.
+        - ex06.D.repeat: every later micro-batch and step runs the schedule of the
+          first.
+        - ex06.*.train: the library's ZeRO stages 1, 2 and 3 with your code train the
+          GPT as one process does."""
         raise NotImplementedError("Exercise 06 D: UnitSchedule.pre_forward")
         self.t0[i] = trace.now()
 
     def post_forward(self, i: int, out):
-        """Unit i's forward has returned ``out``."""
         trace.record("compute", "forward", self.t0[i], trace.now(), labels={"unit": i})
         raise NotImplementedError("Exercise 06 D: UnitSchedule.post_forward")
 
     def pre_backward(self, i: int) -> None:
-        """The gradient of one of unit i's outputs has arrived: its backward is about to run."""
         if not self.in_backward:                           # the first unit of this backward
             self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
@@ -217,18 +274,14 @@ class UnitSchedule:
         self.t0[i] = trace.now()
 
     def reduce(self, i: int) -> None:
-        """Unit i's gradients of this backward are all in (:class:`OrderedReduction` calls this,
-        in its order)."""
         trace.record("compute", "backward", self.t0[i], trace.now(), labels={"unit": i})
         self.held()
         raise NotImplementedError("Exercise 06 D: UnitSchedule.reduce")
 
     def grad_ready(self, i: int, p) -> None:
-        """Parameter ``p`` of unit i has its gradient of this backward."""
         raise NotImplementedError("Exercise 06 D: UnitSchedule.grad_ready")
 
     def end_backward(self) -> None:
-        """The backward has ended (an autograd callback)."""
         raise NotImplementedError("Exercise 06 D: UnitSchedule.end_backward")
         self.in_backward = False
 

@@ -1,60 +1,35 @@
 """Exercise 08: context parallelism: ring attention, forward and backward, and its layout.
 
-A. ``merge_partials(o_a, lse_a, o_b, lse_b)``: the online-softmax merge.
-   ``(o_a, lse_a)`` is attention of some queries over one block of keys: ``o`` (..., T, d)
-   the softmax-weighted values, ``lse`` (..., T) the log-sum-exp of each query's scores.
-   ``(o_b, lse_b)`` is the same over another, disjoint block. Return ``(o, lse)``, attention
-   of the same queries over both blocks together. The blocks may be of unequal length.
-   Invariant: merging the blocks of a split key set, in any order, gives attention over the
-   whole set (to fp32 rounding, rtol = atol = 1e-5), and stays finite and exact when the
-   log-sum-exps are near 1000, where a plain ``exp`` overflows.
-   Derived in notebook 08, "The online-softmax merge" (Milakov & Gimelshein 2018;
-   FlashAttention, Dao et al. 2022, Algorithm 1; ring attention, Liu et al. 2023).
+Each rank of a cp group holds T/c tokens of every sequence; only attention needs the other
+ranks' tokens. Notebook 08 shows the ring, the merge and the causal imbalance on real ranks;
+here you build them.
 
-B. ``zigzag_chunks(rank, cp)``: the sequence is cut into 2·cp equal chunks, numbered in
-   sequence order, and each rank of a cp group holds two of them. Return the two chunk
-   numbers ``rank`` holds, the earlier one first.
-   Invariant: together the ranks hold each chunk exactly once, and under a causal mask every
-   rank's queries do the same attention work (the query-key pairs they score).
-   A rank outside the group is a ``ValueError``.
-   Derived in notebook 08, "The causal imbalance, and zigzag" (the Llama 3 report, Dubey et
-   al. 2024, §3.3.2).
-
+A. ``merge_partials(o_a, lse_a, o_b, lse_b)``: the online-softmax merge, exact where the
+   formula written out is not (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022).
+B. ``zigzag_chunks(rank, cp)``: which two of the 2·cp chunks a rank holds so that causal
+   attention costs every rank the same (the Llama 3 report, Dubey et al. 2024, §3.3.2).
 C. ``ring_step(rank, src, cp, causal, layout)`` and ``ring_forward(q, k, v, group, causal,
-   layout, attention)``: ring attention's forward (Liu et al. 2023). Each rank of the cp
-   ``group`` holds its queries and one key/value block; at step s = 0 .. c-1 it holds the block
-   of group rank src = (r - s) mod c, starts passing it on to r+1 (and receiving the next from
-   r-1) with ``_start_exchange``, and merges its queries' attention on the block into a running
-   ``(o, lse)``. ``ring_step`` says what a step computes, one of ``PARTS``: without a mask
-   "full"; causal and contiguous, "causal" on the diagonal, "full" for an earlier block and
-   "skip" for a later one (no work at all, the block is wholly masked); causal and zigzag,
-   "causal" on the diagonal, "kv_front" (every query, the block's first half of keys) for
-   src < r and "q_back" (the second half of the queries, every key) for src > r
-   (``_views`` cuts those out). Return ``(o, lse)`` of this rank's queries over the whole
-   sequence.
-   Invariant: on every rank, O and lse equal full attention's rows of that rank's tokens (fp32,
-   rtol = atol = 1e-5), contiguous or zigzag, causal or not;
-   a later block under the causal mask is skipped, never computed;
-   on a non-world group (a cp group of 2 out of 4 ranks), ranks count within their group;
-   each dtype kept (float64 and bfloat16 in, the same dtype out).
+   layout, attention)``: ring attention's forward (Liu et al. 2023): which pairs a step scores,
+   and the loop around the ring, yours to design.
 D. ``ring_backward(q, k, v, o, lse, do, group, causal, layout, attention)``: the written-out
-   backward. The key/value blocks go around the ring again, each travelling with an
-   accumulator of its dK, dV; at every step the rank adds its queries' contribution
-   (``attention_block_backward``, from the final o and lse) to dQ and to the accumulator, and
-   passes the accumulator on (tag 1); after c steps each block's accumulator is back on its
-   owner, with every rank's contribution. Return ``(dQ, dK, dV)``.
-   Invariant: dQ, dK, dV equal full attention's gradients of the rank's tokens (fp32,
-   rtol = atol = 1e-5) on 2 and 4 ranks, on a non-world group and with a skipped block;
-   a second step after the first (another q, k, v and dO) is as exact as the first.
+   backward: how each key block's gradient collects every rank's contribution is yours.
 
-The last tests run the library's ring attention on 2 and 4 ranks (and on two cp groups of 2
-out of 4) and train the GPT with context parallelism, your functions in place, and compare
-with one process. Stuck? ``minipar.hint("ex08", "A")`` (or "B", "C", "D") gives a nudge, then
-the idea, then the formula. Grade it with ``python -m minipar.grade ex08``.
+Each function's docstring below is its contract: clauses ``ex08.P.word`` that must hold (the
+grader names the clause a failure breaks). The last tests run the library's ring attention on
+2 and 4 ranks (and on two cp groups of 2 out of 4) and train the GPT with context parallelism,
+your functions in place, and compare with one process. Stuck? ``minipar.hint("ex08", "A")``
+(or "B", "C", "D") gives a nudge, then the idea, then the steps. Grade it with
+``python -m minipar.grade ex08``.
 """
 # Generated by `python -m minipar.course.exercise --write` from minipar's marked code.
 # Replace each `raise NotImplementedError` with your code; `with minipar.exercise("ex08"):`
 # runs the library with the functions below in place of its own (in every rank too).
+# How to read around this exercise: each docstring below is a contract, clauses ex08.P.word that
+# must hold (the grader names the clause a failure breaks); the steps are yours to design. Read
+# the notebook, this file and, for each library name this file imports, its signature and
+# docstring (help(name)): they say what it does, not how you use it. The library's own source of
+# the functions below is their solution: do not open it. Stuck? minipar.hint("ex08") lists the
+# parts; each call shows one more tier (a nudge, the idea, the steps).
 from __future__ import annotations
 
 
@@ -65,8 +40,21 @@ import torch
 
 
 def merge_partials(o_a, lse_a, o_b, lse_b):
-    """Online-softmax merge of two partial results over disjoint key blocks: ``(O, lse)`` of
-    attention over both (equations in the module docstring). ``o_*``: (..., T, d); ``lse_*``: (..., T)."""
+    """Given: ``(o_x, lse_x)`` is attention of some queries over one block of keys: ``o`` (...,
+    T, d) the softmax-weighted values, ``lse`` (..., T) the log-sum-exp of each query's
+    scores over the block; ``(o_a, lse_a)`` and ``(o_b, lse_b)`` are over two disjoint
+    blocks.
+
+    Contract:
+    - ex08.A.exact: the result ``(o, lse)`` is attention of the same queries over both
+      blocks together, and merging the blocks of a split key set one at a time, in any
+      order, gives attention over the whole set (fp32, rtol = atol = 1e-5).
+    - ex08.A.unequal: the two blocks may hold different numbers of keys.
+    - ex08.A.stable: the result stays finite and as exact (rtol = atol = 1e-5) when the
+      log-sum-exps are near 1000, where ``exp`` of one overflows fp32, and where they differ
+      by hundreds.
+    - ex08.A.empty: where a query sees no key of one block (its ``lse`` is -inf), the merge
+      gives the other block's ``o`` and ``lse`` for that query, finite."""
     raise NotImplementedError("Exercise 08 A: merge_partials")
 
 
@@ -76,8 +64,15 @@ def merge_partials(o_a, lse_a, o_b, lse_b):
 
 
 def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
-    """The two chunks (of 2·cp, earlier first) that ``rank`` holds under zigzag sharding: one
-    early and one late, so that every rank's causal attention work is the same."""
+    """Given: the sequence is cut into 2·cp equal chunks, numbered 0 .. 2·cp-1 in sequence
+    order; each rank of a cp group holds two of them.
+
+    Contract:
+    - ex08.B.cover: the result is the two chunk numbers ``rank`` holds, the earlier first,
+      and together the ranks 0 .. cp-1 hold each chunk exactly once.
+    - ex08.B.balance: under a causal mask every rank's queries do the same attention work
+      (the query-key pairs they score), for every cp.
+    - ex08.B.range: a rank outside 0 .. cp-1 is a ``ValueError``."""
     # Hint: a rank outside 0 .. cp-1 is a ValueError.
     raise NotImplementedError("Exercise 08 B: zigzag_chunks")
 
@@ -93,19 +88,60 @@ from minipar.runtime import trace
 
 
 def ring_step(rank: int, src: int, cp: int, causal: bool = True, layout: str = "contiguous") -> str:
-    """What ``rank``'s queries compute with the key/value block of ``src`` (one of ``PARTS``)."""
+    """Given: one of ``PARTS`` says which query-key pairs of ``rank``'s queries and ``src``'s
+    block a ring step scores, as ``_views`` cuts them out: "full" every pair, unmasked;
+    "causal" every pair under the causal mask (two blocks of the same positions); "kv_front"
+    every query with the block's first half of keys, unmasked; "q_back" the second half of
+    the queries with every key, unmasked; "skip" none. Blocks are laid out by ``layout``
+    ("contiguous": rank r holds the r-th of cp blocks; "zigzag": the chunks
+    ``zigzag_chunks(r, cp)``).
+
+    Contract:
+    - ex08.C.parts: the part ``ring_step`` returns scores exactly the pairs the mask keeps
+      (every pair without ``causal``), none twice and none that the mask hides.
+    - ex08.C.skip: a block wholly in the future of a rank's queries is skipped, never
+      computed."""
     raise NotImplementedError("Exercise 08 C: ring_step")
 
 
 def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contiguous", attention="auto"):
-    """``(O, lse)`` of this rank's queries over the whole sequence's keys (no autograd)."""
+    """Given: q, k, v (B, H, T/c, d) are this rank's tokens on the cp ``group`` (c ranks).
+    ``_start_exchange(buf, prv, nxt, group, name, tag)`` starts sending ``buf`` to group
+    rank ``nxt`` and receiving one like it from ``prv``, and returns ``wait()``, which
+    returns what arrived; ``ring_step``, ``_views``, ``attention_block`` and
+    ``merge_partials`` are yours to use.
+
+    Contract:
+    - ex08.C.exact: on every rank the returned ``(O, lse)`` equal full attention's rows of
+      that rank's tokens (fp32, rtol = atol = 1e-5), contiguous or zigzag, causal or not, on
+      2 and 4 ranks.
+    - ex08.C.sends: each rank sends c-1 K, V blocks per forward (``name="ring_kv"``, tag 0),
+      each to the next rank of the ring: the forward bytes of ``cost.cp_comm_bytes("ring",
+      ...)``.
+    - ex08.*.group: on a non-world group (a cp group of 2 out of 4 ranks), ranks count
+      within their group and only its ranks take part.
+    - ex08.*.dtype: each dtype kept (float64 and bfloat16 in, the same dtype out).
+    - ex08.*.recorded: every transfer goes through ``minipar.comm`` (``_start_exchange``
+      does), so the trace records its bytes."""
     # Hint: _start_exchange, ring_step, _views, attention_block and merge_partials are given.
     raise NotImplementedError("Exercise 08 C: ring_forward")
 
 
 def ring_backward(q, k, v, o, lse, do, group=None, causal: bool = True, layout: str = "contiguous",
                   attention="auto"):
-    """``(dQ, dK, dV)``: the key/value blocks travel the ring again with their dK, dV."""
+    """Given: ``o`` and ``lse`` are the forward's final result for this rank's queries, ``do``
+    the gradient of ``o``; ``attention_block_backward(q, k, v, o, lse, do, causal, delta,
+    attention)`` gives one block's ``(dQ, dK, dV)`` from the final ``o`` and ``lse``.
+
+    Contract:
+    - ex08.D.exact: ``(dQ, dK, dV)`` equal full attention's gradients of the rank's tokens
+      (fp32, rtol = atol = 1e-5) on 2 and 4 ranks, on a non-world group and with a skipped
+      block.
+    - ex08.D.sends: per backward each rank sends c-1 K, V blocks (tag 0) and c gradient
+      buffers of the same size (``name="ring_dkv"``, tag 1): the backward bytes of
+      ``cost.cp_comm_bytes("ring", ...)``.
+    - ex08.D.second: a second step after the first (another q, k, v and dO) is as exact as
+      the first."""
     # Hint: attention_block_backward takes the final o and lse; use tag 1 for the dK, dV exchange.
     raise NotImplementedError("Exercise 08 D: ring_backward")
 

@@ -35,6 +35,13 @@ MESH_DIMS = ("pp", "dp", "cp", "tp")  # with context parallelism, slowest to fas
 GROUP_DIMS = MESH_DIMS + ("dp_cp", "ep", "expert_dp")  # every group a rank can ask for
 
 
+# Contract:
+# ex07.A.order: returns ``{"pp": p, "dp": d, "tp": t}``, the coordinates of global ``rank`` in a
+#     dp × pp × tp job laid out as Megatron-LM lays it out (Narayanan et al. 2021, §3.3):
+#     tensor-parallel ranks vary fastest (adjacent ranks share a node's fast links), then
+#     data-parallel ranks, the pipeline stage slowest; every rank 0 .. dp·pp·tp - 1 gets
+#     distinct coordinates.
+# ex07.A.range: a rank outside the mesh is a ``ValueError``.
 def mesh_coordinates(rank: int, dp: int, pp: int, tp: int) -> dict[str, int]:
     """``{"pp": p, "dp": d, "tp": t}`` of global ``rank`` on a dp × pp × tp mesh."""
     # >>> ex07 A
@@ -45,6 +52,12 @@ def mesh_coordinates(rank: int, dp: int, pp: int, tp: int) -> dict[str, int]:
     # <<< ex07 A
 
 
+# Contract:
+# ex07.B.order: returns the global ranks of ``rank``'s group along ``dim`` ("dp", "pp" or "tp"):
+#     the ranks that share ``rank``'s coordinates in the two other dimensions, ordered by their
+#     coordinate along ``dim`` (a rank's index in the list is its group-local rank). Example:
+#     dp = pp = tp = 2, rank 5 has tp group [4, 5], dp group [5, 7] and pp group [1, 5].
+# ex07.B.dim: an unknown ``dim`` is a ``ValueError``.
 def group_members(rank: int, dim: str, dp: int, pp: int, tp: int) -> list[int]:
     """Global ranks of ``rank``'s group along ``dim`` ("dp", "pp" or "tp"), in group order."""
     # >>> ex07 B
@@ -103,6 +116,21 @@ class ProcessMesh:
         """Size of the expert-data-parallel group: dp·cp/ep."""
         return self.dp * self.cp // self.ep
 
+    # Contract:
+    # Given: ``GROUP_DIMS``; ``self.dp``, ``self.pp``, ``self.tp``, ``self.cp``, ``self.ep``.
+    # ex07.D.layout: the ranks form a (pp, dp, cp, tp) grid, tp fastest, then cp, dp, pp:
+    #     rank = ((p·dp + d)·cp + c)·tp + t; ``coordinates(rank)`` gives every dim's coordinate.
+    # ex07.D.inverse: coordinates and rank_of are inverse.
+    # ex07.D.dp_cp: ``members(rank, dim)`` takes every dim of ``GROUP_DIMS``: along "pp", "dp",
+    #     "cp" or "tp" the ranks that differ only in that coordinate; "dp_cp" the dp·cp ranks that
+    #     differ only in (d, c), in (d, c) order.
+    # ex07.D.ep_blocks: "ep" is its block of ``ep`` consecutive members of that dp_cp list and
+    #     "expert_dp" the members at the same place of every block (dp·cp/ep ranks), for the
+    #     ep groups of every (p, t), carved out of their own dp_cp list, not only those of rank 0
+    #     (a non-world group).
+    # ex07.D.partition: ``all_groups(dim)`` lists every group along dim once: the groups along any
+    #     dim partition the ranks.
+    # ex07.D.dim: an unknown dim is a ``ValueError`` here too.
     def coordinates(self, rank: int) -> dict[str, int]:
         """``{"pp", "dp", "cp", "tp"}`` of global ``rank`` (tp fastest, then cp, dp, pp)."""
         # >>> ex07 D
@@ -146,6 +174,15 @@ class ProcessMesh:
         return [list(g) for g in dict.fromkeys(tuple(self.members(r, dim)) for r in range(self.size))]
         # <<< ex07 D
 
+    # Contract:
+    # Given: ``build()`` runs inside every rank; ``dist.new_group`` and ``name_group(group, dim)``.
+    # ex07.E.order: it creates the process group of every group along each dimension in use (dp,
+    #     pp, tp; cp and dp_cp when cp > 1; ep and expert_dp when ep > 1), every rank every group
+    #     in the same order (a group's creation is collective over the world).
+    # ex07.E.reach: ``self.groups[dim]`` is this rank's own group, and a collective on it reaches
+    #     exactly ``members(rank, dim)``.
+    # ex07.E.cp1: with cp = 1 the dp_cp group is the dp group.
+    # ex07.E.ep1: with ep = 1 the expert_dp group is the dp_cp group.
     def build(self) -> "ProcessMesh":
         """Inside a rank: create this rank's dp, pp and tp process groups (and cp, dp_cp when
         cp > 1; ep and expert_dp when ep > 1)."""

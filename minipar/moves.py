@@ -70,6 +70,18 @@ class Plan:
         return [mv for mv in self.moves if mv.src == src and mv.dst == dst]
 
 
+# Contract:
+# Given: a rank's holding maps each key of the job's state to the global flat indices (int64) of
+#     the single-device tensor its local tensor keeps, in local order; ``plan`` returns a
+#     ``Plan`` of ``Move(src, dst, key, src_pos, dst_pos)``.
+# ex12.A.once: every element of a new holding gets exactly one source.
+# ex12.A.local: the source is the rank itself when it already holds the element (a local copy).
+# ex12.A.ring: else the first holder after it in ring order (dst+1, dst+2, ... mod world).
+# ex12.A.sorted: the moves come sorted by (dst, src), keys in ``sizes``' order within each pair.
+# ex12.A.missing: an element held by no rank is a ``ValueError`` naming the key.
+# ex12.A.world: old and new holdings of a different number of ranks are a ``ValueError``.
+# ex12.A.bytes: the plan's bytes (``Plan.sent``, the library's) are then exactly the elements
+#     missing at their destination, each at its key's itemsize.
 def plan(old: list[dict[str, torch.Tensor]], new: list[dict[str, torch.Tensor]],
          sizes: dict[str, int]) -> Plan:
     """The plan from the ranks' ``old`` holdings to their ``new`` ones (lists by global rank;
@@ -170,6 +182,14 @@ def expand(p: Plan, bounds: np.ndarray, old_ids: list[np.ndarray], new_ids: list
     return out, sent, received
 
 
+# Contract:
+# Given: ``p`` is this rank's ``Plan`` (ranks of ``group``); ``tensors`` its old local tensors
+#     by key, ``new_tensors`` the new ones to fill, by key; it returns the bytes this rank's all-to-all event recorded
+#     as sent (the event named ``name``).
+# ex12.B.values: the values arrive bit for bit; every move between ranks travels in one
+#     ``all_to_all_single`` call, the same call for all of them.
+# ex12.B.bytes: the all-to-all's observed bytes equal the plan's.
+# ex12.B.fp32: fp32 state only (another dtype is a ``NotImplementedError``).
 def execute(p, tensors, new_tensors, group=None, name: str = "reshard") -> int:
     """Carry out plan ``p`` on this rank of ``group``: local copies, then one all-to-all (its event
     named ``name``). Returns the bytes this rank's all-to-all event recorded as sent."""

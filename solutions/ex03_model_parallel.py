@@ -1,74 +1,35 @@
 """Exercise 03: the stage boundary: activations forward, gradients back, across ranks.
 
 Autograd's graph ends where a process ends. Split a model by layers over ranks and the chain
-rule ∂L/∂x = ∂L/∂y · ∂y/∂x must be carried across the cut by hand: the activation y goes
-forward, ∂L/∂y comes back (Huang et al. 2019; Narayanan et al. 2019; notebook 03, "Autograd
-across ranks"). You write both sides of that boundary, then the two users of it.
+rule ∂L/∂x = ∂L/∂y · ∂y/∂x must be carried across the cut by hand (Huang et al. 2019;
+Narayanan et al. 2019; notebook 03, "Autograd across ranks"). You write both sides of that
+boundary, then the two users of it.
 
-A. The stage communication (``minipar.model_parallel.stage_comm``) and the naive model-parallel
-   step that runs on it (``NaiveModelParallel.step(x, y)`` in ``minipar.model_parallel``; its
-   ``stage``, ``shapes`` (stage s's output shape), ``group``, ``loss_fn``, ``comm``, ``dtype``,
-   ``wire`` (the dtype messages travel in, both ways: ``stage_comm.message_dtype``, the
-   parameters'), ``device`` (where receives land), ``rank`` and ``n`` are set by the library):
+A. The stage communication (``send_activation``, ``recv_activation``, ``send_grad``,
+   ``recv_grad`` in ``minipar.model_parallel.stage_comm``) and the naive model-parallel step
+   that runs on it (``NaiveModelParallel.step(x, y)``).
+B. The pipeline's ``Mailbox`` (``minipar.pipeline.executor``): how messages find their
+   receive, whatever order a schedule posts them in.
+C. The pipeline's compute actions, ``Pipeline.F(a)``, ``.B(a)`` and ``.W(a)`` (same module):
+   what each keeps, passes on and frees is yours to design.
 
-   * ``send_activation(y, dst, group, tag, **labels)`` and ``send_grad(grad, dst, ...)`` start
-     a send and **return its ``Handle`` without waiting**;
-   * ``recv_activation(shape, src, group, dtype, device, tag, **labels)`` returns, once it has
-     arrived, **a leaf that requires grad**, so that after this stage's backward its ``.grad``
-     is ∂L/∂(this input); ``recv_grad(...)`` returns the gradient itself; both arrive
-     **in the ``dtype`` asked**;
-   * **the gradient sent back is ∂L/∂(the stage's input)**: the sending stage continues its
-     backward from it, and the weight gradients on every rank are one process's;
-   * **every transfer goes through ``minipar.comm``** (``isend``/``irecv``: recorded, with its
-     bytes), **over ``group``, with ``src``/``dst`` its ranks**, passing ``tag`` and
-     ``**labels`` through;
-   * ``step`` runs one batch over **any number of stages, one per rank** (a middle rank
-     receives and sends in both directions) and returns the batch's loss on the last rank,
-     ``None`` elsewhere: **training equals one process**.
-
-B. The pipeline's ``Mailbox`` (``minipar.pipeline.executor``): the executor calls
-   ``Mailbox(comm, group, m, act_shape, dtype, device)`` (``act_shape(s)``: stage s's output
-   shape for one micro-batch; ``dtype``: its parameters'), ``send(a, tensor)`` for a
-   ``SEND_F``/``SEND_B`` action ``a`` (``a.microbatch``, ``a.stage``, ``a.peer``),
-   ``recv(a)`` for a ``RECV_F``/``RECV_B`` and ``flush()`` at the end of the step. The
-   schedule may receive in any order:
-
-   * **a receive gets the message of its own kind, micro-batch and sending stage, whatever
-     the order the messages were sent in**;
-   * **every message travels in the dtype of the stages' parameters** (a float64 model's in
-     float64);
-   * sends never block the schedule, yet **every send is waited on, and recorded, by the end
-     of the step**, on the pipeline's ``group``.
-
-C. The pipeline's compute actions, ``Pipeline.F(a)``, ``.B(a)`` and ``.W(a)`` (same module),
-   each run inside its trace region for an action ``a`` of stage ``a.stage`` on micro-batch
-   ``a.microbatch``. The step (set by the library) has cut the batch into ``self.xs`` and
-   ``self.ys`` (m micro-batches each) and set ``self.loss = 0``; ``self.inbox`` holds what
-   ``RECV_F``/``RECV_B`` received and ``self.outbox`` what ``SEND_F``/``SEND_B`` will send,
-   both keyed ``(kind, micro-batch, stage)`` (kind ``"F"`` or ``"B"``); ``self.stash`` is a
-   ``Stash``; ``self.stages``, ``self.last`` (the last stage's index), ``self.schedule``
-   (``m``, ``split_backward``), ``self.loss_fn``, ``self.compute_dtype`` and ``self.device``
-   are the pipeline's:
-
-   * **the step's loss and gradients are those of the mean of its m micro-batches' losses**;
-   * **B continues the backward from the gradient ``RECV_B`` left (the last stage from its own
-     loss) and leaves ∂L/∂(its input) for ``SEND_B``**;
-   * **what a micro-batch's backward needs is stashed from its F until its B (with W, until
-     its W), and no longer**: the step's ``peak_stash`` is the schedule's;
-   * **with ``schedule.split_backward`` (ZB-H1), B computes the input gradients only and W the
-     weight gradients** (``minipar.pipeline.deferred`` and ``WeightGrads``);
-   * **the forward computes in ``compute_dtype``** (``minipar.strategy.forward``, the one place a forward enters autocast).
-
-Graded on 2 and 3 ranks: the values, dtypes and gradients that arrive, the recorded bytes and
-their group, an LSTM and a GPT split over ranks, pipelined GPTs (a schedule whose second rank
-takes the micro-batches in the other order, in float64, and 1F1B) trained on your code, equal
-to one process, and one step of a two-stage network under 1F1B, ZB-H1 (once with a W left
-out) and bfloat16. Grade it with ``python -m minipar.grade ex03``; stuck?
-``minipar.hint("ex03", "A")`` (parts A, B, C).
+Each function's docstring below is its contract: clauses ``ex03.P.word`` that must hold (the
+grader names the clause a failure breaks). Graded on 2 and 3 ranks: the values, dtypes and
+gradients that arrive, the recorded bytes and their group, an LSTM and a GPT split over
+ranks, pipelined GPTs (a schedule whose second rank takes the micro-batches in the other
+order, in float64, and 1F1B) trained on your code, equal to one process, and one step of a
+two-stage network under 1F1B, ZB-H1 (once with a W left out) and bfloat16. Grade it with
+``python -m minipar.grade ex03``; stuck? ``minipar.hint("ex03", "A")`` (parts A, B, C).
 """
 # Generated by `python -m minipar.course.exercise --write` from minipar's marked code.
 # This is the solution: the library's own marked code; `with minipar.exercise("ex03", target="solution"):`
 # runs the library with the functions below in place of its own (in every rank too).
+# How to read around this exercise: each docstring below is a contract, clauses ex03.P.word that
+# must hold (the grader names the clause a failure breaks); the steps are yours to design. Read
+# the notebook, this file and, for each library name this file imports, its signature and
+# docstring (help(name)): they say what it does, not how you use it. The library's own source of
+# the functions below is their solution: do not open it. Stuck? minipar.hint("ex03") lists the
+# parts; each call shows one more tier (a nudge, the idea, the steps).
 from __future__ import annotations
 
 
@@ -85,7 +46,21 @@ class NaiveModelParallel:
     class is the library's."""
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
-        """Forward and backward of one batch; the loss on the last rank, else ``None``."""
+        """Given: ``self.stage`` (this rank's layers), ``self.shapes`` (``shapes[s]``:
+        stage s's output shape), ``self.group``, ``self.loss_fn``, ``self.comm``
+        (``stage_comm``), ``self.dtype`` (the forward's, through ``strategy.forward``),
+        ``self.wire`` (the dtype every message travels in, both ways:
+        ``stage_comm.message_dtype``), ``self.device`` (where receives land),
+        ``self.rank`` (= the stage) and ``self.n`` are set; ``x``, ``y`` are the whole
+        batch's inputs and targets on every rank.
+
+        Contract:
+        - ex03.A.grad: the gradient sent back is ∂L/∂(the stage's input): the sending
+          stage continues its backward from it, and the weight gradients on every rank
+          are one process's.
+        - ex03.A.stages: ``step`` runs one batch over any number of stages, one per
+          rank, and returns the batch's loss on the last rank, ``None`` elsewhere.
+        - ex03.A.train: training with ``step`` equals one process."""
         r, n, g, c = self.rank, self.n, self.group, self.comm
         inp = x if r == 0 else c.recv_activation(self.shapes[r - 1], r - 1, g, self.wire, self.device, stage=r)
         with strategy.forward(self.dtype, inp, "forward", stage=r, microbatch=0, phase="F"):
@@ -111,27 +86,37 @@ from minipar.comm import Handle, irecv, isend
 
 
 def send_activation(y: torch.Tensor, dst: int, group=None, tag: int = 0, **labels) -> Handle:
-    """Start sending the values of stage output ``y`` to group rank ``dst``."""
+    """Contract:
+    - ex03.A.async: ``send_activation`` and ``send_grad`` start a send of the tensor's
+      values and return its ``Handle`` without waiting for it.
+    - ex03.*.recorded: every transfer goes through ``minipar.comm`` (``isend``/``irecv``)
+      and is waited on before the step ends, so the trace records its bytes.
+    - ex03.*.group: every transfer runs over ``group``, with ``src``/``dst`` its ranks,
+      passing ``tag`` and ``**labels`` through."""
     return isend(y.detach(), dst, group, name="send_activation", tag=tag, **labels)
 
 
 def recv_activation(shape, src: int, group=None, dtype=torch.float32, device=None,
                     tag: int = 0, **labels) -> torch.Tensor:
-    """Receive a stage input from group rank ``src``: a leaf tensor that requires grad, so
-    that after the backward its ``.grad`` is the gradient to send back."""
+    """Contract:
+    - ex03.A.leaf: ``recv_activation`` returns, once it has arrived, a leaf that requires
+      grad, so that after this stage's backward its ``.grad`` is ∂L/∂(this input);
+      ``recv_grad`` returns the gradient itself.
+    - ex03.A.dtype: both receives return ``shape`` in the ``dtype`` asked, on ``device``."""
     x = torch.empty(shape, dtype=dtype, device=device)
     irecv(x, src, group, name="recv_activation", tag=tag, **labels).wait()
     return x.requires_grad_()
 
 
 def send_grad(grad: torch.Tensor, dst: int, group=None, tag: int = 0, **labels) -> Handle:
-    """Start sending ``grad`` (the ``.grad`` of a received activation) back to group rank ``dst``."""
+    """Given: as ``send_activation`` (ex03.A.async), for the gradient of a received activation."""
     return isend(grad.detach(), dst, group, name="send_grad", tag=tag, **labels)
 
 
 def recv_grad(shape, src: int, group=None, dtype=torch.float32, device=None,
               tag: int = 0, **labels) -> torch.Tensor:
-    """Receive the gradient of this stage's output from group rank ``src`` (no grad needed)."""
+    """Given: as ``recv_activation`` (ex03.A.leaf, ex03.A.dtype), for the gradient of this
+    stage's output."""
     g = torch.empty(shape, dtype=dtype, device=device)
     irecv(g, src, group, name="recv_grad", tag=tag, **labels).wait()
     return g
@@ -152,6 +137,20 @@ class Mailbox:
     the library's."""
 
     def __init__(self, comm, group, m: int, act_shape, dtype, device):
+        """Given: the executor calls ``Mailbox(comm, group, m, act_shape, dtype, device)``
+        (``comm``: ``stage_comm``; ``act_shape(s)``: stage s's output shape for one
+        micro-batch; ``dtype``: the stages' parameters'), ``send(a, tensor)`` for a
+        ``SEND_F``/``SEND_B`` action ``a`` (``a.op``, ``a.microbatch``, ``a.stage``,
+        ``a.peer``), ``recv(a)`` for a ``RECV_F``/``RECV_B`` and ``flush()`` at the end
+        of the step. The schedule may receive in any order.
+
+        Contract:
+        - ex03.B.match: a receive gets the message of its own kind, micro-batch and
+          sending stage, whatever the order the messages were sent in.
+        - ex03.B.dtype: every message travels in the dtype of the stages' parameters (a
+          float64 model's in float64).
+        - ex03.B.flush: sends never block the schedule, yet every send is waited on, and
+          recorded, by the end of the step, on the pipeline's ``group``."""
         self.comm, self.group, self.m, self.act_shape = comm, group, m, act_shape
         self.dtype, self.device, self.pending = dtype, device, []
 
@@ -174,13 +173,11 @@ class Mailbox:
         return t
 
     def _reap(self) -> None:
-        """Complete (and record) the sends that have finished; keep the others."""
         for h in [h for h in self.pending if all(w is None or w.is_completed() for w in h.works)]:
             h.wait()
             self.pending.remove(h)
 
     def flush(self) -> None:
-        """Wait for every send."""
         for h in self.pending:
             h.wait()
         self.pending = []
@@ -191,6 +188,29 @@ class Pipeline:
     the library's."""
 
     def F(self, a):
+        """Given: each of ``F(a)``, ``B(a)``, ``W(a)`` runs inside its trace region for an
+        action ``a`` of stage ``a.stage`` on micro-batch ``a.microbatch``. The step has
+        cut the batch into ``self.xs`` and ``self.ys`` (m micro-batches each) and set
+        ``self.loss = 0``; ``self.inbox`` holds what ``RECV_F``/``RECV_B`` received and
+        ``self.outbox`` what ``SEND_F``/``SEND_B`` will send, both keyed ``(kind,
+        micro-batch, stage)`` (kind "F" or "B"); ``self.stash`` is a ``Stash`` (a dict
+        counting its ``peak``); ``self.stages``, ``self.last`` (the last stage's index),
+        ``self.schedule`` (``m``, ``split_backward``), ``self.split_backward``,
+        ``self.loss_fn``, ``self.compute_dtype`` and ``self.device`` are the pipeline's;
+        ``deferred`` and ``WeightGrads`` (``minipar.autograd.split_backward``) split a
+        backward.
+
+        Contract:
+        - ex03.C.mean: the step's loss and gradients are those of the mean of its m
+          micro-batches' losses.
+        - ex03.C.backward: B continues the backward from the gradient ``RECV_B`` left
+          (the last stage from its own loss) and leaves ∂L/∂(its input) for ``SEND_B``.
+        - ex03.C.stash: a micro-batch's tensors are held only while a later action of it
+          still needs them: the step's ``peak_stash`` is the schedule's.
+        - ex03.C.split: with ``schedule.split_backward`` (ZB-H1), B computes the input
+          gradients only and W the weight gradients.
+        - ex03.C.dtype: the forward computes in ``compute_dtype``
+          (``minipar.strategy.forward``, the one place a forward enters autocast)."""
         with traced(a):
             i, s = a.microbatch, a.stage
             x = self.xs[i] if s == 0 else self.inbox.pop(("F", i, s))

@@ -44,26 +44,29 @@ def fails(test, *args, match: str, **kwargs) -> str:
     return str(e.value)
 
 
-def contract_tests(exercise: str, graded, plants: dict):
+def contract_tests(exercise: str, graded, plants: dict, elsewhere=()):
     """The two tests every ``tests/test_planted_exNN.py`` runs, for ``graded`` (the graded module)
     and ``plants`` (``{clause: (edits, test, match)}`` or ``(edits, test, args, match)``):
 
-    * every clause of ``graded.CONTRACT`` is planted and stands in the header (whitespace aside);
-    * each plant, run as the learner's file, fails the test ``CONTRACT`` names for its clause,
-      with a message matching ``match``.
+    * every plant names a clause of the exercise's contract (the library's ``# Contract:``
+      blocks), and every clause a graded test observes is planted here, or in
+      ``tests/test_planted_wrong_answers.py`` (``elsewhere``);
+    * each plant, run as the learner's file, fails a test tagged as observing its clause
+      (``grading.observes``), with a message matching ``match``.
 
     ``test_every_clause_is_planted, test_planted_answer_fails = contract_tests(...)`` at module level."""
     def test_every_clause_is_planted():
-        assert set(graded.CONTRACT) == set(plants)
-        header = " ".join(graded.__doc__.split())
-        for clause in graded.CONTRACT:
-            assert " ".join(clause.split()) in header, clause
+        from minipar.course.contracts import tagged
+        from minipar.course.markers import clauses
+        assert set(plants) <= set(clauses(exercise)), set(plants) - set(clauses(exercise))
+        assert set(tagged(graded)) - set(elsewhere) == set(plants), \
+            set(tagged(graded)) - set(elsewhere) ^ set(plants)
 
     @pytest.mark.parametrize("clause", list(plants))
     def test_planted_answer_fails(clause, tmp_path):
         edits, test, *args, match = plants[clause]
-        named = graded.CONTRACT[clause]
-        assert test.__name__ in ((named,) if isinstance(named, str) else named)
+        from minipar.course.contracts import tagged
+        assert test.__name__ in tagged(graded).get(clause, ()), (clause, test.__name__)
         with planted(exercise, tmp_path, *edits):
             fails(test, *(args[0] if args else ()), match=match)
     return test_every_clause_is_planted, test_planted_answer_fails

@@ -1,8 +1,9 @@
 """Each graded module states its contract and a test per clause (issue 30's conventions 1-4).
 
-* A core module ``test_exNN_*.py`` has ``CONTRACT = {clause: test name(s)}``: every clause is a
-  phrase of its docstring (verbatim, up to line breaks), every named test is a function of the
-  module taking ``impl``.
+* A core module ``test_exNN_*.py`` has ``CONTRACT = {clause id: test name(s)}``: every clause
+  id of the library's ``# Contract:`` blocks for the exercise (:func:`minipar.course.markers.clauses`)
+  is a key and every key is one (a core not yet moved to ids keys its clauses by their text,
+  verbatim in the docstring), every named test is a function of the module taking ``impl``.
 * Every core exercise has at least 40 learner lines (:func:`minipar.course.markers.learner_lines`),
   the ten of chapters 01-10 at least 600 together (ex12, an eleventh core, holds its 40 but does
   not count toward the 600).
@@ -47,13 +48,27 @@ def contract_problems(path: Path) -> list[str]:
     """What is wrong with a core graded module's ``CONTRACT`` (empty: nothing)."""
     tree = ast.parse(path.read_text())
     contract = _assigned(tree, "CONTRACT")
+    if contract is None and (GRADED / path.name).exists():   # a shipped core: read its tags
+        return tag_problems(path)
     if not isinstance(contract, dict) or not contract:
         return [f"{path.name}: no CONTRACT dict {{clause: test name(s)}}"]
     doc = _flat(ast.get_docstring(tree) or "")
     tests = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     problems = []
+    by_id = [c for c in contract if isinstance(c, str) and markers.CLAUSE_ID.fullmatch(c)]
+    if by_id:   # clause ids: the library's ``# Contract:`` blocks hold the clauses
+        k = re.match(r"test_(ex\d+)_", path.name)[1]
+        known = markers.clauses(k)
+        pending = _assigned(tree, "PENDING") or {}
+        problems += [f"{path.name}: clause {c} of the library's contract names no test"
+                     for c in known if c not in contract and c not in pending]
+        problems += [f"{path.name}: PENDING {c} is no clause of the library's contract, or has a test"
+                     for c in pending if c not in known or c in contract]
     for clause, names in contract.items():
-        if not isinstance(clause, str) or _flat(clause) not in doc:
+        if by_id and clause in by_id:
+            if clause not in known:
+                problems.append(f"{path.name}: {clause} is no clause of the library's contract")
+        elif not isinstance(clause, str) or _flat(clause) not in doc:
             problems.append(f"{path.name}: clause {clause!r} is not in the module docstring")
         names = (names,) if isinstance(names, str) else tuple(names)
         if not names:
@@ -64,6 +79,27 @@ def contract_problems(path: Path) -> list[str]:
             elif "impl" not in [a.arg for a in tests[n].args.args]:
                 problems.append(f"{path.name}: clause {clause!r}: {n} does not take impl")
     return problems
+
+
+def tag_problems(path: Path) -> list[str]:
+    """What is wrong with a shipped core's tags (``grading.observes``): a clause of the
+    library's contract that no test observes and ``PENDING`` does not excuse, a tag that names
+    no clause, a tagged test that does not take ``impl``."""
+    import importlib
+    import inspect
+    from minipar.course.contracts import tagged
+    k = re.match(r"test_(ex\d+)_", path.name)[1]
+    module = importlib.import_module(f"minipar.course.graded.{path.stem}")
+    known, tags = markers.clauses(k), tagged(module)
+    pending = getattr(module, "PENDING", {})
+    out = [f"{path.name}: clause {c} of the library's contract: no test observes it"
+           for c in known if c not in tags and c not in pending]
+    out += [f"{path.name}: {c} (tagged on {tags[c]}) is no clause of the library's contract"
+            for c in tags if c not in known]
+    out += [f"{path.name}: PENDING {c} is observed, or no clause" for c in pending if c in tags or c not in known]
+    out += [f"{path.name}: {n} does not take impl" for ns in tags.values() for n in ns
+            if "impl" not in inspect.signature(getattr(module, n)).parameters]
+    return sorted(set(out))
 
 
 def line_problems(counts: dict[str, int]) -> list[str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from minipar.course.hints import unseal
 from minipar.course.markers import GRADED
 
 MODULES = sorted(GRADED.glob("test_*.py"))
@@ -40,8 +41,8 @@ def hint_problems(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
     hints = _hints_node(tree)
     in_hints = {id(n) for n in ast.walk(hints)} if hints is not None else set()
-    tiers = [t for n in (ast.walk(hints) if hints is not None else ()) for t in _texts(n)
-             if isinstance(n, ast.Constant) and len(t) > 3]
+    tiers = [unseal(t) for n in (ast.walk(hints) if hints is not None else ()) for t in _texts(n)
+             if isinstance(n, ast.Constant) and len(t) > 3]   # the plain text of sealed tiers
     pieces = {t[i:i + PIECE]: t for t in tiers for i in range(max(1, len(t) - PIECE + 1))}
     parts = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
     problems = []

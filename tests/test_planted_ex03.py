@@ -10,67 +10,63 @@ from tests.planted import contract_tests
 SEND = '    return isend(y.detach(), dst, group, name="send_activation", tag=tag, **labels)'
 RECV = '    irecv(x, src, group, name="recv_activation", tag=tag, **labels).wait()'
 PLANTS = {  # clause -> (edits, graded test, what the message must name)
-    "return its ``Handle`` without waiting": (
+    "ex03.A.async": (
         [(SEND, SEND.replace("    return isend", "    isend") + ".wait()")],
         g.test_activation_values, r"return its ``Handle`` without waiting"),
-    "a leaf that requires grad": (
+    "ex03.A.leaf": (
         [("    return x.requires_grad_()", "    return x")], g.test_activation_values, r"a leaf that requires grad"),
-    "in the ``dtype`` asked": (
+    "ex03.A.dtype": (
         [("    x = torch.empty(shape, dtype=dtype, device=device)", "    x = torch.empty(shape, device=device)")],
         g.test_activation_values, r"in the ``dtype`` asked"),
-    "the gradient sent back is ∂L/∂(the stage's input)": (
+    "ex03.A.grad": (
         [('    irecv(g, src, group, name="recv_grad", tag=tag, **labels).wait()\n    return g',
           '    irecv(g, src, group, name="recv_grad", tag=tag, **labels).wait()\n    return g.zero_()')],
         g.test_gradient_flows_back, r"(?s)the gradient sent back is ∂L/∂\(the stage's input\).*seen: rank 0's"),
-    "every transfer goes through ``minipar.comm``": (
+    "ex03.*.recorded": (
         [('    return isend(grad.detach(), dst, group, name="send_grad", tag=tag, **labels)',
           '    return torch.distributed.isend(grad.detach(), dst, group=group, tag=tag)')],
         g.test_transfers_are_recorded, r"every transfer goes through ``minipar.comm``"),
-    "over ``group``, with ``src``/``dst`` its ranks": (
+    "ex03.*.group": (
         [(SEND, SEND.replace("dst, group,", "dst, None,")), (RECV, RECV.replace("src, group,", "src, None,"))],
         g.test_transfers_are_recorded, r"over ``group``, with ``src``/``dst`` its ranks"),
-    "any number of stages, one per rank": (
+    "ex03.A.stages": (
         [("            out = self.loss_fn(out, y) if r == n - 1 else", "            out = self.loss_fn(out, y) if r == 1 else")],
         g.test_drives_model_parallel, r"the GPT split over 3 ranks, rank 1 in the middle \(any number of stages, "
                                       r"one per rank\): rank 1: .*ex03_model_parallel\.py:\d+ .*IndexError: Target "
                                       r"\d+ is out of bounds"),
-    "training equals one process": (
+    "ex03.A.train": (
         [("            torch.autograd.backward(out, grad)",
           "            torch.autograd.backward(out, None if grad is None else grad / n)")],
         g.test_drives_model_parallel, r"the LSTM split over 2 ranks \(training equals one process\)"),
-    "a receive gets the message of its own kind, micro-batch and sending stage, whatever the order "
-    "the messages were sent in": (
+    "ex03.B.match": (
         [('        return 2 * (sender * self.m + i) + (kind == "B")', '        return 2 * sender + (kind == "B")')],
         g.test_messages_match_in_any_order, r"a receive gets the message of its own kind, micro-batch"),
-    "every message travels in the dtype of the stages' parameters": (
+    "ex03.B.dtype": (
         [("        self.dtype, self.device, self.pending = dtype, device, []",
           "        self.dtype, self.device, self.pending = torch.float32, device, []")],
         g.test_messages_match_in_any_order, r"\(every message travels in the dtype of the stages' parameters; "
                                             r".*\): rank \d: .*ex03_model_parallel\.py:\d+ .*RuntimeError: mixed dtype"),
-    "every send is waited on, and recorded, by the end of the step": (
+    "ex03.B.flush": (
         [("        for h in self.pending:\n            h.wait()\n        self.pending = []",
           "        for h in self.pending:\n            [w.wait() for w in h.works if w is not None]\n"
           "        self.pending = []")],
         g.test_sends_complete_each_step, r"every send is waited on, and recorded, by the end of the step"),
-    "the step's loss and gradients are those of the mean of its m micro-batches' losses": (
+    "ex03.C.mean": (
         [("out = self.loss_fn(out, self.ys[i]) / self.schedule.m", "out = self.loss_fn(out, self.ys[i])")],
         g.test_compute_actions, r"rank 1 \(the last stage\), 1F1B, m=4: the step's loss \(the mean of its micro-batches"),
-    "B continues the backward from the gradient ``RECV_B`` left (the last stage from its own loss) and "
-    "leaves ∂L/∂(its input) for ``SEND_B``": (
+    "ex03.C.backward": (
         [('                self.outbox["B", i, s] = x.grad', '                self.outbox["B", i, s] = torch.zeros_like(x.grad)')],
         g.test_compute_actions, r"rank 0, 1F1B, m=4, stage 0's weight: gradient after the step \(through the ∂L/∂\(input\)"),
-    "what a micro-batch's backward needs is stashed from its F until its B (with W, until its W), and "
-    "no longer": (
+    "ex03.C.stash": (
         [("            x, out, dw = self.stash.pop((i, s))", "            x, out, dw = self.stash[i, s]")],
         g.test_compute_actions, r"1F1B, m=4: peak_stash after the step, the schedule's"),
-    "with ``schedule.split_backward`` (ZB-H1), B computes the input gradients only and W the weight "
-    "gradients": (   # right numbers with the schedule as it is; the weight gradients all come in B
+    "ex03.C.split": (   # right numbers with the schedule as it is; the weight gradients all come in B
         [("            dw = WeightGrads() if self.split_backward else None", "            dw = None"),
          ("            self.stash.pop((a.microbatch, a.stage)).apply()",
           "            self.stash.pop((a.microbatch, a.stage), None)")],
         g.test_compute_actions, r"ZB-H1 without micro-batch 1's W, stage 0's weight: gradient after the step "
                                 r"\(the other micro-batches' only"),
-    "the forward computes in ``compute_dtype``": (
+    "ex03.C.dtype": (
         [("with strategy.forward(self.compute_dtype, ", "with strategy.forward(None, ")],
         g.test_compute_actions, r"bfloat16: the dtype of the stage's output \(the forward computes in ``compute_dtype``\)"),
 }

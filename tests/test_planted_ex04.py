@@ -6,41 +6,40 @@ from tests.planted import contract_tests
 
 STEADY = '        out += [Action("F", warmup + i, rank), Action("B", i, rank)]'
 PLANTS = {  # clause -> (edits, graded test, what the message must name)
-    "p contiguous, non-empty stages": (
+    "ex04.A.valid": (
         [("    return bounds[::-1]", "    return bounds")], g.test_partition_is_valid,
         r"first and last boundary .* \(p contiguous, non-empty stages\)"),
-    "the most expensive stage is as cheap as possible": (
+    "ex04.A.optimal": (
         [("    limit = _min_max(prefix, p)", "    limit = prefix[L] / p")], g.test_partition_is_balanced,
         r"the most expensive stage is as cheap as possible"),
-    "raises ``ValueError`` unless 1 <= p <= L": (
+    "ex04.A.range": (
         [("    if p > L:\n        raise", "    if p > L + 1:\n        raise")],
         g.test_partition_rejects_too_many_stages, r"raises ``ValueError`` unless 1 <= p <= L"),
-    "a valid schedule (no deadlock, each F before its B)": (
+    "ex04.B.valid": (
         [(STEADY, '        out += [Action("B", i, rank), Action("F", warmup + i, rank)]')],
         g.test_one_f_one_b_is_a_valid_schedule, r"check_schedule says .* \(a valid schedule \(no deadlock"),
-    "keep GPipe's bubble": (
+    "ex04.B.bubble": (
         [("    warmup = min(p - rank - 1, m)\n    out = [", "    warmup = min(1, p - rank - 1, m)\n    out = [")],
         g.test_one_f_one_b_is_a_valid_schedule, r"bubble .* \(keep GPipe's bubble\)"),
-    "rank r hold at most min(p - r, m) micro-batches": (
+    "ex04.B.memory": (
         [("    warmup = min(p - rank - 1, m)\n    out = [", "    warmup = min(p - rank, m)\n    out = [")],
         g.test_one_f_one_b_is_a_valid_schedule, r"rank r hold at most min\(p - r, m\) micro-batches"),
-    "a receive right before every F or B that needs a tensor from another stage, a send right after "
-    "every F or B that produced one": (
+    "ex04.C.comms": (
         [("        out += before + [a] + after", "        out += [a] + before + after")],
         g.test_add_comms, r"GPipe, p = 3, m = 2: rank 0's actions"),
-    "the peer of a message is the rank holding the other stage": (
+    "ex04.C.peer": (
         [("src % p)] if 0 <= src", "src)] if 0 <= src"), ("dst % p)] if 0 <= dst", "dst)] if 0 <= dst")],
         g.test_add_comms, r"interleaved 1F1B, p = 2, m = 2, v = 2: rank 0's actions"),
-    "a batch m does not divide is a ValueError": (
+    "ex04.C.divide": (
         [("        if inputs.shape[0] % m:\n", "        if False:\n")],
         g.test_pipeline_step, r"a batch m does not divide is a ValueError"),
-    "returns the batch's mean loss on the rank holding the last stage, None elsewhere": (
+    "ex04.C.loss": (
         [("        return float(self.loss) if self.last in self.stages else None", "        return float(self.loss)")],
         g.test_pipeline_step, r"returned \[0\.0, .*\] on ranks 0, 1"),
-    "a second step starts from a clean state": (
+    "ex04.C.clean": (
         [("targets.chunk(m), 0.0", 'targets.chunk(m), getattr(self, "loss", 0.0)')],
         g.test_pipeline_step, r"(?s)step 1: loss.*seen: step 0's loss equals one process's"),
-    "the most micro-batches held at once": (
+    "ex04.C.peak": (
         [("        self.peak_stash = self.stash.peak", "        self.peak_stash = len(self.stash)")],
         g.test_trains_the_gpt, r"the most micro-batches held at once"),
 }

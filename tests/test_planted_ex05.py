@@ -9,71 +9,71 @@ ROW = "    y = g(F.linear(x, weight), group)\n    return y if bias is None else 
 ROW_LOAD = ('        m.load_state_dict({k: v.chunk(t, 1)[r] if k == "weight" else v  # the bias whole\n'
             '                           for k, v in linear.state_dict().items()})')
 PLANTS = {  # clause -> (edits, graded test, what the message must name)
-    "on a non-world group (two groups of 2 out of 4 ranks) every group computes its own layer": (
+    "ex05.*.group": (
         [("        t, r = size_and_rank(group)\n        z = logits", "        t, r = size_and_rank(None)\n        z = logits")],
         g.test_vocab_parallel_cross_entropy_on_subgroups, r"rank \d \(rank \d of group \[\d, \d\]\), torch\.float32 "
                                                            r"logits: the call raised"),
-    "f is the identity forward and sums the ranks' gradients backward": (
+    "ex05.A.f": (
         [("        return _sum(grad, ctx.group, ctx.name), None, None", "        return grad, None, None")],
         g.test_f_identity_forward_all_reduce_backward, r"seen: the gradient is this rank's own upstream gradient"),
-    "g sums the ranks' inputs forward and passes the gradient unchanged": (
+    "ex05.A.g": (
         [('        return _sum(x, group, "g.all_reduce")', "        return x.view_as(x)")],
         g.test_g_all_reduce_forward_identity_backward, r"g's forward \(the sum over ranks\)"),
-    "each is one all-reduce of the tensor": (   # the right sum, with a second all-reduce of it
+    "ex05.A.bytes": (   # the right sum, with a second all-reduce of it
         [(REDUCE, REDUCE + "        comm.all_reduce(out.mul_(1 / comm.group_size(group)), group=group, name=name)\n")],
         g.test_f_identity_forward_all_reduce_backward, r"bytes sent in f's backward \(one all-reduce of 12 floats\)"),
-    "neither modifies a tensor autograd gave it": (
+    "ex05.A.inplace": (
         [("    out = x.clone(memory_format=torch.contiguous_format)", "    out = x.contiguous()")],
         g.test_g_all_reduce_forward_identity_backward, r"seen: the tensor given to g changed during the call"),
-    "concatenates every rank's ``x`` along ``dim`` in rank order": (
+    "ex05.A.gather": (
         [("    return out.view(n * xt.shape[0], *xt.shape[1:]).movedim(0, dim).contiguous()",
           "    return out.view(n, -1).flip(0).reshape(n * xt.shape[0], *xt.shape[1:]).movedim(0, dim).contiguous()")],
         g.test_gather_and_split, r"gather along dim 0 \(the group's blocks in rank order"),
-    "keeps this rank's block along ``dim``": (
+    "ex05.A.split": (
         [("    return x.chunk(n, dim)[r].contiguous()", "    return x.chunk(n, dim)[0].contiguous()")],
         g.test_gather_and_split, r"(split along dim 1 \(block 1 of 2\)|the gradient of gather's input)"),
-    "a size t does not divide is a ``ValueError``": (
+    "ex05.A.divide": (
         [('    divide(x.shape[dim], n, f"size along dim {dim}")\n    return x.chunk', "    return x.chunk")],
         g.test_gather_and_split, r"split of a size-5 dimension over 2 ranks"),
-    "returns this rank's output features (all of them with ``gather_output=True``) and the whole input gradient": (
+    "ex05.B.column": (
         [("    return gather(y, -1, group) if gather_output else y", "    return y")],
         g.test_column_parallel_linear, r"gather_output=True: output \(all features\)"),
-    "returns the full output, with the full bias added once": (
+    "ex05.B.row": (
         [(ROW, "    return g(F.linear(x, weight, bias), group)")],
         g.test_row_parallel_linear, r"seen: the output holds the bias 4 times"),
-    "a column layer followed by a row layer communicates once in forward and once in backward": (
+    "ex05.B.once": (
         [(ROW, ROW.replace("group)\n", "group)\n    g(y.detach() / size_and_rank(group)[0], group)\n"))],
         g.test_mlp_needs_one_all_reduce_each_way, r"bytes sent by each communication"),
-    "load into the module this rank's shard of a given single-device ``nn.Linear``": (
+    "ex05.B.load": (
         [("v.chunk(t, 0)[r] for k, v in linear", "v.chunk(t, 0)[0] for k, v in linear")],
         g.test_layers_shard_the_single_device_layer, r"ColumnParallelLinear\.from_linear\(nn\.Linear\(6, 4\)\)'s weight"),
-    "from a layer with ``bias=False`` too": (
+    "ex05.B.nobias": (
         [(ROW_LOAD, "        with torch.no_grad():\n            m.weight.copy_(linear.weight.chunk(t, 1)[r])\n"
                     "            m.bias.copy_(linear.bias)")],
         g.test_layers_shard_the_single_device_layer, r"RowParallelLinear\.from_linear\(nn\.Linear\(6, 4, bias=False\)\): "
                                                      r"the call raised"),
-    "The loss and the gradient equal ``F.cross_entropy`` on the full logits, with targets on every rank's slice": (
+    "ex05.C.exact": (
         [("        owned = (y >= start) & (y < start + v_local)", "        owned = (y < v_local) & (r == 0)")],
         g.test_vocab_parallel_cross_entropy, r"loss \(F\.cross_entropy on the full logits, scale 1\)"),
-    "finite even when logits reach hundreds": (
+    "ex05.C.finite": (
         [("        z = z - m.unsqueeze(1)", "        z = z - 0 * m.unsqueeze(1)")],
         g.test_vocab_parallel_cross_entropy_large_logits, r"seen: the loss is not finite"),
-    "forward communicates a few numbers per position, never the logits": (
+    "ex05.C.bytes": (
         [("        local_max = z.max(dim=-1).values.contiguous()\n",
           "        local_max = z.max(dim=-1).values.contiguous()\n        whole = torch.empty(t * z.numel())\n"
           "        comm.all_gather(whole, z.reshape(-1).contiguous(), group=group)\n")],
         g.test_vocab_parallel_cross_entropy_never_gathers_logits, r"bytes in forward; expected more than 0 and under"),
-    "the backward, written by hand, communicates nothing": (
+    "ex05.C.backward": (
         [("        ctx.shape, ctx.dtype = logits.shape, logits.dtype",
           "        ctx.shape, ctx.dtype, ctx.group = logits.shape, logits.dtype, group"),
          ("        softmax, local_y, owned = ctx.saved_tensors\n",
           "        softmax, local_y, owned = ctx.saved_tensors\n        comm.all_reduce(torch.zeros(1), group=ctx.group)\n")],
         g.test_vocab_parallel_cross_entropy_never_gathers_logits, r"bytes sent in the cross-entropy's backward"),
-    "the loss is computed in fp32, from bf16 logits too": (
+    "ex05.C.fp32": (
         [("        z = logits.reshape(-1, logits.shape[-1]).float()", "        z = logits.reshape(-1, logits.shape[-1])")],
         g.test_vocab_parallel_cross_entropy_on_subgroups, r"torch\.bfloat16 logits: loss \(F\.cross_entropy on the "
                                                            r"group's full logits, in fp32\)"),
 }
 
 
-test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex05", g, PLANTS)
+test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex05", g, PLANTS, elsewhere={"ex05.*.recorded"})  # planted in tests/test_planted_wrong_answers.py

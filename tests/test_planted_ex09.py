@@ -6,71 +6,71 @@ from tests.planted import contract_tests
 
 A2A = "recv, send, group=group, name=name, **labels)\n    return out\n"
 PLANTS = {  # clause -> (edits, graded test, what the message must name)
-    "experts nobody chose count 0": (
+    "ex09.A.count": (
         [("    return torch.bincount(expert_of, minlength=n_experts)", "    return torch.bincount(expert_of)")],
         g.test_count_tokens, r"count_tokens\(\[3, 0, 3, 1, 3\], 6\)"),
-    "every rank of the group holds the same (ep × E) matrix, row r the counts of group rank r": (
+    "ex09.A.exchange": (
         [("    return out.view(ep, -1)", "    return counts.expand(ep, -1)")],
         g.test_exchanges_on_ranks, r"rank 0: exchange_counts on the world of 4 ranks: \(rank, expert\) 1\[0\]"),
-    "expert i keeps the first cap of its assignments in rank order": (
+    "ex09.A.capacity": (
         [("    return cum.clamp(max=cap) - (cum - counts).clamp(max=cap)", "    return counts.clamp(max=cap)")],
         g.test_kept_counts, r"kept_counts\(M = .*, cap = 2\): assignments each rank keeps"),
-    "rank a's ``send[b]`` equals rank b's ``recv[a]``": (
+    "ex09.B.pairs": (
         [("    return per_rank[rank].tolist(), per_rank[:, rank].tolist()",
           "    return per_rank[rank].tolist(), per_rank[rank].tolist()")],
         g.test_split_sizes, r"rank a's send\[b\] against rank b's recv\[a\]"),
-    "two lists of ep Python ints": (
+    "ex09.B.ints": (
         [("    return per_rank[rank].tolist(), per_rank[:, rank].tolist()",
           "    return list(per_rank[rank]), list(per_rank[:, rank])")],
         g.test_split_sizes, r"rank 0: the split sizes are of type Tensor; expected Python ints"),
-    "rows of equal keys kept in their original order": (
+    "ex09.B.stable": (
         [("    perm = torch.argsort(keys, stable=True)",
           "    perm = torch.argsort(keys * keys.numel() - torch.arange(keys.numel()), stable=True)")],
         g.test_permutation_is_stable_with_inverse, r"(?s)perm for keys .*seen: keys\[perm\] is sorted, and rows of equal"),
-    "``x[perm][inverse] == x``": (
+    "ex09.B.inverse": (
         [("    inverse[perm] = torch.arange(perm.numel(), device=perm.device)", "    inverse = perm.clone()")],
         g.test_permutation_is_stable_with_inverse, r"inverse for keys \[2, 0, 3, 2, 1, 0, 2\]"),
-    "the rows arrive in rank order (group rank 0's first)": (
+    "ex09.C.order": (
         [(A2A, A2A.replace("return out", "return out.flip(0)"))],
         g.test_exchanges_on_ranks, r"float64, the world of 4 ranks: rank \d: all_to_all's output rows"),
-    "a rank may send or receive no rows": (
+    "ex09.C.empty": (
         [(A2A, A2A.replace("    return out", "    return out  # noqa") .replace(
             "recv, send, group=group", "[n for n in recv if n], [n for n in send if n], group=group"))],
         g.test_exchanges_on_ranks, r"float64, the world of 4 ranks: rank \d: all_to_all raised .*\(sending \["),
-    "each dtype kept (float64 and bfloat16 in, the same dtype out)": (
+    "ex09.C.dtype": (
         [("    out = x.new_empty(sum(recv), *x.shape[1:])", "    x = x.float()\n    out = x.new_empty(sum(recv), *x.shape[1:])")],
         g.test_exchanges_on_ranks, r"the dtype of all_to_all's output, float64, the world of 4 ranks: rank 0"),
-    "each arrived row's gradient goes back where the row came from": (
+    "ex09.C.backward": (
         [("        g = exchange(grad, ctx.send", "        g = exchange(grad.flip(0), ctx.send")],
         g.test_exchanges_on_ranks, r"float64, the world of 4 ranks: rank \d: the input's gradient"),
-    "outputs and dropped assignments equal the MoE layer on one device": (
+    "ex09.D.exact": (
         [(", before=M[:self.rank].sum(0))", ")")],
         g.test_expert_parallel_layer, r"top-1, capacity factor 1.0, step 1 of 2, rank 1: assignments dropped"),
-    "every gradient equals the single device's": (
+    "ex09.D.grads": (
         [("arrived = all_to_all(x[token_of[perm[:n_kept]]]", "arrived = all_to_all(x[token_of[perm[:n_kept]]].detach()")],
         g.test_expert_parallel_layer, r"top-2, capacity factor None, step 1 of 2, rank 0: the input's gradient"),
-    "a second step (other tokens) is as exact as the first": (
+    "ex09.D.second": (
         [("perm, inverse = permutation(torch.where(keep, expert_of, E))",
           "perm, inverse = self.__dict__.setdefault('_p', permutation(torch.where(keep, expert_of, E)))")],
         g.test_expert_parallel_layer, r"top-2, capacity factor None, step 2 of 2 \(other tokens\), rank \d: layer output"),
-    "rank j of the group holds experts j·E/ep .. (j+1)·E/ep - 1 of ``moe``": (
+    "ex09.D.experts": (
         [("        self.experts = nn.ModuleDict({str(i): moe.experts[i] for i in self.local})",
           "        self.experts = nn.ModuleDict({str(i): moe.experts[j] for i, j in zip(self.local, self.local[::-1])})")],
         g.test_layer_on_subgroups, r"rank 0 \(rank 0 of ep group \[0, 1\]\): the experts it holds"),
-    "E that ep does not divide is a ``ValueError``": (
+    "ex09.D.divide": (
         [("        if self.n_experts % self.ep:\n", "        if False:\n")],
         g.test_layer_on_subgroups, r"rank 0: ExpertParallelMoE\(MoE\(8, n_experts=6\)\) over the world of 4 ranks was built"),
-    "the load-balancing loss, averaged over the ranks, is one device's": (
+    "ex09.D.aux": (
         [("        totals = M.sum(0)", "        totals = counts")],
         g.test_expert_parallel_layer, r"top-2, capacity factor None, step 1 of 2: the load-balancing loss \(aux\) averaged"),
-    "with a ``token_group`` its f_i count that group's tokens": (
+    "ex09.D.token_group": (
         [("comm.all_reduce(totals, group=self.token_group", "comm.all_reduce(totals, group=self.group")],
         g.test_layer_on_subgroups, r"the load-balancing loss \(aux\) averaged over the 4 ranks \(token_group"),
-    "on a non-world group (two ep groups of 2 out of 4 ranks) each group is its own layer": (
+    "ex09.*.group": (
         [("    ep = comm.group_size(group)\n", "    ep = comm.group_size()\n"),
          ('comm.all_gather(out, counts.contiguous(), group=group', 'comm.all_gather(out, counts.contiguous(), group=None')],
         g.test_exchanges_on_ranks, r"rank 0: exchange_counts on the group \[0, 1\]"),
 }
 
 
-test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex09", g, PLANTS)
+test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex09", g, PLANTS, elsewhere={"ex09.*.recorded"})  # planted in tests/test_planted_wrong_answers.py

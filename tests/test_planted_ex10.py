@@ -6,65 +6,65 @@ from tests.planted import contract_tests
 
 FLIGHT = "        in_flight = 1 if (r == L.pp - 1 and r > 0) else peak_activations(L.schedule, L.pp, m, r, L.v) / L.v"
 PLANTS = {  # clause -> (edits, graded test, what the message must name)
-    "For a GPT they are exactly ``cost.recompute_activation_bytes``": (
+    "ex10.A.gpt": (
         [("        return e * s * L.micro_batch * h / (t if L.sp else 1)", "        return e * s * L.micro_batch * h")],
         g.test_layer_activations_of_a_gpt, r"tp = 4, sequence parallel True, recompute='full': bytes of one layer"),
-    "grouped-query K and V (Q, K, V is h + 2·kv_dim wide, not 3h), the MLP's width and gating": (
+    "ex10.A.shapes": (
         [('    terms["Q, K, V"] *= (h + 2 * model.kv_dim) / (3 * h)\n', "")],
         g.test_layer_activations_of_other_shapes, r"Llama 3 8B, s = 8192, selective: bytes of one layer"),
-    "× top_k for the experts a token visits": (
+    "ex10.A.experts": (
         [(" * (1.5 if model.gated else 1.0) * model.top_k", " * (1.5 if model.gated else 1.0)")],
         g.test_layer_activations_of_other_shapes, r"Mixtral 8x7B, s = 8192, selective: bytes of one layer"),
-    "the attention scores of those s/cp queries span all s keys": (
+    "ex10.A.cp": (
         [("else terms[k] * L.cp", "else terms[k]")],
         g.test_layer_activations_with_cp, r"cp = 2, materialized: bytes of one layer"),
-    "flash attention keeps no score term either, and adds the fp32 log-sum-exp": (
+    "ex10.A.flash": (
         [('        terms["log-sum-exp"] = 4 * s * L.micro_batch * model.n_head / t', '        pass')],
         g.test_layer_activations_with_cp, r"cp = 1, flash: bytes of one layer"),
-    "2 + 2 + 12 bytes per parameter in bf16, 4 + 4 + 8 in fp32": (
+    "ex10.B.bytes": (
         [("    k = 12 if e == 2 else 8", "    k = 12")],
         g.test_model_states, r"Llama 3 8B, 1 GPU \(b=1, fp32, full recompute\): optimizer bytes \(8 per parameter"),
-    "ZeRO stage 1, 2, 3 divides the optimizer state, then the gradients, then the parameters by the dp·cp ranks": (
+    "ex10.B.zero": (
         [("    parts = [zero_bytes_per_rank(dense / (L.tp * L.pp), L.dp * L.cp, L.zero",
           "    parts = [zero_bytes_per_rank(dense / (L.tp * L.pp), L.dp, L.zero")],
         g.test_model_states, r"Llama 3 8B, dp4·cp2 \(b=1, bf16, ZeRO-2\): grads bytes"),
-    "Ψ/(tp·pp) of the dense parameters and Ψ_experts/(tp·pp·ep) of the experts'": (
+    "ex10.B.experts": (
         [("experts / (L.tp * L.pp * L.ep), L.dp * L.cp // L.ep", "experts / (L.tp * L.pp), L.dp * L.cp")],
         g.test_model_states_of_experts, r"Mixtral 8x7B, dp8·ep8 \(b=1, bf16, ZeRO-1\): params bytes"),
-    "Stages get l/p layers each when p divides l": (
+    "ex10.C.even": (
         [("    for r in ([0, pp - 1] + list(range(1, pp - 1)))[:fewer]:",
           "    for r in ([0, pp - 1] + list(range(1, pp - 1)))[:max(fewer, 2 * (pp > 2))]:")],
         g.test_stage_layers, r"stage_layers\(32, 4\): layers per stage"),
-    "the stages that hold one fewer are the first and the last, then the second, the third": (
+    "ex10.C.uneven": (
         [("    for r in ([0, pp - 1] + list(range(1, pp - 1)))[:fewer]:", "    for r in list(range(pp))[:fewer]:")],
         g.test_stage_layers, r"stage_layers\(126, 16\): layers per stage"),
-    "stage r holds its ``stage_layers`` for the micro-batches in flight on it": (
+    "ex10.C.in_flight": (
         [(FLIGHT, "        in_flight = 1 if (r == L.pp - 1 and r > 0) else min(L.pp, m)")],
         g.test_pipeline_in_flight, r"pp = 4, gpipe \(v = 1\), 16 micro-batches: activation bytes of the first stage"),
-    "the last stage (with pp > 1) one": (
+    "ex10.C.last_stage": (
         [(FLIGHT, "        in_flight = peak_activations(L.schedule, L.pp, m, r, L.v) / L.v")],
         g.test_last_stage_with_big_logits, r"pp = 2, GPipe, 4 micro-batches: activation bytes"),
-    "full recomputation also rebuilds one layer's full activations during backward": (
+    "ex10.C.recompute": (
         [('    rebuilt = layer_activation_bytes(model, L.replace(recompute="none"), seq_len) if L.recompute == "full" else 0.0',
           "    rebuilt = 0.0")],
         g.test_full_recompute_adds_one_layer, r"GPT-3 1.3B, full recomputation: activation bytes"),
-    "the last stage also holds one micro-batch's fp32 logits (sharded over tp, on the GPU's s/cp tokens)": (
+    "ex10.C.logits": (
         [("    logits = 4 * (seq_len // L.cp) * L.micro_batch * model.vocab / L.tp",
           "    logits = 4 * seq_len * L.micro_batch * model.vocab")],
         g.test_last_stage_with_big_logits, r"pp = 2, tp = 2, cp = 2, one micro-batch: activation bytes of the last stage"),
-    "with one stage, the first stage is the last": (
+    "ex10.C.one_stage": (
         [("(logits if r == L.pp - 1 else 0.0)", "(logits if r == L.pp - 1 and r > 0 else 0.0)")],
         g.test_activations_without_pipeline, r"GPT-3 1.3B, one GPU, micro-batch 2, recompute='none'"),
-    "a 25 MB gradient bucket when dp·cp > 1": (
+    "ex10.C.bucket": (
         [("    out = BUCKET if L.dp * L.cp > 1 else 0.0", "    out = BUCKET if L.dp > 1 else 0.0")],
         g.test_buffers, r"cp = 2: the 25 MB bucket"),
-    "the all-gathered (s/cp, b, h) input of a sequence-parallel layer when tp > 1": (
+    "ex10.C.sp_input": (
         [("    if L.tp > 1:\n        out += e * sbh\n", "")],
         g.test_buffers, r"tp = 2: the gathered \(s, b, h\) input"),
-    "a pipeline stage's two boundary activations when pp > 1 (over tp with sequence parallelism)": (
+    "ex10.C.boundary": (
         [("        out += 2 * e * sbh / (L.tp if L.sp else 1)", "        out += 2 * e * sbh")],
         g.test_buffers, r"pp = 2, tp = 2: the gathered input \+ two boundary activations over tp"),
-    "ZeRO-3's one gathered layer (Ψ/l over tp)": (
+    "ex10.C.zero3": (
         [("        out += e * (model.num_params() / model.n_layer) / L.tp", "        out += e * model.num_params() / L.tp")],
         g.test_buffers, r"dp = 8, ZeRO-3: the bucket \+ one layer"),
 }

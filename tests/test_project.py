@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from minipar.course import exercise, exercise_files, grade
+from minipar.course import exercise, exercise_files, grade, markers
 
 ROOT = Path(__file__).resolve().parent.parent
 CONDA_NAMES = {"torch": "pytorch"}
@@ -75,10 +75,13 @@ def _source(path, node, drop):
     last = node.end_lineno
     while last < len(lines) and re.match(r"\s*# <<< ex\d+", lines[last]):
         last += 1
+    head = node.body[0]    # the docstring: the library's explains, the files' is the contract
+    doc = range(head.lineno - 1, head.end_lineno) if isinstance(head, ast.Expr) and \
+        isinstance(head.value, ast.Constant) and isinstance(head.value.value, str) else range(0)
     kept, inside = [], False
-    for ln in lines[first:last]:
+    for i, ln in enumerate(lines[first:last], start=first):
         inside, skip = drop(ln, inside)
-        if not skip:
+        if not skip and i not in doc:
             kept.append(ln)
     return textwrap.dedent("\n".join(kept))
 
@@ -124,6 +127,10 @@ def test_stub_is_the_library_minus_its_marked_regions(key, tmp_path):
             package = importlib.import_module(piece.module).__package__   # relative imports made absolute
             want = "\n".join(exercise_files.absolute_import(ln, package) for ln in want.splitlines())
             assert _source(path, defs[qualname], drop) == want, f"{folder}/{name}.py: {qualname} differs"
+            contract = textwrap.indent(textwrap.dedent("\n".join(markers.contract_docstring(piece, key))), "    ")
+            assert (ast.get_docstring(defs[qualname]) or "") == \
+                (ast.get_docstring(ast.parse(f"def f():\n{contract}\n    pass").body[0]) if contract else ""), \
+                f"{folder}/{name}.py: {qualname}'s docstring is not its contract"
         if folder == "exercises":
             text = path.read_text()
             for qualname, piece in marked.items():

@@ -5,9 +5,9 @@ ranks and m micro-batches, a list of ``minipar.pipeline.Action`` (``Action("F", 
 rank)``, ``Action("B", i, rank)``, and, if you split the backward as zero-bubble schedules do,
 ``Action("W", i, rank)``). One stage per rank. The grader inserts the sends and receives
 (``schedules.add_comms``), checks the schedule (``pipeline.check_schedule``: every F, B (and
-W) once, F before B before W, no deadlock) and measures it with the library's simulator,
-in the manner of LLM-Training-Puzzles. Goals for p = 4, m = 8, with F = B = W = 1 time unit
-(an unsplit backward costs B + W = 2):
+W) once, F before B before W, no deadlock) for every p and m, m < p included, and measures
+it with the library's simulator, in the manner of LLM-Training-Puzzles. Goals for p = 4,
+m = 8, with F = B = W = 1 time unit (an unsplit backward costs B + W = 2):
 
 * **memory**: every rank holds at most 4 micro-batches of activations at once
   (``pipeline.peak_stash``; an activation is freed by the B, or by the W if split);

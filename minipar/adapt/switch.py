@@ -131,6 +131,10 @@ def exchange_seconds(sent: list[int], received: list[int], alpha: float, beta: f
     return (n - 1) * alpha + beta * max(max(s, r) for s, r in zip(sent, received)) if n > 1 else 0.0
 
 
+# Contract:
+# ex12.C.runs: ``runs_of(index)`` gives each key's index as its runs of consecutive elements
+#     ``[[start, length], ...]``, and ``from_runs(runs_of(i))`` gives back i, an empty index
+#     included.
 def runs_of(index: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each index tensor as its runs of consecutive elements, ``[[start, length], ...]``: a shard
     of a contiguous range is one run, a column shard one run per row (what travels, not 8 bytes

@@ -30,6 +30,16 @@ def _check_op(op: str) -> None:
         raise ValueError(f"op must be one of ('sum', 'avg'), got {op!r}")
 
 
+# Contract:
+# Given: ``chunks`` are the n views ``tensor_split(n)`` cuts the flattened tensor into, n the
+#     group's size; ``minipar.comm.exchange`` (one send and one receive, recorded), ``isend``,
+#     ``irecv`` and ``recv`` are the messages to build from.
+# ex01.*.scatter: afterwards chunk r on rank r holds the sum of chunk r over all ranks.
+# ex01.*.step: each step sends one chunk, to the next rank of the ring, and receives one: every
+#     rank of an all-reduce sends 2(n-1)/n of the tensor, whatever n
+#     (``minipar.cost.collective_bytes``).
+# ex01.*.group: every function works on any group (``None``: the world), a sub-group of the
+#     ranks too, with group-local ranks.
 def _reduce_scatter_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
     # >>> ex01
     n, r = group_size(group), group_rank(group)
@@ -42,6 +52,10 @@ def _reduce_scatter_chunks(chunks: list[torch.Tensor], group, name: str) -> None
     # <<< ex01
 
 
+# Contract:
+# Given: on rank r, chunk r holds a final value (the other chunks anything).
+# ex01.*.gather: afterwards every rank holds every chunk's final value (after
+#     ``_reduce_scatter_chunks``: every chunk's full sum).
 def _all_gather_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
     # >>> ex01
     n, r = group_size(group), group_rank(group)
@@ -54,6 +68,11 @@ def _all_gather_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
     # <<< ex01
 
 
+# Contract:
+# ex01.*.in_place: ``ring_all_reduce`` sums ``tensor`` over the group's n ranks in place, and
+#     returns that same tensor (shape kept).
+# ex01.*.avg: ``op="avg"`` divides by n, the size of the group.
+# ex01.*.uneven: any size, also one that n does not divide (or smaller than n).
 def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
     """Sum (or average) ``tensor`` over the ranks of ``group`` in place; returns it.
     Reduce-scatter then all-gather: 2(n-1) steps, 2(n-1)/n·N elements sent per rank."""
@@ -73,6 +92,9 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.
     # <<< ex01
 
 
+# Contract:
+# ex01.*.input_kept: ``ring_reduce_scatter`` returns rank r's chunk r of the sum (``op`` as above);
+#     the input tensor is left unchanged.
 def ring_reduce_scatter(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
     """Rank r's chunk r (``tensor_split(n)`` of the flattened tensor) of the sum of ``tensor``
     over ``group``; ``tensor`` itself is left unchanged. (n-1)/n·N elements sent per rank."""
@@ -86,6 +108,11 @@ def ring_reduce_scatter(tensor: torch.Tensor, group=None, op: str = "sum") -> to
     # <<< ex01
 
 
+# Contract:
+# ex01.*.sizes: ``ring_all_gather`` returns every rank's chunk concatenated in rank order, chunks
+#     of different sizes too when ``sizes`` lists them.
+# ex01.*.size_check: sizes that do not match this rank's chunk are a ValueError, raised before
+#     anything is sent.
 def ring_all_gather(chunk: torch.Tensor, group=None, sizes: list[int] | None = None) -> torch.Tensor:
     """Every rank's flattened ``chunk`` concatenated in rank order (1-D). Chunks may differ in
     size (Gloo's own ``all_gather`` refuses that): pass ``sizes``, the elements each rank

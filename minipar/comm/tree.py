@@ -19,6 +19,11 @@ import torch
 from .p2p import exchange, group_rank, group_size, irecv, isend, recv
 
 
+# Contract:
+# ex01.*.src: ``broadcast`` copies group rank ``src``'s tensor to every rank in place, from any
+#     src: ``"tree"`` a binomial tree (⌈log2 n⌉ rounds), ``"ring"`` a pipelined chain of
+#     ``pieces`` pieces.
+# ex01.*.algorithm: any other algorithm is a ValueError.
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "tree",
               pieces: int = 4) -> torch.Tensor:
     """Copy ``tensor`` from group rank ``src`` to every rank of ``group`` in place."""

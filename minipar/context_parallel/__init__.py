@@ -3,7 +3,7 @@
 Only attention needs the other ranks' tokens. The pieces, one file each::
 
     sharding   shard_sequence / unshard_sequence / sequence_positions, "contiguous" or "zigzag"
-               (rank r holds chunks r and 2c-1-r of 2c), zigzag_chunks, check_sequence
+               (two of 2c chunks per rank, the same causal work), zigzag_chunks, check_sequence
     blockwise  attention_block, merge_partials (the online-softmax merge), attention_block_backward
     ring       ring_attention (RingAttention: K/V around the ring, backward written out), schedule
     allgather  all_gather_attention (Llama 3)

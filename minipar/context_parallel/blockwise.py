@@ -8,13 +8,10 @@ scores S = Q Kᵀ / √d (masked entries -inf):
 
 Attention over keys split into blocks a and b is the **merge** of the two partial results
 (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, Alg. 1; ring attention,
-Liu et al. 2023). With the running maximum m = max(lse_a, lse_b) and w_x = exp(lse_x - m):
-
-    lse = m + log(w_a + w_b)
-    O   = (w_a · O_a + w_b · O_b) / (w_a + w_b)
-
-which is exp(lse_a - lse) · O_a + exp(lse_b - lse) · O_b in exact arithmetic; dividing by the
-weights' own sum keeps them adding up to 1 in fp32 (the other form loses ~3e-5 at lse ≈ 1000).
+Liu et al. 2023): one normaliser over both, exp(lse) = exp(lse_a) + exp(lse_b), and each O_x
+renormalised to it, O = exp(lse_a - lse) · O_a + exp(lse_b - lse) · O_b. Computed as written,
+that overflows fp32 once a log-sum-exp passes about 88 and loses precision near 1000;
+:func:`merge_partials` is exact there too (its contract).
 
 The backward of one block needs only the final O and lse (FlashAttention, Alg. 2):
 P = exp(S - lse), D = rowsum(dO ∘ O), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - D),
@@ -50,9 +47,23 @@ def attention_block(q, k, v, causal: bool = False, attention="materialized"):
     return masked_attention(q, k, v, causal=causal)   # the diagonal block: query i sees keys 0..i
 
 
+# Contract:
+# Given: ``(o_x, lse_x)`` is attention of some queries over one block of keys: ``o`` (..., T, d)
+#     the softmax-weighted values, ``lse`` (..., T) the log-sum-exp of each query's scores over
+#     the block; ``(o_a, lse_a)`` and ``(o_b, lse_b)`` are over two disjoint blocks.
+# ex08.A.exact: the result ``(o, lse)`` is attention of the same queries over both blocks
+#     together, and merging the blocks of a split key set one at a time, in any order, gives
+#     attention over the whole set (fp32, rtol = atol = 1e-5).
+# ex08.A.unequal: the two blocks may hold different numbers of keys.
+# ex08.A.stable: the result stays finite and as exact (rtol = atol = 1e-5) when the
+#     log-sum-exps are near 1000, where ``exp`` of one overflows fp32, and where they differ by
+#     hundreds.
+# ex08.A.empty: where a query sees no key of one block (its ``lse`` is -inf), the merge gives
+#     the other block's ``o`` and ``lse`` for that query, finite.
 def merge_partials(o_a, lse_a, o_b, lse_b):
     """Online-softmax merge of two partial results over disjoint key blocks: ``(O, lse)`` of
-    attention over both (equations in the module docstring). ``o_*``: (..., T, d); ``lse_*``: (..., T)."""
+    attention over both, exact in fp32 for log-sum-exps in the thousands too (never an ``exp``
+    of a log-sum-exp itself). ``o_*``: (..., T, d); ``lse_*``: (..., T)."""
     # >>> ex08 A
     m = torch.maximum(lse_a, lse_b)
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)

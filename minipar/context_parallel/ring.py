@@ -1,24 +1,16 @@
 """Ring attention: queries stay, key/value blocks travel around the context-parallel ring.
 
 Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
-Context". At step s = 0 .. c-1 of a ring of c ranks, rank r holds the keys and values of rank
-src = (r - s) mod c: it starts sending them on to r+1 (receiving the next block from r-1) and,
-hiding the transfer, merges its queries' attention on them into its running (O, lse) (online
-softmax, :func:`~minipar.context_parallel.blockwise.merge_partials`).
+Context". The queries stay on their rank; the key/value blocks travel around a ring of c
+ranks, each transfer hidden behind the attention of the block in hand, and the partial results
+merge exactly (online softmax, :func:`~minipar.context_parallel.blockwise.merge_partials`).
+Under a causal mask a rank scores only the query-key pairs the mask keeps (:func:`ring_step`,
+one of ``PARTS``); in the zigzag layout every off-diagonal step is the same work on every rank
+(zigzag ring attention, Zhu 2024).
 
-What rank r's queries do with src's block under a causal mask (:func:`ring_step`):
-
-* contiguous: ``"causal"`` on the diagonal (src = r), ``"full"`` for src < r, ``"skip"``
-  (entirely masked) for src > r;
-* zigzag (rank r holds chunks r and 2c-1-r): ``"causal"`` on the diagonal; for src < r all
-  queries see the **front half** of the keys (``"kv_front"``); for src > r only the **back
-  half** of the queries sees anything, all keys (``"q_back"``). Every off-diagonal step is half
-  a block, unmasked, on every rank: balanced work (zigzag ring attention, Zhu 2024).
-
-The backward (:class:`RingAttention`) is written out: the blocks go around the ring again,
-each with its accumulator dK, dV, to which every rank adds its queries' contribution
-(FlashAttention's backward from the final O and lse); after c steps they are back home.
-Each block's step is fused or materialised (``attention``, :mod:`.blocks`); the ring is the same.
+The backward (:class:`RingAttention`) is written out, from the final O and lse (FlashAttention's
+backward): every rank's dQ, dK, dV equal full attention's gradients of its tokens. Each block's
+step is fused or materialised (``attention``, :mod:`.blocks`); the ring is the same.
 """
 from __future__ import annotations
 
@@ -31,6 +23,16 @@ from .blockwise import attention_block, attention_block_backward, merge_partials
 PARTS = ("full", "causal", "skip", "kv_front", "q_back")
 
 
+# Contract:
+# Given: one of ``PARTS`` says which query-key pairs of ``rank``'s queries and ``src``'s block
+#     a ring step scores, as ``_views`` cuts them out: "full" every pair, unmasked; "causal" every
+#     pair under the causal mask (two blocks of the same positions); "kv_front" every query with
+#     the block's first half of keys, unmasked; "q_back" the second half of the queries with
+#     every key, unmasked; "skip" none. Blocks are laid out by ``layout`` ("contiguous":
+#     rank r holds the r-th of cp blocks; "zigzag": the chunks ``zigzag_chunks(r, cp)``).
+# ex08.C.parts: the part ``ring_step`` returns scores exactly the pairs the mask keeps (every
+#     pair without ``causal``), none twice and none that the mask hides.
+# ex08.C.skip: a block wholly in the future of a rank's queries is skipped, never computed.
 def ring_step(rank: int, src: int, cp: int, causal: bool = True, layout: str = "contiguous") -> str:
     """What ``rank``'s queries compute with the key/value block of ``src`` (one of ``PARTS``)."""
     # >>> ex08 C
@@ -75,6 +77,22 @@ def _start_exchange(buf_out, prv, nxt, group, name, tag):
     return wait
 
 
+# Contract:
+# Given: q, k, v (B, H, T/c, d) are this rank's tokens on the cp ``group`` (c ranks).
+#     ``_start_exchange(buf, prv, nxt, group, name, tag)`` starts sending ``buf`` to group rank
+#     ``nxt`` and receiving one like it from ``prv``, and returns ``wait()``, which returns what
+#     arrived; ``ring_step``, ``_views``, ``attention_block`` and ``merge_partials`` are yours
+#     to use.
+# ex08.C.exact: on every rank the returned ``(O, lse)`` equal full attention's rows of that
+#     rank's tokens (fp32, rtol = atol = 1e-5), contiguous or zigzag, causal or not, on 2 and 4
+#     ranks.
+# ex08.C.sends: each rank sends c-1 K, V blocks per forward (``name="ring_kv"``, tag 0), each to
+#     the next rank of the ring: the forward bytes of ``cost.cp_comm_bytes("ring", ...)``.
+# ex08.*.group: on a non-world group (a cp group of 2 out of 4 ranks), ranks count within their
+#     group and only its ranks take part.
+# ex08.*.dtype: each dtype kept (float64 and bfloat16 in, the same dtype out).
+# ex08.*.recorded: every transfer goes through ``minipar.comm`` (``_start_exchange`` does), so the
+#     trace records its bytes.
 def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contiguous", attention="auto"):
     """``(O, lse)`` of this rank's queries over the whole sequence's keys (no autograd)."""
     # >>> ex08 C
@@ -101,9 +119,20 @@ def ring_forward(q, k, v, group=None, causal: bool = True, layout: str = "contig
     # <<< ex08 C
 
 
+# Contract:
+# Given: ``o`` and ``lse`` are the forward's final result for this rank's queries, ``do`` the
+#     gradient of ``o``; ``attention_block_backward(q, k, v, o, lse, do, causal, delta,
+#     attention)`` gives one block's ``(dQ, dK, dV)`` from the final ``o`` and ``lse``.
+# ex08.D.exact: ``(dQ, dK, dV)`` equal full attention's gradients of the rank's tokens (fp32,
+#     rtol = atol = 1e-5) on 2 and 4 ranks, on a non-world group and with a skipped block.
+# ex08.D.sends: per backward each rank sends c-1 K, V blocks (tag 0) and c gradient buffers of
+#     the same size (``name="ring_dkv"``, tag 1): the backward bytes of
+#     ``cost.cp_comm_bytes("ring", ...)``.
+# ex08.D.second: a second step after the first (another q, k, v and dO) is as exact as the
+#     first.
 def ring_backward(q, k, v, o, lse, do, group=None, causal: bool = True, layout: str = "contiguous",
                   attention="auto"):
-    """``(dQ, dK, dV)``: the key/value blocks travel the ring again with their dK, dV."""
+    """``(dQ, dK, dV)`` of this rank's tokens, from the forward's final ``o`` and ``lse`` (no autograd)."""
     # >>> ex08 D
     # Hint: attention_block_backward takes the final o and lse; use tag 1 for the dK, dV exchange.
     c, r = comm.group_size(group), comm.group_rank(group)

@@ -4,9 +4,10 @@ Two layouts of ``T`` tokens over ``c`` ranks:
 
 * ``"contiguous"``: rank r holds tokens [r·T/c, (r+1)·T/c). Under a causal mask the ranks
   do 1, 2, ..., c blocks of work (rank 0's queries see one block of keys): the imbalance.
-* ``"zigzag"``: 2c chunks of T/(2c), rank r holds chunks r and 2c-1-r (Brandon et al. 2023,
-  "Striped attention"; the zigzag layout of ring-flash-attention and Llama 3's context
-  parallelism, Dubey et al. 2024 §3.3.2): one early and one late chunk, the same causal work.
+* ``"zigzag"``: 2c chunks of T/(2c), two per rank (:func:`zigzag_chunks`), so that under a
+  causal mask every rank does the same work (Brandon et al. 2023, "Striped attention"; the
+  zigzag layout of ring-flash-attention and Llama 3's context parallelism, Dubey et al. 2024
+  §3.3.2).
 
 :func:`sequence_positions` gives every local token's global position, which the position
 embedding and the causal mask use.
@@ -32,6 +33,14 @@ def check_sequence(T: int, cp: int, layout: str = "contiguous") -> None:
                          f"not supported: choose T divisible by {parts}")
 
 
+# Contract:
+# Given: the sequence is cut into 2·cp equal chunks, numbered 0 .. 2·cp-1 in sequence order;
+#     each rank of a cp group holds two of them.
+# ex08.B.cover: the result is the two chunk numbers ``rank`` holds, the earlier first, and
+#     together the ranks 0 .. cp-1 hold each chunk exactly once.
+# ex08.B.balance: under a causal mask every rank's queries do the same attention work (the
+#     query-key pairs they score), for every cp.
+# ex08.B.range: a rank outside 0 .. cp-1 is a ``ValueError``.
 def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
     """The two chunks (of 2·cp, earlier first) that ``rank`` holds under zigzag sharding: one
     early and one late, so that every rank's causal attention work is the same."""
@@ -45,7 +54,7 @@ def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
 
 def chunk_ids(rank: int, cp: int, layout: str = "contiguous") -> list[int]:
     """Chunks of the sequence ``rank`` holds, in local order: ``[r]`` of ``cp`` chunks
-    (contiguous) or ``[r, 2c-1-r]`` of ``2·cp`` chunks (zigzag)."""
+    (contiguous) or :func:`zigzag_chunks` of ``2·cp`` chunks (zigzag)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return list(zigzag_chunks(rank, cp)) if layout == "zigzag" else [rank]

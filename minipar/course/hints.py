@@ -14,14 +14,23 @@ workspace's ``exercises/``, so two workspaces, or two people on one machine, kee
 * ``minipar.hint("ex08", "A", reset=True)``: start part A over (no part: every part).
 
 The grader never prints a hint unasked; a failure only says ``stuck? minipar.hint(...)``.
+
+The tiers are stored sealed (``"sealed:"`` and the text compressed, in base64), so that a
+learner who greps the course for an answer does not read the hints on the way:
+``python -m minipar.course.hints --unseal`` turns every graded module's ``HINTS`` into plain
+text to edit them, ``--seal`` seals them again (``tests/test_hints_sealed.py`` checks that the
+committed ones are sealed).
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import base64
 import re
 import json
 import os
+import sys
+import zlib
 from pathlib import Path
 
 from .challenge import graded_dir
@@ -44,6 +53,88 @@ def _key(name: str) -> str:
     return m[0] if m else key(name)
 
 
+SEAL = "sealed:"
+
+
+def seal(text: str) -> str:
+    """``text`` as a sealed tier (unchanged if it is sealed already)."""
+    if text.startswith(SEAL):
+        return text
+    return SEAL + base64.b64encode(zlib.compress(text.encode(), 9)).decode()
+
+
+def unseal(text: str) -> str:
+    """A tier's plain text (a plain tier is returned as it is)."""
+    if not text.startswith(SEAL):
+        return text
+    return zlib.decompress(base64.b64decode(text[len(SEAL):])).decode()
+
+
+def _hints_node(tree: ast.Module):
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "HINTS" for t in node.targets):
+            return node
+    return None
+
+
+def _literal(text: str, indent: str, width: int = 96) -> list[str]:
+    """``text`` as Python string literals, one per line, that concatenate to it."""
+    room = max(20, width - len(indent) - 4)
+    if text.startswith(SEAL):
+        cuts = [text[i:i + room] for i in range(0, len(text), room)]
+    else:
+        cuts, line = [], ""
+        for word in re.split(r"(?<= )", text):
+            if line and len(repr(line + word)) > room:
+                cuts.append(line)
+                line = ""
+            line += word
+        cuts.append(line)
+    return [indent + repr(c) for c in cuts]
+
+
+def rewrite(path: Path, sealed: bool) -> bool:
+    """Rewrite the ``HINTS`` of graded module ``path`` sealed (or plain); whether it changed."""
+    raw = Path(path).read_bytes()
+    node = _hints_node(ast.parse(raw))
+    if node is None:
+        return False
+    table = ast.literal_eval(node.value)
+    lines = [("HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after"
+              if sealed else "HINTS = {")]
+    for part, tiers in table.items():
+        tiers = tiers if isinstance(tiers, (list, tuple)) else (tiers,)
+        lines.append(f"    {part!r}: (")
+        for t in tiers:
+            lit = _literal(seal(t) if sealed else unseal(t), " " * 8)
+            lines += lit[:-1] + [lit[-1] + ","]
+        lines.append("    ),")
+    lines.append("}")
+    offsets = [0]
+    for ln in raw.splitlines(keepends=True):
+        offsets.append(offsets[-1] + len(ln))
+    a = offsets[node.lineno - 1] + node.col_offset
+    b = offsets[node.end_lineno - 1] + node.end_col_offset
+    new = raw[:a] + "\n".join(lines).encode() + raw[b:]
+    if new != raw:
+        Path(path).write_bytes(new)
+    return new != raw
+
+
+def seal_main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minipar.course.hints",
+                                description="seal or unseal the HINTS of every graded module")
+    p.add_argument("--seal", action="store_true")
+    p.add_argument("--unseal", action="store_true")
+    a = p.parse_args(argv)
+    if a.seal == a.unseal:
+        p.error("give --seal or --unseal")
+    for path in sorted(graded_dir().glob("test_*.py")):
+        if rewrite(path, sealed=a.seal):
+            print(f"{'sealed' if a.seal else 'unsealed'}: {path.name}")
+    return 0
+
+
 def hints_of(exercise: str) -> dict[str, tuple[str, ...]]:
     """``HINTS`` of the exercise's graded module, read without importing it."""
     k = _key(exercise)
@@ -53,7 +144,8 @@ def hints_of(exercise: str) -> dict[str, tuple[str, ...]]:
     for node in ast.parse(found[0].read_text()).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "HINTS" for t in node.targets):
             value = ast.literal_eval(node.value)
-            return {str(p): tuple(v) if isinstance(v, (list, tuple)) else (str(v),) for p, v in value.items()}
+            return {str(p): tuple(unseal(x) for x in v) if isinstance(v, (list, tuple)) else (unseal(str(v)),)
+                    for p, v in value.items()}
     return {}
 
 
@@ -159,3 +251,7 @@ def main(argv=None) -> int:
         print(e)
         return 2
     return 0
+
+
+if __name__ == "__main__":   # python -m minipar.course.hints --seal | --unseal
+    sys.exit(seal_main())

@@ -11,11 +11,22 @@ from __future__ import annotations
 import torch
 
 
+# Contract:
+# ex02.B.order: the buckets, read in order, list every parameter of ``params`` exactly once, in
+#     the order in which backward makes their gradients ready (for a model whose layers run in
+#     the order of ``params``).
+# ex02.B.cap: no bucket holds more than ``bucket_cap_mb`` MiB (2**20 bytes) of parameters, unless
+#     it holds a single parameter; ``bucket_cap_mb=0``: one parameter per bucket.
+# ex02.B.full: no bucket could have taken the first parameter of the next one without breaking
+#     ex02.B.cap or ex02.B.dtype (the fewest buckets that order allows).
+# ex02.B.dtype: the parameters of a bucket share one dtype (a bucket is one flat tensor); no
+#     bucket is empty.
+# ex02.B.negative: a negative ``bucket_cap_mb`` raises ``ValueError``.
 def assign_buckets(params, bucket_cap_mb: float) -> list[list[torch.nn.Parameter]]:
-    """Group ``params`` into buckets, last parameter first. A new bucket starts where the next
-    parameter would take the current one past ``bucket_cap_mb`` megabytes (2**20 bytes), or has
-    another dtype (a bucket is one flat tensor). A bucket holds at least one parameter: one
-    larger than the cap gets its own; ``bucket_cap_mb=0`` gives one bucket per parameter."""
+    """Group ``params`` into buckets in the order backward makes their gradients ready, each
+    at most ``bucket_cap_mb`` megabytes (2**20 bytes) unless it holds one larger parameter, of
+    one dtype (a bucket is one flat tensor), as few as that order allows; ``bucket_cap_mb=0``
+    gives one bucket per parameter."""
     # >>> ex02 B
     if bucket_cap_mb < 0:
         raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")

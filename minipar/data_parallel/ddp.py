@@ -60,6 +60,14 @@ class DistributedDataParallel(nn.Module):
         self.require_sync = True
         self._attach()
 
+    # Contract:
+    # Given: ``__init__`` has set ``self.module``, ``self.group``, ``self.all_reduce_fn``,
+    #     ``self._params`` (the trainable parameters, each once), ``self.reducer`` (a ``Reducer``,
+    #     or None for the naive version: ``allreduce_gradients`` after the backward) and
+    #     ``self.require_sync`` (False inside ``no_sync()``), then calls ``_attach()`` once;
+    #     ``remove_hooks()`` removes the handles in ``self._hooks``. The contract of the
+    #     reducer's part (ex02.C) is on ``Reducer.__init__``; these methods are how DDP learns
+    #     that a gradient is final and that a backward is over, also one that raised.
     def _attach(self) -> None:
         """Hook every trainable parameter (``self._hooks``, the handles :meth:`remove_hooks`
         removes) so that the reducer hears of each final gradient, and set up the state one

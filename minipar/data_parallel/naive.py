@@ -23,12 +23,29 @@ def trainable(params) -> list[torch.nn.Parameter]:
     return list({id(p): p for p in params if p.requires_grad}.values())
 
 
+# Contract:
+# ex02.A.average: on return, every trainable parameter of ``params`` (each Parameter once) has
+#     a ``.grad`` equal, on every rank of ``group``, to the mean over the group's ranks of their
+#     gradients; a rank on which it has no gradient counts as zeros.
+# ex02.A.frozen: a parameter with ``requires_grad=False`` keeps ``.grad`` None.
+# ex02.A.dtype: each ``.grad`` has its parameter's dtype and shape.
+# ex02.A.group: only ``group``'s ranks take part (None: the world); the mean divides by the
+#     group's size, whatever the world's.
+# ex02.A.bytes: the gradient bytes sent per call are ``cost.ddp_bytes_per_step`` of the
+#     trainable parameters: every trainable gradient travels once per call, under
+#     ``name="grad_all_reduce"``.
+# ex02.A.fn: given ``all_reduce_fn(tensor, group)`` (it sums ``tensor`` over ``group`` in place),
+#     every reduction goes through it and the result is the same mean.
+# ex02.*.order: every rank of the group issues the same collectives, of the same sizes, in the
+#     same order, even where backward reached a parameter on some ranks only.
+# ex02.*.recorded: every collective goes through ``minipar.comm`` (or ``all_reduce_fn``), so the
+#     trace records its bytes.
 def allreduce_gradients(params, group=None, all_reduce_fn=None) -> None:
-    """Average ``p.grad`` over ``group``, in place, with one all-reduce per trainable parameter
-    of ``params`` (e.g. ``model.parameters()``), in order. ``all_reduce_fn(tensor, group)``, if
-    given, must sum ``tensor`` in place (e.g. your ``ring_all_reduce`` from exercise 01); the
-    default is the backend's recorded all-reduce. A parameter with no gradient on this rank takes
-    part with zeros (every rank must call the same all-reduces, in the same order)."""
+    """Average ``p.grad`` of every trainable parameter of ``params`` (e.g.
+    ``model.parameters()``) over ``group``, after the backward. ``all_reduce_fn(tensor, group)``,
+    if given, must sum ``tensor`` in place (e.g. your ``ring_all_reduce`` from exercise 01); the
+    default is the backend's recorded all-reduce. A parameter with no gradient on this rank
+    counts as zeros, and every rank calls the same collectives in the same order."""
     # >>> ex02 A
     n = comm.group_size(group)
     for p in trainable(params):

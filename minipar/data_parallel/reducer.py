@@ -25,6 +25,27 @@ class Reducer:
     (asynchronously), ``overlap=False`` every bucket in :meth:`finish`. ``all_reduce_fn(tensor,
     group)``, if given, sums in place and synchronously (your own collective, no overlap)."""
 
+    # Contract:
+    # Given: DDP calls ``grad_ready(p)`` once per backward for each trainable ``p`` whose ``.grad``
+    #     is final (accumulated), and ``finish()`` once the backward is over; ``reset()`` forgets
+    #     a backward that did not finish. The library's ``Bucket`` (``pack``, ``unpack``,
+    #     ``buffer``) and your ``assign_buckets`` are yours to use.
+    # ex02.C.average: after ``finish()``, every trainable parameter's ``.grad`` holds the mean
+    #     over ``group``'s ranks, as ex02.A.average (a parameter without a gradient on a rank
+    #     counts as zeros); training through DDP equals one process (rtol 1e-5).
+    # ex02.C.group: every collective runs on ``group`` and divides by its size, not the world's.
+    # ex02.C.bytes: per step, each bucket is all-reduced exactly once (``name="grad_all_reduce"``),
+    #     in bucket order on every rank; the bytes are ``cost.ddp_bytes_per_step``.
+    # ex02.C.overlap: with ``overlap=True``, a bucket's all-reduce starts asynchronously during the
+    #     backward, as soon as every gradient in it is final, never before an earlier bucket's;
+    #     ``overlap=False`` starts none before ``finish()``.
+    # ex02.C.fn: with ``all_reduce_fn``, it is called synchronously, once per bucket per step,
+    #     and the gradients are the same mean.
+    # ex02.C.reset: a second step starts from a clean state: nothing of the previous backward
+    #     (counts, launched buckets, handles) carries over.
+    # ex02.C.no_sync: under ``DistributedDataParallel.no_sync()`` (``require_sync`` False) a
+    #     backward sends nothing and only accumulates ``.grad``; the first synced backward after
+    #     it averages the accumulated sums.
     def __init__(self, params, group=None, bucket_cap_mb: float = 25.0, overlap: bool = True,
                  all_reduce_fn=None):
         self.group, self.overlap, self.all_reduce_fn = group, overlap, all_reduce_fn

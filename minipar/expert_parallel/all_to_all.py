@@ -1,11 +1,8 @@
 """The all-to-all as a differentiable operation (its backward written out).
 
 Forward: chunk j of the input (``send[j]`` rows) goes to rank j; the output is the chunks
-that arrive, in rank order (``recv[i]`` rows from rank i). A permutation of rows across ranks,
-so its transpose, which the backward applies to the gradient, is the same exchange the other
-way, split sizes swapped: each arrived row's gradient goes back where the row came from.
-
-    y = A2A(x; recv, send)        ∂L/∂x = A2A(∂L/∂y; send, recv)
+that arrive, in rank order (``recv[i]`` rows from rank i). Backward: each arrived row's
+gradient goes back where the row came from.
 
 (GShard's dispatch and combine, Lepikhin et al. 2020; recorded by :mod:`minipar.comm` as
 ``<name>`` and ``<name>_backward``.)
@@ -17,6 +14,14 @@ import torch
 from .. import comm
 
 
+# Contract:
+# Given: ``x`` holds ``sum(send)`` rows, the first ``send[0]`` for group rank 0 and so on;
+#     ``AllToAll.apply(x, recv, send, group, name, labels)`` is the differentiable ``all_to_all``.
+# ex09.C.order: the result holds ``sum(recv)`` rows, the rows arriving in rank order (group rank
+#     0's first).
+# ex09.C.empty: a rank may send or receive no rows.
+# ex09.C.dtype: each dtype kept (float64 and bfloat16 in, the same dtype out).
+# ex09.C.backward: in backward each arrived row's gradient goes back where the row came from.
 def exchange(x: torch.Tensor, recv: list[int], send: list[int], group=None, name: str = "all_to_all",
              **labels) -> torch.Tensor:
     """One recorded ``all_to_all_single``: ``x`` has ``sum(send)`` rows, the result ``sum(recv)``."""

@@ -1,22 +1,10 @@
 """The MoE layer with its experts spread over an ``ep`` group (GShard, Lepikhin et al. 2020).
 
-Every rank routes its own tokens with the (replicated) router; rank j holds experts
-``j·E/ep .. (j+1)·E/ep - 1``. One forward, on every rank:
-
-1. route, count the assignments per expert, **exchange the counts** (an all-gather of E
-   integers per rank: everyone has the (ep × E) matrix M);
-2. **capacity** C = ceil(k·S/E · factor), S the whole group's tokens (Σ M / k), by the single
-   device's policy (by position, ranks in order): rank r's assignments to expert i start at
-   Σ_{r' < r} M[r', i], and those past C are dropped before sending;
-3. sort the kept assignments by expert (a stable permutation), **all-to-all #1** with the
-   split sizes from M: each rank receives the rows for its experts;
-4. group the arrived rows by local expert (source rank, then token order: the single
-   device's order), run each expert on its rows, undo that grouping;
-5. **all-to-all #2** (the reverse splits) brings the results home; undo the sort, combine
-   y = Σ_j w_j · E_{e_j}(x).
-
-So the outputs, the dropped tokens and (with the router's gradient summed over the ranks)
-every gradient equal the single-device layer on all ranks' tokens concatenated. The
+Every rank routes its own tokens with the (replicated) router; rank j holds the j-th block
+of E/ep experts. Each (token, expert) assignment travels to the rank of its expert, is
+computed there and comes back (two all-to-alls, notebook 09): the outputs, the dropped
+tokens and (with the router's gradient summed over the ranks) every gradient equal the
+single-device layer on all ranks' tokens concatenated. The
 load-balancing loss uses the group's f_i (from M, or summed over ``token_group`` when the
 single-device batch spans more ranks, as under DP × EP) and this rank's P_i; its mean over
 the ranks is the single-device aux.
@@ -33,6 +21,13 @@ from .all_to_all import all_to_all
 from .dispatch import count_tokens, kept_counts, permutation, split_sizes
 
 
+# Contract:
+# ex09.A.exchange: ``exchange_counts(counts, group)``: every rank of the group holds the same
+#     (ep × E) matrix, row r the counts of group rank r.
+# ex09.*.group: on a non-world group (two ep groups of 2 out of 4 ranks) each group is its own
+#     layer: only its ranks take part and ranks count within it.
+# ex09.*.recorded: every collective goes through ``minipar.comm`` (``all_gather``, ``all_to_all``),
+#     so the trace records its bytes.
 def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     """The (ep × E) matrix of every rank's counts (a recorded all-gather, ``ep_counts``)."""
     # >>> ex09 A
@@ -46,6 +41,11 @@ def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
 class ExpertParallelMoE(MoE):
     """``moe``'s router and this rank's share of its experts (same parameter names)."""
 
+    # Contract:
+    # ex09.D.experts: rank j of the group holds experts j·E/ep .. (j+1)·E/ep - 1 of ``moe``
+    #     (``self.local``: their indices; ``self.experts``: a ``ModuleDict`` keyed by those
+    #     indices as strings) and ``moe``'s router (``self.router``); ``self.ep``, ``self.rank``.
+    # ex09.D.divide: E that ep does not divide is a ``ValueError``.
     def __init__(self, moe: MoE, group=None, token_group=None):
         nn.Module.__init__(self)
         self.n_experts, self.top_k, self.capacity_factor = moe.n_experts, moe.top_k, moe.capacity_factor
@@ -63,6 +63,25 @@ class ExpertParallelMoE(MoE):
         self.loss, self.stats = None, {}
         self.aux_scale, self.aux_total, self.routed = moe.aux_scale, 0.0, None
 
+    # Contract:
+    # Given: the code before your part has routed this rank's N tokens ``x`` (N, h): ``logits``,
+    #     ``probs``, ``weights`` and ``experts`` (N, k), ``expert_of`` (N·k, flat) and ``token_of``
+    #     (the token of each assignment). Yours to use: ``count_tokens``, ``exchange_counts``,
+    #     ``kept_counts``, ``split_sizes``, ``permutation``, ``all_to_all``,
+    #     ``capacity(tokens, E, k, factor)`` and ``keep_within_capacity(expert_of, E, cap,
+    #     before=...)`` (``minipar.models.moe``: the single device's policy),
+    #     ``self.aux_losses(logits, probs, expert_of, totals)``. The code after your part reads
+    #     ``counts``, ``M``
+    #     (the exchanged matrix), ``cap``, ``kept``, ``keep`` (per assignment, in token order),
+    #     ``totals`` (the assignments per expert the load-balancing loss counts), ``aux``, ``z``
+    #     and ``y`` (N, h).
+    # ex09.D.exact: outputs and dropped assignments equal the MoE layer on one device, on all
+    #     ranks' tokens concatenated.
+    # ex09.D.grads: every gradient equals the single device's (the input's, each expert's, the
+    #     router's summed over the ranks).
+    # ex09.D.second: a second step (other tokens) is as exact as the first.
+    # ex09.D.aux: the load-balancing loss, averaged over the ranks, is one device's.
+    # ex09.D.token_group: with a ``token_group`` the loss's f_i count that group's tokens.
     def forward(self, x):
         shape, E, k = x.shape, self.n_experts, self.top_k
         x = x.reshape(-1, shape[-1])

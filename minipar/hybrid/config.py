@@ -159,6 +159,16 @@ def valid_configs(config: GPTConfig, world_size: int, batch_size: int | None = N
     return out
 
 
+# Contract:
+# Given: ``valid_configs`` lists every dp·pp·tp = world_size the model and the batch accept;
+#     ``hybrid_memory_per_rank`` (fp32 Adam) their model states per rank; the result is
+#     ``{"dp", "pp", "tp"}``: Narayanan et al.'s advice (§3, Takeaways #1 and #2) as a rule.
+# ex07.C.fit: only configurations whose model states per rank fit in ``memory_per_rank`` (no
+#     limit when ``None``) are chosen.
+# ex07.C.prefer: among them the least model parallelism tp·pp (data parallelism for the rest),
+#     then tensor parallelism that stays within a node (``ranks_per_node``), then the fewest
+#     pipeline stages.
+# ex07.C.none: nothing left is a ``ValueError``.
 def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatches: int = 1,
                   memory_per_rank: float | None = None, ranks_per_node: int = 8,
                   zero1: bool = False) -> dict[str, int]:

@@ -72,6 +72,18 @@ class NaiveModelParallel:
         self.device = next((q.device for q in stage.parameters()), None)  # where receives land
         self.rank, self.n = group_rank(group), group_size(group)
 
+    # Contract:
+    # Given: ``self.stage`` (this rank's layers), ``self.shapes`` (``shapes[s]``: stage s's output
+    #     shape), ``self.group``, ``self.loss_fn``, ``self.comm`` (``stage_comm``), ``self.dtype``
+    #     (the forward's, through ``strategy.forward``), ``self.wire`` (the dtype every message
+    #     travels in, both ways: ``stage_comm.message_dtype``), ``self.device`` (where receives
+    #     land), ``self.rank`` (= the stage) and ``self.n`` are set; ``x``, ``y`` are the whole
+    #     batch's inputs and targets on every rank.
+    # ex03.A.grad: the gradient sent back is ∂L/∂(the stage's input): the sending stage continues
+    #     its backward from it, and the weight gradients on every rank are one process's.
+    # ex03.A.stages: ``step`` runs one batch over any number of stages, one per rank, and returns
+    #     the batch's loss on the last rank, ``None`` elsewhere.
+    # ex03.A.train: training with ``step`` equals one process.
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """Forward and backward of one batch; the loss on the last rank, else ``None``."""
         # >>> ex03 A

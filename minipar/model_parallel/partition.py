@@ -18,6 +18,15 @@ import torch
 import torch.nn as nn
 
 
+# Contract:
+# Given: ``costs`` are L layers' costs; the result is the boundaries ``[0, b_1, ..., b_{p-1}, L]``
+#     (stage s holds layers ``b_s`` to ``b_{s+1} - 1``). ``_min_max(prefix, p)`` gets the prefix
+#     sums (``prefix[j]``: the cost of the first j layers) and returns the optimal cost of the
+#     costliest stage.
+# ex04.A.valid: p contiguous, non-empty stages, covering every layer once.
+# ex04.A.optimal: the most expensive stage is as cheap as possible (any optimal split is
+#     accepted; checked against brute force on random costs).
+# ex04.A.range: raises ``ValueError`` unless 1 <= p <= L.
 def partition(costs: list[float], p: int) -> list[int]:
     """Stage boundaries ``[0, b_1, ..., L]`` (stage s = layers ``b_s : b_{s+1}``, none empty)
     minimising the cost of the most expensive stage."""

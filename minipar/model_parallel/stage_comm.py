@@ -3,22 +3,14 @@
 Autograd cannot follow a tensor from one process to another, so the graph is cut at each
 stage boundary and stitched by hand (Huang et al. 2019; Narayanan et al. 2019):
 
-* forward: stage s sends its output ``y`` (detached: only values travel) to stage s+1,
-  which receives it into a fresh **leaf tensor with requires_grad**, ``x``. Stage s+1's
-  graph starts at ``x``.
-* backward: after stage s+1's backward, ``x.grad = ∂L/∂x``, which is exactly ``∂L/∂y``
-  on stage s. Stage s receives it and calls ``y.backward(grad)``, continuing the chain
-  rule where the previous rank left off.
+the activation goes forward, its gradient comes back, and each stage's backward continues
+the chain rule where the next stage's left off (notebook 03, "Autograd across ranks"). Ranks
+are group-local and every transfer is recorded by :mod:`minipar.comm` with its bytes.
 
-Sends are non-blocking (a :class:`~minipar.comm.Handle` to wait on later) so a stage
-never stalls on a slow receiver; receives block until the data is there. Ranks are
-group-local and every transfer is recorded by :mod:`minipar.comm` with its bytes.
-
-Sender and receiver must agree on a message's bytes without exchanging them: its shape is
-the boundary's (:func:`~minipar.model_parallel.partition.boundary_shapes`, computed from the
-same model on every rank) and its dtype is :func:`message_dtype`, the stages' parameters'
-whatever autocast computes in (an LSTM's output is bf16 under bf16 autocast, a GPT's
-residual stream stays fp32): the sender casts to it, the receiver allocates it.
+Sender and receiver agree on a message's bytes from one place, without exchanging them: its
+shape is the boundary's (:func:`~minipar.model_parallel.partition.boundary_shapes`, the same on
+every rank) and its dtype :func:`message_dtype` (the stages' parameters', whatever autocast
+computes in).
 """
 from __future__ import annotations
 
@@ -39,6 +31,13 @@ def message_dtype(*stages: torch.nn.Module) -> torch.dtype:
     return kinds.pop() if kinds else torch.float32
 
 
+# Contract:
+# ex03.A.async: ``send_activation`` and ``send_grad`` start a send of the tensor's values and
+#     return its ``Handle`` without waiting for it.
+# ex03.*.recorded: every transfer goes through ``minipar.comm`` (``isend``/``irecv``) and is
+#     waited on before the step ends, so the trace records its bytes.
+# ex03.*.group: every transfer runs over ``group``, with ``src``/``dst`` its ranks, passing ``tag``
+#     and ``**labels`` through.
 def send_activation(y: torch.Tensor, dst: int, group=None, tag: int = 0, **labels) -> Handle:
     """Start sending the values of stage output ``y`` to group rank ``dst``."""
     # >>> ex03 A
@@ -46,6 +45,11 @@ def send_activation(y: torch.Tensor, dst: int, group=None, tag: int = 0, **label
     # <<< ex03 A
 
 
+# Contract:
+# ex03.A.leaf: ``recv_activation`` returns, once it has arrived, a leaf that requires grad, so
+#     that after this stage's backward its ``.grad`` is ∂L/∂(this input); ``recv_grad`` returns
+#     the gradient itself.
+# ex03.A.dtype: both receives return ``shape`` in the ``dtype`` asked, on ``device``.
 def recv_activation(shape, src: int, group=None, dtype=torch.float32, device=None,
                     tag: int = 0, **labels) -> torch.Tensor:
     """Receive a stage input from group rank ``src``: a leaf tensor that requires grad, so
@@ -57,6 +61,8 @@ def recv_activation(shape, src: int, group=None, dtype=torch.float32, device=Non
     # <<< ex03 A
 
 
+# Contract:
+# Given: as ``send_activation`` (ex03.A.async), for the gradient of a received activation.
 def send_grad(grad: torch.Tensor, dst: int, group=None, tag: int = 0, **labels) -> Handle:
     """Start sending ``grad`` (the ``.grad`` of a received activation) back to group rank ``dst``."""
     # >>> ex03 A
@@ -64,6 +70,9 @@ def send_grad(grad: torch.Tensor, dst: int, group=None, tag: int = 0, **labels) 
     # <<< ex03 A
 
 
+# Contract:
+# Given: as ``recv_activation`` (ex03.A.leaf, ex03.A.dtype), for the gradient of this stage's
+#     output.
 def recv_grad(shape, src: int, group=None, dtype=torch.float32, device=None,
               tag: int = 0, **labels) -> torch.Tensor:
     """Receive the gradient of this stage's output from group rank ``src`` (no grad needed)."""

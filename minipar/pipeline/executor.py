@@ -5,13 +5,11 @@ and runs ``schedule.actions[rank]`` (:mod:`.schedules`), ``rank`` being the rank
 ``group``, the pipeline's own process group (so a mesh can run many pipelines side by side).
 Each action is the method of its name:
 
-* ``F i s``: stage s's forward of micro-batch i, its input and output kept in the *stash*; the
-  last stage also computes ``loss_i / m``, so the gradients summed over the m micro-batches
-  are those of the batch's mean loss.
-* ``B i s``: ``out.backward(∂L/∂out)``, leaving ``∂L/∂in`` in the input's ``.grad`` for
-  ``SEND_B``. With W actions (ZB-H1) the forward ran under
-  :func:`~minipar.autograd.split_backward.deferred`: B computes input gradients only, and
-* ``W i s``: the weight gradients ``∂L/∂W = (∂L/∂Y)ᵀ X`` from the ``(X, ∂L/∂Y)`` B kept.
+* ``F i s``, ``B i s``: stage s's forward and backward of micro-batch i; together the step's
+  gradients are those of the batch's mean loss, and what a backward needs is held in the
+  *stash* only while it is needed.
+* ``W i s``: under ZB-H1 (:mod:`~minipar.autograd.split_backward`) B computes the input
+  gradients and W the weight gradients.
 * ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``: activations and gradients (:mod:`.stage_comm`);
   each run of them between two computes is one batch under NCCL (:func:`minipar.comm.p2p.batched`:
   separate posts of a send and a receive, in opposite orders on neighbouring ranks, can wait on
@@ -80,6 +78,19 @@ class Pipeline:
         for s in sorted(self.stages):
             yield from self.stages[s].parameters()
 
+    # Contract:
+    # Given: ``step`` walks ``self.schedule.actions[self.rank]``, each action by the method of its
+    #     name. The library's ``F``, ``B`` and ``W`` read ``self.xs[i]``, ``self.ys[i]`` and
+    #     ``self.inbox[(kind, i, stage)]``, keep what the backward needs in ``self.stash[i, s]`` (a
+    #     ``Stash``: a dict that counts its ``peak``), leave what must be sent in
+    #     ``self.outbox[(kind, i, stage)]`` and add the last stage's ``loss_i / m`` to
+    #     ``self.loss``; ``self.mail`` is exercise 03's ``Mailbox``; ``SEND_F``/``RECV_F`` also
+    #     serve ``SEND_B``/``RECV_B`` (``a.op[-1]`` is the kind).
+    # ex04.C.divide: a batch m does not divide is a ValueError.
+    # ex04.C.loss: ``step`` returns the batch's mean loss on the rank holding the last stage,
+    #     None elsewhere.
+    # ex04.C.clean: a second step starts from a clean state (its losses are one process's too).
+    # ex04.C.peak: afterwards ``peak_stash`` is the most micro-batches held at once.
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Forward and backward of one batch (gradients accumulate into ``.grad``); returns
         the batch's mean loss on the rank holding the last stage, ``None`` elsewhere."""
@@ -99,6 +110,27 @@ class Pipeline:
         # <<< ex04 C
 
     # ------------------------------------------------------------------ compute
+    # Contract:
+    # Given: each of ``F(a)``, ``B(a)``, ``W(a)`` runs inside its trace region for an action ``a``
+    #     of stage ``a.stage`` on micro-batch ``a.microbatch``. The step has cut the batch into
+    #     ``self.xs`` and ``self.ys`` (m micro-batches each) and set ``self.loss = 0``;
+    #     ``self.inbox`` holds what ``RECV_F``/``RECV_B`` received and ``self.outbox`` what
+    #     ``SEND_F``/``SEND_B`` will send, both keyed ``(kind, micro-batch, stage)`` (kind "F" or
+    #     "B"); ``self.stash`` is a ``Stash`` (a dict counting its ``peak``); ``self.stages``,
+    #     ``self.last`` (the last stage's index), ``self.schedule`` (``m``, ``split_backward``),
+    #     ``self.split_backward``, ``self.loss_fn``, ``self.compute_dtype`` and ``self.device``
+    #     are the pipeline's; ``deferred`` and ``WeightGrads`` (``minipar.autograd.split_backward``)
+    #     split a backward.
+    # ex03.C.mean: the step's loss and gradients are those of the mean of its m micro-batches'
+    #     losses.
+    # ex03.C.backward: B continues the backward from the gradient ``RECV_B`` left (the last stage
+    #     from its own loss) and leaves ∂L/∂(its input) for ``SEND_B``.
+    # ex03.C.stash: a micro-batch's tensors are held only while a later action of it still needs
+    #     them: the step's ``peak_stash`` is the schedule's.
+    # ex03.C.split: with ``schedule.split_backward`` (ZB-H1), B computes the input gradients only
+    #     and W the weight gradients.
+    # ex03.C.dtype: the forward computes in ``compute_dtype`` (``minipar.strategy.forward``, the one
+    #     place a forward enters autocast).
     def F(self, a):
         with traced(a):
             # >>> ex03 C
@@ -163,6 +195,19 @@ class Mailbox:
     """The messages of a pipeline: a tag per (kind, micro-batch, sending stage), trace
     labels, and non-blocking sends completed (and recorded) as soon as they have finished."""
 
+    # Contract:
+    # Given: the executor calls ``Mailbox(comm, group, m, act_shape, dtype, device)`` (``comm``:
+    #     ``stage_comm``; ``act_shape(s)``: stage s's output shape for one micro-batch; ``dtype``:
+    #     the stages' parameters'), ``send(a, tensor)`` for a ``SEND_F``/``SEND_B`` action ``a``
+    #     (``a.op``, ``a.microbatch``, ``a.stage``, ``a.peer``), ``recv(a)`` for a
+    #     ``RECV_F``/``RECV_B`` and ``flush()`` at the end of the step. The schedule may receive
+    #     in any order.
+    # ex03.B.match: a receive gets the message of its own kind, micro-batch and sending stage,
+    #     whatever the order the messages were sent in.
+    # ex03.B.dtype: every message travels in the dtype of the stages' parameters (a float64
+    #     model's in float64).
+    # ex03.B.flush: sends never block the schedule, yet every send is waited on, and recorded, by
+    #     the end of the step, on the pipeline's ``group``.
     def __init__(self, comm, group, m: int, act_shape, dtype, device):
         # >>> ex03 B
         self.comm, self.group, self.m, self.act_shape = comm, group, m, act_shape

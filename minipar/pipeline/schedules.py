@@ -18,9 +18,8 @@ receives (right before the compute that needs it; under NCCL the executor posts 
 
 * GPipe / all-forward-all-backward (Huang et al. 2019): all m forwards, then all m
   backwards. Every rank stashes m micro-batches.
-* 1F1B (PipeDream-Flush, Narayanan et al. 2021): ``p - r - 1`` warm-up forwards, then
-  alternate one forward and one backward (steady state), then the remaining backwards
-  (cool-down). Rank r stashes at most ``min(p - r, m)``. Same bubble as GPipe.
+* 1F1B (PipeDream-Flush, Narayanan et al. 2021): each rank starts backwards as early as the
+  pipeline allows. Rank r stashes at most ``min(p - r, m)``. Same bubble as GPipe.
 * Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): v >= 2 virtual stages per rank, the
   micro-batches go round the ranks v times in groups of p; the bubble shrinks to
   (p-1)/(v·m). Needs ``m % p == 0``.
@@ -86,9 +85,16 @@ def gpipe(p: int, m: int, rank: int) -> list[Action]:
     return [Action("F", i, rank) for i in range(m)] + [Action("B", i, rank) for i in range(m)]
 
 
+# Contract:
+# Given: the result is ``rank``'s compute order, a list of ``Action("F", i, rank)`` and
+#     ``Action("B", i, rank)`` for the m micro-batches (``rank`` holds stage ``rank``).
+# ex04.B.valid: together the p ranks' orders are a valid schedule (no deadlock, each F before
+#     its B), for every p and m, m < p included.
+# ex04.B.bubble: it keeps GPipe's bubble, (p-1)/m of the busy time (``pipeline.bubble``).
+# ex04.B.memory: rank r holds at most min(p - r, m) micro-batches of activations at once.
 def one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
-    """1F1B's compute order on ``rank`` of ``p`` for ``m`` micro-batches: warm-up forwards, a
-    steady state of one forward and one backward, cool-down backwards."""
+    """1F1B's compute order on ``rank`` of ``p`` for ``m`` micro-batches: GPipe's bubble, at most
+    ``min(p - rank, m)`` micro-batches held."""
     # >>> ex04 B
     warmup = min(p - rank - 1, m)
     out = [Action("F", i, rank) for i in range(warmup)]
@@ -118,10 +124,8 @@ def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[Action]:
 
 
 def zb_h1(p: int, m: int, rank: int) -> list[Action]:
-    """ZB-H1 on ``rank``: 1F1B's order with the backward split into B and W. Rank r defers its
-    Ws by r micro-batches in the steady state (never holding more than 1F1B's p micro-batches)
-    and in the cool-down runs one deferred W after each B, the rest at the end: the Ws fill
-    the cool-down bubble."""
+    """ZB-H1 on ``rank``: 1F1B's order with the backward split into B and W, the Ws placed to
+    fill the cool-down bubble without holding more than 1F1B's p micro-batches."""
     warmup = min(p - rank - 1, m)
     out, pending = [Action("F", i, rank) for i in range(warmup)], []
     for i in range(m - warmup):
@@ -136,6 +140,14 @@ def zb_h1(p: int, m: int, rank: int) -> list[Action]:
 
 
 # ------------------------------------------------------------------ the Schedule object
+# Contract:
+# Given: ``order`` is one rank's compute order over ``n_stages`` stages (stage s on rank s mod p);
+#     ``Action(op, microbatch, stage, peer)``, the message kinds ``SEND_F``/``RECV_F`` (an
+#     activation leaving/entering ``stage``) and ``SEND_B``/``RECV_B`` (a gradient).
+# ex04.C.comms: a receive right before every F or B that needs a tensor from another stage, a
+#     send right after every F or B that produced one, none at the ends of the pipeline (W
+#     crosses no boundary).
+# ex04.C.peer: the peer of a message is the rank holding the other stage.
 def add_comms(order: list[Action], p: int, n_stages: int) -> list[Action]:
     """Insert RECV before and SEND after every compute that crosses a stage boundary: F
     receives from stage s-1 and sends to s+1, B the other way round."""

@@ -52,6 +52,18 @@ from .models import ModelSpec
 BUCKET = 25e6
 
 
+# Contract:
+# Given: the bytes one layer keeps per micro-batch on one GPU; ``cost.activation_terms``
+#     (Korthikanti et al.'s terms of one layer) and ``cost.recompute_activation_bytes`` are there.
+# ex10.A.gpt: for a GPT they are exactly ``cost.recompute_activation_bytes`` on the layout's tp,
+#     sequence parallelism and recomputation.
+# ex10.A.shapes: for other shapes the terms scale: grouped-query K and V (Q, K, V is h + 2·kv_dim
+#     wide, not 3h), the MLP's width and gating (ffn/4h, × 1.5 for a gated MLP).
+# ex10.A.experts: × top_k for the experts a token visits.
+# ex10.A.cp: everything is counted on the GPU's s/cp tokens, and the attention scores of those
+#     s/cp queries span all s keys.
+# ex10.A.flash: selective recomputation keeps no attention-score term; flash attention keeps no
+#     score term either, and adds the fp32 log-sum-exp, 4·(s/cp)·b·a/t bytes.
 def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
     """Bytes one layer keeps per micro-batch on one GPU (Korthikanti et al.'s terms, shaped
     for ``model``; for a GPT they are exactly :func:`minipar.cost.recompute_activation_bytes`)."""
@@ -74,6 +86,13 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> fl
     # <<< ex10 A
 
 
+# Contract:
+# Given: returns ``{"params", "grads", "optimizer"}``; ``cost.zero_bytes_per_rank`` is there.
+# ex10.B.bytes: 2 + 2 + 12 bytes per parameter in bf16, 4 + 4 + 8 in fp32.
+# ex10.B.zero: ZeRO stage 1, 2, 3 divides the optimizer state, then the gradients, then the
+#     parameters by the dp·cp ranks, and the experts' by dp·cp/ep.
+# ex10.B.experts: a GPU holds Ψ/(tp·pp) of the dense parameters and Ψ_experts/(tp·pp·ep) of the
+#     experts'.
 def model_state_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
     """``{"params", "grads", "optimizer"}`` bytes per GPU (ZeRO formulas on the local share)."""
     # >>> ex10 B
@@ -89,6 +108,17 @@ def model_state_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
     # <<< ex10 B
 
 
+# Contract:
+# Given: returns the bytes on the busiest GPU by component; your part computes ``activations``;
+#     ``cost.peak_activations`` gives the micro-batches a pipeline rank holds at its peak.
+# ex10.C.in_flight: ``activations`` is what the busiest pipeline stage holds at its peak: stage r
+#     holds its ``stage_layers`` for the micro-batches in flight on it.
+# ex10.C.last_stage: the last stage (with pp > 1) holds one micro-batch in flight.
+# ex10.C.recompute: full recomputation also rebuilds one layer's full activations during
+#     backward.
+# ex10.C.logits: the last stage also holds one micro-batch's fp32 logits (sharded over tp, on the
+#     GPU's s/cp tokens).
+# ex10.C.one_stage: with one stage, the first stage is the last.
 def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch: int) -> dict[str, float]:
     """Bytes on the busiest GPU: ``{"params", "grads", "optimizer", "activations", "buffers", "total"}``
     (formulas in the module docstring)."""
@@ -128,6 +158,10 @@ def zero3_states(model: ModelSpec, layout: Layout) -> dict[str, float]:
             "optimizer": shards["optimizer"]}
 
 
+# Contract:
+# ex10.C.even: stages get l/p layers each when p divides l.
+# ex10.C.uneven: otherwise ⌈l/p⌉, and the stages that hold one fewer are the first and the last,
+#     then the second, the third, ...
 def stage_layers(n_layer: int, pp: int) -> list[int]:
     """Layers of each pipeline stage: ``l/p`` each when p divides l; otherwise ``⌈l/p⌉``, but the
     ``p·⌈l/p⌉ - l`` stages that hold one fewer are the first and the last (then the second, third, ...):
@@ -143,6 +177,12 @@ def stage_layers(n_layer: int, pp: int) -> list[int]:
     # <<< ex10 C
 
 
+# Contract:
+# ex10.C.bucket: a 25 MB gradient bucket when dp·cp > 1.
+# ex10.C.sp_input: the all-gathered (s/cp, b, h) input of a sequence-parallel layer when tp > 1.
+# ex10.C.boundary: a pipeline stage's two boundary activations when pp > 1 (over tp with sequence
+#     parallelism).
+# ex10.C.zero3: ZeRO-3's one gathered layer (Ψ/l over tp).
 def comm_buffer_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
     """The buffers collectives need beside the model states and activations (docstring)."""
     # >>> ex10 C

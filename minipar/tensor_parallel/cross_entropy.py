@@ -3,19 +3,9 @@
 loss", which cuts the communication from b·s·V to b·s elements).
 
 Rank r holds the logits ``z[:, v]`` of its vocabulary slice ``v ∈ [r·V/t, (r+1)·V/t)``.
-For each of the N = b·s positions, with target y:
-
-    loss = log Σ_v exp(z_v - m) - (z_y - m)          m = max_v z_v (for stability)
-
-and every piece is a reduction over the vocabulary, so each rank reduces its slice and the
-group combines N numbers per position instead of V/t:
-
-    m          max over ranks of the local maxima       (all-gather of N maxima)
-    Σ exp      sum over ranks of the local sums         (all-reduce, together with:)
-    z_y        the one rank that owns y contributes it  (all-reduce of a masked value)
-
-The gradient needs no communication at all: ``dL/dz_v = (softmax_v - [v = y]) / N`` for
-this rank's v, from the local exponentials and the global sum saved in forward.
+The loss of each of the N = b·s positions is ``log Σ_v exp(z_v) - z_y``; the group combines
+a few numbers per position instead of the logits, and the backward communicates nothing
+(notebook 05, "The loss without the full logits").
 """
 from __future__ import annotations
 
@@ -26,6 +16,18 @@ from .ops import size_and_rank
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    # Contract:
+    # Given: ``logits`` (..., V/t) are this rank's slice of the vocabulary (rank r holds tokens
+    #     [r·V/t, (r+1)·V/t)), ``targets`` (...) the full targets on every rank; ``backward``
+    #     receives the gradient of the returned mean loss.
+    # ex05.C.exact: the loss and the gradient equal ``F.cross_entropy`` (mean) on the full logits,
+    #     with targets on every rank's slice.
+    # ex05.C.finite: finite and exact even when logits reach hundreds, and when one rank's logits
+    #     are hundreds above another's.
+    # ex05.C.bytes: the forward communicates a few numbers per position, never the logits.
+    # ex05.C.backward: the backward, written by hand, communicates nothing.
+    # ex05.C.fp32: the loss is computed in fp32, from bf16 logits too; the gradient comes back in
+    #     the logits' dtype.
     @staticmethod
     def forward(ctx, logits, targets, group):
         # >>> ex05 C

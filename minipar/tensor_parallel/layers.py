@@ -4,16 +4,10 @@ A linear layer computes ``Y = X A`` (PyTorch stores ``Aᵀ`` as ``weight``, shap
 With t ranks, A can be split two ways:
 
 * **by columns** ``A = [A_1, ..., A_t]`` (output features): ``Y = [X A_1, ..., X A_t]``.
-  Every rank needs all of X and produces its own slice of the output features, with no
-  communication in forward. In backward each rank's ``dL/dX = dL/dY_i A_iᵀ`` is only part
-  of the sum, hence f (all-reduce in backward) in front of the layer. A bias splits with them.
 * **by rows** ``A = [A_1; ...; A_t]`` (input features): ``Y = X_1 A_1 + ... + X_t A_t``.
-  Each rank needs only its slice X_i of the input (what a column-parallel layer produces)
-  and computes a partial sum, which g all-reduces; the replicated bias is added once, after the sum.
 
-Column then row, ``Z = g(GeLU(f(X) A_i) B_i)``, is the transformer MLP with one all-reduce
-in forward and one in backward: GeLU is elementwise, so it applies to the column slices
-with no communication in between. The layers call the functional forms
+Column then row is the transformer MLP with one all-reduce in forward and one in backward
+(notebook 05, "Column then row: one all-reduce per MLP"). The layers call the functional forms
 :func:`column_parallel_linear` and :func:`row_parallel_linear` (exercise 05 asks you to write them).
 """
 from __future__ import annotations
@@ -26,6 +20,11 @@ from .ops import divide, f, g, gather, size_and_rank, split
 from .sequence import gather_linear, linear_reduce_scatter
 
 
+# Contract:
+# Given: ``weight`` is this rank's rows of the single-device weight, (out/t, in), ``bias`` its
+#     rows of the bias, (out/t,) or None; ``x`` is the full input on every rank.
+# ex05.B.column: returns this rank's output features (all of them, in order, with
+#     ``gather_output=True``), and the gradient reaching ``x`` is the whole input gradient.
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                            gather_output: bool = False, group=None) -> torch.Tensor:
     """``f(x) A_iᵀ + b_i`` with this rank's rows of the weight (its output features): ``weight``
@@ -37,6 +36,12 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     # <<< ex05 B
 
 
+# Contract:
+# Given: ``x`` holds this rank's input features (what a column-parallel layer returns), ``weight``
+#     this rank's columns of the single-device weight, (out, in/t), ``bias`` the full bias.
+# ex05.B.row: returns the full output on every rank, the bias added once.
+# ex05.B.once: a column layer followed by a row layer communicates once in forward and once in
+#     backward.
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                         group=None) -> torch.Tensor:
     """``g(x_i A_iᵀ) + b``: this rank's input features ``x_i`` times its columns of the
@@ -73,6 +78,11 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(full.weight.detach().chunk(t, 0)[r].clone())
         self.bias = nn.Parameter(full.bias.detach().chunk(t, 0)[r].clone()) if bias else None
 
+    # Contract:
+    # ex05.B.load: ``ColumnParallelLinear.from_linear`` and ``RowParallelLinear.from_linear`` return
+    #     a module (built with ``**kwargs``) holding this rank's shard of the given single-device
+    #     ``nn.Linear``, so that it computes the rank's part of that layer.
+    # ex05.B.nobias: from a layer with ``bias=False`` too.
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
         """This rank's shard of an existing single-device ``nn.Linear``."""

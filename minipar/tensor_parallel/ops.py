@@ -4,10 +4,8 @@ Megatron-LM (Shoeybi et al. 2019, Section 3, Figure 3) splits a layer's matrix m
 over the t ranks of a tensor-parallel group and wraps each parallel region in two
 conjugate operators:
 
-    f   forward: identity      backward: all-reduce    (enters a region: every rank reads the
-                                                         same X, so dL/dX sums partial gradients)
-    g   forward: all-reduce    backward: identity      (leaves it: the partial outputs sum to Y;
-                                                         dL/dY is already the same on every rank)
+    f   enters a parallel region: every rank reads the same X
+    g   leaves it: every rank holds a partial result of Y
 
 Sequence parallelism (Korthikanti et al. 2022, Section 4.2.2) cuts each all-reduce into its
 two halves along the sequence, again a conjugate pair: :func:`all_gather` (backward
@@ -39,6 +37,15 @@ def divide(n: int, t: int, what: str) -> int:
 
 
 # ---------------------------------------------------------------- collectives on any dim (no autograd)
+# Contract:
+# Given: ``_sum``, ``gather_along`` and ``_split`` are the plain collectives behind the autograd
+#     operators ``f``, ``g``, ``gather`` and ``split``; ``_sum(x, group, name)`` returns the sum of
+#     ``x`` over the group's ranks.
+# ex05.A.inplace: no operator modifies a tensor autograd gave it (``_sum``'s input included).
+# ex05.*.group: on a non-world group (two groups of 2 out of 4 ranks) every group computes its
+#     own layer: only its ranks take part and ranks count within it (``size_and_rank(group)``).
+# ex05.*.recorded: every collective goes through ``minipar.comm`` (flat tensors), so the trace
+#     records its bytes.
 def _sum(x: torch.Tensor, group=None, name: str = "all_reduce") -> torch.Tensor:
     """A summed copy of ``x`` over ``group`` (the input is left alone)."""
     # >>> ex05 A
@@ -49,6 +56,9 @@ def _sum(x: torch.Tensor, group=None, name: str = "all_reduce") -> torch.Tensor:
     # <<< ex05 A
 
 
+# Contract:
+# ex05.A.gather: ``gather_along(x, dim, group)`` returns every rank's ``x`` concatenated along
+#     ``dim`` in rank order (any ``dim``, negative too), in one collective.
 def gather_along(x: torch.Tensor, dim: int, group=None, name: str = "all_gather") -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order (one flat all-gather)."""
     # >>> ex05 A
@@ -74,6 +84,10 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group=None, name: str = "red
     return out.view(xt.shape[0] // n, *xt.shape[1:]).movedim(0, dim).contiguous()
 
 
+# Contract:
+# ex05.A.split: ``_split(x, dim, group)`` returns this rank's block of ``x`` along ``dim``, the
+#     blocks in rank order, without communicating.
+# ex05.A.divide: a size along ``dim`` that t does not divide is a ``ValueError``.
 def _split(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """This rank's block of ``x`` along ``dim`` (no communication)."""
     # >>> ex05 A
@@ -89,6 +103,13 @@ def _split(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
 class _F(torch.autograd.Function):
     """f: identity forward, all-reduce backward."""
 
+    # Contract:
+    # ex05.A.f: ``f(x, group)`` (``_F``) stands where every rank of the group reads the same ``x``
+    #     (in front of a column-parallel layer): its output equals ``x``, and the gradient it
+    #     returns is the whole ∂L/∂x, the same on every rank, although each rank's layer saw only
+    #     its part of the computation.
+    # ex05.A.bytes: each use of ``f`` or ``g`` sends one all-reduce of the tensor, in the direction
+    #     that needs it, and nothing in the other.
     @staticmethod
     def forward(ctx, x, group, name):
         # >>> ex05 A
@@ -106,6 +127,10 @@ class _F(torch.autograd.Function):
 class _G(torch.autograd.Function):
     """g: all-reduce forward, identity backward."""
 
+    # Contract:
+    # ex05.A.g: ``g(x, group)`` (``_G``) stands where each rank holds a partial result (behind a
+    #     row-parallel layer): its output is the whole result on every rank, and the gradient it
+    #     returns is the one each rank's partial result needs.
     @staticmethod
     def forward(ctx, x, group):
         # >>> ex05 A

@@ -114,6 +114,12 @@ def split_units(model_or_params, units=None) -> list[list[torch.nn.Parameter]]:
 
 
 # ----------------------------------------------------------------- stage 3's flat storage
+# Contract:
+# ex06.C.gather: afterwards ``full`` (N·k elements) holds every rank's ``shard`` (k elements) in
+#     rank order, in ``full``'s dtype, whether or not its memory was released by ``free_unit``;
+#     every view into ``full`` sees the values.
+# ex06.C.async: with ``async_op`` it returns the collective's Handle (its ``wait()`` completes
+#     the gather), else None; ``**labels`` reach the collective.
 def gather_unit(full: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False, **labels):
     """Gather-before-use: give ``full`` (flat, N·k elements, its storage possibly freed)
     its storage back and fill it with every rank's ``shard`` (k elements, cast to
@@ -124,6 +130,9 @@ def gather_unit(full: torch.Tensor, shard: torch.Tensor, group=None, async_op: b
     # <<< ex06 C
 
 
+# Contract:
+# ex06.C.free: afterwards ``full`` holds no memory (its storage 0 bytes) while the tensor, its
+#     shape and every view into it (the model's parameters) stay, ready for the next gather.
 def free_unit(full: torch.Tensor) -> None:
     """Free-after-use: release ``full``'s memory but keep the tensor (and the parameter
     views into it) so the same buffer can be gathered into again."""
@@ -136,6 +145,12 @@ class ShardedFlatUnit:
     """A unit under stage 3: its fp32 ``shard`` (k elements, what the optimizer steps) and the
     ``full`` buffer of N·k elements the parameters are views of, its storage freed until gathered."""
 
+    # Contract:
+    # ex06.C.shard: ``self.module``, ``self.flat`` (the unit's ``FlatUnit``) and ``self.params``
+    #     are set; ``self.shard`` is a leaf fp32 Parameter, this rank's k elements of the unit's
+    #     flattened parameters.
+    # ex06.C.full: ``self.full`` is a buffer of N·k elements in ``dtype`` that the parameters are
+    #     views of, holding no memory from the start.
     def __init__(self, module: nn.Module, params, group, dtype):
         # >>> ex06 C
         self.module, self.flat = module, FlatUnit(params, group)
@@ -152,13 +167,20 @@ class FlatStorage:
     """Stage 3's storage in flat units (:class:`minipar.zero.stage3.Storage`): ``units`` is
     ``[(module, params)]`` (a unit without parameters is dropped), ``dtype`` that of the
     gathered buffers and of the gradients' reduce-scatter. The parameters are views of the
-    buffers all along, so :meth:`use` has nothing to do; freeing keeps the tensor and
-    resizes its storage to 0, so the views autograd saved see the re-gathered values."""
+    buffers all along, so :meth:`use` has nothing to do; a freed unit keeps its tensors and
+    views (those autograd saved too), which see the values gathered next."""
 
     def __init__(self, units, group=None, dtype=torch.float32):
         self.group, self.dtype = group, dtype
         self.units = [ShardedFlatUnit(m, ps, group, dtype) for m, ps in units if ps]
 
+    # Contract:
+    # ex06.C.storage: ``gather(i, **labels)`` starts unit i's gather and returns its Handle;
+    #     ``free(i)`` releases unit i's buffer (as ex06.C.free).
+    # ex06.C.reduce: ``reduce(i)`` adds this rank's slice of the mean gradient of unit i, reduced
+    #     in ``self.dtype`` and held in fp32, to the shard's ``.grad``.
+    # ex06.C.accumulate: a second backward before the step accumulates into the shard's
+    #     ``.grad``.
     def gather(self, i: int, **labels):
         # >>> ex06 C
         u = self.units[i]

@@ -21,9 +21,20 @@ import torch
 from ..comm import group_rank, group_size, reduce_scatter
 
 
+# Contract:
+# ex06.A.mean: ``flat_grad`` holds N·k elements for the N ranks of ``group``; the result is k
+#     elements, the mean over the group's ranks of their slice ``[r·k, (r+1)·k)`` of
+#     ``flat_grad``, r this rank's rank in the group.
+# ex06.A.memory: the result lives in ``flat_grad``'s memory: no new tensor of k or N·k elements.
+# ex06.A.bytes: each rank sends (N-1)/N of ``flat_grad``'s bytes, in one collective that
+#     receives ``**labels``.
+# ex06.*.group: on a group other than the world only its ranks take part and ranks count within
+#     it (``None``: the world).
+# ex06.*.recorded: data moves only through ``minipar.comm``'s collectives on flat tensors
+#     (``reduce_scatter``, ``all_gather``), so the trace records every byte.
 def reduce_shard(flat_grad: torch.Tensor, group=None, **labels) -> torch.Tensor:
-    """Reduce-scatter ``flat_grad`` (N·k elements) with the mean over ``group``; returns
-    this rank's k elements, a view of ``flat_grad`` (reduced in place)."""
+    """This rank's k elements of the mean over ``group`` of ``flat_grad`` (N·k elements), in
+    ``flat_grad``'s own memory."""
     # >>> ex06 A
     n, r = group_size(group), group_rank(group)
     k = flat_grad.numel() // n
@@ -33,6 +44,14 @@ def reduce_shard(flat_grad: torch.Tensor, group=None, **labels) -> torch.Tensor:
     # <<< ex06 A
 
 
+# Contract:
+# ex06.A.zeros: ``flat_unit`` is a ``FlatUnit``; the result is this rank's k elements of the mean
+#     over the group of the unit's gradients laid out as ``FlatUnit.flatten`` lays out its
+#     parameters; a parameter without a gradient on this rank contributes zeros.
+# ex06.A.dtype: the result is in ``dtype`` (default: the parameters'), whatever the gradients'.
+# ex06.A.fresh: the result is a tensor of exactly k elements that keeps no N·k-element buffer
+#     alive.
+# ex06.A.cleared: afterwards every parameter of the unit has ``.grad`` None.
 def reduce_unit_grads(flat_unit, dtype=None, **labels) -> torch.Tensor:
     """Flatten ``flat_unit``'s gradients (zeros where a parameter has none on this rank), drop
     the full ones, and return this rank's reduced k elements as a new tensor."""

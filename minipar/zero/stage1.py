@@ -30,8 +30,17 @@ from ..memory import state_tensors
 from .reduce import reduce_shard
 
 
+# Contract:
+# ex06.B.full_step: lists over the units, the same length and order on every rank:
+#     ``grad_shards[u]`` this rank's k reduced gradient elements, ``shards[u]`` the k-element leaf
+#     the ``optimizer`` owns, ``flat_params[u]`` the unit's N·k parameters; afterwards every rank's
+#     ``flat_params`` hold the parameters of one optimizer step on the mean gradient.
+# ex06.B.state: the optimizer only ever sees (and keeps state for) this rank's shards.
+# ex06.B.dtypes: the gradient, the shard and the flat parameters may have three dtypes (mixed
+#     precision); each tensor keeps its own.
 def sharded_step(flat_params, grad_shards, shards, optimizer, group=None) -> None:
-    """P_os (§5.1): step the optimizer on this rank's shards, then all-gather them.
+    """P_os (§5.1): one optimizer step of the full parameters, the optimizer seeing only this
+    rank's shards.
 
     Lists over the units u, the same length and order on every rank. ``grad_shards[u]``:
     this rank's k reduced gradient elements; ``shards[u]``: the k-element leaf tensor the
@@ -63,6 +72,15 @@ class ZeroOptimizer:
 
     stage = 1
 
+    # Contract:
+    # Given: ``params`` arrives split into units (lists of fp32 parameters); the library's code
+    #     after your part builds the flat gradients and the optimizer on ``self.shards``.
+    # ex06.B.views: ``self.units`` (``FlatUnit`` s), ``self.flat_params`` and ``self.shards`` (one
+    #     each per unit), ``self.param_dtype`` (default fp32) and ``self.mixed`` (whether it is
+    #     not fp32) are set, as the library's code reads them; the model's parameters are views into ``self.flat_params``, in
+    #     ``param_dtype`` (default fp32); the optimizer's shards are fp32 leaves: this rank's
+    #     slice of the flat parameters, or, under ``param_dtype=torch.bfloat16``, their own
+    #     master copy.
     def __init__(self, params, optimizer_cls, group=None, param_dtype=None, max_grad_norm=None, **kwargs):
         self.group, self.max_grad_norm, self.grad_norm = group, max_grad_norm, None
         units = split_units(params)
@@ -107,6 +125,19 @@ class ZeroOptimizer:
             g.zero_()
         self._point_grads()
 
+    # Contract:
+    # Given: ``self.flat_grads`` holds one flat N·k gradient per unit, in ``param_dtype``, that the
+    #     parameters' ``.grad`` are views of (``self._point_grads()`` points them there again);
+    #     ``self.optim`` is the wrapped optimizer on ``self.shards``. ``_step(grad_shards)`` takes
+    #     this rank's reduced gradient shards, one per unit (stage 2 calls it with its own) and
+    #     does the rest of the step; ``clip_grad_norm_(grads, max_norm, group)`` clips shards by
+    #     the norm over the group and returns it.
+    # ex06.B.step: ``step()`` equals the wrapped optimizer's step on the mean gradient over the
+    #     group.
+    # ex06.B.clip: with ``max_grad_norm``, the step's gradient is clipped by its global norm over
+    #     the group (``self.grad_norm``: the norm before clipping).
+    # ex06.B.no_copy: after a bf16 step no fp32 gradient copy is left on the shards.
+    # ex06.B.second: a second step after the first (another gradient) is as exact as the first.
     def step(self) -> None:
         # >>> ex06 B
         self._point_grads()

@@ -2,16 +2,11 @@
 
 Rajbhandari et al. 2020, §5.3; the same design as PyTorch's FSDP (Zhao et al. 2023, §3).
 Each rank keeps only its shard of every unit's (layer's) parameters; a unit's full
-parameters exist only while it computes. :class:`UnitSchedule` is the whole algorithm, the
-FSDP paper's pseudo-code in the order it runs:
-
-* forward of unit i: ``gather(i)`` (all-gather its shards, waiting for them), start
-  ``gather(i + 1)`` without waiting (prefetch, to overlap this unit's compute), ``use(i)``
-  the gathered parameters, compute, back to the shards, ``free(i)``;
-* backward of unit i (when the gradient of its output arrives): ``gather(i)`` again, start
-  the gather of the unit before it in forward order, compute the gradients; once they are
-  all in, ``reduce(i)``: free the unit, reduce-scatter its gradients (averaged) into this
-  rank's gradient shard.
+parameters exist only while it computes, forward or backward, and each backward leaves
+this rank's shard of the mean gradient of every unit. :class:`UnitSchedule` decides when
+a unit is gathered, used, freed and reduce-scattered (its contract: at most two units
+gathered at once with prefetching, one without; every rank issues the same collectives in
+the same order; notebook 06, "Stage 3 in time").
 
 What gathering, using, freeing and reducing mean is the :class:`Storage`'s: flat units
 (:class:`~minipar.zero.flat.FlatStorage`, FSDP's flat parameters, behind
@@ -21,7 +16,7 @@ What gathering, using, freeing and reducing mean is the :class:`Storage`'s: flat
 
 Under a pipeline (Huang et al. 2019's m micro-batches per step) the policy
 ``reshard_after_forward`` decides when a unit goes back to its shards. On (``True``): after
-every use, as above, so a step gathers each unit 2m times and reduce-scatters its gradient
+every use, so a step gathers each unit 2m times and reduce-scatters its gradient
 m times, each micro-batch's into this rank's gradient shard (accumulating). Off
 (``False``, FSDP2's ``reshard_after_forward=False``, torchtitan's default under PP): a unit
 gathered at its first forward stays gathered across the step's micro-batches, its
@@ -152,6 +147,41 @@ class UnitSchedule:
         self.order = []
 
     # -- the schedule, in the order it runs
+    # Contract:
+    # Given: unit i's forward hooks call ``pre_forward(i)`` and ``post_forward(i, out)`` (which
+    #     returns what the forward returns), its parameters' post-accumulate-grad hooks
+    #     ``grad_ready(i, p)``; ``pre_backward(i)`` must run before unit i's backward computes, and
+    #     the library queues ``end_backward`` at the first one of a backward. Your tools:
+    #     ``self.gather(i, wait=True, **labels)`` and ``self.free(i)`` (each does its work once
+    #     per use and counts ``peak_gathered_bytes``), ``self.storage.use(i, gathered)``,
+    #     ``self.storage.reduce(i)``, ``self.order`` (this forward's units, emptied by each forward
+    #     of the model), ``self.reduction`` (an ``OrderedReduction`` over ``self.order`` reversed,
+    #     ``reached(i)`` and ``grad_ready(i, p)``, that calls ``reduce(i)``), ``self.bw`` (a flag
+    #     per unit), ``self.prefetch``, ``self.reshard``; ``finish_step`` (the library's) frees and
+    #     reduce-scatters every unit last of all.
+    # ex06.D.use: a unit's forward runs only with its parameters gathered and in use (its shards
+    #     again once it returns), its backward only with them gathered.
+    # ex06.D.prefetch: with ``prefetch``, the gather of the unit that computes next (the next one
+    #     in a forward, the one before in a backward) starts before this one computes, without
+    #     waiting for it.
+    # ex06.D.on_demand: without ``prefetch``, a unit is gathered only when it computes.
+    # ex06.D.free: with ``reshard_after_forward``, a unit is freed when its forward returns.
+    # ex06.D.free_again: with ``reshard_after_forward``, a unit is freed again when its gradients
+    #     are reduce-scattered.
+    # ex06.D.peak: with ``reshard_after_forward``, at most two units are gathered at once (one
+    #     without prefetch), also when a unit's parameter gets no gradient on this rank.
+    # ex06.D.counted: ``peak_gathered_bytes`` counts every gathered unit: the buffers are gathered
+    #     and freed only through ``self.gather`` and ``self.free``.
+    # ex06.D.keep: without ``reshard_after_forward``, a unit is gathered once per step, at its
+    #     first forward, and freed only by ``finish_step``.
+    # ex06.D.reduce: with resharding, each backward reduce-scatters every unit's gradients once,
+    #     in the reverse of this forward's order, after they are all in and no later than when
+    #     the backward reaches the unit computed next (a unit whose gradients never come holds
+    #     none of the others back).
+    # ex06.D.deferred: without resharding, no unit is reduce-scattered before ``finish_step``.
+    # ex06.D.repeat: every later micro-batch and step runs the schedule of the first.
+    # ex06.*.train: the library's ZeRO stages 1, 2 and 3 with your code train the GPT as one
+    #     process does.
     def pre_forward(self, i: int) -> None:
         """Unit i's forward is about to run."""
         # >>> ex06 D

@@ -22,17 +22,17 @@ from minipar.runtime import trace
 from minipar.course.grading import expect_close, fail_if, observes
 
 CHALLENGE = "ch01_all_reduce"
-HINTS = {
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
     '': (
-        "Count what gather-to-one's rank 0 sends: n-1 whole tensors, twice. Which algorithms "
-        'never send a whole tensor from one rank?',
-        'Cut the tensor into n chunks and let every rank send a chunk at every step: the ring '
-        '(2(n-1) steps of N/n) or recursive halving-doubling (2·log2 n steps of halving sizes). '
-        'Both send 2(n-1)/n·N per rank.',
-        'Ring: reduce-scatter, n-1 steps, send the chunk you just added into, add what arrives; '
-        'all-gather, n-1 steps, forward the newest complete chunk. Halving-doubling: at distance '
-        'd = n/2, ..., 1 exchange half of your segment with rank r XOR d and add; then undo in '
-        'reverse, exchanging the reduced halves.',
+        'sealed:eNpVzDEOg0AMBdGr/C5NFiVtmhQcgtoCg1cstmQ74fogOvp509tPE7tQYqEU9pJWTPkRcNIVLwTrF'
+        'B9oeZ+ZNUayhnk8kXsducMgdRRQW8xryhZQ/rNfDnQzmN02nPfr/T0AuTwsRw==',
+        'sealed:eNo9jjsOgzAQRK8yJRSAQpky6bmDAxtsYa2Rd42UXIyek8XCSdqZN597UqglKLGECMcawBht4kVge'
+        'IInBW0UX4iGFwhlzRQA5meJ0no9e6LjGVVfcXOpT1kQnhg6rpHrI40pitsI1vgto80U0sOXzLH7MPd5/R/7Q'
+        'hD3Jqlb3ILa8qAMdHzsA1aK57f2A7ZaR1s=',
+        'sealed:eNpVkMtOAzEMRX/lfkAmqCypumeH1BVbE3smgdSp8piBv6+nhQU7y9I9PtfnpMsLqvAIMrVAvUt10'
+        'OmA1uXaHJooo0dBiEO/8FMGPkfrIGZhJO3F7TO2SLasNa3SjqCcp4Us9h82l7pRffBUNjFOKJdrlv7L93ilv'
+        'JrTxGV85LuccTm1ThoEjBP06dnBe+9wgHyHSLoIIuUZZd79qjkvF9GOLfWISqZd8f52tjRZGbM97gaKoVysg'
+        'tVfpTZxfzg7e1d8vIV3uLXyN2SLaEQ=',
     ),
 }
 TIMEOUT = 30

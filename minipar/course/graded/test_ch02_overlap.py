@@ -24,17 +24,17 @@ from minipar.course.grading import expect_equal, fail_if, observes
 from minipar.models import GPT, GPTConfig
 
 CHALLENGE = "ch02_overlap"
-HINTS = {
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
     '': (
-        'Which gradients does the backward finish first, and what could the network do while the '
-        'backward computes the rest?',
-        "Group parameters into a few buckets in reverse order; when a bucket's last gradient "
-        'arrives (a post-accumulate-grad hook), start its all-reduce asynchronously, in the same '
-        'bucket order on every rank; finish() waits for the handles and copies back.',
-        'Buckets of about total/5 bytes from the last parameter to the first keep the last bucket'
-        " small (the exposed part) and the calls few; comm.all_reduce(buffer, op='avg', "
-        'async_op=True) per complete bucket, in order; finish: launch the rest, wait, unpack, '
-        'reset.',
+        'sealed:eNpVjLENgDAMBFfxAOzAGNQmNthKSJDtKOsTIRqqL+7uN9EkcBqScg0HauwQwrBjygON4NCqLnPMY'
+        'wGsBEMwILVe6DUrx2iWZzqJFv7nqV13j+/U2GN9AJVLKlg=',
+        'sealed:eNotjkGOwzAIRa/yd9NKzVwgB5hzUIfUVlyIADfK7Wu3swLBg//+TNuOnYyeHGyOIqEgrHzg3tLGM'
+        'UYwfvUlQ21hm3Fklg59gR9HJQ88jJbCEiCz8mLHhbCrx0QptWerFDwNBll1u97gQRYoPYBqnYyXlhjkp6RsK'
+        'tq8nreRHZnhXe8/7usAFQynE0ayzViLFM+XKw4aH1e1z10mWWpX6QVJ99LbO6Xt9w2/Vlmq',
+        'sealed:eNpFjjsOwkAMRK/iDpAiqGhANJyBHjmbWRJlf/J6+dweJ0KisTTPY89cm5uhlbIn7nNT0qwcDkfqP'
+        '4pKXnIkHUGBq1Jh4QiFmGulfhLDM1D+pn79SDVyCLRdMN4lVwzLue6I07Cane0tAK8zuRzj3uRdMDSHbd+8h'
+        '3SUy2XDz8emI66f5O6mb9Kwo2IV7KgEK/ML7GhKlGWAnK1Wmup4sj4tuXFNE1SzvHiy2VJhN3cLg+6/4MVcA'
+        'A==',
     ),
 }
 TIMEOUT = 60

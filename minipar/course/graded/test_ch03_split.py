@@ -12,16 +12,17 @@ from minipar import pipeline as pp
 from minipar.course.grading import fail_if, observes
 
 CHALLENGE = "ch03_split"
-HINTS = {
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
     '': (
-        'Two things make ranks idle: unequal stages (everyone waits for the slowest) and the fill'
-        ' and drain of the pipeline. Which one does the memory budget constrain?',
-        'Among the cuts whose every stage fits the budget, take one whose costliest stage is '
-        'cheapest (there are only 84 cuts to try); then more micro-batches shorten the fill and '
-        'drain.',
-        'Enumerate itertools.combinations(range(1, 10), 3), keep those with max stage memory <= '
-        '12, minimise the max stage cost; the fitting cut [0, 2, 5, 8, 10] has stages 8, 18, 18, '
-        '16; m = 16 (or the smallest m whose simulated idle is <= 0.40).',
+        'sealed:eNodjDsOwjAQRK8yJTQcgIZLIFEv8SRexdkNXocot8+nnDd67706WlYbApOMRBUbA5oKn1iMv0UKo'
+        'snAwI1/1s2NWEVboPd6qEQUXxntDrF0gV5LuUaqogbvLzrrzKLGBz5Zu4wzlPzonufEyeuG75IGNnRu0U73t'
+        'QMS5TnZ',
+        'sealed:eNotjUEOwjAMBL+yR5CAEwckTjzFTdwmIomR7YL6+yai152d3VeVtsATI6xu+CUxBn9ZN5jTwphzj'
+        'wef1riwX+D0ZkjjoxvEvGQ2P/rZEBLTZySn7imDdAhlw+P+f3GB63Z+jt2GKp3XHFSuE3mXDZZEvaPxO+dSQ'
+        'C0iKuV22wFPwD/C',
+        'sealed:eNpNT8sKwjAQ/JU5Vgil9YWgHv0K8RDr2i5mE8luUf/eWBE8zGWY5yGOQtkbgY2ypRS07pKcOXrjF'
+        'LXKPvZUtQ5tM3NYFNyI7rAhKeHBNkD8E2q+JwhJyi/s9mjnDsKRhYvKBvoTdUltO3FXNuPYoxsNx8aheFYOm'
+        '0/VCYPXr0En5of1FoKSv0aV8pSi4kMgtcI/plHKMoby6AK+hPJLP4OaetnM6jfoj0u1',
     ),
 }
 N = 4

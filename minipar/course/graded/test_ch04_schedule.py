@@ -1,9 +1,10 @@
 """Challenge 04: a pipeline schedule with a small bubble and little memory.
 
 Write ``schedule(p, m, rank)`` in ``exercises/challenges/ch04_schedule.py``: each rank's compute
-order (F, B and optionally W actions) for p = 4 ranks and m = 8 micro-batches. The grader
-adds the communication, checks the schedule is valid (``pipeline.check_schedule``) and
-simulates it with F = B = W = 1: every rank must hold at most 4 micro-batches of
+order (F, B and optionally W actions) for p ranks and m micro-batches. The grader adds the
+communication and checks the schedule is valid (``pipeline.check_schedule``) for every p and
+m it tries, m < p included; for p = 4 ranks and m = 8 micro-batches it simulates it with
+F = B = W = 1: every rank must hold at most 4 micro-batches of
 activations (``pipeline.peak_stash``) and idle at most 0.22 of its busy time
 (``pipeline.bubble``; 1F1B: 0.375). The file may not import the library's schedules
 (``FORBIDDEN``: ``minipar.pipeline.schedules``, and ``make_schedule`` and the generators that
@@ -15,17 +16,17 @@ from minipar.course.grading import GradeFailure, fail_if, observes
 from minipar.pipeline.schedules import COMPUTE, Schedule, add_comms
 
 CHALLENGE = "ch04_schedule"
-HINTS = {
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
     '': (
-        'In 1F1B, what does the last rank do while rank 0 runs its cool-down backwards? And which'
-        ' part of a backward does the previous stage actually wait for?',
-        'Split the backward: B (input gradient) goes to the previous stage at once, W (weight '
-        'gradient) can wait. Postpone Ws so that each rank has W work to fill its idle slots in '
-        'the cool-down, but free them soon enough to stay within 4 held micro-batches.',
-        "ZB-H1: 1F1B's warm-up (p - r - 1 forwards), then F, B pairs where rank r keeps its Ws r "
-        'micro-batches behind; in the cool-down one deferred W after each B; the last Ws at the '
-        'end. Or a greedy list scheduler: when free, run a ready B, else an F if fewer than 4 are'
-        ' held, else a pending W.',
+        'sealed:eNpFjFEKwjAQRK8yB1CwJyj6IXiMMUlNaMiW3Y3B21sR9PPNG96tYbpOlwNGpiNKMnhOqDSHsq37t'
+        'KtS05dO0N4MxQ1BpB6jjIY7wzqo0WacW/zcQ8ZGdcgC/vS/vml6FukGcz4SGLyz1hcGi2MRnd8uPTT6',
+        'sealed:eNpNjrGOAjEMRH9lSpCAiupKvuCkK6i9iUmsDfYq8RLx95dQ0VkjvzfztxVxeGYsFNZONf7ghoPot'
+        'jtSpSisfkQybnD7PG6VX2J7Q3NKDHKYBj7hjkNnSfmbC6ToJH7BrzXfTBn3AU7R4JhCRiVdkakNvltdZ8tDS'
+        'oF4g8TCaMXmqZ/yYFbO0bqesIyFj8o88+dwmoLV9pSnYmx7o4vnwV2RuUQ8JVQ7L+Qhc7v8A982WBY=',
+        'sealed:eNo1j7FuwzAMRH/ltraAHcBAp2TzEHTraKAbY50iIYokUDKM/n3pAB04HO+Bx/uZx6/pjOk6zW8Nu'
+        '+hz3CreK0aozQRf1LaufQzogRnXATOqRDU6UAmV/DD2QdaG2BuWZvIZVy3jTfoa2HBjiNldEPNxBGspaXRlz'
+        'yiZcPRUpcMC8Z0KyhowX15oktaPi9Jfktmd8K0Q3JV0v0jR/GYhbkvU8/FThjdvgG7ZOKUYNg9gaoRYAUQPz'
+        '92CejD9CbEWgcn9M6gWE/Mdy+kPYr1eqQ==',
     ),
 }
 FORBIDDEN = ("minipar.pipeline.schedules", "minipar.pipeline.make_schedule", "minipar.pipeline.zb_h1",

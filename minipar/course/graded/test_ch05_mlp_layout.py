@@ -25,16 +25,16 @@ FORBIDDEN = ("minipar.tensor_parallel.layers", "minipar.tensor_parallel.block",
              "minipar.tensor_parallel.column_parallel_linear", "minipar.tensor_parallel.row_parallel_linear",
              "minipar.tensor_parallel.ColumnParallelLinear", "minipar.tensor_parallel.RowParallelLinear",
              "minipar.tensor_parallel.ParallelMLP", "minipar.tensor_parallel.ParallelBlock")
-HINTS = {
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
     '': (
-        'The hidden activation is 4 times larger than x: which split of W1 and W2 never moves it '
-        'between ranks?',
-        'Split W1 by its output features (rows) and W2 by its input features (columns): gelu '
-        "applies to each rank's slice of the hidden units, the partial outputs are summed once, "
-        'and in backward the input gradients are summed once.',
-        'shard: W1.chunk(t, 0)[r], b1.chunk(t, 0)[r], W2.chunk(t, 1)[r], b2; forward: h = '
-        'gelu(F.linear(f(x, group), W1_r, b1_r)); y = g(F.linear(h, W2_r), group) + b2, with f and g '
-        'from minipar.tensor_parallel (or your own autograd Function).',
+        'sealed:eNoNjM0NgCAMRlf5VtB48uISJp4rVNsoxUCDji/n97MKQzRGNlBwbeSaDVoxwTVxxU3l5AIXMnwzX'
+        'tEgqM+tjnxgG0AWsY0wbl1LufWms5395T4tZFddfj6WI/M=',
+        'sealed:eNpljkEOgkAQBL/SNyUhJnr0Gx44D7sDTFhmyc5siL+XoB6M10pXpx5rEkd3Rf+EuCFXX6tjYPJa2'
+        'HAuebMGpBHd7TsS/d2EnOqi1twxcqqgdT/duWcwhQmFdD4ZLElg5AE+MSaJkRVV97/2ICsVF0qfAgMVhtVl4'
+        'YisgdujQRQ9hXmjEg/pXTIWisL6L11erNlP6w==',
+        'sealed:eNpljMsOgjAURH9llm0kRFhK3PILLIwhFegjll5yaYP8vWA0LNxNZs6c2SruL2iKvLMpPEXMcJY3v'
+        'md4/FdNeVTFlyoraOLlY7G4wgw+iTr3LgyKhRavDIYpTXK7Fy3v3palrLDu8EHaXb8tPxynzZ1hcdFCQ4UeB'
+        'pppxOiCmxTncQgzcbtF5f3gIYixUmLQEqBSJMOqR51CFx0Fmb8B+qxKug==',
     ),
 }
 TIMEOUT = 30

@@ -17,17 +17,20 @@ from minipar.course.grading import GradeFailure, expect_equal, observes
 from minipar.models import GPT, GPTConfig
 
 CHALLENGE = "ch06_zero3_units"
-HINTS = {
-    "": ("With prefetch, the next unit is gathered while the current one computes: which two units "
-         "are alive at once, and how many bytes does each piece of the GPT hold?",
-         "The peak is the largest sum of two consecutive units; the gathers are two per unit (forward "
-         "and backward). Write down the sizes of the embedding, a block's four pieces and the head's two: "
-         "a whole block beside another whole block is over the budget, a whole block beside a split "
-         "block's largest piece is not. Split only where a pair is too large.",
-         "Alternate: the embedding whole; blocks 0 and 2 as [ln1, attn, ln2, mlp], blocks 1 and 3 whole; "
-         "the head as [ln_f, lm_head]: 13 units, 26 gathers, a peak of 21,056 elements (84,224 bytes). "
-         "Or start from model.layers() and, while a consecutive pair is over 22,000 elements, replace the "
-         "larger unit of the worst pair by its children."),
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
+    '': (
+        'sealed:eNodjTEOwyAUQ6/iA+QEXTp27VAp8y84BYkAgk/T3L4/LJZl+8lr1IDauFFdWKCByPwpRo6K2PERi'
+        'xo9jhATZ+9Ga8yKks2XvQ5lv129C9CjTLRDGiEpfk2vqeMCyR6hHNgln3ifhsEXE4qRNdIRZZsXj+fLlsnf/'
+        'xqgOPg=',
+        'sealed:eNp1kEtuwzAMRK8yu7ZA4AO0x2iBrvWhbcGKKJBSjPT0pRRk0UU3gki+GX6+dkIldyApmv2zk420Q'
+        'fsVvKKdjMBFKfSWboReUtOPSW7OXlE4oYlVklnG68pyOolwJcK7cIzgbcG3pEaIfJap1/RDOntYQFdPMaayX'
+        'eDgM4fjRbFyF9REwbjhNcCdXLSSNXw38tw504OHJ02RDOQx15+S7cY3yw0D3+NG7fKPGFqzrfCc4HmNOcSwM'
+        'fMFn5Phku/mQTJk1SWZJ2R+iJZfc1x65w==',
+        'sealed:eNo9jlFuwjAQRK8ynyBZUWIoquhXT9ADVAht4k2IWNuRvYBy+9q09G81mnn7PkU5BVI+Qi8M9j07N'
+        '4cJj0sU/kAvcbhmtKDgYEEZ3xI6A1INBhKsgZflZF7F7lncveaVeWFyf8PzWDb+XJPTEd0OtzBrNrAHTFS6q'
+        'dyEhemKOMJ2pn07gIU9B83YvO+NtXv0q3LeNvhKyEpJMabo4aNjaYTWQtlsq4YpFrNwIQ4xZB5uOt8ZC80Jc'
+        '0a8c4K1pm3b/xcGiRehgZ/iQmkqnepYdWr0iCnrL6JfUdwxlBcucWh+AAA9bd8=',
+    ),
 }
 CONFIG = dict(vocab_size=512, block_size=16, n_layer=4, n_head=2, n_embd=32)
 PEAK, GATHERS, TIMEOUT = 88_000, 28, 60

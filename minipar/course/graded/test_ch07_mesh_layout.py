@@ -19,17 +19,18 @@ from minipar.course.grading import GradeFailure, observes
 from minipar.models import GPTConfig
 
 CHALLENGE = "ch07_mesh_layout"
-HINTS = {
-    "": ("Which dimension sends the fewest bytes for the memory it saves, and what does that "
-         "dimension cost instead?",
-         "tp and pp both divide the model states; tp all-reduces activations in every layer, pp sends "
-         "one activation per micro-batch, but its bubble (p-1)/m grows with the stages. dp divides no "
-         "model state and all-reduces the gradients. The configurations of 8 ranks are a handful.",
-         "For every c that hybrid.valid_configs returns for the same four arguments: keep it if "
-         "cost.hybrid_memory_per_rank(Ψ, dp, pp, tp)['total'] <= memory_per_rank and "
-         "cost.bubble_fraction('1f1b', pp, microbatches) <= 0.5; return the one with the fewest "
-         "cost.hybrid_comm_bytes(Ψ, n_layer, dp, pp, tp, batch_size, block_size, n_embd, "
-         "microbatches)['total']."),
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
+    '': (
+        'sealed:eNo9jLsNgDAMBVd5A7ADY1AH/FBcxJZiiyjb8ynoTifdbVWPCtFGC3VD0CSQlTg5GIl9JgOn9082N'
+        'u8TmohyMRYUE4xaEuJ8u5f+2eHPQC2SRdYbMLEnIg==',
+        'sealed:eNpNj0tqxEAMRK9SywTGE7IL5Bq5QH9kW6TdaiTZw9w+cpiFV0JQ9XjlA6lXjIEsvqLywZXgK2GTS'
+        'g3mycm+4ZFrbVKqeyFDKs5HcpZu4A46SJ9o6Ul6O1lGvRqk0yWIQYqNi8qUk5f1hrw72C1uzo3wNqbP948Ni'
+        '8rD8ODQOT3CYCG7o46XnaHL1e5/wFXubC2aKlP3KP7EW6TPvOz6UpYZX9DUf2OJBgBrMOa93f8AzvBhEw==',
+        'sealed:eNpdj01qwzAQha8yOydgTLPopj/bXqIEoZ9RJGxpxGicoJ4op8mZ6tqhtFkMvAePj28+iAHPyA0sS'
+        'NACoRmObjjrKTplKft4qsAoM+cKfllLQKg64VJmBs2nOWGW+gIjYoEoED1YqjJsJJUwETdVkBXrPO5u1x5c6'
+        'aEsJ2X/2QmJnrojvL3DwxZ0dhvLzMZMqDxrK5Hyrjv4g+k2SIqWyWixAev+h/I0PL/elVdbygiXKGEtHi9Y5'
+        'Z+hpZSUaYJ1lctq0g35r2UPK1/V+IVLnsiO95wVJuMeJH5/Gr4Bu9B+aQ==',
+    ),
 }
 BUBBLE, BYTES = 0.5, 1.25
 SMALL = GPTConfig(vocab_size=32, block_size=16, n_layer=4, n_head=4, n_embd=32)

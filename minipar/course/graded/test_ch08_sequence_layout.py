@@ -16,17 +16,19 @@ from minipar import context_parallel as cpm
 from minipar.course.grading import GradeFailure, expect_close, expect_equal, observes
 
 CHALLENGE = "ch08_sequence_layout"
-HINTS = {
-    "": ("Zigzag balances because a cheap chunk travels with an expensive one. With no equal chunks "
-         "to pair, what else could you pair, or hand out?",
-         "Think of it as scheduling jobs of size p + 1 on cp machines with a cap on how many each "
-         "takes: the expensive positions matter most, so place them first, and let the many cheap "
-         "ones even out what is left. Any causal layout is exact as long as each rank's queries keep "
-         "their global positions.",
-         "quota[r] = ⌊T/cp⌋ + (r < T mod cp); for p from T-1 down to 0, give p to the rank with the least "
-         "work so far among those below their quota, and add p + 1 to its work (Graham's "
-         "longest-processing-time rule); return each rank's positions sorted. Or: zigzag on 2·cp chunks, "
-         "then move single positions from the busiest rank to the idlest."),
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
+    '': (
+        'sealed:eNoti8ENwjAQBFvZAhAtUAYSv42zii2sOxP7EqB6guAzjxnNrSxvLphYaUkdkxKjC0TKYjsYdsdYu'
+        'al27GVk0KBnk/WyCW464/rV5tAjWH9Lx3A0lvWEPXPguIXkUWe8PP7FV2TaDI9x+QB0ejFg',
+        'sealed:eNo9j7FyAzEIRH9luxTJeCZtuvxDfgDLnIVPJxTB+ex8vZGKVMzwlt3lJ0tdoQvEQQZLmS97kXrFT'
+        'c82gMkfo+Edn9CK1LBRiiM2HOIZhERtkKxHoPoEB4fTyvYFzwx+NK4m93BRExetFkJ37tjU/AOmaIUSD/WGR'
+        'fpYUr2gsE+HaRvNZlAE850rdHccmRxiIVz8hO+hot2ooNBz8ED8oDRfKxpPxZz1OtX1zfC7c5cwXJnbSJKOa'
+        '9FzGPxXPb0AJeFnXg==',
+        'sealed:eNpNjzFSwzAQRa/yO8LECYQSSE1J446hUCTZ1ljWKrsynskRIPeh5yg5CWuHgnK1+7/eO45UzBu/Y'
+        '4/L+bO+s/ly/sIaK8YzagzkYPPtExpiZDRMA+rNDo6mhEK4r9CGD68rHUrnwSb1mELplil6IwUTcQ8hNIZhB'
+        'kqt7kg8Dj7SNN8FxnHmqGCSg3FO+9bYzZ2hyDW/emHTmeFGELXBS9lkJutFQmo3JQz69Ri9krIvIyd4Y7uFR'
+        'hOZJJRASZSCi3dbvPIjTqE9mRaU8PDzbTNsN6Zeqhkoqbhazd3R/4sv/rPYYZSgDFfdP/Xgoj5tfwHSR3fF',
+    ),
 }
 CASES = [(48, 3), (50, 3), (77, 5), (90, 6), (37, 5), (200, 8)]
 GOAL = 1.03

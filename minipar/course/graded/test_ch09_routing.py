@@ -17,18 +17,20 @@ from minipar.course.grading import GradeFailure, expect_equal, observes
 from minipar.models import GPT, GPTConfig
 
 CHALLENGE = "ch09_routing"
-HINTS = {
-    "": ("Plain top-k overloads a few experts; a capacity drops what it cuts. Which tokens lose "
-         "least when they go to another expert than their first choice?",
-         "Move only the tokens the router is undecided about: their second-best expert costs little "
-         "router probability. Either shift a per-expert bias on the scores used for the choice (lower "
-         "for a busy expert, higher for an idle one) until the loads even out, or give every expert a "
-         "room slightly above k·S/E and let the confident tokens choose first.",
-         "Bias: b = 0; repeat a few hundred times: experts = (softmax(logits) + b).topk(k).indices; "
-         "load = bincount(experts, minlength=E); b -= step · (load - load.mean()) / load.mean(), with "
-         "a shrinking step; keep the most balanced choice. Or rooms: cap = floor(1.25·k·S/E) per "
-         "expert; visit the tokens by their top probability, most confident first, and give each its "
-         "best experts that still have room."),
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
+    '': (
+        'sealed:eNotjMENwkAMBFvZBqABHrTAj7flOJyV0/lkG0K6x0J5jmY0j046kDYvG+wj3o2WAGGVHfKd4hm3Q'
+        'qZJrHlgcZuBvVFCE/zOuOLZlFs9NhmBbiHoQpFVSa2bHHhZadCwIj+/Zeiv1bGqV8/NlOX+A25QNac=',
+        'sealed:eNo9kMFSwzAMRH9ljzDTljv3HjnxBXasNJoaq2MphXwZd76MTWi4edbatyu92V1grS6ISRB2lebbs'
+        '9sc0qGOuRUZtEhByhRf12/tcBmslWMWD8jXTXpgMA9H1Yj6D7h1yykrxeWEs9JL66RjIIGm48OaNTl7bNE+W'
+        'BfmOiNH65s2TKaD4KnaJwGrmpBnXx7RB0x6mfafBi11XUue2T60bohqqTjkLg2sdgAnL8rtqfSdQ2o3+4BX4'
+        'oJX4cocuf58v7+cCS6oEn+FrI08Sov9aGxoLhi1e5x+AYXNfXM=',
+        'sealed:eNpNkDtuwzAQRK8ypYTIchIgTQQ3BlynyAlIaSUuRJEEuf6dzL1PlrXiACkHmJl9O3s25RMWO7x2y'
+        'JTICAxGOsMdw5BpgPBCaqFLoixFjVWJoyzmUvk4sZQaL7B1KzHN1Vy3HAbuqXTw0Qzqthz6eAxSPQsaLBw8h'
+        'Unc7lB3enqzQxFKuN9QraHNmm0XMqGqa2z/ywZnFqeIxWUOM4dpDXeYSSvEEZZYBNZ4E3ql711UnBZfGTnGR'
+        'R/pTVKs0ceYq7f2/eN+m++37+2hhvI93+xw4sKy9kmcKRTY60NxVp2QcrTGsme5Nr8H+xhGHigIRs5FGpgwY'
+        'OITgUzvoDvBkvr+ZhSnQxdh7+GMuh5w7Q8t7IpZ',
+    ),
 }
 CASES = [(4096, 8, 2, 0), (4096, 4, 1, 1605)]
 BALANCE, DROPS, FIDELITY = 1.3, 0.05, 0.95

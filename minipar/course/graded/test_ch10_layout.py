@@ -20,20 +20,22 @@ from minipar.course.grading import GradeFailure, observes
 CHALLENGE = "ch10_layout"
 FORBIDDEN = ("minipar.plan.search", "minipar.plan.search_module",
              "minipar.plan.layouts", "minipar.plan.SearchResult")
-HINTS = {
-    "": ("Thousands of layouts are valid, but most lose for a reason you can state before predicting "
-         "them. Which dimensions belong inside a node, and which knobs are nearly free?",
-         "Tensor parallelism communicates in every layer: keep it within a node. ZeRO-1 shards the "
-         "optimizer state at no extra traffic. Selective recomputation drops the attention scores for "
-         "a few percent of FLOPs. What is left is how the GPUs split between tp, pp and cp (dp takes "
-         "the rest), the micro-batch and the virtual stages: a few hundred candidates, each one "
-         "plan.predict call. Or walk: from a layout that fits, take the move that helps most.",
-         "for tp in powers of 2 up to a node, pp and cp in powers of 2 with tp·pp·cp dividing the GPUs, "
-         "recompute in (none, selective, full), b in (1, 2), v in (1, 2, 4) when pp > 1: lay = "
-         "plan.Layout(dp=n // (tp·pp·cp), tp=tp, pp=pp, cp=cp, zero=1, micro_batch=b, recompute=rc, "
-         "v=v, schedule='interleaved' if v > 1 else '1f1b'); p = plan.predict(model, cluster, lay, "
-         "batch, seq, nodes=nodes) (skip a ValueError); keep the fitting one with the least "
-         "p.step_time."),
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
+    '': (
+        'sealed:eNoljkEOwjAMBL+yD6j4Ap9A4uw2WxKR2Ch2Qf09FhxXM1rNrdrhosVhO7qcdoRDJvGW3sqC9QgM8'
+        '0A3J3abEEyKmyJdbKLwkCBWJiRek6Vt0fSBqBwX3GvbKkobVG+mnmK3pC1nYb6pFS7IBHx+6lNt/ScoZfYT+'
+        'ySvX0YnPQY=',
+        'sealed:eNotUMtOxDAM/JU5grRbiet+AFyQFvEQEjdv6lBr0yRy3Jbl63FbDpEjz3hm7HfOrSgqKaXESdqIU'
+        'MZxyhLIuEEyeGa9IdGN9YQrc4UYFrHBMUIuPXf44tfz8QFtIO0bbGCUajLKLyuauRLInAr+MSX4i1FChzdOH'
+        'ExmhrLb1smpUjJ6LXWXITPOW6+Foh4oelpC5AWVNTiGEvH4fH5pHT4Hd5GGxHGrQ1k2kaeXj4ZWk+e+sC3MG'
+        'VYPqBWUe4SKu77C6Mq7p9vY/WH7jhK0HC9kYdi4a28WtYnSutc3t9N/mmHKvbKrOU369XYHMPlYyYyaKHfVY'
+        'QnmjJQ6nBULpesJUcvoGn7fMpkb+ApRzKfXQHuIMvMODJz8LmNp1v0BVcCdmg==',
+        'sealed:eNplkD1OxDAQha/yuiRStKusqECmQzQUNNCuHHtCrHXswXayWi5Gz8mYRPxJFPZ4bM+bb94QEwrDB'
+        'XA8U8qIAw6YGSVCI0RLLZihg4X59+3syijVH+8sS56tW5x14QVlJNw/PuUWiUyceC601tYhBtHL5MkUt8hxm'
+        'L1vWvTba9fiIMnyk7S4anAeKawIt+iu4fUFCux12D3oS5xLbVkF7PeofzlEo7AqvJIrlmBYGQlvlKIS3cmZF'
+        'I+9LmZU/R9ElYx0V4sQmpHs7ElVLhRKnvRCtoIbBE44QD4Tqm7o+qq5AX8jcSLrTKknsc1LWz9nqW5Xaplx7'
+        'bcO/9puvma17Q3qfHLiMJ61n+kupZhE80TEm42DK2W1VJz78lsuBSgX8E7k+VjcRLtPvDSZ2g==',
+    ),
 }
 JOBS = [("llama3-8b", "dgx-h100", 2, 64, 8192), ("llama3-70b", "dgx-h100", 8, 512, 8192),
         ("gpt3-13b", "selene", 4, 256, 2048)]

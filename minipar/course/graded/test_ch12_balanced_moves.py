@@ -28,17 +28,20 @@ from minipar.adapt.moves import Plan
 from minipar.course.grading import GradeFailure, observes
 
 CHALLENGE = "ch12_balanced_moves"
-HINTS = {
-    "": ("Goal 3 is about who sends, not what is sent: the same elements must travel, but the "
-         "holders can take turns. Where an element has a single holder there is no choice at all.",
-         "Keep the local copies as the library does; for the elements a rank lacks, choose among "
-         "their holders the one that has sent the least so far, and count every rank's load across "
-         "all destinations and keys. Order matters when holder sets differ: the elements with the "
-         "fewest holders have the least freedom, so place them first and let the others fill around them.",
-         "Collect every (destination q, key, position i, element e) that q lacks, with holders(e); "
-         "sort them by len(holders) (stable); load = [0] * world; for each: r = the holder with the "
-         "smallest (load[r], r); load[r] += 1. Group the choices into one Move(r, q, key, src_pos, "
-         "dst_pos) per (source, destination, key), add the local copies, sort moves by (dst, src)."),
+HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
+    '': (
+        'sealed:eNo1jcENAjEMBFvZAk734UcDlMDbl7NIdI4txQ60jyPB0+Od3YeR4IbmoMNm4FMNznr6BrV1Uqxno'
+        'rgjKsOpM1i4J3H06YEY9GbZcKS/ItXk5OEopAi6GDGH+o5n5cFI+NNRKWfhTV/yt1ZBhnJSDaVaK2kESGT/A'
+        'krVPIg=',
+        'sealed:eNpVj0FuBCEMBL/iWy6jfUDyhBz2DQ40AQ3gkU12tL+PYaIouYDktrur34GDRgZVCVwpyFFgxHbNy'
+        'oeyPikK7I2S6JqioqEP3yLlvlPlsNtGIYsYiJv0z7lXlLLUCL28pMN/HpTd3Pz+SgDbIBNKrBtxj07w5Roe8'
+        'Nxp/2KOxpE4qJhn1koRNkrnUaTbutnxtBvd1cOo8Rgz88zoPwAe57SxpAR9/V/hLCOvScLprr/EmR/4A5gUi'
+        'NK2SXp436U1SkVdnAQVVx/xx89TcUxWrxLX5u0bDRGB8Q==',
+        'sealed:eNpFkMFOAzEMRH9ljglEFVypeuLAiS+oKpQmRhs1u97aaav9e7xhBbfYnnn25J1rpdRAd5IFLpO2M'
+        'sVWeMI14EJLwMxaeqMEUKWRJpN7tCE2XFFjumjAo7QBA9dMoo78HsrSTEMjzgsqTW4bejht8VxXTeWYccDx5'
+        'YQnPFhq3uObBRTT8AaxkQE26u+GtdYx2s3a4Fb/UU4BssGswPMBrzt8CN/mLk8Dl0SKMjUGT4RPvpOT8JdPJ'
+        'X1ZxoCsbX14zLbOKd8kkXX/v6QbfEDMuaMrp1iReC5k9p54NLiukZ3ROtvvfgDiwXkE',
+    ),
 }
 TIMEOUT = 60
 

@@ -159,7 +159,7 @@ def _g_case():
 
 @observes('ex05.A.f', 'ex05.A.one_all_reduce')
 def test_f_identity_forward_all_reduce_backward(impl):
-    """f returns x unchanged and sums the ranks' gradients in backward (2 ranks)."""
+    """f on 2 ranks: its output, the gradient it passes back, and what it records (ex05.A)."""
     results = minipar.launch(_f_case, 2, timeout=TIMEOUT)
     total = sum(fo["w"] for fo in results)
     for rank, fo in enumerate(results):
@@ -173,7 +173,8 @@ def test_f_identity_forward_all_reduce_backward(impl):
 
 @observes('ex05.A.g', 'ex05.A.one_all_reduce', 'ex05.A.no_in_place')
 def test_g_all_reduce_forward_identity_backward(impl):
-    """g sums the ranks' inputs in forward, leaves its input alone, and passes the gradient unchanged."""
+    """g on 2 ranks: its output, its input left alone, the gradient it passes back, and what it records
+    (ex05.A)."""
     results = minipar.launch(_g_case, 2, timeout=TIMEOUT)
     total = sum(go["x"] for go in results)
     for rank, go in enumerate(results):
@@ -216,7 +217,8 @@ def _full_linear(x, w, b, up):
 
 @observes('ex05.*.group', 'ex05.B.column')
 def test_column_parallel_linear(impl):
-    """Each rank computes its output features (or all of them, gathered); the input gradient is whole."""
+    """ColumnParallelLinear: each rank's output (gathered or not) and the input gradient equal the full
+    layer's."""
     t = 2
     for k, r, out in minipar.launch(_column, 4, args=(t,), timeout=TIMEOUT):
         y, gx, gw, gb = _full_linear(_randn(5, 6, seed=k), _randn(8, 6, seed=10 + k), _randn(8, seed=20 + k),
@@ -242,7 +244,7 @@ def _row():
 
 @observes('ex05.B.row')
 def test_row_parallel_linear(impl):
-    """The partial products sum to the full output, with the bias added once (4 ranks)."""
+    """RowParallelLinear: the output, with its bias, and the gradients equal the full layer's (4 ranks)."""
     t = 4
     y, gx, gw, gb = _full_linear(_randn(5, 8, seed=1), _randn(6, 8, seed=2), _randn(6, seed=3),
                                  _randn(5, 6, seed=4))
@@ -272,7 +274,8 @@ def _mlp():
 
 @observes('ex05.B.mlp_comm')
 def test_mlp_needs_one_all_reduce_each_way(impl):
-    """Column then row parallel MLP equals the full MLP, with one all-reduce forward and one backward."""
+    """Column then row parallel MLP equals the full MLP; the all-reduces and bytes each way are the
+    contract's."""
     t = 4
     x = _randn(3, 4, 8, seed=5).requires_grad_()
     hidden = F.gelu(F.linear(x, _randn(32, 8, seed=6), _randn(32, seed=7)))
@@ -333,8 +336,8 @@ def test_vocab_parallel_cross_entropy(impl):
 
 @observes('ex05.C.large_logits')
 def test_vocab_parallel_cross_entropy_large_logits(impl):
-    """Still exact (and finite) when logits reach hundreds, where exp overflows without the max:
-    on every rank, and on one rank only (rank 0's near 300, rank 1's near 0)."""
+    """Still exact and finite when logits reach hundreds: similar logits on every rank, and very different
+    ones between ranks (rank 0's near 300, rank 1's near 0)."""
     clause = " (finite even when logits reach hundreds)"
     _check_ce(scale=150.0, clause=clause)
     _check_ce(scale=1.0, skew=300.0, clause=clause)
@@ -342,8 +345,7 @@ def test_vocab_parallel_cross_entropy_large_logits(impl):
 
 @observes('ex05.C.forward_bytes', 'ex05.C.backward_silent')
 def test_vocab_parallel_cross_entropy_never_gathers_logits(impl):
-    """In forward each rank sends far fewer bytes than gathering the logits would (N·V floats,
-    4 ranks); in backward it sends nothing."""
+    """The bytes each rank sends in forward and in backward, against the contract's bound (4 ranks)."""
     t = 4
     gathering = cost.collective_bytes("all_gather", N * V * 4, t)
     for r, (_, _, (sent, back)) in enumerate(_check_ce(scale=1.0, t=t)):
@@ -395,9 +397,8 @@ def _gathers_and_splits():
 
 @observes('ex05.*.group', 'ex05.A.gather', 'ex05.A.split', 'ex05.A.divides', 'ex05.*.recorded')
 def test_gather_and_split(impl):
-    """gather (gather_along forward, _split backward) and split on two groups of 2 out of 4
-    ranks: every rank's (3, 4) block side by side along dims 0, 1 and -1, in group rank order;
-    split keeps this rank's block; a size 2 does not divide (5) is a ValueError."""
+    """gather and split on two groups of 2 out of 4 ranks: values and gradients along dims 0, 1 and -1, in
+    group rank order; a size that does not divide is a ValueError."""
     results = minipar.launch(_gathers_and_splits, 4, timeout=TIMEOUT)
     up = _randn(3, 8, seed=7)
     for rank, got in enumerate(results):
@@ -444,9 +445,9 @@ def _shards():
 
 @observes('ex05.*.group', 'ex05.B.from_linear', 'ex05.B.no_bias')
 def test_layers_shard_the_single_device_layer(impl):
-    """ColumnParallelLinear.from_linear and RowParallelLinear.from_linear of a given
-    nn.Linear(6, 4) (each group its own), with and without a bias, on two groups of 2 out of 4
-    ranks: column rows 2r..2r+1 of the weight and the bias, row columns 3r..3r+2 and the whole bias."""
+    """ColumnParallelLinear.from_linear and RowParallelLinear.from_linear of a given nn.Linear(6, 4), with and
+    without a bias, on two groups of 2 out of 4 ranks: each rank's weight and bias are its shard of the given
+    layer."""
     results = minipar.launch(_shards, 4, timeout=TIMEOUT)
     for rank, got in enumerate(results):
         where, gi, gr = _in_group(rank), rank // 2, rank % 2

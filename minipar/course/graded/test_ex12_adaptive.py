@@ -88,7 +88,7 @@ def _idx(*xs):
 
 @observes('ex12.A.one_source', 'ex12.A.local', 'ex12.A.ring_order', 'ex12.A.sorted')
 def test_plan_by_hand(impl):
-    """Hand cases: local copies, the first holder after the destination in ring order, (dst, src) order."""
+    """Hand cases: every plan's moves, in the contract's order."""
     # everyone holds everything before; the new ranks keep what they had: local copies only.
     full = [{"w": _idx(0, 1, 2, 3)} for _ in range(4)]
     halves = [{"w": _idx(0, 1)}, {"w": _idx(2, 3)}, {"w": _idx(3, 1)}, {}]
@@ -136,7 +136,8 @@ def _random_case(seed, world, sizes):
 
 @observes('ex12.A.one_source', 'ex12.A.ring_order', 'ex12.A.itemsize')
 def test_plan_random(impl):
-    """Random holdings: each new element once, from the right rank, carried as its global index; bytes counted apart."""
+    """Random holdings: every new element arrives once, from the rank the contract names, with its index; the
+    bytes."""
     sizes = {"param/w": 37, "exp_avg/w": 37, "param/b": 5}
     itemsize = {"param/w": 2, "exp_avg/w": 4, "param/b": 8}
     for seed, world in ((0, 3), (1, 4), (2, 5)):

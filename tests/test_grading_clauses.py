@@ -54,6 +54,15 @@ def test_a_message_that_names_a_clause_names_only_that_one(monkeypatch):
     assert 'minipar.hint("ex10", "A")' in text
 
 
+def test_a_clause_of_every_part_asks_for_the_part_the_test_observes(monkeypatch):
+    monkeypatch.setattr(failure_clauses, "clause_texts", lambda: {})
+    text = str(Report("ex06_zero", "exercise",
+                      [_failed("group of 2 (ex06.*.group): expected shape (4,), got shape (2,)",
+                               ["ex06.A.mean", "ex06.*.group"])]))
+    assert re.findall(r"clause (\S+)", text) == ["ex06.*.group"]
+    assert 'minipar.hint("ex06", "A")' in text
+
+
 def test_a_passed_test_prints_no_clause():
     t = dict(_failed("", ["ex02.C.reset"]), outcome="passed")
     assert "clause" not in str(Report("ex02_data_parallel", "exercise", [t]))

@@ -84,7 +84,8 @@ class Report:
                 if t["outcome"] == "failed":
                     lines += ["        " + ln for ln in failure_clauses.lines(ids)]
                 if t["outcome"] == "failed" and (self.exercise.startswith("ex") or _has_hints(self.exercise)):
-                    lines.append("        " + _suggest(self.exercise, t["error"], ids))
+                    lines.append("        " + _suggest(self.exercise, t["error"],
+                                                       ids + list(t.get("observes") or ())))
         lines.append(f"score: {self.passed}/{len(self.tests)} ({100 * self.score:.0f}%)")
         text = "\n".join(lines)
         if self.challenge is None:

@@ -81,7 +81,8 @@ import minipar
 from minipar import cost
 from minipar import data, reference, zero
 from minipar.runtime import trace
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, attempt, observes
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, attempt, observes, \
+    expect_recorded
 from minipar.models import GPT, GPTConfig
 from minipar.zero.flat import FlatStorage, FlatUnit
 from minipar.zero.stage3 import UnitSchedule
@@ -250,10 +251,26 @@ def _reduce(m):
     return mine.clone(), mine.data_ptr() == flat[r * k:].data_ptr(), sent, flat.numel()
 
 
-@observes('ex06.A.mean', 'ex06.A.view', 'ex06.A.bytes')
+def _reduce_on_pairs(m):
+    """reduce_shard on this rank's group of 2 (of 4 ranks): (the slice, whether it is in place, the
+    bytes sent, the group labels recorded), or the call's error as text."""
+    group, gi, gr = _pairs()
+    minipar.comm.name_group(group, "dp")
+    flat = _grad(dist.get_rank(), m, 2)
+
+    def call():
+        mark = trace.mark()
+        mine = zero.reduce_shard(flat, group)
+        events = trace.since(mark)
+        return (mine.clone(), mine.data_ptr() == flat[gr * (flat.numel() // 2):].data_ptr(),
+                sum(e["bytes_sent"] for e in events), sorted({str(e["labels"].get("dim")) for e in events}))
+    return attempt(call)
+
+
+@observes('ex06.A.mean', 'ex06.A.view', 'ex06.A.bytes', 'ex06.*.group', 'ex06.*.recorded')
 def test_reduce_shard(impl):
-    """reduce_shard (4 ranks, 10 elements padded to 12, then a sub-group): the mean this rank owns, where the
-    contract says it is left, what it returns, the bytes each rank sends and the group."""
+    """reduce_shard on 4 ranks (10 elements padded to 12), then on two groups of 2 of them: the mean this
+    rank owns, where the contract says it is left, what it returns, the bytes each rank sends, the group."""
     n, m = 4, 10
     mean = sum(_grad(q, m, n) for q in range(n)) / n
     total = sum(_grad(q, m, n) for q in range(n))
@@ -270,6 +287,21 @@ def test_reduce_shard(impl):
                          "(it starts at another address)")
         expect_equal(sent, int(cost.collective_bytes("reduce_scatter", numel * 4, n)),
                      f"rank {r}: bytes sent (one reduce-scatter of {numel} floats)")
+    # the same on two groups of 2 out of 4 ranks ([0, 1] and [2, 3]), each its own gradients
+    m = 8   # 4 elements per rank of a pair (2 on each of 4 ranks, were it the world's)
+    for rank, got in enumerate(minipar.launch(_reduce_on_pairs, 4, args=(m,), timeout=TIMEOUT)):
+        where = f"{_in_group(rank)}, group of 2"
+        _raised(got, f"{where} (ex06.*.group)")
+        mine, in_place, sent, dims = got
+        pair = [rank // 2 * 2, rank // 2 * 2 + 1]
+        want = (sum(_grad(q, m, 2) for q in pair) / 2).tensor_split(2)[rank % 2]
+        expect_close(mine, want, "the slice reduce_shard returned on a group of 2 (ex06.*.group)", where=where,
+                     rtol=1.3e-6, atol=1e-5)
+        expect(in_place, f"{where}: the tensor reduce_shard returned is not the view of flat_grad the contract "
+                         "names (it starts at another address)")
+        expect_recorded(sent, int(cost.collective_bytes("reduce_scatter", 2 * (-(-m // 2)) * 4, 2)),
+                        f"bytes sent (one reduce-scatter over the group of 2) (ex06.*.group)", where)
+        expect_equal(dims, ["dp"], f"{where}: the group labels of the recorded reduce-scatter (ex06.*.group)")
 
 
 UNIT_DTYPES = [(None, torch.float32), (torch.float64, torch.float64)]   # (dtype asked, dtype returned)

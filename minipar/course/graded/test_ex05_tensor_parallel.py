@@ -130,6 +130,10 @@ def _comm_bytes(n0):
     return sum(e["bytes_sent"] for e in trace.events()[n0:] if e["kind"] == "comm")
 
 
+def _comm_calls(n0):
+    return sum(e["kind"] == "comm" for e in trace.events()[n0:])
+
+
 def _close(got, want, what, where=""):
     expect_close(got, want, what, where=where, **TOL)
 
@@ -139,10 +143,13 @@ def _f_case():
     r = dist.get_rank()
     x = _randn(4, 3, seed=0).requires_grad_()        # the same x on every rank
     w = _randn(4, 3, seed=10 + r)                      # a different upstream gradient per rank
+    n_fwd = len(trace.events())
     y = tp.f(x)
     n0 = len(trace.events())
     (y * w).sum().backward()
-    return {"y": y.detach(), "x": x.detach(), "grad": x.grad, "w": w, "bytes": _comm_bytes(n0)}
+    return {"y": y.detach(), "x": x.detach(), "grad": x.grad, "w": w, "bytes": _comm_bytes(n0),
+            "forward": [_comm_bytes(n_fwd) - _comm_bytes(n0), _comm_calls(n_fwd) - _comm_calls(n0)],
+            "calls": _comm_calls(n0)}
 
 
 def _g_case():
@@ -152,9 +159,11 @@ def _g_case():
     before = x.detach().clone()
     n0 = len(trace.events())
     z = tp.g(x)
-    sent = _comm_bytes(n0)
+    sent, calls = _comm_bytes(n0), _comm_calls(n0)
+    n1 = len(trace.events())
     (z * w).sum().backward()
-    return {"z": z.detach(), "x": before, "x_after": x.detach(), "grad": x.grad, "w": w, "bytes": sent}
+    return {"z": z.detach(), "x": before, "x_after": x.detach(), "grad": x.grad, "w": w, "bytes": sent,
+            "calls": calls, "backward": [_comm_bytes(n1), _comm_calls(n1)]}
 
 
 @observes('ex05.A.f', 'ex05.A.one_all_reduce')
@@ -167,8 +176,10 @@ def test_f_identity_forward_all_reduce_backward(impl):
         with diagnose(lambda e, fo=fo: torch.allclose(fo["grad"], fo["w"]), "the gradient is this rank's own "
                       "upstream gradient, not the sum over ranks"):
             _close(fo["grad"], total, "f's gradient (the sum of the ranks' gradients)", f"rank {rank}")
-        expect_equal(fo["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
-                     f"rank {rank}: bytes sent in f's backward (one all-reduce of 12 floats)")
+        expect_recorded(fo["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
+                        "bytes sent in f's backward (one all-reduce of 12 floats)", f"rank {rank}")
+        expect_equal(fo["calls"], 1, f"rank {rank}: collectives recorded in f's backward")
+        expect_equal(fo["forward"], [0, 0], f"rank {rank}: [bytes, collectives] recorded in f's forward")
 
 
 @observes('ex05.A.g', 'ex05.A.one_all_reduce', 'ex05.A.no_in_place')
@@ -182,8 +193,10 @@ def test_g_all_reduce_forward_identity_backward(impl):
         with diagnose(True, "the tensor given to g changed during the call"):
             _close(go["x_after"], go["x"], "g's input after the call (unchanged)", f"rank {rank}")
         _close(go["grad"], go["w"], "g's gradient (the identity)", f"rank {rank}")
-        expect_equal(go["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
-                     f"rank {rank}: bytes sent in g's forward (one all-reduce of 12 floats)")
+        expect_recorded(go["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
+                        "bytes sent in g's forward (one all-reduce of 12 floats)", f"rank {rank}")
+        expect_equal(go["calls"], 1, f"rank {rank}: collectives recorded in g's forward")
+        expect_equal(go["backward"], [0, 0], f"rank {rank}: [bytes, collectives] recorded in g's backward")
 
 
 # ----------------------------------------------------------------------------- linear layers

@@ -168,7 +168,6 @@ def test_every_core_has_key_lines_and_they_are_its_answer():
 # Known leaks left for the graded tests' owner to remove: each test file that holds a reference
 # answer the learner can read (strict: a leak that is fixed must leave this set).
 KNOWN = {
-    "ex02": {"'last parameter first' in graded test_ex02_data_parallel.py"},   # a test's docstring
     "ex04": {"'Action(\"RECV_\" + a.op' in graded test_ex04_pipeline.py",     # a reference add_comms
              "'p-r-1 *warm-up* forwards' in notebook 04"},                      # 1F1B's recipe
     "ex08": {"'torch.maximum(lse_a, lse_b)' in graded test_ex08_context_parallel.py",   # the merge,

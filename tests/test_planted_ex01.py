@@ -20,7 +20,7 @@ CASES = {
                         r"in place, and returns that same tensor"),
     "a chunk sent twice": ("test_bytes_match_cost_model",
                            [(ALL_REDUCE_HALVES, ALL_REDUCE_HALVES + '\n        _all_gather_chunks(chunks, group, "ring_all_reduce")')],
-                           r"each step sends one chunk"),
+                           r"bytes sent by each rank, all-reducing \d+ floats over \d+ ranks"),
     "the world's size on a group": ("test_pieces_on_any_group",
                                     [("flat /= n", "flat /= torch.distributed.get_world_size()")],
                                     r"any group.*divides by n = 3"),

@@ -22,7 +22,7 @@ CASES = {
     "A sums": ("test_allreduce_gradients_averages", [(A_AVG, A_AVG.replace('"avg"', '"sum"'))],
                r"the sum over the 4 ranks"),
     "A reduces twice": ("test_allreduce_gradients_averages", [(A_AVG, A_AVG + "; " + A_AVG)],
-                        r"gradient traffic equals cost.ddp_bytes_per_step"),
+                        r"bytes sent by the gradient all-reduces \(cost.ddp_bytes_per_step"),
     "A includes frozen parameters": ("test_allreduce_gradients_averages",
                                      [("for p in trainable(params):", "for p in params:")],
                                      r"frozen parameters stay without a gradient"),
@@ -49,7 +49,7 @@ CASES = {
                                   r"with overlap, a bucket's all-reduce starts during the backward"),
     "C syncs under no_sync": ("test_reducer_accumulation_and_no_overlap",
                               [("if not self.require_sync:\n            return", "")],
-                              r"under no_sync, backward only accumulates"),
+                              r"cost.ddp_bytes_per_step per step; none inside no_sync"),
     "C sums": ("test_reducer_overlapped_matches_single_process",
                [('op="avg", group=self.group', 'op="sum", group=self.group')], r"single process"),
 }

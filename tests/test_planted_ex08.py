@@ -31,7 +31,7 @@ PLANTS = {  # clause -> (edits, graded test, its extra arguments, what the messa
         g.test_zigzag_rank_off_the_group, (), r"off the group: a ValueError"),
     "ex08.C.exact": (
         [("        src = (r - s) % c\n        if s < c - 1:   # send", "        src = (r + s) % c\n        if s < c - 1:   # send")],
-        g.test_ring_attention_with_your_code, (4,), r"cp = 4, rank \d \(sequence chunks \d and \d of 8, 2 positions each\): (O|lse), index"),
+        g.test_ring_attention_with_your_code, (4,), r"cp = 4, rank \d \(its zigzag shard\): (O|lse), index"),
     "ex08.C.skip": (
         [('        return "full" if src < rank else "skip"', '        return "full"')],
         g.test_ring_step_parts, (), r"ring_step\(rank, src, cp=2, causal=True, layout='contiguous'\)"),
@@ -62,10 +62,10 @@ PLANTS = {  # clause -> (edits, graded test, its extra arguments, what the messa
     "ex08.*.dtype": (
         [("        kv = nxt_kv() if s < c - 1 else kv\n    return o, lse",
           "        kv = nxt_kv() if s < c - 1 else kv\n    return o.float(), lse.float()")],
-        g.test_ring_attention_on_subgroups, (), r"the dtype of O, float64, causal, contiguous .*: expected"),
+        g.test_ring_attention_on_subgroups, (), r"the dtype of O, float64, causal, contiguous.*: expected"),
     "ex08.D.exact": (
         [("            contrib += pending()", "            pending()")],
-        g.test_ring_attention_with_your_code, (4,), r"cp = 4, rank \d \(sequence chunks \d and \d of 8, 2 positions each\): dK, index"),
+        g.test_ring_attention_with_your_code, (4,), r"cp = 4, rank \d \(its zigzag shard\): dK, index"),
     "ex08.D.second": (
         [CACHED_DELTA], g.test_ring_attention_on_subgroups, (), r"float64, no mask, contiguous: rank"),
 }

@@ -57,7 +57,9 @@ def _key(location: str, nodeid: str) -> str:
 def pytest_collection_finish(session):
     for item in session.items:  # after -k / deselection: only what runs
         doc = (getattr(item, "function", None).__doc__ or "").strip()
-        _results[_key(item.location[0], item.nodeid)] = {"name": item.name, "doc": doc, "outcome": "not run", "error": "",
+        observes = list(getattr(getattr(item, "function", None), "__observes__", ()))
+        _results[_key(item.location[0], item.nodeid)] = {"name": item.name, "doc": doc, "observes": observes,
+                                 "outcome": "not run", "error": "",
                                  "file": str(item.path), "seconds": 0.0}
 
 

@@ -32,6 +32,7 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import failure_clauses
 from .challenge import GRADED_ENV, graded_dir
 from .exercise import EXERCISES_ENV, environ
 from .markers import ROOT  # the repository (site-packages once installed): exercises/, solutions/
@@ -79,8 +80,12 @@ class Report:
             lines.append(f"  {outcome}  {t['name']}: {title}")
             if t["outcome"] != "passed":
                 lines += ["        " + ln for ln in (t["error"] or t["outcome"]).rstrip().splitlines()]
+                ids = failure_clauses.named(t["error"], t.get("observes"))
+                if t["outcome"] == "failed":
+                    lines += ["        " + ln for ln in failure_clauses.lines(ids)]
                 if t["outcome"] == "failed" and (self.exercise.startswith("ex") or _has_hints(self.exercise)):
-                    lines.append("        " + _suggest(self.exercise, t["error"]))
+                    lines.append("        " + _suggest(self.exercise, t["error"],
+                                                       ids + list(t.get("observes") or ())))
         lines.append(f"score: {self.passed}/{len(self.tests)} ({100 * self.score:.0f}%)")
         text = "\n".join(lines)
         if self.challenge is None:
@@ -104,10 +109,12 @@ def _has_hints(name: str) -> bool:
         return False
 
 
-def _suggest(exercise: str, error: str) -> str:
+def _suggest(exercise: str, error: str, clauses=()) -> str:
+    """The hint line, for the part the failure names ("Exercise 10 A:"), else the part of the
+    clauses it breaks."""
     from .hints import suggestion
     m = _LABEL.search(error or "")
-    return suggestion(exercise, m[2] if m and m[2] else None)
+    return suggestion(exercise, m[2] if m and m[2] else failure_clauses.part(clauses))
 
 
 def _chapter(name: str) -> str:

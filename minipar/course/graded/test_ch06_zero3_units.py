@@ -99,7 +99,7 @@ def test_peak_gathered_bytes(challenge):
 
 @observes('ch06.*.gathers')
 def test_gathers_per_step(challenge):
-    """At most 28 all-gathers per step (each unit is gathered in forward and again in backward)."""
+    """At most 28 all-gathers per step."""
     names, results = _measured(challenge)
     counts = [res["gathers"] for res in results]
     expect_equal(counts[1], counts[0], "all-gathers per step, rank 1 against rank 0", keys="step")

@@ -23,6 +23,8 @@ ends. Grade it with ``python -m minipar.grade ex02``; stuck? ``minipar.hint("ex0
 """
 from contextlib import nullcontext
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -129,7 +131,7 @@ def _check_average(results, n):
                              where=f"rank {rank}, {k}", rtol=1e-5, atol=1e-6)
         with diagnose(sent > expected, "more bytes than one all-reduce of each trainable parameter"):
             expect_equal(sent, expected, f"rank {rank}: bytes sent by the gradient all-reduces "
-                                         f"(gradient traffic equals cost.ddp_bytes_per_step: 2(n-1)/n · Ψ · 4 with Ψ = {psi})")
+                                         f"(cost.ddp_bytes_per_step for Ψ = {psi} parameters over {n} ranks)")
 
 
 @observes("ex02.A.average", "ex02.A.frozen", "ex02.A.bytes", "ex02.*.recorded")
@@ -141,7 +143,7 @@ def test_allreduce_gradients_averages(impl):
 
 @observes("ex02.A.fn")
 def test_allreduce_gradients_with_your_all_reduce(impl):
-    """With all_reduce_fn (here the ring all-reduce, which sums) the result is still the average."""
+    """With all_reduce_fn given (the ring all-reduce), every .grad is still the mean."""
     _check_average(minipar.launch(_average_once, 2, args=(True,),
                                   timeout=TIMEOUT), 2)
 
@@ -228,7 +230,8 @@ def _participation():
 
 @observes("ex02.A.dtype", "ex02.A.group", "ex02.*.order", "ex02.C.average", "ex02.C.group", "ex02.C.fn", "ex02.C.reset")
 def test_gradient_less_parameter_dtype_group_two_steps(impl):
-    """On a group of 2 of 3 ranks, two steps: a float64 parameter without a gradient on one rank takes part as zeros, dtypes kept, divided by the group's size."""
+    """On a group of 2 of 3 ranks, two steps, a float64 parameter with no gradient on one rank: the group's
+    mean, the dtypes, the second step."""
     results = minipar.launch(_participation, 3, timeout=TIMEOUT)[1:]
     for version in results[0]:
         for g, res in enumerate(results):
@@ -274,7 +277,8 @@ def test_naive_training_matches_single_process(impl):
 # ----------------------------------------------------------------------------- B: buckets
 @observes("ex02.B.order", "ex02.B.cap", "ex02.B.full", "ex02.B.dtype", "ex02.B.negative")
 def test_assign_buckets(impl):
-    """Buckets are filled last parameter first, never past the cap unless one parameter is bigger, one dtype each."""
+    """Buckets: every parameter once in the order backward makes them ready, the cap, full buckets, one dtype
+    each."""
     params = [torch.nn.Parameter(torch.zeros(k)) for k in (10, 300, 20, 20, 5, 1000, 7)]
     index = {id(p): i for i, p in enumerate(params)}
 
@@ -338,6 +342,12 @@ def _ddp_training(model, batches, kw, accumulation, probe):
             "buckets": len(assign_buckets(trainable(model.parameters()), kw["bucket_cap_mb"]))}
 
 
+def _first_step_only(got, want) -> bool:
+    """The first step's loss right, a later one wrong."""
+    close = [math.isclose(g, w, rel_tol=RTOL, abs_tol=ATOL) for g, w in zip(got, want)]
+    return len(close) > 1 and close[0] and not all(close[1:])
+
+
 def _run_reducer(n, kw, accumulation=1, probe=False, cfg=CFG):
     batches = data.batches(TOKENS, STEPS, 8, cfg.block_size)
     results = minipar.launch(_ddp_training, n, args=(GPT(cfg, seed=1), batches, kw,
@@ -345,10 +355,13 @@ def _run_reducer(n, kw, accumulation=1, probe=False, cfg=CFG):
     want = reference.train_reference(GPT(cfg, seed=1), batches, reference.sgd(0.5))
     psi = sum(p.numel() for p in GPT(cfg, seed=1).parameters())
     for rank, got in enumerate(results):
-        expect_same_training(got, want, f"rank {rank}", rtol=RTOL, atol=ATOL)
+        with diagnose(_first_step_only(got["losses"], want["losses"]),
+                      "the first step's loss is the single process's and a later step's is not: a step after the "
+                      "first goes wrong (ex02.C.reset)"):
+            expect_same_training(got, want, f"rank {rank}", rtol=RTOL, atol=ATOL)
         expect_equal(got["sent"], int(STEPS * cost.ddp_bytes_per_step(psi, n)),
                      f"rank {rank}: bytes sent in gradient all-reduces over {STEPS} steps (gradient traffic equals "
-                     "cost.ddp_bytes_per_step, 2(n-1)/n·Ψ·4 per step; under no_sync, backward only accumulates)")
+                     "cost.ddp_bytes_per_step per step; none inside no_sync)")
         expect_equal(got["calls"], STEPS * got["buckets"],
                      f"rank {rank}: gradient all-reduces over {STEPS} steps ({got['buckets']} buckets: one each per step)")
     return results
@@ -356,7 +369,8 @@ def _run_reducer(n, kw, accumulation=1, probe=False, cfg=CFG):
 
 @observes("ex02.C.average", "ex02.C.reset")
 def test_reducer_overlapped_matches_single_process(impl):
-    """DDP with your overlapping Reducer (2 ranks, small buckets) matches one process; bytes 2(n-1)/n·Ψ·4."""
+    """DDP with your overlapping Reducer (2 ranks, small buckets) matches one process; the bytes sent are the
+    cost model's."""
     _run_reducer(2, dict(bucket_cap_mb=0.02, overlap=True))
 
 

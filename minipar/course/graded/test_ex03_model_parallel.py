@@ -142,8 +142,8 @@ def _single_process():
 
 @observes("ex03.A.async", "ex03.A.leaf", "ex03.A.dtype")
 def test_activation_values(impl):
-    """What arrives: the values sent, as a leaf requiring grad, in the dtype asked (activations
-    and gradients); a send returns its Handle."""
+    """What arrives: the values sent, in the dtype asked, ready for the receiving stage's backward
+    (activations and gradients); a send returns its Handle."""
     sender, got = minipar.launch(_boundary, 2, timeout=TIMEOUT)
     y, _, _ = _single_process()
     expect(sender["has_wait"], "rank 0: send_activation returned an object without .wait(), "
@@ -173,8 +173,8 @@ def test_gradient_flows_back(impl):
 
 @observes("ex03.*.recorded", "ex03.*.group")
 def test_transfers_are_recorded(impl):
-    """Each transfer goes through minipar.comm on the group: 120 bytes of fp32 each way, and the
-    12 bytes of a bfloat16 tensor each way, all labelled with the group ("pp")."""
+    """Every transfer is recorded by minipar.comm, with its bytes and its group ("pp"), in fp32 and in
+    bfloat16."""
     r0, r1 = minipar.launch(_boundary, 2, timeout=TIMEOUT)
     ev0, ev1 = r0["events"], r1["events"]
     got = {"rank 0 sent": sum(e["bytes_sent"] for e in ev0), "rank 0 received": sum(e["bytes_recv"] for e in ev0),
@@ -261,8 +261,8 @@ def test_messages_match_in_any_order(impl):
 
 @observes("ex03.B.flush", "ex03.*.recorded")
 def test_sends_complete_each_step(impl):
-    """1F1B on 2 ranks, 4 micro-batches, 2 steps: like one process, and each step's recorded bytes
-    are its 4 messages of 2x8x16 fp32 per rank, on the group ("pp")."""
+    """1F1B on 2 ranks, 4 micro-batches, 2 steps: like one process, and each step's recorded bytes per rank
+    are the schedule's messages, on the group ("pp")."""
     results = minipar.launch(_pipelines, 2, args=("1f1b",), timeout=TIMEOUT)
     want = reference.train_reference(GPT(CFG, seed=0), data.batches(TOKENS, 2, 8, 8), reference.sgd(0.5))
     got = strategy.TrainResult.merge(results)
@@ -336,10 +336,9 @@ def _step_want(m, skip=()):
 
 @observes("ex03.C.mean", "ex03.C.backward", "ex03.C.stash", "ex03.C.split", "ex03.C.dtype")
 def test_compute_actions(impl):
-    """One step of a two-stage network on 2 ranks: under 1F1B and ZB-H1 (4 micro-batches) the loss
-    and both stages' gradients are one process's on the batch's mean loss; with micro-batch 1's W
-    left out, the gradients lack exactly its contribution; in bfloat16 the stages compute in
-    bfloat16; ``peak_stash`` is the schedule's on each rank."""
+    """One step of a two-stage network on 2 ranks under 1F1B and ZB-H1 (4 micro-batches): the loss and both
+    stages' gradients equal one process's; a micro-batch's W left out is missing from them and nothing else
+    is; bfloat16 stages compute in bfloat16; ``peak_stash`` is the schedule's on each rank."""
     results = minipar.launch(_compute_actions, 2, timeout=TIMEOUT)
     names = ("weight", "bias")
     for name, spec, dtype in STEP_CASES:

@@ -85,6 +85,10 @@ def _comm_bytes(n0):
     return sum(e["bytes_sent"] for e in trace.events()[n0:] if e["kind"] == "comm")
 
 
+def _comm_calls(n0):
+    return sum(e["kind"] == "comm" for e in trace.events()[n0:])
+
+
 def _close(got, want, what, where=""):
     expect_close(got, want, what, where=where, **TOL)
 
@@ -94,10 +98,13 @@ def _f_case():
     r = dist.get_rank()
     x = _randn(4, 3, seed=0).requires_grad_()        # the same x on every rank
     w = _randn(4, 3, seed=10 + r)                      # a different upstream gradient per rank
+    n_fwd = len(trace.events())
     y = tp.f(x)
     n0 = len(trace.events())
     (y * w).sum().backward()
-    return {"y": y.detach(), "x": x.detach(), "grad": x.grad, "w": w, "bytes": _comm_bytes(n0)}
+    return {"y": y.detach(), "x": x.detach(), "grad": x.grad, "w": w, "bytes": _comm_bytes(n0),
+            "forward": [_comm_bytes(n_fwd) - _comm_bytes(n0), _comm_calls(n_fwd) - _comm_calls(n0)],
+            "calls": _comm_calls(n0)}
 
 
 def _g_case():
@@ -107,14 +114,16 @@ def _g_case():
     before = x.detach().clone()
     n0 = len(trace.events())
     z = tp.g(x)
-    sent = _comm_bytes(n0)
+    sent, calls = _comm_bytes(n0), _comm_calls(n0)
+    n1 = len(trace.events())
     (z * w).sum().backward()
-    return {"z": z.detach(), "x": before, "x_after": x.detach(), "grad": x.grad, "w": w, "bytes": sent}
+    return {"z": z.detach(), "x": before, "x_after": x.detach(), "grad": x.grad, "w": w, "bytes": sent,
+            "calls": calls, "backward": [_comm_bytes(n1), _comm_calls(n1)]}
 
 
 @observes("ex05.A.f", "ex05.A.bytes")
 def test_f_identity_forward_all_reduce_backward(impl):
-    """f returns x unchanged and sums the ranks' gradients in backward (2 ranks)."""
+    """f on 2 ranks: its output, the gradient it passes back, and what it records (ex05.A)."""
     results = minipar.launch(_f_case, 2, timeout=TIMEOUT)
     total = sum(fo["w"] for fo in results)
     for rank, fo in enumerate(results):
@@ -122,13 +131,16 @@ def test_f_identity_forward_all_reduce_backward(impl):
         with diagnose(lambda e, fo=fo: torch.allclose(fo["grad"], fo["w"]), "the gradient is this rank's own "
                       "upstream gradient, not the sum over ranks"):
             _close(fo["grad"], total, "f's gradient (the sum of the ranks' gradients)", f"rank {rank}")
-        expect_equal(fo["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
-                     f"rank {rank}: bytes sent in f's backward (one all-reduce of 12 floats)")
+        expect_recorded(fo["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
+                        "bytes sent in f's backward (one all-reduce of 12 floats)", f"rank {rank}")
+        expect_equal(fo["calls"], 1, f"rank {rank}: collectives recorded in f's backward")
+        expect_equal(fo["forward"], [0, 0], f"rank {rank}: [bytes, collectives] recorded in f's forward")
 
 
 @observes("ex05.A.g", "ex05.A.bytes", "ex05.A.inplace")
 def test_g_all_reduce_forward_identity_backward(impl):
-    """g sums the ranks' inputs in forward, leaves its input alone, and passes the gradient unchanged."""
+    """g on 2 ranks: its output, its input left alone, the gradient it passes back, and what it records
+    (ex05.A)."""
     results = minipar.launch(_g_case, 2, timeout=TIMEOUT)
     total = sum(go["x"] for go in results)
     for rank, go in enumerate(results):
@@ -136,8 +148,10 @@ def test_g_all_reduce_forward_identity_backward(impl):
         with diagnose(True, "the tensor given to g changed during the call"):
             _close(go["x_after"], go["x"], "g's input after the call (unchanged)", f"rank {rank}")
         _close(go["grad"], go["w"], "g's gradient (the identity)", f"rank {rank}")
-        expect_equal(go["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
-                     f"rank {rank}: bytes sent in g's forward (one all-reduce of 12 floats)")
+        expect_recorded(go["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
+                        "bytes sent in g's forward (one all-reduce of 12 floats)", f"rank {rank}")
+        expect_equal(go["calls"], 1, f"rank {rank}: collectives recorded in g's forward")
+        expect_equal(go["backward"], [0, 0], f"rank {rank}: [bytes, collectives] recorded in g's backward")
 
 
 # ----------------------------------------------------------------------------- linear layers
@@ -171,7 +185,8 @@ def _full_linear(x, w, b, up):
 
 @observes("ex05.*.group", "ex05.B.column")
 def test_column_parallel_linear(impl):
-    """Each rank computes its output features (or all of them, gathered); the input gradient is whole."""
+    """ColumnParallelLinear: each rank's output (gathered or not) and the input gradient equal the full
+    layer's."""
     t = 2
     for k, r, out in minipar.launch(_column, 4, args=(t,), timeout=TIMEOUT):
         y, gx, gw, gb = _full_linear(_randn(5, 6, seed=k), _randn(8, 6, seed=10 + k), _randn(8, seed=20 + k),
@@ -197,7 +212,7 @@ def _row():
 
 @observes("ex05.B.row")
 def test_row_parallel_linear(impl):
-    """The partial products sum to the full output, with the bias added once (4 ranks)."""
+    """RowParallelLinear: the output, with its bias, and the gradients equal the full layer's (4 ranks)."""
     t = 4
     y, gx, gw, gb = _full_linear(_randn(5, 8, seed=1), _randn(6, 8, seed=2), _randn(6, seed=3),
                                  _randn(5, 6, seed=4))
@@ -227,7 +242,8 @@ def _mlp():
 
 @observes("ex05.B.once")
 def test_mlp_needs_one_all_reduce_each_way(impl):
-    """Column then row parallel MLP equals the full MLP, with one all-reduce forward and one backward."""
+    """Column then row parallel MLP equals the full MLP; the all-reduces and bytes each way are the
+    contract's."""
     t = 4
     x = _randn(3, 4, 8, seed=5).requires_grad_()
     hidden = F.gelu(F.linear(x, _randn(32, 8, seed=6), _randn(32, seed=7)))
@@ -288,8 +304,8 @@ def test_vocab_parallel_cross_entropy(impl):
 
 @observes("ex05.C.finite")
 def test_vocab_parallel_cross_entropy_large_logits(impl):
-    """Still exact (and finite) when logits reach hundreds, where exp overflows without the max:
-    on every rank, and on one rank only (rank 0's near 300, rank 1's near 0)."""
+    """Still exact and finite when logits reach hundreds: similar logits on every rank, and very different
+    ones between ranks (rank 0's near 300, rank 1's near 0)."""
     clause = " (finite even when logits reach hundreds)"
     _check_ce(scale=150.0, clause=clause)
     _check_ce(scale=1.0, skew=300.0, clause=clause)
@@ -297,8 +313,7 @@ def test_vocab_parallel_cross_entropy_large_logits(impl):
 
 @observes("ex05.C.bytes", "ex05.C.backward")
 def test_vocab_parallel_cross_entropy_never_gathers_logits(impl):
-    """In forward each rank sends far fewer bytes than gathering the logits would (N·V floats,
-    4 ranks); in backward it sends nothing."""
+    """The bytes each rank sends in forward and in backward, against the contract's bound (4 ranks)."""
     t = 4
     gathering = cost.collective_bytes("all_gather", N * V * 4, t)
     for r, (_, _, (sent, back)) in enumerate(_check_ce(scale=1.0, t=t)):
@@ -350,9 +365,8 @@ def _gathers_and_splits():
 
 @observes("ex05.*.group", "ex05.A.gather", "ex05.A.split", "ex05.A.divide", "ex05.*.recorded")
 def test_gather_and_split(impl):
-    """gather (gather_along forward, _split backward) and split on two groups of 2 out of 4
-    ranks: every rank's (3, 4) block side by side along dims 0, 1 and -1, in group rank order;
-    split keeps this rank's block; a size 2 does not divide (5) is a ValueError."""
+    """gather and split on two groups of 2 out of 4 ranks: values and gradients along dims 0, 1 and -1, in
+    group rank order; a size that does not divide is a ValueError."""
     results = minipar.launch(_gathers_and_splits, 4, timeout=TIMEOUT)
     up = _randn(3, 8, seed=7)
     for rank, got in enumerate(results):
@@ -399,9 +413,9 @@ def _shards():
 
 @observes("ex05.*.group", "ex05.B.load", "ex05.B.nobias")
 def test_layers_shard_the_single_device_layer(impl):
-    """ColumnParallelLinear.from_linear and RowParallelLinear.from_linear of a given
-    nn.Linear(6, 4) (each group its own), with and without a bias, on two groups of 2 out of 4
-    ranks: column rows 2r..2r+1 of the weight and the bias, row columns 3r..3r+2 and the whole bias."""
+    """ColumnParallelLinear.from_linear and RowParallelLinear.from_linear of a given nn.Linear(6, 4), with and
+    without a bias, on two groups of 2 out of 4 ranks: each rank's weight and bias are its shard of the given
+    layer."""
     results = minipar.launch(_shards, 4, timeout=TIMEOUT)
     for rank, got in enumerate(results):
         where, gi, gr = _in_group(rank), rank // 2, rank % 2

@@ -28,7 +28,8 @@ import minipar
 from minipar import cost
 from minipar import data, reference, zero
 from minipar.runtime import trace
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, attempt, observes
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, attempt, observes, \
+    expect_recorded
 from minipar.models import GPT, GPTConfig
 from minipar.zero.flat import FlatStorage, FlatUnit
 from minipar.zero.stage3 import UnitSchedule
@@ -144,10 +145,26 @@ def _reduce(m):
     return mine.clone(), mine.data_ptr() == flat[r * k:].data_ptr(), sent, flat.numel()
 
 
-@observes("ex06.A.mean", "ex06.A.memory", "ex06.A.bytes", "ex06.*.recorded")
+def _reduce_on_pairs(m):
+    """reduce_shard on this rank's group of 2 (of 4 ranks): (the slice, whether it is in place, the
+    bytes sent, the group labels recorded), or the call's error as text."""
+    group, gi, gr = _pairs()
+    minipar.comm.name_group(group, "dp")
+    flat = _grad(dist.get_rank(), m, 2)
+
+    def call():
+        mark = trace.mark()
+        mine = zero.reduce_shard(flat, group)
+        events = trace.since(mark)
+        return (mine.clone(), mine.data_ptr() == flat[gr * (flat.numel() // 2):].data_ptr(),
+                sum(e["bytes_sent"] for e in events), sorted({str(e["labels"].get("dim")) for e in events}))
+    return attempt(call)
+
+
+@observes("ex06.A.mean", "ex06.A.memory", "ex06.A.bytes", "ex06.*.group", "ex06.*.recorded")
 def test_reduce_shard(impl):
-    """reduce_shard leaves the mean over ranks of this rank's k elements in its own slice, and
-    returns that slice; each rank sends (N-1)/N of the unit (4 ranks, 10 elements padded to 12)."""
+    """reduce_shard on 4 ranks (10 elements padded to 12), then on two groups of 2 of them: the mean this
+    rank owns, where the contract says it is left, what it returns, the bytes each rank sends, the group."""
     n, m = 4, 10
     mean = sum(_grad(q, m, n) for q in range(n)) / n
     total = sum(_grad(q, m, n) for q in range(n))
@@ -158,12 +175,27 @@ def test_reduce_shard(impl):
             with diagnose(lambda e: any(mine.shape == want.shape and torch.allclose(mine, mean[q * 3:(q + 1) * 3])
                                         for q in range(n) if q != r), "the slice holds the mean of another "
                           "rank's elements"):
-                expect_close(mine, want, f"the slice reduce_shard returned (the mean of elements {r * 3}..{r * 3 + 2})",
+                expect_close(mine, want, "the slice reduce_shard returned",
                              where=f"rank {r}", rtol=1.3e-6, atol=1e-5)
-        expect(in_place, f"rank {r}: the tensor reduce_shard returned is not the view flat_grad[r·k:(r+1)·k] "
+        expect(in_place, f"rank {r}: the tensor reduce_shard returned is not the view of flat_grad the contract names "
                          "(it starts at another address)")
         expect_equal(sent, int(cost.collective_bytes("reduce_scatter", numel * 4, n)),
                      f"rank {r}: bytes sent (one reduce-scatter of {numel} floats)")
+    # the same on two groups of 2 out of 4 ranks ([0, 1] and [2, 3]), each its own gradients
+    m = 8   # 4 elements per rank of a pair (2 on each of 4 ranks, were it the world's)
+    for rank, got in enumerate(minipar.launch(_reduce_on_pairs, 4, args=(m,), timeout=TIMEOUT)):
+        where = f"{_in_group(rank)}, group of 2"
+        _raised(got, f"{where} (ex06.*.group)")
+        mine, in_place, sent, dims = got
+        pair = [rank // 2 * 2, rank // 2 * 2 + 1]
+        want = (sum(_grad(q, m, 2) for q in pair) / 2).tensor_split(2)[rank % 2]
+        expect_close(mine, want, "the slice reduce_shard returned on a group of 2 (ex06.*.group)", where=where,
+                     rtol=1.3e-6, atol=1e-5)
+        expect(in_place, f"{where}: the tensor reduce_shard returned is not the view of flat_grad the contract "
+                         "names (it starts at another address)")
+        expect_recorded(sent, int(cost.collective_bytes("reduce_scatter", 2 * (-(-m // 2)) * 4, 2)),
+                        f"bytes sent (one reduce-scatter over the group of 2) (ex06.*.group)", where)
+        expect_equal(dims, ["dp"], f"{where}: the group labels of the recorded reduce-scatter (ex06.*.group)")
 
 
 UNIT_DTYPES = [(None, torch.float32), (torch.float64, torch.float64)]   # (dtype asked, dtype returned)
@@ -187,10 +219,8 @@ def _reduce_units():
 
 @observes("ex06.*.group", "ex06.A.zeros", "ex06.A.dtype", "ex06.A.fresh", "ex06.A.cleared")
 def test_reduce_unit_grads(impl):
-    """reduce_unit_grads on two groups of 2 out of 4 ranks: a unit of three parameters (9
-    elements, padded to 10), group rank 1 without a gradient on the first: the mean (zeros
-    where a gradient is missing), in the dtype asked for, k = 5 elements of their own,
-    every .grad None afterwards."""
+    """reduce_unit_grads on two groups of 2 out of 4 ranks, a gradient missing on one rank: the mean, its
+    dtype and size, and the parameters' .grad afterwards."""
     results = minipar.launch(_reduce_units, 4, timeout=TIMEOUT)
     for rank, cases in enumerate(results):
         gi, gr = rank // 2, rank % 2
@@ -328,11 +358,10 @@ def _opt_reference(gi, clip, optim, lr):
 
 @observes("ex06.*.group", "ex06.B.state", "ex06.B.dtypes", "ex06.B.views", "ex06.B.step", "ex06.B.clip", "ex06.B.no_copy", "ex06.B.second")
 def test_zero_optimizer(impl):
-    """ZeroOptimizer on two groups of 2 out of 4 ranks (units of 9 and 3 elements, one parameter
-    without a gradient): Adam, SGD clipped to norm 0.5, and Adam under param_dtype=bfloat16, two
-    steps each: the parameters (views into the flat parameters, in param_dtype) equal the
-    optimizer's steps on the group's mean gradient; state for 5 + 2 elements only; no fp32
-    gradient left on the shards after a bf16 step."""
+    """ZeroOptimizer on two groups of 2 out of 4 ranks (one parameter without a gradient): Adam, clipped SGD
+    and Adam under param_dtype=bfloat16, two steps each: the parameters (views into the flat parameters, in
+    param_dtype) equal the optimizer's steps on the group's mean gradient; optimizer state for the rank's
+    shard only; no fp32 gradient left after a bf16 step."""
     results = minipar.launch(_zero_optimizers, 4, timeout=TIMEOUT)
     names = ("w", "u", "b")
     for rank, cases in enumerate(results):
@@ -379,9 +408,9 @@ def _want():
 
 @observes("ex06.B.second", "ex06.*.train")
 def test_stages_1_and_2_train_like_one_process(impl):
-    """The library's ZeRO-1 and ZeRO-2 (both step with your sharded_step on your reduce_shard)
-    train the GPT on 4 ranks like one process (AdamW, fp32), with optimizer state
-    K·⌈Ψ_u/N⌉ per unit and 2(N-1)/N·Ψ bytes sent per step."""
+    """The library's ZeRO-1 and ZeRO-2 (both step with your sharded_step on your reduce_shard) train the GPT
+    on 4 ranks like one process (AdamW, fp32), with the contract's optimizer state per unit and bytes per
+    step."""
     results = minipar.launch(_stages, 4, args=([1, 2],), timeout=TIMEOUT)
     want = _want()
     for rank, got in enumerate(results):
@@ -389,9 +418,9 @@ def test_stages_1_and_2_train_like_one_process(impl):
             expect_same_training(res, want, f"rank {rank}, ZeRO-{stage}", rtol=1e-4, atol=5e-5)
             want_state = cost.zero_bytes_per_rank(res["unit_sizes"], 4, stage, k=8)["optimizer"]
             expect_equal(res["memory"]["optimizer"], want_state,
-                         f"rank {rank}, ZeRO-{stage}: optimizer state bytes (K·⌈Ψ_u/N⌉ per unit)")
+                         f"rank {rank}, ZeRO-{stage}: optimizer state bytes (cost.zero_bytes_per_rank)")
             expect_equal(res["comm_bytes"], cost.zero_comm_bytes(res["unit_sizes"], 4, stage),
-                         f"rank {rank}, ZeRO-{stage}: bytes sent per run (2(N-1)/N·Ψ per step)")
+                         f"rank {rank}, ZeRO-{stage}: bytes sent per run (cost.zero_comm_bytes)")
 
 
 # ----------------------------------------------------------------------------- C: gather and free
@@ -422,9 +451,8 @@ def _gathers_and_frees():
 
 @observes("ex06.C.free", "ex06.C.gather", "ex06.C.async")
 def test_gather_and_free(impl):
-    """free_unit empties the buffer's storage but keeps the tensor; gather_unit refills it with
-    every rank's shard in rank order (views see the values), synchronously or with a Handle;
-    into an fp32 buffer and into a bf16 one."""
+    """free_unit and gather_unit: the memory a freed unit holds, the values and their order once gathered
+    (views see them), synchronously or with a Handle; fp32 and bf16 buffers."""
     n = 2
     for rank, cases in enumerate(minipar.launch(_gathers_and_frees, n, timeout=TIMEOUT)):
         for dtype, got in zip(GATHER_DTYPES, cases):
@@ -512,10 +540,8 @@ def _storage_want(gi, gr):
 
 @observes("ex06.*.group", "ex06.C.shard", "ex06.C.full", "ex06.C.storage", "ex06.C.reduce", "ex06.C.accumulate")
 def test_flat_storage(impl):
-    """FlatStorage on two groups of 2 out of 4 ranks, one unit (nn.Linear(2, 3): 9 elements,
-    padded to 10), in fp32 and in bf16: the fp32 shard, the freed N·k buffer the parameters are
-    views of, gather's Handle, two backwards' mean gradients accumulated on the shard in fp32,
-    free."""
+    """FlatStorage on two groups of 2 out of 4 ranks, one unit, in fp32 and in bf16: the shard, the buffer the
+    parameters are views of, gather's Handle, two backwards' gradients on the shard, free."""
     results = minipar.launch(_storages, 4, timeout=TIMEOUT)
     for rank, cases in enumerate(results):
         gi, gr = rank // 2, rank % 2
@@ -554,9 +580,9 @@ def test_flat_storage(impl):
 
 @observes("ex06.*.train")
 def test_stage3_trains_like_one_process(impl):
-    """The library's FullyShardedDataParallel with your gather_unit/free_unit, reduce_shard and schedule:
-    2 ranks train the GPT like one process, hold only (4+4+8)·⌈Ψ_u/N⌉ bytes per unit after
-    the step, send 3(N-1)/N·Ψ."""
+    """The library's FullyShardedDataParallel with your gather_unit/free_unit, reduce_shard and schedule: 2
+    ranks train the GPT like one process, with the contract's bytes held per unit after the step and bytes
+    sent."""
     results = minipar.launch(_stages, 2, args=([3],), timeout=TIMEOUT)
     want = _want()
     for rank, got in enumerate(results):
@@ -566,7 +592,7 @@ def test_stage3_trains_like_one_process(impl):
         expect_equal({k: got["memory"][k] for k in formula}, formula,
                      f"rank {rank}, ZeRO-3: bytes held after the step, by kind", keys="kind")
         expect_equal(got["comm_bytes"], cost.zero_comm_bytes(got["unit_sizes"], 2, 3),
-                     f"rank {rank}, ZeRO-3: bytes sent per run (3(N-1)/N·Ψ per step)")
+                     f"rank {rank}, ZeRO-3: bytes sent per run (cost.zero_comm_bytes)")
 
 
 # ----------------------------------------------------------------------------- D: the schedule
@@ -676,10 +702,9 @@ def _cases():
 
 @observes("ex06.D.use", "ex06.D.prefetch", "ex06.D.on_demand")
 def test_schedule_gathers(impl):
-    """Stage 3's schedule over a storage that records its calls (three units, two steps of two
-    micro-batches, with and without reshard_after_forward and prefetch): in the first
-    micro-batch, each unit is gathered and in use when it computes, and the next one's gather
-    is in flight then with prefetch, none without."""
+    """Stage 3's schedule over a storage that records its calls (three units, two steps of two micro-batches,
+    with and without reshard_after_forward and prefetch): what is gathered when each unit computes (the
+    prefetch clause)."""
     for case, reshard, prefetch, log, first, _ in _cases():
         at = f"{case}, the first micro-batch"
         for e, state, used in first:
@@ -711,9 +736,7 @@ def test_schedule_gathers(impl):
 
 @observes("ex06.D.free", "ex06.D.free_again", "ex06.D.peak", "ex06.D.counted", "ex06.D.keep")
 def test_schedule_frees(impl):
-    """The same runs: with resharding a unit is freed after its forward and after its
-    reduce-scatter (at most 2 units gathered with prefetch, 1 without); without, each unit is
-    gathered once per step and freed only by finish_step; peak_gathered_bytes counts it."""
+    """The same runs: when units are freed, the most units gathered at once, and peak_gathered_bytes."""
     for case, reshard, prefetch, log, first, peak_bytes in _cases():
         at = f"{case}, the first micro-batch"
         if reshard:
@@ -747,8 +770,7 @@ def test_schedule_frees(impl):
 
 @observes("ex06.D.reduce", "ex06.D.deferred")
 def test_schedule_reduces(impl):
-    """The same runs: with resharding, the first backward reduce-scatters units 2, 1, 0, each
-    once and after both of its parameters' gradients; without, nothing before finish_step."""
+    """The same runs: when, and how often, each unit is reduce-scattered."""
     for case, reshard, prefetch, log, first, _ in _cases():
         if reshard:
             at = f"{case}, the first micro-batch"
@@ -835,10 +857,9 @@ def _real_schedules():
 
 @observes("ex06.D.peak", "ex06.D.reduce")
 def test_schedule_on_the_real_storage(impl):
-    """Your schedule over the library's flat storage (2 ranks, four units, the last one holding a
-    parameter that never gets a gradient), two steps: at most 2 units hold their parameters at
-    once with prefetch (1 without), and when unit 0's backward starts, units 3, 2 and 1 are
-    reduce-scattered."""
+    """Your schedule over the library's flat storage (2 ranks, four units, one parameter never gets a
+    gradient), two steps: the most units holding their parameters at once, and the reductions done by the time
+    unit 0's backward starts."""
     results = minipar.launch(_real_schedules, 2, timeout=TIMEOUT)
     for rank, res in enumerate(results):
         for prefetch, got in res.items():

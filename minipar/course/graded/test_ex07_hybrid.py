@@ -89,7 +89,7 @@ def _want_coords(r, dp, pp, tp):
 
 @observes("ex07.A.order")
 def test_coordinates(impl):
-    """mesh_coordinates follows rank = p·(dp·tp) + d·tp + t on several meshes."""
+    """mesh_coordinates on several meshes: each rank's coordinates (the contract's rank order)."""
     for dp, pp, tp in SHAPES:
         got = {r: mesh.mesh_coordinates(r, dp, pp, tp) for r in range(dp * pp * tp)}
         expect_equal(got, {r: _want_coords(r, dp, pp, tp) for r in range(dp * pp * tp)},
@@ -98,7 +98,7 @@ def test_coordinates(impl):
 
 @observes("ex07.A.range")
 def test_coordinates_off_the_grid(impl):
-    """A rank outside 0 .. dp·pp·tp - 1 is a ValueError."""
+    """A rank outside the mesh is a ValueError."""
     expect_equal(mesh.mesh_coordinates(0, 1, 1, 1), {"pp": 0, "dp": 0, "tp": 0}, "mesh_coordinates(0, 1, 1, 1)")
     for bad in (8, -1):
         try:
@@ -111,7 +111,7 @@ def test_coordinates_off_the_grid(impl):
 
 @observes("ex07.B.dim")
 def test_group_members_example(impl):
-    """Rank 5 of dp = pp = tp = 2: tp [4, 5], dp [5, 7], pp [1, 5]."""
+    """group_members of one rank of dp = pp = tp = 2: its tp, dp and pp groups."""
     got = {dim: mesh.group_members(5, dim, 2, 2, 2) for dim in ("tp", "dp", "pp")}
     expect_equal(got, {"tp": [4, 5], "dp": [5, 7], "pp": [1, 5]},
                  "rank 5's groups on dp = pp = tp = 2 (rank 5 = p 1, d 0, t 1)", keys="dim")
@@ -157,7 +157,7 @@ CHOICES = [  # (kwargs, expected)
 
 @observes("ex07.C.fit", "ex07.C.prefer")
 def test_choose_config(impl):
-    """The smallest tp·pp that fits and splits the batch; tp inside a node; then fewest stages."""
+    """choose_config's choice against the contract's on several models and clusters."""
     for kw, want in CHOICES:
         expect_equal(hybrid.choose_config(CFG, **kw), want,
                      "choose_config(" + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -166,8 +166,7 @@ def test_choose_config(impl):
 
 @observes("ex07.C.none")
 def test_choose_config_respects_the_model(impl):
-    """3 heads cannot be split over 2 or 4 ranks: the model goes to pipeline stages instead;
-    a memory budget nothing fits is a ValueError."""
+    """A model whose heads do not divide over the tensor-parallel ranks, and a memory budget nothing fits."""
     odd = dataclasses.replace(CFG, n_head=3, n_embd=48, vocab_size=48)
     psi = hybrid.num_params(odd)
     expect_equal(hybrid.choose_config(odd, 8, 8, memory_per_rank=16 * psi / 2 * 1.01), {"dp": 4, "pp": 2, "tp": 1},
@@ -211,7 +210,7 @@ def _mesh_name(m):
 
 @observes("ex07.D.layout", "ex07.D.inverse")
 def test_mesh_coordinates_with_cp(impl):
-    """coordinates follows rank = ((p·dp + d)·cp + c)·tp + t, and rank_of is its inverse."""
+    """coordinates and rank_of on meshes with cp: the contract's rank order, each the other's inverse."""
     for m in MESHES:
         pm, n = mesh.ProcessMesh(**m), m["dp"] * m["pp"] * m["cp"] * m["tp"]
         got = {r: pm.coordinates(r) for r in range(n)}

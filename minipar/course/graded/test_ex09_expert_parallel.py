@@ -105,7 +105,7 @@ def test_count_tokens(impl):
 
 @observes("ex09.A.capacity")
 def test_kept_counts(impl):
-    """kept_counts: capacity by position, lower ranks first; None keeps everything."""
+    """kept_counts: the assignments kept per expert and rank under a capacity; None keeps everything."""
     M = torch.tensor([[3, 1, 0, 2], [2, 2, 1, 0], [1, 0, 4, 1]])
     expect_equal(kept_counts(M, None).tolist(), M.tolist(), "kept_counts(M, None) (no capacity: M itself)",
                  keys="(rank, expert)")

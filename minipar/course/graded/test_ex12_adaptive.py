@@ -77,7 +77,7 @@ def _idx(*xs):
 
 @observes("ex12.A.once", "ex12.A.local", "ex12.A.ring", "ex12.A.sorted")
 def test_plan_by_hand(impl):
-    """Hand cases: local copies, the first holder after the destination in ring order, (dst, src) order."""
+    """Hand cases: every plan's moves, in the contract's order."""
     # everyone holds everything before; the new ranks keep what they had: local copies only.
     full = [{"w": _idx(0, 1, 2, 3)} for _ in range(4)]
     halves = [{"w": _idx(0, 1)}, {"w": _idx(2, 3)}, {"w": _idx(3, 1)}, {}]
@@ -96,7 +96,7 @@ def test_plan_by_hand(impl):
     new = [{}, {"w": _idx(0, 1, 2)}, {"w": _idx(1)}, {"w": _idx(0)}]
     expect_equal(_moves(plan(old, new, {"w": 3})),
                  [(1, 3, "w", [2, 1, 0], [0, 1, 2]), (2, 3, "w", [1], [0]), (3, 3, "w", [2], [0])],
-                 "moves when ranks 0 and 3 hold [0, 1, 2] (ring order: rank 1 asks 2, 3, 0 and takes 3)")
+                 "moves when ranks 0 and 3 hold [0, 1, 2]")
     # two keys, several sources: (dst, src) order, keys in sizes' order within a pair.
     old = [{"a": _idx(0, 1), "b": _idx(0)}, {"a": _idx(2, 3), "b": _idx(1, 2)}]
     new = [{"a": _idx(3, 0), "b": _idx(2, 1, 0)}, {"a": _idx(1, 2)}]
@@ -125,7 +125,8 @@ def _random_case(seed, world, sizes):
 
 @observes("ex12.A.once", "ex12.A.ring", "ex12.A.bytes")
 def test_plan_random(impl):
-    """Random holdings: each new element once, from the right rank, carried as its global index; bytes counted apart."""
+    """Random holdings: every new element arrives once, from the rank the contract names, with its index; the
+    bytes."""
     sizes = {"param/w": 37, "exp_avg/w": 37, "param/b": 5}
     itemsize = {"param/w": 2, "exp_avg/w": 4, "param/b": 8}
     for seed, world in ((0, 3), (1, 4), (2, 5)):

@@ -1,0 +1,88 @@
+"""A failure names the clause it breaks, and its hint line keeps the part.
+
+The grader prints, under a failed test, ``clause exNN.P.word: <text>`` for the clause its message
+names, or else for each clause the test observes (its ``grading.observes`` tags), with the text
+read from the library's ``# Contract:`` block; the ``stuck?`` line asks for that part's hint.
+"""
+from __future__ import annotations
+
+import re
+
+from minipar.course import failure_clauses, grade
+from minipar.course.grade import Report
+
+BLOCK = """\
+# Contract:
+# Given: the library's Bucket is yours to use; this line is no clause
+#     and neither is this one.
+# ex02.C.reset: after a step, the reducer's state is back to its start:
+#     the next backward starts from nothing pending.
+# ex02.C.group: every all-reduce runs on ``group``.
+def f():
+    pass
+"""
+
+
+def _failed(error: str, observes) -> dict:
+    return {"name": "test_x", "doc": "The reducer over two steps.", "observes": list(observes),
+            "outcome": "failed", "error": error, "file": "test_ex02_data_parallel.py"}
+
+
+def test_a_contract_block_is_read_clause_by_clause():
+    lines = BLOCK.splitlines()
+    got = failure_clauses._block_clauses(lines, 0)
+    assert got == {"ex02.C.reset": "after a step, the reducer's state is back to its start: the next backward "
+                                   "starts from nothing pending.",
+                   "ex02.C.group": "every all-reduce runs on ``group``."}
+
+
+def test_a_failure_prints_its_observed_clauses_and_the_part_to_ask_about(monkeypatch):
+    monkeypatch.setattr(failure_clauses, "clause_texts", lambda: {"ex02.C.reset": "the state is reset"})
+    text = str(Report("ex02_data_parallel", "exercise",
+                      [_failed("loss at step 1: expected 2.5, got 2.7", ["ex02.C.reset", "ex02.*.recorded"])]))
+    assert "clause ex02.C.reset: the state is reset" in text
+    assert "clause ex02.*.recorded" in text                  # no text found: the id alone
+    assert 'stuck? minipar.hint("ex02", "C")' in text
+
+
+def test_a_message_that_names_a_clause_names_only_that_one(monkeypatch):
+    monkeypatch.setattr(failure_clauses, "clause_texts", lambda: {})
+    text = str(Report("ex10_planning", "exercise",
+                      [_failed("one layer's bytes (ex10.A.flash): expected 3, got 4", ["ex10.A.cp_scores",
+                                                                                       "ex10.A.flash"])]))
+    assert re.findall(r"clause (\S+)", text) == ["ex10.A.flash"]
+    assert 'minipar.hint("ex10", "A")' in text
+
+
+def test_a_clause_of_every_part_asks_for_the_part_the_test_observes(monkeypatch):
+    monkeypatch.setattr(failure_clauses, "clause_texts", lambda: {})
+    text = str(Report("ex06_zero", "exercise",
+                      [_failed("group of 2 (ex06.*.group): expected shape (4,), got shape (2,)",
+                               ["ex06.A.mean", "ex06.*.group"])]))
+    assert re.findall(r"clause (\S+)", text) == ["ex06.*.group"]
+    assert 'minipar.hint("ex06", "A")' in text
+
+
+def test_a_passed_test_prints_no_clause():
+    t = dict(_failed("", ["ex02.C.reset"]), outcome="passed")
+    assert "clause" not in str(Report("ex02_data_parallel", "exercise", [t]))
+
+
+def test_every_graded_clause_tag_has_its_text_when_the_library_has_contracts():
+    """Once the library carries ``# Contract:`` blocks, the texts found are keyed by valid ids."""
+    texts = failure_clauses.clause_texts()
+    assert all(failure_clauses.ID.fullmatch(k) and v for k, v in texts.items())
+
+
+def test_grading_the_stub_names_the_clauses_and_parts(tmp_path, monkeypatch):
+    """End to end on ex10's stub (pure Python, a few seconds): every failure prints a clause line
+    and asks for its part's hint."""
+    monkeypatch.setenv("MINIPAR_HOME", str(tmp_path))
+    [report] = grade.grade_many(["ex10"], "exercise", verbose=False, challenge=False,
+                                select="test_stage_layers or test_layer_activations_with_cp")
+    text = str(report)
+    assert report.tests and all(t["outcome"] == "failed" for t in report.tests)
+    assert all(t["observes"] for t in report.tests)
+    assert text.count("\n        clause ex10.") >= len(report.tests)
+    assert 'minipar.hint("ex10", "A")' in text and 'minipar.hint("ex10", "C")' in text
+    assert 'minipar.hint("ex10")' not in text

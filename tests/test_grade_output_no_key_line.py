@@ -10,8 +10,9 @@ real on its stub, and its printed report is checked the same way.
 
 The key lines are code, and a description leaks in prose, so ``PRINTED`` adds, per core, the
 phrases the grader itself once printed that gave an answer away (descriptions and failure
-messages, as new learners reported them); they may appear in no report and in no string of a
-graded test's functions (the messages; the sealed ``HINTS`` are not printed and not checked).
+messages, as new learners reported them); they may appear in no string of a graded test's
+functions (the messages; the sealed ``HINTS`` are not printed and not checked), and in no report
+unless the exercise's own contract states them (a failure quotes the clause it breaks).
 """
 from __future__ import annotations
 
@@ -53,8 +54,14 @@ PRINTED = {
 
 
 def _keys(k: str) -> list[tuple[str, str]]:
+    """The key lines and prose giveaways, and the printed ones beyond the exercise's own contract:
+    a failure quotes the clause it breaks, and what the learner's file already states (a clause
+    that fixes the bytes sent, say) is no giveaway when the grader repeats it; that a contract
+    states too much is :mod:`test_key_lines`' concern."""
+    contract = _flat(exercise_files.render(k, solution=False))
     return [(part, line) for part, lines in KEY_LINES.get(k, {}).items() for line in lines] + \
-           [("prose", p) for p in PROSE.get(k, [])] + [("printed", p) for p in PRINTED.get(k, [])]
+           [("prose", p) for p in PROSE.get(k, [])] + \
+           [("printed", p) for p in PRINTED.get(k, []) if _flat(p) not in contract]
 
 
 def _stub_errors(k: str) -> str:

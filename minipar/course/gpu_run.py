@@ -63,7 +63,7 @@ LEFT_OUT = {
     "tests/test_colab.py": "notebooks' first cells", "tests/test_colab_runtime.py": "plays a Colab runtime on the CPU",
     "tests/test_course.py": _COURSE, "tests/test_book.py": _COURSE, "tests/test_install.py": _COURSE,
     "tests/test_layers.py": _COURSE, "tests/test_gpu_env.py": _COURSE, "tests/test_project.py": _COURSE, "tests/test_contracts.py": _COURSE,
-    "tests/test_contract_clauses.py": _COURSE, "tests/test_hints_sealed.py": _COURSE, "tests/test_key_lines.py": _COURSE,
+    "tests/test_contract_clauses.py": _COURSE, "tests/test_hints_sealed.py": _COURSE, "tests/test_key_lines.py": _COURSE, "tests/test_grade_output_no_key_line.py": _COURSE,
     "tests/test_no_hint_unasked.py": _COURSE, "tests/test_notebook_exercises.py": _COURSE,
     "tests/test_parallelize.py": "the composition's order and its one call site, read from the source",
 }

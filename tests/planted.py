@@ -56,17 +56,17 @@ def contract_tests(exercise: str, graded, plants: dict, elsewhere=()):
 
     ``test_every_clause_is_planted, test_planted_answer_fails = contract_tests(...)`` at module level."""
     def test_every_clause_is_planted():
-        from minipar.course.contracts import tagged
+        from minipar.course.grading import observed
         from minipar.course.markers import clauses
         assert set(plants) <= set(clauses(exercise)), set(plants) - set(clauses(exercise))
-        assert set(tagged(graded)) - set(elsewhere) == set(plants), \
-            set(tagged(graded)) - set(elsewhere) ^ set(plants)
+        assert set(observed(graded)) - set(elsewhere) == set(plants), \
+            set(observed(graded)) - set(elsewhere) ^ set(plants)
 
     @pytest.mark.parametrize("clause", list(plants))
     def test_planted_answer_fails(clause, tmp_path):
         edits, test, *args, match = plants[clause]
-        from minipar.course.contracts import tagged
-        assert test.__name__ in tagged(graded).get(clause, ()), (clause, test.__name__)
+        from minipar.course.grading import observed
+        assert test.__name__ in observed(graded).get(clause, ()), (clause, test.__name__)
         with planted(exercise, tmp_path, *edits):
             fails(test, *(args[0] if args else ()), match=match)
     return test_every_clause_is_planted, test_planted_answer_fails

@@ -8,19 +8,8 @@ from __future__ import annotations
 
 import re
 
-from minipar.course import failure_clauses, grade
+from minipar.course import failure_clauses, grade, markers
 from minipar.course.grade import Report
-
-BLOCK = """\
-# Contract:
-# Given: the library's Bucket is yours to use; this line is no clause
-#     and neither is this one.
-# ex02.C.reset: after a step, the reducer's state is back to its start:
-#     the next backward starts from nothing pending.
-# ex02.C.group: every all-reduce runs on ``group``.
-def f():
-    pass
-"""
 
 
 def _failed(error: str, observes) -> dict:
@@ -29,11 +18,15 @@ def _failed(error: str, observes) -> dict:
 
 
 def test_a_contract_block_is_read_clause_by_clause():
-    lines = BLOCK.splitlines()
-    got = failure_clauses._block_clauses(lines, 0)
-    assert got == {"ex02.C.reset": "after a step, the reducer's state is back to its start: the next backward "
-                                   "starts from nothing pending.",
-                   "ex02.C.group": "every all-reduce runs on ``group``."}
+    """The texts are the contracts' own, one per clause id, a clause continued on the next line
+    joined into one (ex12.A.bytes spans two lines) and a given no clause."""
+    texts = failure_clauses.clause_texts()
+    for k in markers.exercises():
+        for c in markers.clauses(k).values():
+            assert texts[c.id] == c.text
+    assert texts["ex12.A.bytes"] == ("the plan's bytes (``Plan.sent``, the library's) are then exactly the "
+                                     "elements missing at their destination, each at its key's itemsize.")
+    assert not any(k.startswith("Given") or not failure_clauses.ID.fullmatch(k) for k in texts)
 
 
 def test_a_failure_prints_its_observed_clauses_and_the_part_to_ask_about(monkeypatch):

@@ -44,17 +44,17 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_planted_answer_fails_its_clause(case, tmp_path):
     test, edits, match = CASES[case]
-    from minipar.course.contracts import tagged
-    clauses = [k for k, v in tagged(ex01).items() if test in v]
+    from minipar.course.grading import observed
+    clauses = [k for k, v in observed(ex01).items() if test in v]
     assert clauses, f"{test} observes no clause of the contract"
     with planted("ex01", tmp_path, *edits):
         fails(getattr(ex01, test), match=match)
 
 
 def test_every_clause_is_in_the_contract_and_tested():
-    from minipar.course.contracts import tagged
+    from minipar.course.grading import observed
     from minipar.course.markers import clauses
     planted_tests = {t for t, _, _ in CASES.values()}
-    for clause, tests in tagged(ex01).items():
+    for clause, tests in observed(ex01).items():
         assert clause in clauses("ex01"), clause
         assert planted_tests & set(tests), clause

@@ -11,23 +11,13 @@ from __future__ import annotations
 
 import importlib
 
+from .grading import observed
 from .markers import clauses, exercises, stem
 
 
-def tagged(module) -> dict[str, list[str]]:
-    """``{clause id: [test names]}`` of a graded module's tests, from their tags
-    (``grading.observes``, kept as ``__observes__``)."""
-    out: dict[str, list[str]] = {}
-    for name, fn in vars(module).items():
-        if name.startswith("test_") and callable(fn):
-            for c in getattr(fn, "__observes__", ()):
-                out.setdefault(c, []).append(name)
-    return out
-
-
 def _tags(exercise: str) -> dict[str, list[str]]:
-    """:func:`tagged` of ``exercise``'s graded module (imported)."""
-    return tagged(importlib.import_module(f"minipar.course.graded.test_{stem(exercise)}"))
+    """:func:`~minipar.course.grading.observed` of ``exercise``'s graded module (imported)."""
+    return observed(importlib.import_module(f"minipar.course.graded.test_{stem(exercise)}"))
 
 
 def clause_table() -> dict[str, dict[str, list[str]]]:

@@ -129,6 +129,8 @@ def test_the_check_finds_a_key_line_in_a_description(monkeypatch):
 
 def test_grading_ex10s_stub_prints_no_key_line(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIPAR_HOME", str(tmp_path))
-    [report] = grade.grade_many(["ex10"], "exercise", verbose=False, challenge=True)
+    exercise_files.write_stubs(tmp_path / "stubs")      # fresh stubs: the learner's file may be solved
+    [report] = grade.grade_many(["ex10"], "exercise", verbose=False, challenge=True,
+                                exercises_dir=tmp_path / "stubs")
     assert report.score == 0 and report.tests
     assert leaks_in("ex10", str(report)) == []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from minipar.course import failure_clauses, grade, markers
+from minipar.course import exercise_files, failure_clauses, grade, markers
 from minipar.course.grade import Report
 
 
@@ -71,8 +71,10 @@ def test_grading_the_stub_names_the_clauses_and_parts(tmp_path, monkeypatch):
     """End to end on ex10's stub (pure Python, a few seconds): every failure prints a clause line
     and asks for its part's hint."""
     monkeypatch.setenv("MINIPAR_HOME", str(tmp_path))
+    exercise_files.write_stubs(tmp_path / "stubs")      # fresh stubs: the learner's file may be solved
     [report] = grade.grade_many(["ex10"], "exercise", verbose=False, challenge=False,
-                                select="test_stage_layers or test_layer_activations_with_cp")
+                                select="test_stage_layers or test_layer_activations_with_cp",
+                                exercises_dir=tmp_path / "stubs")
     text = str(report)
     assert report.tests and all(t["outcome"] == "failed" for t in report.tests)
     assert all(t["observes"] for t in report.tests)

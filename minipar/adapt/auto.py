@@ -2,7 +2,12 @@
 
 :func:`candidates` lists the layouts a live switch can move between on ``world_size`` ranks
 (dp·pp·tp = world, tp dividing the heads, pp at most the layers, the global batch split into
-dp·m equal micro-batches, ZeRO 0 or 1). :func:`propose` ranks them by the planner's predicted step
+dp·m equal micro-batches, ZeRO 0 or 1). For a mixture of experts: every ep dividing both dp and
+the experts; no pipeline (its routing counts per micro-batch, so only layouts of one micro-batch
+continue each other's training, :func:`~minipar.adapt.layout.same_step`); and no ZeRO, because
+ZeRO's flat optimizer steps an expert that no token chose in a step (a zero gradient: AdamW's
+moments decay and weight decay applies) where one process leaves it alone (no gradient, no step):
+the runs part by about 1e-4 after such a step (``tests/test_adapt.py``). :func:`propose` ranks them by the planner's predicted step
 time on the machine :func:`minipar.plan.measure_machine` measured
 (:func:`minipar.plan.course.predict_compare`), and keeps the ``k`` best. The run then
 trains ``probe`` steps on each, switching live between them (the steps are real training steps:
@@ -26,6 +31,7 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(config, world_size: int, batch_size: int) -> list[Layout]:
     """Every layout of ``world_size`` ranks a switch can take for the GPT ``config`` and batch."""
+    moe = getattr(config, "moe_every", 0)
     out = []
     for tp in _divisors(world_size):
         for pp in _divisors(world_size // tp):
@@ -33,20 +39,23 @@ def candidates(config, world_size: int, batch_size: int) -> list[Layout]:
             m = pp
             if config.n_head % tp or pp > config.n_layer or batch_size % (dp * m):
                 continue
-            if pp > 1 and config.tie_weights:
+            if pp > 1 and (config.tie_weights or moe):
                 continue
-            for zero in ((0, 1) if dp > 1 else (0,)):
-                out.append(Layout(dp=dp, pp=pp, tp=tp, zero=zero))
+            eps = [e for e in _divisors(dp) if config.n_experts % e == 0] if moe else [1]
+            for ep in eps:
+                for zero in ((0, 1) if dp > 1 and not moe else (0,)):
+                    out.append(Layout(dp=dp, pp=pp, tp=tp, ep=ep, zero=zero))
     return out
 
 
-def propose(config, batch_size: int, world_size: int, cluster, k: int = 3) -> list[dict]:
-    """The ``k`` layouts with the least predicted step time: ``[{"layout", "predicted_ms"}]``."""
+def propose(config, batch_size: int, world_size: int, cluster, k: int = 3, dtype: str = "fp32") -> list[dict]:
+    """The ``k`` layouts with the least predicted step time: ``[{"layout", "predicted_ms"}]``
+    (``dtype``: the run's, ``"fp32"`` or ``"bf16"``, as the planner counts it)."""
     from ..plan.course import predict_compare
     lays = candidates(config, world_size, batch_size)
-    specs = {str(lay): {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "zero": lay.zero, "m": lay.microbatches}
-             for lay in lays}
-    rows = predict_compare(config, batch_size, specs, cluster)
+    specs = {str(lay): {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "ep": lay.ep, "zero": lay.zero,
+                        "m": lay.microbatches} for lay in lays}
+    rows = predict_compare(config, batch_size, specs, cluster, dtype=dtype)
     ranked = sorted(zip(lays, rows), key=lambda r: r[1]["step_ms"])
     return [{"layout": lay, "predicted_ms": row["step_ms"]} for lay, row in ranked[:k]]
 

@@ -63,18 +63,19 @@ def exact_memory(config, spec: dict) -> int:
     return max(int(cost.zero_bytes_per_rank(s, d, z, k=8, dtype_bytes=4)["total"]) for s in stages)
 
 
-def layout_of(spec: dict, batch: int) -> Layout:
+def layout_of(spec: dict, batch: int, dtype: str = "fp32") -> Layout:
     d, m = spec["dp"], spec["m"]
-    return Layout(dp=d, tp=spec["tp"], pp=spec["pp"], zero=spec["zero"], micro_batch=max(1, batch // (d * m)),
-                  dtype="fp32", sequence_parallel=False, overlap_dp=False)
+    return Layout(dp=d, tp=spec["tp"], pp=spec["pp"], ep=spec.get("ep", 1), zero=spec["zero"],
+                  micro_batch=max(1, batch // (d * m)), dtype=dtype, sequence_parallel=False, overlap_dp=False)
 
 
-def predict_compare(config, batch: int, specs: dict[str, dict], cluster) -> list[dict]:
-    """One row per strategy: ``{"strategy", "memory", "step_ms", "parts"}`` predicted."""
+def predict_compare(config, batch: int, specs: dict[str, dict], cluster, dtype: str = "fp32") -> list[dict]:
+    """One row per strategy: ``{"strategy", "memory", "step_ms", "parts"}`` predicted
+    (``memory``: fp32 AdamW's model states, :func:`exact_memory`, whatever ``dtype``)."""
     spec_m = from_gpt_config(config)
     rows = []
     for name, spec in specs.items():
-        lay = layout_of(spec, batch)
+        lay = layout_of(spec, batch, dtype)
         t = step_time(spec_m, lay, cluster, config.block_size, batch)
         rows.append({"strategy": name, "memory": exact_memory(config, spec), "step_ms": 1e3 * t["total"],
                      "parts": {"compute": t["compute"], "bubble": t["bubble"],

@@ -109,10 +109,13 @@ MODELS: dict[str, ModelSpec] = {
 
 
 def from_gpt_config(config, name: str = "gpt") -> ModelSpec:
-    """The spec of a :class:`minipar.models.GPTConfig` (for predictions of the course's runs)."""
+    """The spec of a :class:`minipar.models.GPTConfig` (for predictions of the course's runs). A
+    mixture of experts (``moe_every``) is counted as experts in every block, as the spec has no
+    other: with ``moe_every`` > 1 the prediction counts more expert work than the model does."""
+    moe = {"n_experts": config.n_experts, "top_k": config.top_k} if getattr(config, "moe_every", 0) else {}
     return ModelSpec(name, config.n_layer, config.n_embd, config.n_head, config.vocab_size,
                      config.block_size, tied=config.tie_weights,
-                     dropout=bool(config.dropout), source="minipar.models.GPTConfig")
+                     dropout=bool(config.dropout), source="minipar.models.GPTConfig", **moe)
 
 
 def get_model(model) -> ModelSpec:

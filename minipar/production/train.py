@@ -261,7 +261,7 @@ def propose_layouts(args, world: int) -> list[dict]:
     config = model_config(args)
     cluster = measure_machine(config, world)["cluster"]
     return [{"layout": str(r["layout"]), "predicted_ms": r["predicted_ms"]}
-            for r in propose(config, args.batch_size, world, cluster, k=args.candidates)]
+            for r in propose(config, args.batch_size, world, cluster, k=args.candidates, dtype=args.dtype)]
 
 
 def elastic(args, world: int) -> int:

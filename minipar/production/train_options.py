@@ -229,10 +229,11 @@ def check_options(args) -> None:
 
 
 def check_auto(args) -> None:
-    """``--layout auto``: a dense fp32 GPT, the probes inside the run, nothing it would override."""
-    if args.switch_at or args.n_experts or args.dtype != "fp32" or args.checkpoint_dir or args.nonfinite != "stop":
-        raise ValueError("--layout auto measures live switches of a dense fp32 GPT from step 0: it does not "
-                         "combine with --switch-at, --n-experts, --dtype bf16, --checkpoint-dir or --nonfinite skip")
+    """``--layout auto``: any GPT the command trains (experts and bf16 included), the probes inside
+    the run, nothing it would override."""
+    if args.switch_at or args.checkpoint_dir or args.nonfinite != "stop":
+        raise ValueError("--layout auto measures live switches from step 0: it does not "
+                         "combine with --switch-at, --checkpoint-dir or --nonfinite skip")
     world = args.dp * args.cp * args.pp * args.tp
     if world < 2:
         raise ValueError("--layout auto measures the layouts of several ranks and keeps the fastest; one rank "

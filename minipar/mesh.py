@@ -1,27 +1,19 @@
 """The process mesh: ranks laid out as a (pp, dp, cp, tp) grid, one process group per line,
 with expert parallelism (``ep``) carved out of the dp · cp ranks.
 
-Megatron-LM's layout (Narayanan et al. 2021, §3.3): tensor-parallel ranks vary fastest, so
-the ``tp`` ranks of one layer are adjacent (one node, NVLink), then data-parallel ranks,
-then pipeline stages (which need the least bandwidth, so they may cross nodes):
-
-    rank = p · (dp · tp) + d · tp + t          (p, d, t) = the rank's coordinates
-
-Context parallelism (``cp``, :mod:`minipar.context_parallel`) sits between tp and dp, as in
-Megatron-LM: rank = p · (dp · cp · tp) + d · (cp · tp) + c · tp + t (the formula above when
-cp = 1). Gradients of replicated parameters are averaged over the combined ``dp_cp`` group
-(the ranks that differ only in d and c).
+Megatron-LM's layout (Narayanan et al. 2021, §3.3) puts the fastest links where the most bytes
+go: the ranks of one tensor-parallel group, whose all-reduces run inside every layer, are
+neighbours (one node, NVLink); a pipeline stage's ranks are together too, since stages exchange
+only activations at their boundaries and may cross nodes. Context parallelism (``cp``,
+:mod:`minipar.context_parallel`) is as in Megatron-LM, gradients of replicated parameters
+averaged over the combined ``dp_cp`` group (the ranks that differ only in d and c).
 
 Every rank belongs to one group per dimension: the ranks that differ from it only in that
-coordinate. With dp=2, pp=2, tp=2 rank 5 = (p=1, d=0, t=1) has tp group [4, 5], dp group
-[5, 7] and pp group [1, 5].
-
-Expert parallelism (``ep``, :mod:`minipar.expert_parallel`) adds no ranks: as in Megatron-Core,
-the dp · cp ranks of one (p, t) (the ``dp_cp`` group, in (d, c) order) are cut into consecutive
-blocks of ``ep``, the **ep groups** (each holds all E experts once, E/ep per rank), and the
-ranks at the same place of their blocks form the **expert-data-parallel group** (``expert_dp``,
-dp·cp/ep ranks): the only ranks an expert's gradient is reduced over. With dp=4, ep=2 (cp=pp=tp=1):
-ep groups [0, 1] [2, 3], expert_dp groups [0, 2] [1, 3]. ``ep`` must divide dp · cp."""
+coordinate. Expert parallelism (``ep``, :mod:`minipar.expert_parallel`) adds no ranks: as in
+Megatron-Core, each ``dp_cp`` group is cut into **ep groups** of ``ep`` ranks (each holds all E
+experts once, E/ep per rank), and the **expert-data-parallel group** (``expert_dp``, dp·cp/ep
+ranks) of a rank holds the ranks that hold its experts: the only ranks an expert's gradient is
+reduced over. ``ep`` must divide dp · cp. Notebook 07 draws the grid and its groups."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,16 +28,18 @@ GROUP_DIMS = MESH_DIMS + ("dp_cp", "ep", "expert_dp")  # every group a rank can 
 
 
 # Contract:
-# ex07.A.order: returns ``{"pp": p, "dp": d, "tp": t}``, the coordinates of global ``rank`` in a
-#     dp × pp × tp job laid out as Megatron-LM lays it out (Narayanan et al. 2021, §3.3):
-#     tensor-parallel ranks vary fastest (adjacent ranks share a node's fast links), then
-#     data-parallel ranks, the pipeline stage slowest; every rank 0 .. dp·pp·tp - 1 gets
-#     distinct coordinates.
+# ex07.A.bijection: returns ``{"pp": p, "dp": d, "tp": t}`` with 0 ≤ p < pp, 0 ≤ d < dp,
+#     0 ≤ t < tp: the coordinates of global ``rank`` in a dp × pp × tp job; the dp·pp·tp ranks get
+#     the dp·pp·tp coordinates, each exactly once.
+# ex07.A.order: the layout of Narayanan et al. 2021, §3.3: the ranks of every tensor-parallel
+#     group (equal p and d) are consecutive, so with ``tp`` dividing the ranks per node a tp group
+#     never crosses a node; the ranks of every pipeline stage (equal p) are consecutive; and in
+#     every group, a higher coordinate along the group's dim is a higher rank.
 # ex07.A.range: a rank outside the mesh is a ``ValueError``.
 def mesh_coordinates(rank: int, dp: int, pp: int, tp: int) -> dict[str, int]:
-    """``{"pp": p, "dp": d, "tp": t}`` of global ``rank`` on a dp × pp × tp mesh."""
+    """``{"pp": p, "dp": d, "tp": t}`` of global ``rank`` on a dp × pp × tp mesh (Megatron-LM's layout)."""
     # >>> ex07 A
-    # Hint: a rank outside 0 .. dp·pp·tp - 1 is a ValueError.
+    # tp varies fastest, then dp, then pp: rank = p·(dp·tp) + d·tp + t
     if not 0 <= rank < dp * pp * tp:
         raise ValueError(f"rank {rank} is outside a mesh of {dp * pp * tp} ranks")
     return {"pp": rank // (dp * tp), "dp": rank // tp % dp, "tp": rank % tp}
@@ -53,15 +47,14 @@ def mesh_coordinates(rank: int, dp: int, pp: int, tp: int) -> dict[str, int]:
 
 
 # Contract:
-# ex07.B.order: returns the global ranks of ``rank``'s group along ``dim`` ("dp", "pp" or "tp"):
-#     the ranks that share ``rank``'s coordinates in the two other dimensions, ordered by their
-#     coordinate along ``dim`` (a rank's index in the list is its group-local rank). Example:
-#     dp = pp = tp = 2, rank 5 has tp group [4, 5], dp group [5, 7] and pp group [1, 5].
+# Given: ``mesh_coordinates`` (part A) places the ranks.
+# ex07.B.members: returns ``rank``'s group along ``dim`` ("dp", "pp" or "tp"): every rank whose
+#     coordinates equal ``rank``'s in the two other dims, and no other rank, listed by their
+#     coordinate along ``dim`` (a rank's index in the list is its group-local rank).
 # ex07.B.dim: an unknown ``dim`` is a ``ValueError``.
 def group_members(rank: int, dim: str, dp: int, pp: int, tp: int) -> list[int]:
     """Global ranks of ``rank``'s group along ``dim`` ("dp", "pp" or "tp"), in group order."""
     # >>> ex07 B
-    # Hint: an unknown dim is a ValueError.
     if dim not in DIMS:
         raise ValueError(f"dim must be one of {DIMS}, got {dim!r}")
     c = mesh_coordinates(rank, dp, pp, tp)
@@ -118,22 +111,29 @@ class ProcessMesh:
 
     # Contract:
     # Given: ``GROUP_DIMS``; ``self.dp``, ``self.pp``, ``self.tp``, ``self.cp``, ``self.ep``.
-    # ex07.D.layout: the ranks form a (pp, dp, cp, tp) grid, tp fastest, then cp, dp, pp:
-    #     rank = ((p·dp + d)·cp + c)·tp + t; ``coordinates(rank)`` gives every dim's coordinate.
-    # ex07.D.inverse: coordinates and rank_of are inverse.
+    # ex07.D.layout: ``coordinates(rank)`` gives ``{"pp", "dp", "cp", "tp"}`` of every rank, each
+    #     coordinate in range and every rank a different point of the grid; the ranks of every tp
+    #     group are consecutive, so are those of every (p, d) (a cp × tp block: context
+    #     parallelism's ring stays nearer than data parallelism's reduction) and those of every
+    #     pipeline stage; in every group a higher coordinate is a higher rank. With cp = 1 it is
+    #     part A's layout.
+    # ex07.D.inverse: ``rank_of(coordinates(r)) == r`` for every rank, ``coordinates(rank_of(c)) == c``
+    #     for every point c of the grid.
     # ex07.D.dp_cp: ``members(rank, dim)`` takes every dim of ``GROUP_DIMS``: along "pp", "dp",
-    #     "cp" or "tp" the ranks that differ only in that coordinate; "dp_cp" the dp·cp ranks that
-    #     differ only in (d, c), in (d, c) order.
-    # ex07.D.ep_blocks: "ep" is its block of ``ep`` consecutive members of that dp_cp list and
-    #     "expert_dp" the members at the same place of every block (dp·cp/ep ranks), for the
-    #     ep groups of every (p, t), carved out of their own dp_cp list, not only those of rank 0
-    #     (a non-world group).
+    #     "cp" or "tp" the ranks equal to ``rank`` in every other coordinate, by their coordinate
+    #     along dim; "dp_cp" the dp·cp ranks equal to it in (p, t), in increasing rank.
+    # ex07.D.ep_blocks: the "ep" groups cut every dp_cp group into groups of ``ep`` ranks that are
+    #     neighbours in it (no rank of another ep group between two of theirs); the "expert_dp"
+    #     group of a rank holds one rank of every ep group of its dp_cp group, each at the same
+    #     index in its ep group as ``rank`` in its own (dp·cp/ep ranks); both in increasing rank,
+    #     for every (p, t), not only the world's first dp_cp group.
     # ex07.D.partition: ``all_groups(dim)`` lists every group along dim once: the groups along any
     #     dim partition the ranks.
     # ex07.D.dim: an unknown dim is a ``ValueError`` here too.
     def coordinates(self, rank: int) -> dict[str, int]:
-        """``{"pp", "dp", "cp", "tp"}`` of global ``rank`` (tp fastest, then cp, dp, pp)."""
+        """``{"pp", "dp", "cp", "tp"}`` of global ``rank``."""
         # >>> ex07 D
+        # tp fastest, then cp, dp, pp: rank = ((p·dp + d)·cp + c)·tp + t
         out = mesh_coordinates(rank, self.dp, self.pp, self.tp * self.cp)  # cp·tp as one fast dimension
         if self.cp == 1:
             return {**out, "cp": 0}
@@ -149,9 +149,8 @@ class ProcessMesh:
     def members(self, rank: int, dim: str) -> list[int]:
         """Global ranks of ``rank``'s group along ``dim`` (one of ``MESH_DIMS``, or
         ``"dp_cp"``: the ranks that differ from it only in d and c; ``"ep"``, ``"expert_dp"``:
-        the expert groups carved out of ``dp_cp``, module docstring), in group order."""
+        the expert groups carved out of ``dp_cp``), in group order."""
         # >>> ex07 D
-        # Hint: an unknown dim is a ValueError; ep must divide dp·cp (checked at construction).
         if self.cp == 1 and dim in DIMS:
             return group_members(rank, dim, self.dp, self.pp, self.tp)
         if dim not in GROUP_DIMS:

@@ -5,46 +5,53 @@ import pytest
 from minipar.course.graded import test_ex07_hybrid as g
 from tests.planted import fails, planted
 
+KEY = 'key = (c["tp"] * c["pp"], crosses, c["pp"])'
+DC = "for d in range(self.dp) for k in range(self.cp)]"
 PLANTS = {  # clause -> (edits, graded test, what the message must name)
-    "ex07.A.order": (
+    "ex07.A.bijection": (
+        [('"dp": rank // tp % dp', '"dp": rank // tp')],
+        g.test_coordinates_are_a_bijection, r"ex07\.A\.bijection mesh_coordinates on .*dp = \d+, outside 0 \.\. \d"),
+    "ex07.A.order": (   # dp fastest: the same groups as the contract's when dp = 1 or tp = 1, not otherwise
         [('return {"pp": rank // (dp * tp), "dp": rank // tp % dp, "tp": rank % tp}',
           'return {"pp": rank // (dp * tp), "dp": rank % dp, "tp": rank // dp % tp}')],
-        g.test_coordinates, r"mesh_coordinates on dp = \d, pp = \d, tp = \d.*expected"),
+        g.test_coordinates_keep_groups_together, r"ex07\.A\.order .*the ranks of one tp group .* not consecutive"),
     "ex07.A.range": (
         [("    if not 0 <= rank < dp * pp * tp:\n        raise", "    if False:\n        raise")],
         g.test_coordinates_off_the_grid, r"off the 8-rank grid: a ValueError"),
-    "ex07.B.order": (
+    "ex07.B.members": (
         [("    for i in range(sizes[dim]):", "    for i in reversed(range(sizes[dim])):")],
-        g.test_group_members_every_mesh, r"(?s)group_members\(\d+, '\w+'\).*in another order than their coordinate"),
+        g.test_group_members_every_mesh, r"ex07\.B\.members group_members\(\d+, '\w+'\).*group-local rank"),
     "ex07.B.dim": (
         [("    if dim not in DIMS:\n        raise ValueError(f\"dim must be one of {DIMS}, got {dim!r}\")",
           "    if dim not in DIMS:\n        return []")],
-        g.test_group_members_example, r"'xp'.*an unknown dim is a ValueError"),
+        g.test_group_members_unknown_dim, r"'xp'.*an unknown dim is a ValueError"),
     "ex07.C.fit": (
         [("        if memory_per_rank is not None and need > memory_per_rank:", "        if False:")],
-        g.test_choose_config, r"choose_config\(world_size=8, batch_size=8, memory_per_rank"),
-    "ex07.C.prefer": (
-        [('key = (c["tp"] * c["pp"], c["tp"] > ranks_per_node, c["pp"])', 'key = (c["tp"] * c["pp"], c["pp"])')],
-        g.test_choose_config, r"ranks_per_node=2"),
+        g.test_choose_config, r"ex07\.C\.fit choose_config\(world_size=8, batch_size=8, memory_per_rank.*do not fit"),
+    "ex07.C.prefer": (  # the sort key of the rule as often written: tp ≤ ranks per node
+        [(KEY, 'key = (c["tp"] * c["pp"], c["tp"] > ranks_per_node, c["pp"])')],
+        g.test_choose_config, r"ex07\.C\.prefer choose_config\(6 heads, world_size=12.*ranks_per_node=4\) chose "
+                              r"\{'dp': 2, 'pp': 2, 'tp': 3\}: a tp group spans nodes \[0, 1\]"),
     "ex07.C.none": (
         [("    if best is None:\n        raise", "    if best is None:\n        return {'dp': world_size, 'pp': 1, 'tp': 1}\n        raise")],
-        g.test_choose_config_respects_the_model, r"nothing fits in 1000 bytes"),
+        g.test_choose_config_nothing_fits, r"nothing fits in 1000 bytes"),
     "ex07.D.layout": (
         [('"cp": out["tp"] // self.tp, "tp": out["tp"] % self.tp}', '"cp": out["tp"] % self.cp, "tp": out["tp"] // self.cp}')],
-        g.test_mesh_coordinates_with_cp, r"ProcessMesh\(dp=2, pp=1, cp=2, tp=2, ep=2\)\.coordinates"),
+        g.test_mesh_coordinates_with_cp, r"ex07\.D\.layout ProcessMesh\(dp=2, pp=1, cp=2, tp=2, ep=2\)\.coordinates: "
+                                         r"the ranks of one tp group .* not consecutive"),
     "ex07.D.inverse": (
         [('* self.cp + coords.get("cp", 0)) * self.tp + coords["tp"]', '* self.cp + coords["tp"]) * self.tp + coords.get("cp", 0)')],
-        g.test_mesh_coordinates_with_cp, r"rank_of\(coordinates of rank\)"),
+        g.test_mesh_rank_of_inverts, r"ex07\.D\.inverse .*rank_of\(coordinates\(rank\)\)"),
     "ex07.D.dp_cp": (
-        [("for d in range(self.dp) for k in range(self.cp)]", "for k in range(self.cp) for d in range(self.dp)]")],
-        g.test_mesh_members_every_dim, r"members\(rank, 'dp_cp'\)"),
+        [(DC, "for k in range(self.cp) for d in range(self.dp)]")],
+        g.test_mesh_members_every_dim, r"ex07\.D\.dp_cp .*members\(\d+, 'dp_cp'\)"),
     "ex07.D.partition": (
         [("dict.fromkeys(tuple(self.members(r, dim)) for r in range(self.size))",
           "[tuple(self.members(r, dim)) for r in range(self.size)]")],
-        g.test_mesh_members_every_dim, r"all_groups\('\w+'\)"),
+        g.test_mesh_members_every_dim, r"ex07\.D\.partition .*all_groups\('\w+'\) lists a group twice"),
     "ex07.D.ep_blocks": (
         [("            i = dc.index(rank)", "            i = rank % len(dc)")],
-        g.test_mesh_members_every_dim, r"members\(rank, '(ep|expert_dp)'\)"),
+        g.test_mesh_members_every_dim, r"ex07\.D\.ep_blocks ProcessMesh\(.*\): rank \d+'s (ep|expert_dp) group"),
     "ex07.D.dim": (
         [('            raise ValueError(f"dim must be one of {GROUP_DIMS}, got {dim!r}")', "            return []")],
         g.test_mesh_members_every_dim, r"members\(0, 'xp'\) returned \[\]; an unknown dim is a ValueError"),
@@ -58,6 +65,21 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         [('            self.groups["expert_dp"] = self.groups["dp_cp"]', '            self.groups["expert_dp"] = self.groups["tp"]')],
         g.test_mesh_build_reaches_the_members, r"self.groups\['expert_dp'\] reached, ProcessMesh\(dp=2, pp=2, cp=1"),
 }
+MORE = [  # further wrong answers: (clause, edits, graded test, what the message must name)
+    ("ex07.A.order", [('"tp": rank % tp}', '"tp": tp - 1 - rank % tp}')],        # a tp group's order reversed
+     g.test_coordinates_keep_groups_together, r"ex07\.A\.order .*differ only in tp, and the lower rank"),
+    ("ex07.A.order", [('return {"pp": rank // (dp * tp), "dp": rank // tp % dp, "tp": rank % tp}',   # pp fastest
+                       'return {"pp": rank % pp, "dp": rank // pp % dp, "tp": rank // (pp * dp)}')],
+     g.test_coordinates_keep_groups_together, r"ex07\.A\.order .*not consecutive"),
+    ("ex07.C.prefer", [(KEY, 'key = (c["tp"] * c["pp"], c["pp"])')],                  # nodes ignored
+     g.test_choose_config, r"ex07\.C\.prefer .*a tp group spans nodes"),
+    ("ex07.C.prefer", [(KEY, 'key = (c["tp"] * c["pp"], crosses, c["tp"])')],          # fewest tp, not fewest stages
+     g.test_choose_config, r"ex07\.C\.prefer .*pipeline stages, while .* smaller bubble"),
+    ("ex07.C.prefer", [(KEY, 'key = (crosses, c["pp"], c["tp"] * c["pp"])')],          # the bubble before the dp
+     g.test_choose_config, r"ex07\.C\.prefer .*more data parallelism"),
+    ("ex07.D.ep_blocks", [("dc[i - i % self.ep:i - i % self.ep + self.ep]", "dc[i % (len(dc) // self.ep)::len(dc) // self.ep]")],
+     g.test_mesh_members_every_dim, r"ex07\.D\.ep_blocks .*not neighbours in it"),
+]
 
 
 def test_every_clause_is_planted_or_excused():
@@ -74,6 +96,15 @@ def test_every_clause_is_planted_or_excused():
 @pytest.mark.parametrize("clause", list(PLANTS))
 def test_planted_answer_fails(clause, tmp_path):
     edits, test, match = PLANTS[clause]
+    from minipar.course.grading import observed
+    assert test.__name__ in observed(g)[clause]
+    with planted("ex07", tmp_path, *edits):
+        fails(test, match=match)
+
+
+@pytest.mark.parametrize("k", range(len(MORE)))
+def test_more_wrong_answers_fail(k, tmp_path):
+    clause, edits, test, match = MORE[k]
     from minipar.course.grading import observed
     assert test.__name__ in observed(g)[clause]
     with planted("ex07", tmp_path, *edits):

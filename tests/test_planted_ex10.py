@@ -1,11 +1,24 @@
 """ex10's contract has no hole: for every clause of CONTRACT, an answer that breaks it (the
 solution with a line or two changed) fails the clause's graded test, with a message naming it."""
 
+import pytest
+
 from minipar.course.graded import test_ex10_planning as g
 from tests.planted import contract_tests
 
 FLIGHT = "        in_flight = 1 if (r == L.pp - 1 and r > 0) else peak_activations(L.schedule, L.pp, m, r, L.v) / L.v"
 PLANTS = {  # clause -> (edits, graded test, what the message must name)
+    "ex10.A.measured": (   # selective recomputation that keeps the scores
+        [('terms[k] = 0.0 if L.recompute == "selective" or flash else terms[k] * L.cp',
+          'terms[k] = 0.0 if flash else terms[k] * L.cp')],
+        g.test_layer_activations_against_measured,
+        r"the course GPT's block \(h = 32, a = 2\), s = 16, 1 GPU \(b=4, fp32, selective recompute, materialized attention\): bytes of one "
+        r"layer, against the 132,096 measured"),
+    "ex10.B.measured": (   # the dense share not divided by tp: twice what a tp rank holds
+        [("zero_bytes_per_rank(dense / (L.tp * L.pp), L.dp * L.cp", "zero_bytes_per_rank(dense / L.pp, L.dp * L.cp")],
+        g.test_model_states_against_measured,
+        r"the course GPT \(Ψ = 27,552\), dp2·tp2 \(b=1, fp32, ZeRO-1\): params bytes, against the 57,216 measured: "
+        r"estimated 110,208 bytes, expected 57,216 \(1\.926× the expected\)"),
     "ex10.A.gpt": (
         [("        return e * s * L.micro_batch * h / (t if L.sp else 1)", "        return e * s * L.micro_batch * h")],
         g.test_layer_activations_of_a_gpt, r"tp = 4, sequence parallel True, recompute='full': bytes of one layer"),
@@ -40,34 +53,54 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         g.test_stage_layers, r"stage_layers\(126, 16\): layers per stage"),
     "ex10.C.in_flight": (
         [(FLIGHT, "        in_flight = 1 if (r == L.pp - 1 and r > 0) else min(L.pp, m)")],
-        g.test_pipeline_in_flight, r"pp = 4, gpipe \(v = 1\), 16 micro-batches: activation bytes of the first stage"),
+        g.test_pipeline_in_flight, r"GPT-3 1.3B, s = 2048, tp2·pp4 \(b=1, bf16, selective recompute\), global batch 16: activation bytes"),
     "ex10.C.last_stage": (
         [(FLIGHT, "        in_flight = peak_activations(L.schedule, L.pp, m, r, L.v) / L.v")],
-        g.test_last_stage_with_big_logits, r"pp = 2, GPipe, 4 micro-batches: activation bytes"),
+        g.test_last_stage_with_big_logits, r"Llama 3 8B, s = 8192, pp2 \(b=1, bf16, selective recompute\), global batch 4: activation bytes"),
     "ex10.C.recompute": (
         [('    rebuilt = layer_activation_bytes(model, L.replace(recompute="none"), seq_len) if L.recompute == "full" else 0.0',
           "    rebuilt = 0.0")],
-        g.test_full_recompute_adds_one_layer, r"GPT-3 1.3B, full recomputation: activation bytes"),
+        g.test_full_recompute_adds_one_layer, r"GPT-3 1.3B, s = 2048, 1 GPU \(b=1, bf16, full recompute\), global batch 1: activation bytes"),
     "ex10.C.logits": (
         [("    logits = 4 * (seq_len // L.cp) * L.micro_batch * model.vocab / L.tp",
           "    logits = 4 * seq_len * L.micro_batch * model.vocab")],
-        g.test_last_stage_with_big_logits, r"pp = 2, tp = 2, cp = 2, one micro-batch: activation bytes"),
+        g.test_last_stage_with_big_logits, r"Llama 3 8B, s = 8192, tp2·pp2·cp2 \(b=1, bf16, selective recompute\), global batch 1: activation bytes"),
     "ex10.C.one_stage": (
         [("(logits if r == L.pp - 1 else 0.0)", "(logits if r == L.pp - 1 and r > 0 else 0.0)")],
-        g.test_activations_without_pipeline, r"GPT-3 1.3B, one GPU, micro-batch 2, recompute='none'"),
+        g.test_activations_without_pipeline, r"GPT-3 1.3B, s = 2048, 1 GPU \(b=2, bf16\), global batch 2: activation bytes"),
     "ex10.C.bucket": (
         [("    out = BUCKET if L.dp * L.cp > 1 else 0.0", "    out = BUCKET if L.dp > 1 else 0.0")],
-        g.test_buffers, r"s = 8192, cp = 2: buffer bytes"),
+        g.test_buffers, r"s = 8192, cp2 \(b=1, bf16\): buffer bytes"),
     "ex10.C.sp_input": (
         [("    if L.tp > 1:\n        out += e * sbh\n", "")],
-        g.test_buffers, r"s = 8192, tp = 2: buffer bytes"),
+        g.test_buffers, r"s = 8192, tp2 \(b=1, bf16\): buffer bytes"),
     "ex10.C.boundary": (
         [("        out += 2 * e * sbh / (L.tp if L.sp else 1)", "        out += 2 * e * sbh")],
-        g.test_buffers, r"s = 8192, pp = 2, tp = 2: buffer bytes"),
+        g.test_buffers, r"s = 8192, tp2·pp2 \(b=1, bf16\): buffer bytes"),
     "ex10.C.zero3": (
         [("        out += e * (model.num_params() / model.n_layer) / L.tp", "        out += e * model.num_params() / L.tp")],
-        g.test_buffers, r"dp = 8, ZeRO-3: buffer bytes"),
+        g.test_buffers, r"dp8 \(b=1, bf16, ZeRO-3\): buffer bytes"),
 }
 
 
 test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex10", g, PLANTS)
+
+MORE = [  # further wrong answers: (clause, edits, graded test, what the message must name)
+    ("ex10.A.cp", [("else terms[k] * L.cp", "else terms[k] / L.cp")],      # the scores split like the tokens
+     g.test_layer_activations_with_cp, r"cp = 2, materialized: bytes of one layer: estimated .* \(0\.\d+× the expected\)"),
+    ("ex10.A.gpt", [("    terms = activation_terms(s, L.micro_batch, h, model.n_head, t, L.sp,",     # tp forgotten
+                     "    terms = activation_terms(s, L.micro_batch, h, model.n_head, 1, L.sp,")],
+     g.test_layer_activations_of_a_gpt, r"tp = 2, sequence parallel False, recompute='none': bytes of one layer"),
+    ("ex10.B.experts", [("L.dp * L.cp // L.ep,", "L.dp * L.cp,")],          # experts sharded over all dp·cp
+     g.test_model_states_of_experts, r"Mixtral 8x7B, dp8·ep8 \(b=1, bf16, ZeRO-1\): optimizer bytes"),
+]
+
+
+@pytest.mark.parametrize("k", range(len(MORE)))
+def test_more_wrong_answers_fail(k, tmp_path):
+    from minipar.course.grading import observed
+    from tests.planted import fails, planted
+    clause, edits, test, match = MORE[k]
+    assert test.__name__ in observed(g)[clause]
+    with planted("ex10", tmp_path, *edits):
+        fails(test, match=match)

@@ -5,15 +5,10 @@
 splits heads, hidden size and vocabulary by ``tp``; a pipeline needs at least one layer
 per stage; the batch must cut into ``dp`` shards of ``m`` equal micro-batches).
 
-:func:`choose_config` applies the rules of thumb of Narayanan et al. 2021 ("Efficient
-Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §3.3), with the
-memory per rank from :func:`minipar.cost.hybrid_memory_per_rank`:
-
-1. use model parallelism (``t·p``) only as far as needed to fit the model in memory,
-   and data parallelism for the rest (it communicates least per useful FLOP);
-2. among model-parallel splits of the same size, keep tensor parallelism inside a node
-   (``tp ≤ ranks_per_node``: its all-reduces need NVLink bandwidth), and prefer it to
-   pipeline stages (no bubble)."""
+:func:`choose_config` applies the advice of Narayanan et al. 2021 ("Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM", §3, Takeaways #1 and #2), with the
+memory per rank from :func:`minipar.cost.hybrid_memory_per_rank`: its contract says what the
+choice must achieve; notebook 07 measures the bytes each dimension sends."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -23,7 +18,7 @@ from .hsdp import check_hsdp
 from .parallelize import Parallelism
 from .sharding import reshard_policy
 from ..cost import hybrid_memory_per_rank
-from ..mesh import ProcessMesh
+from ..mesh import ProcessMesh, group_members
 from ..models.gpt import GPTConfig
 from ..models.recompute import check_mode
 from ..context_parallel import check_config as check_context_parallel
@@ -161,24 +156,24 @@ def valid_configs(config: GPTConfig, world_size: int, batch_size: int | None = N
 
 # Contract:
 # Given: ``valid_configs`` lists every dp·pp·tp = world_size the model and the batch accept;
-#     ``hybrid_memory_per_rank`` (fp32 Adam) their model states per rank; the result is
-#     ``{"dp", "pp", "tp"}``: Narayanan et al.'s advice (§3, Takeaways #1 and #2) as a rule.
-# ex07.C.fit: only configurations whose model states per rank fit in ``memory_per_rank`` (no
-#     limit when ``None``) are chosen.
-# ex07.C.prefer: among them the least model parallelism tp·pp (data parallelism for the rest),
-#     then tensor parallelism that stays within a node (``ranks_per_node``), then the fewest
-#     pipeline stages.
+#     ``hybrid_memory_per_rank`` (fp32 Adam) their model states per rank; ``group_members`` (part
+#     B) their groups; node k holds ranks k·ranks_per_node .. (k+1)·ranks_per_node - 1; the
+#     result is ``{"dp", "pp", "tp"}``: Narayanan et al.'s advice (§3, Takeaways #1 and #2).
+# ex07.C.fit: the chosen configuration's model states per rank fit in ``memory_per_rank`` (no
+#     limit when ``None``).
+# ex07.C.prefer: of the configurations that fit, the choice is the best by these aims, the first
+#     the most important: (1) as much data parallelism as memory allows (it sends the fewest
+#     bytes per useful FLOP); (2) no tensor-parallel group spans two nodes, if a configuration
+#     as good by (1) keeps every one inside a node (its all-reduces, in every layer, carry the
+#     most bytes); (3) the smallest pipeline bubble.
 # ex07.C.none: nothing left is a ``ValueError``.
 def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatches: int = 1,
                   memory_per_rank: float | None = None, ranks_per_node: int = 8,
                   zero1: bool = False) -> dict[str, int]:
-    """The configuration ``{"dp", "pp", "tp"}`` to train ``config`` on ``world_size`` ranks.
-
-    Among the valid configurations (:func:`check`) whose model states fit in
-    ``memory_per_rank`` bytes (``None``: no limit; fp32 Adam,
-    :func:`minipar.cost.hybrid_memory_per_rank`), pick the one with the smallest
-    model-parallel size ``tp·pp``; ties go to ``tp ≤ ranks_per_node``, then to the fewest
-    pipeline stages. Raises ``ValueError`` if none fits."""
+    """The configuration ``{"dp", "pp", "tp"}`` to train ``config`` on ``world_size`` ranks,
+    among the valid ones (:func:`check`) whose model states fit in ``memory_per_rank`` bytes
+    (``None``: no limit; fp32 Adam, :func:`minipar.cost.hybrid_memory_per_rank`), on nodes of
+    ``ranks_per_node`` ranks. Raises ``ValueError`` if none fits."""
     # >>> ex07 C
     # Hint: nothing left is a ValueError.
     best, psi = None, num_params(config)
@@ -186,7 +181,11 @@ def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatc
         need = hybrid_memory_per_rank(psi, c["dp"], c["pp"], c["tp"], zero1=zero1)["total"]
         if memory_per_rank is not None and need > memory_per_rank:
             continue
-        key = (c["tp"] * c["pp"], c["tp"] > ranks_per_node, c["pp"])
+        # least model parallelism; tp groups inside a node (tp ≤ ranks_per_node is not enough when
+        # tp does not divide it); the fewest stages (bubble (p-1)/m)
+        crosses = any(len({q // ranks_per_node for q in group_members(r, "tp", c["dp"], c["pp"], c["tp"])}) > 1
+                      for r in range(world_size))
+        key = (c["tp"] * c["pp"], crosses, c["pp"])
         if best is None or key < best[0]:
             best = (key, c)
     if best is None:

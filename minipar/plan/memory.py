@@ -1,43 +1,45 @@
-"""Memory per GPU of one layout, by component.
+"""Memory per GPU of one layout, by component: model states (parameters, gradients, optimizer
+state), activations, communication buffers, and ZeRO-3's policies and HSDP (:func:`zero3_states`).
+What the estimate must match is measured in notebook 10 and in ``tests/test_plan_zero3_pp.py``."""
 
-* **Model states** (Rajbhandari et al. 2020, ZeRO, §3.1 and §5): a GPU holds Ψ_local = Ψ/(tp·pp)
-  of the dense parameters and Ψ_experts/(tp·pp·ep) of the experts'. Mixed precision keeps
-  16-bit parameters and gradients (2 + 2 bytes) and an fp32 master copy with Adam's two moments
-  (K = 12 bytes); fp32 4 + 4 and K = 8. ZeRO stage 1/2/3 divides the optimizer state / +
-  gradients / + parameters by the data-parallel ranks (dp·cp, or dp·cp/ep for the experts):
-  :func:`minipar.cost.zero_bytes_per_rank`.
-* **Activations** (Korthikanti et al. 2022, §4-5): per layer and micro-batch
-  :func:`minipar.cost.recompute_activation_bytes` — ``sbh(34 + 5as/h)`` and its TP, SP,
-  selective and full forms — on the GPU's s/cp tokens, terms scaled to the model's shape
-  (grouped-query K and V, the MLP's width and gating). Stage r holds
-  ``peak_activations(schedule, p, m, r, v)/v`` stages' worth of micro-batches of its layers
-  (Narayanan et al. 2021, §2.2; :func:`stage_layers`: ``l/p``, or Llama 3's cut with one layer
-  fewer on the first and last stages when p does not divide l), the last stage one micro-batch
-  (1F1B runs each of its backwards right after the forward); the busiest stage counts. Full
-  recomputation rebuilds one layer at a time in backward: one layer's "none" activations more.
-  The last stage also holds one micro-batch's fp32 logits, ``4·s·b·V/t``.
-* **Attention** (``layout.attention``, :mod:`minipar.plan.roofline`): ``"materialized"`` keeps
-  Korthikanti et al.'s ``5as/h`` terms (the a·s² scores, their dropout mask and output);
-  ``"flash"`` (Dao et al. 2022) keeps Q, K, V, O, which the terms above already count, and the
-  per-row log-sum-exp, ``4·a·s·b/t`` bytes (fp32): no s² term, so selective recomputation
-  has nothing left to drop. ``"auto"`` here, where no accelerator is named, is materialized;
-  :func:`minipar.plan.predict` resolves it for its GPU first.
-* **Communication buffers**: a 25 MB gradient bucket with dp > 1 (PyTorch DDP's default), a
-  sequence-parallel layer's all-gathered (s, b, h) input, a pipeline stage's two boundary
-  activations, and ZeRO-3's one gathered layer.
-* **ZeRO-3's policy and HSDP** (:func:`zero3_states`; ``Layout.reshard_after_forward``,
-  ``Layout.dp_shard``). HSDP shards over N = dp_shard·cp instead of dp·cp. Kept gathered (the
-  default under a pipeline) a stage's parameters stay whole from its first forward to the
-  reduce-scatter after its last backward, and its gradients accumulate whole on them: at the
-  peak ``params`` = eΨ/N (shards) + eΨ (gathered), ``grads`` = eΨ (the shards come after the
-  peak), ``optimizer`` = KΨ/N, and the one gathered layer of the buffers is part of the stage
-  (Ψ = Ψ_local). That is ZeRO-1's eΨ + eΨ + KΨ/N plus the eΨ/N of parameter shards: kept
-  gathered sits *above* ZeRO-1, not between ZeRO-1 and ZeRO-3 resharding after every use
-  (:func:`minipar.cost.zero3_pipeline_peak_bytes`, measured by ``hybrid.run``'s
-  ``peak_state_bytes``). Resharding is charged as without a pipeline: stage 3's states and one
-  gathered layer, FSDP's steady state; at a unit's reduce-scatter it also holds the prefetched
-  unit before it and the unit's whole gradients, 2eΨ/l more, which this count leaves out.
-"""
+# How each component is counted (the library's notes):
+# * **Model states** (Rajbhandari et al. 2020, ZeRO, §3.1 and §5): a GPU holds Ψ_local = Ψ/(tp·pp)
+#   of the dense parameters and Ψ_experts/(tp·pp·ep) of the experts'. Mixed precision keeps
+#   16-bit parameters and gradients (2 + 2 bytes) and an fp32 master copy with Adam's two moments
+#   (K = 12 bytes); fp32 4 + 4 and K = 8. ZeRO stage 1/2/3 divides the optimizer state / +
+#   gradients / + parameters by the data-parallel ranks (dp·cp, or dp·cp/ep for the experts):
+#   :func:`minipar.cost.zero_bytes_per_rank`.
+# * **Activations** (Korthikanti et al. 2022, §4-5): per layer and micro-batch
+#   :func:`minipar.cost.recompute_activation_bytes` — ``sbh(34 + 5as/h)`` and its TP, SP,
+#   selective and full forms — on the GPU's s/cp tokens, terms scaled to the model's shape
+#   (grouped-query K and V, the MLP's width and gating). Stage r holds
+#   ``peak_activations(schedule, p, m, r, v)/v`` stages' worth of micro-batches of its layers
+#   (Narayanan et al. 2021, §2.2; :func:`stage_layers`: ``l/p``, or Llama 3's cut with one layer
+#   fewer on the first and last stages when p does not divide l), the last stage one micro-batch
+#   (1F1B runs each of its backwards right after the forward); the busiest stage counts. Full
+#   recomputation rebuilds one layer at a time in backward: one layer's "none" activations more.
+#   The last stage also holds one micro-batch's fp32 logits, ``4·s·b·V/t``.
+# * **Attention** (``layout.attention``, :mod:`minipar.plan.roofline`): ``"materialized"`` keeps
+#   Korthikanti et al.'s ``5as/h`` terms (the a·s² scores, their dropout mask and output);
+#   ``"flash"`` (Dao et al. 2022) keeps Q, K, V, O, which the terms above already count, and the
+#   per-row log-sum-exp, ``4·a·s·b/t`` bytes (fp32): no s² term, so selective recomputation
+#   has nothing left to drop. ``"auto"`` here, where no accelerator is named, is materialized;
+#   :func:`minipar.plan.predict` resolves it for its GPU first.
+# * **Communication buffers**: a 25 MB gradient bucket with dp > 1 (PyTorch DDP's default), a
+#   sequence-parallel layer's all-gathered (s, b, h) input, a pipeline stage's two boundary
+#   activations, and ZeRO-3's one gathered layer.
+# * **ZeRO-3's policy and HSDP** (:func:`zero3_states`; ``Layout.reshard_after_forward``,
+#   ``Layout.dp_shard``). HSDP shards over N = dp_shard·cp instead of dp·cp. Kept gathered (the
+#   default under a pipeline) a stage's parameters stay whole from its first forward to the
+#   reduce-scatter after its last backward, and its gradients accumulate whole on them: at the
+#   peak ``params`` = eΨ/N (shards) + eΨ (gathered), ``grads`` = eΨ (the shards come after the
+#   peak), ``optimizer`` = KΨ/N, and the one gathered layer of the buffers is part of the stage
+#   (Ψ = Ψ_local). That is ZeRO-1's eΨ + eΨ + KΨ/N plus the eΨ/N of parameter shards: kept
+#   gathered sits *above* ZeRO-1, not between ZeRO-1 and ZeRO-3 resharding after every use
+#   (:func:`minipar.cost.zero3_pipeline_peak_bytes`, measured by ``hybrid.run``'s
+#   ``peak_state_bytes``). Resharding is charged as without a pipeline: stage 3's states and one
+#   gathered layer, FSDP's steady state; at a unit's reduce-scatter it also holds the prefetched
+#   unit before it and the unit's whole gradients, 2eΨ/l more, which this count leaves out.
 from __future__ import annotations
 
 import math
@@ -53,17 +55,23 @@ BUCKET = 25e6
 
 
 # Contract:
-# Given: the bytes one layer keeps per micro-batch on one GPU; ``cost.activation_terms``
-#     (Korthikanti et al.'s terms of one layer) and ``cost.recompute_activation_bytes`` are there.
-# ex10.A.gpt: for a GPT they are exactly ``cost.recompute_activation_bytes`` on the layout's tp,
+# Given: ``cost.activation_terms`` (Korthikanti et al.'s terms of one GPT layer, by the tensor each
+#     keeps) and ``cost.recompute_activation_bytes`` (their sum, with recomputation).
+# ex10.A.measured: on one process, the course's GPT blocks (fp32, materialized attention, each
+#     recomputation) keep within 3% of what ``minipar.activations.SavedActivations`` measures
+#     autograd saving for one block (the numbers are in the graded test).
+# ex10.A.gpt: for a GPT (K and V as wide as Q, an MLP of two h × 4h matrices, no experts, on one
+#     GPU's whole sequence) the bytes are ``cost.recompute_activation_bytes`` for the layout's tp,
 #     sequence parallelism and recomputation.
-# ex10.A.shapes: for other shapes the terms scale: grouped-query K and V (Q, K, V is h + 2·kv_dim
-#     wide, not 3h), the MLP's width and gating (ffn/4h, × 1.5 for a gated MLP).
-# ex10.A.experts: × top_k for the experts a token visits.
-# ex10.A.cp: everything is counted on the GPU's s/cp tokens, and the attention scores of those
-#     s/cp queries span all s keys.
-# ex10.A.flash: selective recomputation keeps no attention-score term; flash attention keeps no
-#     score term either, and adds the fp32 log-sum-exp, 4·(s/cp)·b·a/t bytes.
+# ex10.A.shapes: every term scales with the width of the tensors it counts, and no other term
+#     changes: Llama 3 8B (grouped-query K and V, a SwiGLU MLP of three h × 14336 matrices, no
+#     dropout) keeps 34·sbh bytes a layer with selective recomputation at s = 8192.
+# ex10.A.experts: a token's MLP tensors count once for every expert it visits (Mixtral 8x7B, top-2
+#     of 8: 55·sbh under the same conditions).
+# ex10.A.cp: a GPU of a context-parallel group keeps what its own share of the tokens needs,
+#     and its queries meet every key of the sequence.
+# ex10.A.flash: neither flash attention nor selective recomputation keeps a term that grows with
+#     s²; flash attention keeps, per row and head, one fp32 log-sum-exp, heads split over tp.
 def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
     """Bytes one layer keeps per micro-batch on one GPU (Korthikanti et al.'s terms, shaped
     for ``model``; for a GPT they are exactly :func:`minipar.cost.recompute_activation_bytes`)."""
@@ -88,11 +96,15 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> fl
 
 # Contract:
 # Given: returns ``{"params", "grads", "optimizer"}``; ``cost.zero_bytes_per_rank`` is there.
-# ex10.B.bytes: 2 + 2 + 12 bytes per parameter in bf16, 4 + 4 + 8 in fp32.
-# ex10.B.zero: ZeRO stage 1, 2, 3 divides the optimizer state, then the gradients, then the
-#     parameters by the dp·cp ranks, and the experts' by dp·cp/ep.
-# ex10.B.experts: a GPU holds Ψ/(tp·pp) of the dense parameters and Ψ_experts/(tp·pp·ep) of the
-#     experts'.
+# ex10.B.measured: on the course's GPT (Ψ = 27,552, fp32 AdamW) each component is within 5% of
+#     the mean over the ranks of what ``hybrid.train`` measures, on every layout the graded
+#     test ran (dp, tp, pp, cp and ZeRO 0-3; the numbers are in the test and notebook 10).
+# ex10.B.bytes: bf16 mixed precision keeps 16-bit parameters and gradients beside an fp32
+#     master copy and Adam's two moments; fp32 keeps no master copy.
+# ex10.B.zero: ZeRO stage 1, 2, 3 shards the optimizer state, then the gradients, then the
+#     parameters over every rank that holds a copy of the same parameters, and no further.
+# ex10.B.experts: every ep group holds each expert once (E/ep experts a rank), cut like the dense
+#     parameters by tensor and pipeline parallelism.
 def model_state_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
     """``{"params", "grads", "optimizer"}`` bytes per GPU (ZeRO formulas on the local share)."""
     # >>> ex10 B
@@ -111,17 +123,18 @@ def model_state_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
 # Contract:
 # Given: returns the bytes on the busiest GPU by component; your part computes ``activations``;
 #     ``cost.peak_activations`` gives the micro-batches a pipeline rank holds at its peak.
-# ex10.C.in_flight: ``activations`` is what the busiest pipeline stage holds at its peak: stage r
-#     holds its ``stage_layers`` for the micro-batches in flight on it.
-# ex10.C.last_stage: the last stage (with pp > 1) holds one micro-batch in flight.
-# ex10.C.recompute: full recomputation also rebuilds one layer's full activations during
-#     backward.
-# ex10.C.logits: the last stage also holds one micro-batch's fp32 logits (sharded over tp, on the
-#     GPU's s/cp tokens).
+# ex10.C.in_flight: ``activations`` is what the busiest pipeline stage holds at its peak, every
+#     stage counted with its own layers (``stage_layers``) and its own micro-batches in flight.
+# ex10.C.last_stage: the last of several stages runs each micro-batch's backward right after its
+#     forward.
+# ex10.C.recompute: full recomputation rebuilds one layer at a time during backward, everything
+#     that layer would keep without recomputation.
+# ex10.C.logits: the last stage also holds one micro-batch's fp32 logits, as this GPU holds them
+#     (its share of the vocabulary and of the tokens).
 # ex10.C.one_stage: with one stage, the first stage is the last.
 def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch: int) -> dict[str, float]:
     """Bytes on the busiest GPU: ``{"params", "grads", "optimizer", "activations", "buffers", "total"}``
-    (formulas in the module docstring)."""
+    (the module's notes)."""
     L = layout
     # >>> ex10 C
     out = model_state_bytes(model, L)
@@ -184,7 +197,7 @@ def stage_layers(n_layer: int, pp: int) -> list[int]:
 #     parallelism).
 # ex10.C.zero3: ZeRO-3's one gathered layer (Ψ/l over tp).
 def comm_buffer_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
-    """The buffers collectives need beside the model states and activations (docstring)."""
+    """The buffers collectives need beside the model states and activations."""
     # >>> ex10 C
     L = layout
     e, sbh = L.bytes_per_element, (seq_len // L.cp) * L.micro_batch * model.hidden

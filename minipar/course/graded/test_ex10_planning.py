@@ -17,17 +17,18 @@ Each function's docstring below is its contract: clauses ``ex10.P.word`` that mu
 grader names the clause a failure breaks). Derived in notebook 10, "Where the memory goes"
 (ZeRO, Rajbhandari et al. 2020, §3.1; Korthikanti et al. 2022, §4-5 and Table 2; Narayanan et
 al. 2021, §2.2 for the micro-batches in flight; the Llama 3 report, §3.3.2, for the uneven
-cut). The tests compare with the formulas on GPT-3 1.3B, Llama 3 8B and Mixtral 8x7B. Stuck?
+cut), which measures model states on real ranks. The tests compare your estimate with what
+was measured on the course's GPT, and with the planner's bytes on GPT-3 1.3B, Llama 3 8B and
+Mixtral 8x7B (numbers, not formulas). Stuck?
 ``minipar.hint("ex10", "A")`` (or "B", "C") gives a nudge, then the idea, then the
 pseudo-code. Grade it with ``python -m minipar.grade ex10``.
 """
-import math
-
-import pytest
+from dataclasses import fields
 
 from minipar import cost, plan
 from minipar.plan.memory import comm_buffer_bytes, stage_layers
-from minipar.course.grading import expect_equal, observes
+from minipar.course.grading import expect, expect_equal, observes
+from minipar.models.gpt import GPTConfig
 
 EXERCISE = "ex10_planning"
 HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
@@ -77,17 +78,81 @@ GPT13 = plan.MODELS["gpt3-1.3b"]
 MIXTRAL = plan.MODELS["mixtral-8x7b"]
 
 
-def _approx(got, want, what):
-    """Equal within 1e-9 of each other (floating-point sums in another order), else the numbers."""
-    if got != pytest.approx(want, rel=1e-9):
-        expect_equal(got, want, what)
+def _approx(got, want, what, rel=1e-9):
+    """Within ``rel`` of each other (1e-9: floating-point sums in another order), else both numbers."""
+    ok = isinstance(got, (int, float)) and abs(got - want) <= rel * max(abs(want), 1.0)
+    if not ok:
+        ratio = f" ({got / want:.4g}× the expected)" if isinstance(got, (int, float)) and want else ""
+        shown = f"{got:,.0f}" if isinstance(got, (int, float)) else repr(got)
+        expect(False, f"{what}: estimated {shown} bytes, expected {want:,.0f}{ratio}")
 
 
-def _logits(model, lay, s):
-    return 4 * (s // lay.cp) * lay.micro_batch * model.vocab / lay.tp
+# ----------------------------------------------------------------------------- what was measured
+COURSE_GPT = GPTConfig(vocab_size=32, block_size=16, n_layer=8, n_head=2, n_embd=16)
+
+
+class _CourseGPT(plan.ModelSpec):
+    """The course GPT's spec with its real Ψ (27,552: the catalogue's count leaves out biases and norms)."""
+
+    def num_params(self) -> int:
+        return 27552
+
+
+_BASE = plan.from_gpt_config(COURSE_GPT)
+COURSE = _CourseGPT(**{f.name: getattr(_BASE, f.name) for f in fields(_BASE)})
+# hybrid.train on 4 CPU ranks, fp32 AdamW, one step of 8 sequences in 2 micro-batches: the mean over
+# the ranks of each one's measured["memory"] (params, grads, optimizer), in bytes
+MEASURED = [
+    (plan.Layout(dp=4, dtype="fp32"), (110208, 110208, 220416)),
+    (plan.Layout(dp=4, zero=1, dtype="fp32"), (110208, 110208, 55104)),
+    (plan.Layout(dp=4, zero=2, dtype="fp32"), (110208, 27552, 55104)),
+    (plan.Layout(dp=4, zero=3, dtype="fp32"), (27552, 27552, 55104)),
+    (plan.Layout(dp=2, tp=2, zero=1, dtype="fp32"), (57216, 57216, 57216)),
+    (plan.Layout(dp=2, pp=2, dtype="fp32"), (55104, 55104, 110208)),
+    (plan.Layout(tp=2, pp=2, dtype="fp32"), (28608, 28608, 57216)),
+    (plan.Layout(dp=2, cp=2, zero=2, dtype="fp32"), (110208, 27552, 55104)),
+]
+
+
+@observes("ex10.B.measured")
+def test_model_states_against_measured(impl):
+    """The course's GPT on 4 ranks under dp, tp, pp, cp and ZeRO 0-3: model states per GPU against
+    what hybrid.train measured (the mean over the ranks), each within 5%."""
+    for lay, measured in MEASURED:
+        got = plan.model_state_bytes(COURSE, lay)
+        for k, m in zip(("params", "grads", "optimizer"), measured):
+            _approx(got[k], m, f"the course GPT (Ψ = 27,552), {lay}: {k} bytes, against the {m:,} measured", rel=0.05)
 
 
 # ----------------------------------------------------------------------------- A: one layer
+# one block of GPT(GPTConfig(vocab_size=32, block_size=T, n_layer=1, n_head=a, n_embd=h,
+# attention="materialized")), fp32, on one process, a batch of B: the bytes SavedActivations
+# measured autograd keep for backward. ((h, a, T, B), recompute, bytes)
+MEASURED_LAYER = [
+    ((32, 2, 16, 4), 'none', 140544),
+    ((32, 2, 16, 4), 'selective', 132096),
+    ((32, 2, 16, 4), 'full', 8192),
+    ((32, 4, 64, 2), 'none', 399360),
+    ((32, 4, 64, 2), 'selective', 264192),
+    ((32, 4, 64, 2), 'full', 16384),
+    ((64, 4, 32, 2), 'none', 296960),
+    ((64, 4, 32, 2), 'selective', 263168),
+    ((64, 4, 32, 2), 'full', 16384),
+]
+
+
+@observes("ex10.A.measured")
+def test_layer_activations_against_measured(impl):
+    """The course's GPT block on one process, fp32, materialized attention, every recomputation:
+    one layer's bytes against what SavedActivations measured, each within 3%."""
+    for (h, a, T, B), mode, measured in MEASURED_LAYER:
+        spec = plan.from_gpt_config(GPTConfig(vocab_size=32, block_size=T, n_layer=1, n_head=a, n_embd=h))
+        lay = plan.Layout(dtype="fp32", attention="materialized", recompute=mode, micro_batch=B)
+        _approx(plan.layer_activation_bytes(spec, lay, T), measured,
+                f"the course GPT's block (h = {h}, a = {a}), s = {T}, {lay}: bytes of one layer, against the "
+                f"{measured:,} measured", rel=0.03)
+
+
 @observes("ex10.A.gpt")
 def test_layer_activations_of_a_gpt(impl):
     """GPT-3 1.3B: one layer's bytes equal cost.recompute_activation_bytes, for every recomputation,
@@ -107,61 +172,75 @@ def test_layer_activations_of_other_shapes(impl):
     selective recomputation: one layer's bytes."""
     sbh = 8192 * 4096
     lay = plan.Layout(recompute="selective", attention="materialized")
-    # 4 + 4 (norm and linear inputs) + 3 (Q, K, V: (h + 2h/4)/(3h) of 6) + 2 (attention output)
-    # + 16 · (14336/16384) · 1.5 = 21 (the gated MLP), in units of sbh
     _approx(plan.layer_activation_bytes(LLAMA, lay, 8192), 34 * sbh,
             "Llama 3 8B, s = 8192, selective: bytes of one layer")
     _approx(plan.layer_activation_bytes(MIXTRAL, lay, 8192), 55 * sbh,
             "Mixtral 8x7B, s = 8192, selective: bytes of one layer")
 
 
+CP = [
+    (LLAMA, plan.Layout(cp=1, attention='materialized'), 8192, 5435817984.0),
+    (LLAMA, plan.Layout(cp=1, attention='flash'), 8192, 1141899264.0),
+    (LLAMA, plan.Layout(cp=2, attention='materialized'), 8192, 2717908992.0),
+    (LLAMA, plan.Layout(cp=2, attention='flash'), 8192, 570949632.0),
+]
+
+
 @observes("ex10.A.cp", "ex10.A.flash")
 def test_layer_activations_with_cp(impl):
-    """Llama 3 8B, no recomputation, cp = 2, materialized and flash attention: one layer's bytes."""
-    s, a = 8192, LLAMA.n_head
-    scores = 2 * a * s * s                 # softmax output, 2 bytes (Llama has no dropout terms)
-    for cp in (1, 2):
-        lay = plan.Layout(cp=cp, attention="materialized")
-        _approx(plan.layer_activation_bytes(LLAMA, lay, s), 34 * (s // cp) * 4096 + scores / cp,
-                f"Llama 3 8B, s = {s}, cp = {cp}, materialized: bytes of one layer")
-        lay = plan.Layout(cp=cp, attention="flash")
-        _approx(plan.layer_activation_bytes(LLAMA, lay, s), 34 * (s // cp) * 4096 + 4 * (s // cp) * a,
-                f"Llama 3 8B, s = {s}, cp = {cp}, flash: bytes of one layer")
+    """Llama 3 8B, no recomputation, cp = 1 and 2, materialized and flash attention: one layer's bytes."""
+    for model, lay, s, want in CP:
+        _approx(plan.layer_activation_bytes(model, lay, s), want,
+                f"Llama 3 8B, s = {s}, cp = {lay.cp}, {lay.attention}: bytes of one layer")
 
 
 # ----------------------------------------------------------------------------- B: model states
+STATES = [
+    (LLAMA, plan.Layout(recompute='full'), 'params', 16059990016.0),
+    (LLAMA, plan.Layout(recompute='full'), 'grads', 16059990016.0),
+    (LLAMA, plan.Layout(recompute='full'), 'optimizer', 96359940096.0),
+    (LLAMA, plan.Layout(recompute='full', dtype='fp32'), 'params', 32119980032.0),
+    (LLAMA, plan.Layout(recompute='full', dtype='fp32'), 'grads', 32119980032.0),
+    (LLAMA, plan.Layout(recompute='full', dtype='fp32'), 'optimizer', 64239960064.0),
+    (LLAMA, plan.Layout(dp=8, zero=1), 'params', 16059990016.0),
+    (LLAMA, plan.Layout(dp=8, zero=1), 'grads', 16059990016.0),
+    (LLAMA, plan.Layout(dp=8, zero=1), 'optimizer', 12044992512.0),
+    (LLAMA, plan.Layout(dp=4, cp=2, zero=2), 'params', 16059990016.0),
+    (LLAMA, plan.Layout(dp=4, cp=2, zero=2), 'grads', 2007498752.0),
+    (LLAMA, plan.Layout(dp=4, cp=2, zero=2), 'optimizer', 12044992512.0),
+    (LLAMA, plan.Layout(dp=8, zero=3), 'params', 2007498752.0),
+    (LLAMA, plan.Layout(dp=8, zero=3), 'grads', 2007498752.0),
+    (LLAMA, plan.Layout(dp=8, zero=3), 'optimizer', 12044992512.0),
+    (LLAMA, plan.Layout(dp=2, tp=2, pp=2, zero=1), 'params', 4014997504.0),
+    (LLAMA, plan.Layout(dp=2, tp=2, pp=2, zero=1), 'grads', 4014997504.0),
+    (LLAMA, plan.Layout(dp=2, tp=2, pp=2, zero=1), 'optimizer', 12044992512.0),
+]
+EXPERTS = [
+    (MIXTRAL, plan.Layout(dp=8, ep=8, zero=1), 'params', 14482931712.0),
+    (MIXTRAL, plan.Layout(dp=8, ep=8, zero=1), 'grads', 14482931712.0),
+    (MIXTRAL, plan.Layout(dp=8, ep=8, zero=1), 'optimizer', 70052216832.0),
+    (MIXTRAL, plan.Layout(dp=8, ep=4, tp=2, zero=1), 'params', 12878610432.0),
+    (MIXTRAL, plan.Layout(dp=8, ep=4, tp=2, zero=1), 'grads', 12878610432.0),
+    (MIXTRAL, plan.Layout(dp=8, ep=4, tp=2, zero=1), 'optimizer', 35026108416.0),
+    (MIXTRAL, plan.Layout(dp=4, cp=2, ep=2, zero=3), 'params', 11675369472.0),
+    (MIXTRAL, plan.Layout(dp=4, cp=2, ep=2, zero=3), 'grads', 11675369472.0),
+    (MIXTRAL, plan.Layout(dp=4, cp=2, ep=2, zero=3), 'optimizer', 70052216832.0),
+]
+
+
 @observes("ex10.B.bytes", "ex10.B.zero")
 def test_model_states(impl):
     """Model-state bytes per GPU in bf16 and fp32, under ZeRO 0 to 3, tensor, pipeline, data and context
     parallelism."""
-    psi = LLAMA.num_params()
-    cases = ((plan.Layout(recompute="full"), (2, 2, 12)),
-             (plan.Layout(recompute="full", dtype="fp32"), (4, 4, 8)),
-             (plan.Layout(dp=8, zero=1), (2, 2, 12 / 8)),
-             (plan.Layout(dp=4, cp=2, zero=2), (2, 2 / 8, 12 / 8)),
-             (plan.Layout(dp=8, zero=3), (2 / 8, 2 / 8, 12 / 8)),
-             (plan.Layout(dp=2, tp=2, pp=2, zero=1), (2 / 4, 2 / 4, 12 / 8)))
-    for lay, per in cases:
-        m = plan.model_state_bytes(LLAMA, lay)
-        for k, b in zip(("params", "grads", "optimizer"), per):
-            _approx(m[k], b * psi, f"Llama 3 8B, {lay}: {k} bytes")
+    for model, lay, k, want in STATES:
+        _approx(plan.model_state_bytes(model, lay)[k], want, f"Llama 3 8B, {lay}: {k} bytes")
 
 
 @observes("ex10.B.experts")
 def test_model_states_of_experts(impl):
     """Mixtral 8x7B: model-state bytes per GPU, expert and dense parameters, with expert parallelism."""
-    experts = MIXTRAL.n_layer * MIXTRAL.n_experts * MIXTRAL.expert_params()
-    dense = MIXTRAL.num_params() - experts
-    for lay in (plan.Layout(dp=8, ep=8, zero=1), plan.Layout(dp=8, ep=4, tp=2, zero=1),
-                plan.Layout(dp=4, cp=2, ep=2, zero=3)):
-        n, t = lay.dp * lay.cp, lay.tp * lay.pp
-        d, x = dense / t, experts / (t * lay.ep)
-        shard = {"params": lay.zero >= 3, "grads": lay.zero >= 2, "optimizer": lay.zero >= 1}
-        per = {"params": 2, "grads": 2, "optimizer": 12}
-        m = plan.model_state_bytes(MIXTRAL, lay)
-        for k in per:
-            want = per[k] * (d / n + x / (n // lay.ep) if shard[k] else d + x)
-            _approx(m[k], want, f"Mixtral 8x7B, {lay}: {k} bytes")
+    for model, lay, k, want in EXPERTS:
+        _approx(plan.model_state_bytes(model, lay)[k], want, f"Mixtral 8x7B, {lay}: {k} bytes")
 
 
 # ----------------------------------------------------------------------------- C: the busiest stage
@@ -174,80 +253,77 @@ def test_stage_layers(impl):
         expect_equal(list(stage_layers(l, p)), want, f"stage_layers({l}, {p}): layers per stage", keys="stage")
 
 
+NOPIPE = [
+    (GPT13, plan.Layout(micro_batch=2, recompute='none'), 2048, 2, 31827705856.0),
+    (GPT13, plan.Layout(micro_batch=2, recompute='selective'), 2048, 2, 7668514816.0),
+]
+FULL = [
+    (GPT13, plan.Layout(recompute='full'), 2048, 1, 1258954752.0),
+]
+INFLIGHT = [
+    (GPT13, plan.Layout(pp=4, v=1, schedule='1f1b', recompute='selective', tp=2), 2048, 16, 1711276032.0),
+    (GPT13, plan.Layout(pp=4, v=1, schedule='gpipe', recompute='selective', tp=2), 2048, 16, 6845104128.0),
+    (GPT13, plan.Layout(pp=4, v=2, schedule='interleaved', recompute='selective', tp=2), 2048, 16, 2353004544.0),
+]
+LAST = [
+    (LLAMA, plan.Layout(pp=2, recompute='selective'), 8192, 1, 22456303616.0),
+    (LLAMA, plan.Layout(pp=2, tp=2, cp=2, recompute='selective'), 8192, 1, 5614075904.0),
+    (LLAMA, plan.Layout(pp=2, recompute='selective', schedule='gpipe'), 8192, 4, 73014444032.0),
+    (LLAMA, plan.Layout(pp=2, recompute='selective'), 1024, 8, 4563402752.0),
+]
+BUF = [
+    (LLAMA, plan.Layout(), 8192, 0.0),
+    (LLAMA, plan.Layout(dp=2), 8192, 25000000.0),
+    (LLAMA, plan.Layout(cp=2), 8192, 25000000.0),
+    (LLAMA, plan.Layout(tp=2), 8192, 67108864.0),
+    (LLAMA, plan.Layout(pp=2), 8192, 134217728.0),
+    (LLAMA, plan.Layout(pp=2, tp=2), 8192, 134217728.0),
+    (LLAMA, plan.Layout(pp=2, tp=2, cp=2), 8192, 92108864.0),
+    (LLAMA, plan.Layout(dp=8, zero=3), 8192, 526874688.0),
+    (LLAMA, plan.Layout(dp=4, tp=2, zero=3), 8192, 343046208.0),
+]
+
+
+def _activations(rows, what):
+    for model, lay, s, batch, want in rows:
+        _approx(plan.memory_per_gpu(model, lay, s, batch)["activations"], want,
+                f"{what(model)}, s = {s}, {lay}, global batch {batch}: activation bytes")
+
+
+def _name(model):
+    return {id(GPT13): "GPT-3 1.3B", id(LLAMA): "Llama 3 8B"}[id(model)]
+
+
 @observes("ex10.C.logits", "ex10.C.one_stage")
 def test_activations_without_pipeline(impl):
     """One GPU, one micro-batch: the peak activation bytes."""
-    s = 2048
-    for rc in ("none", "selective"):
-        lay = plan.Layout(micro_batch=2, recompute=rc)
-        want = GPT13.n_layer * plan.layer_activation_bytes(GPT13, lay, s) + _logits(GPT13, lay, s)
-        _approx(plan.memory_per_gpu(GPT13, lay, s, 2)["activations"], want,
-                f"GPT-3 1.3B, one GPU, micro-batch 2, recompute={rc!r}: activation bytes")
+    _activations(NOPIPE, _name)
 
 
 @observes("ex10.C.recompute")
 def test_full_recompute_adds_one_layer(impl):
     """Full recomputation: the peak activation bytes."""
-    s, lay = 2048, plan.Layout(recompute="full")
-    per = 2 * s * GPT13.hidden
-    rebuilt = cost.recompute_activation_bytes(s, 1, GPT13.hidden, GPT13.n_head)
-    want = GPT13.n_layer * per + rebuilt + _logits(GPT13, lay, s)
-    _approx(plan.memory_per_gpu(GPT13, lay, s, 1)["activations"], want,
-            "GPT-3 1.3B, full recomputation: activation bytes")
+    _activations(FULL, _name)
 
 
 @observes("ex10.C.in_flight")
 def test_pipeline_in_flight(impl):
-    """1F1B, GPipe and interleaved 1F1B: the first stage's activation bytes in flight."""
-    s = 2048
-    for sched, v, n in (("1f1b", 1, 4), ("gpipe", 1, 16), ("interleaved", 2, (2 * 3 + 4 + 1) / 2)):
-        lay = plan.Layout(pp=4, v=v, schedule=sched, recompute="selective", tp=2)
-        per = plan.layer_activation_bytes(GPT13, lay, s)
-        want = n * math.ceil(GPT13.n_layer / 4) * per
-        _approx(plan.memory_per_gpu(GPT13, lay, s, 16)["activations"], want,
-                f"GPT-3 1.3B, pp = 4, {sched} (v = {v}), 16 micro-batches: activation bytes of the first stage")
+    """1F1B, GPipe and interleaved 1F1B on 4 stages, 16 micro-batches: the busiest stage's activation bytes."""
+    _activations(INFLIGHT, _name)
 
 
 @observes("ex10.C.last_stage", "ex10.C.logits")
 def test_last_stage_with_big_logits(impl):
-    """One micro-batch on two stages, big logits: which stage is the busiest, and its bytes."""
-    s, lay = 8192, plan.Layout(pp=2, recompute="selective")
-    per = plan.layer_activation_bytes(LLAMA, lay, s)
-    first, last = 16 * per, 16 * per + _logits(LLAMA, lay, s)
-    _approx(plan.memory_per_gpu(LLAMA, lay, s, 1)["activations"], last,
-            "Llama 3 8B, pp = 2, one micro-batch: activation bytes")
-    lay = plan.Layout(pp=2, tp=2, cp=2, recompute="selective")             # logits: s/cp tokens, V/tp each
-    per = plan.layer_activation_bytes(LLAMA, lay, s)
-    _approx(plan.memory_per_gpu(LLAMA, lay, s, 1)["activations"], 16 * per + _logits(LLAMA, lay, s),
-            "Llama 3 8B, pp = 2, tp = 2, cp = 2, one micro-batch: activation bytes")
-    lay = plan.Layout(pp=2, recompute="selective", schedule="gpipe")      # 4 micro-batches in flight
-    _approx(plan.memory_per_gpu(LLAMA, lay, s, 4)["activations"], 4 * first,
-            "Llama 3 8B, pp = 2, GPipe, 4 micro-batches: activation bytes")
-    lay = plan.Layout(pp=2, recompute="selective")                        # 1F1B: the last stage holds one
-    _approx(plan.memory_per_gpu(LLAMA, lay, 1024, 8)["activations"],
-            max(2 * 16, 16) * plan.layer_activation_bytes(LLAMA, lay, 1024),
-            "Llama 3 8B, s = 1024, pp = 2, 1F1B, 8 micro-batches: activation bytes")
+    """Two stages, big logits, one and several micro-batches: which stage is the busiest, and its bytes."""
+    _activations(LAST, _name)
 
 
 @observes("ex10.C.bucket", "ex10.C.sp_input", "ex10.C.boundary", "ex10.C.zero3")
 def test_buffers(impl):
     """The communication buffers of each kind of parallelism, and their total."""
-    s, sbh, psi = 8192, 8192 * 4096, LLAMA.num_params()
-    cases = ((plan.Layout(), 0.0, "one GPU: no buffer"),
-             (plan.Layout(dp=2), 25e6, "dp = 2"),
-             (plan.Layout(cp=2), 25e6, "cp = 2"),
-             (plan.Layout(tp=2), 2 * sbh, "tp = 2"),
-             (plan.Layout(pp=2), 2 * 2 * sbh, "pp = 2"),
-             (plan.Layout(pp=2, tp=2), 2 * sbh + 2 * 2 * sbh / 2,
-              "pp = 2, tp = 2"),
-             (plan.Layout(pp=2, tp=2, cp=2), 25e6 + sbh + 2 * sbh / 2,
-              "pp = 2, tp = 2, cp = 2"),
-             (plan.Layout(dp=8, zero=3), 25e6 + 2 * psi / LLAMA.n_layer, "dp = 8, ZeRO-3"),
-             (plan.Layout(dp=4, tp=2, zero=3), 25e6 + 2 * sbh + 2 * psi / LLAMA.n_layer / 2,
-              "dp = 4, tp = 2, ZeRO-3"))
-    for lay, want, what in cases:
-        _approx(comm_buffer_bytes(LLAMA, lay, s), want, f"Llama 3 8B, s = {s}, {what}: buffer bytes")
-    m = plan.memory_per_gpu(LLAMA, plan.Layout(dp=4, tp=2, zero=3, recompute="selective"), s, 4)
-    _approx(m["buffers"], 25e6 + 2 * sbh + 2 * psi / LLAMA.n_layer / 2,
-            "Llama 3 8B, dp = 4, tp = 2, ZeRO-3: memory_per_gpu's buffers")
+    for model, lay, s, want in BUF:
+        _approx(comm_buffer_bytes(model, lay, s), want, f"Llama 3 8B, s = {s}, {lay}: buffer bytes")
+    lay = plan.Layout(dp=4, tp=2, zero=3, recompute="selective")
+    m = plan.memory_per_gpu(LLAMA, lay, 8192, 4)
+    _approx(m["buffers"], comm_buffer_bytes(LLAMA, lay, 8192), f"Llama 3 8B, {lay}: memory_per_gpu's buffers")
     _approx(m["total"], sum(v for k, v in m.items() if k != "total"), "memory_per_gpu's total")

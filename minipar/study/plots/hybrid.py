@@ -60,9 +60,9 @@ def mesh_figure(mesh: ProcessMesh, highlight: int | None = None, title: str | No
                            showarrow=False)
     five = mesh.cp > 1 or mesh.ep > 1
     fig.update_layout(title=title or (
-                      f"dp={mesh.dp} × cp={mesh.cp} × pp={mesh.pp} × tp={mesh.tp}, ep={mesh.ep} of dp·cp<br>"
-                      "rank = ((p·dp + d)·cp + c)·tp + t" if five else
-                      f"dp={mesh.dp} × pp={mesh.pp} × tp={mesh.tp}: rank = p·(dp·tp) + d·tp + t"),
+                      f"dp={mesh.dp} × cp={mesh.cp} × pp={mesh.pp} × tp={mesh.tp}, ep={mesh.ep} of dp·cp: "
+                      "every rank, its (p, d, c, t) and its groups" if five else
+                      f"dp={mesh.dp} × pp={mesh.pp} × tp={mesh.tp}: every rank, its (p, d, t) and its groups"),
                       height=180 + 90 * mesh.dp, showlegend=True, width=max(700, 110 * mesh.pp * width),
                       xaxis=dict(visible=False), yaxis=dict(visible=False, range=[-mesh.dp + 0.3, 0.9]),
                       margin=dict(t=80 if five else 60, b=10, l=10, r=10))

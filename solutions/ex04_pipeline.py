@@ -97,12 +97,17 @@ def one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
     ``Action("B", i, rank)`` for the m micro-batches (``rank`` holds stage ``rank``).
 
     Contract:
-    - ex04.B.valid: together the p ranks' orders are a valid schedule (no deadlock, each F
-      before its B), for every p and m, m < p included.
+    - ex04.B.valid: every rank's order has exactly 2m actions, one F and one B of each
+      micro-batch 0..m-1 on its own stage, the Fs in micro-batch order and the Bs too, each
+      F before its B; with sends and receives added (``add_comms``) the p ranks' orders run
+      without deadlock (``pipeline.check_schedule``), for every p and m, m < p included.
     - ex04.B.bubble: it keeps GPipe's bubble, (p-1)/m of the busy time
       (``pipeline.bubble``).
-    - ex04.B.memory: rank r holds at most min(p - r, m) micro-batches of activations at
-      once."""
+    - ex04.B.memory: at no point of its order does rank r hold the activations of more than
+      min(p - r, m) micro-batches (held from a micro-batch's F to its B;
+      ``pipeline.peak_stash``).
+    - ex04.B.own: the order is built here, without calling the library's other schedules
+      (``gpipe``, ``zb_h1``, ``interleaved_1f1b``, or ``make_schedule``, which calls them)."""
     warmup = min(p - rank - 1, m)
     out = [Action("F", i, rank) for i in range(warmup)]
     for i in range(m - warmup):
@@ -142,7 +147,10 @@ class Pipeline:
           last stage, None elsewhere.
         - ex04.C.clean: a second step starts from a clean state (its losses are one
           process's too).
-        - ex04.C.peak: afterwards ``peak_stash`` is the most micro-batches held at once."""
+        - ex04.C.peak: afterwards ``peak_stash`` is the most micro-batches held at once.
+        - ex04.C.batched: every send and receive is posted inside a ``batched()`` block
+          (``minipar.comm.p2p``), one block per run of messages between two computes
+          (under NCCL a block is one batch; Gloo's messages go out at once either way)."""
         m = self.schedule.m
         if inputs.shape[0] % m:
             raise ValueError(f"batch of {inputs.shape[0]} cannot be cut into m={m} equal micro-batches")
@@ -172,13 +180,20 @@ from minipar.pipeline.schedules import Action
 def add_comms(order: list[Action], p: int, n_stages: int) -> list[Action]:
     """Given: ``order`` is one rank's compute order over ``n_stages`` stages (stage s on rank s
     mod p); ``Action(op, microbatch, stage, peer)``, the message kinds ``SEND_F``/``RECV_F``
-    (an activation leaving/entering ``stage``) and ``SEND_B``/``RECV_B`` (a gradient).
+    (an activation leaving/entering ``stage``) and ``SEND_B``/``RECV_B`` (a gradient), with
+    ``stage`` the stage of the compute that produces (SEND) or reads (RECV) the tensor.
 
     Contract:
-    - ex04.C.comms: a receive right before every F or B that needs a tensor from another
-      stage, a send right after every F or B that produced one, none at the ends of the
-      pipeline (W crosses no boundary).
-    - ex04.C.peer: the peer of a message is the rank holding the other stage."""
+    - ex04.C.keep: the result holds ``order``'s compute actions unchanged and in their
+      order, and otherwise only sends and receives.
+    - ex04.C.comms: every tensor that crosses a stage boundary (an F's output to the next
+      stage, a B's input gradient to the previous one) has exactly one send, after the
+      compute that produced it and before the rank's next compute, and exactly one receive,
+      after the receiving rank's previous compute and before the compute that reads it;
+      nothing else is sent (not from the ends of the pipeline, not by W).
+    - ex04.C.peer: the peer of a message is the rank holding the other stage.
+    - ex04.C.deadlock: a send never waits, a receive waits for its message: in that model
+      the p ranks' actions finish for every schedule's orders (``pipeline.check_schedule``)."""
     out = []
     for a in order:
         before = after = []

@@ -1,7 +1,8 @@
 """ch04 cannot be passed by calling the library's answer: a learner's file that takes ZB-H1 (or
-any generator) from ``minipar.pipeline`` is refused before grading, naming the line, and the
-library's ZB-H1 itself would meet both goals (which is why it is forbidden). The goals' planted
-failures (GPipe, 1F1B, W right after B, a deadlock) are in ``tests/test_challenges.py``."""
+any generator) from ``minipar.pipeline`` is refused before grading, naming the line; and ZB-H1
+copied out (the library's own zero-bubble schedule) meets the bubble goal but not the memory
+goal (it holds p micro-batches, 5 at p = 5). The goals' other planted failures (GPipe, 1F1B,
+1F1B cut to 4 held, a deadlock) are in ``tests/test_challenges.py``."""
 import types
 
 import pytest
@@ -33,8 +34,12 @@ def test_the_librarys_schedule_is_refused(tmp_path, monkeypatch, line):
         challenge.load("ch04_schedule", "exercise")
 
 
-def test_the_librarys_zb_h1_would_pass_and_the_solution_loads(tmp_path, monkeypatch):
-    ch04.test_bubble_goal(types.SimpleNamespace(__name__="planted", schedule=pp.zb_h1))
+def test_a_zb_h1_copy_fails_the_memory_goal_and_the_solution_loads(tmp_path, monkeypatch):
+    copied = types.SimpleNamespace(__name__="planted", schedule=pp.zb_h1)
+    ch04.test_is_a_valid_schedule(copied)
+    ch04.test_bubble_goal(copied)
+    with pytest.raises(GradeFailure, match=r"memory: p = 5, m = 5: rank 0 holds 5 micro-batches at once"):
+        ch04.test_memory_goal(copied)
     (tmp_path / "challenges").mkdir()
     (tmp_path / "challenges" / "ch04_schedule.py").write_text(STUB)
     monkeypatch.setenv(EXERCISES_ENV, str(tmp_path))

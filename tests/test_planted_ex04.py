@@ -17,19 +17,42 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         g.test_partition_rejects_too_many_stages, r"raises ``ValueError`` unless 1 <= p <= L"),
     "ex04.B.valid": (
         [(STEADY, '        out += [Action("B", i, rank), Action("F", warmup + i, rank)]')],
-        g.test_one_f_one_b_is_a_valid_schedule, r"check_schedule says .* \(a valid schedule \(no deadlock"),
+        g.test_one_f_one_b_is_valid, r"action \d+ \(B0s\d\): B0 before F0 .*each F before its B"),
     "ex04.B.bubble": (
         [("    warmup = min(p - rank - 1, m)\n    out = [", "    warmup = min(1, p - rank - 1, m)\n    out = [")],
-        g.test_one_f_one_b_is_a_valid_schedule, r"bubble .* \(keep GPipe's bubble\)"),
-    "ex04.B.memory": (
+        g.test_one_f_one_b_bubble, r"idles .* \(keep GPipe's bubble\)"),
+    "ex04.B.memory": (        # one warm-up forward too many: p - r + 1 held
         [("    warmup = min(p - rank - 1, m)\n    out = [", "    warmup = min(p - rank, m)\n    out = [")],
-        g.test_one_f_one_b_is_a_valid_schedule, r"rank r hold at most min\(p - r, m\) micro-batches"),
+        g.test_one_f_one_b_memory, r"rank 0, action \d+ \(F\d+s0\): \d+ micro-batches held after it, the bound is "
+        r"min\(p - r, m\) = \d+ \(rank r holds the activations of at most min\(p - r, m\)"),
+    "ex04.B.own": (
+        [("    warmup = min(p - rank - 1, m)\n    out = [",
+          "    from minipar.pipeline import zb_h1\n"
+          "    return [a for a in zb_h1(p, m, rank) if a.op != 'W']\n    warmup = min(p - rank - 1, m)\n    out = [")],
+        g.test_one_f_one_b_builds_its_own_order, r"one_f_one_b\(1, 1, 0\) called one of the library's schedules"),
+    "ex04.C.keep": (
+        [("        out += before + [a] + after", "        out += before + [a] + after + ([a] if a.op == 'W' else [])")],
+        g.test_add_comms, r"ZB-H1, p = 2, m = 2, rank 0, compute action 4: expected B1s0, got W0s0 \(the result holds order's "
+        r"compute actions unchanged"),
     "ex04.C.comms": (
         [("        out += before + [a] + after", "        out += [a] + before + after")],
-        g.test_add_comms, r"GPipe, p = 3, m = 2: rank 0's actions"),
+        g.test_add_comms, r"GPipe, p = 2, m = 2, rank 0, action 5 \(RECV_B0s0<-1\): outside the span .*exactly one send"),
     "ex04.C.peer": (
         [("src % p)] if 0 <= src", "src)] if 0 <= src"), ("dst % p)] if 0 <= dst", "dst)] if 0 <= dst")],
-        g.test_add_comms, r"interleaved 1F1B, p = 2, m = 2, v = 2: rank 0's actions"),
+        g.test_add_comms, r"interleaved 1F1B, p = 2, m = 2, rank 0, action 6 \(SEND_F0s2->3\): peer 3, stage's rank 1 "
+        r"\(the peer of a message is the rank holding the other stage\)"),
+    "ex04.C.deadlock": (     # each run of messages posts its receives before its sends
+        [("        out += before + [a] + after\n    return out",
+          "        out += before + [a] + after\n"
+          "    runs = [[]]\n"
+          "    for a in out:\n"
+          "        runs[-1].append(a)\n"
+          "        if a.op in ('F', 'B', 'W'):\n"
+          "            runs.append([])\n"
+          "    return [a for run in runs for a in sorted(run, key=lambda a: (a.op in ('F', 'B', 'W'), "
+          "not a.op.startswith('RECV')))]")],
+        g.test_add_comms_cannot_deadlock, r"GPipe, p = 2, m = 2: the simulation stops: .*deadlocks.* \(in that model the p "
+        r"ranks' actions finish"),
     "ex04.C.divide": (
         [("        if inputs.shape[0] % m:\n", "        if False:\n")],
         g.test_pipeline_step, r"a batch m does not divide is a ValueError"),
@@ -39,6 +62,9 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
     "ex04.C.clean": (
         [("targets.chunk(m), 0.0", 'targets.chunk(m), getattr(self, "loss", 0.0)')],
         g.test_pipeline_step, r"(?s)step 1: loss.*seen: step 0's loss equals one process's"),
+    "ex04.C.batched": (
+        [("            with nullcontext() if compute else batched():", "            with nullcontext():")],
+        g.test_pipeline_step, r"message 0 posted outside any batched\(\) block \(every send and receive is posted"),
     "ex04.C.peak": (
         [("        self.peak_stash = self.stash.peak", "        self.peak_stash = len(self.stash)")],
         g.test_trains_the_gpt, r"the most micro-batches held at once"),
@@ -46,3 +72,12 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
 
 
 test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex04", g, PLANTS)
+
+
+def test_a_warm_up_not_capped_at_m_fails_where_m_is_below_p(tmp_path):
+    """1F1B whose warm-up ignores m runs forwards of micro-batches that do not exist once m < p."""
+    from tests.planted import fails, planted
+    with planted("ex04", tmp_path, ("    warmup = min(p - rank - 1, m)\n    out = [",
+                                    "    warmup = p - rank - 1\n    out = [")):
+        fails(g.test_one_f_one_b_is_valid, match=r"p = 3, m = 1, rank 0, action 1 \(F1s0\): the Fs so far ran "
+              r"micro-batches 0\.\.0, this one is micro-batch 1 \(m = 1\) \(every rank's order has exactly 2m")

@@ -96,10 +96,11 @@ def _challenge(name, *edits):
 
 
 CHALLENGE_PLANTS = {
-    # a hand-written ZB-H1 whose warm-up is not capped at m: valid at (4, 8), invalid at (4, 2)
-    "ch04: ZB-H1 with a warm-up not capped at m": (
-        "ch04_schedule", [("    warmup = min(p - rank - 1, m)", "    warmup = p - rank - 1")],
-        ch04.test_is_a_valid_schedule, r"not a valid schedule for p=3, m=1: F1s0 out of range"),
+    # the list scheduler letting a rank start one forward past the cap: 5 held, smaller bubble
+    "ch04: a list scheduler one forward past the cap": (
+        "ch04_schedule", [("ready_f = i < m and held[r] < CAP", "ready_f = i < m and held[r] <= CAP"),
+                          ("if held[r] >= CAP and pending_w[r]:", "if held[r] > CAP and pending_w[r]:")],
+        ch04.test_memory_goal, r"memory: p = \d, m = \d+: rank \d holds 5 micro-batches at once"),
 }
 
 
@@ -107,8 +108,9 @@ CHALLENGE_PLANTS = {
 def test_wrong_challenge_answer_fails_naming_its_goal(case):
     name, edits, test, match = CHALLENGE_PLANTS[case]
     planted_module = _challenge(name, *edits)
-    for other in (ch04.test_memory_goal, ch04.test_bubble_goal):   # it meets the goals at p=4, m=8
-        other(planted_module)
+    for other in (ch04.test_is_a_valid_schedule, ch04.test_memory_goal, ch04.test_bubble_goal):
+        if other is not test:          # it misses one goal only
+            other(planted_module)
     with pytest.raises(GradeFailure, match=match):
         test(planted_module)
 

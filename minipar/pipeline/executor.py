@@ -91,6 +91,9 @@ class Pipeline:
     #     None elsewhere.
     # ex04.C.clean: a second step starts from a clean state (its losses are one process's too).
     # ex04.C.peak: afterwards ``peak_stash`` is the most micro-batches held at once.
+    # ex04.C.batched: every send and receive is posted inside a ``batched()`` block
+    #     (``minipar.comm.p2p``), one block per run of messages between two computes (under NCCL
+    #     a block is one batch; Gloo's messages go out at once either way).
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Forward and backward of one batch (gradients accumulate into ``.grad``); returns
         the batch's mean loss on the rank holding the last stage, ``None`` elsewhere."""

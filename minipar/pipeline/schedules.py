@@ -10,10 +10,9 @@ A batch is cut into ``m`` micro-batches. An :class:`Action` is one of
 * ``SEND_F``/``RECV_F`` the activation leaving/entering stage s, ``SEND_B``/``RECV_B``
   the gradient leaving/entering stage s, with ``peer`` the other rank (group-local).
 
-The generators below return each rank's *compute* order; :func:`add_comms` inserts the
-sends (posted right after the compute that produced the tensor, never waited on) and the
-receives (right before the compute that needs it; under NCCL the executor posts them earlier,
-:mod:`.posting`). The same :class:`Schedule` drives
+The generators below return each rank's *compute* order; :func:`add_comms` adds the sends
+and receives that make it runnable (a send is never waited on; under NCCL the executor posts
+the receives earlier, :mod:`.posting`). The same :class:`Schedule` drives
 :class:`minipar.pipeline.Pipeline` (real training) and :func:`minipar.pipeline.simulate`.
 
 * GPipe / all-forward-all-backward (Huang et al. 2019): all m forwards, then all m
@@ -88,10 +87,15 @@ def gpipe(p: int, m: int, rank: int) -> list[Action]:
 # Contract:
 # Given: the result is ``rank``'s compute order, a list of ``Action("F", i, rank)`` and
 #     ``Action("B", i, rank)`` for the m micro-batches (``rank`` holds stage ``rank``).
-# ex04.B.valid: together the p ranks' orders are a valid schedule (no deadlock, each F before
-#     its B), for every p and m, m < p included.
+# ex04.B.valid: every rank's order has exactly 2m actions, one F and one B of each micro-batch
+#     0..m-1 on its own stage, the Fs in micro-batch order and the Bs too, each F before its B;
+#     with sends and receives added (``add_comms``) the p ranks' orders run without deadlock
+#     (``pipeline.check_schedule``), for every p and m, m < p included.
 # ex04.B.bubble: it keeps GPipe's bubble, (p-1)/m of the busy time (``pipeline.bubble``).
-# ex04.B.memory: rank r holds at most min(p - r, m) micro-batches of activations at once.
+# ex04.B.memory: at no point of its order does rank r hold the activations of more than
+#     min(p - r, m) micro-batches (held from a micro-batch's F to its B; ``pipeline.peak_stash``).
+# ex04.B.own: the order is built here, without calling the library's other schedules
+#     (``gpipe``, ``zb_h1``, ``interleaved_1f1b``, or ``make_schedule``, which calls them).
 def one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
     """1F1B's compute order on ``rank`` of ``p`` for ``m`` micro-batches: GPipe's bubble, at most
     ``min(p - rank, m)`` micro-batches held."""
@@ -106,9 +110,8 @@ def one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
 
 
 def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[Action]:
-    """Megatron's interleaved 1F1B: forward k is micro-batch ``(k // pv)·p + k % p`` on
-    virtual chunk ``(k // p) % v``; backwards visit the chunks in reverse. Warm-up
-    ``2(p - rank - 1) + (v - 1)·p`` forwards (all of them when m == p)."""
+    """Megatron's interleaved 1F1B on ``rank``: the micro-batches go round the ranks v times in
+    groups of p, forwards through the virtual chunks in order, backwards in reverse."""
     total = m * v
 
     def unit(k: int, forward: bool) -> tuple[int, int]:
@@ -143,14 +146,21 @@ def zb_h1(p: int, m: int, rank: int) -> list[Action]:
 # Contract:
 # Given: ``order`` is one rank's compute order over ``n_stages`` stages (stage s on rank s mod p);
 #     ``Action(op, microbatch, stage, peer)``, the message kinds ``SEND_F``/``RECV_F`` (an
-#     activation leaving/entering ``stage``) and ``SEND_B``/``RECV_B`` (a gradient).
-# ex04.C.comms: a receive right before every F or B that needs a tensor from another stage, a
-#     send right after every F or B that produced one, none at the ends of the pipeline (W
-#     crosses no boundary).
+#     activation leaving/entering ``stage``) and ``SEND_B``/``RECV_B`` (a gradient), with
+#     ``stage`` the stage of the compute that produces (SEND) or reads (RECV) the tensor.
+# ex04.C.keep: the result holds ``order``'s compute actions unchanged and in their order, and
+#     otherwise only sends and receives.
+# ex04.C.comms: every tensor that crosses a stage boundary (an F's output to the next stage, a
+#     B's input gradient to the previous one) has exactly one send, after the compute that
+#     produced it and before the rank's next compute, and exactly one receive, after the
+#     receiving rank's previous compute and before the compute that reads it; nothing else is
+#     sent (not from the ends of the pipeline, not by W).
 # ex04.C.peer: the peer of a message is the rank holding the other stage.
+# ex04.C.deadlock: a send never waits, a receive waits for its message: in that model the p
+#     ranks' actions finish for every schedule's orders (``pipeline.check_schedule``).
 def add_comms(order: list[Action], p: int, n_stages: int) -> list[Action]:
-    """Insert RECV before and SEND after every compute that crosses a stage boundary: F
-    receives from stage s-1 and sends to s+1, B the other way round."""
+    """``order`` with the sends and receives of its stage boundaries: the rank's actions, ready
+    for :class:`Schedule`."""
     # >>> ex04 C
     out = []
     for a in order:

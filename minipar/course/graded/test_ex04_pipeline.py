@@ -30,7 +30,7 @@ import minipar
 from minipar import cost
 from minipar import data, reference, strategy
 from minipar import pipeline as pp
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, expect_schedule, observes
+from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, observes
 from minipar.pipeline.schedules import Action
 from minipar.models import GPT, GPTConfig
 
@@ -125,54 +125,140 @@ def test_partition_rejects_too_many_stages(impl):
                   "unless 1 <= p <= L)")
 
 
-@observes("ex04.B.valid")
-def test_one_f_one_b_order(impl):
-    """The 1F1B order on the first and last of 4 ranks, 6 micro-batches."""
-    fmt = lambda acts: [f"{a.op}{a.microbatch}" for a in acts]  # noqa: E731
-    expect_schedule({r: fmt(pp.one_f_one_b(4, 6, r)) for r in (0, 3)},
-                    {0: "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5".split(), 3: "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5".split()},
-                    "1F1B schedule, p = 4, m = 6 (a valid schedule (no deadlock, each F before its B))")
-    expect_schedule({1: fmt(pp.one_f_one_b(4, 2, 1))}, {1: "F0 F1 B0 B1".split()},
-                    "1F1B schedule, p = 4, m = 2 (a valid schedule (no deadlock, each F before its B))")
-    stages = [a.stage for a in pp.one_f_one_b(4, 5, 2)]
-    expect_equal(stages, [2] * len(stages), "the stage of each action one_f_one_b(4, 5, rank=2) returns", keys="action")
+GRID = [(p, m) for p in range(1, 7) for m in range(1, 11)]   # m < p too
 
 
-@observes("ex04.B.valid", "ex04.B.bubble", "ex04.B.memory")
-def test_one_f_one_b_is_a_valid_schedule(impl):
-    """For p = 1..5 and m = 1..9: no deadlock, F before B, 1F1B's bubble and memory."""
-    for p in range(1, 6):
-        for m in range(1, 10):
-            s = pp.make_schedule("1f1b", p, m)
+def _order_fault(order, p, m, r):
+    """The first action of rank r's compute order that breaks ex04.B.valid, as text, or None."""
+    done, want = {"F": 0, "B": 0}, 2 * m
+    for k, a in enumerate(order):
+        where = f"p = {p}, m = {m}, rank {r}, action {k} ({a!r})"
+        if getattr(a, "op", None) not in ("F", "B") or a.stage != r:
+            return f"{where}: not an F or B of stage {r}"
+        if a.microbatch != done[a.op] or a.microbatch >= m:
+            return (f"{where}: the {a.op}s so far ran micro-batches 0..{done[a.op] - 1}, this one is "
+                    f"micro-batch {a.microbatch} (m = {m})")
+        if a.op == "B" and done["F"] <= a.microbatch:
+            return f"{where}: B{a.microbatch} before F{a.microbatch}"
+        done[a.op] += 1
+    if len(order) != want:
+        return f"p = {p}, m = {m}, rank {r}: {len(order)} actions, expected 2m = {want}"
+    return None
+
+
+def _held_fault(order, p, m, r):
+    """The first action after which rank r holds more than min(p - r, m) micro-batches, or None."""
+    held, bound = 0, min(p - r, m)
+    for k, a in enumerate(order):
+        held += (a.op == "F") - (a.op == "B")
+        if held > bound:
+            return (f"p = {p}, m = {m}, rank {r}, action {k} ({a!r}): {held} micro-batches held after it, "
+                    f"the bound is min(p - r, m) = {bound}")
+    return None
+
+
+def _run(orders, p):
+    """Unit-time run of p compute orders (F = B = 1): an F of micro-batch i waits for stage s-1's F
+    of i, a B for stage s+1's B of i. Returns (the step's span, busy time per rank), or the text of
+    where it stops (a deadlock)."""
+    done, clock, at = {}, [0] * p, [0] * p
+    while any(at[r] < len(orders[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while at[r] < len(orders[r]):
+                a = orders[r][at[r]]
+                dep = (("F", a.microbatch, r - 1) if a.op == "F" and r > 0 else
+                       ("B", a.microbatch, r + 1) if a.op == "B" and r < p - 1 else None)
+                if dep is not None and dep not in done:
+                    break
+                clock[r] = max(clock[r], done.get(dep, 0)) + 1
+                done[a.op, a.microbatch, r] = clock[r]
+                at[r], moved = at[r] + 1, True
+        if not moved:
+            stuck = ", ".join(f"rank {r} at action {at[r]} ({orders[r][at[r]]!r})" for r in range(p)
+                              if at[r] < len(orders[r]))
+            return f"every unfinished rank waits: {stuck}"
+    return max(clock), [sum(1 for _ in o) for o in orders]
+
+
+def _refused(*args, **kwargs):
+    raise LookupError("a library schedule called inside one_f_one_b")
+
+
+class _OwnOrder:
+    """Inside: the library's other schedules raise when called (their code swapped, so every path
+    to them, ``make_schedule`` included, is caught)."""
+
+    def __enter__(self):
+        from minipar.pipeline import schedules
+        self.saved = [(f, f.__code__) for f in (schedules.gpipe, schedules.zb_h1, schedules.interleaved_1f1b)]
+        for f, _ in self.saved:
+            f.__code__ = _refused.__code__
+        return self
+
+    def __exit__(self, *exc):
+        for f, code in self.saved:
+            f.__code__ = code
+        return False
+
+
+@observes("ex04.B.own")
+def test_one_f_one_b_builds_its_own_order(impl):
+    """one_f_one_b(p, m, rank) runs with the library's other schedules (GPipe, ZB-H1, interleaved)
+    switched off, for p = 1..6 and m = 1..10."""
+    for p, m in GRID:
+        for r in range(p):
             try:
-                pp.check_schedule(s)
-            except (AssertionError, pp.Deadlock) as e:
-                expect(False, f"p = {p}, m = {m}: check_schedule says {e} (a valid schedule (no deadlock, each F "
-                              f"before its B))\n{s.table()}")
-            bubble = max(pp.bubble(s))
-            expect(bubble == pytest.approx(cost.bubble_fraction("1f1b", p, m)),
-                   f"p = {p}, m = {m}: bubble {bubble:.4f}, expected GPipe's (p-1)/m = "
-                   f"{cost.bubble_fraction('1f1b', p, m):.4f} (keep GPipe's bubble)\n{s.table()}")
-            expect_equal(pp.peak_stash(s), [min(p - r, m) for r in range(p)],
-                         f"p = {p}, m = {m}: peak micro-batches held, per rank (rank r hold at most min(p - r, m) "
-                         "micro-batches)", keys="rank")
-            fmt = {r: [f"{a.op}{a.microbatch}" for a in pp.one_f_one_b(p, m, r)] for r in range(p)}
-            want = {r: [f"{a.op}{a.microbatch}" for a in _one_f_one_b(p, m, r)] for r in range(p)}
-            with diagnose(m < p, f"m = {m} < p = {p}"):
-                expect_schedule(fmt, want, f"1F1B schedule, p = {p}, m = {m}")
+                with _OwnOrder():
+                    pp.one_f_one_b(p, m, r)
+            except LookupError:
+                expect(False, f"one_f_one_b({p}, {m}, {r}) called one of the library's schedules (the order is "
+                              "built here, without calling the library's other schedules)")
 
 
-def _one_f_one_b(p, m, rank):
-    """The expected order, written independently: warm-up, alternate, cool-down."""
-    from collections import namedtuple
-    Act = namedtuple("Act", "op microbatch")
-    warm = min(p - rank - 1, m)
-    out = [Act("F", i) for i in range(warm)]
-    f, b = warm, 0
-    while f < m:
-        out += [Act("F", f), Act("B", b)]
-        f, b = f + 1, b + 1
-    return out + [Act("B", i) for i in range(b, m)]
+@observes("ex04.B.valid")
+def test_one_f_one_b_is_valid(impl):
+    """For p = 1..6 and m = 1..10 (m < p too): every rank's order holds 2m actions, each micro-batch's
+    F and B once on its stage, in micro-batch order, F before B; together the ranks run without
+    deadlock. A failure names the first wrong action and its index."""
+    for p, m in GRID:
+        orders = [list(pp.one_f_one_b(p, m, r)) for r in range(p)]
+        for r, order in enumerate(orders):
+            fault = _order_fault(order, p, m, r)
+            expect(fault is None, f"{fault} (every rank's order has exactly 2m actions, one F and one B of each "
+                                  "micro-batch on its own stage, in micro-batch order, each F before its B)")
+        ran = _run(orders, p)
+        expect(not isinstance(ran, str), f"p = {p}, m = {m}: {ran} (the p ranks' orders run without deadlock)")
+
+
+@observes("ex04.B.memory")
+def test_one_f_one_b_memory(impl):
+    """For p = 1..6 and m = 1..10: rank r never holds more than min(p - r, m) micro-batches (from a
+    micro-batch's F to its B). A failure names the first action past the bound."""
+    for p, m in GRID:
+        for r in range(p):
+            fault = _held_fault(list(pp.one_f_one_b(p, m, r)), p, m, r)
+            expect(fault is None, f"{fault} (rank r holds the activations of at most min(p - r, m) micro-batches)")
+
+
+@observes("ex04.B.bubble")
+def test_one_f_one_b_bubble(impl):
+    """For p = 1..6 and m = 1..10, run in unit time (F = B = 1, each waiting for the stage it needs):
+    the worst rank idles (p-1)/m of its busy time, GPipe's bubble."""
+    for p, m in GRID:
+        orders = [list(pp.one_f_one_b(p, m, r)) for r in range(p)]
+        if any(_order_fault(o, p, m, r) for r, o in enumerate(orders)):
+            continue                                    # test_one_f_one_b_is_valid names it
+        ran = _run(orders, p)
+        if isinstance(ran, str):
+            continue                                    # a deadlock: test_one_f_one_b_is_valid names it
+        span, busy = ran
+        bubble = [(span - c) / c for c in busy]
+        want = cost.bubble_fraction("1f1b", p, m)
+        worst = max(range(p), key=lambda r: bubble[r])
+        expect(bubble[worst] == pytest.approx(want),
+               f"p = {p}, m = {m}: rank {worst} idles {bubble[worst]:.4f} of its busy time, expected GPipe's "
+               f"(p-1)/m = {want:.4f} (keep GPipe's bubble)")
 
 
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
@@ -198,44 +284,115 @@ def test_trains_the_gpt(impl):
                  "micro-batches; the most micro-batches held at once)", keys="rank")
 
 
-def _add_comms(order, p, n_stages):
-    """The expected actions, written independently: each F/B with its receive before and its send after."""
-    out = []
-    for a in order:
+ORDERS = {    # schedule -> (v, a rank's compute order): the inputs given to add_comms
+    "GPipe": (1, lambda p, m, r: pp.gpipe(p, m, r)),
+    "ZB-H1": (1, lambda p, m, r: pp.zb_h1(p, m, r)),
+    "interleaved 1F1B": (2, lambda p, m, r: pp.interleaved_1f1b(p, m, r, 2)),
+}
+COMMS_ON = [(2, 2), (3, 2), (3, 6), (4, 4), (4, 8)]
+
+
+def _library_orders(name, p, m):
+    v, fn = ORDERS[name]
+    return v, [list(fn(p, m, r)) for r in range(p)]
+
+
+def _comms_fault(order, acts, p, S, r):
+    """The first action of rank r's ``acts`` = add_comms(order) that breaks keep, comms or peer."""
+    computes = [a for a in acts if a.op in ("F", "B", "W")]
+    others = [(k, a) for k, a in enumerate(acts) if a.op not in ("F", "B", "W")]
+    for k, (g, w) in enumerate(zip(computes, order)):
+        if g != w:
+            return "keep", f"rank {r}, compute action {k}: expected {w!r}, got {g!r}"
+    if len(computes) != len(order):
+        return "keep", f"rank {r}: {len(computes)} compute actions, expected {len(order)}"
+    bad = [(k, a) for k, a in others if a.op not in ("SEND_F", "RECV_F", "SEND_B", "RECV_B")]
+    if bad:
+        return "keep", f"rank {r}, action {bad[0][0]} ({bad[0][1]!r}): neither a compute nor a send or receive"
+    needed = {}                   # (op, i, stage) -> (the index its compute must be placed next to, peer)
+    pos = [k for k, a in enumerate(acts) if a.op in ("F", "B", "W")]
+    for n, k in enumerate(pos):
+        a = acts[k]
         if a.op == "W":
-            out.append(a)
             continue
         src, dst = (a.stage - 1, a.stage + 1) if a.op == "F" else (a.stage + 1, a.stage - 1)
-        if 0 <= src < n_stages:
-            out.append(Action("RECV_" + a.op, a.microbatch, a.stage, src % p))
-        out.append(a)
-        if 0 <= dst < n_stages:
-            out.append(Action("SEND_" + a.op, a.microbatch, a.stage, dst % p))
-    return out
+        lo, hi = (pos[n - 1] if n else -1), k
+        if 0 <= src < S:
+            needed["RECV_" + a.op, a.microbatch, a.stage] = (lo, hi, src % p)
+        lo, hi = k, (pos[n + 1] if n + 1 < len(pos) else len(acts))
+        if 0 <= dst < S:
+            needed["SEND_" + a.op, a.microbatch, a.stage] = (lo, hi, dst % p)
+    seen = set()
+    for k, a in others:
+        key = (a.op, a.microbatch, a.stage)
+        if key not in needed:
+            return "comms", f"rank {r}, action {k} ({a!r}): no compute of this rank needs it"
+        if key in seen:
+            return "comms", f"rank {r}, action {k} ({a!r}): a second one"
+        seen.add(key)
+        lo, hi, peer = needed[key]
+        if not lo < k < hi:
+            return "comms", (f"rank {r}, action {k} ({a!r}): outside the span between its compute and the "
+                             f"rank's {'previous' if a.op.startswith('RECV') else 'next'} compute "
+                             f"(actions {lo + 1}..{hi - 1})")
+        if a.peer != peer:
+            return "peer", f"rank {r}, action {k} ({a!r}): peer {a.peer}, stage's rank {peer}"
+    missing = [key for key in needed if key not in seen]
+    if missing:
+        op, i, s = missing[0]
+        return "comms", f"rank {r}: no {op} for micro-batch {i}, stage {s}"
+    return None
 
 
-@observes("ex04.C.comms", "ex04.C.peer")
+WHY = {"keep": "the result holds order's compute actions unchanged and in their order, and otherwise only sends "
+               "and receives",
+       "comms": "every tensor that crosses a stage boundary has exactly one send, after the compute that produced "
+                "it and before the rank's next compute, and exactly one receive, after the receiving rank's "
+                "previous compute and before the compute that reads it",
+       "peer": "the peer of a message is the rank holding the other stage"}
+
+
+@observes("ex04.C.keep", "ex04.C.comms", "ex04.C.peer")
 def test_add_comms(impl):
-    """add_comms on GPipe (3 ranks), ZB-H1 (3 ranks, with W) and interleaved 1F1B (2 ranks, 2 virtual
-    stages each): every rank's actions, sends and receives in place, peers the ranks of the stages."""
-    cases = [("GPipe, p = 3, m = 2", 3, 1, lambda r: pp.gpipe(3, 2, r)),
-             ("ZB-H1, p = 3, m = 3", 3, 1, lambda r: pp.zb_h1(3, 3, r)),
-             ("interleaved 1F1B, p = 2, m = 2, v = 2", 2, 2, lambda r: pp.interleaved_1f1b(2, 2, r, 2))]
-    for name, p, v, order in cases:
-        for r in range(p):
-            got = [repr(a) for a in pp.add_comms(order(r), p, p * v)]
-            want = [repr(a) for a in _add_comms(order(r), p, p * v)]
-            expect_equal(got, want, f"{name}: rank {r}'s actions, printed op, micro-batch, s, stage, ->/<- peer "
-                         "(a receive right before every F or B that needs a tensor from another stage, a send "
-                         "right after every F or B that produced one; the peer of a message is the rank holding "
-                         "the other stage)", keys="action")
+    """add_comms on the library's GPipe, ZB-H1 (with W) and interleaved 1F1B (2 virtual stages)
+    orders, p = 2..4: the computes kept in order, one send and one receive per boundary crossing, each
+    next to its compute, peers the ranks of the stages. A failure names the first wrong action."""
+    for name in ORDERS:
+        for p, m in COMMS_ON:
+            v, orders = _library_orders(name, p, m)
+            if name.startswith("interleaved") and m % p:
+                continue
+            for r, order in enumerate(orders):
+                fault = _comms_fault(order, list(pp.add_comms(list(order), p, p * v)), p, p * v, r)
+                expect(fault is None, f"{name}, p = {p}, m = {m}, {fault[1] if fault else ''} "
+                                      f"({WHY[fault[0]] if fault else ''})")
+
+
+@observes("ex04.C.deadlock")
+def test_add_comms_cannot_deadlock(impl):
+    """The same orders with your sends and receives run to the end in the simulator (a send never
+    waits, a receive waits for its message): ``pipeline.check_schedule``."""
+    for name in ORDERS:
+        for p, m in COMMS_ON:
+            v, orders = _library_orders(name, p, m)
+            if name.startswith("interleaved") and m % p:
+                continue
+            acts = [list(pp.add_comms(list(o), p, p * v)) for o in orders]
+            try:
+                pp.check_schedule(pp.Schedule(name, p, m, v, acts))
+            except pp.Deadlock as e:
+                expect(False, f"{name}, p = {p}, m = {m}: the simulation stops: {e} (in that model the p ranks' "
+                              "actions finish for every schedule's orders)")
+            except AssertionError as e:
+                expect(False, f"{name}, p = {p}, m = {m}: check_schedule says {e} (every tensor that crosses a "
+                              "stage boundary has exactly one send ... and exactly one receive)")
 
 
 CUT = [0, 2, 3, 4, 6]      # the GPT's 6 layers in 4 stages, fixed (part A not needed here)
 
 
 def _step_case():
-    from minipar.comm import group_rank
+    from minipar.comm import group_rank, p2p
     batches = data.batches(data.synthetic_tokens(1000), 3, 8, 8)
     trained = pp.train(GPT(CFG, seed=0), batches, reference.sgd(0.5), schedule="interleaved", microbatches=4,
                        virtual_stages=2, bounds=CUT)
@@ -243,7 +400,24 @@ def _step_case():
     x, y = batches[0]
     pipe = pp.Pipeline(pp.build_stages(layers, bounds, r, 2), pp.make_schedule("gpipe", 2, 4),
                        pp.boundary_shapes(layers, bounds, x.chunk(4)[0]).__getitem__)
+    posted = []                          # per message the batched() block it was posted in (None: outside)
+    for name in ("send", "recv"):
+        def wrapped(a, *rest, fn=getattr(pipe.mail, name)):
+            posted.append(p2p._BATCH)
+            return fn(a, *rest)
+        setattr(pipe.mail, name, wrapped)
     returned = pipe.step(x, y)
+    runs, run, after_compute = [], -1, True    # per message of the schedule: its run between two computes
+    for a in pipe.schedule.actions[r]:
+        if a.op in ("F", "B", "W"):
+            after_compute = True
+        else:
+            run, after_compute = run + (1 if after_compute else 0), False
+            runs.append(run)
+    blocks = [None if b is None else next(k for k, c in enumerate(posted) if c is b) for b in posted]
+    unbatched = next((k for k, b in enumerate(blocks) if b is None), None)
+    split = next((k for k in range(1, len(blocks)) if (blocks[k] == blocks[k - 1]) != (runs[k] == runs[k - 1])),
+                 None) if len(blocks) == len(runs) else 0
     import torch.distributed as dist
     alone = [dist.new_group([q]) for q in range(2)][r]      # a one-rank pipeline: no message to wait for
     whole = pp.Pipeline(pp.build_stages(layers, [0, 6], 0, 1), pp.make_schedule("gpipe", 1, 4),
@@ -255,10 +429,11 @@ def _step_case():
         refused = True
     except Exception as e:     # a step that ran on the uneven micro-batches and broke
         refused = type(e).__name__
-    return {"trained": trained, "returned": returned, "refused": refused}
+    return {"trained": trained, "returned": returned, "refused": refused,
+            "batched": (len(posted), len(runs), unbatched, split)}
 
 
-@observes("ex04.C.peer", "ex04.C.divide", "ex04.C.loss", "ex04.C.clean")
+@observes("ex04.C.peer", "ex04.C.divide", "ex04.C.loss", "ex04.C.clean", "ex04.C.batched")
 def test_pipeline_step(impl):
     """On 2 ranks: your step and add_comms train the GPT interleaved (2 virtual stages per rank, 3
     steps) like one process; a GPipe step returns the mean loss on rank 1 only; a batch of 7 for
@@ -272,6 +447,14 @@ def test_pipeline_step(impl):
            "the batch's mean loss on the rank holding the last stage, None elsewhere)")
     expect_close(torch.tensor(returned[1]), torch.tensor(want["losses"][0]), "rank 1's Pipeline.step return, the "
                  "batch's mean loss", where="GPipe on 2 ranks, m = 4, first step", rtol=1e-5, atol=1e-6)
+    for rank, res in enumerate(results):
+        n, want_n, unbatched, split = res["batched"]
+        expect(unbatched is None and split is None and n == want_n,
+               f"GPipe on 2 ranks, rank {rank}: {n} messages posted for the schedule's {want_n}; "
+               + (f"message {unbatched} posted outside any batched() block" if unbatched is not None else
+                  f"message {split} in a different block from its run's" if split is not None else "")
+               + " (every send and receive is posted inside a ``batched()`` block, one block per run of "
+               "messages between two computes)")
     expect_equal([res["refused"] for res in results], [True, True], "a ValueError for a batch of 7 with m = 4, "
                  "per rank (a batch m does not divide is a ValueError)", keys="rank")
     got = strategy.TrainResult.merge([res["trained"] for res in results])

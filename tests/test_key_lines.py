@@ -32,8 +32,8 @@ from minipar.course.markers import GRADED, ROOT, exercises, pieces, stem
 
 # exercise -> part -> key lines (code, from the solution) and prose giveaways (not in the solution)
 KEY_LINES = {
-    "ex01": {"": ["(r - s - 1) % n", "(r - s - 2) % n", "chunks[recv_c] += buf",
-                  "flat.tensor_split(n)"]},
+    "ex01": {"": ["(r - s - 1) % n", "(r - s - 2) % n", "(r - s) % n", "chunks[recv_c] += buf",
+                  "flat.tensor_split(n)", "(vr + mask + src) % n", "mask <= vr < 2 * mask"]},
     "ex02": {"A": ["p.grad = torch.zeros_like(p)", "all_reduce_fn(p.grad, group)"],
              "B": ["reversed(list(params))", "size + nbytes > cap"],
              "C": ["queue_callback(self._finish)", "self.pending[self.next_bucket] == 0",
@@ -80,6 +80,8 @@ KEY_LINES = {
 }
 # prose that gives a part's answer away (the recipes issue 40 found): not in the solution's code
 PROSE = {
+    "ex01": ["(r-s-1) mod n", "(r-s-2) mod n", "(r-s) mod n", "The chunk each rank sends at each step",
+             "SENDS = [[", "sends[left][s]", "sends it 2^k places on"],
     "ex02": ["last parameter first", "one all-reduce per trainable parameter"],
     "ex06": ["resizes its storage to 0", "start ``gather(i + 1)`` without waiting"],
     "ex08": ["chunks r and 2c-1-r", "2c-1-r", "m = max(lse_a, lse_b)"],

@@ -8,6 +8,42 @@ from planted import fails, planted
 ALL_REDUCE_HALVES = ('''        _reduce_scatter_chunks(chunks, group, "ring_all_reduce")
         _all_gather_chunks(chunks, group, "ring_all_reduce")''')
 
+WORLD_RANK_OLD = """    n, r = group_size(group), group_rank(group)
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):
+        send_c, recv_c = (r - s - 1) % n"""
+WORLD_RANK_NEW = WORLD_RANK_OLD.replace("group_rank(group)", "torch.distributed.get_rank()")
+TREE = """                isend(flat, (vr + mask + src) % n, group, name="broadcast", round=k).wait()
+            elif mask <= vr < 2 * mask:
+                recv(flat, (vr - mask + src) % n, group, name="broadcast", round=k)"""
+STAR = """                pass
+        if vr == 0:
+            for d in range(1, n):
+                isend(flat, (d + src) % n, group, name="broadcast").wait()
+        else:
+            recv(flat, src, group, name="broadcast")"""
+CHAIN = """            if vr > 0:
+                irecv(piece, left, group, name="broadcast", piece=i).wait()
+            if vr < n - 1:
+                sends.append(isend(piece, right, group, name="broadcast", piece=i))"""
+STORE_AND_FORWARD = """            if vr > 0:
+                irecv(piece, left, group, name="broadcast", piece=i).wait()
+        for i, piece in enumerate(flat.tensor_split(min(pieces, max(flat.numel(), 1)))):
+            if vr < n - 1:
+                sends.append(isend(piece, right, group, name="broadcast", piece=i))"""
+CHAIN_STAR = """            if vr > 0:
+                irecv(piece, src, group, name="broadcast", piece=i).wait()
+            if vr == 0:
+                sends += [isend(piece, (src + d) % n, group, name="broadcast", piece=i) for d in range(1, n)]"""
+RS_EXCHANGE = """        buf = torch.empty_like(chunks[recv_c])
+        exchange(chunks[send_c], right, buf, left, group, name=name, step=s, phase="reduce-scatter")"""
+RS_WHOLE = """        whole = torch.cat(chunks)
+        got = torch.empty_like(whole)
+        exchange(whole, right, got, left, group, name=name, step=s, phase="reduce-scatter")
+        buf = got.split([c.numel() for c in chunks])[recv_c]"""
+AG_EXCHANGE = """exchange(chunks[send_c], right, buf, left, group, name=name, step=s, phase="all-gather")"""
+AG_DIRECT = """exchange(chunks[r], (r + s + 1) % n, buf, (r - s - 1) % n, group, name=name, step=s, phase="all-gather")"""
+
 CASES = {
     "avg not divided": ("test_average_four_ranks", [("flat /= n", "pass")], r"not divided by n"),
     "remainder dropped": ("test_sum_uneven_sizes",
@@ -21,20 +57,37 @@ CASES = {
     "a chunk sent twice": ("test_bytes_match_cost_model",
                            [(ALL_REDUCE_HALVES, ALL_REDUCE_HALVES + '\n        _all_gather_chunks(chunks, group, "ring_all_reduce")')],
                            r"bytes sent by each rank, all-reducing \d+ floats over \d+ ranks"),
-    "the world's size on a group": ("test_pieces_on_any_group",
+    "the world's size on a group": ("test_group_ranks",
                                     [("flat /= n", "flat /= torch.distributed.get_world_size()")],
-                                    r"any group.*divides by n = 3"),
-    "input changed": ("test_pieces_on_any_group",
+                                    r"divides by n = 3"),
+    "the world rank as the group rank": ("test_group_ranks",
+                                         [(WORLD_RANK_OLD, WORLD_RANK_NEW)],
+                                         r"(?s)group ranks 0, 1, 2.*receives from group rank 0: itself.*"
+                                         r"group ranks, numbered within the group"),
+    "a flat star for a tree": ("test_broadcast_tree", [(TREE, STAR)],
+                               r"messages src \(rank 1\) sent \(⌈log2 4⌉ = 2; sent to ranks \[2, 3, 0\]\)"),
+    "a chain that stores before it forwards": ("test_broadcast_chain", [(CHAIN, STORE_AND_FORWARD)],
+                                               r"its first piece was sent on only after its last piece had arrived"),
+    "a chain from src to every rank": ("test_broadcast_chain", [(CHAIN, CHAIN_STAR)],
+                                       r"rank \d: messages received, as \(from rank, elements\)"),
+    "a ring half sending the whole buffer": ("test_one_chunk_per_step", [(RS_EXCHANGE, RS_WHOLE)],
+                                             r"ring_reduce_scatter on 4 ranks, 4096 elements: elements in each "
+                                             r"rank's largest message: rank 0: expected 1024, got 4096"),
+    "the whole buffer, counted in bytes": ("test_bytes_match_cost_model", [(RS_EXCHANGE, RS_WHOLE)],
+                                           r"bytes sent by each rank"),
+    "an all-gather straight to every rank": ("test_ring_neighbours", [(AG_EXCHANGE, AG_DIRECT)],
+                                             r"ring_all_gather on 4 ranks, rank 0: the ranks it sent to"),
+    "input changed": ("test_pieces_on_the_world",
                       [("chunks = [c.clone() for c in tensor.reshape(-1).tensor_split(n)]",
                         "chunks = list(tensor.reshape(-1).tensor_split(n))")],
                       r"the input tensor is left unchanged"),
-    "sizes ignored": ("test_pieces_on_any_group",
+    "sizes ignored": ("test_pieces_on_the_world",
                       [("if len(sizes) != n or sizes[r] != chunk.numel():", "if len(sizes) != n:")],
                       r"sizes that do not match this rank's chunk are a ValueError"),
-    "src ignored": ("test_pieces_on_any_group",
+    "src ignored": ("test_pieces_on_the_world",
                     [("flat, vr = tensor.view(-1), (r - src) % n", "src = 0; flat, vr = tensor.view(-1), r")],
                     r"from any src"),
-    "an unknown algorithm accepted": ("test_pieces_on_any_group",
+    "an unknown algorithm accepted": ("test_pieces_on_the_world",
                                       [("raise ValueError(f\"algorithm must be 'tree' or 'ring', got {algorithm!r}\")",
                                         "pass")],
                                       r"any other algorithm is a ValueError"),

@@ -125,6 +125,8 @@ def isend(tensor: torch.Tensor, dst: int, group=None, name: str = "send", tag: i
     """Start sending ``tensor`` to group rank ``dst`` (inside :func:`batched`, under NCCL:
     collected, posted with the batch)."""
     labels = labels_for(group, labels)
+    if checked.enabled():
+        checked.check_peer(dst, group, "sends to", name, labels)
     if _BATCH is not None and moved_by_nccl(tensor, group):
         return _collect(dist.isend, tensor.contiguous(), dst, group, tag, name, nbytes(tensor), 0, labels)
     src = staging.to_host(tensor, "isend", labels) if staging.must_stage(tensor, group, "isend") else tensor
@@ -139,6 +141,8 @@ def irecv(tensor: torch.Tensor, src: int, group=None, name: str = "recv", tag: i
     """Start receiving into ``tensor`` (contiguous) from group rank ``src`` (inside
     :func:`batched`, under NCCL: collected, filled when the batch ends)."""
     labels = labels_for(group, labels)
+    if checked.enabled():
+        checked.check_peer(src, group, "receives from", name, labels)
     if _BATCH is not None and moved_by_nccl(tensor, group):
         return _collect(dist.irecv, tensor, src, group, tag, name, 0, nbytes(tensor), labels)
     into = staging.host_like(tensor) if staging.must_stage(tensor, group, "irecv") else tensor
@@ -209,6 +213,9 @@ def start_exchange(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src
     to the right alone first, each would wait for a neighbour waiting on its own right
     neighbour: a cycle, from 3 ranks on. A batch joins every peer it names at once."""
     labels = labels_for(group, labels)
+    if checked.enabled():  # a peer outside the group or the rank itself, said in words
+        checked.check_peer(dst, group, "sends to", name, labels)
+        checked.check_peer(src, group, "receives from", name, labels)
     to, frm = global_rank(group, dst), global_rank(group, src)
     if checked.enabled():  # while an exercise runs: a size mismatch said in words, not a Gloo abort
         checked.check_sizes(send_buf, to, recv_buf, frm, group, name, labels)

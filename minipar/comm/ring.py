@@ -2,13 +2,14 @@
 
 The ``n`` ranks sit on a ring; each talks only to its neighbours ``right = r+1`` and
 ``left = r-1`` (mod n). A flat tensor of N elements is cut into n chunks (``tensor_split``:
-sizes differ by at most one element when n does not divide N).
+sizes differ by at most one element when n does not divide N), and every step moves one chunk
+per rank, each rank sending to its right while it receives from its left.
 
-* **Reduce-scatter** (n-1 steps): at step s rank r sends chunk (r-s-1) mod n to the right
-  and adds the chunk (r-s-2) mod n arriving from the left into its own copy. After n-1
-  steps chunk r on rank r holds the sum over all ranks.
-* **All-gather** (n-1 steps): at step s rank r sends chunk (r-s) mod n, whose final value
-  it holds, and receives chunk (r-s-1) mod n.
+* **Reduce-scatter** (n-1 steps): what a rank sends is a partial sum; after step s every rank
+  holds, in one chunk, the sum of s+2 ranks' data. After n-1 steps chunk r on rank r holds the
+  sum over all ranks.
+* **All-gather** (n-1 steps): every rank starts with one chunk's final value, and each step
+  spreads every final chunk one rank further.
 * **All-reduce** = reduce-scatter + all-gather: 2(n-1) steps.
 
 Each step moves one chunk (N/n elements) per rank, so per rank (Patarasuk & Yuan 2009;
@@ -34,12 +35,17 @@ def _check_op(op: str) -> None:
 # Given: ``chunks`` are the n views ``tensor_split(n)`` cuts the flattened tensor into, n the
 #     group's size; ``minipar.comm.exchange`` (one send and one receive, recorded), ``isend``,
 #     ``irecv`` and ``recv`` are the messages to build from.
-# ex01.*.scatter: afterwards chunk r on rank r holds the sum of chunk r over all ranks.
-# ex01.*.step: each step sends one chunk, to the next rank of the ring, and receives one: every
-#     rank of an all-reduce sends 2(n-1)/n of the tensor, whatever n
-#     (``minipar.cost.collective_bytes``).
+# ex01.*.scatter: afterwards chunk r on rank r holds the sum of chunk r over all n ranks, in
+#     place (the other chunks may hold anything).
+# ex01.*.ring: ranks talk only to their neighbours on the ring: in every ring function, group
+#     rank r sends only to group rank r+1 and receives only from r-1 (mod n).
+# ex01.*.step: each half (this one and ``_all_gather_chunks``) is n-1 steps, and at each step
+#     every rank sends exactly one message, one chunk: n-1 messages and (n-1)/n of the tensor
+#     per rank per half, 2(n-1)/n of it for an all-reduce, whatever n
+#     (``minipar.cost.collective_bytes``); nothing sent twice.
 # ex01.*.group: every function works on any group (``None``: the world), a sub-group of the
-#     ranks too, with group-local ranks.
+#     ranks too: ranks, peers and chunk numbers are group ranks (``group_rank(group)``, 0..n-1),
+#     which differ from the world's ``dist.get_rank()`` on a sub-group.
 def _reduce_scatter_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
     # >>> ex01
     n, r = group_size(group), group_rank(group)
@@ -54,8 +60,8 @@ def _reduce_scatter_chunks(chunks: list[torch.Tensor], group, name: str) -> None
 
 # Contract:
 # Given: on rank r, chunk r holds a final value (the other chunks anything).
-# ex01.*.gather: afterwards every rank holds every chunk's final value (after
-#     ``_reduce_scatter_chunks``: every chunk's full sum).
+# ex01.*.gather: afterwards every rank holds every chunk's final value, in place (after
+#     ``_reduce_scatter_chunks``: every chunk's full sum); n-1 messages per rank, as above.
 def _all_gather_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
     # >>> ex01
     n, r = group_size(group), group_rank(group)
@@ -70,7 +76,7 @@ def _all_gather_chunks(chunks: list[torch.Tensor], group, name: str) -> None:
 
 # Contract:
 # ex01.*.in_place: ``ring_all_reduce`` sums ``tensor`` over the group's n ranks in place, and
-#     returns that same tensor (shape kept).
+#     returns that same tensor (shape kept); 2(n-1) messages per rank, the two halves'.
 # ex01.*.avg: ``op="avg"`` divides by n, the size of the group.
 # ex01.*.uneven: any size, also one that n does not divide (or smaller than n).
 def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
@@ -93,8 +99,9 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.
 
 
 # Contract:
-# ex01.*.input_kept: ``ring_reduce_scatter`` returns rank r's chunk r of the sum (``op`` as above);
-#     the input tensor is left unchanged.
+# ex01.*.input_kept: ``ring_reduce_scatter`` returns rank r's chunk r (of ``tensor_split(n)``)
+#     of the sum (``op`` as above), a new tensor; the input tensor is left unchanged. n-1
+#     messages per rank.
 def ring_reduce_scatter(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
     """Rank r's chunk r (``tensor_split(n)`` of the flattened tensor) of the sum of ``tensor``
     over ``group``; ``tensor`` itself is left unchanged. (n-1)/n·N elements sent per rank."""
@@ -109,8 +116,9 @@ def ring_reduce_scatter(tensor: torch.Tensor, group=None, op: str = "sum") -> to
 
 
 # Contract:
-# ex01.*.sizes: ``ring_all_gather`` returns every rank's chunk concatenated in rank order, chunks
-#     of different sizes too when ``sizes`` lists them.
+# ex01.*.sizes: ``ring_all_gather`` returns every rank's chunk concatenated in rank order (a new
+#     1-D tensor), chunks of different sizes too when ``sizes`` lists them; n-1 messages per
+#     rank, (N - its own chunk) elements received, N the gathered size.
 # ex01.*.size_check: sizes that do not match this rank's chunk are a ValueError, raised before
 #     anything is sent.
 def ring_all_gather(chunk: torch.Tensor, group=None, sizes: list[int] | None = None) -> torch.Tensor:

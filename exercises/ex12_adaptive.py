@@ -36,7 +36,7 @@ from __future__ import annotations
 # ------------------------------------------------------------------------------------------------
 import torch
 from minipar import comm
-from minipar.moves import Move, Plan, _device, _empty
+from minipar.moves import Move, Plan, _device
 from minipar.runtime import trace
 
 

@@ -46,7 +46,44 @@ class Move:
     @property
     def numel(self) -> int:
         d = self.dst_pos
-        return d.stop - d.start if isinstance(d, slice) else len(d)
+        if isinstance(d, slice):
+            return d.stop - d.start
+        return d.numel if isinstance(d, Block) else len(d)
+
+
+@dataclass(frozen=True)
+class Block:
+    """``count`` runs of ``length`` elements of a flat tensor, the i-th from ``start + i·stride``:
+    a strided view, copied at memory speed where an index gathers element by element (a
+    tensor-parallel column shard's rows). Positions of the library's own switch (:class:`Flat`)."""
+    start: int
+    stride: int
+    count: int
+    length: int
+
+    @property
+    def numel(self) -> int:
+        return self.count * self.length
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.as_strided((self.count, self.length), (self.stride, 1), flat.storage_offset() + self.start)
+
+
+class Flat:
+    """A flat tensor that :class:`Block` positions index too: ``flat[block]`` is its runs end to end,
+    ``flat[block] = values`` writes them; any other position is the tensor's own indexing."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.dtype, self.device = tensor, tensor.dtype, tensor.device
+
+    def __getitem__(self, pos):
+        return pos.of(self.tensor).reshape(-1) if isinstance(pos, Block) else self.tensor[pos]
+
+    def __setitem__(self, pos, value):
+        if isinstance(pos, Block):
+            pos.of(self.tensor).copy_(value.reshape(pos.count, pos.length))
+        else:
+            self.tensor[pos] = value
 
 
 @dataclass
@@ -152,12 +189,16 @@ def _aranges(a: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 
 def expand(p: Plan, bounds: np.ndarray, old_ids: list[np.ndarray], new_ids: list[np.ndarray],
-           ranks, run: int = 256) -> tuple[Plan, list[int], list[int]]:
+           ranks, run: int = 4096, few: int = 16, blocks: bool = False,
+           piece: int = 256) -> tuple[Plan, list[int], list[int]]:
     """The plan of elements of the segment plan ``p`` (:func:`segments`): the moves from or to one of
     ``ranks`` with their element positions, and every rank's elements sent and received (all moves).
-    A move whose segments form runs contiguous on both sides of ``run`` elements or more on average
-    becomes one move per run, with slices (copies at memory speed, no index built); the others carry
-    index tensors."""
+    A move whose segments form at most ``few`` runs contiguous on both sides, or runs of ``run``
+    elements or more on average, becomes one move per run, with slices (copies at memory speed, no
+    index built); the others carry index tensors (one gather for many short runs, not one copy each).
+    With ``blocks``, runs of one length at one stride on both sides become one :class:`Block` move
+    first (for tensors wrapped in :class:`Flat`), where that leaves few positions or ``piece``
+    elements or more each on average."""
     width = np.diff(bounds)
     starts = [np.cumsum(width[i]) - width[i] for i in (*old_ids, *new_ids)]   # element offset of each position
     world = len(old_ids)
@@ -172,14 +213,37 @@ def expand(p: Plan, bounds: np.ndarray, old_ids: list[np.ndarray], new_ids: list
         a, b = starts[mv.src][mv.src_pos.numpy()], starts[world + mv.dst][mv.dst_pos.numpy()]
         cut = np.flatnonzero((a[1:] != a[:-1] + n[:-1]) | (b[1:] != b[:-1] + n[:-1])) + 1
         first = np.concatenate([[0], cut]).astype(np.int64)
-        if len(n) and n.sum() >= run * len(first):          # long runs: slices
-            lengths = np.add.reduceat(n, first)
+        lengths = np.add.reduceat(n, first) if len(n) else n
+        pieces = _strided(a[first].tolist(), b[first].tolist(), lengths.tolist()) if blocks else None
+        if pieces is not None and (len(pieces) <= few or n.sum() >= piece * len(pieces)):
+            out.moves += [Move(mv.src, mv.dst, mv.key, x, y) for x, y in pieces]
+        elif len(n) and (len(first) <= few or n.sum() >= run * len(first)):     # few or long runs: slices
             out.moves += [Move(mv.src, mv.dst, mv.key, slice(x, x + m), slice(y, y + m))
                           for x, y, m in zip(a[first].tolist(), b[first].tolist(), lengths.tolist())]
         else:
             out.moves.append(Move(mv.src, mv.dst, mv.key, torch.from_numpy(_aranges(a, n)),
                                   torch.from_numpy(_aranges(b, n))))
     return out, sent, received
+
+
+def _strided(x: list[int], y: list[int], m: list[int]) -> list[tuple]:
+    """Runs ``x[i] → y[i]`` of ``m[i]`` elements as positions: each stretch of two or more runs of one
+    length at one stride on both sides a pair of :class:`Block` positions, any other run a pair of
+    slices."""
+    out, i, k = [], 0, len(m)
+    while i < k:
+        j = i + 1
+        if j < k:
+            sx, sy = x[j] - x[i], y[j] - y[i]
+            while j < k and m[j] == m[i] and x[j] - x[j - 1] == sx and y[j] - y[j - 1] == sy:
+                j += 1
+        if j - i >= 2 and sx >= m[i] and sy >= m[i]:
+            out.append((Block(x[i], sx, j - i, m[i]), Block(y[i], sy, j - i, m[i])))
+        else:
+            j = i + 1
+            out.append((slice(x[i], x[i] + m[i]), slice(y[i], y[i] + m[i])))
+        i = j
+    return out
 
 
 # Contract:
@@ -198,36 +262,35 @@ def execute(p, tensors, new_tensors, group=None, name: str = "reshard") -> int:
     dtypes = {v.dtype for v in (*tensors.values(), *new_tensors.values())}
     if dtypes - {torch.float32}:
         raise NotImplementedError(f"a live switch moves fp32 state, got {sorted(map(str, dtypes))}")
-    for mv in p.between(me, me):
+    pairs = {}
+    for mv in p.moves:                                     # one pass: the moves by (src, dst), in plan order
+        pairs.setdefault((mv.src, mv.dst), []).append(mv)
+    for mv in pairs.get((me, me), []):
         new_tensors[mv.key][mv.dst_pos] = tensors[mv.key][mv.src_pos]
-    out_moves = [[mv for mv in p.between(me, d)] for d in range(world)]
-    in_moves = [[mv for mv in p.between(s, me)] for s in range(world)]
-    send = [torch.cat([tensors[mv.key][mv.src_pos] for mv in ms]) if ms and d != me else _empty(tensors)
-            for d, ms in enumerate(out_moves)]
-    in_sizes = [len(x) for x in send]
-    out_sizes = [sum(mv.numel for mv in ms) if s != me else 0 for s, ms in enumerate(in_moves)]
+    out_moves = [pairs.get((me, d), []) if d != me else [] for d in range(world)]
+    in_moves = [pairs.get((s, me), []) if s != me else [] for s in range(world)]
+    in_sizes = [sum(mv.numel for mv in ms) for ms in out_moves]
+    out_sizes = [sum(mv.numel for mv in ms) for ms in in_moves]
+    send = torch.empty(sum(in_sizes), dtype=torch.float32, device=_device(tensors))
+    at = 0
+    for mv in (mv for ms in out_moves for mv in ms):       # packed straight into the one send buffer
+        send[at:at + mv.numel] = tensors[mv.key][mv.src_pos]
+        at += mv.numel
     recv = torch.empty(sum(out_sizes), dtype=torch.float32, device=_device(tensors))
     with trace.recording(True):            # observed even where a run records nothing else
         mark = trace.mark()
-        comm.all_to_all_single(recv, torch.cat(send), out_sizes, in_sizes, group=group, name=name)
+        comm.all_to_all_single(recv, send, out_sizes, in_sizes, group=group, name=name)
         observed = sum(e["bytes_sent"] for e in trace.since(mark) if e["name"] == name)
     at = 0
-    for s, ms in enumerate(in_moves):
-        if s == me:
-            continue
-        for mv in ms:
-            new_tensors[mv.key][mv.dst_pos] = recv[at:at + mv.numel]
-            at += mv.numel
+    for mv in (mv for ms in in_moves for mv in ms):
+        new_tensors[mv.key][mv.dst_pos] = recv[at:at + mv.numel]
+        at += mv.numel
     return observed
     # <<< ex12 B
 
 
 def _device(tensors) -> torch.device:
     return next(iter(tensors.values())).device
-
-
-def _empty(tensors) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.float32, device=_device(tensors))
 
 
 def move(old: list[np.ndarray], new: list[np.ndarray], flat_old: torch.Tensor, flat_new: torch.Tensor,

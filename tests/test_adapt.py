@@ -16,6 +16,7 @@ every element of every parameter and momentum buffer, and had only its stage's t
 shard, so it must receive (Ψ − held) elements of each, 4 bytes each, and nothing more."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -373,3 +374,35 @@ def test_without_zero_or_a_switch_that_expert_run_is_one_process(tmp_path):
     want = experts.moe_reference(GPT(train.model_config(args), seed=args.seed), data,
                                  adamw(args.lr, args.weight_decay), dp=4, microbatches=1)
     torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want["losses"]), rtol=1e-6, atol=1e-6)
+
+
+def _pairs(p, n_old, n_new, flat=lambda t: t):
+    """Every (source position, destination position) of plan ``p``'s moves, read through ``flat``."""
+    out = set()
+    for mv in p.moves:
+        src = flat(torch.arange(n_old[mv.src]).float())[mv.src_pos]
+        dst = flat(torch.arange(n_new[mv.dst]).float())[mv.dst_pos]
+        out |= {(mv.src, mv.dst, int(a), int(b)) for a, b in zip(src.tolist(), dst.tolist())}
+    return out
+
+
+def test_blocks_carry_the_same_elements_as_the_index_they_replace():
+    """Column shards of a 6×8 matrix on 2 ranks (rows of 4) into row shards (3 whole rows each): with
+    ``blocks`` the moves are strided Blocks, and they pair exactly the positions the index moves do."""
+    from minipar.moves import Block, Flat, expand, segments
+    rows = [np.array([[24 * q, 24]], np.int64) for q in range(2)]
+    for order in (range(6), (0, 2, 1, 3, 5, 4)):         # rank 1's rows in local order, then shuffled
+        cols = [np.array([[r * 8 + 4 * q, 4] for r in (range(6) if q == 0 else order)], np.int64) for q in range(2)]
+        bounds, old_ids, new_ids = segments(cols, rows)
+        units = plan([{"s": torch.from_numpy(i)} for i in old_ids], [{"s": torch.from_numpy(i)} for i in new_ids],
+                     {"s": len(bounds) - 1})
+        plain, _, _ = expand(units, bounds, old_ids, new_ids, {0, 1}, few=0)
+        strided, sent, _ = expand(units, bounds, old_ids, new_ids, {0, 1}, few=0, blocks=True, piece=1)
+        assert any(isinstance(mv.src_pos, Block) for mv in strided.moves)
+        assert not any(isinstance(mv.src_pos, Block) for mv in plain.moves)
+        assert sum(mv.numel for mv in strided.moves) == 48 and sent == [12, 12]
+        want = _pairs(plain, [24, 24], [24, 24])
+        assert len(want) == 48 and _pairs(strided, [24, 24], [24, 24], Flat) == want, order
+    t = Flat(torch.zeros(24))
+    t[Block(1, 8, 3, 4)] = torch.arange(1.0, 13.0)               # writes elements 1-4, 9-12, 17-20
+    assert t.tensor.nonzero().flatten().tolist() == [1, 2, 3, 4, 9, 10, 11, 12, 17, 18, 19, 20]

@@ -57,6 +57,11 @@ PAIRS = [(MOE, None, "dp=4,ep=2", "dp=4"), (MOE, None, "dp=4", "dp=4,ep=4,zero=3
          (DENSE, None, "dp=4,zero=3", "dp=4,zero=3,sharding=per-parameter,dp_shard=2")]
 
 
+# tensor-parallel column shards (moved as strided blocks) into ZeRO-3 and a pipeline, each pair twice:
+# the second time its plan is the one kept from the first (minipar.adapt.plans)
+KEPT = [(DENSE, None, "dp=2,tp=2,zero=1", "dp=4,zero=3"), (DENSE, None, "dp=4,zero=3", "pp=2,tp=2,zero=1")]
+
+
 def _build(config, layout, dtype):
     lay = adapt.parse(layout)
     return hybrid.HybridModel(GPT(config, seed=SEED), lay.mesh(), optimizer=adamw, dtype=dtype, **lay.options())
@@ -86,9 +91,9 @@ def _bitwise(config, dtype, old, new):
     a.train_step(x, y)
     before, steps = _gathered(a), {k: float(v) for k, v in scalars(a).items()}
     b = _build(config, new, dtype)
-    reshard(a, b)
+    kept = reshard(a, b)["plan_kept"]
     after = _gathered(b)
-    return {"keys": sorted(before) == sorted(after) and len(before) > 0,
+    return {"keys": sorted(before) == sorted(after) and len(before) > 0, "kept": kept,
             "equal": [k for k in before if k in after and torch.equal(before[k], after[k])],
             "holes": [k for k, v in after.items() if bool(torch.isnan(v).any())],
             "steps": steps == {k: float(v) for k, v in scalars(b).items()} and steps.get("step") == 1.0}
@@ -100,6 +105,7 @@ def _jobs() -> dict:
     out["bf16_still"] = adapt.train(GPT(DENSE, seed=SEED), BATCHES, adamw, layout="dp=4,zero=1",
                                     dtype=torch.bfloat16)
     out["bitwise"] = [_bitwise(*pair) for pair in PAIRS]
+    out["kept"] = [_bitwise(*pair) for pair in KEPT + KEPT]
     return out
 
 
@@ -116,6 +122,16 @@ def test_every_switch_moves_every_element_bit_for_bit(launched):
     for pair, r in zip(PAIRS, launched[0]["bitwise"]):      # every key equal: nothing rounded, nothing lost
         other = _gathered_keys(pair)
         assert sorted(r["equal"]) == other, (pair[2:], sorted(set(other) - set(r["equal"]))[:4])
+
+
+def test_a_kept_plan_moves_every_element_bit_for_bit(launched):
+    """Column shards into ZeRO-3, ZeRO-3 into pp2·tp2, each twice: the plan is made, then kept, and
+    both times every element of every key arrives bitwise."""
+    results = launched[0]["kept"]
+    assert [r["kept"] for r in results] == [False] * len(KEPT) + [True] * len(KEPT)
+    for pair, r in zip(KEPT + KEPT, results):
+        assert r["keys"] and not r["holes"] and r["steps"], (pair[2:], r)
+        assert sorted(r["equal"]) == _gathered_keys(pair), (pair[2:], r["kept"])
 
 
 def _gathered_keys(pair) -> list[str]:

@@ -75,13 +75,15 @@ KEY_LINES = {
                    "4 * (seq_len // L.cp) * L.micro_batch * model.vocab / L.tp",
                    "1 if (r == L.pp - 1 and r > 0)"]},
     "ex12": {"A": ["[(q + j) % world for j in range(1, world)]"],
-             "B": ["in_sizes = [len(x) for x in send]"],
+             "B": ["send[at:at + mv.numel] = tensors[mv.key][mv.src_pos]",
+                   "new_tensors[mv.key][mv.dst_pos] = recv[at:at + mv.numel]"],
              "C": ["torch.nonzero(i[1:] != i[:-1] + 1)"]},
 }
 # prose that gives a part's answer away (the recipes issue 40 found): not in the solution's code
 PROSE = {
     "ex01": ["(r-s-1) mod n", "(r-s-2) mod n", "(r-s) mod n", "The chunk each rank sends at each step",
              "SENDS = [[", "sends[left][s]", "sends it 2^k places on"],
+    "ex12": ["for each destination in rank order", "rank d unpacks them in the same order"],
     "ex02": ["last parameter first", "one all-reduce per trainable parameter"],
     "ex06": ["resizes its storage to 0", "start ``gather(i + 1)`` without waiting"],
     "ex08": ["chunks r and 2c-1-r", "2c-1-r", "m = max(lse_a, lse_b)"],
@@ -186,7 +188,6 @@ def test_every_core_has_key_lines_and_they_are_its_answer():
 KNOWN = {
     "ex08": {"'torch.maximum(lse_a, lse_b)' in graded test_ex08_context_parallel.py",   # the merge,
              "'(w_a + w_b).unsqueeze(-1)' in graded test_ex08_context_parallel.py"},   # written out
-    "ex12": {"'[(q + j) % world for j in range(1, world)]' in graded test_ex12_adaptive.py"},
 }
 
 

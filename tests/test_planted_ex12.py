@@ -27,12 +27,11 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         [("            kept = mine >= 0 ", "            kept = (mine >= 0) & (where[(q + 1) % world, need] < 0) ")],
         g.test_plan_random, r"seed 0, 3 ranks: bytes each rank sends \(itemsize per key"),
     "ex12.B.values": (
-        [("    for s, ms in enumerate(in_moves):\n        if s == me:",
-          "    for s, ms in reversed(list(enumerate(in_moves))):\n        if s == me:")],
+        [("    for mv in (mv for ms in in_moves for mv in ms):\n",
+          "    for mv in (mv for ms in reversed(in_moves) for mv in ms):\n")],
         g.test_execute_on_ranks, r"rank \d's [a-z_/]+ after the switch"),
     "ex12.B.bytes": (
-        [("torch.cat([tensors[mv.key][mv.src_pos] for mv in ms]) if",
-          "torch.cat([tensors[mv.key][mv.src_pos] for mv in ms] * 2) if"),
+        [("    in_sizes = [sum(mv.numel", "    in_sizes = [2 * sum(mv.numel"),
          ("    out_sizes = [sum(mv.numel", "    out_sizes = [2 * sum(mv.numel")],
         g.test_execute_on_ranks, r"bytes rank \d's all-to-all sent"),
     "ex12.B.fp32": (

@@ -60,7 +60,7 @@ def merged(runs: np.ndarray, group: np.ndarray | None = None):
     return out if group is None else (out, group[at])
 
 
-def held_runs(hm, create: dict | None = None):
+def held_runs(hm, create: dict | None = None, pieces=None):
     """``(held, views, shared)`` of this rank of the :class:`~minipar.hybrid.HybridModel` ``hm``.
     ``held`` is ``(keys, counts, runs)``: the keys it holds, how many runs each, and all the runs
     of global flat indices (:func:`piece_runs`) key after key, each key's in local order (what
@@ -68,9 +68,10 @@ def held_runs(hm, create: dict | None = None):
     order); ``shared``: the 0-d optimizer state by slot, every parameter's (the same value:
     :func:`scalars`). ``create`` (``{name: {slot: (scalar?, dtype)}}``) makes optimizer state a
     fresh optimizer does not have yet, so that it can be written before its first step. The
-    pieces' runs are merged and grouped by key in one vectorised pass."""
+    pieces' runs are merged and grouped by key in one vectorised pass. ``pieces``: the pieces
+    themselves, if the caller has them (:func:`~minipar.pieces.local_pieces`)."""
     keys, views, shared, runs, of = {}, {}, {}, [], []
-    for q in local_pieces(hm, hm.optimizer, create):
+    for q in local_pieces(hm, hm.optimizer, create) if pieces is None else pieces:
         if not q.full_shape:               # a 0-d slot (step): shared, not moved
             shared.setdefault(q.key, []).append(q.data)
             continue

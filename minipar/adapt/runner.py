@@ -17,10 +17,13 @@ measurements that drove it: a probe's ``step_ms`` (each of its steps, the slowes
 ``layer_ms`` (each layer's forward per step over ``measured_steps``, the slowest replica's), the
 stage times they predict for both cuts, the gain over the remaining steps and the switch cost
 it is weighed against (``switch_s``, and where it came from). ``build(layout, bounds)`` makes a model of a
-layout; the state moves by :func:`~minipar.adapt.switch.reshard`. :func:`minipar.adapt.train` and
+layout; the state moves by :func:`~minipar.adapt.switch.reshard`, and each switch's record holds
+the α, β of this machine's all-to-all (``alpha_beta``, measured once, at the first switch:
+:func:`exchange_alpha_beta`) and the switch's time over that exchange's α-β time (``over_alpha_beta``). :func:`minipar.adapt.train` and
 ``python -m minipar.train`` both drive it."""
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -30,7 +33,7 @@ from ..pipeline import partition
 from .auto import decide, slowest_median
 from .layout import parse
 from .straggler import LayerClock, costs, slow_down, worth_it
-from .switch import reshard
+from .switch import measure_exchange, reshard
 
 
 class Adaptive:
@@ -42,6 +45,7 @@ class Adaptive:
         self.probe, self.slow, self.adapt_every, self.switch_cost = probe, slow, adapt_every, switch_cost
         self.hm = self.layout = self.clock = None
         self.build_seconds = 0.0
+        self.alpha_beta = None
         self.seconds, self.records, self.decisions, self.repartitions = [], [], [], []
 
     def first_layout(self, given):
@@ -57,8 +61,11 @@ class Adaptive:
         if self.slow is not None and dist.get_rank() == self.slow[0]:
             slow_down([layer for st in new.stages.values() for layer in st], self.slow[1])
         if self.hm is not None:
+            if self.alpha_beta is None:         # measured once, at the first switch, at this world
+                self.alpha_beta = exchange_alpha_beta(self.hm)
             self.records.append({"step": step, "from": str(self.layout), "to": str(layout),
-                                 "bounds": list(new.bounds), "build_seconds": built} | reshard(self.hm, new))
+                                 "bounds": list(new.bounds), "build_seconds": built,
+                                 "alpha_beta": list(self.alpha_beta)} | reshard(self.hm, new, self.alpha_beta))
         self.hm, self.layout = new, layout
         self.clock = LayerClock(new) if self.adapt_every else None
         return new
@@ -109,3 +116,12 @@ class Adaptive:
     def log(self) -> dict:
         return {"switches": self.records, "decisions": self.decisions, "repartitions": self.repartitions,
                 "step_seconds": self.seconds, "layout": str(self.layout), "bounds": list(self.hm.bounds)}
+
+
+def exchange_alpha_beta(hm) -> tuple[float, float]:
+    """α, β of this machine's all-to-all at this world (:func:`~.switch.measure_exchange`), on sizes
+    up to a rank's share of the model's weights and two slots of optimizer state in fp32 (what a
+    switch's busiest rank moves at most, about)."""
+    share = 3 * 4 * sum(math.prod(s) for s in hm.full_shapes.values()) // dist.get_world_size()
+    sizes = sorted({1 << 10, 1 << 16, max(share // 8, 1 << 17), max(share // 2, 1 << 18)})
+    return measure_exchange(sizes, repeats=3, device=hm.device)

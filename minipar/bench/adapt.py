@@ -12,11 +12,13 @@ Two things, on 4 ranks of the course GPT (SGD with momentum):
   to the first, on the toy GPT and on one 10× larger (momentum SGD: weights and
   momentum move; three times round, twice with ``--quick``, once with ``--smoke``). Each switch's phases, the slowest rank's, against the α-β time of its all-to-all
   (:func:`minipar.adapt.switch.exchange_seconds`: n − 1 messages and the busiest rank's bytes, α
-  and β fitted here on the all-to-all itself at three sizes): building the new mesh and model (the
-  rebuild, apart), describing the holdings, the plan, the copies (packing and unpacking), the
-  all-to-all; the wait for the other ranks (a barrier) is shown but is not the switch's. The goal:
-  a switch, its rebuild apart, within 2× its α-β time (``over α-β`` ≤ 2); each size reports the
-  median and the range over its switches.
+  and β fitted here on the all-to-all itself, :func:`~minipar.adapt.switch.measure_exchange`, at
+  sizes up to a rank's share of the state): building the new mesh and model (the rebuild, apart),
+  describing the holdings, the plan, the copies (packing and unpacking), the all-to-all; the wait
+  for the other ranks (a barrier) is shown but is not the switch's. The first time round each
+  pair's plan is made; after that it is kept (:mod:`minipar.adapt.plans`), and the table says
+  which. The goal: a switch, its rebuild apart, within 2× its α-β time (``over α-β`` ≤ 2); each
+  size reports the median and the range over its switches, and the medians of made and kept.
 
 The whole run's time is its steps plus its switches, their rebuilds included.
 """
@@ -25,12 +27,11 @@ from __future__ import annotations
 import statistics
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import adapt, comm, data, hybrid
-from ..adapt.switch import reshard
+from .. import adapt, data, hybrid
+from ..adapt.switch import measure_exchange, reshard
 from ..models.gpt import GPT, GPTConfig
 from ..runtime.backend import device
 from ..runtime.launch import launch
@@ -86,14 +87,21 @@ def main(argv=None) -> dict:
         notes += [f"\nswitches of the {name} ({rows_[0]['params']:,} parameters; ms, slowest rank; α-β of the all-to-all "
                   f"α {rows_[0]['alpha_us']:.0f} µs, β {rows_[0]['beta_GBps']:.2f} GB/s):",
                   f"  {'to':<20}{'MiB':>7}{'α-β':>7}{'a2a':>7}{'describe':>9}{'plan':>7}{'copy':>7}{'wait':>7}"
-                  f"{'build':>7}{'over α-β':>10}",
+                  f"{'build':>7}{'over α-β':>10}  plan",
                   *[f"  {r['to']:<20}{r['plan_MiB']:>7.2f}{r['estimate_ms']:>7.1f}{r['all_to_all_ms']:>7.1f}"
                     f"{r['describe_ms']:>9.1f}{r['plan_ms']:>7.1f}{r['copy_ms']:>7.1f}{r['wait_ms']:>7.1f}"
-                    f"{r['build_ms']:>7.0f}{r['over_alpha_beta']:>10.1f}" for r in rows_],
+                    f"{r['build_ms']:>7.0f}{r['over_alpha_beta']:>10.1f}  {'kept' if r['kept'] else 'made'}"
+                    for r in rows_],
                   f"  over α-β (the switch, its rebuild and wait apart, / its all-to-all's α-β time): median "
-                  f"{statistics.median(over):.1f}, range {min(over):.1f} .. {max(over):.1f} over {len(over)} switches"]
+                  f"{statistics.median(over):.1f}, range {min(over):.1f} .. {max(over):.1f} over {len(over)} switches; "
+                  f"the plan made (first time round): median {_median(rows_, False)}, kept: {_median(rows_, True)}"]
     return report(result, a, intro=[f"4 ranks, GPT {config.n_layer}×{config.n_embd}, {steps} steps, "
                                     f"median of {repeats} interleaved pairs"], notes=notes)
+
+
+def _median(rows_, kept: bool) -> str:
+    over = [r["over_alpha_beta"] for r in rows_ if r["kept"] == kept]
+    return f"{statistics.median(over):.1f}" if over else "-"
 
 
 LAYOUTS = ["dp=2,tp=2,zero=1", "dp=4,zero=3", "pp=2,tp=2,zero=1"]
@@ -117,39 +125,20 @@ def _switches(config, a) -> list[dict]:
         est = s["alpha_beta_s"]
         work = max(r["seconds"] - r["phases"]["wait"] for r in per_rank)
         out.append({"to": s["to"], "plan_MiB": s["plan_bytes"] / 2**20, "estimate_ms": 1e3 * est,
+                    "kept": s["plan_kept"],
                     "build_ms": 1e3 * max(r["build_seconds"] for r in per_rank), **{f"{k}_ms": v for k, v in slow.items()},
                     "switch_ms": 1e3 * work, "over_alpha_beta": work / est, "params": res[0]["params"],
                     "alpha_us": 1e6 * alpha, "beta_GBps": 1e-9 / beta if beta else float("inf")})
     return out
 
 
-def fit_exchange(seconds: dict[int, float], world: int) -> tuple[float, float]:
-    """α, β of ``(n − 1)·α + β·B`` (:func:`minipar.adapt.switch.exchange_seconds`) from all-to-alls
-    of ``B`` bytes per rank, least squares on the relative error (small and large count alike)."""
-    b = np.array(list(seconds), float)
-    t = np.array(list(seconds.values()))
-    x = np.stack([np.full_like(b, world - 1), b], 1) / t[:, None]
-    alpha, beta = np.linalg.lstsq(x, np.ones_like(t), rcond=None)[0]
-    return max(float(alpha), 0.0), max(float(beta), 1e-15)
-
-
 def switch_costs(config, layouts, rounds: int) -> dict:
     """Rank function: this machine's all-to-all α and β, then the model trained one step on
     ``layouts[0]`` and switched round the layouts ``rounds`` times; every switch's record (the
     rebuild timed beside it, ``alpha_beta_s`` its bound)."""
-    world, at = dist.get_world_size(), device()
-    seconds = {}
-    for per_rank in (1 << 10, 1 << 16, 1 << 21):         # bytes each rank sends: n − 1 messages
-        x = torch.zeros(per_rank // 4 // (world - 1) * world, device=at)
-        y = torch.empty_like(x)
-        runs = []
-        for _ in range(7):
-            dist.barrier()
-            t0 = time.perf_counter()
-            comm.all_to_all_single(y, x, name="probe")
-            runs.append(time.perf_counter() - t0)
-        seconds[per_rank] = statistics.median(runs)
-    alpha, beta = fit_exchange(seconds, world)
+    params = sum(p.numel() for p in GPT(config).parameters())
+    state = 2 * 4 * params // dist.get_world_size()                    # weights and momentum, fp32, a rank's share
+    alpha, beta = measure_exchange((1 << 10, 1 << 16, state // 8, state // 2, state), repeats=7, device=device())
 
     def build(text):
         lay = adapt.parse(text)
@@ -165,8 +154,7 @@ def switch_costs(config, layouts, rounds: int) -> dict:
             built = time.perf_counter() - t0
             records.append(reshard(old, new, (alpha, beta)) | {"to": text, "build_seconds": built})
             old = new
-    return {"alpha": alpha, "beta": beta, "records": records,
-            "params": sum(p.numel() for p in GPT(config).parameters())}
+    return {"alpha": alpha, "beta": beta, "records": records, "params": params}
 
 
 if __name__ == "__main__":

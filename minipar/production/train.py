@@ -319,7 +319,8 @@ def main(argv=None) -> int:
                   + f" -> {decide(r['decisions'])['layout']}")
         for sw in r["switches"]:
             print(f"switched to {sw['to']} after step {sw['step']}: {sw['plan_bytes']} bytes moved "
-                  f"in {sw['seconds'] * 1e3:.1f} ms")
+                  f"in {sw['seconds'] * 1e3:.1f} ms, {sw['over_alpha_beta']:.1f}× its all-to-all's α-β time "
+                  f"(the rebuild apart: {sw['build_seconds'] * 1e3:.0f} ms)")
         if r["checkpoint"]:
             print(f"checkpoint: {r['checkpoint']}")
         if r["stopped"]:

@@ -42,16 +42,17 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'KrgU3DeXzBLOZkUOSv5R6uGlCuIrDWUQ8pu7wlrWRskCrnGzxfCaSaP70+UjcnuIAqvY7hpIYT5BXoKcF8=',
     ),
     'B': (
-        'sealed:eNoly9EJwCAMhOFV7rGF4gAdoxtEDFi0UZIU169SuIfjg/8iKUh4XnMoU8LINN9Sg7E47jmBZ0bTx'
-        'Dp5aHOefiI2zxhUC3qI7INZNjuQ9pX0SvI34QMrcyNT',
-        'sealed:eNpFjtFtwzAQQ1fhpw0kGqBFt8hfYBSyRLdCJZ1wp7jwPN2nM1XxT79IELzHM9Z4jwve0D+JIDX4z'
-        'up7kgrZMLyJ2r3s7ovH8lTT8N7EFshORXMr+zdZp8IL4oyJpfUDmyjioBa+nOQswefBb4kGr0SUSqwcPc6vZ'
-        '0UZmHbCWk4dm0qBIRl+f1Afhfn5z/+cXQZ7drilwvPc53ztch2CVC3FkaoPdAMrGlP9mG764IwuY8lHpG5Yj'
-        '05zf1YPXEQ=',
-        'sealed:eNp9j1Fqw0AMRK8i8uVQ4wOk5CTBGHl30hjvrowk26TX6X16pq5bCv3qlySeNDNKEjhRkGWCXahgv'
-        '+Wtm/HsjxrNh0WspytJin+Jafghd1FauhG+A6XJaCnj/FoFc+44pcFlOIpN5S2hUYStpcDeGEo8tySrV/YOa'
-        '2kqv13hjOtJYQ/WeKpqMhp0Q6w5Pj9ofDpsqAJOcid/gLDVwaiaBJArB3SZdW7qacWFdk7z96LJqgFWvUi5z'
-        'CQaoe0/bx+Bb+wXdnqhsmakvvsCJA5u0Q==',
+        'sealed:eNpVjkEOgzAMBL+yxyIhPtBf9NKzS4yICHYUp6D+vg7ppSfL8uyOHyQbDJnmzUYsWsA0rwhsNQrVq'
+        'IIoKI3SEriMqCuDE+8s1aALoo9dDzZU9aXhOZF0/N6jAW+5FDhXqu4zT//g1me0cw/g9tK64qS0XZfe7Jq2Z'
+        'IoO+J9h+NcME56tmLpuY87W6mfN0eNJZ0rpA5IA4cMt7g82fQE0LFin',
+        'sealed:eNpVkEFOBDEMBL/Sx4w0u+IM4swH9gOZpAMRSRw5mZX2PfyHN+EZcYCTJbtd7fabyt4xP4gqdw5sD'
+        '7ihYUUcc4G0wCtuNh1sEaOXPDEFEXng+wttryyQ9AfgKm15gXtCEjXlKyqfT0GR4AuC9Gw6r0SURmw0HZf1l'
+        'CgD852/Tkml4r+RG6vxlhd0Hz6Rmx1zQLrSl4M/GbHtKVHt7lx5Um10mXKxYhsjR+uqt2TmJhpze3c33bkcy'
+        'Yxj4ebxiMlx/QE/7mNv',
+        'sealed:eNp9kFFqwzAQRK+y5MuhwgdIyElCMIo0aYwlbdiVHdzr9D49U9c2lLYf+VrEaHbeTuLgEwV+9NADF'
+        'TzPeWoHzJdlRq3dg/VCJ+IUfysqYVNuLFTvoMwTlJoMRxn7IylKNBvyo87N1yf1pdP+A7p3q3T29eArvVEZM'
+        '9KrANsrFM1P4stALBFyNOCcW59SV7lbhvblPaERhGkLcMRj3SLdT7ij4jNOO4HevcSdcfJVIRMWVqO8zhXam'
+        'b8S39a7MNlDyfYHUBUf0GYvQ2NWkws9fRrWj8qjBKvgD6h70ejC+q+G9hskko9v',
     ),
     'C': (
         'sealed:eNolycEJgDAQRNFWpgJ7sJQcBhKIs7I70fYNePuPfyKXUG7pwtuZfJhoAicvyhgFheFO3HuOWIXQx'
@@ -201,21 +202,23 @@ def test_plan_errors(impl):
     expect_equal(Plan(2, p.moves).bytes(2), 2, "bytes(2) of the same plan")
 
 
-def _own_plan(old, new, sizes):
-    """The plan built element by element here (not by part A): B is graded on its own."""
-    world, moves = len(old), []
+def _own_plan(old, new, sizes, seed=11):
+    """A plan built element by element here, not by part A (B is graded on its own, with any valid
+    plan): an element comes from the rank itself when it holds it, else from a holder drawn at
+    random (the same draw on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    world, moves = len(old), {}
     for q, h in enumerate(new):
-        for r in [q] + [(q + j) % world for j in range(1, world)]:
-            for k in sizes:
-                if k not in h or k not in old[r]:
-                    continue
-                at = {e: i for i, e in enumerate(old[r][k].tolist())}
-                taken = [(at[e], i) for i, e in enumerate(h[k].tolist()) if e in at
-                         and not any(mv.dst == q and mv.key == k and i in mv.dst_pos.tolist() for mv in moves)]
-                if taken:
-                    moves.append(Move(r, q, k, _idx(*[a for a, _ in taken]), _idx(*[b for _, b in taken])))
-    moves.sort(key=lambda mv: (mv.dst, mv.src))
-    return Plan(world, moves)
+        for k in sizes:
+            for i, e in enumerate(h[k].tolist() if k in h else []):
+                holders = [r for r in range(world) if k in old[r] and e in old[r][k].tolist()]
+                r = q if q in holders else holders[int(torch.randint(len(holders), (1,), generator=g))]
+                src, dst = moves.setdefault((q, r, k), ([], []))
+                src.append(old[r][k].tolist().index(e))
+                dst.append(i)
+    out = [Move(r, q, k, _idx(*a), _idx(*b)) for (q, r, k), (a, b) in moves.items()]
+    out.sort(key=lambda mv: (mv.dst, mv.src))
+    return Plan(world, out)
 
 
 def _switch(seed, sizes):

@@ -135,17 +135,11 @@ class Mailbox:
           recorded, by the end of the step, on the pipeline's ``group``."""
         raise NotImplementedError("Exercise 03 B: Mailbox.__init__")
 
-    def _tag(self, kind: str, i: int, sender: int) -> int:
-        raise NotImplementedError("Exercise 03 B: Mailbox._tag")
-
     def send(self, a, tensor: torch.Tensor) -> None:
         raise NotImplementedError("Exercise 03 B: Mailbox.send")
 
     def recv(self, a) -> torch.Tensor:
         raise NotImplementedError("Exercise 03 B: Mailbox.recv")
-
-    def _reap(self) -> None:
-        raise NotImplementedError("Exercise 03 B: Mailbox._reap")
 
     def flush(self) -> None:
         raise NotImplementedError("Exercise 03 B: Mailbox.flush")

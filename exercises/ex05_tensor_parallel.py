@@ -81,7 +81,9 @@ class _F(torch.autograd.Function):
           and the gradient it returns is the whole ∂L/∂x, the same on every rank,
           although each rank's layer saw only its part of the computation.
         - ex05.A.bytes: each use of ``f`` or ``g`` sends one all-reduce of the tensor,
-          in the direction that needs it, and nothing in the other."""
+          in the direction that needs it, and nothing in the other; it is recorded under
+          the ``name`` the operator is given (``f`` gives "f.all_reduce", ``g``
+          "g.all_reduce")."""
         raise NotImplementedError("Exercise 05 A: _F.forward")
 
     @staticmethod
@@ -94,7 +96,7 @@ class _G(torch.autograd.Function):
     library's."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, name):
         """Contract:
         - ex05.A.g: ``g(x, group)`` (``_G``) stands where each rank holds a partial
           result (behind a row-parallel layer): its output is the whole result on every

@@ -219,10 +219,11 @@ class UnitSchedule:
         """Given: unit i's forward hooks call ``pre_forward(i)`` and ``post_forward(i,
         out)`` (which returns what the forward returns), its parameters'
         post-accumulate-grad hooks ``grad_ready(i, p)``; ``pre_backward(i)`` must run
-        before unit i's backward computes, and the library queues ``end_backward`` at
-        the first one of a backward. Your tools: ``self.gather(i, wait=True, **labels)``
-        and ``self.free(i)`` (each does its work once per use and counts
-        ``peak_gathered_bytes``), ``self.storage.use(i, gathered)``,
+        before unit i's backward computes, and ``end_backward`` runs once when a
+        backward that reached ``pre_backward`` ends. The units are ``self.units``,
+        indexed in the order the model's forward runs them. Your tools: ``self.gather(i,
+        wait=True, **labels)`` and ``self.free(i)`` (each does its work once per use and
+        counts ``peak_gathered_bytes``), ``self.storage.use(i, gathered)``,
         ``self.storage.reduce(i)``, ``self.order`` (this forward's units, emptied by
         each forward of the model), ``self.reduction`` (an ``OrderedReduction`` over
         ``self.order`` reversed, ``reached(i)`` and ``grad_ready(i, p)``, that calls
@@ -233,26 +234,30 @@ class UnitSchedule:
         Contract:
         - ex06.D.use: a unit's forward runs only with its parameters gathered and in use
           (its shards again once it returns), its backward only with them gathered.
-        - ex06.D.prefetch: with ``prefetch``, the gather of the unit that computes next
-          (the next one in a forward, the one before in a backward) starts before this
-          one computes, without waiting for it.
+        - ex06.D.prefetch: with ``prefetch``, a unit's gather overlaps the computation
+          before it: when a unit starts computing, the gather of the unit that computes
+          next (in this forward, or in this backward) is already in flight, and nothing
+          has waited for it.
         - ex06.D.on_demand: without ``prefetch``, a unit is gathered only when it
           computes.
-        - ex06.D.free: with ``reshard_after_forward``, a unit is freed when its forward
-          returns.
-        - ex06.D.free_again: with ``reshard_after_forward``, a unit is freed again when
-          its gradients are reduce-scattered.
-        - ex06.D.peak: with ``reshard_after_forward``, at most two units are gathered at
-          once (one without prefetch), also when a unit's parameter gets no gradient on
-          this rank.
+        - ex06.D.free: with ``reshard_after_forward``, in a forward a unit holds its
+          full parameters only while it computes: none is gathered once its forward has
+          returned.
+        - ex06.D.free_again: with ``reshard_after_forward``, in a backward a unit holds
+          its full parameters no longer than its gradients need them: none is gathered
+          once its gradients are reduce-scattered, nor once the backward has ended.
+        - ex06.D.peak: with ``reshard_after_forward``, at any time at most two units are
+          gathered (one without prefetch), also when a unit's parameter gets no gradient
+          on this rank.
         - ex06.D.counted: ``peak_gathered_bytes`` counts every gathered unit: the
           buffers are gathered and freed only through ``self.gather`` and ``self.free``.
         - ex06.D.keep: without ``reshard_after_forward``, a unit is gathered once per
           step, at its first forward, and freed only by ``finish_step``.
         - ex06.D.reduce: with resharding, each backward reduce-scatters every unit's
-          gradients once, in the reverse of this forward's order, after they are all in
-          and no later than when the backward reaches the unit computed next (a unit
-          whose gradients never come holds none of the others back).
+          gradients exactly once, after their last use (all of them in), in the reverse
+          of this forward's order, and before the backward computes the unit that
+          follows in that order (a unit whose gradients never come holds none of the
+          others back).
         - ex06.D.deferred: without resharding, no unit is reduce-scattered before
           ``finish_step``.
         - ex06.D.repeat: every later micro-batch and step runs the schedule of the
@@ -267,9 +272,7 @@ class UnitSchedule:
         raise NotImplementedError("Exercise 06 D: UnitSchedule.post_forward")
 
     def pre_backward(self, i: int) -> None:
-        if not self.in_backward:                           # the first unit of this backward
-            self.in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+        self.begin_backward()
         raise NotImplementedError("Exercise 06 D: UnitSchedule.pre_backward")
         self.t0[i] = trace.now()
 

@@ -154,28 +154,23 @@ class Mailbox:
         self.comm, self.group, self.m, self.act_shape = comm, group, m, act_shape
         self.dtype, self.device, self.pending = dtype, device, []
 
-    def _tag(self, kind: str, i: int, sender: int) -> int:
-        return 2 * (sender * self.m + i) + (kind == "B")
-
     def send(self, a, tensor: torch.Tensor) -> None:
-        fn = self.comm.send_activation if a.op == "SEND_F" else self.comm.send_grad
-        self.pending.append(fn(tensor.detach().to(self.dtype), a.peer, self.group, microbatch=a.microbatch,
-                               stage=a.stage, tag=self._tag(a.op[-1], a.microbatch, a.stage)))
-        self._reap()
-
-    def recv(self, a) -> torch.Tensor:
-        forward = a.op == "RECV_F"
-        fn = self.comm.recv_activation if forward else self.comm.recv_grad
-        t = fn(self.act_shape(a.stage - 1 if forward else a.stage), a.peer, self.group, self.dtype,
-               self.device, tag=self._tag(a.op[-1], a.microbatch, a.stage - 1 if forward else a.stage + 1),
-               microbatch=a.microbatch, stage=a.stage)
-        self._reap()
-        return t
-
-    def _reap(self) -> None:
+        # finished sends are completed (and recorded) now, the others kept for later
         for h in [h for h in self.pending if all(w is None or w.is_completed() for w in h.works)]:
             h.wait()
             self.pending.remove(h)
+        forward, sender = a.op == "SEND_F", a.stage
+        fn = self.comm.send_activation if forward else self.comm.send_grad
+        tag = 2 * (sender * self.m + a.microbatch) + (not forward)   # one per (kind, micro-batch, sender)
+        self.pending.append(fn(tensor.detach().to(self.dtype), a.peer, self.group, microbatch=a.microbatch,
+                               stage=a.stage, tag=tag))
+
+    def recv(self, a) -> torch.Tensor:
+        forward = a.op == "RECV_F"
+        sender = a.stage - 1 if forward else a.stage + 1
+        fn = self.comm.recv_activation if forward else self.comm.recv_grad
+        return fn(self.act_shape(a.stage - 1 if forward else a.stage), a.peer, self.group, self.dtype, self.device,
+                  tag=2 * (sender * self.m + a.microbatch) + (not forward), microbatch=a.microbatch, stage=a.stage)
 
     def flush(self) -> None:
         for h in self.pending:

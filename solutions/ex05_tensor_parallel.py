@@ -94,7 +94,9 @@ class _F(torch.autograd.Function):
           and the gradient it returns is the whole ∂L/∂x, the same on every rank,
           although each rank's layer saw only its part of the computation.
         - ex05.A.bytes: each use of ``f`` or ``g`` sends one all-reduce of the tensor,
-          in the direction that needs it, and nothing in the other."""
+          in the direction that needs it, and nothing in the other; it is recorded under
+          the ``name`` the operator is given (``f`` gives "f.all_reduce", ``g``
+          "g.all_reduce")."""
         ctx.group, ctx.name = group, name
         return x.view_as(x)
 
@@ -108,16 +110,16 @@ class _G(torch.autograd.Function):
     library's."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, name):
         """Contract:
         - ex05.A.g: ``g(x, group)`` (``_G``) stands where each rank holds a partial
           result (behind a row-parallel layer): its output is the whole result on every
           rank, and the gradient it returns is the one each rank's partial result needs."""
-        return _sum(x, group, "g.all_reduce")
+        return _sum(x, group, name)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 # ------------------------------------------------------------------------------------------------

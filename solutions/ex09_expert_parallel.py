@@ -116,9 +116,7 @@ from minipar import comm
 
 def exchange(x: torch.Tensor, recv: list[int], send: list[int], group=None, name: str = "all_to_all",
              **labels) -> torch.Tensor:
-    """Given: ``x`` holds ``sum(send)`` rows, the first ``send[0]`` for group rank 0 and so on;
-    ``AllToAll.apply(x, recv, send, group, name, labels)`` is the differentiable
-    ``all_to_all``.
+    """Given: ``x`` holds ``sum(send)`` rows, the first ``send[0]`` for group rank 0 and so on.
 
     Contract:
     - ex09.C.order: the result holds ``sum(recv)`` rows, the rows arriving in rank order
@@ -126,7 +124,9 @@ def exchange(x: torch.Tensor, recv: list[int], send: list[int], group=None, name
     - ex09.C.empty: a rank may send or receive no rows.
     - ex09.C.dtype: each dtype kept (float64 and bfloat16 in, the same dtype out).
     - ex09.C.backward: in backward each arrived row's gradient goes back where the row came
-      from."""
+      from.
+    - ex09.C.named: ``all_to_all(..., name=...)`` is recorded under ``name`` forward and
+      ``name + "_backward"`` backward, with the ``**labels`` it is given."""
     out = x.new_empty(sum(recv), *x.shape[1:])
     comm.all_to_all_single(out, x.contiguous(), recv, send, group=group, name=name, **labels)
     return out
@@ -204,7 +204,12 @@ class ExpertParallelMoE(MoE):
         - ex09.D.second: a second step (other tokens) is as exact as the first.
         - ex09.D.aux: the load-balancing loss, averaged over the ranks, is one device's.
         - ex09.D.token_group: with a ``token_group`` the loss's f_i count that group's
-          tokens."""
+          tokens.
+        - ex09.D.recorded: what the chapter reads from the trace: the tokens go to their
+          experts' ranks in one all-to-all recorded as "ep_dispatch" and come back in
+          one recorded as "ep_combine" (both labelled ``dim="ep"``), and this rank's
+          experts compute inside one trace region "experts" whose label ``rows`` is the
+          number of assignments they computed."""
         shape, E, k = x.shape, self.n_experts, self.top_k
         x = x.reshape(-1, shape[-1])
         N, h = x.shape

@@ -103,6 +103,10 @@ CLAIMS = {
             lambda m: abs(num(m[1]) - num(m[2])) <= 1e-5, 1)],
     "05": [("the TP MLP computes the single-device MLP", r"max \|TP MLP - single-device MLP\| = " + NUM,
             small(1e-5), 1),
+           ("the ranks' halves sum to one device's Z and ∂L/∂X",
+            r"summed over the ranks: max \|Σ Z_r - Z\| " + NUM + r", max \|Σ ∂L/∂X_r - ∂L/∂X\| " + NUM, small(1e-5), 1),
+           ("the TP MLP sends one all-reduce each way", r"sent " + NUM + r" B forward and " + NUM + r" B backward "
+            r"\(one all-reduce of the activation: " + NUM + r" B\)", equal, 2),
            ("vocabulary-parallel loss is the gathered loss",
             r"loss: vocabulary-parallel " + NUM + ", gathered " + NUM,
             lambda m: abs(num(m[1]) - num(m[2])) <= 1e-5, 1),

@@ -39,7 +39,8 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
           "            torch.autograd.backward(out, None if grad is None else grad / n)")],
         g.test_drives_model_parallel, r"the LSTM split over 2 ranks \(training equals one process\)"),
     "ex03.B.match": (
-        [('        return 2 * (sender * self.m + i) + (kind == "B")', '        return 2 * sender + (kind == "B")')],
+        [("        tag = 2 * (sender * self.m + a.microbatch) + (not forward)", "        tag = 2 * sender + (not forward)"),
+         ("tag=2 * (sender * self.m + a.microbatch) + (not forward)", "tag=2 * sender + (not forward)")],
         g.test_messages_match_in_any_order, r"a receive gets the message of its own kind, micro-batch"),
     "ex03.B.dtype": (
         [("        self.dtype, self.device, self.pending = dtype, device, []",

@@ -17,7 +17,7 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         [("        return _sum(grad, ctx.group, ctx.name), None, None", "        return grad, None, None")],
         g.test_f_identity_forward_all_reduce_backward, r"seen: the gradient is this rank's own upstream gradient"),
     "ex05.A.g": (
-        [('        return _sum(x, group, "g.all_reduce")', "        return x.view_as(x)")],
+        [('        return _sum(x, group, name)', "        return x.view_as(x)")],
         g.test_g_all_reduce_forward_identity_backward, r"g's forward \(the sum over ranks\)"),
     "ex05.A.bytes": (   # the right sum, with a second all-reduce of it
         [(REDUCE, REDUCE + "        comm.all_reduce(out.mul_(1 / comm.group_size(group)), group=group, name=name)\n")],

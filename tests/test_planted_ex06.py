@@ -108,13 +108,13 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         g.test_schedule_frees, r"unit 0 after its forward returned \(with ``reshard_after_forward``"),
     "ex06.D.free_again": (
         [("        self.free(i)\n        self.storage.reduce(i)", "        self.storage.reduce(i)")],
-        g.test_schedule_frees, r"the units reduce-scattered so far, at 'B 1' \(and again when its gradients"),
+        g.test_schedule_frees, r"the units reduce-scattered so far, at 'B 1' \(none is gathered once its gradients"),
     "ex06.D.peak": (   # two units prefetched in a backward
         [('            self.gather(self.order[pos - 1], wait=False, phase="backward", prefetch=True)',
           '            self.gather(self.order[pos - 1], wait=False, phase="backward", prefetch=True)\n'
           '            if pos > 1:\n'
           '                self.gather(self.order[pos - 2], wait=False, phase="backward", prefetch=True)')],
-        g.test_schedule_frees, r"prefetch=True, the first micro-batch: 3 units gathered at once \(at most two"),
+        g.test_schedule_frees, r"prefetch=True, the first micro-batch: 3 units gathered at once \(at any time at most two"),
     "ex06.D.counted": (   # the storage freed behind the schedule's back
         [("        if self.reshard:\n            self.free(i)\n        for t in",
           "        if self.reshard:\n            self.storage.free(i)\n        for t in")],

@@ -43,6 +43,13 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
     "ex09.C.backward": (
         [("        g = exchange(grad, ctx.send", "        g = exchange(grad.flip(0), ctx.send")],
         g.test_exchanges_on_ranks, r"float64, the world of 4 ranks: rank \d: the input's gradient"),
+    "ex09.C.named": (   # the backward recorded under the forward's name
+        [('ctx.name + "_backward", **ctx.labels)', 'ctx.name, **ctx.labels)')],
+        g.test_exchanges_on_ranks, r"float64, the world of 4 ranks: rank 0: \(name, dim\) of what all_to_all"),
+    "ex09.D.recorded": (   # the experts computed outside the region the chapter reads
+        [('        with trace.region("experts", experts=len(self.local), rows=sum(rows)):',
+          '        with trace.region("experts", experts=len(self.local)):')],
+        g.test_expert_parallel_layer, r"top-2, capacity factor None, step 1 of 2, rank 0: what the layer's forward recorded"),
     "ex09.D.exact": (
         [(", before=M[:self.rank].sum(0))", ")")],
         g.test_expert_parallel_layer, r"top-1, capacity factor 1.0, step 1 of 2, rank 1: assignments dropped"),

@@ -82,6 +82,10 @@ class ExpertParallelMoE(MoE):
     # ex09.D.second: a second step (other tokens) is as exact as the first.
     # ex09.D.aux: the load-balancing loss, averaged over the ranks, is one device's.
     # ex09.D.token_group: with a ``token_group`` the loss's f_i count that group's tokens.
+    # ex09.D.recorded: what the chapter reads from the trace: the tokens go to their experts' ranks
+    #     in one all-to-all recorded as "ep_dispatch" and come back in one recorded as
+    #     "ep_combine" (both labelled ``dim="ep"``), and this rank's experts compute inside one
+    #     trace region "experts" whose label ``rows`` is the number of assignments they computed.
     def forward(self, x):
         shape, E, k = x.shape, self.n_experts, self.top_k
         x = x.reshape(-1, shape[-1])

@@ -1,13 +1,11 @@
 """Naive model parallelism: a model too big for one device, cut by layers across ranks.
 
-Rank r holds stage r (some consecutive layers) and nothing else. One training step:
+Rank r holds stage r (some consecutive layers) and nothing else. What crosses the cut between
+two stages is only what the chain rule needs there, one tensor each way (:mod:`.stage_comm`),
+and a step's loss and every gradient are exactly the single-process ones (notebook 03 shows
+each rank's part on real ranks).
 
-1. forward: rank 0 runs its layers on the batch and sends the activation to rank 1,
-   which runs its layers and sends on ... the last rank computes the loss;
-2. backward: the last rank sends ``∂L/∂(its input)`` to the rank before it, which
-   continues the backward from there (:mod:`.stage_comm`), down to rank 0.
-
-The answer is exactly the single-process one; the price is time: only one rank works at
+The price is time: only one rank works at
 any moment, so with n equal stages each rank idles a fraction (n-1)/n of the step. This
 idle timeline is what pipelining (micro-batches, :mod:`minipar.pipeline`) attacks.
 

@@ -20,8 +20,8 @@ Each action is the method of its name:
   it is: a receive blocks there, and is best posted when it is needed.
 
 Measurement stays beside the walk: each F, B, W runs inside its trace region (:func:`traced`)
-labelled ``phase``, ``microbatch``, ``stage``; :class:`Mailbox` tags the messages so that a
-receive matches its send whatever the order of arrival; :class:`Stash` counts the
+labelled ``phase``, ``microbatch``, ``stage``; :class:`Mailbox` carries the messages (a
+receive gets its own, whatever the order of arrival); :class:`Stash` counts the
 micro-batches held at once (``peak_stash`` after a step).
 """
 from __future__ import annotations
@@ -195,8 +195,7 @@ class Stash(dict):
 
 
 class Mailbox:
-    """The messages of a pipeline: a tag per (kind, micro-batch, sending stage), trace
-    labels, and non-blocking sends completed (and recorded) as soon as they have finished."""
+    """The messages between a pipeline's stages in one step (contract ex03.B)."""
 
     # Contract:
     # Given: the executor calls ``Mailbox(comm, group, m, act_shape, dtype, device)`` (``comm``:
@@ -217,40 +216,30 @@ class Mailbox:
         self.dtype, self.device, self.pending = dtype, device, []
         # <<< ex03 B
 
-    def _tag(self, kind: str, i: int, sender: int) -> int:
-        # >>> ex03 B
-        return 2 * (sender * self.m + i) + (kind == "B")
-        # <<< ex03 B
-
     def send(self, a, tensor: torch.Tensor) -> None:
         # >>> ex03 B
-        fn = self.comm.send_activation if a.op == "SEND_F" else self.comm.send_grad
+        # finished sends are completed (and recorded) now, the others kept for later
+        for h in [h for h in self.pending if all(w is None or w.is_completed() for w in h.works)]:
+            h.wait()
+            self.pending.remove(h)
+        forward, sender = a.op == "SEND_F", a.stage
+        fn = self.comm.send_activation if forward else self.comm.send_grad
+        tag = 2 * (sender * self.m + a.microbatch) + (not forward)   # one per (kind, micro-batch, sender)
         self.pending.append(fn(tensor.detach().to(self.dtype), a.peer, self.group, microbatch=a.microbatch,
-                               stage=a.stage, tag=self._tag(a.op[-1], a.microbatch, a.stage)))
-        self._reap()
+                               stage=a.stage, tag=tag))
         # <<< ex03 B
 
     def recv(self, a) -> torch.Tensor:
         # >>> ex03 B
         forward = a.op == "RECV_F"
+        sender = a.stage - 1 if forward else a.stage + 1
         fn = self.comm.recv_activation if forward else self.comm.recv_grad
-        t = fn(self.act_shape(a.stage - 1 if forward else a.stage), a.peer, self.group, self.dtype,
-               self.device, tag=self._tag(a.op[-1], a.microbatch, a.stage - 1 if forward else a.stage + 1),
-               microbatch=a.microbatch, stage=a.stage)
-        self._reap()
-        return t
-        # <<< ex03 B
-
-    def _reap(self) -> None:
-        """Complete (and record) the sends that have finished; keep the others."""
-        # >>> ex03 B
-        for h in [h for h in self.pending if all(w is None or w.is_completed() for w in h.works)]:
-            h.wait()
-            self.pending.remove(h)
+        return fn(self.act_shape(a.stage - 1 if forward else a.stage), a.peer, self.group, self.dtype, self.device,
+                  tag=2 * (sender * self.m + a.microbatch) + (not forward), microbatch=a.microbatch, stage=a.stage)
         # <<< ex03 B
 
     def flush(self) -> None:
-        """Wait for every send."""
+        """The end of the step."""
         # >>> ex03 B
         for h in self.pending:
             h.wait()

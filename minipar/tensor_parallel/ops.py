@@ -101,7 +101,7 @@ def _split(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
 
 # ---------------------------------------------------------------- Megatron's f and g
 class _F(torch.autograd.Function):
-    """f: identity forward, all-reduce backward."""
+    """Megatron's f: where a parallel region begins (every rank reads the same tensor)."""
 
     # Contract:
     # ex05.A.f: ``f(x, group)`` (``_F``) stands where every rank of the group reads the same ``x``
@@ -109,7 +109,8 @@ class _F(torch.autograd.Function):
     #     returns is the whole ∂L/∂x, the same on every rank, although each rank's layer saw only
     #     its part of the computation.
     # ex05.A.bytes: each use of ``f`` or ``g`` sends one all-reduce of the tensor, in the direction
-    #     that needs it, and nothing in the other.
+    #     that needs it, and nothing in the other; it is recorded under the ``name`` the operator
+    #     is given (``f`` gives "f.all_reduce", ``g`` "g.all_reduce").
     @staticmethod
     def forward(ctx, x, group, name):
         # >>> ex05 A
@@ -125,38 +126,40 @@ class _F(torch.autograd.Function):
 
 
 class _G(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
+    """Megatron's g: where a parallel region ends (each rank holds a partial result)."""
 
     # Contract:
     # ex05.A.g: ``g(x, group)`` (``_G``) stands where each rank holds a partial result (behind a
     #     row-parallel layer): its output is the whole result on every rank, and the gradient it
     #     returns is the one each rank's partial result needs.
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, name):
         # >>> ex05 A
-        return _sum(x, group, "g.all_reduce")
+        return _sum(x, group, name)
         # <<< ex05 A
 
     @staticmethod
     def backward(ctx, grad):
         # >>> ex05 A
-        return grad, None
+        return grad, None, None
         # <<< ex05 A
 
 
 def f(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Megatron's f: ``x`` unchanged forward; the gradient is all-reduced over ``group``."""
+    """Megatron's f, where a parallel region over ``group`` begins: every rank reads the same
+    ``x``, and the gradient it returns is the whole ∂L/∂x on every rank (contract ex05.A.f)."""
     return _F.apply(x, group, "f.all_reduce")
 
 
 def g(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Megatron's g: the sum of ``x`` over ``group`` forward; the gradient passes unchanged."""
-    return _G.apply(x, group)
+    """Megatron's g, where a parallel region over ``group`` ends: each rank's ``x`` is a partial
+    result, the output is the whole result on every rank (contract ex05.A.g)."""
+    return _G.apply(x, group, "g.all_reduce")
 
 
 def sync_grad(p: torch.Tensor, group=None) -> torch.Tensor:
     """f applied to a replicated parameter used on a slice of the data (sequence
-    parallelism's layer norms and biases): each rank's gradient is partial, f sums it."""
+    parallelism's layer norms and biases), so its gradient is the whole ∂L/∂p on every rank."""
     return _F.apply(p, group, "sp.param_grad")
 
 

@@ -10,8 +10,8 @@ as soon as a unit's gradients are complete, through :class:`OrderedReduction`, w
 the rule every data-parallel reducer needs: **every rank issues the same collectives in the
 same order** (a collective run on a rank-local condition leaves the other ranks waiting).
 A unit is reduced once it and every unit before it in the order are complete, or once the
-backward has moved past it (stage 3 knows: it re-gathers the unit before it); the rest when
-the backward ends. Parameters with no gradient on this rank take part with zeros. ``tail``
+backward is known to have moved past it (:meth:`OrderedReduction.reached`); the rest when the
+backward ends. Parameters with no gradient on this rank take part with zeros. ``tail``
 runs last (stage 3's persistent parameters: one all-reduce after every unit's reduce-scatter).
 """
 from __future__ import annotations
@@ -84,11 +84,11 @@ class OrderedReduction:
     def _start(self) -> None:
         if self.queue is None:                       # the first event of this backward
             self.queue = list(self.order())
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def touch(self) -> None:
         """A gradient outside every unit arrived (a persistent parameter's): this backward has
-        started, so :meth:`finish` will run at its end."""
+        started, so the reductions left will run at its end."""
         self._start()
 
     def grad_ready(self, i: int, p) -> None:
@@ -98,14 +98,13 @@ class OrderedReduction:
             self._reduce(self.queue.pop(0))
 
     def reached(self, i: int) -> None:
-        """The backward has reached unit i (stage 3 calls this before re-gathering it): every
-        unit before i in the order is done, complete or not, so reduce those now. This ties
-        the reduce-scatters to the gathers' order, the same on every rank."""
+        """The backward has reached unit i: every unit before i in the order is done, complete
+        or not, so those are reduced now, in the order, the same on every rank."""
         self._start()
         while self.queue and self.queue[0] != i and i in self.queue:
             self._reduce(self.queue.pop(0))
 
-    def finish(self) -> None:
+    def _finish(self) -> None:
         """End of the backward: reduce every unit not yet reduced, in order (zeros for the
         gradients this rank lacks), so that all ranks ran the same collectives."""
         for i in (self.queue or []) + [j for j in range(len(self.units)) if j not in (self.queue or [])]:

@@ -39,11 +39,11 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'UfCq/blDS3DJsJdQioO4xbivKMX3Mf/9NPn6fzLX52AkHVhReA/xwmxrY8BTBvJEVd47YZiSjV7UvCdXENt7'
         'KFL2wipLLB2sFma/6X7EAwU4gQJPL8obrXFGUXR2LHqqnQ+O56W5/2PoK5wOu33vUcQa2l8dPjw/9dabEScy'
         'F3N9c1b6sFq+aIBM9HqcucZcvkGD9t84A==',
-        'sealed:eNqNkktugzAQhq8ySztyLbIlyrbZ9QIRslwzJSjYRsZOnNt3iAlN1C66YMDif4w+UFOyNfgUYQ9ZG'
-        'u9i3yWfJsalGbxDxndgvLVSD4MK2CaDjNQCuuDTuL9PAU5b3M+D1AFjCm6OlKDe5ZcPVx3aGkzMcpHPj7OaO'
-        'p8CVmuWlx6vSk8sUx5lfGpzLiGLQtHWrAu6FX/FcgEftHqZtMThZ4lnfxaPdinlXHT4XVQ6Sk6n4wmD0oSlq'
-        'yEXYtZfsO0to0tAxV8I7hauaMd4Yw42ZJIuWRwYf8ZaggtWUgScTnpE9rbl/8M803rE363HqhGwWU/buuHro'
-        'pUAunHCMo1DH2s6XfoWWV7E9JLM7gFl/STmlNyZueI+hub1X/kGI7zGsQ==',
+        'sealed:eNqNUs1uhCAQfpU5woYS9+rGa/fWF9gYQ3GqZgUMgkvfvuNit27aQw8MEL+/fNjM0ZTgYoAKktTOh'
+        'qGLLs6MSz06i4yfQDtjpBrHxmMbNTJCC+i8i1N1nwKsMlitg9AeQ/R2lZTQvMoP52/KtyXokOQGX48rmjx3A'
+        'g9qksuAt0bNLJEeabwrfc0iG6Kh1KzzqhV/yXIBbxQ9Twpx/gmx5yexd1+dzr+dsslerlOhR98oaqcrIeXij'
+        'FuwHQyjJaDgT0WetnrRTOGTWTgQSdpocGR8324Wzu0SwuPcqwnZy5H/r+21tG/5O/VS1AIOj9uxrPkjaCGAN'
+        'k7tzNM4hJJuy9AiSxuYPhLZCpBS8t3L6D7aK7OZffH18y/zBWUiyaQ=',
     ),
     'B': (
         'sealed:eNo9jkEOwjAMBL+yN0DiD31Gz2njNpZaG8WOIn5PkgJX73p25sRrgm7YECRih7EbgsMTYdWjnIIjv'
@@ -89,6 +89,10 @@ def _comm_calls(n0):
     return sum(e["kind"] == "comm" for e in trace.events()[n0:])
 
 
+def _comm_names(n0):
+    return [e["name"] for e in trace.events()[n0:] if e["kind"] == "comm"]
+
+
 def _close(got, want, what, where=""):
     expect_close(got, want, what, where=where, **TOL)
 
@@ -104,7 +108,7 @@ def _f_case():
     (y * w).sum().backward()
     return {"y": y.detach(), "x": x.detach(), "grad": x.grad, "w": w, "bytes": _comm_bytes(n0),
             "forward": [_comm_bytes(n_fwd) - _comm_bytes(n0), _comm_calls(n_fwd) - _comm_calls(n0)],
-            "calls": _comm_calls(n0)}
+            "calls": _comm_calls(n0), "names": _comm_names(n0)}
 
 
 def _g_case():
@@ -114,11 +118,11 @@ def _g_case():
     before = x.detach().clone()
     n0 = len(trace.events())
     z = tp.g(x)
-    sent, calls = _comm_bytes(n0), _comm_calls(n0)
+    sent, calls, names = _comm_bytes(n0), _comm_calls(n0), _comm_names(n0)
     n1 = len(trace.events())
     (z * w).sum().backward()
     return {"z": z.detach(), "x": before, "x_after": x.detach(), "grad": x.grad, "w": w, "bytes": sent,
-            "calls": calls, "backward": [_comm_bytes(n1), _comm_calls(n1)]}
+            "calls": calls, "names": names, "backward": [_comm_bytes(n1), _comm_calls(n1)]}
 
 
 @observes("ex05.A.f", "ex05.A.bytes")
@@ -134,6 +138,7 @@ def test_f_identity_forward_all_reduce_backward(impl):
         expect_recorded(fo["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
                         "bytes sent in f's backward (one all-reduce of 12 floats)", f"rank {rank}")
         expect_equal(fo["calls"], 1, f"rank {rank}: collectives recorded in f's backward")
+        expect_equal(fo["names"], ["f.all_reduce"], f"rank {rank}: the name f's backward collective is recorded under")
         expect_equal(fo["forward"], [0, 0], f"rank {rank}: [bytes, collectives] recorded in f's forward")
 
 
@@ -151,6 +156,7 @@ def test_g_all_reduce_forward_identity_backward(impl):
         expect_recorded(go["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
                         "bytes sent in g's forward (one all-reduce of 12 floats)", f"rank {rank}")
         expect_equal(go["calls"], 1, f"rank {rank}: collectives recorded in g's forward")
+        expect_equal(go["names"], ["g.all_reduce"], f"rank {rank}: the name g's forward collective is recorded under")
         expect_equal(go["backward"], [0, 0], f"rank {rank}: [bytes, collectives] recorded in g's backward")
 
 

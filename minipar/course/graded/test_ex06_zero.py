@@ -727,8 +727,8 @@ def test_schedule_gathers(impl):
             what = "forward" if kind == "F" else "backward"
             if prefetch:
                 expect_equal(state[nxt], "in flight", f"{at}: unit {nxt} as unit {i}'s {what} starts (with "
-                             "``prefetch``, the gather of the unit that computes next (the next one in a forward, "
-                             "the one before in a backward) starts before this one computes, without waiting for it)")
+                             "``prefetch``, when a unit starts computing, the gather of the unit that computes next is "
+                             "already in flight, and nothing has waited for it)")
             else:
                 expect_equal([j for j, s in enumerate(state) if s == "in flight"], [], f"{at}: units in flight as "
                              f"unit {i}'s {what} starts (without it, a unit is gathered only when it computes)")
@@ -745,16 +745,16 @@ def test_schedule_frees(impl):
                 kind, i = _event(e)
                 if kind == "F end":
                     expect_equal(state[i], "freed", f"{at}: unit {i} after its forward returned (with "
-                                 "``reshard_after_forward``, a unit is freed when its forward returns)")
+                                 "``reshard_after_forward``, none is gathered once its forward has returned)")
                 elif kind == "reduce":
                     reduced.append(i)
                 elif kind in ("B", "backward ended"):
                     expect_equal({j: state[j] for j in reduced}, dict.fromkeys(reduced, "freed"),
-                                 f"{at}: the units reduce-scattered so far, at '{e}' (and again when its gradients "
-                                 "are reduce-scattered)", keys="unit")
+                                 f"{at}: the units reduce-scattered so far, at '{e}' (none is gathered once its "
+                                 "gradients are reduce-scattered, nor once the backward has ended)", keys="unit")
             peak = max(sum(s != "freed" for s in state) for _, state, _ in first)
-            expect(peak <= (2 if prefetch else 1), f"{at}: {peak} units gathered at once (at most two units are "
-                   "gathered at once (one without prefetch))")
+            expect(peak <= (2 if prefetch else 1), f"{at}: {peak} units gathered at once (at any time at most two "
+                   "units are gathered (one without prefetch))")
         else:
             step = _segments(log, "micro-batch 0")[0]
             before = step[:len(step) - step[::-1].index("backward ended")]     # finish_step's own come after
@@ -867,7 +867,7 @@ def test_schedule_on_the_real_storage(impl):
             expect(not isinstance(got, str), f"{where}: the step {got}")
             limit = 2 if prefetch else 1
             expect(got["held"] <= limit, f"{where}: {got['held']} units held their full parameters at once "
-                   f"(at most two units are gathered at once (one without prefetch)), counted on the storage "
+                   f"(at any time at most two units are gathered (one without prefetch)), counted on the storage "
                    "after each gather")
             expect_equal(got["reduced"], [[1, 2, 3]] * 2, f"{where}: the units whose shard holds its reduced "
                          "gradient when unit 0's backward starts (with resharding, each backward reduce-scatters every "

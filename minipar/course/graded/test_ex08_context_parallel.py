@@ -341,37 +341,29 @@ def test_training_with_your_code(impl):
     expect_same_training(got, want, "the GPT with ring attention on 2 ranks", rtol=1e-5, atol=1e-6)
 
 
-def _documented_merge(o_a, lse_a, o_b, lse_b):
-    """The merge as the last tier of HINTS["A"] writes it (shifted by the larger lse, so no exp overflows)."""
-    m = torch.maximum(lse_a, lse_b)
-    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    lse = m + torch.log(w_a + w_b)
-    o = (w_a.unsqueeze(-1) * o_a + w_b.unsqueeze(-1) * o_b) / (w_a + w_b).unsqueeze(-1)
-    return o, lse
+SCORES = [[1000.0, 1000.0], [1000.0, 999.0], [5.0, 1000.0], [1000.0, 700.0], [-990.0, -1000.0]]
 
 
 @observes("ex08.A.stable")
-def test_documented_merge_formula_passes(impl):
-    """The reference merge (the one the last hint tier spells out) meets ex08.A's tolerance (rtol = atol
-    = 1e-5) on the cases above, log-sum-exps near 1000 included, and your merge_partials agrees with it.
-
-    The reference is the merge with the larger log-sum-exp subtracted before any exp; the plain form
-    (exp of each lse, which notebook 08 warns overflows fp32 near 1000) would not pass here."""
-    from minipar.course.grading import expect_close
-    q, k, v, _ = _qkv()
-    o, lse = cpm.attention_block(q, k, v)
-    a = cpm.attention_block(q, k[..., :10, :], v[..., :10, :])
-    b = cpm.attention_block(q, k[..., 10:, :], v[..., 10:, :])
-    o_a, o_b = torch.ones(3, 2), torch.full((3, 2), 3.0)
-    lse_a, lse_b = torch.tensor([1000.0, 1000.0, 5.0]), torch.tensor([1000.0, 999.0, 1000.0])
-    w = torch.sigmoid(lse_a - lse_b)
-    doc_big = _documented_merge(o_a, lse_a, o_b, lse_b)
-    expect_close(doc_big[0][:, 0], w * 1 + (1 - w) * 3, "documented merge's O", "lse near 1000",
-                 rtol=1e-5, atol=1e-5)
-    doc = _documented_merge(*a, *b)
-    expect_close(doc[0], o, "documented merge's O", "keys 0..9 and 10..15", rtol=1e-5, atol=1e-5)
-    expect_close(doc[1], lse, "documented merge's lse", "keys 0..9 and 10..15", rtol=1e-5, atol=1e-5)
-    got, got_big = cpm.merge_partials(*a, *b), cpm.merge_partials(o_a, lse_a, o_b, lse_b)
-    for i, name in enumerate(("O", "lse")):
-        expect_close(got[i], doc[i], f"merge_partials' {name}", "keys 0..9 and 10..15", rtol=1e-5, atol=1e-5)
-        expect_close(got_big[i], doc_big[i], f"merge_partials' {name}", "lse near 1000", rtol=1e-5, atol=1e-5)
+def test_merge_of_large_score_blocks_is_attention_over_both(impl):
+    """Two one-key blocks whose scores are the integers SCORES (near 1000, apart by up to hundreds): each
+    block's (o, lse) is exact in fp32, and their merge equals attention over both keys computed in float64
+    (softmax and log-sum-exp of the scores), to ex08.A.stable's tolerance."""
+    s = torch.tensor(SCORES)
+    q = torch.zeros(1, 1, len(s), 4)
+    q[..., :2] = 2 * s                                     # scores q·k / √4: exactly SCORES
+    k = torch.zeros(1, 1, 2, 4)
+    k[0, 0, 0, 0] = k[0, 0, 1, 1] = 1.0
+    v = torch.randn(1, 1, 2, 4, generator=torch.Generator().manual_seed(3))
+    a = cpm.attention_block(q, k[..., :1, :], v[..., :1, :])
+    b = cpm.attention_block(q, k[..., 1:, :], v[..., 1:, :])
+    want_o = torch.softmax(s.double(), -1) @ v[0, 0].double()
+    want_lse = torch.logsumexp(s.double(), -1)
+    o, lse = cpm.merge_partials(*a, *b)
+    where = "keys 0 and 1 as two blocks, scores per query " + ", ".join(f"({x:g}, {y:g})" for x, y in SCORES)
+    with diagnose(lambda e: not bool(torch.isfinite(lse).all() and torch.isfinite(o).all()),
+                  "the merged lse or o holds inf or nan: an exp of a log-sum-exp near 1000 overflows fp32"):
+        expect_close(lse[0, 0].double(), want_lse, "merged lse (the log-sum-exp of both scores), per query",
+                     where=where, rtol=1e-5, atol=1e-5)
+        expect_close(o[0, 0].double(), want_o, "merged o (attention over both keys, in float64), index (query, "
+                     "feature)", where=where, rtol=1e-5, atol=1e-5)

@@ -185,6 +185,11 @@ def _sent(since):
     return sum(e["bytes_sent"] for e in trace.events()[since:] if e["kind"] == "comm")
 
 
+def _names(since):
+    """(name, dim label) of the communication recorded since event ``since``."""
+    return [(e["name"], e["labels"].get("dim")) for e in trace.events()[since:] if e["kind"] == "comm"]
+
+
 def _exchanges():
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]          # every rank creates both
     rank, dev = dist.get_rank(), minipar.device()
@@ -199,15 +204,16 @@ def _exchanges():
         try:                    # an error every rank raises alike is reported with its case
             since = len(trace.events())
             y = all_to_all(x, recv, send, group, name="graded_a2a", dim="ep")
-            forward, since = _sent(since), len(trace.events())
+            forward, names, since = _sent(since), _names(since), len(trace.events())
             (y * (0.5 * y.detach() + r)).sum().backward()              # ∂/∂row = 0.5·row + its receiver
-            out[case] = (y.detach().cpu(), x.grad.cpu(), forward, _sent(since))
+            out[case] = (y.detach().cpu(), x.grad.cpu(), forward, _sent(since), names + _names(since))
         except Exception as e:  # noqa: BLE001
             out[case] = f"{type(e).__name__}: {e}"
     return out
 
 
-@observes("ex09.A.exchange", "ex09.C.order", "ex09.C.empty", "ex09.C.dtype", "ex09.C.backward", "ex09.*.group", "ex09.*.recorded")
+@observes("ex09.A.exchange", "ex09.C.order", "ex09.C.empty", "ex09.C.dtype", "ex09.C.backward", "ex09.C.named",
+          "ex09.*.group", "ex09.*.recorded")
 def test_exchanges_on_ranks(impl):
     """On 4 ranks: exchange_counts on the world and on two groups of 2; all_to_all with uneven (some
     empty) splits in float64, bfloat16 on the groups and float32, forward and backward."""
@@ -227,7 +233,7 @@ def test_exchanges_on_ranks(impl):
             where = f"{name}: rank {rank}" + (f" (rank {r} of its group)" if sub else "")
             expect(not isinstance(out[case], str), f"{where}: all_to_all raised {out[case]} (sending "
                    f"{[_split(r, b, case) for b in range(n)]} rows, receiving {[_split(a, r, case) for a in range(n)]})")
-            y, grad, forward, backward = out[case]
+            y, grad, forward, backward, names = out[case]
             expect_equal(str(y.dtype), str(dtype), f"the dtype of all_to_all's output, {where}")
             want = torch.cat([_rows(a, r, _split(a, r, case), torch.float64) for a in range(n)])
             expect_close(y.double(), want, "all_to_all's output rows (16·source + 4·this rank + i, in rank "
@@ -244,6 +250,9 @@ def test_exchanges_on_ranks(impl):
             expect_recorded(backward, size * sum(_split(a, r, case) for a in range(n) if a != r), "bytes sent in "
                             "its backward, as recorded (the gradients of the rows that came from the other ranks)",
                             where)
+            expect_equal(names, [("graded_a2a", "ep"), ("graded_a2a_backward", "ep")], f"{where}: (name, dim) of "
+                         "what all_to_all(..., name='graded_a2a', dim='ep') recorded, forward then backward",
+                         keys="collective")
 
 
 def _moe(k, cf):
@@ -278,8 +287,31 @@ def _ep_layer(steps):
             x = _tokens(step).chunk(n)[r].to(dev).requires_grad_()
             y = layer(x)
             (y * _weights(_tokens(step)).chunk(n)[r].to(dev)).sum().backward()
-            out.append((y.detach().cpu(), layer.stats["dropped"].cpu(), _grads(layer, x), layer.stats["aux"].cpu()))
+            out.append((y.detach().cpu(), layer.stats["dropped"].cpu(), _grads(layer, x), layer.stats["aux"].cpu(),
+                        _forward_record(layer, x.detach())))
     return out
+
+
+def _forward_record(layer, x):
+    """What one more forward of ``layer`` records: its dispatch and combine (name, dim), and the rows
+    label of each "experts" region."""
+    since = len(trace.events())
+    with torch.no_grad():
+        layer(x)
+    events = trace.events()[since:]
+    return {"all-to-alls": [(e["name"], e["labels"].get("dim")) for e in events
+                            if e["kind"] == "comm" and e["name"].startswith(("ep_dispatch", "ep_combine"))],
+            "experts regions (rows)": [e["labels"].get("rows") for e in events if e["name"] == "experts"]}
+
+
+def _rows_computed(k, cf, step, rank, ep=2):
+    """Assignments the experts of ``rank`` compute on one device's routing (the kept ones)."""
+    moe = _moe(k, cf)
+    with torch.no_grad():
+        moe(_tokens(step))
+    experts, kept = moe.stats["experts"].reshape(-1), ~moe.stats["dropped"].reshape(-1)
+    per = moe.n_experts // ep
+    return int(((experts // per == rank) & kept).sum())
 
 
 def _single(k, cf, step, x=None):
@@ -292,7 +324,7 @@ def _single(k, cf, step, x=None):
                                                  for i, e in enumerate(moe.experts)}}
 
 
-@observes("ex09.D.exact", "ex09.D.grads", "ex09.D.second", "ex09.D.aux")
+@observes("ex09.D.exact", "ex09.D.grads", "ex09.D.second", "ex09.D.aux", "ex09.D.recorded")
 def test_expert_parallel_layer(impl):
     """The expert-parallel MoE layer on 2 ranks equals one device, in float64: outputs, dropped
     assignments and gradients, for top-2 dropless, top-1 and top-2 at capacity factor 1, two steps each."""
@@ -303,8 +335,12 @@ def test_expert_parallel_layer(impl):
             y, dropped, aux, grads = _single(k, cf, step)
             case = f"top-{k}, capacity factor {cf}, step {step + 1} of {steps}" + (" (other tokens)" if step else "")
             ranks = [res[r][c * steps + step] for r in range(2)]
-            for r, (y_r, dropped_r, _, _) in enumerate(ranks):
+            for r, (y_r, dropped_r, _, _, record) in enumerate(ranks):
                 where = f"{case}, rank {r}"
+                expect_equal(record, {"all-to-alls": [("ep_dispatch", "ep"), ("ep_combine", "ep")],
+                                      "experts regions (rows)": [_rows_computed(k, cf, step, r)]},
+                             f"{where}: what the layer's forward recorded (name, dim) of its all-to-alls, and the "
+                             "rows label of its 'experts' regions")
                 expect_close(dropped_r.float(), dropped.chunk(2)[r].float(), "assignments dropped (over capacity), "
                              "index (token·k + j)", where=where, rtol=0, atol=0)
                 expect_close(y_r, y.chunk(2)[r], "layer output (the MoE layer on one device), index "

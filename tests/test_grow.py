@@ -38,7 +38,7 @@ def start_job(tmp_path, ranks: list[list[str]], bound: float = 300.0) -> tuple[l
     """Start one process per argument list on a store hosted here; wait (at most ``bound`` s)
     for all to end; return their Popen objects and their saved records."""
     store, port = serve_store(len(ranks), bound)   # noqa: F841 (kept alive: the job's store)
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MINIPAR_DEVICE="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     procs, logs = [], []
     for i, extra in enumerate(ranks):

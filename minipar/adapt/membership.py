@@ -116,12 +116,18 @@ class Member:
         if self.rank == 0 and joiners != "none":
             admitted = self.store.add(f"{KEY}/admitted", 0)
             if joiners == "wait":
-                self.store.wait([f"{KEY}/joiner/{admitted}"], timedelta(seconds=self.timeout))
+                try:
+                    self.store.wait([f"{KEY}/joiner/{admitted}"], timedelta(seconds=self.timeout))
+                except Exception as e:   # the store's own timeout error
+                    raise TimeoutError(f"after step {step}: no rank came to join within {self.timeout:g} s "
+                                       f"({e})") from None
             waiting = self.store.add(f"{KEY}/joiners", 0) - admitted
         wishes = [None] * self.world
-        dist.all_gather_object(wishes, (bool(leave), waiting))
-        change = Change(step, self.generation + 1, self.world, tuple(r for r, (go, _) in enumerate(wishes) if go),
-                        wishes[0][1])
+        dist.all_gather_object(wishes, (step, bool(leave), waiting))
+        if len({s for s, _, _ in wishes}) > 1:    # a member out of step: its data would be another batch
+            raise RuntimeError(f"the members disagree on the step they finished: {[s for s, _, _ in wishes]}")
+        change = Change(step, self.generation + 1, self.world, tuple(r for r, (_, go, _) in enumerate(wishes) if go),
+                        wishes[0][2])
         if not change.leavers and not change.joiners:
             return None
         if change.new_world < 1:

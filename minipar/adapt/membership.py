@@ -18,7 +18,10 @@ is a *generation* with its own process group, its keys under its own prefix of t
    its old model's pieces and anything handed to it, a joiner from nothing (:class:`Holding`).
 
 The data position is the step number, so the next step trains global batch ``step`` split over
-the new dp, and the losses stay those of one process. Each member's record of a change holds the
+the new dp, and the losses stay those of one process. Under ``torchrun`` a change of members is
+a new rendezvous of its agents, which restart every worker (the process group is the agents'
+round: ``tests/test_elastic.py``, from the last checkpoint); here the job keeps its store and makes
+each generation's group itself, so only the joiner is a new process. Each member's record of a change holds the
 generation, both worlds and layouts, the bytes moved and the seconds of every phase."""
 from __future__ import annotations
 
@@ -194,6 +197,7 @@ def record(change: Change, handed: dict, moved: dict, phases: dict, layout_of) -
             "to_layout": str(layout_of(change.new_world)), "left": list(change.leavers), "joined": change.joiners,
             "handoff_bytes": 0, **handed,
             **{k: moved[k] for k in ("bytes_sent", "bytes_received", "plan_bytes") if k in moved},
+            "reshard_phases": moved.get("phases", {}),     # its wait: for the slowest member (a joiner's start)
             "seconds": sum(phases.values()), "phases": phases}
 
 

@@ -12,15 +12,19 @@ Checked: each process that started is the one that finished (the pid it reports 
 and end is the pid the test started), the losses of every step equal one process's, and so do
 the final parameters, within the table's AdamW tolerance on the CPU (rtol 1e-4, atol 5e-5:
 the state moves bit for bit, but dp=3 and dp=4 average the gradients in other orders, and
-Adam's division by sqrt(v) amplifies those last bits in the early steps). A joiner given no
-optimizer state, or a step trained on the wrong batch, is off by far more (see the report of
-the mutants tried in the commit that added this file)."""
+Adam's division by sqrt(v) amplifies those last bits in the early steps). One-line mutants
+tried, each red here: the stayers describing their parameters without the optimizer state (the
+moments start over: step 5 differs); no hand-off, or handed-off pieces at the wrong offset (the
+plan refuses: elements held by no rank); handed-off pieces read from the wrong place of the
+received buffer (step 6 differs); the joiner admitted one step late (the members disagree on
+the step they finished: a plain error at once, not a hang)."""
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -120,3 +124,17 @@ def test_bad_input_is_refused_before_joining_anything():
                        (["--rank", "0", "--world", "5"], "no layout of 5 ranks")):
         with pytest.raises(ValueError, match=said):
             grow.check(grow.parser().parse_args(["--store", "127.0.0.1:1", *argv]))
+
+
+def test_the_runs_only_leavers_hold_and_their_even_split():
+    """``difference``: the elements of runs a in no run of b (b's runs may overlap), cut at the keys'
+    offsets; ``split``: consecutive parts whose sizes differ by at most one, together the whole."""
+    from minipar.adapt.membership import difference, split
+    a = np.array([[0, 10], [20, 5]])                 # elements 0..9 and 20..24
+    b = np.array([[2, 3], [3, 4], [22, 10]])         # 2..6 (twice over), 22..31
+    got = difference(a, b, np.array([0, 8, 40]))     # a key starts at 8
+    assert got.tolist() == [[0, 2], [7, 1], [8, 2], [20, 2]]
+    parts = split(got, 3)
+    assert [int(p[:, 1].sum()) for p in parts] == [2, 2, 3]
+    assert np.concatenate([np.arange(s, s + n) for p in parts for s, n in p]).tolist() == [0, 1, 7, 8, 9, 20, 21]
+    assert difference(np.zeros((0, 2), np.int64), b, np.array([0])).shape == (0, 2)

@@ -121,7 +121,7 @@ def test_a_4_rank_job_shrinks_to_3_when_a_rank_leaves_cleanly(tmp_path):
 def test_bad_input_is_refused_before_joining_anything():
     for argv, said in ((["--join", "--rank", "0"], "not both"), (["--rank", "3", "--world", "3"], "is not one of"),
                        (["--rank", "0", "--world", "3", "--grow-at", "12"], "before the last"),
-                       (["--rank", "0", "--world", "5"], "no layout of 5 ranks")):
+                       (["--rank", "0", "--world", "5"], "no layout of 5 ranks"), (["--join", "--store", "nohost"], "HOST:PORT")):
         with pytest.raises(ValueError, match=said):
             grow.check(grow.parser().parse_args(["--store", "127.0.0.1:1", *argv]))
 

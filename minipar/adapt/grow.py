@@ -28,6 +28,7 @@ from ..data import corpus_tokens, get_batch
 from ..models.gpt import GPT, GPTConfig
 from ..reference import adamw
 from .auto import fit
+from ..runtime.rendezvous import address_of
 from .membership import Member, arrive, change_members, record
 
 
@@ -55,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
 
 def check(args) -> None:
     """Plain errors before this process joins anything."""
+    address_of(args.store)
     if args.join == (args.rank is not None or args.world is not None):
         raise ValueError("give --rank R --world N (one of the first ranks) or --join (a new one), not both")
     if not args.join and not 0 <= args.rank < args.world:
@@ -127,7 +129,11 @@ def main(argv=None) -> int:
         check(args)
     except ValueError as e:
         parser().error(str(e))    # exit code 2, before this process joins anything
-    out = run(args)
+    try:
+        out = run(args)
+    except (ConnectionError, TimeoutError) as e:    # no store, or a job that never admitted it
+        print(f"python -m minipar.adapt.grow: {e}", file=sys.stderr)
+        return 1
     if args.out:
         torch.save(out, args.out)
     return 0

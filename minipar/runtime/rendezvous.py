@@ -50,10 +50,19 @@ _libuv_takes_fd = True
 
 def connect(address: str, timeout: float = 120.0):
     """A client of the store at ``"HOST:PORT"`` (a job that changes its members keeps one)."""
+    host, port = address_of(address)
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+    except (RuntimeError, OSError) as e:    # DistNetworkError: nothing listens there
+        raise ConnectionError(f"no store answers at {address} within {timeout:g} s ({e})") from None
+
+
+def address_of(address: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` as ``(host, port)``; a plain error for anything else."""
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"store address {address!r}: give HOST:PORT, e.g. 127.0.0.1:29500")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+    return host, int(port)
 
 
 def form_group(store, generation: int, rank: int, world: int, backend: str = "gloo",

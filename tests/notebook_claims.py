@@ -144,7 +144,9 @@ CLAIMS = {
     "12": [("a switch moves the bytes its plan counts", r"\d+\s+\S+\s+\S+\s+" + NUM + r"\s+" + NUM + r"\s+\d+\n",
             equal, 2),
            ("the command's losses across switches are one process's",
-            r"worst relative difference from one process: " + NUM, small(1e-4), 1)],
+            r"worst relative difference from one process: " + NUM, small(1e-4), 1),
+           ("a grow keeps the processes that started (the pid started, reported at the start, at the end)",
+            r"\((\d+), (\d+), (\d+)\)", lambda m: m[1] == m[2] == m[3], 4)],
 }
 
 

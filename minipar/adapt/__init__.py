@@ -6,7 +6,9 @@
 * :mod:`.switch`: the live switch that carries the plan out with one all-to-all;
 * :mod:`.train`: a run that switches layout at given steps (``check``/``train``/``run``);
 * :mod:`.auto`, :mod:`.straggler`, :mod:`.runner`: the layouts to try, a slow rank, and
-  :class:`Adaptive`, which the training command (:mod:`minipar.production.train`) drives."""
+  :class:`Adaptive`, which the training command (:mod:`minipar.production.train`) drives;
+* :mod:`.membership`, :mod:`.grow`: a rank joins or leaves a running job, the ranks that stay
+  keep their process (``python -m minipar.adapt.grow``)."""
 from .auto import decide, fit, propose
 from .layout import Layout, parse, parse_switches, same_step
 from .layout import check as check_layout

@@ -76,7 +76,10 @@ def local_pieces(model, optimizer=None, saved_keys: dict | None = None) -> list[
 
     Each piece's ``data`` is a view of the live tensor. ``saved_keys`` (loading):
     ``{name: {key: scalar?}}`` of a checkpoint, to create optimizer state that does not
-    exist yet (a fresh optimizer has none until its first step)."""
+    exist yet (a fresh optimizer has none until its first step). An object with a method
+    ``held_pieces()`` lists its pieces itself (a rank's holdings between two process groups)."""
+    if hasattr(model, "held_pieces"):   # a stand-in that lists its pieces itself (adapt.membership)
+        return list(model.held_pieces())
     layout = parameter_layout(model)
     if getattr(model, "sharded", None) is not None:   # ZeRO-3 on the mesh: shards only
         return _sharded_pieces(model.sharded.shard_spans(), layout, optimizer, saved_keys)

@@ -46,3 +46,32 @@ def serve_store(world_size: int, timeout: float):
 
 
 _libuv_takes_fd = True
+
+
+def connect(address: str, timeout: float = 120.0):
+    """A client of the store at ``"HOST:PORT"`` (a job that changes its members keeps one)."""
+    host, port = address_of(address)
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+    except (RuntimeError, OSError) as e:    # DistNetworkError: nothing listens there
+        raise ConnectionError(f"no store answers at {address} within {timeout:g} s ({e})") from None
+
+
+def address_of(address: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` as ``(host, port)``; a plain error for anything else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"store address {address!r}: give HOST:PORT, e.g. 127.0.0.1:29500")
+    return host, int(port)
+
+
+def form_group(store, generation: int, rank: int, world: int, backend: str = "gloo",
+               timeout: float = 120.0) -> None:
+    """Make this process rank ``rank`` of a default process group of ``world`` ranks, generation
+    ``generation`` of a job whose members change: the previous group (and every group made from it)
+    is destroyed first, and each generation's keys live under their own prefix of the one store, so
+    a new group never reads an old one's addresses. Every member of the new generation calls it."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(backend, store=dist.PrefixStore(f"minipar/generation_{generation}", store),
+                            rank=rank, world_size=world, timeout=timedelta(seconds=timeout))

@@ -32,7 +32,7 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         g.test_one_f_one_b_builds_its_own_order, r"one_f_one_b\(1, 1, 0\) called one of the library's schedules"),
     "ex04.C.keep": (
         [("        out += before + [a] + after", "        out += before + [a] + after + ([a] if a.op == 'W' else [])")],
-        g.test_add_comms, r"ZB-H1, p = 2, m = 2, rank 0, compute action 4: expected B1s0, got W0s0 \(the result holds order's "
+        g.test_add_comms, r"GPipe with split backwards, p = 2, m = 2, rank 0, compute action 5: expected W1s0, got W0s0 \(the result holds order's "
         r"compute actions unchanged"),
     "ex04.C.comms": (
         [("        out += before + [a] + after", "        out += [a] + before + after")],

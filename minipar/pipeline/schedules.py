@@ -127,18 +127,20 @@ def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[Action]:
 
 
 def zb_h1(p: int, m: int, rank: int) -> list[Action]:
-    """ZB-H1 on ``rank``: 1F1B's order with the backward split into B and W, the Ws placed to
-    fill the cool-down bubble without holding more than 1F1B's p micro-batches."""
-    warmup = min(p - rank - 1, m)
-    out, pending = [Action("F", i, rank) for i in range(warmup)], []
-    for i in range(m - warmup):
-        out += [Action("F", warmup + i, rank), Action("B", i, rank)]
-        pending.append(i)
-        if len(pending) > rank:
+    """ZB-H1 on ``rank``: :func:`one_f_one_b`'s order with each backward split into B and W. While
+    forwards still come, rank r keeps up to r Ws waiting (they fill the bubble a later rank would
+    leave); once they stop, each W follows its B. It holds no more micro-batches than 1F1B."""
+    order = one_f_one_b(p, m, rank)
+    last_f = max((k for k, a in enumerate(order) if a.op == "F"), default=-1)
+    paired = any(a.op == "B" for a in order[:last_f])      # a B between forwards: a steady state
+    out, pending = [], []
+    for k, a in enumerate(order):
+        out.append(a)
+        if a.op != "B":
+            continue
+        pending.append(a.microbatch)
+        if k > last_f + 1 or not paired or len(pending) > rank:
             out.append(Action("W", pending.pop(0), rank))
-    for j in range(m - warmup, m):
-        pending.append(j)
-        out += [Action("B", j, rank), Action("W", pending.pop(0), rank)]
     return out + [Action("W", j, rank) for j in pending]
 
 

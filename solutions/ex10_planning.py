@@ -43,7 +43,7 @@ from minipar.cost.recompute import ATTENTION_TERMS
 from minipar.cost.tensor_parallel import activation_terms
 from minipar.cost.zero import zero_bytes_per_rank
 from minipar.plan.layout import Layout
-from minipar.plan.memory import BUCKET, zero3_states
+from minipar.plan.memory import BUCKET, _without_gathered_layer, zero3_states
 from minipar.plan.models import ModelSpec
 
 
@@ -58,9 +58,9 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> fl
       ``minipar.activations.SavedActivations`` measures autograd saving for one block (the
       numbers are in the graded test).
     - ex10.A.gpt: for a GPT (K and V as wide as Q, an MLP of two h × 4h matrices, no
-      experts, on one GPU's whole sequence) the bytes are
-      ``cost.recompute_activation_bytes`` for the layout's tp, sequence parallelism and
-      recomputation.
+      experts, on one GPU's whole sequence) with materialized attention (the a·s² scores
+      kept), the bytes are ``cost.recompute_activation_bytes`` for the layout's tp, sequence
+      parallelism and recomputation.
     - ex10.A.shapes: every term scales with the width of the tensors it counts, and no other
       term changes: Llama 3 8B (grouped-query K and V, a SwiGLU MLP of three h × 14336
       matrices, no dropout) keeps 34·sbh bytes a layer with selective recomputation at s =
@@ -71,7 +71,11 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> fl
       needs, and its queries meet every key of the sequence.
     - ex10.A.flash: neither flash attention nor selective recomputation keeps a term that
       grows with s²; flash attention keeps, per row and head, one fp32 log-sum-exp, heads
-      split over tp."""
+      split over tp, under every recomputation but full (nothing recomputes it)."""
+    # Korthikanti et al.'s sbh(34 + 5as/h) by term, on the GPU's s/cp tokens, each term scaled to
+    # the model's shape (grouped-query K and V, the MLP's width and gating, top-k experts).
+    # Materialized attention keeps the a·s² terms; flash keeps Q, K, V, O (already counted) and
+    # the per-row log-sum-exp, 4·a·s·b/t bytes (fp32), under any recomputation but full.
     L, h = layout, model.hidden
     s, e, t = seq_len // L.cp, L.bytes_per_element, L.tp
     if L.recompute == "full":
@@ -97,14 +101,20 @@ def model_state_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
     - ex10.B.measured: on the course's GPT (Ψ = 27,552, fp32 AdamW) each component is within
       5% of the mean over the ranks of what ``hybrid.train`` measures, on every layout the
       graded test ran (dp, tp, pp, cp and ZeRO 0-3; the numbers are in the test and notebook
-      10).
+      10). The mean over the ranks counts no padding (see ex10.B.zero).
     - ex10.B.bytes: bf16 mixed precision keeps 16-bit parameters and gradients beside an
       fp32 master copy and Adam's two moments; fp32 keeps no master copy.
     - ex10.B.zero: ZeRO stage 1, 2, 3 shards the optimizer state, then the gradients, then
       the parameters over every rank that holds a copy of the same parameters, and no
-      further.
+      further; a shard is an exact N-th of what the N ranks share, unpadded, even when N
+      does not divide it.
+    - ex10.B.local: a GPU holds only its tensor- and pipeline-parallel share of the dense
+      parameters, the embedding and the head included.
     - ex10.B.experts: every ep group holds each expert once (E/ep experts a rank), cut like
       the dense parameters by tensor and pipeline parallelism."""
+    # A GPU holds Ψ/(tp·pp) of the dense parameters and Ψ_experts/(tp·pp·ep) of the experts';
+    # 16-bit parameters and gradients with K = 12 (fp32 master and two moments), fp32 K = 8;
+    # ZeRO shards over dp·cp (dp·cp/ep for the experts), unpadded (the mean over the ranks).
     L, e = layout, layout.bytes_per_element
     k = 12 if e == 2 else 8
     experts = model.n_layer * model.n_experts * model.expert_params() if model.n_experts > 1 else 0
@@ -117,22 +127,36 @@ def model_state_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
 
 
 def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch: int) -> dict[str, float]:
-    """Given: returns the bytes on the busiest GPU by component; your part computes
-    ``activations``; ``cost.peak_activations`` gives the micro-batches a pipeline rank holds
-    at its peak.
+    """Given: returns the bytes on the busiest GPU by component. Your part builds ``out``, a
+    dict holding ``model_state_bytes``' three components and ``"activations"``; the code
+    after it adds ``"buffers"``, replaces the model states by ``zero3_states``' under HSDP
+    or a ZeRO-3 that keeps a stage's parameters gathered, and adds ``"total"``.
+    ``cost.peak_activations`` gives the micro-batches a pipeline rank holds at its peak, and
+    ``Layout.microbatches`` the micro-batches of one step.
 
     Contract:
     - ex10.C.in_flight: ``activations`` is what the busiest pipeline stage holds at its
-      peak, every stage counted with its own layers (``stage_layers``) and its own
-      micro-batches in flight.
-    - ex10.C.last_stage: the last of several stages runs each micro-batch's backward right
-      after its forward.
+      peak, every stage counted with its own layers (``stage_layers``, uneven cuts too) and
+      its own micro-batches in flight, of the micro-batches one data-parallel rank runs in a
+      step.
+    - ex10.C.last_stage: under every schedule (1F1B, GPipe, interleaved 1F1B), the last of
+      two or more stages is counted as 1F1B runs it, each micro-batch's backward right after
+      its forward: one micro-batch in flight (on the last rank, its whole stage's layers
+      once).
     - ex10.C.recompute: full recomputation rebuilds one layer at a time during backward,
-      everything that layer would keep without recomputation.
+      everything that layer would keep without recomputation, on whichever stage is the
+      busiest.
     - ex10.C.logits: the last stage also holds one micro-batch's fp32 logits, as this GPU
       holds them (its share of the vocabulary and of the tokens).
-    - ex10.C.one_stage: with one stage, the first stage is the last."""
+    - ex10.C.one_stage: with one stage, the first stage is the last: it holds the logits,
+      and the micro-batches in flight of the schedule's one rank (all of them under GPipe,
+      which runs every forward before the first backward); the rule of ex10.C.last_stage is
+      for two or more stages."""
     L = layout
+    # Stage r holds peak_activations(schedule, p, m, r, v)/v stages' worth of micro-batches of its
+    # own layers; the last of several stages is charged one (1F1B runs each backward right after
+    # its forward); full recomputation adds one layer's "none" activations; the last stage adds
+    # one micro-batch's fp32 logits, 4·(s/cp)·b·V/t. The busiest stage counts.
     out = model_state_bytes(model, L)
     m = L.microbatches(global_batch)
     per_layer = layer_activation_bytes(model, L, seq_len)
@@ -144,11 +168,10 @@ def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch:
         held = in_flight * layers * per_layer + rebuilt + (logits if r == L.pp - 1 else 0.0)
         act = max(act, held)
     out["activations"] = act
-    out["buffers"] = comm_buffer_bytes(model, L, seq_len)
+    # kept gathered, the buffers' one gathered layer is part of the whole stage zero3_states counts
+    out["buffers"] = comm_buffer_bytes(model, _without_gathered_layer(L), seq_len)
     if L.hsdp or L.kept_gathered:
         out.update(zero3_states(model, L))
-        if L.kept_gathered:          # the buffers' one gathered layer is part of the gathered stage
-            out["buffers"] -= L.bytes_per_element * (model.num_params() / model.n_layer) / L.tp
     out["total"] = sum(out.values())
     return out
 
@@ -156,8 +179,9 @@ def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch:
 def stage_layers(n_layer: int, pp: int) -> list[int]:
     """Contract:
     - ex10.C.even: stages get l/p layers each when p divides l.
-    - ex10.C.uneven: otherwise ⌈l/p⌉, and the stages that hold one fewer are the first and
-      the last, then the second, the third, ..."""
+    - ex10.C.uneven: otherwise ⌈l/p⌉, and the stages that hold one fewer are, in this order,
+      the first, the last, then the second, the third, the fourth, ... (counting up from the
+      front, never the second-to-last before every other stage has one fewer)."""
     q, fewer = -(-n_layer // pp), -(-n_layer // pp) * pp - n_layer
     out = [q] * pp
     for r in ([0, pp - 1] + list(range(1, pp - 1)))[:fewer]:
@@ -171,7 +195,7 @@ def comm_buffer_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
     - ex10.C.sp_input: the all-gathered (s/cp, b, h) input of a sequence-parallel layer when
       tp > 1.
     - ex10.C.boundary: a pipeline stage's two boundary activations when pp > 1 (over tp with
-      sequence parallelism).
+      sequence parallelism, whole without it).
     - ex10.C.zero3: ZeRO-3's one gathered layer (Ψ/l over tp)."""
     L = layout
     e, sbh = L.bytes_per_element, (seq_len // L.cp) * L.micro_batch * model.hidden

@@ -87,7 +87,7 @@ class Layout:
 
     @property
     def zero_ranks(self) -> int:
-        """N, the ranks ZeRO shards the dense states over: dp·cp, or HSDP's dp_shard·cp."""
+        """N, the ranks ZeRO shards the dense states over (one HSDP block's under HSDP)."""
         return (self.dp // self.dp_replicate) * self.cp
 
     @property

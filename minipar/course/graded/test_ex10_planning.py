@@ -23,7 +23,7 @@ Mixtral 8x7B (numbers, not formulas). Stuck?
 ``minipar.hint("ex10", "A")`` (or "B", "C") gives a nudge, then the idea, then the
 pseudo-code. Grade it with ``python -m minipar.grade ex10``.
 """
-from dataclasses import fields
+from dataclasses import fields, replace as dataclass_replace
 
 from minipar import cost, plan
 from minipar.plan.memory import comm_buffer_bytes, stage_layers
@@ -82,7 +82,8 @@ def _approx(got, want, what, rel=1e-9):
     """Within ``rel`` of each other (1e-9: floating-point sums in another order), else both numbers."""
     ok = isinstance(got, (int, float)) and abs(got - want) <= rel * max(abs(want), 1.0)
     if not ok:
-        ratio = f" ({got / want:.4g}× the expected)" if isinstance(got, (int, float)) and want else ""
+        r = got / want if isinstance(got, (int, float)) and want else None
+        ratio = "" if r is None else f" ({r:.4g}× the expected)" if abs(r - 1) >= 1e-3 else f" ({r:.7g}× the expected)"
         shown = f"{got:,.0f}" if isinstance(got, (int, float)) else repr(got)
         expect(False, f"{what}: estimated {shown} bytes, expected {want:,.0f}{ratio}")
 
@@ -173,25 +174,28 @@ def test_layer_activations_of_other_shapes(impl):
     sbh = 8192 * 4096
     lay = plan.Layout(recompute="selective", attention="materialized")
     _approx(plan.layer_activation_bytes(LLAMA, lay, 8192), 34 * sbh,
-            "Llama 3 8B, s = 8192, selective: bytes of one layer")
+            "ex10.A.shapes Llama 3 8B, s = 8192, selective: bytes of one layer")
     _approx(plan.layer_activation_bytes(MIXTRAL, lay, 8192), 55 * sbh,
-            "Mixtral 8x7B, s = 8192, selective: bytes of one layer")
+            "ex10.A.experts Mixtral 8x7B, s = 8192, selective: bytes of one layer")
 
 
-CP = [
-    (LLAMA, plan.Layout(cp=1, attention='materialized'), 8192, 5435817984.0),
-    (LLAMA, plan.Layout(cp=1, attention='flash'), 8192, 1141899264.0),
-    (LLAMA, plan.Layout(cp=2, attention='materialized'), 8192, 2717908992.0),
-    (LLAMA, plan.Layout(cp=2, attention='flash'), 8192, 570949632.0),
+CP = [  # (clause, model, layout, s, bytes)
+    ("ex10.A.cp", LLAMA, plan.Layout(cp=1, attention='materialized'), 8192, 5435817984.0),
+    ("ex10.A.flash", LLAMA, plan.Layout(cp=1, attention='flash'), 8192, 1141899264.0),
+    ("ex10.A.cp", LLAMA, plan.Layout(cp=2, attention='materialized'), 8192, 2717908992.0),
+    ("ex10.A.flash", LLAMA, plan.Layout(cp=2, attention='flash'), 8192, 570949632.0),
+    ("ex10.A.flash", LLAMA, plan.Layout(tp=2, attention='flash'), 8192, 570949632.0),
+    ("ex10.A.flash", LLAMA, plan.Layout(recompute='selective', attention='flash'), 8192, 1141899264.0),
 ]
 
 
 @observes("ex10.A.cp", "ex10.A.flash")
 def test_layer_activations_with_cp(impl):
-    """Llama 3 8B, no recomputation, cp = 1 and 2, materialized and flash attention: one layer's bytes."""
-    for model, lay, s, want in CP:
+    """Llama 3 8B, cp = 1 and 2, materialized and flash attention (with tp and selective recomputation
+    too): one layer's bytes."""
+    for clause, model, lay, s, want in CP:
         _approx(plan.layer_activation_bytes(model, lay, s), want,
-                f"Llama 3 8B, s = {s}, cp = {lay.cp}, {lay.attention}: bytes of one layer")
+                f"{clause} Llama 3 8B, s = {s}, {lay}: bytes of one layer")
 
 
 # ----------------------------------------------------------------------------- B: model states
@@ -228,12 +232,20 @@ EXPERTS = [
 ]
 
 
-@observes("ex10.B.bytes", "ex10.B.zero")
+def _clause(lay):
+    """The clause a row of STATES observes: the bytes per element, the ZeRO group, or the local share."""
+    return "ex10.B.local" if lay.tp * lay.pp > 1 else "ex10.B.zero" if lay.zero else "ex10.B.bytes"
+
+
+@observes("ex10.B.bytes", "ex10.B.zero", "ex10.B.local")
 def test_model_states(impl):
     """Model-state bytes per GPU in bf16 and fp32, under ZeRO 0 to 3, tensor, pipeline, data and context
-    parallelism."""
+    parallelism (and the course's GPT on 5 ranks, whose Ψ they do not divide)."""
     for model, lay, k, want in STATES:
-        _approx(plan.model_state_bytes(model, lay)[k], want, f"Llama 3 8B, {lay}: {k} bytes")
+        _approx(plan.model_state_bytes(model, lay)[k], want, f"{_clause(lay)} Llama 3 8B, {lay}: {k} bytes")
+    lay = plan.Layout(dp=5, zero=3, dtype="fp32")
+    for k, want in (("params", 4 * 27552 / 5), ("grads", 4 * 27552 / 5), ("optimizer", 8 * 27552 / 5)):
+        _approx(plan.model_state_bytes(COURSE, lay)[k], want, f"ex10.B.zero the course GPT (Ψ = 27,552), {lay}: {k} bytes")
 
 
 @observes("ex10.B.experts")
@@ -247,82 +259,96 @@ def test_model_states_of_experts(impl):
 @observes("ex10.C.even", "ex10.C.uneven")
 def test_stage_layers(impl):
     """stage_layers: the layers per stage when p divides l and when it does not (Llama 3 405B among the
-    cases)."""
+    cases, and cuts with up to four shorter stages)."""
     for (l, p), want in (((32, 4), [8, 8, 8, 8]), ((32, 1), [32]), ((126, 16), [7] + [8] * 14 + [7]),
-                         ((32, 3), [10, 11, 11]), ((12, 5), [2, 2, 3, 3, 2]), ((10, 4), [2, 3, 3, 2])):
-        expect_equal(list(stage_layers(l, p)), want, f"stage_layers({l}, {p}): layers per stage", keys="stage")
+                         ((32, 3), [10, 11, 11]), ((12, 5), [2, 2, 3, 3, 2]), ((10, 4), [2, 3, 3, 2]),
+                         ((12, 8), [1, 1, 1, 2, 2, 2, 2, 1]), ((20, 8), [2, 2, 2, 3, 3, 3, 3, 2])):
+        clause = "ex10.C.even" if l % p == 0 else "ex10.C.uneven"
+        expect_equal(list(stage_layers(l, p)), want, f"{clause} stage_layers({l}, {p}): layers per stage", keys="stage")
 
 
-NOPIPE = [
-    (GPT13, plan.Layout(micro_batch=2, recompute='none'), 2048, 2, 31827705856.0),
-    (GPT13, plan.Layout(micro_batch=2, recompute='selective'), 2048, 2, 7668514816.0),
+LLAMA4 = dataclass_replace(LLAMA, n_layer=4)   # Llama 3 8B's layers, four of them: the logits weigh
+NOPIPE = [  # (clause, model, layout, s, global batch, bytes)
+    ("ex10.C.one_stage", GPT13, plan.Layout(micro_batch=2, recompute='none'), 2048, 2, 31827705856.0),
+    ("ex10.C.one_stage", GPT13, plan.Layout(micro_batch=2, recompute='selective'), 2048, 2, 7668514816.0),
+    ("ex10.C.one_stage", GPT13, plan.Layout(schedule='gpipe'), 2048, 4, 62420295680.0),
 ]
 FULL = [
-    (GPT13, plan.Layout(recompute='full'), 2048, 1, 1258954752.0),
+    # the first stage the busiest, whatever the logits: a failure here is the rebuilt layer's
+    ("ex10.C.recompute", COURSE, plan.Layout(pp=4, recompute='full'), 16, 16, 13312.0),
 ]
 INFLIGHT = [
-    (GPT13, plan.Layout(pp=4, v=1, schedule='1f1b', recompute='selective', tp=2), 2048, 16, 1711276032.0),
-    (GPT13, plan.Layout(pp=4, v=1, schedule='gpipe', recompute='selective', tp=2), 2048, 16, 6845104128.0),
-    (GPT13, plan.Layout(pp=4, v=2, schedule='interleaved', recompute='selective', tp=2), 2048, 16, 2353004544.0),
+    ("ex10.C.in_flight", GPT13, plan.Layout(pp=4, v=1, schedule='1f1b', recompute='selective', tp=2), 2048, 16, 1711276032.0),
+    ("ex10.C.in_flight", GPT13, plan.Layout(pp=4, v=1, schedule='gpipe', recompute='selective', tp=2), 2048, 16, 6845104128.0),
+    ("ex10.C.in_flight", GPT13, plan.Layout(pp=4, v=2, schedule='interleaved', recompute='selective', tp=2), 2048, 16, 2353004544.0),
+    ("ex10.C.in_flight", GPT13, plan.Layout(pp=4, dp=2, schedule='gpipe', recompute='selective', tp=2), 2048, 32, 6845104128.0),
+    ("ex10.C.in_flight", GPT13, plan.Layout(pp=5, recompute='selective', tp=2), 2048, 16, 1426063360.0),
 ]
 LAST = [
-    (LLAMA, plan.Layout(pp=2, recompute='selective'), 8192, 1, 22456303616.0),
-    (LLAMA, plan.Layout(pp=2, tp=2, cp=2, recompute='selective'), 8192, 1, 5614075904.0),
-    (LLAMA, plan.Layout(pp=2, recompute='selective', schedule='gpipe'), 8192, 4, 73014444032.0),
-    (LLAMA, plan.Layout(pp=2, recompute='selective'), 1024, 8, 4563402752.0),
+    ("ex10.C.logits", LLAMA, plan.Layout(pp=2, recompute='selective'), 8192, 1, 22456303616.0),
+    ("ex10.C.logits", LLAMA, plan.Layout(pp=2, tp=2, cp=2, recompute='selective'), 8192, 1, 5614075904.0),
+    ("ex10.C.last_stage", LLAMA, plan.Layout(pp=2, recompute='selective', schedule='gpipe'), 8192, 4, 73014444032.0),
+    ("ex10.C.logits", LLAMA, plan.Layout(pp=2, recompute='selective'), 1024, 8, 4563402752.0),
+    ("ex10.C.last_stage", LLAMA4, plan.Layout(pp=2, v=2, schedule='interleaved', recompute='selective'), 8192, 4,
+     6484393984.0),
 ]
-BUF = [
-    (LLAMA, plan.Layout(), 8192, 0.0),
-    (LLAMA, plan.Layout(dp=2), 8192, 25000000.0),
-    (LLAMA, plan.Layout(cp=2), 8192, 25000000.0),
-    (LLAMA, plan.Layout(tp=2), 8192, 67108864.0),
-    (LLAMA, plan.Layout(pp=2), 8192, 134217728.0),
-    (LLAMA, plan.Layout(pp=2, tp=2), 8192, 134217728.0),
-    (LLAMA, plan.Layout(pp=2, tp=2, cp=2), 8192, 92108864.0),
-    (LLAMA, plan.Layout(dp=8, zero=3), 8192, 526874688.0),
-    (LLAMA, plan.Layout(dp=4, tp=2, zero=3), 8192, 343046208.0),
+BUF = [  # (the clause the row adds a buffer for, model, layout, s, bytes)
+    ("ex10.C.bucket", LLAMA, plan.Layout(), 8192, 0.0),
+    ("ex10.C.bucket", LLAMA, plan.Layout(dp=2), 8192, 25000000.0),
+    ("ex10.C.bucket", LLAMA, plan.Layout(cp=2), 8192, 25000000.0),
+    ("ex10.C.sp_input", LLAMA, plan.Layout(tp=2), 8192, 67108864.0),
+    ("ex10.C.boundary", LLAMA, plan.Layout(pp=2), 8192, 134217728.0),
+    ("ex10.C.boundary", LLAMA, plan.Layout(pp=2, tp=2), 8192, 134217728.0),
+    ("ex10.C.boundary", LLAMA, plan.Layout(pp=2, tp=2, sequence_parallel=False), 8192, 201326592.0),
+    ("ex10.C.boundary", LLAMA, plan.Layout(pp=2, tp=2, cp=2), 8192, 92108864.0),
+    ("ex10.C.zero3", LLAMA, plan.Layout(dp=8, zero=3), 8192, 526874688.0),
+    ("ex10.C.zero3", LLAMA, plan.Layout(dp=4, tp=2, zero=3), 8192, 343046208.0),
 ]
 
 
 def _activations(rows, what):
-    for model, lay, s, batch, want in rows:
+    for clause, model, lay, s, batch, want in rows:
         _approx(plan.memory_per_gpu(model, lay, s, batch)["activations"], want,
-                f"{what(model)}, s = {s}, {lay}, global batch {batch}: activation bytes")
+                f"{clause} {what(model)}, s = {s}, {lay}, global batch {batch}: activation bytes")
 
 
 def _name(model):
-    return {id(GPT13): "GPT-3 1.3B", id(LLAMA): "Llama 3 8B"}[id(model)]
+    return {id(GPT13): "GPT-3 1.3B", id(LLAMA): "Llama 3 8B", id(LLAMA4): "Llama 3 8B cut to 4 layers",
+            id(COURSE): "the course GPT"}[id(model)]
 
 
-@observes("ex10.C.logits", "ex10.C.one_stage")
+@observes("ex10.C.one_stage")
 def test_activations_without_pipeline(impl):
-    """One GPU, one micro-batch: the peak activation bytes."""
+    """One GPU: the peak activation bytes, with one micro-batch and with GPipe's four."""
     _activations(NOPIPE, _name)
 
 
 @observes("ex10.C.recompute")
 def test_full_recompute_adds_one_layer(impl):
-    """Full recomputation: the peak activation bytes."""
+    """Full recomputation on 4 stages of the course's GPT: the busiest stage's activation bytes."""
     _activations(FULL, _name)
 
 
 @observes("ex10.C.in_flight")
 def test_pipeline_in_flight(impl):
-    """1F1B, GPipe and interleaved 1F1B on 4 stages, 16 micro-batches: the busiest stage's activation bytes."""
+    """1F1B, GPipe and interleaved 1F1B on 4 stages (and 1F1B on 5, an uneven cut), with and without
+    data parallelism: the busiest stage's activation bytes."""
     _activations(INFLIGHT, _name)
 
 
 @observes("ex10.C.last_stage", "ex10.C.logits")
 def test_last_stage_with_big_logits(impl):
-    """Two stages, big logits, one and several micro-batches: which stage is the busiest, and its bytes."""
+    """Two stages, big logits, one and several micro-batches, 1F1B, GPipe and interleaved 1F1B: which
+    stage is the busiest, and its bytes."""
     _activations(LAST, _name)
 
 
 @observes("ex10.C.bucket", "ex10.C.sp_input", "ex10.C.boundary", "ex10.C.zero3")
 def test_buffers(impl):
     """The communication buffers of each kind of parallelism, and their total."""
-    for model, lay, s, want in BUF:
-        _approx(comm_buffer_bytes(model, lay, s), want, f"Llama 3 8B, s = {s}, {lay}: buffer bytes")
+    for clause, model, lay, s, want in BUF:
+        sp = "" if lay.sequence_parallel else " without sequence parallelism"
+        _approx(comm_buffer_bytes(model, lay, s), want, f"{clause} Llama 3 8B, s = {s}, {lay}{sp}: buffer bytes")
     lay = plan.Layout(dp=4, tp=2, zero=3, recompute="selective")
     m = plan.memory_per_gpu(LLAMA, lay, 8192, 4)
     _approx(m["buffers"], comm_buffer_bytes(LLAMA, lay, 8192), f"Llama 3 8B, {lay}: memory_per_gpu's buffers")

@@ -344,30 +344,25 @@ def test_an_expert_no_token_chose_is_left_alone(tmp_path, extra):
     move, agrees under ZeRO-1 too). Tolerance 1e-6: these differences are not rounding. Strict:
     when the difference is removed this test passes, and the mark must go (with it the no-ZeRO rule
     of :func:`minipar.adapt.auto.candidates` for experts)."""
-    from minipar.data import batches, corpus_tokens
-    from minipar.hybrid import experts
-    from minipar.production import train
-    from minipar.reference import adamw
-    argv = ["--n-experts", "4", "--dp", "4", "--steps", "8", "--n-layer", "2", "--n-embd", "16",
-            "--block-size", "16", "--batch-size", "8", "--no-progress"] + extra
-    r = _command(argv, tmp_path / "run.json")
-    args = train.parse(argv)
-    data = batches(corpus_tokens()[0], 8, args.batch_size, args.block_size, seed=args.data_seed)
-    want = experts.moe_reference(GPT(train.model_config(args), seed=args.seed), data,
-                                 adamw(args.lr, args.weight_decay), dp=4, microbatches=1)
-    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want["losses"]), rtol=1e-6, atol=1e-6)
+    _experts_against_one_process(tmp_path, extra)
 
 
 def test_without_zero_or_a_switch_that_expert_run_is_one_process(tmp_path):
     """The control of :func:`test_an_expert_no_token_chose_is_left_alone`: the same data and model
     on dp=4 without ZeRO equals one process to rounding (rtol = atol = 1e-6), so what that test
     sees is the skipped expert, not the data."""
+    _experts_against_one_process(tmp_path, [])
+
+
+def _experts_against_one_process(tmp_path, extra):
+    """4 experts on dp=4 for 8 steps (``extra``: more options), losses against one process to
+    1e-6 (rounding only)."""
     from minipar.data import batches, corpus_tokens
     from minipar.hybrid import experts
     from minipar.production import train
     from minipar.reference import adamw
     argv = ["--n-experts", "4", "--dp", "4", "--steps", "8", "--n-layer", "2", "--n-embd", "16",
-            "--block-size", "16", "--batch-size", "8", "--no-progress"]
+            "--block-size", "16", "--batch-size", "8", "--no-progress"] + extra
     r = _command(argv, tmp_path / "run.json")
     args = train.parse(argv)
     data = batches(corpus_tokens()[0], 8, args.batch_size, args.block_size, seed=args.data_seed)

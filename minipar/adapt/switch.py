@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..moves import execute as _execute       # the one mechanism that moves state (chapter 04's too)
-from ..moves import Flat, expand, plan, segments
+from ..moves import Flat, Views, by_piece, expand, plan, segments
 from ..pieces import local_pieces
 from ..runtime import trace
 from . import plans
@@ -56,8 +56,12 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
     phases, t = {}, time.perf_counter()
 
     def done(phase):
+        phases[phase] = _lap()
+
+    def _lap():
         nonlocal t
-        phases[phase], t = time.perf_counter() - t, time.perf_counter()
+        lap, t = time.perf_counter() - t, time.perf_counter()
+        return lap
     world, me = dist.get_world_size(), dist.get_rank()
     with trace.region("reshard"):
         dist.barrier()                 # the ranks arrive apart: the wait is not the switch's
@@ -80,16 +84,27 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
                                f"plan {planned.new_count} of {planned.new_numel}")
         if kept:
             done("describe")
+        sources = [v for k in planned.old_order for v in views[k]]
+        direct = _own_execute() and all(v.dim() == 1 and (v.stride(0) == 1 or v.numel() < 2) for v in (*sources, *targets))
+        if direct:                          # the moves cut at the pieces' ends, made once per plan
+            shape = ([v.numel() for v in sources], [v.numel() for v in targets])
+            if planned.by_piece is None or planned.by_piece[0] != shape:
+                planned.by_piece = (shape, by_piece(planned.p, me, *shape))
+        if kept:
             done("plan")
-        flat_new = torch.empty(numel, dtype=torch.float32, device=device)
-        flat_old = (torch.cat([v for k in planned.old_order for v in views[k]]) if planned.old_order
-                    else torch.empty(0, dtype=torch.float32, device=device))
+        else:
+            phases["plan"] += _lap()
         mark = trace.mark()
-        wrap = Flat if _own_execute() else (lambda t: t)        # Block positions: the library's own execute
-        observed = _execute(planned.p, {"state": wrap(flat_old)}, {"state": wrap(flat_new)})
+        if direct:                          # packed from, unpacked into, the live pieces themselves
+            observed = _execute(planned.by_piece[1], Views(sources, 0, device), Views(targets, 1, device))
+        else:                               # an exercise's execute: flat buffers, index and slice positions
+            flat_new = torch.empty(numel, dtype=torch.float32, device=device)
+            flat_old = torch.cat(sources) if sources else torch.empty(0, dtype=torch.float32, device=device)
+            wrap = Flat if _own_execute() else (lambda t: t)    # Block positions: the library's own execute
+            observed = _execute(planned.p, {"state": wrap(flat_old)}, {"state": wrap(flat_new)})
+            if targets:
+                torch._foreach_copy_(targets, flat_new.split([v.numel() for v in targets]))
         exchange = sum(e["end"] - e["start"] for e in trace.since(mark) if e["kind"] == "comm" and e["name"] == "reshard")
-        if targets:
-            torch._foreach_copy_(targets, flat_new.split([v.numel() for v in targets]))
         _shared_state(planned, shared, new_shared, device)
         done("copy")
         phases["copy"] -= exchange                 # what stays: packing, local copies, unpacking

@@ -24,6 +24,7 @@ laid end to end in the holdings' order (:func:`minipar.adapt.switch.reshard`,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -43,7 +44,7 @@ class Move:
     src_pos: torch.Tensor
     dst_pos: torch.Tensor | slice
 
-    @property
+    @cached_property                # a kept plan's moves are counted at every switch
     def numel(self) -> int:
         d = self.dst_pos
         if isinstance(d, slice):
@@ -93,11 +94,11 @@ class Views:
     ones), wrapped in :class:`Flat`; no flat copy of the whole state is made."""
 
     def __init__(self, views: list[torch.Tensor], side: int, device=None):
-        self.views, self.side = views, side
+        self.views, self.side, self.flats = views, side, [Flat(v) for v in views]
         self.empty = [torch.empty(0, dtype=torch.float32, device=device)]
 
     def __getitem__(self, key) -> Flat:
-        return Flat(self.views[key[self.side]])
+        return self.flats[key[self.side]]
 
     def values(self) -> list[torch.Tensor]:
         return self.views or self.empty

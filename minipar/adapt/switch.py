@@ -85,11 +85,12 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
         if kept:
             done("describe")
         sources = [v for k in planned.old_order for v in views[k]]
-        direct = _own_execute() and all(v.dim() == 1 and (v.stride(0) == 1 or v.numel() < 2) for v in (*sources, *targets))
-        if direct:                          # the moves cut at the pieces' ends, made once per plan
-            shape = ([v.numel() for v in sources], [v.numel() for v in targets])
-            if planned.by_piece is None or planned.by_piece[0] != shape:
-                planned.by_piece = (shape, by_piece(planned.p, me, *shape))
+        shape = ([v.numel() for v in sources], [v.numel() for v in targets])
+        if planned.by_piece is None or planned.by_piece[0] != shape:    # the moves cut at the pieces' ends
+            direct = _own_execute() and all(v.dim() == 1 and (v.stride(0) == 1 or v.numel() < 2)
+                                            for v in (*sources, *targets))      # as the geometry decides
+            planned.by_piece = (shape, by_piece(planned.p, me, *shape) if direct else None)
+        direct = planned.by_piece[1] is not None
         if kept:
             done("plan")
         else:

@@ -43,12 +43,14 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
     Returns the switch's record on this rank: ``bytes_sent`` and ``bytes_received`` (by the plan,
     and ``sent_observed`` by the all-to-all's own event), ``plan_bytes`` (the whole switch),
     ``moves``, ``segments`` (the units planned), ``plan_kept`` (the plan of this pair of layouts
-    was made before: :mod:`.plans`), ``seconds`` and its ``phases``: ``wait`` (a barrier first: the
-    ranks reach the switch at different times), ``describe`` (the pieces of both layouts, their
-    geometry's hash gathered; when the plan is new, the holdings as runs, exchanged), ``plan``
-    (cut into segments, planned, expanded to this rank's elements; nothing when kept),
-    ``all_to_all`` (the collective's own event) and ``copy`` (the rest of the move: packing, local
-    copies, unpacking into the new tensors); ``seconds`` is their sum. ``busiest_bytes``: the most
+    was made before: :mod:`.plans`), ``seconds`` and its ``phases``: ``wait`` (the
+    ranks reach the switch at different times: the time of its first collective, the all-gather of
+    the geometry's hash), ``describe`` (the pieces of both layouts and the hash of this rank's
+    side; when the plan is new, the holdings as runs, exchanged), ``plan``
+    (cut into segments, planned, expanded to this rank's elements and cut at its pieces; nothing
+    when kept), ``all_to_all`` (the collective's own event) and ``copy`` (the rest of the move:
+    packing from the old pieces, local copies piece to piece, unpacking into the new pieces: no
+    flat copy of the state); ``seconds`` is their sum. ``busiest_bytes``: the most
     any rank sends or receives, what bounds the exchange (:func:`exchange_seconds`); with
     ``alpha_beta`` (this machine's α, β of the all-to-all: :func:`measure_exchange`) also
     ``alpha_beta_s``, that bound, and ``over_alpha_beta``: the switch without its wait, over it
@@ -56,20 +58,17 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
     phases, t = {}, time.perf_counter()
 
     def done(phase):
-        phases[phase] = _lap()
-
-    def _lap():
         nonlocal t
-        lap, t = time.perf_counter() - t, time.perf_counter()
-        return lap
+        phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - t
+        t = time.perf_counter()
     world, me = dist.get_world_size(), dist.get_rank()
+    device = new.device
     with trace.region("reshard"):
-        dist.barrier()                 # the ranks arrive apart: the wait is not the switch's
-        done("wait")
         old_pieces = local_pieces(old, old.optimizer)
         mine = plans.geometry(old_pieces, new)
-        device = new.device
-        key, planned = plans.known(mine, device)
+        done("describe")
+        key, planned = plans.known(mine, device)   # the first collective, where the ranks meet: they
+        done("wait")                               # arrive apart, and that wait is not the switch's
         kept = planned is not None
         if not kept:
             planned = _plan(old, new, old_pieces, device, done)
@@ -82,8 +81,7 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
         if (len(new_pieces), numel) != (planned.new_count, planned.new_numel):
             raise RuntimeError(f"the new layout holds {len(new_pieces)} pieces of {numel} elements, its kept "
                                f"plan {planned.new_count} of {planned.new_numel}")
-        if kept:
-            done("describe")
+        done("describe")
         sources = [v for k in planned.old_order for v in views[k]]
         shape = ([v.numel() for v in sources], [v.numel() for v in targets])
         if planned.by_piece is None or planned.by_piece[0] != shape:    # the moves cut at the pieces' ends
@@ -91,10 +89,7 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
                                             for v in (*sources, *targets))      # as the geometry decides
             planned.by_piece = (shape, by_piece(planned.p, me, *shape) if direct else None)
         direct = planned.by_piece[1] is not None
-        if kept:
-            done("plan")
-        else:
-            phases["plan"] += _lap()
+        done("plan")
         mark = trace.mark()
         if direct:                          # packed from, unpacked into, the live pieces themselves
             observed = _execute(planned.by_piece[1], Views(sources, 0, device), Views(targets, 1, device))
@@ -117,7 +112,8 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
            "seconds": sum(phases.values()), "phases": phases}
     if alpha_beta is not None:
         out["alpha_beta_s"] = exchange_seconds([4 * x for x in sent], [4 * x for x in received], *alpha_beta)
-        out["over_alpha_beta"] = (out["seconds"] - phases["wait"]) / out["alpha_beta_s"]
+        out["over_alpha_beta"] = ((out["seconds"] - phases["wait"]) / out["alpha_beta_s"] if out["alpha_beta_s"] > 0
+                                  else float("inf"))       # α and β of 0 (a fit on a loaded machine), no bytes
     return out
 
 

@@ -23,6 +23,7 @@ laid end to end in the holdings' order (:func:`minipar.adapt.switch.reshard`,
 :func:`minipar.pipeline.adaptive.move_layers`)."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -274,12 +275,14 @@ def by_piece(p: Plan, me: int, old_sizes: list[int], new_sizes: list[int]) -> Pl
     ob = np.concatenate([[0], np.cumsum(old_sizes, dtype=np.int64)]).astype(np.int64)
     nb = np.concatenate([[0], np.cumsum(new_sizes, dtype=np.int64)]).astype(np.int64)
     far = np.array([0, np.iinfo(np.int64).max], np.int64)          # one piece: the other rank's side
+    lists = {id(b): b.tolist() for b in (ob, nb, far)}
     out = Plan(p.world_size)
     for mv in p.moves:
         if me not in (mv.src, mv.dst):
             continue
         bx, by = (ob if mv.src == me else far), (nb if mv.dst == me else far)
-        out.moves += [Move(mv.src, mv.dst, (i, j), x, y) for i, j, x, y in _cut(mv.src_pos, mv.dst_pos, bx, by)]
+        out.moves += [Move(mv.src, mv.dst, (i, j), x, y) for i, j, x, y in _cut(mv.src_pos, mv.dst_pos, bx, by,
+                                                                                     (lists[id(bx)], lists[id(by)]))]
     return out
 
 
@@ -287,18 +290,20 @@ def _piece(bounds: np.ndarray, at: np.ndarray) -> np.ndarray:
     return np.searchsorted(bounds, at, side="right") - 1
 
 
-def _cut(x, y, bx: np.ndarray, by: np.ndarray) -> list[tuple]:
-    """Positions ``x → y`` cut where a piece (``bx``, ``by``: their bounds) ends on either side:
+def _cut(x, y, bx: np.ndarray, by: np.ndarray, lists: tuple[list, list]) -> list[tuple]:
+    """Positions ``x → y`` cut where a piece (``bx``, ``by``: their bounds; ``lists``: the same as lists) ends on either side:
     ``[(old piece, new piece, x', y')]`` in order, positions relative to their pieces."""
-    if isinstance(x, slice):
-        n = x.stop - x.start
-        inner = lambda b, a: b[(b > a) & (b < a + n)] - a
-        cuts = np.unique(np.concatenate([[0, n], inner(bx, x.start), inner(by, y.start)])).tolist()
-        out = []
-        for u, v in zip(cuts[:-1], cuts[1:]):
-            i, j = int(_piece(bx, x.start + u)), int(_piece(by, y.start + u))
-            a, b = x.start + u - int(bx[i]), y.start + u - int(by[j])
-            out.append((i, j, slice(a, a + v - u), slice(b, b + v - u)))
+    if isinstance(x, slice):                 # a walk along both sides' bounds, in plain ints
+        x0, y0, n, lx, ly = x.start, y.start, x.stop - x.start, *lists
+        i, j, u, out = bisect.bisect_right(lx, x0) - 1, bisect.bisect_right(ly, y0) - 1, 0, []
+        while u < n:
+            while lx[i + 1] <= x0 + u:      # past a piece's end (empty pieces too)
+                i += 1
+            while ly[j + 1] <= y0 + u:
+                j += 1
+            v = min(n, lx[i + 1] - x0, ly[j + 1] - y0)
+            out.append((i, j, slice(x0 + u - lx[i], x0 + v - lx[i]), slice(y0 + u - ly[j], y0 + v - ly[j])))
+            u = v
         return out
     if isinstance(x, Block):
         rows = np.arange(x.count, dtype=np.int64)
@@ -306,7 +311,7 @@ def _cut(x, y, bx: np.ndarray, by: np.ndarray) -> list[tuple]:
         i, j = _piece(bx, xs), _piece(by, ys)
         if not ((xs + x.length <= bx[i + 1]).all() and (ys + y.length <= by[j + 1]).all()):
             return [c for r in range(x.count) for c in _cut(slice(int(xs[r]), int(xs[r]) + x.length),
-                                                            slice(int(ys[r]), int(ys[r]) + y.length), bx, by)]
+                                                            slice(int(ys[r]), int(ys[r]) + y.length), bx, by, lists)]
         first = np.flatnonzero(np.concatenate([[True], (i[1:] != i[:-1]) | (j[1:] != j[:-1])])).tolist()
         out = []
         for u, v in zip(first, first[1:] + [x.count]):

@@ -420,7 +420,7 @@ def test_moves_cut_at_pieces_read_and_write_the_same_elements_in_the_same_order(
     bounds, old_ids, new_ids = segments(cols, rows)
     units = plan([{"s": torch.from_numpy(i)} for i in old_ids], [{"s": torch.from_numpy(i)} for i in new_ids],
                  {"s": len(bounds) - 1})
-    pieces = {(0, 0): [5, 7, 12], (0, 1): [10, 3, 11], (1, 0): [1, 23], (1, 1): [8, 8, 8]}
+    pieces = {(0, 0): [5, 0, 7, 12], (0, 1): [10, 3, 11], (1, 0): [1, 23], (1, 1): [8, 0, 8, 8]}   # empty ones too
 
     def elements(p, me, side, sizes, cut):
         """Peer → the flat elements ``me`` reads (side 0) or writes (side 1) for it, in order."""

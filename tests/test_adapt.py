@@ -413,7 +413,8 @@ def test_moves_cut_at_pieces_read_and_write_the_same_elements_in_the_same_order(
     positions) read, peer by peer and in order, the elements the flat plan reads, and write the
     elements it writes: what one rank packs is what its peer unpacks, though each cuts only its
     own pieces."""
-    from minipar.moves import Flat, by_piece, expand, segments
+    from minipar.adapt.cut import by_piece
+    from minipar.moves import Flat, expand, segments
     rows = [np.array([[24 * q, 24]], np.int64) for q in range(2)]
     cols = [np.array([[r * 8 + 4 * q, 4] for r in (range(6) if q == 0 else (0, 2, 1, 3, 5, 4))], np.int64)
             for q in range(2)]

@@ -26,10 +26,11 @@ import torch.distributed as dist
 
 from .. import comm
 from ..moves import execute as _execute       # the one mechanism that moves state (chapter 04's too)
-from ..moves import Flat, Views, by_piece, expand, plan, segments
+from ..moves import Flat, expand, plan, segments
 from ..pieces import local_pieces
 from ..runtime import trace
 from . import plans
+from .cut import Views, by_piece
 from .holdings import held_runs
 
 

@@ -24,6 +24,7 @@ laid end to end in the holdings' order (:func:`minipar.adapt.switch.reshard`,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -43,7 +44,7 @@ class Move:
     src_pos: torch.Tensor
     dst_pos: torch.Tensor | slice
 
-    @property
+    @cached_property                # a kept plan's moves are counted at every switch
     def numel(self) -> int:
         d = self.dst_pos
         if isinstance(d, slice):
@@ -84,6 +85,7 @@ class Flat:
             pos.of(self.tensor).copy_(value.reshape(pos.count, pos.length))
         else:
             self.tensor[pos] = value
+
 
 
 @dataclass
@@ -244,6 +246,7 @@ def _strided(x: list[int], y: list[int], m: list[int]) -> list[tuple]:
             out.append((slice(x[i], x[i] + m[i]), slice(y[i], y[i] + m[i])))
         i = j
     return out
+
 
 
 # Contract:

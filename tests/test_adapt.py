@@ -401,3 +401,43 @@ def test_blocks_carry_the_same_elements_as_the_index_they_replace():
     t = Flat(torch.zeros(24))
     t[Block(1, 8, 3, 4)] = torch.arange(1.0, 13.0)               # writes elements 1-4, 9-12, 17-20
     assert t.tensor.nonzero().flatten().tolist() == [1, 2, 3, 4, 9, 10, 11, 12, 17, 18, 19, 20]
+
+
+def test_moves_cut_at_pieces_read_and_write_the_same_elements_in_the_same_order():
+    """``by_piece``: a rank's moves cut where its pieces end (any piece sizes; index, slice and Block
+    positions) read, peer by peer and in order, the elements the flat plan reads, and write the
+    elements it writes: what one rank packs is what its peer unpacks, though each cuts only its
+    own pieces."""
+    from minipar.adapt.cut import by_piece
+    from minipar.moves import Flat, expand, segments
+    rows = [np.array([[24 * q, 24]], np.int64) for q in range(2)]
+    cols = [np.array([[r * 8 + 4 * q, 4] for r in (range(6) if q == 0 else (0, 2, 1, 3, 5, 4))], np.int64)
+            for q in range(2)]
+    bounds, old_ids, new_ids = segments(cols, rows)
+    units = plan([{"s": torch.from_numpy(i)} for i in old_ids], [{"s": torch.from_numpy(i)} for i in new_ids],
+                 {"s": len(bounds) - 1})
+    pieces = {(0, 0): [5, 0, 7, 12], (0, 1): [10, 3, 11], (1, 0): [1, 23], (1, 1): [8, 0, 8, 8]}   # empty ones too
+
+    def elements(p, me, side, sizes, cut):
+        """Peer → the flat elements ``me`` reads (side 0) or writes (side 1) for it, in order."""
+        at, out = np.concatenate([[0], np.cumsum(sizes)]), {}
+        for mv in p.moves:
+            if (mv.src, mv.dst)[side] != me:
+                continue
+            pos = (mv.src_pos, mv.dst_pos)[side]
+            if cut:
+                k = mv.key[side]
+                values = Flat(torch.arange(sizes[k]).double() + float(at[k]))[pos]
+            else:
+                values = Flat(torch.arange(at[-1]).double())[pos]
+            out.setdefault((mv.src, mv.dst)[1 - side], []).extend(values.long().tolist())
+        return out
+
+    for few, blocks, piece in ((0, False, 256), (16, False, 256), (0, True, 1)):
+        for me in (0, 1):
+            flat, _, _ = expand(units, bounds, old_ids, new_ids, {me}, few=few, blocks=blocks, piece=piece)
+            cut = by_piece(flat, me, pieces[me, 0], pieces[me, 1])
+            assert len(cut.moves) > len(flat.moves)
+            for side in (0, 1):
+                want = elements(flat, me, side, pieces[me, side], False)
+                assert sum(map(len, want.values())) == 24 and elements(cut, me, side, pieces[me, side], True) == want

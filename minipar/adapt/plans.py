@@ -49,6 +49,7 @@ class Planned:
     new_numel: int
     shared_from: int | None = None
     shared_slots: list[str] | None = None
+    by_piece: tuple | None = None     # ((old sizes, new sizes), p cut at its pieces or None: moves.by_piece)
 
 
 _KEPT: dict = {}    # (world key, plan's code) -> Planned

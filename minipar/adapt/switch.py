@@ -30,6 +30,7 @@ from ..moves import Flat, expand, plan, segments
 from ..pieces import local_pieces
 from ..runtime import trace
 from . import plans
+from .cut import Views, by_piece
 from .holdings import held_runs
 
 
@@ -43,12 +44,14 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
     Returns the switch's record on this rank: ``bytes_sent`` and ``bytes_received`` (by the plan,
     and ``sent_observed`` by the all-to-all's own event), ``plan_bytes`` (the whole switch),
     ``moves``, ``segments`` (the units planned), ``plan_kept`` (the plan of this pair of layouts
-    was made before: :mod:`.plans`), ``seconds`` and its ``phases``: ``wait`` (a barrier first: the
-    ranks reach the switch at different times), ``describe`` (the pieces of both layouts, their
-    geometry's hash gathered; when the plan is new, the holdings as runs, exchanged), ``plan``
-    (cut into segments, planned, expanded to this rank's elements; nothing when kept),
-    ``all_to_all`` (the collective's own event) and ``copy`` (the rest of the move: packing, local
-    copies, unpacking into the new tensors); ``seconds`` is their sum. ``busiest_bytes``: the most
+    was made before: :mod:`.plans`), ``seconds`` and its ``phases``: ``wait`` (the
+    ranks reach the switch at different times: the time of its first collective, the all-gather of
+    the geometry's hash), ``describe`` (the pieces of both layouts and the hash of this rank's
+    side; when the plan is new, the holdings as runs, exchanged), ``plan``
+    (cut into segments, planned, expanded to this rank's elements and cut at its pieces; nothing
+    when kept), ``all_to_all`` (the collective's own event) and ``copy`` (the rest of the move:
+    packing from the old pieces, local copies piece to piece, unpacking into the new pieces: no
+    flat copy of the state); ``seconds`` is their sum. ``busiest_bytes``: the most
     any rank sends or receives, what bounds the exchange (:func:`exchange_seconds`); with
     ``alpha_beta`` (this machine's α, β of the all-to-all: :func:`measure_exchange`) also
     ``alpha_beta_s``, that bound, and ``over_alpha_beta``: the switch without its wait, over it
@@ -57,15 +60,16 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
 
     def done(phase):
         nonlocal t
-        phases[phase], t = time.perf_counter() - t, time.perf_counter()
+        phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - t
+        t = time.perf_counter()
     world, me = dist.get_world_size(), dist.get_rank()
+    device = new.device
     with trace.region("reshard"):
-        dist.barrier()                 # the ranks arrive apart: the wait is not the switch's
-        done("wait")
         old_pieces = local_pieces(old, old.optimizer)
         mine = plans.geometry(old_pieces, new)
-        device = new.device
-        key, planned = plans.known(mine, device)
+        done("describe")
+        key, planned = plans.known(mine, device)   # the first collective, where the ranks meet: they
+        done("wait")                               # arrive apart, and that wait is not the switch's
         kept = planned is not None
         if not kept:
             planned = _plan(old, new, old_pieces, device, done)
@@ -78,18 +82,26 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
         if (len(new_pieces), numel) != (planned.new_count, planned.new_numel):
             raise RuntimeError(f"the new layout holds {len(new_pieces)} pieces of {numel} elements, its kept "
                                f"plan {planned.new_count} of {planned.new_numel}")
-        if kept:
-            done("describe")
-            done("plan")
-        flat_new = torch.empty(numel, dtype=torch.float32, device=device)
-        flat_old = (torch.cat([v for k in planned.old_order for v in views[k]]) if planned.old_order
-                    else torch.empty(0, dtype=torch.float32, device=device))
+        done("describe")
+        sources = [v for k in planned.old_order for v in views[k]]
+        shape = ([v.numel() for v in sources], [v.numel() for v in targets])
+        if planned.by_piece is None or planned.by_piece[0] != shape:    # the moves cut at the pieces' ends
+            direct = _own_execute() and all(v.dim() == 1 and (v.stride(0) == 1 or v.numel() < 2)
+                                            for v in (*sources, *targets))      # as the geometry decides
+            planned.by_piece = (shape, by_piece(planned.p, me, *shape) if direct else None)
+        direct = planned.by_piece[1] is not None
+        done("plan")
         mark = trace.mark()
-        wrap = Flat if _own_execute() else (lambda t: t)        # Block positions: the library's own execute
-        observed = _execute(planned.p, {"state": wrap(flat_old)}, {"state": wrap(flat_new)})
+        if direct:                          # packed from, unpacked into, the live pieces themselves
+            observed = _execute(planned.by_piece[1], Views(sources, 0, device), Views(targets, 1, device))
+        else:                               # an exercise's execute: flat buffers, index and slice positions
+            flat_new = torch.empty(numel, dtype=torch.float32, device=device)
+            flat_old = torch.cat(sources) if sources else torch.empty(0, dtype=torch.float32, device=device)
+            wrap = Flat if _own_execute() else (lambda t: t)    # Block positions: the library's own execute
+            observed = _execute(planned.p, {"state": wrap(flat_old)}, {"state": wrap(flat_new)})
+            if targets:
+                torch._foreach_copy_(targets, flat_new.split([v.numel() for v in targets]))
         exchange = sum(e["end"] - e["start"] for e in trace.since(mark) if e["kind"] == "comm" and e["name"] == "reshard")
-        if targets:
-            torch._foreach_copy_(targets, flat_new.split([v.numel() for v in targets]))
         _shared_state(planned, shared, new_shared, device)
         done("copy")
         phases["copy"] -= exchange                 # what stays: packing, local copies, unpacking
@@ -101,7 +113,8 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
            "seconds": sum(phases.values()), "phases": phases}
     if alpha_beta is not None:
         out["alpha_beta_s"] = exchange_seconds([4 * x for x in sent], [4 * x for x in received], *alpha_beta)
-        out["over_alpha_beta"] = (out["seconds"] - phases["wait"]) / out["alpha_beta_s"]
+        out["over_alpha_beta"] = ((out["seconds"] - phases["wait"]) / out["alpha_beta_s"] if out["alpha_beta_s"] > 0
+                                  else float("inf"))       # α and β of 0 (a fit on a loaded machine), no bytes
     return out
 
 

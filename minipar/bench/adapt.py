@@ -15,7 +15,7 @@ Two things, on 4 ranks of the course GPT (SGD with momentum):
   and β fitted here on the all-to-all itself, :func:`~minipar.adapt.switch.measure_exchange`, at
   sizes up to a rank's share of the state): building the new mesh and model (the rebuild, apart),
   describing the holdings, the plan, the copies (packing and unpacking), the all-to-all; the wait
-  for the other ranks (a barrier) is shown but is not the switch's. The first time round each
+  for the other ranks (the switch's first collective) is shown but is not the switch's. The first time round each
   pair's plan is made; after that it is kept (:mod:`minipar.adapt.plans`), and the table says
   which. The goal: a switch, its rebuild apart, within 2× its α-β time (``over α-β`` ≤ 2); each
   size reports the median and the range over its switches, and the medians of made and kept.

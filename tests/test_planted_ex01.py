@@ -97,7 +97,7 @@ CASES = {
                                          r"(?s)group ranks 0, 1, 2.*receives from group rank 0: itself.*"
                                          r"group ranks, numbered within the group"),
     "a flat star for a tree": ("test_broadcast_tree", [(TREE, STAR)],
-                               r"messages src \(rank 1\) sent \(⌈log2 4⌉ = 2; sent to ranks \[2, 3, 0\]\)"),
+                               r"messages src \(rank 1\) sent \(⌈log2 8⌉ = 3; sent to ranks \[2, 3, 4, 5, 6, 7, 0\]\)"),
     "a chain that stores before it forwards": ("test_broadcast_chain", [(CHAIN, STORE_AND_FORWARD)],
                                                r"its first piece was sent on only after its last piece had arrived"),
     "a chain from src to every rank": ("test_broadcast_chain", [(CHAIN, CHAIN_STAR)],

@@ -21,7 +21,8 @@ rank posts (how many, how large, to which rank) and on the bytes each rank sends
 # the notebook, this file and, for each library name this file imports, its signature and
 # docstring (help(name)): they say what it does, not how you use it. The library's own source of
 # the functions below is their solution: do not open it. Stuck? minipar.hint("ex01") lists the
-# parts; each call shows one more tier (a nudge, the idea, the steps).
+# parts (an exercise of one part: shows its next tier); each call for a part shows one more tier
+# (a nudge, the idea, the steps).
 from __future__ import annotations
 
 
@@ -113,7 +114,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "
       every piece once, from group rank r-1, and every rank but the one before src sends
       each piece once, to r+1 ((n-1)·N elements in all); a rank forwards its first piece
       before it has received its last (pipelined).
-    - ex01.*.algorithm: any other algorithm is a ValueError."""
+    - ex01.*.algorithm: any other algorithm is a ValueError, on any group (a group of one
+      rank too)."""
     raise NotImplementedError("Exercise 01: broadcast")
 
 

@@ -27,7 +27,8 @@ memory). Stuck? ``minipar.hint("ex12", "A")`` (or "B", "C"). Grade it with
 # the notebook, this file and, for each library name this file imports, its signature and
 # docstring (help(name)): they say what it does, not how you use it. The library's own source of
 # the functions below is their solution: do not open it. Stuck? minipar.hint("ex12") lists the
-# parts; each call shows one more tier (a nudge, the idea, the steps).
+# parts (an exercise of one part: shows its next tier); each call for a part shows one more tier
+# (a nudge, the idea, the steps).
 from __future__ import annotations
 
 

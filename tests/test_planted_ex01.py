@@ -35,6 +35,38 @@ CHAIN_STAR = """            if vr > 0:
                 irecv(piece, src, group, name="broadcast", piece=i).wait()
             if vr == 0:
                 sends += [isend(piece, (src + d) % n, group, name="broadcast", piece=i) for d in range(1, n)]"""
+DEEP_TREE = """        for k in range((n - 1).bit_length()):  # round k, mask = 2^k
+            mask = 1 << k
+            if vr < mask and vr + mask < n:
+                isend(flat, (vr + mask + src) % n, group, name="broadcast", round=k).wait()
+            elif mask <= vr < 2 * mask:
+                recv(flat, (vr - mask + src) % n, group, name="broadcast", round=k)"""
+ROOT_THEN_CHAIN = """        pw = [1 << k for k in range((n - 1).bit_length())]
+        chain = [1] + [v for v in range(2, n) if v not in pw]
+        if vr == 0:
+            for d in pw:
+                isend(flat, (d + src) % n, group, name="broadcast").wait()
+        elif vr in pw:
+            recv(flat, src, group, name="broadcast")
+        else:
+            recv(flat, (chain[chain.index(vr) - 1] + src) % n, group, name="broadcast")
+        if vr in chain and chain.index(vr) + 1 < len(chain):
+            isend(flat, (chain[chain.index(vr) + 1] + src) % n, group, name="broadcast").wait()"""
+CHECK_FIRST = """    if algorithm not in ("tree", "ring"):  # before anything else: a group of one rank too
+        raise ValueError(f"algorithm must be 'tree' or 'ring', got {algorithm!r}")
+    n, r = group_size(group), group_rank(group)
+    if n == 1:
+        return tensor"""
+CHECK_AFTER_ONE = """    n, r = group_size(group), group_rank(group)
+    if n == 1:
+        return tensor
+    if algorithm not in ("tree", "ring"):
+        raise ValueError(f"algorithm must be 'tree' or 'ring', got {algorithm!r}")"""
+NOT_IN_PLACE = [("flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)",
+                 "flat = tensor.reshape(-1).clone()"),
+                ("""    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor""", "    return flat.view_as(tensor)")]
 RS_EXCHANGE = """        buf = torch.empty_like(chunks[recv_c])
         exchange(chunks[send_c], right, buf, left, group, name=name, step=s, phase="reduce-scatter")"""
 RS_WHOLE = """        whole = torch.cat(chunks)
@@ -65,7 +97,7 @@ CASES = {
                                          r"(?s)group ranks 0, 1, 2.*receives from group rank 0: itself.*"
                                          r"group ranks, numbered within the group"),
     "a flat star for a tree": ("test_broadcast_tree", [(TREE, STAR)],
-                               r"messages src \(rank 1\) sent \(⌈log2 4⌉ = 2; sent to ranks \[2, 3, 0\]\)"),
+                               r"messages src \(rank 1\) sent \(⌈log2 8⌉ = 3; sent to ranks \[2, 3, 4, 5, 6, 7, 0\]\)"),
     "a chain that stores before it forwards": ("test_broadcast_chain", [(CHAIN, STORE_AND_FORWARD)],
                                                r"its first piece was sent on only after its last piece had arrived"),
     "a chain from src to every rank": ("test_broadcast_chain", [(CHAIN, CHAIN_STAR)],
@@ -91,17 +123,54 @@ CASES = {
                                       [("raise ValueError(f\"algorithm must be 'tree' or 'ring', got {algorithm!r}\")",
                                         "pass")],
                                       r"any other algorithm is a ValueError"),
+    "a root that sends log2 n messages, the rest a chain": ("test_broadcast_tree", [(DEEP_TREE, ROOT_THEN_CHAIN)],
+                                                             r"on 8 ranks: a rank is 5 messages away from src"),
+    "a chain of empty pieces": ("test_pieces_on_the_world",
+                                [("flat.tensor_split(min(pieces, max(flat.numel(), 1)))", "flat.tensor_split(pieces)")],
+                                r"as many pieces as it has elements, if fewer"),
+    "the algorithm checked after one rank's early return": ("test_pieces_on_the_world",
+                                                            [(CHECK_FIRST, CHECK_AFTER_ONE)],
+                                                            r"on a group of one rank"),
+    "a reduce-scatter average not divided": ("test_pieces_on_the_world",
+                                             [('return chunks[r] / n if op == "avg" else chunks[r]',
+                                               "return chunks[r]")], r"chunk r of the average"),
+    "a result not in place": ("test_in_place_and_returned", NOT_IN_PLACE, r"in place, and returns that same tensor"),
 }
+# the one clause each failure names (grade prints its line): the check that failed, not every
+# clause its test observes
+NAMED = {"avg not divided": "ex01.*.avg", "remainder dropped": "ex01.*.uneven", "a copy returned": "ex01.*.in_place",
+         "the world's size on a group": "ex01.*.avg", "the world rank as the group rank": "ex01.*.group",
+         "input changed": "ex01.*.input_kept", "sizes ignored": "ex01.*.size_check", "src ignored": "ex01.*.src",
+         "an unknown algorithm accepted": "ex01.*.algorithm", "a chain of empty pieces": "ex01.*.chain",
+         "the algorithm checked after one rank's early return": "ex01.*.algorithm",
+         "a reduce-scatter average not divided": "ex01.*.avg", "a result not in place": "ex01.*.in_place",
+         "a root that sends log2 n messages, the rest a chain": "ex01.*.tree"}
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_planted_answer_fails_its_clause(case, tmp_path):
     test, edits, match = CASES[case]
+    from minipar.course.failure_clauses import named
     from minipar.course.grading import observed
     clauses = [k for k, v in observed(ex01).items() if test in v]
     assert clauses, f"{test} observes no clause of the contract"
     with planted("ex01", tmp_path, *edits):
-        fails(getattr(ex01, test), match=match)
+        message = fails(getattr(ex01, test), match=match)
+    if case in NAMED:
+        assert named(message, getattr(ex01, test).__observes__) == [NAMED[case]], message
+
+
+def test_a_result_not_in_place_fails_only_its_clause(tmp_path):
+    """A correct sum that is returned, not left in the given tensor: the sums are read where the
+    contract says the result is (the returned tensor), so only the in-place test fails."""
+    with planted("ex01", tmp_path, *NOT_IN_PLACE):
+        for test in ("test_sum_two_ranks", "test_bytes_match_cost_model"):
+            getattr(ex01, test)("exercise")
+
+
+def test_a_hang_names_an_unwaited_send():
+    from minipar.runtime.launch import LaunchTimeout
+    assert "never waited on" in str(LaunchTimeout(30, [1], 4))
 
 
 def test_every_clause_is_in_the_contract_and_tested():

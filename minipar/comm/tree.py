@@ -30,11 +30,13 @@ from .p2p import exchange, group_rank, group_size, irecv, isend, recv
 #     once, from group rank r-1, and every rank but the one before src sends each piece once,
 #     to r+1 ((n-1)·N elements in all); a rank forwards its first piece before it has
 #     received its last (pipelined).
-# ex01.*.algorithm: any other algorithm is a ValueError.
+# ex01.*.algorithm: any other algorithm is a ValueError, on any group (a group of one rank too).
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "tree",
               pieces: int = 4) -> torch.Tensor:
     """Copy ``tensor`` from group rank ``src`` to every rank of ``group`` in place."""
     # >>> ex01
+    if algorithm not in ("tree", "ring"):  # before anything else: a group of one rank too
+        raise ValueError(f"algorithm must be 'tree' or 'ring', got {algorithm!r}")
     n, r = group_size(group), group_rank(group)
     if n == 1:
         return tensor
@@ -57,8 +59,6 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "
                 sends.append(isend(piece, right, group, name="broadcast", piece=i))
         for h in sends:
             h.wait()
-    else:
-        raise ValueError(f"algorithm must be 'tree' or 'ring', got {algorithm!r}")
     return tensor
     # <<< ex01
 

@@ -30,7 +30,7 @@ import re
 from contextlib import contextmanager
 
 __all__ = ["GradeFailure", "expect", "expect_equal", "expect_close", "expect_schedule",
-           "contributions", "expect_contributions", "diagnose", "expect_recorded", "launched", "observes", "observed", "CLAUSE_ID"]
+           "contributions", "expect_contributions", "diagnose", "expect_recorded", "launched", "observes", "observed", "CLAUSE_ID", "breaks"]
 
 _WIDE = 100  # values longer than this are shown one entry per line
 
@@ -300,6 +300,24 @@ def diagnose(condition, message: str):
         if condition(e) if callable(condition) else condition:
             raise GradeFailure(f"{e}\n  seen: {message}").with_traceback(e.__traceback__) from None
         raise
+
+
+@contextmanager
+def breaks(*ids: str):
+    """``with breaks("ex01.*.avg"): <checks>``: a check inside that fails names these clauses
+    (``  breaks ex01.*.avg``), so a test that observes several clauses reports the one whose check
+    failed, not every clause it observes (the grader prints the clauses a message names, else
+    all of the test's ``observes`` tags). The innermost block that names a clause wins."""
+    bad = [c for c in ids if not CLAUSE_ID.match(c)]
+    if not ids or bad:
+        raise ValueError(f"clause ids look like 'ex02.C.group' or 'ex03.*.recorded'; got {bad or 'none'}")
+    try:
+        yield
+    except GradeFailure as e:
+        from .failure_clauses import ID
+        if ID.search(str(e)):
+            raise
+        raise GradeFailure(f"{e}\n  breaks {', '.join(ids)}").with_traceback(e.__traceback__) from None
 
 
 # ----------------------------------------------------------------------------- the recorder

@@ -75,8 +75,9 @@ class LaunchTimeout(TimeoutError):
     def __init__(self, timeout: float, running: list[int], world_size: int):
         self.running = running
         super().__init__(f"timed out after {timeout:g} s: rank(s) {running} of {world_size} still running. "
-                         "A collective that not every rank calls, or a send without its matching recv, "
-                         "is the usual cause. All ranks were stopped.")
+                         "A collective that not every rank calls, a send without its matching recv, or a send "
+                         "or exchange whose handle is never waited on (its .wait() missing) is the "
+                         "usual cause. All ranks were stopped.")
 
 
 class Results(list):

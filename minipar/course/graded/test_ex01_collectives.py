@@ -25,7 +25,8 @@ import torch.distributed as dist
 import minipar
 from minipar import comm
 from minipar import cost
-from minipar.course.grading import diagnose, expect, expect_close, expect_contributions, expect_equal, observes
+from minipar.course.grading import (attempt, breaks, diagnose, expect, expect_close, expect_contributions,
+                                    expect_equal, observes)
 from minipar.runtime import checked
 from minipar.runtime.launch import LaunchTimeout, RankError
 
@@ -58,9 +59,14 @@ def _contributions(numel):
     r, n = dist.get_rank(), dist.get_world_size()
     mine = 2.0 ** r + 2.0 ** n * torch.arange(numel, dtype=torch.float32)
     scattered = comm.ring_reduce_scatter(mine.clone())
-    x = mine.clone()
-    comm.ring_all_reduce(x)
-    return scattered, x
+    return scattered, _result(comm.ring_all_reduce, mine.clone())
+
+
+def _result(fn, x, *args, **kwargs):
+    """What ``fn`` returned, where the contract says the result is (the tensor given, when it
+    returned nothing): a result that is not in place fails only the in-place clause."""
+    ret = fn(x, *args, **kwargs)
+    return ret if isinstance(ret, torch.Tensor) else x
 
 
 def _all_reduce_cases(shapes, op):
@@ -74,9 +80,10 @@ def _all_reduce_cases(shapes, op):
         dist.all_reduce(want)
         if op == "avg":
             want /= dist.get_world_size()
-        got = x.clone()
-        ret = comm.ring_all_reduce(got, op=op)
-        out.append((got, want, ret is got or (ret is not None and ret.data_ptr() == got.data_ptr())))
+        given = x.clone()
+        ret = comm.ring_all_reduce(given, op=op)
+        got = ret if isinstance(ret, torch.Tensor) else given
+        out.append((got, want, (ret is given or (ret is not None and ret.data_ptr() == given.data_ptr())), given))
     return _contributions(max(torch.Size(s).numel() for s in shapes)) if op == "sum" else None, out
 
 
@@ -93,13 +100,16 @@ def _assert_contributions(contrib, n):
         ranges = _chunk_ranges(reduced.numel(), n)
         size = f"{reduced.numel()} elements" + (f", a size {n} does not divide" if reduced.numel() % n else "")
         lo, hi = ranges[rank]
-        expect_equal(scattered.numel(), hi - lo, f"rank {rank}: elements of its reduce-scatter chunk {rank}")
-        expect_contributions(scattered, n, range(n), f"rank {rank}, after the reduce-scatter ({size}): its chunk {rank} "
-                             f"(elements {lo}..{hi - 1})", positions=torch.arange(lo, hi))
+        uneven = ("ex01.*.uneven",) if reduced.numel() % n else ()
+        with breaks(*uneven or ("ex01.*.scatter",)):
+            expect_equal(scattered.numel(), hi - lo, f"rank {rank}: elements of its reduce-scatter chunk {rank}")
+            expect_contributions(scattered, n, range(n), f"rank {rank}, after the reduce-scatter ({size}): its chunk "
+                                 f"{rank} (elements {lo}..{hi - 1})", positions=torch.arange(lo, hi))
         for c, (lo, hi) in enumerate(ranges):
             if hi > lo:
-                expect_contributions(reduced[lo:hi], n, range(n), f"rank {rank}, after the all-reduce ({size}): chunk {c} "
-                                     f"(elements {lo}..{hi - 1})", positions=torch.arange(lo, hi))
+                with breaks(*uneven or ("ex01.*.gather",)):
+                    expect_contributions(reduced[lo:hi], n, range(n), f"rank {rank}, after the all-reduce ({size}): "
+                                         f"chunk {c} (elements {lo}..{hi - 1})", positions=torch.arange(lo, hi))
 
 
 def _assert_cases(results, op="sum"):
@@ -107,10 +117,11 @@ def _assert_cases(results, op="sum"):
     if op == "sum":
         _assert_contributions([contrib for contrib, _ in results], n)
     for rank, (_, cases) in enumerate(results):
-        for got, want, in_place in cases:
+        for got, want, *_ in cases:
             uneven = f", a size {n} does not divide" if want.numel() % n else ""
-            expect_close(got, want, "the reduced tensor (compared with Gloo's all-reduce)",
-                         where=f"rank {rank}, shape {tuple(want.shape)}{uneven}", rtol=1e-5, atol=1e-5)
+            with breaks("ex01.*.uneven" if uneven else "ex01.*.gather"):
+                expect_close(got, want, "the reduced tensor (compared with Gloo's all-reduce)",
+                             where=f"rank {rank}, shape {tuple(want.shape)}{uneven}", rtol=1e-5, atol=1e-5)
 
 
 @observes("ex01.*.scatter", "ex01.*.gather")
@@ -132,7 +143,7 @@ def test_average_four_ranks(impl):
     """op="avg": every rank holds the mean (4 ranks)."""
     results = minipar.launch(_all_reduce_cases, 4, args=([(64,), (3, 9)], "avg"), timeout=TIMEOUT)
     for rank, (_, cases) in enumerate(results):
-        for got, want, _ in cases:
+        for got, want, *_ in cases:
             with diagnose(lambda f, got=got, want=want: torch.allclose(got, want * 4, rtol=1e-5, atol=1e-5),
                           "the result equals the sum over the 4 ranks, not divided by n (op=\"avg\" divides by n)"):
                 expect_close(got, want, "the averaged tensor (compared with Gloo's)",
@@ -144,11 +155,11 @@ def test_in_place_and_returned(impl):
     """The input tensor itself holds the result (shape kept) and is returned."""
     for rank, (_, cases) in enumerate(minipar.launch(_all_reduce_cases, 2, args=([(4, 6)], "sum"),
                                                      timeout=TIMEOUT)):
-        for got, want, in_place in cases:
-            expect_equal(tuple(got.shape), tuple(want.shape), f"rank {rank}: shape of the tensor after the call")
+        for _, want, in_place, given in cases:
+            expect_equal(tuple(given.shape), tuple(want.shape), f"rank {rank}: shape of the tensor after the call")
             expect(in_place, f"rank {rank}: ring_all_reduce returned another tensor, or None, not the tensor "
                              "it was given (in place, and returns that same tensor)")
-            expect_close(got, want, "the tensor given to ring_all_reduce, after the call",
+            expect_close(given, want, "the tensor given to ring_all_reduce, after the call",
                          where=f"rank {rank}", rtol=1e-5, atol=1e-5)
 
 
@@ -156,7 +167,7 @@ def _bytes_run(numel):
     from minipar.runtime import trace
     x = torch.ones(numel)
     trace.start(dist.get_rank())  # count only the all-reduce
-    comm.ring_all_reduce(x)
+    x = _result(comm.ring_all_reduce, x)
     return sum(e["bytes_sent"] for e in trace.events()), x[0].item()
 
 
@@ -217,7 +228,7 @@ def _watched(fn, *args, **kwargs):
 
 
 def _traffic(numel, part):
-    """On 4 ranks, with the messages each call posted: ``"ring"``, the two ring halves (through
+    """With the messages each call posted: ``"ring"``, the two ring halves (through
     ring_reduce_scatter and ring_all_gather) and the whole all-reduce; ``"tree"`` or ``"chain"``,
     that broadcast from src 1 (with its result and comm events)."""
     r, n = dist.get_rank(), dist.get_world_size()
@@ -243,7 +254,8 @@ def _traffic_run(impl, part, cache={}):
     runs = cache[key]
     if part not in runs:
         try:
-            runs[part] = minipar.launch(_traffic, 4, args=(4096, part), timeout=TIMEOUT)
+            n, numel = _TRAFFIC[part]
+            runs[part] = minipar.launch(_traffic, n, args=(numel, part), timeout=TIMEOUT)
         except (RankError, LaunchTimeout) as e:
             runs[part] = e
     if isinstance(runs[part], Exception):
@@ -251,6 +263,8 @@ def _traffic_run(impl, part, cache={}):
     return runs[part]
 
 
+_TRAFFIC = {"ring": (4, 4096), "chain": (4, 4096), "tree": (8, 64)}  # ranks, elements: 8 ranks separate
+# a tree of depth ⌈log2 n⌉ from one whose root sends ⌈log2 n⌉ messages and the rest form a chain
 _RING = {"reduce_scatter": "ring_reduce_scatter", "all_gather": "ring_all_gather", "all_reduce": "ring_all_reduce"}
 
 
@@ -280,8 +294,9 @@ def test_one_chunk_per_step(impl):
 
 @observes("ex01.*.tree")
 def test_broadcast_tree(impl):
-    """broadcast(algorithm="tree") from src 1 on 4 ranks: the messages each rank sends and receives, and how far each rank is from src."""
-    results, n, src, numel = _traffic_run(impl, "tree"), 4, 1, 4096
+    """broadcast(algorithm="tree") from src 1 on 8 ranks: the messages each rank sends and receives, and how far each rank is from src."""
+    (n, numel), src = _TRAFFIC["tree"], 1
+    results = _traffic_run(impl, "tree")
     rounds = math.ceil(math.log2(n))
     parent = {}
     for rank, out in enumerate(results):
@@ -335,7 +350,8 @@ def test_broadcast_chain(impl):
 
 
 def _pieces():
-    """On 4 ranks: the reduce-scatter, the uneven all-gather and the broadcasts on the world."""
+    """On 4 ranks: the reduce-scatter, the uneven all-gather and the broadcasts on the world; a
+    chain of fewer elements than pieces; an unknown algorithm on a group of one rank."""
     r, n = dist.get_rank(), dist.get_world_size()
     out = {}
     x = torch.randn(10, generator=torch.Generator().manual_seed(7 + r))
@@ -360,6 +376,16 @@ def _pieces():
         out["bad_algorithm"] = "ValueError"
     except Exception as e:  # noqa: BLE001 - reported as seen
         out["bad_algorithm"] = f"{type(e).__name__}: {e}"
+    alone = [dist.new_group([i]) for i in range(n)][r]   # every rank makes every group
+    try:
+        comm.broadcast(torch.zeros(3), group=alone, algorithm="star")
+        out["bad_algorithm alone"] = "returned"
+    except ValueError:
+        out["bad_algorithm alone"] = "ValueError"
+    except Exception as e:  # noqa: BLE001 - reported as seen
+        out["bad_algorithm alone"] = f"{type(e).__name__}: {e}"
+    out["few"] = attempt(lambda: _watched(comm.broadcast, torch.arange(3.0) + 100 * r, src=0, algorithm="ring",
+                                          pieces=4)[:2])
     for algorithm in ("tree", "ring"):
         t = torch.arange(6.0) + 100 * r
         out[f"broadcast {algorithm}, src 2, 4 ranks"] = (comm.broadcast(t, src=2, algorithm=algorithm),
@@ -367,25 +393,45 @@ def _pieces():
     return out
 
 
-@observes("ex01.*.avg", "ex01.*.input_kept", "ex01.*.sizes", "ex01.*.size_check", "ex01.*.src", "ex01.*.algorithm")
+@observes("ex01.*.avg", "ex01.*.input_kept", "ex01.*.sizes", "ex01.*.size_check", "ex01.*.src", "ex01.*.algorithm",
+          "ex01.*.chain")
 def test_pieces_on_the_world(impl):
-    """ring_reduce_scatter, an uneven ring_all_gather and both broadcasts on 4 ranks."""
-    for rank, out in enumerate(minipar.launch(_pieces, 4, timeout=TIMEOUT)):
+    """ring_reduce_scatter, an uneven ring_all_gather, both broadcasts and a chain of 3 elements in 4 pieces on 4 ranks, and an unknown algorithm on a group of one rank."""
+    n = 4
+    for rank, out in enumerate(minipar.launch(_pieces, n, timeout=TIMEOUT)):
         got, want, unchanged = out["reduce_scatter"]
-        expect_close(got, want, "ring_reduce_scatter(x, op='avg'): chunk r of the average (10 elements)",
-                     where=f"rank {rank}", rtol=1e-5, atol=1e-5)
-        expect(unchanged, f"rank {rank}: ring_reduce_scatter changed its input x (the input tensor is left "
-                          "unchanged)")
+        with breaks("ex01.*.avg"):
+            expect_close(got, want, "ring_reduce_scatter(x, op='avg'): chunk r of the average (10 elements)",
+                         where=f"rank {rank}", rtol=1e-5, atol=1e-5)
+        with breaks("ex01.*.input_kept"):
+            expect(unchanged, f"rank {rank}: ring_reduce_scatter changed its input x (the input tensor is left "
+                              "unchanged)")
         got, want = out["all_gather"]
-        expect_close(got, want, "ring_all_gather of chunks of different sizes (sizes=[1, 2, 3, 4], rank r's "
-                     "chunk all r)", where=f"rank {rank}")
-        expect_equal(out["bad_sizes"], "ValueError", f"rank {rank}: ring_all_gather(2 elements, sizes=[3, 3, 3, 3])"
-                     " (sizes that do not match this rank's chunk are a ValueError)")
-        expect_equal(out["bad_algorithm"], "ValueError", f"rank {rank}: broadcast(..., algorithm='star') "
-                     "(any other algorithm is a ValueError)")
-        for key in [k for k in out if k.startswith("broadcast")]:
-            got, want = out[key]
-            expect_close(got, want, f"{key}: the root's tensor, in place (from any src)", where=f"rank {rank}")
+        with breaks("ex01.*.sizes"):
+            expect_close(got, want, "ring_all_gather of chunks of different sizes (sizes=[1, 2, 3, 4], rank r's "
+                         "chunk all r)", where=f"rank {rank}")
+        with breaks("ex01.*.size_check"):
+            expect_equal(out["bad_sizes"], "ValueError", f"rank {rank}: ring_all_gather(2 elements, "
+                         "sizes=[3, 3, 3, 3]) (sizes that do not match this rank's chunk are a ValueError)")
+        with breaks("ex01.*.algorithm"):
+            expect_equal(out["bad_algorithm"], "ValueError", f"rank {rank}: broadcast(..., algorithm='star') "
+                         "(any other algorithm is a ValueError)")
+            expect_equal(out["bad_algorithm alone"], "ValueError", f"rank {rank}: broadcast(..., algorithm='star') "
+                         "on a group of one rank (any other algorithm is a ValueError, on any group)")
+        with breaks("ex01.*.chain"):
+            expect(not isinstance(out["few"], str), f"rank {rank}: broadcast(3 elements, algorithm='ring', "
+                   f"pieces=4) {out['few']}")
+            got, log = out["few"]
+            expect_close(got, torch.arange(3.0), "broadcast ring of 3 elements in pieces=4 from src 0",
+                         where=f"rank {rank}")
+            want_recv = [] if rank == 0 else [((rank - 1) % n, 1)] * 3
+            expect_equal([(p, k) for kind, p, k in log if kind == "recv"], want_recv,
+                         f"broadcast ring from src 0, pieces=4 of 3 elements (as many pieces as it has elements, "
+                         f"if fewer), rank {rank}: messages received, as (from rank, elements)")
+        with breaks("ex01.*.src"):
+            for key in [k for k in out if k.startswith("broadcast")]:
+                got, want = out[key]
+                expect_close(got, want, f"{key}: the root's tensor, in place (from any src)", where=f"rank {rank}")
 
 
 def _on_a_group():
@@ -409,31 +455,33 @@ def _on_a_group():
     return out
 
 
-@observes("ex01.*.group")
+@observes("ex01.*.group", "ex01.*.avg")
 def test_group_ranks(impl):
     """Every function on the group of world ranks 1, 2, 3 of 4, where group rank g is world rank g+1."""
     where = "on the group of world ranks 1, 2, 3 (its group ranks 0, 1, 2)"
-    try:
-        results = minipar.launch(_on_a_group, 4, timeout=TIMEOUT)[1:]
-    except (RankError, LaunchTimeout) as e:
-        expect(False, f"{where}: {str(e).splitlines()[0]}")
-    sizes = _chunk_ranges(7, 3)
-    for g, out in enumerate(results):
-        at = f"world rank {g + 1} (group rank {g})"
-        for fn in ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast tree", "broadcast ring"):
-            peers = sorted({p for _, p, _ in out[fn][1]})
-            expect(set(peers) <= {1, 2, 3}, f"{where}: {fn} on {at} sent to or received from world ranks {peers}")
-        expect_contributions(out["ring_all_reduce"][0], 3, range(3), f"{where}: ring_all_reduce, {at}",
-                             positions=torch.arange(7))
-        lo, hi = sizes[g]
-        expect_contributions(out["ring_reduce_scatter"][0], 3, range(3),
-                             f"{where}: ring_reduce_scatter, {at}: its chunk {g} (elements {lo}..{hi - 1})",
-                             positions=torch.arange(lo, hi))
-        expect_close(out["ring_all_gather"][0], torch.tensor([0.0, 1, 1, 2, 2, 2]),
-                     f"{where}: ring_all_gather, sizes=[1, 2, 3], group rank g's chunk all g", where=at)
-        for algorithm in ("tree", "ring"):
-            expect_close(out[f"broadcast {algorithm}"][0], torch.arange(5.0) + 100,
-                         f"{where}: broadcast {algorithm} from src=1 (group rank 1, world rank 2)", where=at)
-        got, want = out["avg"]
-        expect_close(got, want, f"{where}: ring_all_reduce(y, group, op='avg') (op=\"avg\" divides by n = 3, "
-                     "the group's size)", where=at, rtol=1e-5, atol=1e-5)
+    with breaks("ex01.*.group"):   # the avg check inside names its own clause
+        try:
+            results = minipar.launch(_on_a_group, 4, timeout=TIMEOUT)[1:]
+        except (RankError, LaunchTimeout) as e:
+            expect(False, f"{where}: {str(e).splitlines()[0]}")
+        sizes = _chunk_ranges(7, 3)
+        for g, out in enumerate(results):
+            at = f"world rank {g + 1} (group rank {g})"
+            for fn in ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast tree", "broadcast ring"):
+                peers = sorted({p for _, p, _ in out[fn][1]})
+                expect(set(peers) <= {1, 2, 3}, f"{where}: {fn} on {at} sent to or received from world ranks {peers}")
+            expect_contributions(out["ring_all_reduce"][0], 3, range(3), f"{where}: ring_all_reduce, {at}",
+                                 positions=torch.arange(7))
+            lo, hi = sizes[g]
+            expect_contributions(out["ring_reduce_scatter"][0], 3, range(3),
+                                 f"{where}: ring_reduce_scatter, {at}: its chunk {g} (elements {lo}..{hi - 1})",
+                                 positions=torch.arange(lo, hi))
+            expect_close(out["ring_all_gather"][0], torch.tensor([0.0, 1, 1, 2, 2, 2]),
+                         f"{where}: ring_all_gather, sizes=[1, 2, 3], group rank g's chunk all g", where=at)
+            for algorithm in ("tree", "ring"):
+                expect_close(out[f"broadcast {algorithm}"][0], torch.arange(5.0) + 100,
+                             f"{where}: broadcast {algorithm} from src=1 (group rank 1, world rank 2)", where=at)
+            got, want = out["avg"]
+            with breaks("ex01.*.avg"):
+                expect_close(got, want, f"{where}: ring_all_reduce(y, group, op='avg') (op=\"avg\" divides by n = 3, "
+                             "the group's size)", where=at, rtol=1e-5, atol=1e-5)

@@ -316,7 +316,7 @@ def test_mesh_coordinates_with_cp(impl):
         pm = mesh.ProcessMesh(**m)
         got = {r: pm.coordinates(r) for r in range(_size(m))}
         what = f"{_mesh_name(m)}.coordinates"
-        _bijection(got, {k: m[k] for k in ("pp", "dp", "cp", "tp")}, what, "ex07.D.layout")
+        _bijection(got, {k: m[k] for k in ("cp", "dp", "pp", "tp")}, what, "ex07.D.layout")
         _runs(got, [("tp group", ("pp", "dp", "cp")), ("cp × tp block", ("pp", "dp")), ("pipeline stage", ("pp",))],
               what, "ex07.D.layout")
 
@@ -367,7 +367,7 @@ def test_mesh_members_every_dim(impl):
         coords = {r: pm.coordinates(r) for r in range(n)}
         for r in range(n):
             what = f"{_mesh_name(m)}.members({r}, dim)"
-            for dim in ("pp", "dp", "cp", "tp"):
+            for dim in ("cp", "dp", "pp", "tp"):
                 _group_ok(pm.members(r, dim), r, dim, coords, what.replace("dim", repr(dim)), "ex07.D.dp_cp")
             dc = list(pm.members(r, "dp_cp"))
             want = sorted(q for q in range(n) if coords[q]["pp"] == coords[r]["pp"] and coords[q]["tp"] == coords[r]["tp"])

@@ -1,4 +1,4 @@
-"""The process mesh: ranks laid out as a (pp, dp, cp, tp) grid, one process group per line,
+"""The process mesh: ranks laid out on a dp × pp × cp × tp grid, one process group per line,
 with expert parallelism (``ep``) carved out of the dp · cp ranks.
 
 Megatron-LM's layout (Narayanan et al. 2021, §3.3) puts the fastest links where the most bytes
@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from .comm import name_group
 
-DIMS = ("pp", "dp", "tp")  # slowest to fastest
-MESH_DIMS = ("pp", "dp", "cp", "tp")  # with context parallelism, slowest to fastest
+DIMS = ("dp", "pp", "tp")  # the dims of a 3D mesh, by name (not their order in the layout)
+MESH_DIMS = ("cp", "dp", "pp", "tp")  # with context parallelism, by name
 GROUP_DIMS = MESH_DIMS + ("dp_cp", "ep", "expert_dp")  # every group a rank can ask for
 
 
@@ -180,15 +180,20 @@ class ProcessMesh:
     #     in the same order (a group's creation is collective over the world).
     # ex07.E.reach: ``self.groups[dim]`` is this rank's own group, and a collective on it reaches
     #     exactly ``members(rank, dim)``.
-    # ex07.E.cp1: with cp = 1 the dp_cp group is the dp group.
-    # ex07.E.ep1: with ep = 1 the expert_dp group is the dp_cp group.
+    # ex07.E.keys: afterwards ``self.groups`` holds "dp", "pp", "tp", "dp_cp" and "expert_dp",
+    #     "cp" only when cp > 1 and "ep" only when ep > 1: with cp = 1 there is no cp group, with
+    #     ep = 1 no ep group (a rank alone is its own expert group; whoever needs one makes it).
+    # ex07.E.cp1: with cp = 1 the dp_cp group is the dp group (the same object, no new group).
+    # ex07.E.ep1: with ep = 1 the expert_dp group is the dp_cp group (the same object), for any cp.
+    # ex07.E.named: every group it creates is named after its dim (``name_group``), so
+    #     ``group_name(self.groups[dim])`` is dim for every dim it created a group for, and the
+    #     bytes a rank sends are counted per dim.
     def build(self) -> "ProcessMesh":
         """Inside a rank: create this rank's dp, pp and tp process groups (and cp, dp_cp when
         cp > 1; ep and expert_dp when ep > 1)."""
         if dist.get_world_size() != self.size:
             raise ValueError(f"the mesh has {self.size} ranks but the job has {dist.get_world_size()}")
         # >>> ex07 E
-        # Hint: dist.new_group is collective over the world; name_group(g, dim) labels its events.
         dims = DIMS + (("cp", "dp_cp") if self.cp > 1 else ()) + (("ep", "expert_dp") if self.ep > 1 else ())
         for dim in dims:
             for ranks in self.all_groups(dim):  # every rank creates every group, same order

@@ -93,12 +93,14 @@ def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatc
 
     Contract:
     - ex07.C.fit: the chosen configuration's model states per rank fit in
-      ``memory_per_rank`` (no limit when ``None``).
+      ``memory_per_rank`` (no limit when ``None``); states of exactly ``memory_per_rank``
+      bytes fit.
     - ex07.C.prefer: of the configurations that fit, the choice is the best by these aims,
       the first the most important: (1) as much data parallelism as memory allows (it sends
       the fewest bytes per useful FLOP); (2) no tensor-parallel group spans two nodes, if a
       configuration as good by (1) keeps every one inside a node (its all-reduces, in every
-      layer, carry the most bytes); (3) the smallest pipeline bubble.
+      layer, carry the most bytes); (3) the smallest pipeline bubble: with the microbatches
+      fixed, the fewest pipeline stages.
     - ex07.C.none: nothing left is a ``ValueError``."""
     best, psi = None, num_params(config)
     for c in valid_configs(config, world_size, batch_size, microbatches):
@@ -195,8 +197,17 @@ class ProcessMesh:
           over the world).
         - ex07.E.reach: ``self.groups[dim]`` is this rank's own group, and a collective
           on it reaches exactly ``members(rank, dim)``.
-        - ex07.E.cp1: with cp = 1 the dp_cp group is the dp group.
-        - ex07.E.ep1: with ep = 1 the expert_dp group is the dp_cp group."""
+        - ex07.E.keys: afterwards ``self.groups`` holds "dp", "pp", "tp", "dp_cp" and
+          "expert_dp", "cp" only when cp > 1 and "ep" only when ep > 1: with cp = 1
+          there is no cp group, with ep = 1 no ep group (a rank alone is its own expert
+          group; whoever needs one makes it).
+        - ex07.E.cp1: with cp = 1 the dp_cp group is the dp group (the same object, no
+          new group).
+        - ex07.E.ep1: with ep = 1 the expert_dp group is the dp_cp group (the same
+          object), for any cp.
+        - ex07.E.named: every group it creates is named after its dim (``name_group``),
+          so ``group_name(self.groups[dim])`` is dim for every dim it created a group
+          for, and the bytes a rank sends are counted per dim."""
         if dist.get_world_size() != self.size:
             raise ValueError(f"the mesh has {self.size} ranks but the job has {dist.get_world_size()}")
         dims = DIMS + (("cp", "dp_cp") if self.cp > 1 else ()) + (("ep", "expert_dp") if self.ep > 1 else ())

@@ -61,9 +61,17 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
     "ex07.E.cp1": (
         [('            self.groups["dp_cp"] = self.groups["dp"]', "            pass")],
         g.test_3d_training_on_your_mesh, r"KeyError: 'dp_cp'"),
-    "ex07.E.ep1": (
-        [('            self.groups["expert_dp"] = self.groups["dp_cp"]', '            self.groups["expert_dp"] = self.groups["tp"]')],
-        g.test_mesh_build_reaches_the_members, r"self.groups\['expert_dp'\] reached, ProcessMesh\(dp=2, pp=2, cp=1"),
+    "ex07.E.ep1": (   # expert_dp the dp group: right with cp = 1, wrong with cp > 1
+        [('            self.groups["expert_dp"] = self.groups["dp_cp"]', '            self.groups["expert_dp"] = self.groups["dp"]')],
+        g.test_mesh_build_reaches_the_members, r"ex07\.E\.ep1 ProcessMesh\(dp=2, pp=1, cp=2, tp=2, ep=1\): "
+                                               r"self.groups\['expert_dp'\] is not self.groups\['dp_cp'\]"),
+    "ex07.E.keys": (   # the cp and dp_cp groups made whatever cp
+        [('(("cp", "dp_cp") if self.cp > 1 else ())', '("cp", "dp_cp")')],
+        g.test_mesh_build_reaches_the_members, r"ex07\.E\.keys the keys of self.groups after build\(\), "
+                                               r"ProcessMesh\(dp=2, pp=2, cp=1"),
+    "ex07.E.named": (
+        [("                    name_group(g, dim)  # its communication events are labelled dim", "")],
+        g.test_mesh_build_reaches_the_members, r"ex07\.E\.named group_name\(self.groups\[dim\]\)"),
 }
 MORE = [  # further wrong answers: (clause, edits, graded test, what the message must name)
     ("ex07.A.order", [('"tp": rank % tp}', '"tp": tp - 1 - rank % tp}')],        # a tp group's order reversed
@@ -77,8 +85,10 @@ MORE = [  # further wrong answers: (clause, edits, graded test, what the message
      g.test_choose_config, r"ex07\.C\.prefer .*pipeline stages, while .* smaller bubble"),
     ("ex07.C.prefer", [(KEY, 'key = (crosses, c["pp"], c["tp"] * c["pp"])')],          # the bubble before the dp
      g.test_choose_config, r"ex07\.C\.prefer .*more data parallelism"),
-    ("ex07.D.ep_blocks", [("dc[i - i % self.ep:i - i % self.ep + self.ep]", "dc[i % (len(dc) // self.ep)::len(dc) // self.ep]")],
-     g.test_mesh_members_every_dim, r"ex07\.D\.ep_blocks .*not neighbours in it"),
+    ("ex07.C.prefer", [(KEY, 'key = (crosses, c["tp"] * c["pp"], c["pp"])')],          # aims 1 and 2 swapped
+     g.test_choose_config, r"ex07\.C\.prefer choose_config\(10 heads, world_size=60.*more data parallelism"),
+    ("ex07.C.fit", [("need > memory_per_rank:", "need >= memory_per_rank:")],            # equal refused
+     g.test_choose_config, r"ex07\.C\.fit choose_config\(world_size=8, .*needs exactly memory_per_rank"),
 ]
 
 

@@ -160,12 +160,13 @@ def valid_configs(config: GPTConfig, world_size: int, batch_size: int | None = N
 #     B) their groups; node k holds ranks k·ranks_per_node .. (k+1)·ranks_per_node - 1; the
 #     result is ``{"dp", "pp", "tp"}``: Narayanan et al.'s advice (§3, Takeaways #1 and #2).
 # ex07.C.fit: the chosen configuration's model states per rank fit in ``memory_per_rank`` (no
-#     limit when ``None``).
+#     limit when ``None``); states of exactly ``memory_per_rank`` bytes fit.
 # ex07.C.prefer: of the configurations that fit, the choice is the best by these aims, the first
 #     the most important: (1) as much data parallelism as memory allows (it sends the fewest
 #     bytes per useful FLOP); (2) no tensor-parallel group spans two nodes, if a configuration
 #     as good by (1) keeps every one inside a node (its all-reduces, in every layer, carry the
-#     most bytes); (3) the smallest pipeline bubble.
+#     most bytes); (3) the smallest pipeline bubble: with the microbatches fixed, the fewest
+#     pipeline stages.
 # ex07.C.none: nothing left is a ``ValueError``.
 def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatches: int = 1,
                   memory_per_rank: float | None = None, ranks_per_node: int = 8,
@@ -175,7 +176,6 @@ def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatc
     (``None``: no limit; fp32 Adam, :func:`minipar.cost.hybrid_memory_per_rank`), on nodes of
     ``ranks_per_node`` ranks. Raises ``ValueError`` if none fits."""
     # >>> ex07 C
-    # Hint: nothing left is a ValueError.
     best, psi = None, num_params(config)
     for c in valid_configs(config, world_size, batch_size, microbatches):
         need = hybrid_memory_per_rank(psi, c["dp"], c["pp"], c["tp"], zero1=zero1)["total"]

@@ -65,18 +65,13 @@ class HybridModel:
         if not mesh.groups:
             mesh.build()
         self.moe = bool(config.moe_every)
-        if self.moe and "ep" not in mesh.groups:   # ep = 1: every rank its own expert group
-            for r in range(dist.get_world_size()):
-                g = dist.new_group([r])
-                if r == dist.get_rank():
-                    mesh.groups["ep"] = g
+        self.groups = g = dict(mesh.groups)
+        if self.moe and mesh.ep == 1:   # an expert group of one rank: torch's own split of the world
+            g["ep"], _ = dist.new_subgroups(1)
         self.config, self.mesh = config, mesh
         self.coords = mesh.coordinates(dist.get_rank())
         self.plan, self.m = plan, plan.microbatches
         self.sequence_parallel, self.layout = plan.sequence_parallel, plan.layout
-        dims = (("dp", "pp", "tp", "dp_cp", "expert_dp") + (("cp",) if mesh.cp > 1 else ())
-                + (("ep",) if self.moe else ()))  # dp_cp: dp when cp = 1; expert_dp: dp_cp when ep = 1
-        self.groups = g = {dim: mesh.group(dim) for dim in dims}
         self.device = current_device()                      # where this rank computes
         full = model.to(self.device)                        # the single-device model
         self.full_names = list(full.state_dict())

@@ -208,6 +208,9 @@ def test_group_members_every_mesh(impl):
 # ----------------------------------------------------------------------------- C
 ODD = dataclasses.replace(CFG, n_head=3, n_embd=48, vocab_size=48)
 SIX = GPTConfig(vocab_size=48, block_size=16, n_layer=4, n_head=6, n_embd=48)
+TEN = GPTConfig(vocab_size=40, block_size=16, n_layer=1, n_head=10, n_embd=40)
+TEN_AT_12_5 = cost.hybrid_memory_per_rank(hybrid.num_params(TEN), 12, 1, 5)["total"] * 1.000001   # dp=12, tp=5
+AT_4_1_2 = cost.hybrid_memory_per_rank(PSI, 4, 1, 2)["total"]
 CHOICES = [  # (model, kwargs): the choice is judged against every configuration that fits
     (CFG, dict(world_size=8, batch_size=8)),
     (CFG, dict(world_size=8, batch_size=8, microbatches=2)),
@@ -224,6 +227,8 @@ CHOICES = [  # (model, kwargs): the choice is judged against every configuration
                ranks_per_node=6)),
     (SIX, dict(world_size=12, batch_size=12, memory_per_rank=16 * hybrid.num_params(SIX) / 3 * 1.01,
                ranks_per_node=4)),
+    (CFG, dict(world_size=8, batch_size=8, memory_per_rank=AT_4_1_2)),                   # exactly dp=4's states
+    (TEN, dict(world_size=60, batch_size=60, memory_per_rank=TEN_AT_12_5, ranks_per_node=4)),  # aim 1 before aim 2
 ]
 
 
@@ -253,6 +258,9 @@ def _judge(cfg, kw, got):
     expect(got in valid, f"ex07.C.fit {what} chose {got}, which this model and batch refuse (not in valid_configs)")
     expect(got in fits, f"ex07.C.fit {what} chose {got}: its model states, {need(got):,.0f} bytes per rank, "
                         f"do not fit in {mem or 0:,.0f}")
+    at = [c for c in fits if need(c) == mem and c["dp"] > got["dp"]]
+    expect(not at, f"ex07.C.fit {what} chose {got}; {at[0] if at else ''} needs exactly memory_per_rank, "
+                   f"{mem or 0:,.0f} bytes per rank, and fits, with more data parallelism")
     more = [c for c in fits if c["dp"] > got["dp"]]
     expect(not more, f"ex07.C.prefer {what} chose {got}; {max(more, key=lambda c: c['dp']) if more else ''} fits too, "
                      "with more data parallelism")
@@ -308,7 +316,7 @@ def test_mesh_coordinates_with_cp(impl):
         pm = mesh.ProcessMesh(**m)
         got = {r: pm.coordinates(r) for r in range(_size(m))}
         what = f"{_mesh_name(m)}.coordinates"
-        _bijection(got, {k: m[k] for k in ("pp", "dp", "cp", "tp")}, what, "ex07.D.layout")
+        _bijection(got, {k: m[k] for k in ("cp", "dp", "pp", "tp")}, what, "ex07.D.layout")
         _runs(got, [("tp group", ("pp", "dp", "cp")), ("cp × tp block", ("pp", "dp")), ("pipeline stage", ("pp",))],
               what, "ex07.D.layout")
 
@@ -359,7 +367,7 @@ def test_mesh_members_every_dim(impl):
         coords = {r: pm.coordinates(r) for r in range(n)}
         for r in range(n):
             what = f"{_mesh_name(m)}.members({r}, dim)"
-            for dim in ("pp", "dp", "cp", "tp"):
+            for dim in ("cp", "dp", "pp", "tp"):
                 _group_ok(pm.members(r, dim), r, dim, coords, what.replace("dim", repr(dim)), "ex07.D.dp_cp")
             dc = list(pm.members(r, "dp_cp"))
             want = sorted(q for q in range(n) if coords[q]["pp"] == coords[r]["pp"] and coords[q]["tp"] == coords[r]["tp"])
@@ -384,43 +392,62 @@ def test_mesh_members_every_dim(impl):
 # ----------------------------------------------------------------------------- E
 BUILT = dict(dp=2, pp=2, cp=2, tp=1, ep=2)
 PLAIN = dict(dp=2, pp=2, cp=1, tp=2, ep=1)
+CP_ONLY = dict(dp=2, pp=1, cp=2, tp=2, ep=1)
+BUILD_TIMEOUT = 180   # three meshes of 8 ranks: 64 groups created, each collective over the world
 
 
 def _reduce_over_groups():
     import torch
     import torch.distributed as dist
-    pm = mesh.ProcessMesh(**BUILT, world_size=8).build()
+    from minipar.comm import group_name
     out = {}
-    for dim in mesh.GROUP_DIMS:
-        x = torch.tensor([2.0 ** dist.get_rank()], dtype=torch.float64)   # one bit per rank
-        dist.all_reduce(x, group=pm.group(dim))
-        out[dim] = [q for q in range(8) if int(x.item()) >> q & 1]
-    plain = mesh.ProcessMesh(**PLAIN, world_size=8).build()      # cp = ep = 1: the aliases
-    for dim in ("dp_cp", "expert_dp"):
-        x = torch.tensor([2.0 ** dist.get_rank()], dtype=torch.float64)
-        dist.all_reduce(x, group=plain.group(dim))
-        out["plain " + dim] = [q for q in range(8) if int(x.item()) >> q & 1]
+    for name, shape in (("built", BUILT), ("plain", PLAIN), ("cp only", CP_ONLY)):
+        pm = mesh.ProcessMesh(**shape, world_size=8).build()
+        out[name, "keys"] = sorted(pm.groups)
+        out[name, "names"] = {dim: group_name(g) for dim, g in pm.groups.items()}
+        out[name, "same"] = {"dp_cp is dp": pm.groups.get("dp_cp") is pm.groups.get("dp"),
+                             "expert_dp is dp_cp": pm.groups.get("expert_dp") is pm.groups.get("dp_cp")}
+        for dim in pm.groups:
+            x = torch.tensor([2.0 ** dist.get_rank()], dtype=torch.float64)   # one bit per rank
+            dist.all_reduce(x, group=pm.group(dim))
+            out[name, dim] = [q for q in range(8) if int(x.item()) >> q & 1]
     return out
 
 
-@observes("ex07.E.order", "ex07.E.reach", "ex07.E.cp1", "ex07.E.ep1")
+def _keys(shape):
+    return sorted({"dp", "pp", "tp", "dp_cp", "expert_dp"} | ({"cp"} if shape["cp"] > 1 else set())
+                  | ({"ep"} if shape["ep"] > 1 else set()))
+
+
+@observes("ex07.E.order", "ex07.E.reach", "ex07.E.keys", "ex07.E.cp1", "ex07.E.ep1", "ex07.E.named")
 def test_mesh_build_reaches_the_members(impl):
-    """8 ranks build ProcessMesh(dp=2, pp=2, cp=2, tp=1, ep=2) with your code; an all-reduce over
-    each rank's group along every dim reaches exactly members(rank, dim); so do the dp_cp and
-    expert_dp groups of ProcessMesh(dp=2, pp=2, tp=2), where cp = ep = 1."""
+    """8 ranks build, with your code, ProcessMesh(dp=2, pp=2, cp=2, tp=1, ep=2), then
+    ProcessMesh(dp=2, pp=2, tp=2) (cp = ep = 1), then ProcessMesh(dp=2, cp=2, tp=2) (ep = 1): the
+    groups each holds, their names, and an all-reduce over each reaches exactly members(rank, dim)
+    (dp_cp: dp when cp = 1; expert_dp: dp_cp when ep = 1)."""
     test_mesh_members_every_dim(impl)                 # fail fast, before starting 8 ranks
-    results = minipar.launch(_reduce_over_groups, 8, timeout=TIMEOUT)
-    built, plain = mesh.ProcessMesh(**BUILT), mesh.ProcessMesh(**PLAIN)
-    for dim in mesh.GROUP_DIMS:
-        expect_equal({r: res[dim] for r, res in enumerate(results)},
-                     {r: sorted(built.members(r, dim)) for r in range(8)},
-                     f"the ranks an all-reduce over self.groups[{dim!r}] reached, {_mesh_name(BUILT)}",
-                     keys="rank")
-    for dim in ("dp_cp", "expert_dp"):
-        want = {r: sorted(plain.members(r, "dp" if dim == "dp_cp" else "dp_cp")) for r in range(8)}
-        expect_equal({r: res["plain " + dim] for r, res in enumerate(results)}, want,
-                     f"the ranks an all-reduce over self.groups[{dim!r}] reached, {_mesh_name(PLAIN)}",
-                     keys="rank")
+    results = minipar.launch(_reduce_over_groups, 8, timeout=BUILD_TIMEOUT)
+    for name, shape in (("built", BUILT), ("plain", PLAIN), ("cp only", CP_ONLY)):
+        pm, what = mesh.ProcessMesh(**shape), _mesh_name(shape)
+        expect_equal({r: res[name, "keys"] for r, res in enumerate(results)}, {r: _keys(shape) for r in range(8)},
+                     f"ex07.E.keys the keys of self.groups after build(), {what}", keys="rank")
+        same = results[0][name, "same"]
+        expect(shape["cp"] > 1 or same["dp_cp is dp"],
+               f"ex07.E.cp1 {what}: self.groups['dp_cp'] is not self.groups['dp'] (cp = 1)")
+        expect(shape["ep"] > 1 or same["expert_dp is dp_cp"],
+               f"ex07.E.ep1 {what}: self.groups['expert_dp'] is not self.groups['dp_cp'] (ep = 1)")
+        for dim in _keys(shape):
+            alias = {"dp_cp": "dp" if shape["cp"] == 1 else "dp_cp"}.get(dim, dim)
+            if dim == "expert_dp" and shape["ep"] == 1:
+                alias = "dp_cp"
+            expect_equal({r: res[name, dim] for r, res in enumerate(results)},
+                         {r: sorted(pm.members(r, alias)) for r in range(8)},
+                         f"ex07.E.reach the ranks an all-reduce over self.groups[{dim!r}] reached, {what}", keys="rank")
+        created = [d for d in ("dp", "pp", "tp", "cp", "dp_cp", "ep", "expert_dp") if d in _keys(shape)
+                   and not (d == "dp_cp" and shape["cp"] == 1) and not (d == "expert_dp" and shape["ep"] == 1)]
+        expect_equal({r: {d: res[name, "names"].get(d) for d in created} for r, res in enumerate(results)},
+                     {r: {d: d for d in created} for r in range(8)},
+                     f"ex07.E.named group_name(self.groups[dim]) after build(), {what}", keys="rank")
 
 
 @observes("ex07.E.cp1", "ex07.E.ep1")

@@ -46,8 +46,8 @@ def reduce_shard(flat_grad: torch.Tensor, group=None, **labels) -> torch.Tensor:
     - ex06.A.mean: ``flat_grad`` holds N·k elements for the N ranks of ``group``; the result
       is k elements, the mean over the group's ranks of their slice ``[r·k, (r+1)·k)`` of
       ``flat_grad``, r this rank's rank in the group.
-    - ex06.A.memory: the result lives in ``flat_grad``'s memory: no new tensor of k or N·k
-      elements.
+    - ex06.A.memory: the result is ``flat_grad``'s own elements ``[r·k, (r+1)·k)`` (a view,
+      starting at element r·k): no new tensor of k or N·k elements.
     - ex06.A.bytes: each rank sends (N-1)/N of ``flat_grad``'s bytes, in one collective that
       receives ``**labels``.
     - ex06.*.group: on a group other than the world only its ranks take part and ranks count
@@ -220,17 +220,20 @@ class UnitSchedule:
         """Given: unit i's forward hooks call ``pre_forward(i)`` and ``post_forward(i,
         out)`` (which returns what the forward returns), its parameters'
         post-accumulate-grad hooks ``grad_ready(i, p)``; ``pre_backward(i)`` must run
-        before unit i's backward computes, and ``end_backward`` runs once when a
-        backward that reached ``pre_backward`` ends. The units are ``self.units``,
-        indexed in the order the model's forward runs them. Your tools: ``self.gather(i,
-        wait=True, **labels)`` and ``self.free(i)`` (each does its work once per use and
-        counts ``peak_gathered_bytes``), ``self.storage.use(i, gathered)``,
-        ``self.storage.reduce(i)``, ``self.order`` (this forward's units, emptied by
-        each forward of the model), ``self.reduction`` (an ``OrderedReduction`` over
-        ``self.order`` reversed, ``reached(i)`` and ``grad_ready(i, p)``, that calls
-        ``reduce(i)``), ``self.bw`` (a flag per unit), ``self.prefetch``,
-        ``self.reshard``; ``finish_step`` (the library's) frees and reduce-scatters
-        every unit last of all.
+        before unit i's backward computes, and nothing in the library calls it: autograd
+        runs it only through a hook the schedule itself registers during the forward.
+        ``end_backward`` runs once when a backward that reached ``pre_backward`` ends,
+        possibly before the reduction's own end-of-backward step has reduced the units
+        still waiting (it calls ``reduce(i)`` for them after). The units are
+        ``self.units``, indexed in the order the model's forward runs them. Your tools:
+        ``self.gather(i, wait=True, **labels)`` and ``self.free(i)`` (each does its work
+        once per use and counts ``peak_gathered_bytes``), ``self.storage.use(i,
+        gathered)``, ``self.storage.reduce(i)``, ``self.order`` (this forward's units,
+        emptied by each forward of the model), ``self.reduction`` (an
+        ``OrderedReduction`` over ``self.order`` reversed, ``reached(i)`` and
+        ``grad_ready(i, p)``, that calls ``reduce(i)``), ``self.bw`` (a flag per unit),
+        ``self.prefetch``, ``self.reshard``; ``finish_step`` (the library's) frees and
+        reduce-scatters every unit last of all.
 
         Contract:
         - ex06.D.use: a unit's forward runs only with its parameters gathered and in use

@@ -48,6 +48,30 @@ PLANTS = {
                   '    reduce_scatter(mine, flat_grad, op="avg", group=None, **labels)')],
         ex06.test_reduce_shard,
         r"rank \d \(rank \d of group \[\d, \d\]\), group of 2 \(ex06\.\*\.group\): the call raised"),
+    # the bf16 master copy taken from the bf16-rounded parameters, not the fp32 ones
+    "ex06 B: the master copy from the bf16 parameters": (
+        "ex06", [("            shard = u.shard_of(master).clone() if self.mixed else u.shard_of(flat)",
+                  "            shard = u.shard_of(flat).float() if self.mixed else u.shard_of(flat)")],
+        ex06.test_zero_optimizer, r"ex06\.B\.views"),
+    # the fp32 shard a copy of the flat parameters' slice, not a view of it
+    "ex06 B: the fp32 shard a clone": (
+        "ex06", [("            shard = u.shard_of(master).clone() if self.mixed else u.shard_of(flat)",
+                  "            shard = u.shard_of(master).clone() if self.mixed else u.shard_of(flat).clone()")],
+        ex06.test_zero_optimizer, r"ex06\.B\.views"),
+    # FlatStorage.reduce reduce-scatters in fp32 whatever self.dtype
+    "ex06 C: the storage's reduce-scatter in fp32": (
+        "ex06", [("dtype=self.dtype, unit=i).to(torch.float32)", "dtype=torch.float32, unit=i)")],
+        ex06.test_flat_storage, r"ex06\.C\.reduce"),
+    # gather_unit drops the labels its all-gather should carry
+    "ex06 C: gather_unit's all-gather without the labels": (
+        "ex06", [("group=group, async_op=async_op, **labels)", "group=group, async_op=async_op)")],
+        ex06.test_gather_and_free, r"ex06\.C\.async"),
+    # gather_unit all-gathers twice
+    "ex06 C: gather_unit's all-gather run twice": (
+        "ex06", [("    return all_gather(full, shard.detach().to(full.dtype), group=group, async_op=async_op, **labels)",
+                  "    all_gather(full, shard.detach().to(full.dtype), group=group)\n"
+                  "    return all_gather(full, shard.detach().to(full.dtype), group=group, async_op=async_op, **labels)")],
+        ex06.test_gather_and_free, r"ex06\.C\.gather"),
     # the cross-entropy's stabiliser: the mean of the ranks' maxima instead of their maximum
     "ex05 C: the stabiliser is the mean of the ranks' maxima": (
         "ex05", [("m = maxima.view(t, n).max(dim=0).values", "m = maxima.view(t, n).mean(dim=0)")],

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import all_gather, group_rank, group_size
-from .flat import free_unit
+from .flat import free_unit, gather_unit
 from .persist import compute_in_fp32, persistent_parameters
 from .reduce import reduce_shard
 from .stage3 import UnitSchedule, unit_parameters
@@ -58,26 +58,29 @@ class _Unit:
         self.params = [q.unsharded for q in params]                    # what gradients arrive on
         self.S = sum(q.numel for q in params)                          # shard elements per rank
         numels = [q.unsharded.numel() for q in params]
-        self.full = torch.empty(sum(numels), dtype=dtype, device=params[0].shard.device)
-        for q, v in zip(params, self.full.split(numels)):              # unsharded = views of full
+        self.n = params[0].n                                           # full: what one gather fills,
+        self.full = torch.empty(self.n * self.S, dtype=dtype, device=params[0].shard.device)
+        for q, v in zip(params, self.full[:sum(numels)].split(numels)):   # its head the unsharded views
             q.unsharded.data = v.view(q.shape)
             q.use(q.shard)                                             # the module holds its shards
         free_unit(self.full)
 
 
 class _CopyOut:
-    """A unit's all-gather in flight; :meth:`wait` completes it and splits every rank's rows
-    back into each parameter's unsharded form (*copy-out*)."""
+    """A unit's all-gather in flight (into ``full``: every rank's S shard elements in rank
+    order); :meth:`wait` completes it and lays every parameter's rows out whole at the head of
+    ``full``, where the unsharded parameters are views (*copy-out*)."""
 
-    def __init__(self, unit: _Unit, handle, gathered: torch.Tensor, n: int):
-        self.unit, self.handle, self.gathered, self.n = unit, handle, gathered, n
+    def __init__(self, unit: _Unit, handle):
+        self.unit, self.handle = unit, handle
 
     @torch.no_grad()
     def wait(self) -> None:
         self.handle.wait()
         u = self.unit
-        for q, block in zip(u.ps, self.gathered.view(self.n, u.S).split([q.numel for q in u.ps], dim=1)):
-            q.unsharded.data.copy_(block.reshape(self.n * q.c, *q.shape[1:])[:q.shape[0]])
+        blocks = u.full.view(u.n, u.S).split([q.numel for q in u.ps], dim=1)
+        whole = torch.cat([b.reshape(u.n * q.c, *q.shape[1:])[:q.shape[0]].reshape(-1) for q, b in zip(u.ps, blocks)])
+        u.full[:whole.numel()].copy_(whole)
 
 
 class PerParameterStorage:
@@ -96,10 +99,8 @@ class PerParameterStorage:
     def gather(self, i: int, **labels) -> _CopyOut:
         """Copy-in (this rank's shards end to end, in the gathered dtype), then the all-gather."""
         u = self.units[i]
-        u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
-        mine = torch.cat([q.shard.detach().reshape(-1) for q in u.ps]).to(u.dtype)
-        gathered = torch.empty(self.n * u.S, dtype=u.dtype, device=mine.device)
-        return _CopyOut(u, all_gather(gathered, mine, group=self.group, async_op=True, **labels), gathered, self.n)
+        mine = torch.cat([q.shard.detach().reshape(-1) for q in u.ps])
+        return _CopyOut(u, gather_unit(u.full, mine, self.group, async_op=True, **labels))
 
     def use(self, i: int, gathered: bool) -> None:
         """The module's parameters are the unsharded ones while the unit computes, else the shards."""

@@ -1,11 +1,10 @@
 """The gradient reduce path, P_g (Rajbhandari et al. 2020, §5.2): one copy for stages 1-3.
 
-A unit's gradients are flattened into N·k elements and reduce-scattered with the mean, so
-rank r keeps only
+Of a unit's gradients, laid out flat in N·k elements, rank r ends up holding only
 
     ḡ_r = (1/N) Σ_j g_j[r·k : (r+1)·k]                      (k = ⌈Ψ_u/N⌉)
 
-:func:`reduce_shard` is that one collective. Stages 2 and 3 run it *during* the backward,
+having sent (N-1)/N of the flat gradient's bytes: half an all-reduce. Stages 2 and 3 run it *during* the backward,
 as soon as a unit's gradients are complete, through :class:`OrderedReduction`, which keeps
 the rule every data-parallel reducer needs: **every rank issues the same collectives in the
 same order** (a collective run on a rank-local condition leaves the other ranks waiting).
@@ -25,7 +24,8 @@ from ..comm import group_rank, group_size, reduce_scatter
 # ex06.A.mean: ``flat_grad`` holds N·k elements for the N ranks of ``group``; the result is k
 #     elements, the mean over the group's ranks of their slice ``[r·k, (r+1)·k)`` of
 #     ``flat_grad``, r this rank's rank in the group.
-# ex06.A.memory: the result lives in ``flat_grad``'s memory: no new tensor of k or N·k elements.
+# ex06.A.memory: the result is ``flat_grad``'s own elements ``[r·k, (r+1)·k)`` (a view, starting at
+#     element r·k): no new tensor of k or N·k elements.
 # ex06.A.bytes: each rank sends (N-1)/N of ``flat_grad``'s bytes, in one collective that
 #     receives ``**labels``.
 # ex06.*.group: on a group other than the world only its ranks take part and ranks count within
@@ -53,8 +53,8 @@ def reduce_shard(flat_grad: torch.Tensor, group=None, **labels) -> torch.Tensor:
 #     alive.
 # ex06.A.cleared: afterwards every parameter of the unit has ``.grad`` None.
 def reduce_unit_grads(flat_unit, dtype=None, **labels) -> torch.Tensor:
-    """Flatten ``flat_unit``'s gradients (zeros where a parameter has none on this rank), drop
-    the full ones, and return this rank's reduced k elements as a new tensor."""
+    """This rank's k elements of the mean over the group of ``flat_unit``'s gradients, a tensor
+    of their own; the unit's parameters hold no ``.grad`` afterwards."""
     # >>> ex06 A
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in flat_unit.params]
     flat = flat_unit.flatten(grads, dtype=dtype)

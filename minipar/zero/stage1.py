@@ -6,13 +6,10 @@ the fp32 master weights) exists only for this rank's 1/N shard:
 
     memory per rank   2Ψ + 2Ψ + KΨ/N      (fp32: 4Ψ + 4Ψ + KΨ/N with K = 8 for Adam)
 
-One step, per unit of the flat layout (:mod:`minipar.zero.flat`):
-
-1. reduce-scatter the averaged gradients (:func:`minipar.zero.reduce.reduce_shard`): rank r
-   receives the mean of its shard only ((N-1)/N·Ψ sent per rank, half an all-reduce);
-2. optionally clip by the global norm (:func:`minipar.zero.clip.clip_grad_norm_`);
-3. :func:`sharded_step`: the wrapped optimizer steps this shard (k = ⌈Ψ_u/N⌉ elements of
-   state), then the shards are all-gathered ((N-1)/N·Ψ): 2Ψ per step, as in plain data parallelism.
+After a step, per unit of the flat layout (:mod:`minipar.zero.flat`), every rank holds the
+parameters of one optimizer step on the mean gradient, although each rank only ever had the
+mean of its own 1/N of the gradient (k = ⌈Ψ_u/N⌉ elements) and stepped only that shard's
+state. Bytes sent per rank and step: 2·(N-1)/N·Ψ, as in plain data parallelism.
 
 Any *element-wise* torch optimizer (SGD, Adam, AdamW, ...) does on a flat shard what it does
 on the parameters. After :meth:`ZeroOptimizer.step` the parameters' ``.grad`` are **not**
@@ -44,9 +41,8 @@ def sharded_step(flat_params, grad_shards, shards, optimizer, group=None) -> Non
 
     Lists over the units u, the same length and order on every rank. ``grad_shards[u]``:
     this rank's k reduced gradient elements; ``shards[u]``: the k-element leaf tensor the
-    ``optimizer`` owns (a view of this rank's slice of ``flat_params[u]`` in fp32, or its
-    fp32 master copy under mixed precision); ``flat_params[u]``: the unit's full flat
-    padded parameters (N·k), which afterwards hold every rank's updated shard."""
+    ``optimizer`` owns; ``flat_params[u]``: the unit's full flat padded parameters (N·k),
+    which afterwards hold every rank's updated shard."""
     # >>> ex06 B
     for s, g in zip(shards, grad_shards):
         s.grad = g if g.dtype == s.dtype else g.to(s.dtype)
@@ -145,7 +141,7 @@ class ZeroOptimizer:
         # <<< ex06 B
 
     def _step(self, grad_shards) -> None:
-        """Clip (if asked) by the norm of the averaged gradient, then :func:`sharded_step`."""
+        """The rest of :meth:`step` from this rank's reduced gradient shards (stage 2 enters here)."""
         # >>> ex06 B
         if self.max_grad_norm is not None:
             self.grad_norm = clip_grad_norm_(grad_shards, self.max_grad_norm, self.group)

@@ -151,7 +151,10 @@ class UnitSchedule:
     # Given: unit i's forward hooks call ``pre_forward(i)`` and ``post_forward(i, out)`` (which
     #     returns what the forward returns), its parameters' post-accumulate-grad hooks
     #     ``grad_ready(i, p)``; ``pre_backward(i)`` must run before unit i's backward computes, and
-    #     ``end_backward`` runs once when a backward that reached ``pre_backward`` ends. The units
+    #     nothing in the library calls it: autograd runs it only through a hook the schedule itself
+    #     registers during the forward. ``end_backward`` runs once when a backward that reached
+    #     ``pre_backward`` ends, possibly before the reduction's own end-of-backward step has
+    #     reduced the units still waiting (it calls ``reduce(i)`` for them after). The units
     #     are ``self.units``, indexed in the order the model's forward runs them. Your tools:
     #     ``self.gather(i, wait=True, **labels)`` and ``self.free(i)`` (each does its work once
     #     per use and counts ``peak_gathered_bytes``), ``self.storage.use(i, gathered)``,

@@ -178,7 +178,7 @@ def test_reduce_shard(impl):
                 expect_close(mine, want, "the slice reduce_shard returned",
                              where=f"rank {r}", rtol=1.3e-6, atol=1e-5)
         expect(in_place, f"rank {r}: the tensor reduce_shard returned is not the view of flat_grad the contract names "
-                         "(it starts at another address)")
+                         "(it does not start at flat_grad's element r·k) (ex06.A.memory)")
         expect_equal(sent, int(cost.collective_bytes("reduce_scatter", numel * 4, n)),
                      f"rank {r}: bytes sent (one reduce-scatter of {numel} floats)")
     # the same on two groups of 2 out of 4 ranks ([0, 1] and [2, 3]), each its own gradients
@@ -192,7 +192,7 @@ def test_reduce_shard(impl):
         expect_close(mine, want, "the slice reduce_shard returned on a group of 2 (ex06.*.group)", where=where,
                      rtol=1.3e-6, atol=1e-5)
         expect(in_place, f"{where}: the tensor reduce_shard returned is not the view of flat_grad the contract "
-                         "names (it starts at another address)")
+                         "names (it does not start at flat_grad's element r·k, r the group rank) (ex06.A.memory)")
         expect_recorded(sent, int(cost.collective_bytes("reduce_scatter", 2 * (-(-m // 2)) * 4, 2)),
                         f"bytes sent (one reduce-scatter over the group of 2) (ex06.*.group)", where)
         expect_equal(dims, ["dp"], f"{where}: the group labels of the recorded reduce-scatter (ex06.*.group)")
@@ -319,11 +319,19 @@ def _coeff(step, rank, m, i):
 
 def _opt_case(group, name, param_dtype, clip, optim, lr):
     w, u, b = ps = _opt_params()
+    r, k = dist.get_rank() % 2, (5, 2)                        # a unit's k: 10 and 4 padded elements over 2
+    slices = [torch.cat([torch.cat(us).detach(), torch.zeros(2 * kk - sum(x.numel() for x in us))])[r * kk:(r + 1) * kk]
+              for us, kk in (((w, u), k[0]), ((b,), k[1]))]     # this rank's fp32 slice of each unit
     opt = zero.ZeroOptimizer([[w, u], [b]], optim, group=group, param_dtype=param_dtype, max_grad_norm=clip, lr=lr)
     flats = {f.untyped_storage().data_ptr() for f in opt.flat_params}
     views = [p.untyped_storage().data_ptr() in flats for p in ps]
     dtypes = [str(p.dtype) for p in ps]
-    out = {"views": views, "dtypes": dtypes, "shards": [str(s.dtype) for s in opt.shards], "steps": []}
+    shard_views = [s.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
+                   and s.storage_offset() == f.storage_offset() + r * kk
+                   for s, f, kk in zip(opt.shards, opt.flat_params, k)]
+    masters = [s.dtype == torch.float32 and torch.equal(s.detach(), want) for s, want in zip(opt.shards, slices)]
+    out = {"views": views, "dtypes": dtypes, "shards": [str(s.dtype) for s in opt.shards], "steps": [],
+           "shard views": shard_views, "masters": masters}
     for step in range(OPT_STEPS):
         opt.zero_grad()
         loss = sum((p * _coeff(step, dist.get_rank(), p.numel(), i).to(p.dtype)).sum()
@@ -388,6 +396,11 @@ def test_zero_optimizer(impl):
             want_state = (2 if optim is torch.optim.Adam else 0) * (5 + 2)
             expect_equal(got["state"], want_state, f"{where}: elements of optimizer state (per element of its "
                          "shards of 5 and 2 elements)")
+            expect_equal(got["masters"], [True, True], f"{where}: the shard holds this rank's slice of the unit's "
+                         "fp32 parameters, exactly (ex06.B.views)", keys="unit")
+            expect_equal(got["shard views"], [param_dtype is None] * 2,
+                         f"{where}: the shard is a view of this rank's slice of opt.flat_params (fp32), its own "
+                         "memory under bfloat16 (ex06.B.views)", keys="unit")
 
 
 # ----------------------------------------------------------------------------- training
@@ -434,8 +447,11 @@ def _gather_free(dtype):
     zero.free_unit(full)
     freed = full.untyped_storage().nbytes()
     shard = torch.arange(3, dtype=torch.float32) + 10 * r
-    ret = zero.gather_unit(full, shard)
-    sync = (full.float().clone(), full.untyped_storage().nbytes(), ret is None, view.float().clone(), str(full.dtype))
+    mark = trace.mark()
+    ret = zero.gather_unit(full, shard, unit=7)
+    comms = [e for e in trace.since(mark) if e["kind"] == "comm"]
+    sync = (full.float().clone(), full.untyped_storage().nbytes(), ret is None, view.float().clone(), str(full.dtype),
+            [e["bytes_sent"] for e in comms], [e["labels"].get("unit") for e in comms])
     zero.free_unit(full)
     after = (full.untyped_storage().nbytes(), full.shape)
     handle = zero.gather_unit(full, shard * 2, async_op=True)
@@ -458,7 +474,7 @@ def test_gather_and_free(impl):
         for dtype, got in zip(GATHER_DTYPES, cases):
             where = f"rank {rank}, a {dtype} buffer, fp32 shards"
             _raised(got, where)
-            freed, (vals, nbytes, is_none, view, kept), (after, shape), async_vals, waits = got
+            freed, (vals, nbytes, is_none, view, kept, sends, units), (after, shape), async_vals, waits = got
             want = torch.cat([torch.arange(3, dtype=torch.float32) + 10 * q for q in range(n)])
             size = dtype.itemsize
             expect_equal(freed, 0, f"{where}: storage bytes after free_unit")
@@ -467,6 +483,11 @@ def test_gather_and_free(impl):
                          rtol=0, atol=0)
             expect_equal({"storage bytes": nbytes, "returns None": is_none},
                          {"storage bytes": 3 * n * size, "returns None": True}, f"{where}: synchronous gather_unit")
+            expect_equal(sends, [int(cost.collective_bytes("all_gather", 3 * n * size, n))],
+                         f"{where}: bytes sent by each recorded collective of one gather_unit (one all-gather of "
+                         f"{3 * n} elements) (ex06.C.gather)")
+            expect_equal(units, [7], f"{where}: the label unit=7 given to gather_unit, as the recorded "
+                         "all-gather carries it (ex06.C.async)")
             expect_close(view, want[1:4], "a view into the unit (a parameter) after the gather", where=where,
                          rtol=0, atol=0)
             expect_equal({"storage bytes": after, "shape": tuple(shape)}, {"storage bytes": 0, "shape": (3 * n,)},
@@ -509,7 +530,9 @@ def _storage_case(group, gi, dtype):
     out["grads"] = []
     for backward in range(2):                             # two backwards before one step
         m(_inputs(dist.get_rank(), backward).to(dtype)).float().sum().backward()
+        mark = trace.mark()
         st.reduce(0)
+        out.setdefault("sent", []).append([e["bytes_sent"] for e in trace.since(mark) if e["kind"] == "comm"])
         g = u.shard.grad
         out["grads"].append((None if g is None else g.detach().clone(), None if g is None else str(g.dtype),
                              [p.grad is None for p in m.parameters()]))
@@ -575,6 +598,9 @@ def test_flat_storage(impl):
                              "rank's 5 elements)", where=where, rtol=tol, atol=tol)
                 expect_equal(nones, [True, True], f"{where}: the parameters' .grad is None {what} and reduce(0)",
                              keys="parameter (weight, bias)")
+            expect_equal(got["sent"], [[int(cost.collective_bytes("reduce_scatter", 10 * dtype.itemsize, 2))]] * 2,
+                         f"{where}: bytes sent by reduce(0), each backward (one reduce-scatter of the 10 padded "
+                         f"elements in {dtype}) (ex06.C.reduce)")
             expect_equal(got["freed"], 0, f"{where}: storage bytes of the full buffer after free(0)")
 
 

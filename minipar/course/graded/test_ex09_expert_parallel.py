@@ -25,7 +25,7 @@ import torch.distributed as dist
 import minipar
 from minipar.expert_parallel import (ExpertParallelMoE, all_to_all, count_tokens, exchange_counts, kept_counts,
                                      permutation, split_sizes)
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_recorded, observes
+from minipar.course.grading import breaks, diagnose, expect, expect_close, expect_equal, expect_recorded, observes
 from minipar.runtime import trace
 from minipar.models.moe import MoE
 
@@ -265,9 +265,11 @@ def _tokens(step, seed=1):
 
 
 def _grads(layer, x):
-    return {"input": x.grad.cpu(), "router": layer.router.weight.grad.cpu(),
-            **{f"expert {i}": torch.cat([p.grad.reshape(-1) for p in e.parameters()]).cpu()
-               for i, e in layer.experts.items()}}
+    def cpu(g):                          # None: no gradient reached it (the test says so)
+        return None if g is None else g.cpu()
+    return {"input": cpu(x.grad), "router": cpu(layer.router.weight.grad),
+            **{f"expert {i}": None if any(p.grad is None for p in e.parameters())
+               else torch.cat([p.grad.reshape(-1) for p in e.parameters()]).cpu() for i, e in layer.experts.items()}}
 
 
 def _weights(y):
@@ -275,6 +277,8 @@ def _weights(y):
 
 
 LAYERS = [(2, None), (1, 1.0), (2, 1.0)]
+RECORDED_FORWARD = [("ep_counts", "ep"), ("ep_dispatch", "ep"), ("ep_combine", "ep")]   # ex09.D.recorded
+RECORDED_BACKWARD = [("ep_combine_backward", "ep"), ("ep_dispatch_backward", "ep")]
 
 
 def _ep_layer(steps):
@@ -292,15 +296,23 @@ def _ep_layer(steps):
     return out
 
 
+def _comm(since):
+    """(name, dim label) of every collective recorded since event ``since``."""
+    return [(e["name"], e["labels"].get("dim")) for e in trace.events()[since:] if e["kind"] == "comm"]
+
+
 def _forward_record(layer, x):
-    """What one more forward of ``layer`` records: its dispatch and combine (name, dim), and the rows
-    label of each "experts" region."""
+    """What one more forward and backward of ``layer`` record: every collective (name, dim) of
+    each, and the rows label of each "experts" region of the forward."""
+    layer.zero_grad()                    # the step's gradients, already read, stay as they were
+    x = x.detach().requires_grad_()
     since = len(trace.events())
-    with torch.no_grad():
-        layer(x)
+    y = layer(x)
     events = trace.events()[since:]
-    return {"all-to-alls": [(e["name"], e["labels"].get("dim")) for e in events
-                            if e["kind"] == "comm" and e["name"].startswith(("ep_dispatch", "ep_combine"))],
+    forward, since = _comm(since), len(trace.events())
+    y.sum().backward()
+    layer.zero_grad()
+    return {"forward": forward, "backward": _comm(since),
             "experts regions (rows)": [e["labels"].get("rows") for e in events if e["name"] == "experts"]}
 
 
@@ -337,25 +349,30 @@ def test_expert_parallel_layer(impl):
             ranks = [res[r][c * steps + step] for r in range(2)]
             for r, (y_r, dropped_r, _, _, record) in enumerate(ranks):
                 where = f"{case}, rank {r}"
-                expect_equal(record, {"all-to-alls": [("ep_dispatch", "ep"), ("ep_combine", "ep")],
-                                      "experts regions (rows)": [_rows_computed(k, cf, step, r)]},
-                             f"{where}: what the layer's forward recorded (name, dim) of its all-to-alls, and the "
-                             "rows label of its 'experts' regions")
                 expect_close(dropped_r.float(), dropped.chunk(2)[r].float(), "assignments dropped (over capacity), "
                              "index (token·k + j)", where=where, rtol=0, atol=0)
                 expect_close(y_r, y.chunk(2)[r], "layer output (the MoE layer on one device), index "
                              "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)
-                expect_close(ranks[r][2]["input"], grads["input"].chunk(2)[r], "the input's gradient, index "
-                             "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)
-                for name, g in ranks[r][2].items():
-                    if name.startswith("expert"):
-                        expect_close(g, grads[name], f"{name}'s gradient (its parameters flattened)", where=where,
-                                     rtol=1e-8, atol=1e-10)
+                with breaks("ex09.D.grads"):
+                    for name, g in ranks[r][2].items():
+                        expect(g is not None, f"{where}: {name} got no gradient (None) from the layer's backward")
+                    expect_close(ranks[r][2]["input"], grads["input"].chunk(2)[r], "the input's gradient, index "
+                                 "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)
+                    for name, g in ranks[r][2].items():
+                        if name.startswith("expert"):
+                            expect_close(g, grads[name], f"{name}'s gradient (its parameters flattened)",
+                                         where=where, rtol=1e-8, atol=1e-10)
+                with breaks("ex09.D.recorded"):
+                    expect_equal(record, {"forward": RECORDED_FORWARD, "backward": RECORDED_BACKWARD,
+                                          "experts regions (rows)": [_rows_computed(k, cf, step, r)]},
+                                 f"{where}: what the layer recorded: (name, dim) of every collective of one "
+                                 "forward and of its backward, and the rows label of its 'experts' regions")
             expect_close((ranks[0][3] + ranks[1][3]) / 2, aux, "the load-balancing loss (aux) averaged over the "
                          "2 ranks", where=case, rtol=1e-6, atol=1e-7)
-            expect_close(ranks[0][2]["router"] + ranks[1][2]["router"], grads["router"],
-                         "the router's gradient summed over the 2 ranks, index (expert, feature)", where=case,
-                         rtol=1e-5, atol=1e-7)
+            with breaks("ex09.D.grads"):
+                expect_close(ranks[0][2]["router"] + ranks[1][2]["router"], grads["router"],
+                             "the router's gradient summed over the 2 ranks, index (expert, feature)", where=case,
+                             rtol=1e-5, atol=1e-7)
 
 
 def _on_subgroups():

@@ -149,14 +149,14 @@ def test_permutation_is_stable_with_inverse(impl):
                   "keys[perm] is sorted, and rows of equal keys are in another order than the input's"):
         expect_equal(perm.tolist(), [1, 5, 4, 0, 3, 6, 2], "perm for keys [2, 0, 3, 2, 1, 0, 2]", keys="position")
     expect_equal(inv.tolist(), [3, 0, 6, 4, 2, 1, 5], "inverse for keys [2, 0, 3, 2, 1, 0, 2] "
-                 "(inverse[perm[i]] = i)", keys="position")
+                 "(x[perm][inverse] == x for every x)", keys="position")
     k = torch.randint(0, 4, (300,), generator=torch.Generator().manual_seed(1))
     perm, inv = permutation(k)
     s = k[perm]
     expect_close(s, torch.sort(k, stable=True).values, "keys[perm] for 300 random keys (sorted)", rtol=0, atol=0)
     for i in range(4):                                  # stable: positions ascending per key
         p = perm[s == i]
-        expect_equal(p.tolist(), sorted(p.tolist()), f"positions of key {i} in perm (ascending: a stable sort)",
+        expect_equal(p.tolist(), sorted(p.tolist()), f"positions of key {i} in perm (ascending: equal keys in their original order)",
                      keys="entry")
     x = torch.randn(300)
     expect_close(x[perm][inv], x, "x[perm][inverse] (x itself)", rtol=0, atol=0)

@@ -113,3 +113,10 @@ def test_gate_without_gradient_names_grads(tmp_path):
     naming ex09.D.grads, instead of crashing inside the grader."""
     with planted("ex09", tmp_path, ("result * weights.reshape(-1, 1)", "result * weights.detach().reshape(-1, 1)")):
         fails(g.test_expert_parallel_layer, match=r"(?s)(got no gradient|router's gradient).*breaks ex09\.D\.grads")
+
+
+def test_extra_collective_with_a_token_group_fails_recorded(tmp_path):
+    """With a token_group the forward has one collective more (the all-reduce over it), no other."""
+    with planted("ex09", tmp_path, EXTRA["an all-reduce of the counts on the ep group, every forward"]):
+        fails(g.test_layer_on_subgroups,
+              match=r"rank 0: what the layer's forward recorded with a token_group(?s:.*)breaks ex09\.D\.recorded")

@@ -385,12 +385,15 @@ def _on_subgroups():
     except ValueError as e:
         refused = str(e)
     layer = ExpertParallelMoE(_moe(2, 1.0).to(dev), group=groups[g], token_group=dist.group.WORLD)
+    since = len(trace.events())
     y = layer(_tokens(0, seed=5 + g).chunk(2)[r].to(dev))
     return (y.detach().cpu(), layer.stats["dropped"].cpu(), layer.stats["matrix"].cpu(), refused,
-            {int(i): float(e.fc.weight.detach().sum()) for i, e in layer.experts.items()}, layer.local, layer.stats["aux"].cpu())
+            {int(i): float(e.fc.weight.detach().sum()) for i, e in layer.experts.items()}, layer.local,
+            layer.stats["aux"].cpu(), _comm(since))
 
 
-@observes("ex09.D.exact", "ex09.D.experts", "ex09.D.divide", "ex09.D.aux", "ex09.D.token_group", "ex09.*.group")
+@observes("ex09.D.exact", "ex09.D.experts", "ex09.D.divide", "ex09.D.aux", "ex09.D.token_group", "ex09.*.group",
+          "ex09.D.recorded")
 def test_layer_on_subgroups(impl):
     """4 ranks in two ep groups of 2 ([0, 1] and [2, 3]), each with its own tokens: every group's
     layer equals one device on that group's tokens (top-2, capacity factor 1); its experts are the
@@ -405,6 +408,13 @@ def test_layer_on_subgroups(impl):
         expect_equal({"local": list(out[5]), "experts": out[4]}, {"local": want, "experts": {i: fc[i] for i in want}},
                      f"rank {rank} (rank {rank % 2} of ep group [{rank // 2 * 2}, {rank // 2 * 2 + 1}]): the experts "
                      "it holds, of 4 (self.local, and self.experts by index: the sum of each one's fc weight)")
+    for rank, out in enumerate(res):
+        with breaks("ex09.D.recorded"):
+            ep = [c for c in out[7] if c[0] in ("ep_counts", "ep_dispatch", "ep_combine")]
+            expect_equal({"collectives": len(out[7]), "on the ep group": ep},
+                         {"collectives": 4, "on the ep group": RECORDED_FORWARD},
+                         f"rank {rank}: what the layer's forward recorded with a token_group: how many collectives "
+                         "(the ep group's three and one all-reduce over token_group), and (name, dim) of the ep group's")
     one = _moe(2, 1.0)
     one(torch.cat([_tokens(0, seed=5), _tokens(0, seed=6)]))
     expect_close(sum(out[6] for out in res) / 4, one.stats["aux"], "the load-balancing loss (aux) averaged over "

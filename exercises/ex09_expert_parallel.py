@@ -69,7 +69,8 @@ def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     - ex09.*.group: on a non-world group (two ep groups of 2 out of 4 ranks) each group is
       its own layer: only its ranks take part and ranks count within it.
     - ex09.*.recorded: every collective goes through ``minipar.comm`` (``all_gather``,
-      ``all_to_all``), so the trace records its bytes."""
+      ``all_to_all``), so the trace records its bytes; the counts' all-gather is recorded as
+      "ep_counts" (``ex09.D.recorded`` reads it by that name)."""
     raise NotImplementedError("Exercise 09 A: exchange_counts")
 
 
@@ -169,11 +170,13 @@ class ExpertParallelMoE(MoE):
         ``logits``, ``probs``, ``weights`` and ``experts`` (N, k), ``expert_of`` (N·k,
         flat) and ``token_of`` (the token of each assignment). Yours to use:
         ``count_tokens``, ``exchange_counts``, ``kept_counts``, ``split_sizes``,
-        ``permutation``, ``all_to_all``, ``capacity(tokens, E, k, factor)`` and
+        ``permutation``, ``all_to_all``, ``capacity(tokens, E, k, factor)`` (``tokens``:
+        the tokens of the whole ep group, the single device's batch) and
         ``keep_within_capacity(expert_of, E, cap, before=...)`` (``minipar.models.moe``:
         the single device's policy), ``self.aux_losses(logits, probs, expert_of,
-        totals)``. The code after your part reads ``counts``, ``M`` (the exchanged
-        matrix), ``cap``, ``kept``, ``keep`` (per assignment, in token order),
+        totals)``. The code after your part reads ``counts``, ``M`` (the exchanged (ep ×
+        E) matrix), ``cap``, ``kept`` (the (ep × E) matrix: row r the assignments of
+        group rank r each expert keeps), ``keep`` (per assignment, in token order),
         ``totals`` (the assignments per expert the load-balancing loss counts), ``aux``,
         ``z`` and ``y`` (N, h).
 
@@ -186,11 +189,15 @@ class ExpertParallelMoE(MoE):
         - ex09.D.aux: the load-balancing loss, averaged over the ranks, is one device's.
         - ex09.D.token_group: with a ``token_group`` the loss's f_i count that group's
           tokens.
-        - ex09.D.recorded: what the chapter reads from the trace: the tokens go to their
-          experts' ranks in one all-to-all recorded as "ep_dispatch" and come back in
-          one recorded as "ep_combine" (both labelled ``dim="ep"``), and this rank's
-          experts compute inside one trace region "experts" whose label ``rows`` is the
-          number of assignments they computed."""
+        - ex09.D.recorded: what the chapter reads from the trace. A forward records
+          exactly three collectives, all on the ep group (``dim="ep"``), in this order:
+          the counts' all-gather "ep_counts", one all-to-all "ep_dispatch" (the tokens
+          to their experts' ranks) and one "ep_combine" (back); its backward exactly
+          two, "ep_combine_backward" then "ep_dispatch_backward". Only with a
+          ``token_group`` is there one more in the forward: an all-reduce over
+          ``token_group`` (``comm.all_reduce``), nothing else. This rank's experts
+          compute inside one trace region "experts" whose label ``rows`` is the number
+          of assignments they computed."""
         shape, E, k = x.shape, self.n_experts, self.top_k
         x = x.reshape(-1, shape[-1])
         N, h = x.shape

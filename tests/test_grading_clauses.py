@@ -81,3 +81,16 @@ def test_grading_the_stub_names_the_clauses_and_parts(tmp_path, monkeypatch):
     assert text.count("\n        clause ex10.") >= len(report.tests)
     assert 'minipar.hint("ex10", "A")' in text and 'minipar.hint("ex10", "C")' in text
     assert 'minipar.hint("ex10")' not in text
+
+
+def test_a_hang_in_a_test_of_two_parts_asks_for_no_part(monkeypatch):
+    """A test observing parts A and C that hangs (a message naming no clause) does not point at
+    part A: the hang may be C's; a failure naming a clause of C asks for C."""
+    monkeypatch.setattr(failure_clauses, "clause_texts", lambda: {})
+    observes = ["ex09.A.exchange", "ex09.C.order", "ex09.C.backward", "ex09.*.recorded"]
+    hang = str(Report("ex09_expert_parallel", "exercise",
+                      [_failed("the ranks did not finish within 120 s (a collective waits for a peer)", observes)]))
+    assert 'stuck? minipar.hint("ex09")' in hang and 'minipar.hint("ex09", "A")' not in hang
+    named = str(Report("ex09_expert_parallel", "exercise",
+                       [_failed("rank 0: the input's gradient\n  breaks ex09.C.backward", observes)]))
+    assert 'minipar.hint("ex09", "C")' in named

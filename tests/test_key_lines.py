@@ -97,7 +97,7 @@ PROSE = {
              "Clip (if asked) by the norm of the averaged gradient, then"],
     "ex08": ["chunks r and 2c-1-r", "2c-1-r", "m = max(lse_a, lse_b)"],
     "ex09": ["send[j] = Σ", "min(cum_r, cap) - min(cum_{r-1}, cap)", "One recorded ``all_to_all_single``",
-             "as ``<name>`` and ``<name>_backward``"],
+             "as ``<name>`` and ``<name>_backward``", "inverse[perm[i]] = i", "(a stable sort)"],
     "ex05": ["max over ranks of the local maxima", "forward: identity      backward: all-reduce",
              "unchanged forward; the gradient is all-reduced", "identity forward, all-reduce backward",
              "all-reduce forward, identity backward", "One `g.all_reduce` inside the forward region",

@@ -2,7 +2,9 @@
 solution with a line or two changed) fails the clause's graded test, with a message naming it."""
 
 from minipar.course.graded import test_ex09_expert_parallel as g
-from tests.planted import contract_tests
+import pytest
+
+from tests.planted import contract_tests, fails, planted
 
 A2A = "recv, send, group=group, name=name, **labels)\n    return out\n"
 PLANTS = {  # clause -> (edits, graded test, what the message must name)
@@ -49,7 +51,7 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
     "ex09.D.recorded": (   # the experts computed outside the region the chapter reads
         [('        with trace.region("experts", experts=len(self.local), rows=sum(rows)):',
           '        with trace.region("experts", experts=len(self.local)):')],
-        g.test_expert_parallel_layer, r"top-2, capacity factor None, step 1 of 2, rank 0: what the layer's forward recorded"),
+        g.test_expert_parallel_layer, r"top-2, capacity factor None, step 1 of 2, rank 0: what the layer recorded"),
     "ex09.D.exact": (
         [(", before=M[:self.rank].sum(0))", ")")],
         g.test_expert_parallel_layer, r"top-1, capacity factor 1.0, step 1 of 2, rank 1: assignments dropped"),
@@ -81,3 +83,40 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
 
 
 test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex09", g, PLANTS, elsewhere={"ex09.*.recorded"})  # planted in tests/test_planted_wrong_answers.py
+
+
+# More wrong answers of ex09.D.recorded: every collective of the layer is counted, by name and group.
+RECORDED = r"top-2, capacity factor None, step 1 of 2, rank 0: what the layer recorded(?s:.*)breaks ex09\.D\.recorded"
+EXTRA = {
+    "an all-reduce of the counts on the ep group, every forward": (
+        "        M = exchange_counts(counts, self.group)\n",
+        "        M = exchange_counts(counts, self.group)\n"
+        "        comm.all_reduce(counts.clone(), group=self.group, name='ep_count_sum', dim='ep')\n"),
+    "one more all-to-all, forward and backward": (
+        "        n_kept = sum(send)\n",
+        "        n_kept = sum(send)\n"
+        "        all_to_all(weights.reshape(-1)[perm[:n_kept]].unsqueeze(1), recv, send, self.group, "
+        "name='ep_weights', dim='ep')\n"),
+    "the counts' all-gather under another name": (
+        'name="ep_counts", dim="ep")', 'name="counts", dim="ep")'),
+}
+
+
+@pytest.mark.parametrize("what", list(EXTRA))
+def test_extra_collectives_fail_recorded(what, tmp_path):
+    with planted("ex09", tmp_path, EXTRA[what]):
+        fails(g.test_expert_parallel_layer, match=RECORDED)
+
+
+def test_gate_without_gradient_names_grads(tmp_path):
+    """Gate weights detached: the router gets no gradient from the output; the failure says so,
+    naming ex09.D.grads, instead of crashing inside the grader."""
+    with planted("ex09", tmp_path, ("result * weights.reshape(-1, 1)", "result * weights.detach().reshape(-1, 1)")):
+        fails(g.test_expert_parallel_layer, match=r"(?s)(got no gradient|router's gradient).*breaks ex09\.D\.grads")
+
+
+def test_extra_collective_with_a_token_group_fails_recorded(tmp_path):
+    """With a token_group the forward has one collective more (the all-reduce over it), no other."""
+    with planted("ex09", tmp_path, EXTRA["an all-reduce of the counts on the ep group, every forward"]):
+        fails(g.test_layer_on_subgroups,
+              match=r"rank 0: what the layer's forward recorded with a token_group(?s:.*)breaks ex09\.D\.recorded")

@@ -45,3 +45,14 @@ def part(ids) -> str | None:
         if p != "*":
             return p
     return None
+
+
+def failed_part(error: str, observes) -> str | None:
+    """The part a failure's hint is for: that of the clauses its message names; when it names
+    none of a part (a hang, a crash, only ``*`` clauses), the test's part only if all it observes is one part, else no part
+    (a test of parts A and C that hangs in C must not point at A)."""
+    named_part = part(list(dict.fromkeys(ID.findall(error or ""))))
+    if named_part is not None:
+        return named_part
+    parts = {c.split(".")[1] for c in observes or ()} - {"*"}
+    return parts.pop() if len(parts) == 1 else None

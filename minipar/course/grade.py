@@ -84,8 +84,7 @@ class Report:
                 if t["outcome"] == "failed":
                     lines += ["        " + ln for ln in failure_clauses.lines(ids)]
                 if t["outcome"] == "failed" and (self.exercise.startswith("ex") or _has_hints(self.exercise)):
-                    lines.append("        " + _suggest(self.exercise, t["error"],
-                                                       ids + list(t.get("observes") or ())))
+                    lines.append("        " + _suggest(self.exercise, t["error"], t.get("observes") or ()))
         lines.append(f"score: {self.passed}/{len(self.tests)} ({100 * self.score:.0f}%)")
         text = "\n".join(lines)
         if self.challenge is None:
@@ -109,12 +108,12 @@ def _has_hints(name: str) -> bool:
         return False
 
 
-def _suggest(exercise: str, error: str, clauses=()) -> str:
+def _suggest(exercise: str, error: str, observes=()) -> str:
     """The hint line, for the part the failure names ("Exercise 10 A:"), else the part of the
-    clauses it breaks."""
+    clauses it breaks (:func:`failure_clauses.failed_part`: none when that is not known)."""
     from .hints import suggestion
     m = _LABEL.search(error or "")
-    return suggestion(exercise, m[2] if m and m[2] else failure_clauses.part(clauses))
+    return suggestion(exercise, m[2] if m and m[2] else failure_clauses.failed_part(error, observes))
 
 
 def _chapter(name: str) -> str:

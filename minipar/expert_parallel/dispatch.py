@@ -42,8 +42,8 @@ def split_sizes(counts: torch.Tensor, rank: int, ep: int) -> tuple[list[int], li
 #     original order.
 # ex09.B.inverse: ``x[perm][inverse] == x`` for every ``x`` of as many rows.
 def permutation(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(perm, inverse)``: ``keys[perm]`` is sorted and rows with equal keys keep their
-    order (a stable sort); ``inverse[perm[i]] = i``, so ``x[perm][inverse] == x``."""
+    """``(perm, inverse)``: ``keys[perm]`` is sorted, rows of equal keys in their original
+    order, and ``x[perm][inverse] == x`` for every ``x`` of as many rows."""
     # >>> ex09 B
     perm = torch.argsort(keys, stable=True)
     inverse = torch.empty_like(perm)

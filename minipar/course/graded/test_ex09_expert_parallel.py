@@ -25,7 +25,7 @@ import torch.distributed as dist
 import minipar
 from minipar.expert_parallel import (ExpertParallelMoE, all_to_all, count_tokens, exchange_counts, kept_counts,
                                      permutation, split_sizes)
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_recorded, observes
+from minipar.course.grading import breaks, diagnose, expect, expect_close, expect_equal, expect_recorded, observes
 from minipar.runtime import trace
 from minipar.models.moe import MoE
 
@@ -149,14 +149,14 @@ def test_permutation_is_stable_with_inverse(impl):
                   "keys[perm] is sorted, and rows of equal keys are in another order than the input's"):
         expect_equal(perm.tolist(), [1, 5, 4, 0, 3, 6, 2], "perm for keys [2, 0, 3, 2, 1, 0, 2]", keys="position")
     expect_equal(inv.tolist(), [3, 0, 6, 4, 2, 1, 5], "inverse for keys [2, 0, 3, 2, 1, 0, 2] "
-                 "(inverse[perm[i]] = i)", keys="position")
+                 "(x[perm][inverse] == x for every x)", keys="position")
     k = torch.randint(0, 4, (300,), generator=torch.Generator().manual_seed(1))
     perm, inv = permutation(k)
     s = k[perm]
     expect_close(s, torch.sort(k, stable=True).values, "keys[perm] for 300 random keys (sorted)", rtol=0, atol=0)
     for i in range(4):                                  # stable: positions ascending per key
         p = perm[s == i]
-        expect_equal(p.tolist(), sorted(p.tolist()), f"positions of key {i} in perm (ascending: a stable sort)",
+        expect_equal(p.tolist(), sorted(p.tolist()), f"positions of key {i} in perm (ascending: equal keys in their original order)",
                      keys="entry")
     x = torch.randn(300)
     expect_close(x[perm][inv], x, "x[perm][inverse] (x itself)", rtol=0, atol=0)
@@ -265,9 +265,11 @@ def _tokens(step, seed=1):
 
 
 def _grads(layer, x):
-    return {"input": x.grad.cpu(), "router": layer.router.weight.grad.cpu(),
-            **{f"expert {i}": torch.cat([p.grad.reshape(-1) for p in e.parameters()]).cpu()
-               for i, e in layer.experts.items()}}
+    def cpu(g):                          # None: no gradient reached it (the test says so)
+        return None if g is None else g.cpu()
+    return {"input": cpu(x.grad), "router": cpu(layer.router.weight.grad),
+            **{f"expert {i}": None if any(p.grad is None for p in e.parameters())
+               else torch.cat([p.grad.reshape(-1) for p in e.parameters()]).cpu() for i, e in layer.experts.items()}}
 
 
 def _weights(y):
@@ -275,6 +277,8 @@ def _weights(y):
 
 
 LAYERS = [(2, None), (1, 1.0), (2, 1.0)]
+RECORDED_FORWARD = [("ep_counts", "ep"), ("ep_dispatch", "ep"), ("ep_combine", "ep")]   # ex09.D.recorded
+RECORDED_BACKWARD = [("ep_combine_backward", "ep"), ("ep_dispatch_backward", "ep")]
 
 
 def _ep_layer(steps):
@@ -292,15 +296,23 @@ def _ep_layer(steps):
     return out
 
 
+def _comm(since):
+    """(name, dim label) of every collective recorded since event ``since``."""
+    return [(e["name"], e["labels"].get("dim")) for e in trace.events()[since:] if e["kind"] == "comm"]
+
+
 def _forward_record(layer, x):
-    """What one more forward of ``layer`` records: its dispatch and combine (name, dim), and the rows
-    label of each "experts" region."""
+    """What one more forward and backward of ``layer`` record: every collective (name, dim) of
+    each, and the rows label of each "experts" region of the forward."""
+    layer.zero_grad()                    # the step's gradients, already read, stay as they were
+    x = x.detach().requires_grad_()
     since = len(trace.events())
-    with torch.no_grad():
-        layer(x)
+    y = layer(x)
     events = trace.events()[since:]
-    return {"all-to-alls": [(e["name"], e["labels"].get("dim")) for e in events
-                            if e["kind"] == "comm" and e["name"].startswith(("ep_dispatch", "ep_combine"))],
+    forward, since = _comm(since), len(trace.events())
+    y.sum().backward()
+    layer.zero_grad()
+    return {"forward": forward, "backward": _comm(since),
             "experts regions (rows)": [e["labels"].get("rows") for e in events if e["name"] == "experts"]}
 
 
@@ -337,25 +349,30 @@ def test_expert_parallel_layer(impl):
             ranks = [res[r][c * steps + step] for r in range(2)]
             for r, (y_r, dropped_r, _, _, record) in enumerate(ranks):
                 where = f"{case}, rank {r}"
-                expect_equal(record, {"all-to-alls": [("ep_dispatch", "ep"), ("ep_combine", "ep")],
-                                      "experts regions (rows)": [_rows_computed(k, cf, step, r)]},
-                             f"{where}: what the layer's forward recorded (name, dim) of its all-to-alls, and the "
-                             "rows label of its 'experts' regions")
                 expect_close(dropped_r.float(), dropped.chunk(2)[r].float(), "assignments dropped (over capacity), "
                              "index (token·k + j)", where=where, rtol=0, atol=0)
                 expect_close(y_r, y.chunk(2)[r], "layer output (the MoE layer on one device), index "
                              "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)
-                expect_close(ranks[r][2]["input"], grads["input"].chunk(2)[r], "the input's gradient, index "
-                             "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)
-                for name, g in ranks[r][2].items():
-                    if name.startswith("expert"):
-                        expect_close(g, grads[name], f"{name}'s gradient (its parameters flattened)", where=where,
-                                     rtol=1e-8, atol=1e-10)
+                with breaks("ex09.D.grads"):
+                    for name, g in ranks[r][2].items():
+                        expect(g is not None, f"{where}: {name} got no gradient (None) from the layer's backward")
+                    expect_close(ranks[r][2]["input"], grads["input"].chunk(2)[r], "the input's gradient, index "
+                                 "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)
+                    for name, g in ranks[r][2].items():
+                        if name.startswith("expert"):
+                            expect_close(g, grads[name], f"{name}'s gradient (its parameters flattened)",
+                                         where=where, rtol=1e-8, atol=1e-10)
+                with breaks("ex09.D.recorded"):
+                    expect_equal(record, {"forward": RECORDED_FORWARD, "backward": RECORDED_BACKWARD,
+                                          "experts regions (rows)": [_rows_computed(k, cf, step, r)]},
+                                 f"{where}: what the layer recorded: (name, dim) of every collective of one "
+                                 "forward and of its backward, and the rows label of its 'experts' regions")
             expect_close((ranks[0][3] + ranks[1][3]) / 2, aux, "the load-balancing loss (aux) averaged over the "
                          "2 ranks", where=case, rtol=1e-6, atol=1e-7)
-            expect_close(ranks[0][2]["router"] + ranks[1][2]["router"], grads["router"],
-                         "the router's gradient summed over the 2 ranks, index (expert, feature)", where=case,
-                         rtol=1e-5, atol=1e-7)
+            with breaks("ex09.D.grads"):
+                expect_close(ranks[0][2]["router"] + ranks[1][2]["router"], grads["router"],
+                             "the router's gradient summed over the 2 ranks, index (expert, feature)", where=case,
+                             rtol=1e-5, atol=1e-7)
 
 
 def _on_subgroups():
@@ -368,12 +385,15 @@ def _on_subgroups():
     except ValueError as e:
         refused = str(e)
     layer = ExpertParallelMoE(_moe(2, 1.0).to(dev), group=groups[g], token_group=dist.group.WORLD)
+    since = len(trace.events())
     y = layer(_tokens(0, seed=5 + g).chunk(2)[r].to(dev))
     return (y.detach().cpu(), layer.stats["dropped"].cpu(), layer.stats["matrix"].cpu(), refused,
-            {int(i): float(e.fc.weight.detach().sum()) for i, e in layer.experts.items()}, layer.local, layer.stats["aux"].cpu())
+            {int(i): float(e.fc.weight.detach().sum()) for i, e in layer.experts.items()}, layer.local,
+            layer.stats["aux"].cpu(), _comm(since))
 
 
-@observes("ex09.D.exact", "ex09.D.experts", "ex09.D.divide", "ex09.D.aux", "ex09.D.token_group", "ex09.*.group")
+@observes("ex09.D.exact", "ex09.D.experts", "ex09.D.divide", "ex09.D.aux", "ex09.D.token_group", "ex09.*.group",
+          "ex09.D.recorded")
 def test_layer_on_subgroups(impl):
     """4 ranks in two ep groups of 2 ([0, 1] and [2, 3]), each with its own tokens: every group's
     layer equals one device on that group's tokens (top-2, capacity factor 1); its experts are the
@@ -388,6 +408,13 @@ def test_layer_on_subgroups(impl):
         expect_equal({"local": list(out[5]), "experts": out[4]}, {"local": want, "experts": {i: fc[i] for i in want}},
                      f"rank {rank} (rank {rank % 2} of ep group [{rank // 2 * 2}, {rank // 2 * 2 + 1}]): the experts "
                      "it holds, of 4 (self.local, and self.experts by index: the sum of each one's fc weight)")
+    for rank, out in enumerate(res):
+        with breaks("ex09.D.recorded"):
+            ep = [c for c in out[7] if c[0] in ("ep_counts", "ep_dispatch", "ep_combine")]
+            expect_equal({"collectives": len(out[7]), "on the ep group": ep},
+                         {"collectives": 4, "on the ep group": RECORDED_FORWARD},
+                         f"rank {rank}: what the layer's forward recorded with a token_group: how many collectives "
+                         "(the ep group's three and one all-reduce over token_group), and (name, dim) of the ep group's")
     one = _moe(2, 1.0)
     one(torch.cat([_tokens(0, seed=5), _tokens(0, seed=6)]))
     expect_close(sum(out[6] for out in res) / 4, one.stats["aux"], "the load-balancing loss (aux) averaged over "

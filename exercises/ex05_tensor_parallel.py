@@ -155,7 +155,7 @@ class ColumnParallelLinear(nn.Module):
           computes the rank's part of that layer.
         - ex05.B.nobias: from a layer with ``bias=False`` too."""
         with torch.device(linear.weight.device):  # built where the layer lives
-            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **{**kwargs, "seed": None})
         raise NotImplementedError("Exercise 05 B: ColumnParallelLinear.from_linear")
         return m
 
@@ -167,7 +167,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":
         with torch.device(linear.weight.device):  # built where the layer lives
-            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **{**kwargs, "seed": None})
         raise NotImplementedError("Exercise 05 B: RowParallelLinear.from_linear")
         return m
 

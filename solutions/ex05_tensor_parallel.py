@@ -171,7 +171,7 @@ class ColumnParallelLinear(nn.Module):
           computes the rank's part of that layer.
         - ex05.B.nobias: from a layer with ``bias=False`` too."""
         with torch.device(linear.weight.device):  # built where the layer lives
-            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **{**kwargs, "seed": None})
         t, r = size_and_rank(m.group)
         m.load_state_dict({k: v.chunk(t, 0)[r] for k, v in linear.state_dict().items()})
         return m
@@ -184,7 +184,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":
         with torch.device(linear.weight.device):  # built where the layer lives
-            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **{**kwargs, "seed": None})
         t, r = size_and_rank(m.group)
         m.load_state_dict({k: v.chunk(t, 1)[r] if k == "weight" else v  # the bias whole
                            for k, v in linear.state_dict().items()})

@@ -1,8 +1,10 @@
 """ex05's contract has no hole: for every clause of CONTRACT, an answer that breaks it (the
 solution with a line or two changed) fails the clause's graded test, with a message naming it."""
 
+import pytest
+
 from minipar.course.graded import test_ex05_tensor_parallel as g
-from tests.planted import contract_tests
+from tests.planted import contract_tests, fails, planted
 
 REDUCE = "        comm.all_reduce(out, group=group, name=name)\n"
 ROW = "    y = g(F.linear(x, weight), group)\n    return y if bias is None else y + bias"
@@ -77,3 +79,25 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
 
 
 test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex05", g, PLANTS, elsewhere={"ex05.*.recorded"})  # planted in tests/test_planted_wrong_answers.py
+
+
+# more wrong answers a blind learner's grade accepted before: each fails the test of its clause
+MORE = {  # name -> (clause, edits, graded test, what the message must name)
+    "ce backward ignores the upstream gradient": (
+        "ex05.C.exact", [("        g *= grad / g.shape[0]", "        g /= g.shape[0]")],
+        g.test_vocab_parallel_cross_entropy, r"seen: the gradient is the one for an upstream gradient of 1"),
+    "split by global rank": (
+        "ex05.*.group", [("    return x.chunk(n, dim)[r].contiguous()",
+                          "    return x.chunk(n, dim)[torch.distributed.get_rank() % n].contiguous()")],
+        g.test_gather_and_split, r"rank \d \(rank \d of group \[\d, \d\]\): (split along dim 1 \(block \d of 2\)|"
+                                 r"the gradient of gather's input)"),
+}
+
+
+@pytest.mark.parametrize("name", list(MORE))
+def test_more_planted_answers_fail(name, tmp_path):
+    from minipar.course.grading import observed
+    clause, edits, test, match = MORE[name]
+    assert test.__name__ in observed(g).get(clause, ()), (clause, test.__name__)
+    with planted("ex05", tmp_path, *edits):
+        fails(test, match=match)

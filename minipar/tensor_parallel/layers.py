@@ -27,9 +27,11 @@ from .sequence import gather_linear, linear_reduce_scatter
 #     ``gather_output=True``), and the gradient reaching ``x`` is the whole input gradient.
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                            gather_output: bool = False, group=None) -> torch.Tensor:
-    """``f(x) A_iᵀ + b_i`` with this rank's rows of the weight (its output features): ``weight``
-    is (out/t, in), ``bias`` (out/t,). Returns this rank's output features, or all of them
-    (all-gathered along the last dimension) with ``gather_output=True``."""
+    """The column-parallel layer: this rank holds ``weight`` (out/t, in) and ``bias`` (out/t,),
+    its output features of a single-device layer, and ``x`` is the same on every rank. Returns
+    this rank's out/t output features of that layer (different on every rank), or all ``out`` of
+    them, equal on every rank, with ``gather_output=True``. ``x``'s gradient is the single-device
+    layer's, equal on every rank."""
     # >>> ex05 B
     y = F.linear(f(x, group), weight, bias)
     return gather(y, -1, group) if gather_output else y
@@ -44,8 +46,9 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 #     backward.
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                         group=None) -> torch.Tensor:
-    """``g(x_i A_iᵀ) + b``: this rank's input features ``x_i`` times its columns of the
-    weight (out, in/t), summed over the group; the full bias (out,) is added once."""
+    """The row-parallel layer: this rank holds ``x`` (..., in/t), its input features, and
+    ``weight`` (out, in/t), its input features of a single-device layer whose whole bias (out,)
+    every rank holds. Returns that layer's full output, equal on every rank."""
     # >>> ex05 B
     y = g(F.linear(x, weight), group)
     return y if bias is None else y + bias
@@ -59,24 +62,34 @@ def _full_linear(in_features: int, out_features: int, bias: bool, seed: int) -> 
         return nn.Linear(in_features, out_features, bias=bias)
 
 
+def _init_from_seed(m: nn.Module, seed: int | None) -> None:
+    """Fill ``m`` with its shard of the single-device layer ``seed`` initialises, taken by
+    ``type(m).from_linear`` (the one place a layer is sharded); ``seed=None`` leaves it."""
+    if seed is None:
+        return
+    full = _full_linear(m.in_features, m.out_features, m.bias is not None, seed)
+    with torch.no_grad():
+        m.load_state_dict(type(m).from_linear(full, group=m.group).state_dict())
+
+
 class ColumnParallelLinear(nn.Module):
-    """``nn.Linear(in_features, out_features)`` with the output features split over ``group``,
-    initialised as the single-device layer with ``seed`` would be, then sharded.
+    """``nn.Linear(in_features, out_features)`` with the output features split over ``group``:
+    this rank holds what :meth:`from_linear` gives it of the single-device layer that ``seed``
+    initialises (``seed=None``: left uninitialised, for :meth:`from_linear` to fill).
     ``gather_output``: return all output features (else this rank's ``out/t``).
-    ``sequence_parallel``: the input is this rank's sequence shard; it is all-gathered
-    (sequence parallelism's g) instead of passing through f."""
+    ``sequence_parallel``: the input is this rank's sequence shard (else the whole input)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  gather_output: bool = False, group=None, sequence_parallel: bool = False,
-                 seed: int = 0):
+                 seed: int | None = 0):
         super().__init__()
-        t, r = size_and_rank(group)
+        t, _ = size_and_rank(group)
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = divide(out_features, t, "out_features")
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
-        full = _full_linear(in_features, out_features, bias, seed)
-        self.weight = nn.Parameter(full.weight.detach().chunk(t, 0)[r].clone())
-        self.bias = nn.Parameter(full.bias.detach().chunk(t, 0)[r].clone()) if bias else None
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features))
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank)) if bias else None
+        _init_from_seed(self, seed)
 
     # Contract:
     # ex05.B.load: ``ColumnParallelLinear.from_linear`` and ``RowParallelLinear.from_linear`` return
@@ -87,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
         """This rank's shard of an existing single-device ``nn.Linear``."""
         with torch.device(linear.weight.device):  # built where the layer lives
-            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **{**kwargs, "seed": None})
         # >>> ex05 B
         t, r = size_and_rank(m.group)
         m.load_state_dict({k: v.chunk(t, 0)[r] for k, v in linear.state_dict().items()})
@@ -106,29 +119,30 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """``nn.Linear(in_features, out_features)`` with the input features split over ``group``.
+    """``nn.Linear(in_features, out_features)`` with the input features split over ``group``:
+    this rank holds what :meth:`from_linear` gives it of the single-device layer that ``seed``
+    initialises (``seed=None``: left uninitialised, for :meth:`from_linear` to fill).
     ``input_is_parallel``: the input already is this rank's slice of the features (the
     output of a ColumnParallelLinear); else the full input is split first.
-    ``sequence_parallel``: the partial sums are reduce-scattered along the sequence (ḡ)
-    instead of all-reduced (g), leaving this rank's sequence shard."""
+    ``sequence_parallel``: the output is this rank's sequence shard (else the whole output)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  input_is_parallel: bool = True, group=None, sequence_parallel: bool = False,
-                 seed: int = 0):
+                 seed: int | None = 0):
         super().__init__()
-        t, r = size_and_rank(group)
+        t, _ = size_and_rank(group)
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = divide(in_features, t, "in_features")
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
-        full = _full_linear(in_features, out_features, bias, seed)
-        self.weight = nn.Parameter(full.weight.detach().chunk(t, 1)[r].clone())
-        self.bias = nn.Parameter(full.bias.detach().clone()) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        _init_from_seed(self, seed)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":
         """This rank's shard of an existing single-device ``nn.Linear``."""
         with torch.device(linear.weight.device):  # built where the layer lives
-            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+            m = cls(linear.in_features, linear.out_features, linear.bias is not None, **{**kwargs, "seed": None})
         # >>> ex05 B
         t, r = size_and_rank(m.group)
         m.load_state_dict({k: v.chunk(t, 1)[r] if k == "weight" else v  # the bias whole

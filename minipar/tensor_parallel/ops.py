@@ -42,10 +42,11 @@ def divide(n: int, t: int, what: str) -> int:
 #     operators ``f``, ``g``, ``gather`` and ``split``; ``_sum(x, group, name)`` returns the sum of
 #     ``x`` over the group's ranks.
 # ex05.A.inplace: no operator modifies a tensor autograd gave it (``_sum``'s input included).
-# ex05.*.group: on a non-world group (two groups of 2 out of 4 ranks) every group computes its
-#     own layer: only its ranks take part and ranks count within it (``size_and_rank(group)``).
-# ex05.*.recorded: every collective goes through ``minipar.comm`` (flat tensors), so the trace
-#     records its bytes.
+# ex05.*.group: on a non-world group (two groups of 2 out of 4 ranks, [0, 2] and [1, 3]) every
+#     group computes its own layer: only its ranks take part and ranks count within it
+#     (``size_and_rank(group)``).
+# ex05.*.recorded: every collective goes through ``minipar.comm``, so the trace records its bytes
+#     (its all-gather and reduce-scatter take flat tensors).
 def _sum(x: torch.Tensor, group=None, name: str = "all_reduce") -> torch.Tensor:
     """A summed copy of ``x`` over ``group`` (the input is left alone)."""
     # >>> ex05 A

@@ -230,9 +230,7 @@ def test_training_command_chooses_a_layout_for_experts_and_bf16(tmp_path, extra,
     """``--layout auto`` with a mixture of experts, and in bf16: the candidates probed are the
     planner's for that model (an MoE's have one micro-batch, so each continues the others'
     training), and the run's losses are the same command's on a fixed dp=4 layout. Tolerances: the
-    experts' as tests/test_adapt_layouts.py (AdamW, the layouts' order of sums; and where an expert
-    got no token before a switch, the switch's shared Adam step, about 1e-5 here:
-    :func:`test_an_expert_no_token_chose_is_left_alone`), bf16's as tests/test_precision.py (a bf16
+    experts' as tests/test_adapt_layouts.py (AdamW, the layouts' order of sums), bf16's as tests/test_precision.py (a bf16
     matmul's sums round differently over another split)."""
     from minipar.production import train
     base = ["--n-layer", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8", "--steps", "8",
@@ -249,14 +247,16 @@ def test_training_command_chooses_a_layout_for_experts_and_bf16(tmp_path, extra,
 
 def test_an_experts_job_may_probe_every_expert_split():
     """The candidates of 4 ranks for 4 experts include each ep dividing dp and the experts, no
-    pipeline (the micro-batches would hold other rows after a switch) and no ZeRO (see
-    :func:`test_an_expert_no_token_chose_is_left_alone`)."""
+    pipeline (the micro-batches would hold other rows after a switch), with and without ZeRO-1
+    (an expert no token chose steps alike in every layout:
+    :func:`test_an_expert_no_token_chose_steps_with_a_zero_gradient`)."""
     from minipar.adapt.auto import candidates
     from minipar.models import GPTConfig
     moe = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=16, moe_every=1, n_experts=4)
     lays = candidates(moe, 4, 8)
-    assert {(lay.dp, lay.ep) for lay in lays if lay.tp == 1} == {(4, 1), (4, 2), (4, 4)}
-    assert all(lay.pp == 1 and lay.zero == 0 for lay in lays)
+    assert {(lay.dp, lay.ep, lay.zero) for lay in lays if lay.tp == 1} == {
+        (4, ep, zero) for ep in (1, 2, 4) for zero in (0, 1)}
+    assert all(lay.pp == 1 for lay in lays)
     dense = candidates(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=16), 4, 8)
     assert all(lay.ep == 1 for lay in dense) and any(lay.pp > 1 for lay in dense)
 
@@ -330,28 +330,17 @@ def test_training_command_switches_bf16_between_zero1_and_zero3_bitwise(tmp_path
     torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want["losses"]), rtol=1e-3, atol=2e-3)
 
 
-@pytest.mark.xfail(strict=True, reason="an expert no token chose keeps its own AdamW step count in one process; "
-                   "ZeRO's flat shard and a switch's shared 'step' do not: a known difference, not yet removed")
-@pytest.mark.parametrize("extra", [["--zero", "1"], ["--switch-at", "5=dp=2,tp=2"]], ids=["zero1", "switch"])
-def test_an_expert_no_token_chose_is_left_alone(tmp_path, extra):
+@pytest.mark.parametrize("extra", [[], ["--zero", "1"], ["--switch-at", "5=dp=2,tp=2"]],
+                         ids=["dp", "zero1", "switch"])
+def test_an_expert_no_token_chose_steps_with_a_zero_gradient(tmp_path, extra):
     """A mixture of experts against one process, on data where an expert of block 1 gets no
-    token at steps 4 and 5. One process's AdamW leaves that expert alone (its gradient is None:
-    no step, its step count stays behind the others'). ZeRO-1's flat shard steps it with a zero
-    gradient (moments decay, weight decay applies): the losses part after step 5 by 7e-5, then
-    3.7e-4 (relative). A switch after step 5 carries Adam's ``step`` as one number every
-    parameter shares, so the skipped expert's bias correction moves on: 1e-5 after it. Without
-    ZeRO or a switch the same run is one process's to 1e-7 (and SGD, which a zero gradient does not
-    move, agrees under ZeRO-1 too). Tolerance 1e-6: these differences are not rounding. Strict:
-    when the difference is removed this test passes, and the mark must go (with it the no-ZeRO rule
-    of :func:`minipar.adapt.auto.candidates` for experts)."""
+    token at steps 4 and 5. One process runs that expert on no rows, so its gradient is zero
+    (not None) and AdamW steps it like the others: its moments decay, weight decay applies, its
+    step count keeps pace. So does every layout: dp's reduce, ZeRO-1's flat shard, and a switch
+    after step 5 that carries Adam's ``step`` as one number for every parameter. Tolerance
+    1e-6 (rounding only): when one process left that expert alone (a gradient of None) the runs
+    under ZeRO-1 parted from it by 7e-5, then 3.7e-4, and the switch by 1e-5."""
     _experts_against_one_process(tmp_path, extra)
-
-
-def test_without_zero_or_a_switch_that_expert_run_is_one_process(tmp_path):
-    """The control of :func:`test_an_expert_no_token_chose_is_left_alone`: the same data and model
-    on dp=4 without ZeRO equals one process to rounding (rtol = atol = 1e-6), so what that test
-    sees is the skipped expert, not the data."""
-    _experts_against_one_process(tmp_path, [])
 
 
 def _experts_against_one_process(tmp_path, extra):

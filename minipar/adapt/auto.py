@@ -4,10 +4,7 @@
 (dp·pp·tp = world, tp dividing the heads, pp at most the layers, the global batch split into
 dp·m equal micro-batches, ZeRO 0 or 1). For a mixture of experts: every ep dividing both dp and
 the experts; no pipeline (its routing counts per micro-batch, so only layouts of one micro-batch
-continue each other's training, :func:`~minipar.adapt.layout.same_step`); and no ZeRO, because
-ZeRO's flat optimizer steps an expert that no token chose in a step (a zero gradient: AdamW's
-moments decay and weight decay applies) where one process leaves it alone (no gradient, no step):
-the runs part by about 1e-4 after such a step (``tests/test_adapt.py``). :func:`propose` ranks them by the planner's predicted step
+continue each other's training, :func:`~minipar.adapt.layout.same_step`). :func:`propose` ranks them by the planner's predicted step
 time on the machine :func:`minipar.plan.measure_machine` measured
 (:func:`minipar.plan.course.predict_compare`), and keeps the ``k`` best. The run then
 trains ``probe`` steps on each, switching live between them (the steps are real training steps:
@@ -43,7 +40,7 @@ def candidates(config, world_size: int, batch_size: int) -> list[Layout]:
                 continue
             eps = [e for e in _divisors(dp) if config.n_experts % e == 0] if moe else [1]
             for ep in eps:
-                for zero in ((0, 1) if dp > 1 and not moe else (0,)):
+                for zero in ((0, 1) if dp > 1 else (0,)):
                     out.append(Layout(dp=dp, pp=pp, tp=tp, ep=ep, zero=zero))
     return out
 

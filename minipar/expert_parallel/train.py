@@ -11,8 +11,8 @@ Why ÷ dp: rank r's loss is the mean over its S/dp tokens, so each token's contr
 expert's gradient arrives (through the combine all-to-all's backward) scaled by 1/(S/dp);
 summing the dp/ep replicas gathers every token once, and ÷ dp makes it the single process's
 1/S: the result equals one process training on the whole batch. An expert no token of the
-batch chose gets no gradient at all (as in one process), so stateful optimizers (momentum,
-Adam) leave it alone too.
+batch chose gets a zero gradient, as in one process (which runs every expert, on no rows
+too), so stateful optimizers (momentum, Adam) step it like the rest, in every layout.
 
 Options: ``ep`` (divides the world size, which is dp), ``dtype`` (mixed precision),
 ``recompute`` (passed to the GPT's blocks; ``"full"`` runs the two all-to-alls again in
@@ -39,18 +39,12 @@ from .tensor import build_mesh, tensor_parallel_moe_gpt
 
 
 def reduce_gradients(model, groups, dp: int) -> None:
-    """Dense gradients: mean over dp. Expert gradients: sum over expert-dp, ÷ dp; ``None``
-    for an expert that no token of the whole batch chose."""
+    """Dense gradients: mean over dp. Expert gradients: sum over expert-dp, ÷ dp (zeros for an
+    expert that no token of the whole batch chose, as in one process)."""
     for kind, group, op in (("dense", groups["dp"], "avg"), ("expert", groups["expert_dp"], "sum")):
         ps = [p for n, p in model.named_parameters() if (".experts." in n) == (kind == "expert")]
         comm.all_reduce_gradients(ps, op=op, group=group, divide_by=dp if kind == "expert" else 1,
                                   name=f"{kind}_grads", dim="dp", reduced_over="dp" if kind == "dense" else "expert_dp")
-    for m in moe_layers(model):  # an expert no token chose has no gradient, as in one process
-        counts = m.stats["counts"].tolist()   # (an optimizer skips it: Adam's moments do not move);
-        for i in m.local:                     # one copy to the host per layer, not one per expert
-            if counts[i] == 0:
-                for p in m.experts[str(i)].parameters():
-                    p.grad = None
 
 
 def train(model, batches, optimizer=None, ep: int = 1, tp: int = 1, dtype=None, recompute=None) -> dict:

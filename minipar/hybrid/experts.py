@@ -22,7 +22,8 @@ is the ordinary single-process step. The mesh reproduces it:
 * dense gradients are averaged over dp·cp; an expert's are summed over its expert-dp group
   and divided by dp·cp (each rank's loss is the mean of its own S/(dp·cp) tokens: the sum
   gathers every token once, ÷ dp·cp makes it the global mean); an expert no token of the
-  whole batch chose keeps no gradient, as in one process.
+  whole batch chose gets a zero gradient, as in one process (:class:`minipar.models.moe.MoE`
+  runs every expert, on no rows too), so every optimizer steps every expert every step.
 
 Capacity is counted over the ep group's tokens, by position in rank order: it equals the
 reference's only when the ep group holds the whole micro-batch in token order, ep = dp and
@@ -117,21 +118,9 @@ def aux_value(model) -> float:
 def reduce_expert_gradients(model, params: dict, group, n_tokens_ranks: int) -> None:
     """Expert gradients (``params``: name -> parameter, this rank's experts): summed over
     the expert-dp ``group``, ÷ dp·cp (``n_tokens_ranks``); an expert no token of the batch
-    chose (its layer's ``routed`` is 0) gets ``None``, as in one process."""
+    chose ends with a zero gradient, as in one process."""
     comm.all_reduce_gradients([p for n, p in params.items() if is_expert(n)], group=group, divide_by=n_tokens_ranks,
                               skip_alone=True, name="expert_grads", dim="dp", reduced_over="expert_dp")
-    drop_unrouted(model)
-
-
-def drop_unrouted(model) -> None:
-    """``grad = None`` for every local expert that no token of the step chose."""
-    for m in moe_layers(model):
-        if m.routed is None:
-            continue
-        for i in getattr(m, "local", range(m.n_experts)):
-            if int(m.routed[i]) == 0:
-                for p in (m.experts[str(i)] if hasattr(m, "local") else m.experts[i]).parameters():
-                    p.grad = None
 
 
 def scale_expert_gradients(model, params: dict, factor: float) -> None:

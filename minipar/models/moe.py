@@ -173,10 +173,9 @@ class MoE(nn.Module):
         kept = torch.bincount(slot, minlength=E + 1)[:E]
         sizes = kept.tolist()                                         # the layer's one host read
         by_expert = torch.argsort(slot, stable=True)[:sum(sizes)]     # grouped by expert, token order within
-        for expert, sel, n in zip(self.experts, by_expert.split(sizes), sizes):
-            if n:
-                out = expert(x[token_of[sel]]) * w[sel].to(x.dtype)
-                y = y.index_add(0, token_of[sel], out)
+        for expert, sel in zip(self.experts, by_expert.split(sizes)):   # every expert, on no rows too:
+            out = expert(x[token_of[sel]]) * w[sel].to(x.dtype)           # one no token chose gets a zero
+            y = y.index_add(0, token_of[sel], out)                          # gradient, as in every layout
         self.stats = {"counts": torch.bincount(expert_of, minlength=E), "kept": kept,  # on the device
                       "dropped": ~keep, "experts": experts.detach(),
                       "aux": aux.detach(), "z": z.detach(), "capacity": cap}

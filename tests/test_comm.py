@@ -178,3 +178,27 @@ def _in_subgroups():
 
 def test_collectives_work_on_subgroups():
     assert list(minipar.launch(_in_subgroups, 4)) == [(2.0, 2.0), (4.0, 3.0), (2.0, 2.0), (4.0, 3.0)]
+
+
+def _kinds_and_groups():
+    r, dev = dist.get_rank(), minipar.device()
+    pair = [dist.new_group([0, 2]), dist.new_group([1, 3])][r % 2]
+    trace.start(r)
+    comm.all_reduce(torch.ones(4, device=dev), group=pair, name="ar")
+    comm.all_to_all_single(torch.empty(4, device=dev), torch.ones(4, device=dev), name="a2a")
+    comm.all_gather(torch.empty(8, device=dev), torch.ones(4, device=dev), group=pair, name="ag")
+    if r in (1, 3):                          # group rank 1 of [1, 3] is global rank 3
+        buf = torch.ones(2, device=dev)
+        (comm.send if r == 1 else comm.recv)(buf, 1 - dist.get_rank(pair), group=pair, name="p2p")
+    return [(e["name"], e["op"], e["group"]) for e in trace.events() if e["kind"] == "comm"]
+
+
+def test_every_comm_event_records_its_kind_and_the_group_it_ran_on():
+    """Each event from :mod:`minipar.comm` names its operation and its group's global ranks (in
+    group-rank order), so a check can ask "one all-to-all over the ep group" of the record itself."""
+    got = minipar.launch(_kinds_and_groups, 4)
+    for r, events in enumerate(got):
+        pair = [0, 2] if r % 2 == 0 else [1, 3]
+        want = [("ar", "all_reduce", pair), ("a2a", "all_to_all", [0, 1, 2, 3]), ("ag", "all_gather", pair)]
+        want += {1: [("p2p", "send", [1, 3])], 3: [("p2p", "recv", [1, 3])]}.get(r, [])
+        assert events == want, (r, events)

@@ -72,6 +72,7 @@ def fake_dist(log):
     d.batch_isend_irecv = lambda ops: (log.append(("batch", tuple(p for _, p in ops))),
                                        [FakeWork(log) for _ in ops])[1]
     d.get_global_rank = lambda group, r: r
+    d.is_initialized = lambda: False          # no process group: events record no group
     d.group = types.SimpleNamespace(WORLD=object())
     return d
 

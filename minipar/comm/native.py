@@ -79,7 +79,7 @@ def _collective(op: str, fn, output, input, avg: bool, group, name, labels, asyn
     out, inp, after = _via_host(op, group, labels, output, input)
     sent = moved_bytes(op, out, inp, group_size(group), group_rank(group))
     meta = {"name": name or op, "op": op, "began": device_clock(out, group), "start": trace.now(),
-            "sent": sent, "recv": sent, "labels": labels}
+            "sent": sent, "recv": sent, "labels": labels, "group": group}
     work = fn(*(out,) if inp is None else (out, inp), group=group, async_op=True)
     h = _Averaged(work, output, group_size(group) if avg else 0, after, (out, inp), **meta)
     return h if async_op else h.wait()
@@ -121,7 +121,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     out, inp, after = _via_host("all_to_all_single", group, labels, output, input.contiguous())
     meta = {"name": name or "all_to_all", "began": device_clock(out, group), "start": trace.now(),
             "sent": (sum(in_s) - in_s[me]) * row, "recv": (sum(out_s) - out_s[me]) * row,
-            "labels": labels, "op": "all_to_all"}
+            "labels": labels, "op": "all_to_all", "group": group}
     work = dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes,
                                   group=group, async_op=True)
     h = _Averaged(work, output, 0, after, (out, inp), **meta)

@@ -36,6 +36,16 @@ def global_rank(group, r: int) -> int:
     return r if group is None or group is dist.group.WORLD else dist.get_global_rank(group, r)
 
 
+def group_ranks(group=None) -> tuple[int, ...] | None:
+    """The global ranks of ``group``'s members in group-rank order (the world when ``None``):
+    what a ``comm`` event records as its ``group``; ``None`` outside a process group."""
+    if not dist.is_initialized():
+        return None
+    g = dist.group.WORLD if group is None else group
+    return (tuple(range(dist.get_world_size())) if g is dist.group.WORLD
+            else tuple(dist.get_process_group_ranks(g)))
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -67,10 +77,11 @@ class Handle:
     recorder keeps such work "waiting" until that end event has passed."""
 
     def __init__(self, works, name: str, start: float, sent: int, recv: int, labels: dict,
-                 op: str | None = None, began=None):
+                 op: str | None = None, began=None, group=None):
         self.works, self.name, self.start = works, name, start
         self.sent, self.recv, self.labels = sent, recv, labels
         op = op or ("send" if not recv else "recv" if not sent else "exchange")
+        self.op, self.group = op, group   # the event's kind and the group it ran on
         self._flight = flight.started(op, name, labels.get("dim"))  # what a hang report names
         self.done, self._ends, self.began = False, [], began
         self.after = []  # run once the transfers completed (copies back from host staging)
@@ -94,7 +105,8 @@ class Handle:
         else:
             flight.completed(self._flight)
             end = max(self._ends) if self._ends and len(self._ends) == len(self.works) else trace.now()
-        trace.record("comm", self.name, self.start, end, self.sent, self.recv, self.labels)
+        trace.record("comm", self.name, self.start, end, self.sent, self.recv, self.labels,
+                     op=self.op, group=group_ranks(self.group) if trace.recording_on() else None)
         for f in self.after:
             f()
 
@@ -132,7 +144,7 @@ def isend(tensor: torch.Tensor, dst: int, group=None, name: str = "send", tag: i
     src = staging.to_host(tensor, "isend", labels) if staging.must_stage(tensor, group, "isend") else tensor
     began, t = device_clock(tensor, group), trace.now()
     w = dist.isend(src.contiguous(), global_rank(group, dst), group=group, tag=tag)
-    h = Handle([w], name, t, nbytes(tensor), 0, labels, began=began)
+    h = Handle([w], name, t, nbytes(tensor), 0, labels, began=began, group=group)
     h.staged = src  # kept alive until the send completed
     return h
 
@@ -148,7 +160,7 @@ def irecv(tensor: torch.Tensor, src: int, group=None, name: str = "recv", tag: i
     into = staging.host_like(tensor) if staging.must_stage(tensor, group, "irecv") else tensor
     began, t = device_clock(tensor, group), trace.now()
     w = dist.irecv(into, global_rank(group, src), group=group, tag=tag)
-    h = Handle([w], name, t, 0, nbytes(tensor), labels, began=began)
+    h = Handle([w], name, t, 0, nbytes(tensor), labels, began=began, group=group)
     if into is not tensor:
         h.after.append(staging.copy_back(into, tensor, "irecv", labels))
     return h
@@ -159,7 +171,7 @@ _BATCH = None  # inside batched(): the (P2POp, Handle) pairs collected, in posti
 
 def _collect(op, tensor, peer, group, tag, name, sent, recv, labels) -> Handle:
     began, t = device_clock(tensor, group), trace.now()
-    h = Handle([], name, t, sent, recv, labels, began=began)
+    h = Handle([], name, t, sent, recv, labels, began=began, group=group)
     h.deferred, h.staged = True, tensor
     _BATCH.append((dist.P2POp(op, tensor, global_rank(group, peer), group, tag), h))
     return h
@@ -229,7 +241,7 @@ def start_exchange(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src
     else:  # Gloo: two posts, both before any wait (no rank then waits on its receiver)
         ws = [dist.isend(out.contiguous(), to, group=group, tag=tag),
               dist.irecv(into, frm, group=group, tag=tag)]
-    h = Handle(ws, name, start, nbytes(send_buf), nbytes(recv_buf), labels, began=began)
+    h = Handle(ws, name, start, nbytes(send_buf), nbytes(recv_buf), labels, began=began, group=group)
     h.staged = out  # kept alive until the send completed
     if into is not recv_buf:
         h.after.append(staging.copy_back(into, recv_buf, "exchange", labels))

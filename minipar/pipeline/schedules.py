@@ -111,7 +111,10 @@ def one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
 
 def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[Action]:
     """Megatron's interleaved 1F1B on ``rank``: the micro-batches go round the ranks v times in
-    groups of p, forwards through the virtual chunks in order, backwards in reverse."""
+    groups of p, forwards through the virtual chunks in order, backwards in reverse. Its order is
+    :func:`one_f_one_b`'s over the rank's m·v units of work (unit k: ``unit(k, forward)``),
+    with a warm-up long enough for every chunk to have work: 2(p - rank - 1) + (v - 1)·p
+    forwards before the first backward (all of them when m = p)."""
     total = m * v
 
     def unit(k: int, forward: bool) -> tuple[int, int]:
@@ -119,11 +122,7 @@ def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[Action]:
         return (k // (p * v)) * p + k % p, chunk * p + rank
 
     warmup = total if m == p else min(2 * (p - rank - 1) + (v - 1) * p, total)
-    out = [Action("F", *unit(k, True)) for k in range(warmup)]
-    for i in range(total - warmup):
-        out += [Action("F", *unit(warmup + i, True)), Action("B", *unit(i, False))]
-    out += [Action("B", *unit(k, False)) for k in range(total - warmup, total)]
-    return out
+    return [Action(a.op, *unit(a.microbatch, a.op == "F")) for a in one_f_one_b(warmup + 1, total, 0)]
 
 
 def zb_h1(p: int, m: int, rank: int) -> list[Action]:

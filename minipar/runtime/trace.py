@@ -75,16 +75,25 @@ RESERVED = {
 
 
 def record(kind: str, name: str, start: float, end: float, bytes_sent: int = 0,
-           bytes_recv: int = 0, labels: dict | None = None) -> None:
+           bytes_recv: int = 0, labels: dict | None = None, op: str | None = None,
+           group: tuple[int, ...] | None = None) -> None:
     """Append one event; ``start``/``end`` come from :func:`now`. ``labels`` is the event's one
     record of labels (a dict, kept as given: never spread into keywords, so no label can
-    collide with this function's own parameters or with a key the library adds, :data:`RESERVED`)."""
+    collide with this function's own parameters or with a key the library adds, :data:`RESERVED`).
+    A ``comm`` event from :mod:`minipar.comm` also has its ``op`` (``all_reduce``,
+    ``reduce_scatter``, ``all_gather``, ``all_to_all``, ``send``, ``recv``, ``exchange``) and its
+    ``group``: the global ranks it ran on, in group-rank order."""
     global _recorded
     if _enabled:
         _recorded += 1
-        _events.append({"rank": _rank, "kind": kind, "name": name, "start": start, "end": end,
-                        "bytes_sent": int(bytes_sent), "bytes_recv": int(bytes_recv),
-                        "labels": {} if labels is None else labels})
+        event = {"rank": _rank, "kind": kind, "name": name, "start": start, "end": end,
+                 "bytes_sent": int(bytes_sent), "bytes_recv": int(bytes_recv),
+                 "labels": {} if labels is None else labels}
+        if op is not None:
+            event["op"] = op
+        if group is not None:
+            event["group"] = list(group)
+        _events.append(event)
         if _limit is not None and len(_events) > _limit + _limit // 8:
             del _events[:len(_events) - _limit]  # drop the oldest, an eighth at a time
 

@@ -13,7 +13,9 @@ import bisect
 import numpy as np
 import torch
 
+from .. import comm
 from ..moves import Block, Flat, Move, Plan
+from ..runtime import trace
 
 
 class Views:
@@ -95,3 +97,95 @@ def _cut(x, y, bx: np.ndarray, by: np.ndarray, lists: tuple[list, list]) -> list
         a, b = int(i[u]), int(j[u])
         out.append((a, b, torch.from_numpy(xn[u:v] - bx[a]), torch.from_numpy(yn[u:v] - by[b])))
     return out
+
+
+_STAGING: dict = {}     # device -> the flat fp32 buffer every switch packs into and receives in
+
+
+def staging(numel: int, device) -> torch.Tensor:
+    """A flat fp32 buffer of at least ``numel`` elements, kept for the next switch: a fresh buffer's
+    pages are first touched by the copy into it (on a CPU several times the cost of the copy
+    itself: measured in ``bench adapt``'s notes); a kept one's are not. It grows to the largest
+    switch's send and receive bytes and stays (:func:`release` frees it)."""
+    device = torch.device(device if device is not None else "cpu")
+    buf = _STAGING.get(device)
+    if buf is None or buf.numel() < numel:
+        _STAGING[device] = buf = torch.empty(numel, dtype=torch.float32, device=device)
+    return buf[:numel]
+
+
+def release() -> None:
+    """Free the staging buffers (:func:`staging`)."""
+    _STAGING.clear()
+
+
+def _view(flat: torch.Tensor, pos):
+    """``flat``'s elements at ``pos`` as a view (a slice, a :class:`Block`'s rows), or ``None`` for
+    an index (a gather)."""
+    if isinstance(pos, slice):
+        return flat[pos]
+    if isinstance(pos, Block):
+        return pos.of(flat)
+    return None
+
+
+def _read(flat: torch.Tensor, pos, out: torch.Tensor) -> None:
+    """``out`` (contiguous, ``numel`` of ``pos``) = ``flat``'s elements at ``pos``, one copy."""
+    v = _view(flat, pos)
+    if v is None:
+        torch.index_select(flat, 0, pos, out=out)
+    else:
+        out.view(v.shape).copy_(v)
+
+
+def _write(flat: torch.Tensor, pos, values: torch.Tensor) -> None:
+    """``flat``'s elements at ``pos`` = ``values`` (contiguous), one copy."""
+    v = _view(flat, pos)
+    if v is None:
+        flat.index_copy_(0, pos, values)
+    else:
+        v.copy_(values.view(v.shape))
+
+
+def exchange(p: Plan, old: Views, new: Views, group=None, name: str = "reshard") -> int:
+    """:func:`minipar.moves.execute` of a plan cut at the pieces (:func:`by_piece`), each element
+    copied once on each side: the local moves piece to piece, the sent ones packed straight
+    from the old pieces into one send buffer, one ``all_to_all_single`` (its event named
+    ``name``), the received ones unpacked straight into the new pieces; a :class:`Block` is
+    copied as a strided view (no temporary), the send and receive buffers are one kept
+    :func:`staging` buffer. The same moves in the same order as ``execute``; returns the bytes
+    this rank's all-to-all event recorded as sent."""
+    me, world = comm.group_rank(group), p.world_size
+    dtypes = {v.dtype for v in (*old.values(), *new.values())}
+    if dtypes - {torch.float32}:
+        raise NotImplementedError(f"a live switch moves fp32 state, got {sorted(map(str, dtypes))}")
+    pairs = {}
+    for mv in p.moves:                                     # the moves by (src, dst), in plan order
+        pairs.setdefault((mv.src, mv.dst), []).append(mv)
+    for mv in pairs.get((me, me), []):
+        src, dst = old[mv.key].tensor, new[mv.key].tensor
+        a, b = _view(src, mv.src_pos), _view(dst, mv.dst_pos)
+        if a is not None and b is not None:
+            b.copy_(a.reshape(b.shape) if a.shape != b.shape else a)
+        else:
+            _write(dst, mv.dst_pos, src[mv.src_pos] if a is None else a.reshape(-1))
+    out_moves = [pairs.get((me, d), []) if d != me else [] for d in range(world)]
+    in_moves = [pairs.get((s, me), []) if s != me else [] for s in range(world)]
+    in_sizes = [sum(mv.numel for mv in ms) for ms in out_moves]
+    out_sizes = [sum(mv.numel for mv in ms) for ms in in_moves]
+    device = old.values()[0].device
+    buf = staging(sum(in_sizes) + sum(out_sizes), device)
+    send, recv = buf[:sum(in_sizes)], buf[sum(in_sizes):]
+    at = 0
+    for mv in (mv for ms in out_moves for mv in ms):
+        _read(old[mv.key].tensor, mv.src_pos, send[at:at + mv.numel])
+        at += mv.numel
+    with trace.recording(True):            # observed even where a run records nothing else
+        mark = trace.mark()
+        comm.all_to_all_single(recv, send, out_sizes, in_sizes, group=group, name=name)
+        observed = sum(e["bytes_sent"] for e in trace.since(mark) if e["name"] == name)
+    at = 0
+    for mv in (mv for ms in in_moves for mv in ms):
+        _write(new[mv.key].tensor, mv.dst_pos, recv[at:at + mv.numel])
+        at += mv.numel
+    return observed

@@ -12,7 +12,9 @@ What a switch promises (its contract, whatever the implementation):
 So the next step of the new layout is the step the old one would have taken (up to the new
 layout's order of sums). The holdings (:mod:`.holdings`) travel as runs of indices, not values;
 the plan of a pair of layouts is made once and kept (:mod:`.plans`); the plan and the
-all-to-all are :mod:`minipar.moves`, which chapter 04's re-partitioning uses as well. Its cost is
+all-to-all are :mod:`minipar.moves`, which chapter 04's re-partitioning uses as well (the
+library's own switch carries out :func:`minipar.moves.execute`'s moves with
+:func:`.cut.exchange`: the same moves, one copy per element a side, into a kept buffer). Its cost is
 measured against the α-β time of its all-to-all (:func:`exchange_seconds`), α and β fitted on
 the all-to-all itself (:func:`measure_exchange`)."""
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..pieces import local_pieces
 from ..runtime import trace
 from . import plans
 from .cut import Views, by_piece
+from .cut import exchange as _exchange
 from .holdings import held_runs
 
 
@@ -93,7 +96,7 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
         done("plan")
         mark = trace.mark()
         if direct:                          # packed from, unpacked into, the live pieces themselves
-            observed = _execute(planned.by_piece[1], Views(sources, 0, device), Views(targets, 1, device))
+            observed = _exchange(planned.by_piece[1], Views(sources, 0, device), Views(targets, 1, device))
         else:                               # an exercise's execute: flat buffers, index and slice positions
             flat_new = torch.empty(numel, dtype=torch.float32, device=device)
             flat_old = torch.cat(sources) if sources else torch.empty(0, dtype=torch.float32, device=device)

@@ -147,45 +147,93 @@ def _write(flat: torch.Tensor, pos, values: torch.Tensor) -> None:
         v.copy_(values.view(v.shape))
 
 
+def runs(moves: list[Move], side: int) -> list[tuple]:
+    """One side's positions of ``moves`` (``side`` 0: what this rank packs, read at ``src_pos``; 1:
+    what it unpacks, written at ``dst_pos``) as ``[(piece, position, numel)]`` in the same order,
+    with consecutive slices of one piece merged: adjacent ones into one slice, ones of one length
+    at one stride into a :class:`Block` (a tensor-parallel shard's rows, sent as many moves, read
+    as one strided copy). The buffer between the two sides is contiguous, so only this side's
+    regularity matters."""
+    out, run = [], None                    # run: [piece, start, length, count, stride]
+
+    def flush():
+        if run is not None:
+            k, a, n, c, st = run
+            pos = slice(a, a + n) if c == 1 else slice(a, a + c * n) if st == n else Block(a, st, c, n)
+            out.append((k, pos, n * c))
+    for mv in moves:
+        k, pos = mv.key[side], (mv.src_pos, mv.dst_pos)[side]
+        if not isinstance(pos, slice):
+            flush()
+            run = None
+            out.append((k, pos, mv.numel))
+            continue
+        a, n = pos.start, pos.stop - pos.start
+        if n == 0:
+            continue
+        if run is not None and run[0] == k:
+            _, a0, n0, c, st = run
+            if c == 1 and a == a0 + n0:                         # adjacent: one longer slice
+                run[2] += n
+                continue
+            if n == n0 and ((c == 1 and a - a0 > n0) or (c > 1 and a == a0 + c * st)):   # one more row
+                run[3], run[4] = c + 1, (a - a0 if c == 1 else st)
+                continue
+        flush()
+        run = [k, a, n, 1, n]
+    flush()
+    return out
+
+
+_PROGRAMS: dict = {}     # id(plan) -> (plan, local moves, runs to pack, runs to unpack, split sizes)
+
+
 def exchange(p: Plan, old: Views, new: Views, group=None, name: str = "reshard") -> int:
     """:func:`minipar.moves.execute` of a plan cut at the pieces (:func:`by_piece`), each element
     copied once on each side: the local moves piece to piece, the sent ones packed straight
     from the old pieces into one send buffer, one ``all_to_all_single`` (its event named
-    ``name``), the received ones unpacked straight into the new pieces; a :class:`Block` is
-    copied as a strided view (no temporary), the send and receive buffers are one kept
-    :func:`staging` buffer. The same moves in the same order as ``execute``; returns the bytes
-    this rank's all-to-all event recorded as sent."""
+    ``name``), the received ones unpacked straight into the new pieces, both as :func:`runs` (made
+    once per plan); a :class:`Block` is copied as a strided view (no temporary), the send and
+    receive buffers are one kept :func:`staging` buffer. The same elements in the same order as
+    ``execute``; returns the bytes this rank's all-to-all event recorded as sent."""
     me, world = comm.group_rank(group), p.world_size
     dtypes = {v.dtype for v in (*old.values(), *new.values())}
     if dtypes - {torch.float32}:
         raise NotImplementedError(f"a live switch moves fp32 state, got {sorted(map(str, dtypes))}")
-    pairs = {}
-    for mv in p.moves:                                     # the moves by (src, dst), in plan order
-        pairs.setdefault((mv.src, mv.dst), []).append(mv)
-    for mv in pairs.get((me, me), []):
+    kept = _PROGRAMS.get(id(p))
+    if kept is None or kept[0] is not p:
+        pairs = {}
+        for mv in p.moves:                                     # the moves by (src, dst), in plan order
+            pairs.setdefault((mv.src, mv.dst), []).append(mv)
+        out_moves = [mv for d in range(world) if d != me for mv in pairs.get((me, d), [])]
+        in_moves = [mv for s in range(world) if s != me for mv in pairs.get((s, me), [])]
+        in_sizes = [sum(mv.numel for mv in pairs.get((me, d), [])) if d != me else 0 for d in range(world)]
+        out_sizes = [sum(mv.numel for mv in pairs.get((s, me), [])) if s != me else 0 for s in range(world)]
+        kept = _PROGRAMS[id(p)] = (p, pairs.get((me, me), []), runs(out_moves, 0), runs(in_moves, 1),
+                                   in_sizes, out_sizes)
+        while len(_PROGRAMS) > 32:
+            del _PROGRAMS[next(iter(_PROGRAMS))]
+    _, local, pack, unpack, in_sizes, out_sizes = kept
+    for mv in local:
         src, dst = old[mv.key].tensor, new[mv.key].tensor
         a, b = _view(src, mv.src_pos), _view(dst, mv.dst_pos)
         if a is not None and b is not None:
             b.copy_(a.reshape(b.shape) if a.shape != b.shape else a)
         else:
             _write(dst, mv.dst_pos, src[mv.src_pos] if a is None else a.reshape(-1))
-    out_moves = [pairs.get((me, d), []) if d != me else [] for d in range(world)]
-    in_moves = [pairs.get((s, me), []) if s != me else [] for s in range(world)]
-    in_sizes = [sum(mv.numel for mv in ms) for ms in out_moves]
-    out_sizes = [sum(mv.numel for mv in ms) for ms in in_moves]
     device = old.values()[0].device
     buf = staging(sum(in_sizes) + sum(out_sizes), device)
     send, recv = buf[:sum(in_sizes)], buf[sum(in_sizes):]
     at = 0
-    for mv in (mv for ms in out_moves for mv in ms):
-        _read(old[mv.key].tensor, mv.src_pos, send[at:at + mv.numel])
-        at += mv.numel
+    for k, pos, n in pack:
+        _read(old.views[k], pos, send[at:at + n])
+        at += n
     with trace.recording(True):            # observed even where a run records nothing else
         mark = trace.mark()
         comm.all_to_all_single(recv, send, out_sizes, in_sizes, group=group, name=name)
         observed = sum(e["bytes_sent"] for e in trace.since(mark) if e["name"] == name)
     at = 0
-    for mv in (mv for ms in in_moves for mv in ms):
-        _write(new[mv.key].tensor, mv.dst_pos, recv[at:at + mv.numel])
-        at += mv.numel
+    for k, pos, n in unpack:
+        _write(new.views[k], pos, recv[at:at + n])
+        at += n
     return observed

@@ -46,7 +46,8 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
     ``new`` (another layout of the same model and world). A collective of the whole world.
     Returns the switch's record on this rank: ``bytes_sent`` and ``bytes_received`` (by the plan,
     and ``sent_observed`` by the all-to-all's own event), ``plan_bytes`` (the whole switch),
-    ``moves``, ``segments`` (the units planned), ``plan_kept`` (the plan of this pair of layouts
+    ``splits`` (the elements it sends to, and receives from, each rank: its all-to-all's split
+    sizes), ``moves``, ``segments`` (the units planned), ``plan_kept`` (the plan of this pair of layouts
     was made before: :mod:`.plans`), ``seconds`` and its ``phases``: ``wait`` (the
     ranks reach the switch at different times: the time of its first collective, the all-gather of
     the geometry's hash), ``describe`` (the pieces of both layouts and the hash of this rank's
@@ -110,7 +111,10 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
         phases["copy"] -= exchange                 # what stays: packing, local copies, unpacking
         phases["all_to_all"] = exchange
     sent, received = planned.sent, planned.received
+    if planned.splits is None:
+        planned.splits = splits(planned.p, me)
     out = {"bytes_sent": sent[me] * 4, "bytes_received": received[me] * 4, "sent_observed": observed,
+           "splits": planned.splits,
            "plan_bytes": sum(sent) * 4, "busiest_bytes": 4 * max(max(sent), max(received)), "world": world,
            "moves": planned.moves, "segments": planned.segments, "plan_kept": kept,
            "seconds": sum(phases.values()), "phases": phases}
@@ -119,6 +123,19 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
         out["over_alpha_beta"] = ((out["seconds"] - phases["wait"]) / out["alpha_beta_s"] if out["alpha_beta_s"] > 0
                                   else float("inf"))       # α and β of 0 (a fit on a loaded machine), no bytes
     return out
+
+
+def splits(p, me: int) -> tuple[list[int], list[int]]:
+    """Rank ``me``'s all-to-all of plan ``p``: the elements it sends to each rank and receives from
+    each (0 for itself): the split sizes of its ``all_to_all_single``."""
+    send, recv = [0] * p.world_size, [0] * p.world_size
+    for mv in p.moves:
+        if mv.src != mv.dst:
+            if mv.src == me:
+                send[mv.dst] += mv.numel
+            if mv.dst == me:
+                recv[mv.src] += mv.numel
+    return send, recv
 
 
 def _own_execute() -> bool:

@@ -22,7 +22,7 @@ Two things, on 4 ranks of the course GPT (SGD with momentum):
   Beside it, ``warm``: the switch's own all-to-all (its split sizes) run again right after it
   into buffers already touched, and ``over warm``, the switch over that: the same bound measured
   at the load of that moment (α and β are fitted once, at the start, and a shared machine's
-  load moves). The switch's send and receive buffer is kept between switches
+  load moves). On a CPU the switch's send and receive buffer is kept between switches
   (:func:`minipar.adapt.cut.staging`): the first switch of a run pays the first touch of its
   pages (on a CPU several times the copy into it), the later ones do not.
 

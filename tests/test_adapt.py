@@ -430,3 +430,23 @@ def test_moves_cut_at_pieces_read_and_write_the_same_elements_in_the_same_order(
             for side in (0, 1):
                 want = elements(flat, me, side, pieces[me, side], False)
                 assert sum(map(len, want.values())) == 24 and elements(cut, me, side, pieces[me, side], True) == want
+
+
+def test_runs_read_the_elements_of_their_moves_in_order_with_fewer_copies():
+    """``cut.runs`` (what a switch packs and unpacks): consecutive slices of one piece become one
+    slice (adjacent) or one Block (one length at one stride), never across pieces; the elements,
+    piece by piece and in order, are the moves' own; index and Block positions pass through."""
+    from minipar.adapt.cut import runs
+    from minipar.moves import Block, Flat, Move
+    rows = [slice(r * 10 + 2, r * 10 + 6) for r in range(5)]                   # a column shard's rows
+    moves = [Move(0, 1, (0, 0), x, x) for x in rows]
+    moves += [Move(0, 1, (0, 0), slice(60, 63), slice(0, 3)), Move(0, 1, (0, 0), slice(63, 70), slice(0, 7))]
+    moves += [Move(0, 1, (1, 0), slice(0, 4), slice(0, 4)), Move(0, 1, (1, 0), slice(10, 14), slice(0, 4))]
+    moves += [Move(0, 1, (1, 0), torch.tensor([7, 3]), torch.tensor([0, 1])), Move(0, 1, (1, 0), slice(20, 22), slice(0, 2))]
+    moves += [Move(0, 1, (1, 0), slice(30, 32), slice(0, 2)), Move(0, 1, (0, 0), slice(72, 74), slice(0, 2))]
+    pieces = [torch.arange(100.0), torch.arange(100.0, 200.0)]
+    got = runs(moves, 0)
+    assert len(got) == 6 and isinstance(got[0][1], Block) and got[1][1] == slice(60, 70)
+    want = [v for mv in moves for v in Flat(pieces[mv.key[0]])[mv.src_pos].tolist()]
+    assert [v for k, pos, n in got for v in Flat(pieces[k])[pos].tolist()] == want
+    assert [n for *_, n in got] == [Flat(pieces[k])[pos].numel() for k, pos, _ in got]

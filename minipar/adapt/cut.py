@@ -13,7 +13,9 @@ import bisect
 import numpy as np
 import torch
 
+from .. import comm
 from ..moves import Block, Flat, Move, Plan
+from ..runtime import trace
 
 
 class Views:
@@ -95,3 +97,147 @@ def _cut(x, y, bx: np.ndarray, by: np.ndarray, lists: tuple[list, list]) -> list
         a, b = int(i[u]), int(j[u])
         out.append((a, b, torch.from_numpy(xn[u:v] - bx[a]), torch.from_numpy(yn[u:v] - by[b])))
     return out
+
+
+_STAGING: dict = {}     # device -> the flat fp32 buffer every switch packs into and receives in
+
+
+def staging(numel: int, device) -> torch.Tensor:
+    """A flat fp32 buffer of at least ``numel`` elements, kept for the next switch on a CPU: a fresh
+    buffer's pages are first touched by the copy into it (there several times the cost of the
+    copy itself: 26 MB took 40-55 ms fresh, 1.4-2.8 ms warm, on the course's 2-core machine); a
+    kept one's are not. It grows to the largest switch's send and receive bytes and stays
+    (:func:`release` frees it). On a GPU a fresh one each time: the caching allocator already
+    keeps freed blocks, and a GPU's memory is the scarcer."""
+    if torch.device(device if device is not None else "cpu").type != "cpu":
+        return torch.empty(numel, dtype=torch.float32, device=device)
+    device = torch.device("cpu")
+    buf = _STAGING.get(device)
+    if buf is None or buf.numel() < numel:
+        _STAGING[device] = buf = torch.empty(numel, dtype=torch.float32, device=device)
+    return buf[:numel]
+
+
+def release() -> None:
+    """Free the staging buffers (:func:`staging`)."""
+    _STAGING.clear()
+
+
+def _view(flat: torch.Tensor, pos):
+    """``flat``'s elements at ``pos`` as a view (a slice, a :class:`Block`'s rows), or ``None`` for
+    an index (a gather)."""
+    if isinstance(pos, slice):
+        return flat[pos]
+    if isinstance(pos, Block):
+        return pos.of(flat)
+    return None
+
+
+def _read(flat: torch.Tensor, pos, out: torch.Tensor) -> None:
+    """``out`` (contiguous, ``numel`` of ``pos``) = ``flat``'s elements at ``pos``, one copy."""
+    v = _view(flat, pos)
+    if v is None:
+        torch.index_select(flat, 0, pos, out=out)
+    else:
+        out.view(v.shape).copy_(v)
+
+
+def _write(flat: torch.Tensor, pos, values: torch.Tensor) -> None:
+    """``flat``'s elements at ``pos`` = ``values`` (contiguous), one copy."""
+    v = _view(flat, pos)
+    if v is None:
+        flat.index_copy_(0, pos, values)
+    else:
+        v.copy_(values.view(v.shape))
+
+
+def runs(moves: list[Move], side: int) -> list[tuple]:
+    """One side's positions of ``moves`` (``side`` 0: what this rank packs, read at ``src_pos``; 1:
+    what it unpacks, written at ``dst_pos``) as ``[(piece, position, numel)]`` in the same order,
+    with consecutive slices of one piece merged: adjacent ones into one slice, ones of one length
+    at one stride into a :class:`Block` (a tensor-parallel shard's rows, sent as many moves, read
+    as one strided copy). The buffer between the two sides is contiguous, so only this side's
+    regularity matters."""
+    out, run = [], None                    # run: [piece, start, length, count, stride]
+
+    def flush():
+        if run is not None:
+            k, a, n, c, st = run
+            pos = slice(a, a + n) if c == 1 else slice(a, a + c * n) if st == n else Block(a, st, c, n)
+            out.append((k, pos, n * c))
+    for mv in moves:
+        k, pos = mv.key[side], (mv.src_pos, mv.dst_pos)[side]
+        if not isinstance(pos, slice):
+            flush()
+            run = None
+            out.append((k, pos, mv.numel))
+            continue
+        a, n = pos.start, pos.stop - pos.start
+        if n == 0:
+            continue
+        if run is not None and run[0] == k:
+            _, a0, n0, c, st = run
+            if c == 1 and a == a0 + n0:                         # adjacent: one longer slice
+                run[2] += n
+                continue
+            if n == n0 and ((c == 1 and a - a0 > n0) or (c > 1 and a == a0 + c * st)):   # one more row
+                run[3], run[4] = c + 1, (a - a0 if c == 1 else st)
+                continue
+        flush()
+        run = [k, a, n, 1, n]
+    flush()
+    return out
+
+
+_PROGRAMS: dict = {}     # id(plan) -> (plan, local moves, runs to pack, runs to unpack, split sizes)
+
+
+def exchange(p: Plan, old: Views, new: Views, group=None, name: str = "reshard") -> int:
+    """:func:`minipar.moves.execute` of a plan cut at the pieces (:func:`by_piece`), each element
+    copied once on each side: the local moves piece to piece, the sent ones packed straight
+    from the old pieces into one send buffer, one ``all_to_all_single`` (its event named
+    ``name``), the received ones unpacked straight into the new pieces, both as :func:`runs` (made
+    once per plan); a :class:`Block` is copied as a strided view (no temporary), the send and
+    receive buffers are one kept :func:`staging` buffer. The same elements in the same order as
+    ``execute``; returns the bytes this rank's all-to-all event recorded as sent."""
+    me, world = comm.group_rank(group), p.world_size
+    dtypes = {v.dtype for v in (*old.values(), *new.values())}
+    if dtypes - {torch.float32}:
+        raise NotImplementedError(f"a live switch moves fp32 state, got {sorted(map(str, dtypes))}")
+    kept = _PROGRAMS.get(id(p))
+    if kept is None or kept[0] is not p:
+        pairs = {}
+        for mv in p.moves:                                     # the moves by (src, dst), in plan order
+            pairs.setdefault((mv.src, mv.dst), []).append(mv)
+        out_moves = [mv for d in range(world) if d != me for mv in pairs.get((me, d), [])]
+        in_moves = [mv for s in range(world) if s != me for mv in pairs.get((s, me), [])]
+        in_sizes = [sum(mv.numel for mv in pairs.get((me, d), [])) if d != me else 0 for d in range(world)]
+        out_sizes = [sum(mv.numel for mv in pairs.get((s, me), [])) if s != me else 0 for s in range(world)]
+        kept = _PROGRAMS[id(p)] = (p, pairs.get((me, me), []), runs(out_moves, 0), runs(in_moves, 1),
+                                   in_sizes, out_sizes)
+        while len(_PROGRAMS) > 32:
+            del _PROGRAMS[next(iter(_PROGRAMS))]
+    _, local, pack, unpack, in_sizes, out_sizes = kept
+    for mv in local:
+        src, dst = old[mv.key].tensor, new[mv.key].tensor
+        a, b = _view(src, mv.src_pos), _view(dst, mv.dst_pos)
+        if a is not None and b is not None:
+            b.copy_(a.reshape(b.shape) if a.shape != b.shape else a)
+        else:
+            _write(dst, mv.dst_pos, src[mv.src_pos] if a is None else a.reshape(-1))
+    device = old.values()[0].device
+    buf = staging(sum(in_sizes) + sum(out_sizes), device)
+    send, recv = buf[:sum(in_sizes)], buf[sum(in_sizes):]
+    at = 0
+    for k, pos, n in pack:
+        _read(old.views[k], pos, send[at:at + n])
+        at += n
+    with trace.recording(True):            # observed even where a run records nothing else
+        mark = trace.mark()
+        comm.all_to_all_single(recv, send, out_sizes, in_sizes, group=group, name=name)
+        observed = sum(e["bytes_sent"] for e in trace.since(mark) if e["name"] == name)
+    at = 0
+    for k, pos, n in unpack:
+        _write(new.views[k], pos, recv[at:at + n])
+        at += n
+    return observed

@@ -12,7 +12,9 @@ What a switch promises (its contract, whatever the implementation):
 So the next step of the new layout is the step the old one would have taken (up to the new
 layout's order of sums). The holdings (:mod:`.holdings`) travel as runs of indices, not values;
 the plan of a pair of layouts is made once and kept (:mod:`.plans`); the plan and the
-all-to-all are :mod:`minipar.moves`, which chapter 04's re-partitioning uses as well. Its cost is
+all-to-all are :mod:`minipar.moves`, which chapter 04's re-partitioning uses as well (the
+library's own switch carries out :func:`minipar.moves.execute`'s moves with
+:func:`.cut.exchange`: the same moves, one copy per element a side, into a kept buffer). Its cost is
 measured against the α-β time of its all-to-all (:func:`exchange_seconds`), α and β fitted on
 the all-to-all itself (:func:`measure_exchange`)."""
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..pieces import local_pieces
 from ..runtime import trace
 from . import plans
 from .cut import Views, by_piece
+from .cut import exchange as _exchange
 from .holdings import held_runs
 
 
@@ -43,7 +46,8 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
     ``new`` (another layout of the same model and world). A collective of the whole world.
     Returns the switch's record on this rank: ``bytes_sent`` and ``bytes_received`` (by the plan,
     and ``sent_observed`` by the all-to-all's own event), ``plan_bytes`` (the whole switch),
-    ``moves``, ``segments`` (the units planned), ``plan_kept`` (the plan of this pair of layouts
+    ``splits`` (the elements it sends to, and receives from, each rank: its all-to-all's split
+    sizes), ``moves``, ``segments`` (the units planned), ``plan_kept`` (the plan of this pair of layouts
     was made before: :mod:`.plans`), ``seconds`` and its ``phases``: ``wait`` (the
     ranks reach the switch at different times: the time of its first collective, the all-gather of
     the geometry's hash), ``describe`` (the pieces of both layouts and the hash of this rank's
@@ -93,7 +97,7 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
         done("plan")
         mark = trace.mark()
         if direct:                          # packed from, unpacked into, the live pieces themselves
-            observed = _execute(planned.by_piece[1], Views(sources, 0, device), Views(targets, 1, device))
+            observed = _exchange(planned.by_piece[1], Views(sources, 0, device), Views(targets, 1, device))
         else:                               # an exercise's execute: flat buffers, index and slice positions
             flat_new = torch.empty(numel, dtype=torch.float32, device=device)
             flat_old = torch.cat(sources) if sources else torch.empty(0, dtype=torch.float32, device=device)
@@ -107,7 +111,10 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
         phases["copy"] -= exchange                 # what stays: packing, local copies, unpacking
         phases["all_to_all"] = exchange
     sent, received = planned.sent, planned.received
+    if planned.splits is None:
+        planned.splits = splits(planned.p, me)
     out = {"bytes_sent": sent[me] * 4, "bytes_received": received[me] * 4, "sent_observed": observed,
+           "splits": planned.splits,
            "plan_bytes": sum(sent) * 4, "busiest_bytes": 4 * max(max(sent), max(received)), "world": world,
            "moves": planned.moves, "segments": planned.segments, "plan_kept": kept,
            "seconds": sum(phases.values()), "phases": phases}
@@ -116,6 +123,19 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
         out["over_alpha_beta"] = ((out["seconds"] - phases["wait"]) / out["alpha_beta_s"] if out["alpha_beta_s"] > 0
                                   else float("inf"))       # α and β of 0 (a fit on a loaded machine), no bytes
     return out
+
+
+def splits(p, me: int) -> tuple[list[int], list[int]]:
+    """Rank ``me``'s all-to-all of plan ``p``: the elements it sends to each rank and receives from
+    each (0 for itself): the split sizes of its ``all_to_all_single``."""
+    send, recv = [0] * p.world_size, [0] * p.world_size
+    for mv in p.moves:
+        if mv.src != mv.dst:
+            if mv.src == me:
+                send[mv.dst] += mv.numel
+            if mv.dst == me:
+                recv[mv.src] += mv.numel
+    return send, recv
 
 
 def _own_execute() -> bool:

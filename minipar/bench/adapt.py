@@ -19,6 +19,12 @@ Two things, on 4 ranks of the course GPT (SGD with momentum):
   pair's plan is made; after that it is kept (:mod:`minipar.adapt.plans`), and the table says
   which. The goal: a switch, its rebuild apart, within 2× its α-β time (``over α-β`` ≤ 2); each
   size reports the median and the range over its switches, and the medians of made and kept.
+  Beside it, ``warm``: the switch's own all-to-all (its split sizes) run again right after it
+  into buffers already touched, and ``over warm``, the switch over that: the same bound measured
+  at the load of that moment (α and β are fitted once, at the start, and a shared machine's
+  load moves). On a CPU the switch's send and receive buffer is kept between switches
+  (:func:`minipar.adapt.cut.staging`): the first switch of a run pays the first touch of its
+  pages (on a CPU several times the copy into it), the later ones do not.
 
 The whole run's time is its steps plus its switches, their rebuilds included.
 """
@@ -87,20 +93,24 @@ def main(argv=None) -> dict:
         notes += [f"\nswitches of the {name} ({rows_[0]['params']:,} parameters; ms, slowest rank; α-β of the all-to-all "
                   f"α {rows_[0]['alpha_us']:.0f} µs, β {rows_[0]['beta_GBps']:.2f} GB/s):",
                   f"  {'to':<20}{'MiB':>7}{'α-β':>7}{'a2a':>7}{'describe':>9}{'plan':>7}{'copy':>7}{'wait':>7}"
-                  f"{'build':>7}{'over α-β':>10}  plan",
+                  f"{'build':>7}{'over α-β':>10}{'warm':>7}{'over warm':>10}  plan",
                   *[f"  {r['to']:<20}{r['plan_MiB']:>7.2f}{r['estimate_ms']:>7.1f}{r['all_to_all_ms']:>7.1f}"
                     f"{r['describe_ms']:>9.1f}{r['plan_ms']:>7.1f}{r['copy_ms']:>7.1f}{r['wait_ms']:>7.1f}"
-                    f"{r['build_ms']:>7.0f}{r['over_alpha_beta']:>10.1f}  {'kept' if r['kept'] else 'made'}"
+                    f"{r['build_ms']:>7.0f}{r['over_alpha_beta']:>10.1f}{r['warm_ms']:>7.1f}{r['over_warm']:>10.1f}"
+                    f"  {'kept' if r['kept'] else 'made'}"
                     for r in rows_],
                   f"  over α-β (the switch, its rebuild and wait apart, / its all-to-all's α-β time): median "
                   f"{statistics.median(over):.1f}, range {min(over):.1f} .. {max(over):.1f} over {len(over)} switches; "
-                  f"the plan made (first time round): median {_median(rows_, False)}, kept: {_median(rows_, True)}"]
+                  f"the plan made (first time round): median {_median(rows_, False)}, kept: {_median(rows_, True)}",
+                  f"  over warm (the same / its own all-to-all again, warm buffers, right after it): median "
+                  f"{statistics.median(r['over_warm'] for r in rows_):.1f}, kept: "
+                  f"{_median(rows_, True, 'over_warm')}"]
     return report(result, a, intro=[f"4 ranks, GPT {config.n_layer}×{config.n_embd}, {steps} steps, "
                                     f"median of {repeats} interleaved pairs"], notes=notes)
 
 
-def _median(rows_, kept: bool) -> str:
-    over = [r["over_alpha_beta"] for r in rows_ if r["kept"] == kept]
+def _median(rows_, kept: bool, key: str = "over_alpha_beta") -> str:
+    over = [r[key] for r in rows_ if r["kept"] == kept]
     return f"{statistics.median(over):.1f}" if over else "-"
 
 
@@ -128,8 +138,24 @@ def _switches(config, a) -> list[dict]:
                     "kept": s["plan_kept"],
                     "build_ms": 1e3 * max(r["build_seconds"] for r in per_rank), **{f"{k}_ms": v for k, v in slow.items()},
                     "switch_ms": 1e3 * work, "over_alpha_beta": work / est, "params": res[0]["params"],
+                    "warm_ms": 1e3 * (warm := max(r["warm_seconds"] for r in per_rank)), "over_warm": work / warm,
                     "alpha_us": 1e6 * alpha, "beta_GBps": 1e-9 / beta if beta else float("inf")})
     return out
+
+
+def warm_exchange(send: list[int], recv: list[int], repeats: int = 3) -> float:
+    """The switch's own all-to-all again (its split sizes, fp32), into buffers already touched,
+    each after a barrier: the fastest of ``repeats``. Measured right after the switch, so at the
+    machine's load of that moment: what the exchange alone costs, its pattern included."""
+    x = torch.ones(sum(send), device=device())
+    y = torch.zeros(sum(recv), device=device())
+    runs = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(y, x, recv, send)
+        runs.append(time.perf_counter() - t0)
+    return min(runs)
 
 
 def switch_costs(config, layouts, rounds: int) -> dict:
@@ -152,7 +178,8 @@ def switch_costs(config, layouts, rounds: int) -> dict:
             t0 = time.perf_counter()
             new = build(text)
             built = time.perf_counter() - t0
-            records.append(reshard(old, new, (alpha, beta)) | {"to": text, "build_seconds": built})
+            rec = reshard(old, new, (alpha, beta))
+            records.append(rec | {"to": text, "build_seconds": built, "warm_seconds": warm_exchange(*rec["splits"])})
             old = new
     return {"alpha": alpha, "beta": beta, "records": records, "params": params}
 

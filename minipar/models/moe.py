@@ -81,8 +81,8 @@ def route(logits: torch.Tensor, top_k: int):
 def keep_within_capacity(expert_of: torch.Tensor, n_experts: int, cap: int | None,
                          before: torch.Tensor | None = None) -> torch.Tensor:
     """Which assignments (flat, in token order) an expert keeps: the first ``cap`` per expert.
-    ``before[i]``: assignments to expert i earlier in the global order (those of lower ranks
-    under expert parallelism); zero on one device."""
+    ``before[i]``: how many assignments to expert i come ahead of these ones in the order
+    capacity counts in; zero (``None``) on one device."""
     if cap is None:
         return torch.ones_like(expert_of, dtype=torch.bool)
     one_hot = F.one_hot(expert_of, n_experts)

@@ -23,10 +23,11 @@ def attention() -> int:
     import torch.nn.functional as F
 
     from ..models import attention as attn
+    from ..runtime.pool import deterministic_cuda
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to compare")
         return 1
-    torch.backends.cuda.matmul.allow_tf32 = False
+    deterministic_cuda()
     failed, g = 0, torch.Generator().manual_seed(0)
     for name, dtype in (("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)):
         for mask in ("causal", "positions"):

@@ -58,8 +58,9 @@ def to_cpu(obj):
 def deterministic_cuda() -> None:
     """fp32 matmuls and convolutions in full fp32 (no TF32), so a GPU run can be compared with
     a single-process run on the same device at fp32 tolerances."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    b = torch.backends                     # the settings of torch >= 2.9 (the allow_tf32 flags
+    b.cuda.matmul.fp32_precision = "ieee"  # are deprecated there and warn)
+    b.cudnn.conv.fp32_precision = b.cudnn.rnn.fp32_precision = "ieee"
 
 
 def _is_oom(e: BaseException) -> bool:

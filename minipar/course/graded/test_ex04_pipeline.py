@@ -114,6 +114,22 @@ def test_partition_is_balanced(impl):
                      "split's being the expected (the most expensive stage is as cheap as possible)")
 
 
+@observes("ex04.A.optimal")
+def test_min_max_is_the_best_costliest_stage(impl):
+    """_min_max(prefix, p) on its own: the cost of the costliest stage of the best split (brute force)."""
+    from minipar.model_parallel.partition import _min_max
+    rng = random.Random(2)
+    for _ in range(40):
+        L = rng.randint(1, 8)
+        costs = [rng.choice([1, 2, 3, 5, 8, 13, 40]) for _ in range(L)]
+        p = rng.randint(1, L)
+        prefix = [sum(costs[:j]) for j in range(L + 1)]
+        got = _min_max([float(x) for x in prefix], p)
+        expect_equal(got, float(_best(costs, p)),
+                     f"_min_max({prefix}, p={p}) (the prefix sums of costs {costs}): the cost of the costliest stage "
+                     "of the best split, by brute force (the most expensive stage is as cheap as possible)")
+
+
 @observes("ex04.A.range")
 def test_partition_rejects_too_many_stages(impl):
     """More stages than layers is a ValueError."""

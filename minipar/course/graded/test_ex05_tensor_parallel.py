@@ -26,7 +26,7 @@ import minipar
 from minipar import cost
 from minipar.runtime import trace
 from minipar import tensor_parallel as tp
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_recorded, attempt, observes
+from minipar.course.grading import breaks, diagnose, expect, expect_close, expect_equal, expect_recorded, attempt, observes
 
 EXERCISE = "ex05_tensor_parallel"
 HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
@@ -419,7 +419,10 @@ def _state(m):
 
 
 def _shard_case(cls, gi, bias, group):
-    return _state(cls.from_linear(_given(gi, bias), group=group, seed=99))      # the seed is not the layer's
+    given = _given(gi, bias)
+    m = cls.from_linear(given, group=group, seed=99)                            # the seed is not the layer's
+    ptrs = {q.untyped_storage().data_ptr() for q in given.parameters()}
+    return {**_state(m), "shared": sorted(n for n, q in m.named_parameters() if q.untyped_storage().data_ptr() in ptrs)}
 
 
 def _shards():
@@ -450,6 +453,9 @@ def test_layers_shard_the_single_device_layer(impl):
             expect_equal(got_state["bias"] is None, want_b is None, f"{where}, {name}: the bias is None")
             if want_b is not None:
                 _close(got_state["bias"], want_b, f"{name}'s bias ({'entries 2r..2r+1' if column else 'whole'})", where)
+            with breaks("ex05.B.load"):
+                expect_equal(got_state["shared"], [], f"{where}, {name}: the module's parameters whose storage is the "
+                             "given layer's (the shard is held in storage of its own)")
 
 
 # ----------------------------------------------------------------------------- cross-entropy on subgroups

@@ -450,12 +450,13 @@ def test_stages_1_and_2_train_like_one_process(impl):
     want = _want()
     for rank, got in enumerate(results):
         for stage, res in got.items():
-            expect_same_training(res, want, f"rank {rank}, ZeRO-{stage}", rtol=1e-4, atol=5e-5)
-            want_state = cost.zero_bytes_per_rank(res["unit_sizes"], 4, stage, k=8)["optimizer"]
-            expect_equal(res["memory"]["optimizer"], want_state,
-                         f"rank {rank}, ZeRO-{stage}: optimizer state bytes (cost.zero_bytes_per_rank)")
-            expect_equal(res["comm_bytes"], cost.zero_comm_bytes(res["unit_sizes"], 4, stage),
-                         f"rank {rank}, ZeRO-{stage}: bytes sent per run (cost.zero_comm_bytes)")
+            with breaks("ex06.*.train"):
+                expect_same_training(res, want, f"rank {rank}, ZeRO-{stage}", rtol=1e-4, atol=5e-5)
+                want_state = cost.zero_bytes_per_rank(res["unit_sizes"], 4, stage, k=8)["optimizer"]
+                expect_equal(res["memory"]["optimizer"], want_state,
+                             f"rank {rank}, ZeRO-{stage}: optimizer state bytes (cost.zero_bytes_per_rank)")
+                expect_equal(res["comm_bytes"], cost.zero_comm_bytes(res["unit_sizes"], 4, stage),
+                             f"rank {rank}, ZeRO-{stage}: bytes sent per run (cost.zero_comm_bytes)")
 
 
 # ----------------------------------------------------------------------------- C: gather and free

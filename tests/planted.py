@@ -47,7 +47,8 @@ def fails(test, *args, match: str, **kwargs) -> str:
 def names_its_clause(message: str, test, clause: str) -> None:
     """The grader names ``clause`` for this failure of ``test``, and, when the test observes several
     clauses, not every one of them (the check that failed names its own: ``grading.breaks``), unless
-    the code crashed (no check failed, so the grader cannot tell which clause)."""
+    the code crashed (no check failed, so the grader cannot tell which clause); the hint it points to
+    (:func:`minipar.course.failure_clauses.failed_part`) is for the clause's part."""
     from minipar.course.failure_clauses import named
     observes = getattr(test, "__observes__", ())
     got = named(message, observes)
@@ -55,6 +56,11 @@ def names_its_clause(message: str, test, clause: str) -> None:
     assert clause in got, f"{test.__name__}: the failure names {got}, not {clause}:\n{message}"
     assert crashed or len(observes) == 1 or set(got) != set(observes), \
         f"{test.__name__}: the failure names every clause the test observes, {got}:\n{message}"
+    from minipar.course.failure_clauses import failed_part
+    part = clause.split(".")[1]
+    hint = failed_part(message, observes)
+    assert crashed or part == "*" or hint == part, \
+        f"{test.__name__}: the failure's hint is for part {hint}, its clause {clause} is of part {part}:\n{message}"
 
 
 def contract_tests(exercise: str, graded, plants: dict, elsewhere=(), one_clause: bool = True):

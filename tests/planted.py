@@ -63,7 +63,7 @@ def names_its_clause(message: str, test, clause: str) -> None:
         f"{test.__name__}: the failure's hint is for part {hint}, its clause {clause} is of part {part}:\n{message}"
 
 
-def contract_tests(exercise: str, graded, plants: dict, elsewhere=(), one_clause: bool = True):
+def contract_tests(exercise: str, graded, plants: dict, elsewhere=()):
     """The two tests every ``tests/test_planted_exNN.py`` runs, for ``graded`` (the graded module)
     and ``plants`` (``{clause: (edits, test, match)}`` or ``(edits, test, args, match)``):
 
@@ -72,8 +72,7 @@ def contract_tests(exercise: str, graded, plants: dict, elsewhere=(), one_clause
       ``tests/test_planted_wrong_answers.py`` (``elsewhere``);
     * each plant, run as the learner's file, fails a test tagged as observing its clause
       (``grading.observes``), with a message matching ``match``, and the grader names that clause
-      (and not every clause of a test that observes several: :func:`names_its_clause`;
-      ``one_clause=False`` for a chapter whose graded tests do not name their checks' clauses yet).
+      (and not every clause of a test that observes several: :func:`names_its_clause`).
 
     ``test_every_clause_is_planted, test_planted_answer_fails = contract_tests(...)`` at module level."""
     def test_every_clause_is_planted():
@@ -90,6 +89,5 @@ def contract_tests(exercise: str, graded, plants: dict, elsewhere=(), one_clause
         assert test.__name__ in observed(graded).get(clause, ()), (clause, test.__name__)
         with planted(exercise, tmp_path, *edits):
             message = fails(test, *(args[0] if args else ()), match=match)
-        if one_clause:
-            names_its_clause(message, test, clause)
+        names_its_clause(message, test, clause)
     return test_every_clause_is_planted, test_planted_answer_fails

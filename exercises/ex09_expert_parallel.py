@@ -154,8 +154,8 @@ class ExpertParallelMoE(MoE):
         """Contract:
         - ex09.D.experts: rank j of the group holds experts j·E/ep .. (j+1)·E/ep - 1 of
           ``moe`` (``self.local``: their indices; ``self.experts``: a ``ModuleDict``
-          keyed by those indices as strings) and ``moe``'s router (``self.router``);
-          ``self.ep``, ``self.rank``.
+          keyed by those indices as strings) and ``moe``'s router (``self.router``), the
+          given modules' own parameters, not copies; ``self.ep``, ``self.rank``.
         - ex09.D.divide: E that ep does not divide is a ``ValueError``."""
         nn.Module.__init__(self)
         self.n_experts, self.top_k, self.capacity_factor = moe.n_experts, moe.top_k, moe.capacity_factor

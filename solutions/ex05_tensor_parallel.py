@@ -167,8 +167,9 @@ class ColumnParallelLinear(nn.Module):
         """Contract:
         - ex05.B.load: ``ColumnParallelLinear.from_linear`` and
           ``RowParallelLinear.from_linear`` return a module (built with ``**kwargs``)
-          holding this rank's shard of the given single-device ``nn.Linear``, so that it
-          computes the rank's part of that layer.
+          holding this rank's shard of the given single-device ``nn.Linear`` in storage
+          of its own (none shared with the given layer), so that it computes the rank's
+          part of that layer.
         - ex05.B.nobias: from a layer with ``bias=False`` too."""
         with torch.device(linear.weight.device):  # built where the layer lives
             m = cls(linear.in_features, linear.out_features, linear.bias is not None, **{**kwargs, "seed": None})

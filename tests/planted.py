@@ -44,6 +44,25 @@ def fails(test, *args, match: str, **kwargs) -> str:
     return str(e.value)
 
 
+def names_its_clause(message: str, test, clause: str) -> None:
+    """The grader names ``clause`` for this failure of ``test``, and, when the test observes several
+    clauses, not every one of them (the check that failed names its own: ``grading.breaks``), unless
+    the code crashed (no check failed, so the grader cannot tell which clause); the hint it points to
+    (:func:`minipar.course.failure_clauses.failed_part`) is for the clause's part."""
+    from minipar.course.failure_clauses import named
+    observes = getattr(test, "__observes__", ())
+    got = named(message, observes)
+    crashed = "the call raised" in message or "died" in message     # no check failed: the grader cannot tell which
+    assert clause in got, f"{test.__name__}: the failure names {got}, not {clause}:\n{message}"
+    assert crashed or len(observes) == 1 or set(got) != set(observes), \
+        f"{test.__name__}: the failure names every clause the test observes, {got}:\n{message}"
+    from minipar.course.failure_clauses import failed_part
+    part = clause.split(".")[1]
+    hint = failed_part(message, observes)
+    assert crashed or part == "*" or hint == part, \
+        f"{test.__name__}: the failure's hint is for part {hint}, its clause {clause} is of part {part}:\n{message}"
+
+
 def contract_tests(exercise: str, graded, plants: dict, elsewhere=()):
     """The two tests every ``tests/test_planted_exNN.py`` runs, for ``graded`` (the graded module)
     and ``plants`` (``{clause: (edits, test, match)}`` or ``(edits, test, args, match)``):
@@ -52,7 +71,8 @@ def contract_tests(exercise: str, graded, plants: dict, elsewhere=()):
       blocks), and every clause a graded test observes is planted here, or in
       ``tests/test_planted_wrong_answers.py`` (``elsewhere``);
     * each plant, run as the learner's file, fails a test tagged as observing its clause
-      (``grading.observes``), with a message matching ``match``.
+      (``grading.observes``), with a message matching ``match``, and the grader names that clause
+      (and not every clause of a test that observes several: :func:`names_its_clause`).
 
     ``test_every_clause_is_planted, test_planted_answer_fails = contract_tests(...)`` at module level."""
     def test_every_clause_is_planted():
@@ -68,5 +88,6 @@ def contract_tests(exercise: str, graded, plants: dict, elsewhere=()):
         from minipar.course.grading import observed
         assert test.__name__ in observed(graded).get(clause, ()), (clause, test.__name__)
         with planted(exercise, tmp_path, *edits):
-            fails(test, *(args[0] if args else ()), match=match)
+            message = fails(test, *(args[0] if args else ()), match=match)
+        names_its_clause(message, test, clause)
     return test_every_clause_is_planted, test_planted_answer_fails

@@ -81,3 +81,14 @@ def test_a_warm_up_not_capped_at_m_fails_where_m_is_below_p(tmp_path):
                                     "    warmup = p - rank - 1\n    out = [")):
         fails(g.test_one_f_one_b_is_valid, match=r"p = 3, m = 1, rank 0, action 1 \(F1s0\): the Fs so far ran "
               r"micro-batches 0\.\.0, this one is micro-batch 1 \(m = 1\) \(every rank's order has exactly 2m")
+
+
+def test_a_min_max_that_partition_does_not_expose_fails(tmp_path):
+    """A _min_max that returns a feasible but not the best cost (the total): partition, taking the most
+    even split under it, still passes its own tests; _min_max graded on its own fails, naming ex04.A.optimal."""
+    from tests.planted import fails, planted
+    edit = ("    return best[p][L]\n", "    return prefix[L]\n")
+    with planted("ex04", tmp_path, edit):
+        g.test_partition_is_balanced("exercise")            # not exposed by partition
+        fails(g.test_min_max_is_the_best_costliest_stage, match=r"_min_max\(\[.*\], p=\d\) .*: the cost of the costliest "
+              r"stage of the best split, by brute force \(the most expensive stage is as cheap as possible\)")

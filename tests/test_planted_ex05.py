@@ -91,6 +91,13 @@ MORE = {  # name -> (clause, edits, graded test, what the message must name)
                           "    return x.chunk(n, dim)[torch.distributed.get_rank() % n].contiguous()")],
         g.test_gather_and_split, r"rank \d \(rank \d of group \[\d, \d\]\): (split along dim 1 \(block \d of 2\)|"
                                  r"the gradient of gather's input)"),
+    "a shard that is a view of the given layer's weight": (
+        "ex05.B.load", [("        m.load_state_dict({k: v.chunk(t, 0)[r] for k, v in linear.state_dict().items()})",
+                         "        for k, v in linear.named_parameters():\n"
+                         "            setattr(m, k, torch.nn.Parameter(v.detach().chunk(t, 0)[r]))")],
+        g.test_layers_shard_the_single_device_layer,
+        r"ColumnParallelLinear\.from_linear\(nn\.Linear\(6, 4\)\): the module's parameters whose storage is the given "
+        r"layer's .*\n(.*\n)*  breaks ex05\.B\.load"),
 }
 
 

@@ -140,3 +140,12 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
 
 
 test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex06", g, PLANTS)
+
+
+def test_a_step_that_does_not_repoint_the_gradients_fails(tmp_path):
+    """A step that reduces self.flat_grads without pointing the parameters' .grad back into them: after the
+    model's own zero_grad (set_to_none) the backward writes new .grad tensors and the step misses them."""
+    from tests.planted import fails, planted
+    with planted("ex06", tmp_path, ("        self._point_grads()\n" + STEP, STEP)):
+        fails(g.test_zero_optimizer, match=r"fp32, Adam: parameter \w after step 2 .*the model's zero_grad\(\) before "
+              r"its backward(.*\n)*  breaks ex06\.B\.second")

@@ -120,3 +120,13 @@ def test_extra_collective_with_a_token_group_fails_recorded(tmp_path):
     with planted("ex09", tmp_path, EXTRA["an all-reduce of the counts on the ep group, every forward"]):
         fails(g.test_layer_on_subgroups,
               match=r"rank 0: what the layer's forward recorded with a token_group(?s:.*)breaks ex09\.D\.recorded")
+
+
+def test_a_router_copied_per_rank_fails_experts(tmp_path):
+    """A router deep-copied per rank: outputs and gradients equal one device's, but the layer does not hold
+    the given MoE's router (its training would not reach the dense model's); the failure names ex09.D.experts."""
+    with planted("ex09", tmp_path, ("        self.router = moe.router",
+                                    '        self.router = __import__("copy").deepcopy(moe.router)')):
+        g.test_expert_parallel_layer("exercise")            # outputs, gradients and the trace do not show it
+        fails(g.test_layer_on_subgroups, match=r"rank 0: parameters of the given MoE's router .*: "
+              r"expected 0 entries, got 1\n  expected: \[\]\n  got:      \['router\.weight'\]\n  breaks ex09\.D\.experts")

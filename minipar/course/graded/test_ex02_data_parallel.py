@@ -34,7 +34,7 @@ from minipar import data, reference
 from minipar.runtime import trace
 from minipar.data_parallel import (DistributedDataParallel, allreduce_gradients, assign_buckets,
                                    shard_batch, trainable)
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, observes
+from minipar.course.grading import breaks, diagnose, expect, expect_close, expect_equal, expect_same_training, observes
 from minipar.models import GPT, MLP, GPTConfig
 
 EXERCISE = "ex02_data_parallel"
@@ -117,21 +117,24 @@ def _average_once(use_ring):
     return got, want, model.net[0][0].bias.grad is None, sent
 
 
-def _check_average(results, n):
+def _check_average(results, n, fn=False):
     psi = sum(p.numel() for p in trainable(_mlp_with_frozen_bias().parameters()))
     expected = int(cost.ddp_bytes_per_step(psi, n))
     for rank, (got, want, frozen_ok, sent) in enumerate(results):
-        expect(frozen_ok, f"rank {rank}: a frozen parameter (requires_grad=False) holds a gradient after the "
-                          "call (frozen parameters stay without a gradient)")
-        expect_equal(sorted(got), sorted(want), f"rank {rank}: the parameters that hold a gradient")
-        for k in want:
-            with diagnose(lambda f, k=k: torch.allclose(got[k], want[k] * n, rtol=1e-4, atol=1e-6),
-                          f"the gradient is {n} times the average: the sum over the {n} ranks"):
-                expect_close(got[k], want[k], "gradient (the average of the ranks' gradients)",
-                             where=f"rank {rank}, {k}", rtol=1e-5, atol=1e-6)
-        with diagnose(sent > expected, "more bytes than one all-reduce of each trainable parameter"):
-            expect_equal(sent, expected, f"rank {rank}: bytes sent by the gradient all-reduces "
-                                         f"(cost.ddp_bytes_per_step for Ψ = {psi} parameters over {n} ranks)")
+        with breaks("ex02.A.frozen"):
+            expect(frozen_ok, f"rank {rank}: a frozen parameter (requires_grad=False) holds a gradient after the "
+                              "call (frozen parameters stay without a gradient)")
+        with breaks("ex02.A.fn" if fn else "ex02.A.average"):
+            expect_equal(sorted(got), sorted(want), f"rank {rank}: the parameters that hold a gradient")
+            for k in want:
+                with diagnose(lambda f, k=k: torch.allclose(got[k], want[k] * n, rtol=1e-4, atol=1e-6),
+                              f"the gradient is {n} times the average: the sum over the {n} ranks"):
+                    expect_close(got[k], want[k], "gradient (the average of the ranks' gradients)",
+                                 where=f"rank {rank}, {k}", rtol=1e-5, atol=1e-6)
+        with breaks("ex02.A.fn" if fn else "ex02.*.recorded" if sent == 0 else "ex02.A.bytes"):
+            with diagnose(sent > expected, "more bytes than one all-reduce of each trainable parameter"):
+                expect_equal(sent, expected, f"rank {rank}: bytes sent by the gradient all-reduces "
+                                             f"(cost.ddp_bytes_per_step for Ψ = {psi} parameters over {n} ranks)")
 
 
 @observes("ex02.A.average", "ex02.A.frozen", "ex02.A.bytes", "ex02.*.recorded")
@@ -145,7 +148,7 @@ def test_allreduce_gradients_averages(impl):
 def test_allreduce_gradients_with_your_all_reduce(impl):
     """With all_reduce_fn given (the ring all-reduce), every .grad is still the mean."""
     _check_average(minipar.launch(_average_once, 2, args=(True,),
-                                  timeout=TIMEOUT), 2)
+                                  timeout=TIMEOUT), 2, fn=True)
 
 
 def _naive_training(model, batches):
@@ -238,29 +241,37 @@ def test_gradient_less_parameter_dtype_group_two_steps(impl):
             err = res[version][2]
             expect(err is None, f"{version}: group rank {g} (global rank {g + 1}) raised {err}")
         calls = [res[version][0] for res in results]
+        part = version[0]                                   # "A: allreduce_gradients" or "C: ..."
         for step in range(2):
+            later = ("ex02.C.reset",) if step and part == "C" else ()
             clean = " (a second step starts from a clean state)" if step else ""
-            expect_equal(calls[1][step], calls[0][step],
-                         f"{version}, step {step}: the all_reduce_fn calls (dtype, elements, group size) of "
-                         "group rank 1, whose float64 parameter 'extra' has no gradient, against group rank 0's "
-                         "(a parameter without a gradient still takes part, as zeros; every rank issues the "
-                         f"same collectives in the same order){clean}", keys="call")
-            expect(all(k == 2 for _, _, k in calls[0][step]),
-                   f"{version}, step {step}: all_reduce_fn was given a group of sizes "
-                   f"{[k for _, _, k in calls[0][step]]}, expected the group of 2 (any group)")
+            with breaks("ex02.*.order", *later):
+                expect_equal(calls[1][step], calls[0][step],
+                             f"{version}, step {step}: the all_reduce_fn calls (dtype, elements, group size) of "
+                             "group rank 1, whose float64 parameter 'extra' has no gradient, against group rank 0's "
+                             "(a parameter without a gradient still takes part, as zeros; every rank issues the "
+                             f"same collectives in the same order){clean}", keys="call")
+            with breaks(f"ex02.{part}.group"):
+                expect(all(k == 2 for _, _, k in calls[0][step]),
+                       f"{version}, step {step}: all_reduce_fn was given a group of sizes "
+                       f"{[k for _, _, k in calls[0][step]]}, expected the group of 2 (any group)")
             for g, res in enumerate(results):
                 got, want, frozen_ok = res[version][1][step]
-                expect(frozen_ok, f"{version}, step {step}, group rank {g}: the frozen parameter holds a "
-                                  "gradient (frozen parameters stay without a gradient)")
+                with breaks("ex02.A.frozen"):
+                    expect(frozen_ok, f"{version}, step {step}, group rank {g}: the frozen parameter holds a "
+                                      "gradient (frozen parameters stay without a gradient)")
                 for k, w in want.items():
-                    expect(got[k] is not None, f"{version}, step {step}, group rank {g}: {k} has no .grad after "
-                                               "the step (a parameter without a gradient still takes part, as zeros)")
-                    expect_equal(str(got[k].dtype), str(w.dtype), f"{version}, step {step}, group rank {g}: dtype "
-                                 f"of {k}.grad (each tensor's dtype is kept)")
-                    expect_close(got[k], w, "gradient: this rank's own (zeros without one) divided by 2, the "
-                                 "group's size, as all_reduce_fn here leaves each tensor unchanged (any group)"
-                                 + clean, where=f"{version}, step {step}, group rank {g}, {k}",
-                                 rtol=1e-5, atol=1e-7)
+                    with breaks(*(later or (f"ex02.{part}.average",))):
+                        expect(got[k] is not None, f"{version}, step {step}, group rank {g}: {k} has no .grad after "
+                                                   "the step (a parameter without a gradient still takes part, as zeros)")
+                    with breaks("ex02.A.dtype"):
+                        expect_equal(str(got[k].dtype), str(w.dtype), f"{version}, step {step}, group rank {g}: dtype "
+                                     f"of {k}.grad (each tensor's dtype is kept)")
+                    with breaks(*(later or (f"ex02.{part}.group",))):
+                        expect_close(got[k], w, "gradient: this rank's own (zeros without one) divided by 2, the "
+                                     "group's size, as all_reduce_fn here leaves each tensor unchanged (any group)"
+                                     + clean, where=f"{version}, step {step}, group rank {g}, {k}",
+                                     rtol=1e-5, atol=1e-7)
 
 
 @observes("ex02.A.average")
@@ -275,6 +286,16 @@ def test_naive_training_matches_single_process(impl):
 
 
 # ----------------------------------------------------------------------------- B: buckets
+def _bucket_clause(got, cap_bytes, sizes=(10, 300, 20, 20, 5, 1000, 7)):
+    """The clause wrong buckets of the 7 parameters break first: the order, the cap, or fullness."""
+    flat = [i for b in got for i in b]
+    if flat != list(range(6, -1, -1)):
+        return "ex02.B.order"
+    if any(len(b) > 1 and 4 * sum(sizes[i] for i in b) > cap_bytes for b in got):
+        return "ex02.B.cap"
+    return "ex02.B.full"
+
+
 @observes("ex02.B.order", "ex02.B.cap", "ex02.B.full", "ex02.B.dtype", "ex02.B.negative")
 def test_assign_buckets(impl):
     """Buckets: every parameter once in the order backward makes them ready, the cap, full buckets, one dtype
@@ -291,7 +312,7 @@ def test_assign_buckets(impl):
                             (180, [[6], [5], [4, 3, 2], [1], [0]]),     # 180 B exactly fits
                             (179, [[6], [5], [4, 3], [2], [1], [0]])]:
         got = ids(cap_bytes / 2**20)
-        with diagnose(lambda f, got=got: sorted(i for b in got for i in b) == list(range(7)) and
+        with breaks(_bucket_clause(got, cap_bytes)), diagnose(lambda f, got=got: sorted(i for b in got for i in b) == list(range(7)) and
                       [i for b in got for i in b] != list(range(6, -1, -1)),
                       "every parameter is in a bucket, not in the order backward makes gradients ready (the last "
                       "parameter's first)"):
@@ -300,15 +321,17 @@ def test_assign_buckets(impl):
                          keys="bucket")
     mixed = [torch.nn.Parameter(torch.zeros(4, dtype=d)) for d in
              (torch.float32, torch.float32, torch.float64, torch.float32)]
-    expect_equal([len(b) for b in assign_buckets(mixed, 25)], [1, 1, 2],
-                 "bucket sizes for float32, float32, float64, float32 (one dtype per bucket)",
-                 keys="bucket")
+    with breaks("ex02.B.dtype"):
+        expect_equal([len(b) for b in assign_buckets(mixed, 25)], [1, 1, 2],
+                     "bucket sizes for float32, float32, float64, float32 (one dtype per bucket)",
+                     keys="bucket")
     try:
         assign_buckets(params, -1)
     except ValueError:
         pass
     else:
-        expect(False, "assign_buckets(params, -1) returned (a negative cap is a ValueError)")
+        with breaks("ex02.B.negative"):
+            expect(False, "assign_buckets(params, -1) returned (a negative cap is a ValueError)")
 
 
 # ----------------------------------------------------------------------------- C: reducer
@@ -355,15 +378,17 @@ def _run_reducer(n, kw, accumulation=1, probe=False, cfg=CFG):
     want = reference.train_reference(GPT(cfg, seed=1), batches, reference.sgd(0.5))
     psi = sum(p.numel() for p in GPT(cfg, seed=1).parameters())
     for rank, got in enumerate(results):
-        with diagnose(_first_step_only(got["losses"], want["losses"]),
-                      "the first step's loss is the single process's and a later step's is not: a step after the "
-                      "first goes wrong (ex02.C.reset)"):
-            expect_same_training(got, want, f"rank {rank}", rtol=RTOL, atol=ATOL)
-        expect_equal(got["sent"], int(STEPS * cost.ddp_bytes_per_step(psi, n)),
-                     f"rank {rank}: bytes sent in gradient all-reduces over {STEPS} steps (gradient traffic equals "
-                     "cost.ddp_bytes_per_step per step; none inside no_sync)")
-        expect_equal(got["calls"], STEPS * got["buckets"],
-                     f"rank {rank}: gradient all-reduces over {STEPS} steps ({got['buckets']} buckets: one each per step)")
+        with breaks("ex02.C.no_sync" if accumulation > 1 else "ex02.C.average"):
+            with diagnose(_first_step_only(got["losses"], want["losses"]),
+                          "the first step's loss is the single process's and a later step's is not: a step after the "
+                          "first goes wrong (ex02.C.reset)"):
+                expect_same_training(got, want, f"rank {rank}", rtol=RTOL, atol=ATOL)
+        with breaks("ex02.C.bytes"):
+            expect_equal(got["sent"], int(STEPS * cost.ddp_bytes_per_step(psi, n)),
+                         f"rank {rank}: bytes sent in gradient all-reduces over {STEPS} steps (gradient traffic equals "
+                         "cost.ddp_bytes_per_step per step; none inside no_sync)")
+            expect_equal(got["calls"], STEPS * got["buckets"],
+                         f"rank {rank}: gradient all-reduces over {STEPS} steps ({got['buckets']} buckets: one each per step)")
     return results
 
 
@@ -444,16 +469,20 @@ def test_reducer_on_a_sub_group(impl):
             for rank, res in enumerate(results):
                 got = res[version][step]
                 where = f"{version}, step {step}, rank {rank} (group {[rank // 2 * 2, rank // 2 * 2 + 1]}, named 'dp')"
-                expect_equal(got["dims"], ["dp"], f"{where}: the group labels of the recorded gradient all-reduces "
-                             "(any group: every collective runs on ``group``; the world's label is 'world'; "
-                             "none recorded: [])")
+                group = f"ex02.{version[0]}.group"
+                with breaks("ex02.*.recorded" if got["dims"] == [] else group):
+                    expect_equal(got["dims"], ["dp"], f"{where}: the group labels of the recorded gradient "
+                                 "all-reduces (any group: every collective runs on ``group``; the world's label is "
+                                 "'world'; none recorded: [])")
                 mates = [results[q][version][step]["local"] for q in (rank // 2 * 2, rank // 2 * 2 + 1)]
                 world = [results[q][version][step]["local"] for q in range(4)]
                 for k in mates[0]:
                     want = (mates[0][k] + mates[1][k]) / 2
-                    expect(got["got"][k] is not None, f"{where}: {k} has no .grad after the step")
-                    with diagnose(lambda f, k=k: torch.allclose(got["got"][k], sum(w[k] for w in world) / 4,
-                                                                rtol=1e-5, atol=1e-7),
-                                  "the gradient is the average over all 4 ranks, not over the group's 2"):
+                    with breaks(group):
+                        expect(got["got"][k] is not None, f"{where}: {k} has no .grad after the step")
+                    over_world = lambda f, k=k: torch.allclose(got["got"][k], sum(w[k] for w in world) / 4,  # noqa: E731
+                                                               rtol=1e-5, atol=1e-7)
+                    with breaks(group), diagnose(over_world, "the gradient is the average over all 4 ranks, not over "
+                                                             "the group's 2"):
                         expect_close(got["got"][k], want, "gradient (the average over this rank's group of 2, "
                                      "any group)", where=f"{where}, {k}", rtol=1e-5, atol=1e-7)

@@ -33,7 +33,7 @@ from minipar import strategy
 from minipar.model_parallel import stage_comm
 from minipar.pipeline.executor import Pipeline
 from minipar.pipeline.schedules import Action, Schedule, add_comms, make_schedule
-from minipar.course.grading import (diagnose, expect, expect_close, expect_equal, expect_recorded,
+from minipar.course.grading import (GradeFailure, breaks, diagnose, expect, expect_close, expect_equal, expect_recorded,
                                     expect_same_training, launched, observes)
 from minipar.models import GPT, LSTMLM, GPTConfig
 from minipar.runtime.launch import LaunchTimeout
@@ -147,18 +147,21 @@ def test_activation_values(impl):
     (activations and gradients); a send returns its Handle."""
     sender, got = minipar.launch(_boundary, 2, timeout=TIMEOUT)
     y, _, _ = _single_process()
-    expect(sender["has_wait"], "rank 0: send_activation returned an object without .wait(), "
-                               "expected its Handle (return its ``Handle`` without waiting)")
-    expect_close(got["values"], y, "the received activation (what rank 0 sent)", where="rank 1")
-    expect_equal({"is_leaf": got["leaf"], "requires_grad": got["requires_grad"]},
-                 {"is_leaf": True, "requires_grad": True},
-                 "rank 1: the received activation's autograd flags (a leaf that requires grad)")
-    expect_equal(got["half_dtype"], "torch.bfloat16",
-                 "rank 1: the dtype of recv_activation(..., dtype=torch.bfloat16) (in the ``dtype`` asked)")
-    expect_close(got["half"], torch.arange(6.0).reshape(2, 3), "the received bfloat16 activation", where="rank 1")
-    expect_equal(sender["half_grad_dtype"], "torch.bfloat16",
-                 "rank 0: the dtype of recv_grad(..., dtype=torch.bfloat16) (in the ``dtype`` asked)")
-    expect_close(sender["half_grad"], torch.arange(6.0).reshape(2, 3), "the received bfloat16 gradient", where="rank 0")
+    with breaks("ex03.A.async"):
+        expect(sender["has_wait"], "rank 0: send_activation returned an object without .wait(), "
+                                   "expected its Handle (return its ``Handle`` without waiting)")
+    with breaks("ex03.A.leaf"):
+        expect_close(got["values"], y, "the received activation (what rank 0 sent)", where="rank 1")
+        expect_equal({"is_leaf": got["leaf"], "requires_grad": got["requires_grad"]},
+                     {"is_leaf": True, "requires_grad": True},
+                     "rank 1: the received activation's autograd flags (a leaf that requires grad)")
+    with breaks("ex03.A.dtype"):
+        expect_equal(got["half_dtype"], "torch.bfloat16",
+                     "rank 1: the dtype of recv_activation(..., dtype=torch.bfloat16) (in the ``dtype`` asked)")
+        expect_close(got["half"], torch.arange(6.0).reshape(2, 3), "the received bfloat16 activation", where="rank 1")
+        expect_equal(sender["half_grad_dtype"], "torch.bfloat16",
+                     "rank 0: the dtype of recv_grad(..., dtype=torch.bfloat16) (in the ``dtype`` asked)")
+        expect_close(sender["half_grad"], torch.arange(6.0).reshape(2, 3), "the received bfloat16 gradient", where="rank 0")
 
 
 @observes("ex03.A.grad")
@@ -180,14 +183,15 @@ def test_transfers_are_recorded(impl):
     ev0, ev1 = r0["events"], r1["events"]
     got = {"rank 0 sent": sum(e["bytes_sent"] for e in ev0), "rank 0 received": sum(e["bytes_recv"] for e in ev0),
            "rank 1 sent": sum(e["bytes_sent"] for e in ev1), "rank 1 received": sum(e["bytes_recv"] for e in ev1)}
-    with diagnose(min(got.values()) == 0, "nothing was recorded on a side: a transfer made with "
-                  "torch.distributed directly is not recorded"):
+    with breaks("ex03.*.recorded"), diagnose(min(got.values()) == 0, "nothing was recorded on a side: a transfer "
+                                             "made with torch.distributed directly is not recorded"):
         expect_equal(got, dict.fromkeys(got, 132),
                      "bytes in the trace (a 6x5 fp32 activation and a 2x3 bfloat16 one forward, a 6x5 fp32 "
                      "gradient and a 2x3 bfloat16 one back; every transfer goes through ``minipar.comm``)")
     dims = sorted({str(e["labels"].get("dim")) for e in ev0 + ev1 if e["bytes_sent"] or e["bytes_recv"]})
-    expect_equal(dims, ["pp"], "the group label of the recorded transfers, the group passed being named "
-                               "'pp' (over ``group``, with ``src``/``dst`` its ranks)")
+    with breaks("ex03.*.group"):
+        expect_equal(dims, ["pp"], "the group label of the recorded transfers, the group passed being named "
+                     "'pp' (over ``group``, with ``src``/``dst`` its ranks)")
 
 
 BOUNDARY_BYTES = {"lstm": 8 * 16 * 64 * 4, "gpt": 8 * 8 * 16 * 4}   # one (batch, time, width) fp32 tensor
@@ -205,24 +209,27 @@ def test_drives_model_parallel(impl):
     """Your step trains the LSTM split over 2 ranks and the GPT over 3 (a middle rank) like one
     process, and each rank's sends of the last step are recorded."""
     lstm = "the LSTM split over 2 ranks (training equals one process)"
-    with launched(lstm):
+    with breaks("ex03.A.train"), launched(lstm):
         two = minipar.launch(_model_parallel, 2, timeout=TIMEOUT)
     want = reference.train_reference(LSTMLM(vocab_size=32, seed=0), data.batches(TOKENS, 3, 8, 16),
                                      reference.adamw(1e-2))
-    expect_same_training(strategy.TrainResult.merge(two), want, lstm, rtol=1e-5, atol=1e-6)
+    with breaks("ex03.A.train"):
+        expect_same_training(strategy.TrainResult.merge(two), want, lstm, rtol=1e-5, atol=1e-6)
     gpt = "the GPT split over 3 ranks, rank 1 in the middle (any number of stages, one per rank)"
-    with launched(gpt):
+    with breaks("ex03.A.stages"), launched(gpt):
         three = minipar.launch(_model_parallel, 3, timeout=TIMEOUT)
     want = reference.train_reference(GPT(CFG, seed=0), data.batches(TOKENS, 3, 8, 8), reference.sgd(0.5))
-    expect_same_training(strategy.TrainResult.merge(three), want, gpt, rtol=1e-5, atol=1e-6)
+    with breaks("ex03.A.stages"):
+        expect_same_training(strategy.TrainResult.merge(three), want, gpt, rtol=1e-5, atol=1e-6)
     for name, results, message in ((lstm.split(" (")[0], two, BOUNDARY_BYTES["lstm"]),
                                    (gpt.split(" (")[0], three, BOUNDARY_BYTES["gpt"])):
         n = len(results)
         for r, res in enumerate(results):
-            expect_recorded(res["measured"]["bytes_by_dim"].get("total", 0), message * ((r < n - 1) + (r > 0)),
-                            f"bytes sent in the last step, as recorded (its activation forward unless last, its "
-                            f"input's gradient back unless first, {message} bytes each; every transfer is waited "
-                            "on before the step ends, so the trace records its bytes)", f"{name}, rank {r}")
+            with breaks("ex03.*.recorded"):
+                expect_recorded(res["measured"]["bytes_by_dim"].get("total", 0), message * ((r < n - 1) + (r > 0)),
+                                f"bytes sent in the last step, as recorded (its activation forward unless last, its "
+                                f"input's gradient back unless first, {message} bytes each; every transfer is waited "
+                                "on before the step ends, so the trace records its bytes)", f"{name}, rank {r}")
 
 
 def crossed() -> Schedule:
@@ -247,17 +254,23 @@ def test_messages_match_in_any_order(impl):
     """A float64 GPT on 2 ranks with a schedule whose rank 1 takes the micro-batches in the other
     order trains like one process: the float64 losses to 1e-12, the parameters to 1e-6."""
     where = "float64 GPT, rank 0 sends micro-batches 0, 1 and rank 1 takes 1, 0"
-    with launched(f"{where} (every message travels in the dtype of the stages' parameters; a receive gets the "
-                  "message of its own kind, micro-batch and sending stage)"):
-        got = strategy.TrainResult.merge(minipar.launch(_pipelines, 2, args=("crossed",), timeout=TIMEOUT))
+    try:
+        with launched(f"{where} (every message travels in the dtype of the stages' parameters; a receive gets the "
+                      "message of its own kind, micro-batch and sending stage)"):
+            got = strategy.TrainResult.merge(minipar.launch(_pipelines, 2, args=("crossed",), timeout=TIMEOUT))
+    except GradeFailure as f:                       # a rank's error: the dtype clause when it says dtype
+        with breaks("ex03.B.dtype" if "dtype" in str(f).split("): ", 1)[-1] else "ex03.B.match"):
+            raise
     want = reference.train_reference(GPT(CFG, seed=0).double(), data.batches(TOKENS, 2, 4, 8), reference.sgd(0.5))
-    expect_same_training(got, want, f"{where} (a receive gets the message of its own kind, micro-batch and "
-                         "sending stage), parameters compared as the fp32 copies the run returns",
-                         rtol=1e-6, atol=1e-7)
-    for step, (g, w) in enumerate(zip(got["losses"], want["losses"])):
-        expect_close(torch.tensor(g, dtype=torch.float64), torch.tensor(w, dtype=torch.float64),
-                     "the float64 loss (every message travels in the dtype of the stages' parameters)",
-                     where=f"{where}, step {step}", rtol=1e-12, atol=1e-12)
+    with breaks("ex03.B.match"):
+        expect_same_training(got, want, f"{where} (a receive gets the message of its own kind, micro-batch and "
+                             "sending stage), parameters compared as the fp32 copies the run returns",
+                             rtol=1e-6, atol=1e-7)
+    with breaks("ex03.B.dtype"):
+        for step, (g, w) in enumerate(zip(got["losses"], want["losses"])):
+            expect_close(torch.tensor(g, dtype=torch.float64), torch.tensor(w, dtype=torch.float64),
+                         "the float64 loss (every message travels in the dtype of the stages' parameters)",
+                         where=f"{where}, step {step}", rtol=1e-12, atol=1e-12)
 
 
 @observes("ex03.B.flush", "ex03.*.recorded")
@@ -267,15 +280,18 @@ def test_sends_complete_each_step(impl):
     try:
         results = minipar.launch(_pipelines, 2, args=("1f1b",), timeout=TIMEOUT)
     except LaunchTimeout as e:      # a send dropped unwaited can leave its receiver waiting for ever
-        expect(False, f"the 1F1B-pipelined GPT on 2 ranks, 2 steps, did not end within {TIMEOUT} s ({e}); each "
-               "step's sends never block the schedule, yet every send is waited on, and recorded, by the end of "
-               "the step")
+        with breaks("ex03.B.flush"):
+            expect(False, f"the 1F1B-pipelined GPT on 2 ranks, 2 steps, did not end within {TIMEOUT} s ({e}); each "
+                   "step's sends never block the schedule, yet every send is waited on, and recorded, by the end of "
+                   "the step")
     want = reference.train_reference(GPT(CFG, seed=0), data.batches(TOKENS, 2, 8, 8), reference.sgd(0.5))
     got = strategy.TrainResult.merge(results)
-    expect_same_training(got, want, "the 1F1B-pipelined GPT on 2 ranks", rtol=1e-5, atol=1e-6)
-    expect_equal([res["measured"]["bytes_by_dim"] for res in results], [{"pp": 4096, "total": 4096}] * 2,
-                 "the last step's recorded bytes sent, by group label (every send is waited on, and recorded, "
-                 "by the end of the step)", keys="rank")
+    with breaks("ex03.B.flush"):
+        expect_same_training(got, want, "the 1F1B-pipelined GPT on 2 ranks", rtol=1e-5, atol=1e-6)
+    sent = [res["measured"]["bytes_by_dim"] for res in results]
+    with breaks("ex03.B.flush"):                    # a send never waited on records nothing
+        expect_equal(sent, [{"pp": 4096, "total": 4096}] * 2, "the last step's recorded bytes sent, by group label "
+                     "(every send is waited on, and recorded, by the end of the step)", keys="rank")
 
 
 # ----------------------------------------------------------------------------- C: compute actions
@@ -351,8 +367,9 @@ def test_compute_actions(impl):
         skip = spec[2:] if len(spec) > 2 else ()
         loss, grads = _step_want(spec[1], skip)
         tol = dict(rtol=5e-2, atol=5e-2) if dtype is not None else dict(rtol=1e-5, atol=1e-6)
-        expect_close(torch.tensor(results[1][name]["loss"]), torch.tensor(loss), "the step's loss (the mean "
-                     "of its micro-batches' losses)", where=f"rank 1 (the last stage), {name}", **tol)
+        with breaks("ex03.C.dtype" if dtype is not None else "ex03.C.mean"):
+            expect_close(torch.tensor(results[1][name]["loss"]), torch.tensor(loss), "the step's loss (the mean "
+                         "of its micro-batches' losses)", where=f"rank 1 (the last stage), {name}", **tol)
         for rank, got in enumerate(results):
             for pname, g, w in zip(names, got[name]["grads"], grads[rank]):
                 what = "gradient after the step"
@@ -364,15 +381,20 @@ def test_compute_actions(impl):
                              "the gradient ``RECV_B`` left)")
                 else:
                     what += " (the step's loss and gradients are those of the mean of its micro-batches' losses)"
-                expect(g is not None, f"rank {rank}, {name}: the stage's {pname} has no gradient after the step")
-                expect_close(g, w, what, where=f"rank {rank}, {name}, stage {rank}'s {pname}", **tol)
+                clause = ("ex03.C.dtype" if dtype is not None else "ex03.C.split" if skip else
+                          "ex03.C.backward" if rank == 0 else "ex03.C.mean")
+                with breaks(clause):
+                    expect(g is not None, f"rank {rank}, {name}: the stage's {pname} has no gradient after the step")
+                    expect_close(g, w, what, where=f"rank {rank}, {name}, stage {rank}'s {pname}", **tol)
     for rank, got in enumerate(results):
         where = f"rank {rank}, {STEP_CASES[3][0]}"
-        expect_equal(got[STEP_CASES[3][0]]["dtypes"], ["torch.bfloat16"], f"{where}: the dtype of the stage's "
-                     "output (the forward computes in ``compute_dtype``)")
+        with breaks("ex03.C.dtype"):
+            expect_equal(got[STEP_CASES[3][0]]["dtypes"], ["torch.bfloat16"], f"{where}: the dtype of the stage's "
+                         "output (the forward computes in ``compute_dtype``)")
     for name, spec, dtype in STEP_CASES[:2]:
         schedule = _schedule(spec)
         until = "its W (the backward is split)" if schedule.split_backward else "its B"
-        expect_equal([r[name]["peak_stash"] for r in results], pp.peak_stash(schedule), f"{name}: peak_stash after "
-                     f"the step, the schedule's (what a micro-batch's backward needs is stashed from its F until "
-                     f"{until}, and no longer)", keys="rank")
+        with breaks("ex03.C.stash"):
+            expect_equal([r[name]["peak_stash"] for r in results], pp.peak_stash(schedule), f"{name}: peak_stash after "
+                         f"the step, the schedule's (what a micro-batch's backward needs is stashed from its F until "
+                         f"{until}, and no longer)", keys="rank")

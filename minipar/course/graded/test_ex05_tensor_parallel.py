@@ -26,7 +26,7 @@ import minipar
 from minipar import cost
 from minipar.runtime import trace
 from minipar import tensor_parallel as tp
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_recorded, attempt, observes
+from minipar.course.grading import breaks, diagnose, expect, expect_close, expect_equal, expect_recorded, attempt, observes
 
 EXERCISE = "ex05_tensor_parallel"
 HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
@@ -131,15 +131,17 @@ def test_f_identity_forward_all_reduce_backward(impl):
     results = minipar.launch(_f_case, 2, timeout=TIMEOUT)
     total = sum(fo["w"] for fo in results)
     for rank, fo in enumerate(results):
-        _close(fo["y"], fo["x"], "f's forward (the identity)", f"rank {rank}")
-        with diagnose(lambda e, fo=fo: torch.allclose(fo["grad"], fo["w"]), "the gradient is this rank's own "
-                      "upstream gradient, not the sum over ranks"):
-            _close(fo["grad"], total, "f's gradient (the sum of the ranks' gradients)", f"rank {rank}")
-        expect_recorded(fo["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
-                        "bytes sent in f's backward (one all-reduce of 12 floats)", f"rank {rank}")
-        expect_equal(fo["calls"], 1, f"rank {rank}: collectives recorded in f's backward")
-        expect_equal(fo["names"], ["f.all_reduce"], f"rank {rank}: the name f's backward collective is recorded under")
-        expect_equal(fo["forward"], [0, 0], f"rank {rank}: [bytes, collectives] recorded in f's forward")
+        with breaks("ex05.A.f"):
+            _close(fo["y"], fo["x"], "f's forward (the identity)", f"rank {rank}")
+            with diagnose(lambda e, fo=fo: torch.allclose(fo["grad"], fo["w"]), "the gradient is this rank's own "
+                          "upstream gradient, not the sum over ranks"):
+                _close(fo["grad"], total, "f's gradient (the sum of the ranks' gradients)", f"rank {rank}")
+        with breaks("ex05.A.bytes"):
+            expect_recorded(fo["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
+                            "bytes sent in f's backward (one all-reduce of 12 floats)", f"rank {rank}")
+            expect_equal(fo["calls"], 1, f"rank {rank}: collectives recorded in f's backward")
+            expect_equal(fo["names"], ["f.all_reduce"], f"rank {rank}: the name f's backward collective is recorded under")
+            expect_equal(fo["forward"], [0, 0], f"rank {rank}: [bytes, collectives] recorded in f's forward")
 
 
 @observes("ex05.A.g", "ex05.A.bytes", "ex05.A.inplace")
@@ -149,15 +151,19 @@ def test_g_all_reduce_forward_identity_backward(impl):
     results = minipar.launch(_g_case, 2, timeout=TIMEOUT)
     total = sum(go["x"] for go in results)
     for rank, go in enumerate(results):
-        _close(go["z"], total, "g's forward (the sum over ranks)", f"rank {rank}")
-        with diagnose(True, "the tensor given to g changed during the call"):
-            _close(go["x_after"], go["x"], "g's input after the call (unchanged)", f"rank {rank}")
-        _close(go["grad"], go["w"], "g's gradient (the identity)", f"rank {rank}")
-        expect_recorded(go["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
-                        "bytes sent in g's forward (one all-reduce of 12 floats)", f"rank {rank}")
-        expect_equal(go["calls"], 1, f"rank {rank}: collectives recorded in g's forward")
-        expect_equal(go["names"], ["g.all_reduce"], f"rank {rank}: the name g's forward collective is recorded under")
-        expect_equal(go["backward"], [0, 0], f"rank {rank}: [bytes, collectives] recorded in g's backward")
+        with breaks("ex05.A.g"):
+            _close(go["z"], total, "g's forward (the sum over ranks)", f"rank {rank}")
+        with breaks("ex05.A.inplace"):
+            with diagnose(True, "the tensor given to g changed during the call"):
+                _close(go["x_after"], go["x"], "g's input after the call (unchanged)", f"rank {rank}")
+        with breaks("ex05.A.g"):
+            _close(go["grad"], go["w"], "g's gradient (the identity)", f"rank {rank}")
+        with breaks("ex05.A.bytes"):
+            expect_recorded(go["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
+                            "bytes sent in g's forward (one all-reduce of 12 floats)", f"rank {rank}")
+            expect_equal(go["calls"], 1, f"rank {rank}: collectives recorded in g's forward")
+            expect_equal(go["names"], ["g.all_reduce"], f"rank {rank}: the name g's forward collective is recorded under")
+            expect_equal(go["backward"], [0, 0], f"rank {rank}: [bytes, collectives] recorded in g's backward")
 
 
 # ----------------------------------------------------------------------------- linear layers
@@ -199,11 +205,12 @@ def test_column_parallel_linear(impl):
                                      _randn(5, 8, seed=30 + k))
         for gather_output, (got_y, got_gx, got_gw, got_gb) in out.items():
             what = f"group {k} rank {r}, gather_output={gather_output}"
-            _close(got_y, y if gather_output else y.chunk(t, 1)[r],
-                   "output (all features)" if gather_output else f"output (features {r}/{t} of the full layer's)", what)
-            _close(got_gx, gx, "input gradient (the sum of the group's partial ones: f's backward)", what)
-            _close(got_gw, gw.chunk(t, 0)[r], "weight gradient (this rank's rows)", what)
-            _close(got_gb, gb.chunk(t, 0)[r], "bias gradient (this rank's slice)", what)
+            with breaks("ex05.B.column"):
+                _close(got_y, y if gather_output else y.chunk(t, 1)[r],
+                       "output (all features)" if gather_output else f"output (features {r}/{t} of the full layer's)", what)
+                _close(got_gx, gx, "input gradient (the sum of the group's partial ones: f's backward)", what)
+                _close(got_gw, gw.chunk(t, 0)[r], "weight gradient (this rank's rows)", what)
+                _close(got_gb, gb.chunk(t, 0)[r], "bias gradient (this rank's slice)", what)
 
 
 def _row():
@@ -329,9 +336,11 @@ def test_vocab_parallel_cross_entropy_never_gathers_logits(impl):
     t = 4
     gathering = cost.collective_bytes("all_gather", N * V * 4, t)
     for r, (_, _, (sent, back)) in enumerate(_check_ce(scale=1.0, t=t)):
-        expect(0 < sent < gathering / 8, f"rank {r}: sent {sent} bytes in forward; expected more than 0 and under "
-                                         f"{gathering / 8:.0f} (an eighth of gathering the logits, {gathering:.0f})")
-        expect_equal(back, 0, f"rank {r}: bytes sent in the cross-entropy's backward")
+        with breaks("ex05.C.bytes"):
+            expect(0 < sent < gathering / 8, f"rank {r}: sent {sent} bytes in forward; expected more than 0 and under "
+                                             f"{gathering / 8:.0f} (an eighth of gathering the logits, {gathering:.0f})")
+        with breaks("ex05.C.backward"):
+            expect_equal(back, 0, f"rank {r}: bytes sent in the cross-entropy's backward")
 
 
 def _member(rank):
@@ -392,16 +401,21 @@ def test_gather_and_split(impl):
         where, (gi, gr) = _in_group(rank), _member(rank)
         _raised(got, where)
         blocks = [_block(gi), _block(gi + 2)]
-        for dim in (0, 1, -1):
-            _close(got[dim], torch.cat(blocks, dim), f"gather along dim {dim} (the group's blocks in rank order, "
-                   f"rank {gi}'s first)", where)
-        expect_recorded(got["sent"], 3 * 12 * 4, "bytes the three gathers sent, as recorded (each sends this "
-                        "rank's 12 fp32 elements to the other rank of its group)", where)
-        _close(got["gather grad"], up.chunk(2, -1)[gr], "the gradient of gather's input (this rank's block of "
-               "the upstream gradient)", where)
-        for dim in (1, -1):
-            _close(got["split"][dim], _block(0).chunk(2, dim)[gr], f"split along dim {dim} (block {gr} of 2)", where)
-        expect_equal(got["odd"], "ValueError", f"{where}: split of a size-5 dimension over 2 ranks")
+        with breaks("ex05.A.gather"):
+            for dim in (0, 1, -1):
+                _close(got[dim], torch.cat(blocks, dim), f"gather along dim {dim} (the group's blocks in rank order, "
+                       f"rank {gi}'s first)", where)
+        with breaks("ex05.*.recorded" if got["sent"] == 0 else "ex05.A.gather"):
+            expect_recorded(got["sent"], 3 * 12 * 4, "bytes the three gathers sent, as recorded (each sends this "
+                            "rank's 12 fp32 elements to the other rank of its group)", where)
+        with breaks("ex05.A.split"):
+            for dim in (1, -1):
+                _close(got["split"][dim], _block(0).chunk(2, dim)[gr], f"split along dim {dim} (block {gr} of 2)", where)
+        with breaks("ex05.A.gather"):
+            _close(got["gather grad"], up.chunk(2, -1)[gr], "the gradient of gather's input (this rank's block of "
+                   "the upstream gradient)", where)
+        with breaks("ex05.A.divide"):
+            expect_equal(got["odd"], "ValueError", f"{where}: split of a size-5 dimension over 2 ranks")
 
 
 # ----------------------------------------------------------------------------- the modules' shards
@@ -419,7 +433,10 @@ def _state(m):
 
 
 def _shard_case(cls, gi, bias, group):
-    return _state(cls.from_linear(_given(gi, bias), group=group, seed=99))      # the seed is not the layer's
+    given = _given(gi, bias)
+    m = cls.from_linear(given, group=group, seed=99)                            # the seed is not the layer's
+    ptrs = {q.untyped_storage().data_ptr() for q in given.parameters()}
+    return {**_state(m), "shared": sorted(n for n, q in m.named_parameters() if q.untyped_storage().data_ptr() in ptrs)}
 
 
 def _shards():
@@ -439,17 +456,21 @@ def test_layers_shard_the_single_device_layer(impl):
     for rank, got in enumerate(results):
         where, (gi, gr) = _in_group(rank), _member(rank)
         for name, got_state in got.items():
-            _raised(got_state, f"{where}, {name}")
-            full = _given(gi, bias="bias=False" not in name)
-            column = name.startswith("Column")
-            want_w = full.weight.detach().chunk(2, 0 if column else 1)[gr]
-            want_b = None if full.bias is None else (full.bias.detach().chunk(2, 0)[gr] if column else full.bias.detach())
-            expect_equal(tuple(got_state["weight"].shape), tuple(want_w.shape), f"{where}, {name}: the weight's shape")
-            _close(got_state["weight"], want_w, f"{name}'s weight (the single-device layer's "
-                   f"{'rows' if column else 'columns'} {'2r..2r+1' if column else '3r..3r+2'})", where)
-            expect_equal(got_state["bias"] is None, want_b is None, f"{where}, {name}: the bias is None")
-            if want_b is not None:
-                _close(got_state["bias"], want_b, f"{name}'s bias ({'entries 2r..2r+1' if column else 'whole'})", where)
+            with breaks("ex05.B.nobias" if "bias=False" in name else "ex05.B.load"):
+                _raised(got_state, f"{where}, {name}")
+                full = _given(gi, bias="bias=False" not in name)
+                column = name.startswith("Column")
+                want_w = full.weight.detach().chunk(2, 0 if column else 1)[gr]
+                want_b = None if full.bias is None else (full.bias.detach().chunk(2, 0)[gr] if column else full.bias.detach())
+                expect_equal(tuple(got_state["weight"].shape), tuple(want_w.shape), f"{where}, {name}: the weight's shape")
+                _close(got_state["weight"], want_w, f"{name}'s weight (the single-device layer's "
+                       f"{'rows' if column else 'columns'} {'2r..2r+1' if column else '3r..3r+2'})", where)
+                expect_equal(got_state["bias"] is None, want_b is None, f"{where}, {name}: the bias is None")
+                if want_b is not None:
+                    _close(got_state["bias"], want_b, f"{name}'s bias ({'entries 2r..2r+1' if column else 'whole'})", where)
+                with breaks("ex05.B.load"):
+                    expect_equal(got_state["shared"], [], f"{where}, {name}: the module's parameters whose storage is the "
+                                 "given layer's (the shard is held in storage of its own)")
 
 
 # ----------------------------------------------------------------------------- cross-entropy on subgroups
@@ -486,6 +507,7 @@ def test_vocab_parallel_cross_entropy_on_subgroups(impl):
             want = F.cross_entropy(full, targets)
             want.backward()
             tol = TOL if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-4)     # a bf16 gradient
-            expect_close(loss, want.detach(), "loss (F.cross_entropy on the group's full logits, in fp32)", where=w, **TOL)
-            expect_close(grad, full.grad.chunk(2, -1)[gr], "gradient of this rank's logits (rows: positions, "
-                         "columns: this rank's vocabulary)", where=w, **tol)
+            with breaks("ex05.C.exact" if dtype == torch.float32 else "ex05.C.fp32"):
+                expect_close(loss, want.detach(), "loss (F.cross_entropy on the group's full logits, in fp32)", where=w, **TOL)
+                expect_close(grad, full.grad.chunk(2, -1)[gr], "gradient of this rank's logits (rows: positions, "
+                             "columns: this rank's vocabulary)", where=w, **tol)

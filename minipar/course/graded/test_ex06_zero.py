@@ -28,7 +28,7 @@ import minipar
 from minipar import cost
 from minipar import data, reference, zero
 from minipar.runtime import trace
-from minipar.course.grading import diagnose, expect, expect_close, expect_equal, expect_same_training, attempt, observes, \
+from minipar.course.grading import breaks, diagnose, expect, expect_close, expect_equal, expect_same_training, attempt, observes, \
     expect_recorded
 from minipar.models import GPT, GPTConfig
 from minipar.zero.flat import FlatStorage, FlatUnit
@@ -175,12 +175,14 @@ def test_reduce_shard(impl):
             with diagnose(lambda e: any(mine.shape == want.shape and torch.allclose(mine, mean[q * 3:(q + 1) * 3])
                                         for q in range(n) if q != r), "the slice holds the mean of another "
                           "rank's elements"):
-                expect_close(mine, want, "the slice reduce_shard returned",
-                             where=f"rank {r}", rtol=1.3e-6, atol=1e-5)
+                with breaks("ex06.A.mean"):
+                    expect_close(mine, want, "the slice reduce_shard returned",
+                                 where=f"rank {r}", rtol=1.3e-6, atol=1e-5)
         expect(in_place, f"rank {r}: the tensor reduce_shard returned is not the view of flat_grad the contract names "
                          "(it does not start at flat_grad's element r·k) (ex06.A.memory)")
-        expect_equal(sent, int(cost.collective_bytes("reduce_scatter", numel * 4, n)),
-                     f"rank {r}: bytes sent (one reduce-scatter of {numel} floats)")
+        with breaks("ex06.*.recorded" if sent == 0 else "ex06.A.bytes"):
+            expect_recorded(sent, int(cost.collective_bytes("reduce_scatter", numel * 4, n)),
+                            f"bytes sent (one reduce-scatter of {numel} floats)", f"rank {r}")
     # the same on two groups of 2 out of 4 ranks ([0, 1] and [2, 3]), each its own gradients
     m = 8   # 4 elements per rank of a pair (2 on each of 4 ranks, were it the world's)
     for rank, got in enumerate(minipar.launch(_reduce_on_pairs, 4, args=(m,), timeout=TIMEOUT)):
@@ -193,8 +195,9 @@ def test_reduce_shard(impl):
                      rtol=1.3e-6, atol=1e-5)
         expect(in_place, f"{where}: the tensor reduce_shard returned is not the view of flat_grad the contract "
                          "names (it does not start at flat_grad's element r·k, r the group rank) (ex06.A.memory)")
-        expect_recorded(sent, int(cost.collective_bytes("reduce_scatter", 2 * (-(-m // 2)) * 4, 2)),
-                        f"bytes sent (one reduce-scatter over the group of 2) (ex06.*.group)", where)
+        with breaks("ex06.*.recorded" if sent == 0 else "ex06.*.group"):
+            expect_recorded(sent, int(cost.collective_bytes("reduce_scatter", 2 * (-(-m // 2)) * 4, 2)),
+                            "bytes sent (one reduce-scatter over the group of 2)", where)
         expect_equal(dims, ["dp"], f"{where}: the group labels of the recorded reduce-scatter (ex06.*.group)")
 
 
@@ -234,15 +237,21 @@ def test_reduce_unit_grads(impl):
         want = ((flats[0] + flats[1]) / 2)[5 * gr:5 * gr + 5]
         for (asked, dtype), got in zip(UNIT_DTYPES, cases):
             where = f"{_in_group(rank)}, dtype={asked}"
-            _raised(got, where)
-            expect_equal(got["dtype"], str(dtype), f"{where}: the dtype of the reduced slice")
-            expect_equal(got["numel"], 5, f"{where}: elements of the reduced slice (k = 10 / 2)")
-            expect_close(got["value"].double(), want, "the reduced slice (the mean over the group; elements "
-                         "of group rank 1's missing gradient count as 0)", where=where, rtol=1e-6, atol=1e-6)
-            expect_equal(got["storage"], 5 * got["value"].element_size(),
-                         f"{where}: bytes of the storage behind the returned slice (5 elements' worth)")
-            expect_equal(got["grads"], [True, True, True], f"{where}: each parameter's .grad is None afterwards",
-                         keys="parameter")
+            with breaks("ex06.A.zeros", "ex06.*.group"):
+                _raised(got, where)
+            with breaks("ex06.A.dtype"):
+                expect_equal(got["dtype"], str(dtype), f"{where}: the dtype of the reduced slice")
+            with breaks("ex06.A.fresh"):
+                expect_equal(got["numel"], 5, f"{where}: elements of the reduced slice (k = 10 / 2)")
+            with breaks("ex06.A.zeros", "ex06.*.group"):
+                expect_close(got["value"].double(), want, "the reduced slice (the mean over the group; elements "
+                             "of group rank 1's missing gradient count as 0)", where=where, rtol=1e-6, atol=1e-6)
+            with breaks("ex06.A.fresh"):
+                expect_equal(got["storage"], 5 * got["value"].element_size(),
+                             f"{where}: bytes of the storage behind the returned slice (5 elements' worth)")
+            with breaks("ex06.A.cleared"):
+                expect_equal(got["grads"], [True, True, True], f"{where}: each parameter's .grad is None afterwards",
+                             keys="parameter")
 
 
 # ----------------------------------------------------------------------------- B: sharded_step
@@ -284,17 +293,21 @@ def test_sharded_step_is_a_full_step(impl):
     for rank, cases in enumerate(minipar.launch(_steps, 4, timeout=TIMEOUT)):
         for mixed, got in zip((False, True), cases):
             name = "bf16 flat parameters and gradient slices, fp32 shards" if mixed else "fp32"
-            _raised(got, f"rank {rank}, {name}: sharded_step")
+            with breaks("ex06.B.dtypes" if mixed else "ex06.B.full_step"):   # fp32 passed first: a dtype's fault
+                _raised(got, f"rank {rank}, {name}: sharded_step")
             got, want, state, k, flat_dtypes, shard_dtypes = got
-            expect_equal({"flat parameters": flat_dtypes, "shards": shard_dtypes},
-                         {"flat parameters": [str(torch.bfloat16 if mixed else torch.float32)] * 2,
-                          "shards": [str(torch.float32)] * 2}, f"rank {rank}, {name}: dtypes after the step")
-            for u, (g, w) in enumerate(zip(got, want)):
-                expect_close(g.float(), w.float(), "full parameters after the step (one Adam step on the mean "
-                             "gradient)", where=f"rank {rank}, {name}, unit {u}",
-                             rtol=0 if mixed else 1e-6, atol=1e-2 if mixed else 1e-6)
-            expect_equal(state, 2 * k, f"rank {rank}, {name}: optimizer state elements (Adam's 2 per element of "
-                                       f"its shards, {k} elements)")
+            with breaks("ex06.B.dtypes"):
+                expect_equal({"flat parameters": flat_dtypes, "shards": shard_dtypes},
+                             {"flat parameters": [str(torch.bfloat16 if mixed else torch.float32)] * 2,
+                              "shards": [str(torch.float32)] * 2}, f"rank {rank}, {name}: dtypes after the step")
+            with breaks("ex06.B.dtypes" if mixed else "ex06.B.full_step"):
+                for u, (g, w) in enumerate(zip(got, want)):
+                    expect_close(g.float(), w.float(), "full parameters after the step (one Adam step on the mean "
+                                 "gradient)", where=f"rank {rank}, {name}, unit {u}",
+                                 rtol=0 if mixed else 1e-6, atol=1e-2 if mixed else 1e-6)
+            with breaks("ex06.B.state"):
+                expect_equal(state, 2 * k, f"rank {rank}, {name}: optimizer state elements (Adam's 2 per element of "
+                                           f"its shards, {k} elements)")
 
 
 # ----------------------------------------------------------------------------- B: ZeroOptimizer
@@ -333,7 +346,11 @@ def _opt_case(group, name, param_dtype, clip, optim, lr):
     out = {"views": views, "dtypes": dtypes, "shards": [str(s.dtype) for s in opt.shards], "steps": [],
            "shard views": shard_views, "masters": masters}
     for step in range(OPT_STEPS):
-        opt.zero_grad()
+        if step == 0:
+            opt.zero_grad()
+        else:                                               # the model's zero_grad (set_to_none), not the optimizer's:
+            for p in ps:                                    # backward writes new .grad tensors, the step must use them
+                p.grad = None
         loss = sum((p * _coeff(step, dist.get_rank(), p.numel(), i).to(p.dtype)).sum()
                    for i, p in enumerate((w, b)))           # u takes no part: no gradient on any rank
         loss.backward()
@@ -378,24 +395,29 @@ def test_zero_optimizer(impl):
             where = f"{_in_group(rank)}, {name}"
             _raised(got, where)
             low = param_dtype or torch.float32
-            expect_equal(dict(zip(names, got["dtypes"])), dict.fromkeys(names, str(low)),
-                         f"{where}: the model parameters' dtype after ZeroOptimizer(...)", keys="parameter")
-            expect_equal(got["shards"], [str(torch.float32)] * 2, f"{where}: the dtype of the optimizer's shards",
-                         keys="unit")
-            expect_equal(dict(zip(names, got["views"])), dict.fromkeys(names, True),
-                         f"{where}: the parameter's memory is one of opt.flat_params'", keys="parameter")
+            with breaks("ex06.B.views"):
+                expect_equal(dict(zip(names, got["dtypes"])), dict.fromkeys(names, str(low)),
+                             f"{where}: the model parameters' dtype after ZeroOptimizer(...)", keys="parameter")
+                expect_equal(got["shards"], [str(torch.float32)] * 2, f"{where}: the dtype of the optimizer's shards",
+                             keys="unit")
+                expect_equal(dict(zip(names, got["views"])), dict.fromkeys(names, True),
+                             f"{where}: the parameter's memory is one of opt.flat_params'", keys="parameter")
             want = _opt_reference(gi, clip, optim, lr)
             for step, (g, ws) in enumerate(zip(got["steps"], want)):
-                for pname, p, w in zip(names, g["params"], ws):
-                    expect_close(p, w.to(low).float(), f"parameter {pname} after step {step + 1} (the optimizer's "
-                                 "step on the group's mean gradient)", where=where,
-                                 rtol=0 if param_dtype else 1e-6, atol=1e-2 if param_dtype else 1e-6)
+                with breaks("ex06.B.second" if step else "ex06.B.clip" if clip else "ex06.B.step"):
+                    for pname, p, w in zip(names, g["params"], ws):
+                        expect_close(p, w.to(low).float(), f"parameter {pname} after step {step + 1} (the optimizer's "
+                                     "step on the group's mean gradient" + (", the model's zero_grad() before its backward"
+                                                                            if step else "") + ")", where=where,
+                                     rtol=0 if param_dtype else 1e-6, atol=1e-2 if param_dtype else 1e-6)
                 if param_dtype is not None:
-                    expect_equal(g["shard grads"], [True, True], f"{where}: the shards' .grad is None after step "
-                                 f"{step + 1}", keys="unit")
+                    with breaks("ex06.B.no_copy"):
+                        expect_equal(g["shard grads"], [True, True], f"{where}: the shards' .grad is None after step "
+                                     f"{step + 1}", keys="unit")
             want_state = (2 if optim is torch.optim.Adam else 0) * (5 + 2)
-            expect_equal(got["state"], want_state, f"{where}: elements of optimizer state (per element of its "
-                         "shards of 5 and 2 elements)")
+            with breaks("ex06.B.state"):
+                expect_equal(got["state"], want_state, f"{where}: elements of optimizer state (per element of its "
+                             "shards of 5 and 2 elements)")
             expect_equal(got["masters"], [True, True], f"{where}: the shard holds this rank's slice of the unit's "
                          "fp32 parameters, exactly (ex06.B.views)", keys="unit")
             expect_equal(got["shard views"], [param_dtype is None] * 2,
@@ -428,12 +450,13 @@ def test_stages_1_and_2_train_like_one_process(impl):
     want = _want()
     for rank, got in enumerate(results):
         for stage, res in got.items():
-            expect_same_training(res, want, f"rank {rank}, ZeRO-{stage}", rtol=1e-4, atol=5e-5)
-            want_state = cost.zero_bytes_per_rank(res["unit_sizes"], 4, stage, k=8)["optimizer"]
-            expect_equal(res["memory"]["optimizer"], want_state,
-                         f"rank {rank}, ZeRO-{stage}: optimizer state bytes (cost.zero_bytes_per_rank)")
-            expect_equal(res["comm_bytes"], cost.zero_comm_bytes(res["unit_sizes"], 4, stage),
-                         f"rank {rank}, ZeRO-{stage}: bytes sent per run (cost.zero_comm_bytes)")
+            with breaks("ex06.*.train"):
+                expect_same_training(res, want, f"rank {rank}, ZeRO-{stage}", rtol=1e-4, atol=5e-5)
+                want_state = cost.zero_bytes_per_rank(res["unit_sizes"], 4, stage, k=8)["optimizer"]
+                expect_equal(res["memory"]["optimizer"], want_state,
+                             f"rank {rank}, ZeRO-{stage}: optimizer state bytes (cost.zero_bytes_per_rank)")
+                expect_equal(res["comm_bytes"], cost.zero_comm_bytes(res["unit_sizes"], 4, stage),
+                             f"rank {rank}, ZeRO-{stage}: bytes sent per run (cost.zero_comm_bytes)")
 
 
 # ----------------------------------------------------------------------------- C: gather and free
@@ -473,28 +496,35 @@ def test_gather_and_free(impl):
     for rank, cases in enumerate(minipar.launch(_gathers_and_frees, n, timeout=TIMEOUT)):
         for dtype, got in zip(GATHER_DTYPES, cases):
             where = f"rank {rank}, a {dtype} buffer, fp32 shards"
-            _raised(got, where)
+            with breaks("ex06.C.gather"):
+                _raised(got, where)
             freed, (vals, nbytes, is_none, view, kept, sends, units), (after, shape), async_vals, waits = got
             want = torch.cat([torch.arange(3, dtype=torch.float32) + 10 * q for q in range(n)])
             size = dtype.itemsize
-            expect_equal(freed, 0, f"{where}: storage bytes after free_unit")
-            expect_equal(kept, str(dtype), f"{where}: the buffer's dtype after gather_unit")
-            expect_close(vals, want, "the gathered unit (every rank's shard, in rank order)", where=where,
-                         rtol=0, atol=0)
-            expect_equal({"storage bytes": nbytes, "returns None": is_none},
-                         {"storage bytes": 3 * n * size, "returns None": True}, f"{where}: synchronous gather_unit")
+            with breaks("ex06.C.free"):
+                expect_equal(freed, 0, f"{where}: storage bytes after free_unit")
+            with breaks("ex06.C.gather"):
+                expect_equal(kept, str(dtype), f"{where}: the buffer's dtype after gather_unit")
+                expect_close(vals, want, "the gathered unit (every rank's shard, in rank order)", where=where,
+                             rtol=0, atol=0)
+            with breaks("ex06.C.gather", "ex06.C.async"):
+                expect_equal({"storage bytes": nbytes, "returns None": is_none},
+                             {"storage bytes": 3 * n * size, "returns None": True}, f"{where}: synchronous gather_unit")
             expect_equal(sends, [int(cost.collective_bytes("all_gather", 3 * n * size, n))],
                          f"{where}: bytes sent by each recorded collective of one gather_unit (one all-gather of "
                          f"{3 * n} elements) (ex06.C.gather)")
             expect_equal(units, [7], f"{where}: the label unit=7 given to gather_unit, as the recorded "
                          "all-gather carries it (ex06.C.async)")
-            expect_close(view, want[1:4], "a view into the unit (a parameter) after the gather", where=where,
-                         rtol=0, atol=0)
-            expect_equal({"storage bytes": after, "shape": tuple(shape)}, {"storage bytes": 0, "shape": (3 * n,)},
-                         f"{where}: after the second free_unit (memory released, the tensor kept)")
-            expect(waits, f"{where}: gather_unit(..., async_op=True) returned an object without .wait()")
-            expect_close(async_vals, 2 * want, "the unit gathered with async_op=True, after handle.wait()",
-                         where=where, rtol=0, atol=0)
+            with breaks("ex06.C.gather"):
+                expect_close(view, want[1:4], "a view into the unit (a parameter) after the gather", where=where,
+                             rtol=0, atol=0)
+            with breaks("ex06.C.free"):
+                expect_equal({"storage bytes": after, "shape": tuple(shape)}, {"storage bytes": 0, "shape": (3 * n,)},
+                             f"{where}: after the second free_unit (memory released, the tensor kept)")
+            with breaks("ex06.C.async"):
+                expect(waits, f"{where}: gather_unit(..., async_op=True) returned an object without .wait()")
+                expect_close(async_vals, 2 * want, "the unit gathered with async_op=True, after handle.wait()",
+                             where=where, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- C: FlatStorage
@@ -573,35 +603,42 @@ def test_flat_storage(impl):
             where = f"{_in_group(rank)}, dtype={dtype}"
             _raised(got, where)
             value, sdtype, leaf, requires = got["shard"]
-            expect_equal({"dtype": sdtype, "is_leaf": leaf, "requires_grad": requires},
-                         {"dtype": str(torch.float32), "is_leaf": True, "requires_grad": True},
-                         f"{where}: the unit's shard")
-            expect_close(value, shard, "the shard (this rank's 5 of the 10 flat padded elements)", where=where,
-                         rtol=0, atol=0)
-            expect_equal(dict(zip(("storage bytes", "dtype", "elements"), got["full"])),
-                         {"storage bytes": 0, "dtype": str(dtype), "elements": 10},
-                         f"{where}: the unit's full buffer when FlatStorage is built")
-            expect(got["handle"], f"{where}: FlatStorage.gather(0) returned an object without .wait()")
-            expect_equal(got["views"], [True, True], f"{where}: the parameter's memory is the full buffer's",
-                         keys="parameter (weight, bias)")
-            nbytes, values = got["gathered"]
-            expect_equal(nbytes, 10 * dtype.itemsize, f"{where}: storage bytes of the full buffer after the gather")
-            for name, v, p in zip(("weight", "bias"), values, params):
-                expect_close(v, p.detach().to(dtype).float(), f"the {name} after the gather", where=where,
+            with breaks("ex06.C.shard"):
+                expect_equal({"dtype": sdtype, "is_leaf": leaf, "requires_grad": requires},
+                             {"dtype": str(torch.float32), "is_leaf": True, "requires_grad": True},
+                             f"{where}: the unit's shard")
+                expect_close(value, shard, "the shard (this rank's 5 of the 10 flat padded elements)", where=where,
                              rtol=0, atol=0)
+            with breaks("ex06.C.full"):
+                expect_equal(dict(zip(("storage bytes", "dtype", "elements"), got["full"])),
+                             {"storage bytes": 0, "dtype": str(dtype), "elements": 10},
+                             f"{where}: the unit's full buffer when FlatStorage is built")
+            with breaks("ex06.C.storage"):
+                expect(got["handle"], f"{where}: FlatStorage.gather(0) returned an object without .wait()")
+            with breaks("ex06.C.full"):
+                expect_equal(got["views"], [True, True], f"{where}: the parameter's memory is the full buffer's",
+                             keys="parameter (weight, bias)")
+            nbytes, values = got["gathered"]
+            with breaks("ex06.C.storage"):
+                expect_equal(nbytes, 10 * dtype.itemsize, f"{where}: storage bytes of the full buffer after the gather")
+                for name, v, p in zip(("weight", "bias"), values, params):
+                    expect_close(v, p.detach().to(dtype).float(), f"the {name} after the gather", where=where,
+                                 rtol=0, atol=0)
             tol = 1e-6 if dtype == torch.float32 else 5e-2
             for b, ((g, gdtype, nones), want) in enumerate(zip(got["grads"], grads)):
                 what = "after one backward" if b == 0 else "after a second backward (the sum of both means)"
-                expect(g is not None, f"{where}: the shard's .grad is None {what} and reduce(0)")
-                expect_equal(gdtype, str(torch.float32), f"{where}: the dtype of the shard's .grad {what}")
-                expect_close(g, want, f"the shard's .grad {what} and reduce(0) (the group's mean gradient, this "
-                             "rank's 5 elements)", where=where, rtol=tol, atol=tol)
-                expect_equal(nones, [True, True], f"{where}: the parameters' .grad is None {what} and reduce(0)",
-                             keys="parameter (weight, bias)")
+                with breaks("ex06.C.accumulate" if b else "ex06.C.reduce"):
+                    expect(g is not None, f"{where}: the shard's .grad is None {what} and reduce(0)")
+                    expect_equal(gdtype, str(torch.float32), f"{where}: the dtype of the shard's .grad {what}")
+                    expect_close(g, want, f"the shard's .grad {what} and reduce(0) (the group's mean gradient, this "
+                                 "rank's 5 elements)", where=where, rtol=tol, atol=tol)
+                    expect_equal(nones, [True, True], f"{where}: the parameters' .grad is None {what} and reduce(0)",
+                                 keys="parameter (weight, bias)")
             expect_equal(got["sent"], [[int(cost.collective_bytes("reduce_scatter", 10 * dtype.itemsize, 2))]] * 2,
                          f"{where}: bytes sent by reduce(0), each backward (one reduce-scatter of the 10 padded "
                          f"elements in {dtype}) (ex06.C.reduce)")
-            expect_equal(got["freed"], 0, f"{where}: storage bytes of the full buffer after free(0)")
+            with breaks("ex06.C.storage"):
+                expect_equal(got["freed"], 0, f"{where}: storage bytes of the full buffer after free(0)")
 
 
 @observes("ex06.*.train")
@@ -736,15 +773,18 @@ def test_schedule_gathers(impl):
         for e, state, used in first:
             kind, i = _event(e)
             if kind == "F":
-                expect_equal({"state": state[i], "in use": used[i]}, {"state": "gathered", "in use": True},
-                             f"{at}: unit {i} as its forward starts (a unit's forward runs only with its "
-                             "parameters gathered and in use)")
+                with breaks("ex06.D.use"):
+                    expect_equal({"state": state[i], "in use": used[i]}, {"state": "gathered", "in use": True},
+                                 f"{at}: unit {i} as its forward starts (a unit's forward runs only with its "
+                                 "parameters gathered and in use)")
             elif kind == "F end":
-                expect_equal(used[i], False, f"{at}: unit {i} in use after its forward returned (its shards "
-                             "again once it returns)")
+                with breaks("ex06.D.use"):
+                    expect_equal(used[i], False, f"{at}: unit {i} in use after its forward returned (its shards "
+                                 "again once it returns)")
             elif kind == "B":
-                expect_equal(state[i], "gathered", f"{at}: unit {i} as its backward starts (its backward only "
-                             "with them gathered)")
+                with breaks("ex06.D.use"):
+                    expect_equal(state[i], "gathered", f"{at}: unit {i} as its backward starts (its backward only "
+                                 "with them gathered)")
         for e, state, _ in first:
             kind, i = _event(e)
             nxt = {"F": (i or 0) + 1, "B": (i or 0) - 1}.get(kind)
@@ -752,12 +792,14 @@ def test_schedule_gathers(impl):
                 continue                              # without resharding a backward gathers nothing
             what = "forward" if kind == "F" else "backward"
             if prefetch:
-                expect_equal(state[nxt], "in flight", f"{at}: unit {nxt} as unit {i}'s {what} starts (with "
-                             "``prefetch``, when a unit starts computing, the gather of the unit that computes next is "
-                             "already in flight, and nothing has waited for it)")
+                with breaks("ex06.D.prefetch"):
+                    expect_equal(state[nxt], "in flight", f"{at}: unit {nxt} as unit {i}'s {what} starts (with "
+                                 "``prefetch``, when a unit starts computing, the gather of the unit that computes next is "
+                                 "already in flight, and nothing has waited for it)")
             else:
-                expect_equal([j for j, s in enumerate(state) if s == "in flight"], [], f"{at}: units in flight as "
-                             f"unit {i}'s {what} starts (without it, a unit is gathered only when it computes)")
+                with breaks("ex06.D.on_demand"):
+                    expect_equal([j for j, s in enumerate(state) if s == "in flight"], [], f"{at}: units in flight as "
+                                 f"unit {i}'s {what} starts (without it, a unit is gathered only when it computes)")
 
 
 @observes("ex06.D.free", "ex06.D.free_again", "ex06.D.peak", "ex06.D.counted", "ex06.D.keep")
@@ -770,28 +812,33 @@ def test_schedule_frees(impl):
             for e, state, _ in first:
                 kind, i = _event(e)
                 if kind == "F end":
-                    expect_equal(state[i], "freed", f"{at}: unit {i} after its forward returned (with "
-                                 "``reshard_after_forward``, none is gathered once its forward has returned)")
+                    with breaks("ex06.D.free"):
+                        expect_equal(state[i], "freed", f"{at}: unit {i} after its forward returned (with "
+                                     "``reshard_after_forward``, none is gathered once its forward has returned)")
                 elif kind == "reduce":
                     reduced.append(i)
                 elif kind in ("B", "backward ended"):
-                    expect_equal({j: state[j] for j in reduced}, dict.fromkeys(reduced, "freed"),
-                                 f"{at}: the units reduce-scattered so far, at '{e}' (none is gathered once its "
-                                 "gradients are reduce-scattered, nor once the backward has ended)", keys="unit")
+                    with breaks("ex06.D.free_again"):
+                        expect_equal({j: state[j] for j in reduced}, dict.fromkeys(reduced, "freed"),
+                                     f"{at}: the units reduce-scattered so far, at '{e}' (none is gathered once its "
+                                     "gradients are reduce-scattered, nor once the backward has ended)", keys="unit")
             peak = max(sum(s != "freed" for s in state) for _, state, _ in first)
-            expect(peak <= (2 if prefetch else 1), f"{at}: {peak} units gathered at once (at any time at most two "
-                   "units are gathered (one without prefetch))")
+            with breaks("ex06.D.peak"):
+                expect(peak <= (2 if prefetch else 1), f"{at}: {peak} units gathered at once (at any time at most two "
+                       "units are gathered (one without prefetch))")
         else:
             step = _segments(log, "micro-batch 0")[0]
             before = step[:len(step) - step[::-1].index("backward ended")]     # finish_step's own come after
-            expect_equal({i: (before.count(f"gather {i}"), before.count(f"free {i}")) for i in range(N_UNITS)},
-                         dict.fromkeys(range(N_UNITS), (1, 0)), f"{case}, the first step: (gathers, frees) of each "
-                         "unit before finish_step (without it, a unit is gathered once per step, at its first "
-                         "forward, and freed only by ``finish_step``)", keys="unit")
+            with breaks("ex06.D.keep"):
+                expect_equal({i: (before.count(f"gather {i}"), before.count(f"free {i}")) for i in range(N_UNITS)},
+                             dict.fromkeys(range(N_UNITS), (1, 0)), f"{case}, the first step: (gathers, frees) of each "
+                             "unit before finish_step (without it, a unit is gathered once per step, at its first "
+                             "forward, and freed only by ``finish_step``)", keys="unit")
         peak = max(sum(s != "freed" for s in state) for _, state, _ in _replay(log))
-        expect_equal(peak_bytes, peak * UNIT_BYTES, f"{case}: the schedule's peak_gathered_bytes after two steps, "
-                     f"its storage having held at most {peak} units of {UNIT_BYTES} bytes gathered at once (as "
-                     "``peak_gathered_bytes`` counts)")
+        with breaks("ex06.D.counted"):
+            expect_equal(peak_bytes, peak * UNIT_BYTES, f"{case}: the schedule's peak_gathered_bytes after two steps, "
+                         f"its storage having held at most {peak} units of {UNIT_BYTES} bytes gathered at once (as "
+                         "``peak_gathered_bytes`` counts)")
 
 
 @observes("ex06.D.reduce", "ex06.D.deferred")
@@ -801,18 +848,20 @@ def test_schedule_reduces(impl):
         if reshard:
             at = f"{case}, the first micro-batch"
             mine = [e for e, _, _ in first if e.startswith(("grad", "reduce"))]
-            expect_equal([i for kind, i in map(_event, mine) if kind == "reduce"], list(reversed(range(N_UNITS))),
-                         f"{at}: the units reduce-scattered, in order (with resharding, each backward "
-                         "reduce-scatters every unit's gradients once, after they are all in, in the reverse of this "
-                         "forward's order)", keys="reduce-scatter")
-            for i in range(N_UNITS):
-                expect_equal(mine[:mine.index(f"reduce {i}")].count(f"grad {i}"), 2, f"{at}: the parameter "
-                             f"gradients of unit {i} in before its reduce-scatter (after they are all in)")
+            with breaks("ex06.D.reduce"):
+                expect_equal([i for kind, i in map(_event, mine) if kind == "reduce"], list(reversed(range(N_UNITS))),
+                             f"{at}: the units reduce-scattered, in order (with resharding, each backward "
+                             "reduce-scatters every unit's gradients once, after they are all in, in the reverse of this "
+                             "forward's order)", keys="reduce-scatter")
+                for i in range(N_UNITS):
+                    expect_equal(mine[:mine.index(f"reduce {i}")].count(f"grad {i}"), 2, f"{at}: the parameter "
+                                 f"gradients of unit {i} in before its reduce-scatter (after they are all in)")
         else:
             step = _segments(log, "micro-batch 0")[0]
             before = step[:len(step) - step[::-1].index("backward ended")]
-            expect_equal([e for e in before if e.startswith("reduce")], [], f"{case}, the first step: "
-                         "reduce-scatters before finish_step (without, none is reduce-scattered before ``finish_step``)")
+            with breaks("ex06.D.deferred"):
+                expect_equal([e for e in before if e.startswith("reduce")], [], f"{case}, the first step: "
+                             "reduce-scatters before finish_step (without, none is reduce-scattered before ``finish_step``)")
 
 
 @observes("ex06.D.repeat")
@@ -892,10 +941,12 @@ def test_schedule_on_the_real_storage(impl):
             where = f"rank {rank}, prefetch={prefetch}, unit {REAL_UNITS - 1} holding a parameter without a gradient"
             expect(not isinstance(got, str), f"{where}: the step {got}")
             limit = 2 if prefetch else 1
-            expect(got["held"] <= limit, f"{where}: {got['held']} units held their full parameters at once "
-                   f"(at any time at most two units are gathered (one without prefetch)), counted on the storage "
-                   "after each gather")
-            expect_equal(got["reduced"], [[1, 2, 3]] * 2, f"{where}: the units whose shard holds its reduced "
-                         "gradient when unit 0's backward starts (with resharding, each backward reduce-scatters every "
-                         "unit's gradients once, after they are all in, in the reverse of this forward's order: "
-                         "units 3, 2 and 1 come before unit 0)", keys="step")
+            with breaks("ex06.D.peak"):
+                expect(got["held"] <= limit, f"{where}: {got['held']} units held their full parameters at once "
+                       f"(at any time at most two units are gathered (one without prefetch)), counted on the storage "
+                       "after each gather")
+            with breaks("ex06.D.reduce"):
+                expect_equal(got["reduced"], [[1, 2, 3]] * 2, f"{where}: the units whose shard holds its reduced "
+                             "gradient when unit 0's backward starts (with resharding, each backward reduce-scatters every "
+                             "unit's gradients once, after they are all in, in the reverse of this forward's order: "
+                             "units 3, 2 and 1 come before unit 0)", keys="step")

@@ -27,7 +27,7 @@ import torch
 import minipar
 from minipar import comm, cost, data, reference
 from minipar import context_parallel as cpm
-from minipar.course.grading import (diagnose, expect, expect_close, expect_equal, expect_recorded,
+from minipar.course.grading import (breaks, diagnose, expect, expect_close, expect_equal, expect_recorded,
                                     expect_same_training, observes)
 from minipar.runtime import trace
 from minipar.models import GPT, GPTConfig
@@ -224,9 +224,10 @@ def _check_ring_traffic(results, cp, shape):
         for phase in ("forward", "backward"):
             sent, count = res[5][phase]
             where = f"cp = {cp}, rank {r}, the ring attention's {phase}"
-            expect_recorded(sent, int(want[phase]), f"bytes sent, as recorded (cost.cp_comm_bytes('ring', ...)"
-                            f"['{phase}']: {said[phase]})", where)
-            expect_equal(count, messages[phase], f"{where}: messages sent, as recorded ({said[phase]})")
+            with breaks("ex08.*.recorded" if sent == 0 else "ex08.C.sends" if phase == "forward" else "ex08.D.sends"):
+                expect_recorded(sent, int(want[phase]), f"bytes sent, as recorded (cost.cp_comm_bytes('ring', ...)"
+                                f"['{phase}']: {said[phase]})", where)
+                expect_equal(count, messages[phase], f"{where}: messages sent, as recorded ({said[phase]})")
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -246,8 +247,9 @@ def test_ring_attention_with_your_code(impl, cp):
             c0, c1 = r, 2 * cp - 1 - r                    # zigzag, written out independently
             parts = want[i].chunk(2 * cp, dim=2)
             mine = torch.cat([parts[c0], parts[c1]], dim=2)
-            expect_close(res[i], mine, f"{name}, index (batch, head, position within the rank's shard, ...)",
-                         where=f"cp = {cp}, rank {r} (its zigzag shard)", rtol=1e-5, atol=1e-5)
+            with breaks("ex08.C.exact" if i < 2 else "ex08.D.exact"):     # O and lse forward, the rest backward
+                expect_close(res[i], mine, f"{name}, index (batch, head, position within the rank's shard, ...)",
+                             where=f"cp = {cp}, rank {r} (its zigzag shard)", rtol=1e-5, atol=1e-5)
     _check_ring_traffic(results, cp, tuple(q.shape))
 
 
@@ -270,8 +272,11 @@ def test_ring_step_parts(impl):
             for c in range(1, 6):
                 got = {(r, src): cpm.ring_step(r, src, c, causal, layout) for r in range(c) for src in range(c)}
                 want = {(r, src): _want_step(r, src, c, causal, layout) for r in range(c) for src in range(c)}
-                expect_equal(got, want, f"ring_step(rank, src, cp={c}, causal={causal}, layout={layout!r})",
-                             keys="(rank, src)")
+                wrong = [key for key in want if got[key] != want[key]]
+                skip = any("skip" in (got[key], want[key]) for key in wrong)
+                with breaks("ex08.C.skip" if skip else "ex08.C.parts"):
+                    expect_equal(got, want, f"ring_step(rank, src, cp={c}, causal={causal}, layout={layout!r})",
+                                 keys="(rank, src)")
 
 
 def _subgroup_case(seed, dtype, causal, layout, T=12):
@@ -323,11 +328,15 @@ def test_ring_attention_on_subgroups(impl):
                 where = (f"{name}: rank {rank} (rank {rr} of cp group {[2 * gi, 2 * gi + 1]}, "
                          f"12 tokens over 2 ranks)")
                 for j, part in enumerate(("O", "lse", "dQ", "dK", "dV")):
-                    expect_equal(str(res[j].dtype), str(dtype), f"the dtype of {part}, {where}")
+                    with breaks("ex08.*.dtype"):
+                        expect_equal(str(res[j].dtype), str(dtype), f"the dtype of {part}, {where}")
                     mine = cpm.shard_sequence(want[j], rr, 2, layout, dim=2)
                     tol = 1e-10 if dtype == torch.float64 else 5e-2
-                    expect_close(res[j].double(), mine, f"{part}, index (batch, head, position within the "
-                                 "rank's shard, ...)", where=where, rtol=tol, atol=tol)
+                    clause = ("ex08.*.group" if gi == 1 else "ex08.*.dtype" if dtype != torch.float64 else
+                              "ex08.C.exact" if j < 2 else "ex08.D.second" if i else "ex08.D.exact")
+                    with breaks(clause):       # group [2, 3] checked after [0, 1] passed the same case
+                        expect_close(res[j].double(), mine, f"{part}, index (batch, head, position within the "
+                                     "rank's shard, ...)", where=where, rtol=tol, atol=tol)
 
 
 @observes("ex08.D.second")

@@ -122,22 +122,26 @@ def test_split_sizes(impl):
     got = {r: split_sizes(M, r, 4) for r in range(4)}
     for r, (send, recv) in got.items():
         types = sorted({type(v).__name__ for v in list(send) + list(recv)})
-        expect(types == ["int"], f"rank {r}: the split sizes are of type {', '.join(types)}; expected Python ints")
-    expect_equal({(a, b): got[a][0][b] for a in range(4) for b in range(4)},
-                 {(a, b): got[b][1][a] for a in range(4) for b in range(4)},
-                 "rank a's send[b] against rank b's recv[a], counts = arange(32).reshape(4, 8), ep = 4",
-                 keys="(a, b)")
+        with breaks("ex09.B.ints"):
+            expect(types == ["int"], f"rank {r}: the split sizes are of type {', '.join(types)}; expected Python ints")
+    with breaks("ex09.B.pairs"):
+        expect_equal({(a, b): got[a][0][b] for a in range(4) for b in range(4)},
+                     {(a, b): got[b][1][a] for a in range(4) for b in range(4)},
+                     "rank a's send[b] against rank b's recv[a], counts = arange(32).reshape(4, 8), ep = 4",
+                     keys="(a, b)")
     for r, want in ((0, ([3, 7], [3, 11])), (1, ([11, 15], [7, 15]))):
         two = split_sizes(torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), r, 2)
-        with diagnose(lambda e, two=two: tuple(map(list, two))[::-1] == want,
-                      "send equals the expected recv and recv the expected send"):
-            expect_equal({"send": list(two[0]), "recv": list(two[1])}, {"send": want[0], "recv": want[1]},
-                         f"split_sizes(counts = [[1, 2, 3, 4], [5, 6, 7, 8]], rank {r}, ep = 2)")
+        with breaks("ex09.B.pairs"):
+            with diagnose(lambda e, two=two: tuple(map(list, two))[::-1] == want,
+                          "send equals the expected recv and recv the expected send"):
+                expect_equal({"send": list(two[0]), "recv": list(two[1])}, {"send": want[0], "recv": want[1]},
+                             f"split_sizes(counts = [[1, 2, 3, 4], [5, 6, 7, 8]], rank {r}, ep = 2)")
     for r, (send, recv) in got.items():
-        expect_equal({"send": send, "recv": recv},
-                     {"send": [int(M[r, 2 * j:2 * j + 2].sum()) for j in range(4)],
-                      "recv": [int(M[j, 2 * r:2 * r + 2].sum()) for j in range(4)]},
-                     f"split_sizes(counts = arange(32).reshape(4, 8), rank {r}, ep = 4): rows to and from each rank")
+        with breaks("ex09.B.pairs"):
+            expect_equal({"send": send, "recv": recv},
+                         {"send": [int(M[r, 2 * j:2 * j + 2].sum()) for j in range(4)],
+                          "recv": [int(M[j, 2 * r:2 * r + 2].sum()) for j in range(4)]},
+                         f"split_sizes(counts = arange(32).reshape(4, 8), rank {r}, ep = 4): rows to and from each rank")
 
 
 @observes("ex09.B.stable", "ex09.B.inverse")
@@ -145,21 +149,26 @@ def test_permutation_is_stable_with_inverse(impl):
     """permutation: keys[perm] sorted, equal keys in their original order, x[perm][inverse] == x."""
     keys = torch.tensor([2, 0, 3, 2, 1, 0, 2])
     perm, inv = permutation(keys)
-    with diagnose(lambda e: sorted(perm.tolist()) == list(range(7)) and keys[perm].tolist() == sorted(keys.tolist()),
-                  "keys[perm] is sorted, and rows of equal keys are in another order than the input's"):
-        expect_equal(perm.tolist(), [1, 5, 4, 0, 3, 6, 2], "perm for keys [2, 0, 3, 2, 1, 0, 2]", keys="position")
-    expect_equal(inv.tolist(), [3, 0, 6, 4, 2, 1, 5], "inverse for keys [2, 0, 3, 2, 1, 0, 2] "
-                 "(x[perm][inverse] == x for every x)", keys="position")
+    with breaks("ex09.B.stable"):
+        with diagnose(lambda e: sorted(perm.tolist()) == list(range(7)) and keys[perm].tolist() == sorted(keys.tolist()),
+                      "keys[perm] is sorted, and rows of equal keys are in another order than the input's"):
+            expect_equal(perm.tolist(), [1, 5, 4, 0, 3, 6, 2], "perm for keys [2, 0, 3, 2, 1, 0, 2]", keys="position")
+    with breaks("ex09.B.inverse"):
+        expect_equal(inv.tolist(), [3, 0, 6, 4, 2, 1, 5], "inverse for keys [2, 0, 3, 2, 1, 0, 2] "
+                     "(x[perm][inverse] == x for every x)", keys="position")
     k = torch.randint(0, 4, (300,), generator=torch.Generator().manual_seed(1))
     perm, inv = permutation(k)
     s = k[perm]
-    expect_close(s, torch.sort(k, stable=True).values, "keys[perm] for 300 random keys (sorted)", rtol=0, atol=0)
+    with breaks("ex09.B.stable"):
+        expect_close(s, torch.sort(k, stable=True).values, "keys[perm] for 300 random keys (sorted)", rtol=0, atol=0)
     for i in range(4):                                  # stable: positions ascending per key
         p = perm[s == i]
-        expect_equal(p.tolist(), sorted(p.tolist()), f"positions of key {i} in perm (ascending: equal keys in their original order)",
-                     keys="entry")
+        with breaks("ex09.B.stable"):
+            expect_equal(p.tolist(), sorted(p.tolist()), f"positions of key {i} in perm (ascending: equal keys in their original order)",
+                         keys="entry")
     x = torch.randn(300)
-    expect_close(x[perm][inv], x, "x[perm][inverse] (x itself)", rtol=0, atol=0)
+    with breaks("ex09.B.inverse"):
+        expect_close(x[perm][inv], x, "x[perm][inverse] (x itself)", rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- on ranks
@@ -220,39 +229,50 @@ def test_exchanges_on_ranks(impl):
     res = minipar.launch(_exchanges, 4, timeout=TIMEOUT)
     counts = [[rank, 2 * rank, 0, 7 - rank, 1, 5] for rank in range(4)]
     for rank, out in enumerate(res):
-        expect_equal(out["counts"][0].tolist(), counts, f"rank {rank}: exchange_counts on the world of 4 ranks",
-                     keys="(rank, expert)")
+        with breaks("ex09.A.exchange"):
+            expect_equal(out["counts"][0].tolist(), counts, f"rank {rank}: exchange_counts on the world of 4 ranks",
+                         keys="(rank, expert)")
         g = rank // 2
-        expect_equal(out["counts"][1].tolist(), counts[2 * g:2 * g + 2],
-                     f"rank {rank}: exchange_counts on the group [{2 * g}, {2 * g + 1}]", keys="(group rank, expert)")
-        expect_recorded(out["counts sent"], (3 + 1) * 6 * 8, "bytes exchange_counts sent, as recorded (its 6 "
-                        "int64 counts to each other rank: 3 on the world, 1 in its group)", f"rank {rank}")
+        with breaks("ex09.*.group"):
+            expect_equal(out["counts"][1].tolist(), counts[2 * g:2 * g + 2],
+                         f"rank {rank}: exchange_counts on the group [{2 * g}, {2 * g + 1}]", keys="(group rank, expert)")
+        with breaks("ex09.*.recorded"):
+            expect_recorded(out["counts sent"], (3 + 1) * 6 * 8, "bytes exchange_counts sent, as recorded (its 6 "
+                            "int64 counts to each other rank: 3 on the world, 1 in its group)", f"rank {rank}")
     for case, (name, dtype, sub) in enumerate(EXCHANGES):
         for rank, out in enumerate(res):
             n, r = (2, rank % 2) if sub else (4, rank)
             where = f"{name}: rank {rank}" + (f" (rank {r} of its group)" if sub else "")
-            expect(not isinstance(out[case], str), f"{where}: all_to_all raised {out[case]} (sending "
-                   f"{[_split(r, b, case) for b in range(n)]} rows, receiving {[_split(a, r, case) for a in range(n)]})")
+            on = ("ex09.*.group",) if sub else ()                     # a group's case fails its own clause too
+            with breaks("ex09.C.empty", *on):
+                expect(not isinstance(out[case], str), f"{where}: all_to_all raised {out[case]} (sending "
+                       f"{[_split(r, b, case) for b in range(n)]} rows, receiving {[_split(a, r, case) for a in range(n)]})")
             y, grad, forward, backward, names = out[case]
-            expect_equal(str(y.dtype), str(dtype), f"the dtype of all_to_all's output, {where}")
+            with breaks("ex09.C.dtype"):
+                expect_equal(str(y.dtype), str(dtype), f"the dtype of all_to_all's output, {where}")
             want = torch.cat([_rows(a, r, _split(a, r, case), torch.float64) for a in range(n)])
-            expect_close(y.double(), want, "all_to_all's output rows (16·source + 4·this rank + i, in rank "
-                         f"order; received from each rank: {[_split(a, r, case) for a in range(n)]})",
-                         where=where, rtol=0, atol=0)
+            with breaks("ex09.C.order", *on):
+                expect_close(y.double(), want, "all_to_all's output rows (16·source + 4·this rank + i, in rank "
+                             f"order; received from each rank: {[_split(a, r, case) for a in range(n)]})",
+                             where=where, rtol=0, atol=0)
             x = torch.cat([_rows(r, b, _split(r, b, case), torch.float64) for b in range(n)])
             dest = torch.cat([torch.full((_split(r, b, case), 2), float(b), dtype=torch.float64) for b in range(n)])
-            expect_equal(str(grad.dtype), str(dtype), f"the dtype of the input's gradient, {where}")
-            expect_close(grad.double(), 0.5 * x + dest, "the input's gradient (0.5·row + the rank it went to; sent "
-                         f"to each rank: {[_split(r, b, case) for b in range(n)]})", where=where, rtol=0, atol=0)
+            with breaks("ex09.C.dtype"):
+                expect_equal(str(grad.dtype), str(dtype), f"the dtype of the input's gradient, {where}")
+            with breaks("ex09.C.backward", *on):
+                expect_close(grad.double(), 0.5 * x + dest, "the input's gradient (0.5·row + the rank it went to; sent "
+                             f"to each rank: {[_split(r, b, case) for b in range(n)]})", where=where, rtol=0, atol=0)
             size = 2 * torch.finfo(dtype).bits // 8                    # bytes per row of 2 elements
-            expect_recorded(forward, size * sum(_split(r, b, case) for b in range(n) if b != r), "bytes all_to_all "
-                            "sent forward, as recorded (the rows for the other ranks)", where)
-            expect_recorded(backward, size * sum(_split(a, r, case) for a in range(n) if a != r), "bytes sent in "
-                            "its backward, as recorded (the gradients of the rows that came from the other ranks)",
-                            where)
-            expect_equal(names, [("graded_a2a", "ep"), ("graded_a2a_backward", "ep")], f"{where}: (name, dim) of "
-                         "what all_to_all(..., name='graded_a2a', dim='ep') recorded, forward then backward",
-                         keys="collective")
+            with breaks("ex09.*.recorded"):
+                expect_recorded(forward, size * sum(_split(r, b, case) for b in range(n) if b != r), "bytes all_to_all "
+                                "sent forward, as recorded (the rows for the other ranks)", where)
+                expect_recorded(backward, size * sum(_split(a, r, case) for a in range(n) if a != r), "bytes sent in "
+                                "its backward, as recorded (the gradients of the rows that came from the other ranks)",
+                                where)
+            with breaks("ex09.C.named"):
+                expect_equal(names, [("graded_a2a", "ep"), ("graded_a2a_backward", "ep")], f"{where}: (name, dim) of "
+                             "what all_to_all(..., name='graded_a2a', dim='ep') recorded, forward then backward",
+                             keys="collective")
 
 
 def _moe(k, cf):
@@ -349,10 +369,11 @@ def test_expert_parallel_layer(impl):
             ranks = [res[r][c * steps + step] for r in range(2)]
             for r, (y_r, dropped_r, _, _, record) in enumerate(ranks):
                 where = f"{case}, rank {r}"
-                expect_close(dropped_r.float(), dropped.chunk(2)[r].float(), "assignments dropped (over capacity), "
-                             "index (token·k + j)", where=where, rtol=0, atol=0)
-                expect_close(y_r, y.chunk(2)[r], "layer output (the MoE layer on one device), index "
-                             "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)
+                with breaks("ex09.D.second" if step else "ex09.D.exact"):
+                    expect_close(dropped_r.float(), dropped.chunk(2)[r].float(), "assignments dropped (over capacity), "
+                                 "index (token·k + j)", where=where, rtol=0, atol=0)
+                    expect_close(y_r, y.chunk(2)[r], "layer output (the MoE layer on one device), index "
+                                 "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)
                 with breaks("ex09.D.grads"):
                     for name, g in ranks[r][2].items():
                         expect(g is not None, f"{where}: {name} got no gradient (None) from the layer's backward")
@@ -367,8 +388,9 @@ def test_expert_parallel_layer(impl):
                                           "experts regions (rows)": [_rows_computed(k, cf, step, r)]},
                                  f"{where}: what the layer recorded: (name, dim) of every collective of one "
                                  "forward and of its backward, and the rows label of its 'experts' regions")
-            expect_close((ranks[0][3] + ranks[1][3]) / 2, aux, "the load-balancing loss (aux) averaged over the "
-                         "2 ranks", where=case, rtol=1e-6, atol=1e-7)
+            with breaks("ex09.D.aux"):
+                expect_close((ranks[0][3] + ranks[1][3]) / 2, aux, "the load-balancing loss (aux) averaged over the "
+                             "2 ranks", where=case, rtol=1e-6, atol=1e-7)
             with breaks("ex09.D.grads"):
                 expect_close(ranks[0][2]["router"] + ranks[1][2]["router"], grads["router"],
                              "the router's gradient summed over the 2 ranks, index (expert, feature)", where=case,
@@ -384,12 +406,17 @@ def _on_subgroups():
         refused = None
     except ValueError as e:
         refused = str(e)
-    layer = ExpertParallelMoE(_moe(2, 1.0).to(dev), group=groups[g], token_group=dist.group.WORLD)
+    moe = _moe(2, 1.0).to(dev)
+    layer = ExpertParallelMoE(moe, group=groups[g], token_group=dist.group.WORLD)
+    held = {f"router.{n}": q for n, q in moe.router.named_parameters()}
+    held.update({f"experts.{i}.{n}": q for i in layer.local for n, q in moe.experts[i].named_parameters()})
+    own = [id(q) for q in layer.parameters()]
+    copied = [n for n, q in held.items() if id(q) not in own]       # moe's parameters the layer does not hold
     since = len(trace.events())
     y = layer(_tokens(0, seed=5 + g).chunk(2)[r].to(dev))
     return (y.detach().cpu(), layer.stats["dropped"].cpu(), layer.stats["matrix"].cpu(), refused,
             {int(i): float(e.fc.weight.detach().sum()) for i, e in layer.experts.items()}, layer.local,
-            layer.stats["aux"].cpu(), _comm(since))
+            layer.stats["aux"].cpu(), _comm(since), copied)
 
 
 @observes("ex09.D.exact", "ex09.D.experts", "ex09.D.divide", "ex09.D.aux", "ex09.D.token_group", "ex09.*.group",
@@ -402,12 +429,16 @@ def test_layer_on_subgroups(impl):
     res = minipar.launch(_on_subgroups, 4, timeout=TIMEOUT)
     fc = {i: float(e.fc.weight.detach().sum()) for i, e in enumerate(_moe(2, 1.0).experts)}
     for rank, out in enumerate(res):
-        expect(isinstance(out[3], str), f"rank {rank}: ExpertParallelMoE(MoE(8, n_experts=6)) over the world of 4 "
-                                        "ranks was built; 6 experts over 4 ranks: a ValueError")
+        with breaks("ex09.D.divide"):
+            expect(isinstance(out[3], str), f"rank {rank}: ExpertParallelMoE(MoE(8, n_experts=6)) over the world of 4 "
+                                            "ranks was built; 6 experts over 4 ranks: a ValueError")
         want = [2 * (rank % 2), 2 * (rank % 2) + 1]
-        expect_equal({"local": list(out[5]), "experts": out[4]}, {"local": want, "experts": {i: fc[i] for i in want}},
-                     f"rank {rank} (rank {rank % 2} of ep group [{rank // 2 * 2}, {rank // 2 * 2 + 1}]): the experts "
-                     "it holds, of 4 (self.local, and self.experts by index: the sum of each one's fc weight)")
+        with breaks("ex09.D.experts"):
+            expect_equal({"local": list(out[5]), "experts": out[4]}, {"local": want, "experts": {i: fc[i] for i in want}},
+                         f"rank {rank} (rank {rank % 2} of ep group [{rank // 2 * 2}, {rank // 2 * 2 + 1}]): the experts "
+                         "it holds, of 4 (self.local, and self.experts by index: the sum of each one's fc weight)")
+            expect_equal(out[8], [], f"rank {rank}: parameters of the given MoE's router and of this rank's experts that "
+                         "are not the layer's own parameters (the layer holds them, not copies)")
     for rank, out in enumerate(res):
         with breaks("ex09.D.recorded"):
             ep = [c for c in out[7] if c[0] in ("ep_counts", "ep_dispatch", "ep_combine")]
@@ -417,8 +448,10 @@ def test_layer_on_subgroups(impl):
                          "(the ep group's three and one all-reduce over token_group), and (name, dim) of the ep group's")
     one = _moe(2, 1.0)
     one(torch.cat([_tokens(0, seed=5), _tokens(0, seed=6)]))
-    expect_close(sum(out[6] for out in res) / 4, one.stats["aux"], "the load-balancing loss (aux) averaged over "
-                 "the 4 ranks (token_group: all of them), against one device on all 32 sequences", rtol=1e-6, atol=1e-7)
+    with breaks("ex09.D.token_group"):
+        expect_close(sum(out[6] for out in res) / 4, one.stats["aux"], "the load-balancing loss (aux) averaged over "
+                     "the 4 ranks (token_group: all of them), against one device on all 32 sequences", rtol=1e-6,
+                     atol=1e-7)
     for g in range(2):
         x = _tokens(0, seed=5 + g)
         moe = _moe(2, 1.0)
@@ -427,8 +460,9 @@ def test_layer_on_subgroups(impl):
             rank = 2 * g + r
             y_r, dropped_r, M = res[rank][:3]
             where = f"rank {rank} (rank {r} of ep group [{2 * g}, {2 * g + 1}], its own 16 tokens)"
-            expect_equal(list(M.shape), [2, 4], f"the shape of the count matrix (ep × E), {where}")
-            expect_close(dropped_r.float(), moe.stats["dropped"].chunk(2)[r].float(),
-                         "assignments dropped (over capacity), index (token·k + j)", where=where, rtol=0, atol=0)
-            expect_close(y_r, y.chunk(2)[r], "layer output (the MoE layer on one device), index "
-                         "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)
+            with breaks("ex09.*.group"):
+                expect_equal(list(M.shape), [2, 4], f"the shape of the count matrix (ep × E), {where}")
+                expect_close(dropped_r.float(), moe.stats["dropped"].chunk(2)[r].float(),
+                             "assignments dropped (over capacity), index (token·k + j)", where=where, rtol=0, atol=0)
+                expect_close(y_r, y.chunk(2)[r], "layer output (the MoE layer on one device), index "
+                             "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)

@@ -27,7 +27,9 @@ from dataclasses import fields, replace as dataclass_replace
 
 from minipar import cost, plan
 from minipar.plan.memory import comm_buffer_bytes, stage_layers
-from minipar.course.grading import expect, expect_equal, observes
+from contextlib import nullcontext
+
+from minipar.course.grading import breaks, expect, expect_equal, observes
 from minipar.models.gpt import GPTConfig
 
 EXERCISE = "ex10_planning"
@@ -78,14 +80,16 @@ GPT13 = plan.MODELS["gpt3-1.3b"]
 MIXTRAL = plan.MODELS["mixtral-8x7b"]
 
 
-def _approx(got, want, what, rel=1e-9):
-    """Within ``rel`` of each other (1e-9: floating-point sums in another order), else both numbers."""
+def _approx(got, want, what, rel=1e-9, clause=None):
+    """Within ``rel`` of each other (1e-9: floating-point sums in another order), else both numbers; a
+    failure names ``clause`` (the one the row observes, :func:`grading.breaks`) when given."""
     ok = isinstance(got, (int, float)) and abs(got - want) <= rel * max(abs(want), 1.0)
     if not ok:
         r = got / want if isinstance(got, (int, float)) and want else None
         ratio = "" if r is None else f" ({r:.4g}× the expected)" if abs(r - 1) >= 1e-3 else f" ({r:.7g}× the expected)"
         shown = f"{got:,.0f}" if isinstance(got, (int, float)) else repr(got)
-        expect(False, f"{what}: estimated {shown} bytes, expected {want:,.0f}{ratio}")
+        with breaks(clause) if clause else nullcontext():
+            expect(False, f"{what}: estimated {shown} bytes, expected {want:,.0f}{ratio}")
 
 
 # ----------------------------------------------------------------------------- what was measured
@@ -174,9 +178,9 @@ def test_layer_activations_of_other_shapes(impl):
     sbh = 8192 * 4096
     lay = plan.Layout(recompute="selective", attention="materialized")
     _approx(plan.layer_activation_bytes(LLAMA, lay, 8192), 34 * sbh,
-            "ex10.A.shapes Llama 3 8B, s = 8192, selective: bytes of one layer")
+            "Llama 3 8B, s = 8192, selective: bytes of one layer", clause="ex10.A.shapes")
     _approx(plan.layer_activation_bytes(MIXTRAL, lay, 8192), 55 * sbh,
-            "ex10.A.experts Mixtral 8x7B, s = 8192, selective: bytes of one layer")
+            "Mixtral 8x7B, s = 8192, selective: bytes of one layer", clause="ex10.A.experts")
 
 
 CP = [  # (clause, model, layout, s, bytes)
@@ -194,8 +198,8 @@ def test_layer_activations_with_cp(impl):
     """Llama 3 8B, cp = 1 and 2, materialized and flash attention (with tp and selective recomputation
     too): one layer's bytes."""
     for clause, model, lay, s, want in CP:
-        _approx(plan.layer_activation_bytes(model, lay, s), want,
-                f"{clause} Llama 3 8B, s = {s}, {lay}: bytes of one layer")
+        _approx(plan.layer_activation_bytes(model, lay, s), want, f"Llama 3 8B, s = {s}, {lay}: bytes of one layer",
+                clause=clause)
 
 
 # ----------------------------------------------------------------------------- B: model states
@@ -242,10 +246,11 @@ def test_model_states(impl):
     """Model-state bytes per GPU in bf16 and fp32, under ZeRO 0 to 3, tensor, pipeline, data and context
     parallelism (and the course's GPT on 5 ranks, whose Ψ they do not divide)."""
     for model, lay, k, want in STATES:
-        _approx(plan.model_state_bytes(model, lay)[k], want, f"{_clause(lay)} Llama 3 8B, {lay}: {k} bytes")
+        _approx(plan.model_state_bytes(model, lay)[k], want, f"Llama 3 8B, {lay}: {k} bytes", clause=_clause(lay))
     lay = plan.Layout(dp=5, zero=3, dtype="fp32")
     for k, want in (("params", 4 * 27552 / 5), ("grads", 4 * 27552 / 5), ("optimizer", 8 * 27552 / 5)):
-        _approx(plan.model_state_bytes(COURSE, lay)[k], want, f"ex10.B.zero the course GPT (Ψ = 27,552), {lay}: {k} bytes")
+        _approx(plan.model_state_bytes(COURSE, lay)[k], want, f"the course GPT (Ψ = 27,552), {lay}: {k} bytes",
+                clause="ex10.B.zero")
 
 
 @observes("ex10.B.experts")
@@ -264,7 +269,8 @@ def test_stage_layers(impl):
                          ((32, 3), [10, 11, 11]), ((12, 5), [2, 2, 3, 3, 2]), ((10, 4), [2, 3, 3, 2]),
                          ((12, 8), [1, 1, 1, 2, 2, 2, 2, 1]), ((20, 8), [2, 2, 2, 3, 3, 3, 3, 2])):
         clause = "ex10.C.even" if l % p == 0 else "ex10.C.uneven"
-        expect_equal(list(stage_layers(l, p)), want, f"{clause} stage_layers({l}, {p}): layers per stage", keys="stage")
+        with breaks(clause):
+            expect_equal(list(stage_layers(l, p)), want, f"stage_layers({l}, {p}): layers per stage", keys="stage")
 
 
 LLAMA4 = dataclass_replace(LLAMA, n_layer=4)   # Llama 3 8B's layers, four of them: the logits weigh
@@ -309,7 +315,7 @@ BUF = [  # (the clause the row adds a buffer for, model, layout, s, bytes)
 def _activations(rows, what):
     for clause, model, lay, s, batch, want in rows:
         _approx(plan.memory_per_gpu(model, lay, s, batch)["activations"], want,
-                f"{clause} {what(model)}, s = {s}, {lay}, global batch {batch}: activation bytes")
+                f"{what(model)}, s = {s}, {lay}, global batch {batch}: activation bytes", clause=clause)
 
 
 def _name(model):
@@ -348,7 +354,7 @@ def test_buffers(impl):
     """The communication buffers of each kind of parallelism, and their total."""
     for clause, model, lay, s, want in BUF:
         sp = "" if lay.sequence_parallel else " without sequence parallelism"
-        _approx(comm_buffer_bytes(model, lay, s), want, f"{clause} Llama 3 8B, s = {s}, {lay}{sp}: buffer bytes")
+        _approx(comm_buffer_bytes(model, lay, s), want, f"Llama 3 8B, s = {s}, {lay}{sp}: buffer bytes", clause=clause)
     lay = plan.Layout(dp=4, tp=2, zero=3, recompute="selective")
     m = plan.memory_per_gpu(LLAMA, lay, 8192, 4)
     _approx(m["buffers"], comm_buffer_bytes(LLAMA, lay, 8192), f"Llama 3 8B, {lay}: memory_per_gpu's buffers")

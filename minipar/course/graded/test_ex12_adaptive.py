@@ -24,7 +24,7 @@ import torch
 import minipar
 from minipar.adapt.moves import Move, Plan, plan
 from minipar.adapt.switch import from_runs, runs_of
-from minipar.course.grading import expect, expect_equal, observes
+from minipar.course.grading import breaks, expect, expect_equal, observes
 
 EXERCISE = "ex12_adaptive"
 HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, --seal after
@@ -76,32 +76,56 @@ def _idx(*xs):
     return torch.tensor(xs, dtype=torch.long)
 
 
+def _source_of(moves):
+    """{(dst, key, destination position): src} of a plan's moves, and whether one position is given twice."""
+    out, twice = {}, False
+    for dst, src, key, _, dst_pos in moves:
+        for i in dst_pos:
+            twice |= (dst, key, i) in out
+            out[dst, key, i] = src
+    return out, twice
+
+
+def _expect_moves(got, want, what):
+    """The moves equal, else a failure naming the clause the first difference breaks: an element
+    missing or given twice (once), a local copy taken from another rank (local), another source
+    (ring), the same moves in another order (sorted)."""
+    g, twice = _source_of(got)
+    w, _ = _source_of(want)
+    wrong = [k for k in w if g.get(k) != w[k]]
+    clause = ("ex12.A.once" if twice or set(g) != set(w) else
+              "ex12.A.local" if any(w[k] == k[0] for k in wrong) else
+              "ex12.A.ring" if wrong else "ex12.A.sorted")
+    with breaks(clause):
+        expect_equal(got, want, what)
+
+
 @observes("ex12.A.once", "ex12.A.local", "ex12.A.ring", "ex12.A.sorted")
 def test_plan_by_hand(impl):
     """Hand cases: every plan's moves, in the contract's order."""
     # everyone holds everything before; the new ranks keep what they had: local copies only.
     full = [{"w": _idx(0, 1, 2, 3)} for _ in range(4)]
     halves = [{"w": _idx(0, 1)}, {"w": _idx(2, 3)}, {"w": _idx(3, 1)}, {}]
-    expect_equal(_moves(plan(full, halves, {"w": 4})),
+    _expect_moves(_moves(plan(full, halves, {"w": 4})),
                  [(0, 0, "w", [0, 1], [0, 1]), (1, 1, "w", [2, 3], [0, 1]), (2, 2, "w", [3, 1], [0, 1])],
                  "moves from 4 ranks holding all of [0, 1, 2, 3] (every element a local copy)")
     # 3 ranks, 6 elements: old rank r holds 2r, 2r+1; new rank 0 holds all, the others nothing.
     old = [{"w": _idx(0, 1)}, {"w": _idx(2, 3)}, {"w": _idx(4, 5)}]
     new = [{"w": _idx(5, 0, 3, 1, 2, 4)}, {}, {}]
-    expect_equal(_moves(plan(old, new, {"w": 6})),
+    _expect_moves(_moves(plan(old, new, {"w": 6})),
                  [(0, 0, "w", [0, 1], [1, 3]), (0, 1, "w", [1, 0], [2, 4]), (0, 2, "w", [1, 0], [0, 5])],
                  "moves (dst, src, key, src_pos, dst_pos) from [[0, 1], [2, 3], [4, 5]] to rank 0 holding "
                  "[5, 0, 3, 1, 2, 4]")
     # ranks 0 and 3 hold everything, ranks 1 and 2 need it: the ring after 1 is 2, 3, 0; after 2: 3, 0.
     old = [{"w": _idx(0, 1, 2)}, {}, {}, {"w": _idx(2, 1, 0)}]
     new = [{}, {"w": _idx(0, 1, 2)}, {"w": _idx(1)}, {"w": _idx(0)}]
-    expect_equal(_moves(plan(old, new, {"w": 3})),
+    _expect_moves(_moves(plan(old, new, {"w": 3})),
                  [(1, 3, "w", [2, 1, 0], [0, 1, 2]), (2, 3, "w", [1], [0]), (3, 3, "w", [2], [0])],
                  "moves when ranks 0 and 3 hold [0, 1, 2]")
     # two keys, several sources: (dst, src) order, keys in sizes' order within a pair.
     old = [{"a": _idx(0, 1), "b": _idx(0)}, {"a": _idx(2, 3), "b": _idx(1, 2)}]
     new = [{"a": _idx(3, 0), "b": _idx(2, 1, 0)}, {"a": _idx(1, 2)}]
-    expect_equal(_moves(plan(old, new, {"a": 4, "b": 3})),
+    _expect_moves(_moves(plan(old, new, {"a": 4, "b": 3})),
                  [(0, 0, "a", [0], [1]), (0, 0, "b", [0], [2]), (0, 1, "a", [1], [0]), (0, 1, "b", [1, 0], [0, 1]),
                   (1, 0, "a", [1], [0]), (1, 1, "a", [0], [1])],
                  "moves for keys a (4 elements) and b (3) over 2 ranks")
@@ -136,15 +160,18 @@ def test_plan_random(impl):
         where = f"seed {seed}, {world} ranks"
         got = [{k: torch.full((len(i),), -1.0) for k, i in h.items()} for h in new]
         for mv in p.moves:
-            expect(mv.dst_pos.numel() == mv.src_pos.numel(), f"{where}: a move of {mv.key} to rank {mv.dst} "
-                   f"with {mv.src_pos.numel()} source positions and {mv.dst_pos.numel()} destination positions")
+            with breaks("ex12.A.once"):
+                expect(mv.dst_pos.numel() == mv.src_pos.numel(), f"{where}: a move of {mv.key} to rank {mv.dst} "
+                       f"with {mv.src_pos.numel()} source positions and {mv.dst_pos.numel()} destination positions")
             values = old[mv.src][mv.key][mv.src_pos].float()          # the value carried = its global index
-            expect(bool((got[mv.dst][mv.key][mv.dst_pos] == -1).all()),
-                   f"{where}: an element of rank {mv.dst}'s {mv.key} given two sources")
+            with breaks("ex12.A.once"):
+                expect(bool((got[mv.dst][mv.key][mv.dst_pos] == -1).all()),
+                       f"{where}: an element of rank {mv.dst}'s {mv.key} given two sources")
             got[mv.dst][mv.key][mv.dst_pos] = values
         for q, h in enumerate(new):
             for k, i in h.items():
-                expect_equal(got[q][k].tolist(), i.float().tolist(), f"{where}: rank {q}'s {k} after the plan")
+                with breaks("ex12.A.once"):
+                    expect_equal(got[q][k].tolist(), i.float().tolist(), f"{where}: rank {q}'s {k} after the plan")
         missing, count = [0] * world, [0] * world                      # an independent count
         for q, h in enumerate(new):
             for k, i in h.items():
@@ -154,16 +181,18 @@ def test_plan_random(impl):
                         src = min(holds, key=lambda r: (r - q) % world)
                         missing[src] += itemsize[k]
                         count[src] += 1
-        expect_equal(p.sent(itemsize), missing, f"{where}: bytes each rank sends (itemsize per key {itemsize})",
-                     keys="rank")
-        expect_equal(p.sent(4), [4 * c for c in count], f"{where}: bytes each rank sends at 4 bytes an element",
-                     keys="rank")
+        with breaks("ex12.A.bytes"):
+            expect_equal(p.sent(itemsize), missing, f"{where}: bytes each rank sends (itemsize per key {itemsize})",
+                         keys="rank")
+            expect_equal(p.sent(4), [4 * c for c in count], f"{where}: bytes each rank sends at 4 bytes an element",
+                         keys="rank")
         for mv in p.moves:
             for e in old[mv.src][mv.key][mv.src_pos].tolist():
                 holds = [r for r in range(world) if mv.key in old[r] and e in old[r][mv.key].tolist()]
                 want = mv.dst if mv.dst in holds else min(holds, key=lambda r: (r - mv.dst) % world)
-                expect_equal(mv.src, want, f"{where}: the source of element {e} of {mv.key} for rank {mv.dst} "
-                             f"(held by {holds})")
+                with breaks("ex12.A.ring"):
+                    expect_equal(mv.src, want, f"{where}: the source of element {e} of {mv.key} for rank {mv.dst} "
+                                 f"(held by {holds})")
 
 def _raised(fn, *args):
     try:
@@ -190,16 +219,19 @@ def test_plan_errors(impl):
     """An element nobody holds, and a different number of ranks: ValueErrors."""
     old = [{"w": _idx(0, 1)}, {"w": _idx(1)}]
     new = [{"w": _idx(0)}, {"w": _idx(2, 1)}]
-    expect_equal(_raised(plan, old, new, {"w": 3}), "ValueError",
-                 "plan to an element (2 of w) that no old rank holds: what it raises")
-    expect("w" in _message(plan, old, new, {"w": 3}),
-           f"plan to an element no rank holds: the ValueError does not name the key w: "
-           f"{_message(plan, old, new, {'w': 3})!r}")
-    expect_equal(_raised(plan, old, [{"w": _idx(1)}, {"w": _idx(0)}, {}], {"w": 3}), "ValueError",
-                 "plan from 2 old holdings to 3 new ones: what it raises")
+    with breaks("ex12.A.missing"):
+        expect_equal(_raised(plan, old, new, {"w": 3}), "ValueError",
+                     "plan to an element (2 of w) that no old rank holds: what it raises")
+        expect("w" in _message(plan, old, new, {"w": 3}),
+               f"plan to an element no rank holds: the ValueError does not name the key w: "
+               f"{_message(plan, old, new, {'w': 3})!r}")
+    with breaks("ex12.A.world"):
+        expect_equal(_raised(plan, old, [{"w": _idx(1)}, {"w": _idx(0)}, {}], {"w": 3}), "ValueError",
+                     "plan from 2 old holdings to 3 new ones: what it raises")
     p = plan(old, [{"w": _idx(1)}, {"w": _idx(0)}], {"w": 3})
-    expect_equal(p.sent({"w": 8}), [8, 0], "sent({'w': 8}) when rank 0 keeps element 1 and sends element 0 to rank 1")
-    expect_equal(Plan(2, p.moves).bytes(2), 2, "bytes(2) of the same plan")
+    with breaks("ex12.A.bytes"):
+        expect_equal(p.sent({"w": 8}), [8, 0], "sent({'w': 8}) when rank 0 keeps element 1 and sends element 0 to rank 1")
+        expect_equal(Plan(2, p.moves).bytes(2), 2, "bytes(2) of the same plan")
 
 
 def _own_plan(old, new, sizes, seed=11):
@@ -248,13 +280,16 @@ def test_execute_on_ranks(impl):
     results = minipar.launch(_switch, 3, args=(7, sizes), timeout=TIMEOUT)
     old, new = _random_case(7, 3, sizes)
     for r, (got, observed, planned, refused) in enumerate(results):
-        expect_equal(observed, planned, f"3 ranks, seed 7: bytes rank {r}'s all-to-all sent (observed vs the plan's)")
-        for k, i in new[r].items():
-            want = (i.float() * 1.000001 + 0.5).tolist()
-            expect_equal(got[k], want, f"3 ranks, seed 7: rank {r}'s {k} after the switch (value = global index "
-                         f"× 1.000001 + 0.5)", keys="position")
-        expect(not refused, f"3 ranks: a switch of float64 state on rank {r}: {refused} instead of a "
-               f"NotImplementedError")
+        with breaks("ex12.B.bytes"):
+            expect_equal(observed, planned, f"3 ranks, seed 7: bytes rank {r}'s all-to-all sent (observed vs the plan's)")
+        with breaks("ex12.B.values"):
+            for k, i in new[r].items():
+                want = (i.float() * 1.000001 + 0.5).tolist()
+                expect_equal(got[k], want, f"3 ranks, seed 7: rank {r}'s {k} after the switch (value = global index "
+                             f"× 1.000001 + 0.5)", keys="position")
+        with breaks("ex12.B.fp32"):
+            expect(not refused, f"3 ranks: a switch of float64 state on rank {r}: {refused} instead of a "
+                   f"NotImplementedError")
 
 
 @observes("ex12.C.runs")

@@ -65,6 +65,9 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
     "ex04.C.batched": (
         [("            with nullcontext() if compute else batched():", "            with nullcontext():")],
         g.test_pipeline_step, r"message 0 posted outside any batched\(\) block \(every send and receive is posted"),
+    "ex04.C.sent": (     # the sends never waited on: a hang, or (Gloo delivered them) missing from the record
+        [("        self.mail.flush()\n", "")],
+        g.test_pipeline_step, r"(?s)(sends completed and recorded by the time Pipeline\.step returned|the ranks hung.*send)"),
     "ex04.C.peak": (
         [("        self.peak_stash = self.stash.peak", "        self.peak_stash = len(self.stash)")],
         g.test_trains_the_gpt, r"the most micro-batches held at once"),

@@ -99,14 +99,18 @@ def test_partition_is_valid(impl):
                           "(p contiguous, non-empty stages)")
 
 
+def _random_cases(seed: int, n: int, most_layers: int):
+    """``n`` random (layer costs, p) pairs, p between 1 and the number of layers."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        costs = [rng.choice([1, 2, 3, 5, 8, 13, 40]) for _ in range(rng.randint(1, most_layers))]
+        yield costs, rng.randint(1, len(costs))
+
+
 @observes("ex04.A.optimal")
 def test_partition_is_balanced(impl):
     """The costliest stage is as cheap as possible (checked against brute force)."""
-    rng = random.Random(1)
-    for _ in range(60):
-        L = rng.randint(1, 9)
-        costs = [rng.choice([1, 2, 3, 5, 8, 13, 40]) for _ in range(L)]
-        p = rng.randint(1, L)
+    for costs, p in _random_cases(seed=1, n=60, most_layers=9):
         b = pp.partition(costs, p)
         stages = [sum(costs[x:y]) for x, y in zip(b[:-1], b[1:])]
         expect_equal(max(stages), _best(costs, p),
@@ -118,12 +122,8 @@ def test_partition_is_balanced(impl):
 def test_min_max_is_the_best_costliest_stage(impl):
     """_min_max(prefix, p) on its own: the cost of the costliest stage of the best split (brute force)."""
     from minipar.model_parallel.partition import _min_max
-    rng = random.Random(2)
-    for _ in range(40):
-        L = rng.randint(1, 8)
-        costs = [rng.choice([1, 2, 3, 5, 8, 13, 40]) for _ in range(L)]
-        p = rng.randint(1, L)
-        prefix = [sum(costs[:j]) for j in range(L + 1)]
+    for costs, p in _random_cases(seed=2, n=40, most_layers=8):
+        prefix = [sum(costs[:j]) for j in range(len(costs) + 1)]
         got = _min_max([float(x) for x in prefix], p)
         expect_equal(got, float(_best(costs, p)),
                      f"_min_max({prefix}, p={p}) (the prefix sums of costs {costs}): the cost of the costliest stage "

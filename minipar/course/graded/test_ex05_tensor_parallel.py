@@ -136,12 +136,19 @@ def test_f_identity_forward_all_reduce_backward(impl):
             with diagnose(lambda e, fo=fo: torch.allclose(fo["grad"], fo["w"]), "the gradient is this rank's own "
                           "upstream gradient, not the sum over ranks"):
                 _close(fo["grad"], total, "f's gradient (the sum of the ranks' gradients)", f"rank {rank}")
-        with breaks("ex05.A.bytes"):
-            expect_recorded(fo["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
-                            "bytes sent in f's backward (one all-reduce of 12 floats)", f"rank {rank}")
-            expect_equal(fo["calls"], 1, f"rank {rank}: collectives recorded in f's backward")
-            expect_equal(fo["names"], ["f.all_reduce"], f"rank {rank}: the name f's backward collective is recorded under")
-            expect_equal(fo["forward"], [0, 0], f"rank {rank}: [bytes, collectives] recorded in f's forward")
+        _one_all_reduce(fo, "f", "backward", fo["forward"], "forward", rank)
+
+
+def _one_all_reduce(res, op: str, where: str, other, other_where: str, rank: int) -> None:
+    """``op`` (f or g) recorded one all-reduce of 12 floats, named ``<op>.all_reduce``, in its
+    ``where`` pass, and nothing in the other (``other``: [bytes, collectives] there)."""
+    with breaks("ex05.A.bytes"):
+        expect_recorded(res["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
+                        f"bytes sent in {op}'s {where} (one all-reduce of 12 floats)", f"rank {rank}")
+        expect_equal(res["calls"], 1, f"rank {rank}: collectives recorded in {op}'s {where}")
+        expect_equal(res["names"], [f"{op}.all_reduce"],
+                     f"rank {rank}: the name {op}'s {where} collective is recorded under")
+        expect_equal(other, [0, 0], f"rank {rank}: [bytes, collectives] recorded in {op}'s {other_where}")
 
 
 @observes("ex05.A.g", "ex05.A.bytes", "ex05.A.inplace")
@@ -158,12 +165,7 @@ def test_g_all_reduce_forward_identity_backward(impl):
                 _close(go["x_after"], go["x"], "g's input after the call (unchanged)", f"rank {rank}")
         with breaks("ex05.A.g"):
             _close(go["grad"], go["w"], "g's gradient (the identity)", f"rank {rank}")
-        with breaks("ex05.A.bytes"):
-            expect_recorded(go["bytes"], int(cost.collective_bytes("all_reduce", 4 * 12, 2)),
-                            "bytes sent in g's forward (one all-reduce of 12 floats)", f"rank {rank}")
-            expect_equal(go["calls"], 1, f"rank {rank}: collectives recorded in g's forward")
-            expect_equal(go["names"], ["g.all_reduce"], f"rank {rank}: the name g's forward collective is recorded under")
-            expect_equal(go["backward"], [0, 0], f"rank {rank}: [bytes, collectives] recorded in g's backward")
+        _one_all_reduce(go, "g", "forward", go["backward"], "backward", rank)
 
 
 # ----------------------------------------------------------------------------- linear layers

@@ -88,6 +88,7 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
 
 test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex10", g, PLANTS)
 
+FULL = "        return e * s * L.micro_batch * h / (t if L.sp else 1)"
 LSE = '        terms["log-sum-exp"] = 4 * s * L.micro_batch * model.n_head / t'
 MORE = [  # further wrong answers: (clause, edits, graded test, what the message must name)
     # the shorter stages taken from both ends in turn: first, last, second, second-to-last
@@ -120,14 +121,28 @@ MORE = [  # further wrong answers: (clause, edits, graded test, what the message
      g.test_layer_activations_of_a_gpt, r"tp = 2, sequence parallel False, recompute='none': bytes of one layer"),
     ("ex10.B.experts", [("L.dp * L.cp // L.ep,", "L.dp * L.cp,")],          # experts sharded over all dp·cp
      g.test_model_states_of_experts, r"Mixtral 8x7B, dp8·ep8 \(b=1, bf16, ZeRO-1\): optimizer bytes"),
+    ("ex10.A.cp", [(FULL, FULL.replace("e * s *", "e * seq_len *"))],      # full recomputation: the whole sequence
+     g.test_layer_activations_with_cp, r"Llama 3 8B, s = 8192, cp2 \(b=1, bf16, full recompute\): bytes of one layer(?s:.*)breaks ex10\.A\.cp"),
+    ("ex10.A.flash", [(FULL, FULL + ' + (4 * s * L.micro_batch * model.n_head / t if L.attention_on() == "flash" else 0)')],
+     g.test_layer_activations_with_cp,                                      # the log-sum-exp kept under full too
+     r"Llama 3 8B, s = 8192, 1 GPU \(b=1, bf16, full recompute, flash attention\)(?s:.*)breaks ex10\.A\.flash"),
+    ("ex10.A.flash", [("dropout=model.dropout)", 'dropout=model.dropout and L.attention_on() != "flash")')],
+     g.test_layer_activations_with_cp,                                      # every dropout mask dropped under flash
+     r"GPT-3 1\.3B, s = 2048, 1 GPU \(b=1, bf16, flash attention\): bytes of one layer(?s:.*)breaks ex10\.A\.flash"),
+    ("ex10.C.zero3", [("        out += e * (model.num_params() / model.n_layer) / L.tp",      # the gathered layer over ep
+                       "        out += e * (model.num_params() / model.n_layer) / (L.tp * L.ep)")],
+     g.test_buffers, r"Mixtral 8x7B, s = 8192, dp8·ep8 \(b=1, bf16, ZeRO-3\): buffer bytes(?s:.*)breaks ex10\.C\.zero3"),
+    ("ex10.C.sp_input", [("    if L.tp > 1:\n        out += e * sbh", "    if L.sp:\n        out += e * sbh")],  # only with SP
+     g.test_buffers, r"Llama 3 8B, s = 8192, tp2 \(b=1, bf16\) without sequence parallelism: buffer bytes(?s:.*)breaks ex10\.C\.sp_input"),
 ]
 
 
 @pytest.mark.parametrize("k", range(len(MORE)))
 def test_more_wrong_answers_fail(k, tmp_path):
     from minipar.course.grading import observed
-    from tests.planted import fails, planted
+    from tests.planted import fails, names_its_clause, planted
     clause, edits, test, match = MORE[k]
     assert test.__name__ in observed(g)[clause]
     with planted("ex10", tmp_path, *edits):
-        fails(test, match=match)
+        message = fails(test, match=match)
+    names_its_clause(message, test, clause)

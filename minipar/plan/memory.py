@@ -36,11 +36,15 @@ BUCKET = 25e6
 #     dropout) keeps 34·sbh bytes a layer with selective recomputation at s = 8192.
 # ex10.A.experts: a token's MLP tensors count once for every expert it visits (Mixtral 8x7B, top-2
 #     of 8: 55·sbh under the same conditions).
-# ex10.A.cp: a GPU of a context-parallel group keeps what its own share of the tokens needs,
-#     and its queries meet every key of the sequence.
+# ex10.A.cp: a GPU of a context-parallel group keeps what its own share of the tokens needs
+#     (s/cp of them), under every recomputation, full included, and its queries meet every key of
+#     the sequence.
 # ex10.A.flash: neither flash attention nor selective recomputation keeps a term that grows with
-#     s²; flash attention keeps, per row and head, one fp32 log-sum-exp, heads split over tp, under
-#     every recomputation but full (nothing recomputes it).
+#     s². Flash attention keeps, per row and head, one fp32 log-sum-exp, heads split over tp, under
+#     no recomputation and selective recomputation; under full recomputation a layer keeps what it
+#     keeps with materialized attention, no log-sum-exp. Flash attention keeps no attention-dropout
+#     mask (it draws it again in backward), but a model with dropout still keeps, flash or not, the
+#     masks of the dropouts after the attention projection and after the MLP (1 byte an element).
 def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
     """Bytes one layer keeps per micro-batch on one GPU (Korthikanti et al.'s terms, shaped
     for ``model``; for a GPT they are exactly :func:`minipar.cost.recompute_activation_bytes`)."""
@@ -69,10 +73,13 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> fl
 
 # Contract:
 # Given: returns ``{"params", "grads", "optimizer"}``; ``cost.zero_bytes_per_rank`` is there.
-# ex10.B.measured: on the course's GPT (Ψ = 27,552, fp32 AdamW) each component is within 5% of
-#     the mean over the ranks of what ``hybrid.train`` measures, on every layout the graded
-#     test ran (dp, tp, pp, cp and ZeRO 0-3; the numbers are in the test and notebook 10). The
-#     mean over the ranks counts no padding (see ex10.B.zero).
+# ex10.B.measured: on the course's GPT (fp32 AdamW) each component is within 5% of the mean over
+#     the ranks of what ``hybrid.train`` measures, on every layout the graded test ran (dp, tp, pp,
+#     cp and ZeRO 0-3; the numbers are in the test and notebook 10). The test gives your function a
+#     spec of that GPT whose ``num_params()`` is its real Ψ, 27,552 elements, every bias and norm
+#     counted (``ModelSpec``'s own count, 25,600, leaves out biases, norms and position
+#     embeddings): what is compared is your bytes for that Ψ against the bytes measured. The mean
+#     over the ranks counts no padding (see ex10.B.zero).
 # ex10.B.bytes: bf16 mixed precision keeps 16-bit parameters and gradients beside an fp32
 #     master copy and Adam's two moments; fp32 keeps no master copy.
 # ex10.B.zero: ZeRO stage 1, 2, 3 shards the optimizer state, then the gradients, then the
@@ -195,10 +202,13 @@ def stage_layers(n_layer: int, pp: int) -> list[int]:
 
 # Contract:
 # ex10.C.bucket: a 25 MB gradient bucket when dp·cp > 1.
-# ex10.C.sp_input: the all-gathered (s/cp, b, h) input of a sequence-parallel layer when tp > 1.
+# ex10.C.sp_input: whenever tp > 1, one (s/cp, b, h) tensor of a layer's input, whole on the GPU for
+#     the tensor-parallel matmuls (all-gathered under sequence parallelism): the same bytes with
+#     sequence_parallel True or False; none when tp = 1.
 # ex10.C.boundary: a pipeline stage's two boundary activations when pp > 1 (over tp with sequence
 #     parallelism, whole without it).
-# ex10.C.zero3: ZeRO-3's one gathered layer (Ψ/l over tp).
+# ex10.C.zero3: ZeRO-3's one gathered layer (Ψ/l over tp), Ψ the whole model's ``num_params()``:
+#     with experts, every expert of the model is counted, whatever ep (not only a rank's E/ep).
 def comm_buffer_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> float:
     """The buffers collectives need beside the model states and activations."""
     # >>> ex10 C

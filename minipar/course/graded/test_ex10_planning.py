@@ -97,7 +97,8 @@ COURSE_GPT = GPTConfig(vocab_size=32, block_size=16, n_layer=8, n_head=2, n_embd
 
 
 class _CourseGPT(plan.ModelSpec):
-    """The course GPT's spec with its real Ψ (27,552: the catalogue's count leaves out biases and norms)."""
+    """The course GPT's spec with its real Ψ, 27,552 (``ModelSpec.num_params``, 25,600, leaves out biases,
+    norms and position embeddings): the Ψ the measured bytes are of."""
 
     def num_params(self) -> int:
         return 27552
@@ -122,7 +123,8 @@ MEASURED = [
 @observes("ex10.B.measured")
 def test_model_states_against_measured(impl):
     """The course's GPT on 4 ranks under dp, tp, pp, cp and ZeRO 0-3: model states per GPU against
-    what hybrid.train measured (the mean over the ranks), each within 5%."""
+    what hybrid.train measured (the mean over the ranks), each within 5%, the spec's num_params() its
+    real Ψ = 27,552."""
     for lay, measured in MEASURED:
         got = plan.model_state_bytes(COURSE, lay)
         for k, m in zip(("params", "grads", "optimizer"), measured):
@@ -190,15 +192,18 @@ CP = [  # (clause, model, layout, s, bytes)
     ("ex10.A.flash", LLAMA, plan.Layout(cp=2, attention='flash'), 8192, 570949632.0),
     ("ex10.A.flash", LLAMA, plan.Layout(tp=2, attention='flash'), 8192, 570949632.0),
     ("ex10.A.flash", LLAMA, plan.Layout(recompute='selective', attention='flash'), 8192, 1141899264.0),
+    ("ex10.A.cp", LLAMA, plan.Layout(cp=2, recompute='full'), 8192, 33554432.0),
+    ("ex10.A.flash", LLAMA, plan.Layout(recompute='full', attention='flash'), 8192, 67108864.0),
+    ("ex10.A.flash", GPT13, plan.Layout(attention='flash'), 2048, 142802944.0),     # with dropout
 ]
 
 
 @observes("ex10.A.cp", "ex10.A.flash")
 def test_layer_activations_with_cp(impl):
-    """Llama 3 8B, cp = 1 and 2, materialized and flash attention (with tp and selective recomputation
-    too): one layer's bytes."""
+    """Llama 3 8B, cp = 1 and 2, materialized and flash attention (with tp, selective and full
+    recomputation too), and GPT-3 1.3B (with dropout) under flash attention: one layer's bytes."""
     for clause, model, lay, s, want in CP:
-        _approx(plan.layer_activation_bytes(model, lay, s), want, f"Llama 3 8B, s = {s}, {lay}: bytes of one layer",
+        _approx(plan.layer_activation_bytes(model, lay, s), want, f"{_name(model)}, s = {s}, {lay}: bytes of one layer",
                 clause=clause)
 
 
@@ -303,12 +308,14 @@ BUF = [  # (the clause the row adds a buffer for, model, layout, s, bytes)
     ("ex10.C.bucket", LLAMA, plan.Layout(dp=2), 8192, 25000000.0),
     ("ex10.C.bucket", LLAMA, plan.Layout(cp=2), 8192, 25000000.0),
     ("ex10.C.sp_input", LLAMA, plan.Layout(tp=2), 8192, 67108864.0),
+    ("ex10.C.sp_input", LLAMA, plan.Layout(tp=2, sequence_parallel=False), 8192, 67108864.0),
     ("ex10.C.boundary", LLAMA, plan.Layout(pp=2), 8192, 134217728.0),
     ("ex10.C.boundary", LLAMA, plan.Layout(pp=2, tp=2), 8192, 134217728.0),
     ("ex10.C.boundary", LLAMA, plan.Layout(pp=2, tp=2, sequence_parallel=False), 8192, 201326592.0),
     ("ex10.C.boundary", LLAMA, plan.Layout(pp=2, tp=2, cp=2), 8192, 92108864.0),
     ("ex10.C.zero3", LLAMA, plan.Layout(dp=8, zero=3), 8192, 526874688.0),
     ("ex10.C.zero3", LLAMA, plan.Layout(dp=4, tp=2, zero=3), 8192, 343046208.0),
+    ("ex10.C.zero3", MIXTRAL, plan.Layout(dp=8, ep=8, zero=3), 8192, 2943842368.0),
 ]
 
 
@@ -320,7 +327,7 @@ def _activations(rows, what):
 
 def _name(model):
     return {id(GPT13): "GPT-3 1.3B", id(LLAMA): "Llama 3 8B", id(LLAMA4): "Llama 3 8B cut to 4 layers",
-            id(COURSE): "the course GPT"}[id(model)]
+            id(COURSE): "the course GPT", id(MIXTRAL): "Mixtral 8x7B"}[id(model)]
 
 
 @observes("ex10.C.one_stage")
@@ -354,7 +361,7 @@ def test_buffers(impl):
     """The communication buffers of each kind of parallelism, and their total."""
     for clause, model, lay, s, want in BUF:
         sp = "" if lay.sequence_parallel else " without sequence parallelism"
-        _approx(comm_buffer_bytes(model, lay, s), want, f"Llama 3 8B, s = {s}, {lay}{sp}: buffer bytes", clause=clause)
+        _approx(comm_buffer_bytes(model, lay, s), want, f"{_name(model)}, s = {s}, {lay}{sp}: buffer bytes", clause=clause)
     lay = plan.Layout(dp=4, tp=2, zero=3, recompute="selective")
     m = plan.memory_per_gpu(LLAMA, lay, 8192, 4)
     _approx(m["buffers"], comm_buffer_bytes(LLAMA, lay, 8192), f"Llama 3 8B, {lay}: memory_per_gpu's buffers")

@@ -520,6 +520,12 @@ def test_layer_on_subgroups(impl):
                          "it holds, of 4 (self.local, and self.experts by index: the sum of each one's fc weight)")
             expect_equal(out[8], [], f"rank {rank}: parameters of the given MoE's router and of this rank's experts that "
                          "are not the layer's own parameters (the layer holds them, not copies)")
+    one = _moe(2, 1.0)
+    one(torch.cat([_tokens(0, seed=5), _tokens(0, seed=6)]))
+    with breaks("ex09.D.token_group"):
+        expect_close(sum(out[6] for out in res) / 4, one.stats["aux"], "the load-balancing loss (aux) averaged over "
+                     "the 4 ranks (token_group: all of them), against one device on all 32 sequences", rtol=1e-6,
+                     atol=1e-7)
     for rank, out in enumerate(res):
         with breaks("ex09.D.recorded"):
             mine = [2 * (rank // 2), 2 * (rank // 2) + 1]
@@ -531,12 +537,6 @@ def test_layer_on_subgroups(impl):
                          f"rank {rank}: what the layer's forward recorded with a token_group (all 4 ranks): (name, op, "
                          "whether its dim label is 'ep', global ranks of its group) of every collective, those on its ep "
                          f"group {mine} and elsewhere")
-    one = _moe(2, 1.0)
-    one(torch.cat([_tokens(0, seed=5), _tokens(0, seed=6)]))
-    with breaks("ex09.D.token_group"):
-        expect_close(sum(out[6] for out in res) / 4, one.stats["aux"], "the load-balancing loss (aux) averaged over "
-                     "the 4 ranks (token_group: all of them), against one device on all 32 sequences", rtol=1e-6,
-                     atol=1e-7)
     for g in range(2):
         x = _tokens(0, seed=5 + g)
         moe = _moe(2, 1.0)

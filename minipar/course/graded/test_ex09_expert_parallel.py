@@ -70,23 +70,25 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
     'D': (
         'sealed:eNotjMkNgDAMBFvZAqiADz/6sIghFsFGsVHaJxzPnRntbKVYgymD3GXTgzVGtCxLRiXdsdhxXsEOi'
         'QGiv7KauCJZ55EpvtSZe+Wo1nwAaULu32/0YvarBFbp4tlhOytoI9HpBkunMV8=',
-        'sealed:eNpVUjGO20AM/Mp0JwGCkdopDylTJV0QHNZaSl5YWgrk6mTlY+nzspCSnJw7AuQMZ4Z8DVNoU1nR8'
-        'pyLgt5JVkjItxdF4RtlPeMVnfCIciWMoUi6b70SBrCN49Yg5GjtpA9kUE19HskpC4PuE0lBsi0jIXTFUM428'
-        'GKVY/QF1dcfZy9/nnQeq091fcI3NpQP3mgqT6SX9UG6pHLdZqLwNFEEZ1IMQUsD5a3TJdECZ1XKsYbwougZP'
-        'JumvO0HSyQ54burCqu7IprUyIYVyRcO3NpUd6zVxiUYeRLwko0mppZ0J9j4yzWYZJH0bo6F0AvPLs9gyrO0t'
-        'O39DKGt41yjN22PBXuYq7SEy0Dnj5DGR/N+nF123UDmDArt9QHk/F91gznHPYljWcq9hWNZ4BLM1b8IdRocp'
-        'UvwJBtMFtAvElZ0LE8hu8UPvGqH2r8gxIjlz+8v1b22UPz2rmoTa39hsD2iMN/TkIK4X1XrdG9p/8HjBQ973'
-        'Ua/J1Q9PWDLwzxmv6qaf5Pnsw5626cXD8l+AfaVvR0hn/4CMNgMfQ==',
-        'sealed:eNpdU8tu2zAQ/JW9FCBRRk6uMnKrj+6xF0EgGGltEaJIgaRsJ0W/K/d8WZeklDq9iA/Nzs7OLqXUV'
-        'kcpa8BZgFd2hGfo3DRVZ++WWQb9hixvubi/T8j1fg8H+EbhNfxSZsGD987vwbhOGeIi4BlZgn+8H3YpST58f'
-        '+LlTOHEEtETdnJYlcMe8Dajj4Fuj65fDP7QXWS/Q/RM8zojV0SjWzg5Dxq0LVn/8CrdXJXva9K82EyTNzK6E'
-        'W1gJVa6k4ADKTjSf7x1Q9IqSwQri4CtyE7NiUXNqtPxlR2rsEyMw24HI5GI9D2pLjpP2BHnSOC0bHRHkWLzP'
-        '5zzP5zlVcdBW/lJei8r4wW8IJWCz8emTra1OesjJ56AtqeOYXchtjAb6mJqVmApa2mlgOwvcU6C3LmgD0jgd'
-        'F6iitpZdh3QI0tiBHwxheKU9/qCPUUoY8g5SQu7NdlCQjWJp6mToKSFt21b9IhV2+bcpC2ubjS1KD1q9/DyK'
-        'ktGKlJ143/CVBkcg5blAM4rjzOqyKimdUuzS7NiUF2QpSR0HQY1I3t44qkAGqXcsrgay7phsSPP45K3AdxpK'
-        '7P51EMmJzsL5eo3b5JGUj24Cb86QlnEXTf+1U1qFrMpaFKggDf0LrCfH+8jPMCndQIG3vJmbRFleaWoDJVGj'
-        '8huvNK2x5tUfc8eBWwtEFuOj3e4oj4PMdx5IOApuRBdVCY/pLUYAan+8i6ogAeP/dJRnx1lX6lzCUDDYSGmC'
-        'QFNVlmkmVhuVESaODSnik7SuBBo6ow76/RcZu9ewpdZKvl59Re/PYmq',
+        'sealed:eNpVUjGO20AM/Mp0JwOGkdopDymTJukOwWEtUfLC0lIgVycrH7v+XhZy107OnaDlDGeG8xzm0Ma8o'
+        'eUlZQW9kWyQkC5PiswXSrpHSB3ymcpvxRQ2nHns0MW+J6GUkZbpRKLg3uemI57RC08FNIUs8VrYchjBtgAXN'
+        'Ikzfny807y780e97w2qcUgTuaDMoOtMkhFN40QIfTYGZx55ta8i6gnN95ejf/4+6DI1X3a7A36yoXzwQnN+I'
+        'D1td9I15nOZ6YTnmTpwIsUYNO+hXF76KJrhrEqp20F4VQwMXkxTKvvB0pEc8MtVhc0dEs2WRxo3RF84cnvxe'
+        'Opay9QkGHkU8JqMpostaSUo/PkcTLJIfDPHQhiEF5dnMOVF2nqMrxAqLyV2f7Q9FvLNXKM5nEY6fobsfTTV0'
+        '1bZdgBZEii05zuQ03/Veyypq0nclsU0WDiWBU7BXP2LUOfRUboGT3KP2QL6Q8KKnuUhZLf4iVftULUFoeuwf'
+        'rx/a647C8Vv76qKWOuFwWpEYbnGMQZxv6r20r/G2uBbgW/2Sh1rdmgeytjyuEzJr6rm3+T5rINe6/TqIVkXY'
+        'K0c7Ajp8Be+6yL+',
+        'sealed:eNplVMFu2zAM/RUiwAAJU931miC35ZgddzEMQ7GZWLBsGZKcpB32Xb33y0ZKTpZul0iiycfHRzJ1b'
+        'UYT63oNOCnweuxhC40bhuLk3TzVwbyhSFepHu3sudg3sIMvFL6Gn9rOuPPe+Q1Y12hLWOR4QsHuH++7Z06SH'
+        'l9fZH5TOKFE9OQ7OCzyYwN4ndDHQNa9a2eL300Txa8QvTBynTwXj9JUcHQeDJgxZ/0tC7ZctG/XxHkeE0y61'
+        'NH1OAaRY2t3VLAjBnv6jtemY651jhD5UHArstETo+hJNya+in0R5kFIeH6GnkAU/x51E50n3x6nSM583OD2i'
+        'mPTN5zSN5zqi4mdGes76COt5K/ggFQKbvflmmWrUtZvknACji11DJszoYXJUhe5WUFw1txKBUlfwhwUqXNGH'
+        '5Cc+T1HHY0bxaVDj4LJKPgkCsVp780ZW4rQ1pJyNR3iWiYJyatknHLNhJiLrKoq81ELt6ScglEPuF1Rta0Jk'
+        '45Nt1LQmoFNK8oymBEXrcq1yh2sNnB4rTMfkkA3/T+0dR4ri6NIAVIWHifUUVDFy5UmmybJoj6j4CRkDp2eU'
+        'Dy9SC6PBi01NC6yi6abx16mYUrXAO54E6G886EWsNgZcumGLJljRRoH0yJErxtOd2Kqq2VOqWrvLmF7j2MOn'
+        'Rvws77ESj309n8VaQkPBPFZRCpttrdySkZV8IbeBfHj472HJ7h3SUEnK1ku00BCv1JUcq2t6VFcZWHGFq+1b'
+        'lvxTcGt2+qW4+MdLmhOXQwPgip44XKii9qmnV2UUUBi8pSDXpBSOX8d83YUjXUjCt4y/othOTy2c4MiOy4qb'
+        'B8gHhTJ1ox0k6VNsuj5SjrwfqA9FvSqrQuBdsS6k+Hlnrw7hE+TnxPK4g+f+sVF',
     ),
 }
 TIMEOUT = 30

@@ -186,12 +186,13 @@ class ExpertParallelMoE(MoE):
         self.aux_scale, self.aux_total, self.routed = moe.aux_scale, 0.0, None
 
     def forward(self, x):
-        """Given: the code before your part has routed this rank's N tokens ``x`` (N, h):
-        ``logits``, ``probs``, ``weights`` and ``experts`` (N, k), ``expert_of`` (N·k,
-        flat) and ``token_of`` (the token of each assignment). Yours to use:
-        ``count_tokens``, ``exchange_counts``, ``kept_counts``, ``split_sizes``,
-        ``permutation``, ``all_to_all``, ``capacity(tokens, E, k, factor)`` (``tokens``:
-        the tokens of the whole ep group, the single device's batch) and
+        """Given: the code before your part has routed this rank's N tokens ``x`` (N, h;
+        the ranks may hold different numbers of tokens): ``logits``, ``probs``,
+        ``weights`` and ``experts`` (N, k), ``expert_of`` (N·k, flat) and ``token_of``
+        (the token of each assignment). Yours to use: ``count_tokens``,
+        ``exchange_counts``, ``kept_counts``, ``split_sizes``, ``permutation``,
+        ``all_to_all``, ``capacity(tokens, E, k, factor)`` (``tokens``: the tokens of
+        the whole ep group, the single device's batch) and
         ``keep_within_capacity(expert_of, E, cap, before=...)`` (``minipar.models.moe``:
         the single device's policy), ``self.aux_losses(logits, probs, expert_of,
         totals)``. The code after your part reads ``counts``, ``M`` (the exchanged (ep ×
@@ -202,22 +203,28 @@ class ExpertParallelMoE(MoE):
 
         Contract:
         - ex09.D.exact: outputs and dropped assignments equal the MoE layer on one
-          device, on all ranks' tokens concatenated.
+          device, on all ranks' tokens concatenated, also when the ranks hold different
+          numbers of tokens.
         - ex09.D.grads: every gradient equals the single device's (the input's, each
           expert's, the router's summed over the ranks).
         - ex09.D.second: a second step (other tokens) is as exact as the first.
-        - ex09.D.aux: the load-balancing loss, averaged over the ranks, is one device's.
+        - ex09.D.aux: the load-balancing loss, averaged over the ranks weighted by their
+          tokens (a plain mean when they hold as many), is one device's.
         - ex09.D.token_group: with a ``token_group`` the loss's f_i count that group's
           tokens.
         - ex09.D.recorded: what the chapter reads from the trace. A forward records
-          exactly three collectives, all on the ep group (``dim="ep"``), in this order:
-          the counts' all-gather "ep_counts", one all-to-all "ep_dispatch" (the tokens
-          to their experts' ranks) and one "ep_combine" (back); its backward exactly
-          two, "ep_combine_backward" then "ep_dispatch_backward". Only with a
-          ``token_group`` is there one more in the forward: an all-reduce over
-          ``token_group`` (``comm.all_reduce``), nothing else. This rank's experts
-          compute inside one trace region "experts" whose label ``rows`` is the number
-          of assignments they computed."""
+          exactly three collectives on the ep group (each event's ``group``: the ep
+          group's global ranks), in this order: the counts' all-gather "ep_counts", one
+          all-to-all "ep_dispatch" (the tokens to their experts' ranks) and one
+          "ep_combine" (back); its backward exactly two, "ep_combine_backward" then
+          "ep_dispatch_backward". These five carry the label ``dim="ep"`` whatever the
+          group's name (the ep group may be unnamed; the chapter sums their bytes by
+          that label). Only with a ``token_group`` is there one more in the forward,
+          nothing else: an all-reduce "ep_token_counts" on the token group (its
+          ``group``: the token group's global ranks), whose ``dim`` label is not "ep"
+          (its bytes are not the ep group's). This rank's experts compute inside one
+          trace region "experts" whose label ``rows`` is the number of assignments they
+          computed."""
         shape, E, k = x.shape, self.n_experts, self.top_k
         x = x.reshape(-1, shape[-1])
         N, h = x.shape

@@ -4,7 +4,7 @@ solution with a line or two changed) fails the clause's graded test, with a mess
 from minipar.course.graded import test_ex09_expert_parallel as g
 import pytest
 
-from tests.planted import contract_tests, fails, planted
+from tests.planted import contract_tests, fails, names_its_clause, planted
 
 A2A = "recv, send, group=group, name=name, **labels)\n    return out\n"
 PLANTS = {  # clause -> (edits, graded test, what the message must name)
@@ -130,3 +130,38 @@ def test_a_router_copied_per_rank_fails_experts(tmp_path):
         g.test_expert_parallel_layer("exercise")            # outputs, gradients and the trace do not show it
         fails(g.test_layer_on_subgroups, match=r"rank 0: parameters of the given MoE's router .*: "
               r"expected 0 entries, got 1\n  expected: \[\]\n  got:      \['router\.weight'\]\n  breaks ex09\.D\.experts")
+
+
+# The ranks of an ep group may hold different numbers of tokens: capacity counts the group's tokens.
+def test_capacity_from_this_ranks_tokens_times_ep_fails_exact(tmp_path):
+    """Capacity from N·ep (every rank assumed to hold this rank's N tokens): with ranks holding 12 and
+    20 tokens they disagree on the capacity, so on the rows of the all-to-all; the failure names ex09.D.exact."""
+    with planted("ex09", tmp_path, ("cap = capacity(int(M.sum()) // k,", "cap = capacity(N * self.ep,")):
+        message = fails(g.test_expert_parallel_layer, match=r"rank 0 holding 12 tokens and rank 1 20 \(one device: "
+                        r"all 32\), rank 0: the layer raised ValueError: the ranks disagree on an all-to-all's rows")
+    names_its_clause(message, g.test_expert_parallel_layer, "ex09.D.exact")
+
+
+TOKEN_COUNTS = 'comm.all_reduce(totals, group=self.token_group, name="ep_token_counts", dim="dp")'
+SUBGROUPS = r"rank 0: what the layer's forward recorded with a token_group(?s:.*)breaks ex09\.D\.recorded"
+
+
+@pytest.mark.parametrize("what, new", [
+    ("labelled as the ep group's", TOKEN_COUNTS.replace('dim="dp"', 'dim="ep"')),
+    ("under another name", TOKEN_COUNTS.replace('"ep_token_counts"', '"token_counts"')),
+])
+def test_token_group_all_reduce_recorded_otherwise_fails_recorded(what, new, tmp_path):
+    """The all-reduce over token_group is "ep_token_counts", on the token group, not labelled dim="ep"."""
+    with planted("ex09", tmp_path, (TOKEN_COUNTS, new)):
+        message = fails(g.test_layer_on_subgroups, match=SUBGROUPS)
+    names_its_clause(message, g.test_layer_on_subgroups, "ex09.D.recorded")
+
+
+def test_counts_gathered_on_the_world_too_fail_recorded(tmp_path):
+    """One more all-gather of the counts, on the world (4 ranks) rather than the ep group, labelled
+    "ep" all the same: the record's group shows where it ran."""
+    with planted("ex09", tmp_path, ("        M = exchange_counts(counts, self.group)\n",
+                                    "        M = exchange_counts(counts, self.group)\n"
+                                    "        exchange_counts(counts, None)\n")):
+        message = fails(g.test_layer_on_subgroups, match=SUBGROUPS)
+    names_its_clause(message, g.test_layer_on_subgroups, "ex09.D.recorded")

@@ -7,7 +7,7 @@ tokens and (with the router's gradient summed over the ranks) every gradient equ
 single-device layer on all ranks' tokens concatenated. The
 load-balancing loss uses the group's f_i (from M, or summed over ``token_group`` when the
 single-device batch spans more ranks, as under DP × EP) and this rank's P_i; its mean over
-the ranks is the single-device aux.
+the ranks, weighted by their tokens, is the single-device aux.
 """
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ class ExpertParallelMoE(MoE):
         self.aux_scale, self.aux_total, self.routed = moe.aux_scale, 0.0, None
 
     # Contract:
-    # Given: the code before your part has routed this rank's N tokens ``x`` (N, h): ``logits``,
+    # Given: the code before your part has routed this rank's N tokens ``x`` (N, h; the ranks may hold
+    #     different numbers of tokens): ``logits``,
     #     ``probs``, ``weights`` and ``experts`` (N, k), ``expert_of`` (N·k, flat) and ``token_of``
     #     (the token of each assignment). Yours to use: ``count_tokens``, ``exchange_counts``,
     #     ``kept_counts``, ``split_sizes``, ``permutation``, ``all_to_all``,
@@ -80,20 +81,24 @@ class ExpertParallelMoE(MoE):
     #     ``totals`` (the assignments per expert the load-balancing loss counts), ``aux``, ``z``
     #     and ``y`` (N, h).
     # ex09.D.exact: outputs and dropped assignments equal the MoE layer on one device, on all
-    #     ranks' tokens concatenated.
+    #     ranks' tokens concatenated, also when the ranks hold different numbers of tokens.
     # ex09.D.grads: every gradient equals the single device's (the input's, each expert's, the
     #     router's summed over the ranks).
     # ex09.D.second: a second step (other tokens) is as exact as the first.
-    # ex09.D.aux: the load-balancing loss, averaged over the ranks, is one device's.
+    # ex09.D.aux: the load-balancing loss, averaged over the ranks weighted by their tokens (a plain
+    #     mean when they hold as many), is one device's.
     # ex09.D.token_group: with a ``token_group`` the loss's f_i count that group's tokens.
     # ex09.D.recorded: what the chapter reads from the trace. A forward records exactly three
-    #     collectives, all on the ep group (``dim="ep"``), in this order: the counts' all-gather
-    #     "ep_counts", one all-to-all "ep_dispatch" (the tokens to their experts' ranks) and one
-    #     "ep_combine" (back); its backward exactly two, "ep_combine_backward" then
-    #     "ep_dispatch_backward". Only with a ``token_group`` is there one more in the forward: an
-    #     all-reduce over ``token_group`` (``comm.all_reduce``), nothing else. This rank's experts
-    #     compute inside one trace region "experts" whose label ``rows`` is the number of
-    #     assignments they computed.
+    #     collectives on the ep group (each event's ``group``: the ep group's global ranks), in this
+    #     order: the counts' all-gather "ep_counts", one all-to-all "ep_dispatch" (the tokens to
+    #     their experts' ranks) and one "ep_combine" (back); its backward exactly two,
+    #     "ep_combine_backward" then "ep_dispatch_backward". These five carry the label
+    #     ``dim="ep"`` whatever the group's name (the ep group may be unnamed; the chapter sums
+    #     their bytes by that label). Only with a ``token_group`` is there one more in the forward,
+    #     nothing else: an all-reduce "ep_token_counts" on the token group (its ``group``: the token
+    #     group's global ranks), whose ``dim`` label is not "ep" (its bytes are not the ep group's).
+    #     This rank's experts compute inside one trace region "experts" whose label ``rows`` is the
+    #     number of assignments they computed.
     def forward(self, x):
         shape, E, k = x.shape, self.n_experts, self.top_k
         x = x.reshape(-1, shape[-1])

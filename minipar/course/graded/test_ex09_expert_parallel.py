@@ -19,6 +19,8 @@ grader names the clause a failure breaks). The last tests run the library's
 one device. Stuck? ``minipar.hint("ex09", "A")`` (or "B", "C", "D") gives a nudge, then the
 idea, then the steps. Grade it with ``python -m minipar.grade ex09``.
 """
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -68,23 +70,25 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
     'D': (
         'sealed:eNotjMkNgDAMBFvZAqiADz/6sIghFsFGsVHaJxzPnRntbKVYgymD3GXTgzVGtCxLRiXdsdhxXsEOi'
         'QGiv7KauCJZ55EpvtSZe+Wo1nwAaULu32/0YvarBFbp4tlhOytoI9HpBkunMV8=',
-        'sealed:eNpVUjGO20AM/Mp0JwGCkdopDylTJV0QHNZaSl5YWgrk6mTlY+nzspCSnJw7AuQMZ4Z8DVNoU1nR8'
-        'pyLgt5JVkjItxdF4RtlPeMVnfCIciWMoUi6b70SBrCN49Yg5GjtpA9kUE19HskpC4PuE0lBsi0jIXTFUM428'
-        'GKVY/QF1dcfZy9/nnQeq091fcI3NpQP3mgqT6SX9UG6pHLdZqLwNFEEZ1IMQUsD5a3TJdECZ1XKsYbwougZP'
-        'JumvO0HSyQ54burCqu7IprUyIYVyRcO3NpUd6zVxiUYeRLwko0mppZ0J9j4yzWYZJH0bo6F0AvPLs9gyrO0t'
-        'O39DKGt41yjN22PBXuYq7SEy0Dnj5DGR/N+nF123UDmDArt9QHk/F91gznHPYljWcq9hWNZ4BLM1b8IdRocp'
-        'UvwJBtMFtAvElZ0LE8hu8UPvGqH2r8gxIjlz+8v1b22UPz2rmoTa39hsD2iMN/TkIK4X1XrdG9p/8HjBQ973'
-        'Ua/J1Q9PWDLwzxmv6qaf5Pnsw5626cXD8l+AfaVvR0hn/4CMNgMfQ==',
-        'sealed:eNpdU8tu2zAQ/JW9FCBRRk6uMnKrj+6xF0EgGGltEaJIgaRsJ0W/K/d8WZeklDq9iA/Nzs7OLqXUV'
-        'kcpa8BZgFd2hGfo3DRVZ++WWQb9hixvubi/T8j1fg8H+EbhNfxSZsGD987vwbhOGeIi4BlZgn+8H3YpST58f'
-        '+LlTOHEEtETdnJYlcMe8Dajj4Fuj65fDP7QXWS/Q/RM8zojV0SjWzg5Dxq0LVn/8CrdXJXva9K82EyTNzK6E'
-        'W1gJVa6k4ADKTjSf7x1Q9IqSwQri4CtyE7NiUXNqtPxlR2rsEyMw24HI5GI9D2pLjpP2BHnSOC0bHRHkWLzP'
-        '5zzP5zlVcdBW/lJei8r4wW8IJWCz8emTra1OesjJ56AtqeOYXchtjAb6mJqVmApa2mlgOwvcU6C3LmgD0jgd'
-        'F6iitpZdh3QI0tiBHwxheKU9/qCPUUoY8g5SQu7NdlCQjWJp6mToKSFt21b9IhV2+bcpC2ubjS1KD1q9/DyK'
-        'ktGKlJ143/CVBkcg5blAM4rjzOqyKimdUuzS7NiUF2QpSR0HQY1I3t44qkAGqXcsrgay7phsSPP45K3AdxpK'
-        '7P51EMmJzsL5eo3b5JGUj24Cb86QlnEXTf+1U1qFrMpaFKggDf0LrCfH+8jPMCndQIG3vJmbRFleaWoDJVGj'
-        '8huvNK2x5tUfc8eBWwtEFuOj3e4oj4PMdx5IOApuRBdVCY/pLUYAan+8i6ogAeP/dJRnx1lX6lzCUDDYSGmC'
-        'QFNVlmkmVhuVESaODSnik7SuBBo6ow76/RcZu9ewpdZKvl59Re/PYmq',
+        'sealed:eNpVUjGO20AM/Mp0JwOGkdopDymTJukOwWEtUfLC0lIgVycrH7v+XhZy107OnaDlDGeG8xzm0Ma8o'
+        'eUlZQW9kWyQkC5PiswXSrpHSB3ymcpvxRQ2nHns0MW+J6GUkZbpRKLg3uemI57RC08FNIUs8VrYchjBtgAXN'
+        'Ikzfny807y780e97w2qcUgTuaDMoOtMkhFN40QIfTYGZx55ta8i6gnN95ejf/4+6DI1X3a7A36yoXzwQnN+I'
+        'D1td9I15nOZ6YTnmTpwIsUYNO+hXF76KJrhrEqp20F4VQwMXkxTKvvB0pEc8MtVhc0dEs2WRxo3RF84cnvxe'
+        'Opay9QkGHkU8JqMpostaSUo/PkcTLJIfDPHQhiEF5dnMOVF2nqMrxAqLyV2f7Q9FvLNXKM5nEY6fobsfTTV0'
+        '1bZdgBZEii05zuQ03/Veyypq0nclsU0WDiWBU7BXP2LUOfRUboGT3KP2QL6Q8KKnuUhZLf4iVftULUFoeuwf'
+        'rx/a647C8Vv76qKWOuFwWpEYbnGMQZxv6r20r/G2uBbgW/2Sh1rdmgeytjyuEzJr6rm3+T5rINe6/TqIVkXY'
+        'K0c7Ajp8Be+6yL+',
+        'sealed:eNplVMFu2zAM/RUiwAAJU931miC35ZgddzEMQ7GZWLBsGZKcpB32Xb33y0ZKTpZul0iiycfHRzJ1b'
+        'UYT63oNOCnweuxhC40bhuLk3TzVwbyhSFepHu3sudg3sIMvFL6Gn9rOuPPe+Q1Y12hLWOR4QsHuH++7Z06SH'
+        'l9fZH5TOKFE9OQ7OCzyYwN4ndDHQNa9a2eL300Txa8QvTBynTwXj9JUcHQeDJgxZ/0tC7ZctG/XxHkeE0y61'
+        'NH1OAaRY2t3VLAjBnv6jtemY651jhD5UHArstETo+hJNya+in0R5kFIeH6GnkAU/x51E50n3x6nSM583OD2i'
+        'mPTN5zSN5zqi4mdGes76COt5K/ggFQKbvflmmWrUtZvknACji11DJszoYXJUhe5WUFw1txKBUlfwhwUqXNGH'
+        '5Cc+T1HHY0bxaVDj4LJKPgkCsVp780ZW4rQ1pJyNR3iWiYJyatknHLNhJiLrKoq81ELt6ScglEPuF1Rta0Jk'
+        '45Nt1LQmoFNK8oymBEXrcq1yh2sNnB4rTMfkkA3/T+0dR4ri6NIAVIWHifUUVDFy5UmmybJoj6j4CRkDp2eU'
+        'Dy9SC6PBi01NC6yi6abx16mYUrXAO54E6G886EWsNgZcumGLJljRRoH0yJErxtOd2Kqq2VOqWrvLmF7j2MOn'
+        'Rvws77ESj309n8VaQkPBPFZRCpttrdySkZV8IbeBfHj472HJ7h3SUEnK1ku00BCv1JUcq2t6VFcZWHGFq+1b'
+        'lvxTcGt2+qW4+MdLmhOXQwPgip44XKii9qmnV2UUUBi8pSDXpBSOX8d83YUjXUjCt4y/othOTy2c4MiOy4qb'
+        'B8gHhTJ1ox0k6VNsuj5SjrwfqA9FvSqrQuBdsS6k+Hlnrw7hE+TnxPK4g+f+sVF',
     ),
 }
 TIMEOUT = 30
@@ -297,8 +301,40 @@ def _weights(y):
 
 
 LAYERS = [(2, None), (1, 1.0), (2, 1.0)]
-RECORDED_FORWARD = [("ep_counts", "ep"), ("ep_dispatch", "ep"), ("ep_combine", "ep")]   # ex09.D.recorded
-RECORDED_BACKWARD = [("ep_combine_backward", "ep"), ("ep_dispatch_backward", "ep")]
+UNEVEN = (2, 1.0, (3, 5))  # top-2, capacity factor 1, ranks holding 3 and 5 sequences: one device's 8
+RECORDED_FORWARD = [("ep_counts", "all_gather"), ("ep_dispatch", "all_to_all"), ("ep_combine", "all_to_all")]
+RECORDED_BACKWARD = [("ep_combine_backward", "all_to_all"), ("ep_dispatch_backward", "all_to_all")]  # ex09.D.recorded
+
+
+def _on(events, ranks):
+    """RECORDED_* as recorded on the ep group of global ranks ``ranks``: (name, op, dim label, group)."""
+    return [(name, op, "ep", list(ranks)) for name, op in events]
+
+
+@contextmanager
+def _agreed_splits():
+    """Inside, every all-to-all first checks that its ranks agree on the rows (rank a's send[b] is
+    rank b's recv[a]): a disagreement would abort the ranks' processes, so it is a ValueError on
+    every rank instead. The check's own all-gather goes around minipar.comm: nothing is recorded."""
+    real = dist.all_to_all_single
+
+    def checked(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        n = dist.get_world_size(group)
+        sizes = [list(s) if s is not None else [t.shape[0] // n] * n
+                 for s, t in ((input_split_sizes, input), (output_split_sizes, output))]
+        mine = torch.tensor(sizes, device=input.device)
+        every = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(every, mine, group=group)
+        send, recv = torch.stack([e[0] for e in every]).cpu(), torch.stack([e[1] for e in every]).cpu()
+        if not torch.equal(send, recv.T):
+            raise ValueError(f"the ranks disagree on an all-to-all's rows: rank a sends rank b {send.tolist()} "
+                             f"(row a), rank b expects from rank a {recv.T.tolist()} (row a)")
+        return real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+    dist.all_to_all_single = checked
+    try:
+        yield
+    finally:
+        dist.all_to_all_single = real
 
 
 def _ep_layer(steps):
@@ -313,12 +349,23 @@ def _ep_layer(steps):
             (y * _weights(_tokens(step)).chunk(n)[r].to(dev)).sum().backward()
             out.append((y.detach().cpu(), layer.stats["dropped"].cpu(), _grads(layer, x), layer.stats["aux"].cpu(),
                         _forward_record(layer, x.detach())))
+    k, cf, shards = UNEVEN                                             # rank 0 holds fewer tokens than rank 1
+    layer = ExpertParallelMoE(_moe(k, cf).to(dev))
+    x = _tokens(0).split(shards)[r].to(dev).requires_grad_()
+    try:                    # the ranks may disagree on the split sizes: reported with the case
+        with _agreed_splits():
+            y = layer(x)
+            (y * _weights(_tokens(0)).split(shards)[r].to(dev)).sum().backward()
+        out.append((y.detach().cpu(), layer.stats["dropped"].cpu(), _grads(layer, x), layer.stats["aux"].cpu()))
+    except Exception as e:  # noqa: BLE001
+        out.append(f"{type(e).__name__}: {e}")
     return out
 
 
 def _comm(since):
-    """(name, dim label) of every collective recorded since event ``since``."""
-    return [(e["name"], e["labels"].get("dim")) for e in trace.events()[since:] if e["kind"] == "comm"]
+    """(name, op, dim label, group: its global ranks) of every collective recorded since event ``since``."""
+    return [(e["name"], e.get("op"), e["labels"].get("dim"), e.get("group")) for e in trace.events()[since:]
+            if e["kind"] == "comm"]
 
 
 def _forward_record(layer, x):
@@ -359,7 +406,8 @@ def _single(k, cf, step, x=None):
 @observes("ex09.D.exact", "ex09.D.grads", "ex09.D.second", "ex09.D.aux", "ex09.D.recorded")
 def test_expert_parallel_layer(impl):
     """The expert-parallel MoE layer on 2 ranks equals one device, in float64: outputs, dropped
-    assignments and gradients, for top-2 dropless, top-1 and top-2 at capacity factor 1, two steps each."""
+    assignments and gradients, for top-2 dropless, top-1 and top-2 at capacity factor 1, two steps each,
+    and top-2 at capacity factor 1 with the ranks holding 12 and 20 tokens."""
     steps = 2
     res = minipar.launch(_ep_layer, 2, args=(steps,), timeout=TIMEOUT)
     for c, (k, cf) in enumerate(LAYERS):
@@ -384,9 +432,11 @@ def test_expert_parallel_layer(impl):
                             expect_close(g, grads[name], f"{name}'s gradient (its parameters flattened)",
                                          where=where, rtol=1e-8, atol=1e-10)
                 with breaks("ex09.D.recorded"):
-                    expect_equal(record, {"forward": RECORDED_FORWARD, "backward": RECORDED_BACKWARD,
+                    expect_equal(record, {"forward": _on(RECORDED_FORWARD, [0, 1]),
+                                          "backward": _on(RECORDED_BACKWARD, [0, 1]),
                                           "experts regions (rows)": [_rows_computed(k, cf, step, r)]},
-                                 f"{where}: what the layer recorded: (name, dim) of every collective of one "
+                                 f"{where}: what the layer recorded: (name, op, dim label, global ranks of its "
+                                 "group) of every collective of one "
                                  "forward and of its backward, and the rows label of its 'experts' regions")
             with breaks("ex09.D.aux"):
                 expect_close((ranks[0][3] + ranks[1][3]) / 2, aux, "the load-balancing loss (aux) averaged over the "
@@ -395,6 +445,39 @@ def test_expert_parallel_layer(impl):
                 expect_close(ranks[0][2]["router"] + ranks[1][2]["router"], grads["router"],
                              "the router's gradient summed over the 2 ranks, index (expert, feature)", where=case,
                              rtol=1e-5, atol=1e-7)
+    _uneven([res[r][len(LAYERS) * steps] for r in range(2)])
+
+
+def _uneven(ranks):
+    """The layer on ranks holding different numbers of tokens (UNEVEN) against one device on all of them."""
+    k, cf, shards = UNEVEN
+    y, dropped, aux, grads = _single(k, cf, 0)
+    tokens = [4 * n for n in shards]                                   # 4 positions per sequence
+    case = (f"top-{k}, capacity factor {cf}, rank 0 holding {tokens[0]} tokens and rank 1 {tokens[1]} "
+            f"(one device: all {sum(tokens)})")
+    for r, got in enumerate(ranks):
+        where = f"{case}, rank {r}"
+        with breaks("ex09.D.exact"):
+            expect(not isinstance(got, str), f"{where}: the layer raised {got}")
+            expect_close(got[1].float(), dropped.split([n * k for n in tokens])[r].float(), "assignments dropped "
+                         "(over capacity), index (token·k + j)", where=where, rtol=0, atol=0)
+            expect_close(got[0], y.split(shards)[r], "layer output (the MoE layer on one device), index "
+                         "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)
+        with breaks("ex09.D.grads"):
+            expect_close(got[2]["input"], grads["input"].split(shards)[r], "the input's gradient, index "
+                         "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)
+            for name, g in got[2].items():
+                if name.startswith("expert"):
+                    expect(g is not None, f"{where}: {name} got no gradient (None) from the layer's backward")
+                    expect_close(g, grads[name], f"{name}'s gradient (its parameters flattened)", where=where,
+                                 rtol=1e-8, atol=1e-10)
+    with breaks("ex09.D.grads"):
+        expect_close(ranks[0][2]["router"] + ranks[1][2]["router"], grads["router"], "the router's gradient summed "
+                     "over the 2 ranks, index (expert, feature)", where=case, rtol=1e-5, atol=1e-7)
+    with breaks("ex09.D.aux"):
+        expect_close((tokens[0] * ranks[0][3] + tokens[1] * ranks[1][3]) / sum(tokens), aux, "the load-balancing "
+                     "loss (aux) averaged over the 2 ranks, each weighted by its tokens", where=case, rtol=1e-6,
+                     atol=1e-7)
 
 
 def _on_subgroups():
@@ -439,19 +522,23 @@ def test_layer_on_subgroups(impl):
                          "it holds, of 4 (self.local, and self.experts by index: the sum of each one's fc weight)")
             expect_equal(out[8], [], f"rank {rank}: parameters of the given MoE's router and of this rank's experts that "
                          "are not the layer's own parameters (the layer holds them, not copies)")
-    for rank, out in enumerate(res):
-        with breaks("ex09.D.recorded"):
-            ep = [c for c in out[7] if c[0] in ("ep_counts", "ep_dispatch", "ep_combine")]
-            expect_equal({"collectives": len(out[7]), "on the ep group": ep},
-                         {"collectives": 4, "on the ep group": RECORDED_FORWARD},
-                         f"rank {rank}: what the layer's forward recorded with a token_group: how many collectives "
-                         "(the ep group's three and one all-reduce over token_group), and (name, dim) of the ep group's")
     one = _moe(2, 1.0)
     one(torch.cat([_tokens(0, seed=5), _tokens(0, seed=6)]))
     with breaks("ex09.D.token_group"):
         expect_close(sum(out[6] for out in res) / 4, one.stats["aux"], "the load-balancing loss (aux) averaged over "
                      "the 4 ranks (token_group: all of them), against one device on all 32 sequences", rtol=1e-6,
                      atol=1e-7)
+    for rank, out in enumerate(res):
+        with breaks("ex09.D.recorded"):
+            mine = [2 * (rank // 2), 2 * (rank // 2) + 1]
+            got = [(name, op, "ep" if dim == "ep" else "not ep", group) for name, op, dim, group in out[7]]
+            expect_equal({"on the ep group": [c for c in got if c[3] == mine],
+                          "elsewhere": [c for c in got if c[3] != mine]},
+                         {"on the ep group": _on(RECORDED_FORWARD, mine),
+                          "elsewhere": [("ep_token_counts", "all_reduce", "not ep", [0, 1, 2, 3])]},
+                         f"rank {rank}: what the layer's forward recorded with a token_group (all 4 ranks): (name, op, "
+                         "whether its dim label is 'ep', global ranks of its group) of every collective, those on its ep "
+                         f"group {mine} and elsewhere")
     for g in range(2):
         x = _tokens(0, seed=5 + g)
         moe = _moe(2, 1.0)

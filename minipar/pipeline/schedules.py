@@ -112,17 +112,20 @@ def one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
 def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[Action]:
     """Megatron's interleaved 1F1B on ``rank``: the micro-batches go round the ranks v times in
     groups of p, forwards through the virtual chunks in order, backwards in reverse. Its order is
-    :func:`one_f_one_b`'s over the rank's m·v units of work (unit k: ``unit(k, forward)``),
-    with a warm-up long enough for every chunk to have work: 2(p - rank - 1) + (v - 1)·p
-    forwards before the first backward (all of them when m = p)."""
+    :func:`one_f_one_b`'s over the rank's m·v units of work (unit k: ``unit(k, forward)``), the
+    first of those orders with more than ``warmup`` forwards before its first backward (enough for
+    every chunk to have work; all of them when m = p)."""
     total = m * v
 
     def unit(k: int, forward: bool) -> tuple[int, int]:
         chunk = (k // p) % v if forward else v - 1 - (k // p) % v
         return (k // (p * v)) * p + k % p, chunk * p + rank
 
+    def ahead(order):                       # forwards before the first backward
+        return next((k for k, a in enumerate(order) if a.op == "B"), len(order))
     warmup = total if m == p else min(2 * (p - rank - 1) + (v - 1) * p, total)
-    return [Action(a.op, *unit(a.microbatch, a.op == "F")) for a in one_f_one_b(warmup + 1, total, 0)]
+    order = next(o for n in range(1, total + 2) if ahead(o := one_f_one_b(n, total, 0)) > min(warmup, total - 1))
+    return [Action(a.op, *unit(a.microbatch, a.op == "F")) for a in order]
 
 
 def zb_h1(p: int, m: int, rank: int) -> list[Action]:

@@ -132,13 +132,14 @@ def test_min_max_is_the_best_costliest_stage(impl):
 
 @observes("ex04.A.range")
 def test_partition_rejects_too_many_stages(impl):
-    """More stages than layers is a ValueError."""
-    try:
-        got = pp.partition([1.0, 2.0], 3)
-    except ValueError:
-        return
-    expect(False, f"partition([1.0, 2.0], p=3) returned {got}, expected a ValueError (raises ``ValueError`` "
-                  "unless 1 <= p <= L)")
+    """More stages than layers, or none, is a ValueError."""
+    for p in (3, 0):
+        try:
+            got = pp.partition([1.0, 2.0], p)
+        except ValueError:
+            continue
+        expect(False, f"partition([1.0, 2.0], p={p}) returned {got}, expected a ValueError (raises ``ValueError`` "
+                      "unless 1 <= p <= L)")
 
 
 GRID = [(p, m) for p in range(1, 7) for m in range(1, 11)]   # m < p too
@@ -287,25 +288,31 @@ def _train(p, m):
                     schedule="1f1b", microbatches=m, bounds=bounds)
 
 
-def _launch(fn, n, args=()):
-    """``minipar.launch``; ranks that hang with a send still open (never waited on) fail naming
-    ex04.C.sent (Gloo delivers such a send or not, by timing: when it does, the record lacks it)."""
+def _launch(fn, n, schedules, args=()):
+    """``minipar.launch``. Ranks that hang although every schedule they ran (``(name, p, m, v)``)
+    runs to the end in the simulator with your sends and receives fail naming ex04.C.sent: the
+    messages were right, so a send was left unwaited (Gloo delivers such a send or not, by timing:
+    when it does, the record lacks it and the step's test says so)."""
     from minipar.runtime.launch import LaunchTimeout
     try:
         return minipar.launch(fn, n, args=args, timeout=TIMEOUT)
     except LaunchTimeout as e:
         from minipar.course._grade_plugin import explain
         text = explain(e)
-        if any("send" in ln and "still inside it" in ln for ln in text.splitlines()):
-            with breaks("ex04.C.sent"):
-                raise GradeFailure(text) from None
-        raise
+        try:
+            for name, p, m, v in schedules:
+                pp.check_schedule(pp.make_schedule(name, p, m, v))
+        except Exception:       # noqa: BLE001 - the schedule's own messages deadlock: not this clause
+            raise e from None
+        with breaks("ex04.C.sent"):
+            raise GradeFailure(text + "\n  every schedule run here finishes in the simulator with these sends and "
+                               "receives, so a send was never waited on") from None
 
 
 @observes("ex04.B.memory", "ex04.C.peak", "ex04.C.sent")
 def test_trains_the_gpt(impl):
     """Your partition and 1F1B train the GPT on 4 ranks like one process (1e-5)."""
-    results = _launch(_train, 4, args=(4, 4))
+    results = _launch(_train, 4, [("1f1b", 4, 4, 1)], args=(4, 4))
     want = reference.train_reference(GPT(CFG, seed=0), data.batches(data.synthetic_tokens(1000), 3, 8, 8),
                                      reference.sgd(0.5))
     got = strategy.TrainResult.merge(results)
@@ -331,10 +338,18 @@ def _gpipe_split(p, m, r):
     return out + [Action("W", i, r) for i in waiting]
 
 
+def _interleaved_gpipe(p, m, r, v=2):
+    """Forwards through the rank's v chunks in order, then backwards through them in reverse, each
+    chunk's micro-batches in order: an order over virtual stages that does not go through part B's
+    1F1B (the library's interleaved 1F1B does)."""
+    return ([Action("F", i, c * p + r) for c in range(v) for i in range(m)]
+            + [Action("B", i, c * p + r) for c in reversed(range(v)) for i in range(m)])
+
+
 ORDERS = {    # schedule -> (v, a rank's compute order): the inputs given to add_comms
     "GPipe": (1, lambda p, m, r: pp.gpipe(p, m, r)),
     "GPipe with split backwards": (1, _gpipe_split),
-    "interleaved 1F1B": (2, lambda p, m, r: pp.interleaved_1f1b(p, m, r, 2)),
+    "interleaved GPipe": (2, _interleaved_gpipe),
 }
 COMMS_ON = [(2, 2), (3, 2), (3, 6), (4, 4), (4, 8)]
 
@@ -401,7 +416,7 @@ WHY = {"keep": "the result holds order's compute actions unchanged and in their 
 
 @observes("ex04.C.keep", "ex04.C.comms", "ex04.C.peer")
 def test_add_comms(impl):
-    """add_comms on the library's GPipe, GPipe with split backwards (with W) and interleaved 1F1B (2 virtual stages)
+    """add_comms on GPipe, GPipe with split backwards (with W) and interleaved GPipe (2 virtual stages)
     orders, p = 2..4: the computes kept in order, one send and one receive per boundary crossing, each
     next to its compute, peers the ranks of the stages. A failure names the first wrong action."""
     for name in ORDERS:
@@ -485,12 +500,29 @@ def _step_case():
             "batched": (len(posted), len(runs), unbatched, split), "sent": sent}
 
 
-@observes("ex04.C.peer", "ex04.C.divide", "ex04.C.loss", "ex04.C.clean", "ex04.C.batched", "ex04.C.sent")
+def _interleaved_built_from_your_1f1b_is_valid(p, m, v):
+    """The library's interleaved 1F1B is one_f_one_b's order over its units: before the step's
+    test trains it, its compute orders must hold each unit's F and B once, the F first; otherwise
+    the failure is part B's, and named so (not the step's)."""
+    for r in range(p):
+        order = [(a.op, a.microbatch, a.stage) for a in pp.interleaved_1f1b(p, m, r, v)]
+        units = [(i, c * p + r) for c in range(v) for i in range(m)]
+        bad = sorted(order) != sorted((op, i, s) for op in "FB" for i, s in units) or any(
+            order.index(("B", i, s)) < order.index(("F", i, s)) for i, s in units)
+        with breaks("ex04.B.valid"):
+            expect(not bad, f"the library's interleaved 1F1B (p = {p}, m = {m}, v = {v}) is your one_f_one_b's order "
+                   f"over the rank's m·v units; on rank {r} it is {order} (each unit's F once, then its B once): "
+                   "part B's order, not the step, is the one to look at")
+
+
+@observes("ex04.C.peer", "ex04.C.divide", "ex04.C.loss", "ex04.C.clean", "ex04.C.batched", "ex04.C.sent",
+          "ex04.B.valid")
 def test_pipeline_step(impl):
     """On 2 ranks: your step and add_comms train the GPT interleaved (2 virtual stages per rank, 3
     steps) like one process; a GPipe step returns the mean loss on rank 1 only; a batch of 7 for
     m = 4 is a ValueError (on a one-rank pipeline)."""
-    results = _launch(_step_case, 2)
+    _interleaved_built_from_your_1f1b_is_valid(p=2, m=4, v=2)
+    results = _launch(_step_case, 2, [("interleaved", 2, 4, 2), ("gpipe", 2, 4, 1)])
     batches = data.batches(data.synthetic_tokens(1000), 3, 8, 8)
     want = reference.train_reference(GPT(CFG, seed=0), batches, reference.sgd(0.5))
     returned = [res["returned"] for res in results]

@@ -58,9 +58,12 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
     "ex07.E.reach": (
         [("                if dist.get_rank() in ranks:\n", "                if True:\n")],
         g.test_mesh_build_reaches_the_members, r"the ranks an all-reduce over self.groups\['\w+'\] reached"),
-    "ex07.E.cp1": (
-        [('            self.groups["dp_cp"] = self.groups["dp"]', "            pass")],
-        g.test_3d_training_on_your_mesh, r"KeyError: 'dp_cp'"),
+    "ex07.E.cp1": (   # an unused group made for dp_cp with cp = 1, the alias kept
+        [('            self.groups["dp_cp"] = self.groups["dp"]',
+          '            [dist.new_group(r) for r in self.all_groups("dp")]\n'
+          '            self.groups["dp_cp"] = self.groups["dp"]')],
+        g.test_mesh_build_reaches_the_members, r"ex07\.E\.cp1.* the groups build\(\) created \(new_group calls\), "
+                                               r"ProcessMesh\(dp=2, pp=2, cp=1"),
     "ex07.E.ep1": (   # expert_dp the dp group: right with cp = 1, wrong with cp > 1
         [('            self.groups["expert_dp"] = self.groups["dp_cp"]', '            self.groups["expert_dp"] = self.groups["dp"]')],
         g.test_mesh_build_reaches_the_members, r"ex07\.E\.ep1 ProcessMesh\(dp=2, pp=1, cp=2, tp=2, ep=1\): "
@@ -74,11 +77,8 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         g.test_mesh_build_reaches_the_members, r"ex07\.E\.named group_name\(self.groups\[dim\]\)"),
 }
 MORE = [  # further wrong answers: (clause, edits, graded test, what the message must name)
-    ("ex07.E.cp1", [('            self.groups["dp_cp"] = self.groups["dp"]',       # an unused group, still aliased
-                     '            [dist.new_group(r) for r in self.all_groups("dp")]\n'
-                     '            self.groups["dp_cp"] = self.groups["dp"]')],
-     g.test_mesh_build_reaches_the_members, r"ex07\.E\.cp1.* the groups build\(\) created \(new_group calls\), "
-                                            r"ProcessMesh\(dp=2, pp=2, cp=1"),
+    ("ex07.E.cp1", [('            self.groups["dp_cp"] = self.groups["dp"]', "            pass")],   # no dp_cp at all
+     g.test_3d_training_on_your_mesh, r"KeyError: 'dp_cp'"),
     ("ex07.E.ep1", [('            self.groups["expert_dp"] = self.groups["dp_cp"]',   # one made for expert_dp too
                      '            [dist.new_group(r) for r in self.all_groups("dp_cp")]\n'
                      '            self.groups["expert_dp"] = self.groups["dp_cp"]')],
@@ -129,8 +129,7 @@ def test_more_wrong_answers_fail(k, tmp_path):
     from minipar.course.grading import observed
     assert test.__name__ in observed(g)[clause]
     with planted("ex07", tmp_path, *edits):
-        message = fails(test, match=match)
-    names_its_clause(message, test, clause)
+        fails(test, match=match)
 
 
 def test_groups_created_in_another_order_hang_naming_the_clause(tmp_path, monkeypatch):

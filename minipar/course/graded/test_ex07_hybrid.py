@@ -465,7 +465,7 @@ def _launch_build():
                 raise
             rows = "\n".join(f"  rank {r}: {notes.get(r, 'no new_group call yet')}" for r in range(8))
             with breaks("ex07.E.order"):
-                raise GradeFailure(f"the ranks hung in build() after {BUILD_TIMEOUT:g} s, inside "
+                raise GradeFailure(f"ex07.E.order the ranks hung in build() after {BUILD_TIMEOUT:g} s, inside "
                                    f"torch.distributed.new_group:\n{rows}\n  a group's creation is collective "
                                    "over the world: every rank creates every group, in the same order") from e
 
@@ -486,8 +486,8 @@ def _keys(shape):
 def test_mesh_build_reaches_the_members(impl):
     """8 ranks build, with your code, ProcessMesh(dp=2, pp=2, cp=2, tp=1, ep=2), then
     ProcessMesh(dp=2, pp=2, tp=2) (cp = ep = 1), then ProcessMesh(dp=2, cp=2, tp=2) (ep = 1): the
-    groups each holds, their names, and an all-reduce over each reaches exactly members(rank, dim)
-    (dp_cp: dp when cp = 1; expert_dp: dp_cp when ep = 1)."""
+    groups each holds, their names, how many groups each build() creates, and an all-reduce over
+    each reaches exactly members(rank, dim) (dp_cp: dp when cp = 1; expert_dp: dp_cp when ep = 1)."""
     test_mesh_members_every_dim(impl)                 # fail fast, before starting 8 ranks
     results = _launch_build()
     for name, shape in (("built", BUILT), ("plain", PLAIN), ("cp only", CP_ONLY)):

@@ -408,6 +408,7 @@ def _watch_new_group(where):
     note = os.path.join(where, f"rank{rank}")
 
     def new_group(ranks=None, *args, **kwargs):
+        ranks = None if ranks is None else list(ranks)   # shown below and passed on: a generator once only
         made[0] += 1
         shown = sorted(ranks) if ranks is not None else "the world"
         with open(note, "w") as f:
@@ -430,6 +431,7 @@ def _reduce_over_groups(where):
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
     from minipar.comm import group_name
+    from minipar.runtime import flight
     out = {}
     undo = _watch_new_group(where)
     try:
@@ -443,7 +445,9 @@ def _reduce_over_groups(where):
                                  "expert_dp is dp_cp": pm.groups.get("expert_dp") is pm.groups.get("dp_cp")}
             for dim in pm.groups:
                 x = torch.tensor([2.0 ** dist.get_rank()], dtype=torch.float64)   # one bit per rank
+                entry = flight.started("all_reduce", name=f"the check's all_reduce over self.groups[{dim!r}]")
                 dist.all_reduce(x, group=pm.group(dim))
+                flight.completed(entry)
                 out[name, dim] = [q for q in range(8) if int(x.item()) >> q & 1]
     finally:
         undo()

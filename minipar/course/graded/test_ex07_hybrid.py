@@ -464,6 +464,8 @@ def _launch_build():
         try:
             return minipar.launch(_reduce_over_groups, 8, args=(where,), timeout=BUILD_TIMEOUT)
         except LaunchTimeout as e:
+            from minipar.course._grade_plugin import explain
+            explain(e)            # as for any hang: the grader skips the later tests that start ranks
             notes = {int(f.name[4:]): f.read_text() for f in Path(where).glob("rank*")}
             if not any(n.startswith("inside new_group") for n in notes.values()):
                 raise

@@ -142,22 +142,7 @@ class ProcessMesh:
           grid; the ranks of every tp group are consecutive, so are those of every (p,
           d) (a cp × tp block: context parallelism's ring stays nearer than data
           parallelism's reduction) and those of every pipeline stage; in every group a
-          higher coordinate is a higher rank. With cp = 1 it is part A's layout.
-        - ex07.D.inverse: ``rank_of(coordinates(r)) == r`` for every rank,
-          ``coordinates(rank_of(c)) == c`` for every point c of the grid.
-        - ex07.D.dp_cp: ``members(rank, dim)`` takes every dim of ``GROUP_DIMS``: along
-          "pp", "dp", "cp" or "tp" the ranks equal to ``rank`` in every other
-          coordinate, by their coordinate along dim; "dp_cp" the dp·cp ranks equal to it
-          in (p, t), in increasing rank.
-        - ex07.D.ep_blocks: the "ep" groups cut every dp_cp group into groups of ``ep``
-          ranks that are neighbours in it (no rank of another ep group between two of
-          theirs); the "expert_dp" group of a rank holds one rank of every ep group of
-          its dp_cp group, each at the same index in its ep group as ``rank`` in its own
-          (dp·cp/ep ranks); both in increasing rank, for every (p, t), not only the
-          world's first dp_cp group.
-        - ex07.D.partition: ``all_groups(dim)`` lists every group along dim once: the
-          groups along any dim partition the ranks.
-        - ex07.D.dim: an unknown dim is a ``ValueError`` here too."""
+          higher coordinate is a higher rank. With cp = 1 it is part A's layout."""
         # tp fastest, then cp, dp, pp: rank = ((p·dp + d)·cp + c)·tp + t
         out = mesh_coordinates(rank, self.dp, self.pp, self.tp * self.cp)  # cp·tp as one fast dimension
         if self.cp == 1:
@@ -165,9 +150,29 @@ class ProcessMesh:
         return {"pp": out["pp"], "dp": out["dp"], "cp": out["tp"] // self.tp, "tp": out["tp"] % self.tp}
 
     def rank_of(self, coords: dict[str, int]) -> int:
+        """Given: ``coordinates`` (above); ``coords`` a dict ``{"pp", "dp", "cp", "tp"}``.
+
+        Contract:
+        - ex07.D.inverse: ``rank_of(coordinates(r)) == r`` for every rank,
+          ``coordinates(rank_of(c)) == c`` for every point c of the grid."""
         return ((coords["pp"] * self.dp + coords["dp"]) * self.cp + coords.get("cp", 0)) * self.tp + coords["tp"]
 
     def members(self, rank: int, dim: str) -> list[int]:
+        """Given: ``GROUP_DIMS``: "pp", "dp", "cp", "tp", "dp_cp", "ep", "expert_dp".
+
+        Contract:
+        - ex07.D.dp_cp: ``members(rank, dim)`` is a list of global ranks. Along "pp",
+          "dp", "cp" or "tp": the ranks equal to ``rank`` in every other coordinate,
+          listed by their coordinate along dim. Along "dp_cp": the dp·cp ranks equal to
+          ``rank`` in p and t, in increasing rank.
+        - ex07.D.ep_blocks: along "ep": ``ep`` ranks of ``rank``'s dp_cp group, ``rank``
+          among them, neighbours in it (no rank of another ep group between two of
+          theirs), in increasing rank; the ep groups of a dp_cp group's ranks cut it
+          into dp·cp/ep such groups. Along "expert_dp": dp·cp/ep ranks of ``rank``'s
+          dp_cp group, one from each of its ep groups, each at the same index in its ep
+          group as ``rank`` in its own, in increasing rank. Both hold for every (p, t),
+          not only the world's first dp_cp group.
+        - ex07.D.dim: a dim outside ``GROUP_DIMS`` is a ``ValueError`` (as in part B)."""
         if self.cp == 1 and dim in DIMS:
             return group_members(rank, dim, self.dp, self.pp, self.tp)
         if dim not in GROUP_DIMS:
@@ -184,6 +189,10 @@ class ProcessMesh:
         return [self.rank_of(dict(c, **{dim: i})) for i in range(self.shape[dim])]
 
     def all_groups(self, dim: str) -> list[list[int]]:
+        """Contract:
+        - ex07.D.partition: ``all_groups(dim)`` is a list of every group along ``dim``
+          (each a list, as ``members`` gives it), each once: the groups along any dim
+          partition the ranks, and each is ``members(r, dim)`` of every rank r in it."""
         return [list(g) for g in dict.fromkeys(tuple(self.members(r, dim)) for r in range(self.size))]
 
     def build(self) -> "ProcessMesh":
@@ -193,21 +202,23 @@ class ProcessMesh:
         Contract:
         - ex07.E.order: it creates the process group of every group along each dimension
           in use (dp, pp, tp; cp and dp_cp when cp > 1; ep and expert_dp when ep > 1),
-          every rank every group in the same order (a group's creation is collective
-          over the world).
+          and no other group; every rank creates every group, in the same order (a
+          group's creation is collective over the world).
         - ex07.E.reach: ``self.groups[dim]`` is this rank's own group, and a collective
           on it reaches exactly ``members(rank, dim)``.
-        - ex07.E.keys: afterwards ``self.groups`` holds "dp", "pp", "tp", "dp_cp" and
-          "expert_dp", "cp" only when cp > 1 and "ep" only when ep > 1: with cp = 1
-          there is no cp group, with ep = 1 no ep group (a rank alone is its own expert
-          group; whoever needs one makes it).
-        - ex07.E.cp1: with cp = 1 the dp_cp group is the dp group (the same object, no
-          new group).
-        - ex07.E.ep1: with ep = 1 the expert_dp group is the dp_cp group (the same
-          object), for any cp.
+        - ex07.E.keys: afterwards the keys of ``self.groups`` are exactly "dp", "pp",
+          "tp", "dp_cp" and "expert_dp", with "cp" added when cp > 1 and "ep" added when
+          ep > 1 (with ep = 1 a rank alone is its own expert group; whoever needs one
+          makes it).
+        - ex07.E.cp1: with cp = 1 the dp_cp group is the dp group: the same object, and
+          no group is created for it.
+        - ex07.E.ep1: with ep = 1 the expert_dp group is the dp_cp group: the same
+          object, and no group is created for it, for any cp.
         - ex07.E.named: every group it creates is named after its dim (``name_group``),
           so ``group_name(self.groups[dim])`` is dim for every dim it created a group
-          for, and the bytes a rank sends are counted per dim."""
+          for, and the bytes a rank sends are counted per dim. A group is named on the
+          ranks in it; the placeholder ``new_group`` returns to a rank outside the group
+          need not be named."""
         if dist.get_world_size() != self.size:
             raise ValueError(f"the mesh has {self.size} ranks but the job has {dist.get_world_size()}")
         dims = DIMS + (("cp", "dp_cp") if self.cp > 1 else ()) + (("ep", "expert_dp") if self.ep > 1 else ())

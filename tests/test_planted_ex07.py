@@ -3,7 +3,7 @@ solution with a line or two changed) fails the clause's graded test, with a mess
 import pytest
 
 from minipar.course.graded import test_ex07_hybrid as g
-from tests.planted import fails, planted
+from tests.planted import fails, names_its_clause, planted
 
 KEY = 'key = (c["tp"] * c["pp"], crosses, c["pp"])'
 DC = "for d in range(self.dp) for k in range(self.cp)]"
@@ -58,9 +58,12 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
     "ex07.E.reach": (
         [("                if dist.get_rank() in ranks:\n", "                if True:\n")],
         g.test_mesh_build_reaches_the_members, r"the ranks an all-reduce over self.groups\['\w+'\] reached"),
-    "ex07.E.cp1": (
-        [('            self.groups["dp_cp"] = self.groups["dp"]', "            pass")],
-        g.test_3d_training_on_your_mesh, r"KeyError: 'dp_cp'"),
+    "ex07.E.cp1": (   # an unused group made for dp_cp with cp = 1, the alias kept
+        [('            self.groups["dp_cp"] = self.groups["dp"]',
+          '            [dist.new_group(r) for r in self.all_groups("dp")]\n'
+          '            self.groups["dp_cp"] = self.groups["dp"]')],
+        g.test_mesh_build_reaches_the_members, r"ex07\.E\.cp1.* the groups build\(\) created \(new_group calls\), "
+                                               r"ProcessMesh\(dp=2, pp=2, cp=1"),
     "ex07.E.ep1": (   # expert_dp the dp group: right with cp = 1, wrong with cp > 1
         [('            self.groups["expert_dp"] = self.groups["dp_cp"]', '            self.groups["expert_dp"] = self.groups["dp"]')],
         g.test_mesh_build_reaches_the_members, r"ex07\.E\.ep1 ProcessMesh\(dp=2, pp=1, cp=2, tp=2, ep=1\): "
@@ -74,6 +77,13 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         g.test_mesh_build_reaches_the_members, r"ex07\.E\.named group_name\(self.groups\[dim\]\)"),
 }
 MORE = [  # further wrong answers: (clause, edits, graded test, what the message must name)
+    ("ex07.E.cp1", [('            self.groups["dp_cp"] = self.groups["dp"]', "            pass")],   # no dp_cp at all
+     g.test_3d_training_on_your_mesh, r"KeyError: 'dp_cp'"),
+    ("ex07.E.ep1", [('            self.groups["expert_dp"] = self.groups["dp_cp"]',   # one made for expert_dp too
+                     '            [dist.new_group(r) for r in self.all_groups("dp_cp")]\n'
+                     '            self.groups["expert_dp"] = self.groups["dp_cp"]')],
+     g.test_mesh_build_reaches_the_members, r"ex07\.E\.(cp1, ex07\.E\.)?ep1 the groups build\(\) created "
+                                            r"\(new_group calls\), ProcessMesh\(dp=2, pp=2, cp=1"),
     ("ex07.A.order", [('"tp": rank % tp}', '"tp": tp - 1 - rank % tp}')],        # a tp group's order reversed
      g.test_coordinates_keep_groups_together, r"ex07\.A\.order .*differ only in tp, and the lower rank"),
     ("ex07.A.order", [('return {"pp": rank // (dp * tp), "dp": rank // tp % dp, "tp": rank % tp}',   # pp fastest
@@ -93,8 +103,8 @@ MORE = [  # further wrong answers: (clause, edits, graded test, what the message
 
 
 def test_every_clause_is_planted_or_excused():
-    """Every CONTRACT clause has a plant here, except the one no plant can show without a hang
-    (a rank that skips a group's creation leaves the others waiting in it until the timeout)."""
+    """Every CONTRACT clause has a plant here; ex07.E.order's (a hang) runs under a short launch
+    timeout in its own test, below."""
     from minipar.course.markers import clauses
     excused = {"ex07.E.order"}
     from minipar.course.grading import observed
@@ -109,7 +119,8 @@ def test_planted_answer_fails(clause, tmp_path):
     from minipar.course.grading import observed
     assert test.__name__ in observed(g)[clause]
     with planted("ex07", tmp_path, *edits):
-        fails(test, match=match)
+        message = fails(test, match=match)
+    names_its_clause(message, test, clause)
 
 
 @pytest.mark.parametrize("k", range(len(MORE)))
@@ -119,3 +130,16 @@ def test_more_wrong_answers_fail(k, tmp_path):
     assert test.__name__ in observed(g)[clause]
     with planted("ex07", tmp_path, *edits):
         fails(test, match=match)
+
+
+def test_groups_created_in_another_order_hang_naming_the_clause(tmp_path, monkeypatch):
+    """Rank 0 creates the groups of each dim in the reverse order: its peers wait inside
+    new_group for a group rank 0 is not creating then; the hang fails naming ex07.E.order and
+    the ranks inside new_group (a short launch timeout: a hang is all this shows)."""
+    monkeypatch.setattr(g, "BUILD_TIMEOUT", 30)
+    edits = [("            for ranks in self.all_groups(dim):",
+              "            for ranks in self.all_groups(dim)[::-1 if dist.get_rank() == 0 else 1]:")]
+    with planted("ex07", tmp_path, *edits):
+        message = fails(g.test_mesh_build_reaches_the_members,
+                        match=r"(?s)ex07\.E\.order.*the ranks hung in build\(\).*inside new_group\(")
+    names_its_clause(message, g.test_mesh_build_reaches_the_members, "ex07.E.order")

@@ -24,7 +24,7 @@ import itertools
 
 import minipar
 from minipar import cost, data, hybrid, mesh, reference
-from minipar.course.grading import expect, expect_equal, expect_same_training, observes
+from minipar.course.grading import GradeFailure, breaks, expect, expect_equal, expect_same_training, observes
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex07_hybrid"
@@ -396,22 +396,91 @@ CP_ONLY = dict(dp=2, pp=1, cp=2, tp=2, ep=1)
 BUILD_TIMEOUT = 180   # three meshes of 8 ranks: 64 groups created, each collective over the world
 
 
-def _reduce_over_groups():
+def _watch_new_group(where):
+    """Inside a rank: every ``torch.distributed.new_group`` call is noted with the flight recorder
+    (so a hang report names it) and in the file ``where``/rank<r> (so the driver can tell, after a
+    hang, which ranks were inside one); returns a function that undoes this."""
+    import os
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from minipar.runtime import flight
+    real, rank, made = c10d.new_group, dist.get_rank(), [0]
+    note = os.path.join(where, f"rank{rank}")
+
+    def new_group(ranks=None, *args, **kwargs):
+        ranks = None if ranks is None else list(ranks)   # shown below and passed on: a generator once only
+        made[0] += 1
+        shown = sorted(ranks) if ranks is not None else "the world"
+        with open(note, "w") as f:
+            f.write(f"inside new_group({shown}), its new_group call {made[0]}")
+        entry = flight.started("new_group", name=f"new_group({shown})")
+        g = real(ranks, *args, **kwargs)
+        flight.completed(entry)
+        with open(note, "w") as f:
+            f.write(f"after new_group({shown}), its new_group call {made[0]}")
+        return g
+    dist.new_group = c10d.new_group = new_group
+
+    def undo():
+        dist.new_group = c10d.new_group = real
+    return undo
+
+
+def _reduce_over_groups(where):
     import torch
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
     from minipar.comm import group_name
+    from minipar.runtime import flight
     out = {}
-    for name, shape in (("built", BUILT), ("plain", PLAIN), ("cp only", CP_ONLY)):
-        pm = mesh.ProcessMesh(**shape, world_size=8).build()
-        out[name, "keys"] = sorted(pm.groups)
-        out[name, "names"] = {dim: group_name(g) for dim, g in pm.groups.items()}
-        out[name, "same"] = {"dp_cp is dp": pm.groups.get("dp_cp") is pm.groups.get("dp"),
-                             "expert_dp is dp_cp": pm.groups.get("expert_dp") is pm.groups.get("dp_cp")}
-        for dim in pm.groups:
-            x = torch.tensor([2.0 ** dist.get_rank()], dtype=torch.float64)   # one bit per rank
-            dist.all_reduce(x, group=pm.group(dim))
-            out[name, dim] = [q for q in range(8) if int(x.item()) >> q & 1]
+    undo = _watch_new_group(where)
+    try:
+        for name, shape in (("built", BUILT), ("plain", PLAIN), ("cp only", CP_ONLY)):
+            before = c10d._world.group_count   # every new_group over the world counts one, member or not
+            pm = mesh.ProcessMesh(**shape, world_size=8).build()
+            out[name, "created"] = c10d._world.group_count - before
+            out[name, "keys"] = sorted(pm.groups)
+            out[name, "names"] = {dim: group_name(g) for dim, g in pm.groups.items()}
+            out[name, "same"] = {"dp_cp is dp": pm.groups.get("dp_cp") is pm.groups.get("dp"),
+                                 "expert_dp is dp_cp": pm.groups.get("expert_dp") is pm.groups.get("dp_cp")}
+            for dim in pm.groups:
+                x = torch.tensor([2.0 ** dist.get_rank()], dtype=torch.float64)   # one bit per rank
+                entry = flight.started("all_reduce", name=f"the check's all_reduce over self.groups[{dim!r}]")
+                dist.all_reduce(x, group=pm.group(dim))
+                flight.completed(entry)
+                out[name, dim] = [q for q in range(8) if int(x.item()) >> q & 1]
+    finally:
+        undo()
     return out
+
+
+def _launch_build():
+    """``minipar.launch`` of :func:`_reduce_over_groups`; ranks that hang inside ``new_group``
+    fail naming ex07.E.order (every rank creates every group, in the same order)."""
+    import tempfile
+    from pathlib import Path
+    from minipar.runtime.launch import LaunchTimeout
+    with tempfile.TemporaryDirectory(prefix="minipar-ex07-") as where:
+        try:
+            return minipar.launch(_reduce_over_groups, 8, args=(where,), timeout=BUILD_TIMEOUT)
+        except LaunchTimeout as e:
+            from minipar.course._grade_plugin import explain
+            explain(e)            # as for any hang: the grader skips the later tests that start ranks
+            notes = {int(f.name[4:]): f.read_text() for f in Path(where).glob("rank*")}
+            if not any(n.startswith("inside new_group") for n in notes.values()):
+                raise
+            rows = "\n".join(f"  rank {r}: {notes.get(r, 'no new_group call yet')}" for r in range(8))
+            with breaks("ex07.E.order"):
+                raise GradeFailure(f"ex07.E.order the ranks hung in build() after {BUILD_TIMEOUT:g} s, inside "
+                                   f"torch.distributed.new_group:\n{rows}\n  a group's creation is collective "
+                                   "over the world: every rank creates every group, in the same order") from e
+
+
+def _created(shape):
+    """How many groups build() may create on ``shape``: every group along each dim in use."""
+    pm = mesh.ProcessMesh(**shape)
+    dims = ["dp", "pp", "tp"] + (["cp", "dp_cp"] if shape["cp"] > 1 else []) + (["ep", "expert_dp"] if shape["ep"] > 1 else [])
+    return sum(len(pm.all_groups(d)) for d in dims), dims
 
 
 def _keys(shape):
@@ -423,10 +492,10 @@ def _keys(shape):
 def test_mesh_build_reaches_the_members(impl):
     """8 ranks build, with your code, ProcessMesh(dp=2, pp=2, cp=2, tp=1, ep=2), then
     ProcessMesh(dp=2, pp=2, tp=2) (cp = ep = 1), then ProcessMesh(dp=2, cp=2, tp=2) (ep = 1): the
-    groups each holds, their names, and an all-reduce over each reaches exactly members(rank, dim)
-    (dp_cp: dp when cp = 1; expert_dp: dp_cp when ep = 1)."""
+    groups each holds, their names, how many groups each build() creates, and an all-reduce over
+    each reaches exactly members(rank, dim) (dp_cp: dp when cp = 1; expert_dp: dp_cp when ep = 1)."""
     test_mesh_members_every_dim(impl)                 # fail fast, before starting 8 ranks
-    results = minipar.launch(_reduce_over_groups, 8, timeout=BUILD_TIMEOUT)
+    results = _launch_build()
     for name, shape in (("built", BUILT), ("plain", PLAIN), ("cp only", CP_ONLY)):
         pm, what = mesh.ProcessMesh(**shape), _mesh_name(shape)
         expect_equal({r: res[name, "keys"] for r, res in enumerate(results)}, {r: _keys(shape) for r in range(8)},
@@ -436,6 +505,15 @@ def test_mesh_build_reaches_the_members(impl):
                f"ex07.E.cp1 {what}: self.groups['dp_cp'] is not self.groups['dp'] (cp = 1)")
         expect(shape["ep"] > 1 or same["expert_dp is dp_cp"],
                f"ex07.E.ep1 {what}: self.groups['expert_dp'] is not self.groups['dp_cp'] (ep = 1)")
+        want, dims = _created(shape)
+        made = {r: res[name, "created"] for r, res in enumerate(results)}
+        extra = shape["cp"] == 1 or shape["ep"] == 1
+        clause = "ex07.E.order" if not extra or any(n < want for n in made.values()) else \
+            ", ".join(c for c, k in (("ex07.E.cp1", "cp"), ("ex07.E.ep1", "ep")) if shape[k] == 1)
+        with breaks(*clause.split(", ")):
+            expect_equal(made, {r: want for r in range(8)},
+                         f"{clause} the groups build() created (new_group calls), {what}: the groups along "
+                         f"{', '.join(dims)}", keys="rank")
         for dim in _keys(shape):
             alias = {"dp_cp": "dp" if shape["cp"] == 1 else "dp_cp"}.get(dim, dim)
             if dim == "expert_dp" and shape["ep"] == 1:

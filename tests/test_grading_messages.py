@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from minipar.course.grading import LAUNCH_TIMEOUT
+
 from minipar.course import grade
 from minipar.course.exercise import ROOT
 
@@ -40,7 +42,7 @@ PLANTED = {
             ("    for s in range(n - 1):\n        send_c, recv_c = (r - s) % n, (r - s - 1) % n",
              "    for s in range(n - 1 - (r == 0)):\n        send_c, recv_c = (r - s) % n, (r - s - 1) % n")]),
 }
-HANG_TIMEOUT = 30  # the graded ex01 tests' launch timeout
+HANG_TIMEOUT = LAUNCH_TIMEOUT  # the graded tests' launch timeout
 
 
 @pytest.fixture(scope="module")

@@ -320,6 +320,12 @@ def breaks(*ids: str):
         raise GradeFailure(f"{e}\n  breaks {', '.join(ids)}").with_traceback(e.__traceback__) from None
 
 
+LAUNCH_TIMEOUT = 60
+"""Seconds a graded launch may run before its ranks count as hung: a bound that ends a hang, not
+a time the answer must meet (a case takes a few seconds; on a 2-core machine at load 150 one of
+4 ranks in float64 took over 30). Every graded test's ``TIMEOUT`` is this one."""
+
+
 # ----------------------------------------------------------------------------- the recorder
 RECORDED = ("minipar.comm records a transfer once its handle is waited on; one made with torch.distributed "
             "directly, or never waited on, is not recorded (the clause 'recorded')")

@@ -20,6 +20,7 @@ from minipar import cost
 from minipar import data, reference
 from minipar.runtime import trace
 from minipar.data_parallel import shard_batch
+from minipar.course import grading
 from minipar.course.grading import expect_equal, fail_if, observes
 from minipar.models import GPT, GPTConfig
 
@@ -37,7 +38,7 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'A==',
     ),
 }
-TIMEOUT = 60
+TIMEOUT = grading.LAUNCH_TIMEOUT
 N, STEPS = 2, 3
 RTOL, ATOL = 1e-5, 1e-6
 EXPOSED_GOAL = 0.25

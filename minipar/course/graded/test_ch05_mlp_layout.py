@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import minipar
 from minipar import cost
 from minipar.runtime import trace
+from minipar.course import grading
 from minipar.course.grading import expect_close, fail_if, observes
 
 CHALLENGE = "ch05_mlp_layout"
@@ -37,7 +38,7 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'pppxOiCmxTncQgzcbtF5f3gIYixUmLQEqBSJMOqR51CFx0Fmb8B+qxKug==',
     ),
 }
-TIMEOUT = 30
+TIMEOUT = grading.LAUNCH_TIMEOUT
 T, H = 4, 32
 SHAPE = (4, 8, H)
 ACT = 4 * 8 * H * 4                                           # bytes of x (and y)

@@ -25,6 +25,7 @@ import torch
 
 import minipar
 from minipar.adapt.moves import Plan
+from minipar.course import grading
 from minipar.course.grading import GradeFailure, observes
 
 CHALLENGE = "ch12_balanced_moves"
@@ -43,7 +44,7 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'X1ZxoCsbX14zLbOKd8kkXX/v6QbfEDMuaMrp1iReC5k9p54NLiukZ3ROtvvfgDiwXkE',
     ),
 }
-TIMEOUT = 60
+TIMEOUT = grading.LAUNCH_TIMEOUT
 
 
 def _idx(*xs):

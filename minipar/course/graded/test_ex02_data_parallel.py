@@ -34,6 +34,7 @@ from minipar import data, reference
 from minipar.runtime import trace
 from minipar.data_parallel import (DistributedDataParallel, allreduce_gradients, assign_buckets,
                                    shard_batch, trainable)
+from minipar.course import grading
 from minipar.course.grading import breaks, diagnose, expect, expect_close, expect_equal, expect_same_training, observes
 from minipar.models import GPT, MLP, GPTConfig
 
@@ -82,7 +83,7 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'hkK5LknEg3g4vE+pTQhV/8Ds52K1w==',
     ),
 }
-TIMEOUT = 30
+TIMEOUT = grading.LAUNCH_TIMEOUT
 RTOL, ATOL = 1e-5, 1e-6  # fp32: only the order of the sums differs from one process
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
 TOKENS = data.synthetic_tokens(3000)

@@ -33,6 +33,7 @@ from minipar import strategy
 from minipar.model_parallel import stage_comm
 from minipar.pipeline.executor import Pipeline
 from minipar.pipeline.schedules import Action, Schedule, add_comms, make_schedule
+from minipar.course import grading
 from minipar.course.grading import (GradeFailure, breaks, diagnose, expect, expect_close, expect_equal, expect_recorded,
                                     expect_same_training, launched, observes)
 from minipar.models import GPT, LSTMLM, GPTConfig
@@ -88,7 +89,7 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         '/YqmDhPcWJ0d2xFTEGU/fIB5Jz8DZb32OuH2KPKTau/h6h/4bCDgm39uNG/f6CUSnedvzLPb5dJ3OU=',
     ),
 }
-TIMEOUT = 60
+TIMEOUT = grading.LAUNCH_TIMEOUT
 TOKENS = data.synthetic_tokens(1000)
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 

@@ -30,6 +30,7 @@ import minipar
 from minipar import cost
 from minipar import data, reference, strategy
 from minipar import pipeline as pp
+from minipar.course import grading
 from minipar.course.grading import GradeFailure, breaks, diagnose, expect, expect_close, expect_equal, expect_same_training, observes
 from minipar.pipeline.schedules import Action
 from minipar.models import GPT, GPTConfig
@@ -74,7 +75,7 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'aHI',
     ),
 }
-TIMEOUT = 60
+TIMEOUT = grading.LAUNCH_TIMEOUT
 
 
 def _best(costs, p):

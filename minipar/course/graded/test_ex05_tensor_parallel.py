@@ -26,6 +26,7 @@ import minipar
 from minipar import cost
 from minipar.runtime import trace
 from minipar import tensor_parallel as tp
+from minipar.course import grading
 from minipar.course.grading import breaks, diagnose, expect, expect_close, expect_equal, expect_recorded, attempt, observes
 
 EXERCISE = "ex05_tensor_parallel"
@@ -73,7 +74,7 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'Woc0RKLjIeT423jEVCwl0Zd9TSltBFLr53+U6Bl9Kwod19tg0UK',
     ),
 }
-TIMEOUT = 30
+TIMEOUT = grading.LAUNCH_TIMEOUT
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 

@@ -28,6 +28,7 @@ import minipar
 from minipar import cost
 from minipar import data, reference, zero
 from minipar.runtime import trace
+from minipar.course import grading
 from minipar.course.grading import breaks, diagnose, expect, expect_close, expect_equal, expect_same_training, attempt, observes, \
     expect_recorded
 from minipar.models import GPT, GPTConfig
@@ -102,7 +103,7 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'S8vT9m/Nxqw8Syszz96Jo2ZT/KxjH8Ev5FO8LEBZPGsN8RuttHODh6mnzz9BUIMMPg=',
     ),
 }
-TIMEOUT = 60
+TIMEOUT = grading.LAUNCH_TIMEOUT
 CFG = dict(vocab_size=67, n_embd=30, n_head=2, n_layer=2, block_size=16)  # no unit divisible by 4
 STEPS, BATCH = 3, 8
 

@@ -24,6 +24,7 @@ import itertools
 
 import minipar
 from minipar import cost, data, hybrid, mesh, reference
+from minipar.course import grading
 from minipar.course.grading import GradeFailure, breaks, expect, expect_equal, expect_same_training, observes
 from minipar.models import GPT, GPTConfig
 
@@ -81,7 +82,7 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         '7RbVBWfYByPF+kKW5jxxbbFucJeLEYjBlOk8v9SdE2m6UjT15D1Yjw2koP/AIIIXAs=',
     ),
 }
-TIMEOUT = 60
+TIMEOUT = grading.LAUNCH_TIMEOUT
 SHAPES = [(2, 2, 2), (1, 2, 4), (4, 2, 1), (3, 1, 2), (2, 3, 1), (2, 2, 3)]   # (dp, pp, tp)
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=4, n_head=4, n_embd=32)
 PSI = hybrid.num_params(CFG)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import minipar
 from minipar.expert_parallel import (ExpertParallelMoE, all_to_all, count_tokens, exchange_counts, kept_counts,
                                      permutation, split_sizes)
+from minipar.course import grading
 from minipar.course.grading import breaks, diagnose, expect, expect_close, expect_equal, expect_recorded, observes
 from minipar.runtime import trace
 from minipar.models.moe import MoE
@@ -91,7 +92,7 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         'B8gHhTJ1ox0k6VNsuj5SjrwfqA9FvSqrQuBdsS6k+Hlnrw7hE+TnxPK4g+f+sVF',
     ),
 }
-TIMEOUT = 30
+TIMEOUT = grading.LAUNCH_TIMEOUT
 
 
 @observes("ex09.A.count")

@@ -24,6 +24,7 @@ import torch
 import minipar
 from minipar.adapt.moves import Move, Plan, plan
 from minipar.adapt.switch import from_runs, runs_of
+from minipar.course import grading
 from minipar.course.grading import breaks, expect, expect_equal, observes
 
 EXERCISE = "ex12_adaptive"
@@ -65,7 +66,7 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
         '5c6eA==',
     ),
 }
-TIMEOUT = 30
+TIMEOUT = grading.LAUNCH_TIMEOUT
 
 
 def _moves(p):

@@ -189,6 +189,19 @@ def runs(moves: list[Move], side: int) -> list[tuple]:
     return out
 
 
+def splits(p: Plan, me: int) -> tuple[list[int], list[int]]:
+    """Rank ``me``'s all-to-all of plan ``p``: the elements it sends to each rank and receives from
+    each (0 for itself): the split sizes of its ``all_to_all_single``."""
+    send, recv = [0] * p.world_size, [0] * p.world_size
+    for mv in p.moves:
+        if mv.src != mv.dst:
+            if mv.src == me:
+                send[mv.dst] += mv.numel
+            if mv.dst == me:
+                recv[mv.src] += mv.numel
+    return send, recv
+
+
 _PROGRAMS: dict = {}     # id(plan) -> (plan, local moves, runs to pack, runs to unpack, split sizes)
 
 
@@ -211,8 +224,7 @@ def exchange(p: Plan, old: Views, new: Views, group=None, name: str = "reshard")
             pairs.setdefault((mv.src, mv.dst), []).append(mv)
         out_moves = [mv for d in range(world) if d != me for mv in pairs.get((me, d), [])]
         in_moves = [mv for s in range(world) if s != me for mv in pairs.get((s, me), [])]
-        in_sizes = [sum(mv.numel for mv in pairs.get((me, d), [])) if d != me else 0 for d in range(world)]
-        out_sizes = [sum(mv.numel for mv in pairs.get((s, me), [])) if s != me else 0 for s in range(world)]
+        in_sizes, out_sizes = splits(p, me)
         kept = _PROGRAMS[id(p)] = (p, pairs.get((me, me), []), runs(out_moves, 0), runs(in_moves, 1),
                                    in_sizes, out_sizes)
         while len(_PROGRAMS) > 32:

@@ -50,7 +50,7 @@ class Planned:
     shared_from: int | None = None
     shared_slots: list[str] | None = None
     by_piece: tuple | None = None     # ((old sizes, new sizes), p cut at its pieces or None: moves.by_piece)
-    splits: tuple | None = None       # this rank's all-to-all split sizes (switch.splits)
+    splits: tuple | None = None       # this rank's all-to-all split sizes (cut.splits)
 
 
 _KEPT: dict = {}    # (world key, plan's code) -> Planned

@@ -32,7 +32,7 @@ from ..moves import Flat, expand, plan, segments
 from ..pieces import local_pieces
 from ..runtime import trace
 from . import plans
-from .cut import Views, by_piece
+from .cut import Views, by_piece, splits
 from .cut import exchange as _exchange
 from .holdings import held_runs
 
@@ -123,19 +123,6 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
         out["over_alpha_beta"] = ((out["seconds"] - phases["wait"]) / out["alpha_beta_s"] if out["alpha_beta_s"] > 0
                                   else float("inf"))       # α and β of 0 (a fit on a loaded machine), no bytes
     return out
-
-
-def splits(p, me: int) -> tuple[list[int], list[int]]:
-    """Rank ``me``'s all-to-all of plan ``p``: the elements it sends to each rank and receives from
-    each (0 for itself): the split sizes of its ``all_to_all_single``."""
-    send, recv = [0] * p.world_size, [0] * p.world_size
-    for mv in p.moves:
-        if mv.src != mv.dst:
-            if mv.src == me:
-                send[mv.dst] += mv.numel
-            if mv.dst == me:
-                recv[mv.src] += mv.numel
-    return send, recv
 
 
 def _own_execute() -> bool:

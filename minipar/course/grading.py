@@ -303,6 +303,25 @@ def diagnose(condition, message: str):
 
 
 @contextmanager
+def hang_breaks(clause: str, explain_hang):
+    """``with hang_breaks("ex04.C.sent", explain_hang): minipar.launch(...)``: ranks that hang
+    (the launch's bound ends them) fail naming ``clause`` when ``explain_hang(text)``, given the
+    grader's account of the hang, returns the failure's message; when it returns ``None`` the hang
+    is not this clause's, and is reported as any hang. Either way the grader then skips the later
+    tests that start ranks."""
+    from ..runtime.launch import LaunchTimeout
+    try:
+        yield
+    except LaunchTimeout as e:
+        from ._grade_plugin import explain
+        message = explain_hang(explain(e))
+        if message is None:
+            raise
+        with breaks(clause):
+            raise GradeFailure(message) from None
+
+
+@contextmanager
 def breaks(*ids: str):
     """``with breaks("ex01.*.avg"): <checks>``: a check inside that fails names these clauses
     (``  breaks ex01.*.avg``), so a test that observes several clauses reports the one whose check

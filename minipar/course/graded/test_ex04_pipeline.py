@@ -31,7 +31,8 @@ from minipar import cost
 from minipar import data, reference, strategy
 from minipar import pipeline as pp
 from minipar.course import grading
-from minipar.course.grading import GradeFailure, breaks, diagnose, expect, expect_close, expect_equal, expect_same_training, observes
+from minipar.course.grading import (GradeFailure, breaks, diagnose, expect, expect_close, expect_equal,
+                                    expect_same_training, hang_breaks, observes)
 from minipar.pipeline.schedules import Action
 from minipar.models import GPT, GPTConfig
 
@@ -294,20 +295,16 @@ def _launch(fn, n, schedules, args=()):
     runs to the end in the simulator with your sends and receives fail naming ex04.C.sent: the
     messages were right, so a send was left unwaited (Gloo delivers such a send or not, by timing:
     when it does, the record lacks it and the step's test says so)."""
-    from minipar.runtime.launch import LaunchTimeout
-    try:
-        return minipar.launch(fn, n, args=args, timeout=TIMEOUT)
-    except LaunchTimeout as e:
-        from minipar.course._grade_plugin import explain
-        text = explain(e)
+    def unwaited(text):
         try:
             for name, p, m, v in schedules:
                 pp.check_schedule(pp.make_schedule(name, p, m, v))
         except Exception:       # noqa: BLE001 - the schedule's own messages deadlock: not this clause
-            raise e from None
-        with breaks("ex04.C.sent"):
-            raise GradeFailure(text + "\n  every schedule run here finishes in the simulator with these sends and "
-                               "receives, so a send was never waited on") from None
+            return None
+        return text + ("\n  every schedule run here finishes in the simulator with these sends and receives, "
+                       "so a send was never waited on")
+    with hang_breaks("ex04.C.sent", unwaited):
+        return minipar.launch(fn, n, args=args, timeout=TIMEOUT)
 
 
 @observes("ex04.B.memory", "ex04.C.peak", "ex04.C.sent")

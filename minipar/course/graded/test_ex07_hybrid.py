@@ -25,7 +25,7 @@ import itertools
 import minipar
 from minipar import cost, data, hybrid, mesh, reference
 from minipar.course import grading
-from minipar.course.grading import GradeFailure, breaks, expect, expect_equal, expect_same_training, observes
+from minipar.course.grading import breaks, expect, expect_equal, expect_same_training, hang_breaks, observes
 from minipar.models import GPT, GPTConfig
 
 EXERCISE = "ex07_hybrid"
@@ -460,21 +460,17 @@ def _launch_build():
     fail naming ex07.E.order (every rank creates every group, in the same order)."""
     import tempfile
     from pathlib import Path
-    from minipar.runtime.launch import LaunchTimeout
     with tempfile.TemporaryDirectory(prefix="minipar-ex07-") as where:
-        try:
-            return minipar.launch(_reduce_over_groups, 8, args=(where,), timeout=BUILD_TIMEOUT)
-        except LaunchTimeout as e:
-            from minipar.course._grade_plugin import explain
-            explain(e)            # as for any hang: the grader skips the later tests that start ranks
+        def inside_new_group(text):
             notes = {int(f.name[4:]): f.read_text() for f in Path(where).glob("rank*")}
             if not any(n.startswith("inside new_group") for n in notes.values()):
-                raise
+                return None
             rows = "\n".join(f"  rank {r}: {notes.get(r, 'no new_group call yet')}" for r in range(8))
-            with breaks("ex07.E.order"):
-                raise GradeFailure(f"ex07.E.order the ranks hung in build() after {BUILD_TIMEOUT:g} s, inside "
-                                   f"torch.distributed.new_group:\n{rows}\n  a group's creation is collective "
-                                   "over the world: every rank creates every group, in the same order") from e
+            return (f"ex07.E.order the ranks hung in build() after {BUILD_TIMEOUT:g} s, inside "
+                    f"torch.distributed.new_group:\n{rows}\n  a group's creation is collective "
+                    "over the world: every rank creates every group, in the same order")
+        with hang_breaks("ex07.E.order", inside_new_group):
+            return minipar.launch(_reduce_over_groups, 8, args=(where,), timeout=BUILD_TIMEOUT)
 
 
 def _created(shape):

@@ -206,7 +206,8 @@ class ExpertParallelMoE(MoE):
           device, on all ranks' tokens concatenated, also when the ranks hold different
           numbers of tokens.
         - ex09.D.grads: every gradient equals the single device's (the input's, each
-          expert's, the router's summed over the ranks).
+          expert's, one that no assignment reached included, the router's summed over
+          the ranks).
         - ex09.D.second: a second step (other tokens) is as exact as the first.
         - ex09.D.aux: the load-balancing loss, averaged over the ranks weighted by their
           tokens (a plain mean when they hold as many), is one device's.

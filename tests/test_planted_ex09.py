@@ -165,3 +165,12 @@ def test_counts_gathered_on_the_world_too_fail_recorded(tmp_path):
                                     "        exchange_counts(counts, None)\n")):
         message = fails(g.test_layer_on_subgroups, match=SUBGROUPS)
     names_its_clause(message, g.test_layer_on_subgroups, "ex09.D.recorded")
+
+
+def test_an_expert_skipped_when_no_row_reached_it_fails_grads(tmp_path):
+    """An expert run only when rows reached it: outputs are one device's, but an expert no token chose
+    gets no gradient (None) where one device gives it a zero one (so ZeRO's flat shards and the
+    optimizer's step treat it alike in every layout); the failure names ex09.D.grads."""
+    with planted("ex09", tmp_path, ("torch.cat([e(c) for e, c in zip(", "torch.cat([e(c) if len(c) else c for e, c in zip(")):
+        fails(g.test_expert_parallel_layer, match=r"(?s)none chooses expert 3, rank 1: expert 3 got no gradient "
+              r"\(None\) from the layer's backward; on one device its gradient is zero.*breaks ex09\.D\.grads")

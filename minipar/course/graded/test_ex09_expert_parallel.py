@@ -303,6 +303,8 @@ def _weights(y):
 
 LAYERS = [(2, None), (1, 1.0), (2, 1.0)]
 UNEVEN = (2, 1.0, (3, 5))  # top-2, capacity factor 1, ranks holding 3 and 5 sequences: one device's 8
+IDLE = (1, None, 2)        # top-1 dropless on the first 2 sequences of _tokens(0, seed=2): no token chooses
+IDLE_EXPERT = 3            # expert 3 (rank 1's second), the other three get 2, 4 and 2
 RECORDED_FORWARD = [("ep_counts", "all_gather"), ("ep_dispatch", "all_to_all"), ("ep_combine", "all_to_all")]
 RECORDED_BACKWARD = [("ep_combine_backward", "all_to_all"), ("ep_dispatch_backward", "all_to_all")]  # ex09.D.recorded
 
@@ -360,6 +362,17 @@ def _ep_layer(steps):
         out.append((y.detach().cpu(), layer.stats["dropped"].cpu(), _grads(layer, x), layer.stats["aux"].cpu()))
     except Exception as e:  # noqa: BLE001
         out.append(f"{type(e).__name__}: {e}")
+    k, cf, seed = IDLE                                                 # an expert no token chooses
+    layer = ExpertParallelMoE(_moe(k, cf).to(dev))
+    every = _tokens(0, seed=seed)[:2]
+    x = every.chunk(n)[r].to(dev).requires_grad_()
+    try:
+        with _agreed_splits():
+            y = layer(x)
+            (y * _weights(every).chunk(n)[r].to(dev)).sum().backward()
+        out.append((y.detach().cpu(), _grads(layer, x)))
+    except Exception as e:  # noqa: BLE001
+        out.append(f"{type(e).__name__}: {e}")
     return out
 
 
@@ -408,7 +421,8 @@ def _single(k, cf, step, x=None):
 def test_expert_parallel_layer(impl):
     """The expert-parallel MoE layer on 2 ranks equals one device, in float64: outputs, dropped
     assignments and gradients, for top-2 dropless, top-1 and top-2 at capacity factor 1, two steps each,
-    and top-2 at capacity factor 1 with the ranks holding 12 and 20 tokens."""
+    top-2 at capacity factor 1 with the ranks holding 12 and 20 tokens, and top-1 dropless on 8
+    tokens none of which chooses expert 3."""
     steps = 2
     res = minipar.launch(_ep_layer, 2, args=(steps,), timeout=TIMEOUT)
     for c, (k, cf) in enumerate(LAYERS):
@@ -447,6 +461,28 @@ def test_expert_parallel_layer(impl):
                              "the router's gradient summed over the 2 ranks, index (expert, feature)", where=case,
                              rtol=1e-5, atol=1e-7)
     _uneven([res[r][len(LAYERS) * steps] for r in range(2)])
+    _idle([res[r][len(LAYERS) * steps + 1] for r in range(2)])
+
+
+def _idle(ranks):
+    """The layer where no token chooses one expert (IDLE) against one device on the same tokens."""
+    k, cf, seed = IDLE
+    every = _tokens(0, seed=seed)[:2]
+    y, _, _, grads = _single(k, cf, 0, x=every)
+    case = f"top-{k}, capacity factor {cf}, 8 tokens of which none chooses expert {IDLE_EXPERT}"
+    for r, got in enumerate(ranks):
+        where = f"{case}, rank {r}"
+        with breaks("ex09.D.exact"):
+            expect(not isinstance(got, str), f"{where}: the layer raised {got}")
+            expect_close(got[0], y.chunk(2)[r], "layer output (the MoE layer on one device), index "
+                         "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)
+        with breaks("ex09.D.grads"):
+            for name, g in got[1].items():
+                if name.startswith("expert"):
+                    expect(g is not None, f"{where}: {name} got no gradient (None) from the layer's backward; "
+                                          f"on one device its gradient is {'zero' if not grads[name].any() else 'not zero'}")
+                    expect_close(g, grads[name], f"{name}'s gradient (its parameters flattened)", where=where,
+                                 rtol=1e-8, atol=1e-10)
 
 
 def _uneven(ranks):

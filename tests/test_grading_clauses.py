@@ -94,3 +94,55 @@ def test_a_hang_in_a_test_of_two_parts_asks_for_no_part(monkeypatch):
     named = str(Report("ex09_expert_parallel", "exercise",
                        [_failed("rank 0: the input's gradient\n  breaks ex09.C.backward", observes)]))
     assert 'minipar.hint("ex09", "C")' in named
+
+
+def _line_of(path, text: str) -> int:
+    lines = path.read_text().splitlines()
+    hits = [i + 1 for i, ln in enumerate(lines) if text in ln]
+    assert len(hits) == 1, (text, hits)
+    return hits[0]
+
+
+def test_a_crash_names_the_clauses_of_the_part_whose_code_raised(tmp_path):
+    """A crash names no clause in its message; the grader then names the clauses the test observes of
+    the part whose function raised (the innermost marked function around the place it shows), and the
+    hint is for that part. A helper of the learner's own, outside every marked function, tells nothing:
+    every clause the test observes."""
+    learner = tmp_path / "ex09_expert_parallel.py"
+    learner.write_text((markers.ROOT / "solutions" / "ex09_expert_parallel.py").read_text()
+                       + "\n\ndef my_helper(x):\n    return x.foo\n")
+    observes = ["ex09.A.exchange", "ex09.C.order", "ex09.C.empty", "ex09.*.group"]
+    in_exchange = _line_of(learner, "out = x.new_empty(sum(recv)")
+    error = f"rank 1: {learner}:{in_exchange}  out = x.new_empty(sum(recv), *x.shape[1:])  TypeError: boom"
+    assert failure_clauses.crashed_in(error) == "C"
+    assert failure_clauses.named(error, observes) == ["ex09.C.order", "ex09.C.empty"]
+    assert failure_clauses.failed_part(error, observes) == "C"
+    in_forward = _line_of(learner, "arrived = all_to_all(")
+    assert failure_clauses.crashed_in(f"{learner}:{in_forward}  arrived = ...  ValueError: boom") == "D"
+    assert failure_clauses.named(f"{learner}:{in_forward}  x  ValueError: boom", observes) == observes  # no D clause
+    in_helper = _line_of(learner, "return x.foo")
+    helper = f"rank 0: {learner}:{in_helper}  return x.foo  AttributeError: boom"
+    assert failure_clauses.crashed_in(helper) is None
+    assert failure_clauses.named(helper, observes) == observes
+    assert failure_clauses.failed_part(helper, observes) is None
+    assert failure_clauses.crashed_in("loss at step 1: expected 2.5, got 2.7") is None
+
+
+def test_a_planted_crash_names_its_part_in_the_grade_report(tmp_path):
+    """End to end: ex09's exchange_counts raising inside the ranks crashes test_exchanges_on_ranks,
+    which observes clauses of parts A and C (and two of every part): the grader's message shows the
+    learner's line, and names A's clause alone, with A's hint."""
+    import pytest
+    from minipar.course._grade_plugin import explain
+    from minipar.course.graded import test_ex09_expert_parallel as g
+    from minipar.runtime.launch import RankError
+    from tests.planted import planted
+    with planted("ex09", tmp_path, ("    out = counts.new_empty(ep * counts.numel())",
+                                    "    out = counts.new_empty(ep * counts.numel(), bogus=1)")):
+        with pytest.raises(RankError) as e:
+            g.test_exchanges_on_ranks("exercise")
+        message = explain(e.value)                         # as the grade report shows it
+    assert "ex09_expert_parallel.py:" in message and "bogus=1" in message, message
+    observes = g.test_exchanges_on_ranks.__observes__
+    assert failure_clauses.named(message, observes) == ["ex09.A.exchange"], message
+    assert failure_clauses.failed_part(message, observes) == "A"

@@ -67,10 +67,10 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         g.test_pipeline_step, r"message 0 posted outside any batched\(\) block \(every send and receive is posted"),
     "ex04.C.sent": (     # the sends never waited on: a hang, or (Gloo delivered them) missing from the record
         [("        self.mail.flush()\n", "")],
-        g.test_pipeline_step, r"(?s)(sends completed and recorded by the time Pipeline\.step returned|so a send was never waited on)"),
+        g.test_pipeline_step, r"(?s)(sends completed and recorded by the time Pipeline\.step returned|or one never waited on \(ex04\.C\.sent\))"),
     "ex04.C.peak": (
         [("        self.peak_stash = self.stash.peak", "        self.peak_stash = len(self.stash)")],
-        g.test_trains_the_gpt, r"the most micro-batches held at once"),
+        g.test_trains_the_gpt, r"peak micro-batches held, per rank, measured while training(?s:.*)breaks ex04\.C\.peak"),
 }
 
 
@@ -95,3 +95,26 @@ def test_a_min_max_that_partition_does_not_expose_fails(tmp_path):
         g.test_partition_is_balanced("exercise")            # not exposed by partition
         fails(g.test_min_max_is_the_best_costliest_stage, match=r"_min_max\(\[.*\], p=\d\) .*: the cost of the costliest "
               r"stage of the best split, by brute force \(the most expensive stage is as cheap as possible\)")
+
+
+def test_an_order_holding_fewer_than_1f1b_names_the_bubble_in_training(tmp_path):
+    """A warm-up one forward short (rank r holds p - r - 1 micro-batches, at least one): valid, and it
+    trains like one process, but the ranks wait longer; the 4-rank training names ex04.B.bubble for
+    the peaks measured, not ex04.B.memory, whose bound it keeps."""
+    from tests.planted import fails, planted
+    with planted("ex04", tmp_path, ("    warmup = min(p - rank - 1, m)", "    warmup = max(min(p - rank - 2, m), 0)")):
+        message = fails(g.test_trains_the_gpt, match=r"peak micro-batches held, per rank(?s:.*)breaks ex04\.B\.bubble")
+    assert "breaks ex04.B.memory" not in message
+
+
+def test_a_send_waited_on_at_once_hangs_naming_both_ways_a_send_can_be_waited_wrong(tmp_path):
+    """Each send waited on as soon as it is posted: the schedules' messages are right (they finish in
+    the simulator), but two ranks that send to each other first wait for each other; the hang's
+    message names the send waited on at once (the model's sends never wait, ex04.C.deadlock) as well
+    as the send never waited on (ex04.C.sent), not one of them only."""
+    from tests.planted import fails, planted
+    with planted("ex04", tmp_path, ("        self.mail.send(a, self.outbox.pop((a.op[-1], a.microbatch, a.stage)))",
+                                    "        self.mail.send(a, self.outbox.pop((a.op[-1], a.microbatch, a.stage)))\n"
+                                    "        self.mail.flush()")):
+        message = fails(g.test_pipeline_step, match=r"(?s)a send waited on before the step went on")
+    assert "ex04.C.deadlock" in message and "ex04.C.sent" in message, message

@@ -15,7 +15,7 @@ Peak activations stashed on rank r, in micro-batches of one stage (a virtual sta
 holds 1/v of the rank's layers, so divide by v for the rank's share):
 
     GPipe          m                 (every forward before any backward)
-    1F1B           min(p - r, m)      (warm-up of p - r - 1, plus one in the steady state)
+    1F1B           min(p - r, m)
     interleaved    min(2(p - r - 1) + (v-1)p + 1, m·v), or m·v when m = p
     ZB-H1          min(p, m)          (Ws deferred on later ranks, never above 1F1B's peak)
 """

@@ -100,6 +100,35 @@ def test_the_launchs_own_timeout_stops_a_rank_that_sleeps():
     assert list(minipar.launch(_one_sleeps, 2, args=(0,))) == [0, 1]
 
 
+def _sleep_then(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+class _SlowToLoad:
+    """An argument whose loading in the rank takes ``seconds`` (before the rank joins its group)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return _sleep_then, (self.seconds,)
+
+
+def _rank_and(x):
+    return dist.get_rank(), x
+
+
+def test_the_timeout_counts_from_when_every_rank_has_started():
+    """A rank slow to start (here its argument takes 8 s to load, as a loaded machine takes to fork
+    and import) does not count against a run's timeout of 5 s: the run itself is instant. A rank
+    that never starts is reported as not started, after launch.STARTUP."""
+    assert list(minipar.launch(_rank_and, 2, args=(_SlowToLoad(8),), timeout=5)) == [(0, 8), (1, 8)]
+    from minipar.runtime.launch import STARTUP, LaunchTimeout
+    text = str(LaunchTimeout(5, [0, 1], 2, starting=[1]))
+    assert f"rank(s) [1] of 2 had not started after {STARTUP:g} s" in text and "still running" not in text
+
+
 def _die():
     if dist.get_rank() == 1:
         os._exit(3)

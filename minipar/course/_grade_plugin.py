@@ -177,6 +177,9 @@ def explain(e: BaseException) -> str:
         for r, other in others:
             text += f"\n  (rank {r} also failed: {_without_common_tail(other, own)})"
         return text
+    if isinstance(e, LaunchTimeout) and getattr(e, "starting", None):
+        _hung = "an earlier launch's ranks did not start; fix that first"
+        return f"the ranks did not start: {e}"
     if isinstance(e, LaunchTimeout):
         rows = flight_lines()
         text = (f"the ranks hung: {e}\n" + ("the last operation each rank started:\n" + "\n".join(rows)

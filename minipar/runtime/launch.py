@@ -18,7 +18,8 @@ the ranks' event traces as ``results.trace``. How it works, and why:
 * A rank that raises (or runs out of GPU memory: then with the allocator's figures and what
   to try) makes ``launch`` raise :class:`RankError` with its traceback within a second; the
   other ranks are killed and the next launch starts clean. A run that exceeds ``timeout``
-  raises :class:`LaunchTimeout` naming the ranks still running.
+  (counted from when every rank has started: a loaded machine may be slow to start them, and
+  has :data:`STARTUP` seconds for that) raises :class:`LaunchTimeout` naming the ranks still running.
 * Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) ``launch`` runs ``fn`` in this process
   instead, so the same script scales to several nodes.
 """
@@ -69,11 +70,24 @@ class RankError(RuntimeError):
         super().__init__("\n".join(msg))
 
 
-class LaunchTimeout(TimeoutError):
-    """The run took longer than ``timeout``; ``.running`` lists the ranks that never finished."""
+STARTUP = 300.0
+"""Seconds the ranks may take to start (a worker forked and importing, the payload loaded, the
+process group joined) before a launch gives up on them. The run's own ``timeout`` counts from when
+every rank has started, so a loaded machine that is slow to start processes does not eat into it."""
 
-    def __init__(self, timeout: float, running: list[int], world_size: int):
-        self.running = running
+
+class LaunchTimeout(TimeoutError):
+    """The run took longer than ``timeout`` once every rank had started (or the ranks did not all
+    start within :data:`STARTUP`); ``.running`` lists the ranks that never finished."""
+
+    def __init__(self, timeout: float, running: list[int], world_size: int, starting: list[int] | None = None):
+        self.running, self.starting = running, starting or []
+        if self.starting:
+            super().__init__(f"rank(s) {self.starting} of {world_size} had not started after {STARTUP:g} s "
+                             "(a worker process forked, its imports, the function loaded, the process group "
+                             "joined): an import or a module-level statement that never returns, or a machine "
+                             "too loaded to start processes. All ranks were stopped.")
+            return
         super().__init__(f"timed out after {timeout:g} s: rank(s) {running} of {world_size} still running. "
                          "A collective that not every rank calls, a send without its matching recv, or a send "
                          "or exchange whose handle is never waited on (its .wait() missing) is the "
@@ -131,7 +145,7 @@ def launch(fn, world_size: int, *, device: str | None = None, backend: str = "au
         print(f"minipar.runtime.launch: {placement.reason}")
     payload = cloudpickle.dumps((fn, tuple(args), kwargs or {}))
     pool = get_pool(world_size, reuse)
-    store, port = serve_store(world_size, timeout)
+    store, port = serve_store(world_size, max(timeout, STARTUP))
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
            "LOCAL_WORLD_SIZE": str(world_size), **launch_labels()}
     if loopback():
@@ -139,7 +153,7 @@ def launch(fn, world_size: int, *, device: str | None = None, backend: str = "au
     job = {"payload": payload, "port": port, "backend": placement.backend, "world_size": world_size,
            "placement": placement,
            "devices": [str(placement.device_for_rank(r)) for r in range(world_size)],
-           "timeout": timeout, "threads": threads, "sys_path": list(sys.path), "env": env,
+           "timeout": max(timeout, STARTUP), "threads": threads, "sys_path": list(sys.path), "env": env,
            "setup": rank_setup.collect(), "sources": cell_sources(), "t0": time.perf_counter()}
     try:
         replies = _collect(pool, job, world_size, timeout, grace)
@@ -165,7 +179,10 @@ def _collect(pool: Pool, job: dict, n: int, timeout: float, grace: float) -> lis
     for conn in pool.conns[:n]:
         conn.send(job)
     replies, errors, printed, notes = [None] * n, {}, {}, {}
-    pending, deadline, err_deadline = set(range(n)), time.monotonic() + timeout, None
+    # the run's timeout counts from when every rank has started (each says so once it has joined
+    # the process group); until then the ranks have STARTUP seconds
+    pending, started, err_deadline = set(range(n)), set(), None
+    deadline = time.monotonic() + max(timeout, STARTUP)
     while pending:
         remaining = min(deadline, err_deadline or deadline) - time.monotonic()
         handles = {pool.conns[r]: r for r in pending} | {pool.procs[r].sentinel: r for r in pending}
@@ -173,7 +190,7 @@ def _collect(pool: Pool, job: dict, n: int, timeout: float, grace: float) -> lis
         if not ready:
             if errors:
                 break
-            raise LaunchTimeout(timeout, sorted(pending), n)
+            raise LaunchTimeout(timeout, sorted(pending), n, starting=sorted(set(range(n)) - started))
         for h in ready:
             r = handles[h]
             if r not in pending:
@@ -182,6 +199,12 @@ def _collect(pool: Pool, job: dict, n: int, timeout: float, grace: float) -> lis
                 msg = pool.conns[r].recv() if h is pool.conns[r] else None
             except (EOFError, OSError):
                 msg = None
+            if msg == ("started",):
+                started.add(r)
+                if len(started) == n:
+                    deadline = time.monotonic() + timeout
+                continue
+            started.add(r)
             if msg is None:
                 pool.procs[r].join(timeout=1)
                 msg = ("error", f"rank {r} died without a result (exit code {pool.procs[r].exitcode}; "

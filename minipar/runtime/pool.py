@@ -148,6 +148,7 @@ def _run_job(job: dict, rank: int, seed: int, conn) -> None:
         backend = process_group_backend(job["backend"])
         dist.init_process_group(backend, store=store, rank=rank, world_size=job["world_size"],
                                 timeout=pg_timeout, **init_options(backend, here))
+        conn.send(("started",))  # the driver's timeout for the run counts from every rank's
         _trace.set_origin(job["t0"])
         _trace.start(rank)
         with redirect_stdout(out), redirect_stderr(out), rank_setup.entered(job.get("setup")):

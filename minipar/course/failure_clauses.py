@@ -16,7 +16,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from .markers import ROOT, _defs, clauses, exercises, pieces
+from .markers import ROOT, clauses, definitions, exercises, pieces
 
 ID = re.compile(r"\b(?:ex|ch)\d\d\.(?:[A-Z]|\*)\.[a-z][a-z0-9_]*\b")
 
@@ -60,7 +60,7 @@ def crashed_in(error: str) -> str | None:
         return None
     exercise, line = Path(m[1]).name[:4], int(m[2])
     parts = {p.qualname: {r.part for r in p.regions if r.exercise == exercise} for p in pieces(exercise)}
-    around = [q for q, node, _ in _defs(tree.body) if node.lineno <= line <= node.end_lineno]
+    around = [q for q, node, _ in definitions(tree.body) if node.lineno <= line <= node.end_lineno]
     for qualname in sorted(around, key=len, reverse=True):          # innermost first
         if len(parts.get(qualname, ())) == 1:
             return next(iter(parts[qualname]))

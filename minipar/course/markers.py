@@ -151,13 +151,13 @@ def _contract(path: Path, lines: list[str], first: int) -> list[Clause]:
     return [Clause(c, " ".join(text.split())) for c, text in out]   # id "": a given
 
 
-def _defs(body, classes=()):
+def definitions(body, classes=()):
     """(qualname, def node, enclosing classes) for module functions and (nested) class methods."""
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield ".".join([c.name for c in classes] + [node.name]), node, list(classes)
         elif isinstance(node, ast.ClassDef):
-            yield from _defs(node.body, (*classes, node))
+            yield from definitions(node.body, (*classes, node))
 
 
 def _pieces_of(path: Path) -> list[Piece]:
@@ -168,7 +168,7 @@ def _pieces_of(path: Path) -> list[Piece]:
     regions = _regions(path, lines)
     module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
     pieces = []
-    for qualname, node, classes in _defs(ast.parse(text).body):
+    for qualname, node, classes in definitions(ast.parse(text).body):
         first = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
         # the opening marker sits in the body; the closing one may follow its last statement
         inside = [r for r in regions if node.lineno - 1 < r.start < node.end_lineno - 1]

@@ -113,7 +113,8 @@ class Pipeline:
           last stage, None elsewhere.
         - ex04.C.clean: a second step starts from a clean state (its losses are one
           process's too).
-        - ex04.C.peak: afterwards ``peak_stash`` is the most micro-batches held at once.
+        - ex04.C.peak: afterwards ``self.peak_stash`` is the most micro-batches held at
+          once.
         - ex04.C.sent: when ``step`` returns, every message the step sent has completed
           and is recorded: one ``comm`` event with its bytes per send of the schedule.
         - ex04.C.batched: every send and receive is posted inside a ``batched()`` block

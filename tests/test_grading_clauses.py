@@ -146,3 +146,15 @@ def test_a_planted_crash_names_its_part_in_the_grade_report(tmp_path):
     observes = g.test_exchanges_on_ranks.__observes__
     assert failure_clauses.named(message, observes) == ["ex09.A.exchange"], message
     assert failure_clauses.failed_part(message, observes) == "A"
+
+
+def test_a_crash_in_a_part_the_test_does_not_observe_asks_for_the_tests_part():
+    """A crash inside part C's exchange, called by the part D that the test observes (its only part):
+    the clauses named are D's, and so is the hint, not C's."""
+    learner = markers.ROOT / "solutions" / "ex09_expert_parallel.py"
+    line = _line_of(learner, "out = x.new_empty(sum(recv)")
+    error = f"rank 0: solutions/ex09_expert_parallel.py:{line}  out = ...  RuntimeError: Split sizes doesn't match"
+    observes = ["ex09.D.exact", "ex09.D.grads"]
+    assert failure_clauses.crashed_in(error) == "C"
+    assert failure_clauses.named(error, observes) == observes
+    assert failure_clauses.failed_part(error, observes) == "D"

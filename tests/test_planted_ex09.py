@@ -174,3 +174,10 @@ def test_an_expert_skipped_when_no_row_reached_it_fails_grads(tmp_path):
     with planted("ex09", tmp_path, ("torch.cat([e(c) for e, c in zip(", "torch.cat([e(c) if len(c) else c for e, c in zip(")):
         fails(g.test_expert_parallel_layer, match=r"(?s)none chooses expert 3, rank 1: expert 3 got no gradient "
               r"\(None\) from the layer's backward; on one device its gradient is zero.*breaks ex09\.D\.grads")
+
+
+def test_token_counts_summed_over_the_world_fail_token_group(tmp_path):
+    """The token counts all-reduced over the world, not the given token group: right when the token
+    group is the world, wrong for the token groups [0, 2] and [1, 3]; the failure names ex09.D.token_group."""
+    with planted("ex09", tmp_path, ("comm.all_reduce(totals, group=self.token_group", "comm.all_reduce(totals, group=None")):
+        fails(g.test_layer_on_subgroups, match=r"averaged over the token group \[0, 2\](?s:.*)breaks ex09\.D\.token_group")

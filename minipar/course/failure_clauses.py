@@ -84,11 +84,15 @@ def part(ids) -> str | None:
 
 def failed_part(error: str, observes) -> str | None:
     """The part a failure's hint is for: that of the clauses its message names; when it names
-    none of a part, that of the code that raised (a crash: :func:`crashed_in`); else (a hang, only
-    ``*`` clauses) the test's part only if all it observes is one part, else no part
+    none of a part, that of the code that raised (a crash: :func:`crashed_in`) when the test observes
+    that part; else (a hang, only ``*`` clauses) the test's part only if all it observes is one part,
+    else no part
     (a test of parts A and C that hangs in C must not point at A)."""
-    named_part = part(list(dict.fromkeys(ID.findall(error or "")))) or crashed_in(error)
+    named_part = part(list(dict.fromkeys(ID.findall(error or ""))))
     if named_part is not None:
         return named_part
     parts = {c.split(".")[1] for c in observes or ()} - {"*"}
+    raised = crashed_in(error)       # a crash in a part the test does not observe (part C's function,
+    if raised in parts:              # called by the part D it tests) tells less than the test's part
+        return raised
     return parts.pop() if len(parts) == 1 else None

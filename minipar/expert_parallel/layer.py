@@ -78,8 +78,9 @@ class ExpertParallelMoE(MoE):
     #     ``counts``, ``M``
     #     (the exchanged (ep × E) matrix), ``cap``, ``kept`` (the (ep × E) matrix: row r the
     #     assignments of group rank r each expert keeps), ``keep`` (per assignment, in token order),
-    #     ``totals`` (the assignments per expert the load-balancing loss counts), ``aux``, ``z``
-    #     and ``y`` (N, h).
+    #     ``totals`` (the assignments per expert the load-balancing loss counts: over the tokens of
+    #     the ep group, or of the ``token_group`` when there is one, before capacity drops any),
+    #     ``aux``, ``z`` and ``y`` (N, h).
     # ex09.D.exact: outputs and dropped assignments equal the MoE layer on one device, on all
     #     ranks' tokens concatenated, also when the ranks hold different numbers of tokens.
     # ex09.D.grads: every gradient equals the single device's (the input's, each expert's, one

@@ -519,6 +519,7 @@ def _uneven(ranks):
 
 def _on_subgroups():
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])]        # token groups that are not the world
     g, r, dev = dist.get_rank() // 2, dist.get_rank() % 2, minipar.device()
     try:
         ExpertParallelMoE(MoE(8, 6, 2), group=groups[g])              # 6 experts over 2 ranks: fine
@@ -534,9 +535,12 @@ def _on_subgroups():
     copied = [n for n, q in held.items() if id(q) not in own]       # moe's parameters the layer does not hold
     since = len(trace.events())
     y = layer(_tokens(0, seed=5 + g).chunk(2)[r].to(dev))
+    recorded = _comm(since)
+    other = ExpertParallelMoE(_moe(2, 1.0).to(dev), group=groups[g], token_group=across[r])
+    other(_tokens(0, seed=5 + g).chunk(2)[r].to(dev))
     return (y.detach().cpu(), layer.stats["dropped"].cpu(), layer.stats["matrix"].cpu(), refused,
             {int(i): float(e.fc.weight.detach().sum()) for i, e in layer.experts.items()}, layer.local,
-            layer.stats["aux"].cpu(), _comm(since), copied)
+            layer.stats["aux"].cpu(), recorded, copied, other.stats["aux"].cpu())
 
 
 @observes("ex09.D.exact", "ex09.D.experts", "ex09.D.divide", "ex09.D.aux", "ex09.D.token_group", "ex09.*.group",
@@ -544,8 +548,8 @@ def _on_subgroups():
 def test_layer_on_subgroups(impl):
     """4 ranks in two ep groups of 2 ([0, 1] and [2, 3]), each with its own tokens: every group's
     layer equals one device on that group's tokens (top-2, capacity factor 1); its experts are the
-    group rank's block; the aux loss (token_group: all 4 ranks) averages to one device's on all
-    tokens; 6 experts over 4 ranks are refused."""
+    group rank's block; the aux loss (token_group: all 4 ranks, then [0, 2] and [1, 3]) averages
+    to one device's on that token group's tokens; 6 experts over 4 ranks are refused."""
     res = minipar.launch(_on_subgroups, 4, timeout=TIMEOUT)
     fc = {i: float(e.fc.weight.detach().sum()) for i, e in enumerate(_moe(2, 1.0).experts)}
     for rank, out in enumerate(res):
@@ -565,6 +569,13 @@ def test_layer_on_subgroups(impl):
         expect_close(sum(out[6] for out in res) / 4, one.stats["aux"], "the load-balancing loss (aux) averaged over "
                      "the 4 ranks (token_group: all of them), against one device on all 32 sequences", rtol=1e-6,
                      atol=1e-7)
+    for r in (0, 1):                     # token groups [0, 2] and [1, 3], across the ep groups
+        one = _moe(2, 1.0)
+        one(torch.cat([_tokens(0, seed=5).chunk(2)[r], _tokens(0, seed=6).chunk(2)[r]]))
+        with breaks("ex09.D.token_group"):
+            expect_close((res[r][9] + res[2 + r][9]) / 2, one.stats["aux"], f"the load-balancing loss (aux) averaged "
+                         f"over the token group [{r}, {r + 2}] (ep groups [0, 1] and [2, 3]), against one device on "
+                         "that group's 8 sequences", rtol=1e-6, atol=1e-7)
     for rank, out in enumerate(res):
         with breaks("ex09.D.recorded"):
             mine = [2 * (rank // 2), 2 * (rank // 2) + 1]

@@ -118,3 +118,12 @@ def test_a_send_waited_on_at_once_hangs_naming_both_ways_a_send_can_be_waited_wr
                                     "        self.mail.flush()")):
         message = fails(g.test_pipeline_step, match=r"(?s)a send waited on before the step went on")
     assert "ex04.C.deadlock" in message and "ex04.C.sent" in message, message
+
+
+def test_a_loss_kept_from_the_last_step_names_clean_in_training(tmp_path):
+    """The loss not reset between steps: the 4-rank training's first step is one process's, its
+    second is not; the failure names ex04.C.clean (the clause of every later step), not the
+    memory or peak clauses the test also observes."""
+    from tests.planted import fails, planted
+    with planted("ex04", tmp_path, ("targets.chunk(m), 0.0", 'targets.chunk(m), getattr(self, "loss", 0.0)')):
+        fails(g.test_trains_the_gpt, match=r"step 1: loss(?s:.*)breaks ex04\.C\.clean")

@@ -310,14 +310,16 @@ def _launch(fn, n, schedules, args=()):
         return minipar.launch(fn, n, args=args, timeout=TIMEOUT)
 
 
-@observes("ex04.B.memory", "ex04.B.bubble", "ex04.C.peak", "ex04.C.sent")
+@observes("ex04.B.memory", "ex04.B.bubble", "ex04.C.loss", "ex04.C.clean", "ex04.C.peak", "ex04.C.sent")
 def test_trains_the_gpt(impl):
     """Your partition and 1F1B train the GPT on 4 ranks like one process (1e-5)."""
     results = _launch(_train, 4, [("1f1b", 4, 4, 1)], args=(4, 4))
     want = reference.train_reference(GPT(CFG, seed=0), data.batches(data.synthetic_tokens(1000), 3, 8, 8),
                                      reference.sgd(0.5))
     got = strategy.TrainResult.merge(results)
-    expect_same_training(got, want, "the GPT on 4 pipeline stages", rtol=1e-5, atol=1e-6)
+    first = bool(got["losses"]) and abs(got["losses"][0] - want["losses"][0]) <= 1e-6 + 1e-5 * abs(want["losses"][0])
+    with breaks("ex04.C.clean" if first else "ex04.C.loss"):   # the first step's loss, else a later step's
+        expect_same_training(got, want, "the GPT on 4 pipeline stages", rtol=1e-5, atol=1e-6)
     from itertools import accumulate
     held = [max(accumulate((a.op == "F") - (a.op == "B") for a in pp.one_f_one_b(4, 4, r))) for r in range(4)]
     order = ("ex04.C.peak" if held == [4, 3, 2, 1] else        # the order's, else what step measured

@@ -42,7 +42,7 @@ from .backend import (DEVICE_ENV, default_device, default_transport, gpu_identit
     process_group_backend, refuse_shared_gpus, set_current)
 from .pool import (IN_RANK, Pool, cell_sources, deterministic_cuda, get_pool, kill_pool, loopback, shutdown,
     to_cpu)
-from .rendezvous import serve_store
+from .rendezvous import STARTUP, serve_store
 
 __all__ = ["launch", "shutdown", "RankError", "LaunchTimeout", "Results"]
 _announced: set = set()
@@ -68,12 +68,6 @@ class RankError(RuntimeError):
             msg.append(f"(rank(s) {lost} then failed too: they lost their connection to rank {rank})")
         msg.append("The other ranks were stopped.")
         super().__init__("\n".join(msg))
-
-
-STARTUP = 300.0
-"""Seconds the ranks may take to start (a worker forked and importing, the payload loaded, the
-process group joined) before a launch gives up on them. The run's own ``timeout`` counts from when
-every rank has started, so a loaded machine that is slow to start processes does not eat into it."""
 
 
 class LaunchTimeout(TimeoutError):

@@ -32,7 +32,7 @@ from . import trace as _trace
 from .backend import default_device, place
 from .pool import IN_RANK, cell_sources, context, loopback, main_not_reimported
 from .pool import stop as stop_workers
-from .rendezvous import serve_store
+from .rendezvous import STARTUP, serve_store
 
 __all__ = ["Ranks", "RanksError", "Outcome", "current", "start", "stop"]
 
@@ -66,7 +66,7 @@ class Ranks:
     """``n`` persistent ranks, placed as ``launch`` places them (``device``, ``backend``)."""
 
     def __init__(self, n: int, device: str | None = None, backend: str = "auto", threads: int = 1,
-                 start_timeout: float = 120.0):
+                 start_timeout: float = STARTUP):
         if os.environ.get(IN_RANK):
             raise RuntimeError("ranks are started from the driver (the notebook), not inside a rank")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:

@@ -20,6 +20,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+STARTUP = 300.0
+"""Seconds the ranks may take to start (a worker forked and importing, the payload loaded, the
+process group joined) before a launch, or ``%%ranks``, gives up on them. A run's own ``timeout``
+counts from when every rank has started, so a loaded machine that is slow to start processes
+does not eat into it."""
+
+
 def serve_store(world_size: int, timeout: float):
     """The rendezvous store, served here on a socket bound to 127.0.0.1 only, and its port.
     TCPStore's libuv server (the default since torch 2.4) refuses a listening socket handed to

@@ -201,7 +201,9 @@ def test_an_interrupt_ends_a_hang_and_a_killed_driver_leaves_no_rank(tmp_path):
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     with open(out, "w") as o, open(err, "w") as e:  # files, not pipes: a rank left behind would hold a pipe open
         done = subprocess.run([sys.executable, str(script)], stdout=o, stderr=e, env=env, timeout=300)
-    lines, said = out.read_text().splitlines(), out.read_text() + err.read_text()
+    said = out.read_text() + err.read_text()
+    # what the driver printed; torch 2.9's Gloo also prints its connections to the ranks' inherited stdout
+    lines = [ln for ln in out.read_text().splitlines() if not ln.startswith("[Gloo]")]
     assert done.returncode == -signal.SIGKILL, said
     assert lines[:2] == ["interrupted", "True"], said
     assert lines[2].startswith("rank 0: waiting inside all_reduce on world (seq 1)"), said

@@ -198,7 +198,6 @@ def _collect(pool: Pool, job: dict, n: int, timeout: float, grace: float) -> lis
                 if len(started) == n:
                     deadline = time.monotonic() + timeout
                 continue
-            started.add(r)
             if msg is None:
                 pool.procs[r].join(timeout=1)
                 msg = ("error", f"rank {r} died without a result (exit code {pool.procs[r].exitcode}; "

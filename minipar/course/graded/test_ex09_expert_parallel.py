@@ -477,12 +477,18 @@ def _idle(ranks):
             expect_close(got[0], y.chunk(2)[r], "layer output (the MoE layer on one device), index "
                          "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)
         with breaks("ex09.D.grads"):
-            for name, g in got[1].items():
-                if name.startswith("expert"):
-                    expect(g is not None, f"{where}: {name} got no gradient (None) from the layer's backward; "
-                                          f"on one device its gradient is {'zero' if not grads[name].any() else 'not zero'}")
-                    expect_close(g, grads[name], f"{name}'s gradient (its parameters flattened)", where=where,
-                                 rtol=1e-8, atol=1e-10)
+            _expect_expert_grads(got[1], grads, where)
+
+
+def _expect_expert_grads(got: dict, grads: dict, where: str) -> None:
+    """Each expert's gradient of this rank (``_grads``) against one device's (``_single``): there, not
+    None, and equal."""
+    for name, g in got.items():
+        if name.startswith("expert"):
+            expect(g is not None, f"{where}: {name} got no gradient (None) from the layer's backward; "
+                                  f"on one device its gradient is {'zero' if not grads[name].any() else 'not zero'}")
+            expect_close(g, grads[name], f"{name}'s gradient (its parameters flattened)", where=where,
+                         rtol=1e-8, atol=1e-10)
 
 
 def _uneven(ranks):
@@ -503,11 +509,7 @@ def _uneven(ranks):
         with breaks("ex09.D.grads"):
             expect_close(got[2]["input"], grads["input"].split(shards)[r], "the input's gradient, index "
                          "(sequence, position, feature)", where=where, rtol=1e-10, atol=1e-12)
-            for name, g in got[2].items():
-                if name.startswith("expert"):
-                    expect(g is not None, f"{where}: {name} got no gradient (None) from the layer's backward")
-                    expect_close(g, grads[name], f"{name}'s gradient (its parameters flattened)", where=where,
-                                 rtol=1e-8, atol=1e-10)
+            _expect_expert_grads(got[2], grads, where)
     with breaks("ex09.D.grads"):
         expect_close(ranks[0][2]["router"] + ranks[1][2]["router"], grads["router"], "the router's gradient summed "
                      "over the 2 ranks, index (expert, feature)", where=case, rtol=1e-5, atol=1e-7)

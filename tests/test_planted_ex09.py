@@ -176,6 +176,17 @@ def test_an_expert_skipped_when_no_row_reached_it_fails_grads(tmp_path):
               r"\(None\) from the layer's backward; on one device its gradient is zero.*breaks ex09\.D\.grads")
 
 
+def test_experts_skipped_when_the_rank_got_no_row_fail_grads(tmp_path):
+    """The rank's experts not run at all when no row arrived (a shortcut for an idle rank): right
+    whenever each rank computes something, wrong when every token chooses another rank's experts,
+    whose experts then get no gradient; the failure names ex09.D.grads."""
+    with planted("ex09", tmp_path, ("            out = torch.cat([e(c) for e, c in zip(self.experts.values(), chunks)])[back]",
+                                    "            out = (torch.cat([e(c) for e, c in zip(self.experts.values(), chunks)])[back]\n"
+                                    "                   if sum(rows) else arrived)")):
+        fails(g.test_expert_parallel_layer, match=r"(?s)none chooses experts 2 and 3 \(rank 1's: its experts compute no "
+              r"row\), rank 1: expert 2 got no gradient \(None\).*breaks ex09\.D\.grads")
+
+
 def test_token_counts_summed_over_the_world_fail_token_group(tmp_path):
     """The token counts all-reduced over the world, not the given token group: right when the token
     group is the world, wrong for the token groups [0, 2] and [1, 3]; the failure names ex09.D.token_group."""

@@ -303,8 +303,9 @@ def _weights(y):
 
 LAYERS = [(2, None), (1, 1.0), (2, 1.0)]
 UNEVEN = (2, 1.0, (3, 5))  # top-2, capacity factor 1, ranks holding 3 and 5 sequences: one device's 8
-IDLE = (1, None, 2)        # top-1 dropless on the first 2 sequences of _tokens(0, seed=2): no token chooses
-IDLE_EXPERT = 3            # expert 3 (rank 1's second), the other three get 2, 4 and 2
+# top-1 dropless on the first 2 sequences of _tokens(0, seed): experts no token chooses
+IDLE = [(1, None, 2, "expert 3"),                   # rank 1's second; the other three get 2, 4 and 2
+        (1, None, 1505, "experts 2 and 3 (rank 1's: its experts compute no row)")]   # 3, 5, 0, 0
 RECORDED_FORWARD = [("ep_counts", "all_gather"), ("ep_dispatch", "all_to_all"), ("ep_combine", "all_to_all")]
 RECORDED_BACKWARD = [("ep_combine_backward", "all_to_all"), ("ep_dispatch_backward", "all_to_all")]  # ex09.D.recorded
 
@@ -362,17 +363,17 @@ def _ep_layer(steps):
         out.append((y.detach().cpu(), layer.stats["dropped"].cpu(), _grads(layer, x), layer.stats["aux"].cpu()))
     except Exception as e:  # noqa: BLE001
         out.append(f"{type(e).__name__}: {e}")
-    k, cf, seed = IDLE                                                 # an expert no token chooses
-    layer = ExpertParallelMoE(_moe(k, cf).to(dev))
-    every = _tokens(0, seed=seed)[:2]
-    x = every.chunk(n)[r].to(dev).requires_grad_()
-    try:
-        with _agreed_splits():
-            y = layer(x)
-            (y * _weights(every).chunk(n)[r].to(dev)).sum().backward()
-        out.append((y.detach().cpu(), _grads(layer, x)))
-    except Exception as e:  # noqa: BLE001
-        out.append(f"{type(e).__name__}: {e}")
+    for k, cf, seed, _ in IDLE:                                         # experts no token chooses
+        layer = ExpertParallelMoE(_moe(k, cf).to(dev))
+        every = _tokens(0, seed=seed)[:2]
+        x = every.chunk(n)[r].to(dev).requires_grad_()
+        try:
+            with _agreed_splits():
+                y = layer(x)
+                (y * _weights(every).chunk(n)[r].to(dev)).sum().backward()
+            out.append((y.detach().cpu(), _grads(layer, x)))
+        except Exception as e:  # noqa: BLE001
+            out.append(f"{type(e).__name__}: {e}")
     return out
 
 
@@ -461,15 +462,16 @@ def test_expert_parallel_layer(impl):
                              "the router's gradient summed over the 2 ranks, index (expert, feature)", where=case,
                              rtol=1e-5, atol=1e-7)
     _uneven([res[r][len(LAYERS) * steps] for r in range(2)])
-    _idle([res[r][len(LAYERS) * steps + 1] for r in range(2)])
+    for i, idle in enumerate(IDLE):
+        _idle(idle, [res[r][len(LAYERS) * steps + 1 + i] for r in range(2)])
 
 
-def _idle(ranks):
-    """The layer where no token chooses one expert (IDLE) against one device on the same tokens."""
-    k, cf, seed = IDLE
+def _idle(idle, ranks):
+    """The layer where no token chooses some experts (a case of IDLE) against one device on the same tokens."""
+    k, cf, seed, which = idle
     every = _tokens(0, seed=seed)[:2]
     y, _, _, grads = _single(k, cf, 0, x=every)
-    case = f"top-{k}, capacity factor {cf}, 8 tokens of which none chooses expert {IDLE_EXPERT}"
+    case = f"top-{k}, capacity factor {cf}, 8 tokens of which none chooses {which}"
     for r, got in enumerate(ranks):
         where = f"{case}, rank {r}"
         with breaks("ex09.D.exact"):

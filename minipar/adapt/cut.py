@@ -207,9 +207,9 @@ _PROGRAMS: dict = {}     # id(plan) -> (plan, local moves, runs to pack, runs to
 
 def exchange(p: Plan, old: Views, new: Views, group=None, name: str = "reshard") -> int:
     """:func:`minipar.moves.execute` of a plan cut at the pieces (:func:`by_piece`), each element
-    copied once on each side: the local moves piece to piece, the sent ones packed straight
-    from the old pieces into one send buffer, one ``all_to_all_single`` (its event named
-    ``name``), the received ones unpacked straight into the new pieces, both as :func:`runs` (made
+    copied once on each side: the sent ones packed straight from the old pieces into one send
+    buffer, one ``all_to_all_single`` (its event named ``name``), during which the local moves
+    are copied piece to piece, the received ones unpacked straight into the new pieces, both as :func:`runs` (made
     once per plan); a :class:`Block` is copied as a strided view (no temporary), the send and
     receive buffers are one kept :func:`staging` buffer. The same elements in the same order as
     ``execute``; returns the bytes this rank's all-to-all event recorded as sent."""
@@ -230,13 +230,6 @@ def exchange(p: Plan, old: Views, new: Views, group=None, name: str = "reshard")
         while len(_PROGRAMS) > 32:
             del _PROGRAMS[next(iter(_PROGRAMS))]
     _, local, pack, unpack, in_sizes, out_sizes = kept
-    for mv in local:
-        src, dst = old[mv.key].tensor, new[mv.key].tensor
-        a, b = _view(src, mv.src_pos), _view(dst, mv.dst_pos)
-        if a is not None and b is not None:
-            b.copy_(a.reshape(b.shape) if a.shape != b.shape else a)
-        else:
-            _write(dst, mv.dst_pos, src[mv.src_pos] if a is None else a.reshape(-1))
     device = old.values()[0].device
     buf = staging(sum(in_sizes) + sum(out_sizes), device)
     send, recv = buf[:sum(in_sizes)], buf[sum(in_sizes):]
@@ -246,7 +239,15 @@ def exchange(p: Plan, old: Views, new: Views, group=None, name: str = "reshard")
         at += n
     with trace.recording(True):            # observed even where a run records nothing else
         mark = trace.mark()
-        comm.all_to_all_single(recv, send, out_sizes, in_sizes, group=group, name=name)
+        handle = comm.all_to_all_single(recv, send, out_sizes, in_sizes, group=group, name=name, async_op=True)
+        for mv in local:                   # what this rank keeps, copied while the exchange is in flight
+            src, dst = old[mv.key].tensor, new[mv.key].tensor
+            a, b = _view(src, mv.src_pos), _view(dst, mv.dst_pos)
+            if a is not None and b is not None:
+                b.copy_(a.reshape(b.shape) if a.shape != b.shape else a)
+            else:
+                _write(dst, mv.dst_pos, src[mv.src_pos] if a is None else a.reshape(-1))
+        handle.wait()
         observed = sum(e["bytes_sent"] for e in trace.since(mark) if e["name"] == name)
     at = 0
     for k, pos, n in unpack:

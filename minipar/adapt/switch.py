@@ -53,8 +53,9 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
     the geometry's hash), ``describe`` (the pieces of both layouts and the hash of this rank's
     side; when the plan is new, the holdings as runs, exchanged), ``plan``
     (cut into segments, planned, expanded to this rank's elements and cut at its pieces; nothing
-    when kept), ``all_to_all`` (the collective's own event) and ``copy`` (the rest of the move:
-    packing from the old pieces, local copies piece to piece, unpacking into the new pieces: no
+    when kept), ``all_to_all`` (the collective's own event, from its start to its wait: what a rank
+    keeps is copied piece to piece while it is in flight) and ``copy`` (the rest of the move:
+    packing from the old pieces, unpacking into the new pieces: no
     flat copy of the state); ``seconds`` is their sum. ``busiest_bytes``: the most
     any rank sends or receives, what bounds the exchange (:func:`exchange_seconds`); with
     ``alpha_beta`` (this machine's α, β of the all-to-all: :func:`measure_exchange`) also
@@ -108,7 +109,7 @@ def reshard(old, new, alpha_beta: tuple[float, float] | None = None) -> dict:
         exchange = sum(e["end"] - e["start"] for e in trace.since(mark) if e["kind"] == "comm" and e["name"] == "reshard")
         _shared_state(planned, shared, new_shared, device)
         done("copy")
-        phases["copy"] -= exchange                 # what stays: packing, local copies, unpacking
+        phases["copy"] -= exchange                 # what stays: packing, unpacking
         phases["all_to_all"] = exchange
     sent, received = planned.sent, planned.received
     if planned.splits is None:

@@ -22,7 +22,10 @@ Two things, on 4 ranks of the course GPT (SGD with momentum):
   Beside it, ``warm``: the switch's own all-to-all (its split sizes) run again right after it
   into buffers already touched, and ``over warm``, the switch over that: the same bound measured
   at the load of that moment (α and β are fitted once, at the start, and a shared machine's
-  load moves). On a CPU the switch's send and receive buffer is kept between switches
+  load moves). And ``copies``: one copy of what the rank sends and one of what it receives,
+  contiguous buffer to contiguous buffer, warm, right after: the least packing and unpacking
+  can cost at this machine's memory speed; ``over floor`` is the switch over ``warm`` plus
+  ``copies``, what a switch that copies each element once a side cannot go under. On a CPU the switch's send and receive buffer is kept between switches
   (:func:`minipar.adapt.cut.staging`): the first switch of a run pays the first touch of its
   pages (on a CPU several times the copy into it), the later ones do not.
 
@@ -93,10 +96,11 @@ def main(argv=None) -> dict:
         notes += [f"\nswitches of the {name} ({rows_[0]['params']:,} parameters; ms, slowest rank; α-β of the all-to-all "
                   f"α {rows_[0]['alpha_us']:.0f} µs, β {rows_[0]['beta_GBps']:.2f} GB/s):",
                   f"  {'to':<20}{'MiB':>7}{'α-β':>7}{'a2a':>7}{'describe':>9}{'plan':>7}{'copy':>7}{'wait':>7}"
-                  f"{'build':>7}{'over α-β':>10}{'warm':>7}{'over warm':>10}  plan",
+                  f"{'build':>7}{'over α-β':>10}{'warm':>7}{'over warm':>10}{'copies':>7}{'over floor':>11}  plan",
                   *[f"  {r['to']:<20}{r['plan_MiB']:>7.2f}{r['estimate_ms']:>7.1f}{r['all_to_all_ms']:>7.1f}"
                     f"{r['describe_ms']:>9.1f}{r['plan_ms']:>7.1f}{r['copy_ms']:>7.1f}{r['wait_ms']:>7.1f}"
                     f"{r['build_ms']:>7.0f}{r['over_alpha_beta']:>10.1f}{r['warm_ms']:>7.1f}{r['over_warm']:>10.1f}"
+                    f"{r['copies_ms']:>7.1f}{r['over_floor']:>11.1f}"
                     f"  {'kept' if r['kept'] else 'made'}"
                     for r in rows_],
                   f"  over α-β (the switch, its rebuild and wait apart, / its all-to-all's α-β time): median "
@@ -104,7 +108,9 @@ def main(argv=None) -> dict:
                   f"the plan made (first time round): median {_median(rows_, False)}, kept: {_median(rows_, True)}",
                   f"  over warm (the same / its own all-to-all again, warm buffers, right after it): median "
                   f"{statistics.median(r['over_warm'] for r in rows_):.1f}, kept: "
-                  f"{_median(rows_, True, 'over_warm')}"]
+                  f"{_median(rows_, True, 'over_warm')}",
+                  f"  over floor (the same / that all-to-all plus one warm copy of what it sends and receives): median "
+                  f"{statistics.median(r['over_floor'] for r in rows_):.1f}, kept: {_median(rows_, True, 'over_floor')}"]
     return report(result, a, intro=[f"4 ranks, GPT {config.n_layer}×{config.n_embd}, {steps} steps, "
                                     f"median of {repeats} interleaved pairs"], notes=notes)
 
@@ -139,6 +145,8 @@ def _switches(config, a) -> list[dict]:
                     "build_ms": 1e3 * max(r["build_seconds"] for r in per_rank), **{f"{k}_ms": v for k, v in slow.items()},
                     "switch_ms": 1e3 * work, "over_alpha_beta": work / est, "params": res[0]["params"],
                     "warm_ms": 1e3 * (warm := max(r["warm_seconds"] for r in per_rank)), "over_warm": work / warm,
+                    "copies_ms": 1e3 * (copies := max(r["copy_seconds"] for r in per_rank)),
+                    "over_floor": work / (warm + copies),
                     "alpha_us": 1e6 * alpha, "beta_GBps": 1e-9 / beta if beta else float("inf")})
     return out
 
@@ -154,6 +162,23 @@ def warm_exchange(send: list[int], recv: list[int], repeats: int = 3) -> float:
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_to_all_single(y, x, recv, send)
+        runs.append(time.perf_counter() - t0)
+    return min(runs)
+
+
+def copy_floor(send: list[int], recv: list[int], repeats: int = 3) -> float:
+    """One copy of the ``sum(send)`` elements a rank packs and one of the ``sum(recv)`` it unpacks
+    (fp32), contiguous into contiguous, buffers already touched, each time after a barrier: the
+    fastest of ``repeats``. The least a switch's packing and unpacking can take here."""
+    a, b = torch.ones(max(sum(send), sum(recv)), device=device()), torch.zeros(max(sum(send), sum(recv)), device=device())
+    runs = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        b[:sum(send)].copy_(a[:sum(send)])
+        a[:sum(recv)].copy_(b[:sum(recv)])
+        if b.is_cuda:
+            torch.cuda.synchronize(b.device)
         runs.append(time.perf_counter() - t0)
     return min(runs)
 
@@ -179,7 +204,8 @@ def switch_costs(config, layouts, rounds: int) -> dict:
             new = build(text)
             built = time.perf_counter() - t0
             rec = reshard(old, new, (alpha, beta))
-            records.append(rec | {"to": text, "build_seconds": built, "warm_seconds": warm_exchange(*rec["splits"])})
+            records.append(rec | {"to": text, "build_seconds": built, "warm_seconds": warm_exchange(*rec["splits"]),
+                                  "copy_seconds": copy_floor(*rec["splits"])})
             old = new
     return {"alpha": alpha, "beta": beta, "records": records, "params": params}
 

@@ -207,7 +207,8 @@ class ExpertParallelMoE(MoE):
           ``group``: the token group's global ranks), whose ``dim`` label is not "ep"
           (its bytes are not the ep group's). This rank's experts compute inside one
           trace region "experts" whose label ``rows`` is the number of assignments they
-          computed."""
+          computed; no collective runs inside it (the chapter reads its time as the
+          experts' compute)."""
         shape, E, k = x.shape, self.n_experts, self.top_k
         x = x.reshape(-1, shape[-1])
         N, h = x.shape

@@ -187,6 +187,20 @@ def test_experts_skipped_when_the_rank_got_no_row_fail_grads(tmp_path):
               r"row\), rank 1: expert 2 got no gradient \(None\).*breaks ex09\.D\.grads")
 
 
+def test_the_combine_inside_the_experts_region_fails_recorded(tmp_path):
+    """The combine's all-to-all run inside the "experts" region: the same outputs and collectives,
+    but the chapter would read the exchange's time as the experts' compute; the failure names
+    ex09.D.recorded."""
+    with planted("ex09", tmp_path,
+                 ("            out = torch.cat([e(c) for e, c in zip(self.experts.values(), chunks)])[back]\n\n"
+                  "        home = all_to_all(",
+                  "            out = torch.cat([e(c) for e, c in zip(self.experts.values(), chunks)])[back]\n"
+                  "            home = all_to_all(")):
+        message = fails(g.test_expert_parallel_layer, match=r"(?s)collectives inside an 'experts' region.*ep_combine"
+                        r".*breaks ex09\.D\.recorded")
+    names_its_clause(message, g.test_expert_parallel_layer, "ex09.D.recorded")
+
+
 def test_token_counts_summed_over_the_world_fail_token_group(tmp_path):
     """The token counts all-reduced over the world, not the given token group: right when the token
     group is the world, wrong for the token groups [0, 2] and [1, 3]; the failure names ex09.D.token_group."""

@@ -99,7 +99,8 @@ class ExpertParallelMoE(MoE):
     #     nothing else: an all-reduce "ep_token_counts" on the token group (its ``group``: the token
     #     group's global ranks), whose ``dim`` label is not "ep" (its bytes are not the ep group's).
     #     This rank's experts compute inside one trace region "experts" whose label ``rows`` is the
-    #     number of assignments they computed.
+    #     number of assignments they computed; no collective runs inside it (the chapter reads its
+    #     time as the experts' compute).
     def forward(self, x):
         shape, E, k = x.shape, self.n_experts, self.top_k
         x = x.reshape(-1, shape[-1])

@@ -394,8 +394,11 @@ def _forward_record(layer, x):
     forward, since = _comm(since), len(trace.events())
     y.sum().backward()
     layer.zero_grad()
+    regions = [e for e in events if e["name"] == "experts"]
     return {"forward": forward, "backward": _comm(since),
-            "experts regions (rows)": [e["labels"].get("rows") for e in events if e["name"] == "experts"]}
+            "experts regions (rows)": [e["labels"].get("rows") for e in regions],
+            "collectives inside an 'experts' region": [e["name"] for e in events if e["kind"] == "comm" and any(
+                r["start"] <= e["start"] and e["end"] <= r["end"] for r in regions)]}
 
 
 def _rows_computed(k, cf, step, rank, ep=2):
@@ -450,10 +453,12 @@ def test_expert_parallel_layer(impl):
                 with breaks("ex09.D.recorded"):
                     expect_equal(record, {"forward": _on(RECORDED_FORWARD, [0, 1]),
                                           "backward": _on(RECORDED_BACKWARD, [0, 1]),
-                                          "experts regions (rows)": [_rows_computed(k, cf, step, r)]},
+                                          "experts regions (rows)": [_rows_computed(k, cf, step, r)],
+                                          "collectives inside an 'experts' region": []},
                                  f"{where}: what the layer recorded: (name, op, dim label, global ranks of its "
                                  "group) of every collective of one "
-                                 "forward and of its backward, and the rows label of its 'experts' regions")
+                                 "forward and of its backward, the rows label of its 'experts' regions and the "
+                                 "collectives that ran inside one")
             with breaks("ex09.D.aux"):
                 expect_close((ranks[0][3] + ranks[1][3]) / 2, aux, "the load-balancing loss (aux) averaged over the "
                              "2 ranks", where=case, rtol=1e-6, atol=1e-7)

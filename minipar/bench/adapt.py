@@ -25,7 +25,8 @@ Two things, on 4 ranks of the course GPT (SGD with momentum):
   load moves). And ``copies``: one copy of what the rank sends and one of what it receives,
   contiguous buffer to contiguous buffer, warm, right after: the least packing and unpacking
   can cost at this machine's memory speed; ``over floor`` is the switch over ``warm`` plus
-  ``copies``, what a switch that copies each element once a side cannot go under. On a CPU the switch's send and receive buffer is kept between switches
+  ``copies``, what a switch that copies each element once a side cannot go under. On a CPU the
+  switch's send and receive buffer is kept between switches
   (:func:`minipar.adapt.cut.staging`): the first switch of a run pays the first touch of its
   pages (on a CPU several times the copy into it), the later ones do not.
 
@@ -43,6 +44,7 @@ from .. import adapt, data, hybrid
 from ..adapt.switch import measure_exchange, reshard
 from ..models.gpt import GPT, GPTConfig
 from ..runtime.backend import device
+from ..runtime.gpu import synchronize
 from ..runtime.launch import launch
 from .common import placement, parser, report, row, size
 
@@ -177,8 +179,7 @@ def copy_floor(send: list[int], recv: list[int], repeats: int = 3) -> float:
         t0 = time.perf_counter()
         b[:sum(send)].copy_(a[:sum(send)])
         a[:sum(recv)].copy_(b[:sum(recv)])
-        if b.is_cuda:
-            torch.cuda.synchronize(b.device)
+        synchronize()
         runs.append(time.perf_counter() - t0)
     return min(runs)
 

@@ -71,14 +71,14 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
     'D': (
         'sealed:eNotjMkNgDAMBFvZAqiADz/6sIghFsFGsVHaJxzPnRntbKVYgymD3GXTgzVGtCxLRiXdsdhxXsEOi'
         'QGiv7KauCJZ55EpvtSZe+Wo1nwAaULu32/0YvarBFbp4tlhOytoI9HpBkunMV8=',
-        'sealed:eNpVUjGO20AM/Mp0JwOGkdopDymTJukOwWEtUfLC0lIgVycrH7v+XhZy107OnaDlDGeG8xzm0Ma8o'
-        'eUlZQW9kWyQkC5PiswXSrpHSB3ymcpvxRQ2nHns0MW+J6GUkZbpRKLg3uemI57RC08FNIUs8VrYchjBtgAXN'
-        'Ikzfny807y780e97w2qcUgTuaDMoOtMkhFN40QIfTYGZx55ta8i6gnN95ejf/4+6DI1X3a7A36yoXzwQnN+I'
-        'D1td9I15nOZ6YTnmTpwIsUYNO+hXF76KJrhrEqp20F4VQwMXkxTKvvB0pEc8MtVhc0dEs2WRxo3RF84cnvxe'
-        'Opay9QkGHkU8JqMpostaSUo/PkcTLJIfDPHQhiEF5dnMOVF2nqMrxAqLyV2f7Q9FvLNXKM5nEY6fobsfTTV0'
-        '1bZdgBZEii05zuQ03/Veyypq0nclsU0WDiWBU7BXP2LUOfRUboGT3KP2QL6Q8KKnuUhZLf4iVftULUFoeuwf'
-        'rx/a647C8Vv76qKWOuFwWpEYbnGMQZxv6r20r/G2uBbgW/2Sh1rdmgeytjyuEzJr6rm3+T5rINe6/TqIVkXY'
-        'K0c7Ajp8Be+6yL+',
+        'sealed:eNpVk8Fu2zAMhl+FtzpAEOycHYsdt8t2G4aCsWhHiC0apFTHe7He+2QjpaRLb0ZE/vz5/cwzLtjHv'
+        'EHPJWUFeiXZQDBdnhQyXyjpHjAFyGeqPyvMuMGZpwAhDgMJpQypzCcSBR68bj7CMwzCc22aMUu8VrWME7ANg'
+        'At0iTP8eH+jZXfXj3qfi6pxTDO5ocxA14UkQzSPMwEO2RRceeLVvqqpJ+i+/z7655+Dlrn7stsd4Cdblxdea'
+        'MmfRE/bXXSN+VxrgvCyUABOpDCh5j0o15chimZwVaUUdiC8KowMXMxTqvOBJZAc4Je7ws03JFqMR5o2iD5w4'
+        'v7ieNpYY2oWTDwK8JpMJsSetAlU/XxGsywSX21jIRiFi9uzNuUifQvjKwjVl4rdH22OQb4t12nG00THx5a9l'
+        '6YWbbNtAUhJQNif742cHlx37SYMTMv3f04fy1g9msK82CG1psx8rBqjYIh+I3MxinSNThbhLwm7pA0vKTTQt'
+        '11iGo29oYYTmtJHQrpMLqgrelB7WIy/yygMLJ8ydIIPump30I4MQ4D1/e1bd90Zcz8tX7qysHWsrSWA5Rqni'
+        'OI4Ve1leIntD3L7f9zo1Wtv0UD36dZ7nsqc/GjUNjR7XutNL6169QycqMEcLeN0+Adm6kSb',
         'sealed:eNplVMFu2zAM/RUiwAAJU931miC35ZgddzEMQ7GZWLBsGZKcpB32Xb33y0ZKTpZul0iiycfHRzJ1b'
         'UYT63oNOCnweuxhC40bhuLk3TzVwbyhSFepHu3sudg3sIMvFL6Gn9rOuPPe+Q1Y12hLWOR4QsHuH++7Z06SH'
         'l9fZH5TOKFE9OQ7OCzyYwN4ndDHQNa9a2eL300Txa8QvTBynTwXj9JUcHQeDJgxZ/0tC7ZctG/XxHkeE0y61'

@@ -63,12 +63,13 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> fl
       experts, on one GPU's whole sequence) with materialized attention (the a·s² scores
       kept), the bytes are ``cost.recompute_activation_bytes`` for the layout's tp, sequence
       parallelism and recomputation.
-    - ex10.A.shapes: every term scales with the width of the tensors it counts, and no other
-      term changes: Llama 3 8B (grouped-query K and V, a SwiGLU MLP of three h × 14336
-      matrices, no dropout) keeps 34·sbh bytes a layer with selective recomputation at s =
-      8192.
-    - ex10.A.experts: a token's MLP tensors count once for every expert it visits (Mixtral
-      8x7B, top-2 of 8: 55·sbh under the same conditions).
+    - ex10.A.shapes: every term scales with the tensors it counts, their width and how many
+      there are, and no other term changes: Llama 3 8B (grouped-query K and V, a SwiGLU MLP
+      of three h × 14336 matrices, no dropout) keeps 34·sbh bytes a layer with selective
+      recomputation at s = 8192.
+    - ex10.A.experts: the tensors inside an expert count once for every expert a token
+      visits, the MLP's input and the dropout mask after the MLP once a token (Mixtral 8x7B,
+      top-2 of 8: 55·sbh under the same conditions).
     - ex10.A.cp: a GPU of a context-parallel group keeps what its own share of the tokens
       needs (s/cp of them), under every recomputation, full included, and its queries meet
       every key of the sequence.
@@ -104,7 +105,8 @@ def model_state_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
     - ex10.B.local: a GPU holds only its tensor- and pipeline-parallel share of the dense
       parameters, the embedding and the head included.
     - ex10.B.experts: every ep group holds each expert once (E/ep experts a rank), cut like
-      the dense parameters by tensor and pipeline parallelism."""
+      the dense parameters by tensor and pipeline parallelism; the ranks that hold a copy of
+      the same experts are the group ZeRO shards their states over (ex10.B.zero)."""
     raise NotImplementedError("Exercise 10 B: model_state_bytes")
 
 
@@ -121,13 +123,13 @@ def memory_per_gpu(model: ModelSpec, layout: Layout, seq_len: int, global_batch:
       peak, every stage counted with its own layers (``stage_layers``, uneven cuts too) and
       its own micro-batches in flight, of the micro-batches one data-parallel rank runs in a
       step.
-    - ex10.C.last_stage: under every schedule (1F1B, GPipe, interleaved 1F1B), the last of
-      two or more stages is counted as 1F1B runs it, each micro-batch's backward right after
-      its forward: one micro-batch in flight (on the last rank, its whole stage's layers
-      once).
+    - ex10.C.last_stage: under every schedule (1F1B, GPipe, interleaved 1F1B, ZB-H1), the
+      last of two or more stages is counted as 1F1B runs it, each micro-batch's whole
+      backward right after its forward: one micro-batch in flight (on the last rank, its
+      whole stage's layers once).
     - ex10.C.recompute: full recomputation rebuilds one layer at a time during backward,
-      everything that layer would keep without recomputation, on whichever stage is the
-      busiest.
+      everything that layer would keep without recomputation (with the same attention), on
+      whichever stage is the busiest, one stage or several.
     - ex10.C.logits: the last stage also holds one micro-batch's fp32 logits, as this GPU
       holds them (its share of the vocabulary and of the tokens).
     - ex10.C.one_stage: with one stage, the first stage is the last: it holds the logits,

@@ -56,10 +56,10 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
         g.test_stage_layers, r"stage_layers\(126, 16\): layers per stage"),
     "ex10.C.in_flight": (
         [(FLIGHT, "        in_flight = 1 if (r == L.pp - 1 and r > 0) else min(L.pp, m)")],
-        g.test_pipeline_in_flight, r"GPT-3 1.3B, s = 2048, tp2·pp4 \(b=1, bf16, selective recompute\), global batch 16: activation bytes"),
+        g.test_pipeline_in_flight, r"GPT-3 1.3B, s = 2048, tp2·pp4 \(b=1, bf16, GPipe, selective recompute\), global batch 16: activation bytes"),
     "ex10.C.last_stage": (
         [(FLIGHT, "        in_flight = peak_activations(L.schedule, L.pp, m, r, L.v) / L.v")],
-        g.test_last_stage_with_big_logits, r"Llama 3 8B, s = 8192, pp2 \(b=1, bf16, selective recompute\), global batch 4: activation bytes"),
+        g.test_last_stage_with_big_logits, r"Llama 3 8B, s = 8192, pp2 \(b=1, bf16, GPipe, selective recompute\), global batch 4: activation bytes"),
     "ex10.C.recompute": (
         [('    rebuilt = layer_activation_bytes(model, L.replace(recompute="none"), seq_len) if L.recompute == "full" else 0.0',
           "    rebuilt = 0.0")],
@@ -90,6 +90,8 @@ test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex10",
 
 FULL = "        return e * s * L.micro_batch * h / (t if L.sp else 1)"
 LSE = '        terms["log-sum-exp"] = 4 * s * L.micro_batch * model.n_head / t'
+REBUILT = '    rebuilt = layer_activation_bytes(model, L.replace(recompute="none"), seq_len) if L.recompute == "full" else 0.0'
+GELU = ('    terms["GeLU input and output"] *= (model.ffn_width / (4 * h)) * (1.5 if model.gated else 1.0) * model.top_k\n')
 MORE = [  # further wrong answers: (clause, edits, graded test, what the message must name)
     # the shorter stages taken from both ends in turn: first, last, second, second-to-last
     ("ex10.C.uneven", [("    for r in ([0, pp - 1] + list(range(1, pp - 1)))[:fewer]:",
@@ -111,7 +113,7 @@ MORE = [  # further wrong answers: (clause, edits, graded test, what the message
     ("ex10.C.last_stage", [(FLIGHT, FLIGHT.replace("(r == L.pp - 1 and r > 0)", "(r == L.pp - 1 and r > 0 and L.v == 1)"))],
      g.test_last_stage_with_big_logits, r"Llama 3 8B cut to 4 layers(?s:.*)breaks ex10\.C\.last_stage"),   # interleaved: peak/v
     ("ex10.C.one_stage", [(FLIGHT, FLIGHT.replace("(r == L.pp - 1 and r > 0)", "(r == L.pp - 1)"))],
-     g.test_activations_without_pipeline, r"GPT-3 1.3B, s = 2048, 1 GPU \(b=1, bf16\), global batch 4(?s:.*)breaks ex10\.C\.one_stage"),
+     g.test_activations_without_pipeline, r"GPT-3 1.3B, s = 2048, 1 GPU \(b=1, bf16, GPipe\), global batch 4(?s:.*)breaks ex10\.C\.one_stage"),
     ("ex10.B.zero", [("L.dp * L.cp, L.zero, k, e, padded=False)]", "L.dp * L.cp, L.zero, k, e, padded=True)]")],
      g.test_model_states, r"the course GPT \(Ψ = 27,552\), dp5 (?s:.*)breaks ex10\.B\.zero"),            # ZeRO's padding counted
     ("ex10.A.cp", [("else terms[k] * L.cp", "else terms[k] / L.cp")],      # the scores split like the tokens
@@ -134,6 +136,17 @@ MORE = [  # further wrong answers: (clause, edits, graded test, what the message
      g.test_buffers, r"Mixtral 8x7B, s = 8192, dp8·ep8 \(b=1, bf16, ZeRO-3\): buffer bytes(?s:.*)breaks ex10\.C\.zero3"),
     ("ex10.C.sp_input", [("    if L.tp > 1:\n        out += e * sbh", "    if L.sp:\n        out += e * sbh")],  # only with SP
      g.test_buffers, r"Llama 3 8B, s = 8192, tp2 \(b=1, bf16\) without sequence parallelism: buffer bytes(?s:.*)breaks ex10\.C\.sp_input"),
+    ("ex10.C.recompute", [(REBUILT, REBUILT.replace('recompute="none"', 'recompute="none", attention="materialized"'))],
+     g.test_full_recompute_adds_one_layer,                                  # the rebuilt layer with s² scores under flash
+     r"Llama 3 8B, s = 8192, .*flash attention(?s:.*)breaks ex10\.C\.recompute"),
+    ("ex10.C.recompute", [(REBUILT, REBUILT.replace('if L.recompute == "full"', 'if L.recompute == "full" and L.pp > 1'))],
+     g.test_full_recompute_adds_one_layer,                                  # no rebuilt layer on one stage
+     r"Llama 3 8B, s = 8192, 1 GPU .*global batch 1: activation bytes(?s:.*)breaks ex10\.C\.recompute"),
+    ("ex10.C.last_stage", [(FLIGHT, FLIGHT.replace("(r == L.pp - 1 and r > 0)", '(r == L.pp - 1 and r > 0 and L.schedule != "zb-h1")'))],
+     g.test_last_stage_with_big_logits, r"Llama 3 8B cut to 4 layers, s = 8192, pp2 \(b=1, bf16, ZB-H1, selective recompute\)(?s:.*)breaks ex10\.C\.last_stage"),
+    ("ex10.A.experts", [(GELU, GELU + '    if "dropout masks (attention, MLP)" in terms:\n'             # the MLP's mask per expert
+                               '        terms["dropout masks (attention, MLP)"] *= (1 + model.top_k) / 2\n')],
+     g.test_layer_activations_of_other_shapes, r"Mixtral 8x7B with dropout 0\.1, s = 8192(?s:.*)breaks ex10\.A\.experts"),
 ]
 
 

@@ -117,6 +117,8 @@ class Layout:
     def __str__(self) -> str:
         dims = [f"{k}{getattr(self, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1]
         extra = [f"b={self.micro_batch}", self.dtype] + ([f"ZeRO-{self.zero}"] if self.zero else [])
+        extra += [{"gpipe": "GPipe", "zb-h1": "ZB-H1"}.get(self.schedule, self.schedule)] \
+            if self.schedule not in ("1f1b", "interleaved") else []      # interleaved: the v above
         extra += [f"{self.recompute} recompute"] if self.recompute != "none" else []
         extra += [f"{self.attention} attention"] if self.attention != "auto" else []
         extra += ["TP overlapped"] if self.overlap_tp is True and self.sp else []

@@ -63,11 +63,12 @@ HINTS = {   # sealed: python -m minipar.course.hints --unseal to read and edit, 
     'C': (
         'sealed:eNpNjdEJwzAMRFe5AdIF+pMhOoFiKZWpbYElCNk+dik0n3fvcfcK6oG9W0WooBpLgQeF+DKbBvLPE'
         '2oHKrUTNaduj40iqThs/5NCp3QH2+iFks6VtwxeGBSwlmQBNcahI361+VjI465u4pkHy+G/yfUCBeE7Bg==',
-        'sealed:eNpNUEtqwzAQvcojm9qg2HXpzqSLLnKEbkoJsizbIrIlpHFCbtBC7pN9jpKTVJYSCGijN/N+M2KDX'
-        'puG613DSQwokbX2emlyjEo4s46o9DU88V7CYTC69bCS73dckDpwUmbymQ9b7awlg7UMI4NjOORB7gDTgQYZI'
-        'MmDQfgp8klup/lJOp/phZV/ux8koMZR0RAwfKBayAH3dI+QAphJPid8yCY+smpbfb74Z5qbJ58SNFzsj9y1c'
-        'KofCLwj6SK5M27B8xrdrDWcFGa0M8WG4O3dNVqkgI8NuVlNYbSqU1bTL2rcSbxfL5kvhc3DRa+Xr5IsmhNJX'
-        '2BrXFwWMzHczr+6tLfzXwzIlsEE4nsZDTtnxlTC4zVcal0xhPfGUBQF5omUjlJ+HqFC5+IfXJ2kqw==',
+        'sealed:eNpNkEFqwzAQRa/yyaY2KHZdujPpooscoZtSgizLtohsCWmckBu0kPtkn6PkJJWlBALa6M+8P39mx'
+        'Aa9Ng3Xu4aTGFAia+310uQYlXBmHVXpa3jivYTDYHTrYSXf77ggdeCkzOQzH7raWUsGaxlGBsdwyIPdAaYDD'
+        'TJIkocB4afIJ7ud5ifpfKYXKv92P0hCjaOiIWj4QLXAQfd0j5ACmEk+J3zYJh5Zta0+X/wz5ubJpwQNF/sjd'
+        'y2c6gcC70i6CHfGLXpeo5u1hpPCjHamuCF4e58aR6SAjw65WU2htEK22HAiOUVmnsTAp162OQtopFMYMqZOe'
+        '5k+Ik7i/XrJfClsHq5/vXyVZNGcSPoCW+Nis5iJ4Xb+1aW9nf/iMmwpTCC+l9G+c2ZMMzxew1XXFUN4bwxFU'
+        'YQ8pHS08vMIFe5T/AM5ALRg',
         'sealed:eNpVj0FqwzAQRa/yyUomrk3aXUKzSOmqgUJpNy3FOPE4FlEsIY0CuVFv4L0P0DN1bENIV0J//p//x'
         'kbGI062IlMELpmK3YUpqFFJsU1WqK2HT2HKC/kA3YLaeCIvXiWJAxXTRInduSRZiqWojT40w+YFbAtuSOKBY'
         'WsEOkvWYIyGFGQCwVF5LMo963PJ2rZBbbOwb6iKhoQhcy7FKR0gttk5QT48KzRkKmm4tvXdBNJ3jvwEhTk87'
@@ -176,13 +177,15 @@ def test_layer_activations_of_a_gpt(impl):
 @observes("ex10.A.shapes", "ex10.A.experts")
 def test_layer_activations_of_other_shapes(impl):
     """Llama 3 8B (grouped-query attention, SwiGLU, no dropout) and Mixtral 8x7B (top-2 of 8 experts),
-    selective recomputation: one layer's bytes."""
+    without and with dropout, selective recomputation: one layer's bytes."""
     sbh = 8192 * 4096
     lay = plan.Layout(recompute="selective", attention="materialized")
     _approx(plan.layer_activation_bytes(LLAMA, lay, 8192), 34 * sbh,
             "Llama 3 8B, s = 8192, selective: bytes of one layer", clause="ex10.A.shapes")
     _approx(plan.layer_activation_bytes(MIXTRAL, lay, 8192), 55 * sbh,
             "Mixtral 8x7B, s = 8192, selective: bytes of one layer", clause="ex10.A.experts")
+    _approx(plan.layer_activation_bytes(dataclass_replace(MIXTRAL, dropout=0.1), lay, 8192), 57 * sbh,
+            "Mixtral 8x7B with dropout 0.1, s = 8192, selective: bytes of one layer", clause="ex10.A.experts")
 
 
 CP = [  # (clause, model, layout, s, bytes)
@@ -287,6 +290,9 @@ NOPIPE = [  # (clause, model, layout, s, global batch, bytes)
 FULL = [
     # the first stage the busiest, whatever the logits: a failure here is the rebuilt layer's
     ("ex10.C.recompute", COURSE, plan.Layout(pp=4, recompute='full'), 16, 16, 13312.0),
+    # flash attention: the rebuilt layer keeps no s² scores, on one stage and on two
+    ("ex10.C.recompute", LLAMA, plan.Layout(recompute='full', attention='flash'), 8192, 1, 7492075520.0),
+    ("ex10.C.recompute", LLAMA, plan.Layout(pp=2, recompute='full', attention='flash'), 8192, 4, 6418333696.0),
 ]
 INFLIGHT = [
     ("ex10.C.in_flight", GPT13, plan.Layout(pp=4, v=1, schedule='1f1b', recompute='selective', tp=2), 2048, 16, 1711276032.0),
@@ -302,6 +308,7 @@ LAST = [
     ("ex10.C.logits", LLAMA, plan.Layout(pp=2, recompute='selective'), 1024, 8, 4563402752.0),
     ("ex10.C.last_stage", LLAMA4, plan.Layout(pp=2, v=2, schedule='interleaved', recompute='selective'), 8192, 4,
      6484393984.0),
+    ("ex10.C.last_stage", LLAMA4, plan.Layout(pp=2, schedule='zb-h1', recompute='selective'), 8192, 4, 6484393984.0),
 ]
 BUF = [  # (the clause the row adds a buffer for, model, layout, s, bytes)
     ("ex10.C.bucket", LLAMA, plan.Layout(), 8192, 0.0),
@@ -338,7 +345,8 @@ def test_activations_without_pipeline(impl):
 
 @observes("ex10.C.recompute")
 def test_full_recompute_adds_one_layer(impl):
-    """Full recomputation on 4 stages of the course's GPT: the busiest stage's activation bytes."""
+    """Full recomputation on 4 stages of the course's GPT, and on one and two stages of Llama 3 8B with flash
+    attention: the busiest stage's activation bytes."""
     _activations(FULL, _name)
 
 
@@ -351,7 +359,7 @@ def test_pipeline_in_flight(impl):
 
 @observes("ex10.C.last_stage", "ex10.C.logits")
 def test_last_stage_with_big_logits(impl):
-    """Two stages, big logits, one and several micro-batches, 1F1B, GPipe and interleaved 1F1B: which
+    """Two stages, big logits, one and several micro-batches, 1F1B, GPipe, interleaved 1F1B and ZB-H1: which
     stage is the busiest, and its bytes."""
     _activations(LAST, _name)
 

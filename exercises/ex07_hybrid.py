@@ -44,10 +44,10 @@ def mesh_coordinates(rank: int, dp: int, pp: int, tp: int) -> dict[str, int]:
       0 ≤ t < tp: the coordinates of global ``rank`` in a dp × pp × tp job; the dp·pp·tp
       ranks get the dp·pp·tp coordinates, each exactly once.
     - ex07.A.order: the layout of Narayanan et al. 2021, §3.3: the ranks of every
-      tensor-parallel group (equal p and d) are consecutive, so with ``tp`` dividing the
-      ranks per node a tp group never crosses a node; the ranks of every pipeline stage
-      (equal p) are consecutive; and in every group, a higher coordinate along the group's
-      dim is a higher rank.
+      tensor-parallel group (equal p and d) are consecutive (so a tp group crosses no node
+      when tp divides the ranks per node, nor when the whole job fits in one); the ranks of
+      every pipeline stage (equal p) are consecutive; and in every group, a higher
+      coordinate along the group's dim is a higher rank.
     - ex07.A.range: a rank outside the mesh is a ``ValueError``."""
     raise NotImplementedError("Exercise 07 A: mesh_coordinates")
 
@@ -162,8 +162,9 @@ class ProcessMesh:
           in use (dp, pp, tp; cp and dp_cp when cp > 1; ep and expert_dp when ep > 1),
           and no other group; every rank creates every group, in the same order (a
           group's creation is collective over the world).
-        - ex07.E.reach: ``self.groups[dim]`` is this rank's own group, and a collective
-          on it reaches exactly ``members(rank, dim)``.
+        - ex07.E.reach: ``self.groups[dim]`` is this rank's own group, a collective on
+          it reaches exactly ``members(rank, dim)``, and this rank's rank in it is its
+          index in that list.
         - ex07.E.keys: afterwards the keys of ``self.groups`` are exactly "dp", "pp",
           "tp", "dp_cp" and "expert_dp", with "cp" added when cp > 1 and "ep" added when
           ep > 1 (with ep = 1 a rank alone is its own expert group; whoever needs one

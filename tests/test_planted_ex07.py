@@ -6,6 +6,8 @@ from minipar.course.graded import test_ex07_hybrid as g
 from tests.planted import fails, names_its_clause, planted
 
 KEY = 'key = (c["tp"] * c["pp"], crosses, c["pp"])'
+CROSSES = ('        crosses = any(len({q // ranks_per_node for q in group_members(r, "tp", c["dp"], c["pp"], c["tp"])}) > 1\n'
+           '                      for r in range(world_size))\n')
 DC = "for d in range(self.dp) for k in range(self.cp)]"
 PLANTS = {  # clause -> (edits, graded test, what the message must name)
     "ex07.A.bijection": (
@@ -99,7 +101,11 @@ MORE = [  # further wrong answers: (clause, edits, graded test, what the message
      g.test_choose_config, r"ex07\.C\.prefer choose_config\(10 heads, world_size=60.*more data parallelism"),
     ("ex07.C.fit", [("need > memory_per_rank:", "need >= memory_per_rank:")],            # equal refused
      g.test_choose_config, r"ex07\.C\.fit choose_config\(world_size=8, .*needs exactly memory_per_rank"),
+    ("ex07.C.prefer", [(CROSSES, '        crosses = ranks_per_node % c["tp"] != 0\n')],     # "inside a node" as tp | n
+     g.test_choose_config, r"ex07\.C\.prefer choose_config\(6 heads, world_size=6, .*chose \{'dp': 2, 'pp': 3, "
+                           r"'tp': 1\}: 3 pipeline stages"),
 ]
+REVERSED = [("                g = dist.new_group(ranks)", "                g = dist.new_group(ranks[::-1], sort_ranks=False)")]
 
 
 def test_every_clause_is_planted_or_excused():
@@ -143,3 +149,18 @@ def test_groups_created_in_another_order_hang_naming_the_clause(tmp_path, monkey
         message = fails(g.test_mesh_build_reaches_the_members,
                         match=r"(?s)ex07\.E\.order.*the ranks hung in build\(\).*inside new_group\(")
     names_its_clause(message, g.test_mesh_build_reaches_the_members, "ex07.E.order")
+
+
+def test_groups_whose_ranks_are_not_in_members_order_fail_reach(tmp_path):
+    """Each group created with its ranks in reverse (``sort_ranks=False``, torch 2.10 and later): an
+    all-reduce still reaches the right ranks, but a rank's group rank is no longer its index in
+    members(rank, dim), which the pipeline and tensor parallelism read as its coordinate; the
+    failure names ex07.E.reach."""
+    import inspect
+    import torch.distributed as dist
+    if "sort_ranks" not in inspect.signature(dist.new_group).parameters:
+        pytest.skip("this torch's new_group always sorts the ranks: the group rank is the index")
+    with planted("ex07", tmp_path, *REVERSED):
+        message = fails(g.test_mesh_build_reaches_the_members,
+                        match=r"ex07\.E\.reach each rank's rank in self\.groups\['(dp|pp|tp|cp|dp_cp|ep|expert_dp)'\]")
+    names_its_clause(message, g.test_mesh_build_reaches_the_members, "ex07.E.reach")

@@ -230,6 +230,8 @@ CHOICES = [  # (model, kwargs): the choice is judged against every configuration
                ranks_per_node=4)),
     (CFG, dict(world_size=8, batch_size=8, memory_per_rank=AT_4_1_2)),                   # exactly dp=4's states
     (TEN, dict(world_size=60, batch_size=60, memory_per_rank=TEN_AT_12_5, ranks_per_node=4)),  # aim 1 before aim 2
+    # tp = 3 does not divide 8 ranks a node, but the whole job of 6 fits in one: no tp group crosses a node
+    (SIX, dict(world_size=6, batch_size=6, memory_per_rank=16 * hybrid.num_params(SIX) / 3 * 1.01)),
 ]
 
 
@@ -450,6 +452,7 @@ def _reduce_over_groups(where):
                 dist.all_reduce(x, group=pm.group(dim))
                 flight.completed(entry)
                 out[name, dim] = [q for q in range(8) if int(x.item()) >> q & 1]
+                out[name, dim, "rank in it"] = dist.get_rank(pm.group(dim))
     finally:
         undo()
     return out
@@ -489,8 +492,9 @@ def _keys(shape):
 def test_mesh_build_reaches_the_members(impl):
     """8 ranks build, with your code, ProcessMesh(dp=2, pp=2, cp=2, tp=1, ep=2), then
     ProcessMesh(dp=2, pp=2, tp=2) (cp = ep = 1), then ProcessMesh(dp=2, cp=2, tp=2) (ep = 1): the
-    groups each holds, their names, how many groups each build() creates, and an all-reduce over
-    each reaches exactly members(rank, dim) (dp_cp: dp when cp = 1; expert_dp: dp_cp when ep = 1)."""
+    groups each holds, their names, how many groups each build() creates, an all-reduce over each
+    reaches exactly members(rank, dim), in which each rank's group rank is its index (dp_cp: dp when
+    cp = 1; expert_dp: dp_cp when ep = 1)."""
     test_mesh_members_every_dim(impl)                 # fail fast, before starting 8 ranks
     results = _launch_build()
     for name, shape in (("built", BUILT), ("plain", PLAIN), ("cp only", CP_ONLY)):
@@ -520,6 +524,10 @@ def test_mesh_build_reaches_the_members(impl):
             expect_equal({r: res[name, dim] for r, res in enumerate(results)},
                          {r: sorted(pm.members(r, alias)) for r in range(8)},
                          f"ex07.E.reach the ranks an all-reduce over self.groups[{dim!r}] reached, {what}", keys="rank")
+            expect_equal({r: res[name, dim, "rank in it"] for r, res in enumerate(results)},
+                         {r: pm.members(r, alias).index(r) for r in range(8)},
+                         f"ex07.E.reach each rank's rank in self.groups[{dim!r}] (dist.get_rank(group)), {what}: "
+                         "its index in members(rank, dim)", keys="rank")
         created = [d for d in ("dp", "pp", "tp", "cp", "dp_cp", "ep", "expert_dp") if d in _keys(shape)
                    and not (d == "dp_cp" and shape["cp"] == 1) and not (d == "expert_dp" and shape["ep"] == 1)]
         expect_equal({r: {d: res[name, "names"].get(d) for d in created} for r, res in enumerate(results)},

@@ -222,13 +222,13 @@ class ExpertParallelMoE(MoE):
           "ep_combine" (back); its backward exactly two, "ep_combine_backward" then
           "ep_dispatch_backward". These five carry the label ``dim="ep"`` whatever the
           group's name (the ep group may be unnamed; the chapter sums their bytes by
-          that label). Only with a ``token_group`` is there one more in the forward,
-          nothing else: an all-reduce "ep_token_counts" on the token group (its
-          ``group``: the token group's global ranks), whose ``dim`` label is not "ep"
-          (its bytes are not the ep group's). This rank's experts compute inside one
-          trace region "experts" whose label ``rows`` is the number of assignments they
-          computed; no collective runs inside it (the chapter reads its time as the
-          experts' compute)."""
+          that label). Only with a ``token_group`` is there one more in the forward
+          (anywhere in it), nothing else: an all-reduce "ep_token_counts" on the token
+          group (its ``group``: the token group's global ranks), whose ``dim`` label is
+          not "ep" (its bytes are not the ep group's). This rank's experts compute
+          inside one trace region "experts" whose label ``rows`` is the number of
+          assignments they computed; no collective runs inside it (the chapter reads its
+          time as the experts' compute)."""
         shape, E, k = x.shape, self.n_experts, self.top_k
         x = x.reshape(-1, shape[-1])
         N, h = x.shape

@@ -206,3 +206,15 @@ def test_token_counts_summed_over_the_world_fail_token_group(tmp_path):
     group is the world, wrong for the token groups [0, 2] and [1, 3]; the failure names ex09.D.token_group."""
     with planted("ex09", tmp_path, ("comm.all_reduce(totals, group=self.token_group", "comm.all_reduce(totals, group=None")):
         fails(g.test_layer_on_subgroups, match=r"averaged over the token group \[0, 2\](?s:.*)breaks ex09\.D\.token_group")
+
+
+def test_an_all_to_all_never_waited_on_fails_recorded(tmp_path):
+    """The exchange started asynchronously and never waited on: its values may even arrive, but
+    nothing is recorded (minipar.comm records a transfer once it is waited on), so the graded
+    exchange names ex09.*.recorded and says why, before any value it reads."""
+    with planted("ex09", tmp_path, ("    comm.all_to_all_single(out, x.contiguous(), recv, send, group=group, name=name, **labels)",
+                                    "    comm.all_to_all_single(out, x.contiguous(), recv, send, group=group, name=name, "
+                                    "async_op=True, **labels)")):
+        message = fails(g.test_exchanges_on_ranks, match=r"(?s)bytes all_to_all sent forward, as recorded.*never waited "
+                        r"on, is not recorded.*breaks ex09\.\*\.recorded")
+    names_its_clause(message, g.test_exchanges_on_ranks, "ex09.*.recorded")

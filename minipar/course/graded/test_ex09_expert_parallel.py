@@ -255,6 +255,15 @@ def test_exchanges_on_ranks(impl):
             y, grad, forward, backward, names = out[case]
             with breaks("ex09.C.dtype"):
                 expect_equal(str(y.dtype), str(dtype), f"the dtype of all_to_all's output, {where}")
+            # then what was recorded (its bytes per row: this dtype's): an exchange never waited on shows
+            # here, before its values
+            size = 2 * torch.finfo(dtype).bits // 8                    # bytes per row of 2 elements
+            with breaks("ex09.*.recorded"):
+                expect_recorded(forward, size * sum(_split(r, b, case) for b in range(n) if b != r), "bytes all_to_all "
+                                "sent forward, as recorded (the rows for the other ranks)", where)
+                expect_recorded(backward, size * sum(_split(a, r, case) for a in range(n) if a != r), "bytes sent in "
+                                "its backward, as recorded (the gradients of the rows that came from the other ranks)",
+                                where)
             want = torch.cat([_rows(a, r, _split(a, r, case), torch.float64) for a in range(n)])
             with breaks("ex09.C.order", *on):
                 expect_close(y.double(), want, "all_to_all's output rows (16·source + 4·this rank + i, in rank "
@@ -267,13 +276,6 @@ def test_exchanges_on_ranks(impl):
             with breaks("ex09.C.backward", *on):
                 expect_close(grad.double(), 0.5 * x + dest, "the input's gradient (0.5·row + the rank it went to; sent "
                              f"to each rank: {[_split(r, b, case) for b in range(n)]})", where=where, rtol=0, atol=0)
-            size = 2 * torch.finfo(dtype).bits // 8                    # bytes per row of 2 elements
-            with breaks("ex09.*.recorded"):
-                expect_recorded(forward, size * sum(_split(r, b, case) for b in range(n) if b != r), "bytes all_to_all "
-                                "sent forward, as recorded (the rows for the other ranks)", where)
-                expect_recorded(backward, size * sum(_split(a, r, case) for a in range(n) if a != r), "bytes sent in "
-                                "its backward, as recorded (the gradients of the rows that came from the other ranks)",
-                                where)
             with breaks("ex09.C.named"):
                 expect_equal(names, [("graded_a2a", "ep"), ("graded_a2a_backward", "ep")], f"{where}: (name, dim) of "
                              "what all_to_all(..., name='graded_a2a', dim='ep') recorded, forward then backward",

@@ -33,8 +33,9 @@ GROUP_DIMS = MESH_DIMS + ("dp_cp", "ep", "expert_dp")  # every group a rank can 
 #     the dp·pp·tp coordinates, each exactly once.
 # ex07.A.order: the layout of Narayanan et al. 2021, §3.3: the ranks of every tensor-parallel
 #     group (equal p and d) are consecutive (so a tp group crosses no node when tp divides the
-#     ranks per node, nor when the whole job fits in one); the ranks of every pipeline stage (equal p) are consecutive; and in
-#     every group, a higher coordinate along the group's dim is a higher rank.
+#     ranks per node, nor when the whole job fits in one); the ranks of every pipeline stage
+#     (equal p) are consecutive; and in every group, a higher coordinate along the group's dim is
+#     a higher rank.
 # ex07.A.range: a rank outside the mesh is a ``ValueError``.
 def mesh_coordinates(rank: int, dp: int, pp: int, tp: int) -> dict[str, int]:
     """``{"pp": p, "dp": d, "tp": t}`` of global ``rank`` on a dp × pp × tp mesh (Megatron-LM's layout)."""

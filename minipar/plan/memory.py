@@ -32,8 +32,9 @@ BUCKET = 25e6
 #     GPU's whole sequence) with materialized attention (the a·s² scores kept), the bytes are
 #     ``cost.recompute_activation_bytes`` for the layout's tp, sequence parallelism and recomputation.
 # ex10.A.shapes: every term scales with the tensors it counts, their width and how many there are,
-#     and no other term changes: Llama 3 8B (grouped-query K and V, a SwiGLU MLP of three h × 14336 matrices, no
-#     dropout) keeps 34·sbh bytes a layer with selective recomputation at s = 8192.
+#     and no other term changes: Llama 3 8B (grouped-query K and V, a SwiGLU MLP of three
+#     h × 14336 matrices, no dropout) keeps 34·sbh bytes a layer with selective recomputation at
+#     s = 8192.
 # ex10.A.experts: the tensors inside an expert count once for every expert a token visits, the
 #     MLP's input and the dropout mask after the MLP once a token (Mixtral 8x7B, top-2 of 8: 55·sbh
 #     under the same conditions).

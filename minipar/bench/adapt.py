@@ -44,9 +44,8 @@ from .. import adapt, data, hybrid
 from ..adapt.switch import measure_exchange, reshard
 from ..models.gpt import GPT, GPTConfig
 from ..runtime.backend import device
-from ..runtime.gpu import synchronize
 from ..runtime.launch import launch
-from .common import placement, parser, report, row, size
+from .common import clock, placement, parser, report, row, size
 
 # with fewer GPUs than ranks the ranks share them (Gloo through host memory), and then:
 SHARED_GPU = ("static and adaptive runs alike; the straggler is simulated on ranks that already share the GPU's"
@@ -153,35 +152,38 @@ def _switches(config, a) -> list[dict]:
     return out
 
 
+def _fastest(run, repeats: int) -> float:
+    """Seconds of ``run()``, each time after a barrier, timed by :func:`~.common.clock` (the GPU's
+    queued work included): the fastest of ``repeats``."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = clock()
+        run()
+        times.append(clock() - t0)
+    return min(times)
+
+
 def warm_exchange(send: list[int], recv: list[int], repeats: int = 3) -> float:
     """The switch's own all-to-all again (its split sizes, fp32), into buffers already touched,
     each after a barrier: the fastest of ``repeats``. Measured right after the switch, so at the
     machine's load of that moment: what the exchange alone costs, its pattern included."""
     x = torch.ones(sum(send), device=device())
     y = torch.zeros(sum(recv), device=device())
-    runs = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_to_all_single(y, x, recv, send)
-        runs.append(time.perf_counter() - t0)
-    return min(runs)
+    return _fastest(lambda: dist.all_to_all_single(y, x, recv, send), repeats)
 
 
 def copy_floor(send: list[int], recv: list[int], repeats: int = 3) -> float:
     """One copy of the ``sum(send)`` elements a rank packs and one of the ``sum(recv)`` it unpacks
     (fp32), contiguous into contiguous, buffers already touched, each time after a barrier: the
     fastest of ``repeats``. The least a switch's packing and unpacking can take here."""
-    a, b = torch.ones(max(sum(send), sum(recv)), device=device()), torch.zeros(max(sum(send), sum(recv)), device=device())
-    runs = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        b[:sum(send)].copy_(a[:sum(send)])
-        a[:sum(recv)].copy_(b[:sum(recv)])
-        synchronize()
-        runs.append(time.perf_counter() - t0)
-    return min(runs)
+    n, out, back = max(sum(send), sum(recv)), sum(send), sum(recv)
+    a, b = torch.ones(n, device=device()), torch.zeros(n, device=device())
+
+    def copies():
+        b[:out].copy_(a[:out])
+        a[:back].copy_(b[:back])
+    return _fastest(copies, repeats)
 
 
 def switch_costs(config, layouts, rounds: int) -> dict:

@@ -211,8 +211,9 @@ def exchange(p: Plan, old: Views, new: Views, group=None, name: str = "reshard")
     buffer, one ``all_to_all_single`` (its event named ``name``), during which the local moves
     are copied piece to piece, then the received ones unpacked straight into the new pieces
     (packing and unpacking as :func:`runs`, made once per plan); a :class:`Block` is copied as a
-    strided view (no temporary), the send and receive buffers are one kept :func:`staging` buffer. The same elements in the same order as
-    ``execute``; returns the bytes this rank's all-to-all event recorded as sent."""
+    strided view (no temporary), the send and receive buffers are one kept :func:`staging`
+    buffer. The same elements in the same order as ``execute``; returns the bytes this rank's
+    all-to-all event recorded as sent."""
     me, world = comm.group_rank(group), p.world_size
     dtypes = {v.dtype for v in (*old.values(), *new.values())}
     if dtypes - {torch.float32}:

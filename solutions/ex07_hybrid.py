@@ -102,7 +102,7 @@ def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatc
       configuration as good by (1) keeps every one inside a node (its all-reduces, in every
       layer, carry the most bytes); (3) the smallest pipeline bubble: with the microbatches
       fixed, the fewest pipeline stages.
-    - ex07.C.none: nothing left is a ``ValueError``."""
+    - ex07.C.none: nothing left is a ``ValueError`` whose message gives ``memory_per_rank``."""
     best, psi = None, num_params(config)
     for c in valid_configs(config, world_size, batch_size, microbatches):
         need = hybrid_memory_per_rank(psi, c["dp"], c["pp"], c["tp"], zero1=zero1)["total"]

@@ -104,6 +104,8 @@ MORE = [  # further wrong answers: (clause, edits, graded test, what the message
     ("ex07.C.prefer", [(CROSSES, '        crosses = ranks_per_node % c["tp"] != 0\n')],     # "inside a node" as tp | n
      g.test_choose_config, r"ex07\.C\.prefer choose_config\(6 heads, world_size=6, .*chose \{'dp': 2, 'pp': 3, "
                            r"'tp': 1\}: 3 pipeline stages"),
+    ("ex07.C.none", [("    if best is None:\n        raise", "    if best is None:\n        max([])\n        raise")],
+     g.test_choose_config_nothing_fits, r"raised ValueError\('max\(\) .*does not give the budget, 1000"),  # max() over nothing
 ]
 REVERSED = [("                g = dist.new_group(ranks)", "                g = dist.new_group(ranks[::-1], sort_ranks=False)")]
 

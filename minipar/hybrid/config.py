@@ -167,7 +167,7 @@ def valid_configs(config: GPTConfig, world_size: int, batch_size: int | None = N
 #     as good by (1) keeps every one inside a node (its all-reduces, in every layer, carry the
 #     most bytes); (3) the smallest pipeline bubble: with the microbatches fixed, the fewest
 #     pipeline stages.
-# ex07.C.none: nothing left is a ``ValueError``.
+# ex07.C.none: nothing left is a ``ValueError`` whose message gives ``memory_per_rank``.
 def choose_config(config: GPTConfig, world_size: int, batch_size: int, microbatches: int = 1,
                   memory_per_rank: float | None = None, ranks_per_node: int = 8,
                   zero1: bool = False) -> dict[str, int]:

@@ -293,7 +293,9 @@ def test_choose_config_nothing_fits(impl):
     """A memory budget nothing fits."""
     try:
         got = hybrid.choose_config(CFG, 8, 8, memory_per_rank=1000)
-    except ValueError:
+    except ValueError as e:
+        expect("1000" in str(e), f"choose_config(memory_per_rank=1000) raised ValueError({str(e)!r}): its message "
+                                 f"does not give the budget, 1000")
         return
     expect(False, f"choose_config(memory_per_rank=1000) returned {got}; nothing fits in 1000 bytes: a ValueError")
 
@@ -535,7 +537,7 @@ def test_mesh_build_reaches_the_members(impl):
                      f"ex07.E.named group_name(self.groups[dim]) after build(), {what}", keys="rank")
 
 
-@observes("ex07.E.cp1", "ex07.E.ep1")
+@observes("ex07.E.reach", "ex07.E.cp1", "ex07.E.ep1")
 def test_3d_training_on_your_mesh(impl):
     """8 ranks, dp = pp = tp = 2 on your mesh: the same losses and weights as one process
     (fp32, rtol 1e-5, atol 1e-6)."""

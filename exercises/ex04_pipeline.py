@@ -99,13 +99,13 @@ class Pipeline:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Given: ``step`` walks ``self.schedule.actions[self.rank]``, each action by the
-        method of its name. The library's ``F``, ``B`` and ``W`` read ``self.xs[i]``,
-        ``self.ys[i]`` and ``self.inbox[(kind, i, stage)]``, keep what the backward
-        needs in ``self.stash[i, s]`` (a ``Stash``: a dict that counts its ``peak``),
-        leave what must be sent in ``self.outbox[(kind, i, stage)]`` and add the last
-        stage's ``loss_i / m`` to ``self.loss``; ``self.mail`` is exercise 03's
-        ``Mailbox``; ``SEND_F``/``RECV_F`` also serve ``SEND_B``/``RECV_B``
-        (``a.op[-1]`` is the kind).
+        method of its name. The library's ``F``, ``B`` and ``W`` (exercise 03's part C)
+        take micro-batch i's inputs and targets from ``self.xs[i]`` and ``self.ys[i]``,
+        leave the step's loss in ``self.loss`` (which the step sets to 0) and keep their
+        state in ``self.inbox``, ``self.outbox`` (both keyed ``(kind, micro-batch,
+        stage)``) and ``self.stash`` (a ``Stash``: a dict that counts its ``peak``);
+        ``self.mail`` is exercise 03's ``Mailbox``; ``SEND_F``/``RECV_F`` also serve
+        ``SEND_B``/``RECV_B`` (``a.op[-1]`` is the kind).
 
         Contract:
         - ex04.C.divide: a batch m does not divide is a ValueError.

@@ -15,8 +15,8 @@ C. The pipeline's compute actions, ``Pipeline.F(a)``, ``.B(a)`` and ``.W(a)`` (s
 
 Each function's docstring below is its contract: clauses ``ex03.P.word`` that must hold (the
 grader names the clause a failure breaks). Graded on 2 and 3 ranks: the values, dtypes and
-gradients that arrive, the recorded bytes and their group, an LSTM and a GPT split over
-ranks, pipelined GPTs (a schedule whose second rank takes the micro-batches in the other
+gradients that arrive, the recorded bytes, their group and labels, an LSTM and a GPT split over
+ranks (once over 2 of 3 ranks), an MLP in bfloat16, pipelined GPTs (a schedule whose second rank takes the micro-batches in the other
 order, in float64, and 1F1B) trained on your code, equal to one process, and one step of a
 two-stage network under 1F1B, ZB-H1 (once with a W left out) and bfloat16. Grade it with
 ``python -m minipar.grade ex03``; stuck? ``minipar.hint("ex03", "A")`` (parts A, B, C).
@@ -60,9 +60,13 @@ class NaiveModelParallel:
         - ex03.A.grad: the gradient sent back is ∂L/∂(the stage's input): the sending
           stage continues its backward from it, and the weight gradients on every rank
           are one process's.
-        - ex03.A.stages: ``step`` runs one batch over any number of stages, one per
-          rank, and returns the batch's loss on the last rank, ``None`` elsewhere.
-        - ex03.A.train: training with ``step`` equals one process."""
+        - ex03.A.stages: ``step`` runs one batch over any number of stages, one per rank
+          of ``group`` (the world or not), and returns the batch's loss on the last rank
+          as a Python float, ``None`` elsewhere.
+        - ex03.A.train: training with ``step`` equals one process.
+        - ex03.A.precision: with ``self.dtype`` bfloat16 the stages compute as one
+          process under the same autocast does, and every message travels in
+          ``self.wire``."""
         r, n, g, c = self.rank, self.n, self.group, self.comm
         inp = x if r == 0 else c.recv_activation(self.shapes[r - 1], r - 1, g, self.wire, self.device, stage=r)
         with strategy.forward(self.dtype, inp, "forward", stage=r, microbatch=0, phase="F"):
@@ -144,7 +148,10 @@ class Mailbox:
         micro-batch; ``dtype``: the stages' parameters'), ``send(a, tensor)`` for a
         ``SEND_F``/``SEND_B`` action ``a`` (``a.op``, ``a.microbatch``, ``a.stage``,
         ``a.peer``), ``recv(a)`` for a ``RECV_F``/``RECV_B`` and ``flush()`` at the end
-        of the step. The schedule may receive in any order.
+        of the step. An action's ``a.stage`` is the stage of this rank it serves (a
+        ``SEND_F``'s computed what it sends, a ``RECV_F``'s computes with what arrives),
+        ``a.peer`` the group rank at the other end. The schedule may receive in any
+        order.
 
         Contract:
         - ex03.B.match: a receive gets the message of its own kind, micro-batch and

@@ -107,7 +107,9 @@ PROSE = {
              "weight.chunk(t, 0)[r]", "weight.chunk(t, 1)[r]", "all-gathered along the last dimension"],
     "ex03": ["the last stage also computes ``loss_i / m``", "a tag per (kind, micro-batch, sending stage)",
              "runs its layers on the batch and sends the activation to rank 1",
-             "continues the backward from there", "tags the messages so that a receive matches its send"],
+             "continues the backward from there", "tags the messages so that a receive matches its send",
+             "keep what the backward needs in ``self.stash[i, s]``", "add the last stage's ``loss_i / m``",
+             "from F until the backward that frees them"],
     "ex04": ["``p - r - 1`` warm-up forwards", "p-r-1 *warm-up* forwards", "rank r does p-r-1",
              "p - rank - 1", "p - r - 1 forwards", "warm = min(", "F0 F1 F2 F3 B0 F4 B1",
              'pp.make_schedule("1f1b", 4, 6) print(s.table())', "one forward, one backward.",
@@ -223,7 +225,8 @@ def test_no_key_line_where_the_learner_is_pointed(k):
 
 # Cores whose library module the learner is told to read beside the stub (the exercise imports from
 # it): its text outside the marked regions (comments and code) holds none of the answer either.
-READ_MODULES = {"ex10": ["minipar/plan/memory.py"]}
+READ_MODULES = {"ex03": ["minipar/pipeline/executor.py", "minipar/pipeline/simulate.py"],  # the rest of Pipeline
+                "ex10": ["minipar/plan/memory.py"]}
 
 
 @pytest.mark.parametrize("k", sorted(READ_MODULES))

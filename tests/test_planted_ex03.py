@@ -5,7 +5,9 @@ float64 model's activations received as float32): the failure names the case and
 then that rank's error at its line in the learner's file."""
 
 from minipar.course.graded import test_ex03_model_parallel as g
-from tests.planted import contract_tests
+import pytest
+
+from tests.planted import contract_tests, fails, planted
 
 SEND = '    return isend(y.detach(), dst, group, name="send_activation", tag=tag, **labels)'
 RECV = '    irecv(x, src, group, name="recv_activation", tag=tag, **labels).wait()'
@@ -67,6 +69,10 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
           "            self.stash.pop((a.microbatch, a.stage), None)")],
         g.test_compute_actions, r"ZB-H1 without micro-batch 1's W, stage 0's weight: gradient after the step "
                                 r"\(the other micro-batches' only"),
+    "ex03.A.precision": (
+        [("with strategy.forward(self.dtype, inp,", "with strategy.forward(None, inp,")],
+        g.test_naive_step_on_a_group_and_in_bfloat16, r"one step of an MLP over 3 ranks in bfloat16, against one "
+                                                      r"process under the same autocast, step 0: loss"),
     "ex03.C.dtype": (
         [("with strategy.forward(self.compute_dtype, ", "with strategy.forward(None, ")],
         g.test_compute_actions, r"bfloat16: the dtype of the stage's output \(the forward computes in ``compute_dtype``\)"),
@@ -74,3 +80,24 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
 
 
 test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex03", g, PLANTS)
+
+STEP = "r, n, g, c = self.rank, self.n, self.group, self.comm"
+MORE = [  # further wrong answers: (edits, graded test, what the message must name)
+    ([(STEP, STEP.replace("self.group", "None"))],                                  # the naive step on the world
+     g.test_naive_step_on_a_group_and_in_bfloat16, r"(?s)the GPT over ranks 1 and 2 of 3 .*sends to group rank 1: "
+                                                   r"itself.*breaks ex03\.\*\.group"),
+    ([("else out.to(self.wire)", "else out")],                                      # bfloat16 sent as it is
+     g.test_naive_step_on_a_group_and_in_bfloat16, r"MLP over 3 ranks in bfloat16.*\n(.*\n)*  breaks ex03\.A\.precision"),
+    ([("return out.item() if r == n - 1 else None", "return out.detach() if r == n - 1 else None")],   # a tensor
+     g.test_naive_step_on_a_group_and_in_bfloat16, r"as a Python float, None elsewhere\): rank 2: expected 'float', "
+                                                   r"got 'Tensor'"),
+    ([(SEND, SEND.replace(", **labels)", ")"))],                                    # the labels dropped
+     g.test_transfers_are_recorded, r"the stage label of the recorded transfers.*\(``\*\*labels`` passed through\)"),
+]
+
+
+@pytest.mark.parametrize("k", range(len(MORE)))
+def test_more_wrong_answers_fail(k, tmp_path):
+    edits, test, match = MORE[k]
+    with planted("ex03", tmp_path, *edits):
+        fails(test, match=match)

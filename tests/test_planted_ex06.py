@@ -149,3 +149,12 @@ def test_a_step_that_does_not_repoint_the_gradients_fails(tmp_path):
     with planted("ex06", tmp_path, ("        self._point_grads()\n" + STEP, STEP)):
         fails(g.test_zero_optimizer, match=r"fp32, Adam: parameter \w after step 2 .*the model's zero_grad\(\) before "
               r"its backward(.*\n)*  breaks ex06\.B\.second")
+
+
+def test_a_reduce_that_drops_the_labels_fails(tmp_path):
+    """reduce_shard that does not pass its ``**labels`` on: the reduce-scatter is right and recorded, but
+    not under the unit it was asked for."""
+    from tests.planted import fails, planted
+    with planted("ex06", tmp_path, ('    reduce_scatter(mine, flat_grad, op="avg", group=group, **labels)',
+                                    '    reduce_scatter(mine, flat_grad, op="avg", group=group)')):
+        fails(g.test_reduce_shard, match=r"the label unit=5 given to reduce_shard(.*\n)*  breaks ex06\.A\.bytes")

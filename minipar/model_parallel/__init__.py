@@ -79,9 +79,12 @@ class NaiveModelParallel:
     #     batch's inputs and targets on every rank.
     # ex03.A.grad: the gradient sent back is ∂L/∂(the stage's input): the sending stage continues
     #     its backward from it, and the weight gradients on every rank are one process's.
-    # ex03.A.stages: ``step`` runs one batch over any number of stages, one per rank, and returns
-    #     the batch's loss on the last rank, ``None`` elsewhere.
+    # ex03.A.stages: ``step`` runs one batch over any number of stages, one per rank of ``group``
+    #     (the world or not), and returns the batch's loss on the last rank as a Python float,
+    #     ``None`` elsewhere.
     # ex03.A.train: training with ``step`` equals one process.
+    # ex03.A.precision: with ``self.dtype`` bfloat16 the stages compute as one process under the
+    #     same autocast does, and every message travels in ``self.wire``.
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """Forward and backward of one batch; the loss on the last rank, else ``None``."""
         # >>> ex03 A

@@ -80,12 +80,12 @@ class Pipeline:
 
     # Contract:
     # Given: ``step`` walks ``self.schedule.actions[self.rank]``, each action by the method of its
-    #     name. The library's ``F``, ``B`` and ``W`` read ``self.xs[i]``, ``self.ys[i]`` and
-    #     ``self.inbox[(kind, i, stage)]``, keep what the backward needs in ``self.stash[i, s]`` (a
-    #     ``Stash``: a dict that counts its ``peak``), leave what must be sent in
-    #     ``self.outbox[(kind, i, stage)]`` and add the last stage's ``loss_i / m`` to
-    #     ``self.loss``; ``self.mail`` is exercise 03's ``Mailbox``; ``SEND_F``/``RECV_F`` also
-    #     serve ``SEND_B``/``RECV_B`` (``a.op[-1]`` is the kind).
+    #     name. The library's ``F``, ``B`` and ``W`` (exercise 03's part C) take micro-batch i's
+    #     inputs and targets from ``self.xs[i]`` and ``self.ys[i]``, leave the step's loss in
+    #     ``self.loss`` (which the step sets to 0) and keep their state in ``self.inbox``,
+    #     ``self.outbox`` (both keyed ``(kind, micro-batch, stage)``) and ``self.stash`` (a
+    #     ``Stash``: a dict that counts its ``peak``); ``self.mail`` is exercise 03's ``Mailbox``;
+    #     ``SEND_F``/``RECV_F`` also serve ``SEND_B``/``RECV_B`` (``a.op[-1]`` is the kind).
     # ex04.C.divide: a batch m does not divide is a ValueError.
     # ex04.C.loss: ``step`` returns the batch's mean loss on the rank holding the last stage,
     #     None elsewhere.
@@ -204,8 +204,10 @@ class Mailbox:
     #     ``stage_comm``; ``act_shape(s)``: stage s's output shape for one micro-batch; ``dtype``:
     #     the stages' parameters'), ``send(a, tensor)`` for a ``SEND_F``/``SEND_B`` action ``a``
     #     (``a.op``, ``a.microbatch``, ``a.stage``, ``a.peer``), ``recv(a)`` for a
-    #     ``RECV_F``/``RECV_B`` and ``flush()`` at the end of the step. The schedule may receive
-    #     in any order.
+    #     ``RECV_F``/``RECV_B`` and ``flush()`` at the end of the step. An action's ``a.stage`` is
+    #     the stage of this rank it serves (a ``SEND_F``'s computed what it sends, a ``RECV_F``'s
+    #     computes with what arrives), ``a.peer`` the group rank at the other end. The schedule may
+    #     receive in any order.
     # ex03.B.match: a receive gets the message of its own kind, micro-batch and sending stage,
     #     whatever the order the messages were sent in.
     # ex03.B.dtype: every message travels in the dtype of the stages' parameters (a float64

@@ -104,8 +104,9 @@ def check_schedule(schedule: Schedule) -> None:
 
 
 def peak_stash(schedule: Schedule) -> list[int]:
-    """Per rank, the most micro-batch activations held at once (stage inputs/outputs kept
-    from F until the backward that frees them: B, or W when the backward is split)."""
+    """Per rank, the most micro-batches whose tensors the rank holds at once under ``schedule``:
+    what :class:`~minipar.pipeline.executor.Pipeline`'s ``peak_stash`` must read after a step
+    (notebook 04 compares it with 1F1B's bound)."""
     free = "W" if schedule.split_backward else "B"   # held: +1 at each F, -1 at each freeing action
     return [max([0, *accumulate((a.op == "F") - (a.op == free) for a in schedule.compute(r))])
             for r in range(schedule.p)]

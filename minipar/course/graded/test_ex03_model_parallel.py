@@ -15,8 +15,8 @@ C. The pipeline's compute actions, ``Pipeline.F(a)``, ``.B(a)`` and ``.W(a)`` (s
 
 Each function's docstring below is its contract: clauses ``ex03.P.word`` that must hold (the
 grader names the clause a failure breaks). Graded on 2 and 3 ranks: the values, dtypes and
-gradients that arrive, the recorded bytes and their group, an LSTM and a GPT split over
-ranks, pipelined GPTs (a schedule whose second rank takes the micro-batches in the other
+gradients that arrive, the recorded bytes, their group and labels, an LSTM and a GPT split over
+ranks (once over 2 of 3 ranks), an MLP in bfloat16, pipelined GPTs (a schedule whose second rank takes the micro-batches in the other
 order, in float64, and 1F1B) trained on your code, equal to one process, and one step of a
 two-stage network under 1F1B, ZB-H1 (once with a W left out) and bfloat16. Grade it with
 ``python -m minipar.grade ex03``; stuck? ``minipar.hint("ex03", "A")`` (parts A, B, C).
@@ -32,11 +32,12 @@ from minipar import pipeline as pp
 from minipar import strategy
 from minipar.model_parallel import stage_comm
 from minipar.pipeline.executor import Pipeline
+from minipar.model_parallel.partition import boundary_shapes, owned_parameters
 from minipar.pipeline.schedules import Action, Schedule, add_comms, make_schedule
 from minipar.course import grading
 from minipar.course.grading import (GradeFailure, breaks, diagnose, expect, expect_close, expect_equal, expect_recorded,
                                     expect_same_training, launched, observes)
-from minipar.models import GPT, LSTMLM, GPTConfig
+from minipar.models import GPT, LSTMLM, MLP, GPTConfig
 from minipar.runtime.launch import LaunchTimeout
 
 EXERCISE = "ex03_model_parallel"
@@ -104,7 +105,7 @@ def _group():
 def _boundary():
     """Rank 0 sends an fp32 and a bfloat16 activation; rank 1 receives them, runs the second of
     two linear layers and sends the gradient back, and a bfloat16 gradient; each returns what it
-    saw and its events."""
+    saw and its events. Every call is given the label ``stage`` (its rank)."""
     g, r = _group(), dist.get_rank()
     torch.manual_seed(0)
     l1, l2 = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
@@ -112,25 +113,25 @@ def _boundary():
     trace.start(r)
     if r == 0:
         y = l1(x)
-        h = stage_comm.send_activation(y, 1, g, tag=1)
+        h = stage_comm.send_activation(y, 1, g, tag=1, stage=0)
         out = {"has_wait": hasattr(h, "wait")}
         if out["has_wait"]:
             h.wait()
-        h = stage_comm.send_activation(torch.arange(6.0).reshape(2, 3).to(torch.bfloat16), 1, g, tag=3)
+        h = stage_comm.send_activation(torch.arange(6.0).reshape(2, 3).to(torch.bfloat16), 1, g, tag=3, stage=0)
         if out["has_wait"]:
             h.wait()
-        grad = stage_comm.recv_grad((6, 5), 1, g, tag=2)
-        half = stage_comm.recv_grad((2, 3), 1, g, dtype=torch.bfloat16, tag=4)
+        grad = stage_comm.recv_grad((6, 5), 1, g, tag=2, stage=0)
+        half = stage_comm.recv_grad((2, 3), 1, g, dtype=torch.bfloat16, tag=4, stage=0)
         y.backward(grad)
         return out | {"weight_grad": l1.weight.grad, "events": trace.events(), "half_grad": half.float(),
                       "half_grad_dtype": str(half.dtype)}
-    h = stage_comm.recv_activation((6, 5), 0, g, tag=1)
-    half = stage_comm.recv_activation((2, 3), 0, g, dtype=torch.bfloat16, tag=3)
+    h = stage_comm.recv_activation((6, 5), 0, g, tag=1, stage=1)
+    half = stage_comm.recv_activation((2, 3), 0, g, dtype=torch.bfloat16, tag=3, stage=1)
     seen = {"values": h.detach().clone(), "leaf": h.is_leaf, "requires_grad": h.requires_grad,
             "half": half.detach().float(), "half_dtype": str(half.dtype)}
     l2(h).pow(2).sum().backward()
-    stage_comm.send_grad(torch.zeros(6, 5) if h.grad is None else h.grad, 0, g, tag=2).wait()
-    stage_comm.send_grad(torch.arange(6.0).reshape(2, 3).to(torch.bfloat16), 0, g, tag=4).wait()
+    stage_comm.send_grad(torch.zeros(6, 5) if h.grad is None else h.grad, 0, g, tag=2, stage=1).wait()
+    stage_comm.send_grad(torch.arange(6.0).reshape(2, 3).to(torch.bfloat16), 0, g, tag=4, stage=1).wait()
     return seen | {"weight_grad": l2.weight.grad, "events": trace.events()}
 
 
@@ -142,7 +143,7 @@ def _single_process():
     return y.detach(), l1.weight.grad, l2.weight.grad
 
 
-@observes("ex03.A.async", "ex03.A.leaf", "ex03.A.dtype")
+@observes("ex03.A.async", "ex03.A.leaf", "ex03.A.dtype", "ex03.*.group")   # a hang: a send's group or a wait
 def test_activation_values(impl):
     """What arrives: the values sent, in the dtype asked, ready for the receiving stage's backward
     (activations and gradients); a send returns its Handle."""
@@ -193,6 +194,10 @@ def test_transfers_are_recorded(impl):
     with breaks("ex03.*.group"):
         expect_equal(dims, ["pp"], "the group label of the recorded transfers, the group passed being named "
                      "'pp' (over ``group``, with ``src``/``dst`` its ranks)")
+        stages = {f"rank {r}": sorted({str(e["labels"].get("stage")) for e in ev if e["bytes_sent"] or e["bytes_recv"]})
+                  for r, ev in enumerate((ev0, ev1))}
+        expect_equal(stages, {"rank 0": ["0"], "rank 1": ["1"]}, "the stage label of the recorded transfers, each "
+                     "call given stage=its rank (``**labels`` passed through)")
 
 
 BOUNDARY_BYTES = {"lstm": 8 * 16 * 64 * 4, "gpt": 8 * 8 * 16 * 4}   # one (batch, time, width) fp32 tensor
@@ -231,6 +236,65 @@ def test_drives_model_parallel(impl):
                                 f"bytes sent in the last step, as recorded (its activation forward unless last, its "
                                 f"input's gradient back unless first, {message} bytes each; every transfer is waited "
                                 "on before the step ends, so the trace records its bytes)", f"{name}, rank {r}")
+
+
+def _naive_more():
+    """3 ranks: the GPT over ranks 1 and 2 only (a group named "pp" that is not the world), with one
+    step's loss and its type; then an MLP over all three in bfloat16, one stage per layer (a stage's
+    output is bfloat16 there), one step of SGD."""
+    r = dist.get_rank()
+    sub = dist.new_group([1, 2])
+    comm.name_group(sub, "pp")
+    out = {}
+    if r > 0:
+        model = GPT(CFG, seed=0)
+        parts = mpar.balanced_stages(model, 2)
+        x, y = data.batches(TOKENS, 1, 8, 8)[0]
+        loss = mpar.NaiveModelParallel(parts[r - 1], boundary_shapes(parts, [0, 1, 2], x), sub).step(x, y)
+        out["type"] = type(loss).__name__
+        out["sub"] = mpar.train(GPT(CFG, seed=0), data.batches(TOKENS, 2, 8, 8), reference.sgd(0.5), group=sub)
+    dist.barrier()
+    mlp = MLP(MLP_SIZES, seed=0)
+    parts = mpar.balanced_stages(mlp, 3)
+    x, y = MLP_XY
+    opt = reference.sgd(0.5)(list(parts[r].parameters()))
+    loss = mpar.NaiveModelParallel(parts[r], boundary_shapes(parts, [0, 1, 2, 3], x), None,
+                                   loss_fn=torch.nn.functional.mse_loss, dtype=torch.bfloat16).step(x, y)
+    opt.step()
+    out["bf16"] = {"losses": [loss] if r == 2 else None,
+                   "params": strategy.full_params(owned_parameters(mlp, {r: parts[r]}).items())}
+    return out
+
+
+MLP_SIZES = (16, 32, 32, 4)
+MLP_XY = (torch.randn(8, 16, generator=torch.Generator().manual_seed(3)),
+          torch.randn(8, 4, generator=torch.Generator().manual_seed(4)))
+
+
+@observes("ex03.*.group", "ex03.A.stages", "ex03.A.precision")
+def test_naive_step_on_a_group_and_in_bfloat16(impl):
+    """Your step trains the GPT over ranks 1 and 2 of 3 (its group not the world) like one process,
+    returning the last rank's loss as a Python float; then one step of an MLP over 3 ranks in
+    bfloat16, like one process under the same autocast."""
+    what = "the GPT over ranks 1 and 2 of 3 (one stage per rank of ``group``, the world or not)"
+    with breaks("ex03.*.group", "ex03.A.stages", "ex03.A.precision"), launched(what + ", then the MLP in bfloat16"):
+        results = minipar.launch(_naive_more, 3, timeout=TIMEOUT)
+    want = reference.train_reference(GPT(CFG, seed=0), data.batches(TOKENS, 2, 8, 8), reference.sgd(0.5))
+    with breaks("ex03.*.group", "ex03.A.stages"):
+        expect_same_training(strategy.TrainResult.merge([r["sub"] for r in results[1:]]), want, what,
+                             rtol=1e-5, atol=1e-6)
+    with breaks("ex03.A.stages"):
+        expect_equal({r: res.get("type") for r, res in enumerate(results) if r}, {1: "NoneType", 2: "float"},
+                     "the type step returned, by world rank (the last stage's loss as a Python float, "
+                     "None elsewhere)", keys="rank")
+    want = reference.train_reference(MLP(MLP_SIZES, seed=0), [MLP_XY], reference.sgd(0.5), dtype=torch.bfloat16)
+    with breaks("ex03.A.precision"):    # the same bfloat16 ops on the same values: an fp32 forward is off by 1e-4
+        expect_same_training(strategy.TrainResult.merge([r["bf16"] for r in results]), want,
+                             "one step of an MLP over 3 ranks in bfloat16, against one process under the same "
+                             "autocast", rtol=BF16_TOL, atol=BF16_TOL)
+
+
+BF16_TOL = 1e-5
 
 
 def crossed() -> Schedule:

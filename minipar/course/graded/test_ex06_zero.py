@@ -140,10 +140,12 @@ def _reduce(m):
     r, n = dist.get_rank(), dist.get_world_size()
     flat = _grad(r, m, n)
     mark = trace.mark()
-    mine = zero.reduce_shard(flat, None)
-    sent = sum(e["bytes_sent"] for e in trace.since(mark))
+    mine = zero.reduce_shard(flat, None, unit=5)
+    events = trace.since(mark)
+    sent = sum(e["bytes_sent"] for e in events)
     k = flat.numel() // n
-    return mine.clone(), mine.data_ptr() == flat[r * k:].data_ptr(), sent, flat.numel()
+    return (mine.clone(), mine.data_ptr() == flat[r * k:].data_ptr(), sent, flat.numel(),
+            [e["labels"].get("unit") for e in events if e["kind"] == "comm"])
 
 
 def _reduce_on_pairs(m):
@@ -165,11 +167,12 @@ def _reduce_on_pairs(m):
 @observes("ex06.A.mean", "ex06.A.memory", "ex06.A.bytes", "ex06.*.group", "ex06.*.recorded")
 def test_reduce_shard(impl):
     """reduce_shard on 4 ranks (10 elements padded to 12), then on two groups of 2 of them: the mean this
-    rank owns, where the contract says it is left, what it returns, the bytes each rank sends, the group."""
+    rank owns, where the contract says it is left, what it returns, the bytes each rank sends and their
+    label, the group."""
     n, m = 4, 10
     mean = sum(_grad(q, m, n) for q in range(n)) / n
     total = sum(_grad(q, m, n) for q in range(n))
-    for r, (mine, in_place, sent, numel) in enumerate(minipar.launch(_reduce, n, args=(m,), timeout=TIMEOUT)):
+    for r, (mine, in_place, sent, numel, units) in enumerate(minipar.launch(_reduce, n, args=(m,), timeout=TIMEOUT)):
         want = mean[r * 3:(r + 1) * 3]
         with diagnose(lambda e: mine.shape == want.shape and torch.allclose(mine, total[r * 3:(r + 1) * 3]),
                       f"the slice holds the sum over the {n} ranks, {n} times the mean"):
@@ -184,6 +187,9 @@ def test_reduce_shard(impl):
         with breaks("ex06.*.recorded" if sent == 0 else "ex06.A.bytes"):
             expect_recorded(sent, int(cost.collective_bytes("reduce_scatter", numel * 4, n)),
                             f"bytes sent (one reduce-scatter of {numel} floats)", f"rank {r}")
+        with breaks("ex06.A.bytes"):
+            expect_equal(units, [5], f"rank {r}: the label unit=5 given to reduce_shard, as each recorded collective "
+                         "carries it (one collective that receives ``**labels``)")
     # the same on two groups of 2 out of 4 ranks ([0, 1] and [2, 3]), each its own gradients
     m = 8   # 4 elements per rank of a pair (2 on each of 4 ranks, were it the world's)
     for rank, got in enumerate(minipar.launch(_reduce_on_pairs, 4, args=(m,), timeout=TIMEOUT)):

@@ -95,7 +95,8 @@ import torch.nn as nn
 
 class DistributedDataParallel(nn.Module):
     """Only the marked methods of ``minipar.data_parallel.ddp.DistributedDataParallel``; the rest
-    of the class is the library's."""
+    of the class is the library's (a method you add here is not seen: write helpers as functions
+    of this file)."""
 
     def _attach(self) -> None:
         """Given: ``__init__`` has set ``self.module``, ``self.group``,
@@ -129,7 +130,8 @@ from minipar.data_parallel.buckets import Bucket
 
 class Reducer:
     """Only the marked methods of ``minipar.data_parallel.reducer.Reducer``; the rest of the class
-    is the library's."""
+    is the library's (a method you add here is not seen: write helpers as functions of this
+    file)."""
 
     def __init__(self, params, group=None, bucket_cap_mb: float = 25.0, overlap: bool = True,
                  all_reduce_fn=None):

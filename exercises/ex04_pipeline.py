@@ -95,7 +95,7 @@ from minipar.pipeline.schedules import COMPUTE
 
 class Pipeline:
     """Only the marked methods of ``minipar.pipeline.executor.Pipeline``; the rest of the class is
-    the library's."""
+    the library's (a method you add here is not seen: write helpers as functions of this file)."""
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Given: ``step`` walks ``self.schedule.actions[self.rank]``, each action by the

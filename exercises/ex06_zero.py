@@ -95,7 +95,7 @@ def sharded_step(flat_params, grad_shards, shards, optimizer, group=None) -> Non
 
 class ZeroOptimizer:
     """Only the marked methods of ``minipar.zero.stage1.ZeroOptimizer``; the rest of the class is
-    the library's."""
+    the library's (a method you add here is not seen: write helpers as functions of this file)."""
 
     def __init__(self, params, optimizer_cls, group=None, param_dtype=None, max_grad_norm=None, **kwargs):
         """Given: ``params`` arrives split into units (lists of fp32 parameters); the
@@ -173,7 +173,7 @@ def free_unit(full: torch.Tensor) -> None:
 
 class ShardedFlatUnit:
     """Only the marked methods of ``minipar.zero.flat.ShardedFlatUnit``; the rest of the class is
-    the library's."""
+    the library's (a method you add here is not seen: write helpers as functions of this file)."""
 
     def __init__(self, module: nn.Module, params, group, dtype):
         """Contract:
@@ -187,7 +187,7 @@ class ShardedFlatUnit:
 
 class FlatStorage:
     """Only the marked methods of ``minipar.zero.flat.FlatStorage``; the rest of the class is the
-    library's."""
+    library's (a method you add here is not seen: write helpers as functions of this file)."""
 
     def gather(self, i: int, **labels):
         """Contract:
@@ -215,7 +215,7 @@ from minipar.runtime import trace
 
 class UnitSchedule:
     """Only the marked methods of ``minipar.zero.stage3.UnitSchedule``; the rest of the class is
-    the library's."""
+    the library's (a method you add here is not seen: write helpers as functions of this file)."""
 
     def pre_forward(self, i: int) -> None:
         """Given: unit i's forward hooks call ``pre_forward(i)`` and ``post_forward(i,

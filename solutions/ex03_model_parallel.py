@@ -45,7 +45,8 @@ from minipar.runtime import trace
 
 class NaiveModelParallel:
     """Only the marked methods of ``minipar.model_parallel.NaiveModelParallel``; the rest of the
-    class is the library's."""
+    class is the library's (a method you add here is not seen: write helpers as functions of
+    this file)."""
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """Given: ``self.stage`` (this rank's layers), ``self.shapes`` (``shapes[s]``:
@@ -140,7 +141,7 @@ from minipar.pipeline.executor import traced
 
 class Mailbox:
     """Only the marked methods of ``minipar.pipeline.executor.Mailbox``; the rest of the class is
-    the library's."""
+    the library's (a method you add here is not seen: write helpers as functions of this file)."""
 
     def __init__(self, comm, group, m: int, act_shape, dtype, device):
         """Given: the executor calls ``Mailbox(comm, group, m, act_shape, dtype, device)``
@@ -189,7 +190,7 @@ class Mailbox:
 
 class Pipeline:
     """Only the marked methods of ``minipar.pipeline.executor.Pipeline``; the rest of the class is
-    the library's."""
+    the library's (a method you add here is not seen: write helpers as functions of this file)."""
 
     def F(self, a):
         """Given: each of ``F(a)``, ``B(a)``, ``W(a)`` runs inside its trace region for an

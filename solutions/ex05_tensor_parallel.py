@@ -86,7 +86,7 @@ def _split(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
 
 class _F(torch.autograd.Function):
     """Only the marked methods of ``minipar.tensor_parallel.ops._F``; the rest of the class is the
-    library's."""
+    library's (a method you add here is not seen: write helpers as functions of this file)."""
 
     @staticmethod
     def forward(ctx, x, group, name):
@@ -109,7 +109,7 @@ class _F(torch.autograd.Function):
 
 class _G(torch.autograd.Function):
     """Only the marked methods of ``minipar.tensor_parallel.ops._G``; the rest of the class is the
-    library's."""
+    library's (a method you add here is not seen: write helpers as functions of this file)."""
 
     @staticmethod
     def forward(ctx, x, group, name):
@@ -161,7 +161,8 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 class ColumnParallelLinear(nn.Module):
     """Only the marked methods of ``minipar.tensor_parallel.layers.ColumnParallelLinear``; the rest
-    of the class is the library's."""
+    of the class is the library's (a method you add here is not seen: write helpers as functions
+    of this file)."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
@@ -181,7 +182,8 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """Only the marked methods of ``minipar.tensor_parallel.layers.RowParallelLinear``; the rest of
-    the class is the library's."""
+    the class is the library's (a method you add here is not seen: write helpers as functions of
+    this file)."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":
@@ -204,7 +206,8 @@ from minipar.tensor_parallel.ops import size_and_rank
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Only the marked methods of
     ``minipar.tensor_parallel.cross_entropy._VocabParallelCrossEntropy``; the rest of the class
-    is the library's."""
+    is the library's (a method you add here is not seen: write helpers as functions of this
+    file)."""
 
     @staticmethod
     def forward(ctx, logits, targets, group):

@@ -131,7 +131,7 @@ from minipar.mesh import DIMS, GROUP_DIMS
 
 class ProcessMesh:
     """Only the marked methods of ``minipar.mesh.ProcessMesh``; the rest of the class is the
-    library's."""
+    library's (a method you add here is not seen: write helpers as functions of this file)."""
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Given: ``GROUP_DIMS``; ``self.dp``, ``self.pp``, ``self.tp``, ``self.cp``,

@@ -137,7 +137,8 @@ def exchange(x: torch.Tensor, recv: list[int], send: list[int], group=None, name
 
 class AllToAll(torch.autograd.Function):
     """Only the marked methods of ``minipar.expert_parallel.all_to_all.AllToAll``; the rest of the
-    class is the library's."""
+    class is the library's (a method you add here is not seen: write helpers as functions of
+    this file)."""
 
     @staticmethod
     def forward(ctx, x, recv, send, group, name, labels):
@@ -163,7 +164,8 @@ from minipar.runtime import trace
 
 class ExpertParallelMoE(MoE):
     """Only the marked methods of ``minipar.expert_parallel.layer.ExpertParallelMoE``; the rest of
-    the class is the library's."""
+    the class is the library's (a method you add here is not seen: write helpers as functions of
+    this file)."""
 
     def __init__(self, moe: MoE, group=None, token_group=None):
         """Contract:

@@ -140,7 +140,8 @@ def _section(module: str, group: list[Piece], exercise: str, solution: bool,
             bases = ", ".join([ast.unparse(b) for b in c.bases] + [ast.unparse(k) for k in c.keywords])
             qual = ".".join(x.name for x in p.classes[:len(classes) + 1])
             doc = textwrap.wrap(f"Only the marked methods of ``{module}.{qual}``; the rest of the "
-                                "class is the library's.", 92 - len(pad))
+                                "class is the library's (a method you add here is not seen: write "
+                                "helpers as functions of this file).", 92 - len(pad))
             doc[0], doc[-1] = '"""' + doc[0], doc[-1] + '"""'
             full.append(f"class {c.name}({bases}): pass")   # the names its bases use need imports too
             chunks += ["", "", f"{pad}class {c.name}({bases}):" if bases else f"{pad}class {c.name}:",

@@ -82,6 +82,7 @@ PLANTS = {  # clause -> (edits, graded test, what the message must name)
 test_every_clause_is_planted, test_planted_answer_fails = contract_tests("ex03", g, PLANTS)
 
 STEP = "r, n, g, c = self.rank, self.n, self.group, self.comm"
+PEND = "        self.pending.append(fn(tensor.detach().to(self.dtype), a.peer, self.group, microbatch=a.microbatch,"
 MORE = [  # further wrong answers: (edits, graded test, what the message must name)
     ([(STEP, STEP.replace("self.group", "None"))],                                  # the naive step on the world
      g.test_naive_step_on_a_group_and_in_bfloat16, r"(?s)the GPT over ranks 1 and 2 of 3 .*sends to group rank 1: "
@@ -93,6 +94,13 @@ MORE = [  # further wrong answers: (edits, graded test, what the message must na
                                                    r"got 'Tensor'"),
     ([(SEND, SEND.replace(", **labels)", ")"))],                                    # the labels dropped
      g.test_transfers_are_recorded, r"the stage label of the recorded transfers.*\(``\*\*labels`` passed through\)"),
+    ([(PEND, "        fn(tensor.detach().to(self.dtype), a.peer, self.group, tag=10**6)\n" + PEND)],   # one more send,
+     g.test_sends_complete_each_step, r"transfers started and never waited on after 2 steps.*\n(.*\n)*"  # never waited
+                                      r"  breaks ex03\.\*\.recorded"),
+    ([("self.stash[i, s] = dw          #", "self.stash[i, s] = (x, out, dw)          #"),   # ZB-H1: all kept to W
+      ("self.stash.pop((a.microbatch, a.stage)).apply()", "self.stash.pop((a.microbatch, a.stage))[2].apply()")],
+     g.test_compute_actions, r"ZB-H1, m=4: the elements of the tensors a micro-batch's stash still holds right after "
+                             r"its B.*\n(.*\n)*  breaks ex03\.C\.stash"),
 ]
 
 
@@ -101,3 +109,13 @@ def test_more_wrong_answers_fail(k, tmp_path):
     edits, test, match = MORE[k]
     with planted("ex03", tmp_path, *edits):
         fails(test, match=match)
+
+
+def test_a_blocking_send_hangs_naming_match_and_flush(tmp_path, monkeypatch):
+    """A Mailbox that waits on each send as it posts it: rank 0's first send waits on a receive rank 1
+    posts only after its own forward of the other micro-batch, so the ranks hang; the failure names the
+    two clauses a hang there can break (under a short launch bound)."""
+    monkeypatch.setattr(g, "TIMEOUT", 20)
+    with planted("ex03", tmp_path, ("stage=a.stage, tag=tag))", "stage=a.stage, tag=tag))\n        self.pending[-1].wait()")):
+        fails(g.test_messages_match_in_any_order, match=r"the ranks hung; a receive waits for ever .*\n(.*\n)*"
+              r"  breaks ex03\.B\.match, ex03\.B\.flush")

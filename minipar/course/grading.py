@@ -303,9 +303,10 @@ def diagnose(condition, message: str):
 
 
 @contextmanager
-def hang_breaks(clause: str, explain_hang):
+def hang_breaks(clause: str | tuple[str, ...], explain_hang):
     """``with hang_breaks("ex04.C.sent", explain_hang): minipar.launch(...)``: ranks that hang
-    (the launch's bound ends them) fail naming ``clause`` when ``explain_hang(text)``, given the
+    (the launch's bound ends them) fail naming ``clause`` (or each of a tuple of clauses) when
+    ``explain_hang(text)``, given the
     grader's account of the hang, returns the failure's message; when it returns ``None`` the hang
     is not this clause's, and is reported as any hang. Either way the grader then skips the later
     tests that start ranks."""
@@ -317,7 +318,7 @@ def hang_breaks(clause: str, explain_hang):
         message = explain_hang(explain(e))
         if message is None:
             raise
-        with breaks(clause):
+        with breaks(*((clause,) if isinstance(clause, str) else clause)):
             raise GradeFailure(message) from None
 
 

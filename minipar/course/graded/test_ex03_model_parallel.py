@@ -21,12 +21,14 @@ order, in float64, and 1F1B) trained on your code, equal to one process, and one
 two-stage network under 1F1B, ZB-H1 (once with a W left out) and bfloat16. Grade it with
 ``python -m minipar.grade ex03``; stuck? ``minipar.hint("ex03", "A")`` (parts A, B, C).
 """
+import time
+
 import torch
 import torch.distributed as dist
 
 import minipar
 from minipar import comm, data, reference
-from minipar.runtime import trace
+from minipar.runtime import flight, trace
 from minipar import model_parallel as mpar
 from minipar import pipeline as pp
 from minipar import strategy
@@ -36,7 +38,7 @@ from minipar.model_parallel.partition import boundary_shapes, owned_parameters
 from minipar.pipeline.schedules import Action, Schedule, add_comms, make_schedule
 from minipar.course import grading
 from minipar.course.grading import (GradeFailure, breaks, diagnose, expect, expect_close, expect_equal, expect_recorded,
-                                    expect_same_training, launched, observes)
+                                    expect_same_training, hang_breaks, launched, observes)
 from minipar.models import GPT, LSTMLM, MLP, GPTConfig
 from minipar.runtime.launch import LaunchTimeout
 
@@ -306,24 +308,33 @@ def crossed() -> Schedule:
 
 
 def _pipelines(which):
-    g = _group()
+    g, t0 = _group(), time.monotonic()
     if which == "crossed":
         return pp.train(GPT(CFG, seed=0).double(), data.batches(TOKENS, 2, 4, 8), reference.sgd(0.5),
                         group=g, schedule=crossed())
-    return pp.train(GPT(CFG, seed=0), data.batches(TOKENS, 2, 8, 8), reference.sgd(0.5), group=g,
-                    schedule="1f1b", microbatches=4)
+    out = pp.train(GPT(CFG, seed=0), data.batches(TOKENS, 2, 8, 8), reference.sgd(0.5), group=g,
+                   schedule="1f1b", microbatches=4)
+    unwaited = [f"{e['op']} {e['name']}" for e in flight.entries()
+                if e["op"] in ("send", "recv") and e["end"] is None and e["start"] >= t0]
+    return out | {"unwaited": unwaited}     # transfers started through minipar.comm and never waited on
 
 
-@observes("ex03.B.match", "ex03.B.dtype")
+@observes("ex03.B.match", "ex03.B.dtype", "ex03.B.flush")
 def test_messages_match_in_any_order(impl):
     """A float64 GPT on 2 ranks with a schedule whose rank 1 takes the micro-batches in the other
     order trains like one process: the float64 losses to 1e-12, the parameters to 1e-6."""
     where = "float64 GPT, rank 0 sends micro-batches 0, 1 and rank 1 takes 1, 0"
-    try:
-        with launched(f"{where} (every message travels in the dtype of the stages' parameters; a receive gets the "
-                      "message of its own kind, micro-batch and sending stage)"):
+    hung = (f"{where}: the ranks hung; a receive waits for ever for a message not sent under its own kind, "
+            "micro-batch and sending stage, and a send that blocks can wait for ever on a receive the schedule "
+            "posts later:\n")
+    try:                                            # a hang: a receive whose message never comes, or a blocking send
+        with hang_breaks(("ex03.B.match", "ex03.B.flush"), lambda text: hung + text), launched(
+                f"{where} (every message travels in the dtype of the stages' parameters; a receive gets the "
+                "message of its own kind, micro-batch and sending stage)"):
             got = strategy.TrainResult.merge(minipar.launch(_pipelines, 2, args=("crossed",), timeout=TIMEOUT))
     except GradeFailure as f:                       # a rank's error: the dtype clause when it says dtype
+        if str(f).startswith(hung):
+            raise
         with breaks("ex03.B.dtype" if "dtype" in str(f).split("): ", 1)[-1] else "ex03.B.match"):
             raise
     want = reference.train_reference(GPT(CFG, seed=0).double(), data.batches(TOKENS, 2, 4, 8), reference.sgd(0.5))
@@ -340,8 +351,8 @@ def test_messages_match_in_any_order(impl):
 
 @observes("ex03.B.flush", "ex03.*.recorded")
 def test_sends_complete_each_step(impl):
-    """1F1B on 2 ranks, 4 micro-batches, 2 steps: like one process, and each step's recorded bytes per rank
-    are the schedule's messages, on the group ("pp")."""
+    """1F1B on 2 ranks, 4 micro-batches, 2 steps: like one process, each step's recorded bytes per rank
+    are the schedule's messages, on the group ("pp"), and no transfer is left unwaited."""
     try:
         results = minipar.launch(_pipelines, 2, args=("1f1b",), timeout=TIMEOUT)
     except LaunchTimeout as e:      # a send dropped unwaited can leave its receiver waiting for ever
@@ -350,13 +361,17 @@ def test_sends_complete_each_step(impl):
                    "step's sends never block the schedule, yet every send is waited on, and recorded, by the end of "
                    "the step")
     want = reference.train_reference(GPT(CFG, seed=0), data.batches(TOKENS, 2, 8, 8), reference.sgd(0.5))
-    got = strategy.TrainResult.merge(results)
+    got = strategy.TrainResult.merge([{k: v for k, v in r.items() if k != "unwaited"} for r in results])
     with breaks("ex03.B.flush"):
         expect_same_training(got, want, "the 1F1B-pipelined GPT on 2 ranks", rtol=1e-5, atol=1e-6)
     sent = [res["measured"]["bytes_by_dim"] for res in results]
     with breaks("ex03.B.flush"):                    # a send never waited on records nothing
         expect_equal(sent, [{"pp": 4096, "total": 4096}] * 2, "the last step's recorded bytes sent, by group label "
                      "(every send is waited on, and recorded, by the end of the step)", keys="rank")
+    with breaks("ex03.*.recorded"):
+        expect_equal({r: res["unwaited"] for r, res in enumerate(results)}, {0: [], 1: []},
+                     "transfers started and never waited on after 2 steps (every transfer is waited on before the "
+                     "step ends, so the trace records its bytes)", keys="rank")
 
 
 # ----------------------------------------------------------------------------- C: compute actions
@@ -382,9 +397,29 @@ def _one_step(g, schedule, dtype):
     seen = []
     stage.register_forward_hook(lambda mod, args, out: seen.append(str(out.dtype)))
     pipe = Pipeline({r: stage}, schedule, (ROWS // schedule.m, 6), g, loss_fn=_mse, dtype=dtype)
+    kept = []                         # under a split backward: the tensors a micro-batch's stash holds after its B
+    if schedule.split_backward:
+        b = pipe.B
+
+        def watched(a):
+            b(a)
+            kept.append(sum(t.numel() for t in _tensors(pipe.stash.get((a.microbatch, a.stage)))))
+        pipe.B = watched
     loss = pipe.step(*XY)
     return {"loss": loss, "grads": [None if q.grad is None else q.grad.clone() for q in stage.parameters()],
-            "peak_stash": pipe.peak_stash, "dtypes": sorted(set(seen))}
+            "peak_stash": pipe.peak_stash, "dtypes": sorted(set(seen)), "kept_after_B": kept}
+
+
+def _tensors(v) -> list:
+    """The tensors in ``v`` itself, or in the plain tuples, lists and dicts it is made of (not inside
+    a ``WeightGrads``: what the deferred weight gradients keep is theirs)."""
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if type(v) in (tuple, list):
+        return [t for x in v for t in _tensors(x)]
+    if type(v) is dict:
+        return [t for x in v.values() for t in _tensors(x)]
+    return []
 
 
 def without_w(schedule: Schedule, i: int) -> Schedule:
@@ -425,7 +460,8 @@ def _step_want(m, skip=()):
 def test_compute_actions(impl):
     """One step of a two-stage network on 2 ranks under 1F1B and ZB-H1 (4 micro-batches): the loss and both
     stages' gradients equal one process's; a micro-batch's W left out is missing from them and nothing else
-    is; bfloat16 stages compute in bfloat16; ``peak_stash`` is the schedule's on each rank."""
+    is; bfloat16 stages compute in bfloat16; ``peak_stash`` is the schedule's on each rank, and under ZB-H1 the
+    tensors a stash holds between a micro-batch's B and its W."""
     results = minipar.launch(_compute_actions, 2, timeout=TIMEOUT)
     names = ("weight", "bias")
     for name, spec, dtype in STEP_CASES:
@@ -456,6 +492,12 @@ def test_compute_actions(impl):
         with breaks("ex03.C.dtype"):
             expect_equal(got[STEP_CASES[3][0]]["dtypes"], ["torch.bfloat16"], f"{where}: the dtype of the stage's "
                          "output (the forward computes in ``compute_dtype``)")
+    name = STEP_CASES[1][0]
+    with breaks("ex03.C.stash"):
+        expect_equal({r: res[name]["kept_after_B"] for r, res in enumerate(results)}, {r: [0] * M for r in range(2)},
+                     f"{name}: the elements of the tensors a micro-batch's stash still holds right after its B, one "
+                     "entry per B (held only while a later action of it still needs them: W needs only what its "
+                     "weight gradients were deferred with)", keys="rank")
     for name, spec, dtype in STEP_CASES[:2]:
         schedule = _schedule(spec)
         until = "its W (the backward is split)" if schedule.split_backward else "its B"

@@ -165,6 +165,24 @@ def test_halving_doubling_needs_a_power_of_two():
         minipar.launch(_halving_on_three, 3)
 
 
+def _sized_for_a_pair(op):
+    """Buffers sized for a group of 2, the collective run on the world of 4."""
+    dev = minipar.device()
+    if op == "reduce_scatter":
+        comm.reduce_scatter(torch.empty(2, device=dev), torch.ones(4, device=dev))
+    else:
+        comm.all_gather(torch.empty(4, device=dev), torch.ones(2, device=dev))
+
+
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_gather"])
+def test_buffers_sized_for_another_group_are_a_plain_error(op):
+    """Before the backend sees them: on some torch versions Gloo aborts the process on them, which
+    a learner would read as a rank that died without a result."""
+    with pytest.raises(minipar.RankError, match=rf"ValueError: {op} over a group of 4 ranks needs "
+                                                 rf"(input|output) = 4 × (output|input) elements; got 4 and 2"):
+        minipar.launch(_sized_for_a_pair, 4, args=(op,))
+
+
 def _in_subgroups():
     r, dev = dist.get_rank(), minipar.device()
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]

@@ -75,6 +75,12 @@ def moved_bytes(op: str, out: torch.Tensor, inp: torch.Tensor | None, n: int, ra
 def _collective(op: str, fn, output, input, avg: bool, group, name, labels, async_op):
     """Run ``fn`` (the backend's ``op``) on the buffers it can move (:func:`_via_host`); the event
     records the bytes those buffers move (:func:`moved_bytes`); ``avg`` divides by n once complete."""
+    n = group_size(group)
+    whole, part = (input, output) if op == "reduce_scatter" else (output, input)
+    if op in ("reduce_scatter", "all_gather") and whole.numel() != n * part.numel():
+        raise ValueError(f"{op} over a group of {n} ranks needs {'input' if whole is input else 'output'} = {n} × "
+                         f"{'output' if part is output else 'input'} elements; got {whole.numel()} and {part.numel()} "
+                         f"(is the group the one the buffers were sized for?)")    # a plain error, not a backend abort
     labels = labels_for(group, labels)  # the event's one record, from here passed as it is
     out, inp, after = _via_host(op, group, labels, output, input)
     sent = moved_bytes(op, out, inp, group_size(group), group_rank(group))

@@ -335,7 +335,10 @@ def main(argv=None) -> int:
     if under_torchrun:   # every rank done (rank 0 has written) before any tears down: a rank that exits
         dist.barrier()   # first closes its sockets under the others' teardown, which can abort them
         dist.destroy_process_group()
-    return code
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)   # no static destructors: a C++ thread still joinable there aborted a finished rank
+    return code          # ("terminate called without an active exception", exit -6, a restarted worker)
 
 
 if __name__ == "__main__":

@@ -76,14 +76,15 @@ def _collective(op: str, fn, output, input, avg: bool, group, name, labels, asyn
     """Run ``fn`` (the backend's ``op``) on the buffers it can move (:func:`_via_host`); the event
     records the bytes those buffers move (:func:`moved_bytes`); ``avg`` divides by n once complete."""
     n = group_size(group)
-    whole, part = (input, output) if op == "reduce_scatter" else (output, input)
-    if op in ("reduce_scatter", "all_gather") and whole.numel() != n * part.numel():
-        raise ValueError(f"{op} over a group of {n} ranks needs {'input' if whole is input else 'output'} = {n} × "
-                         f"{'output' if part is output else 'input'} elements; got {whole.numel()} and {part.numel()} "
-                         f"(is the group the one the buffers were sized for?)")    # a plain error, not a backend abort
+    if op in ("reduce_scatter", "all_gather"):    # a plain error here, not a backend's abort
+        whole, part = ("input", "output") if op == "reduce_scatter" else ("output", "input")
+        sizes = {"input": input.numel(), "output": output.numel()}
+        if sizes[whole] != n * sizes[part]:
+            raise ValueError(f"{op} over a group of {n} ranks needs {whole} = {n} × {part} elements; got "
+                             f"{sizes[whole]} and {sizes[part]} (is the group the one the buffers were sized for?)")
     labels = labels_for(group, labels)  # the event's one record, from here passed as it is
     out, inp, after = _via_host(op, group, labels, output, input)
-    sent = moved_bytes(op, out, inp, group_size(group), group_rank(group))
+    sent = moved_bytes(op, out, inp, n, group_rank(group))
     meta = {"name": name or op, "op": op, "began": device_clock(out, group), "start": trace.now(),
             "sent": sent, "recv": sent, "labels": labels, "group": group}
     work = fn(*(out,) if inp is None else (out, inp), group=group, async_op=True)

@@ -306,10 +306,9 @@ def diagnose(condition, message: str):
 def hang_breaks(clause: str | tuple[str, ...], explain_hang):
     """``with hang_breaks("ex04.C.sent", explain_hang): minipar.launch(...)``: ranks that hang
     (the launch's bound ends them) fail naming ``clause`` (or each of a tuple of clauses) when
-    ``explain_hang(text)``, given the
-    grader's account of the hang, returns the failure's message; when it returns ``None`` the hang
-    is not this clause's, and is reported as any hang. Either way the grader then skips the later
-    tests that start ranks."""
+    ``explain_hang(text)``, given the grader's account of the hang, returns the failure's message;
+    when it returns ``None`` the hang is not this clause's, and is reported as any hang. Either way
+    the grader then skips the later tests that start ranks."""
     from ..runtime.launch import LaunchTimeout
     try:
         yield

@@ -91,3 +91,20 @@ def contract_tests(exercise: str, graded, plants: dict, elsewhere=()):
             message = fails(test, *(args[0] if args else ()), match=match)
         names_its_clause(message, test, clause)
     return test_every_clause_is_planted, test_planted_answer_fails
+
+
+def more_tests(exercise: str, graded, more: list, name_clause: bool = False):
+    """``test_more_wrong_answers_fail = more_tests(...)`` at module level: for each further wrong
+    answer ``(clause, edits, graded test, match)`` of ``more``, the test observes the clause, and the
+    answer, run as the learner's file, fails it with a message matching ``match``; with
+    ``name_clause``, the grader names that clause too (:func:`names_its_clause`)."""
+    @pytest.mark.parametrize("k", range(len(more)))
+    def test_more_wrong_answers_fail(k, tmp_path):
+        from minipar.course.grading import observed
+        clause, edits, test, match = more[k]
+        assert test.__name__ in observed(graded).get(clause, ()), (clause, test.__name__)
+        with planted(exercise, tmp_path, *edits):
+            message = fails(test, match=match)
+        if name_clause:
+            names_its_clause(message, test, clause)
+    return test_more_wrong_answers_fail

@@ -3,7 +3,7 @@ solution with a line or two changed) fails the clause's graded test, with a mess
 import pytest
 
 from minipar.course.graded import test_ex07_hybrid as g
-from tests.planted import fails, names_its_clause, planted
+from tests.planted import fails, more_tests, names_its_clause, planted
 
 KEY = 'key = (c["tp"] * c["pp"], crosses, c["pp"])'
 CROSSES = ('        crosses = any(len({q // ranks_per_node for q in group_members(r, "tp", c["dp"], c["pp"], c["tp"])}) > 1\n'
@@ -131,13 +131,7 @@ def test_planted_answer_fails(clause, tmp_path):
     names_its_clause(message, test, clause)
 
 
-@pytest.mark.parametrize("k", range(len(MORE)))
-def test_more_wrong_answers_fail(k, tmp_path):
-    clause, edits, test, match = MORE[k]
-    from minipar.course.grading import observed
-    assert test.__name__ in observed(g)[clause]
-    with planted("ex07", tmp_path, *edits):
-        fails(test, match=match)
+test_more_wrong_answers_fail = more_tests("ex07", g, MORE)
 
 
 def test_groups_created_in_another_order_hang_naming_the_clause(tmp_path, monkeypatch):

@@ -1,10 +1,7 @@
 """ex10's contract has no hole: for every clause of CONTRACT, an answer that breaks it (the
 solution with a line or two changed) fails the clause's graded test, with a message naming it."""
-
-import pytest
-
 from minipar.course.graded import test_ex10_planning as g
-from tests.planted import contract_tests
+from tests.planted import contract_tests, more_tests
 
 FLIGHT = "        in_flight = 1 if (r == L.pp - 1 and r > 0) else peak_activations(L.schedule, L.pp, m, r, L.v) / L.v"
 PLANTS = {  # clause -> (edits, graded test, what the message must name)
@@ -150,12 +147,4 @@ MORE = [  # further wrong answers: (clause, edits, graded test, what the message
 ]
 
 
-@pytest.mark.parametrize("k", range(len(MORE)))
-def test_more_wrong_answers_fail(k, tmp_path):
-    from minipar.course.grading import observed
-    from tests.planted import fails, names_its_clause, planted
-    clause, edits, test, match = MORE[k]
-    assert test.__name__ in observed(g)[clause]
-    with planted("ex10", tmp_path, *edits):
-        message = fails(test, match=match)
-    names_its_clause(message, test, clause)
+test_more_wrong_answers_fail = more_tests("ex10", g, MORE, name_clause=True)
